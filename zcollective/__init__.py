@@ -1,0 +1,222 @@
+"""zcollective: collective operations on arbitrary Python objects over ZeroMQ.
+
+A drop-in for ``adaptdl.collective``::
+
+    import zcollective
+    zcollective.initialize()            # reads ZCOLLECTIVE_* / ADAPTDL_* / torchrun variables
+    total = zcollective.allreduce(1)    # == number of replicas
+    zcollective.teardown()
+
+The module functions act on one default :class:`Group`; create a ``Group``
+yourself to hold several groups at once. This module holds no logic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from ._future import CollectiveFuture
+from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
+from .config import DEFAULT_INIT_TIMEOUT_S
+from .errors import (
+    AuthenticationError,
+    CallMismatchError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    ProtocolError,
+    RemoteError,
+    ReplicaLostError,
+    SerializationError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "initialize", "teardown", "is_initialized", "get_rank", "get_world_size",
+    "allreduce", "allreduce_async", "reduce", "reduce_async",
+    "broadcast", "broadcast_async", "allgather", "allgather_async",
+    "gather", "gather_async", "scatter", "scatter_async",
+    "alltoall", "alltoall_async", "barrier", "barrier_async",
+    "default_reduce_fn", "Group", "CollectiveFuture",
+    "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
+    "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
+    "__version__",
+]
+
+_group: Optional[Group] = None
+
+
+def _current() -> Group:
+    if _group is None or _group.closed:
+        raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
+    return _group
+
+
+def initialize(
+    master_addr: Optional[str] = None,
+    master_port: Optional[int] = None,
+    replica_rank: Optional[int] = None,
+    num_replicas: Optional[int] = None,
+    *,
+    timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S,
+    op_timeout: Optional[float] = None,
+    liveness_timeout: Optional[float] = None,
+) -> None:
+    """Join the default group; blocks until every replica has called it.
+
+    Each argument left ``None`` is read from ``ZCOLLECTIVE_MASTER_ADDR``,
+    ``ZCOLLECTIVE_MASTER_PORT``, ``ZCOLLECTIVE_REPLICA_RANK``,
+    ``ZCOLLECTIVE_NUM_REPLICAS``, else adaptdl's ``ADAPTDL_*`` names, else
+    torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+    else defaults to one replica on loopback.
+
+    Parameters
+    ----------
+    timeout
+        Seconds to wait for every replica to join (``None``: no bound).
+    op_timeout
+        Default timeout of every blocking call (``ZCOLLECTIVE_TIMEOUT``;
+        default 1800 s; ``None`` or ``"inf"``: no bound).
+    liveness_timeout
+        Seconds after which a silent peer is declared lost
+        (``ZCOLLECTIVE_LIVENESS_TIMEOUT``; default 10, at least 1).
+
+    Raises
+    ------
+    RuntimeError
+        Already initialized.
+    ValueError
+        A malformed or inconsistent configuration; names its source.
+    CollectiveTimeoutError, ProtocolError, CollectiveError
+        As for :class:`Group`.
+    """
+    global _group
+    if _group is not None and not _group.closed:
+        raise RuntimeError("zcollective is already initialized: call teardown() first")
+    _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
+                   op_timeout=op_timeout, liveness_timeout=liveness_timeout)
+
+
+def teardown(*, timeout: Timeout = DEFAULT) -> None:
+    """Wait until every replica calls ``teardown``, then close everything; a
+    new :func:`initialize` may follow (with another size or port).
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    CollectiveTimeoutError
+        Not every replica called it in time; the group is closed all the same.
+    """
+    global _group
+    group = _current()
+    try:
+        group.teardown(timeout=timeout)
+    finally:
+        _group = None
+
+
+def is_initialized() -> bool:
+    """True between :func:`initialize` and :func:`teardown`."""
+    return _group is not None and not _group.closed
+
+
+def get_rank() -> int:
+    """This replica's rank in the default group."""
+    return _current().rank
+
+
+def get_world_size() -> int:
+    """The number of replicas in the default group."""
+    return _current().size
+
+
+def allreduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,
+              timeout: Timeout = DEFAULT) -> Any:
+    """Every replica gets ``reduce_fn`` applied to all replicas' values in
+    rank order, ``fn(fn(fn(v0, v1), v2), v3)``, with rank 0's ``reduce_fn``.
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    SerializationError
+        ``value`` or ``reduce_fn`` cannot be pickled (nothing was sent).
+    RemoteError
+        ``reduce_fn`` raised on rank 0; the group stays usable.
+    CollectiveTimeoutError, ReplicaLostError, CallMismatchError
+        See "When things go wrong" in the README.
+    """
+    return _current().allreduce(value, reduce_fn, timeout=timeout)
+
+
+def allreduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn) -> CollectiveFuture[Any]:
+    """Like :func:`allreduce` but returns at once with a future; futures may
+    be collected in any order. Raises as :func:`allreduce` (from ``result``)."""
+    return _current().allreduce_async(value, reduce_fn)
+
+
+def reduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *,
+           timeout: Timeout = DEFAULT) -> Any:
+    """Like :func:`allreduce`, but only ``root`` gets the result; others get None."""
+    return _current().reduce(value, reduce_fn, root, timeout=timeout)
+
+
+def reduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn,
+                 root: int = 0) -> CollectiveFuture[Any]:
+    return _current().reduce_async(value, reduce_fn, root)
+
+
+def broadcast(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
+    """Every replica gets ``root``'s ``value``; the others' values are ignored."""
+    return _current().broadcast(value, root, timeout=timeout)
+
+
+def broadcast_async(value: Any, root: int = 0) -> CollectiveFuture[Any]:
+    return _current().broadcast_async(value, root)
+
+
+def allgather(value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
+    """Every replica gets the list of all replicas' values, in rank order."""
+    return _current().allgather(value, timeout=timeout)
+
+
+def allgather_async(value: Any) -> CollectiveFuture[list[Any]]:
+    return _current().allgather_async(value)
+
+
+def gather(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
+    """``root`` gets all values in rank order; the others get None."""
+    return _current().gather(value, root, timeout=timeout)
+
+
+def gather_async(value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
+    return _current().gather_async(value, root)
+
+
+def scatter(values: Optional[Sequence[Any]], root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
+    """Replica i gets ``values[i]`` from ``root``."""
+    return _current().scatter(values, root, timeout=timeout)
+
+
+def scatter_async(values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
+    return _current().scatter_async(values, root)
+
+
+def alltoall(values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
+    """Replica i gets ``[values_j[i] for j in ranks]``."""
+    return _current().alltoall(values, timeout=timeout)
+
+
+def alltoall_async(values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
+    return _current().alltoall_async(values)
+
+
+def barrier(*, timeout: Timeout = DEFAULT) -> None:
+    """Return once every replica has called ``barrier``."""
+    _current().barrier(timeout=timeout)
+
+
+def barrier_async() -> CollectiveFuture[None]:
+    return _current().barrier_async()

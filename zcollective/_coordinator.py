@@ -1,0 +1,406 @@
+"""The coordinator's state: a pure object fed messages, returning messages.
+
+Theory of operation
+-------------------
+Rank 0 hosts the coordinator. It knows nothing of sockets: a driver
+(:mod:`zcollective._server`) feeds it every received message with the peer's
+routing id and connection fd, tells it of disconnects, and sends what it
+returns. That keeps every rule below testable without a network.
+
+Rules:
+
+1. *Join.* Each peer's first message must be a JOIN. When all
+   ``num_replicas`` ranks have joined, each gets a WELCOME carrying the
+   session id that every later message must carry. A faulty join (wrong
+   Python or protocol version, disagreeing ``num_replicas``, a rank claimed
+   twice) fails the whole group, so every replica hears why.
+2. *Order.* The n-th call of every replica has sequence number n. A rank's
+   contributions must arrive with consecutive numbers; anything else is a
+   replay or forgery and is dropped.
+3. *Match.* All contributions at one number must be the same operation with
+   the same root, else the group fails with :class:`CallMismatchError`.
+4. *Complete.* When all ranks contributed to a number, the outcome is
+   computed (reductions in rank order, left to right) and each rank is sent
+   only what it needs. A reduce function that raises is an ERROR for that
+   number only; the group stays usable.
+5. *Sticky failure.* Once FAILED, every message from a member is answered
+   with the same FAIL; nothing else happens.
+6. *Strangers.* Anything from a peer that has not joined, other than a JOIN,
+   is dropped and logged once; nothing from it is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from . import _serialize
+from ._wire import (
+    FLAG_LOCAL_ERROR,
+    NO_RANK,
+    PROTOCOL_VERSION,
+    Kind,
+    Message,
+    Op,
+    VersionError,
+    WireError,
+    control,
+    decode,
+)
+
+log = logging.getLogger("zcollective")
+
+PYTHON_VERSION = "%d.%d" % sys.version_info[:2]
+MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
+
+Out = tuple[bytes, Message]
+
+
+class Phase(enum.Enum):
+    JOINING = "joining"
+    RUNNING = "running"
+    CLOSED = "closed"
+    FAILED = "failed"
+
+
+@dataclass
+class Member:
+    rank: int
+    peer: bytes
+    pid: int = 0
+    host: str = "?"
+    fd: Optional[int] = None
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.pid} on {self.host})"
+
+
+@dataclass
+class Call:
+    op: Op
+    root: int
+    contributions: dict[int, Message] = field(default_factory=dict)
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    word = "rank" if len(ranks) == 1 else "ranks"
+    return f"{word} {','.join(map(str, ranks))}" if ranks else "no ranks"
+
+
+def describe_call(op: Op, root: int) -> str:
+    if op in (Op.BROADCAST, Op.GATHER, Op.SCATTER, Op.REDUCE):
+        return f"{op.label}(root={root})"
+    return op.label
+
+
+class Coordinator:
+    """Per-group collective state; see the module docstring for the rules."""
+
+    def __init__(self, num_replicas: int, session: int, max_frames: int) -> None:
+        self.num_replicas = num_replicas
+        self.session = session
+        self.max_frames = max_frames
+        self.phase = Phase.JOINING
+        self.members: dict[bytes, Member] = {}  # by routing id
+        self.by_rank: dict[int, Member] = {}
+        self.next_seq = [0] * num_replicas
+        self.pending: dict[int, Call] = {}
+        self.failure: Optional[dict[str, Any]] = None
+        self.reject_reason = ""
+        self._warned: set[tuple[str, str]] = set()
+
+    # -- entry points -------------------------------------------------
+
+    def receive(self, peer: bytes, frames: list[Any], fd: Optional[int] = None,
+                address: str = "?") -> list[Out]:
+        """Handle one message from ``peer``; return what to send to whom."""
+        member = self.members.get(peer)
+        try:
+            msg = decode(frames, self.max_frames)
+        except VersionError as exc:
+            return self._on_version_error(peer, frames, exc, member, address)
+        except WireError as exc:
+            self._warn(address, "malformed", f"dropped a malformed message from "
+                       f"{member.describe() if member else 'unknown peer'} at {address}: {exc}")
+            return []
+        if member is None:
+            if msg.kind is Kind.JOIN:
+                return self._on_join(peer, msg, fd, address)
+            self._warn(address, "stranger", f"dropped a {msg.kind.name} message from "
+                       f"a peer at {address} that has not joined the group")
+            return []
+        if msg.rank != member.rank or (msg.kind is not Kind.JOIN and msg.session != self.session):
+            self._warn(address, "forged", f"dropped a {msg.kind.name} message on the connection "
+                       f"of {member.describe()} claiming rank {msg.rank}, session {msg.session:#x}")
+            return []
+        if self.phase is Phase.FAILED:
+            return [(peer, self._fail_message())]
+        if msg.kind is Kind.CONTRIB:
+            return self._on_contribution(member, msg, address)
+        if msg.kind is Kind.STATUS:
+            return [(peer, self._status(msg.seq))]
+        self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} "
+                   f"from {member.describe()}")
+        return []
+
+    def disconnected(self, fd: int, reason: str = "connection closed") -> list[Out]:
+        """A connection closed; if it was a member's, the group has lost it."""
+        for member in self.members.values():
+            if member.fd == fd and member.fd is not None:
+                return self.lost(member.rank, reason)
+        return []
+
+    def lost(self, rank: int, reason: str) -> list[Out]:
+        """Rank ``rank`` is gone: fail the group and tell every other member."""
+        if self.phase in (Phase.CLOSED, Phase.FAILED):
+            return []
+        member = self.by_rank.get(rank)
+        who = member.describe() if member else f"rank {rank}"
+        message = f"{who} was lost ({reason}); {self._in_flight()}"
+        return self.fail("ReplicaLostError", message, lost=[rank], exclude={rank})
+
+    def fail(self, error: str, message: str, exclude: Iterable[int] = (), **extra: Any) -> list[Out]:
+        """Enter FAILED for good and tell every member (but ``exclude``)."""
+        if self.phase is Phase.FAILED:
+            return []
+        self.phase = Phase.FAILED
+        self.failure = {"error": error, "message": message, **extra}
+        log.error("zcollective coordinator: %s", message)
+        out = self._fail_message()
+        skip = set(exclude)
+        return [(m.peer, out) for m in self.members.values() if m.rank not in skip]
+
+    def expected_fds(self) -> dict[int, int]:
+        return {m.fd: m.rank for m in self.members.values() if m.fd is not None}
+
+    # -- join -----------------------------------------------------------
+
+    def _on_version_error(self, peer: bytes, frames: list[Any], exc: VersionError,
+                          member: Optional[Member], address: str) -> list[Out]:
+        head = bytes(memoryview(frames[0])[:4])
+        if member is None and len(head) == 4 and head[3] == Kind.JOIN and self.phase is Phase.JOINING:
+            message = (f"a replica at {address} speaks zcollective protocol version "
+                       f"{exc.version}, the coordinator (rank 0) speaks {PROTOCOL_VERSION}: "
+                       f"install the same zcollective version on every host")
+            reject = control(Kind.REJECT, {"error": "ProtocolError", "message": message})
+            return [(peer, reject), *self.fail("ProtocolError", message)]
+        self._warn(address, "version", f"dropped a message of protocol version {exc.version} "
+                   f"from {address}")
+        return []
+
+    def _on_join(self, peer: bytes, msg: Message, fd: Optional[int], address: str) -> list[Out]:
+        try:
+            info = msg.body()
+            rank, n = info["rank"], info["num_replicas"]
+            python, pid, host = info["python"], info.get("pid", 0), str(info.get("host", "?"))[:256]
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (rank, n, pid)):
+                raise WireError("rank, num_replicas and pid must be integers")
+            if not isinstance(python, str):
+                raise WireError("python must be a string")
+        except (WireError, KeyError) as exc:
+            self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
+            return []
+        who = f"rank {rank} (pid {pid} on {host})"
+        if self.phase is not Phase.JOINING:
+            state = "has already started" if self.phase is Phase.RUNNING else f"is {self.phase.value}"
+            message = (f"{who} tried to join the group at seq {min(self.next_seq, default=0)}, "
+                       f"but the group of {self.num_replicas} replicas {state}")
+            log.warning("zcollective coordinator: refused a join: %s", message)
+            return [(peer, control(Kind.REJECT, {"error": "CollectiveError", "message": message}))]
+        problem = None
+        if python != PYTHON_VERSION:
+            problem = ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
+                       f"Python {PYTHON_VERSION}; pickles are only compatible between identical "
+                       f"Python versions")
+        elif n != self.num_replicas:
+            problem = ("ValueError", f"replicas disagree on num_replicas: {who} says {n}, "
+                       f"the coordinator (rank 0) says {self.num_replicas}")
+        elif not 0 <= rank < self.num_replicas:
+            problem = ("ValueError", f"{who} is out of range for num_replicas={self.num_replicas}")
+        elif rank in self.by_rank:
+            problem = ("ValueError", f"rank {rank} was claimed twice: by "
+                       f"{self.by_rank[rank].describe()} and by pid {pid} on {host}")
+        if problem is not None:
+            reject = control(Kind.REJECT, {"error": problem[0], "message": problem[1]})
+            return [(peer, reject), *self.fail(*problem)]
+        member = Member(rank, peer, pid, host, fd)
+        self.members[peer] = member
+        self.by_rank[rank] = member
+        if len(self.by_rank) < self.num_replicas:
+            return []
+        self.phase = Phase.RUNNING
+        welcome = control(Kind.WELCOME, {"num_replicas": self.num_replicas},
+                          session=self.session)
+        return [(m.peer, welcome) for m in self.members.values()]
+
+    def missing_joins(self) -> list[int]:
+        return [r for r in range(self.num_replicas) if r not in self.by_rank]
+
+    # -- calls ----------------------------------------------------------
+
+    def _on_contribution(self, member: Member, msg: Message, address: str) -> list[Out]:
+        rank, seq = member.rank, msg.seq
+        if self.phase is not Phase.RUNNING:
+            self._warn(address, "early", f"dropped seq {seq} from {member.describe()}: "
+                       f"group is {self.phase.value}")
+            return []
+        if seq != self.next_seq[rank]:
+            self._warn(address, "seq", f"dropped seq {seq} from {member.describe()}: "
+                       f"expected seq {self.next_seq[rank]} (a replay or a forgery)")
+            return []
+        self.next_seq[rank] += 1
+        call = self.pending.get(seq)
+        if call is None:
+            call = self.pending[seq] = Call(msg.op, msg.root)
+        call.contributions[rank] = msg
+        if (msg.op, msg.root) != (call.op, call.root):
+            return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
+        if len(call.contributions) < self.num_replicas:
+            return []
+        del self.pending[seq]
+        out = self._complete(seq, call)
+        if call.op is Op.TEARDOWN:
+            self.phase = Phase.CLOSED
+        return out
+
+    def _mismatch(self, seq: int, call: Call) -> str:
+        groups: dict[tuple[str, str], list[int]] = {}
+        for rank, contribution in sorted(call.contributions.items()):
+            what = describe_call(contribution.op, contribution.root)
+            groups.setdefault((what, contribution.callsite or "?"), []).append(rank)
+        parts = [f"{rank_list(ranks)} called {what} at {site}" for (what, site), ranks in groups.items()]
+        waiting = [r for r in range(self.num_replicas) if r not in call.contributions]
+        if waiting:
+            parts.append(f"{rank_list(waiting)} had not called yet")
+        return f"seq {seq}: " + "; ".join(parts)
+
+    def _complete(self, seq: int, call: Call) -> list[Out]:
+        contributions = [call.contributions[r] for r in range(self.num_replicas)]
+        errors = [(r, c) for r, c in enumerate(contributions) if c.flags & FLAG_LOCAL_ERROR]
+        if errors:
+            rank, bad = errors[0]
+            body = bad.body()
+            return self._error_all(seq, call.op, {
+                "error": "CollectiveError",
+                "message": f"seq {seq} {call.op.label}: rank {rank} failed: "
+                           f"{body.get('message', '?')}"})
+        header = {"seq": seq, "op": call.op, "root": call.root, "session": self.session}
+        op, root, peers = call.op, call.root, [self.by_rank[r].peer for r in range(self.num_replicas)]
+
+        def result(segments: list[list[Any]]) -> Message:
+            return Message(Kind.RESULT, segments=segments, **header)
+
+        empty = result([])
+        if op in (Op.ALLREDUCE, Op.REDUCE):
+            try:
+                value = self._reduce(contributions, root)
+                segment = _serialize.dumps(value, "reduction result")
+            except Exception as exc:
+                return self._error_all(seq, op, self._remote_error(seq, op, exc))
+            if op is Op.ALLREDUCE:
+                full = result([segment])
+                return [(p, full) for p in peers]
+            return [(p, result([segment]) if r == root else empty) for r, p in enumerate(peers)]
+        if op is Op.BROADCAST:
+            full = result(contributions[root].segments)
+            return [(p, empty if r == root else full) for r, p in enumerate(peers)]
+        if op is Op.ALLGATHER:
+            full = result([c.segments[0] for c in contributions])
+            return [(p, full) for p in peers]
+        if op is Op.GATHER:
+            full = result([c.segments[0] for c in contributions])
+            return [(p, full if r == root else empty) for r, p in enumerate(peers)]
+        if op is Op.SCATTER:
+            parts = contributions[root].segments
+            if len(parts) != self.num_replicas:
+                return self._error_all(seq, op, {
+                    "error": "CollectiveError",
+                    "message": f"seq {seq} scatter: root {root} sent {len(parts)} values "
+                               f"for {self.num_replicas} replicas"})
+            return [(p, empty if r == root else result([parts[r]])) for r, p in enumerate(peers)]
+        if op is Op.ALLTOALL:
+            bad = [r for r, c in enumerate(contributions) if len(c.segments) != self.num_replicas]
+            if bad:
+                return self._error_all(seq, op, {
+                    "error": "CollectiveError",
+                    "message": f"seq {seq} alltoall: {rank_list(bad)} did not send exactly "
+                               f"{self.num_replicas} values"})
+            return [(p, result([c.segments[r] for c in contributions])) for r, p in enumerate(peers)]
+        return [(p, empty) for p in peers]  # BARRIER, TEARDOWN
+
+    def _reduce(self, contributions: list[Message], root: int) -> Any:
+        fn_frame = contributions[root].fn
+        if fn_frame is None:
+            raise ValueError(f"rank {root} sent no reduce function")
+        fn = _serialize.loads([fn_frame], "reduce function")
+        values = [_serialize.loads(c.segments[0], f"value of rank {r}")
+                  for r, c in enumerate(contributions)]
+        acc = values[0]
+        for value in values[1:]:
+            acc = fn(acc, value)
+        return acc
+
+    def _remote_error(self, seq: int, op: Op, exc: BaseException) -> dict[str, Any]:
+        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        if type(exc).__module__ == "builtins":
+            kind = type(exc).__qualname__
+        return {
+            "error": "RemoteError",
+            "message": f"seq {seq} {op.label}: the reduction raised on the coordinator "
+                       f"(rank 0): {kind}: {exc}",
+            "remote_type": kind,
+            "remote_message": str(exc),
+            "remote_traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        }
+
+    def _error_all(self, seq: int, op: Op, body: dict[str, Any]) -> list[Out]:
+        msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
+        return [(self.by_rank[r].peer, msg) for r in range(self.num_replicas)]
+
+    # -- status and failure ----------------------------------------------
+
+    def _status(self, seq: int) -> Message:
+        call = self.pending.get(seq)
+        if call is not None:
+            arrived = sorted(call.contributions)
+        else:
+            arrived = [r for r in range(self.num_replicas) if self.next_seq[r] > seq]
+        missing = [r for r in range(self.num_replicas) if r not in arrived]
+        state = "pending" if missing else ("done" if call is None else "computing")
+        body = {"seq": seq, "state": state, "arrived": arrived, "missing": missing}
+        if call is not None:
+            body["op"] = describe_call(call.op, call.root)
+        return control(Kind.STATUS_REPLY, body, seq=seq, session=self.session)
+
+    def _in_flight(self) -> str:
+        if self.phase is Phase.JOINING:
+            return f"while joining ({rank_list(self.missing_joins())} had not joined)"
+        if not self.pending:
+            return f"no call was in flight (next seq {min(self.next_seq)})"
+        parts = []
+        for seq in sorted(self.pending)[:3]:
+            call = self.pending[seq]
+            parts.append(f"seq {seq} {describe_call(call.op, call.root)} "
+                         f"(arrived: {rank_list(call.contributions)})")
+        return "in flight: " + ", ".join(parts)
+
+    def _fail_message(self) -> Message:
+        assert self.failure is not None
+        return control(Kind.FAIL, self.failure, session=self.session)
+
+    def _warn(self, address: str, category: str, text: str) -> None:
+        key = (address, category)
+        if key in self._warned:
+            return
+        if len(self._warned) < MAX_WARNED_PEERS:
+            self._warned.add(key)
+        log.warning("zcollective coordinator: %s", text)
+
+
+__all__ = ["Coordinator", "Phase", "NO_RANK"]

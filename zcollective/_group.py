@@ -1,0 +1,407 @@
+"""A group of replicas as an object: the operations, over one replica end and,
+on rank 0, the coordinator thread. The module-level API in ``__init__`` is a
+default instance of this class."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional, TypeVar, Union
+
+import zmq
+
+from . import _serialize
+from ._future import CollectiveFuture, completed
+from ._replica import Replica, _fresh, error_from
+from ._server import Server
+from ._wire import FLAG_LOCAL_ERROR, Kind, Message, Op
+from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve
+from .errors import CollectiveTimeoutError
+
+T = TypeVar("T")
+Timeout = Union[float, None, "_Default"]
+ReduceFn = Callable[[Any, Any], Any]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<the group's op_timeout>"
+
+
+DEFAULT = _Default()  # "use the group's op_timeout"
+
+
+def default_reduce_fn(a: Any, b: Any) -> Any:
+    """``a += b; return a``, as in adaptdl: sums numbers, numpy arrays and
+    Counters, concatenates lists."""
+    a += b
+    return a
+
+
+def _callsite() -> str:
+    """``file.py:line`` of the user's code that called into the library."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+class Group:
+    """A group of ``size`` replicas; this process is replica ``rank``.
+
+    Creating it joins the group: it blocks until every replica has created
+    its own (or ``timeout`` passes). Use it as a context manager to tear it
+    down on exit. Every argument left ``None`` comes from the environment (see
+    :func:`zcollective.initialize`).
+
+    Raises
+    ------
+    ValueError
+        A configuration value is malformed or out of range, or the replicas
+        disagree on ``size``, or a rank is claimed twice.
+    CollectiveTimeoutError
+        Not every replica joined within ``timeout``.
+    ProtocolError
+        A replica runs another Python or zcollective protocol version.
+    CollectiveError
+        Rank 0 cannot bind the master address, or the group was already
+        running when this replica tried to join.
+    """
+
+    def __init__(
+        self,
+        master_addr: Optional[str] = None,
+        master_port: Optional[int] = None,
+        rank: Optional[int] = None,
+        size: Optional[int] = None,
+        *,
+        timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S,
+        op_timeout: Optional[float] = None,
+        liveness_timeout: Optional[float] = None,
+        max_frame_bytes: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        self.config: Config = resolve(
+            master_addr, master_port, rank, size, timeout=timeout, op_timeout=op_timeout,
+            liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, env=env,
+        )
+        self._owner = threading.get_ident()
+        self._closed = False
+        self._seq = 0  # single-replica groups only
+        self._pending: dict[int, tuple[CollectiveFuture[Any], Callable[[Message], Any]]] = {}
+        self._ctx: Optional[zmq.Context] = None
+        self._server: Optional[Server] = None
+        self._replica: Optional[Replica] = None
+        if self.config.num_replicas > 1:
+            self._connect()
+
+    def _connect(self) -> None:
+        config = self.config
+        self._ctx = zmq.Context()
+        try:
+            alive = None
+            endpoint = config.endpoint
+            if config.rank == 0:
+                endpoint = f"inproc://zcollective-{os.getpid()}-{id(self):x}"
+                self._server = Server(self._ctx, config, endpoint)
+                self._server.start()
+                alive = self._server.gone
+            self._replica = Replica(self._ctx, config, endpoint, alive)
+            self._replica.deliver = self._deliver
+            self._replica.on_failure = self._on_failure
+            self._replica.join(config.init_timeout)
+        except BaseException:
+            self._close()
+            raise
+
+    # -- properties ---------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank, from 0 to ``size - 1``."""
+        return self.config.rank
+
+    @property
+    def size(self) -> int:
+        """The number of replicas in the group."""
+        return self.config.num_replicas
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<zcollective.Group rank={self.rank} size={self.size} {self.config.endpoint} {state}>"
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.teardown()
+
+    # -- operations ---------------------------------------------------------
+
+    def allreduce(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,
+                  timeout: Timeout = DEFAULT) -> Any:
+        """Reduce every replica's ``value`` in rank order,
+        ``fn(fn(fn(v0, v1), v2), v3)``, with rank 0's ``reduce_fn``; every
+        replica gets the result. See :func:`zcollective.allreduce`."""
+        return self._blocking(self.allreduce_async(value, reduce_fn), timeout)
+
+    def allreduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn
+                        ) -> CollectiveFuture[Any]:
+        """Like :meth:`allreduce`, without blocking; returns a future."""
+        return self._reduce(Op.ALLREDUCE, value, reduce_fn, 0)
+
+    def reduce(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *,
+               timeout: Timeout = DEFAULT) -> Any:
+        """Like :meth:`allreduce`, but only ``root`` gets the result (with
+        ``root``'s ``reduce_fn``); the others get ``None``."""
+        return self._blocking(self.reduce_async(value, reduce_fn, root), timeout)
+
+    def reduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn,
+                     root: int = 0) -> CollectiveFuture[Any]:
+        return self._reduce(Op.REDUCE, value, reduce_fn, root)
+
+    def broadcast(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
+        """Every replica gets ``root``'s ``value``; other values are ignored.
+        ``root`` gets back its own object, the others an unpickled copy."""
+        return self._blocking(self.broadcast_async(value, root), timeout)
+
+    def broadcast_async(self, value: Any, root: int = 0) -> CollectiveFuture[Any]:
+        self._check_root(root)
+        if self.rank == root:
+            return self._submit(Op.BROADCAST, root, [_serialize.dumps(value)], lambda m: value,
+                                _callsite())
+        return self._submit(Op.BROADCAST, root, [], _first, _callsite())
+
+    def allgather(self, value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
+        """Every replica gets the list of all replicas' values, in rank order."""
+        return self._blocking(self.allgather_async(value), timeout)  # type: ignore[no-any-return]
+
+    def allgather_async(self, value: Any) -> CollectiveFuture[list[Any]]:
+        return self._submit(Op.ALLGATHER, 0, [_serialize.dumps(value)], _all, _callsite())
+
+    def gather(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
+        """``root`` gets the list of all replicas' values in rank order; the
+        others get ``None``. Values travel only to ``root``."""
+        return self._blocking(self.gather_async(value, root), timeout)  # type: ignore[no-any-return]
+
+    def gather_async(self, value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
+        self._check_root(root)
+        finish = _all if self.rank == root else _none
+        return self._submit(Op.GATHER, root, [_serialize.dumps(value)], finish, _callsite())
+
+    def scatter(self, values: Optional[Sequence[Any]], root: int = 0, *,
+                timeout: Timeout = DEFAULT) -> Any:
+        """Replica i gets ``values[i]`` of ``root`` (``values`` is ignored
+        elsewhere). A ``values`` of the wrong length raises ``ValueError`` on
+        ``root`` and :class:`CollectiveError` on the others."""
+        return self._blocking(self.scatter_async(values, root), timeout)
+
+    def scatter_async(self, values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
+        self._check_root(root)
+        site = _callsite()
+        if self.rank != root:
+            return self._submit(Op.SCATTER, root, [], _first, site)
+        values = self._check_values(Op.SCATTER, values, root, site)
+        own = values[root]
+        return self._submit(Op.SCATTER, root, [_serialize.dumps(v) for v in values],
+                            lambda m: own, site)
+
+    def alltoall(self, values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
+        """Replica i gets ``[values_j[i] for j in ranks]``: each replica
+        passes one value per replica."""
+        return self._blocking(self.alltoall_async(values), timeout)  # type: ignore[no-any-return]
+
+    def alltoall_async(self, values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
+        site = _callsite()
+        values = self._check_values(Op.ALLTOALL, values, 0, site)
+        return self._submit(Op.ALLTOALL, 0, [_serialize.dumps(v) for v in values], _all, site)
+
+    def barrier(self, *, timeout: Timeout = DEFAULT) -> None:
+        """Return once every replica has called ``barrier``."""
+        self._blocking(self.barrier_async(), timeout)
+
+    def barrier_async(self) -> CollectiveFuture[None]:
+        return self._submit(Op.BARRIER, 0, [], _none, _callsite())
+
+    def teardown(self, *, timeout: Timeout = DEFAULT) -> None:
+        """Wait until every replica calls ``teardown``, then close the
+        sockets. A failed group closes at once. Calling it twice is harmless.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            Not every replica called ``teardown`` within ``timeout``; the
+            group is closed all the same.
+        """
+        if self._closed:
+            return
+        try:
+            replica = self._replica
+            if replica is not None and replica.failure is None:
+                future = self._submit(Op.TEARDOWN, 0, [], _none, _callsite())
+                try:
+                    self._blocking(future, timeout)
+                except CollectiveTimeoutError:
+                    raise
+                except Exception:
+                    pass  # a failed group closes anyway
+        finally:
+            self._close()
+
+    # -- machinery ------------------------------------------------------------
+
+    def _reduce(self, op: Op, value: Any, reduce_fn: ReduceFn, root: int) -> CollectiveFuture[Any]:
+        self._check_root(root)
+        if not callable(reduce_fn):
+            raise TypeError(f"reduce_fn must be callable, not {type(reduce_fn).__name__}")
+        site = _callsite()
+        if self._replica is None:
+            return self._local(op, value)
+        segment = _serialize.dumps(value)
+        fn = None
+        if self.rank == root:
+            fn = _serialize.dumps(reduce_fn, "reduce function")[0]
+        finish = _first if op is Op.ALLREDUCE or self.rank == root else _none
+        return self._submit(op, root, [segment], finish, site, fn=fn)
+
+    def _submit(self, op: Op, root: int, segments: list[list[Any]],
+                finish: Callable[[Message], Any], site: str, fn: Any = None,
+                flags: int = 0) -> CollectiveFuture[Any]:
+        self._check_usable()
+        replica = self._replica
+        if replica is None:
+            return self._local(op, segments, finish)
+        seq = replica.submit(op, root, segments, fn, site, flags)
+        future: CollectiveFuture[Any] = CollectiveFuture(self, seq, op.label)
+        self._pending[seq] = (future, finish)
+        return future
+
+    def _local(self, op: Op, payload: Any, finish: Optional[Callable[[Message], Any]] = None
+               ) -> CollectiveFuture[Any]:
+        """One replica: no network, no serialization; the local value is the result."""
+        self._check_usable()
+        seq = self._seq
+        self._seq += 1
+        if finish is None:  # a reduction: payload is the value itself
+            return completed(seq, op.label, payload)
+        if op in (Op.ALLGATHER, Op.GATHER, Op.ALLTOALL):
+            value: Any = [_serialize.loads(s) for s in payload]
+        else:
+            value = finish(Message(Kind.RESULT, segments=payload))
+        return completed(seq, op.label, value)
+
+    def _blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
+        if isinstance(timeout, _Default):
+            timeout = self.config.op_timeout
+        return future.result(timeout)
+
+    def _check_root(self, root: int) -> None:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
+            raise ValueError(f"root={root!r} is not a rank of this group of {self.size} replicas")
+
+    def _check_values(self, op: Op, values: Any, root: int, site: str) -> Sequence[Any]:
+        """``values`` must hold one value per replica; if not, tell the other
+        replicas (so they fail instead of waiting) and raise ValueError here."""
+        try:
+            count = len(values)
+        except TypeError:
+            count = -1
+        if count == self.size:
+            return values  # type: ignore[no-any-return]
+        what = "no sequence" if count < 0 else f"{count} values"
+        message = f"{op.label} needs one value per replica: got {what} for {self.size} replicas"
+        if self._replica is not None and self._replica.failure is None and not self._closed:
+            from ._wire import control
+
+            note = control(Kind.ERROR, {"message": message}).segments
+            future = self._submit(op, root, note, _none, site, flags=FLAG_LOCAL_ERROR)
+            self._pending.pop(future.seq, None)
+        raise ValueError(f"rank {self.rank}: {message}")
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this zcollective group was torn down; call initialize() "
+                               "(or create a new Group) first")
+        if threading.get_ident() != self._owner:
+            raise RuntimeError("a zcollective group may only be used by the thread that "
+                               "created it (ZeroMQ sockets are not thread-safe)")
+
+    # -- driver interface for futures -----------------------------------------
+
+    def _deliver(self, seq: int, msg: Message) -> None:
+        entry = self._pending.pop(seq, None)
+        if entry is None:
+            return
+        future, finish = entry
+        if msg.kind is Kind.ERROR:
+            future._set_exception(error_from(msg.body()))
+            return
+        try:
+            value = finish(msg)
+        except Exception as exc:
+            future._set_exception(exc)
+        else:
+            future._set_result(value)
+
+    def _on_failure(self, error: Exception) -> None:
+        pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            future._set_exception(_fresh(error))
+
+    def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None:
+        replica = self._replica
+        if replica is None or self._closed:
+            return
+        if threading.get_ident() != self._owner:
+            raise RuntimeError("a zcollective future may only be waited on by the thread "
+                               "that owns its group (ZeroMQ sockets are not thread-safe)")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not replica.wait_for(lambda: future._done, deadline):
+            raise CollectiveTimeoutError(replica.timeout_message(future.seq, timeout))
+
+    def _progress(self) -> None:
+        if self._replica is not None and not self._closed:
+            self._replica.progress()
+
+    def _fds(self) -> list[int]:
+        if self._replica is None or self._closed:
+            return []
+        return [self._replica.dealer.FD, self._replica.monitor.FD]
+
+    def _close(self) -> None:
+        self._closed = True
+        pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            future._set_exception(RuntimeError(f"seq {future.seq} {future.op}: the group was "
+                                               f"torn down before the call finished"))
+        if self._replica is not None:
+            self._replica.close()
+        stuck = False
+        if self._server is not None:
+            self._server.stop()
+            stuck = self._server.gone() is None
+        if self._ctx is not None and not stuck:
+            self._ctx.term()
+
+
+def _first(msg: Message) -> Any:
+    return _serialize.loads(msg.segments[0])
+
+
+def _all(msg: Message) -> list[Any]:
+    return [_serialize.loads(s) for s in msg.segments]
+
+
+def _none(msg: Message) -> None:
+    return None

@@ -1,0 +1,305 @@
+"""One replica's end of a group: the DEALER, the sequence counter, the outcomes
+that arrived, and the liveness of the coordinator.
+
+Used only by the thread that created it. Knows nothing of the coordinator's
+internals: it sends contributions and matches replies by sequence number.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from . import _sockets
+from ._coordinator import PYTHON_VERSION
+from ._wire import PROTOCOL_VERSION, Kind, Message, Op, VersionError, WireError, control, decode, encode
+from .config import Config
+from .errors import (
+    CallMismatchError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    ProtocolError,
+    RemoteError,
+    ReplicaLostError,
+)
+
+log = logging.getLogger("zcollective")
+
+STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
+MONITOR_EVENTS = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+
+ERROR_TYPES: dict[str, type[Exception]] = {
+    "ReplicaLostError": ReplicaLostError,
+    "CallMismatchError": CallMismatchError,
+    "ProtocolError": ProtocolError,
+    "CollectiveError": CollectiveError,
+    "ValueError": ValueError,
+}
+
+
+def error_from(body: dict[str, Any]) -> Exception:
+    """Rebuild the exception a coordinator described in an ERROR/FAIL body."""
+    name, message = str(body.get("error")), str(body.get("message", "?"))
+    if name == "RemoteError":
+        return RemoteError(message, str(body.get("remote_type", "")),
+                           str(body.get("remote_message", "")),
+                           str(body.get("remote_traceback", "")))
+    return ERROR_TYPES.get(name, CollectiveError)(message)
+
+
+def routing_id(rank: int) -> bytes:
+    """The rank, then random bytes: a second process claiming the same rank
+    reaches the coordinator (which reports it) instead of being silently
+    refused by libzmq for reusing a routing id."""
+    return b"R" + rank.to_bytes(4, "big") + os.urandom(8)
+
+
+class Replica:
+    """The DEALER side of one group member."""
+
+    def __init__(self, ctx: zmq.Context, config: Config, endpoint: str,
+                 alive: Optional[Callable[[], Optional[str]]] = None) -> None:
+        # rank 0 (alive is set) shares its process with the coordinator: send
+        # copies, so the coordinator never reduces in place into the user's data
+        self._copy = alive is not None
+        self.config = config
+        self.rank = config.rank
+        self.endpoint = endpoint
+        self._alive = alive  # on rank 0: says why the coordinator thread is gone, if it is
+        self.session = 0
+        self.next_seq = 0
+        self.deliver: Callable[[int, Message], None] = lambda seq, msg: None
+        self.on_failure: Callable[[Exception], None] = lambda error: None
+        self.failure: Optional[Exception] = None
+        self.connected = False
+        self._in_flight: dict[int, str] = {}
+        self._status: dict[int, dict[str, Any]] = {}
+        self._thread = threading.get_ident()
+        self.dealer = ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.RECONNECT_IVL, _sockets.RECONNECT_IVL_MS)
+        self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, _sockets.RECONNECT_IVL_MAX_MS)
+        _sockets.set_never_drop(self.dealer)
+        _sockets.set_heartbeats(self.dealer, config)
+        self.monitor = self.dealer.get_monitor_socket(MONITOR_EVENTS)
+        self.poller = zmq.Poller()
+        self.poller.register(self.dealer, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        with _sockets.mapped(f"rank {self.rank} cannot connect to {endpoint}"):
+            self.dealer.connect(endpoint)
+
+    # -- join -------------------------------------------------------------
+
+    def join(self, timeout: Optional[float]) -> None:
+        """Send JOIN and wait for every replica to have joined.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            The group was not complete in time; names who was missing.
+        ProtocolError, ValueError, CollectiveError
+            The coordinator refused the join; the message says why.
+        """
+        body = {"rank": self.rank, "num_replicas": self.config.num_replicas,
+                "protocol": PROTOCOL_VERSION, "python": PYTHON_VERSION,
+                "pid": os.getpid(), "host": socket.gethostname()}
+        self._send(control(Kind.JOIN, body, rank=self.rank))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.wait_for(lambda: self.session != 0, deadline):
+            raise CollectiveTimeoutError(self._join_timeout_message(timeout))
+
+    def _join_timeout_message(self, timeout: Optional[float]) -> str:
+        base = f"rank {self.rank} timed out after {timeout:g} s joining the group at {self.endpoint}"
+        if not self.connected:
+            return (f"{base}: could not reach the coordinator (rank 0) at that address "
+                    f"(is rank 0 running, and is the address and port right?)")
+        status = self._ask_status(0)
+        if status and status.get("missing"):
+            missing = ",".join(map(str, status["missing"]))
+            return f"{base}: connected, but ranks {missing} had not joined"
+        return f"{base}: connected, but the group did not complete"
+
+    # -- calls --------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise the group's failure, if it has one (sticky)."""
+        if self.failure is None:
+            self._drain_monitor()
+        if self.failure is not None:
+            raise _fresh(self.failure)
+
+    def submit(self, op: Op, root: int, segments: list[list[Any]], fn: Any = None,
+               callsite: str = "", flags: int = 0) -> int:
+        """Send this rank's contribution to the next call; return its seq."""
+        self.check()
+        seq = self.next_seq
+        msg = Message(Kind.CONTRIB, op, self.rank, root, seq, self.session, callsite,
+                      flags, fn, segments)
+        self._send(msg)
+        self.next_seq = seq + 1
+        self._in_flight[seq] = op.label
+        return seq
+
+    def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+        """Take in messages until ``done()`` or ``deadline``; False on timeout.
+
+        Raises
+        ------
+        ReplicaLostError, CallMismatchError, CollectiveError
+            The group failed (sticky).
+        """
+        while not done():
+            if self.failure is not None:
+                raise _fresh(self.failure)
+            if not self._pump(deadline):
+                return done()
+        return True
+
+    def progress(self) -> None:
+        """Take in whatever has arrived, without blocking."""
+        self._pump(time.monotonic())
+
+    def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
+        op = self._in_flight.get(seq, "call")
+        base = f"seq {seq} {op} timed out after {timeout:g} s on rank {self.rank}"
+        status = self._ask_status(seq)
+        if status is None:
+            return f"{base}; the coordinator (rank 0) did not answer a status query"
+        if status.get("missing"):
+            missing = ",".join(map(str, status["missing"]))
+            arrived = ",".join(map(str, status.get("arrived", []))) or "none"
+            return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
+        return f"{base}: every rank arrived; the coordinator (rank 0) is still computing it"
+
+    def _ask_status(self, seq: int) -> Optional[dict[str, Any]]:
+        self._status.pop(seq, None)
+        self._send(Message(Kind.STATUS, rank=self.rank, seq=seq, session=self.session))
+        deadline = time.monotonic() + STATUS_WAIT_S
+        while seq not in self._status and self.failure is None:
+            if not self._pump(deadline):
+                break
+        return self._status.pop(seq, None)
+
+    def forget(self, seq: int) -> None:
+        self._in_flight.pop(seq, None)
+
+    # -- I/O ----------------------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        frames = encode(msg)
+        with _sockets.mapped(f"rank {self.rank} could not send seq {msg.seq}"):
+            self.dealer.send_multipart(frames, copy=self._copy)
+
+    def _pump(self, deadline: Optional[float]) -> bool:
+        """Wait until something arrives or ``deadline``; handle it all.
+        Returns False on timeout."""
+        while True:
+            remaining = _sockets.POLL_SLICE_S
+            if deadline is not None:
+                remaining = min(remaining, deadline - time.monotonic())
+            events = dict(self.poller.poll(max(0.0, remaining) * 1000))
+            if self.monitor in events:
+                self._drain_monitor()
+            if self.dealer in events:
+                self._drain_dealer()
+                return True
+            if self.failure is not None:
+                return True
+            if self._alive is not None and (why := self._alive()) is not None:
+                self._fail(ReplicaLostError(f"rank {self.rank}: the coordinator thread is gone: "
+                                            f"{why}; {self._describe_in_flight()}"))
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def _drain_dealer(self) -> None:
+        while True:
+            try:
+                frames = self.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[Any]) -> None:
+        try:
+            msg = decode(frames)
+        except VersionError as exc:
+            self._fail(ProtocolError(f"rank {self.rank}: the coordinator at {self.endpoint} speaks "
+                                     f"protocol version {exc.version}, this replica speaks "
+                                     f"{PROTOCOL_VERSION}: install the same zcollective everywhere"))
+            return
+        except WireError as exc:
+            log.warning("zcollective rank %d: dropped a malformed message: %s", self.rank, exc)
+            return
+        kind = msg.kind
+        if kind is Kind.RESULT or kind is Kind.ERROR:
+            if msg.session != self.session:
+                return  # stale: a previous group on the same port
+            self._in_flight.pop(msg.seq, None)
+            self.deliver(msg.seq, msg)
+        elif kind is Kind.STATUS_REPLY:
+            self._status[msg.seq] = msg.body()
+        elif kind is Kind.WELCOME:
+            self.session = msg.session
+        elif kind is Kind.REJECT or kind is Kind.FAIL:
+            self._fail(error_from(msg.body()))
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif kind == zmq.EVENT_DISCONNECTED and self.session != 0:
+                self._fail(ReplicaLostError(
+                    f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: "
+                    f"connection closed or heartbeats unanswered; {self._describe_in_flight()}"))
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                log.warning("zcollective rank %d: handshake with %s failed; is another program "
+                            "listening on that port?", self.rank, self.endpoint)
+
+    def _describe_in_flight(self) -> str:
+        if not self._in_flight:
+            return f"no call was in flight (next seq {self.next_seq})"
+        calls = ", ".join(f"seq {s} {op}" for s, op in sorted(self._in_flight.items())[:3])
+        return f"in flight: {calls}"
+
+    def _fail(self, error: Exception) -> None:
+        if self.failure is None:
+            self.failure = error
+            self.on_failure(error)
+
+    def close(self) -> None:
+        self.poller.unregister(self.monitor)
+        self.poller.unregister(self.dealer)
+        try:
+            self.dealer.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.dealer.close(linger=0)
+
+
+def _fresh(error: Exception) -> Exception:
+    """A new instance of a sticky error, so each raise has its own traceback."""
+    try:
+        fresh = type(error).__new__(type(error))
+        fresh.__dict__.update(error.__dict__)
+        fresh.args = error.args
+        return fresh
+    except Exception:
+        return error

@@ -1,0 +1,198 @@
+"""The thread on rank 0 that owns the coordinator's ROUTER socket.
+
+A thin driver: it receives frames, feeds them to the pure
+:class:`~zcollective._coordinator.Coordinator`, and sends what it returns.
+It is controlled through an inproc PAIR pipe, as pyzmq's auth thread is, and
+reports its start-up (bind) result with a bounded wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Optional
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from . import _sockets
+from ._coordinator import Coordinator, Out, Phase
+from ._wire import DEFAULT_MAX_FRAMES, encode
+from .config import Config
+from .errors import CollectiveError
+
+log = logging.getLogger("zcollective")
+
+START_TIMEOUT_S = 10.0  # binding a socket takes milliseconds; longer means something is wrong
+STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
+
+
+class Server:
+    """Runs the coordinator of one group in a background thread on rank 0."""
+
+    def __init__(self, ctx: zmq.Context, config: Config, local_endpoint: str) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.local_endpoint = local_endpoint
+        self.session = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "not joined"
+        self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES)
+        self.crashed: Optional[str] = None
+        self._started = threading.Event()
+        self._start_error: Optional[BaseException] = None
+        self._pipe_endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
+        self._pipe = ctx.socket(zmq.PAIR)
+        self._pipe.bind(self._pipe_endpoint)
+        self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
+
+    def start(self) -> None:
+        """Bind and start serving.
+
+        Raises
+        ------
+        CollectiveError
+            The master address could not be bound (port in use, address not
+            on this host).
+        """
+        self._thread.start()
+        if not self._started.wait(START_TIMEOUT_S):
+            raise CollectiveError(f"the coordinator thread did not start within {START_TIMEOUT_S} s")
+        if self._start_error is not None:
+            self._pipe.close(linger=0)
+            self._thread.join(STOP_TIMEOUT_S)
+            raise self._start_error
+
+    def gone(self) -> Optional[str]:
+        """Why the coordinator thread is no longer serving, or None if it is."""
+        if self._thread.is_alive():
+            return None
+        return self.crashed or "it stopped"
+
+    def stop(self) -> None:
+        """Ask the thread to close its sockets and wait for it, with a bound."""
+        if self._thread.is_alive():
+            try:
+                self._pipe.send(b"stop", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._thread.join(STOP_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.error("zcollective: the coordinator thread did not stop within %s s", STOP_TIMEOUT_S)
+        self._pipe.close(linger=0)
+
+    # -- the thread ----------------------------------------------------------
+
+    def _bind(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+        config = self.config
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.LINGER, _sockets.CLOSE_LINGER_MS)
+        router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+        _sockets.set_never_drop(router)
+        _sockets.set_heartbeats(router, config)
+        try:
+            router.bind(config.endpoint)
+        except zmq.ZMQError as exc:
+            router.close(linger=0)
+            if exc.errno == zmq.EADDRINUSE:
+                raise CollectiveError(
+                    f"rank 0 cannot host the coordinator: port {config.master_port} on "
+                    f"{config.master_addr} is already in use by another program") from None
+            raise CollectiveError(
+                f"rank 0 cannot bind the coordinator to {config.endpoint}: {exc.strerror} "
+                f"(master_addr must be an address of rank 0's host)") from None
+        router.bind(self.local_endpoint)
+        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        pipe = self.ctx.socket(zmq.PAIR)
+        pipe.connect(self._pipe_endpoint)
+        return router, monitor, pipe
+
+    def _run(self) -> None:
+        try:
+            router, monitor, pipe = self._bind()
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._router = router
+        try:
+            self._serve(router, monitor, pipe)
+        except Exception as exc:  # a bug: tell every replica rather than leave them waiting
+            log.exception("zcollective: the coordinator crashed")
+            self.crashed = f"the coordinator crashed: {type(exc).__name__}: {exc}"
+            try:
+                self._send_all(self.coordinator.fail("CollectiveError", self.crashed))
+            except Exception:
+                pass
+        finally:
+            linger = _sockets.CLOSE_LINGER_MS if self.coordinator.phase is Phase.CLOSED else 0
+            router.disable_monitor()
+            monitor.close(linger=0)
+            pipe.close(linger=0)
+            router.close(linger=linger)
+
+    def _serve(self, router: zmq.Socket, monitor: zmq.Socket, pipe: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(pipe, zmq.POLLIN)
+        coordinator = self.coordinator
+        while coordinator.phase is not Phase.CLOSED:
+            events = dict(poller.poll())
+            if pipe in events:
+                return
+            if monitor in events:
+                while True:
+                    try:
+                        event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self._send_all(coordinator.disconnected(event["value"]))
+            if router in events:
+                self._drain(router)
+
+    def _drain(self, router: zmq.Socket) -> None:
+        coordinator = self.coordinator
+        while coordinator.phase is not Phase.CLOSED:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = frames[0].bytes
+            if len(frames) < 2:
+                continue
+            fd, address = _origin(frames[1])
+            self._send_all(coordinator.receive(peer, frames[1:], fd, address))
+
+    def _send_all(self, outs: list[Out]) -> None:
+        lost: list[tuple[int, str]] = []
+        for peer, msg in outs:
+            frames = encode(msg)
+            member = self.coordinator.members.get(peer)
+            # rank 0 shares this process: give it copies, so mutating its result
+            # cannot change buffers still being sent to the other ranks
+            local = member is not None and member.rank == 0
+            try:
+                self._router.send_multipart([peer, *frames], copy=local)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                if member is not None:
+                    lost.append((member.rank, "its connection is gone"))
+        for rank, reason in lost:
+            self._send_all(self.coordinator.lost(rank, reason))
+
+
+def _origin(frame: Any) -> tuple[Optional[int], str]:
+    """The connection fd and peer address a frame came in on (None for inproc)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        fd = None
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        address = "inproc"
+    return (fd if fd is not None and fd >= 0 else None), address

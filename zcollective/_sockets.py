@@ -1,0 +1,44 @@
+"""Socket options shared by the coordinator's ROUTER and each replica's DEALER,
+and the one place where ``zmq.ZMQError`` becomes a library error."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import zmq
+
+from .config import Config
+
+RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
+RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hammered
+CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown
+POLL_SLICE_S = 0.5  # longest a wait sleeps before re-checking failure and thread liveness
+
+
+def set_heartbeats(sock: zmq.Socket, config: Config) -> None:
+    """ZMTP heartbeats: libzmq's own threads answer them, outside the GIL, so a
+    busy replica is never mistaken for a dead one. A silent peer is dropped
+    after about ``liveness_timeout`` seconds."""
+    ivl = max(100, int(config.liveness_timeout * 1000 / 3))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.liveness_timeout * 1000) - ivl)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(config.liveness_timeout * 1000))
+
+
+def set_never_drop(sock: zmq.Socket) -> None:
+    """No high-water mark: ZeroMQ must never drop a message silently. Memory is
+    bounded by the calls in flight, which the application bounds."""
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+@contextlib.contextmanager
+def mapped(what: str) -> Iterator[None]:
+    """Translate a ZeroMQ error into :class:`CollectiveError`, naming ``what``."""
+    from .errors import CollectiveError
+
+    try:
+        yield
+    except zmq.ZMQError as exc:
+        raise CollectiveError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc

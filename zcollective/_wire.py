@@ -1,0 +1,200 @@
+"""The message format: kinds, header layout, encode to and decode from frames.
+
+Pure functions over byte buffers; knows nothing of sockets, threads or pickle.
+docs/protocol.md describes the same layout for people.
+
+A message is a list of frames::
+
+    [header, fn?, layout?, frame...]
+
+* ``header``: :data:`HEADER` (fixed part) followed by the UTF-8 call site.
+* ``fn``: present when ``flags & FLAG_FN``; a pickled reduce function.
+* ``layout``: present when ``nseg > 0``; ``nseg`` little-endian uint32 giving
+  how many frames each segment has. A segment is one serialized value (a
+  pickle and its out-of-band buffers) or, for control kinds, one JSON object.
+* the segments' frames, concatenated.
+
+Segments let the coordinator forward values (broadcast, gather, scatter,
+alltoall) without ever unpickling them.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+PROTOCOL_VERSION = 1  # bump on any change to the layout below
+MAGIC = b"ZC"
+HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
+MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
+MAX_JSON_BYTES = 1 << 16  # control bodies are small; bounds what a stranger can make us parse
+DEFAULT_MAX_FRAMES = 1 << 20  # alltoall at 64 ranks with many arrays stays far below
+
+FLAG_FN = 0x01  # a pickled reduce function follows the header
+FLAG_LOCAL_ERROR = 0x02  # the contribution is a JSON error raised on its sender
+
+NO_RANK = -1  # the coordinator itself, or "not a rank"
+
+
+class Kind(enum.IntEnum):
+    JOIN = 1  # replica -> coordinator: rank, num_replicas, versions (JSON)
+    WELCOME = 2  # coordinator -> replica: every replica joined (JSON)
+    REJECT = 3  # coordinator -> replica: join refused (JSON)
+    CONTRIB = 4  # replica -> coordinator: one rank's part of call `seq`
+    RESULT = 5  # coordinator -> replica: the outcome of call `seq`
+    ERROR = 6  # coordinator -> replica: call `seq` failed, group still usable (JSON)
+    STATUS = 7  # replica -> coordinator: who has arrived at call `seq`?
+    STATUS_REPLY = 8  # coordinator -> replica: the answer (JSON)
+    FAIL = 9  # coordinator -> replica: the group failed for good (JSON)
+    PING = 10  # coordinator -> replica: liveness probe, ignored by replicas
+
+
+CONTROL_KINDS = frozenset(
+    {Kind.JOIN, Kind.WELCOME, Kind.REJECT, Kind.ERROR, Kind.STATUS_REPLY, Kind.FAIL}
+)
+
+
+class Op(enum.IntEnum):
+    NONE = 0
+    ALLREDUCE = 1
+    BROADCAST = 2
+    ALLGATHER = 3
+    GATHER = 4
+    SCATTER = 5
+    REDUCE = 6
+    ALLTOALL = 7
+    BARRIER = 8
+    TEARDOWN = 9
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class WireError(ValueError):
+    """Frames that do not form a valid message; ``reason`` says why."""
+
+
+class VersionError(WireError):
+    """A well-formed header of another protocol version."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+        self.version = version
+
+
+@dataclass
+class Message:
+    kind: Kind
+    op: Op = Op.NONE
+    rank: int = NO_RANK
+    root: int = 0
+    seq: int = 0
+    session: int = 0
+    callsite: str = ""
+    flags: int = 0
+    fn: Any = None  # a buffer, when flags & FLAG_FN
+    segments: list[list[Any]] = field(default_factory=list)
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of a control message (an empty dict if there is none)."""
+        if not self.segments:
+            return {}
+        return _parse_json(self.segments[0][0])
+
+
+def control(kind: Kind, body: dict[str, Any], **header: Any) -> Message:
+    """A message whose single segment is a JSON object."""
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return Message(kind, segments=[[data]], **header)
+
+
+def _parse_json(frame: Any) -> dict[str, Any]:
+    raw = memoryview(frame)
+    if raw.nbytes > MAX_JSON_BYTES:
+        raise WireError(f"control body of {raw.nbytes} bytes exceeds {MAX_JSON_BYTES}")
+    try:
+        body = json.loads(raw.tobytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"control body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise WireError("control body is not a JSON object")
+    return body
+
+
+def encode(msg: Message) -> list[Any]:
+    """The frames of ``msg``; buffers of segments are passed through uncopied."""
+    site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES]
+    flags = msg.flags | (FLAG_FN if msg.fn is not None else 0)
+    header = HEADER.pack(
+        MAGIC, PROTOCOL_VERSION, msg.kind, msg.op, flags,
+        msg.rank, msg.root, msg.seq, msg.session, len(msg.segments),
+    ) + site
+    frames: list[Any] = [header]
+    if msg.fn is not None:
+        frames.append(msg.fn)
+    if msg.segments:
+        frames.append(struct.pack(f"<{len(msg.segments)}I", *map(len, msg.segments)))
+        for seg in msg.segments:
+            frames.extend(seg)
+    return frames
+
+
+def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES) -> Message:
+    """Parse frames into a :class:`Message`, validating shape before unpacking.
+
+    Raises
+    ------
+    VersionError
+        The header is of another protocol version.
+    WireError
+        Anything else malformed: wrong magic, short header, unknown kind or
+        operation, a layout that does not match the frame count.
+    """
+    if not frames:
+        raise WireError("empty message")
+    if len(frames) > max_frames:
+        raise WireError(f"{len(frames)} frames exceed the bound of {max_frames}")
+    head = memoryview(frames[0])
+    if head.nbytes < 3 or head[:2].tobytes() != MAGIC:
+        raise WireError("no zcollective header (bad magic)")
+    if head[2] != PROTOCOL_VERSION:
+        raise VersionError(head[2])
+    if head.nbytes < HEADER.size or head.nbytes > HEADER.size + MAX_CALLSITE_BYTES:
+        raise WireError(f"header of {head.nbytes} bytes, expected {HEADER.size} plus a call site")
+    _, _, kind, op, flags, rank, root, seq, session, nseg = HEADER.unpack_from(head)
+    try:
+        kind, op = Kind(kind), Op(op)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
+    callsite = head[HEADER.size:].tobytes().decode("utf-8", "replace")
+    pos = 1
+    fn = None
+    if flags & FLAG_FN:
+        if len(frames) < 2:
+            raise WireError("reduce-function flag set but no frame follows")
+        fn = frames[1]
+        pos = 2
+    segments: list[list[Any]] = []
+    if nseg:
+        if len(frames) <= pos:
+            raise WireError(f"{nseg} segments announced but no layout frame")
+        layout = memoryview(frames[pos])
+        if layout.nbytes != 4 * nseg:
+            raise WireError(f"layout of {layout.nbytes} bytes for {nseg} segments")
+        counts = struct.unpack(f"<{nseg}I", layout)
+        pos += 1
+        if pos + sum(counts) != len(frames) or 0 in counts:
+            raise WireError(f"layout {list(counts)} does not match {len(frames) - pos} frames")
+        for count in counts:
+            segments.append(list(frames[pos:pos + count]))
+            pos += count
+    elif len(frames) != pos:
+        raise WireError(f"{len(frames) - pos} frames follow a message with no segments")
+    if kind in CONTROL_KINDS and (len(segments) != 1 or len(segments[0]) != 1):
+        raise WireError(f"{kind.name} must carry exactly one JSON frame")
+    return Message(kind, op, rank, root, seq, session, callsite, flags, fn, segments)

@@ -1,0 +1,97 @@
+"""The exception hierarchy of zcollective.
+
+Every error the library raises on purpose is a :class:`CollectiveError` (a
+``RuntimeError``, so ``except RuntimeError`` written for adaptdl keeps working)
+or a ``ValueError`` for configuration mistakes. This module knows nothing of
+sockets, threads or pickle.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveError",
+    "RemoteError",
+    "ReplicaLostError",
+    "CollectiveTimeoutError",
+    "CallMismatchError",
+    "AuthenticationError",
+    "SerializationError",
+    "ProtocolError",
+]
+
+
+class CollectiveError(RuntimeError):
+    """Base of every error raised by a collective operation.
+
+    The message always names the rank that raised it and, where one was in
+    flight, the operation and its sequence number.
+    """
+
+
+class RemoteError(CollectiveError):
+    """The reduce function raised on the coordinator (rank 0).
+
+    *Your* reduce function failed; the group is still usable. The original
+    exception's type name, message and traceback text are kept in
+    :attr:`remote_type`, :attr:`remote_message` and :attr:`remote_traceback`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        remote_type: str = "",
+        remote_message: str = "",
+        remote_traceback: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):  # keep the attributes through copy and pickle
+        return (
+            type(self),
+            (str(self), self.remote_type, self.remote_message, self.remote_traceback),
+        )
+
+
+class ReplicaLostError(CollectiveError):
+    """A replica, or the coordinator at rank 0, disconnected or stopped answering.
+
+    Failed due to external circumstances (a crash, a kill, a network fault).
+    The group is failed for good: every later call raises this at once; call
+    :func:`zcollective.teardown` and start a new group.
+    """
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A call's timeout passed before every replica arrived at it.
+
+    The message names the ranks that had not arrived. The group itself is not
+    failed: a timed-out :meth:`Future.result` may be waited on again.
+    """
+
+
+class CallMismatchError(CollectiveError):
+    """Replicas called different operations at the same sequence number.
+
+    *Your* program diverged between replicas. The message lists which ranks
+    called what and where. The group is failed for good.
+    """
+
+
+class AuthenticationError(CollectiveError):
+    """A peer could not prove it knows the job's secret."""
+
+
+class SerializationError(CollectiveError, TypeError):
+    """A value or reduce function could not be pickled or unpickled.
+
+    Raised on the calling replica before anything is sent, so the call uses no
+    sequence number and the group stays usable.
+    """
+
+
+class ProtocolError(CollectiveError):
+    """A peer spoke a different protocol version or Python version, or sent
+    frames that do not form a valid message."""
