@@ -1,0 +1,239 @@
+"""The coordinator's rules, driven directly with messages (no sockets)."""
+
+import logging
+
+import pytest
+
+from zcollective import _serialize
+from zcollective._coordinator import PYTHON_VERSION, Coordinator, Phase
+from zcollective._wire import (
+    FLAG_LOCAL_ERROR,
+    PROTOCOL_VERSION,
+    Kind,
+    Message,
+    Op,
+    control,
+    decode,
+    encode,
+)
+
+SESSION = 0x5E55
+
+
+def peer(rank):
+    return b"R%d" % rank
+
+
+def join_msg(rank, n, python=PYTHON_VERSION):
+    return control(Kind.JOIN, {"rank": rank, "num_replicas": n, "python": python,
+                               "protocol": PROTOCOL_VERSION, "pid": 100 + rank, "host": "h"},
+                   rank=rank)
+
+
+def feed(coord, who, msg, fd=None):
+    """Send msg as frames, as the driver would; decode what comes back."""
+    out = coord.receive(who, encode(msg), fd=fd, address="10.0.0.9")
+    return [(p, decode(encode(m))) for p, m in out]
+
+
+def joined(n):
+    coord = Coordinator(n, SESSION, max_frames=1000)
+    for r in range(n):
+        out = feed(coord, peer(r), join_msg(r, n), fd=20 + r)
+    assert coord.phase is Phase.RUNNING
+    assert sorted(p for p, _ in out) == sorted(peer(r) for r in range(n))
+    assert all(m.kind is Kind.WELCOME and m.session == SESSION for _, m in out)
+    return coord
+
+
+def contrib(rank, seq, op=Op.ALLREDUCE, value=None, fn=None, root=0, site="t.py:1", segments=None):
+    if segments is None:
+        segments = [_serialize.dumps(value)]
+    fnb = _serialize.dumps(fn)[0] if fn is not None else None
+    return Message(Kind.CONTRIB, op, rank, root, seq, SESSION, site, 0, fnb, segments)
+
+
+def results(out):
+    return {p: m for p, m in out}
+
+
+def test_join_waits_for_every_rank_then_welcomes_all():
+    coord = Coordinator(3, SESSION, 1000)
+    assert feed(coord, peer(2), join_msg(2, 3)) == []
+    assert feed(coord, peer(0), join_msg(0, 3)) == []
+    assert coord.missing_joins() == [1]
+    out = feed(coord, peer(1), join_msg(1, 3))
+    assert {p for p, _ in out} == {peer(0), peer(1), peer(2)}
+
+
+def test_allreduce_applies_rank_zeros_function_in_rank_order():
+    coord = joined(3)
+    concat = lambda a, b: a + b  # noqa: E731  (non-commutative on strings)
+    assert feed(coord, peer(2), contrib(2, 0, value="c", fn=lambda a, b: "WRONG")) == []
+    assert feed(coord, peer(0), contrib(0, 0, value="a", fn=concat)) == []
+    out = results(feed(coord, peer(1), contrib(1, 0, value="b")))
+    assert len(out) == 3
+    for m in out.values():
+        assert m.kind is Kind.RESULT and m.seq == 0
+        assert _serialize.loads(m.segments[0]) == "abc"
+
+
+def test_calls_complete_independently_by_sequence_number():
+    coord = joined(2)
+    add = lambda a, b: a + b  # noqa: E731
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=add))
+    feed(coord, peer(0), contrib(0, 1, value=10, fn=add))
+    out = feed(coord, peer(1), contrib(1, 0, value=2))
+    assert {m.seq for _, m in out} == {0}
+    out = feed(coord, peer(1), contrib(1, 1, value=20))
+    assert [_serialize.loads(m.segments[0]) for _, m in out] == [30, 30]
+
+
+def test_broadcast_forwards_roots_frames_without_unpickling():
+    coord = joined(3)
+    root_segment = [b"not even a pickle"]
+    feed(coord, peer(0), contrib(0, 0, Op.BROADCAST, root=1, segments=[]))
+    feed(coord, peer(1), contrib(1, 0, Op.BROADCAST, root=1, segments=[root_segment]))
+    out = results(feed(coord, peer(2), contrib(2, 0, Op.BROADCAST, root=1, segments=[])))
+    assert [bytes(f) for f in out[peer(0)].segments[0]] == root_segment
+    assert out[peer(1)].segments == []  # the root keeps its own value
+
+
+def test_data_for_one_rank_travels_only_to_it():
+    coord = joined(3)
+    for r in range(3):
+        out = results(feed(coord, peer(r), contrib(r, 0, Op.GATHER, root=2, segments=[[b"v%d" % r]])))
+    assert [bytes(s[0]) for s in out[peer(2)].segments] == [b"v0", b"v1", b"v2"]
+    assert out[peer(0)].segments == [] and out[peer(1)].segments == []
+    for r in range(3):
+        segs = [[b"%d->%d" % (r, i)] for i in range(3)]
+        out = results(feed(coord, peer(r), contrib(r, 1, Op.ALLTOALL, segments=segs)))
+    assert [bytes(s[0]) for s in out[peer(1)].segments] == [b"0->1", b"1->1", b"2->1"]
+
+
+def test_reduce_fn_that_raises_is_an_error_for_that_call_only():
+    coord = joined(2)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a / 0))
+    out = feed(coord, peer(1), contrib(1, 0, value=2))
+    assert len(out) == 2
+    body = out[0][1].body()
+    assert out[0][1].kind is Kind.ERROR
+    assert body["error"] == "RemoteError" and body["remote_type"] == "ZeroDivisionError"
+    assert "seq 0 allreduce" in body["message"] and "Traceback" in body["remote_traceback"]
+    assert coord.phase is Phase.RUNNING
+    feed(coord, peer(0), contrib(0, 1, value=1, fn=lambda a, b: a + b))
+    out = feed(coord, peer(1), contrib(1, 1, value=2))
+    assert _serialize.loads(out[0][1].segments[0]) == 3
+
+
+def test_mismatch_names_ranks_operations_and_call_sites_and_is_sticky():
+    coord = joined(4)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a, site="train.py:88"))
+    feed(coord, peer(2), contrib(2, 0, value=1, site="train.py:88"))
+    out = feed(coord, peer(1), contrib(1, 0, Op.BROADCAST, segments=[], site="train.py:95"))
+    assert coord.phase is Phase.FAILED
+    assert {p for p, _ in out} == {peer(r) for r in range(4)}
+    body = out[0][1].body()
+    assert body["error"] == "CallMismatchError"
+    assert body["message"] == ("seq 0: ranks 0,2 called allreduce at train.py:88; "
+                               "rank 1 called broadcast(root=0) at train.py:95; rank 3 had not called yet")
+    later = feed(coord, peer(3), contrib(3, 0, value=1))
+    assert later[0][1].kind is Kind.FAIL and later[0][1].body() == body
+
+
+def test_different_roots_are_a_mismatch():
+    coord = joined(2)
+    feed(coord, peer(0), contrib(0, 0, Op.BROADCAST, root=0, segments=[[b"x"]]))
+    out = feed(coord, peer(1), contrib(1, 0, Op.BROADCAST, root=1, segments=[[b"y"]]))
+    assert "broadcast(root=0)" in out[0][1].body()["message"]
+
+
+def test_lost_rank_fails_group_naming_rank_and_calls_in_flight():
+    coord = joined(3)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a))
+    out = coord.disconnected(21)  # rank 1's connection
+    assert {p for p, _ in out} == {peer(0), peer(2)}
+    body = decode(encode(out[0][1])).body()
+    assert body["error"] == "ReplicaLostError" and body["lost"] == [1]
+    assert "rank 1 (pid 101 on h) was lost" in body["message"]
+    assert "seq 0 allreduce (arrived: rank 0)" in body["message"]
+    assert coord.disconnected(21) == []  # already failed
+
+
+def test_unknown_connection_closing_changes_nothing():
+    coord = joined(2)
+    assert coord.disconnected(99) == []
+    assert coord.phase is Phase.RUNNING
+
+
+@pytest.mark.parametrize("problem, msg, text", [
+    ("python", join_msg(1, 2, python="2.7"), "runs Python 2.7"),
+    ("size", join_msg(1, 3), "disagree on num_replicas: rank 1 (pid 101 on h) says 3"),
+    ("range", join_msg(5, 2), "out of range"),
+    ("twice", join_msg(0, 2), "rank 0 was claimed twice"),
+])
+def test_faulty_join_fails_the_group_for_everyone(problem, msg, text):
+    coord = Coordinator(2, SESSION, 1000)
+    feed(coord, peer(0), join_msg(0, 2))
+    out = feed(coord, b"other", msg)
+    assert coord.phase is Phase.FAILED
+    kinds = {p: m.kind for p, m in out}
+    assert kinds[b"other"] is Kind.REJECT and kinds[peer(0)] is Kind.FAIL
+    assert text in out[0][1].body()["message"]
+
+
+def test_join_after_start_is_refused_but_the_group_runs_on():
+    coord = joined(2)
+    out = feed(coord, b"late", join_msg(1, 2))
+    assert [m.kind for _, m in out] == [Kind.REJECT]
+    assert "already started" in out[0][1].body()["message"]
+    assert coord.phase is Phase.RUNNING
+
+
+def test_strangers_forgers_and_replays_are_dropped_and_logged_once(caplog):
+    coord = joined(2)
+    caplog.set_level(logging.WARNING, logger="zcollective")
+    evil = contrib(1, 0, value=1)
+    for _ in range(3):
+        assert coord.receive(b"stranger", [b"garbage"], address="6.6.6.6") == []
+        assert feed(coord, b"stranger", evil) == []
+    assert sum("6.6.6.6" in r.message for r in caplog.records) == 1
+    # rank 0's connection claiming rank 1, then a wrong session
+    assert feed(coord, peer(0), evil) == []
+    stale = contrib(0, 0, value=1)
+    stale.session = 1234
+    assert feed(coord, peer(0), stale) == []
+    # a replay of an old sequence number
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    feed(coord, peer(1), contrib(1, 0, value=1))
+    assert feed(coord, peer(1), contrib(1, 0, value=100)) == []
+    assert coord.pending == {} and coord.next_seq == [1, 1]
+
+
+def test_status_reports_who_has_arrived():
+    coord = joined(3)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a))
+    out = feed(coord, peer(1), Message(Kind.STATUS, rank=1, seq=0, session=SESSION))
+    body = out[0][1].body()
+    assert body["arrived"] == [0] and body["missing"] == [1, 2] and body["state"] == "pending"
+
+
+def test_local_error_contribution_fails_that_call_on_every_rank():
+    coord = joined(2)
+    note = control(Kind.ERROR, {"message": "scatter needs one value per replica"}).segments
+    msg = contrib(0, 0, Op.SCATTER, segments=note)
+    msg.flags = FLAG_LOCAL_ERROR
+    feed(coord, peer(0), msg)
+    out = feed(coord, peer(1), contrib(1, 0, Op.SCATTER, segments=[]))
+    assert [m.kind for _, m in out] == [Kind.ERROR, Kind.ERROR]
+    assert "rank 0 failed: scatter needs one value" in out[0][1].body()["message"]
+    assert coord.phase is Phase.RUNNING
+
+
+def test_teardown_closes_after_everyone_called_it():
+    coord = joined(2)
+    feed(coord, peer(1), contrib(1, 0, Op.TEARDOWN, segments=[]))
+    assert coord.phase is Phase.RUNNING
+    out = feed(coord, peer(0), contrib(0, 0, Op.TEARDOWN, segments=[]))
+    assert coord.phase is Phase.CLOSED and len(out) == 2
+    assert coord.disconnected(20) == []  # leaving is not being lost

@@ -1,0 +1,150 @@
+"""Every operation between real processes over TCP on loopback."""
+
+import collections
+
+import pytest
+
+import zcollective as zc
+from zcollective.testing import free_port, run_replicas
+
+np = pytest.importorskip("numpy")
+
+
+def every_operation():
+    r, n = zc.get_rank(), zc.get_world_size()
+    ranks = list(range(n))
+    out = {}
+    out["int"] = zc.allreduce(r + 1)
+    out["dict"] = zc.allreduce({f"k{r}": r, "shared": 1.0},
+                               lambda a, b: {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()})
+    out["set"] = zc.allreduce({r}, lambda a, b: a | b)
+    out["counter"] = zc.allreduce(collections.Counter({"x": 1, f"r{r}": 2}))
+    arr = zc.allreduce(np.full(1000, r, dtype=np.float32))
+    assert arr.dtype == np.float32 and arr.flags.writeable
+    arr += 1  # results are the caller's to mutate
+    out["array"] = float(arr[0])
+    out["nested"] = zc.allreduce([{"r": (r, [r])}])
+    out["none"] = zc.allreduce(None, lambda a, b: a)
+    out["concat"] = zc.allreduce(str(r), lambda a, b: a + b)  # rank order, left to right
+    out["bcast"] = zc.broadcast({"from": r, "list": [r] * 3})
+    out["bcast_root"] = zc.broadcast(r * 10, root=n - 1)
+    out["allgather"] = zc.allgather((r, "x" * r))
+    out["gather"] = zc.gather(r, root=n - 1)
+    out["scatter"] = zc.scatter([f"to{i}" for i in ranks] if r == n // 2 else None, root=n // 2)
+    out["reduce"] = zc.reduce(r + 1, root=n - 1)
+    out["alltoall"] = zc.alltoall([(r, i) for i in ranks])
+    zc.barrier()
+    # several in flight, collected out of order
+    futures = [zc.allreduce_async(i * (r + 1)) for i in range(5)]
+    b = zc.broadcast_async("b")
+    out["async"] = [futures[i].result(timeout=30) for i in (4, 1, 3, 0, 2)] + [b.result(30)]
+    return out
+
+
+def expected(n):
+    ranks = list(range(n))
+    tri = n * (n + 1) // 2
+    return {
+        "int": tri,
+        "dict": {**{f"k{r}": r for r in ranks}, "shared": float(n)},
+        "set": set(ranks),
+        "counter": collections.Counter({"x": n, **{f"r{r}": 2 for r in ranks}}),
+        "array": float(sum(ranks) + 1),
+        "nested": [{"r": (r, [r])} for r in ranks],
+        "none": None,
+        "concat": "".join(map(str, ranks)),
+        "bcast": {"from": 0, "list": [0] * 3},
+        "bcast_root": (n - 1) * 10,
+        "allgather": [(r, "x" * r) for r in ranks],
+        "scatter": None,  # per rank, below
+        "reduce": None,
+        "gather": None,
+        "alltoall": None,
+        "async": [4 * tri, tri, 3 * tri, 0, 2 * tri, "b"],
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_operation(n):
+    outs = run_replicas(every_operation, n)
+    want = expected(n)
+    for r, out in enumerate(outs):
+        for key, value in want.items():
+            if value is not None or key == "none":
+                assert out[key] == value, (r, key)
+        assert out["scatter"] == f"to{r}"
+        assert out["gather"] == (list(range(n)) if r == n - 1 else None)
+        assert out["reduce"] == (n * (n + 1) // 2 if r == n - 1 else None)
+        assert out["alltoall"] == [(j, r) for j in range(n)]
+
+
+def large_objects():
+    r = zc.get_rank()
+    big = np.full(16 << 20, r + 1, dtype=np.float32)  # 64 MiB
+    total = zc.allreduce(big)
+    blob = zc.broadcast(b"\x01" * (64 << 20) if r == 0 else None)
+    return float(total[0]), float(total[-1]), total.nbytes, len(blob), blob[-1]
+
+
+def test_large_objects():
+    n = 3
+    for out in run_replicas(large_objects, n, timeout=120):
+        assert out == (6.0, 6.0, 64 << 20, 64 << 20, 1)
+
+
+def training_loop(steps):
+    r, n = zc.get_rank(), zc.get_world_size()
+    weights = zc.broadcast(np.random.default_rng(r).normal(size=8))
+    pending = None
+    history = []
+    for step in range(steps):
+        grad = zc.allreduce(np.full(8, float(r + step)))
+        weights = weights - 0.01 * grad / n
+        if pending is not None:  # the previous step's metric, collected one step late
+            history.append(pending.result(timeout=30))
+        pending = zc.allreduce_async({"step": step, "loss": float(r)},
+                                     lambda a, b: {"step": a["step"], "loss": a["loss"] + b["loss"]})
+        if step % 10 == 0:
+            assert zc.broadcast(step) == step
+    history.append(pending.result(timeout=30))
+    return weights.tolist(), history
+
+
+def test_simulated_training_loop_mixes_async_and_blocking_calls():
+    n, steps = 3, 120
+    outs = run_replicas(training_loop, n, steps)
+    weights = [w for w, _ in outs]
+    assert weights[0] == weights[1] == weights[2]
+    for _, history in outs:
+        assert history == [{"step": s, "loss": 3.0} for s in range(steps)]
+
+
+def regroup(ports):
+    import os
+
+    rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    results = []
+    zc.initialize(master_port=ports[0], replica_rank=rank, num_replicas=3)
+    results.append(zc.allreduce(1))
+    zc.teardown()
+    try:
+        zc.allreduce(1)
+    except RuntimeError as exc:
+        results.append(str(exc))
+    if rank < 2:
+        zc.initialize(master_port=ports[1], replica_rank=rank, num_replicas=2)
+        results.append(zc.allreduce(1))
+        zc.teardown()
+    zc.initialize(master_port=ports[2], replica_rank=rank, num_replicas=3)
+    results.append(zc.allgather(rank))
+    zc.teardown()
+    return results
+
+
+def test_teardown_then_initialize_with_another_size_in_the_same_processes():
+    ports = [free_port() for _ in range(3)]
+    outs = run_replicas(regroup, 3, ports, initialize=False)
+    uninit = "zcollective is not initialized: call zcollective.initialize() first"
+    assert outs[0] == [3, uninit, 2, [0, 1, 2]]
+    assert outs[1] == [3, uninit, 2, [0, 1, 2]]
+    assert outs[2] == [3, uninit, [0, 1, 2]]

@@ -1,0 +1,217 @@
+"""Run a function on n local replicas, each a separate process, for tests.
+
+::
+
+    from zcollective.testing import run_replicas
+
+    def step(x):
+        import zcollective
+        return zcollective.allreduce(x * (zcollective.get_rank() + 1))
+
+    def test_step():
+        assert run_replicas(step, 3, 2) == [12, 12, 12]
+
+Each replica joins a fresh default group on a free loopback port (so ``fn``
+calls the module functions directly), runs ``fn(*args, **kwargs)`` and tears
+the group down. Every wait is bounded; on any failure the error shows each
+rank's exception, traceback and output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import cloudpickle
+
+__all__ = ["run_replicas", "Replicas", "ReplicasFailed", "free_port"]
+
+DEFAULT_TIMEOUT_S = 60.0  # generous for a loaded 2-core CI machine, short enough to notice a hang
+OUTPUT_TAIL_CHARS = 4000  # per rank, in failure messages
+
+
+class ReplicasFailed(AssertionError):
+    """At least one replica raised, exited non-zero, or ran out of time.
+
+    ``outcomes`` holds one :class:`Outcome` per rank.
+    """
+
+    def __init__(self, message: str, outcomes: list["Outcome"]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+class Outcome:
+    """What one replica process did."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.returncode: Optional[int] = None
+        self.value: Any = None
+        self.error: Optional[BaseException] = None
+        self.traceback = ""
+        self.output = ""
+        self.timed_out = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.error is None and not self.timed_out
+
+    def describe(self) -> str:
+        if self.timed_out:
+            state = "did not finish in time (killed)"
+        elif self.error is not None:
+            state = f"raised {type(self.error).__name__}: {self.error}"
+        elif self.returncode is not None and self.returncode < 0:
+            state = f"was killed by signal {-self.returncode}"
+        else:
+            state = f"exited with code {self.returncode}"
+        text = f"--- rank {self.rank} {state}\n"
+        if self.traceback:
+            text += self.traceback
+        output = self.output[-OUTPUT_TAIL_CHARS:]
+        text += "--- rank %d output%s:\n%s" % (self.rank, " (tail)" if len(self.output) > len(output)
+                                              else "", output or "(none)\n")
+        return text
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Replicas:
+    """``n`` replica processes running ``fn``; start them, then :meth:`wait`.
+
+    Lower level than :func:`run_replicas`: the processes are reachable in
+    :attr:`procs`, so a test can kill or signal one of them.
+
+    Parameters
+    ----------
+    initialize
+        Join the default group before calling ``fn`` (and tear it down
+        after). ``False`` leaves that to ``fn``; the environment still names
+        the master and this replica's rank.
+    env
+        Extra environment variables for every replica; ``rank_env`` maps a
+        rank to extra variables for that rank only.
+    """
+
+    def __init__(self, fn: Callable[..., Any], n: int, *args: Any, initialize: bool = True,
+                 env: Optional[dict[str, str]] = None,
+                 rank_env: Optional[dict[int, dict[str, str]]] = None,
+                 port: Optional[int] = None, init_timeout: float = DEFAULT_TIMEOUT_S,
+                 **kwargs: Any) -> None:
+        self.n = n
+        self.port = port or free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix="zcollective-test-")
+        payload = os.path.join(self._dir.name, "payload.pkl")
+        with open(payload, "wb") as f:
+            cloudpickle.dump(list(sys.path), f)  # first, so the child can import fn's module
+            cloudpickle.dump((fn, args, kwargs, initialize, init_timeout), f)
+        self.outcomes = [Outcome(r) for r in range(n)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._outs: list[Any] = []
+        for rank in range(n):
+            child_env = dict(os.environ)
+            child_env.update({
+                "ZCOLLECTIVE_MASTER_ADDR": "127.0.0.1",
+                "ZCOLLECTIVE_MASTER_PORT": str(self.port),
+                "ZCOLLECTIVE_REPLICA_RANK": str(rank),
+                "ZCOLLECTIVE_NUM_REPLICAS": str(n),
+                "PYTHONUNBUFFERED": "1",
+            })
+            child_env.update(env or {})
+            child_env.update((rank_env or {}).get(rank, {}))
+            out = open(os.path.join(self._dir.name, f"out{rank}.txt"), "w+b")
+            self._outs.append(out)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "zcollective._child", payload,
+                 os.path.join(self._dir.name, f"result{rank}.pkl")],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=child_env,
+            ))
+
+    def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> list[Outcome]:
+        """Wait for every replica (killing those still running at ``timeout``)
+        and collect what each returned, raised and printed."""
+        deadline = time.monotonic() + timeout
+        for rank, proc in enumerate(self.procs):
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.outcomes[rank].timed_out = True
+        self.kill_all()
+        for rank, proc in enumerate(self.procs):
+            outcome = self.outcomes[rank]
+            outcome.returncode = proc.returncode
+            self._outs[rank].seek(0)
+            outcome.output = self._outs[rank].read().decode("utf-8", "replace")
+            self._outs[rank].close()
+            path = os.path.join(self._dir.name, f"result{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    kind, value, tb = cloudpickle.load(f)
+                if kind == "ok":
+                    outcome.value = value
+                else:
+                    outcome.error, outcome.traceback = value, tb
+        self._dir.cleanup()
+        return self.outcomes
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        self.procs[rank].send_signal(sig)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+
+    def __enter__(self) -> "Replicas":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if any(p.poll() is None for p in self.procs):
+            self.kill_all()
+        for out in self._outs:
+            if not out.closed:
+                out.close()
+        self._dir.cleanup()
+
+
+def report(outcomes: list[Outcome], headline: str) -> str:
+    return headline + "\n" + "".join(o.describe() for o in outcomes)
+
+
+def run_replicas(fn: Callable[..., Any], n: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                 initialize: bool = True, env: Optional[dict[str, str]] = None,
+                 **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``n`` local replicas in separate
+    processes, each in a fresh group; return the return values in rank order.
+
+    ``fn`` and its arguments travel with cloudpickle, so lambdas and local
+    functions work. The whole run is bounded by ``timeout`` seconds.
+
+    Raises
+    ------
+    ReplicasFailed
+        A replica raised, exited non-zero or did not finish in time; the
+        message holds every rank's exception, traceback and output, and
+        ``.outcomes`` the details.
+    """
+    with Replicas(fn, n, *args, initialize=initialize, env=env,
+                  init_timeout=timeout, **kwargs) as replicas:
+        outcomes = replicas.wait(timeout)
+    failed = [o.rank for o in outcomes if not o.ok]
+    if failed:
+        raise ReplicasFailed(report(outcomes, f"replicas {failed} of {n} failed"), outcomes)
+    return [o.value for o in outcomes]
