@@ -207,6 +207,8 @@ class Coordinator:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return []
         who = f"rank {rank} (pid {pid} on {host})"
+        if self.phase is Phase.FAILED:
+            return [(peer, control(Kind.REJECT, self.failure or {}))]
         if self.phase is not Phase.JOINING:
             state = "has already started" if self.phase is Phase.RUNNING else f"is {self.phase.value}"
             message = (f"{who} tried to join the group at seq {min(self.next_seq, default=0)}, "

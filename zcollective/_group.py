@@ -25,6 +25,7 @@ T = TypeVar("T")
 Timeout = Union[float, None, "_Default"]
 ReduceFn = Callable[[Any, Any], Any]
 
+JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -117,7 +118,10 @@ class Group:
             self._replica.deliver = self._deliver
             self._replica.on_failure = self._on_failure
             self._replica.join(config.init_timeout)
-        except BaseException:
+        except BaseException as exc:
+            if self._server is not None and not isinstance(exc, CollectiveTimeoutError):
+                # replicas still starting up should hear why, not time out
+                time.sleep(JOIN_FAILURE_GRACE_S)
             self._close()
             raise
 

@@ -19,7 +19,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import _sockets
 from ._coordinator import PYTHON_VERSION
-from ._wire import PROTOCOL_VERSION, Kind, Message, Op, VersionError, WireError, control, decode, encode
+from . import _wire
+from ._wire import Kind, Message, Op, VersionError, WireError, control, decode, encode
 from .config import Config
 from .errors import (
     CallMismatchError,
@@ -112,7 +113,7 @@ class Replica:
             The coordinator refused the join; the message says why.
         """
         body = {"rank": self.rank, "num_replicas": self.config.num_replicas,
-                "protocol": PROTOCOL_VERSION, "python": PYTHON_VERSION,
+                "protocol": _wire.PROTOCOL_VERSION, "python": PYTHON_VERSION,
                 "pid": os.getpid(), "host": socket.gethostname()}
         self._send(control(Kind.JOIN, body, rank=self.rank))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -237,7 +238,7 @@ class Replica:
         except VersionError as exc:
             self._fail(ProtocolError(f"rank {self.rank}: the coordinator at {self.endpoint} speaks "
                                      f"protocol version {exc.version}, this replica speaks "
-                                     f"{PROTOCOL_VERSION}: install the same zcollective everywhere"))
+                                     f"{_wire.PROTOCOL_VERSION}: install the same zcollective everywhere"))
             return
         except WireError as exc:
             log.warning("zcollective rank %d: dropped a malformed message: %s", self.rank, exc)
