@@ -1,0 +1,210 @@
+"""``zcollective-run``: start the replicas of a job, like torchrun's standalone
+mode or mpiexec.
+
+    zcollective-run -n 4 train.py --lr 0.1
+    zcollective-run --nnodes 2 --node-rank 1 --nproc-per-node 2 \\
+        --master-addr host0 --master-port 29457 train.py
+
+Each replica gets ``ZCOLLECTIVE_MASTER_ADDR``, ``ZCOLLECTIVE_MASTER_PORT``,
+``ZCOLLECTIVE_REPLICA_RANK``, ``ZCOLLECTIVE_NUM_REPLICAS`` and
+``ZCOLLECTIVE_LOCAL_RANK``; its output is prefixed with ``[rank]``. The
+launcher exits with the first non-zero exit code; when a replica fails, the
+others are stopped after a grace period. Ctrl-C stops every replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Optional
+
+from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+
+DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit by itself
+KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="zcollective-run",
+        description="Start the replicas of a zcollective job on this host.",
+        epilog="Example: zcollective-run -n 4 train.py --epochs 3. The script reads its rank "
+               "with zcollective.initialize(); no arguments are needed in it.",
+    )
+    parser.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N",
+                        help="replicas to start on this host (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="hosts in the job (default 1); start the launcher on each")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="this host's index, 0 to nnodes-1; node 0 hosts rank 0 (default 0)")
+    parser.add_argument("--master-addr", default=None,
+                        help=f"address of node 0, reachable from every host (default {DEFAULT_MASTER_ADDR})")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="port of the coordinator on node 0 (default: a free port on a single "
+                             f"host, {DEFAULT_MASTER_PORT} across hosts)")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                        help=f"seconds the others get after a replica fails (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("script", help="a Python script (run with this Python) or a program")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    ns = parser.parse_args(argv)
+    if ns.nproc_per_node < 1:
+        parser.error(f"-n/--nproc-per-node must be at least 1, not {ns.nproc_per_node}")
+    if ns.nnodes < 1:
+        parser.error(f"--nnodes must be at least 1, not {ns.nnodes}")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        parser.error(f"--node-rank must be from 0 to {ns.nnodes - 1}, not {ns.node_rank}")
+    if ns.nnodes > 1 and ns.master_addr is None:
+        parser.error("--master-addr is required with --nnodes > 1 (the address of node 0)")
+    if ns.master_port is not None and not 1 <= ns.master_port <= 65535:
+        parser.error(f"--master-port must be from 1 to 65535, not {ns.master_port}")
+    if ns.grace < 0:
+        parser.error("--grace must not be negative")
+    if ns.script.endswith(".py") and not os.path.isfile(ns.script):
+        parser.error(f"no such script: {ns.script}")
+    return ns
+
+
+def _pump(rank: int, stream: IO[bytes], out: IO[bytes], lock: threading.Lock) -> None:
+    prefix = f"[{rank}] ".encode()
+    for line in iter(stream.readline, b""):
+        with lock:
+            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+    stream.close()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Launcher:
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.threads: list[threading.Thread] = []
+        self.interrupted = False
+
+    def env_for(self, rank: int, local_rank: int, port: int, size: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "ZCOLLECTIVE_MASTER_ADDR": self.ns.master_addr or DEFAULT_MASTER_ADDR,
+            "ZCOLLECTIVE_MASTER_PORT": str(port),
+            "ZCOLLECTIVE_REPLICA_RANK": str(rank),
+            "ZCOLLECTIVE_NUM_REPLICAS": str(size),
+            "ZCOLLECTIVE_LOCAL_RANK": str(local_rank),
+            "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def start(self) -> None:
+        ns = self.ns
+        size = ns.nnodes * ns.nproc_per_node
+        port = ns.master_port
+        if port is None:
+            if ns.nnodes == 1:
+                from .testing import free_port
+
+                port = free_port(ns.master_addr or DEFAULT_MASTER_ADDR)
+            else:
+                port = DEFAULT_MASTER_PORT
+        command = [ns.script, *ns.args]
+        if ns.script.endswith(".py"):
+            command = [sys.executable, *command]
+        lock = threading.Lock()
+        out = sys.stdout.buffer
+        for local in range(ns.nproc_per_node):
+            rank = ns.node_rank * ns.nproc_per_node + local
+            try:
+                proc = subprocess.Popen(command, env=self.env_for(rank, local, port, size),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as exc:
+                self.message(f"cannot start {command[0]!r}: {exc.strerror}")
+                self.stop(signal.SIGTERM)
+                raise SystemExit(127) from None
+            self.procs[rank] = proc
+            thread = threading.Thread(target=_pump, args=(rank, proc.stdout, out, lock), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def message(self, text: str) -> None:
+        sys.stderr.write(f"zcollective-run: {text}\n")
+        sys.stderr.flush()
+
+    def signal_all(self, sig: int) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, sig: int) -> None:
+        """Send ``sig`` to every replica still running, SIGKILL after a bound."""
+        self.signal_all(sig)
+        deadline = time.monotonic() + KILL_AFTER_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait()
+
+    def wait(self) -> int:
+        first_failure: Optional[tuple[int, int]] = None
+        failed_at = 0.0
+        while True:
+            running = [r for r, p in self.procs.items() if p.poll() is None]
+            if first_failure is None:
+                for rank, proc in sorted(self.procs.items()):
+                    if proc.returncode not in (None, 0):
+                        first_failure = (rank, proc.returncode)
+                        failed_at = time.monotonic()
+                        self.message(f"rank {rank} {_describe(proc.returncode)}; stopping the "
+                                     f"others in {self.ns.grace:g} s")
+                        break
+            if not running:
+                break
+            if first_failure is not None and time.monotonic() - failed_at > self.ns.grace:
+                self.message(f"stopping ranks {','.join(map(str, running))}")
+                self.stop(signal.SIGTERM)
+                break
+            time.sleep(0.05)
+        for thread in self.threads:
+            thread.join(timeout=2)
+        if first_failure is None:
+            return 0
+        rank, code = first_failure
+        return code if code > 0 else 128 - code
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ns = parse_args(argv)
+    launcher = Launcher(ns)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        launcher.start()
+        return launcher.wait()
+    except KeyboardInterrupt:
+        launcher.message("interrupted; stopping every replica")
+        launcher.stop(signal.SIGINT)
+        for thread in launcher.threads:
+            thread.join(timeout=2)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
