@@ -237,3 +237,12 @@ def test_teardown_closes_after_everyone_called_it():
     out = feed(coord, peer(0), contrib(0, 0, Op.TEARDOWN, segments=[]))
     assert coord.phase is Phase.CLOSED and len(out) == 2
     assert coord.disconnected(20) == []  # leaving is not being lost
+
+
+def test_leaving_before_the_group_starts_reopens_the_slot():
+    coord = Coordinator(2, SESSION, 1000)
+    feed(coord, peer(1), join_msg(1, 2), fd=31)
+    assert coord.disconnected(31) == [] and coord.missing_joins() == [0, 1]
+    feed(coord, peer(0), join_msg(0, 2), fd=30)
+    out = feed(coord, b"R1-again", join_msg(1, 2), fd=32)
+    assert coord.phase is Phase.RUNNING and len(out) == 2

@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import logging
 import sys
+import time
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ class Coordinator:
         self.next_seq = [0] * num_replicas
         self.pending: dict[int, Call] = {}
         self.failure: Optional[dict[str, Any]] = None
-        self.reject_reason = ""
+        self.reducing: Optional[tuple[int, Op, float]] = None  # (seq, op, since): read by other threads
         self._warned: set[tuple[str, str]] = set()
 
     # -- entry points -------------------------------------------------
@@ -135,7 +136,9 @@ class Coordinator:
             self._warn(address, "stranger", f"dropped a {msg.kind.name} message from "
                        f"a peer at {address} that has not joined the group")
             return []
-        if msg.rank != member.rank or (msg.kind is not Kind.JOIN and msg.session != self.session):
+        joining = self.phase is Phase.JOINING and msg.kind is Kind.STATUS
+        if msg.rank != member.rank or (msg.kind is not Kind.JOIN and msg.session != self.session
+                                       and not joining):
             self._warn(address, "forged", f"dropped a {msg.kind.name} message on the connection "
                        f"of {member.describe()} claiming rank {msg.rank}, session {msg.session:#x}")
             return []
@@ -150,9 +153,15 @@ class Coordinator:
         return []
 
     def disconnected(self, fd: int, reason: str = "connection closed") -> list[Out]:
-        """A connection closed; if it was a member's, the group has lost it."""
+        """A connection closed; if it was a member's, the group has lost it.
+        Before the group starts, the rank's slot just opens again."""
         for member in self.members.values():
             if member.fd == fd and member.fd is not None:
+                if self.phase is Phase.JOINING:
+                    del self.members[member.peer], self.by_rank[member.rank]
+                    log.warning("zcollective coordinator: %s left before the group started; "
+                                "waiting for rank %d again", member.describe(), member.rank)
+                    return []
                 return self.lost(member.rank, reason)
         return []
 
@@ -343,9 +352,13 @@ class Coordinator:
         fn = _serialize.loads([fn_frame], "reduce function")
         values = [_serialize.loads(c.segments[0], f"value of rank {r}")
                   for r, c in enumerate(contributions)]
-        acc = values[0]
-        for value in values[1:]:
-            acc = fn(acc, value)
+        self.reducing = (contributions[0].seq, contributions[0].op, time.monotonic())
+        try:
+            acc = values[0]
+            for value in values[1:]:
+                acc = fn(acc, value)
+        finally:
+            self.reducing = None
         return acc
 
     def _remote_error(self, seq: int, op: Op, exc: BaseException) -> dict[str, Any]:
@@ -368,6 +381,10 @@ class Coordinator:
     # -- status and failure ----------------------------------------------
 
     def _status(self, seq: int) -> Message:
+        if self.phase is Phase.JOINING:
+            body = {"seq": seq, "state": "joining", "missing": self.missing_joins(),
+                    "arrived": sorted(self.by_rank)}
+            return control(Kind.STATUS_REPLY, body, seq=seq)
         call = self.pending.get(seq)
         if call is not None:
             arrived = sorted(call.contributions)

@@ -107,14 +107,14 @@ class Group:
         config = self.config
         self._ctx = zmq.Context()
         try:
-            alive = None
+            alive = busy = None
             endpoint = config.endpoint
             if config.rank == 0:
                 endpoint = f"inproc://zcollective-{os.getpid()}-{id(self):x}"
                 self._server = Server(self._ctx, config, endpoint)
                 self._server.start()
-                alive = self._server.gone
-            self._replica = Replica(self._ctx, config, endpoint, alive)
+                alive, busy = self._server.gone, self._server.busy
+            self._replica = Replica(self._ctx, config, endpoint, alive, busy)
             self._replica.deliver = self._deliver
             self._replica.on_failure = self._on_failure
             self._replica.join(config.init_timeout)

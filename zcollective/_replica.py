@@ -69,20 +69,22 @@ class Replica:
     """The DEALER side of one group member."""
 
     def __init__(self, ctx: zmq.Context, config: Config, endpoint: str,
-                 alive: Optional[Callable[[], Optional[str]]] = None) -> None:
+                 alive: Optional[Callable[[], Optional[str]]] = None,
+                 busy: Optional[Callable[[], Optional[str]]] = None) -> None:
         # rank 0 (alive is set) shares its process with the coordinator: send
         # copies, so the coordinator never reduces in place into the user's data
         self._copy = alive is not None
         self.config = config
         self.rank = config.rank
-        self.endpoint = endpoint
+        self.endpoint = config.endpoint  # what messages name; rank 0 connects over inproc
         self._alive = alive  # on rank 0: says why the coordinator thread is gone, if it is
+        self._busy = busy  # on rank 0: says what the coordinator thread is stuck in, if anything
         self.session = 0
         self.next_seq = 0
         self.deliver: Callable[[int, Message], None] = lambda seq, msg: None
         self.on_failure: Callable[[Exception], None] = lambda error: None
         self.failure: Optional[Exception] = None
-        self.connected = False
+        self.connected = alive is not None  # rank 0's inproc link is there at once
         self._in_flight: dict[int, str] = {}
         self._status: dict[int, dict[str, Any]] = {}
         self._thread = threading.get_ident()
@@ -97,7 +99,7 @@ class Replica:
         self.poller = zmq.Poller()
         self.poller.register(self.dealer, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        with _sockets.mapped(f"rank {self.rank} cannot connect to {endpoint}"):
+        with _sockets.mapped(f"rank {self.rank} cannot connect to {self.endpoint}"):
             self.dealer.connect(endpoint)
 
     # -- join -------------------------------------------------------------
@@ -136,14 +138,30 @@ class Replica:
     def check(self) -> None:
         """Raise the group's failure, if it has one (sticky)."""
         if self.failure is None:
-            self._drain_monitor()
+            self._pump(time.monotonic())
         if self.failure is not None:
             raise _fresh(self.failure)
 
     def submit(self, op: Op, root: int, segments: list[list[Any]], fn: Any = None,
                callsite: str = "", flags: int = 0) -> int:
-        """Send this rank's contribution to the next call; return its seq."""
+        """Send this rank's contribution to the next call; return its seq.
+
+        Raises
+        ------
+        ValueError
+            A frame is larger than ``max_frame_bytes`` (checked before
+            anything is sent: the coordinator would drop the connection).
+        """
         self.check()
+        limit = self.config.max_frame_bytes
+        for segment in segments:
+            for frame in segment:
+                size = memoryview(frame).nbytes
+                if size > limit:
+                    raise ValueError(
+                        f"rank {self.rank}: a {op.label} value holds a buffer of {size} bytes, "
+                        f"above max_frame_bytes={limit}; raise ZCOLLECTIVE_MAX_FRAME_BYTES on "
+                        f"every replica, or split the value")
         seq = self.next_seq
         msg = Message(Kind.CONTRIB, op, self.rank, root, seq, self.session, callsite,
                       flags, fn, segments)
@@ -176,7 +194,11 @@ class Replica:
         base = f"seq {seq} {op} timed out after {timeout:g} s on rank {self.rank}"
         status = self._ask_status(seq)
         if status is None:
-            return f"{base}; the coordinator (rank 0) did not answer a status query"
+            busy = self._busy() if self._busy is not None else None
+            if busy:
+                return f"{base}: {busy}"
+            return (f"{base}; the coordinator (rank 0) did not answer a status query within "
+                    f"{STATUS_WAIT_S:g} s (is a reduce function stuck?)")
         if status.get("missing"):
             missing = ",".join(map(str, status["missing"]))
             arrived = ",".join(map(str, status.get("arrived", []))) or "none"
@@ -210,10 +232,11 @@ class Replica:
             if deadline is not None:
                 remaining = min(remaining, deadline - time.monotonic())
             events = dict(self.poller.poll(max(0.0, remaining) * 1000))
+            if self.dealer in events:  # first: a FAIL that came before a disconnect explains it
+                self._drain_dealer()
             if self.monitor in events:
                 self._drain_monitor()
             if self.dealer in events:
-                self._drain_dealer()
                 return True
             if self.failure is not None:
                 return True
@@ -270,8 +293,11 @@ class Replica:
                     f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: "
                     f"connection closed or heartbeats unanswered; {self._describe_in_flight()}"))
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                log.warning("zcollective rank %d: handshake with %s failed; is another program "
-                            "listening on that port?", self.rank, self.endpoint)
+                if self.session == 0:
+                    self._fail(ProtocolError(
+                        f"rank {self.rank}: the program listening at {self.endpoint} is not a "
+                        f"zcollective coordinator (the ZeroMQ handshake failed); is the master "
+                        f"port used by another program?"))
 
     def _describe_in_flight(self) -> str:
         if not self._in_flight:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, Optional
 
 import zmq
@@ -68,6 +69,15 @@ class Server:
             return None
         return self.crashed or "it stopped"
 
+    def busy(self) -> Optional[str]:
+        """What the coordinator thread has been stuck in for a while, if anything."""
+        reducing = self.coordinator.reducing  # one attribute read: safe across threads
+        if reducing is None:
+            return None
+        seq, op, since = reducing
+        return (f"every rank arrived; the reduce function of seq {seq} {op.label} has been "
+                f"running on the coordinator (rank 0) for {time.monotonic() - since:.1f} s")
+
     def stop(self) -> None:
         """Ask the thread to close its sockets and wait for it, with a bound."""
         if self._thread.is_alive():
@@ -75,9 +85,11 @@ class Server:
                 self._pipe.send(b"stop", zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self._thread.join(STOP_TIMEOUT_S)
+            # a reduce function that never returns cannot be interrupted: do not wait for it
+            self._thread.join(STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1)
             if self._thread.is_alive():
-                log.error("zcollective: the coordinator thread did not stop within %s s", STOP_TIMEOUT_S)
+                log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind",
+                          self.busy() or "no reason known")
         self._pipe.close(linger=0)
 
     # -- the thread ----------------------------------------------------------
@@ -115,7 +127,7 @@ class Server:
             self._started.set()
             return
         self._started.set()
-        self._router = router
+        self._router, self._monitor = router, monitor
         try:
             self._serve(router, monitor, pipe)
         except Exception as exc:  # a bug: tell every replica rather than leave them waiting
@@ -126,7 +138,8 @@ class Server:
             except Exception:
                 pass
         finally:
-            linger = _sockets.CLOSE_LINGER_MS if self.coordinator.phase is Phase.CLOSED else 0
+            # a FAIL just sent to the survivors must still reach them
+            linger = 0 if self.crashed else _sockets.CLOSE_LINGER_MS
             router.disable_monitor()
             monitor.close(linger=0)
             pipe.close(linger=0)
@@ -143,15 +156,18 @@ class Server:
             if pipe in events:
                 return
             if monitor in events:
-                while True:
-                    try:
-                        event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        self._send_all(coordinator.disconnected(event["value"]))
+                self._drain_monitor()
             if router in events:
                 self._drain(router)
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._send_all(self.coordinator.disconnected(event["value"]))
 
     def _drain(self, router: zmq.Socket) -> None:
         coordinator = self.coordinator
@@ -164,6 +180,10 @@ class Server:
             if len(frames) < 2:
                 continue
             fd, address = _origin(frames[1])
+            if peer not in coordinator.members:
+                # a JOIN records its connection's fd: first take in every earlier
+                # disconnect, so a closed connection's reused fd is not mistaken for it
+                self._drain_monitor()
             self._send_all(coordinator.receive(peer, frames[1:], fd, address))
 
     def _send_all(self, outs: list[Out]) -> None:
@@ -193,6 +213,6 @@ def _origin(frame: Any) -> tuple[Optional[int], str]:
         fd = None
     try:
         address = frame.get("Peer-Address")
-    except zmq.ZMQError:
-        address = "inproc"
+    except zmq.ZMQError:  # inproc (rank 0), or a legacy ZMTP 1.0 peer: libzmq gives no address
+        address = "an unknown address"
     return (fd if fd is not None and fd >= 0 else None), address

@@ -21,7 +21,8 @@ DEFAULT_INIT_TIMEOUT_S = 300.0  # replicas of a job may start minutes apart on a
 DEFAULT_OP_TIMEOUT_S = 1800.0  # torch.distributed's default: long steps pass, hangs end
 DEFAULT_LIVENESS_S = 10.0  # a silent peer (host down, cable cut) is declared lost after this
 MIN_LIVENESS_S = 1.0  # below this, scheduler hiccups on a loaded host look like deaths
-DEFAULT_MAX_FRAME_BYTES = 1 << 34  # 16 GiB: bounds one frame from a peer, far above real arrays
+DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: libzmq allocates what a frame announces, so a stranger's
+# claim is bounded by this; raise it (on every replica) for single arrays above 2 GiB
 
 Number = Union[int, float]
 
@@ -33,6 +34,7 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "num_replicas": ("ZCOLLECTIVE_NUM_REPLICAS", "ADAPTDL_NUM_REPLICAS", "WORLD_SIZE"),
     "op_timeout": ("ZCOLLECTIVE_TIMEOUT",),
     "liveness_timeout": ("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
+    "max_frame_bytes": ("ZCOLLECTIVE_MAX_FRAME_BYTES",),
 }
 
 
@@ -152,11 +154,10 @@ def resolve(
     if live < MIN_LIVENESS_S:
         raise ValueError(f"{src}={raw!r} is below the minimum of {MIN_LIVENESS_S} s")
 
-    max_frame = DEFAULT_MAX_FRAME_BYTES if max_frame_bytes is None else _as_int(
-        max_frame_bytes, "argument max_frame_bytes"
-    )
+    raw, src = _lookup("max_frame_bytes", max_frame_bytes, "max_frame_bytes", env)
+    max_frame = DEFAULT_MAX_FRAME_BYTES if raw is None else _as_int(raw, src)
     if max_frame < 1024:
-        raise ValueError(f"argument max_frame_bytes={max_frame_bytes!r} must be at least 1024")
+        raise ValueError(f"{src}={raw!r} must be at least 1024")
 
     return Config(
         master_addr=addr,

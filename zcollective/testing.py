@@ -166,6 +166,16 @@ class Replicas:
         self._dir.cleanup()
         return self.outcomes
 
+    def join(self, ranks: list[int], timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Wait until the given ranks' processes have exited; False on timeout."""
+        deadline = time.monotonic() + timeout
+        for rank in ranks:
+            try:
+                self.procs[rank].wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         self.procs[rank].send_signal(sig)
 

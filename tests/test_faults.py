@@ -1,0 +1,426 @@
+"""Fault injection with real processes and real signals: kills, stops, stalls,
+mismatches, timeouts and hostile peers. Every wait is bounded."""
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+import zcollective as zc
+from zcollective.testing import Replicas, free_port, report, run_replicas
+
+LIVENESS = "2"  # seconds; tests set the detection bound low to stay fast
+BOUND = float(LIVENESS) + 3.0  # detection bound plus slack for a loaded 2-core machine
+
+
+def outcomes_ok(replicas, timeout=60):
+    outs = replicas.wait(timeout)
+    bad = [o for o in outs if o.error is not None or o.timed_out]
+    assert not bad, report(outs, "unexpected failures")
+    return outs
+
+
+def survive_a_kill(victim, port2):
+    r = zc.get_rank()
+    zc.barrier()
+    if r == victim:
+        time.sleep(0.5)  # let the others block in allreduce first
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        zc.allreduce(1)
+    except zc.ReplicaLostError as exc:
+        first = (str(exc), time.monotonic() - start)
+    else:
+        return "no error"
+    start = time.monotonic()
+    with pytest.raises(zc.ReplicaLostError) as again:
+        zc.allreduce_async(1).result(timeout=30)
+    sticky = (str(again.value) == first[0], time.monotonic() - start)
+    zc.teardown()  # returns although the group failed
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    # the process can start a new group (without the lost rank)
+    zc.initialize(master_port=port2, replica_rank=r, num_replicas=2, timeout=30)
+    again_total = zc.allreduce(1)
+    zc.teardown()
+    return first, sticky, threads, again_total
+
+
+def test_killed_replica_is_reported_to_every_survivor_within_the_bound():
+    with Replicas(survive_a_kill, 3, 2, free_port(), env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
+        outs = reps.wait(60)
+    assert outs[2].returncode == -signal.SIGKILL
+    for out in outs[:2]:
+        assert out.error is None, report(outs, "survivor failed")
+        (message, elapsed), (same, sticky_elapsed), threads, total = out.value
+        assert "rank 2 (pid" in message and "was lost" in message, message
+        assert "seq 1 allreduce" in message, message
+        assert elapsed < BOUND
+        assert same and sticky_elapsed < 1.0
+        assert threads == [], f"leaked threads {threads}"
+        assert total == 2
+
+
+def lose_the_coordinator():
+    r = zc.get_rank()
+    zc.barrier()
+    if r == 0:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    if r == 1:  # blocked in Future.result of an async call
+        future = zc.allreduce_async(1)
+        try:
+            future.result()
+        except zc.ReplicaLostError as exc:
+            return str(exc), time.monotonic() - start
+    time.sleep(BOUND)  # rank 2 calls nothing while rank 0 dies ...
+    start = time.monotonic()
+    try:
+        zc.broadcast(1)  # ... and its next call raises at once
+    except zc.ReplicaLostError as exc:
+        return str(exc), time.monotonic() - start
+    finally:
+        zc.teardown()
+
+
+def test_killed_coordinator_is_reported_to_waiting_and_idle_replicas():
+    with Replicas(lose_the_coordinator, 3, env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
+        outs = reps.wait(60)
+    assert outs[0].returncode == -signal.SIGKILL
+    for out in outs[1:]:
+        assert out.error is None, report(outs, "survivor failed")
+        message, elapsed = out.value
+        assert "lost the coordinator (rank 0)" in message, message
+        assert elapsed < (BOUND if out.rank == 1 else 1.0)
+    assert "in flight: seq 1 allreduce" in outs[1].value[0]
+
+
+def wait_for_a_stopped_peer():
+    r = zc.get_rank()
+    zc.barrier()
+    if r == 2:
+        time.sleep(60)  # the test stops this process with SIGSTOP
+    start = time.monotonic()
+    try:
+        zc.allreduce(1)
+    except zc.ReplicaLostError as exc:
+        return str(exc), time.monotonic() - start
+
+
+def test_stopped_replica_is_found_by_heartbeats_within_the_bound():
+    """SIGSTOP keeps the TCP connection open: only heartbeats can tell."""
+    with Replicas(wait_for_a_stopped_peer, 3, env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
+        time.sleep(1.5)  # all joined and past the barrier (a bound, not a settle: it only delays the stop)
+        reps.kill(2, signal.SIGSTOP)
+        reps.join([0, 1], 30)
+        reps.kill(2, signal.SIGKILL)
+        outs = reps.wait(10)
+    for out in outs[:2]:
+        assert out.error is None, report(outs, "survivor failed")
+        message, elapsed = out.value
+        assert "rank 2" in message and ("was lost" in message or "lost the" in message), message
+        assert elapsed < BOUND + 1.5
+
+
+def busy_but_alive(seconds):
+    r = zc.get_rank()
+    zc.barrier()
+    if r == 1:  # pure Python holding the GIL, 3x the detection bound
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(1000))
+    return zc.allreduce(r + 1)
+
+
+def test_slow_replica_holding_the_gil_is_not_declared_lost():
+    outs = run_replicas(busy_but_alive, 3, 3.0, env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": "1"}, timeout=60)
+    assert outs == [6, 6, 6]
+
+
+def mismatch(port2):
+    r = zc.get_rank()
+    zc.allreduce(1)
+    try:
+        if r == 1:
+            zc.broadcast(r)
+        else:
+            zc.allreduce(r)
+    except zc.CallMismatchError as exc:
+        message = str(exc)
+    try:
+        zc.barrier()
+    except zc.CallMismatchError as exc:
+        sticky = str(exc) == message
+    zc.teardown()
+    zc.initialize(master_port=port2, replica_rank=r, num_replicas=3, timeout=30)
+    total = zc.allreduce(1)
+    zc.teardown()
+    return message, sticky, total
+
+
+def test_call_mismatch_names_ranks_operations_and_call_sites_on_every_replica():
+    outs = run_replicas(mismatch, 3, free_port(), initialize=True)
+    messages = {m for m, _, _ in outs}
+    assert len(messages) == 1
+    message = messages.pop()
+    assert message.startswith("seq 1: ")
+    assert "called allreduce at test_faults.py:" in message
+    assert "rank 1 called broadcast(root=0) at test_faults.py:" in message
+    assert all(sticky and total == 3 for _, sticky, total in outs)
+
+
+def late_rank(delay):
+    r = zc.get_rank()
+    if r == 2:
+        time.sleep(delay)
+    result = {}
+    try:
+        zc.allreduce(1, timeout=1.0)
+    except zc.CollectiveTimeoutError as exc:
+        result["blocking"] = str(exc)
+    future = zc.allreduce_async(2)
+    try:
+        future.result(timeout=0.5)
+    except TimeoutError as exc:  # CollectiveTimeoutError is a TimeoutError
+        result["future"] = str(exc)
+    result["retry"] = future.result(timeout=30)  # the same future, waited on again
+    result["after"] = zc.allreduce(r, timeout=30)  # the group is still usable
+    return result
+
+
+def test_timeouts_name_the_ranks_that_had_not_arrived():
+    outs = run_replicas(late_rank, 3, 4.0, timeout=60)
+    for r in (0, 1):
+        res = outs[r]
+        assert res["blocking"].startswith(f"seq 0 allreduce timed out after 1 s on rank {r}: "
+                                          f"waiting for ranks 2 (arrived: 0,1)"), res
+        assert "seq 1 allreduce timed out after 0.5 s" in res["future"], res
+    for res in outs:
+        assert res["retry"] == 6 and res["after"] == 3
+
+
+def test_group_wide_default_timeout_from_the_environment():
+    def stall():
+        try:
+            if zc.get_rank() == 1:
+                time.sleep(3)
+                zc.barrier()
+                return "late"
+            try:
+                zc.barrier()
+            except zc.CollectiveTimeoutError as exc:
+                return str(exc)
+        finally:
+            zc.teardown(timeout=30)
+
+    with Replicas(stall, 2, env={"ZCOLLECTIVE_TIMEOUT": "0.5"}) as reps:
+        outs = reps.wait(30)
+    assert "seq 0 barrier timed out after 0.5 s on rank 0: waiting for ranks 1" in outs[0].value
+
+
+def test_initialize_timeout_names_the_address_or_the_missing_ranks():
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(zc.CollectiveTimeoutError) as info:
+        zc.Group("127.0.0.1", port, 1, 2, timeout=1)
+    assert time.monotonic() - start < 5
+    assert f"rank 1 timed out after 1 s joining the group at tcp://127.0.0.1:{port}" in str(info.value)
+    assert "could not reach the coordinator" in str(info.value)
+    with pytest.raises(zc.CollectiveTimeoutError, match="ranks 1,2 had not joined"):
+        zc.Group("127.0.0.1", port, 0, 3, timeout=1)
+
+
+def test_port_answered_by_a_non_zeromq_program_fails_fast():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    stop = threading.Event()
+
+    def answer_garbage():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" * 10)
+                time.sleep(0.2)
+
+    thread = threading.Thread(target=answer_garbage, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(zc.ProtocolError, match="is not a zcollective coordinator"):
+            zc.Group("127.0.0.1", server.getsockname()[1], 1, 2, timeout=20)
+        assert time.monotonic() - start < 10
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+def stuck_reduce():
+    r = zc.get_rank()
+
+    def forever(a, b):
+        while True:
+            pass
+
+    try:
+        zc.allreduce(r, forever, timeout=2)
+    except zc.CollectiveTimeoutError as exc:
+        message = str(exc)
+    try:
+        zc.teardown(timeout=1)
+    except zc.CollectiveTimeoutError:
+        pass
+    return message
+
+
+def test_reduce_function_that_never_returns_ends_in_timeouts():
+    outs = run_replicas(stuck_reduce, 3, initialize=True, timeout=60)
+    assert "the reduce function of seq 0 allreduce has been running on the coordinator" in outs[0]
+    for message in outs[1:]:
+        assert "seq 0 allreduce timed out after 2 s" in message
+        assert "did not answer a status query" in message
+
+
+# -- hostile input ------------------------------------------------------------
+
+MARKER_ENV = "ZC_HOSTILE_MARKER"
+
+
+class Boom:
+    """Unpickling this creates a file: proof that something was executed."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def honest_job(steps, started, go):
+    r, n = zc.get_rank(), zc.get_world_size()
+    if r == 0:
+        open(started, "w").close()  # the group is complete: a JOIN now must be refused
+    deadline = time.monotonic() + 30
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)  # wait (bounded) for the attacker's first full round
+    results = []
+    for step in range(steps):
+        results.append(zc.allreduce(step * (r + 1)))
+        if step % 10 == 0:
+            results.append(zc.broadcast({"step": step}))
+    return results
+
+
+def hostile_client(port, marker, started, go, stop):
+    import zmq
+
+    from zcollective import _serialize
+    from zcollective._wire import Kind, Message, Op, control, encode
+
+    evil = _serialize.dumps(Boom(marker))
+    ctx = zmq.Context()
+    try:
+        while not stop.is_set():
+            # raw garbage on the TCP port
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as raw:
+                    raw.sendall(os.urandom(512))
+            except ConnectionRefusedError:  # rank 0 has not bound yet
+                stop.wait(0.05)
+                continue
+            # ZeroMQ peers that never joined
+            for ident in (b"R" + (1).to_bytes(4, "big") + b"\0" * 8, b"evil", None):
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 200)
+                if ident:
+                    s.setsockopt(zmq.ROUTING_ID, ident)
+                s.connect(f"tcp://127.0.0.1:{port}")
+                s.send_multipart([b"garbage", b"more"])
+                s.send_multipart(encode(Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=0,
+                                                session=0, fn=evil[0], segments=[evil])))
+                s.send_multipart(encode(Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=5,
+                                                session=12345, segments=[evil])))
+                s.send_multipart(encode(control(Kind.JOIN, {"rank": "x"})))
+                if os.path.exists(started):  # without a secret, only a started group refuses it
+                    s.send_multipart(encode(control(Kind.JOIN, {
+                        "rank": 1, "num_replicas": 3, "python": "3.11", "pid": 1, "host": "evil"})))
+                s.send_multipart([b"x" * (2 << 20)])  # above the job's max frame size
+                s.close()
+            if os.path.exists(started):
+                open(go, "w").close()
+            stop.wait(0.05)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_hostile_peers_change_nothing_and_run_nothing(tmp_path):
+    marker, started, go = (str(tmp_path / name) for name in ("pwned", "started", "go"))
+    port = free_port()
+    steps = 300
+    stop = threading.Event()
+    env = {"ZCOLLECTIVE_MAX_FRAME_BYTES": str(1 << 20)}
+    with Replicas(honest_job, 3, steps, started, go, port=port, env=env) as reps:
+        attacker = threading.Thread(target=hostile_client, args=(port, marker, started, go, stop),
+                                    daemon=True)
+        attacker.start()
+        try:
+            outs = outcomes_ok(reps, 90)
+        finally:
+            stop.set()
+            attacker.join(10)
+    want = []
+    for step in range(steps):
+        want.append(step * 6)
+        if step % 10 == 0:
+            want.append({"step": step})
+    assert [o.value for o in outs] == [want] * 3
+    assert not os.path.exists(marker), "a stranger's pickle was executed"
+    log = outs[0].output
+    assert "zcollective coordinator: dropped" in log
+    assert "refused a join" in log and "already started" in log
+    # logged once per kind of offence, not once per message
+    assert log.count("that has not joined the group") <= 3, log[-3000:]
+
+
+@pytest.mark.soak
+def test_soak_mixed_operations_lose_nothing():
+    outs = run_replicas(soak, 4, 10_000, timeout=240)
+    assert outs == [outs[0]] * 4 and outs[0] == "ok"
+
+
+def soak(count):
+    import numpy as np
+
+    r, n = zc.get_rank(), zc.get_world_size()
+    big = np.full(1 << 18, r + 1, dtype=np.float32)  # 1 MiB
+    want_big = float(n * (n + 1) // 2)
+    pending = []
+    for i in range(count):
+        kind = i % 10
+        if kind == 0:
+            total = zc.allreduce(big)
+            assert total.shape == big.shape and total[0] == want_big and total[-1] == want_big, i
+        elif kind in (1, 2, 3):
+            pending.append((i, zc.allreduce_async(i + r)))
+        elif kind == 4:
+            assert zc.broadcast(i if r == 0 else None) == i
+        elif kind == 5:
+            assert zc.allgather(i * r) == [i * k for k in range(n)]
+        else:
+            assert zc.allreduce(i) == i * n
+        if len(pending) >= 32:
+            for j, future in pending[::-1]:  # out of order
+                assert future.result(timeout=60) == j * n + n * (n - 1) // 2, j
+            pending.clear()
+    for j, future in pending:
+        assert future.result(timeout=60) == j * n + n * (n - 1) // 2
+    return "ok"
