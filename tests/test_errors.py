@@ -6,7 +6,7 @@ import threading
 import pytest
 
 import zcollective as zc
-from zcollective.testing import ReplicasFailed, Replicas, free_port, run_replicas
+from zcollective.testing import Replicas, ReplicasFailed, free_port, run_replicas
 
 
 @pytest.mark.parametrize("call", [
@@ -94,9 +94,9 @@ def test_scatter_with_wrong_length_fails_on_every_rank_without_a_hang():
     outs = run_replicas(scatter_wrong_length, 3)
     assert outs[0][0] == ("ValueError", "rank 0: scatter needs one value per replica: got 2 values "
                                         "for 3 replicas")
-    for (name, text), total in outs[1:]:
+    for (name, text), _ in outs[1:]:
         assert name == "CollectiveError" and "seq 0 scatter: rank 0 failed" in text
-    assert all(total == 3 for _, total in outs)
+    assert all(out[1] == 3 for out in outs)
 
 
 def join_and_report(fake_python=None, fake_protocol=None):

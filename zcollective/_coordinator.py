@@ -38,7 +38,7 @@ import time
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from . import _serialize
 from ._wire import (
@@ -56,7 +56,7 @@ from ._wire import (
 
 log = logging.getLogger("zcollective")
 
-PYTHON_VERSION = "%d.%d" % sys.version_info[:2]
+PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
 MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
 
 Out = tuple[bytes, Message]
@@ -293,57 +293,65 @@ class Coordinator:
 
     def _complete(self, seq: int, call: Call) -> list[Out]:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
-        errors = [(r, c) for r, c in enumerate(contributions) if c.flags & FLAG_LOCAL_ERROR]
-        if errors:
-            rank, bad = errors[0]
-            body = bad.body()
-            return self._error_all(seq, call.op, {
-                "error": "CollectiveError",
-                "message": f"seq {seq} {call.op.label}: rank {rank} failed: "
-                           f"{body.get('message', '?')}"})
-        header = {"seq": seq, "op": call.op, "root": call.root, "session": self.session}
-        op, root, peers = call.op, call.root, [self.by_rank[r].peer for r in range(self.num_replicas)]
+        problem = self._malformed_call(seq, call, contributions)
+        if problem is not None:
+            return self._error_all(seq, call.op, {"error": "CollectiveError", "message": problem})
+        try:
+            routes = self._route(call.op, call.root, contributions)
+        except Exception as exc:
+            return self._error_all(seq, call.op, self._remote_error(seq, call.op, exc))
+        messages: dict[int, Message] = {}  # one message per distinct payload: serialize once
+        out = []
+        for rank, segments in enumerate(routes):
+            msg = messages.get(id(segments))
+            if msg is None:
+                msg = messages[id(segments)] = Message(
+                    Kind.RESULT, call.op, NO_RANK, call.root, seq, self.session, segments=segments)
+            out.append((self.by_rank[rank].peer, msg))
+        return out
 
-        def result(segments: list[list[Any]]) -> Message:
-            return Message(Kind.RESULT, segments=segments, **header)
+    def _malformed_call(self, seq: int, call: Call, contributions: list[Message]) -> Optional[str]:
+        """Why the call cannot complete as it is (a sender's own error, a wrong
+        number of values), or None."""
+        head = f"seq {seq} {call.op.label}"
+        for rank, c in enumerate(contributions):
+            if c.flags & FLAG_LOCAL_ERROR:
+                return f"{head}: rank {rank} failed: {c.body().get('message', '?')}"
+        n = self.num_replicas
+        sent = len(contributions[call.root].segments)
+        if call.op is Op.SCATTER and sent != n:
+            return f"{head}: root {call.root} sent {sent} values for {n} replicas"
+        if call.op is Op.ALLTOALL:
+            short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
+            if short:
+                return f"{head}: {rank_list(short)} did not send exactly {n} values"
+        if call.op in (Op.ALLGATHER, Op.GATHER, Op.ALLREDUCE, Op.REDUCE):
+            empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
+            if empty:
+                return f"{head}: {rank_list(empty)} sent no value"
+        if call.op is Op.BROADCAST and sent != 1:
+            return f"{head}: root {call.root} sent no value"
+        return None
 
-        empty = result([])
+    def _route(self, op: Op, root: int, contributions: list[Message]) -> list[list[list[Any]]]:
+        """The segments each rank receives, by rank. Ranks given the same list
+        object get the same frames."""
+        n, nothing = self.num_replicas, cast("list[list[Any]]", [])
         if op in (Op.ALLREDUCE, Op.REDUCE):
-            try:
-                value = self._reduce(contributions, root)
-                segment = _serialize.dumps(value, "reduction result")
-            except Exception as exc:
-                return self._error_all(seq, op, self._remote_error(seq, op, exc))
-            if op is Op.ALLREDUCE:
-                full = result([segment])
-                return [(p, full) for p in peers]
-            return [(p, result([segment]) if r == root else empty) for r, p in enumerate(peers)]
-        if op is Op.BROADCAST:
-            full = result(contributions[root].segments)
-            return [(p, empty if r == root else full) for r, p in enumerate(peers)]
-        if op is Op.ALLGATHER:
-            full = result([c.segments[0] for c in contributions])
-            return [(p, full) for p in peers]
-        if op is Op.GATHER:
-            full = result([c.segments[0] for c in contributions])
-            return [(p, full if r == root else empty) for r, p in enumerate(peers)]
-        if op is Op.SCATTER:
+            result = [_serialize.dumps(self._reduce(contributions, root), "reduction result")]
+            return [result if op is Op.ALLREDUCE or r == root else nothing for r in range(n)]
+        if op is Op.BROADCAST:  # forwarded as the root sent it, never unpickled here
+            value = contributions[root].segments
+            return [nothing if r == root else value for r in range(n)]
+        if op in (Op.ALLGATHER, Op.GATHER):
+            values = [c.segments[0] for c in contributions]
+            return [values if op is Op.ALLGATHER or r == root else nothing for r in range(n)]
+        if op is Op.SCATTER:  # the root keeps its own part
             parts = contributions[root].segments
-            if len(parts) != self.num_replicas:
-                return self._error_all(seq, op, {
-                    "error": "CollectiveError",
-                    "message": f"seq {seq} scatter: root {root} sent {len(parts)} values "
-                               f"for {self.num_replicas} replicas"})
-            return [(p, empty if r == root else result([parts[r]])) for r, p in enumerate(peers)]
+            return [nothing if r == root else [parts[r]] for r in range(n)]
         if op is Op.ALLTOALL:
-            bad = [r for r, c in enumerate(contributions) if len(c.segments) != self.num_replicas]
-            if bad:
-                return self._error_all(seq, op, {
-                    "error": "CollectiveError",
-                    "message": f"seq {seq} alltoall: {rank_list(bad)} did not send exactly "
-                               f"{self.num_replicas} values"})
-            return [(p, result([c.segments[r] for c in contributions])) for r, p in enumerate(peers)]
-        return [(p, empty) for p in peers]  # BARRIER, TEARDOWN
+            return [[c.segments[r] for c in contributions] for r in range(n)]
+        return [nothing] * n  # barrier, teardown
 
     def _reduce(self, contributions: list[Message], root: int) -> Any:
         fn_frame = contributions[root].fn

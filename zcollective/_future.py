@@ -20,7 +20,7 @@ ASYNC_RECHECK_S = 0.5  # an awaiting coroutine re-checks liveness this often wit
 
 
 class _Driver(Protocol):
-    def _wait(self, future: "CollectiveFuture[Any]", timeout: Optional[float]) -> None: ...
+    def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None: ...
     def _progress(self) -> None: ...
     def _fds(self) -> list[int]: ...
 
@@ -66,7 +66,7 @@ class CollectiveFuture(Generic[T]):
         for fn in callbacks:
             self._run_callback(fn)
 
-    def _run_callback(self, fn: Callable[["CollectiveFuture[T]"], None]) -> None:
+    def _run_callback(self, fn: Callable[[CollectiveFuture[T]], None]) -> None:
         try:
             fn(self)
         except Exception:
@@ -119,7 +119,7 @@ class CollectiveFuture(Generic[T]):
             self._driver._wait(self, timeout)
         return self._error
 
-    def add_done_callback(self, fn: Callable[["CollectiveFuture[T]"], None]) -> None:
+    def add_done_callback(self, fn: Callable[[CollectiveFuture[T]], None]) -> None:
         """Call ``fn(future)`` when the call finishes (at once if it has).
         Callbacks run in the thread that owns the group, during a library call."""
         if self._done:
@@ -154,7 +154,7 @@ class CollectiveFuture(Generic[T]):
         return self.result(0)
 
 
-def _wake(woken: "asyncio.Future[None]") -> None:
+def _wake(woken: asyncio.Future[None]) -> None:
     if not woken.done():
         woken.set_result(None)
 

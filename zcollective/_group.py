@@ -145,7 +145,7 @@ class Group:
         state = "closed" if self._closed else "open"
         return f"<zcollective.Group rank={self.rank} size={self.size} {self.config.endpoint} {state}>"
 
-    def __enter__(self) -> "Group":
+    def __enter__(self) -> Group:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

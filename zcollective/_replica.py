@@ -17,9 +17,8 @@ from typing import Any, Callable, Optional
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import _sockets
+from . import _sockets, _wire
 from ._coordinator import PYTHON_VERSION
-from . import _wire
 from ._wire import Kind, Message, Op, VersionError, WireError, control, decode, encode
 from .config import Config
 from .errors import (
@@ -38,6 +37,8 @@ MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 )
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 
 ERROR_TYPES: dict[str, type[Exception]] = {
     "ReplicaLostError": ReplicaLostError,
@@ -231,7 +232,7 @@ class Replica:
             remaining = _sockets.POLL_SLICE_S
             if deadline is not None:
                 remaining = min(remaining, deadline - time.monotonic())
-            events = dict(self.poller.poll(max(0.0, remaining) * 1000))
+            events = dict(self.poller.poll(int(max(0.0, remaining) * 1000)))
             if self.dealer in events:  # first: a FAIL that came before a disconnect explains it
                 self._drain_dealer()
             if self.monitor in events:
@@ -292,12 +293,11 @@ class Replica:
                 self._fail(ReplicaLostError(
                     f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: "
                     f"connection closed or heartbeats unanswered; {self._describe_in_flight()}"))
-            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                if self.session == 0:
-                    self._fail(ProtocolError(
-                        f"rank {self.rank}: the program listening at {self.endpoint} is not a "
-                        f"zcollective coordinator (the ZeroMQ handshake failed); is the master "
-                        f"port used by another program?"))
+            elif kind in HANDSHAKE_FAILED and self.session == 0:
+                self._fail(ProtocolError(
+                    f"rank {self.rank}: the program listening at {self.endpoint} is not a "
+                    f"zcollective coordinator (the ZeroMQ handshake failed); is the master "
+                    f"port used by another program?"))
 
     def _describe_in_flight(self) -> str:
         if not self._in_flight:

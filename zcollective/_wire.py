@@ -25,7 +25,7 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 PROTOCOL_VERSION = 1  # bump on any change to the layout below
 MAGIC = b"ZC"

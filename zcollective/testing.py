@@ -42,7 +42,7 @@ class ReplicasFailed(AssertionError):
     ``outcomes`` holds one :class:`Outcome` per rank.
     """
 
-    def __init__(self, message: str, outcomes: list["Outcome"]) -> None:
+    def __init__(self, message: str, outcomes: list[Outcome]) -> None:
         super().__init__(message)
         self.outcomes = outcomes
 
@@ -76,8 +76,8 @@ class Outcome:
         if self.traceback:
             text += self.traceback
         output = self.output[-OUTPUT_TAIL_CHARS:]
-        text += "--- rank %d output%s:\n%s" % (self.rank, " (tail)" if len(self.output) > len(output)
-                                              else "", output or "(none)\n")
+        tail = " (tail)" if len(self.output) > len(output) else ""
+        text += f"--- rank {self.rank} output{tail}:\n{output or '(none)'}\n"
         return text
 
 
@@ -131,7 +131,7 @@ class Replicas:
             })
             child_env.update(env or {})
             child_env.update((rank_env or {}).get(rank, {}))
-            out = open(os.path.join(self._dir.name, f"out{rank}.txt"), "w+b")
+            out = open(os.path.join(self._dir.name, f"out{rank}.txt"), "w+b")  # noqa: SIM115 (closed in wait)
             self._outs.append(out)
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "zcollective._child", payload,
@@ -186,7 +186,7 @@ class Replicas:
         for proc in self.procs:
             proc.wait()
 
-    def __enter__(self) -> "Replicas":
+    def __enter__(self) -> Replicas:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
