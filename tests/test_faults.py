@@ -257,7 +257,7 @@ def test_port_answered_by_a_non_zeromq_program_fails_fast():
         start = time.monotonic()
         with pytest.raises(zc.ProtocolError, match="is not a zcollective coordinator"):
             zc.Group("127.0.0.1", server.getsockname()[1], 1, 2, timeout=20)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 15  # FOREIGN_PEER_S and slack, not the 20 s timeout
     finally:
         stop.set()
         thread.join(5)

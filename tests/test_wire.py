@@ -122,3 +122,24 @@ def test_unserializable_value_names_its_type():
     with pytest.raises(SerializationError, match="threading.Lock|_thread.lock") as info:
         _serialize.dumps(threading.Lock())
     assert isinstance(info.value, TypeError)
+
+
+def test_signed_messages_verify_and_any_change_is_refused():
+    from zcollective._wire import FLAG_AUTH, AuthError, Signer
+
+    signer = Signer(b"s" * 32)
+    msg = Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=9, session=7, segments=[[b"ab", b"cd"]])
+    frames = encode(msg, signer)
+    back = decode(frames, signer=signer)
+    assert back.flags & FLAG_AUTH and [bytes(f) for f in back.segments[0]] == [b"ab", b"cd"]
+    tampered = [bytes(f) for f in frames]
+    tampered[-2] = b"ce"
+    shifted = frames[:-3] + [b"a", b"bcd"] + frames[-1:]  # same bytes, other frame boundaries
+    for bad in (tampered, shifted, frames[:-1], encode(msg, Signer(b"t" * 32))):
+        with pytest.raises(AuthError):
+            decode(bad, signer=signer)
+    with pytest.raises(AuthError, match="no authentication tag") as info:
+        decode(encode(msg), signer=signer)
+    assert info.value.missing
+    # a receiver without the secret can still see that the sender has one
+    assert decode(frames).flags & FLAG_AUTH

@@ -14,7 +14,7 @@ yourself to hold several groups at once. This module holds no logic.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ._future import CollectiveFuture
 from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
@@ -62,6 +62,8 @@ def initialize(
     timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S,
     op_timeout: Optional[float] = None,
     liveness_timeout: Optional[float] = None,
+    secret: Union[bytes, str, None] = None,
+    bind_addr: Optional[str] = None,
 ) -> None:
     """Join the default group; blocks until every replica has called it.
 
@@ -81,6 +83,14 @@ def initialize(
     liveness_timeout
         Seconds after which a silent peer is declared lost
         (``ZCOLLECTIVE_LIVENESS_TIMEOUT``; default 10, at least 1).
+    secret
+        The job's shared secret (``ZCOLLECTIVE_SECRET``, or the file named by
+        ``ZCOLLECTIVE_SECRET_FILE``): every message is authenticated with it,
+        and nothing from a peer without it is ever unpickled. See
+        docs/security.md.
+    bind_addr
+        Where rank 0 listens (``ZCOLLECTIVE_BIND_ADDR``); default: the
+        interface of ``master_addr``. ``"*"`` listens on every interface.
 
     Raises
     ------
@@ -88,6 +98,8 @@ def initialize(
         Already initialized.
     ValueError
         A malformed or inconsistent configuration; names its source.
+    AuthenticationError
+        This replica and rank 0 do not share the same secret.
     CollectiveTimeoutError, ProtocolError, CollectiveError
         As for :class:`Group`.
     """
@@ -95,7 +107,8 @@ def initialize(
     if _group is not None and not _group.closed:
         raise RuntimeError("zcollective is already initialized: call teardown() first")
     _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
-                   op_timeout=op_timeout, liveness_timeout=liveness_timeout)
+                   op_timeout=op_timeout, liveness_timeout=liveness_timeout, secret=secret,
+                   bind_addr=bind_addr)
 
 
 def teardown(*, timeout: Timeout = DEFAULT) -> None:

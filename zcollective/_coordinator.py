@@ -42,12 +42,15 @@ from typing import Any, Optional, cast
 
 from . import _serialize
 from ._wire import (
+    FLAG_AUTH,
     FLAG_LOCAL_ERROR,
     NO_RANK,
     PROTOCOL_VERSION,
+    AuthError,
     Kind,
     Message,
     Op,
+    Signer,
     VersionError,
     WireError,
     control,
@@ -76,6 +79,7 @@ class Member:
     pid: int = 0
     host: str = "?"
     fd: Optional[int] = None
+    nonce: str = ""  # echoed in WELCOME: binds it to this JOIN, so an old WELCOME cannot be replayed
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
@@ -103,8 +107,11 @@ def describe_call(op: Op, root: int) -> str:
 class Coordinator:
     """Per-group collective state; see the module docstring for the rules."""
 
-    def __init__(self, num_replicas: int, session: int, max_frames: int) -> None:
+    def __init__(self, num_replicas: int, session: int, max_frames: int,
+                 signer: Optional[Signer] = None) -> None:
         self.num_replicas = num_replicas
+        self.signer = signer
+        self._join_nonces: set[str] = set()
         self.session = session
         self.max_frames = max_frames
         self.phase = Phase.JOINING
@@ -123,7 +130,9 @@ class Coordinator:
         """Handle one message from ``peer``; return what to send to whom."""
         member = self.members.get(peer)
         try:
-            msg = decode(frames, self.max_frames)
+            msg = decode(frames, self.max_frames, self.signer)
+        except AuthError as exc:
+            return self._on_auth_error(peer, frames, exc, member, address)
         except VersionError as exc:
             return self._on_version_error(peer, frames, exc, member, address)
         except WireError as exc:
@@ -188,6 +197,22 @@ class Coordinator:
     def expected_fds(self) -> dict[int, int]:
         return {m.fd: m.rank for m in self.members.values() if m.fd is not None}
 
+    def _on_auth_error(self, peer: bytes, frames: list[Any], exc: AuthError,
+                       member: Optional[Member], address: str) -> list[Out]:
+        if member is not None:  # only a member can write on this connection: altered in flight
+            return self.fail("AuthenticationError", f"a message on the connection of "
+                             f"{member.describe()} at {address} failed authentication ({exc}); "
+                             f"was it altered in flight? {self._in_flight()}", bad=[member.rank])
+        self._warn(address, "auth", f"refused a message from {address} that failed "
+                   f"authentication ({exc}): it does not know the job's secret")
+        head = bytes(memoryview(frames[0])[:4]) if frames else b""
+        if len(head) == 4 and head[3] == Kind.JOIN:  # tell a misconfigured replica at once
+            return [(peer, control(Kind.REJECT, {
+                "error": "AuthenticationError",
+                "message": "the coordinator (rank 0) refused this replica: its messages do not "
+                           "carry the job's secret (set the same ZCOLLECTIVE_SECRET everywhere)"}))]
+        return []
+
     # -- join -----------------------------------------------------------
 
     def _on_version_error(self, peer: bytes, frames: list[Any], exc: VersionError,
@@ -208,6 +233,7 @@ class Coordinator:
             info = msg.body()
             rank, n = info["rank"], info["num_replicas"]
             python, pid, host = info["python"], info.get("pid", 0), str(info.get("host", "?"))[:256]
+            nonce = str(info.get("nonce", ""))[:64]
             if not all(isinstance(x, int) and not isinstance(x, bool) for x in (rank, n, pid)):
                 raise WireError("rank, num_replicas and pid must be integers")
             if not isinstance(python, str):
@@ -216,6 +242,16 @@ class Coordinator:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return []
         who = f"rank {rank} (pid {pid} on {host})"
+        if self.signer is not None:  # without a secret anyone may join anyway
+            if nonce in self._join_nonces:
+                self._warn(address, "replay", f"dropped a replayed JOIN of {who} from {address}")
+                return []
+            self._join_nonces.add(nonce)
+        if msg.flags & FLAG_AUTH and self.signer is None:
+            message = (f"{who} uses a secret, but the coordinator (rank 0) has none: set the "
+                       f"same ZCOLLECTIVE_SECRET on every replica")
+            reject = control(Kind.REJECT, {"error": "AuthenticationError", "message": message})
+            return [(peer, reject), *self.fail("AuthenticationError", message)]
         if self.phase is Phase.FAILED:
             return [(peer, control(Kind.REJECT, self.failure or {}))]
         if self.phase is not Phase.JOINING:
@@ -240,15 +276,14 @@ class Coordinator:
         if problem is not None:
             reject = control(Kind.REJECT, {"error": problem[0], "message": problem[1]})
             return [(peer, reject), *self.fail(*problem)]
-        member = Member(rank, peer, pid, host, fd)
+        member = Member(rank, peer, pid, host, fd, nonce)
         self.members[peer] = member
         self.by_rank[rank] = member
         if len(self.by_rank) < self.num_replicas:
             return []
         self.phase = Phase.RUNNING
-        welcome = control(Kind.WELCOME, {"num_replicas": self.num_replicas},
-                          session=self.session)
-        return [(m.peer, welcome) for m in self.members.values()]
+        return [(m.peer, control(Kind.WELCOME, {"num_replicas": self.num_replicas, "nonce": m.nonce},
+                                 session=self.session)) for m in self.members.values()]
 
     def missing_joins(self) -> list[int]:
         return [r for r in range(self.num_replicas) if r not in self.by_rank]

@@ -71,6 +71,8 @@ class Group:
         Not every replica joined within ``timeout``.
     ProtocolError
         A replica runs another Python or zcollective protocol version.
+    AuthenticationError
+        This replica and rank 0 do not share the same secret.
     CollectiveError
         Rank 0 cannot bind the master address, or the group was already
         running when this replica tried to join.
@@ -87,11 +89,14 @@ class Group:
         op_timeout: Optional[float] = None,
         liveness_timeout: Optional[float] = None,
         max_frame_bytes: Optional[int] = None,
+        secret: Union[bytes, str, None] = None,
+        bind_addr: Optional[str] = None,
         env: Optional[Mapping[str, str]] = None,
     ) -> None:
         self.config: Config = resolve(
             master_addr, master_port, rank, size, timeout=timeout, op_timeout=op_timeout,
-            liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, env=env,
+            liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, secret=secret,
+            bind_addr=bind_addr, env=env,
         )
         self._owner = threading.get_ident()
         self._closed = False

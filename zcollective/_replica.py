@@ -19,9 +19,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import _sockets, _wire
 from ._coordinator import PYTHON_VERSION
-from ._wire import Kind, Message, Op, VersionError, WireError, control, decode, encode
+from ._wire import AuthError, Kind, Message, Op, Signer, VersionError, WireError, control, decode, encode
 from .config import Config
 from .errors import (
+    AuthenticationError,
     CallMismatchError,
     CollectiveError,
     CollectiveTimeoutError,
@@ -34,14 +35,16 @@ log = logging.getLogger("zcollective")
 
 STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
 MONITOR_EVENTS = (
-    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 )
 
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+FOREIGN_PEER_S = 5.0  # handshakes failing this long (and never succeeding) mean a foreign program
+FOREIGN_PEER_TRIES = 3  # ... over at least this many connections
 
 ERROR_TYPES: dict[str, type[Exception]] = {
     "ReplicaLostError": ReplicaLostError,
+    "AuthenticationError": AuthenticationError,
     "CallMismatchError": CallMismatchError,
     "ProtocolError": ProtocolError,
     "CollectiveError": CollectiveError,
@@ -81,11 +84,14 @@ class Replica:
         self._alive = alive  # on rank 0: says why the coordinator thread is gone, if it is
         self._busy = busy  # on rank 0: says what the coordinator thread is stuck in, if anything
         self.session = 0
+        self.signer = Signer(config.secret) if config.secret is not None else None
+        self._nonce = os.urandom(16).hex()
         self.next_seq = 0
         self.deliver: Callable[[int, Message], None] = lambda seq, msg: None
         self.on_failure: Callable[[Exception], None] = lambda error: None
         self.failure: Optional[Exception] = None
         self.connected = alive is not None  # rank 0's inproc link is there at once
+        self._failed_handshakes: list[float] = []  # since the last good one
         self._in_flight: dict[int, str] = {}
         self._status: dict[int, dict[str, Any]] = {}
         self._thread = threading.get_ident()
@@ -117,7 +123,7 @@ class Replica:
         """
         body = {"rank": self.rank, "num_replicas": self.config.num_replicas,
                 "protocol": _wire.PROTOCOL_VERSION, "python": PYTHON_VERSION,
-                "pid": os.getpid(), "host": socket.gethostname()}
+                "pid": os.getpid(), "host": socket.gethostname(), "nonce": self._nonce}
         self._send(control(Kind.JOIN, body, rank=self.rank))
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.wait_for(lambda: self.session != 0, deadline):
@@ -221,7 +227,7 @@ class Replica:
     # -- I/O ----------------------------------------------------------------
 
     def _send(self, msg: Message) -> None:
-        frames = encode(msg)
+        frames = encode(msg, self.signer)
         with _sockets.mapped(f"rank {self.rank} could not send seq {msg.seq}"):
             self.dealer.send_multipart(frames, copy=self._copy)
 
@@ -258,7 +264,18 @@ class Replica:
 
     def _dispatch(self, frames: list[Any]) -> None:
         try:
-            msg = decode(frames)
+            msg = decode(frames, signer=self.signer)
+        except AuthError as exc:
+            if self.session == 0:
+                why = "rank 0 has no secret" if exc.missing else "rank 0 has a different secret"
+                self._fail(AuthenticationError(
+                    f"rank {self.rank}: a reply of the coordinator at {self.endpoint} failed "
+                    f"authentication ({exc}): {why}; set the same ZCOLLECTIVE_SECRET everywhere"))
+            else:
+                self._fail(AuthenticationError(
+                    f"rank {self.rank}: a message from the coordinator at {self.endpoint} failed "
+                    f"authentication ({exc}); was it altered in flight? {self._describe_in_flight()}"))
+            return
         except VersionError as exc:
             self._fail(ProtocolError(f"rank {self.rank}: the coordinator at {self.endpoint} speaks "
                                      f"protocol version {exc.version}, this replica speaks "
@@ -276,7 +293,8 @@ class Replica:
         elif kind is Kind.STATUS_REPLY:
             self._status[msg.seq] = msg.body()
         elif kind is Kind.WELCOME:
-            self.session = msg.session
+            if msg.body().get("nonce") == self._nonce:  # an answer to this JOIN, not a replay
+                self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
             self._fail(error_from(msg.body()))
 
@@ -293,11 +311,25 @@ class Replica:
                 self._fail(ReplicaLostError(
                     f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: "
                     f"connection closed or heartbeats unanswered; {self._describe_in_flight()}"))
-            elif kind in HANDSHAKE_FAILED and self.session == 0:
-                self._fail(ProtocolError(
-                    f"rank {self.rank}: the program listening at {self.endpoint} is not a "
-                    f"zcollective coordinator (the ZeroMQ handshake failed); is the master "
-                    f"port used by another program?"))
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failed_handshakes.clear()
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                self._on_failed_handshake(kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+    def _on_failed_handshake(self, protocol_violation: bool) -> None:
+        """A ZMTP protocol violation proves a foreign program at once. A connection
+        closed during the handshake may be a proxy or a coordinator still starting,
+        so that counts only when it keeps happening."""
+        if self.session != 0:
+            return
+        failures = self._failed_handshakes
+        failures.append(time.monotonic())
+        if protocol_violation or (len(failures) >= FOREIGN_PEER_TRIES
+                                  and failures[-1] - failures[0] >= FOREIGN_PEER_S):
+            self._fail(ProtocolError(
+                f"rank {self.rank}: the program listening at {self.endpoint} is not a zcollective "
+                f"coordinator ({len(failures)} ZeroMQ handshakes failed); is the master port "
+                f"used by another program?"))
 
     def _describe_in_flight(self) -> str:
         if not self._in_flight:

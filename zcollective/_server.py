@@ -8,8 +8,10 @@ reports its start-up (bind) result with a bounded wait.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Optional
@@ -19,7 +21,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import _sockets
 from ._coordinator import Coordinator, Out, Phase
-from ._wire import DEFAULT_MAX_FRAMES, encode
+from ._wire import DEFAULT_MAX_FRAMES, Signer, encode
 from .config import Config
 from .errors import CollectiveError
 
@@ -37,7 +39,9 @@ class Server:
         self.config = config
         self.local_endpoint = local_endpoint
         self.session = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "not joined"
-        self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES)
+        self.signer = Signer(config.secret) if config.secret is not None else None
+        self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
+                                       self.signer)
         self.crashed: Optional[str] = None
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
@@ -102,8 +106,12 @@ class Server:
         router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
         _sockets.set_never_drop(router)
         _sockets.set_heartbeats(router, config)
+        host = _bindable(config.bind_host)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+            router.setsockopt(zmq.IPV6, 1)
         try:
-            router.bind(config.endpoint)
+            router.bind(f"tcp://{host}:{config.master_port}")
         except zmq.ZMQError as exc:
             router.close(linger=0)
             if exc.errno == zmq.EADDRINUSE:
@@ -114,6 +122,12 @@ class Server:
                 f"rank 0 cannot bind the coordinator to {config.endpoint}: {exc.strerror} "
                 f"(master_addr must be an address of rank 0's host)") from None
         router.bind(self.local_endpoint)
+        if config.secret is None and not _is_loopback(config.bind_host):
+            log.warning(
+                "zcollective: the coordinator listens on %s:%d without a secret: anyone who can "
+                "reach this port can run code in every replica (pickles are code). Set "
+                "ZCOLLECTIVE_SECRET or ZCOLLECTIVE_SECRET_FILE on every replica; see "
+                "docs/security.md", config.bind_host, config.master_port)
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         pipe = self.ctx.socket(zmq.PAIR)
         pipe.connect(self._pipe_endpoint)
@@ -188,8 +202,11 @@ class Server:
 
     def _send_all(self, outs: list[Out]) -> None:
         lost: list[tuple[int, str]] = []
+        encoded: dict[int, list[Any]] = {}  # one message to many ranks is encoded (and signed) once
         for peer, msg in outs:
-            frames = encode(msg)
+            frames = encoded.get(id(msg))
+            if frames is None:
+                frames = encoded[id(msg)] = encode(msg, self.signer)
             member = self.coordinator.members.get(peer)
             # rank 0 shares this process: give it copies, so mutating its result
             # cannot change buffers still being sent to the other ranks
@@ -216,3 +233,27 @@ def _origin(frame: Any) -> tuple[Optional[int], str]:
     except zmq.ZMQError:  # inproc (rank 0), or a legacy ZMTP 1.0 peer: libzmq gives no address
         address = "an unknown address"
     return (fd if fd is not None and fd >= 0 else None), address
+
+
+def _bindable(host: str) -> str:
+    """libzmq binds interfaces and IP literals: resolve a host name to its IP."""
+    if host == "*":
+        return host
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return host
+    except ValueError:
+        pass
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError:
+        return host  # let bind report it
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "*":
+        return False
+    try:
+        return ipaddress.ip_address(_bindable(host).strip("[]")).is_loopback
+    except ValueError:
+        return False

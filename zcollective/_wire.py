@@ -21,11 +21,13 @@ alltoall) without ever unpickling them.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 PROTOCOL_VERSION = 1  # bump on any change to the layout below
 MAGIC = b"ZC"
@@ -36,6 +38,10 @@ DEFAULT_MAX_FRAMES = 1 << 20  # alltoall at 64 ranks with many arrays stays far 
 
 FLAG_FN = 0x01  # a pickled reduce function follows the header
 FLAG_LOCAL_ERROR = 0x02  # the contribution is a JSON error raised on its sender
+FLAG_AUTH = 0x04  # the last frame is an HMAC-SHA256 tag over all the others
+
+TAG_BYTES = 32
+KEY_LABEL = b"zcollective-v1-hmac-sha256"  # binds derived keys to this protocol
 
 NO_RANK = -1  # the coordinator itself, or "not a rank"
 
@@ -77,6 +83,52 @@ class Op(enum.IntEnum):
 
 class WireError(ValueError):
     """Frames that do not form a valid message; ``reason`` says why."""
+
+
+class AuthError(WireError):
+    """A message whose tag is missing or wrong: not from a holder of the secret,
+    or altered in flight. ``missing`` tells the two apart."""
+
+    def __init__(self, reason: str, missing: bool = False) -> None:
+        super().__init__(reason)
+        self.missing = missing
+
+
+class Signer:
+    """HMAC-SHA256 over every frame, keyed from the job's secret.
+
+    Each frame is fed with its length first, so frame boundaries are
+    authenticated too. The header (inside the tag) carries the session and
+    sequence number, which the receivers check, so a replayed message is
+    refused.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        key = hmac.new(secret, KEY_LABEL, hashlib.sha256).digest()
+        self._base = hmac.new(key, digestmod=hashlib.sha256)
+
+    def tag(self, frames: Sequence[Any]) -> bytes:
+        h = self._base.copy()
+        for frame in frames:
+            view = memoryview(frame)
+            h.update(view.nbytes.to_bytes(8, "little"))
+            h.update(view)
+        return h.digest()
+
+    def verify(self, frames: Sequence[Any]) -> Sequence[Any]:
+        """The frames without their tag, if the tag is right.
+
+        Raises
+        ------
+        AuthError
+            No tag, or a wrong one.
+        """
+        if len(frames) < 2 or memoryview(frames[-1]).nbytes != TAG_BYTES:
+            raise AuthError("message carries no authentication tag", missing=True)
+        body = frames[:-1]
+        if not hmac.compare_digest(self.tag(body), bytes(memoryview(frames[-1]))):
+            raise AuthError("authentication tag does not match")
+        return body
 
 
 class VersionError(WireError):
@@ -126,10 +178,11 @@ def _parse_json(frame: Any) -> dict[str, Any]:
     return body
 
 
-def encode(msg: Message) -> list[Any]:
-    """The frames of ``msg``; buffers of segments are passed through uncopied."""
+def encode(msg: Message, signer: Optional[Signer] = None) -> list[Any]:
+    """The frames of ``msg``, tagged when there is a ``signer``; buffers of
+    segments are passed through uncopied."""
     site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES]
-    flags = msg.flags | (FLAG_FN if msg.fn is not None else 0)
+    flags = msg.flags | (FLAG_FN if msg.fn is not None else 0) | (FLAG_AUTH if signer else 0)
     header = HEADER.pack(
         MAGIC, PROTOCOL_VERSION, msg.kind, msg.op, flags,
         msg.rank, msg.root, msg.seq, msg.session, len(msg.segments),
@@ -141,14 +194,23 @@ def encode(msg: Message) -> list[Any]:
         frames.append(struct.pack(f"<{len(msg.segments)}I", *map(len, msg.segments)))
         for seg in msg.segments:
             frames.extend(seg)
+    if signer is not None:
+        frames.append(signer.tag(frames))
     return frames
 
 
-def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES) -> Message:
+def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
+           signer: Optional[Signer] = None) -> Message:
     """Parse frames into a :class:`Message`, validating shape before unpacking.
+
+    With a ``signer``, the tag is verified before anything else is looked
+    at. Without one, a tag is stripped unverified and ``FLAG_AUTH`` stays in
+    ``flags``, so the receiver can tell that its peer uses a secret.
 
     Raises
     ------
+    AuthError
+        With a ``signer``: the tag is missing or wrong.
     VersionError
         The header is of another protocol version.
     WireError
@@ -159,6 +221,8 @@ def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES) -> Messa
         raise WireError("empty message")
     if len(frames) > max_frames:
         raise WireError(f"{len(frames)} frames exceed the bound of {max_frames}")
+    if signer is not None:
+        frames = signer.verify(frames)
     head = memoryview(frames[0])
     if head.nbytes < 3 or head[:2].tobytes() != MAGIC:
         raise WireError("no zcollective header (bad magic)")
@@ -167,6 +231,10 @@ def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES) -> Messa
     if head.nbytes < HEADER.size or head.nbytes > HEADER.size + MAX_CALLSITE_BYTES:
         raise WireError(f"header of {head.nbytes} bytes, expected {HEADER.size} plus a call site")
     _, _, kind, op, flags, rank, root, seq, session, nseg = HEADER.unpack_from(head)
+    if signer is not None and not flags & FLAG_AUTH:
+        raise AuthError("tag present but the header does not announce it")
+    if signer is None and flags & FLAG_AUTH:
+        frames = frames[:-1]  # a tag this side cannot check
     try:
         kind, op = Kind(kind), Op(op)
     except ValueError as exc:

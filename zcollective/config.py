@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"  # one machine needs no configuration at all
@@ -35,7 +35,12 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "op_timeout": ("ZCOLLECTIVE_TIMEOUT",),
     "liveness_timeout": ("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
     "max_frame_bytes": ("ZCOLLECTIVE_MAX_FRAME_BYTES",),
+    "bind_addr": ("ZCOLLECTIVE_BIND_ADDR",),
 }
+SECRET_ENV = "ZCOLLECTIVE_SECRET"
+SECRET_FILE_ENV = "ZCOLLECTIVE_SECRET_FILE"
+MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
+ALL_INTERFACES = ("*", "0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class Config:
     op_timeout: Optional[float] = DEFAULT_OP_TIMEOUT_S
     liveness_timeout: float = DEFAULT_LIVENESS_S
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    secret: Optional[bytes] = field(default=None, repr=False)
+    bind_addr: Optional[str] = None  # rank 0 binds here; None: the interface of master_addr
 
     @property
     def endpoint(self) -> str:
@@ -57,6 +64,11 @@ class Config:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # IPv6 literal
         return f"tcp://{host}:{self.master_port}"
+
+    @property
+    def bind_host(self) -> str:
+        host = self.bind_addr or self.master_addr
+        return "*" if host in ALL_INTERFACES else host
 
 
 def _lookup(field: str, arg: object, argname: str, env: Mapping[str, str]) -> tuple[object, str]:
@@ -97,6 +109,31 @@ def _as_timeout(value: object, source: str, allow_none: bool = True) -> Optional
     return seconds
 
 
+def _secret(secret: Union[bytes, str, None], env: Mapping[str, str]) -> Optional[bytes]:
+    if secret is not None:
+        raw, source = secret, "argument secret"
+    elif env.get(SECRET_ENV):
+        raw, source = env[SECRET_ENV], f"environment variable {SECRET_ENV}"
+    elif env.get(SECRET_FILE_ENV):
+        path = env[SECRET_FILE_ENV]
+        source = f"the file {path!r} named by {SECRET_FILE_ENV}"
+        try:
+            with open(path, "rb") as f:
+                raw = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read {source}: {exc.strerror}") from None
+    else:
+        return None
+    if isinstance(raw, str):
+        raw = raw.encode()
+    if not isinstance(raw, bytes):
+        raise ValueError(f"{source} must be bytes or str, not {type(raw).__name__}")
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"{source} is {len(raw)} bytes long; use at least {MIN_SECRET_BYTES} "
+                         f"(for instance: python -c 'import secrets; print(secrets.token_hex(32))')")
+    return raw
+
+
 def resolve(
     master_addr: Optional[str] = None,
     master_port: Optional[int] = None,
@@ -107,6 +144,8 @@ def resolve(
     op_timeout: Optional[Number] = None,
     liveness_timeout: Optional[Number] = None,
     max_frame_bytes: Optional[int] = None,
+    secret: Union[bytes, str, None] = None,
+    bind_addr: Optional[str] = None,
     env: Optional[Mapping[str, str]] = None,
 ) -> Config:
     """Build a :class:`Config` from arguments, then the environment, then defaults.
@@ -159,7 +198,13 @@ def resolve(
     if max_frame < 1024:
         raise ValueError(f"{src}={raw!r} must be at least 1024")
 
+    raw, src = _lookup("bind_addr", bind_addr, "bind_addr", env)
+    if raw is not None and (not str(raw) or any(c.isspace() or c == "/" for c in str(raw))):
+        raise ValueError(f"{src}={raw!r} is not an address to bind")
+
     return Config(
+        secret=_secret(secret, env),
+        bind_addr=None if raw is None else str(raw),
         master_addr=addr,
         master_port=port,
         rank=rank,

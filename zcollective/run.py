@@ -7,7 +7,8 @@ mode or mpiexec.
 
 Each replica gets ``ZCOLLECTIVE_MASTER_ADDR``, ``ZCOLLECTIVE_MASTER_PORT``,
 ``ZCOLLECTIVE_REPLICA_RANK``, ``ZCOLLECTIVE_NUM_REPLICAS`` and
-``ZCOLLECTIVE_LOCAL_RANK``; its output is prefixed with ``[rank]``. The
+``ZCOLLECTIVE_LOCAL_RANK``; on a single host, also a fresh random
+``ZCOLLECTIVE_SECRET`` (unless one is set). Its output is prefixed with ``[rank]``. The
 launcher exits with the first non-zero exit code; when a replica fails, the
 others are stopped after a grace period. Ctrl-C stops every replica.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,7 +25,7 @@ import threading
 import time
 from typing import IO, Optional
 
-from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, SECRET_ENV, SECRET_FILE_ENV
 
 DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit by itself
 KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
@@ -93,9 +95,15 @@ class Launcher:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.threads: list[threading.Thread] = []
         self.interrupted = False
+        self.secret: Optional[str] = None
+        if ns.nnodes == 1 and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
+            # one host: a fresh secret per job, so nobody else on the machine can join or inject
+            self.secret = secrets.token_hex(32)
 
     def env_for(self, rank: int, local_rank: int, port: int, size: int) -> dict[str, str]:
         env = dict(os.environ)
+        if self.secret is not None:
+            env[SECRET_ENV] = self.secret
         env.update({
             "ZCOLLECTIVE_MASTER_ADDR": self.ns.master_addr or DEFAULT_MASTER_ADDR,
             "ZCOLLECTIVE_MASTER_PORT": str(port),

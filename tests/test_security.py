@@ -1,0 +1,256 @@
+"""Authentication with a shared secret: strangers, wrong secrets, tampering,
+binding. Real processes on loopback."""
+
+import os
+import socket
+import threading
+
+import pytest
+
+import zcollective as zc
+from zcollective.testing import Replicas, free_port, report, run_replicas
+
+SECRET = "0123456789abcdef-the-job-secret"
+
+
+def total_with_secret(secret=None):
+    if secret is not None:  # from the argument
+        zc.initialize(secret=secret, timeout=30)
+    result = zc.allreduce(zc.get_rank() + 1)
+    if secret is not None:
+        zc.teardown()
+    return result
+
+
+def test_secret_from_argument_environment_and_file(tmp_path):
+    assert run_replicas(total_with_secret, 3, SECRET, initialize=False) == [6, 6, 6]
+    assert run_replicas(total_with_secret, 3, env={"ZCOLLECTIVE_SECRET": SECRET}) == [6, 6, 6]
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    assert run_replicas(total_with_secret, 3, env={"ZCOLLECTIVE_SECRET_FILE": str(path)}) == [6, 6, 6]
+
+
+def test_short_or_unreadable_secret_is_a_value_error(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="argument secret is 5 bytes long; use at least 16"):
+        zc.Group(secret="short")
+    monkeypatch.setenv("ZCOLLECTIVE_SECRET_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read the file .* named by ZCOLLECTIVE_SECRET_FILE"):
+        zc.Group()
+
+
+def join_outcome():
+    try:
+        zc.initialize(timeout=4)
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc)
+    zc.teardown()
+    return "ok", ""
+
+
+@pytest.mark.parametrize("rank1_env, text", [
+    ({"ZCOLLECTIVE_SECRET": "a-different-secret-of-enough-length"},
+     "failed authentication (authentication tag does not match): rank 0 has a different secret"),
+    ({"ZCOLLECTIVE_SECRET": ""}, "its messages do not carry the job's secret"),
+])
+def test_replica_without_the_right_secret_gets_authentication_error(rank1_env, text):
+    with Replicas(join_outcome, 2, initialize=False, env={"ZCOLLECTIVE_SECRET": SECRET},
+                  rank_env={1: rank1_env}) as reps:
+        outs = reps.wait(30)
+    name, message = outs[1].value
+    assert name == "AuthenticationError", report(outs, "")
+    assert text in message
+    if "different secret" in text:
+        assert "tcp://127.0.0.1:" in message  # names the master address
+    assert outs[0].value[0] == "CollectiveTimeoutError"  # rank 0 says who never joined
+    assert "ranks 1 had not joined" in outs[0].value[1]
+    assert outs[0].output.count("failed authentication") == 1, outs[0].output  # logged once
+
+
+def test_replica_with_a_secret_refuses_a_coordinator_without_one():
+    with Replicas(join_outcome, 2, initialize=False, rank_env={1: {"ZCOLLECTIVE_SECRET": SECRET}}) as reps:
+        outs = reps.wait(30)
+    assert [o.value[0] for o in outs] == ["AuthenticationError"] * 2, report(outs, "")
+    assert "rank 1 (pid" in outs[0].value[1]
+    assert "uses a secret, but the coordinator (rank 0) has none" in outs[0].value[1]
+    assert "carries no authentication tag): rank 0 has no secret" in outs[1].value[1]
+
+
+class Boom:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def attack(port, marker, stop):
+    import zmq
+
+    from zcollective import _serialize
+    from zcollective._wire import Kind, Message, Op, Signer, control, encode
+
+    evil = _serialize.dumps(Boom(marker))
+    wrong = Signer(b"not-the-secret-but-long-enough")
+    ctx = zmq.Context()
+    try:
+        while not stop.is_set():
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 100)
+            s.connect(f"tcp://127.0.0.1:{port}")
+            join = control(Kind.JOIN, {"rank": 1, "num_replicas": 3, "python": "3.11",
+                                       "pid": 6, "host": "evil", "nonce": os.urandom(8).hex()}, rank=1)
+            contrib = Message(Kind.CONTRIB, Op.ALLREDUCE, rank=0, seq=0, session=1,
+                              fn=evil[0], segments=[evil])
+            for msg in (join, contrib):
+                s.send_multipart(encode(msg))
+                s.send_multipart(encode(msg, wrong))
+                s.send_multipart([*encode(msg), b"\0" * 32])
+            s.close()
+            stop.wait(0.05)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def honest(steps):
+    return [zc.allreduce(i * (zc.get_rank() + 1)) for i in range(steps)]
+
+
+def test_stranger_without_the_secret_is_refused_and_nothing_it_sent_runs(tmp_path):
+    marker = str(tmp_path / "pwned")
+    port = free_port()
+    stop = threading.Event()
+    attacker = threading.Thread(target=attack, args=(port, marker, stop), daemon=True)
+    attacker.start()  # before, during and after the join
+    try:
+        with Replicas(honest, 3, 300, port=port, env={"ZCOLLECTIVE_SECRET": SECRET}) as reps:
+            outs = reps.wait(60)
+    finally:
+        stop.set()
+        attacker.join(10)
+    assert all(o.ok for o in outs), report(outs, "the job failed")
+    assert [o.value for o in outs] == [[i * 6 for i in range(300)]] * 3
+    assert not os.path.exists(marker)
+    log = outs[0].output
+    assert log.count("refused a message from 127.0.0.1") == 1, log  # once, with the address
+
+
+class TamperingProxy:
+    """Forwards TCP both ways; flips one bit of the client's stream once,
+    ``at`` bytes in."""
+
+    def __init__(self, upstream_port, at):
+        self.upstream = upstream_port
+        self.at = at
+        self.flipped = False
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen()
+        self.port = self.server.getsockname()[1]
+        self.server.settimeout(0.2)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while not self.stop.is_set():
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            for src, dst, tamper in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, tamper), daemon=True).start()
+
+    def _pump(self, src, dst, tamper):
+        seen = 0
+        src.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                data = src.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            if tamper and not self.flipped and seen <= self.at < seen + len(data):
+                i = self.at - seen
+                data = data[:i] + bytes([data[i] ^ 1]) + data[i + 1:]
+                self.flipped = True
+            seen += len(data)
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for s in (src, dst):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.server.close()
+
+
+def send_big():
+    try:
+        return "result", zc.allreduce(b"\x00" * (1 << 20), lambda a, b: a + b)[:4]
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        zc.teardown()
+
+
+@pytest.mark.parametrize("secret", [SECRET])
+def test_message_altered_in_flight_is_rejected_never_acted_upon(secret):
+    port = free_port()
+    proxy = TamperingProxy(port, at=300_000)  # inside rank 1's 1 MiB value, past the handshake
+    try:
+        with Replicas(send_big, 2, port=port, env={"ZCOLLECTIVE_SECRET": secret},
+                      rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(proxy.port)}}) as reps:
+            outs = reps.wait(60)
+    finally:
+        proxy.close()
+    assert proxy.flipped
+    for out in outs:
+        assert out.value[0] == "AuthenticationError", report(outs, "")
+        assert "a message on the connection of rank 1" in out.value[1]
+        assert "failed authentication" in out.value[1]
+
+
+def bind_report():
+    return zc.get_rank()
+
+
+def test_coordinator_binds_the_master_interface_only():
+    port = free_port("127.0.0.2")
+    env = {"ZCOLLECTIVE_MASTER_ADDR": "127.0.0.2"}
+
+    def probe():
+        if zc.get_rank() == 0:
+            with socket.socket() as s:  # the same port on another loopback address
+                refused = s.connect_ex(("127.0.0.1", port)) != 0
+            return refused, zc.allreduce(1)
+        return None, zc.allreduce(1)
+
+    with Replicas(probe, 2, port=port, env=env) as reps:
+        outs = reps.wait(30)
+    assert outs[0].value == (True, 2), report(outs, "")
+    assert "without a secret" not in outs[0].output  # loopback: no warning
+
+
+def test_binding_beyond_loopback_without_a_secret_warns_once():
+    with Replicas(bind_report, 2, env={"ZCOLLECTIVE_BIND_ADDR": "*"}) as reps:
+        outs = reps.wait(30)
+    assert [o.value for o in outs] == [0, 1], report(outs, "")
+    log = outs[0].output
+    assert log.count("without a secret") == 1 and "docs/security.md" in log
+    with Replicas(bind_report, 2, env={"ZCOLLECTIVE_BIND_ADDR": "*", "ZCOLLECTIVE_SECRET": SECRET}) as reps:
+        outs = reps.wait(30)
+    assert "without a secret" not in outs[0].output
