@@ -64,7 +64,7 @@ def expected(n):
     }
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_every_operation(n):
     outs = run_replicas(every_operation, n)
     want = expected(n)

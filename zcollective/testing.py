@@ -103,13 +103,16 @@ class Replicas:
     env
         Extra environment variables for every replica; ``rank_env`` maps a
         rank to extra variables for that rank only.
+    rank_prefix
+        Maps a rank to a command its process is started under, for instance
+        ``["ip", "netns", "exec", "host1"]`` to run it in a network namespace.
     """
 
     def __init__(self, fn: Callable[..., Any], n: int, *args: Any, initialize: bool = True,
                  env: Optional[dict[str, str]] = None,
                  rank_env: Optional[dict[int, dict[str, str]]] = None,
                  port: Optional[int] = None, init_timeout: float = DEFAULT_TIMEOUT_S,
-                 **kwargs: Any) -> None:
+                 rank_prefix: Optional[dict[int, list[str]]] = None, **kwargs: Any) -> None:
         self.n = n
         self.port = port or free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="zcollective-test-")
@@ -134,7 +137,7 @@ class Replicas:
             out = open(os.path.join(self._dir.name, f"out{rank}.txt"), "w+b")  # noqa: SIM115 (closed in wait)
             self._outs.append(out)
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "zcollective._child", payload,
+                [*(rank_prefix or {}).get(rank, []), sys.executable, "-m", "zcollective._child", payload,
                  os.path.join(self._dir.name, f"result{rank}.pkl")],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=child_env,
             ))

@@ -1,0 +1,128 @@
+"""Group objects, two groups in one process, futures as concurrent.futures and
+asyncio see them."""
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+import zcollective as zc
+from zcollective.testing import free_port, run_replicas
+
+
+def two_groups(port_a, port_b):
+    rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    # a data-parallel group of all three, and a control group of ranks 1 and 2
+    # with rank 2 as its rank 0: independent sequences, sockets and coordinators
+    with zc.Group(master_port=port_a, rank=rank, size=3) as data:
+        control = None
+        if rank > 0:
+            control = zc.Group(master_port=port_b, rank=2 - rank, size=2)
+        f_data = data.allreduce_async(rank)
+        got = {"data": data.allgather(rank), "size": (data.rank, data.size)}
+        if control is not None:
+            got["control"] = control.allgather(rank)
+            got["control_rank"] = (control.rank, control.size)
+            got["control_sum"] = control.allreduce_async(10 * rank).result(timeout=30)
+            control.teardown()
+            assert control.closed
+        got["async"] = f_data.result(timeout=30)
+    assert data.closed
+    with pytest.raises(RuntimeError, match="torn down"):
+        data.barrier()
+    return got
+
+
+def test_a_process_can_hold_two_independent_groups():
+    outs = run_replicas(two_groups, 3, free_port(), free_port(), initialize=False)
+    assert [o["data"] for o in outs] == [[0, 1, 2]] * 3
+    assert [o["async"] for o in outs] == [3, 3, 3]
+    assert [o["size"] for o in outs] == [(0, 3), (1, 3), (2, 3)]
+    assert outs[1]["control"] == [2, 1] and outs[2]["control"] == [2, 1]
+    assert outs[1]["control_rank"] == (1, 2) and outs[2]["control_rank"] == (0, 2)
+    assert outs[1]["control_sum"] == outs[2]["control_sum"] == 30
+    assert "control" not in outs[0]
+
+
+def futures_like_concurrent():
+    r = zc.get_rank()
+    seen = []
+    f = zc.allgather_async(r)
+    f.add_done_callback(lambda fut: seen.append(("cb", fut.result())))
+    g = zc.allreduce_async(r, lambda a, b: a / 0)
+    assert g.exception(timeout=30) is not None and g.done()
+    assert f.done() and seen == [("cb", [0, 1, 2])]
+    f.add_done_callback(lambda fut: seen.append("late"))  # runs at once when already done
+    assert seen[-1] == "late"
+    assert not f.cancel() and not f.cancelled() and not f.running()
+    with pytest.raises(zc.RemoteError, match="ZeroDivisionError"):
+        g.result()
+    return type(g.exception()).__name__
+
+
+def test_futures_behave_like_concurrent_futures():
+    assert run_replicas(futures_like_concurrent, 3) == ["RemoteError"] * 3
+
+
+def awaited():
+    r = zc.get_rank()
+
+    async def main():
+        ticks = 0
+
+        async def ticker():  # proves the loop is not blocked while we await
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        tick_task = asyncio.create_task(ticker())
+        if r == 1:
+            await asyncio.sleep(0.5)  # the others wait in `await` meanwhile
+        futures = [zc.allreduce_async(i + r) for i in range(3)]
+        b = zc.broadcast_async("root says hi", root=2)
+        results = [await futures[2], await futures[0], await futures[1], await b]
+        gathered = await asyncio.gather(zc.allgather_async(r), zc.scatter_async([7, 8, 9], root=0))
+        tick_task.cancel()
+        return results, gathered, ticks
+
+    results, gathered, ticks = asyncio.run(main())
+    return results, gathered, ticks
+
+
+def test_futures_are_awaitable_without_blocking_the_event_loop():
+    outs = run_replicas(awaited, 3)
+    for r, (results, gathered, ticks) in enumerate(outs):
+        assert results == [9, 3, 6, "root says hi"]
+        assert gathered == [[0, 1, 2], [7, 8, 9][r]]
+        if r != 1:
+            assert ticks >= 10, ticks  # the loop ran while this rank awaited rank 1
+
+
+def other_thread():
+    errors = []
+
+    def use():
+        try:
+            zc.allreduce(1)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=use)
+    t.start()
+    t.join(10)
+    return errors, zc.allreduce(1)
+
+
+def test_a_group_refuses_use_from_another_thread():
+    for errors, total in run_replicas(other_thread, 2):
+        assert total == 2
+        assert errors and "only be used by the thread that created it" in errors[0]
+
+
+def test_rank_and_size_at_module_level_and_on_a_group():
+    outs = run_replicas(lambda: (zc.get_rank(), zc.get_world_size(), zc.is_initialized()), 2)
+    assert outs == [(0, 2, True), (1, 2, True)]
+    with zc.Group(size=1) as g:
+        assert (g.rank, g.size) == (0, 1)
