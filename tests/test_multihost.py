@@ -8,11 +8,10 @@ import subprocess
 import time
 
 import pytest
+from test_ops import every_operation, expected
 
 import zcollective as zc
 from zcollective.testing import Replicas, report
-
-from test_ops import every_operation, expected
 
 HOSTS = 3
 SUBNET = "198.18.{}"  # RFC 2544 benchmarking range: never routed, never anybody's address
