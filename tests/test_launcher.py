@@ -87,7 +87,8 @@ def test_several_hosts_by_hand(tmp_path):
     job = script(tmp_path, """
         import os, zcollective
         zcollective.initialize()
-        print(zcollective.get_rank(), os.environ["ZCOLLECTIVE_LOCAL_RANK"], zcollective.allgather(zcollective.get_rank()))
+        rank = zcollective.get_rank()
+        print(rank, os.environ["ZCOLLECTIVE_LOCAL_RANK"], zcollective.allgather(rank))
         zcollective.teardown()
     """)
     port = str(free_port())
