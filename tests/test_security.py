@@ -171,7 +171,7 @@ class TamperingProxy:
         while not self.stop.is_set():
             try:
                 data = src.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 break

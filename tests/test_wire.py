@@ -40,6 +40,11 @@ def test_control_message_carries_json():
     assert back.kind is Kind.JOIN and back.body() == {"rank": 1, "num_replicas": 4}
 
 
+def test_small_message_is_two_frames_header_and_pickle():
+    frames = encode(Message(Kind.CONTRIB, Op.ALLREDUCE, callsite="a.py:1", segments=[[b"pickle"]]))
+    assert len(frames) == 2 and decode(frames).callsite == "a.py:1"
+
+
 def test_message_without_segments_is_one_frame():
     frames = encode(Message(Kind.RESULT, Op.BARRIER, seq=7))
     assert len(frames) == 1
@@ -71,13 +76,13 @@ def _header(**overrides):
     ([b"ZC"], "magic"),
     ([_header()[:-3]], "header of"),
     ([_header() + b"x" * (MAX_CALLSITE_BYTES + 1)], "header of"),
+    ([_header(nseg=2) + b"\x01\x00"], "header of 36 bytes for 2 segments"),
+    ([_header(nseg=2**31)], "for 2147483648 segments"),
     ([_header(kind=99)], "Kind"),
     ([_header(op=77)], "Op"),
     ([_header(flags=FLAG_FN)], "no frame follows"),
-    ([_header(nseg=2)], "no layout"),
-    ([_header(nseg=2), b"\x01\x00\x00\x00"], "layout of"),
-    ([_header(nseg=1), struct.pack("<I", 3), b"a"], "does not match"),
-    ([_header(nseg=1), struct.pack("<I", 0)], "does not match"),
+    ([_header(nseg=1) + struct.pack("<I", 3), b"a"], "does not match"),
+    ([_header(nseg=1) + struct.pack("<I", 0)], "does not match"),
     ([_header(), b"stray"], "no segments"),
     ([_header(kind=Kind.JOIN)], "exactly one JSON"),
 ])
@@ -100,7 +105,7 @@ def test_other_protocol_version_is_reported_with_its_number():
 
 @pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b"\xff\xfe", b"{" * 70000])
 def test_bad_control_bodies_are_rejected(body):
-    msg = decode([_header(kind=Kind.JOIN, nseg=1), struct.pack("<I", 1), body])
+    msg = decode([_header(kind=Kind.JOIN, nseg=1) + struct.pack("<I", 1), body])
     with pytest.raises(WireError):
         msg.body()
 

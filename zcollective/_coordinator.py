@@ -80,6 +80,7 @@ class Member:
     host: str = "?"
     fd: Optional[int] = None
     nonce: str = ""  # echoed in WELCOME: binds it to this JOIN, so an old WELCOME cannot be replayed
+    address: str = "?"
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
@@ -276,7 +277,7 @@ class Coordinator:
         if problem is not None:
             reject = control(Kind.REJECT, {"error": problem[0], "message": problem[1]})
             return [(peer, reject), *self.fail(*problem)]
-        member = Member(rank, peer, pid, host, fd, nonce)
+        member = Member(rank, peer, pid, host, fd, nonce, address)
         self.members[peer] = member
         self.by_rank[rank] = member
         if len(self.by_rank) < self.num_replicas:

@@ -44,14 +44,24 @@ def default_reduce_fn(a: Any, b: Any) -> Any:
     return a
 
 
+_ours: dict[str, bool] = {}  # file name -> is it this package's
+_basenames: dict[str, str] = {}
+
+
 def _callsite() -> str:
-    """``file.py:line`` of the user's code that called into the library."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return "?"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    """``file.py:line`` of the user's code that called into the library.
+    On every call (mismatch reports need it), so it caches per file."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        ours = _ours.get(filename)
+        if ours is None:
+            ours = _ours[filename] = filename.startswith(_PACKAGE_DIR)
+            _basenames[filename] = os.path.basename(filename)
+        if not ours:
+            return f"{_basenames[filename]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
 
 
 class Group:
@@ -280,7 +290,7 @@ class Group:
         segment = _serialize.dumps(value)
         fn = None
         if self.rank == root:
-            fn = _serialize.dumps(reduce_fn, "reduce function")[0]
+            fn = _serialize.dumps_function(reduce_fn)
         finish = _first if op is Op.ALLREDUCE or self.rank == root else _none
         return self._submit(op, root, [segment], finish, site, fn=fn)
 

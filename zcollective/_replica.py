@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Optional
 
 import zmq
+from zmq.backend import zmq_poll
 from zmq.utils.monitor import parse_monitor_message
 
 from . import _sockets, _wire
@@ -103,9 +104,7 @@ class Replica:
         _sockets.set_never_drop(self.dealer)
         _sockets.set_heartbeats(self.dealer, config)
         self.monitor = self.dealer.get_monitor_socket(MONITOR_EVENTS)
-        self.poller = zmq.Poller()
-        self.poller.register(self.dealer, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
+        self._poll_items = [(self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN)]
         with _sockets.mapped(f"rank {self.rank} cannot connect to {self.endpoint}"):
             self.dealer.connect(endpoint)
 
@@ -143,9 +142,8 @@ class Replica:
     # -- calls --------------------------------------------------------------
 
     def check(self) -> None:
-        """Raise the group's failure, if it has one (sticky)."""
-        if self.failure is None:
-            self._pump(time.monotonic())
+        """Raise the group's failure, if it has one (sticky). A loss not yet
+        taken in is found by the next wait, which polls the monitor too."""
         if self.failure is not None:
             raise _fresh(self.failure)
 
@@ -228,23 +226,31 @@ class Replica:
 
     def _send(self, msg: Message) -> None:
         frames = encode(msg, self.signer)
-        with _sockets.mapped(f"rank {self.rank} could not send seq {msg.seq}"):
-            self.dealer.send_multipart(frames, copy=self._copy)
+        try:
+            _sockets.send_frames(self.dealer, frames, self._copy)
+        except zmq.ZMQError as exc:
+            raise CollectiveError(f"rank {self.rank} could not send seq {msg.seq}: {exc.strerror}") from exc
 
     def _pump(self, deadline: Optional[float]) -> bool:
         """Wait until something arrives or ``deadline``; handle it all.
-        Returns False on timeout."""
+        Returns False on timeout.
+
+        The hot path polls the DEALER alone; the monitor (disconnects) and, on
+        rank 0, the coordinator thread are checked between slices of at most
+        POLL_SLICE_S, which bounds how late a loss is noticed."""
         while True:
             remaining = _sockets.POLL_SLICE_S
             if deadline is not None:
                 remaining = min(remaining, deadline - time.monotonic())
-            events = dict(self.poller.poll(int(max(0.0, remaining) * 1000)))
-            if self.dealer in events:  # first: a FAIL that came before a disconnect explains it
-                self._drain_dealer()
-            if self.monitor in events:
-                self._drain_monitor()
-            if self.dealer in events:
-                return True
+            ready = zmq_poll(self._poll_items, max(0, int(remaining * 1000)))
+            if ready:
+                got = self._drain_dealer()  # first: a FAIL that came before a disconnect explains it
+                if len(ready) > 1 or ready[0][0] is self.monitor:
+                    self._drain_monitor()
+                if got or self.failure is not None:
+                    return True
+                continue
+            self._drain_monitor()
             if self.failure is not None:
                 return True
             if self._alive is not None and (why := self._alive()) is not None:
@@ -254,13 +260,13 @@ class Replica:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
-    def _drain_dealer(self) -> None:
-        while True:
-            try:
-                frames = self.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._dispatch(frames)
+    def _drain_dealer(self) -> bool:
+        """Handle every message waiting; True if there was one."""
+        got = False
+        while _sockets.readable(self.dealer):
+            got = True
+            self._dispatch(_sockets.recv_message(self.dealer))
+        return got
 
     def _dispatch(self, frames: list[Any]) -> None:
         try:
@@ -343,8 +349,6 @@ class Replica:
             self.on_failure(error)
 
     def close(self) -> None:
-        self.poller.unregister(self.monitor)
-        self.poller.unregister(self.dealer)
         try:
             self.dealer.disable_monitor()
         except zmq.ZMQError:

@@ -17,6 +17,7 @@ import time
 from typing import Any, Optional
 
 import zmq
+from zmq.backend import zmq_poll
 from zmq.utils.monitor import parse_monitor_message
 
 from . import _sockets
@@ -160,18 +161,15 @@ class Server:
             router.close(linger=linger)
 
     def _serve(self, router: zmq.Socket, monitor: zmq.Socket, pipe: zmq.Socket) -> None:
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        poller.register(pipe, zmq.POLLIN)
+        items = [(router, zmq.POLLIN), (monitor, zmq.POLLIN), (pipe, zmq.POLLIN)]
         coordinator = self.coordinator
         while coordinator.phase is not Phase.CLOSED:
-            events = dict(poller.poll())
-            if pipe in events:
+            ready = {sock for sock, _ in zmq_poll(items, -1)}
+            if pipe in ready:
                 return
-            if monitor in events:
+            if monitor in ready:
                 self._drain_monitor()
-            if router in events:
+            if router in ready:
                 self._drain(router)
 
     def _drain_monitor(self) -> None:
@@ -185,19 +183,19 @@ class Server:
 
     def _drain(self, router: zmq.Socket) -> None:
         coordinator = self.coordinator
-        while coordinator.phase is not Phase.CLOSED:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        while coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
+            frames = _sockets.recv_message(router)
             peer = frames[0].bytes
             if len(frames) < 2:
                 continue
-            fd, address = _origin(frames[1])
-            if peer not in coordinator.members:
+            member = coordinator.members.get(peer)
+            if member is None:
+                fd, address = _origin(frames[1])
                 # a JOIN records its connection's fd: first take in every earlier
                 # disconnect, so a closed connection's reused fd is not mistaken for it
                 self._drain_monitor()
+            else:  # known already; the address is only for (rare) warnings
+                fd, address = member.fd, member.address
             self._send_all(coordinator.receive(peer, frames[1:], fd, address))
 
     def _send_all(self, outs: list[Out]) -> None:
@@ -212,7 +210,7 @@ class Server:
             # cannot change buffers still being sent to the other ranks
             local = member is not None and member.rank == 0
             try:
-                self._router.send_multipart([peer, *frames], copy=local)
+                _sockets.send_frames(self._router, [peer, *frames], copy=local)
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise

@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import zmq
+from zmq.backend import zmq_poll
 
 from .config import Config
+
+ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
+# a zero-copy frame (whose release needs pyzmq's gc thread)
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_send = zmq.backend.Socket.send  # the Cython methods: pyzmq's multipart sugar costs 3x more
+_recv = zmq.backend.Socket.recv
 
 RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
 RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hammered
@@ -42,3 +52,26 @@ def mapped(what: str) -> Iterator[None]:
         yield
     except zmq.ZMQError as exc:
         raise CollectiveError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
+    """Send a multipart message; large frames go without a copy unless ``copy``."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
+        big = not copy and size >= ZERO_COPY_MIN_BYTES
+        _send(sock, frame, _SNDMORE if i < last else 0, not big)
+
+
+def recv_message(sock: zmq.Socket) -> list[Any]:
+    """Receive one multipart message that is known to be waiting."""
+    frames = [_recv(sock, 0, False)]
+    while frames[-1].more:
+        frames.append(_recv(sock, 0, False))
+    return frames
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """A message is waiting. A zero-timeout poll: reading ZMQ_EVENTS costs
+    more, as pyzmq wraps the answer in an enum."""
+    return bool(zmq_poll([(sock, _POLLIN)], 0))
