@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from hostile import Boom
 
 import zcollective as zc
 from zcollective.testing import Replicas, free_port, report, run_replicas
@@ -293,16 +294,6 @@ def test_reduce_function_that_never_returns_ends_in_timeouts():
 # -- hostile input ------------------------------------------------------------
 
 MARKER_ENV = "ZC_HOSTILE_MARKER"
-
-
-class Boom:
-    """Unpickling this creates a file: proof that something was executed."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 def honest_job(steps, started, go):

@@ -6,6 +6,7 @@ import socket
 import threading
 
 import pytest
+from hostile import Boom
 
 import zcollective as zc
 from zcollective.testing import Replicas, free_port, report, run_replicas
@@ -73,14 +74,6 @@ def test_replica_with_a_secret_refuses_a_coordinator_without_one():
     assert "rank 1 (pid" in outs[0].value[1]
     assert "uses a secret, but the coordinator (rank 0) has none" in outs[0].value[1]
     assert "carries no authentication tag): rank 0 has no secret" in outs[1].value[1]
-
-
-class Boom:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 def attack(port, marker, stop):

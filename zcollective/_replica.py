@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional
 
 import zmq
 from zmq.backend import zmq_poll
-from zmq.utils.monitor import parse_monitor_message
 
 from . import _sockets, _wire
 from ._coordinator import PYTHON_VERSION
@@ -305,12 +304,7 @@ class Replica:
             self._fail(error_from(msg.body()))
 
     def _drain_monitor(self) -> None:
-        while True:
-            try:
-                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            kind = event["event"]
+        for kind, _ in _sockets.monitor_events(self.monitor):
             if kind == zmq.EVENT_CONNECTED:
                 self.connected = True
             elif kind == zmq.EVENT_DISCONNECTED and self.session != 0:

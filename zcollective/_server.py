@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 import zmq
 from zmq.backend import zmq_poll
-from zmq.utils.monitor import parse_monitor_message
 
 from . import _sockets
 from ._coordinator import Coordinator, Out, Phase
@@ -173,13 +172,9 @@ class Server:
                 self._drain(router)
 
     def _drain_monitor(self) -> None:
-        while True:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._send_all(self.coordinator.disconnected(event["value"]))
+        for kind, fd in _sockets.monitor_events(self._monitor):
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._send_all(self.coordinator.disconnected(fd))
 
     def _drain(self, router: zmq.Socket) -> None:
         coordinator = self.coordinator

@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 from zmq.backend import zmq_poll
+from zmq.utils.monitor import parse_monitor_message
 
 from .config import Config
 
@@ -75,3 +76,10 @@ def readable(sock: zmq.Socket) -> bool:
     """A message is waiting. A zero-timeout poll: reading ZMQ_EVENTS costs
     more, as pyzmq wraps the answer in an enum."""
     return bool(zmq_poll([(sock, _POLLIN)], 0))
+
+
+def monitor_events(monitor: zmq.Socket) -> Iterator[tuple[int, int]]:
+    """The (event, value) pairs waiting on a socket monitor, without blocking."""
+    while readable(monitor):
+        event = parse_monitor_message(monitor.recv_multipart())
+        yield int(event["event"]), int(event["value"])

@@ -71,9 +71,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return ns
 
 
-def _pump(rank: int, stream: IO[bytes], out: IO[bytes], lock: threading.Lock) -> None:
+def _pump(rank: int, stream: IO[bytes], out: IO[bytes], lock: threading.Lock,
+          last: dict[int, bytes]) -> None:
     prefix = f"[{rank}] ".encode()
     for line in iter(stream.readline, b""):
+        if line.strip():
+            last[rank] = line.strip()  # a failing rank's last words: usually its exception
         with lock:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()
@@ -94,6 +97,7 @@ class Launcher:
         self.ns = ns
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.threads: list[threading.Thread] = []
+        self.last_lines: dict[int, bytes] = {}
         self.interrupted = False
         self.secret: Optional[str] = None
         if ns.nnodes == 1 and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
@@ -141,7 +145,8 @@ class Launcher:
                 self.stop(signal.SIGTERM)
                 raise SystemExit(127) from None
             self.procs[rank] = proc
-            thread = threading.Thread(target=_pump, args=(rank, proc.stdout, out, lock), daemon=True)
+            thread = threading.Thread(target=_pump, args=(rank, proc.stdout, out, lock, self.last_lines),
+                                      daemon=True)
             thread.start()
             self.threads.append(thread)
 
@@ -177,8 +182,11 @@ class Launcher:
                     if proc.returncode not in (None, 0):
                         first_failure = (rank, proc.returncode)
                         failed_at = time.monotonic()
-                        self.message(f"rank {rank} {_describe(proc.returncode)}; stopping the "
-                                     f"others in {self.ns.grace:g} s")
+                        self.threads[list(self.procs).index(rank)].join(timeout=1)  # its last output
+                        said = self.last_lines.get(rank, b"").decode("utf-8", "replace")[:300]
+                        self.message(f"rank {rank} {_describe(proc.returncode)}"
+                                     f"{f' ({said})' if said else ''}; stopping the others in "
+                                     f"{self.ns.grace:g} s")
                         break
             if not running:
                 break
