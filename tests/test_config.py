@@ -43,6 +43,7 @@ def test_empty_variables_count_as_unset():
     ({"master_port": 70000}, {}, "argument master_port=70000 is not a TCP port"),
     ({}, {"ADAPTDL_MASTER_PORT": "http"}, "ADAPTDL_MASTER_PORT='http' is not an integer"),
     ({"master_addr": "a b"}, {}, "not a host name"),
+    ({"master_addr": "-foo"}, {}, "not a host name"),
     ({"replica_rank": True}, {}, "not an integer"),
     ({}, {"ZCOLLECTIVE_TIMEOUT": "soon"}, "ZCOLLECTIVE_TIMEOUT='soon' is not a number"),
     ({"liveness_timeout": 0.2}, {}, "below the minimum"),

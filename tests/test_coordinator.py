@@ -246,3 +246,13 @@ def test_leaving_before_the_group_starts_reopens_the_slot():
     feed(coord, peer(0), join_msg(0, 2), fd=30)
     out = feed(coord, b"R1-again", join_msg(1, 2), fd=32)
     assert coord.phase is Phase.RUNNING and len(out) == 2
+
+
+def test_a_join_repeated_after_a_reconnect_refreshes_the_member():
+    coord = Coordinator(2, SESSION, 1000)
+    feed(coord, peer(1), join_msg(1, 2), fd=31)
+    feed(coord, peer(1), join_msg(1, 2), fd=41)  # same process, new connection
+    assert coord.phase is Phase.JOINING and coord.by_rank[1].fd == 41
+    assert coord.disconnected(31) == [] and 1 in coord.by_rank  # the old connection's close
+    out = feed(coord, peer(0), join_msg(0, 2), fd=40)
+    assert coord.phase is Phase.RUNNING and len(out) == 2

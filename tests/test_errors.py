@@ -1,6 +1,7 @@
 """User mistakes get a specific error, and the group keeps working where it should."""
 
 import socket
+import sys
 import threading
 
 import pytest
@@ -64,6 +65,10 @@ def group_survives_user_errors():
         except TypeError as exc:
             seen.append(("serialization", "socket" in str(exc)))
     try:
+        zc.allreduce(1, lambda a, b: sys.exit(3))  # must not take the coordinator down
+    except zc.RemoteError as exc:
+        seen.append(("exit", exc.remote_type))
+    try:
         zc.allreduce(1, lambda a, b: threading.Lock())  # result cannot be pickled
     except zc.RemoteError as exc:
         seen.append(("result", "reduction result" in str(exc)))
@@ -76,7 +81,7 @@ def test_errors_in_user_code_leave_the_group_usable():
     for r, seen in enumerate(outs):
         assert seen[0] == ("KeyError", "1", True, True)
         assert seen[-1] == 6
-        assert ("result", True) in seen
+        assert ("result", True) in seen and ("exit", "SystemExit") in seen
         if r == 1:
             assert ("serialization", True, True) in seen and ("serialization", True) in seen
 

@@ -148,3 +148,36 @@ def test_teardown_then_initialize_with_another_size_in_the_same_processes():
     assert outs[0] == [3, uninit, 2, [0, 1, 2]]
     assert outs[1] == [3, uninit, 2, [0, 1, 2]]
     assert outs[2] == [3, uninit, [0, 1, 2]]
+
+
+def mutate_what_you_got():
+    r = zc.get_rank()
+    big = np.arange(1 << 22, dtype=np.float32)  # 16 MiB, sent without copies
+    got = zc.broadcast(big if r == 1 else None, root=1)
+    if r == 0:
+        got[:] = -1  # rank 0 shares its process with the coordinator; others must not see this
+    gathered = zc.allgather(np.full(1 << 20, r, dtype=np.float32))
+    if r == 0:
+        for a in gathered:
+            a[:] = -1
+    zc.barrier()
+    ok_bcast = bool((got == big).all()) if r != 0 else True
+    ok_gather = all(bool((a == i).all()) for i, a in enumerate(gathered)) if r != 0 else True
+    return ok_bcast, ok_gather
+
+
+def test_a_result_mutated_on_rank_0_does_not_change_what_others_receive():
+    assert run_replicas(mutate_what_you_got, 3, timeout=90) == [(True, True)] * 3
+
+
+def reduce_fn_with_captured_array():
+    weights = np.arange(100_000, dtype=np.float64)  # large: pickled with the function
+
+    def weighted(a, b):
+        return a + b * weights[1]
+
+    return zc.allreduce(1.0, weighted)
+
+
+def test_reduce_function_may_capture_large_arrays():
+    assert run_replicas(reduce_fn_with_captured_array, 3) == [3.0] * 3

@@ -127,7 +127,8 @@ def teardown(*, timeout: Timeout = DEFAULT) -> None:
     try:
         group.teardown(timeout=timeout)
     finally:
-        _group = None
+        if group.closed:  # not when refused (another thread): the group is still the owner's
+            _group = None
 
 
 def is_initialized() -> bool:

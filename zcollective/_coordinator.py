@@ -140,8 +140,11 @@ class Coordinator:
             self._warn(address, "malformed", f"dropped a malformed message from "
                        f"{member.describe() if member else 'unknown peer'} at {address}: {exc}")
             return []
-        if member is None:
+        if member is None or (msg.kind is Kind.JOIN and self.phase is Phase.JOINING
+                              and msg.rank == member.rank):
             if msg.kind is Kind.JOIN:
+                if member is not None:  # the same process again, after a reconnect
+                    del self.members[peer], self.by_rank[member.rank]
                 return self._on_join(peer, msg, fd, address)
             self._warn(address, "stranger", f"dropped a {msg.kind.name} message from "
                        f"a peer at {address} that has not joined the group")
@@ -334,7 +337,7 @@ class Coordinator:
             return self._error_all(seq, call.op, {"error": "CollectiveError", "message": problem})
         try:
             routes = self._route(call.op, call.root, contributions)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
             return self._error_all(seq, call.op, self._remote_error(seq, call.op, exc))
         messages: dict[int, Message] = {}  # one message per distinct payload: serialize once
         out = []

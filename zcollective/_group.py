@@ -267,6 +267,7 @@ class Group:
         """
         if self._closed:
             return
+        self._check_thread()  # before touching a socket: they belong to the owner thread
         try:
             replica = self._replica
             if replica is not None and replica.failure is None:
@@ -354,6 +355,9 @@ class Group:
         if self._closed:
             raise RuntimeError("this zcollective group was torn down; call initialize() "
                                "(or create a new Group) first")
+        self._check_thread()
+
+    def _check_thread(self) -> None:
         if threading.get_ident() != self._owner:
             raise RuntimeError("a zcollective group may only be used by the thread that "
                                "created it (ZeroMQ sockets are not thread-safe)")
@@ -393,11 +397,13 @@ class Group:
 
     def _progress(self) -> None:
         if self._replica is not None and not self._closed:
+            self._check_thread()
             self._replica.progress()
 
     def _fds(self) -> list[int]:
         if self._replica is None or self._closed:
             return []
+        self._check_thread()
         return [self._replica.dealer.FD, self._replica.monitor.FD]
 
     def _close(self) -> None:

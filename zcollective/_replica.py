@@ -92,6 +92,7 @@ class Replica:
         self.failure: Optional[Exception] = None
         self.connected = alive is not None  # rank 0's inproc link is there at once
         self._failed_handshakes: list[float] = []  # since the last good one
+        self._rejoin = False
         self._in_flight: dict[int, str] = {}
         self._status: dict[int, dict[str, Any]] = {}
         self._thread = threading.get_ident()
@@ -102,12 +103,27 @@ class Replica:
         self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, _sockets.RECONNECT_IVL_MAX_MS)
         _sockets.set_never_drop(self.dealer)
         _sockets.set_heartbeats(self.dealer, config)
-        self.monitor = self.dealer.get_monitor_socket(MONITOR_EVENTS)
+        try:
+            self.monitor = self.dealer.get_monitor_socket(MONITOR_EVENTS)
+        except BaseException:
+            self.dealer.close(linger=0)
+            raise
         self._poll_items = [(self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN)]
-        with _sockets.mapped(f"rank {self.rank} cannot connect to {self.endpoint}"):
-            self.dealer.connect(endpoint)
+        try:
+            with _sockets.mapped(f"rank {self.rank} cannot connect to {self.endpoint}"):
+                self.dealer.connect(endpoint)
+        except BaseException:
+            self.close()  # sockets left open would make the context's term() wait forever
+            raise
 
     # -- join -------------------------------------------------------------
+
+    def _send_join(self) -> None:
+        self._nonce = os.urandom(16).hex()  # a fresh one: with a secret, a repeated nonce is a replay
+        body = {"rank": self.rank, "num_replicas": self.config.num_replicas,
+                "protocol": _wire.PROTOCOL_VERSION, "python": PYTHON_VERSION,
+                "pid": os.getpid(), "host": socket.gethostname(), "nonce": self._nonce}
+        self._send(control(Kind.JOIN, body, rank=self.rank))
 
     def join(self, timeout: Optional[float]) -> None:
         """Send JOIN and wait for every replica to have joined.
@@ -119,10 +135,7 @@ class Replica:
         ProtocolError, ValueError, CollectiveError
             The coordinator refused the join; the message says why.
         """
-        body = {"rank": self.rank, "num_replicas": self.config.num_replicas,
-                "protocol": _wire.PROTOCOL_VERSION, "python": PYTHON_VERSION,
-                "pid": os.getpid(), "host": socket.gethostname(), "nonce": self._nonce}
-        self._send(control(Kind.JOIN, body, rank=self.rank))
+        self._send_join()
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.wait_for(lambda: self.session != 0, deadline):
             raise CollectiveTimeoutError(self._join_timeout_message(timeout))
@@ -307,12 +320,17 @@ class Replica:
         for kind, _ in _sockets.monitor_events(self.monitor):
             if kind == zmq.EVENT_CONNECTED:
                 self.connected = True
+            elif kind == zmq.EVENT_DISCONNECTED and self.session == 0:
+                self._rejoin = True  # the JOIN may have gone down with that connection
             elif kind == zmq.EVENT_DISCONNECTED and self.session != 0:
                 self._fail(ReplicaLostError(
                     f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: "
                     f"connection closed or heartbeats unanswered; {self._describe_in_flight()}"))
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failed_handshakes.clear()
+                if self._rejoin and self.session == 0:
+                    self._rejoin = False
+                    self._send_join()
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                 self._on_failed_handshake(kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 

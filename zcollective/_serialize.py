@@ -62,7 +62,11 @@ def dumps_function(fn: Any) -> bytes:
         return _by_reference[fn]
     except (KeyError, TypeError):
         pass
-    data = dumps(fn, "reduce function")[0]
+    try:  # in-band: the function travels as one frame, with any arrays it captured
+        data = cloudpickle.dumps(fn, protocol=PROTOCOL)
+    except Exception as exc:
+        raise SerializationError(f"cannot serialize the reduce function {fn!r}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", "")
     if (module not in (None, "__main__") and "<" not in qualname and len(_by_reference) < MAX_CACHED_FUNCTIONS

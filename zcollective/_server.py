@@ -121,16 +121,25 @@ class Server:
             raise CollectiveError(
                 f"rank 0 cannot bind the coordinator to {config.endpoint}: {exc.strerror} "
                 f"(master_addr must be an address of rank 0's host)") from None
-        router.bind(self.local_endpoint)
+        made: list[zmq.Socket] = [router]
+        try:
+            router.bind(self.local_endpoint)
+            monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            made.append(monitor)
+            pipe = self.ctx.socket(zmq.PAIR)
+            made.append(pipe)
+            pipe.connect(self._pipe_endpoint)
+        except BaseException:
+            for sock in made:
+                sock.close(linger=0)
+            raise
         if config.secret is None and not _is_loopback(config.bind_host):
             log.warning(
                 "zcollective: the coordinator listens on %s:%d without a secret: anyone who can "
                 "reach this port can run code in every replica (pickles are code). Set "
                 "ZCOLLECTIVE_SECRET or ZCOLLECTIVE_SECRET_FILE on every replica; see "
                 "docs/security.md", config.bind_host, config.master_port)
-        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        pipe = self.ctx.socket(zmq.PAIR)
-        pipe.connect(self._pipe_endpoint)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replica reconnecting while joining keeps its id
         return router, monitor, pipe
 
     def _run(self) -> None:
@@ -144,7 +153,7 @@ class Server:
         self._router, self._monitor = router, monitor
         try:
             self._serve(router, monitor, pipe)
-        except Exception as exc:  # a bug: tell every replica rather than leave them waiting
+        except BaseException as exc:  # a bug: tell every replica rather than leave them waiting
             log.exception("zcollective: the coordinator crashed")
             self.crashed = f"the coordinator crashed: {type(exc).__name__}: {exc}"
             try:
@@ -152,8 +161,7 @@ class Server:
             except Exception:
                 pass
         finally:
-            # a FAIL just sent to the survivors must still reach them
-            linger = 0 if self.crashed else _sockets.CLOSE_LINGER_MS
+            linger = _sockets.CLOSE_LINGER_MS  # a FAIL just sent to the survivors must reach them
             router.disable_monitor()
             monitor.close(linger=0)
             pipe.close(linger=0)
@@ -184,12 +192,12 @@ class Server:
             if len(frames) < 2:
                 continue
             member = coordinator.members.get(peer)
-            if member is None:
+            if member is None or coordinator.phase is Phase.JOINING:
                 fd, address = _origin(frames[1])
                 # a JOIN records its connection's fd: first take in every earlier
                 # disconnect, so a closed connection's reused fd is not mistaken for it
                 self._drain_monitor()
-            else:  # known already; the address is only for (rare) warnings
+            else:  # a running member; the address is only for (rare) warnings
                 fd, address = member.fd, member.address
             self._send_all(coordinator.receive(peer, frames[1:], fd, address))
 

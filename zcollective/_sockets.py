@@ -59,6 +59,9 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
     """Send a multipart message; large frames go without a copy unless ``copy``."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
+        if copy and isinstance(frame, zmq.Frame):
+            # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
+            frame = frame.buffer
         size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
         big = not copy and size >= ZERO_COPY_MIN_BYTES
         _send(sock, frame, _SNDMORE if i < last else 0, not big)

@@ -174,7 +174,7 @@ def resolve(
 
     raw, src = _lookup("master_addr", master_addr, "master_addr", env)
     addr = DEFAULT_MASTER_ADDR if raw is None else str(raw)
-    if not addr or any(c.isspace() for c in addr) or "/" in addr:
+    if not addr or addr.startswith("-") or any(c.isspace() or c in "/;,'\"" for c in addr):
         raise ValueError(f"{src}={raw!r} is not a host name or IP address")
 
     raw, src = _lookup("master_port", master_port, "master_port", env)
