@@ -256,3 +256,13 @@ def test_a_join_repeated_after_a_reconnect_refreshes_the_member():
     assert coord.disconnected(31) == [] and 1 in coord.by_rank  # the old connection's close
     out = feed(coord, peer(0), join_msg(0, 2), fd=40)
     assert coord.phase is Phase.RUNNING and len(out) == 2
+
+
+def test_a_member_repeating_its_join_after_the_start_is_welcomed_again():
+    coord = joined(2)
+    again = join_msg(1, 2)
+    again.segments[0][0] = again.segments[0][0].replace(b'"host":"h"', b'"host":"h","nonce":"n2"')
+    out = feed(coord, peer(1), again)
+    assert [m.kind for _, m in out] == [Kind.WELCOME]
+    assert out[0][1].body()["nonce"] == "n2" and out[0][1].session == SESSION
+    assert coord.phase is Phase.RUNNING

@@ -210,7 +210,7 @@ def test_message_altered_in_flight_is_rejected_never_acted_upon(secret):
             outs = reps.wait(60)
     finally:
         proxy.close()
-    assert proxy.flipped
+    assert proxy.flipped, report(outs, "the proxy never altered a byte")
     for out in outs:
         assert out.value[0] == "AuthenticationError", report(outs, "")
         assert "a message on the connection of rank 1" in out.value[1]

@@ -140,6 +140,12 @@ class Coordinator:
             self._warn(address, "malformed", f"dropped a malformed message from "
                        f"{member.describe() if member else 'unknown peer'} at {address}: {exc}")
             return []
+        if (member is not None and msg.kind is Kind.JOIN and self.phase is Phase.RUNNING
+                and msg.rank == member.rank):
+            # the same process again, after a reconnect lost our WELCOME: say it again
+            nonce = str(msg.body().get("nonce", ""))[:64] if len(msg.segments) == 1 else ""
+            return [(peer, control(Kind.WELCOME, {"num_replicas": self.num_replicas, "nonce": nonce},
+                                   session=self.session))]
         if member is None or (msg.kind is Kind.JOIN and self.phase is Phase.JOINING
                               and msg.rank == member.rank):
             if msg.kind is Kind.JOIN:

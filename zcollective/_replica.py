@@ -85,7 +85,8 @@ class Replica:
         self._busy = busy  # on rank 0: says what the coordinator thread is stuck in, if anything
         self.session = 0
         self.signer = Signer(config.secret) if config.secret is not None else None
-        self._nonce = os.urandom(16).hex()
+        self._nonce = ""
+        self._nonces: set[str] = set()  # every JOIN this replica sent (it re-sends after a reconnect)
         self.next_seq = 0
         self.deliver: Callable[[int, Message], None] = lambda seq, msg: None
         self.on_failure: Callable[[Exception], None] = lambda error: None
@@ -120,6 +121,7 @@ class Replica:
 
     def _send_join(self) -> None:
         self._nonce = os.urandom(16).hex()  # a fresh one: with a secret, a repeated nonce is a replay
+        self._nonces.add(self._nonce)
         body = {"rank": self.rank, "num_replicas": self.config.num_replicas,
                 "protocol": _wire.PROTOCOL_VERSION, "python": PYTHON_VERSION,
                 "pid": os.getpid(), "host": socket.gethostname(), "nonce": self._nonce}
@@ -311,7 +313,7 @@ class Replica:
         elif kind is Kind.STATUS_REPLY:
             self._status[msg.seq] = msg.body()
         elif kind is Kind.WELCOME:
-            if msg.body().get("nonce") == self._nonce:  # an answer to this JOIN, not a replay
+            if msg.body().get("nonce") in self._nonces:  # an answer to a JOIN of ours, not a replay
                 self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
             self._fail(error_from(msg.body()))
