@@ -143,9 +143,11 @@ class Coordinator:
         if (member is not None and msg.kind is Kind.JOIN and self.phase is Phase.RUNNING
                 and msg.rank == member.rank):
             # the same process again, after a reconnect lost our WELCOME: say it again
-            nonce = str(msg.body().get("nonce", ""))[:64] if len(msg.segments) == 1 else ""
-            return [(peer, control(Kind.WELCOME, {"num_replicas": self.num_replicas, "nonce": nonce},
-                                   session=self.session))]
+            try:
+                nonce = str(msg.body().get("nonce", ""))[:64]
+            except WireError:
+                nonce = ""
+            return [(peer, self._welcome(nonce))]
         if member is None or (msg.kind is Kind.JOIN and self.phase is Phase.JOINING
                               and msg.rank == member.rank):
             if msg.kind is Kind.JOIN:
@@ -203,9 +205,6 @@ class Coordinator:
         out = self._fail_message()
         skip = set(exclude)
         return [(m.peer, out) for m in self.members.values() if m.rank not in skip]
-
-    def expected_fds(self) -> dict[int, int]:
-        return {m.fd: m.rank for m in self.members.values() if m.fd is not None}
 
     def _on_auth_error(self, peer: bytes, frames: list[Any], exc: AuthError,
                        member: Optional[Member], address: str) -> list[Out]:
@@ -292,8 +291,12 @@ class Coordinator:
         if len(self.by_rank) < self.num_replicas:
             return []
         self.phase = Phase.RUNNING
-        return [(m.peer, control(Kind.WELCOME, {"num_replicas": self.num_replicas, "nonce": m.nonce},
-                                 session=self.session)) for m in self.members.values()]
+        return [(m.peer, self._welcome(m.nonce)) for m in self.members.values()]
+
+    def _welcome(self, nonce: str) -> Message:
+        """WELCOME echoes the nonce of the JOIN it answers."""
+        return control(Kind.WELCOME, {"num_replicas": self.num_replicas, "nonce": nonce},
+                       session=self.session)
 
     def missing_joins(self) -> list[int]:
         return [r for r in range(self.num_replicas) if r not in self.by_rank]

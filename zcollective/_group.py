@@ -388,9 +388,7 @@ class Group:
         replica = self._replica
         if replica is None or self._closed:
             return
-        if threading.get_ident() != self._owner:
-            raise RuntimeError("a zcollective future may only be waited on by the thread "
-                               "that owns its group (ZeroMQ sockets are not thread-safe)")
+        self._check_thread()
         deadline = None if timeout is None else time.monotonic() + timeout
         if not replica.wait_for(lambda: future._done, deadline):
             raise CollectiveTimeoutError(replica.timeout_message(future.seq, timeout))

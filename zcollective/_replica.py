@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -85,7 +84,6 @@ class Replica:
         self._busy = busy  # on rank 0: says what the coordinator thread is stuck in, if anything
         self.session = 0
         self.signer = Signer(config.secret) if config.secret is not None else None
-        self._nonce = ""
         self._nonces: set[str] = set()  # every JOIN this replica sent (it re-sends after a reconnect)
         self.next_seq = 0
         self.deliver: Callable[[int, Message], None] = lambda seq, msg: None
@@ -96,7 +94,6 @@ class Replica:
         self._rejoin = False
         self._in_flight: dict[int, str] = {}
         self._status: dict[int, dict[str, Any]] = {}
-        self._thread = threading.get_ident()
         self.dealer = ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
         self.dealer.setsockopt(zmq.LINGER, 0)
@@ -120,11 +117,11 @@ class Replica:
     # -- join -------------------------------------------------------------
 
     def _send_join(self) -> None:
-        self._nonce = os.urandom(16).hex()  # a fresh one: with a secret, a repeated nonce is a replay
-        self._nonces.add(self._nonce)
+        nonce = os.urandom(16).hex()  # a fresh one: with a secret, a repeated nonce is a replay
+        self._nonces.add(nonce)
         body = {"rank": self.rank, "num_replicas": self.config.num_replicas,
                 "protocol": _wire.PROTOCOL_VERSION, "python": PYTHON_VERSION,
-                "pid": os.getpid(), "host": socket.gethostname(), "nonce": self._nonce}
+                "pid": os.getpid(), "host": socket.gethostname(), "nonce": nonce}
         self._send(control(Kind.JOIN, body, rank=self.rank))
 
     def join(self, timeout: Optional[float]) -> None:
@@ -249,9 +246,9 @@ class Replica:
         """Wait until something arrives or ``deadline``; handle it all.
         Returns False on timeout.
 
-        The hot path polls the DEALER alone; the monitor (disconnects) and, on
-        rank 0, the coordinator thread are checked between slices of at most
-        POLL_SLICE_S, which bounds how late a loss is noticed."""
+        One poll covers the DEALER and its monitor, so a disconnect ends a wait
+        at once; on rank 0 the coordinator thread's liveness is checked between
+        slices of at most POLL_SLICE_S."""
         while True:
             remaining = _sockets.POLL_SLICE_S
             if deadline is not None:

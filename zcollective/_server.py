@@ -133,7 +133,7 @@ class Server:
             for sock in made:
                 sock.close(linger=0)
             raise
-        if config.secret is None and not _is_loopback(config.bind_host):
+        if config.secret is None and not _is_loopback(host):
             log.warning(
                 "zcollective: the coordinator listens on %s:%d without a secret: anyone who can "
                 "reach this port can run code in every replica (pickles are code). Set "
@@ -252,9 +252,10 @@ def _bindable(host: str) -> str:
 
 
 def _is_loopback(host: str) -> bool:
+    """Is ``host`` (as returned by :func:`_bindable`) a loopback address?"""
     if host == "*":
         return False
     try:
-        return ipaddress.ip_address(_bindable(host).strip("[]")).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False

@@ -16,7 +16,6 @@ from .config import Config
 ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
 # a zero-copy frame (whose release needs pyzmq's gc thread)
 _SNDMORE = int(zmq.SNDMORE)
-_NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _send = zmq.backend.Socket.send  # the Cython methods: pyzmq's multipart sugar costs 3x more
 _recv = zmq.backend.Socket.recv
