@@ -266,3 +266,14 @@ def test_a_member_repeating_its_join_after_the_start_is_welcomed_again():
     assert [m.kind for _, m in out] == [Kind.WELCOME]
     assert out[0][1].body()["nonce"] == "n2" and out[0][1].session == SESSION
     assert coord.phase is Phase.RUNNING
+
+
+def test_a_local_error_note_that_is_not_json_fails_the_call_not_the_coordinator():
+    coord = joined(2)
+    msg = contrib(0, 0, Op.SCATTER, segments=[[b"not json"]])
+    msg.flags = FLAG_LOCAL_ERROR
+    feed(coord, peer(0), msg)
+    out = feed(coord, peer(1), contrib(1, 0, Op.SCATTER, segments=[]))
+    assert [m.kind for _, m in out] == [Kind.ERROR, Kind.ERROR]
+    assert "rank 0 failed: ?" in out[0][1].body()["message"]
+    assert coord.phase is Phase.RUNNING

@@ -364,7 +364,11 @@ class Coordinator:
         head = f"seq {seq} {call.op.label}"
         for rank, c in enumerate(contributions):
             if c.flags & FLAG_LOCAL_ERROR:
-                return f"{head}: rank {rank} failed: {c.body().get('message', '?')}"
+                try:
+                    said = c.body().get("message", "?")
+                except WireError:  # a sender's error note that is not JSON: still its error
+                    said = "?"
+                return f"{head}: rank {rank} failed: {said}"
         n = self.num_replicas
         sent = len(contributions[call.root].segments)
         if call.op is Op.SCATTER and sent != n:
