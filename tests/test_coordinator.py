@@ -277,3 +277,72 @@ def test_a_local_error_note_that_is_not_json_fails_the_call_not_the_coordinator(
     assert [m.kind for _, m in out] == [Kind.ERROR, Kind.ERROR]
     assert "rank 0 failed: ?" in out[0][1].body()["message"]
     assert coord.phase is Phase.RUNNING
+
+
+def bye(rank, calls):
+    return Message(Kind.BYE, rank=rank, seq=calls, session=SESSION)
+
+
+def test_a_rank_that_ended_is_named_when_the_others_reach_a_call_it_never_made():
+    coord = joined(4)
+    for r in range(4):
+        feed(coord, peer(r), contrib(r, 0, value=1, fn=(lambda a, b: a + b) if r == 0 else None))
+    assert feed(coord, peer(3), bye(3, 1)) == []  # ended after seq 0: nothing is waiting for it
+    assert coord.disconnected(23) == []  # its connection closing is not a loss
+    assert coord.phase is Phase.RUNNING
+    first = feed(coord, peer(1), contrib(1, 1, value=1))  # the first to reach seq 1 ends the wait
+    assert coord.phase is Phase.FAILED
+    assert {p for p, _ in first} == {peer(0), peer(1), peer(2)}  # not to the rank that ended
+    out = feed(coord, peer(2), contrib(2, 1, value=1))
+    assert [(p, m.kind) for p, m in out] == [(peer(2), Kind.FAIL)]
+    body = out[0][1].body()
+    assert body["error"] == "ReplicaLostError" and body["ended"] is True and body["lost"] == [3]
+    assert body["message"].startswith("rank 3 ended its program (without teardown) after seq 0 (pid 103")
+    assert body["message"].endswith("; seq 1 allreduce was in flight on rank 1")
+
+
+def test_a_bye_while_others_wait_for_it_fails_at_once():
+    coord = joined(3)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    out = feed(coord, peer(1), bye(1, 0))
+    assert coord.phase is Phase.FAILED
+    assert "rank 1 ended its program (without teardown) before its first call" in out[0][1].body()["message"]
+    assert {p for p, _ in out} == {peer(0), peer(2)}
+
+
+def test_everyone_ending_after_the_same_call_fails_nothing():
+    coord = joined(3)
+    for r in (1, 2, 0):
+        feed(coord, peer(r), contrib(r, 0, value=1, fn=lambda a, b: a + b))
+    for r in (2, 1):
+        assert feed(coord, peer(r), bye(r, 1)) == []
+    assert feed(coord, peer(0), bye(0, 1)) == []
+    assert coord.phase is Phase.CLOSED
+
+
+def test_rank_zero_ending_first_completes_its_calls_then_tells_the_rest():
+    coord = joined(3)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))  # e.g. an async call not collected
+    assert feed(coord, peer(0), bye(0, 1)) == []  # seq 0 still needs ranks 1 and 2: wait
+    assert coord.phase is Phase.RUNNING
+    feed(coord, peer(1), contrib(1, 0, value=1))
+    out = feed(coord, peer(2), contrib(2, 0, value=1))
+    kinds = [(p, m.kind) for p, m in out]
+    # results first (rank 0's too, which nobody reads), then the notice to those still running
+    assert kinds[:3] == [(peer(0), Kind.RESULT), (peer(1), Kind.RESULT), (peer(2), Kind.RESULT)]
+    assert kinds[3:] == [(peer(1), Kind.FAIL), (peer(2), Kind.FAIL)]
+    assert _serialize.loads(out[1][1].segments[0]) == 3
+    message = out[3][1].body()["message"]
+    assert message.startswith("rank 0 ended its program (without teardown) after seq 0")
+    assert "the coordinator it hosted is gone" in message
+
+
+def test_rank_zero_gives_up_waiting_with_the_ranks_it_waited_for():
+    coord = joined(3)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    feed(coord, peer(1), contrib(1, 0, value=1))
+    feed(coord, peer(0), bye(0, 1))
+    out = coord.give_up_ending(30)
+    assert coord.phase is Phase.FAILED and {p for p, _ in out} == {peer(1), peer(2)}
+    message = decode(encode(out[0][1])).body()["message"]
+    assert "it waited 30 s for its last calls, but seq 0 allreduce was in flight on ranks 0,1" in message

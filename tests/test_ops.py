@@ -181,3 +181,52 @@ def reduce_fn_with_captured_array():
 
 def test_reduce_function_may_capture_large_arrays():
     assert run_replicas(reduce_fn_with_captured_array, 3) == [3.0] * 3
+
+
+class Index:
+    """Not an int, but usable as one (``__index__``), as mpi4py's tests pass roots."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+
+def identity_rule():
+    """One rule, any group size: a result (or a list slot) that is this
+    replica's own value is that very object; anything built from other
+    replicas' values is a new object."""
+    r, n = zc.get_rank(), zc.get_world_size()
+    mine = [r]
+    values = [[i] for i in range(n)]
+    bcast = zc.broadcast(mine, root=np.int64(0))
+    scattered = zc.scatter(values if r == 0 else None, root=Index(0))
+    gathered = zc.gather(mine, root=np.int32(0))
+    return {
+        "broadcast_root": bcast is mine if r == 0 else bcast == [0],
+        "scatter_root": scattered is values[0] if r == 0 else scattered == [r],
+        "gather_slot": gathered[0] is mine if r == 0 else gathered is None,
+        "allgather_slot": zc.allgather(mine)[r] is mine,
+        "alltoall_slot": zc.alltoall(values)[r] is values[r],
+        "allreduce": zc.allreduce(mine) is mine,
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_identity_rule_and_integer_roots(n):
+    outs = run_replicas(identity_rule, n)
+    for own in outs:
+        allreduce = own.pop("allreduce")
+        assert all(own.values()), own
+        assert allreduce is (n == 1)  # with one replica nothing was combined
+
+
+def test_adaptdl_standalone_port_zero_with_one_replica():
+    zc.initialize("0.0.0.0", 0, 0, 1)  # what adaptdl.torch does when no ADAPTDL_* is set
+    try:
+        assert zc.allreduce(5) == 5
+    finally:
+        zc.teardown()
+    with pytest.raises(ValueError, match="master_port=0 cannot be used with num_replicas=2"):
+        zc.initialize("127.0.0.1", 0, 0, 2)

@@ -13,6 +13,7 @@ yourself to hold several groups at once. This module holds no logic.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -50,7 +51,12 @@ _group: Optional[Group] = None
 def _current() -> Group:
     if _group is None or _group.closed:
         raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
-    return _group
+    return _group  # in a forked child, its operations raise CollectiveError naming the parent
+
+
+def _open_here() -> bool:
+    """The default group is open and belongs to this process (not a parent we forked from)."""
+    return _group is not None and not _group.closed and _group._pid == os.getpid()
 
 
 def initialize(
@@ -104,7 +110,7 @@ def initialize(
         As for :class:`Group`.
     """
     global _group
-    if _group is not None and not _group.closed:
+    if _open_here():
         raise RuntimeError("zcollective is already initialized: call teardown() first")
     _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
                    op_timeout=op_timeout, liveness_timeout=liveness_timeout, secret=secret,
@@ -132,8 +138,9 @@ def teardown(*, timeout: Timeout = DEFAULT) -> None:
 
 
 def is_initialized() -> bool:
-    """True between :func:`initialize` and :func:`teardown`."""
-    return _group is not None and not _group.closed
+    """True between :func:`initialize` and :func:`teardown` (False in a forked
+    child until it initializes a group of its own)."""
+    return _open_here()
 
 
 def get_rank() -> int:

@@ -27,6 +27,15 @@ Rules:
    with the same FAIL; nothing else happens.
 6. *Strangers.* Anything from a peer that has not joined, other than a JOIN,
    is dropped and logged once; nothing from it is ever unpickled.
+7. *Ending.* A member whose program ends without ``teardown`` sends BYE with
+   the number of calls it made, n. It is not lost: its connection may close.
+   Calls below n still complete (its contributions are in); a call at n or
+   later can never complete, so when any rank reaches one the group fails
+   with :class:`ReplicaLostError` saying that rank *ended its program*.
+   Rank 0 hosts this object, so its BYE also means the coordinator goes:
+   once every call rank 0 made is complete (and its results sent), the
+   members still running are told the group is over. When every member
+   has ended, the group is closed.
 """
 
 from __future__ import annotations
@@ -81,9 +90,16 @@ class Member:
     fd: Optional[int] = None
     nonce: str = ""  # echoed in WELCOME: binds it to this JOIN, so an old WELCOME cannot be replayed
     address: str = "?"
+    ended: Optional[int] = None  # its program ended after this many calls (BYE)
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
+
+    def describe_end(self) -> str:
+        assert self.ended is not None
+        after = f"after seq {self.ended - 1}" if self.ended else "before its first call"
+        return (f"rank {self.rank} ended its program (without teardown) {after} "
+                f"(pid {self.pid} on {self.host})")
 
 
 @dataclass
@@ -167,6 +183,8 @@ class Coordinator:
             return [(peer, self._fail_message())]
         if msg.kind is Kind.CONTRIB:
             return self._on_contribution(member, msg, address)
+        if msg.kind is Kind.BYE:
+            return self._on_bye(member, msg.seq)
         if msg.kind is Kind.STATUS:
             return [(peer, self._status(msg.seq))]
         self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} "
@@ -178,6 +196,8 @@ class Coordinator:
         Before the group starts, the rank's slot just opens again."""
         for member in self.members.values():
             if member.fd == fd and member.fd is not None:
+                if member.ended is not None:
+                    return []  # it said BYE: a program that ended is not a lost one
                 if self.phase is Phase.JOINING:
                     del self.members[member.peer], self.by_rank[member.rank]
                     log.warning("zcollective coordinator: %s left before the group started; "
@@ -191,17 +211,20 @@ class Coordinator:
         if self.phase in (Phase.CLOSED, Phase.FAILED):
             return []
         member = self.by_rank.get(rank)
+        if member is not None and member.ended is not None:
+            return []
         who = member.describe() if member else f"rank {rank}"
         message = f"{who} was lost ({reason}); {self._in_flight()}"
         return self.fail("ReplicaLostError", message, lost=[rank], exclude={rank})
 
-    def fail(self, error: str, message: str, exclude: Iterable[int] = (), **extra: Any) -> list[Out]:
+    def fail(self, error: str, message: str, exclude: Iterable[int] = (), level: int = logging.ERROR,
+             **extra: Any) -> list[Out]:
         """Enter FAILED for good and tell every member (but ``exclude``)."""
         if self.phase is Phase.FAILED:
             return []
         self.phase = Phase.FAILED
         self.failure = {"error": error, "message": message, **extra}
-        log.error("zcollective coordinator: %s", message)
+        log.log(level, "zcollective coordinator: %s", message)
         out = self._fail_message()
         skip = set(exclude)
         return [(m.peer, out) for m in self.members.values() if m.rank not in skip]
@@ -321,12 +344,63 @@ class Coordinator:
         if (msg.op, msg.root) != (call.op, call.root):
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
         if len(call.contributions) < self.num_replicas:
-            return []
+            return self._check_endings()
         del self.pending[seq]
         out = self._complete(seq, call)
         if call.op is Op.TEARDOWN:
             self.phase = Phase.CLOSED
-        return out
+            return out
+        return out + self._check_endings()
+
+    # -- ending without teardown ------------------------------------------
+
+    def _on_bye(self, member: Member, calls: int) -> list[Out]:
+        if self.phase is not Phase.RUNNING or member.ended is not None:
+            return []
+        member.ended = max(calls, self.next_seq[member.rank])
+        log.info("zcollective coordinator: %s", member.describe_end())
+        if all(m.ended is not None for m in self.members.values()):
+            self.phase = Phase.CLOSED  # everyone is done: nothing can be waiting
+            return []
+        return self._check_endings()
+
+    def _check_endings(self) -> list[Out]:
+        """Fail the group if a pending call needs a rank that ended (rule 7),
+        or if rank 0 ended and every call it made is complete."""
+        ended = [m for m in self.by_rank.values() if m.ended is not None]
+        if not ended or self.phase is not Phase.RUNNING:
+            return []
+        for seq in sorted(self.pending):
+            gone = [m for m in ended if m.ended <= seq]  # type: ignore[operator]
+            if gone:
+                return self._fail_ended(gone[0], f"seq {seq} {self._pending_call(seq)}")
+        host = self.by_rank.get(0)
+        if host is not None and host.ended is not None and not any(s < host.ended for s in self.pending):
+            # the usual end of a program: not worth more than an info line
+            return self._fail_ended(host, "the coordinator it hosted is gone, so the group is over",
+                                    logging.INFO)
+        return []
+
+    def _pending_call(self, seq: int) -> str:
+        call = self.pending[seq]
+        return (f"{describe_call(call.op, call.root)} was in flight on "
+                f"{rank_list(call.contributions)}")
+
+    def _fail_ended(self, member: Member, context: str, level: int = logging.ERROR) -> list[Out]:
+        gone = {m.rank for m in self.members.values() if m.ended is not None}
+        return self.fail("ReplicaLostError", f"{member.describe_end()}; {context}",
+                         lost=[member.rank], ended=True, exclude=gone, level=level)
+
+    def give_up_ending(self, waited: float) -> list[Out]:
+        """Rank 0's program ended and waited ``waited`` seconds for the
+        others to reach its last calls: tell them the group is over."""
+        host = self.by_rank.get(0)
+        if self.phase is not Phase.RUNNING or host is None or host.ended is None:
+            return []
+        waiting = [f"seq {seq} {self._pending_call(seq)}" for seq in sorted(self.pending)
+                   if seq < host.ended][:3]
+        return self._fail_ended(host, f"it waited {waited:g} s for its last calls, but "
+                                      f"{'; '.join(waiting) or 'they did not complete'}")
 
     def _mismatch(self, seq: int, call: Call) -> str:
         groups: dict[tuple[str, str], list[int]] = {}

@@ -4,6 +4,9 @@ default instance of this class."""
 
 from __future__ import annotations
 
+import atexit
+import logging
+import operator
 import os
 import sys
 import threading
@@ -13,13 +16,15 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 import zmq
 
-from . import _serialize
+from . import _serialize, _sockets
 from ._future import CollectiveFuture, completed
 from ._replica import Replica, _fresh, error_from
 from ._server import Server
 from ._wire import FLAG_LOCAL_ERROR, Kind, Message, Op
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve
-from .errors import CollectiveTimeoutError
+from .errors import CollectiveError, CollectiveTimeoutError
+
+log = logging.getLogger("zcollective")
 
 T = TypeVar("T")
 Timeout = Union[float, None, "_Default"]
@@ -29,6 +34,7 @@ JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed jo
 COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
 # 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_open_groups: dict[int, Group] = {}  # id -> group: ended (delivered, then closed) at exit
 
 
 class _Default:
@@ -111,6 +117,7 @@ class Group:
             bind_addr=bind_addr, env=env,
         )
         self._owner = threading.get_ident()
+        self._pid = os.getpid()  # a forked child must never touch this process's sockets
         self._closed = False
         self._seq = 0  # single-replica groups only
         self._pending: dict[int, tuple[CollectiveFuture[Any], Callable[[Message], Any]]] = {}
@@ -123,6 +130,8 @@ class Group:
     def _connect(self) -> None:
         config = self.config
         self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
+        _open_groups[id(self)] = self
+        _register_atexit()
         try:
             alive = busy = None
             endpoint = config.endpoint
@@ -198,7 +207,7 @@ class Group:
         return self._blocking(self.broadcast_async(value, root), timeout)
 
     def broadcast_async(self, value: Any, root: int = 0) -> CollectiveFuture[Any]:
-        self._check_root(root)
+        root = self._check_root(root)
         if self.rank == root:
             return self._submit(Op.BROADCAST, root, [_serialize.dumps(value)], lambda m: value,
                                 _callsite())
@@ -209,7 +218,7 @@ class Group:
         return self._blocking(self.allgather_async(value), timeout)  # type: ignore[no-any-return]
 
     def allgather_async(self, value: Any) -> CollectiveFuture[list[Any]]:
-        return self._submit(Op.ALLGATHER, 0, [_serialize.dumps(value)], _all, _callsite())
+        return self._submit(Op.ALLGATHER, 0, [_serialize.dumps(value)], self._all(value), _callsite())
 
     def gather(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
         """``root`` gets the list of all replicas' values in rank order; the
@@ -217,8 +226,8 @@ class Group:
         return self._blocking(self.gather_async(value, root), timeout)  # type: ignore[no-any-return]
 
     def gather_async(self, value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
-        self._check_root(root)
-        finish = _all if self.rank == root else _none
+        root = self._check_root(root)
+        finish = self._all(value) if self.rank == root else _none
         return self._submit(Op.GATHER, root, [_serialize.dumps(value)], finish, _callsite())
 
     def scatter(self, values: Optional[Sequence[Any]], root: int = 0, *,
@@ -229,7 +238,7 @@ class Group:
         return self._blocking(self.scatter_async(values, root), timeout)
 
     def scatter_async(self, values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
-        self._check_root(root)
+        root = self._check_root(root)
         site = _callsite()
         if self.rank != root:
             return self._submit(Op.SCATTER, root, [], _first, site)
@@ -246,7 +255,8 @@ class Group:
     def alltoall_async(self, values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
         site = _callsite()
         values = self._check_values(Op.ALLTOALL, values, 0, site)
-        return self._submit(Op.ALLTOALL, 0, [_serialize.dumps(v) for v in values], _all, site)
+        return self._submit(Op.ALLTOALL, 0, [_serialize.dumps(v) for v in values],
+                            self._all(values[self.rank]), site)
 
     def barrier(self, *, timeout: Timeout = DEFAULT) -> None:
         """Return once every replica has called ``barrier``."""
@@ -267,6 +277,9 @@ class Group:
         """
         if self._closed:
             return
+        if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
+            self._closed = True
+            return
         self._check_thread()  # before touching a socket: they belong to the owner thread
         try:
             replica = self._replica
@@ -284,7 +297,7 @@ class Group:
     # -- machinery ------------------------------------------------------------
 
     def _reduce(self, op: Op, value: Any, reduce_fn: ReduceFn, root: int) -> CollectiveFuture[Any]:
-        self._check_root(root)
+        root = self._check_root(root)
         if not callable(reduce_fn):
             raise TypeError(f"reduce_fn must be callable, not {type(reduce_fn).__name__}")
         site = _callsite()
@@ -317,20 +330,32 @@ class Group:
         self._seq += 1
         if finish is None:  # a reduction: payload is the value itself
             return completed(seq, op.label, payload)
-        if op in (Op.ALLGATHER, Op.GATHER, Op.ALLTOALL):
-            value: Any = [_serialize.loads(s) for s in payload]
-        else:
-            value = finish(Message(Kind.RESULT, segments=payload))
-        return completed(seq, op.label, value)
+        return completed(seq, op.label, finish(Message(Kind.RESULT, segments=payload)))
 
     def _blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
         return future.result(timeout)
 
-    def _check_root(self, root: int) -> None:
-        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
+    def _check_root(self, root: Any) -> int:
+        """``root`` as an int: any integer type (``numpy.int64``, anything with
+        ``__index__``) but bool."""
+        try:
+            index = operator.index(root)
+        except TypeError:
+            index = -1
+        if isinstance(root, bool) or not 0 <= index < self.size:
             raise ValueError(f"root={root!r} is not a rank of this group of {self.size} replicas")
+        return index
+
+    def _all(self, own: Any) -> Callable[[Message], list[Any]]:
+        """The finisher of a list result: every rank's value in rank order,
+        this rank's own object in its slot (it is never copied back)."""
+        rank = self.rank
+
+        def finish(msg: Message) -> list[Any]:
+            return [own if i == rank else _serialize.loads(s) for i, s in enumerate(msg.segments)]
+        return finish
 
     def _check_values(self, op: Op, values: Any, root: int, site: str) -> Sequence[Any]:
         """``values`` must hold one value per replica; if not, tell the other
@@ -358,6 +383,11 @@ class Group:
         self._check_thread()
 
     def _check_thread(self) -> None:
+        if os.getpid() != self._pid:
+            raise CollectiveError(
+                f"this zcollective group belongs to process {self._pid}, the parent of this forked "
+                f"process {os.getpid()}; a child cannot use its parent's group: call "
+                f"zcollective.initialize() (or create a Group) in the child for a group of its own")
         if threading.get_ident() != self._owner:
             raise RuntimeError("a zcollective group may only be used by the thread that "
                                "created it (ZeroMQ sockets are not thread-safe)")
@@ -391,7 +421,11 @@ class Group:
         self._check_thread()
         deadline = None if timeout is None else time.monotonic() + timeout
         if not replica.wait_for(lambda: future._done, deadline):
-            raise CollectiveTimeoutError(replica.timeout_message(future.seq, timeout))
+            message = replica.timeout_message(future.seq, timeout)
+            if future._done:
+                return  # it arrived while the coordinator was asked
+            replica.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer
+            raise CollectiveTimeoutError(message)
 
     def _progress(self) -> None:
         if self._replica is not None and not self._closed:
@@ -404,28 +438,68 @@ class Group:
         self._check_thread()
         return [self._replica.dealer.FD, self._replica.monitor.FD]
 
-    def _close(self) -> None:
+    def _close(self, ending: bool = False) -> None:
+        """Close the sockets. ``ending``: the program is ending without
+        teardown: rank 0 first serves until its calls are delivered, and what
+        is queued gets :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave."""
         self._closed = True
+        _open_groups.pop(id(self), None)
         pending, self._pending = self._pending, {}
         for future, _ in pending.values():
             future._set_exception(RuntimeError(f"seq {future.seq} {future.op}: the group was "
                                                f"torn down before the call finished"))
-        if self._replica is not None:
-            self._replica.close()
         stuck = False
         if self._server is not None:
-            self._server.stop()
+            self._server.stop(ending)
             stuck = self._server.gone() is None
+        if self._replica is not None:
+            self._replica.close(_sockets.EXIT_LINGER_MS if ending else 0)
         if self._ctx is not None and not stuck:
+            # after term() libzmq holds no buffer of ours: the interpreter may free them
             self._ctx.term()
+
+    def _end(self) -> None:
+        """The program is ending without teardown (at exit): deliver what this
+        process produced, bounded, then close. Rule 7 of the coordinator."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        owner = next((t for t in threading.enumerate() if t.ident == self._owner), None)
+        if owner is not None and owner is not threading.current_thread():
+            return  # its thread still runs (a daemon): its sockets are not ours to use
+        if self._replica is not None:
+            try:
+                self._replica.progress()  # take in a FAIL that would make a BYE pointless
+                self._replica.say_bye()
+            except Exception:
+                pass  # the group failed: there is nothing to announce, only to flush
+        self._close(ending=True)
+
+
+def _end_all() -> None:
+    for group in list(_open_groups.values()):
+        try:
+            group._end()
+        except Exception:
+            log.exception("zcollective: ending a group at exit failed")
+
+
+_atexit_registered = False
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        # pyzmq registers the shutdown of its zero-copy garbage collector when that module is
+        # first imported, which may be at our first large send; import it now, so that ours,
+        # registered later, runs first (atexit runs last-in, first-out)
+        import zmq.utils.garbage  # noqa: F401
+
+        atexit.register(_end_all)
+        _atexit_registered = True
 
 
 def _first(msg: Message) -> Any:
     return _serialize.loads(msg.segments[0])
-
-
-def _all(msg: Message) -> list[Any]:
-    return [_serialize.loads(s) for s in msg.segments]
 
 
 def _none(msg: Message) -> None:

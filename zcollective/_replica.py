@@ -233,6 +233,15 @@ class Replica:
     def forget(self, seq: int) -> None:
         self._in_flight.pop(seq, None)
 
+    def say_bye(self) -> bool:
+        """Tell the coordinator this program is ending, after ``next_seq``
+        calls (rule 7 of :mod:`zcollective._coordinator`). False if the group
+        has failed or never started, when there is nobody to tell."""
+        if self.failure is not None or self.session == 0:
+            return False
+        self._send(Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session))
+        return True
+
     # -- I/O ----------------------------------------------------------------
 
     def _send(self, msg: Message) -> None:
@@ -359,13 +368,14 @@ class Replica:
             self.failure = error
             self.on_failure(error)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the sockets; what is still queued gets ``linger_ms`` to leave."""
         try:
             self.dealer.disable_monitor()
         except zmq.ZMQError:
             pass
         self.monitor.close(linger=0)
-        self.dealer.close(linger=0)
+        self.dealer.close(linger=linger_ms)
 
 
 def _fresh(error: Exception) -> Exception:

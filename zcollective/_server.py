@@ -29,6 +29,9 @@ log = logging.getLogger("zcollective")
 
 START_TIMEOUT_S = 10.0  # binding a socket takes milliseconds; longer means something is wrong
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
+EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
+# are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
+_STOP, _END = b"stop", b"end"  # pipe commands: close now; rank 0's program is ending
 
 
 class Server:
@@ -82,15 +85,22 @@ class Server:
         return (f"every rank arrived; the reduce function of seq {seq} {op.label} has been "
                 f"running on the coordinator (rank 0) for {time.monotonic() - since:.1f} s")
 
-    def stop(self) -> None:
-        """Ask the thread to close its sockets and wait for it, with a bound."""
+    def stop(self, ending: bool = False) -> None:
+        """Ask the thread to close its sockets and wait for it, with a bound.
+
+        ``ending``: rank 0's program is ending (its member has sent BYE). The
+        thread serves on until every call rank 0 made is complete and its
+        results are on their way (at most :data:`EXIT_WAIT_S`), then closes,
+        giving what is queued :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave.
+        """
         if self._thread.is_alive():
             try:
-                self._pipe.send(b"stop", zmq.NOBLOCK)
+                self._pipe.send(_END if ending else _STOP, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+            bound = EXIT_WAIT_S + _sockets.EXIT_LINGER_MS / 1000 + 1 if ending else STOP_TIMEOUT_S
             # a reduce function that never returns cannot be interrupted: do not wait for it
-            self._thread.join(STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1)
+            self._thread.join(bound if self.coordinator.reducing is None else 0.1)
             if self._thread.is_alive():
                 log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind",
                           self.busy() or "no reason known")
@@ -161,19 +171,33 @@ class Server:
             except Exception:
                 pass
         finally:
-            linger = _sockets.CLOSE_LINGER_MS  # a FAIL just sent to the survivors must reach them
+            # results, or a FAIL just sent to the survivors, must reach them
+            linger = _sockets.EXIT_LINGER_MS if self._ending is not None else _sockets.CLOSE_LINGER_MS
             router.disable_monitor()
             monitor.close(linger=0)
             pipe.close(linger=0)
             router.close(linger=linger)
 
+    _ending: Optional[float] = None  # when rank 0's program said it was ending
+
     def _serve(self, router: zmq.Socket, monitor: zmq.Socket, pipe: zmq.Socket) -> None:
         items = [(router, zmq.POLLIN), (monitor, zmq.POLLIN), (pipe, zmq.POLLIN)]
         coordinator = self.coordinator
         while coordinator.phase is not Phase.CLOSED:
-            ready = {sock for sock, _ in zmq_poll(items, -1)}
+            timeout = -1
+            if self._ending is not None:
+                if coordinator.phase is Phase.FAILED:
+                    return  # whatever the others must hear is queued
+                waited = time.monotonic() - self._ending
+                if waited >= EXIT_WAIT_S:
+                    self._send_all(coordinator.give_up_ending(waited))
+                    return
+                timeout = int((EXIT_WAIT_S - waited) * 1000) + 1
+            ready = {sock for sock, _ in zmq_poll(items, timeout)}
             if pipe in ready:
-                return
+                if pipe.recv() != _END:
+                    return
+                self._ending = time.monotonic()
             if monitor in ready:
                 self._drain_monitor()
             if router in ready:
@@ -182,9 +206,12 @@ class Server:
     def _drain_monitor(self) -> None:
         for kind, fd in _sockets.monitor_events(self._monitor):
             if kind == zmq.EVENT_DISCONNECTED:
+                # what a peer sent before closing (a BYE, a last contribution) is queued
+                # before libzmq reports the close: take it in first
+                self._drain(self._router, joins_first=False)
                 self._send_all(self.coordinator.disconnected(fd))
 
-    def _drain(self, router: zmq.Socket) -> None:
+    def _drain(self, router: zmq.Socket, joins_first: bool = True) -> None:
         coordinator = self.coordinator
         while coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
             frames = _sockets.recv_message(router)
@@ -194,9 +221,10 @@ class Server:
             member = coordinator.members.get(peer)
             if member is None or coordinator.phase is Phase.JOINING:
                 fd, address = _origin(frames[1])
-                # a JOIN records its connection's fd: first take in every earlier
-                # disconnect, so a closed connection's reused fd is not mistaken for it
-                self._drain_monitor()
+                if joins_first:
+                    # a JOIN records its connection's fd: first take in every earlier
+                    # disconnect, so a closed connection's reused fd is not mistaken for it
+                    self._drain_monitor()
             else:  # a running member; the address is only for (rare) warnings
                 fd, address = member.fd, member.address
             self._send_all(coordinator.receive(peer, frames[1:], fd, address))
@@ -219,6 +247,8 @@ class Server:
                     raise
                 if member is not None:
                     lost.append((member.rank, "its connection is gone"))
+        if lost:  # a BYE it sent before closing may still be queued: a rank that ended is not lost
+            self._drain(self._router, joins_first=False)
         for rank, reason in lost:
             self._send_all(self.coordinator.lost(rank, reason))
 

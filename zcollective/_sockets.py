@@ -23,6 +23,8 @@ _recv = zmq.backend.Socket.recv
 RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
 RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hammered
 CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown
+EXIT_LINGER_MS = 5000  # a program ending without teardown: time for what it produced to leave
+# (results, contributions, notices); a peer that stopped reading holds a process no longer
 POLL_SLICE_S = 0.5  # longest a wait sleeps before re-checking failure and thread liveness
 
 

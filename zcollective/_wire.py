@@ -58,6 +58,7 @@ class Kind(enum.IntEnum):
     STATUS_REPLY = 8  # coordinator -> replica: the answer (JSON)
     FAIL = 9  # coordinator -> replica: the group failed for good (JSON)
     PING = 10  # coordinator -> replica: liveness probe, ignored by replicas
+    BYE = 11  # replica -> coordinator: its program is ending; `seq` = how many calls it made
 
 
 KINDS = {int(k): k for k in Kind}  # a dict lookup costs a tenth of Kind(value)

@@ -179,8 +179,11 @@ def resolve(
 
     raw, src = _lookup("master_port", master_port, "master_port", env)
     port = DEFAULT_MASTER_PORT if raw is None else _as_int(raw, src)
-    if not 1 <= port <= 65535:
+    if not 0 <= port <= 65535:
         raise ValueError(f"{src}={raw!r} is not a TCP port (1 to 65535)")
+    if port == 0 and n > 1:  # one replica binds nothing, so adaptdl's standalone port 0 is fine
+        raise ValueError(f"{src}=0 cannot be used with num_replicas={n}: rank 0 must listen on a "
+                         f"port that every replica is given; pass the same master_port everywhere")
 
     init_timeout = _as_timeout(timeout, "argument timeout")
 

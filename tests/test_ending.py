@@ -1,0 +1,287 @@
+"""A program may simply end: without teardown, by an exception, in a forked
+child, by a signal; and a process may regroup many times. Real processes,
+real exits, real signals; every wait is bounded."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import zcollective as zc
+from zcollective.testing import Replicas, free_port, report
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RACE_RANKS = 8
+RACE_REPEATS = 10
+ENDINGS = ("rank0-first", "rank0-last", "rank0-raises")
+SIZES = ("small", "4MiB")
+
+
+def test_programs_that_end_without_teardown_lose_nothing(tmp_path):
+    """8 ranks, each ending (rank 0 first, last, or by an uncaught exception)
+    right after its last call, 10 times each with small values and 4 MiB
+    arrays: every rank gets every result, and no process dies of a signal."""
+    rounds = [[ending, size, free_port()] for _ in range(RACE_REPEATS)
+              for ending in ENDINGS for size in SIZES]
+    script = os.path.join(HERE, "ending_rank.py")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs, outs = [], []
+    for rank in range(RACE_RANKS):
+        out = open(tmp_path / f"out{rank}.txt", "w+b")  # noqa: SIM115 (closed below)
+        outs.append(out)
+        procs.append(subprocess.Popen(
+            [sys.executable, script, str(rank), str(RACE_RANKS), str(tmp_path), json.dumps(rounds)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + 150
+    try:
+        for proc in procs:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    texts = []
+    for out in outs:
+        out.seek(0)
+        texts.append(out.read().decode("utf-8", "replace"))
+        out.close()
+    output = "".join(f"--- rank {rank} (exit {procs[rank].returncode}), tail:\n{text[-3000:]}"
+                     for rank, text in enumerate(texts))
+    everything = "".join(texts)
+    problems = []
+    total = RACE_RANKS * (RACE_RANKS + 1) / 2
+    for index, (ending, size, _) in enumerate(rounds):
+        for rank in range(RACE_RANKS):
+            status_file = tmp_path / f"{rank}-{index}.status"
+            if not status_file.exists():
+                problems.append(f"round {index} ({ending}, {size}) rank {rank}: never ran")
+                continue
+            status = int(status_file.read_text())
+            code = os.waitstatus_to_exitcode(status)
+            want_code = 1 if (ending == "rank0-raises" and rank == 0) else 0
+            if code != want_code:
+                problems.append(f"round {index} ({ending}, {size}) rank {rank}: exit code {code}")
+            record_file = tmp_path / f"{rank}-{index}.json"
+            if not record_file.exists():
+                problems.append(f"round {index} ({ending}, {size}) rank {rank}: no result recorded")
+                continue
+            got = json.loads(record_file.read_text())
+            want = {"allreduce": total}
+            if ending != "rank0-last" and rank != 0:
+                want["broadcast"] = "config"
+            if ending == "rank0-last" and rank == 0:
+                want["pending"] = total
+            if {k: got.get(k) for k in want} != want:
+                problems.append(f"round {index} ({ending}, {size}) rank {rank}: got {got}")
+    assert not problems, "\n".join(problems[:20]) + "\n" + output
+    raised = sum(1 for ending, _, _ in rounds if ending == "rank0-raises")
+    assert everything.count("Traceback") == raised, output  # only the exceptions raised on purpose
+    assert everything.count("Error") == 2 * raised, output  # in the raise line and the last line
+
+
+LIVENESS = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}
+
+
+def end_early(who, calls):
+    """Rank ``who`` makes ``calls`` calls and ends its program; the others go on."""
+    r = zc.get_rank()
+    for _ in range(calls):
+        zc.allreduce(1)
+    if r == who:
+        return "ended"  # the replica's program ends here, without teardown
+    start = time.monotonic()
+    try:
+        zc.allreduce(1)
+    except zc.ReplicaLostError as exc:
+        return str(exc), time.monotonic() - start
+
+
+def run_group(fn, n, *args, env=None, timeout=60):
+    env = {**LIVENESS, **(env or {})}
+    with Replicas(fn, n, *args, initialize=False, env=env) as reps:
+        return reps.wait(timeout)
+
+
+def initialized(fn):
+    def run(*args):
+        zc.initialize(timeout=30)
+        return fn(*args)
+    return run
+
+
+@pytest.mark.parametrize("who", [3, 0])
+def test_a_rank_that_ends_early_is_named_as_ended_not_lost(who):
+    outs = run_group(initialized(end_early), 4, who, 2)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert outs[who].value == "ended"
+    for out in outs:
+        if out.rank == who:
+            continue
+        message, elapsed = out.value
+        prefix = f"rank {who} ended its program (without teardown) after seq 1 (pid "
+        assert message.startswith(prefix), message
+        # a rank already at seq 2 when rank 0 ended hears of that call; the others that it is over
+        assert ("; seq 2 allreduce was in flight on rank" in message
+                or (who == 0 and "the coordinator it hosted is gone, so the group is over" in message))
+        assert elapsed < 5.0
+
+
+def interrupted_then_go_on():
+    """Rank 1 is interrupted by a real SIGINT while blocked in a call; it goes
+    on, and every rank's next call pairs correctly."""
+    r = zc.get_rank()
+    zc.barrier()
+    if r == 1:
+        import threading
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        future = zc.allreduce_async(r)
+        try:
+            future.result(timeout=30)
+        except KeyboardInterrupt:
+            pass
+        else:
+            return "not interrupted"
+    else:
+        time.sleep(1.0)  # rank 1 is interrupted while waiting for this rank
+        future = zc.allreduce_async(r)
+    after = zc.allgather(r * 10)
+    return after, future.result(timeout=30)
+
+
+def test_keyboard_interrupt_abandons_a_call_like_a_timeout():
+    outs = run_group(initialized(interrupted_then_go_on), 3)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for out in outs:
+        assert out.value == ([0, 10, 20], 3)
+
+
+def wait_for_the_victim():
+    zc.barrier()
+    start = time.monotonic()
+    try:
+        zc.allreduce(1)
+    except zc.ReplicaLostError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", 0
+
+
+@pytest.mark.parametrize("sig, words", [(signal.SIGINT, "ended its program"),
+                                        (signal.SIGTERM, "was lost")])
+def test_a_replica_stopped_by_a_signal_is_named(sig, words, tmp_path):
+    ready = tmp_path / "ready"
+
+    def victim_waits():
+        if zc.get_rank() == 2:
+            zc.barrier()
+            ready.touch()
+            time.sleep(60)  # the test signals this process
+        return wait_for_the_victim()
+
+    with Replicas(initialized(victim_waits), 3, initialize=False, env=LIVENESS) as reps:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        reps.kill(2, sig)
+        outs = reps.wait(30)
+    assert outs[2].returncode != 0
+    for out in outs[:2]:
+        assert out.ok, report(outs, "a survivor failed")
+        message, elapsed = out.value
+        assert "rank 2" in message and words in message, message
+        assert elapsed < 5.0
+
+
+def fork_children():
+    import multiprocessing
+
+    r = zc.get_rank()
+    zc.allreduce(1)
+    parent = os.getpid()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a call fails clearly; a fresh group works; its end touches nothing
+        os.close(read)
+        try:
+            zc.allreduce(1)
+            said = "no error"
+        except zc.CollectiveError as exc:
+            said = str(exc)
+        fresh = []
+        if not zc.is_initialized():
+            zc.initialize("127.0.0.1", 0, 0, 1)  # a group of its own (one replica)
+            fresh = zc.allgather("child")
+            zc.teardown()
+        os.write(write, json.dumps([said, fresh]).encode())
+        import atexit
+        atexit._run_exitfuncs()  # what the end of a program runs
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said, fresh = json.loads(f.read())
+    os.waitpid(pid, 0)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:  # data-loader style workers that call into the library
+        pool_errors = pool.map(_call_in_worker, range(2))
+    idle = ctx.Process(target=time.sleep, args=(0.01,))  # a worker that calls nothing
+    idle.start()
+    idle.join(10)
+    after = zc.allreduce(r)  # the parent's group goes on
+    return said.replace(str(parent), "PARENT"), fresh, pool_errors, after
+
+
+def _call_in_worker(_):
+    try:
+        zc.broadcast(1)
+    except zc.CollectiveError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_a_forked_child_never_touches_its_parents_group():
+    outs = run_group(initialized(fork_children), 2)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for out in outs:
+        said, fresh, pool_errors, after = out.value
+        assert said.startswith("this zcollective group belongs to process PARENT, the parent of this "
+                               "forked process"), said
+        assert "call zcollective.initialize() (or create a Group) in the child" in said
+        assert fresh == ["child"]
+        assert pool_errors == ["CollectiveError", "CollectiveError"]
+        assert after == 1
+
+
+def regroup(port, cycles):
+    import threading
+
+    r = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    counts = []
+    for i in range(cycles):
+        size = 2 if i % 2 else 3  # another size every time; rank 2 sits out the small groups
+        same_port = i % 3 == 0
+        if r < size:
+            zc.initialize("127.0.0.1", port if same_port else port + 1 + i, r, size, timeout=30)
+            assert zc.allreduce(1) == size
+            zc.teardown()
+        counts.append((threading.active_count(), fds()))
+    return counts
+
+
+def test_twenty_regroups_leave_no_thread_or_descriptor_behind():
+    port = free_port()
+    outs = run_group(regroup, 3, port, 20, timeout=120)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for out in outs:
+        counts = out.value
+        assert len(set(counts[2:])) == 1, counts  # steady after the first cycles warm up
+        assert counts[-1][0] == 1, counts  # the main thread only
