@@ -4,10 +4,12 @@ asyncio see them."""
 import asyncio
 import os
 import threading
+import time
 
 import pytest
 
 import zcollective as zc
+import zcollective._future
 from zcollective.testing import free_port, run_replicas
 
 
@@ -98,6 +100,80 @@ def test_futures_are_awaitable_without_blocking_the_event_loop():
         assert gathered == [[0, 1, 2], [7, 8, 9][r]]
         if r != 1:
             assert ticks >= 10, ticks  # the loop ran while this rank awaited rank 1
+
+
+# Long enough that a future left to the recheck timer would outlast every bound below:
+# each future must be woken by its own call finishing.
+SLOW_RECHECK_S = 30
+
+
+def gathered():
+    zcollective._future.ASYNC_RECHECK_S = SLOW_RECHECK_S
+    r = zc.get_rank()
+
+    async def main():
+        many = await asyncio.wait_for(asyncio.gather(*[zc.allreduce_async(i) for i in range(100)]), 10)
+        pairs = []
+        for step in range(5):
+            pair = asyncio.gather(zc.allreduce_async(step + r), zc.allgather_async(r))
+            pairs.append(await asyncio.wait_for(pair, 10))
+        readers_left = len(zcollective._future._waiters)
+        # an await given up on (rank 1 comes late) leaves the group's reader too
+        if r == 1:
+            await asyncio.sleep(1)
+        late = zc.allreduce_async(r)
+        gave_up = False
+        try:
+            await asyncio.wait_for(late, 0.2)
+        except asyncio.TimeoutError:
+            gave_up = True
+            readers_left += len(zcollective._future._waiters)
+        return many, pairs, gave_up, await asyncio.wait_for(late, 10), readers_left
+
+    return asyncio.run(main())
+
+
+def test_futures_awaited_together_each_wake_when_their_call_finishes():
+    outs = run_replicas(gathered, 3, timeout=30)
+    for r, (many, pairs, gave_up, late, readers_left) in enumerate(outs):
+        assert many == [3 * i for i in range(100)]
+        assert pairs == [[3 * step + 3, [0, 1, 2]] for step in range(5)]
+        assert late == 3
+        assert readers_left == 0
+        if r != 1:
+            assert gave_up  # it waited for rank 1, then left while its call was pending
+
+
+def sent_while_awaiting(port_a, port_b):
+    zcollective._future.ASYNC_RECHECK_S = SLOW_RECHECK_S
+    rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    with zc.Group(master_port=port_a, rank=rank, size=3) as data, \
+            zc.Group(master_port=port_b, rank=rank, size=3) as control:
+        async def main():
+            first = data.allreduce_async(rank)
+            if rank != 1:
+                got = await asyncio.wait_for(first, 10)
+                control.barrier(timeout=20)  # no traffic on `data` until rank 1 has its result
+                return got, await asyncio.wait_for(data.allreduce_async(rank), 10)
+
+            async def await_first():
+                return await first
+
+            awaiting = asyncio.create_task(await_first())
+            await asyncio.sleep(0)  # it runs up to its `await`, asleep on the group's reader
+            time.sleep(1)  # work that blocks the loop while the first result arrives
+            # sending makes ZeroMQ take in its commands, which swallows the fd's edge
+            second = data.allreduce_async(rank)
+            got = await asyncio.wait_for(awaiting, 10)
+            control.barrier(timeout=20)
+            return got, await asyncio.wait_for(second, 10)
+
+        return asyncio.run(main())
+
+
+def test_a_call_sent_while_others_await_does_not_hide_their_results():
+    outs = run_replicas(sent_while_awaiting, 3, free_port(), free_port(), initialize=False, timeout=40)
+    assert outs == [(3, 3)] * 3
 
 
 def other_thread():

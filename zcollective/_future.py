@@ -3,6 +3,19 @@
 It behaves like :class:`concurrent.futures.Future` for a caller and is
 awaitable from asyncio. It knows nothing of sockets: it asks its group to make
 progress (``_wait``, ``_progress``, ``_fds``) and is resolved by the group.
+
+Awaiting, the theory of operation: every coroutine awaiting a future of one
+group in one event loop sleeps on that group's single :class:`_AsyncWaiter`.
+
+1. The waiter's reader on the group's file descriptors, and its liveness
+   recheck, are registered while at least one coroutine sleeps on it and
+   removed when the last one leaves (its call finished, or it was cancelled).
+2. Whatever wakes the waiter (a readable fd, the recheck, a call sent
+   meanwhile) makes progress once for all of them; progress resolves futures,
+   and a future that finishes wakes the coroutines awaiting it.
+3. ZeroMQ's fds are edge-triggered: an fd fires again only after progress has
+   taken in everything. So a coroutine makes progress itself (``done()``)
+   before it goes to sleep, and every progress drains the sockets.
 """
 
 from __future__ import annotations
@@ -10,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Generator
+from functools import partial
 from typing import Any, Callable, Generic, Optional, Protocol, TypeVar
 
 log = logging.getLogger("zcollective")
@@ -44,6 +58,8 @@ class CollectiveFuture(Generic[T]):
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._callbacks: list[Callable[[CollectiveFuture[T]], None]] = []
+        if driver is not None and _waiters:
+            _sent(driver)  # the group creates a future right after sending its call
 
     def __repr__(self) -> str:
         state = "finished" if self._done else "pending"
@@ -133,25 +149,126 @@ class CollectiveFuture(Generic[T]):
         return self._wait_async().__await__()
 
     async def _wait_async(self) -> T:
-        """Wait without blocking the event loop: sleep on the sockets' file
-        descriptors, then take in what arrived. Must run in the group's thread."""
+        """Wait without blocking the event loop: sleep on the group's shared
+        waiter until this call finishes. Must run in the group's thread."""
         loop = asyncio.get_running_loop()
-        while not self.done():
+        while not self.done():  # progress before sleeping: the fds only fire on news
             driver = self._driver
             if driver is None:
                 break
-            woken = loop.create_future()
-            fds = driver._fds()
-            for fd in fds:
-                loop.add_reader(fd, _wake, woken)
-            handle = loop.call_later(ASYNC_RECHECK_S, _wake, woken)
+            woken: asyncio.Future[None] = loop.create_future()
+            waiter = _AsyncWaiter.enter(driver, loop, woken)
+            wake = partial(_wake_on_finish, waiter, woken)
+            self._callbacks.append(wake)
             try:
                 await woken
             finally:
-                handle.cancel()
-                for fd in fds:
-                    loop.remove_reader(fd)
+                waiter.leave(woken)
+                if wake in self._callbacks:  # cancelled before the call finished
+                    self._callbacks.remove(wake)
         return self.result(0)
+
+
+class _AsyncWaiter:
+    """The one reader on a group's fds in one event loop, shared by every
+    coroutine of that loop awaiting a future of that group (rules in the
+    module docstring). A waiter lives from the first sleeper's arrival to the
+    last one's leaving; a later sleeper gets a new one."""
+
+    __slots__ = ("driver", "loop", "sleepers", "fds", "recheck", "kicked")
+
+    def __init__(self, driver: _Driver, loop: asyncio.AbstractEventLoop) -> None:
+        self.driver = driver
+        self.loop = loop
+        self.sleepers: set[asyncio.Future[None]] = set()
+        self.fds = driver._fds()
+        self.recheck: Optional[asyncio.TimerHandle] = None
+        self.kicked = False
+
+    @classmethod
+    def enter(cls, driver: _Driver, loop: asyncio.AbstractEventLoop,
+              sleeper: asyncio.Future[None]) -> _AsyncWaiter:
+        """Add ``sleeper`` to the group's waiter, starting one if none runs."""
+        waiter = _waiters.get((driver, loop))
+        if waiter is None:
+            waiter = cls(driver, loop)
+            _waiters[(driver, loop)] = waiter
+            for fd in waiter.fds:
+                loop.add_reader(fd, waiter.progress)
+            waiter.arm()
+        waiter.sleepers.add(sleeper)
+        return waiter
+
+    def leave(self, sleeper: asyncio.Future[None]) -> None:
+        """Remove ``sleeper`` (again is harmless); the last one out stops the waiter."""
+        self.sleepers.discard(sleeper)
+        if not self.sleepers and self.active():
+            del _waiters[(self.driver, self.loop)]
+            for fd in self.fds:
+                self.loop.remove_reader(fd)
+            if self.recheck is not None:
+                self.recheck.cancel()
+
+    def active(self) -> bool:
+        return _waiters.get((self.driver, self.loop)) is self
+
+    def arm(self) -> None:
+        # read at each arming, so a changed ASYNC_RECHECK_S takes effect
+        self.recheck = self.loop.call_later(ASYNC_RECHECK_S, self.on_recheck)
+
+    def on_recheck(self) -> None:
+        self.progress()
+        if self.active():
+            self.arm()
+
+    def kick(self) -> None:
+        """Make progress on the loop's next turn (once, however often kicked)."""
+        if not self.kicked:
+            self.kicked = True
+            self.loop.call_soon(self.on_kick)
+
+    def on_kick(self) -> None:
+        self.kicked = False
+        self.progress()
+
+    def progress(self) -> None:
+        """Take in what arrived, for every sleeper at once: the futures it
+        resolves wake their own sleepers."""
+        if not self.active():
+            return  # a reader or timer that fired just as the last sleeper left
+        try:
+            self.driver._progress()
+        except Exception:
+            # nobody would wake them otherwise: each sleeper makes progress itself
+            # (``done()``) and meets the error in its own coroutine
+            for sleeper in list(self.sleepers):
+                _wake(sleeper)
+                self.leave(sleeper)
+
+
+# One waiter per (group, event loop) while some coroutine awaits that group there;
+# only the group's own thread touches its entries.
+_waiters: dict[tuple[_Driver, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
+
+
+def _sent(driver: _Driver) -> None:
+    """``driver`` just sent a call. Sending makes ZeroMQ take in its pending
+    commands, which can swallow the fd's edge for a reply that arrived
+    meanwhile: the group's sleepers in this loop would not hear of it, so the
+    waiter makes progress on the next turn."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return  # no loop runs in this thread: nobody in it awaits
+    waiter = _waiters.get((driver, loop))
+    if waiter is not None:
+        waiter.kick()
+
+
+def _wake_on_finish(waiter: _AsyncWaiter, sleeper: asyncio.Future[None], _: CollectiveFuture[Any]) -> None:
+    _wake(sleeper)
+    # leave now, not when the coroutine resumes: the group may close its fds right after
+    waiter.leave(sleeper)
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
