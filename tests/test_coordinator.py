@@ -7,6 +7,7 @@ import pytest
 from zcollective import _serialize
 from zcollective._coordinator import PYTHON_VERSION, Coordinator, Phase
 from zcollective._wire import (
+    FLAG_AUTH,
     FLAG_LOCAL_ERROR,
     PROTOCOL_VERSION,
     Kind,
@@ -346,3 +347,79 @@ def test_rank_zero_gives_up_waiting_with_the_ranks_it_waited_for():
     assert coord.phase is Phase.FAILED and {p for p, _ in out} == {peer(1), peer(2)}
     message = decode(encode(out[0][1])).body()["message"]
     assert "it waited 30 s for its last calls, but seq 0 allreduce was in flight on ranks 0,1" in message
+
+
+def test_a_stranger_cannot_fail_a_running_group_whatever_its_join_says():
+    coord = joined(2)
+    forged = control(Kind.JOIN, {"rank": 1, "num_replicas": 2, "python": "2.7", "protocol": 1,
+                                 "pid": 1, "host": "evil"}, rank=1)
+    frames = encode(forged)
+    frames[0] = bytearray(frames[0])
+    frames[0][5] |= FLAG_AUTH  # "I use a secret": the coordinator has none
+    frames.append(b"\0" * 32)
+    out = coord.receive(b"stranger", frames, fd=99, address="10.0.0.66")
+    assert coord.phase is Phase.RUNNING
+    assert [(p, m.kind) for p, m in out] == [(b"stranger", Kind.REJECT)]
+    for bad in (join_msg(0, 2, python="2.7"), join_msg(1, 3), join_msg(5, 2)):
+        assert [m.kind for _, m in feed(coord, b"stranger2", bad)] in ([Kind.REJECT], [])
+        assert coord.phase is Phase.RUNNING
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    out = feed(coord, peer(1), contrib(1, 0, value=2))
+    assert _serialize.loads(out[0][1].segments[0]) == 3
+
+
+def test_while_joining_an_unproven_secret_refuses_only_that_peer():
+    coord = Coordinator(2, SESSION, 1000)
+    feed(coord, peer(0), join_msg(0, 2))
+    frames = encode(join_msg(1, 2))
+    frames[0] = bytearray(frames[0])
+    frames[0][5] |= FLAG_AUTH
+    frames.append(b"\0" * 32)
+    out = coord.receive(b"other", frames, fd=7, address="10.0.0.66")
+    assert [m.kind for _, m in out] == [Kind.REJECT] and coord.phase is Phase.JOINING
+    status = feed(coord, peer(0), Message(Kind.STATUS, rank=0, seq=0))[0][1].body()
+    assert "uses a secret, but the coordinator (rank 0) has none" in status["refused"]["1"]
+    feed(coord, peer(1), join_msg(1, 2))  # the real rank 1 still joins
+    assert coord.phase is Phase.RUNNING
+
+
+def test_a_refused_peer_gets_one_answer_and_refusals_are_bounded():
+    coord = joined(2)
+    answers = sum(len(feed(coord, b"flood", join_msg(1, 2))) for _ in range(1000))
+    assert answers == 1
+    from zcollective._coordinator import MAX_ANSWERED_PEERS
+    answered = sum(len(feed(coord, b"peer%d" % i, join_msg(1, 2))) for i in range(MAX_ANSWERED_PEERS + 500))
+    assert answered == MAX_ANSWERED_PEERS - 1  # "flood" took the first place
+
+
+def test_with_a_secret_a_join_must_echo_a_fresh_challenge_so_old_joins_claim_nothing():
+    from zcollective._wire import Signer
+
+    signer = Signer(b"0123456789abcdef-secret")
+
+    def send(coord, who, msg):
+        return [(p, decode(encode(m, signer), signer=signer)) for p, m in
+                coord.receive(who, encode(msg, signer), fd=5, address="10.0.0.9")]
+
+    def join(rank, challenge=None):
+        body = {"rank": rank, "num_replicas": 2, "python": PYTHON_VERSION, "protocol": PROTOCOL_VERSION,
+                "pid": 1, "host": "h", "nonce": "ab" * 16}
+        if challenge is not None:
+            body["challenge"] = challenge
+        return control(Kind.JOIN, body, rank=rank)
+
+    coord = Coordinator(2, SESSION, 1000, signer)
+    for r in range(2):
+        [(_, challenge)] = send(coord, peer(r), join(r))
+        assert challenge.kind is Kind.CHALLENGE and challenge.rank == r
+        assert challenge.session == int("ab" * 8, 16)  # bound to that JOIN's nonce
+        answer = join(r, challenge.body()["challenge"])
+        out = send(coord, peer(r), answer)
+    assert coord.phase is Phase.RUNNING and {m.kind for _, m in out} == {Kind.WELCOME}
+    # a later group with the same secret: the captured JOIN, challenge and all, claims nothing
+    later = Coordinator(2, SESSION + 1, 1000, signer)
+    [(_, fresh)] = send(later, peer(1), answer)
+    assert fresh.kind is Kind.CHALLENGE and fresh.body()["challenge"] != answer.body()["challenge"]
+    assert later.by_rank == {}
+    # nor can it be used twice here, nor answered for another peer
+    assert [m.kind for _, m in send(coord, b"other", answer)] == [Kind.REJECT]

@@ -257,7 +257,7 @@ def test_a_forked_child_never_touches_its_parents_group():
         assert after == 1
 
 
-def regroup(port, cycles):
+def regroup(ports, cycles):
     import threading
 
     r = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
@@ -270,7 +270,7 @@ def regroup(port, cycles):
         size = 2 if i % 2 else 3  # another size every time; rank 2 sits out the small groups
         same_port = i % 3 == 0
         if r < size:
-            zc.initialize("127.0.0.1", port if same_port else port + 1 + i, r, size, timeout=30)
+            zc.initialize("127.0.0.1", ports[0] if same_port else ports[1 + i], r, size, timeout=30)
             assert zc.allreduce(1) == size
             zc.teardown()
         counts.append((threading.active_count(), fds()))
@@ -278,10 +278,65 @@ def regroup(port, cycles):
 
 
 def test_twenty_regroups_leave_no_thread_or_descriptor_behind():
-    port = free_port()
-    outs = run_group(regroup, 3, port, 20, timeout=120)
+    ports = [free_port() for _ in range(21)]
+    outs = run_group(regroup, 3, ports, 20, timeout=120)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     for out in outs:
         counts = out.value
         assert len(set(counts[2:])) == 1, counts  # steady after the first cycles warm up
         assert counts[-1][0] == 1, counts  # the main thread only
+
+
+def interrupted_at_every_line(secret):
+    """Rank 1 has a KeyboardInterrupt raised at the k-th line the library runs
+    inside ``result()`` (a trace hook), for k = 1, 2, ... until a call
+    finishes before line k: after each, ``result()`` again returns the right
+    value and the next call pairs correctly."""
+    import numpy as np
+
+    r = zc.get_rank()
+    package = os.path.dirname(zc.__file__)
+    interrupted = 0
+    for k in range(1, 2000):
+        value = np.full(1 << 15, k + r, dtype=np.float64)  # 256 KiB: a frame of its own
+        future = zc.allreduce_async(value)
+        if r != 1:
+            future.result(timeout=30)
+            if zc.allreduce(0) < 0:  # rank 1 says when it ran out of lines to interrupt
+                break
+            continue
+        time.sleep(0.01)  # the result is waiting in the socket, frames and all
+        lines = 0
+
+        def trace(frame, event, arg, k=k):
+            nonlocal lines
+            if not frame.f_code.co_filename.startswith(package):
+                return None
+            if event == "line":
+                lines += 1
+                if lines == k:
+                    raise KeyboardInterrupt
+            return trace
+
+        sys.settrace(trace)
+        try:
+            future.result(timeout=30)
+            hit = False
+        except KeyboardInterrupt:
+            hit = True
+        finally:
+            sys.settrace(None)
+        interrupted += hit
+        got = future.result(timeout=30)  # again, without interruption
+        assert got[0] == 2 * k + 1 and got[-1] == 2 * k + 1, (k, got[:3])
+        if zc.allreduce(0 if hit else -1) < 0:
+            break
+    return interrupted
+
+
+@pytest.mark.parametrize("secret", [None, "0123456789abcdef-the-job-secret"])
+def test_an_interrupt_at_any_line_of_result_loses_nothing(secret):
+    env = {"ZCOLLECTIVE_SECRET": secret} if secret else {}
+    outs = run_group(initialized(interrupted_at_every_line), 2, secret, env=env, timeout=120)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert outs[1].value > 20, outs[1].value  # interrupted at that many different lines

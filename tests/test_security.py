@@ -4,6 +4,7 @@ binding. Real processes on loopback."""
 import os
 import socket
 import threading
+import time
 
 import pytest
 from hostile import Boom
@@ -70,8 +71,9 @@ def test_replica_without_the_right_secret_gets_authentication_error(rank1_env, t
 def test_replica_with_a_secret_refuses_a_coordinator_without_one():
     with Replicas(join_outcome, 2, initialize=False, rank_env={1: {"ZCOLLECTIVE_SECRET": SECRET}}) as reps:
         outs = reps.wait(30)
-    assert [o.value[0] for o in outs] == ["AuthenticationError"] * 2, report(outs, "")
-    assert "rank 1 (pid" in outs[0].value[1]
+    # the replica that uses a secret is refused alone; rank 0 learns why rank 1 never joined
+    assert [o.value[0] for o in outs] == ["CollectiveTimeoutError", "AuthenticationError"], report(outs, "")
+    assert "ranks 1 had not joined (rank 1 was refused: rank 1 (pid" in outs[0].value[1]
     assert "uses a secret, but the coordinator (rank 0) has none" in outs[0].value[1]
     assert "carries no authentication tag): rank 0 has no secret" in outs[1].value[1]
 
@@ -247,3 +249,123 @@ def test_binding_beyond_loopback_without_a_secret_warns_once():
     with Replicas(bind_report, 2, env={"ZCOLLECTIVE_BIND_ADDR": "*", "ZCOLLECTIVE_SECRET": SECRET}) as reps:
         outs = reps.wait(30)
     assert "without a secret" not in outs[0].output
+
+
+def busy_reduction(marker, seconds):
+    def slow_sum(a, b):
+        open(marker, "w").close()  # the coordinator thread reads nothing from here on
+        time.sleep(seconds)  # (sleeping leaves the CPU to the flood; the thread is as busy)
+        return a + b
+    return zc.allreduce(zc.get_rank() + 1, slow_sum)  # rank 0's function is the one used
+
+
+def test_a_flood_of_connections_cannot_silence_heartbeats(tmp_path):
+    """While the coordinator thread is busy in a reduce function, a stranger
+    opens and closes thousands of connections: nobody is declared lost."""
+    marker = tmp_path / "busy"
+    with Replicas(busy_reduction, 2, str(marker), 7.0,
+                  env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}) as reps:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        opened = 0
+        flood_end = time.monotonic() + 6.0
+        while opened < 6000 and time.monotonic() < flood_end:
+            try:
+                with socket.create_connection(("127.0.0.1", reps.port), timeout=0.5):
+                    opened += 1
+            except OSError:  # refused: the backlog is full while libzmq does not accept
+                time.sleep(0.01)
+        outs = reps.wait(60)
+    assert all(o.ok for o in outs), report(outs, f"a rank failed after {opened} connections")
+    assert [o.value for o in outs] == [3, 3]
+    assert opened >= 3000, opened  # more than the 2,000 a monitor pipe holds by default
+
+
+class SwappingProxy:
+    """A ZeroMQ-level relay between ranks 1, 2 and the coordinator that hands
+    rank 1's scatter RESULT to rank 2 and rank 2's to rank 1, frames intact
+    (each still carries a valid tag): an attacker on the path who cannot forge
+    anything, only move it."""
+
+    def __init__(self, upstream_port):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.port = self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.upstream = f"tcp://127.0.0.1:{upstream_port}"
+        self.links = {}  # routing id -> DEALER to the coordinator with the same id
+        self.held = {}
+        self.swapped = False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(100):
+                if sock is self.front:
+                    rid, *frames = self.front.recv_multipart()
+                    if rid not in self.links:
+                        link = self.links[rid] = self.ctx.socket(zmq.DEALER)
+                        link.setsockopt(zmq.ROUTING_ID, rid)
+                        link.setsockopt(zmq.LINGER, 0)
+                        link.connect(self.upstream)
+                        poller.register(link, zmq.POLLIN)
+                    self.links[rid].send_multipart(frames)
+                    continue
+                rid = next(r for r, s in self.links.items() if s is sock)
+                frames = sock.recv_multipart()
+                kind, op = frames[0][3], frames[0][4]
+                if kind == 5 and op == 5 and not self.swapped:  # a RESULT of a scatter
+                    self.held[rid] = frames
+                    if len(self.held) == 2:
+                        (a, fa), (b, fb) = self.held.items()
+                        self.front.send_multipart([a, *fb])
+                        self.front.send_multipart([b, *fa])
+                        self.swapped = True
+                    continue
+                self.front.send_multipart([rid, *frames])
+        for link in self.links.values():
+            link.close(0)
+        self.front.close(0)
+        self.ctx.term()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+
+
+def scatter_once():
+    try:
+        got = zc.scatter([f"for rank {i}" for i in range(3)] if zc.get_rank() == 0 else None)
+        return "result", got
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc)
+
+
+def test_a_message_moved_between_ranks_is_refused_never_returned():
+    port = free_port()
+    proxy = SwappingProxy(port)
+    try:
+        via_proxy = {"ZCOLLECTIVE_MASTER_PORT": str(proxy.port)}
+        with Replicas(scatter_once, 3, port=port,
+                      env={"ZCOLLECTIVE_SECRET": SECRET, "ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"},
+                      rank_env={1: via_proxy, 2: via_proxy}) as reps:
+            outs = reps.wait(60)
+    finally:
+        proxy.close()
+    assert proxy.swapped, report(outs, "the proxy never swapped")
+    for out in outs[1:]:
+        name, message = out.value
+        assert name == "AuthenticationError", report(outs, "a moved result was returned")
+        assert f"rank {out.rank}: a RESULT message from the coordinator" in message
+        assert f"was bound to rank {3 - out.rank}" in message and "moved between ranks" in message
+    name, message = outs[0].value  # the root got its own part; the group then failed everywhere
+    assert name == "result" and message == "for rank 0"
+    assert outs[0].ok and all(o.returncode == 0 for o in outs), report(outs, "a rank did not end cleanly")

@@ -26,7 +26,11 @@ Rules:
 5. *Sticky failure.* Once FAILED, every message from a member is answered
    with the same FAIL; nothing else happens.
 6. *Strangers.* Anything from a peer that has not joined, other than a JOIN,
-   is dropped and logged once; nothing from it is ever unpickled.
+   is dropped and logged once; nothing from it is ever unpickled. Once the
+   group runs, nothing from a non-member changes its state, whatever the
+   message says; while it joins, a faulty JOIN from a peer that does not
+   prove the secret only refuses that peer. A refused peer gets at most one
+   answer (REJECT), and at most :data:`MAX_ANSWERED_PEERS` peers get one.
 7. *Ending.* A member whose program ends without ``teardown`` sends BYE with
    the number of calls it made, n. It is not lost: its connection may close.
    Calls below n still complete (its contributions are in); a call at n or
@@ -40,8 +44,12 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hmac
+import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -64,12 +72,18 @@ from ._wire import (
     WireError,
     control,
     decode,
+    join_token,
 )
 
 log = logging.getLogger("zcollective")
 
 PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
 MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
+MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's two texts, type
+MAX_TRACEBACK_BYTES = 32000  # and traceback stay under the 64 KiB a replica parses (MAX_JSON_BYTES)
+MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while joining; more is a replay
+MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT, ~200 bytes); past
+# this, refusals go unanswered, so strangers can make rank 0 hold at most ~200 KiB of answers
 
 Out = tuple[bytes, Message]
 
@@ -128,7 +142,7 @@ class Coordinator:
                  signer: Optional[Signer] = None) -> None:
         self.num_replicas = num_replicas
         self.signer = signer
-        self._join_nonces: set[str] = set()
+        self._challenges: dict[bytes, tuple[str, int]] = {}  # peer -> (challenge, times sent)
         self.session = session
         self.max_frames = max_frames
         self.phase = Phase.JOINING
@@ -139,12 +153,23 @@ class Coordinator:
         self.failure: Optional[dict[str, Any]] = None
         self.reducing: Optional[tuple[int, Op, float]] = None  # (seq, op, since): read by other threads
         self._warned: set[tuple[str, str]] = set()
+        self._answered: set[bytes] = set()  # refused peers that got their one REJECT
+        self._welcomed = False  # WELCOME went out: members know the session
+        self.refused: dict[int, str] = {}  # rank -> why a JOIN claiming it was refused (joining)
 
     # -- entry points -------------------------------------------------
 
     def receive(self, peer: bytes, frames: list[Any], fd: Optional[int] = None,
                 address: str = "?") -> list[Out]:
-        """Handle one message from ``peer``; return what to send to whom."""
+        """Handle one message from ``peer``; return what to send to whom.
+        Input that does not parse is dropped and logged: it never raises."""
+        try:
+            return self._receive(peer, frames, fd, address)
+        except WireError as exc:
+            self._warn(address, "malformed", f"dropped a malformed message from {address}: {exc}")
+            return []
+
+    def _receive(self, peer: bytes, frames: list[Any], fd: Optional[int], address: str) -> list[Out]:
         member = self.members.get(peer)
         try:
             msg = decode(frames, self.max_frames, self.signer)
@@ -159,11 +184,11 @@ class Coordinator:
         if (member is not None and msg.kind is Kind.JOIN and self.phase is Phase.RUNNING
                 and msg.rank == member.rank):
             # the same process again, after a reconnect lost our WELCOME: say it again
-            try:
-                nonce = str(msg.body().get("nonce", ""))[:64]
-            except WireError:
-                nonce = ""
-            return [(peer, self._welcome(nonce))]
+            challenge = self._challenge(peer, msg)
+            if challenge is not None:
+                return challenge
+            member.nonce = str(msg.body().get("nonce", ""))[:64]
+            return [(peer, self._welcome(member))]
         if member is None or (msg.kind is Kind.JOIN and self.phase is Phase.JOINING
                               and msg.rank == member.rank):
             if msg.kind is Kind.JOIN:
@@ -176,17 +201,25 @@ class Coordinator:
         joining = self.phase is Phase.JOINING and msg.kind is Kind.STATUS
         if msg.rank != member.rank or (msg.kind is not Kind.JOIN and msg.session != self.session
                                        and not joining):
-            self._warn(address, "forged", f"dropped a {msg.kind.name} message on the connection "
-                       f"of {member.describe()} claiming rank {msg.rank}, session {msg.session:#x}")
+            what = (f"a {msg.kind.name} message on the connection of {member.describe()} at "
+                    f"{address} claimed rank {msg.rank}, session {msg.session:#x}")
+            if self.signer is not None:  # it proved the secret, so it was moved or replayed
+                return self.fail("AuthenticationError", f"{what}: was it moved between connections "
+                                 f"or replayed? {self._in_flight()}", bad=[member.rank])
+            self._warn(address, "forged", f"dropped {what}")
             return []
         if self.phase is Phase.FAILED:
-            return [(peer, self._fail_message())]
+            return [self._fail_message(member)]
         if msg.kind is Kind.CONTRIB:
             return self._on_contribution(member, msg, address)
         if msg.kind is Kind.BYE:
             return self._on_bye(member, msg.seq)
+        if msg.kind is Kind.ABORT:  # only the secret's holders reach here when there is one
+            said = str(msg.body().get("message", "?"))[:2000]
+            return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
+                             f"coordinator tampered with: {said}", bad=[member.rank])
         if msg.kind is Kind.STATUS:
-            return [(peer, self._status(msg.seq))]
+            return [(peer, self._status(msg.seq, member))]
         self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} "
                    f"from {member.describe()}")
         return []
@@ -223,11 +256,10 @@ class Coordinator:
         if self.phase is Phase.FAILED:
             return []
         self.phase = Phase.FAILED
-        self.failure = {"error": error, "message": message, **extra}
+        self.failure = {"error": error, "message": _cap(message), **extra}
         log.log(level, "zcollective coordinator: %s", message)
-        out = self._fail_message()
         skip = set(exclude)
-        return [(m.peer, out) for m in self.members.values() if m.rank not in skip]
+        return [self._fail_message(m) for m in self.members.values() if m.rank not in skip]
 
     def _on_auth_error(self, peer: bytes, frames: list[Any], exc: AuthError,
                        member: Optional[Member], address: str) -> list[Out]:
@@ -239,11 +271,22 @@ class Coordinator:
                    f"authentication ({exc}): it does not know the job's secret")
         head = bytes(memoryview(frames[0])[:4]) if frames else b""
         if len(head) == 4 and head[3] == Kind.JOIN:  # tell a misconfigured replica at once
-            return [(peer, control(Kind.REJECT, {
-                "error": "AuthenticationError",
-                "message": "the coordinator (rank 0) refused this replica: its messages do not "
-                           "carry the job's secret (set the same ZCOLLECTIVE_SECRET everywhere)"}))]
+            return self._refuse(peer, frames, "AuthenticationError",
+                                "the coordinator (rank 0) refused this replica: its messages do not "
+                                "carry the job's secret (set the same ZCOLLECTIVE_SECRET everywhere)")
         return []
+
+    def _refuse(self, peer: bytes, join: Any, error: str, message: str) -> list[Out]:
+        """One REJECT for a peer that is not a member: never a second, and none
+        past :data:`MAX_ANSWERED_PEERS` peers, so refusals cost rank 0 nothing.
+        ``join`` (a JOIN's frames or Message) names the rank and nonce the
+        REJECT is bound to, as far as they can be read."""
+        if peer in self._answered or len(self._answered) >= MAX_ANSWERED_PEERS:
+            return []
+        self._answered.add(peer)
+        rank, token = _claimed(join)
+        return [(peer, control(Kind.REJECT, {"error": error, "message": message},
+                               rank=rank, session=token))]
 
     # -- join -----------------------------------------------------------
 
@@ -254,8 +297,8 @@ class Coordinator:
             message = (f"a replica at {address} speaks zcollective protocol version "
                        f"{exc.version}, the coordinator (rank 0) speaks {PROTOCOL_VERSION}: "
                        f"install the same zcollective version on every host")
-            reject = control(Kind.REJECT, {"error": "ProtocolError", "message": message})
-            return [(peer, reject), *self.fail("ProtocolError", message)]
+            return [*self._refuse(peer, frames, "ProtocolError", message),
+                    *self.fail("ProtocolError", message)]
         self._warn(address, "version", f"dropped a message of protocol version {exc.version} "
                    f"from {address}")
         return []
@@ -274,24 +317,25 @@ class Coordinator:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return []
         who = f"rank {rank} (pid {pid} on {host})"
-        if self.signer is not None:  # without a secret anyone may join anyway
-            if nonce in self._join_nonces:
-                self._warn(address, "replay", f"dropped a replayed JOIN of {who} from {address}")
-                return []
-            self._join_nonces.add(nonce)
-        if msg.flags & FLAG_AUTH and self.signer is None:
-            message = (f"{who} uses a secret, but the coordinator (rank 0) has none: set the "
-                       f"same ZCOLLECTIVE_SECRET on every replica")
-            reject = control(Kind.REJECT, {"error": "AuthenticationError", "message": message})
-            return [(peer, reject), *self.fail("AuthenticationError", message)]
         if self.phase is Phase.FAILED:
-            return [(peer, control(Kind.REJECT, self.failure or {}))]
-        if self.phase is not Phase.JOINING:
+            failure = self.failure or {}
+            return self._refuse(peer, msg, str(failure.get("error")), str(failure.get("message")))
+        if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
             state = "has already started" if self.phase is Phase.RUNNING else f"is {self.phase.value}"
             message = (f"{who} tried to join the group at seq {min(self.next_seq, default=0)}, "
                        f"but the group of {self.num_replicas} replicas {state}")
-            log.warning("zcollective coordinator: refused a join: %s", message)
-            return [(peer, control(Kind.REJECT, {"error": "CollectiveError", "message": message}))]
+            self._warn(address, "late", f"refused a join: {message}")
+            return self._refuse(peer, msg, "CollectiveError", message)
+        if msg.flags & FLAG_AUTH and self.signer is None:  # unproven: refuse this peer alone
+            message = (f"{who} uses a secret, but the coordinator (rank 0) has none: set the "
+                       f"same ZCOLLECTIVE_SECRET on every replica")
+            self._warn(address, "secret", f"refused a join: {message}")
+            if 0 <= rank < self.num_replicas:
+                self.refused[rank] = message
+            return self._refuse(peer, msg, "AuthenticationError", message)
+        challenge = self._challenge(peer, msg)
+        if challenge is not None:
+            return challenge
         problem = None
         if python != PYTHON_VERSION:
             problem = ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
@@ -306,20 +350,45 @@ class Coordinator:
             problem = ("ValueError", f"rank {rank} was claimed twice: by "
                        f"{self.by_rank[rank].describe()} and by pid {pid} on {host}")
         if problem is not None:
-            reject = control(Kind.REJECT, {"error": problem[0], "message": problem[1]})
-            return [(peer, reject), *self.fail(*problem)]
+            return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
         member = Member(rank, peer, pid, host, fd, nonce, address)
         self.members[peer] = member
         self.by_rank[rank] = member
         if len(self.by_rank) < self.num_replicas:
             return []
         self.phase = Phase.RUNNING
-        return [(m.peer, self._welcome(m.nonce)) for m in self.members.values()]
+        self._welcomed = True
+        return [(m.peer, self._welcome(m)) for m in self.members.values()]
 
-    def _welcome(self, nonce: str) -> Message:
+    def _welcome(self, member: Member) -> Message:
         """WELCOME echoes the nonce of the JOIN it answers."""
-        return control(Kind.WELCOME, {"num_replicas": self.num_replicas, "nonce": nonce},
-                       session=self.session)
+        return control(Kind.WELCOME, {"num_replicas": self.num_replicas, "nonce": member.nonce},
+                       rank=member.rank, session=self.session)
+
+    def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:
+        """With a secret, a JOIN is fresh only if it echoes a challenge this
+        coordinator gave its peer: None for such a JOIN (the challenge is used
+        up), else the CHALLENGE to answer it with. So a JOIN captured from an
+        earlier group (with the same secret) claims nothing here: its sender
+        cannot sign the answer. Without a secret anyone may join anyway."""
+        if self.signer is None:
+            return None
+        echoed = join.body().get("challenge")
+        issued, sent = self._challenges.get(peer, ("", 0))
+        if issued and isinstance(echoed, str) and hmac.compare_digest(echoed, issued):
+            del self._challenges[peer]
+            return None
+        if sent >= MAX_CHALLENGES_PER_PEER or (not issued and len(self._challenges) >= MAX_ANSWERED_PEERS):
+            return []
+        issued = issued or os.urandom(16).hex()
+        self._challenges[peer] = (issued, sent + 1)
+        rank, token = _claimed(join)
+        return [(peer, control(Kind.CHALLENGE, {"challenge": issued}, rank=rank, session=token))]
+
+    def _binding(self, member: Member) -> int:
+        """What the header of a message to ``member`` carries as its session:
+        the group's once it was welcomed, else the token of its JOIN."""
+        return self.session if self._welcomed else join_token(member.nonce)
 
     def missing_joins(self) -> list[int]:
         return [r for r in range(self.num_replicas) if r not in self.by_rank]
@@ -417,20 +486,16 @@ class Coordinator:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
         problem = self._malformed_call(seq, call, contributions)
         if problem is not None:
-            return self._error_all(seq, call.op, {"error": "CollectiveError", "message": problem})
+            return self._error_all(seq, call.op, {"error": "CollectiveError", "message": _cap(problem)})
         try:
             routes = self._route(call.op, call.root, contributions)
         except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
             return self._error_all(seq, call.op, self._remote_error(seq, call.op, exc))
-        messages: dict[int, Message] = {}  # one message per distinct payload: serialize once
-        out = []
-        for rank, segments in enumerate(routes):
-            msg = messages.get(id(segments))
-            if msg is None:
-                msg = messages[id(segments)] = Message(
-                    Kind.RESULT, call.op, NO_RANK, call.root, seq, self.session, segments=segments)
-            out.append((self.by_rank[rank].peer, msg))
-        return out
+        # a header of its own for each rank; ranks given one payload share its frames,
+        # which the driver hashes once
+        return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
+                                                  self.session, segments=segments))
+                for rank, segments in enumerate(routes)]
 
     def _malformed_call(self, seq: int, call: Call, contributions: list[Message]) -> Optional[str]:
         """Why the call cannot complete as it is (a sender's own error, a wrong
@@ -444,6 +509,8 @@ class Coordinator:
                     said = "?"
                 return f"{head}: rank {rank} failed: {said}"
         n = self.num_replicas
+        if not 0 <= call.root < n:  # replicas check it: only a broken or altered one sends this
+            return f"{head}: root {call.root} is not a rank of this group of {n} replicas"
         sent = len(contributions[call.root].segments)
         if call.op is Op.SCATTER and sent != n:
             return f"{head}: root {call.root} sent {sent} values for {n} replicas"
@@ -499,26 +566,36 @@ class Coordinator:
         kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
         if type(exc).__module__ == "builtins":
             kind = type(exc).__qualname__
+        try:  # the user's exception may fail to print itself
+            said = str(exc)
+        except Exception as inner:
+            said = f"<str() of the exception raised {type(inner).__name__}>"
+        try:
+            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        except Exception:
+            trace = ""
         return {
             "error": "RemoteError",
-            "message": f"seq {seq} {op.label}: the reduction raised on the coordinator "
-                       f"(rank 0): {kind}: {exc}",
-            "remote_type": kind,
-            "remote_message": str(exc),
-            "remote_traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            "message": _cap(f"seq {seq} {op.label}: the reduction raised on the coordinator "
+                            f"(rank 0): {kind}: {said}"),
+            "remote_type": _cap(kind, 1000),
+            "remote_message": _cap(said),
+            "remote_traceback": _cap(trace, MAX_TRACEBACK_BYTES, tail=True),
         }
 
     def _error_all(self, seq: int, op: Op, body: dict[str, Any]) -> list[Out]:
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
-        return [(self.by_rank[r].peer, msg) for r in range(self.num_replicas)]
+        return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r)) for r in range(self.num_replicas)]
 
     # -- status and failure ----------------------------------------------
 
-    def _status(self, seq: int) -> Message:
+    def _status(self, seq: int, member: Member) -> Message:
+        header = {"seq": seq, "rank": member.rank, "session": self._binding(member)}
         if self.phase is Phase.JOINING:
             body = {"seq": seq, "state": "joining", "missing": self.missing_joins(),
-                    "arrived": sorted(self.by_rank)}
-            return control(Kind.STATUS_REPLY, body, seq=seq)
+                    "arrived": sorted(self.by_rank),
+                    "refused": {str(r): m for r, m in self.refused.items() if r not in self.by_rank}}
+            return control(Kind.STATUS_REPLY, body, **header)
         call = self.pending.get(seq)
         if call is not None:
             arrived = sorted(call.contributions)
@@ -529,7 +606,7 @@ class Coordinator:
         body = {"seq": seq, "state": state, "arrived": arrived, "missing": missing}
         if call is not None:
             body["op"] = describe_call(call.op, call.root)
-        return control(Kind.STATUS_REPLY, body, seq=seq, session=self.session)
+        return control(Kind.STATUS_REPLY, body, **header)
 
     def _in_flight(self) -> str:
         if self.phase is Phase.JOINING:
@@ -543,9 +620,10 @@ class Coordinator:
                          f"(arrived: {rank_list(call.contributions)})")
         return "in flight: " + ", ".join(parts)
 
-    def _fail_message(self) -> Message:
+    def _fail_message(self, member: Member) -> Out:
         assert self.failure is not None
-        return control(Kind.FAIL, self.failure, session=self.session)
+        return member.peer, control(Kind.FAIL, self.failure, rank=member.rank,
+                                    session=self._binding(member))
 
     def _warn(self, address: str, category: str, text: str) -> None:
         key = (address, category)
@@ -554,6 +632,32 @@ class Coordinator:
         if len(self._warned) < MAX_WARNED_PEERS:
             self._warned.add(key)
         log.warning("zcollective coordinator: %s", text)
+
+
+def _cap(text: str, limit: int = MAX_MESSAGE_BYTES, tail: bool = False) -> str:
+    """``text`` cut until it takes at most ``limit`` bytes as JSON, saying so
+    (the end of a traceback matters most, the start of a message)."""
+    def part(keep: int) -> str:
+        return text[len(text) - keep:] if tail else text[:keep]
+
+    keep = len(text)
+    while keep > 0 and len(json.dumps(part(keep))) > limit:
+        keep = max(0, keep * limit // len(json.dumps(part(keep))) - 40)
+    if keep == len(text):
+        return text
+    cut = len(text) - keep
+    return f"[{cut} characters cut] {part(keep)}" if tail else f"{part(keep)} [{cut} characters cut]"
+
+
+def _claimed(join: Any) -> tuple[int, int]:
+    """The rank and JOIN token a refused JOIN claimed, as far as they can be
+    read (it may have failed authentication or be malformed): what its REJECT
+    is bound to."""
+    try:
+        msg = join if isinstance(join, Message) else decode(join)  # a tag is stripped unread
+        return msg.rank, join_token(str(msg.body().get("nonce", "")))
+    except Exception:  # anything unreadable: the REJECT is bound to nobody
+        return NO_RANK, 0
 
 
 __all__ = ["Coordinator", "Phase", "NO_RANK"]

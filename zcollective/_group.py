@@ -395,19 +395,23 @@ class Group:
     # -- driver interface for futures -----------------------------------------
 
     def _deliver(self, seq: int, msg: Message) -> None:
-        entry = self._pending.pop(seq, None)
+        # the entry leaves the table only after its future is resolved: an interrupt in
+        # between leaves both, and the same message, handled again, resolves it then
+        entry = self._pending.get(seq)
         if entry is None:
             return
         future, finish = entry
-        if msg.kind is Kind.ERROR:
-            future._set_exception(error_from(msg.body()))
-            return
-        try:
-            value = finish(msg)
-        except Exception as exc:
-            future._set_exception(exc)
-        else:
-            future._set_result(value)
+        if not future._done:
+            if msg.kind is Kind.ERROR:
+                future._set_exception(error_from(msg.body()))
+            else:
+                try:
+                    value = finish(msg)
+                except Exception as exc:
+                    future._set_exception(exc)
+                else:
+                    future._set_result(value)
+        self._pending.pop(seq, None)
 
     def _on_failure(self, error: Exception) -> None:
         pending, self._pending = self._pending, {}

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from typing import Any, Callable, Optional
 
 import zmq
@@ -18,7 +19,19 @@ from zmq.backend import zmq_poll
 
 from . import _sockets, _wire
 from ._coordinator import PYTHON_VERSION
-from ._wire import AuthError, Kind, Message, Op, Signer, VersionError, WireError, control, decode, encode
+from ._wire import (
+    AuthError,
+    Kind,
+    Message,
+    Op,
+    Signer,
+    VersionError,
+    WireError,
+    control,
+    decode,
+    encode,
+    join_token,
+)
 from .config import Config
 from .errors import (
     AuthenticationError,
@@ -85,6 +98,7 @@ class Replica:
         self.session = 0
         self.signer = Signer(config.secret) if config.secret is not None else None
         self._nonces: set[str] = set()  # every JOIN this replica sent (it re-sends after a reconnect)
+        self._tokens: set[int] = set()  # their tokens: what binds replies before the WELCOME
         self.next_seq = 0
         self.deliver: Callable[[int, Message], None] = lambda seq, msg: None
         self.on_failure: Callable[[Exception], None] = lambda error: None
@@ -93,6 +107,9 @@ class Replica:
         self._failed_handshakes: list[float] = []  # since the last good one
         self._rejoin = False
         self._in_flight: dict[int, str] = {}
+        self._inbox: deque[list[Any]] = deque()  # received, not yet handled (see _drain_dealer)
+        self._events: deque[list[Any]] = deque()  # the same for monitor events
+        self._unsent: Optional[list[Any]] = None  # a contribution whose send was interrupted
         self._status: dict[int, dict[str, Any]] = {}
         self.dealer = ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
@@ -102,7 +119,7 @@ class Replica:
         _sockets.set_never_drop(self.dealer)
         _sockets.set_heartbeats(self.dealer, config)
         try:
-            self.monitor = self.dealer.get_monitor_socket(MONITOR_EVENTS)
+            self.monitor = _sockets.monitor_socket(self.dealer, MONITOR_EVENTS)
         except BaseException:
             self.dealer.close(linger=0)
             raise
@@ -116,12 +133,17 @@ class Replica:
 
     # -- join -------------------------------------------------------------
 
-    def _send_join(self) -> None:
-        nonce = os.urandom(16).hex()  # a fresh one: with a secret, a repeated nonce is a replay
+    def _send_join(self, challenge: Optional[str] = None) -> None:
+        """JOIN, with a fresh nonce; with a secret, the coordinator first
+        answers with a CHALLENGE that the JOIN sent again must echo."""
+        nonce = os.urandom(16).hex()
         self._nonces.add(nonce)
+        self._tokens.add(join_token(nonce))
         body = {"rank": self.rank, "num_replicas": self.config.num_replicas,
                 "protocol": _wire.PROTOCOL_VERSION, "python": PYTHON_VERSION,
                 "pid": os.getpid(), "host": socket.gethostname(), "nonce": nonce}
+        if challenge is not None:
+            body["challenge"] = challenge
         self._send(control(Kind.JOIN, body, rank=self.rank))
 
     def join(self, timeout: Optional[float]) -> None:
@@ -147,7 +169,12 @@ class Replica:
         status = self._ask_status(0)
         if status and status.get("missing"):
             missing = ",".join(map(str, status["missing"]))
-            return f"{base}: connected, but ranks {missing} had not joined"
+            refused = status.get("refused")
+            why = ""
+            if isinstance(refused, dict) and refused:
+                why = " (" + "; ".join(f"rank {r} was refused: {str(m)[:300]}"
+                                       for r, m in list(refused.items())[:3]) + ")"
+            return f"{base}: connected, but ranks {missing} had not joined{why}"
         return f"{base}: connected, but the group did not complete"
 
     # -- calls --------------------------------------------------------------
@@ -179,11 +206,13 @@ class Replica:
                         f"above max_frame_bytes={limit}; raise ZCOLLECTIVE_MAX_FRAME_BYTES on "
                         f"every replica, or split the value")
         seq = self.next_seq
-        msg = Message(Kind.CONTRIB, op, self.rank, root, seq, self.session, callsite,
-                      flags, fn, segments)
-        self._send(msg)
-        self.next_seq = seq + 1
+        frames = encode(Message(Kind.CONTRIB, op, self.rank, root, seq, self.session, callsite,
+                                flags, fn, segments), self.signer)
         self._in_flight[seq] = op.label
+        # the seq is used and the contribution owed in one step: an interrupt after it leaves
+        # the frames in _unsent, sent by the next call (a duplicate is dropped by seq)
+        self.next_seq, self._unsent = seq + 1, frames
+        self._send_unsent()
         return seq
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
@@ -194,6 +223,7 @@ class Replica:
         ReplicaLostError, CallMismatchError, CollectiveError
             The group failed (sticky).
         """
+        self._send_unsent()
         while not done():
             if self.failure is not None:
                 raise _fresh(self.failure)
@@ -202,7 +232,9 @@ class Replica:
         return True
 
     def progress(self) -> None:
-        """Take in whatever has arrived, without blocking."""
+        """Send what an interrupted call still owes; take in whatever has
+        arrived, without blocking."""
+        self._send_unsent()
         self._pump(time.monotonic())
 
     def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
@@ -245,11 +277,20 @@ class Replica:
     # -- I/O ----------------------------------------------------------------
 
     def _send(self, msg: Message) -> None:
-        frames = encode(msg, self.signer)
+        self._send_unsent()  # what an interrupted call still owes goes first
+        self._send_frames(encode(msg, self.signer), msg.seq)
+
+    def _send_unsent(self) -> None:
+        frames = self._unsent
+        if frames is not None:
+            self._send_frames(frames, self.next_seq - 1)
+            self._unsent = None
+
+    def _send_frames(self, frames: list[Any], seq: int) -> None:
         try:
             _sockets.send_frames(self.dealer, frames, self._copy)
         except zmq.ZMQError as exc:
-            raise CollectiveError(f"rank {self.rank} could not send seq {msg.seq}: {exc.strerror}") from exc
+            raise CollectiveError(f"rank {self.rank} could not send seq {seq}: {exc.strerror}") from exc
 
     def _pump(self, deadline: Optional[float]) -> bool:
         """Wait until something arrives or ``deadline``; handle it all.
@@ -258,6 +299,11 @@ class Replica:
         One poll covers the DEALER and its monitor, so a disconnect ends a wait
         at once; on rank 0 the coordinator thread's liveness is checked between
         slices of at most POLL_SLICE_S."""
+        if self._inbox or self._events:  # taken in by a call that was interrupted: handle first
+            got = self._drain_dealer()
+            self._drain_monitor()
+            if got or self.failure is not None:
+                return True
         while True:
             remaining = _sockets.POLL_SLICE_S
             if deadline is not None:
@@ -281,11 +327,18 @@ class Replica:
                 return False
 
     def _drain_dealer(self) -> bool:
-        """Handle every message waiting; True if there was one."""
+        """Handle every message waiting; True if there was one.
+
+        A message leaves the inbox only once it has been handled, and handling
+        one twice changes nothing, so a ``KeyboardInterrupt`` anywhere in here
+        loses no result: the next call picks up where this one stopped.
+        """
         got = False
-        while _sockets.readable(self.dealer):
+        inbox = self._inbox
+        while (inbox and _sockets.complete(inbox[0])) or _sockets.take_in(self.dealer, inbox):
             got = True
-            self._dispatch(_sockets.recv_message(self.dealer))
+            self._dispatch(inbox[0])
+            inbox.popleft()
         return got
 
     def _dispatch(self, frames: list[Any]) -> None:
@@ -300,7 +353,8 @@ class Replica:
             else:
                 self._fail(AuthenticationError(
                     f"rank {self.rank}: a message from the coordinator at {self.endpoint} failed "
-                    f"authentication ({exc}); was it altered in flight? {self._describe_in_flight()}"))
+                    f"authentication ({exc}); was it altered in flight? {self._describe_in_flight()}"),
+                    tell=True)
             return
         except VersionError as exc:
             self._fail(ProtocolError(f"rank {self.rank}: the coordinator at {self.endpoint} speaks "
@@ -310,22 +364,54 @@ class Replica:
         except WireError as exc:
             log.warning("zcollective rank %d: dropped a malformed message: %s", self.rank, exc)
             return
+        try:
+            self._act(msg)
+        except WireError as exc:
+            log.warning("zcollective rank %d: dropped a malformed %s message: %s", self.rank,
+                        msg.kind.name, exc)
+
+    def _bound_here(self, msg: Message) -> bool:
+        """Is ``msg`` bound to this replica: its rank, and the session (or,
+        before the WELCOME, the token of one of its JOINs)? A message that
+        proved the secret but is bound elsewhere was moved or replayed."""
+        if msg.rank == self.rank:
+            if msg.kind is Kind.WELCOME:
+                return True  # bound by the nonce in its body, checked by the caller
+            if msg.session == self.session if self.session else msg.session in self._tokens:
+                return True
+        what = (f"a {msg.kind.name} message from the coordinator at {self.endpoint} was bound to "
+                f"rank {msg.rank}, session {msg.session:#x}, not to this replica")
+        if self.signer is not None:
+            self._fail(AuthenticationError(f"rank {self.rank}: {what}: was it moved between ranks "
+                                           f"or replayed? {self._describe_in_flight()}"), tell=True)
+        elif msg.kind is not Kind.RESULT:  # a RESULT of an earlier group on this port is routine
+            log.warning("zcollective rank %d: dropped %s", self.rank, what)
+        return False
+
+    def _act(self, msg: Message) -> None:
+        if not self._bound_here(msg):
+            return
         kind = msg.kind
         if kind is Kind.RESULT or kind is Kind.ERROR:
-            if msg.session != self.session:
-                return  # stale: a previous group on the same port
-            self._in_flight.pop(msg.seq, None)
+            if kind is Kind.ERROR:
+                msg.body()  # parsed before the call is taken off the table: a bad one is dropped
             self.deliver(msg.seq, msg)
+            self._in_flight.pop(msg.seq, None)
         elif kind is Kind.STATUS_REPLY:
-            self._status[msg.seq] = msg.body()
+            self._status[msg.seq] = _status_body(msg.body())
         elif kind is Kind.WELCOME:
-            if msg.body().get("nonce") in self._nonces:  # an answer to a JOIN of ours, not a replay
+            nonce = msg.body().get("nonce")
+            if isinstance(nonce, str) and nonce in self._nonces:  # answers a JOIN of ours, not a replay
                 self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
             self._fail(error_from(msg.body()))
+        elif kind is Kind.CHALLENGE and self.session == 0:
+            challenge = msg.body().get("challenge")
+            if isinstance(challenge, str):
+                self._send_join(challenge[:64])
 
     def _drain_monitor(self) -> None:
-        for kind, _ in _sockets.monitor_events(self.monitor):
+        for kind, _ in _sockets.monitor_events(self.monitor, self._events):
             if kind == zmq.EVENT_CONNECTED:
                 self.connected = True
             elif kind == zmq.EVENT_DISCONNECTED and self.session == 0:
@@ -363,9 +449,18 @@ class Replica:
         calls = ", ".join(f"seq {s} {op}" for s, op in sorted(self._in_flight.items())[:3])
         return f"in flight: {calls}"
 
-    def _fail(self, error: Exception) -> None:
+    def _fail(self, error: Exception, tell: bool = False) -> None:
+        """Fail the group here (sticky). ``tell``: this replica found the
+        failure itself (a message to it was altered or moved), so it asks the
+        coordinator to fail the group for everyone (ABORT)."""
         if self.failure is None:
             self.failure = error
+            if tell and self.session:
+                try:
+                    self._send(control(Kind.ABORT, {"error": type(error).__name__, "message": str(error)},
+                                       rank=self.rank, session=self.session))
+                except Exception:
+                    pass  # the link is broken: the others will find this replica lost
             self.on_failure(error)
 
     def close(self, linger_ms: int = 0) -> None:
@@ -376,6 +471,15 @@ class Replica:
             pass
         self.monitor.close(linger=0)
         self.dealer.close(linger=linger_ms)
+
+
+def _status_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A STATUS_REPLY's body, with its rank lists checked (they end up in messages)."""
+    for key in ("missing", "arrived"):
+        ranks = body.get(key, [])
+        if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
+            raise WireError(f"status reply field {key!r} is not a list of ranks")
+    return body
 
 
 def _fresh(error: Exception) -> Exception:

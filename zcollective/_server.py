@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from typing import Any, Optional
 
 import zmq
@@ -46,6 +47,7 @@ class Server:
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer)
         self.crashed: Optional[str] = None
+        self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._pipe_endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
@@ -134,7 +136,7 @@ class Server:
         made: list[zmq.Socket] = [router]
         try:
             router.bind(self.local_endpoint)
-            monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED)
             made.append(monitor)
             pipe = self.ctx.socket(zmq.PAIR)
             made.append(pipe)
@@ -204,7 +206,7 @@ class Server:
                 self._drain(router)
 
     def _drain_monitor(self) -> None:
-        for kind, fd in _sockets.monitor_events(self._monitor):
+        for kind, fd in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
                 # what a peer sent before closing (a BYE, a last contribution) is queued
                 # before libzmq reports the close: take it in first
@@ -231,11 +233,9 @@ class Server:
 
     def _send_all(self, outs: list[Out]) -> None:
         lost: list[tuple[int, str]] = []
-        encoded: dict[int, list[Any]] = {}  # one message to many ranks is encoded (and signed) once
+        macs: dict[tuple[int, int], Any] = {}  # one payload to many ranks is hashed once
         for peer, msg in outs:
-            frames = encoded.get(id(msg))
-            if frames is None:
-                frames = encoded[id(msg)] = encode(msg, self.signer)
+            frames = encode(msg, self.signer, macs)
             member = self.coordinator.members.get(peer)
             # rank 0 shares this process: give it copies, so mutating its result
             # cannot change buffers still being sent to the other ranks

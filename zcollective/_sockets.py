@@ -4,8 +4,10 @@ and the one place where ``zmq.ZMQError`` becomes a library error."""
 from __future__ import annotations
 
 import contextlib
+import os
+from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import zmq
 from zmq.backend import zmq_poll
@@ -57,15 +59,34 @@ def mapped(what: str) -> Iterator[None]:
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
-    """Send a multipart message; large frames go without a copy unless ``copy``."""
+    """Send a multipart message; large frames go without a copy unless ``copy``.
+
+    Never leaves half a message in the socket: an exception raised by a signal
+    handler (``KeyboardInterrupt``) between two frames would let the next
+    message complete this one, so the rest is sent first and the exception
+    raised after. Each frame's send and its count share one line, which an
+    exception raised at a line boundary cannot split.
+    """
     last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        if copy and isinstance(frame, zmq.Frame):
-            # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
-            frame = frame.buffer
-        size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
-        big = not copy and size >= ZERO_COPY_MIN_BYTES
-        _send(sock, frame, _SNDMORE if i < last else 0, not big)
+    sent: list[Any] = []
+    interrupted: Optional[BaseException] = None
+    while len(sent) <= last:
+        try:
+            while len(sent) <= last:
+                i = len(sent)
+                frame = frames[i]
+                if copy and isinstance(frame, zmq.Frame):
+                    # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
+                    frame = frame.buffer
+                size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
+                big = not copy and size >= ZERO_COPY_MIN_BYTES
+                sent.append(_send(sock, frame, _SNDMORE if i < last else 0, not big))
+        except zmq.ZMQError:
+            raise
+        except BaseException as exc:  # noqa: B036 (re-raised below, once the message is whole)
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def recv_message(sock: zmq.Socket) -> list[Any]:
@@ -76,14 +97,64 @@ def recv_message(sock: zmq.Socket) -> list[Any]:
     return frames
 
 
+def complete(frames: list[Any]) -> bool:
+    """``frames`` hold a whole message (its last frame has no more after it)."""
+    return bool(frames) and not frames[-1].more
+
+
+def take_in(sock: zmq.Socket, inbox: deque[list[Any]]) -> bool:
+    """Move one whole waiting message from ``sock`` to the end of ``inbox``;
+    False if none is waiting.
+
+    A message being read is kept in ``inbox`` frame by frame, so an exception
+    raised by a signal handler between two frames loses nothing: the next
+    call finishes it. (Receiving a frame and keeping it share one line.)
+    """
+    if not inbox or complete(inbox[-1]):
+        if not readable(sock):
+            return False
+        inbox.append([])
+    frames = inbox[-1]
+    while not complete(frames):
+        frames.append(_recv(sock, 0, False))
+    return True
+
+
 def readable(sock: zmq.Socket) -> bool:
     """A message is waiting. A zero-timeout poll: reading ZMQ_EVENTS costs
     more, as pyzmq wraps the answer in an enum."""
     return bool(zmq_poll([(sock, _POLLIN)], 0))
 
 
-def monitor_events(monitor: zmq.Socket) -> Iterator[tuple[int, int]]:
-    """The (event, value) pairs waiting on a socket monitor, without blocking."""
-    while readable(monitor):
-        event = parse_monitor_message(monitor.recv_multipart())
+def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR receiving ``sock``'s monitor events through a pipe with no bound.
+
+    libzmq's I/O threads *block* when a monitor pipe is full (its default
+    bound is 2,000 events). A stranger opening and closing connections while
+    the thread that reads the monitor is busy (a long reduce function) would
+    then stop heartbeats, accepts and sends alike. An inproc pipe is unbounded
+    when the receiving end's RCVHWM is 0; what it can hold is bounded by the
+    connections a peer can open while the reader is busy (one event of about
+    100 bytes each).
+    """
+    endpoint = f"inproc://zcollective-monitor-{id(sock):x}-{os.urandom(4).hex()}"
+    sock.monitor(endpoint, events)
+    pair = sock.context.socket(zmq.PAIR)
+    try:
+        pair.setsockopt(zmq.RCVHWM, 0)
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.connect(endpoint)
+    except BaseException:
+        pair.close(linger=0)
+        raise
+    return pair
+
+
+def monitor_events(monitor: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[tuple[int, int]]:
+    """The (event, value) pairs waiting on a socket monitor, without blocking.
+    An event leaves ``inbox`` only after the consumer handled it, so an
+    interrupt in between (or between its two frames) loses none."""
+    while (inbox and complete(inbox[0])) or take_in(monitor, inbox):
+        event = parse_monitor_message([frame.bytes for frame in inbox[0]])
         yield int(event["event"]), int(event["value"])
+        inbox.popleft()

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-PROTOCOL_VERSION = 1  # bump on any change to the layout below
+PROTOCOL_VERSION = 2  # bump on any change to the layout below (2: BYE; recipient-bound headers)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
@@ -44,7 +44,7 @@ FLAG_AUTH = 0x04  # the last frame is an HMAC-SHA256 tag over all the others
 TAG_BYTES = 32
 KEY_LABEL = b"zcollective-v1-hmac-sha256"  # binds derived keys to this protocol
 
-NO_RANK = -1  # the coordinator itself, or "not a rank"
+NO_RANK = -1  # "not a rank": a message to a peer that claimed none
 
 
 class Kind(enum.IntEnum):
@@ -59,11 +59,14 @@ class Kind(enum.IntEnum):
     FAIL = 9  # coordinator -> replica: the group failed for good (JSON)
     PING = 10  # coordinator -> replica: liveness probe, ignored by replicas
     BYE = 11  # replica -> coordinator: its program is ending; `seq` = how many calls it made
+    ABORT = 12  # replica -> coordinator: a message to it was altered or moved; fail the group (JSON)
+    CHALLENGE = 13  # coordinator -> replica: with a secret, a JOIN must echo this (JSON)
 
 
 KINDS = {int(k): k for k in Kind}  # a dict lookup costs a tenth of Kind(value)
 CONTROL_KINDS = frozenset(
-    {Kind.JOIN, Kind.WELCOME, Kind.REJECT, Kind.ERROR, Kind.STATUS_REPLY, Kind.FAIL}
+    {Kind.JOIN, Kind.WELCOME, Kind.REJECT, Kind.ERROR, Kind.STATUS_REPLY, Kind.FAIL, Kind.ABORT,
+     Kind.CHALLENGE}
 )
 
 
@@ -105,22 +108,38 @@ class Signer:
     """HMAC-SHA256 over every frame, keyed from the job's secret.
 
     Each frame is fed with its length first, so frame boundaries are
-    authenticated too. The header (inside the tag) carries the session and
-    sequence number, which the receivers check, so a replayed message is
-    refused.
+    authenticated too: the frames after the header first, then the header.
+    The header (inside the tag) carries the session, the sequence number
+    and, from the coordinator, the recipient's rank, which the receivers
+    check, so a replayed message, or one moved to another rank, is refused.
+    Feeding the header last lets one payload be hashed once and bound to
+    each recipient with a header of its own (:meth:`payload`, :meth:`bind`).
     """
 
     def __init__(self, secret: bytes) -> None:
         key = hmac.new(secret, KEY_LABEL, hashlib.sha256).digest()
         self._base = hmac.new(key, digestmod=hashlib.sha256)
 
-    def tag(self, frames: Sequence[Any]) -> bytes:
+    def payload(self, frames: Sequence[Any]) -> Any:
+        """The MAC state after the frames that follow the header."""
         h = self._base.copy()
         for frame in frames:
             view = memoryview(frame)
             h.update(view.nbytes.to_bytes(8, "little"))
             h.update(view)
+        return h
+
+    @staticmethod
+    def bind(payload: Any, header: Any) -> bytes:
+        """The tag of ``header`` followed by the payload hashed into ``payload``."""
+        h = payload.copy()
+        view = memoryview(header)
+        h.update(view.nbytes.to_bytes(8, "little"))
+        h.update(view)
         return h.digest()
+
+    def tag(self, frames: Sequence[Any]) -> bytes:
+        return self.bind(self.payload(frames[1:]), frames[0])
 
     def verify(self, frames: Sequence[Any]) -> Sequence[Any]:
         """The frames without their tag, if the tag is right.
@@ -166,6 +185,15 @@ class Message:
         return _parse_json(self.segments[0][0])
 
 
+def join_token(nonce: str) -> int:
+    """The 64-bit token of a JOIN's nonce (hex): until a replica is welcomed,
+    messages to it carry this as their session, binding them to its JOIN."""
+    head = nonce[:16]
+    if len(head) < 16 or not all(c in "0123456789abcdefABCDEF" for c in head):
+        return 0  # int(x, 16) would also take signs, spaces and underscores
+    return int(head, 16)
+
+
 def control(kind: Kind, body: dict[str, Any], **header: Any) -> Message:
     """A message whose single segment is a JSON object."""
     data = json.dumps(body, separators=(",", ":")).encode()
@@ -178,18 +206,22 @@ def _parse_json(frame: Any) -> dict[str, Any]:
         raise WireError(f"control body of {raw.nbytes} bytes exceeds {MAX_JSON_BYTES}")
     try:
         body = json.loads(raw.tobytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"control body is not JSON: {exc}") from None
     except RecursionError:
         raise WireError("control body nests too deeply") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's digit limit
+        raise WireError(f"control body is not JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise WireError("control body is not a JSON object")
     return body
 
 
-def encode(msg: Message, signer: Optional[Signer] = None) -> list[Any]:
+def encode(msg: Message, signer: Optional[Signer] = None,
+           macs: Optional[dict[tuple[int, int], Any]] = None) -> list[Any]:
     """The frames of ``msg``, tagged when there is a ``signer``; buffers of
-    segments are passed through uncopied."""
+    segments are passed through uncopied. ``macs`` caches the payload's MAC
+    by the identity of ``msg.segments`` and ``msg.fn``, so messages that share
+    one payload (one result for N ranks, each with its own header) hash it
+    once; the caller keeps them alive while the cache is in use."""
     site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES]
     flags = msg.flags | (FLAG_FN if msg.fn is not None else 0) | (FLAG_AUTH if signer else 0)
     nseg = len(msg.segments)
@@ -205,7 +237,13 @@ def encode(msg: Message, signer: Optional[Signer] = None) -> list[Any]:
     for seg in msg.segments:
         frames.extend(seg)
     if signer is not None:
-        frames.append(signer.tag(frames))
+        key = (id(msg.segments), id(msg.fn))
+        mac = macs.get(key) if macs is not None else None
+        if mac is None:
+            mac = signer.payload(frames[1:])
+            if macs is not None:
+                macs[key] = mac
+        frames.append(signer.bind(mac, frames[0]))
     return frames
 
 
