@@ -57,7 +57,8 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path):
     assert time.monotonic() - start < 30
 
 
-def test_ctrl_c_stops_every_replica_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_every_replica_and_leaves_no_process(tmp_path, sig):
     pids = tmp_path / "pids"
     pids.mkdir()
     job = script(tmp_path, f"""
@@ -73,7 +74,7 @@ def test_ctrl_c_stops_every_replica_and_leaves_no_process(tmp_path):
     while len(os.listdir(pids)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(os.listdir(pids)) == 3
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=30)
     finally:
