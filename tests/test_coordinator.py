@@ -423,3 +423,15 @@ def test_with_a_secret_a_join_must_echo_a_fresh_challenge_so_old_joins_claim_not
     assert later.by_rank == {}
     # nor can it be used twice here, nor answered for another peer
     assert [m.kind for _, m in send(coord, b"other", answer)] == [Kind.REJECT]
+
+
+def test_a_value_rank_0_cannot_unpickle_is_a_serialization_error_naming_its_sender():
+    coord = joined(3)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    feed(coord, peer(1), contrib(1, 0, segments=[[b"\x80\x05not a pickle"]]))
+    out = feed(coord, peer(2), contrib(2, 0, value=2))
+    body = out[0][1].body()
+    assert out[0][1].kind is Kind.ERROR and body["error"] == "SerializationError"
+    assert body["message"].startswith("seq 0 allreduce: the coordinator (rank 0) cannot deserialize "
+                                      "the value of rank 1: ")
+    assert coord.phase is Phase.RUNNING  # the group goes on

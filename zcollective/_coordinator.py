@@ -74,6 +74,7 @@ from ._wire import (
     decode,
     join_token,
 )
+from .errors import SerializationError
 
 log = logging.getLogger("zcollective")
 
@@ -489,6 +490,10 @@ class Coordinator:
             return self._error_all(seq, call.op, {"error": "CollectiveError", "message": _cap(problem)})
         try:
             routes = self._route(call.op, call.root, contributions)
+        except _Unreadable as exc:  # the reduce function never ran: not a RemoteError
+            return self._error_all(seq, call.op, {
+                "error": "SerializationError",
+                "message": _cap(f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}")})
         except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
             return self._error_all(seq, call.op, self._remote_error(seq, call.op, exc))
         # a header of its own for each rank; ranks given one payload share its frames,
@@ -550,9 +555,12 @@ class Coordinator:
         fn_frame = contributions[root].fn
         if fn_frame is None:
             raise ValueError(f"rank {root} sent no reduce function")
-        fn = _serialize.loads([fn_frame], "reduce function")
-        values = [_serialize.loads(c.segments[0], f"value of rank {r}")
-                  for r, c in enumerate(contributions)]
+        try:
+            fn = _serialize.loads([fn_frame], f"reduce function of rank {root}")
+            values = [_serialize.loads(c.segments[0], f"value of rank {r}")
+                      for r, c in enumerate(contributions)]
+        except SerializationError as exc:
+            raise _Unreadable(str(exc)) from exc
         self.reducing = (contributions[0].seq, contributions[0].op, time.monotonic())
         try:
             acc = values[0]
@@ -632,6 +640,11 @@ class Coordinator:
         if len(self._warned) < MAX_WARNED_PEERS:
             self._warned.add(key)
         log.warning("zcollective coordinator: %s", text)
+
+
+class _Unreadable(Exception):
+    """A contribution rank 0 cannot unpickle (its sender's fault, not the
+    reduce function's): its text names the rank."""
 
 
 def _cap(text: str, limit: int = MAX_MESSAGE_BYTES, tail: bool = False) -> str:

@@ -35,12 +35,11 @@ from ._wire import (
 from .config import Config
 from .errors import (
     AuthenticationError,
-    CallMismatchError,
     CollectiveError,
     CollectiveTimeoutError,
     ProtocolError,
-    RemoteError,
     ReplicaLostError,
+    from_wire,
 )
 
 log = logging.getLogger("zcollective")
@@ -54,24 +53,7 @@ MONITOR_EVENTS = (
 FOREIGN_PEER_S = 5.0  # handshakes failing this long (and never succeeding) mean a foreign program
 FOREIGN_PEER_TRIES = 3  # ... over at least this many connections
 
-ERROR_TYPES: dict[str, type[Exception]] = {
-    "ReplicaLostError": ReplicaLostError,
-    "AuthenticationError": AuthenticationError,
-    "CallMismatchError": CallMismatchError,
-    "ProtocolError": ProtocolError,
-    "CollectiveError": CollectiveError,
-    "ValueError": ValueError,
-}
-
-
-def error_from(body: dict[str, Any]) -> Exception:
-    """Rebuild the exception a coordinator described in an ERROR/FAIL body."""
-    name, message = str(body.get("error")), str(body.get("message", "?"))
-    if name == "RemoteError":
-        return RemoteError(message, str(body.get("remote_type", "")),
-                           str(body.get("remote_message", "")),
-                           str(body.get("remote_traceback", "")))
-    return ERROR_TYPES.get(name, CollectiveError)(message)
+error_from = from_wire  # where _group looks for it  # noqa: E305
 
 
 def routing_id(rank: int) -> bytes:
@@ -262,9 +244,6 @@ class Replica:
                 break
         return self._status.pop(seq, None)
 
-    def forget(self, seq: int) -> None:
-        self._in_flight.pop(seq, None)
-
     def say_bye(self) -> bool:
         """Tell the coordinator this program is ending, after ``next_seq``
         calls (rule 7 of :mod:`zcollective._coordinator`). False if the group
@@ -404,7 +383,7 @@ class Replica:
             if isinstance(nonce, str) and nonce in self._nonces:  # answers a JOIN of ours, not a replay
                 self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
-            self._fail(error_from(msg.body()))
+            self._fail(from_wire(msg.body()))
         elif kind is Kind.CHALLENGE and self.session == 0:
             challenge = msg.body().get("challenge")
             if isinstance(challenge, str):

@@ -57,7 +57,7 @@ class Kind(enum.IntEnum):
     STATUS = 7  # replica -> coordinator: who has arrived at call `seq`?
     STATUS_REPLY = 8  # coordinator -> replica: the answer (JSON)
     FAIL = 9  # coordinator -> replica: the group failed for good (JSON)
-    PING = 10  # coordinator -> replica: liveness probe, ignored by replicas
+    # 10 was PING in version 1: liveness is ZeroMQ's own heartbeats
     BYE = 11  # replica -> coordinator: its program is ending; `seq` = how many calls it made
     ABORT = 12  # replica -> coordinator: a message to it was altered or moved; fail the group (JSON)
     CHALLENGE = 13  # coordinator -> replica: with a secret, a JOIN must echo this (JSON)

@@ -8,6 +8,8 @@ sockets, threads or pickle.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CollectiveError",
     "RemoteError",
@@ -56,10 +58,13 @@ class RemoteError(CollectiveError):
 
 
 class ReplicaLostError(CollectiveError):
-    """A replica, or the coordinator at rank 0, disconnected or stopped answering.
+    """A replica, or the coordinator at rank 0, disconnected or stopped answering,
+    or its program ended while the others still expected it.
 
-    Failed due to external circumstances (a crash, a kill, a network fault).
-    The group is failed for good: every later call raises this at once; call
+    Failed due to *external circumstances* (a crash, a kill, a network fault)
+    when the message says "was lost"; due to *another replica's program* when
+    it says "ended its program (without teardown)". The group is failed for
+    good: every later call raises this at once; call
     :func:`zcollective.teardown` and start a new group.
     """
 
@@ -73,7 +78,7 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 
 class CallMismatchError(CollectiveError):
-    """Replicas called different operations at the same sequence number.
+    """Replicas called different operations (or roots) at the same sequence number.
 
     *Your* program diverged between replicas. The message lists which ranks
     called what and where. The group is failed for good.
@@ -81,17 +86,50 @@ class CallMismatchError(CollectiveError):
 
 
 class AuthenticationError(CollectiveError):
-    """A peer could not prove it knows the job's secret."""
+    """A peer could not prove it knows the job's secret, or a message was
+    altered, moved or replayed on its way.
+
+    Either the *configuration* differs between replicas (set the same secret
+    everywhere) or *someone on the network* tampered with the traffic. Once a
+    group has started, it is failed for good.
+    """
 
 
 class SerializationError(CollectiveError, TypeError):
     """A value or reduce function could not be pickled or unpickled.
 
-    Raised on the calling replica before anything is sent, so the call uses no
-    sequence number and the group stays usable.
+    *Your* value is the cause. When it cannot be pickled, this is raised on
+    the calling replica before anything is sent: the call uses no sequence
+    number. When rank 0 cannot unpickle a rank's value or reduce function (a
+    class that exists only on the sender, say), the call fails on every
+    replica with this error, naming that rank; the reduce function never ran.
+    Either way the group stays usable.
     """
 
 
 class ProtocolError(CollectiveError):
-    """A peer spoke a different protocol version or Python version, or sent
-    frames that do not form a valid message."""
+    """A peer spoke a different protocol version or Python version, or the
+    master port is answered by a program that is not a zcollective coordinator.
+
+    The *installation* differs between hosts (install the same Python and
+    zcollective everywhere), or the address or port is wrong.
+    """
+
+
+# The names errors travel under, from the coordinator to the replicas (ERROR, FAIL, REJECT).
+# A name not listed arrives as CollectiveError; ValueError is a configuration mistake.
+WIRE_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (CollectiveError, ReplicaLostError, CallMismatchError,
+                                  AuthenticationError, SerializationError, ProtocolError, ValueError)
+}
+
+
+def from_wire(body: dict[str, Any]) -> Exception:
+    """Rebuild the exception a coordinator described in an ERROR, FAIL or
+    REJECT body (``{"error": name, "message": text, ...}``)."""
+    name, message = str(body.get("error")), str(body.get("message", "?"))
+    if name == "RemoteError":
+        return RemoteError(message, str(body.get("remote_type", "")),
+                           str(body.get("remote_message", "")),
+                           str(body.get("remote_traceback", "")))
+    return WIRE_ERRORS.get(name, CollectiveError)(message)
