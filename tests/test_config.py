@@ -1,8 +1,17 @@
-"""Arguments, environment variables and their precedence; malformed values."""
+"""Arguments, environment variables and their precedence; malformed values;
+one table of settings behind every signature, docstring and the README."""
+
+import importlib
+import inspect
+import pathlib
+import re
 
 import pytest
 
-from zcollective.config import DEFAULT_MASTER_PORT, resolve
+import zcollective as zc
+from zcollective.config import DEFAULT_MASTER_PORT, SETTINGS, resolve, takes_settings
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_defaults_are_one_replica_on_loopback():
@@ -48,6 +57,15 @@ def test_empty_variables_count_as_unset():
     ({}, {"ZCOLLECTIVE_TIMEOUT": "soon"}, "ZCOLLECTIVE_TIMEOUT='soon' is not a number"),
     ({"liveness_timeout": 0.2}, {}, "below the minimum"),
     ({"timeout": -1}, {}, "argument timeout=-1 must be a positive"),
+    ({"max_frame_bytes": 100}, {}, "argument max_frame_bytes=100 must be at least 1024"),
+    ({}, {"ZCOLLECTIVE_MAX_FRAME_BYTES": "2G"}, "ZCOLLECTIVE_MAX_FRAME_BYTES='2G' is not an integer"),
+    ({"bind_addr": "a b"}, {}, "argument bind_addr='a b' is not an address to bind"),
+    ({}, {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "none"},
+     "environment variable ZCOLLECTIVE_LIVENESS_TIMEOUT='none' is not a number of seconds"),
+    ({"master_port": 0, "num_replicas": 2}, {},
+     "argument master_port=0 cannot be used with num_replicas=2"),
+    ({"secret": 1234}, {}, "argument secret must be bytes or str, not int"),
+    ({}, {"ZCOLLECTIVE_SECRET": "short"}, "environment variable ZCOLLECTIVE_SECRET is 5 bytes long"),
 ])
 def test_malformed_values_name_their_source(kwargs, env, text):
     with pytest.raises(ValueError) as info:
@@ -59,3 +77,106 @@ def test_timeouts_accept_none_and_inf():
     c = resolve(op_timeout=None, timeout=None, env={"ZCOLLECTIVE_TIMEOUT": "inf"})
     assert c.op_timeout is None and c.init_timeout is None
     assert resolve(op_timeout=5, env={}).op_timeout == 5.0
+
+
+def test_secrets_are_never_quoted_and_taken_byte_for_byte():
+    with pytest.raises(ValueError) as info:
+        resolve(env={"ZCOLLECTIVE_SECRET": "hunter2"})
+    assert "hunter2" not in str(info.value)
+    assert resolve(env={"ZCOLLECTIVE_SECRET": " " * 16}).secret == b" " * 16  # not "unset"
+
+
+def test_secret_file_comes_after_the_secret_variable(tmp_path):
+    path = tmp_path / "job.secret"
+    path.write_bytes(b"f" * 16 + b"\n")
+    assert resolve(env={"ZCOLLECTIVE_SECRET_FILE": str(path)}).secret == b"f" * 16
+    env = {"ZCOLLECTIVE_SECRET_FILE": str(path), "ZCOLLECTIVE_SECRET": "v" * 16}
+    assert resolve(env=env).secret == b"v" * 16
+    assert resolve(secret="a" * 16, env=env).secret == b"a" * 16
+
+
+# -- one table of settings ---------------------------------------------------
+
+
+def _arguments(func):
+    return [p for p in inspect.signature(func).parameters if p not in ("self", "env")]
+
+
+def test_initialize_and_group_pass_every_setting_straight_to_resolve(monkeypatch):
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args, **kwargs):
+        seen.append(inspect.signature(resolve).bind(*args, **kwargs).arguments)
+        raise Stop
+
+    group_module = importlib.import_module("zcollective._group")  # zc._group is the default group
+    monkeypatch.setattr(group_module, "resolve", spy)
+    markers = {s.name: object() for s in SETTINGS}  # one distinct value per setting
+    with pytest.raises(Stop):
+        zc.initialize(**markers)
+    with pytest.raises(Stop):
+        zc.Group(**dict(zip(_arguments(zc.Group.__init__), markers.values(), strict=True)))
+    assert len(seen) == 2
+    for arguments in seen:
+        assert all(arguments[name] is marker for name, marker in markers.items())
+
+
+def test_every_signature_and_docstring_lists_the_settings():
+    for func in (resolve, zc.initialize, zc.Group.__init__):
+        assert len(_arguments(func)) == len(SETTINGS)
+        for name in _arguments(func):
+            assert f"\n{name} : " in func.__doc__, (func, name)
+        for s in SETTINGS:
+            assert all(f"``{env}``" in func.__doc__ for env in s.env), (func, s.name)
+    assert _arguments(zc.initialize) == _arguments(resolve) == [s.name for s in SETTINGS]
+
+
+def test_a_signature_that_leaves_the_settings_table_is_refused_at_import():
+    def initialize(master_addr=None, master_port=None, replica_rank=None, num_replicas=None):
+        """Missing timeout and the rest."""
+
+    with pytest.raises(TypeError, match="must take exactly the settings"):
+        takes_settings()(initialize)
+
+
+def _readme_section(title):
+    return README.read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _table(section):
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def _code(cell):
+    return re.findall(r"`([^`]*)`", cell)
+
+
+def _as_readme_writes(value):
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def test_readme_configuration_table_is_the_settings_table():
+    rows = _table(_readme_section("Configuration"))
+    assert [_code(argument)[0] for _, argument, _, _ in rows] == [s.name for s in SETTINGS]
+    group_names = _arguments(zc.Group.__init__)
+    for (label, argument, env, default), s, group_name in zip(rows, SETTINGS, group_names, strict=True):
+        if group_name != s.name:
+            assert f"`{group_name}` on `Group`" in argument, label
+        env_names = [c for c in _code(env) if re.fullmatch(r"[A-Z][A-Z0-9_]*", c)]
+        assert env_names == [*s.env, *([s.file_env] if s.file_env else [])], label
+        if s.default is None:
+            assert default.startswith("none"), label
+        else:
+            assert _code(default)[0] == _as_readme_writes(s.default), label
+
+
+def test_readme_api_row_of_initialize_is_its_signature():
+    sig = inspect.signature(zc.initialize)
+    plain = sig.replace(return_annotation=sig.empty, parameters=[
+        p.replace(annotation=p.empty, default=int(p.default) if isinstance(p.default, float)
+                  else p.default) for p in sig.parameters.values()])
+    assert f"| `initialize{plain}` |" in _readme_section("API")

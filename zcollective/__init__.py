@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 
 from ._future import CollectiveFuture
 from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
-from .config import DEFAULT_INIT_TIMEOUT_S
+from .config import DEFAULT_INIT_TIMEOUT_S, takes_settings
 from .errors import (
     AuthenticationError,
     CallMismatchError,
@@ -59,6 +59,7 @@ def _open_here() -> bool:
     return _group is not None and not _group.closed and _group._pid == os.getpid()
 
 
+@takes_settings()
 def initialize(
     master_addr: Optional[str] = None,
     master_port: Optional[int] = None,
@@ -68,35 +69,16 @@ def initialize(
     timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S,
     op_timeout: Optional[float] = None,
     liveness_timeout: Optional[float] = None,
+    max_frame_bytes: Optional[int] = None,
     secret: Union[bytes, str, None] = None,
     bind_addr: Optional[str] = None,
 ) -> None:
     """Join the default group; blocks until every replica has called it.
 
-    Each argument left ``None`` is read from ``ZCOLLECTIVE_MASTER_ADDR``,
-    ``ZCOLLECTIVE_MASTER_PORT``, ``ZCOLLECTIVE_REPLICA_RANK``,
-    ``ZCOLLECTIVE_NUM_REPLICAS``, else adaptdl's ``ADAPTDL_*`` names, else
-    torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
-    else defaults to one replica on loopback.
-
-    Parameters
-    ----------
-    timeout
-        Seconds to wait for every replica to join (``None``: no bound).
-    op_timeout
-        Default timeout of every blocking call (``ZCOLLECTIVE_TIMEOUT``;
-        default 1800 s; ``None`` or ``"inf"``: no bound).
-    liveness_timeout
-        Seconds after which a silent peer is declared lost
-        (``ZCOLLECTIVE_LIVENESS_TIMEOUT``; default 10, at least 1).
-    secret
-        The job's shared secret (``ZCOLLECTIVE_SECRET``, or the file named by
-        ``ZCOLLECTIVE_SECRET_FILE``): every message is authenticated with it,
-        and nothing from a peer without it is ever unpickled. See
-        docs/security.md.
-    bind_addr
-        Where rank 0 listens (``ZCOLLECTIVE_BIND_ADDR``); default: the
-        interface of ``master_addr``. ``"*"`` listens on every interface.
+    Each argument left ``None`` is read from the environment, else takes its
+    default: ``ZCOLLECTIVE_*`` names first, then adaptdl's ``ADAPTDL_*``, then
+    torchrun's; with no configuration at all, one replica on loopback. The
+    README's "Configuration" table lists the same.
 
     Raises
     ------
@@ -113,8 +95,8 @@ def initialize(
     if _open_here():
         raise RuntimeError("zcollective is already initialized: call teardown() first")
     _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
-                   op_timeout=op_timeout, liveness_timeout=liveness_timeout, secret=secret,
-                   bind_addr=bind_addr)
+                   op_timeout=op_timeout, liveness_timeout=liveness_timeout,
+                   max_frame_bytes=max_frame_bytes, secret=secret, bind_addr=bind_addr)
 
 
 def teardown(*, timeout: Timeout = DEFAULT) -> None:
@@ -173,8 +155,26 @@ def allreduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,
 
 
 def allreduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn) -> CollectiveFuture[Any]:
-    """Like :func:`allreduce` but returns at once with a future; futures may
-    be collected in any order. Raises as :func:`allreduce` (from ``result``)."""
+    """Start :func:`allreduce` and return at once, with a future.
+
+    Futures may be collected in any order; do not mutate what was passed until
+    the future is done.
+
+    Returns
+    -------
+    CollectiveFuture
+        Its ``result()`` is what :func:`allreduce` returns.
+
+    Raises
+    ------
+    RuntimeError, ValueError, TypeError
+        At once, as :func:`allreduce` would, for a mistake found before anything is
+        sent: not initialized, a value too large (a buffer above ``max_frame_bytes``) or
+        that cannot be pickled, a ``reduce_fn`` that cannot be pickled.
+    CollectiveError
+        From ``result()``, as :func:`allreduce` raises it (at once if the group has
+        already failed).
+    """
     return _current().allreduce_async(value, reduce_fn)
 
 
@@ -186,6 +186,27 @@ def reduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *
 
 def reduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn,
                  root: int = 0) -> CollectiveFuture[Any]:
+    """Start :func:`reduce` and return at once, with a future.
+
+    Futures may be collected in any order; do not mutate what was passed until
+    the future is done.
+
+    Returns
+    -------
+    CollectiveFuture
+        Its ``result()`` is what :func:`reduce` returns.
+
+    Raises
+    ------
+    RuntimeError, ValueError, TypeError
+        At once, as :func:`reduce` would, for a mistake found before anything is sent:
+        not initialized, a bad ``root``, a value too large (a buffer above
+        ``max_frame_bytes``) or that cannot be pickled, a ``reduce_fn`` that cannot be
+        pickled.
+    CollectiveError
+        From ``result()``, as :func:`reduce` raises it (at once if the group has
+        already failed).
+    """
     return _current().reduce_async(value, reduce_fn, root)
 
 
@@ -195,6 +216,26 @@ def broadcast(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
 
 
 def broadcast_async(value: Any, root: int = 0) -> CollectiveFuture[Any]:
+    """Start :func:`broadcast` and return at once, with a future.
+
+    Futures may be collected in any order; do not mutate what was passed until
+    the future is done.
+
+    Returns
+    -------
+    CollectiveFuture
+        Its ``result()`` is what :func:`broadcast` returns.
+
+    Raises
+    ------
+    RuntimeError, ValueError, SerializationError
+        At once, as :func:`broadcast` would, for a mistake found before anything is
+        sent: not initialized, a bad ``root``, a value too large (a buffer above
+        ``max_frame_bytes``) or that cannot be pickled.
+    CollectiveError
+        From ``result()``, as :func:`broadcast` raises it (at once if the group has
+        already failed).
+    """
     return _current().broadcast_async(value, root)
 
 
@@ -204,6 +245,26 @@ def allgather(value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
 
 
 def allgather_async(value: Any) -> CollectiveFuture[list[Any]]:
+    """Start :func:`allgather` and return at once, with a future.
+
+    Futures may be collected in any order; do not mutate what was passed until
+    the future is done.
+
+    Returns
+    -------
+    CollectiveFuture
+        Its ``result()`` is what :func:`allgather` returns.
+
+    Raises
+    ------
+    RuntimeError, ValueError, SerializationError
+        At once, as :func:`allgather` would, for a mistake found before anything is
+        sent: not initialized, a value too large (a buffer above ``max_frame_bytes``) or
+        that cannot be pickled.
+    CollectiveError
+        From ``result()``, as :func:`allgather` raises it (at once if the group has
+        already failed).
+    """
     return _current().allgather_async(value)
 
 
@@ -213,6 +274,26 @@ def gather(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional
 
 
 def gather_async(value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
+    """Start :func:`gather` and return at once, with a future.
+
+    Futures may be collected in any order; do not mutate what was passed until
+    the future is done.
+
+    Returns
+    -------
+    CollectiveFuture
+        Its ``result()`` is what :func:`gather` returns.
+
+    Raises
+    ------
+    RuntimeError, ValueError, SerializationError
+        At once, as :func:`gather` would, for a mistake found before anything is sent:
+        not initialized, a bad ``root``, a value too large (a buffer above
+        ``max_frame_bytes``) or that cannot be pickled.
+    CollectiveError
+        From ``result()``, as :func:`gather` raises it (at once if the group has
+        already failed).
+    """
     return _current().gather_async(value, root)
 
 
@@ -222,6 +303,26 @@ def scatter(values: Optional[Sequence[Any]], root: int = 0, *, timeout: Timeout 
 
 
 def scatter_async(values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
+    """Start :func:`scatter` and return at once, with a future.
+
+    Futures may be collected in any order; do not mutate what was passed until
+    the future is done.
+
+    Returns
+    -------
+    CollectiveFuture
+        Its ``result()`` is what :func:`scatter` returns.
+
+    Raises
+    ------
+    RuntimeError, ValueError, SerializationError
+        At once, as :func:`scatter` would, for a mistake found before anything is sent:
+        not initialized, a bad ``root``, ``values`` of the wrong length (on ``root``), a
+        value too large (a buffer above ``max_frame_bytes``) or that cannot be pickled.
+    CollectiveError
+        From ``result()``, as :func:`scatter` raises it (at once if the group has
+        already failed).
+    """
     return _current().scatter_async(values, root)
 
 
@@ -231,6 +332,26 @@ def alltoall(values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
 
 
 def alltoall_async(values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
+    """Start :func:`alltoall` and return at once, with a future.
+
+    Futures may be collected in any order; do not mutate what was passed until
+    the future is done.
+
+    Returns
+    -------
+    CollectiveFuture
+        Its ``result()`` is what :func:`alltoall` returns.
+
+    Raises
+    ------
+    RuntimeError, ValueError, SerializationError
+        At once, as :func:`alltoall` would, for a mistake found before anything is sent:
+        not initialized, ``values`` of the wrong length, a value too large (a buffer
+        above ``max_frame_bytes``) or that cannot be pickled.
+    CollectiveError
+        From ``result()``, as :func:`alltoall` raises it (at once if the group has
+        already failed).
+    """
     return _current().alltoall_async(values)
 
 
@@ -240,4 +361,22 @@ def barrier(*, timeout: Timeout = DEFAULT) -> None:
 
 
 def barrier_async() -> CollectiveFuture[None]:
+    """Start :func:`barrier` and return at once, with a future.
+
+    Futures may be collected in any order.
+
+    Returns
+    -------
+    CollectiveFuture
+        Its ``result()`` is ``None``.
+
+    Raises
+    ------
+    RuntimeError
+        At once, as :func:`barrier` would, for a mistake found before anything is sent:
+        not initialized.
+    CollectiveError
+        From ``result()``, as :func:`barrier` raises it (at once if the group has
+        already failed).
+    """
     return _current().barrier_async()

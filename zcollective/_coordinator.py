@@ -53,6 +53,7 @@ import os
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
@@ -83,8 +84,9 @@ MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
 MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's two texts, type
 MAX_TRACEBACK_BYTES = 32000  # and traceback stay under the 64 KiB a replica parses (MAX_JSON_BYTES)
 MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while joining; more is a replay
-MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT, ~200 bytes); past
-# this, refusals go unanswered, so strangers can make rank 0 hold at most ~200 KiB of answers
+MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
+MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
+# rank 0 hold at most about 1.2 MiB of answers
 
 Out = tuple[bytes, Message]
 
@@ -143,7 +145,9 @@ class Coordinator:
                  signer: Optional[Signer] = None) -> None:
         self.num_replicas = num_replicas
         self.signer = signer
-        self._challenges: dict[bytes, tuple[str, int]] = {}  # peer -> (challenge, times sent)
+        self._challenge_key = os.urandom(32)  # challenges are HMAC(this, peer): nothing to store
+        self._challenged: OrderedDict[bytes, int] = OrderedDict()  # peer -> CHALLENGEs sent (LRU)
+        self._ended: list[Member] = []  # members that said BYE, in that order
         self.session = session
         self.max_frames = max_frames
         self.phase = Phase.JOINING
@@ -199,7 +203,8 @@ class Coordinator:
             self._warn(address, "stranger", f"dropped a {msg.kind.name} message from "
                        f"a peer at {address} that has not joined the group")
             return []
-        joining = self.phase is Phase.JOINING and msg.kind is Kind.STATUS
+        # a STATUS sent before its WELCOME arrived (a join timing out) is harmless at any phase
+        joining = msg.kind is Kind.STATUS and (self.phase is Phase.JOINING or msg.session == 0)
         if msg.rank != member.rank or (msg.kind is not Kind.JOIN and msg.session != self.session
                                        and not joining):
             what = (f"a {msg.kind.name} message on the connection of {member.describe()} at "
@@ -220,7 +225,7 @@ class Coordinator:
             return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
                              f"coordinator tampered with: {said}", bad=[member.rank])
         if msg.kind is Kind.STATUS:
-            return [(peer, self._status(msg.seq, member))]
+            return [(peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
         self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} "
                    f"from {member.describe()}")
         return []
@@ -286,7 +291,7 @@ class Coordinator:
             return []
         self._answered.add(peer)
         rank, token = _claimed(join)
-        return [(peer, control(Kind.REJECT, {"error": error, "message": message},
+        return [(peer, control(Kind.REJECT, {"error": error, "message": _cap(message, MAX_REFUSAL_BYTES)},
                                rank=rank, session=token))]
 
     # -- join -----------------------------------------------------------
@@ -367,24 +372,30 @@ class Coordinator:
                        rank=member.rank, session=self.session)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:
-        """With a secret, a JOIN is fresh only if it echoes a challenge this
-        coordinator gave its peer: None for such a JOIN (the challenge is used
-        up), else the CHALLENGE to answer it with. So a JOIN captured from an
-        earlier group (with the same secret) claims nothing here: its sender
-        cannot sign the answer. Without a secret anyone may join anyway."""
+        """With a secret, a JOIN is fresh only if it echoes the challenge this
+        coordinator gives its peer (an HMAC of the peer's routing id under a key
+        of this coordinator alone): None for such a JOIN, else the CHALLENGE
+        to answer it with. So a JOIN captured from an earlier group with the
+        same secret claims nothing here: its sender cannot sign the answer.
+        Nothing is stored per challenge; a peer gets at most
+        :data:`MAX_CHALLENGES_PER_PEER` of them (counted for the last
+        :data:`MAX_ANSWERED_PEERS` peers). Without a secret anyone may join."""
         if self.signer is None:
             return None
+        expected = hmac.new(self._challenge_key, peer, "sha256").hexdigest()[:32]
         echoed = join.body().get("challenge")
-        issued, sent = self._challenges.get(peer, ("", 0))
-        if issued and isinstance(echoed, str) and hmac.compare_digest(echoed, issued):
-            del self._challenges[peer]
+        if isinstance(echoed, str) and hmac.compare_digest(echoed.encode("utf-8", "replace"),
+                                                           expected.encode()):
             return None
-        if sent >= MAX_CHALLENGES_PER_PEER or (not issued and len(self._challenges) >= MAX_ANSWERED_PEERS):
+        sent = self._challenged.pop(peer, 0)
+        if sent >= MAX_CHALLENGES_PER_PEER:
+            self._challenged[peer] = sent
             return []
-        issued = issued or os.urandom(16).hex()
-        self._challenges[peer] = (issued, sent + 1)
+        self._challenged[peer] = sent + 1
+        if len(self._challenged) > MAX_ANSWERED_PEERS:
+            self._challenged.popitem(last=False)
         rank, token = _claimed(join)
-        return [(peer, control(Kind.CHALLENGE, {"challenge": issued}, rank=rank, session=token))]
+        return [(peer, control(Kind.CHALLENGE, {"challenge": expected}, rank=rank, session=token))]
 
     def _binding(self, member: Member) -> int:
         """What the header of a message to ``member`` carries as its session:
@@ -403,6 +414,9 @@ class Coordinator:
                        f"group is {self.phase.value}")
             return []
         if seq != self.next_seq[rank]:
+            if seq == self.next_seq[rank] - 1:  # sent again by a call interrupted just after it
+                log.debug("zcollective coordinator: dropped seq %d of %s sent twice", seq, member.describe())
+                return []
             self._warn(address, "seq", f"dropped seq {seq} from {member.describe()}: "
                        f"expected seq {self.next_seq[rank]} (a replay or a forgery)")
             return []
@@ -428,6 +442,7 @@ class Coordinator:
         if self.phase is not Phase.RUNNING or member.ended is not None:
             return []
         member.ended = max(calls, self.next_seq[member.rank])
+        self._ended.append(member)
         log.info("zcollective coordinator: %s", member.describe_end())
         if all(m.ended is not None for m in self.members.values()):
             self.phase = Phase.CLOSED  # everyone is done: nothing can be waiting
@@ -437,7 +452,7 @@ class Coordinator:
     def _check_endings(self) -> list[Out]:
         """Fail the group if a pending call needs a rank that ended (rule 7),
         or if rank 0 ended and every call it made is complete."""
-        ended = [m for m in self.by_rank.values() if m.ended is not None]
+        ended = self._ended  # kept by _on_bye: no scan of every member on every contribution
         if not ended or self.phase is not Phase.RUNNING:
             return []
         for seq in sorted(self.pending):
@@ -597,8 +612,9 @@ class Coordinator:
 
     # -- status and failure ----------------------------------------------
 
-    def _status(self, seq: int, member: Member) -> Message:
-        header = {"seq": seq, "rank": member.rank, "session": self._binding(member)}
+    def _status(self, seq: int, member: Member, welcomed: bool = True) -> Message:
+        binding = self._binding(member) if welcomed else join_token(member.nonce)
+        header = {"seq": seq, "rank": member.rank, "session": binding}
         if self.phase is Phase.JOINING:
             body = {"seq": seq, "state": "joining", "missing": self.missing_joins(),
                     "arrived": sorted(self.by_rank),

@@ -21,7 +21,7 @@ from ._future import CollectiveFuture, completed
 from ._replica import Replica, _fresh, error_from
 from ._server import Server
 from ._wire import FLAG_LOCAL_ERROR, Kind, Message, Op
-from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve
+from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
 from .errors import CollectiveError, CollectiveTimeoutError
 
 log = logging.getLogger("zcollective")
@@ -96,6 +96,7 @@ class Group:
         running when this replica tried to join.
     """
 
+    @takes_settings(replica_rank="rank", num_replicas="size")
     def __init__(
         self,
         master_addr: Optional[str] = None,
@@ -111,6 +112,10 @@ class Group:
         bind_addr: Optional[str] = None,
         env: Optional[Mapping[str, str]] = None,
     ) -> None:
+        """Join the group; raises as the class docstring says. Each argument
+        left ``None`` is read from the environment, else takes its default;
+        error messages call ``rank`` and ``size`` by their names in
+        :func:`zcollective.initialize`, ``replica_rank`` and ``num_replicas``."""
         self.config: Config = resolve(
             master_addr, master_port, rank, size, timeout=timeout, op_timeout=op_timeout,
             liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, secret=secret,
@@ -145,7 +150,9 @@ class Group:
             self._replica.on_failure = self._on_failure
             self._replica.join(config.init_timeout)
         except BaseException as exc:
-            if self._server is not None and not isinstance(exc, CollectiveTimeoutError):
+            refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
+                exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
+            if self._server is not None and refused:
                 # replicas still starting up should hear why, not time out
                 time.sleep(JOIN_FAILURE_GRACE_S)
             self._close()
@@ -209,16 +216,17 @@ class Group:
     def broadcast_async(self, value: Any, root: int = 0) -> CollectiveFuture[Any]:
         root = self._check_root(root)
         if self.rank == root:
-            return self._submit(Op.BROADCAST, root, [_serialize.dumps(value)], lambda m: value,
-                                _callsite())
-        return self._submit(Op.BROADCAST, root, [], _first, _callsite())
+            return self._submit(Op.BROADCAST, root, lambda: ([_serialize.dumps(value)], None),
+                                lambda m: value, _callsite())
+        return self._submit(Op.BROADCAST, root, _nothing, _first, _callsite())
 
     def allgather(self, value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
         """Every replica gets the list of all replicas' values, in rank order."""
         return self._blocking(self.allgather_async(value), timeout)  # type: ignore[no-any-return]
 
     def allgather_async(self, value: Any) -> CollectiveFuture[list[Any]]:
-        return self._submit(Op.ALLGATHER, 0, [_serialize.dumps(value)], self._all(value), _callsite())
+        return self._submit(Op.ALLGATHER, 0, lambda: ([_serialize.dumps(value)], None), self._all(value),
+                            _callsite())
 
     def gather(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
         """``root`` gets the list of all replicas' values in rank order; the
@@ -228,7 +236,7 @@ class Group:
     def gather_async(self, value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
         root = self._check_root(root)
         finish = self._all(value) if self.rank == root else _none
-        return self._submit(Op.GATHER, root, [_serialize.dumps(value)], finish, _callsite())
+        return self._submit(Op.GATHER, root, lambda: ([_serialize.dumps(value)], None), finish, _callsite())
 
     def scatter(self, values: Optional[Sequence[Any]], root: int = 0, *,
                 timeout: Timeout = DEFAULT) -> Any:
@@ -241,10 +249,10 @@ class Group:
         root = self._check_root(root)
         site = _callsite()
         if self.rank != root:
-            return self._submit(Op.SCATTER, root, [], _first, site)
+            return self._submit(Op.SCATTER, root, _nothing, _first, site)
         values = self._check_values(Op.SCATTER, values, root, site)
         own = values[root]
-        return self._submit(Op.SCATTER, root, [_serialize.dumps(v) for v in values],
+        return self._submit(Op.SCATTER, root, lambda: ([_serialize.dumps(v) for v in values], None),
                             lambda m: own, site)
 
     def alltoall(self, values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
@@ -255,7 +263,7 @@ class Group:
     def alltoall_async(self, values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
         site = _callsite()
         values = self._check_values(Op.ALLTOALL, values, 0, site)
-        return self._submit(Op.ALLTOALL, 0, [_serialize.dumps(v) for v in values],
+        return self._submit(Op.ALLTOALL, 0, lambda: ([_serialize.dumps(v) for v in values], None),
                             self._all(values[self.rank]), site)
 
     def barrier(self, *, timeout: Timeout = DEFAULT) -> None:
@@ -263,7 +271,7 @@ class Group:
         self._blocking(self.barrier_async(), timeout)
 
     def barrier_async(self) -> CollectiveFuture[None]:
-        return self._submit(Op.BARRIER, 0, [], _none, _callsite())
+        return self._submit(Op.BARRIER, 0, _nothing, _none, _callsite())
 
     def teardown(self, *, timeout: Timeout = DEFAULT) -> None:
         """Wait until every replica calls ``teardown``, then close the
@@ -284,7 +292,7 @@ class Group:
         try:
             replica = self._replica
             if replica is not None and replica.failure is None:
-                future = self._submit(Op.TEARDOWN, 0, [], _none, _callsite())
+                future = self._submit(Op.TEARDOWN, 0, _nothing, _none, _callsite())
                 try:
                     self._blocking(future, timeout)
                 except CollectiveTimeoutError:
@@ -303,21 +311,39 @@ class Group:
         site = _callsite()
         if self._replica is None:
             return self._local(op, value)
-        segment = _serialize.dumps(value)
-        fn = None
-        if self.rank == root:
-            fn = _serialize.dumps_function(reduce_fn)
         finish = _first if op is Op.ALLREDUCE or self.rank == root else _none
-        return self._submit(op, root, [segment], finish, site, fn=fn)
 
-    def _submit(self, op: Op, root: int, segments: list[list[Any]],
-                finish: Callable[[Message], Any], site: str, fn: Any = None,
-                flags: int = 0) -> CollectiveFuture[Any]:
+        def build() -> tuple[list[list[Any]], Any]:
+            fn = _serialize.dumps_function(reduce_fn) if self.rank == root else None
+            return [_serialize.dumps(value)], fn
+        return self._submit(op, root, build, finish, site)
+
+    def _submit(self, op: Op, root: int, build: Callable[[], tuple[list[list[Any]], Any]],
+                finish: Callable[[Message], Any], site: str, flags: int = 0) -> CollectiveFuture[Any]:
+        """Make this replica's part of the next call: ``build()`` serializes it
+        (segments and reduce function), after the call's seq is reserved.
+
+        An error while building (a value that cannot be pickled) leaves the
+        seq unused: the call never happened here. An interrupt (a signal
+        handler's exception) while building still sends a part, an error note,
+        so every replica's call at that seq ends in an error and the next call
+        pairs correctly.
+        """
         self._check_usable()
         replica = self._replica
         if replica is None:
-            return self._local(op, segments, finish)
-        seq = replica.submit(op, root, segments, fn, site, flags)
+            return self._local(op, build()[0], finish)
+        try:
+            replica.reserve(op, root, site)
+            segments, fn = build()
+            seq = replica.submit(op, root, segments, fn, site, flags)
+        except Exception:
+            replica.unreserve()
+            raise
+        except BaseException as exc:
+            replica.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its part "
+                            f"was sent")
+            raise
         future: CollectiveFuture[Any] = CollectiveFuture(self, seq, op.label)
         self._pending[seq] = (future, finish)
         return future
@@ -372,7 +398,7 @@ class Group:
             from ._wire import control
 
             note = control(Kind.ERROR, {"message": message}).segments
-            future = self._submit(op, root, note, _none, site, flags=FLAG_LOCAL_ERROR)
+            future = self._submit(op, root, lambda: (note, None), _none, site, flags=FLAG_LOCAL_ERROR)
             self._pending.pop(future.seq, None)
         raise ValueError(f"rank {self.rank}: {message}")
 
@@ -452,15 +478,16 @@ class Group:
         for future, _ in pending.values():
             future._set_exception(RuntimeError(f"seq {future.seq} {future.op}: the group was "
                                                f"torn down before the call finished"))
-        stuck = False
-        if self._server is not None:
-            self._server.stop(ending)
-            stuck = self._server.gone() is None
-        if self._replica is not None:
-            self._replica.close(_sockets.EXIT_LINGER_MS if ending else 0)
-        if self._ctx is not None and not stuck:
-            # after term() libzmq holds no buffer of ours: the interpreter may free them
-            self._ctx.term()
+        try:
+            if self._server is not None:
+                self._server.stop(ending)
+        finally:  # an interrupt while rank 0 waits for the others still closes everything
+            stuck = self._server is not None and self._server.gone() is None
+            if self._replica is not None:
+                self._replica.close(_sockets.EXIT_LINGER_MS if ending else 0)
+            if self._ctx is not None and not stuck:
+                # after term() libzmq holds no buffer of ours: the interpreter may free them
+                self._ctx.term()
 
     def _end(self) -> None:
         """The program is ending without teardown (at exit): deliver what this
@@ -474,8 +501,8 @@ class Group:
             try:
                 self._replica.progress()  # take in a FAIL that would make a BYE pointless
                 self._replica.say_bye()
-            except Exception:
-                pass  # the group failed: there is nothing to announce, only to flush
+            except BaseException:
+                pass  # the group failed, or an interrupt: nothing to announce, only to flush
         self._close(ending=True)
 
 
@@ -483,7 +510,10 @@ def _end_all() -> None:
     for group in list(_open_groups.values()):
         try:
             group._end()
-        except Exception:
+        except KeyboardInterrupt:
+            log.warning("zcollective: interrupted while delivering the last results at exit; "
+                        "the others were told the group is over")
+        except BaseException:
             log.exception("zcollective: ending a group at exit failed")
 
 
@@ -500,6 +530,10 @@ def _register_atexit() -> None:
 
         atexit.register(_end_all)
         _atexit_registered = True
+
+
+def _nothing() -> tuple[list[list[Any]], Any]:
+    return [], None
 
 
 def _first(msg: Message) -> Any:

@@ -20,6 +20,7 @@ from zmq.backend import zmq_poll
 from . import _sockets, _wire
 from ._coordinator import PYTHON_VERSION
 from ._wire import (
+    FLAG_LOCAL_ERROR,
     AuthError,
     Kind,
     Message,
@@ -92,6 +93,7 @@ class Replica:
         self._inbox: deque[list[Any]] = deque()  # received, not yet handled (see _drain_dealer)
         self._events: deque[list[Any]] = deque()  # the same for monitor events
         self._unsent: Optional[list[Any]] = None  # a contribution whose send was interrupted
+        self._reserved: Optional[tuple[int, Op, int, str]] = None  # seq, op, root, site being built
         self._status: dict[int, dict[str, Any]] = {}
         self.dealer = ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
@@ -167,6 +169,34 @@ class Replica:
         if self.failure is not None:
             raise _fresh(self.failure)
 
+    def reserve(self, op: Op, root: int, callsite: str) -> None:
+        """Hold the next seq for a call whose part is being built (see
+        :meth:`submit`, :meth:`unreserve`, :meth:`abandon`)."""
+        self.check()
+        self._reserved = (self.next_seq, op, root, callsite)
+
+    def unreserve(self) -> None:
+        """The part could not be built (nothing was sent): the seq stays free."""
+        self._reserved = None
+
+    def abandon(self, reason: str) -> None:
+        """The part's building was interrupted: send an error note for the
+        reserved seq instead, so every rank's call there ends in an error and
+        the next call pairs correctly."""
+        reserved = self._reserved
+        if reserved is None:
+            return  # nothing reserved, or the part itself was already queued
+        seq, op, root, callsite = reserved
+        note = control(Kind.ERROR, {"message": reason}).segments
+        frames = encode(Message(Kind.CONTRIB, op, self.rank, root, seq, self.session, callsite,
+                                FLAG_LOCAL_ERROR, None, note), self.signer)
+        self._in_flight[seq] = op.label
+        self.next_seq, self._unsent, self._reserved = seq + 1, frames, None
+        try:
+            self._send_unsent()
+        except CollectiveError:
+            pass  # the link is gone: the others will hear that instead
+
     def submit(self, op: Op, root: int, segments: list[list[Any]], fn: Any = None,
                callsite: str = "", flags: int = 0) -> int:
         """Send this rank's contribution to the next call; return its seq.
@@ -193,7 +223,7 @@ class Replica:
         self._in_flight[seq] = op.label
         # the seq is used and the contribution owed in one step: an interrupt after it leaves
         # the frames in _unsent, sent by the next call (a duplicate is dropped by seq)
-        self.next_seq, self._unsent = seq + 1, frames
+        self.next_seq, self._unsent, self._reserved = seq + 1, frames, None
         self._send_unsent()
         return seq
 
@@ -310,14 +340,19 @@ class Replica:
 
         A message leaves the inbox only once it has been handled, and handling
         one twice changes nothing, so a ``KeyboardInterrupt`` anywhere in here
-        loses no result: the next call picks up where this one stopped.
+        loses no result: the next call picks up where this one stopped. A
+        done-callback that calls into the group (``done()``, ``result()``)
+        re-enters here while the outer call handles ``inbox[0]``; the nested
+        call handles it again (harmlessly) and goes on with the rest.
         """
         got = False
         inbox = self._inbox
         while (inbox and _sockets.complete(inbox[0])) or _sockets.take_in(self.dealer, inbox):
             got = True
-            self._dispatch(inbox[0])
-            inbox.popleft()
+            frames = inbox[0]
+            self._dispatch(frames)  # may run done-callbacks that come back in here (see below)
+            if inbox and inbox[0] is frames:  # a nested call may have handled and removed it
+                inbox.popleft()
         return got
 
     def _dispatch(self, frames: list[Any]) -> None:
@@ -358,6 +393,8 @@ class Replica:
                 return True  # bound by the nonce in its body, checked by the caller
             if msg.session == self.session if self.session else msg.session in self._tokens:
                 return True
+            if msg.kind is Kind.CHALLENGE and msg.session in self._tokens:
+                return True  # a late answer to a JOIN sent twice (a reconnect): ignored once joined
         what = (f"a {msg.kind.name} message from the coordinator at {self.endpoint} was bound to "
                 f"rank {msg.rank}, session {msg.session:#x}, not to this replica")
         if self.signer is not None:

@@ -32,7 +32,8 @@ START_TIMEOUT_S = 10.0  # binding a socket takes milliseconds; longer means some
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
-_STOP, _END = b"stop", b"end"  # pipe commands: close now; rank 0's program is ending
+_STOP, _END, _GIVE_UP = b"stop", b"end", b"give up"  # pipe commands: close now; rank 0's
+# program is ending; it was interrupted while ending (tell the others the group is over, close)
 
 
 class Server:
@@ -49,6 +50,9 @@ class Server:
         self.crashed: Optional[str] = None
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._started = threading.Event()
+        # set when the thread has closed its sockets: unlike Thread.join, whose state a
+        # KeyboardInterrupt during the join can leave wrong, waiting on it can be interrupted
+        self._finished = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._pipe_endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
         self._pipe = ctx.socket(zmq.PAIR)
@@ -74,7 +78,7 @@ class Server:
 
     def gone(self) -> Optional[str]:
         """Why the coordinator thread is no longer serving, or None if it is."""
-        if self._thread.is_alive():
+        if not self._finished.is_set() and self._thread.is_alive():
             return None
         return self.crashed or "it stopped"
 
@@ -95,15 +99,25 @@ class Server:
         results are on their way (at most :data:`EXIT_WAIT_S`), then closes,
         giving what is queued :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave.
         """
-        if self._thread.is_alive():
+        if not self._finished.is_set() and self._thread.is_alive():
             try:
                 self._pipe.send(_END if ending else _STOP, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            bound = EXIT_WAIT_S + _sockets.EXIT_LINGER_MS / 1000 + 1 if ending else STOP_TIMEOUT_S
-            # a reduce function that never returns cannot be interrupted: do not wait for it
-            self._thread.join(bound if self.coordinator.reducing is None else 0.1)
-            if self._thread.is_alive():
+            if ending:  # however long a reduction runs, up to the exit bound: its results are owed
+                bound = EXIT_WAIT_S + _sockets.EXIT_LINGER_MS / 1000 + 1
+            else:  # a reduce function that never returns cannot be interrupted: do not wait for it
+                bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
+            try:
+                self._finished.wait(bound)
+            except BaseException:  # a second Ctrl-C while rank 0 waits for the others: stop now
+                try:
+                    self._pipe.send(_GIVE_UP, zmq.NOBLOCK)
+                    self._finished.wait(STOP_TIMEOUT_S)
+                finally:
+                    self._pipe.close(linger=0)
+                raise
+            if not self._finished.is_set():
                 log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind",
                           self.busy() or "no reason known")
         self._pipe.close(linger=0)
@@ -179,6 +193,7 @@ class Server:
             monitor.close(linger=0)
             pipe.close(linger=0)
             router.close(linger=linger)
+            self._finished.set()
 
     _ending: Optional[float] = None  # when rank 0's program said it was ending
 
@@ -197,7 +212,10 @@ class Server:
                 timeout = int((EXIT_WAIT_S - waited) * 1000) + 1
             ready = {sock for sock, _ in zmq_poll(items, timeout)}
             if pipe in ready:
-                if pipe.recv() != _END:
+                command = pipe.recv()
+                if command == _GIVE_UP and self._ending is not None:
+                    self._send_all(coordinator.give_up_ending(time.monotonic() - self._ending))
+                if command != _END:
                     return
                 self._ending = time.monotonic()
             if monitor in ready:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -58,19 +60,68 @@ def mapped(what: str) -> Iterator[None]:
         raise CollectiveError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
 
 
+class _Deferred:
+    """Signals whose Python handlers (``KeyboardInterrupt`` for SIGINT) are
+    held back while one whole message is sent or received.
+
+    pyzmq checks for signals *after* a frame was sent or received, so a
+    handler's exception there would lose a received frame, or make the caller
+    send a sent frame again. Only in the main thread (the only one that runs
+    signal handlers); a handler held back runs at :meth:`release`.
+    """
+
+    __slots__ = ("saved", "pending")
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[int, Any]] = []
+        self.pending: list[tuple[int, Any]] = []
+        if threading.get_ident() != _MAIN_THREAD:
+            return
+        for sig in DEFERRED_SIGNALS:
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                self.saved.append((sig, handler))
+                signal.signal(sig, self._hold)
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self.pending.append((signum, frame))
+
+    def release(self) -> None:
+        for sig, handler in self.saved:
+            signal.signal(sig, handler)
+        handlers = dict(self.saved)
+        for signum, frame in self.pending:
+            handlers[signum](signum, frame)  # may raise KeyboardInterrupt: the message is whole
+
+
+_MAIN_THREAD = threading.main_thread().ident
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP,
+                    signal.SIGUSR1, signal.SIGUSR2)  # only those with a Python handler cost
+# anything: two system calls each per message (SIGINT's default handler is one)
+
+
 def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
     """Send a multipart message; large frames go without a copy unless ``copy``.
 
-    Never leaves half a message in the socket: an exception raised by a signal
-    handler (``KeyboardInterrupt``) between two frames would let the next
-    message complete this one, so the rest is sent first and the exception
-    raised after. Each frame's send and its count share one line, which an
-    exception raised at a line boundary cannot split.
+    Never leaves half a message in the socket (the next message would
+    complete it): signal handlers are held back meanwhile, and an exception
+    raised between two frames otherwise (a trace hook's) sends the rest
+    first, then is raised. Each frame's send and its count share one line,
+    which an exception raised at a line boundary cannot split.
     """
+    deferred = _Deferred()
+    try:
+        _send_whole(sock, frames, copy)
+    finally:
+        deferred.release()
+
+
+def _send_whole(sock: zmq.Socket, frames: list[Any], copy: bool) -> None:
     last = len(frames) - 1
     sent: list[Any] = []
     interrupted: Optional[BaseException] = None
     while len(sent) <= last:
+        tried = len(sent)
         try:
             while len(sent) <= last:
                 i = len(sent)
@@ -83,7 +134,9 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
                 sent.append(_send(sock, frame, _SNDMORE if i < last else 0, not big))
         except zmq.ZMQError:
             raise
-        except BaseException as exc:  # noqa: B036 (re-raised below, once the message is whole)
+        except BaseException as exc:  # noqa: B036 (raised below, once the message is whole)
+            if interrupted is not None and len(sent) == tried:
+                raise  # the same frame failed twice: not an interrupt, a real error
             interrupted = exc
     if interrupted is not None:
         raise interrupted
@@ -115,8 +168,12 @@ def take_in(sock: zmq.Socket, inbox: deque[list[Any]]) -> bool:
             return False
         inbox.append([])
     frames = inbox[-1]
-    while not complete(frames):
-        frames.append(_recv(sock, 0, False))
+    deferred = _Deferred()
+    try:
+        while not complete(frames):
+            frames.append(_recv(sock, 0, False))
+    finally:
+        deferred.release()
     return True
 
 
@@ -155,6 +212,8 @@ def monitor_events(monitor: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[tup
     An event leaves ``inbox`` only after the consumer handled it, so an
     interrupt in between (or between its two frames) loses none."""
     while (inbox and complete(inbox[0])) or take_in(monitor, inbox):
-        event = parse_monitor_message([frame.bytes for frame in inbox[0]])
+        frames = inbox[0]
+        event = parse_monitor_message([frame.bytes for frame in frames])
         yield int(event["event"]), int(event["value"])
-        inbox.popleft()
+        if inbox and inbox[0] is frames:  # a nested reader (from a callback) may have taken it
+            inbox.popleft()

@@ -1,21 +1,33 @@
 """Arguments and environment variables to one validated :class:`Config`.
 
-Precedence, field by field: an explicit argument; else ``ZCOLLECTIVE_*``;
-else adaptdl's ``ADAPTDL_*``; else torchrun's names; else the default.
-Every malformed value is a ``ValueError`` that names where it came from.
+Every setting is one row of :data:`SETTINGS`: its argument, type,
+environment variables, conversion, default, check and meaning. :func:`resolve`
+is a loop over the rows; :func:`takes_settings` holds every signature that
+takes the settings (``resolve``, ``zcollective.initialize``,
+``zcollective.Group``) to the rows and writes their "Parameters" section; a
+test holds the README's configuration table to them.
+
+Precedence, setting by setting: an explicit argument; else the first
+environment variable set (``ZCOLLECTIVE_*``, then adaptdl's ``ADAPTDL_*``,
+then torchrun's names); else the default. Every malformed value is a
+``ValueError`` that names the argument or variable it came from.
 This module knows nothing of sockets.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import math
 import os
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"  # one machine needs no configuration at all
 DEFAULT_MASTER_PORT = 29457  # near torchrun's 29500 range but not on it, so both fit in one job
+DEFAULT_RANK = 0  # the only rank of the default single replica
 DEFAULT_NUM_REPLICAS = 1  # a script written for many replicas runs unchanged on one
 DEFAULT_INIT_TIMEOUT_S = 300.0  # replicas of a job may start minutes apart on a busy cluster
 DEFAULT_OP_TIMEOUT_S = 1800.0  # torch.distributed's default: long steps pass, hangs end
@@ -23,20 +35,7 @@ DEFAULT_LIVENESS_S = 10.0  # a silent peer (host down, cable cut) is declared lo
 MIN_LIVENESS_S = 1.0  # below this, scheduler hiccups on a loaded host look like deaths
 DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: libzmq allocates what a frame announces, so a stranger's
 # claim is bounded by this; raise it (on every replica) for single arrays above 2 GiB
-
-Number = Union[int, float]
-
-# field -> environment variables, in precedence order
-ENV_NAMES: dict[str, tuple[str, ...]] = {
-    "master_addr": ("ZCOLLECTIVE_MASTER_ADDR", "ADAPTDL_MASTER_ADDR", "MASTER_ADDR"),
-    "master_port": ("ZCOLLECTIVE_MASTER_PORT", "ADAPTDL_MASTER_PORT", "MASTER_PORT"),
-    "rank": ("ZCOLLECTIVE_REPLICA_RANK", "ADAPTDL_REPLICA_RANK", "RANK"),
-    "num_replicas": ("ZCOLLECTIVE_NUM_REPLICAS", "ADAPTDL_NUM_REPLICAS", "WORLD_SIZE"),
-    "op_timeout": ("ZCOLLECTIVE_TIMEOUT",),
-    "liveness_timeout": ("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
-    "max_frame_bytes": ("ZCOLLECTIVE_MAX_FRAME_BYTES",),
-    "bind_addr": ("ZCOLLECTIVE_BIND_ADDR",),
-}
+MIN_MAX_FRAME_BYTES = 1024  # a message header with the longest call site (546 bytes) always fits
 SECRET_ENV = "ZCOLLECTIVE_SECRET"
 SECRET_FILE_ENV = "ZCOLLECTIVE_SECRET_FILE"
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
@@ -71,78 +70,301 @@ class Config:
         return "*" if host in ALL_INTERFACES else host
 
 
-def _lookup(field: str, arg: object, argname: str, env: Mapping[str, str]) -> tuple[object, str]:
-    """Return (raw value, its source's name) for one field."""
-    if arg is not None:
-        return arg, f"argument {argname}"
-    for name in ENV_NAMES.get(field, ()):
-        raw = env.get(name)
-        if raw is not None and raw.strip() != "":
-            return raw.strip(), f"environment variable {name}"
-    return None, ""
+# -- conversions: raw value -> value, or ValueError(what is wrong) -----------
 
 
-def _as_int(value: object, source: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{source}={value!r} is not an integer")
-    if isinstance(value, int):
-        return value
+def _integer(raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise ValueError("is not an integer")
+    if isinstance(raw, int):
+        return raw
     try:
-        return int(str(value), 10)
+        return int(str(raw), 10)
     except ValueError:
-        raise ValueError(f"{source}={value!r} is not an integer") from None
+        raise ValueError("is not an integer") from None
 
 
-def _as_timeout(value: object, source: str, allow_none: bool = True) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, str) and value.lower() in ("none", "inf", "infinity") and allow_none:
+def _seconds(raw: Any, unbounded: bool = False) -> Optional[float]:
+    """Positive seconds; with ``unbounded``, None and infinity mean no bound."""
+    if unbounded and (raw is None or isinstance(raw, str) and raw.lower() in ("none", "inf", "infinity")):
         return None
     try:
-        seconds = float(value)  # type: ignore[arg-type]
+        seconds = float(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"{source}={value!r} is not a number of seconds") from None
-    if math.isinf(seconds) and allow_none:
+        raise ValueError("is not a number of seconds") from None
+    if math.isinf(seconds) and unbounded:
         return None
     if not seconds > 0 or math.isnan(seconds):
-        raise ValueError(f"{source}={value!r} must be a positive number of seconds")
+        raise ValueError("must be a positive number of seconds")
     return seconds
 
 
-def _secret(secret: Union[bytes, str, None], env: Mapping[str, str]) -> Optional[bytes]:
-    if secret is not None:
-        raw, source = secret, "argument secret"
-    elif env.get(SECRET_ENV):
-        raw, source = env[SECRET_ENV], f"environment variable {SECRET_ENV}"
-    elif env.get(SECRET_FILE_ENV):
-        path = env[SECRET_FILE_ENV]
-        source = f"the file {path!r} named by {SECRET_FILE_ENV}"
-        try:
-            with open(path, "rb") as f:
-                raw = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read {source}: {exc.strerror}") from None
-    else:
-        return None
+def _seconds_or_none(raw: Any) -> Optional[float]:
+    return _seconds(raw, unbounded=True)
+
+
+def _secret_bytes(raw: Any) -> bytes:
     if isinstance(raw, str):
         raw = raw.encode()
     if not isinstance(raw, bytes):
-        raise ValueError(f"{source} must be bytes or str, not {type(raw).__name__}")
-    if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(f"{source} is {len(raw)} bytes long; use at least {MIN_SECRET_BYTES} "
-                         f"(for instance: python -c 'import secrets; print(secrets.token_hex(32))')")
+        raise ValueError(f"must be bytes or str, not {type(raw).__name__}")
     return raw
 
 
+# -- checks: value -> what is wrong with it, or None -------------------------
+
+
+def _host_problem(addr: str) -> Optional[str]:
+    bad = not addr or addr.startswith("-") or any(c.isspace() or c in "/;,'\"" for c in addr)
+    return "is not a host name or IP address" if bad else None
+
+
+def _port_problem(port: int) -> Optional[str]:
+    return None if 0 <= port <= 65535 else "is not a TCP port (1 to 65535)"
+
+
+def _at_least_one(n: int) -> Optional[str]:
+    return None if n >= 1 else "must be at least 1"
+
+
+def _liveness_problem(seconds: float) -> Optional[str]:
+    return None if seconds >= MIN_LIVENESS_S else f"is below the minimum of {MIN_LIVENESS_S} s"
+
+
+def _frame_problem(nbytes: int) -> Optional[str]:
+    return None if nbytes >= MIN_MAX_FRAME_BYTES else f"must be at least {MIN_MAX_FRAME_BYTES}"
+
+
+def _secret_problem(secret: bytes) -> Optional[str]:
+    if len(secret) >= MIN_SECRET_BYTES:
+        return None
+    return (f"is {len(secret)} bytes long; use at least {MIN_SECRET_BYTES} "
+            f"(for instance: python -c 'import secrets; print(secrets.token_hex(32))')")
+
+
+def _bind_problem(addr: str) -> Optional[str]:
+    bad = not addr or any(c.isspace() or c == "/" for c in addr)
+    return "is not an address to bind" if bad else None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its argument, where else it comes from, how it is read, what it means."""
+
+    name: str  # the argument of resolve() and initialize(); also what error messages call it
+    annotation: str  # the argument's type, spelled alike in every signature
+    default: Any
+    convert: Callable[[Any], Any]  # raw value -> value; ValueError(what is wrong) if malformed
+    doc: str  # its meaning, for docstrings
+    check: Optional[Callable[[Any], Optional[str]]] = None  # value -> what is wrong, or None
+    env: tuple[str, ...] = ()  # environment variables, in precedence order
+    file_env: Optional[str] = None  # after env: a variable naming a file that holds the value
+    config_field: str = ""  # the Config field it fills, when not called `name`
+    secret: bool = False  # quoted in no message; taken from the environment byte for byte
+    none_is_value: bool = False  # an argument of None is a value (no bound), not "look further";
+    # the signatures' default is then `default` itself
+
+    @property
+    def field_name(self) -> str:
+        return self.config_field or self.name
+
+    @property
+    def signature_default(self) -> Any:
+        return self.default if self.none_is_value else None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("master_addr", "Optional[str]", DEFAULT_MASTER_ADDR, str, check=_host_problem,
+            env=("ZCOLLECTIVE_MASTER_ADDR", "ADAPTDL_MASTER_ADDR", "MASTER_ADDR"),
+            doc="Host name or IP address of rank 0, which hosts the coordinator; every replica "
+                "must reach it there."),
+    Setting("master_port", "Optional[int]", DEFAULT_MASTER_PORT, _integer, check=_port_problem,
+            env=("ZCOLLECTIVE_MASTER_PORT", "ADAPTDL_MASTER_PORT", "MASTER_PORT"),
+            doc="TCP port of the coordinator, the same on every replica (0 only with one "
+                "replica, which binds nothing)."),
+    Setting("replica_rank", "Optional[int]", DEFAULT_RANK, _integer, config_field="rank",
+            env=("ZCOLLECTIVE_REPLICA_RANK", "ADAPTDL_REPLICA_RANK", "RANK"),
+            doc="This replica's rank, from 0 to the number of replicas minus 1."),
+    Setting("num_replicas", "Optional[int]", DEFAULT_NUM_REPLICAS, _integer, check=_at_least_one,
+            env=("ZCOLLECTIVE_NUM_REPLICAS", "ADAPTDL_NUM_REPLICAS", "WORLD_SIZE"),
+            doc="The number of replicas in the group, the same on every replica."),
+    Setting("timeout", "Optional[float]", DEFAULT_INIT_TIMEOUT_S, _seconds_or_none,
+            config_field="init_timeout", none_is_value=True,
+            doc="Seconds to wait for every replica to join (``None``: no bound)."),
+    Setting("op_timeout", "Optional[float]", DEFAULT_OP_TIMEOUT_S, _seconds_or_none,
+            env=("ZCOLLECTIVE_TIMEOUT",),
+            doc="Default timeout, in seconds, of every blocking call; ``math.inf`` (``inf`` in "
+                "the environment) for no bound."),
+    Setting("liveness_timeout", "Optional[float]", DEFAULT_LIVENESS_S, _seconds,
+            check=_liveness_problem, env=("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
+            doc=f"Seconds after which a silent peer is declared lost (at least {MIN_LIVENESS_S:g})."),
+    Setting("max_frame_bytes", "Optional[int]", DEFAULT_MAX_FRAME_BYTES, _integer,
+            check=_frame_problem, env=("ZCOLLECTIVE_MAX_FRAME_BYTES",),
+            doc="Largest frame (one buffer, such as one numpy array) a peer may send, the same "
+                f"on every replica (at least {MIN_MAX_FRAME_BYTES})."),
+    Setting("secret", "Union[bytes, str, None]", None, _secret_bytes, check=_secret_problem,
+            env=(SECRET_ENV,), file_env=SECRET_FILE_ENV, secret=True,
+            doc=f"The job's shared secret, at least {MIN_SECRET_BYTES} bytes: every message is "
+                "authenticated with it, and nothing from a peer without it is ever unpickled. "
+                "Without one, nothing is authenticated: see docs/security.md."),
+    Setting("bind_addr", "Optional[str]", None, str, check=_bind_problem,
+            env=("ZCOLLECTIVE_BIND_ADDR",),
+            doc="Where rank 0 listens (``\"*\"``: every interface); by default, on the "
+                "interface of ``master_addr``."),
+)
+
+ENV_NAMES: dict[str, tuple[str, ...]] = {s.field_name: s.env for s in SETTINGS if s.env}
+
+
+# -- resolving ---------------------------------------------------------------
+
+Origin = tuple[Any, str]  # (raw value, where it came from)
+
+
+def _from_env(s: Setting, env: Mapping[str, str]) -> Optional[Origin]:
+    for name in s.env:
+        raw = env.get(name)
+        if raw is not None and not s.secret:
+            raw = raw.strip()
+        if raw:  # set but empty counts as unset
+            return raw, f"environment variable {name}"
+    path = env.get(s.file_env) if s.file_env else None
+    if path:
+        source = f"the file {path!r} named by {s.file_env}"
+        try:
+            with open(path, "rb") as f:
+                return f.read().strip(), source
+        except OSError as exc:
+            raise ValueError(f"cannot read {source}: {exc.strerror}") from None
+    return None
+
+
+def _value(s: Setting, arg: Any, env: Mapping[str, str]) -> tuple[Any, Origin]:
+    """The setting's value and its origin: the argument, else the environment, else the default."""
+    if arg is not None or s.none_is_value:
+        raw, source = arg, f"argument {s.name}"
+    else:
+        found = _from_env(s, env)
+        if found is None:
+            return s.default, (s.default, "the default")
+        raw, source = found
+    where = source if s.secret else f"{source}={raw!r}"
+    try:
+        value = s.convert(raw)
+    except ValueError as exc:
+        raise ValueError(f"{where} {exc}") from None
+    problem = s.check(value) if s.check else None
+    if problem:
+        raise ValueError(f"{where} {problem}")
+    return value, (raw, source)
+
+
+def _rank_in_range(c: Config, origins: Mapping[str, Origin]) -> None:
+    if not 0 <= c.rank < c.num_replicas:
+        raw, source = origins["replica_rank"]
+        raise ValueError(
+            f"{source}={raw!r} is out of range: ranks run from 0 to {c.num_replicas - 1} "
+            f"for num_replicas={c.num_replicas} (from {origins['num_replicas'][1]})"
+        )
+
+
+def _port_zero_only_alone(c: Config, origins: Mapping[str, Origin]) -> None:
+    # one replica binds nothing, so adaptdl's standalone port 0 is fine
+    if c.master_port == 0 and c.num_replicas > 1:
+        raise ValueError(
+            f"{origins['master_port'][1]}=0 cannot be used with num_replicas={c.num_replicas}: "
+            f"rank 0 must listen on a port that every replica is given; pass the same "
+            f"master_port everywhere")
+
+
+CROSS_CHECKS = (_rank_in_range, _port_zero_only_alone)
+
+
+# -- signatures --------------------------------------------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+_ENV_DOC = ("env : Mapping[str, str], optional\n"
+           "    The environment to read instead of ``os.environ``.")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"``{value}``"
+
+
+def _type_doc(annotation: str) -> str:
+    """``Optional[int]`` -> ``int, optional``; ``Union[bytes, str, None]`` -> ``bytes or str, optional``."""
+    inner = annotation.split("[", 1)[1].rstrip("]")
+    return " or ".join(t.strip() for t in inner.split(",") if t.strip() != "None") + ", optional"
+
+
+def _parameter_doc(s: Setting, name: str) -> str:
+    if s.none_is_value:
+        where = f"Default {_shown(s.default)}."
+    else:
+        places = [f"``{n}``" for n in s.env]
+        if s.file_env:
+            places.append(f"the file named by ``{s.file_env}``")
+        default = "" if s.default is None else f"; default {_shown(s.default)}"  # doc says what None means
+        where = f"Left ``None``: read from {', else '.join(places)}{default}."
+    text = textwrap.fill(f"{s.doc} {where}", width=88, initial_indent="    ",
+                         subsequent_indent="    ")
+    return f"{name} : {_type_doc(s.annotation)}\n{text}"
+
+
+def _check_signature(func: Callable[..., Any], named: list[tuple[str, Setting]]) -> None:
+    # annotations are compared as written: every module here has `from __future__ import annotations`
+    params = inspect.signature(func).parameters.values()
+    got = [(p.name, p.annotation, p.default) for p in params if p.name not in ("self", "env")]
+    want = [(name, s.annotation, s.signature_default) for name, s in named]
+    for i, (has, should) in enumerate(itertools.zip_longest(got, want)):
+        if has != should:
+            raise TypeError(f"{func.__qualname__} must take exactly the settings of "
+                            f"zcollective.config.SETTINGS, in order: (name, annotation, default) "
+                            f"of argument {i} is {has}, not {should}")
+
+
+def takes_settings(**renamed: str) -> Callable[[F], F]:
+    """Decorate a function that takes every setting, under the names
+    ``renamed`` gives (setting name -> argument name) or its own.
+
+    Checks, at import, that its arguments besides ``self`` and ``env`` are
+    exactly :data:`SETTINGS` (in order, with their annotations and
+    defaults), and puts their "Parameters" section into its docstring,
+    before "Raises".
+
+    Raises
+    ------
+    TypeError
+        The signature does not match :data:`SETTINGS`.
+    """
+    named = [(renamed.get(s.name, s.name), s) for s in SETTINGS]
+
+    def decorate(func: F) -> F:
+        _check_signature(func, named)
+        entries = [_parameter_doc(s, name) for name, s in named]
+        if "env" in inspect.signature(func).parameters:
+            entries.append(_ENV_DOC)
+        section = "Parameters\n----------\n" + "\n".join(entries) + "\n\n"
+        doc = inspect.cleandoc(func.__doc__ or "") + "\n\n"
+        head, raises, tail = doc.partition("Raises\n------\n")
+        func.__doc__ = (head + section + raises + tail).rstrip() + "\n"
+        return func
+
+    return decorate
+
+
+@takes_settings()
 def resolve(
     master_addr: Optional[str] = None,
     master_port: Optional[int] = None,
     replica_rank: Optional[int] = None,
     num_replicas: Optional[int] = None,
     *,
-    timeout: Optional[Number] = DEFAULT_INIT_TIMEOUT_S,
-    op_timeout: Optional[Number] = None,
-    liveness_timeout: Optional[Number] = None,
+    timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S,
+    op_timeout: Optional[float] = None,
+    liveness_timeout: Optional[float] = None,
     max_frame_bytes: Optional[int] = None,
     secret: Union[bytes, str, None] = None,
     bind_addr: Optional[str] = None,
@@ -156,64 +378,13 @@ def resolve(
         A value is malformed or out of range; the message names the argument
         or environment variable it came from.
     """
+    given = dict(locals())  # every argument by name; takes_settings holds them to SETTINGS
     env = os.environ if env is None else env
-
-    raw, src = _lookup("num_replicas", num_replicas, "num_replicas", env)
-    n = DEFAULT_NUM_REPLICAS if raw is None else _as_int(raw, src)
-    if n < 1:
-        raise ValueError(f"{src}={raw!r} must be at least 1")
-    n_src = src or "the default"
-
-    raw, src = _lookup("rank", replica_rank, "replica_rank", env)
-    rank = 0 if raw is None else _as_int(raw, src)
-    if not 0 <= rank < n:
-        raise ValueError(
-            f"{src}={raw!r} is out of range: ranks run from 0 to {n - 1} "
-            f"for num_replicas={n} (from {n_src})"
-        )
-
-    raw, src = _lookup("master_addr", master_addr, "master_addr", env)
-    addr = DEFAULT_MASTER_ADDR if raw is None else str(raw)
-    if not addr or addr.startswith("-") or any(c.isspace() or c in "/;,'\"" for c in addr):
-        raise ValueError(f"{src}={raw!r} is not a host name or IP address")
-
-    raw, src = _lookup("master_port", master_port, "master_port", env)
-    port = DEFAULT_MASTER_PORT if raw is None else _as_int(raw, src)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{src}={raw!r} is not a TCP port (1 to 65535)")
-    if port == 0 and n > 1:  # one replica binds nothing, so adaptdl's standalone port 0 is fine
-        raise ValueError(f"{src}=0 cannot be used with num_replicas={n}: rank 0 must listen on a "
-                         f"port that every replica is given; pass the same master_port everywhere")
-
-    init_timeout = _as_timeout(timeout, "argument timeout")
-
-    raw, src = _lookup("op_timeout", op_timeout, "op_timeout", env)
-    op_t = DEFAULT_OP_TIMEOUT_S if raw is None else _as_timeout(raw, src)
-
-    raw, src = _lookup("liveness_timeout", liveness_timeout, "liveness_timeout", env)
-    live = DEFAULT_LIVENESS_S if raw is None else _as_timeout(raw, src, allow_none=False)
-    assert live is not None
-    if live < MIN_LIVENESS_S:
-        raise ValueError(f"{src}={raw!r} is below the minimum of {MIN_LIVENESS_S} s")
-
-    raw, src = _lookup("max_frame_bytes", max_frame_bytes, "max_frame_bytes", env)
-    max_frame = DEFAULT_MAX_FRAME_BYTES if raw is None else _as_int(raw, src)
-    if max_frame < 1024:
-        raise ValueError(f"{src}={raw!r} must be at least 1024")
-
-    raw, src = _lookup("bind_addr", bind_addr, "bind_addr", env)
-    if raw is not None and (not str(raw) or any(c.isspace() or c == "/" for c in str(raw))):
-        raise ValueError(f"{src}={raw!r} is not an address to bind")
-
-    return Config(
-        secret=_secret(secret, env),
-        bind_addr=None if raw is None else str(raw),
-        master_addr=addr,
-        master_port=port,
-        rank=rank,
-        num_replicas=n,
-        init_timeout=init_timeout,
-        op_timeout=op_t,
-        liveness_timeout=live,
-        max_frame_bytes=max_frame,
-    )
+    values: dict[str, Any] = {}
+    origins: dict[str, Origin] = {}
+    for s in SETTINGS:
+        values[s.field_name], origins[s.name] = _value(s, given[s.name], env)
+    config = Config(**values)
+    for check in CROSS_CHECKS:
+        check(config, origins)
+    return config
