@@ -2,6 +2,7 @@
 child, by a signal; and a process may regroup many times. Real processes,
 real exits, real signals; every wait is bounded."""
 
+import collections
 import json
 import os
 import signal
@@ -340,3 +341,91 @@ def test_an_interrupt_at_any_line_of_result_loses_nothing(secret):
     outs = run_group(initialized(interrupted_at_every_line), 2, secret, env=env, timeout=120)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     assert outs[1].value > 20, outs[1].value  # interrupted at that many different lines
+
+
+def callback_reenters():
+    """A done-callback that calls into the group while results are taken in."""
+    r = zc.get_rank()
+    futures = [zc.allreduce_async(r + i) for i in range(3)]
+    seen = []
+    futures[0].add_done_callback(lambda f: seen.append(futures[1].done()))
+    if r == 1:
+        time.sleep(0.5)  # every result is waiting before any is taken in
+    return [f.result(timeout=30) for f in futures], len(seen)
+
+
+def test_a_done_callback_may_call_into_the_group():
+    outs = run_group(initialized(callback_reenters), 2)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert [o.value for o in outs] == [([1, 3, 5], 1)] * 2
+
+
+def interrupted_while_pickling():
+    """Rank 0 is interrupted while its part of a call is being pickled (a
+    value whose pickling raises KeyboardInterrupt): nothing of it was sent,
+    yet every rank's call at that seq ends in an error and the next pairs."""
+    r = zc.get_rank()
+
+    class Interrupts:
+        def __reduce__(self):
+            raise KeyboardInterrupt
+
+    got = []
+    try:
+        zc.allreduce(Interrupts() if r == 0 else 1)
+    except KeyboardInterrupt:
+        got.append("interrupted")
+    except zc.CollectiveError as exc:
+        got.append(str(exc))
+    got.append(zc.allreduce(10 + r))  # pairs with the same call everywhere
+    return got
+
+
+def test_an_interrupt_before_a_part_is_sent_still_pairs_the_next_call():
+    outs = run_group(initialized(interrupted_while_pickling), 2)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert outs[0].value == ["interrupted", 21]
+    assert outs[1].value == ["seq 0 allreduce: rank 0 failed: rank 0 was interrupted (KeyboardInterrupt) "
+                             "before its part was sent", 21]
+
+
+def test_a_signal_during_a_multipart_send_or_receive_leaves_the_message_whole():
+    """pyzmq raises a signal handler's exception right after a frame was sent
+    or received; the library holds handlers back for the whole message."""
+    import zmq
+
+    from zcollective import _sockets
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://whole")
+    b.connect("inproc://whole")
+    old = signal.signal(signal.SIGALRM, interrupt)
+    big = bytes(64 << 20)
+    interrupted = 0
+    try:
+        for trial in range(6):
+            signal.setitimer(signal.ITIMER_REAL, 0.001 + 0.004 * trial)
+            try:
+                _sockets.send_frames(a, [b"head", big, b"tail"], copy=True)
+                inbox = collections.deque()
+                while not _sockets.take_in(b, inbox):
+                    pass
+                time.sleep(0.05)  # let a timer that has not fired yet fire now, outside
+            except KeyboardInterrupt:
+                interrupted += 1
+                inbox = collections.deque()
+                while not (inbox and _sockets.complete(inbox[0])):
+                    _sockets.take_in(b, inbox)  # the rest of the message, after the interrupt
+            assert [len(f.bytes) for f in inbox[0]] == [4, 64 << 20, 4], trial
+            assert not _sockets.readable(b)  # nothing left over, nothing sent twice
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        a.close(0)
+        b.close(0)
+        ctx.term()
+    assert interrupted >= 1

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 import zcollective as zc
 from zcollective import _serialize
 from zcollective._coordinator import PYTHON_VERSION, Coordinator, Phase
-from zcollective._replica import Replica, error_from
+from zcollective._replica import Replica
 from zcollective._wire import (
     CONTROL_KINDS,
     FLAG_AUTH,
@@ -53,6 +53,7 @@ from zcollective._wire import (
 )
 from zcollective.config import Config
 from zcollective.errors import AuthenticationError, CollectiveError, ProtocolError
+from zcollective.errors import from_wire as error_from
 from zcollective.testing import Replicas, free_port, report
 
 N = 3  # replicas in the pure groups

@@ -18,11 +18,11 @@ import zmq
 
 from . import _serialize, _sockets
 from ._future import CollectiveFuture, completed
-from ._replica import Replica, _fresh, error_from
+from ._replica import Replica, _fresh
 from ._server import Server
 from ._wire import FLAG_LOCAL_ERROR, Kind, Message, Op
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
-from .errors import CollectiveError, CollectiveTimeoutError
+from .errors import CollectiveError, CollectiveTimeoutError, from_wire
 
 log = logging.getLogger("zcollective")
 
@@ -429,7 +429,7 @@ class Group:
         future, finish = entry
         if not future._done:
             if msg.kind is Kind.ERROR:
-                future._set_exception(error_from(msg.body()))
+                future._set_exception(from_wire(msg.body()))
             else:
                 try:
                     value = finish(msg)

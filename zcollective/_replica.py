@@ -54,9 +54,6 @@ MONITOR_EVENTS = (
 FOREIGN_PEER_S = 5.0  # handshakes failing this long (and never succeeding) mean a foreign program
 FOREIGN_PEER_TRIES = 3  # ... over at least this many connections
 
-error_from = from_wire  # where _group looks for it  # noqa: E305
-
-
 def routing_id(rank: int) -> bytes:
     """The rank, then random bytes: a second process claiming the same rank
     reaches the coordinator (which reports it) instead of being silently
