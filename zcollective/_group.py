@@ -137,6 +137,7 @@ class Group:
         self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         _open_groups[id(self)] = self
         _register_atexit()
+        _sockets.hold_signals()  # no signal handler's exception splits a message
         try:
             alive = busy = None
             endpoint = config.endpoint

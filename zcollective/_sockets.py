@@ -9,7 +9,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 from zmq.backend import zmq_poll
@@ -60,44 +60,57 @@ def mapped(what: str) -> Iterator[None]:
         raise CollectiveError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
 
 
-class _Deferred:
-    """Signals whose Python handlers (``KeyboardInterrupt`` for SIGINT) are
-    held back while one whole message is sent or received.
+class _HeldBack:
+    """Signal handlers held back while one whole message is sent or received.
 
     pyzmq checks for signals *after* a frame was sent or received, so a
-    handler's exception there would lose a received frame, or make the caller
-    send a sent frame again. Only in the main thread (the only one that runs
-    signal handlers); a handler held back runs at :meth:`release`.
+    handler's exception there (``KeyboardInterrupt``) would lose a received
+    frame, or make the caller send a sent frame again. :func:`hold_signals`
+    wraps the Python handlers installed when a group starts (in the main
+    thread, the only one that runs them): inside a critical section a signal
+    is recorded, and its handler runs when the section ends, the message
+    whole. Entering a section costs two attribute updates, not system calls.
+    A handler the program installs later is not wrapped.
     """
 
-    __slots__ = ("saved", "pending")
+    depth = 0
+    pending: list[tuple[Callable[..., Any], int, Any]] = []
 
-    def __init__(self) -> None:
-        self.saved: list[tuple[int, Any]] = []
-        self.pending: list[tuple[int, Any]] = []
-        if threading.get_ident() != _MAIN_THREAD:
-            return
-        for sig in DEFERRED_SIGNALS:
-            handler = signal.getsignal(sig)
-            if callable(handler):
-                self.saved.append((sig, handler))
-                signal.signal(sig, self._hold)
+    def __init__(self, handler: Callable[..., Any]) -> None:
+        self.handler = handler
 
-    def _hold(self, signum: int, frame: Any) -> None:
-        self.pending.append((signum, frame))
+    def __call__(self, signum: int, frame: Any) -> None:
+        if _HeldBack.depth:
+            _HeldBack.pending.append((self.handler, signum, frame))
+        else:
+            self.handler(signum, frame)
 
-    def release(self) -> None:
-        for sig, handler in self.saved:
-            signal.signal(sig, handler)
-        handlers = dict(self.saved)
-        for signum, frame in self.pending:
-            handlers[signum](signum, frame)  # may raise KeyboardInterrupt: the message is whole
+
+def hold_signals() -> None:
+    """Wrap the current Python signal handlers (see :class:`_HeldBack`)."""
+    if threading.get_ident() != _MAIN_THREAD:
+        return
+    for sig in DEFERRED_SIGNALS:
+        handler = signal.getsignal(sig)
+        if callable(handler) and not isinstance(handler, _HeldBack):
+            signal.signal(sig, _HeldBack(handler))
+
+
+def _enter() -> None:
+    _HeldBack.depth += 1
+
+
+def _leave() -> None:
+    _HeldBack.depth -= 1
+    if not _HeldBack.depth and _HeldBack.pending:
+        pending, _HeldBack.pending = _HeldBack.pending, []
+        for handler, signum, frame in pending:
+            handler(signum, frame)  # may raise KeyboardInterrupt: the message is whole
 
 
 _MAIN_THREAD = threading.main_thread().ident
 DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP,
-                    signal.SIGUSR1, signal.SIGUSR2)  # only those with a Python handler cost
-# anything: two system calls each per message (SIGINT's default handler is one)
+                    signal.SIGUSR1, signal.SIGUSR2)  # those whose Python handlers may raise
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
@@ -109,11 +122,11 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
     first, then is raised. Each frame's send and its count share one line,
     which an exception raised at a line boundary cannot split.
     """
-    deferred = _Deferred()
+    _enter()
     try:
         _send_whole(sock, frames, copy)
     finally:
-        deferred.release()
+        _leave()
 
 
 def _send_whole(sock: zmq.Socket, frames: list[Any], copy: bool) -> None:
@@ -168,12 +181,12 @@ def take_in(sock: zmq.Socket, inbox: deque[list[Any]]) -> bool:
             return False
         inbox.append([])
     frames = inbox[-1]
-    deferred = _Deferred()
+    _enter()
     try:
         while not complete(frames):
             frames.append(_recv(sock, 0, False))
     finally:
-        deferred.release()
+        _leave()
     return True
 
 
