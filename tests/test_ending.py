@@ -430,3 +430,18 @@ def test_a_signal_during_a_multipart_send_or_receive_leaves_the_message_whole():
         b.close(0)
         ctx.term()
     assert interrupted >= 1
+
+
+def handlers_during_and_after():
+    before = signal.getsignal(signal.SIGINT)
+    zc.initialize(timeout=30)
+    during = type(signal.getsignal(signal.SIGINT)).__name__
+    zc.allreduce(1)
+    zc.teardown()
+    return before is signal.default_int_handler, during, signal.getsignal(signal.SIGINT) is before
+
+
+def test_signal_handlers_are_wrapped_while_a_group_is_open_and_put_back_after():
+    outs = run_group(handlers_during_and_after, 2)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert [o.value for o in outs] == [(True, "_HeldBack", True)] * 2

@@ -207,6 +207,8 @@ class Group:
 
     def reduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn,
                      root: int = 0) -> CollectiveFuture[Any]:
+        """Like :meth:`reduce`, without blocking; returns a future
+        (see :func:`zcollective.reduce_async`)."""
         return self._reduce(Op.REDUCE, value, reduce_fn, root)
 
     def broadcast(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
@@ -215,6 +217,8 @@ class Group:
         return self._blocking(self.broadcast_async(value, root), timeout)
 
     def broadcast_async(self, value: Any, root: int = 0) -> CollectiveFuture[Any]:
+        """Like :meth:`broadcast`, without blocking; returns a future
+        (see :func:`zcollective.broadcast_async`)."""
         root = self._check_root(root)
         if self.rank == root:
             return self._submit(Op.BROADCAST, root, lambda: ([_serialize.dumps(value)], None),
@@ -226,6 +230,8 @@ class Group:
         return self._blocking(self.allgather_async(value), timeout)  # type: ignore[no-any-return]
 
     def allgather_async(self, value: Any) -> CollectiveFuture[list[Any]]:
+        """Like :meth:`allgather`, without blocking; returns a future
+        (see :func:`zcollective.allgather_async`)."""
         return self._submit(Op.ALLGATHER, 0, lambda: ([_serialize.dumps(value)], None), self._all(value),
                             _callsite())
 
@@ -235,6 +241,8 @@ class Group:
         return self._blocking(self.gather_async(value, root), timeout)  # type: ignore[no-any-return]
 
     def gather_async(self, value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
+        """Like :meth:`gather`, without blocking; returns a future
+        (see :func:`zcollective.gather_async`)."""
         root = self._check_root(root)
         finish = self._all(value) if self.rank == root else _none
         return self._submit(Op.GATHER, root, lambda: ([_serialize.dumps(value)], None), finish, _callsite())
@@ -247,6 +255,8 @@ class Group:
         return self._blocking(self.scatter_async(values, root), timeout)
 
     def scatter_async(self, values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
+        """Like :meth:`scatter`, without blocking; returns a future
+        (see :func:`zcollective.scatter_async`)."""
         root = self._check_root(root)
         site = _callsite()
         if self.rank != root:
@@ -262,6 +272,8 @@ class Group:
         return self._blocking(self.alltoall_async(values), timeout)  # type: ignore[no-any-return]
 
     def alltoall_async(self, values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
+        """Like :meth:`alltoall`, without blocking; returns a future
+        (see :func:`zcollective.alltoall_async`)."""
         site = _callsite()
         values = self._check_values(Op.ALLTOALL, values, 0, site)
         return self._submit(Op.ALLTOALL, 0, lambda: ([_serialize.dumps(v) for v in values], None),
@@ -272,6 +284,8 @@ class Group:
         self._blocking(self.barrier_async(), timeout)
 
     def barrier_async(self) -> CollectiveFuture[None]:
+        """Like :meth:`barrier`, without blocking; returns a future
+        (see :func:`zcollective.barrier_async`)."""
         return self._submit(Op.BARRIER, 0, _nothing, _none, _callsite())
 
     def teardown(self, *, timeout: Timeout = DEFAULT) -> None:
@@ -475,6 +489,8 @@ class Group:
         is queued gets :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave."""
         self._closed = True
         _open_groups.pop(id(self), None)
+        if not _open_groups:
+            _sockets.release_signals()
         pending, self._pending = self._pending, {}
         for future, _ in pending.values():
             future._set_exception(RuntimeError(f"seq {future.seq} {future.op}: the group was "

@@ -251,9 +251,9 @@ class Server:
 
     def _send_all(self, outs: list[Out]) -> None:
         lost: list[tuple[int, str]] = []
-        macs: dict[tuple[int, int], Any] = {}  # one payload to many ranks is hashed once
+        cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
         for peer, msg in outs:
-            frames = encode(msg, self.signer, macs)
+            frames = encode(msg, self.signer, cache)
             member = self.coordinator.members.get(peer)
             # rank 0 shares this process: give it copies, so mutating its result
             # cannot change buffers still being sent to the other ranks

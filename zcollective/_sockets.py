@@ -70,7 +70,8 @@ class _HeldBack:
     thread, the only one that runs them): inside a critical section a signal
     is recorded, and its handler runs when the section ends, the message
     whole. Entering a section costs two attribute updates, not system calls.
-    A handler the program installs later is not wrapped.
+    A handler the program installs later is not wrapped; when the last group
+    closes, the wrapped handlers are put back (:func:`release_signals`).
     """
 
     depth = 0
@@ -94,6 +95,17 @@ def hold_signals() -> None:
         handler = signal.getsignal(sig)
         if callable(handler) and not isinstance(handler, _HeldBack):
             signal.signal(sig, _HeldBack(handler))
+
+
+def release_signals() -> None:
+    """Put back the handlers :func:`hold_signals` wrapped (when no group is
+    left), unless the program has installed others since."""
+    if threading.get_ident() != _MAIN_THREAD:
+        return
+    for sig in DEFERRED_SIGNALS:
+        handler = signal.getsignal(sig)
+        if isinstance(handler, _HeldBack):
+            signal.signal(sig, handler.handler)
 
 
 def _enter() -> None:

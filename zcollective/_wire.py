@@ -216,35 +216,36 @@ def _parse_json(frame: Any) -> dict[str, Any]:
 
 
 def encode(msg: Message, signer: Optional[Signer] = None,
-           macs: Optional[dict[tuple[int, int], Any]] = None) -> list[Any]:
+           cache: Optional[dict[tuple[int, int, str], Any]] = None) -> list[Any]:
     """The frames of ``msg``, tagged when there is a ``signer``; buffers of
-    segments are passed through uncopied. ``macs`` caches the payload's MAC
-    by the identity of ``msg.segments`` and ``msg.fn``, so messages that share
-    one payload (one result for N ranks, each with its own header) hash it
-    once; the caller keeps them alive while the cache is in use."""
-    site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES]
+    segments are passed through uncopied.
+
+    ``cache`` keeps, by the identity of ``msg.segments`` and ``msg.fn`` (and
+    the call site), what follows the fixed header and the payload's MAC, so
+    messages that share one payload (one result for N ranks, each with a
+    header of its own) build and hash it once; the caller keeps them alive
+    while the cache is in use.
+    """
+    key = (id(msg.segments), id(msg.fn), msg.callsite)
+    cached = cache.get(key) if cache is not None else None
+    if cached is None:
+        site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES]
+        nseg = len(msg.segments)
+        suffix = struct.pack(f"<{nseg}I", *map(len, msg.segments)) + site if nseg else site
+        tail: list[Any] = [] if msg.fn is None else [msg.fn]
+        for seg in msg.segments:
+            tail.extend(seg)
+        mac = signer.payload(tail) if signer is not None else None
+        cached = (suffix, tail, mac)
+        if cache is not None:
+            cache[key] = cached
+    suffix, tail, mac = cached
     flags = msg.flags | (FLAG_FN if msg.fn is not None else 0) | (FLAG_AUTH if signer else 0)
-    nseg = len(msg.segments)
-    header = HEADER.pack(
-        MAGIC, PROTOCOL_VERSION, msg.kind, msg.op, flags,
-        msg.rank, msg.root, msg.seq, msg.session, nseg,
-    )
-    if nseg:
-        header += struct.pack(f"<{nseg}I", *map(len, msg.segments))
-    frames: list[Any] = [header + site if site else header]
-    if msg.fn is not None:
-        frames.append(msg.fn)
-    for seg in msg.segments:
-        frames.extend(seg)
-    if signer is not None:
-        key = (id(msg.segments), id(msg.fn))
-        mac = macs.get(key) if macs is not None else None
-        if mac is None:
-            mac = signer.payload(frames[1:])
-            if macs is not None:
-                macs[key] = mac
-        frames.append(signer.bind(mac, frames[0]))
-    return frames
+    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.kind, msg.op, flags,
+                         msg.rank, msg.root, msg.seq, msg.session, len(msg.segments)) + suffix
+    if signer is None:
+        return [header, *tail]
+    return [header, *tail, signer.bind(mac, header)]
 
 
 def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
