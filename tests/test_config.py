@@ -56,6 +56,7 @@ def test_empty_variables_count_as_unset():
     ({"replica_rank": True}, {}, "not an integer"),
     ({}, {"ZCOLLECTIVE_TIMEOUT": "soon"}, "ZCOLLECTIVE_TIMEOUT='soon' is not a number"),
     ({"liveness_timeout": 0.2}, {}, "below the minimum"),
+    ({}, {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "inf"}, "ZCOLLECTIVE_LIVENESS_TIMEOUT='inf' is above the maximum"),
     ({"timeout": -1}, {}, "argument timeout=-1 must be a positive"),
     ({"max_frame_bytes": 100}, {}, "argument max_frame_bytes=100 must be at least 1024"),
     ({}, {"ZCOLLECTIVE_MAX_FRAME_BYTES": "2G"}, "ZCOLLECTIVE_MAX_FRAME_BYTES='2G' is not an integer"),

@@ -33,6 +33,7 @@ DEFAULT_INIT_TIMEOUT_S = 300.0  # replicas of a job may start minutes apart on a
 DEFAULT_OP_TIMEOUT_S = 1800.0  # torch.distributed's default: long steps pass, hangs end
 DEFAULT_LIVENESS_S = 10.0  # a silent peer (host down, cable cut) is declared lost after this
 MIN_LIVENESS_S = 1.0  # below this, scheduler hiccups on a loaded host look like deaths
+MAX_LIVENESS_S = 86400.0  # a day; libzmq's heartbeat options are int milliseconds (inf overflows)
 DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: libzmq allocates what a frame announces, so a stranger's
 # claim is bounded by this; raise it (on every replica) for single arrays above 2 GiB
 MIN_MAX_FRAME_BYTES = 1024  # a message header with the longest call site (546 bytes) always fits
@@ -128,6 +129,8 @@ def _at_least_one(n: int) -> Optional[str]:
 
 
 def _liveness_problem(seconds: float) -> Optional[str]:
+    if seconds > MAX_LIVENESS_S:  # libzmq takes heartbeat times as int milliseconds
+        return f"is above the maximum of {MAX_LIVENESS_S:g} s"
     return None if seconds >= MIN_LIVENESS_S else f"is below the minimum of {MIN_LIVENESS_S} s"
 
 
@@ -197,7 +200,8 @@ SETTINGS: tuple[Setting, ...] = (
                 "the environment) for no bound."),
     Setting("liveness_timeout", "Optional[float]", DEFAULT_LIVENESS_S, _seconds,
             check=_liveness_problem, env=("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
-            doc=f"Seconds after which a silent peer is declared lost (at least {MIN_LIVENESS_S:g})."),
+            doc=f"Seconds after which a silent peer is declared lost ({MIN_LIVENESS_S:g} to "
+                f"{MAX_LIVENESS_S:g})."),
     Setting("max_frame_bytes", "Optional[int]", DEFAULT_MAX_FRAME_BYTES, _integer,
             check=_frame_problem, env=("ZCOLLECTIVE_MAX_FRAME_BYTES",),
             doc="Largest frame (one buffer, such as one numpy array) a peer may send, the same "
