@@ -99,10 +99,11 @@ def test_killed_coordinator_is_reported_to_waiting_and_idle_replicas():
     assert "in flight: seq 1 allreduce" in outs[1].value[0]
 
 
-def wait_for_a_stopped_peer():
+def wait_for_a_stopped_peer(marker):
     r = zc.get_rank()
     zc.barrier()
     if r == 2:
+        open(marker, "w").close()  # past the barrier: the test may stop this process now
         time.sleep(60)  # the test stops this process with SIGSTOP
     start = time.monotonic()
     try:
@@ -111,10 +112,14 @@ def wait_for_a_stopped_peer():
         return str(exc), time.monotonic() - start
 
 
-def test_stopped_replica_is_found_by_heartbeats_within_the_bound():
+def test_stopped_replica_is_found_by_heartbeats_within_the_bound(tmp_path):
     """SIGSTOP keeps the TCP connection open: only heartbeats can tell."""
-    with Replicas(wait_for_a_stopped_peer, 3, env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
-        time.sleep(1.5)  # all joined and past the barrier (a bound, not a settle: it only delays the stop)
+    marker = tmp_path / "past-the-barrier"
+    with Replicas(wait_for_a_stopped_peer, 3, str(marker),
+                  env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling a marker, with a bound
         reps.kill(2, signal.SIGSTOP)
         reps.join([0, 1], 30)
         reps.kill(2, signal.SIGKILL)
