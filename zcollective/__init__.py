@@ -14,8 +14,9 @@ yourself to hold several groups at once. This module holds no logic.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from ._future import CollectiveFuture
 from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
@@ -46,6 +47,42 @@ __all__ = [
 ]
 
 _group: Optional[Group] = None
+
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ASYNC_DOC = """Start :func:`{twin}` and return at once, with a future.
+
+Futures may be collected in any order; do not mutate what was passed until
+the future is done.
+
+Returns
+-------
+CollectiveFuture
+    Its ``result()`` is what :func:`{twin}` returns.
+
+Raises
+------
+{raised}
+{at_once}
+CollectiveError
+    From ``result()``, as :func:`{twin}` raises it (at once if the group has
+    already failed).
+"""
+
+
+def _async_twin(twin: Callable[..., Any], raised: str, mistakes: str) -> Callable[[F], F]:
+    """Give an ``*_async`` function the one docstring all of them share."""
+    def document(fn: F) -> F:
+        at_once = (f"At once, as :func:`{twin.__name__}` would, for a mistake found before "
+                   f"anything is sent: not initialized, {mistakes} (a value is too large when it "
+                   f"holds a buffer above ``max_frame_bytes``).")
+        fn.__doc__ = _ASYNC_DOC.format(twin=twin.__name__, raised=raised,
+                                       at_once=textwrap.fill(at_once, 84, initial_indent="    ",
+                                                             subsequent_indent="    "))
+        return fn
+    return document
 
 
 def _current() -> Group:
@@ -154,27 +191,9 @@ def allreduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,
     return _current().allreduce(value, reduce_fn, timeout=timeout)
 
 
+@_async_twin(allreduce, 'RuntimeError, ValueError, TypeError',
+              'a value too large or that cannot be pickled, a ``reduce_fn`` that cannot be pickled')
 def allreduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn) -> CollectiveFuture[Any]:
-    """Start :func:`allreduce` and return at once, with a future.
-
-    Futures may be collected in any order; do not mutate what was passed until
-    the future is done.
-
-    Returns
-    -------
-    CollectiveFuture
-        Its ``result()`` is what :func:`allreduce` returns.
-
-    Raises
-    ------
-    RuntimeError, ValueError, TypeError
-        At once, as :func:`allreduce` would, for a mistake found before anything is
-        sent: not initialized, a value too large (a buffer above ``max_frame_bytes``) or
-        that cannot be pickled, a ``reduce_fn`` that cannot be pickled.
-    CollectiveError
-        From ``result()``, as :func:`allreduce` raises it (at once if the group has
-        already failed).
-    """
     return _current().allreduce_async(value, reduce_fn)
 
 
@@ -184,29 +203,11 @@ def reduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *
     return _current().reduce(value, reduce_fn, root, timeout=timeout)
 
 
+@_async_twin(reduce, 'RuntimeError, ValueError, TypeError',
+              'a bad ``root``, a value too large or that cannot be pickled, '
+              'a ``reduce_fn`` that cannot be pickled')
 def reduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn,
                  root: int = 0) -> CollectiveFuture[Any]:
-    """Start :func:`reduce` and return at once, with a future.
-
-    Futures may be collected in any order; do not mutate what was passed until
-    the future is done.
-
-    Returns
-    -------
-    CollectiveFuture
-        Its ``result()`` is what :func:`reduce` returns.
-
-    Raises
-    ------
-    RuntimeError, ValueError, TypeError
-        At once, as :func:`reduce` would, for a mistake found before anything is sent:
-        not initialized, a bad ``root``, a value too large (a buffer above
-        ``max_frame_bytes``) or that cannot be pickled, a ``reduce_fn`` that cannot be
-        pickled.
-    CollectiveError
-        From ``result()``, as :func:`reduce` raises it (at once if the group has
-        already failed).
-    """
     return _current().reduce_async(value, reduce_fn, root)
 
 
@@ -215,27 +216,9 @@ def broadcast(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
     return _current().broadcast(value, root, timeout=timeout)
 
 
+@_async_twin(broadcast, 'RuntimeError, ValueError, SerializationError',
+              'a bad ``root``, a value too large or that cannot be pickled')
 def broadcast_async(value: Any, root: int = 0) -> CollectiveFuture[Any]:
-    """Start :func:`broadcast` and return at once, with a future.
-
-    Futures may be collected in any order; do not mutate what was passed until
-    the future is done.
-
-    Returns
-    -------
-    CollectiveFuture
-        Its ``result()`` is what :func:`broadcast` returns.
-
-    Raises
-    ------
-    RuntimeError, ValueError, SerializationError
-        At once, as :func:`broadcast` would, for a mistake found before anything is
-        sent: not initialized, a bad ``root``, a value too large (a buffer above
-        ``max_frame_bytes``) or that cannot be pickled.
-    CollectiveError
-        From ``result()``, as :func:`broadcast` raises it (at once if the group has
-        already failed).
-    """
     return _current().broadcast_async(value, root)
 
 
@@ -244,27 +227,9 @@ def allgather(value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
     return _current().allgather(value, timeout=timeout)
 
 
+@_async_twin(allgather, 'RuntimeError, ValueError, SerializationError',
+              'a value too large or that cannot be pickled')
 def allgather_async(value: Any) -> CollectiveFuture[list[Any]]:
-    """Start :func:`allgather` and return at once, with a future.
-
-    Futures may be collected in any order; do not mutate what was passed until
-    the future is done.
-
-    Returns
-    -------
-    CollectiveFuture
-        Its ``result()`` is what :func:`allgather` returns.
-
-    Raises
-    ------
-    RuntimeError, ValueError, SerializationError
-        At once, as :func:`allgather` would, for a mistake found before anything is
-        sent: not initialized, a value too large (a buffer above ``max_frame_bytes``) or
-        that cannot be pickled.
-    CollectiveError
-        From ``result()``, as :func:`allgather` raises it (at once if the group has
-        already failed).
-    """
     return _current().allgather_async(value)
 
 
@@ -273,27 +238,9 @@ def gather(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional
     return _current().gather(value, root, timeout=timeout)
 
 
+@_async_twin(gather, 'RuntimeError, ValueError, SerializationError',
+              'a bad ``root``, a value too large or that cannot be pickled')
 def gather_async(value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
-    """Start :func:`gather` and return at once, with a future.
-
-    Futures may be collected in any order; do not mutate what was passed until
-    the future is done.
-
-    Returns
-    -------
-    CollectiveFuture
-        Its ``result()`` is what :func:`gather` returns.
-
-    Raises
-    ------
-    RuntimeError, ValueError, SerializationError
-        At once, as :func:`gather` would, for a mistake found before anything is sent:
-        not initialized, a bad ``root``, a value too large (a buffer above
-        ``max_frame_bytes``) or that cannot be pickled.
-    CollectiveError
-        From ``result()``, as :func:`gather` raises it (at once if the group has
-        already failed).
-    """
     return _current().gather_async(value, root)
 
 
@@ -302,27 +249,10 @@ def scatter(values: Optional[Sequence[Any]], root: int = 0, *, timeout: Timeout 
     return _current().scatter(values, root, timeout=timeout)
 
 
+@_async_twin(scatter, 'RuntimeError, ValueError, SerializationError',
+              'a bad ``root``, ``values`` of the wrong length (on ``root``), '
+              'a value too large or that cannot be pickled')
 def scatter_async(values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
-    """Start :func:`scatter` and return at once, with a future.
-
-    Futures may be collected in any order; do not mutate what was passed until
-    the future is done.
-
-    Returns
-    -------
-    CollectiveFuture
-        Its ``result()`` is what :func:`scatter` returns.
-
-    Raises
-    ------
-    RuntimeError, ValueError, SerializationError
-        At once, as :func:`scatter` would, for a mistake found before anything is sent:
-        not initialized, a bad ``root``, ``values`` of the wrong length (on ``root``), a
-        value too large (a buffer above ``max_frame_bytes``) or that cannot be pickled.
-    CollectiveError
-        From ``result()``, as :func:`scatter` raises it (at once if the group has
-        already failed).
-    """
     return _current().scatter_async(values, root)
 
 
@@ -331,27 +261,9 @@ def alltoall(values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
     return _current().alltoall(values, timeout=timeout)
 
 
+@_async_twin(alltoall, 'RuntimeError, ValueError, SerializationError',
+              '``values`` of the wrong length, a value too large or that cannot be pickled')
 def alltoall_async(values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
-    """Start :func:`alltoall` and return at once, with a future.
-
-    Futures may be collected in any order; do not mutate what was passed until
-    the future is done.
-
-    Returns
-    -------
-    CollectiveFuture
-        Its ``result()`` is what :func:`alltoall` returns.
-
-    Raises
-    ------
-    RuntimeError, ValueError, SerializationError
-        At once, as :func:`alltoall` would, for a mistake found before anything is sent:
-        not initialized, ``values`` of the wrong length, a value too large (a buffer
-        above ``max_frame_bytes``) or that cannot be pickled.
-    CollectiveError
-        From ``result()``, as :func:`alltoall` raises it (at once if the group has
-        already failed).
-    """
     return _current().alltoall_async(values)
 
 
