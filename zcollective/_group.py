@@ -20,7 +20,7 @@ from . import _serialize, _sockets
 from ._future import CollectiveFuture, completed
 from ._replica import Replica, _fresh
 from ._server import Server
-from ._wire import FLAG_LOCAL_ERROR, Kind, Message, Op
+from ._wire import FLAG_LOCAL_ERROR, Kind, Message, Op, error_note
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
 from .errors import CollectiveError, CollectiveTimeoutError, from_wire
 
@@ -410,9 +410,7 @@ class Group:
         what = "no sequence" if count < 0 else f"{count} values"
         message = f"{op.label} needs one value per replica: got {what} for {self.size} replicas"
         if self._replica is not None and self._replica.failure is None and not self._closed:
-            from ._wire import control
-
-            note = control(Kind.ERROR, {"message": message}).segments
+            note = error_note(message)
             future = self._submit(op, root, lambda: (note, None), _none, site, flags=FLAG_LOCAL_ERROR)
             self._pending.pop(future.seq, None)
         raise ValueError(f"rank {self.rank}: {message}")

@@ -31,6 +31,7 @@ from ._wire import (
     control,
     decode,
     encode,
+    error_note,
     join_token,
 )
 from .config import Config
@@ -184,13 +185,8 @@ class Replica:
         if reserved is None:
             return  # nothing reserved, or the part itself was already queued
         seq, op, root, callsite = reserved
-        note = control(Kind.ERROR, {"message": reason}).segments
-        frames = encode(Message(Kind.CONTRIB, op, self.rank, root, seq, self.session, callsite,
-                                FLAG_LOCAL_ERROR, None, note), self.signer)
-        self._in_flight[seq] = op.label
-        self.next_seq, self._unsent, self._reserved = seq + 1, frames, None
         try:
-            self._send_unsent()
+            self._owe(seq, op, root, callsite, FLAG_LOCAL_ERROR, None, error_note(reason))
         except CollectiveError:
             pass  # the link is gone: the others will hear that instead
 
@@ -215,6 +211,12 @@ class Replica:
                         f"above max_frame_bytes={limit}; raise ZCOLLECTIVE_MAX_FRAME_BYTES on "
                         f"every replica, or split the value")
         seq = self.next_seq
+        self._owe(seq, op, root, callsite, flags, fn, segments)
+        return seq
+
+    def _owe(self, seq: int, op: Op, root: int, callsite: str, flags: int, fn: Any,
+             segments: list[list[Any]]) -> None:
+        """Make ``seq`` this rank's contribution (or error note), and send it."""
         frames = encode(Message(Kind.CONTRIB, op, self.rank, root, seq, self.session, callsite,
                                 flags, fn, segments), self.signer)
         self._in_flight[seq] = op.label
@@ -222,7 +224,6 @@ class Replica:
         # the frames in _unsent, sent by the next call (a duplicate is dropped by seq)
         self.next_seq, self._unsent, self._reserved = seq + 1, frames, None
         self._send_unsent()
-        return seq
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """Take in messages until ``done()`` or ``deadline``; False on timeout.
@@ -343,13 +344,9 @@ class Replica:
         call handles it again (harmlessly) and goes on with the rest.
         """
         got = False
-        inbox = self._inbox
-        while (inbox and _sockets.complete(inbox[0])) or _sockets.take_in(self.dealer, inbox):
+        for frames in _sockets.handled(self.dealer, self._inbox):
             got = True
-            frames = inbox[0]
-            self._dispatch(frames)  # may run done-callbacks that come back in here (see below)
-            if inbox and inbox[0] is frames:  # a nested call may have handled and removed it
-                inbox.popleft()
+            self._dispatch(frames)  # may run done-callbacks that come back in here (see above)
         return got
 
     def _dispatch(self, frames: list[Any]) -> None:

@@ -232,13 +232,23 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
     return pair
 
 
-def monitor_events(monitor: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[tuple[int, int]]:
-    """The (event, value) pairs waiting on a socket monitor, without blocking.
-    An event leaves ``inbox`` only after the consumer handled it, so an
-    interrupt in between (or between its two frames) loses none."""
-    while (inbox and complete(inbox[0])) or take_in(monitor, inbox):
+def handled(sock: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[list[Any]]:
+    """Each whole message waiting on ``sock`` (first those already in
+    ``inbox``), without blocking. A message leaves ``inbox`` only after the
+    consumer has handled it, so an interrupt meanwhile (or between two of its
+    frames) loses none: the next reader handles it again, so handling must
+    be harmless to repeat. A nested reader (a done-callback calling into the
+    group) may handle and remove it first."""
+    while (inbox and complete(inbox[0])) or take_in(sock, inbox):
         frames = inbox[0]
+        yield frames
+        if inbox and inbox[0] is frames:
+            inbox.popleft()
+
+
+def monitor_events(monitor: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[tuple[int, int]]:
+    """The (event, value) pairs waiting on a socket monitor, without blocking
+    (through ``inbox``, as :func:`handled` says)."""
+    for frames in handled(monitor, inbox):
         event = parse_monitor_message([frame.bytes for frame in frames])
         yield int(event["event"]), int(event["value"])
-        if inbox and inbox[0] is frames:  # a nested reader (from a callback) may have taken it
-            inbox.popleft()

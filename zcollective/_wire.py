@@ -194,6 +194,12 @@ def join_token(nonce: str) -> int:
     return int(head, 16)
 
 
+def error_note(message: str) -> list[list[Any]]:
+    """The segments of a contribution flagged ``FLAG_LOCAL_ERROR``: its
+    sender's own error, so every rank's call at that seq fails with it."""
+    return control(Kind.ERROR, {"message": message}).segments
+
+
 def control(kind: Kind, body: dict[str, Any], **header: Any) -> Message:
     """A message whose single segment is a JSON object."""
     data = json.dumps(body, separators=(",", ":")).encode()
