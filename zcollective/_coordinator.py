@@ -444,7 +444,7 @@ class Coordinator:
         member.ended = max(calls, self.next_seq[member.rank])
         self._ended.append(member)
         log.info("zcollective coordinator: %s", member.describe_end())
-        if all(m.ended is not None for m in self.members.values()):
+        if len(self._ended) == len(self.members):
             self.phase = Phase.CLOSED  # everyone is done: nothing can be waiting
             return []
         return self._check_endings()
@@ -472,7 +472,7 @@ class Coordinator:
                 f"{rank_list(call.contributions)}")
 
     def _fail_ended(self, member: Member, context: str, level: int = logging.ERROR) -> list[Out]:
-        gone = {m.rank for m in self.members.values() if m.ended is not None}
+        gone = {m.rank for m in self._ended}
         return self.fail("ReplicaLostError", f"{member.describe_end()}; {context}",
                          lost=[member.rank], ended=True, exclude=gone, level=level)
 
@@ -669,9 +669,10 @@ def _cap(text: str, limit: int = MAX_MESSAGE_BYTES, tail: bool = False) -> str:
     def part(keep: int) -> str:
         return text[len(text) - keep:] if tail else text[:keep]
 
-    keep = len(text)
-    while keep > 0 and len(json.dumps(part(keep))) > limit:
-        keep = max(0, keep * limit // len(json.dumps(part(keep))) - 40)
+    keep, size = len(text), len(json.dumps(text))
+    while keep > 0 and size > limit:
+        keep = max(0, keep * limit // size - 40)
+        size = len(json.dumps(part(keep)))
     if keep == len(text):
         return text
     cut = len(text) - keep
