@@ -108,11 +108,11 @@ def join_and_report(fake_python=None, fake_protocol=None):
     import os
 
     if os.environ["ZCOLLECTIVE_REPLICA_RANK"] == "1":  # an impostor from another installation
-        import zcollective._replica
+        import zcollective._member
         import zcollective._wire
 
         if fake_python:
-            zcollective._replica.PYTHON_VERSION = fake_python
+            zcollective._member.PYTHON_VERSION = fake_python
         if fake_protocol:
             zcollective._wire.PROTOCOL_VERSION = fake_protocol
     try:

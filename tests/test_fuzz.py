@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 import zcollective as zc
 from zcollective import _serialize
 from zcollective._coordinator import PYTHON_VERSION, Coordinator, Phase
-from zcollective._replica import Replica
+from zcollective._member import Call, Member
 from zcollective._wire import (
     CONTROL_KINDS,
     FLAG_AUTH,
@@ -51,9 +51,7 @@ from zcollective._wire import (
     decode,
     encode,
 )
-from zcollective.config import Config
 from zcollective.errors import AuthenticationError, CollectiveError, ProtocolError
-from zcollective.errors import from_wire as error_from
 from zcollective.testing import Replicas, free_port, report
 
 N = 3  # replicas in the pure groups
@@ -711,34 +709,32 @@ def test_every_local_error_note_ends_in_an_error_for_every_rank():
 # -- pure layer: a replica's message handling ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def zmq_ctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
+class Recorder:
+    """Stands in for a call's future: records what the member resolves it with."""
+
+    def __init__(self, seq, delivered):
+        self.seq, self.delivered, self._done = seq, delivered, False
+
+    def _set_result(self, msg):
+        self._done = True
+        self.delivered.append((self.seq, msg))
+
+    def _set_exception(self, error):
+        self._done = True
+        self.delivered.append((self.seq, error))
 
 
 @contextlib.contextmanager
-def fuzz_replica(ctx, secret):
-    """Rank 1 of a running group, its DEALER connected to a closed port (an
-    unbound inproc endpoint would keep every closed socket until the context
-    ends): messages are handed to it as its driver would."""
-    port = free_port()
-    config = Config("127.0.0.1", port, rank=1, num_replicas=N, secret=secret)
-    replica = Replica(ctx, config, config.endpoint)
-    replica.session, replica.next_seq = SESSION, 2
-    replica._nonces.add(NONCE)
+def fuzz_replica(secret):
+    """Rank 1's member in a running group, with calls 0 and 1 in flight: no
+    socket at all, messages are handed to it as its driver would."""
+    member = Member(1, N, "tcp://127.0.0.1:1", Signer(secret) if secret else None)
+    member.session, member.next_seq = SESSION, 2
+    member._nonces.add(NONCE)
     delivered = []
-
-    def deliver_(seq, msg):  # what Group._deliver does with an ERROR: it must not raise
-        delivered.append((seq, msg))
-        if msg.kind is Kind.ERROR:
-            error_from(msg.body())
-    replica.deliver = deliver_
-    try:
-        yield replica, delivered
-    finally:
-        replica.close()
+    for seq in (0, 1):
+        member.calls[seq] = Call("allreduce", Recorder(seq, delivered), lambda msg: msg)
+    yield member, delivered
 
 
 def allowed_failures(frames, signer):
@@ -758,28 +754,31 @@ def allowed_failures(frames, signer):
     return ()
 
 
-def check_dispatch(replica, delivered, frames):
-    """Hand ``frames`` to the replica; it must not raise, fail only for a
+def check_dispatch(member, delivered, frames):
+    """Hand ``frames`` to the member; it must not raise, fail only for a
     message that says so, deliver only its own group's results, and switch
     session only for a WELCOME to its own JOIN."""
-    signer = replica.signer
-    session, count = replica.session, len(delivered)
-    replica._dispatch(frames)
-    if replica.failure is not None:
-        assert isinstance(replica.failure, allowed_failures(frames, signer)), replica.failure
+    signer = member.signer
+    session, count = member.session, len(delivered)
+    member.receive(frames)
+    if member.failure is not None:
+        assert isinstance(member.failure, allowed_failures(frames, signer)), member.failure
         return
-    for _, msg in delivered[count:]:
-        assert msg.kind in (Kind.RESULT, Kind.ERROR) and msg.session == session, msg
-    if replica.session != session:
+    for _, outcome in delivered[count:]:
+        if isinstance(outcome, Message):
+            assert outcome.kind is Kind.RESULT and outcome.session == session, outcome
+        else:  # an ERROR of its own group, rebuilt as the error it names
+            assert isinstance(outcome, Exception) and decode(frames, signer=signer).session == session
+    if member.session != session:
         msg = decode(frames, signer=signer)
         assert msg.kind is Kind.WELCOME and msg.body()["nonce"] == NONCE
 
 
 @FAST
 @given(data=st.data(), signed=st.booleans())
-def test_a_replica_survives_anything_from_its_coordinator(zmq_ctx, data, signed):
+def test_a_replica_survives_anything_from_its_coordinator(data, signed):
     c = Choices(data.draw)
-    with fuzz_replica(zmq_ctx, SECRET if signed else None) as (replica, delivered):
+    with fuzz_replica(SECRET if signed else None) as (replica, delivered):
         for _ in range(c.below(6) + 1):
             what, frames = garbage(c, c.pick((1, NO_RANK)), c.below(3), SIGNINGS)
             note(f"{what}: {show(frames)}")
@@ -856,11 +855,11 @@ class Failures:
             for (name, where), (example, tb, targets) in sorted(self.seen.items()))
 
 
-def test_sweep_decode_and_a_replica_take_every_edit(zmq_ctx):
+def test_sweep_decode_and_a_replica_take_every_edit():
     failures = Failures()
     for secret in (None, SECRET):
         signer = Signer(secret) if secret else None
-        with fuzz_replica(zmq_ctx, secret) as (replica, delivered):
+        with fuzz_replica(secret) as (replica, delivered):
             for what, frames in sweep():
                 frames = sign(frames, "right") if secret else frames
                 with failures.catch("decode", what, frames), contextlib.suppress(WireError):
@@ -870,6 +869,8 @@ def test_sweep_decode_and_a_replica_take_every_edit(zmq_ctx):
                 with failures.catch(f"replica (secret: {bool(secret)})", what, frames):
                     check_dispatch(replica, delivered, frames)
                 replica.failure, replica.session = None, SESSION
+                for seq in (0, 1):
+                    replica.calls.setdefault(seq, Call("allreduce", Recorder(seq, delivered), lambda m: m))
     failures.check()
 
 

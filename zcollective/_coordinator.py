@@ -174,18 +174,32 @@ class Coordinator:
             self._warn(address, "malformed", f"dropped a malformed message from {address}: {exc}")
             return []
 
+    def receive_message(self, peer: bytes, msg: Message, fd: Optional[int] = None,
+                        address: str = "rank 0's own process") -> list[Out]:
+        """Handle one decoded message: from the member in this process, which
+        needs no decoding (nor authentication); as :meth:`receive`."""
+        try:
+            return self._handle(peer, msg, fd, address)
+        except WireError as exc:
+            self._warn(address, "malformed", f"dropped a malformed message from {address}: {exc}")
+            return []
+
     def _receive(self, peer: bytes, frames: list[Any], fd: Optional[int], address: str) -> list[Out]:
-        member = self.members.get(peer)
         try:
             msg = decode(frames, self.max_frames, self.signer)
         except AuthError as exc:
-            return self._on_auth_error(peer, frames, exc, member, address)
+            return self._on_auth_error(peer, frames, exc, self.members.get(peer), address)
         except VersionError as exc:
-            return self._on_version_error(peer, frames, exc, member, address)
+            return self._on_version_error(peer, frames, exc, self.members.get(peer), address)
         except WireError as exc:
+            member = self.members.get(peer)
             self._warn(address, "malformed", f"dropped a malformed message from "
                        f"{member.describe() if member else 'unknown peer'} at {address}: {exc}")
             return []
+        return self._handle(peer, msg, fd, address)
+
+    def _handle(self, peer: bytes, msg: Message, fd: Optional[int], address: str) -> list[Out]:
+        member = self.members.get(peer)
         if (member is not None and msg.kind is Kind.JOIN and self.phase is Phase.RUNNING
                 and msg.rank == member.rank):
             # the same process again, after a reconnect lost our WELCOME: say it again

@@ -17,12 +17,15 @@ from typing import Any, Callable, Optional, TypeVar, Union
 import zmq
 
 from . import _serialize, _sockets
-from ._future import CollectiveFuture, completed
-from ._replica import Replica, _fresh
+from ._coordinator import Coordinator
+from ._future import CollectiveFuture
+from ._link import DirectLink, Driver, HostLink
+from ._member import Member
+from ._replica import Replica
 from ._server import Server
-from ._wire import FLAG_LOCAL_ERROR, Kind, Message, Op, error_note
+from ._wire import DEFAULT_MAX_FRAMES, FLAG_LOCAL_ERROR, Message, Op, Signer, error_note
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
-from .errors import CollectiveError, CollectiveTimeoutError, from_wire
+from .errors import CollectiveError, CollectiveTimeoutError
 
 log = logging.getLogger("zcollective")
 
@@ -124,32 +127,19 @@ class Group:
         self._owner = threading.get_ident()
         self._pid = os.getpid()  # a forked child must never touch this process's sockets
         self._closed = False
-        self._seq = 0  # single-replica groups only
-        self._pending: dict[int, tuple[CollectiveFuture[Any], Callable[[Message], Any]]] = {}
         self._ctx: Optional[zmq.Context] = None
         self._server: Optional[Server] = None
-        self._replica: Optional[Replica] = None
-        if self.config.num_replicas > 1:
-            self._connect()
-
-    def _connect(self) -> None:
         config = self.config
-        self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
+        signer = Signer(config.secret) if config.secret is not None else None
+        self._member = Member(config.rank, config.num_replicas, config.endpoint, signer,
+                              config.max_frame_bytes)
+        self._link: Optional[Driver] = None
         _open_groups[id(self)] = self
         _register_atexit()
         _sockets.hold_signals()  # no signal handler's exception splits a message
         try:
-            alive = busy = None
-            endpoint = config.endpoint
-            if config.rank == 0:
-                endpoint = f"inproc://zcollective-{os.getpid()}-{id(self):x}"
-                self._server = Server(self._ctx, config, endpoint)
-                self._server.start()
-                alive, busy = self._server.gone, self._server.busy
-            self._replica = Replica(self._ctx, config, endpoint, alive, busy)
-            self._replica.deliver = self._deliver
-            self._replica.on_failure = self._on_failure
-            self._replica.join(config.init_timeout)
+            self._link = self._connect(signer)
+            self._link.join(config.init_timeout)
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
@@ -158,6 +148,21 @@ class Group:
                 time.sleep(JOIN_FAILURE_GRACE_S)
             self._close()
             raise
+
+    def _connect(self, signer: Optional[Signer]) -> Driver:
+        """The member's link: one replica has the coordinator in its own
+        thread; rank 0 of more has it in a thread of its own; the others
+        reach it through a DEALER."""
+        config, member = self.config, self._member
+        if config.num_replicas == 1:
+            session = int.from_bytes(os.urandom(8), "little") | 1
+            return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer))
+        self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
+        if config.rank == 0:
+            self._server = Server(self._ctx, config)
+            self._server.start()
+            return HostLink(member, self._server)
+        return Replica(self._ctx, config, member)
 
     # -- properties ---------------------------------------------------------
 
@@ -305,8 +310,7 @@ class Group:
             return
         self._check_thread()  # before touching a socket: they belong to the owner thread
         try:
-            replica = self._replica
-            if replica is not None and replica.failure is None:
+            if self._link is not None and self._member.failure is None:
                 future = self._submit(Op.TEARDOWN, 0, _nothing, _none, _callsite())
                 try:
                     self._blocking(future, timeout)
@@ -324,9 +328,12 @@ class Group:
         if not callable(reduce_fn):
             raise TypeError(f"reduce_fn must be callable, not {type(reduce_fn).__name__}")
         site = _callsite()
-        if self._replica is None:
-            return self._local(op, value)
-        finish = _first if op is Op.ALLREDUCE or self.rank == root else _none
+        if op is Op.REDUCE and self.rank != root:
+            finish: Callable[[Message], Any] = _none
+        elif self.size == 1:  # nothing was combined with it: the result is the value itself
+            finish = lambda m: value  # noqa: E731
+        else:
+            finish = _first
 
         def build() -> tuple[list[list[Any]], Any]:
             fn = _serialize.dumps_function(reduce_fn) if self.rank == root else None
@@ -345,33 +352,22 @@ class Group:
         pairs correctly.
         """
         self._check_usable()
-        replica = self._replica
-        if replica is None:
-            return self._local(op, build()[0], finish)
+        member, link = self._member, self._link
+        assert link is not None
         try:
-            replica.reserve(op, root, site)
+            seq = member.reserve(op, root, site)
             segments, fn = build()
-            seq = replica.submit(op, root, segments, fn, site, flags)
+            future: CollectiveFuture[Any] = CollectiveFuture(self, seq, op.label)
+            member.submit(op, root, segments, fn, site, flags, future, finish)
         except Exception:
-            replica.unreserve()
+            member.unreserve()
             raise
         except BaseException as exc:
-            replica.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its part "
-                            f"was sent")
+            member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its part "
+                           f"was sent")
             raise
-        future: CollectiveFuture[Any] = CollectiveFuture(self, seq, op.label)
-        self._pending[seq] = (future, finish)
+        link.flush()
         return future
-
-    def _local(self, op: Op, payload: Any, finish: Optional[Callable[[Message], Any]] = None
-               ) -> CollectiveFuture[Any]:
-        """One replica: no network, no serialization; the local value is the result."""
-        self._check_usable()
-        seq = self._seq
-        self._seq += 1
-        if finish is None:  # a reduction: payload is the value itself
-            return completed(seq, op.label, payload)
-        return completed(seq, op.label, finish(Message(Kind.RESULT, segments=payload)))
 
     def _blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
         if isinstance(timeout, _Default):
@@ -409,10 +405,9 @@ class Group:
             return values  # type: ignore[no-any-return]
         what = "no sequence" if count < 0 else f"{count} values"
         message = f"{op.label} needs one value per replica: got {what} for {self.size} replicas"
-        if self._replica is not None and self._replica.failure is None and not self._closed:
+        if self._member.failure is None and not self._closed:
             note = error_note(message)
-            future = self._submit(op, root, lambda: (note, None), _none, site, flags=FLAG_LOCAL_ERROR)
-            self._pending.pop(future.seq, None)
+            self._submit(op, root, lambda: (note, None), _none, site, flags=FLAG_LOCAL_ERROR)
         raise ValueError(f"rank {self.rank}: {message}")
 
     def _check_usable(self) -> None:
@@ -433,53 +428,29 @@ class Group:
 
     # -- driver interface for futures -----------------------------------------
 
-    def _deliver(self, seq: int, msg: Message) -> None:
-        # the entry leaves the table only after its future is resolved: an interrupt in
-        # between leaves both, and the same message, handled again, resolves it then
-        entry = self._pending.get(seq)
-        if entry is None:
-            return
-        future, finish = entry
-        if not future._done:
-            if msg.kind is Kind.ERROR:
-                future._set_exception(from_wire(msg.body()))
-            else:
-                try:
-                    value = finish(msg)
-                except Exception as exc:
-                    future._set_exception(exc)
-                else:
-                    future._set_result(value)
-        self._pending.pop(seq, None)
-
-    def _on_failure(self, error: Exception) -> None:
-        pending, self._pending = self._pending, {}
-        for future, _ in pending.values():
-            future._set_exception(_fresh(error))
-
     def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None:
-        replica = self._replica
-        if replica is None or self._closed:
+        link = self._link
+        if link is None or self._closed:
             return
         self._check_thread()
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not replica.wait_for(lambda: future._done, deadline):
-            message = replica.timeout_message(future.seq, timeout)
+        if not link.wait_for(lambda: future._done, deadline):
+            message = link.timeout_message(future.seq, timeout)
             if future._done:
                 return  # it arrived while the coordinator was asked
-            replica.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer
+            self._member.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer
             raise CollectiveTimeoutError(message)
 
     def _progress(self) -> None:
-        if self._replica is not None and not self._closed:
+        if self._link is not None and not self._closed:
             self._check_thread()
-            self._replica.progress()
+            self._link.progress()
 
     def _fds(self) -> list[int]:
-        if self._replica is None or self._closed:
+        if self._link is None or self._closed:
             return []
         self._check_thread()
-        return [self._replica.dealer.FD, self._replica.monitor.FD]
+        return self._link.fds()
 
     def _close(self, ending: bool = False) -> None:
         """Close the sockets. ``ending``: the program is ending without
@@ -489,17 +460,15 @@ class Group:
         _open_groups.pop(id(self), None)
         if not _open_groups:
             _sockets.release_signals()
-        pending, self._pending = self._pending, {}
-        for future, _ in pending.values():
-            future._set_exception(RuntimeError(f"seq {future.seq} {future.op}: the group was "
-                                               f"torn down before the call finished"))
+        self._member.forget_calls(lambda call, seq: RuntimeError(
+            f"seq {seq} {call.op}: the group was torn down before the call finished"))
         try:
             if self._server is not None:
                 self._server.stop(ending)
         finally:  # an interrupt while rank 0 waits for the others still closes everything
             stuck = self._server is not None and self._server.gone() is None
-            if self._replica is not None:
-                self._replica.close(_sockets.EXIT_LINGER_MS if ending else 0)
+            if self._link is not None:
+                self._link.close(_sockets.EXIT_LINGER_MS if ending else 0)
             if self._ctx is not None and not stuck:
                 # after term() libzmq holds no buffer of ours: the interpreter may free them
                 self._ctx.term()
@@ -512,10 +481,10 @@ class Group:
         owner = next((t for t in threading.enumerate() if t.ident == self._owner), None)
         if owner is not None and owner is not threading.current_thread():
             return  # its thread still runs (a daemon): its sockets are not ours to use
-        if self._replica is not None:
+        if self._link is not None:
             try:
-                self._replica.progress()  # take in a FAIL that would make a BYE pointless
-                self._replica.say_bye()
+                self._link.progress()  # take in a FAIL that would make a BYE pointless
+                self._link.say_bye()
             except BaseException:
                 pass  # the group failed, or an interrupt: nothing to announce, only to flush
         self._close(ending=True)

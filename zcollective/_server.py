@@ -4,6 +4,15 @@ A thin driver: it receives frames, feeds them to the pure
 :class:`~zcollective._coordinator.Coordinator`, and sends what it returns.
 It is controlled through an inproc PAIR pipe, as pyzmq's auth thread is, and
 reports its start-up (bind) result with a bounded wait.
+
+Rank 0's own member needs no socket: it hands its messages to the
+coordinator with :meth:`Server.from_host`, a function call under the
+server's lock, and takes its replies from :attr:`Server.to_host`, woken
+through :attr:`Server.wakeup`. Whichever thread holds the lock may use the
+ROUTER (libzmq allows a socket to move between threads across a full memory
+barrier, which the lock is); the thread polls the ROUTER's file descriptor,
+not the socket, so it never touches the socket without the lock. The thread
+stays for progress while rank 0's own code is busy elsewhere.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from zmq.backend import zmq_poll
 
 from . import _sockets
 from ._coordinator import Coordinator, Out, Phase
-from ._wire import DEFAULT_MAX_FRAMES, Signer, encode
+from ._link import HOST_PEER, Wakeup, owned
+from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
 from .config import Config
 from .errors import CollectiveError
 
@@ -32,22 +42,27 @@ START_TIMEOUT_S = 10.0  # binding a socket takes milliseconds; longer means some
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
-_STOP, _END, _GIVE_UP = b"stop", b"end", b"give up"  # pipe commands: close now; rank 0's
-# program is ending; it was interrupted while ending (tell the others the group is over, close)
+_STOP, _END, _GIVE_UP, _TAKE = b"stop", b"end", b"give up", b"take"  # pipe commands: close
+# now; rank 0's program is ending; it was interrupted while ending (tell the others the group is
+# over, close); take what rank 0's member handed over while the lock was held
 
 
 class Server:
     """Runs the coordinator of one group in a background thread on rank 0."""
 
-    def __init__(self, ctx: zmq.Context, config: Config, local_endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, config: Config) -> None:
         self.ctx = ctx
         self.config = config
-        self.local_endpoint = local_endpoint
         self.session = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "not joined"
         self.signer = Signer(config.secret) if config.secret is not None else None
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer)
-        self.crashed: Optional[str] = None
+        self.crashed: Optional[str] = None  # set once, by the thread, before _finished
+        self._lock = threading.Lock()  # held to use the coordinator or the ROUTER
+        self._router: Optional[zmq.Socket] = None  # while serving
+        self._from_host: deque[Message] = deque()  # rank 0's member's messages, not yet taken
+        self.to_host: deque[Message] = deque()  # replies to rank 0's member, not yet taken
+        self.wakeup = Wakeup()  # set when to_host grows
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._started = threading.Event()
         # set when the thread has closed its sockets: unlike Thread.join, whose state a
@@ -74,6 +89,7 @@ class Server:
         if self._start_error is not None:
             self._pipe.close(linger=0)
             self._thread.join(STOP_TIMEOUT_S)
+            self.wakeup.close()
             raise self._start_error
 
     def gone(self) -> Optional[str]:
@@ -81,6 +97,36 @@ class Server:
         if not self._finished.is_set() and self._thread.is_alive():
             return None
         return self.crashed or "it stopped"
+
+    def from_host(self, msg: Message) -> None:
+        """Rank 0's member sends ``msg`` (from its own thread). Taken at once
+        when the lock is free; else the thread takes it when it lets go (a
+        reduce function it runs may take long: rank 0's call must still time
+        out). Signals are held back meanwhile, so an interrupt never leaves a
+        call taken but its results unsent."""
+        self._from_host.append(msg)
+        if not self._lock.acquire(blocking=False):
+            self._command(_TAKE)
+            return
+        try:
+            with _sockets.critical():
+                if self._router is not None:
+                    self._step()
+        finally:
+            self._lock.release()
+
+    def _step(self) -> None:
+        """With the lock: take what rank 0's member handed over, then whatever
+        waits on the monitor and the ROUTER (read to the end: either thread's
+        use of a socket may have swallowed its fd's edge)."""
+        coordinator = self.coordinator
+        for msg in _sockets.taken(self._from_host):
+            if coordinator.phase is Phase.CLOSED:
+                self._from_host.clear()
+                return
+            self._send_all(coordinator.receive_message(HOST_PEER, msg))
+        self._drain_monitor()
+        self._drain()
 
     def busy(self) -> Optional[str]:
         """What the coordinator thread has been stuck in for a while, if anything."""
@@ -100,10 +146,7 @@ class Server:
         giving what is queued :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave.
         """
         if not self._finished.is_set() and self._thread.is_alive():
-            try:
-                self._pipe.send(_END if ending else _STOP, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._command(_END if ending else _STOP)
             if ending:  # however long a reduction runs, up to the exit bound: its results are owed
                 bound = EXIT_WAIT_S + _sockets.EXIT_LINGER_MS / 1000 + 1
             else:  # a reduce function that never returns cannot be interrupted: do not wait for it
@@ -112,7 +155,7 @@ class Server:
                 self._finished.wait(bound)
             except BaseException:  # a second Ctrl-C while rank 0 waits for the others: stop now
                 try:
-                    self._pipe.send(_GIVE_UP, zmq.NOBLOCK)
+                    self._command(_GIVE_UP)
                     self._finished.wait(STOP_TIMEOUT_S)
                 finally:
                     self._pipe.close(linger=0)
@@ -121,6 +164,15 @@ class Server:
                 log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind",
                           self.busy() or "no reason known")
         self._pipe.close(linger=0)
+        if self._finished.is_set():
+            self.wakeup.close()  # else the thread may still deliver to it
+
+    def _command(self, command: bytes) -> None:
+        """Tell the thread ``command`` (the main thread's end of the pipe)."""
+        try:
+            self._pipe.send(command, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the thread is gone: nothing to tell
 
     # -- the thread ----------------------------------------------------------
 
@@ -149,7 +201,6 @@ class Server:
                 f"(master_addr must be an address of rank 0's host)") from None
         made: list[zmq.Socket] = [router]
         try:
-            router.bind(self.local_endpoint)
             monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED)
             made.append(monitor)
             pipe = self.ctx.socket(zmq.PAIR)
@@ -175,20 +226,25 @@ class Server:
             self._start_error = exc
             self._started.set()
             return
+        self._monitor = monitor
+        with self._lock:
+            self._router = router
         self._started.set()
-        self._router, self._monitor = router, monitor
         try:
             self._serve(router, monitor, pipe)
         except BaseException as exc:  # a bug: tell every replica rather than leave them waiting
             log.exception("zcollective: the coordinator crashed")
             self.crashed = f"the coordinator crashed: {type(exc).__name__}: {exc}"
             try:
-                self._send_all(self.coordinator.fail("CollectiveError", self.crashed))
+                with self._lock:
+                    self._send_all(self.coordinator.fail("CollectiveError", self.crashed))
             except Exception:
                 pass
         finally:
             # results, or a FAIL just sent to the survivors, must reach them
             linger = _sockets.EXIT_LINGER_MS if self._ending is not None else _sockets.CLOSE_LINGER_MS
+            with self._lock:  # rank 0's member may be using it
+                self._router = None
             router.disable_monitor()
             monitor.close(linger=0)
             pipe.close(linger=0)
@@ -198,7 +254,9 @@ class Server:
     _ending: Optional[float] = None  # when rank 0's program said it was ending
 
     def _serve(self, router: zmq.Socket, monitor: zmq.Socket, pipe: zmq.Socket) -> None:
-        items = [(router, zmq.POLLIN), (monitor, zmq.POLLIN), (pipe, zmq.POLLIN)]
+        # the fds of the ROUTER and its monitor, not the sockets: polling a socket would use it
+        # without the lock. They are edge-triggered: each step reads both until they are empty
+        items: list[Any] = [(router.FD, zmq.POLLIN), (monitor.FD, zmq.POLLIN), (pipe, zmq.POLLIN)]
         coordinator = self.coordinator
         while coordinator.phase is not Phase.CLOSED:
             timeout = -1
@@ -207,33 +265,35 @@ class Server:
                     return  # whatever the others must hear is queued
                 waited = time.monotonic() - self._ending
                 if waited >= EXIT_WAIT_S:
-                    self._send_all(coordinator.give_up_ending(waited))
+                    with self._lock:
+                        self._send_all(coordinator.give_up_ending(waited))
                     return
                 timeout = int((EXIT_WAIT_S - waited) * 1000) + 1
             ready = {sock for sock, _ in zmq_poll(items, timeout)}
             if pipe in ready:
                 command = pipe.recv()
-                if command == _GIVE_UP and self._ending is not None:
-                    self._send_all(coordinator.give_up_ending(time.monotonic() - self._ending))
-                if command != _END:
-                    return
-                self._ending = time.monotonic()
-            if monitor in ready:
-                self._drain_monitor()
-            if router in ready:
-                self._drain(router)
+                if command in (_STOP, _GIVE_UP, _END):
+                    if command == _GIVE_UP and self._ending is not None:
+                        with self._lock:
+                            self._send_all(coordinator.give_up_ending(time.monotonic() - self._ending))
+                    if command != _END:
+                        return
+                    self._ending = time.monotonic()
+            with self._lock:
+                self._step()
 
     def _drain_monitor(self) -> None:
         for kind, fd in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
                 # what a peer sent before closing (a BYE, a last contribution) is queued
                 # before libzmq reports the close: take it in first
-                self._drain(self._router, joins_first=False)
+                self._drain(joins_first=False)
                 self._send_all(self.coordinator.disconnected(fd))
 
-    def _drain(self, router: zmq.Socket, joins_first: bool = True) -> None:
-        coordinator = self.coordinator
-        while coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
+    def _drain(self, joins_first: bool = True) -> None:
+        """Handle every message waiting on the ROUTER (with the lock)."""
+        router, coordinator = self._router, self.coordinator
+        while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
             frames = _sockets.recv_message(router)
             peer = frames[0].bytes
             if len(frames) < 2:
@@ -250,23 +310,29 @@ class Server:
             self._send_all(coordinator.receive(peer, frames[1:], fd, address))
 
     def _send_all(self, outs: list[Out]) -> None:
+        """Send what the coordinator returned (with the lock): rank 0's part
+        to its queue, the others' on the ROUTER."""
         lost: list[tuple[int, str]] = []
         cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
+        router = self._router
         for peer, msg in outs:
+            if peer == HOST_PEER:
+                self.to_host.append(owned(msg))
+                self.wakeup.set()
+                continue
+            if router is None:
+                continue  # closed: nothing more reaches anyone
             frames = encode(msg, self.signer, cache)
-            member = self.coordinator.members.get(peer)
-            # rank 0 shares this process: give it copies, so mutating its result
-            # cannot change buffers still being sent to the other ranks
-            local = member is not None and member.rank == 0
             try:
-                _sockets.send_frames(self._router, [peer, *frames], copy=local)
+                _sockets.send_frames(router, [peer, *frames])
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
+                member = self.coordinator.members.get(peer)
                 if member is not None:
                     lost.append((member.rank, "its connection is gone"))
         if lost:  # a BYE it sent before closing may still be queued: a rank that ended is not lost
-            self._drain(self._router, joins_first=False)
+            self._drain(joins_first=False)
         for rank, reason in lost:
             self._send_all(self.coordinator.lost(rank, reason))
 

@@ -9,13 +9,15 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import zmq
 from zmq.backend import zmq_poll
 from zmq.utils.monitor import parse_monitor_message
 
 from .config import Config
+
+T = TypeVar("T")
 
 ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
 # a zero-copy frame (whose release needs pyzmq's gc thread)
@@ -230,6 +232,27 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
         pair.close(linger=0)
         raise
     return pair
+
+
+@contextlib.contextmanager
+def critical() -> Iterator[None]:
+    """A section no signal handler's exception interrupts: handlers held back
+    meanwhile run when it ends (see :class:`_HeldBack`)."""
+    _enter()
+    try:
+        yield
+    finally:
+        _leave()
+
+
+def taken(inbox: deque[T]) -> Iterator[T]:
+    """Each item of ``inbox``, oldest first; an item leaves only after the
+    consumer has handled it (see :func:`handled`)."""
+    while inbox:
+        item = inbox[0]
+        yield item
+        if inbox and inbox[0] is item:
+            inbox.popleft()
 
 
 def handled(sock: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[list[Any]]:

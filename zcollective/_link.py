@@ -1,0 +1,259 @@
+"""Drivers of a :class:`~zcollective._member.Member`: how its messages reach
+the coordinator and the replies come back.
+
+:class:`Driver` holds what every driver does the same way (send what the
+member owes, wait for a condition, ask the coordinator for the status of a
+late call); a subclass says how one message is sent and how to wait for the
+next. Three exist:
+
+- :class:`~zcollective._replica.Replica`: a DEALER socket to rank 0 (ranks 1
+  and up);
+- :class:`HostLink`: rank 0's own member, which hands its messages to the
+  coordinator in its own process (:meth:`Server.from_host
+  <zcollective._server.Server.from_host>`) and takes its replies from a
+  queue the coordinator fills, woken through a pipe;
+- :class:`DirectLink`: a group of one, where the coordinator is called in
+  the member's own thread; no socket, no thread.
+
+So there is one set of rules for a member and one for the coordinator, at
+every size of group.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from zmq.backend import zmq_poll
+
+from . import _sockets
+from ._coordinator import Coordinator
+from ._member import STATUS_WAIT_S, Member
+from ._wire import Kind, Message
+from .errors import CollectiveTimeoutError
+
+if TYPE_CHECKING:
+    from ._server import Server
+
+_POLLIN = 1  # zmq.POLLIN, for polling a plain file descriptor
+
+
+class Driver:
+    """What every member's driver does; subclasses send and wait."""
+
+    def __init__(self, member: Member) -> None:
+        self.member = member
+
+    # -- to implement -----------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        """Send one whole message (or raise a library error)."""
+        raise NotImplementedError
+
+    def _pump(self, deadline: Optional[float]) -> bool:
+        """Wait until something arrives or ``deadline``; hand it all to the
+        member. False on timeout."""
+        raise NotImplementedError
+
+    def fds(self) -> list[int]:
+        """File descriptors that become readable when something may have arrived."""
+        return []
+
+    def busy(self) -> Optional[str]:
+        """What the coordinator is stuck in, when it runs in this process."""
+        return None
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Let go of the link; what is queued gets ``linger_ms`` to leave."""
+
+    # -- shared -----------------------------------------------------------
+
+    def send(self, msgs: list[Message]) -> None:
+        """Send what the member owes, then ``msgs``."""
+        self.flush()
+        for msg in msgs:
+            self._send(msg)
+
+    def flush(self) -> None:
+        """Send what the member owes (rule 4 of :mod:`zcollective._member`):
+        a contribution leaves the queue only once it was sent whole."""
+        owed = self.member.owed
+        while owed:
+            self._send(owed[0])
+            if owed:  # a failure while sending empties it
+                owed.popleft()
+
+    def join(self, timeout: Optional[float]) -> None:
+        """Send JOIN and wait for every replica to have joined.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            The group was not complete in time; names who was missing.
+        ProtocolError, ValueError, AuthenticationError, CollectiveError
+            The coordinator refused the join; the message says why.
+        """
+        member = self.member
+        self.send([member.join()])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.wait_for(lambda: member.joined, deadline):
+            status = self.ask_status(0) if member.connected else None
+            raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
+
+    def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+        """Take in messages until ``done()`` or ``deadline``; False on timeout.
+
+        Raises
+        ------
+        ReplicaLostError, CallMismatchError, CollectiveError
+            The group failed (sticky).
+        """
+        self.flush()
+        while not done():
+            self.member.check()
+            if not self._pump(deadline):
+                return done()
+        return True
+
+    def progress(self) -> None:
+        """Send what is owed; take in whatever has arrived, without blocking."""
+        self.flush()
+        self._pump(time.monotonic())
+
+    def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
+        """The coordinator's view of call ``seq`` (who arrived), or None if it
+        does not answer within :data:`~zcollective._member.STATUS_WAIT_S`."""
+        member = self.member
+        self.send([member.status_query(seq)])
+        deadline = time.monotonic() + STATUS_WAIT_S
+        while seq not in member.status and member.failure is None:
+            if not self._pump(deadline):
+                break
+        return member.status.pop(seq, None)
+
+    def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
+        return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
+
+    def say_bye(self) -> None:
+        """Tell the coordinator this program is ending (if there is a group to tell)."""
+        bye = self.member.bye()
+        if bye is not None:
+            self.send([bye])
+
+    def _handle(self, msg: Message) -> None:
+        """Give the member one decoded message; send what it answers."""
+        replies = self.member.receive_message(msg)
+        if replies:
+            self.send(replies)
+
+
+class Wakeup:
+    """A pipe one thread writes to wake another polling its read end (which
+    stays readable until :meth:`clear`, so asyncio can watch it too)."""
+
+    def __init__(self) -> None:
+        self.fd, self._write = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        try:
+            os.write(self._write, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # full (it is readable anyway) or closed (nobody waits any more)
+
+    def clear(self) -> None:
+        try:
+            os.read(self.fd, 4096)
+        except (BlockingIOError, OSError):
+            pass
+
+    def wait(self, timeout_s: float) -> None:
+        zmq_poll([(self.fd, _POLLIN)], max(0, int(timeout_s * 1000)))
+
+    def close(self) -> None:
+        for fd in (self.fd, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def owned(msg: Message) -> Message:
+    """``msg`` with every buffer its own copy. What crosses between rank 0's
+    member and the coordinator in one process is copied, as a socket would:
+    so a reduction never runs in place in the user's input, and mutating a
+    result never changes buffers still being sent to other ranks."""
+    if not msg.segments:
+        return msg
+    msg.segments = [[frame if isinstance(frame, bytes) else bytearray(memoryview(frame))
+                     for frame in segment] for segment in msg.segments]
+    return msg
+
+
+class HostLink(Driver):
+    """Rank 0's member, beside the coordinator thread (:class:`Server`)."""
+
+    def __init__(self, member: Member, server: Server) -> None:
+        super().__init__(member)
+        self.server = server
+        member.connected = True  # nothing between them can break
+
+    def _send(self, msg: Message) -> None:
+        if msg.kind is Kind.CONTRIB:
+            msg = owned(msg)
+        self.server.from_host(msg)
+
+    def _pump(self, deadline: Optional[float]) -> bool:
+        server, member = self.server, self.member
+        while True:
+            server.wakeup.clear()  # first: a reply queued after this sets it again
+            got = False
+            for msg in _sockets.taken(server.to_host):
+                got = True
+                self._handle(msg)
+            if got or member.failure is not None:
+                return True
+            why = server.gone()
+            if why is not None:
+                member.coordinator_gone(why)
+                return True
+            remaining = _sockets.POLL_SLICE_S
+            if deadline is not None:
+                remaining = min(remaining, deadline - time.monotonic())
+                if remaining <= 0:
+                    return False
+            server.wakeup.wait(remaining)
+
+    def fds(self) -> list[int]:
+        return [self.server.wakeup.fd]
+
+    def busy(self) -> Optional[str]:
+        return self.server.busy()
+
+
+HOST_PEER = b"L0"  # the coordinator's name for the member in its own process (never a DEALER's:
+# theirs start with b"R")
+
+
+class DirectLink(Driver):
+    """A group of one: the coordinator runs in the caller's thread."""
+
+    def __init__(self, member: Member, coordinator: Coordinator) -> None:
+        super().__init__(member)
+        self.coordinator = coordinator
+        self._inbox: deque[Message] = deque()
+        member.connected = True
+
+    def _send(self, msg: Message) -> None:
+        with _sockets.critical():  # an interrupt never leaves a call taken but not answered
+            self._inbox.extend(out for _, out in self.coordinator.receive_message(HOST_PEER, msg))
+
+    def _pump(self, deadline: Optional[float]) -> bool:
+        got = False
+        for msg in _sockets.taken(self._inbox):
+            got = True
+            self._handle(msg)
+        return got  # nothing else can ever arrive

@@ -1,0 +1,448 @@
+"""One replica's rules: a pure object fed messages and connection events,
+returning the messages to send.
+
+Theory of operation
+-------------------
+Every replica, rank 0 included, has one :class:`Member`. It knows nothing of
+sockets or threads: a driver (:mod:`zcollective._link`) gives it every
+message that arrives and every event of its connection, and sends what it
+returns and what it owes. The member holds the one table of calls in flight
+and resolves their futures. That keeps every rule below testable without a
+network, as :mod:`zcollective._coordinator`'s are.
+
+Rules:
+
+1. *Join.* A JOIN carries a fresh nonce, and its *token* (a hash of the
+   nonce) binds the replies sent before the WELCOME. A WELCOME counts only if
+   it echoes the nonce of a JOIN this member sent. With a secret the
+   coordinator first answers with a CHALLENGE, which a new JOIN echoes. A
+   connection closed before the WELCOME may have taken the JOIN with it: the
+   member joins again once a new connection's handshake succeeds.
+2. *Binding.* Every message must name this rank and the session (before the
+   WELCOME, the token of one of its JOINs). One bound elsewhere that proved
+   the secret was moved between ranks or replayed: the group fails here, and
+   the coordinator is told (ABORT) so that it fails for everyone. Without a
+   secret it is dropped (a RESULT of an earlier group on the same port is
+   routine).
+3. *Calls.* The n-th call has sequence number n. A call is in the table from
+   :meth:`Member.submit` until its RESULT or ERROR arrives; the RESULT
+   resolves its future through the call's finisher, an ERROR with the error
+   it names. Handling a reply twice changes nothing (a driver interrupted
+   while handling one hands it in again).
+4. *Owed.* A contribution leaves :meth:`Member.submit` as *owed*, in the
+   same step that uses its seq; it stays owed until the driver has sent it
+   whole. So an interrupt never leaves a seq used but unsent (every rank's
+   n-th call would wait for it): the next step sends it, and a contribution
+   sent twice is dropped by the coordinator's rule 2.
+5. *Sticky failure.* A REJECT or FAIL, the connection lost after the
+   WELCOME, a reply that fails authentication, another protocol version, a
+   foreign program at the master address: the group fails here for good.
+   Every call in the table and every later one raises that error.
+6. *Foreign program.* A ZeroMQ handshake that fails with a protocol
+   violation proves a foreign program at once; one closed during the
+   handshake may be a proxy or a coordinator still starting, so that counts
+   only after :data:`FOREIGN_PEER_TRIES` of them over :data:`FOREIGN_PEER_S`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from . import _wire
+from ._coordinator import PYTHON_VERSION
+from ._wire import (
+    FLAG_LOCAL_ERROR,
+    AuthError,
+    Kind,
+    Message,
+    Op,
+    Signer,
+    VersionError,
+    WireError,
+    control,
+    decode,
+    error_note,
+    join_token,
+)
+from .errors import (
+    AuthenticationError,
+    ProtocolError,
+    ReplicaLostError,
+    from_wire,
+)
+
+log = logging.getLogger("zcollective")
+
+FOREIGN_PEER_S = 5.0  # handshakes failing this long (and never succeeding) mean a foreign program
+FOREIGN_PEER_TRIES = 3  # ... over at least this many connections
+STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
+
+
+class Link(enum.Enum):
+    """What a driver saw of its connection to the coordinator."""
+
+    CONNECTED = "connected"  # a TCP connection was made (not yet a ZeroMQ handshake)
+    HANDSHAKE_SUCCEEDED = "handshake succeeded"
+    HANDSHAKE_FAILED = "handshake failed"  # closed during the handshake: maybe a proxy
+    PROTOCOL_VIOLATION = "protocol violation"  # a handshake no ZeroMQ peer would send
+    DISCONNECTED = "disconnected"  # closed, or heartbeats unanswered
+
+
+@dataclass
+class Call:
+    """A call in flight: its label, and (for the caller's own calls) the
+    future to resolve and the finisher that makes its value from a RESULT."""
+
+    op: str
+    future: Any = None  # a CollectiveFuture; None for an error note
+    finish: Optional[Callable[[Message], Any]] = None
+
+
+class Member:
+    """One replica's rules; see the module docstring."""
+
+    def __init__(self, rank: int, size: int, endpoint: str, signer: Optional[Signer] = None,
+                 max_frame_bytes: Optional[int] = None) -> None:
+        self.rank = rank
+        self.size = size
+        self.endpoint = endpoint  # what messages name as the coordinator's address
+        self.signer = signer
+        self.max_frame_bytes = max_frame_bytes
+        self.session = 0  # 0 until the WELCOME
+        self.next_seq = 0
+        self.calls: dict[int, Call] = {}
+        self.owed: deque[Message] = deque()  # contributions to send, in order (rule 4)
+        self.failure: Optional[Exception] = None
+        self.connected = False
+        self.status: dict[int, dict[str, Any]] = {}  # seq -> the coordinator's STATUS_REPLY
+        self._nonces: set[str] = set()  # every JOIN sent (a reconnect sends another)
+        self._tokens: set[int] = set()  # their tokens: what binds replies before the WELCOME
+        self._rejoin = False
+        self._failed_handshakes: list[float] = []  # since the last good one
+        self._reserved: Optional[tuple[int, Op, int, str]] = None  # seq, op, root, site being built
+
+    # -- join ---------------------------------------------------------------
+
+    def join(self, challenge: Optional[str] = None) -> Message:
+        """A JOIN with a fresh nonce (rule 1)."""
+        nonce = os.urandom(16).hex()
+        self._nonces.add(nonce)
+        self._tokens.add(join_token(nonce))
+        body = {"rank": self.rank, "num_replicas": self.size, "protocol": _wire.PROTOCOL_VERSION,
+                "python": PYTHON_VERSION, "pid": os.getpid(), "host": socket.gethostname(),
+                "nonce": nonce}
+        if challenge is not None:
+            body["challenge"] = challenge
+        return control(Kind.JOIN, body, rank=self.rank)
+
+    @property
+    def joined(self) -> bool:
+        return self.session != 0
+
+    # -- calls ----------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise the group's failure, if it has one (rule 5)."""
+        if self.failure is not None:
+            raise fresh(self.failure)
+
+    def reserve(self, op: Op, root: int, callsite: str) -> int:
+        """Hold the next seq for a call whose part is being built; return it
+        (then :meth:`submit`, or :meth:`unreserve` or :meth:`abandon`)."""
+        self.check()
+        self._reserved = (self.next_seq, op, root, callsite)
+        return self.next_seq
+
+    def unreserve(self) -> None:
+        """The part could not be built (nothing was sent): the seq stays free."""
+        self._reserved = None
+
+    def abandon(self, reason: str) -> None:
+        """The part's building was interrupted: owe an error note for the
+        reserved seq instead, so every rank's call there ends in an error and
+        the next call pairs correctly."""
+        reserved = self._reserved
+        if reserved is not None and self.failure is None:
+            seq, op, root, callsite = reserved
+            self._owe(seq, op, root, callsite, FLAG_LOCAL_ERROR, None, error_note(reason), Call(op.label))
+
+    def submit(self, op: Op, root: int, segments: list[list[Any]], fn: Any = None,
+               callsite: str = "", flags: int = 0, future: Any = None,
+               finish: Optional[Callable[[Message], Any]] = None) -> int:
+        """Owe this rank's contribution to the next call (rule 4); return its seq.
+
+        Raises
+        ------
+        ValueError
+            A frame is larger than ``max_frame_bytes`` (checked before
+            anything is owed: the coordinator would drop the connection).
+        """
+        self.check()
+        limit = self.max_frame_bytes
+        if limit is not None:
+            for segment in segments:
+                for frame in segment:
+                    size = memoryview(frame).nbytes
+                    if size > limit:
+                        raise ValueError(
+                            f"rank {self.rank}: a {op.label} value holds a buffer of {size} bytes, "
+                            f"above max_frame_bytes={limit}; raise ZCOLLECTIVE_MAX_FRAME_BYTES on "
+                            f"every replica, or split the value")
+        seq = self.next_seq
+        self._owe(seq, op, root, callsite, flags, fn, segments, Call(op.label, future, finish))
+        return seq
+
+    def _owe(self, seq: int, op: Op, root: int, callsite: str, flags: int, fn: Any,
+             segments: list[list[Any]], call: Call) -> None:
+        msg = Message(Kind.CONTRIB, op, self.rank, root, seq, self.session, callsite, flags, fn, segments)
+        self.calls[seq] = call
+        # the seq is used and the contribution owed in one step (rule 4)
+        self.next_seq, self._reserved = seq + 1, None
+        self.owed.append(msg)
+
+    def bye(self) -> Optional[Message]:
+        """BYE: this program is ending after ``next_seq`` calls (rule 7 of
+        :mod:`zcollective._coordinator`); None when there is nobody to tell
+        (the group failed or never started)."""
+        if self.failure is not None or not self.joined:
+            return None
+        return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session)
+
+    def status_query(self, seq: int) -> Message:
+        """A STATUS for ``seq``; the reply lands in :attr:`status`."""
+        self.status.pop(seq, None)
+        return Message(Kind.STATUS, rank=self.rank, seq=seq, session=self.session)
+
+    # -- what arrives -------------------------------------------------------------
+
+    def receive(self, frames: list[Any]) -> list[Message]:
+        """Handle one message's frames from the coordinator; return the
+        messages to send back. Never raises on bad input: a reply that fails
+        authentication or speaks another version fails the group (rule 5),
+        one that does not parse is dropped and logged."""
+        try:
+            msg = decode(frames, signer=self.signer)
+        except AuthError as exc:
+            if not self.joined:
+                why = "rank 0 has no secret" if exc.missing else "rank 0 has a different secret"
+                return self.fail(AuthenticationError(
+                    f"rank {self.rank}: a reply of the coordinator at {self.endpoint} failed "
+                    f"authentication ({exc}): {why}; set the same ZCOLLECTIVE_SECRET everywhere"))
+            return self.fail(AuthenticationError(
+                f"rank {self.rank}: a message from the coordinator at {self.endpoint} failed "
+                f"authentication ({exc}); was it altered in flight? {self.describe_in_flight()}"),
+                tell=True)
+        except VersionError as exc:
+            return self.fail(ProtocolError(
+                f"rank {self.rank}: the coordinator at {self.endpoint} speaks protocol version "
+                f"{exc.version}, this replica speaks {_wire.PROTOCOL_VERSION}: install the same "
+                f"zcollective everywhere"))
+        except WireError as exc:
+            log.warning("zcollective rank %d: dropped a malformed message: %s", self.rank, exc)
+            return []
+        return self.receive_message(msg)
+
+    def receive_message(self, msg: Message) -> list[Message]:
+        """Handle one decoded message (an in-process link's); as :meth:`receive`."""
+        try:
+            return self._act(msg)
+        except WireError as exc:
+            log.warning("zcollective rank %d: dropped a malformed %s message: %s", self.rank,
+                        msg.kind.name, exc)
+            return []
+
+    def _act(self, msg: Message) -> list[Message]:
+        if not self._bound_here(msg):
+            return self._misbound(msg)
+        kind = msg.kind
+        if kind is Kind.RESULT or kind is Kind.ERROR:
+            self._deliver(msg)
+        elif kind is Kind.STATUS_REPLY:
+            self.status[msg.seq] = _status_body(msg.body())
+        elif kind is Kind.WELCOME:
+            nonce = msg.body().get("nonce")
+            if isinstance(nonce, str) and nonce in self._nonces:  # answers a JOIN of ours
+                self.session = msg.session
+        elif kind is Kind.REJECT or kind is Kind.FAIL:
+            return self.fail(from_wire(msg.body()))
+        elif kind is Kind.CHALLENGE and not self.joined:
+            challenge = msg.body().get("challenge")
+            if isinstance(challenge, str):
+                return [self.join(challenge[:64])]
+        return []
+
+    def _bound_here(self, msg: Message) -> bool:
+        """Rule 2: is ``msg`` bound to this rank and session (or, before the
+        WELCOME, to one of its JOINs)?"""
+        if msg.rank != self.rank:
+            return False
+        if msg.kind is Kind.WELCOME:
+            return True  # bound by the nonce in its body, checked by _act
+        if msg.session == self.session if self.joined else msg.session in self._tokens:
+            return True
+        # a late answer to a JOIN sent twice (a reconnect): ignored once joined
+        return msg.kind is Kind.CHALLENGE and msg.session in self._tokens
+
+    def _misbound(self, msg: Message) -> list[Message]:
+        what = (f"a {msg.kind.name} message from the coordinator at {self.endpoint} was bound to "
+                f"rank {msg.rank}, session {msg.session:#x}, not to this replica")
+        if self.signer is not None:
+            return self.fail(AuthenticationError(f"rank {self.rank}: {what}: was it moved between "
+                                                 f"ranks or replayed? {self.describe_in_flight()}"),
+                             tell=True)
+        if msg.kind is not Kind.RESULT:  # a RESULT of an earlier group on this port is routine
+            log.warning("zcollective rank %d: dropped %s", self.rank, what)
+        return []
+
+    def _deliver(self, msg: Message) -> None:
+        """Resolve the call ``msg`` answers (rule 3). The call leaves the table
+        only after its future is resolved: an interrupt in between leaves
+        both, and the same message, handled again, resolves it then."""
+        # an ERROR's body is parsed first: a malformed one is dropped, its call still waits
+        error = from_wire(msg.body()) if msg.kind is Kind.ERROR else None
+        call = self.calls.get(msg.seq)
+        if call is None:
+            return
+        future = call.future
+        if future is not None and not future._done:
+            if error is not None:
+                future._set_exception(error)
+            else:
+                try:
+                    value = call.finish(msg) if call.finish is not None else None
+                except Exception as exc:
+                    future._set_exception(exc)
+                else:
+                    future._set_result(value)
+        self.calls.pop(msg.seq, None)
+
+    def connection(self, event: Link, now: Optional[float] = None) -> list[Message]:
+        """Handle what the driver saw of its connection; return what to send."""
+        if event is Link.CONNECTED:
+            self.connected = True
+        elif event is Link.DISCONNECTED:
+            if not self.joined:
+                self._rejoin = True  # the JOIN may have gone down with that connection
+                return []
+            return self.fail(ReplicaLostError(
+                f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: connection "
+                f"closed or heartbeats unanswered; {self.describe_in_flight()}"))
+        elif event is Link.HANDSHAKE_SUCCEEDED:
+            self._failed_handshakes.clear()
+            if self._rejoin and not self.joined:
+                self._rejoin = False
+                return [self.join()]
+        else:
+            return self._failed_handshake(event is Link.PROTOCOL_VIOLATION,
+                                          time.monotonic() if now is None else now)
+        return []
+
+    def _failed_handshake(self, protocol_violation: bool, now: float) -> list[Message]:
+        if self.joined:
+            return []
+        failures = self._failed_handshakes
+        failures.append(now)
+        if protocol_violation or (len(failures) >= FOREIGN_PEER_TRIES
+                                  and failures[-1] - failures[0] >= FOREIGN_PEER_S):
+            return self.fail(ProtocolError(
+                f"rank {self.rank}: the program listening at {self.endpoint} is not a zcollective "
+                f"coordinator ({len(failures)} ZeroMQ handshakes failed); is the master port "
+                f"used by another program?"))
+        return []
+
+    def coordinator_gone(self, why: str) -> None:
+        """Rank 0's own member: the coordinator thread stopped serving."""
+        self.fail(ReplicaLostError(f"rank {self.rank}: the coordinator thread is gone: {why}; "
+                                   f"{self.describe_in_flight()}"))
+
+    def fail(self, error: Exception, tell: bool = False) -> list[Message]:
+        """Fail the group here, for good (rule 5): every call in the table
+        gets ``error``. ``tell``: this member found the failure itself (a
+        message to it was altered or moved), so it asks the coordinator to
+        fail the group for everyone (the ABORT returned)."""
+        if self.failure is not None:
+            return []
+        self.failure = error
+        self.owed.clear()  # nobody will pair them now
+        calls, self.calls = self.calls, {}
+        for call in calls.values():
+            if call.future is not None and not call.future._done:
+                call.future._set_exception(fresh(error))
+        if tell and self.joined:
+            return [control(Kind.ABORT, {"error": type(error).__name__, "message": str(error)},
+                            rank=self.rank, session=self.session)]
+        return []
+
+    def forget_calls(self, error_for: Callable[[Call, int], BaseException]) -> None:
+        """The group closes: every call still in the table gets an error."""
+        calls, self.calls = self.calls, {}
+        for seq, call in calls.items():
+            if call.future is not None and not call.future._done:
+                call.future._set_exception(error_for(call, seq))
+
+    # -- wording ---------------------------------------------------------------
+
+    def describe_in_flight(self) -> str:
+        if not self.calls:
+            return f"no call was in flight (next seq {self.next_seq})"
+        calls = ", ".join(f"seq {s} {c.op}" for s, c in sorted(self.calls.items())[:3])
+        return f"in flight: {calls}"
+
+    def timeout_message(self, seq: int, timeout: Optional[float], status: Optional[dict[str, Any]],
+                        busy: Optional[str] = None) -> str:
+        """Why call ``seq`` timed out, from the coordinator's status reply
+        (None: it did not answer) and, on rank 0, what its thread is stuck in."""
+        call = self.calls.get(seq)
+        base = f"seq {seq} {call.op if call else 'call'} timed out after {timeout:g} s on rank {self.rank}"
+        if status is None:
+            if busy:
+                return f"{base}: {busy}"
+            return (f"{base}; the coordinator (rank 0) did not answer a status query within "
+                    f"{STATUS_WAIT_S:g} s (is a reduce function stuck?)")
+        if status.get("missing"):
+            missing = ",".join(map(str, status["missing"]))
+            arrived = ",".join(map(str, status.get("arrived", []))) or "none"
+            return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
+        return f"{base}: every rank arrived; the coordinator (rank 0) is still computing it"
+
+    def join_timeout_message(self, timeout: Optional[float], status: Optional[dict[str, Any]]) -> str:
+        base = f"rank {self.rank} timed out after {timeout:g} s joining the group at {self.endpoint}"
+        if not self.connected:
+            return (f"{base}: could not reach the coordinator (rank 0) at that address "
+                    f"(is rank 0 running, and is the address and port right?)")
+        if status and status.get("missing"):
+            missing = ",".join(map(str, status["missing"]))
+            refused = status.get("refused")
+            why = ""
+            if isinstance(refused, dict) and refused:
+                why = " (" + "; ".join(f"rank {r} was refused: {str(m)[:300]}"
+                                       for r, m in list(refused.items())[:3]) + ")"
+            return f"{base}: connected, but ranks {missing} had not joined{why}"
+        return f"{base}: connected, but the group did not complete"
+
+
+def _status_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A STATUS_REPLY's body, with its rank lists checked (they end up in messages)."""
+    for key in ("missing", "arrived"):
+        ranks = body.get(key, [])
+        if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
+            raise WireError(f"status reply field {key!r} is not a list of ranks")
+    return body
+
+
+def fresh(error: Exception) -> Exception:
+    """A new instance of a sticky error, so each raise has its own traceback."""
+    try:
+        new = type(error).__new__(type(error))
+        new.__dict__.update(error.__dict__)
+        new.args = error.args
+        return new
+    except Exception:
+        return error
