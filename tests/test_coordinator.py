@@ -187,6 +187,7 @@ def test_join_after_start_is_refused_but_the_group_runs_on():
     coord = joined(2)
     out = feed(coord, b"late", join_msg(1, 2))
     assert [m.kind for _, m in out] == [Kind.REJECT]
+    assert out[0][1].body()["error"] == "LateJoinError"
     assert "already started" in out[0][1].body()["message"]
     assert coord.phase is Phase.RUNNING
 
@@ -227,6 +228,7 @@ def test_local_error_contribution_fails_that_call_on_every_rank():
     feed(coord, peer(0), msg)
     out = feed(coord, peer(1), contrib(1, 0, Op.SCATTER, segments=[]))
     assert [m.kind for _, m in out] == [Kind.ERROR, Kind.ERROR]
+    assert out[0][1].body()["error"] == "PeerError"
     assert "rank 0 failed: scatter needs one value" in out[0][1].body()["message"]
     assert coord.phase is Phase.RUNNING
 

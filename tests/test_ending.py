@@ -254,7 +254,7 @@ def test_a_forked_child_never_touches_its_parents_group():
                                "forked process"), said
         assert "call zcollective.initialize() (or create a Group) in the child" in said
         assert fresh == ["child"]
-        assert pool_errors == ["CollectiveError", "CollectiveError"]
+        assert pool_errors == ["ForkedProcessError", "ForkedProcessError"]
         assert after == 1
 
 

@@ -22,10 +22,15 @@ from ._future import CollectiveFuture
 from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
 from .config import DEFAULT_INIT_TIMEOUT_S, takes_settings
 from .errors import (
+    AddressError,
     AuthenticationError,
     CallMismatchError,
     CollectiveError,
     CollectiveTimeoutError,
+    ForkedProcessError,
+    InternalError,
+    LateJoinError,
+    PeerError,
     ProtocolError,
     RemoteError,
     ReplicaLostError,
@@ -43,6 +48,7 @@ __all__ = [
     "default_reduce_fn", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
+    "PeerError", "AddressError", "LateJoinError", "ForkedProcessError", "InternalError",
     "__version__",
 ]
 
@@ -125,7 +131,7 @@ def initialize(
         A malformed or inconsistent configuration; names its source.
     AuthenticationError
         This replica and rank 0 do not share the same secret.
-    CollectiveTimeoutError, ProtocolError, CollectiveError
+    CollectiveTimeoutError, ProtocolError, AddressError, LateJoinError
         As for :class:`Group`.
     """
     global _group

@@ -345,7 +345,7 @@ class Coordinator:
             message = (f"{who} tried to join the group at seq {min(self.next_seq, default=0)}, "
                        f"but the group of {self.num_replicas} replicas {state}")
             self._warn(address, "late", f"refused a join: {message}")
-            return self._refuse(peer, msg, "CollectiveError", message)
+            return self._refuse(peer, msg, "LateJoinError", message)
         if msg.flags & FLAG_AUTH and self.signer is None:  # unproven: refuse this peer alone
             message = (f"{who} uses a secret, but the coordinator (rank 0) has none: set the "
                        f"same ZCOLLECTIVE_SECRET on every replica")
@@ -516,7 +516,7 @@ class Coordinator:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
         problem = self._malformed_call(seq, call, contributions)
         if problem is not None:
-            return self._error_all(seq, call.op, {"error": "CollectiveError", "message": _cap(problem)})
+            return self._error_all(seq, call.op, {"error": problem[0], "message": _cap(problem[1])})
         try:
             routes = self._route(call.op, call.root, contributions)
         except _Unreadable as exc:  # the reduce function never ran: not a RemoteError
@@ -531,9 +531,11 @@ class Coordinator:
                                                   self.session, segments=segments))
                 for rank, segments in enumerate(routes)]
 
-    def _malformed_call(self, seq: int, call: Call, contributions: list[Message]) -> Optional[str]:
-        """Why the call cannot complete as it is (a sender's own error, a wrong
-        number of values), or None."""
+    def _malformed_call(self, seq: int, call: Call,
+                        contributions: list[Message]) -> Optional[tuple[str, str]]:
+        """Why the call cannot complete as it is, as (error name, text), or
+        None: a sender's own error (PeerError), or parts no working replica
+        sends (ProtocolError: a wrong root or number of values)."""
         head = f"seq {seq} {call.op.label}"
         for rank, c in enumerate(contributions):
             if c.flags & FLAG_LOCAL_ERROR:
@@ -541,23 +543,23 @@ class Coordinator:
                     said = c.body().get("message", "?")
                 except WireError:  # a sender's error note that is not JSON: still its error
                     said = "?"
-                return f"{head}: rank {rank} failed: {said}"
+                return "PeerError", f"{head}: rank {rank} failed: {said}"
         n = self.num_replicas
         if not 0 <= call.root < n:  # replicas check it: only a broken or altered one sends this
-            return f"{head}: root {call.root} is not a rank of this group of {n} replicas"
+            return "ProtocolError", f"{head}: root {call.root} is not a rank of this group of {n} replicas"
         sent = len(contributions[call.root].segments)
         if call.op is Op.SCATTER and sent != n:
-            return f"{head}: root {call.root} sent {sent} values for {n} replicas"
+            return "ProtocolError", f"{head}: root {call.root} sent {sent} values for {n} replicas"
         if call.op is Op.ALLTOALL:
             short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
             if short:
-                return f"{head}: {rank_list(short)} did not send exactly {n} values"
+                return "ProtocolError", f"{head}: {rank_list(short)} did not send exactly {n} values"
         if call.op in (Op.ALLGATHER, Op.GATHER, Op.ALLREDUCE, Op.REDUCE):
             empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
             if empty:
-                return f"{head}: {rank_list(empty)} sent no value"
+                return "ProtocolError", f"{head}: {rank_list(empty)} sent no value"
         if call.op is Op.BROADCAST and sent != 1:
-            return f"{head}: root {call.root} sent no value"
+            return "ProtocolError", f"{head}: root {call.root} sent no value"
         return None
 
     def _route(self, op: Op, root: int, contributions: list[Message]) -> list[list[list[Any]]]:

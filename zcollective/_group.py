@@ -25,7 +25,7 @@ from ._replica import Replica
 from ._server import Server
 from ._wire import DEFAULT_MAX_FRAMES, FLAG_LOCAL_ERROR, Message, Op, Signer, error_note
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
-from .errors import CollectiveError, CollectiveTimeoutError
+from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError
 
 log = logging.getLogger("zcollective")
 
@@ -94,9 +94,10 @@ class Group:
         A replica runs another Python or zcollective protocol version.
     AuthenticationError
         This replica and rank 0 do not share the same secret.
-    CollectiveError
-        Rank 0 cannot bind the master address, or the group was already
-        running when this replica tried to join.
+    AddressError
+        Rank 0 cannot bind the master address (port taken, not its host's).
+    LateJoinError
+        The group was already running when this replica tried to join.
     """
 
     @takes_settings(replica_rank="rank", num_replicas="size")
@@ -157,7 +158,8 @@ class Group:
         if config.num_replicas == 1:
             session = int.from_bytes(os.urandom(8), "little") | 1
             return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer))
-        self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
+        with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
+            self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         if config.rank == 0:
             self._server = Server(self._ctx, config)
             self._server.start()
@@ -256,7 +258,7 @@ class Group:
                 timeout: Timeout = DEFAULT) -> Any:
         """Replica i gets ``values[i]`` of ``root`` (``values`` is ignored
         elsewhere). A ``values`` of the wrong length raises ``ValueError`` on
-        ``root`` and :class:`CollectiveError` on the others."""
+        ``root`` and :class:`PeerError` on the others."""
         return self._blocking(self.scatter_async(values, root), timeout)
 
     def scatter_async(self, values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
@@ -418,7 +420,7 @@ class Group:
 
     def _check_thread(self) -> None:
         if os.getpid() != self._pid:
-            raise CollectiveError(
+            raise ForkedProcessError(
                 f"this zcollective group belongs to process {self._pid}, the parent of this forked "
                 f"process {os.getpid()}; a child cannot use its parent's group: call "
                 f"zcollective.initialize() (or create a Group) in the child for a group of its own")
@@ -471,7 +473,8 @@ class Group:
                 self._link.close(_sockets.EXIT_LINGER_MS if ending else 0)
             if self._ctx is not None and not stuck:
                 # after term() libzmq holds no buffer of ours: the interpreter may free them
-                self._ctx.term()
+                with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
+                    self._ctx.term()
 
     def _end(self) -> None:
         """The program is ending without teardown (at exit): deliver what this

@@ -128,9 +128,4 @@ class Replica(Driver):
         return [self.dealer.FD, self.monitor.FD]
 
     def close(self, linger_ms: int = 0) -> None:
-        try:
-            self.dealer.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(linger=0)
-        self.dealer.close(linger=linger_ms)
+        _sockets.close_monitored(self.dealer, self.monitor, linger_ms)

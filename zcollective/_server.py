@@ -34,7 +34,7 @@ from ._coordinator import Coordinator, Out, Phase
 from ._link import HOST_PEER, Wakeup, owned
 from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
 from .config import Config
-from .errors import CollectiveError
+from .errors import InternalError
 
 log = logging.getLogger("zcollective")
 
@@ -70,8 +70,9 @@ class Server:
         self._finished = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._pipe_endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
-        self._pipe = ctx.socket(zmq.PAIR)
-        self._pipe.bind(self._pipe_endpoint)
+        with _sockets.mapped("rank 0 cannot start its coordinator thread"):
+            self._pipe = ctx.socket(zmq.PAIR)
+            self._pipe.bind(self._pipe_endpoint)
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
 
     def start(self) -> None:
@@ -85,7 +86,7 @@ class Server:
         """
         self._thread.start()
         if not self._started.wait(START_TIMEOUT_S):
-            raise CollectiveError(f"the coordinator thread did not start within {START_TIMEOUT_S} s")
+            raise InternalError(f"the coordinator thread did not start within {START_TIMEOUT_S} s")
         if self._start_error is not None:
             self._pipe.close(linger=0)
             self._thread.join(STOP_TIMEOUT_S)
@@ -169,10 +170,7 @@ class Server:
 
     def _command(self, command: bytes) -> None:
         """Tell the thread ``command`` (the main thread's end of the pipe)."""
-        try:
-            self._pipe.send(command, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the thread is gone: nothing to tell
+        _sockets.notify(self._pipe, command)
 
     # -- the thread ----------------------------------------------------------
 
@@ -189,16 +187,14 @@ class Server:
             host = f"[{host}]"
             router.setsockopt(zmq.IPV6, 1)
         try:
-            router.bind(f"tcp://{host}:{config.master_port}")
-        except zmq.ZMQError as exc:
+            _sockets.bind(router, f"tcp://{host}:{config.master_port}",
+                          in_use=f"rank 0 cannot host the coordinator: port {config.master_port} on "
+                                 f"{config.master_addr} is already in use by another program",
+                          cannot=f"rank 0 cannot bind the coordinator to {config.endpoint}: {{reason}} "
+                                 f"(master_addr must be an address of rank 0's host)")
+        except BaseException:
             router.close(linger=0)
-            if exc.errno == zmq.EADDRINUSE:
-                raise CollectiveError(
-                    f"rank 0 cannot host the coordinator: port {config.master_port} on "
-                    f"{config.master_addr} is already in use by another program") from None
-            raise CollectiveError(
-                f"rank 0 cannot bind the coordinator to {config.endpoint}: {exc.strerror} "
-                f"(master_addr must be an address of rank 0's host)") from None
+            raise
         made: list[zmq.Socket] = [router]
         try:
             monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED)
@@ -237,7 +233,7 @@ class Server:
             self.crashed = f"the coordinator crashed: {type(exc).__name__}: {exc}"
             try:
                 with self._lock:
-                    self._send_all(self.coordinator.fail("CollectiveError", self.crashed))
+                    self._send_all(self.coordinator.fail("InternalError", self.crashed))
             except Exception:
                 pass
         finally:
@@ -245,10 +241,8 @@ class Server:
             linger = _sockets.EXIT_LINGER_MS if self._ending is not None else _sockets.CLOSE_LINGER_MS
             with self._lock:  # rank 0's member may be using it
                 self._router = None
-            router.disable_monitor()
-            monitor.close(linger=0)
             pipe.close(linger=0)
-            router.close(linger=linger)
+            _sockets.close_monitored(router, monitor, linger)
             self._finished.set()
 
     _ending: Optional[float] = None  # when rank 0's program said it was ending
@@ -300,7 +294,7 @@ class Server:
                 continue
             member = coordinator.members.get(peer)
             if member is None or coordinator.phase is Phase.JOINING:
-                fd, address = _origin(frames[1])
+                fd, address = _sockets.origin(frames[1])
                 if joins_first:
                     # a JOIN records its connection's fd: first take in every earlier
                     # disconnect, so a closed connection's reused fd is not mistaken for it
@@ -322,12 +316,7 @@ class Server:
                 continue
             if router is None:
                 continue  # closed: nothing more reaches anyone
-            frames = encode(msg, self.signer, cache)
-            try:
-                _sockets.send_frames(router, [peer, *frames])
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
+            if not _sockets.send_to(router, [peer, *encode(msg, self.signer, cache)]):
                 member = self.coordinator.members.get(peer)
                 if member is not None:
                     lost.append((member.rank, "its connection is gone"))
@@ -335,19 +324,6 @@ class Server:
             self._drain(joins_first=False)
         for rank, reason in lost:
             self._send_all(self.coordinator.lost(rank, reason))
-
-
-def _origin(frame: Any) -> tuple[Optional[int], str]:
-    """The connection fd and peer address a frame came in on (None for inproc)."""
-    try:
-        fd = frame.get(zmq.SRCFD)
-    except zmq.ZMQError:
-        fd = None
-    try:
-        address = frame.get("Peer-Address")
-    except zmq.ZMQError:  # inproc (rank 0), or a legacy ZMTP 1.0 peer: libzmq gives no address
-        address = "an unknown address"
-    return (fd if fd is not None and fd >= 0 else None), address
 
 
 def _bindable(host: str) -> str:

@@ -1,5 +1,6 @@
 """Socket options shared by the coordinator's ROUTER and each replica's DEALER,
-and the one place where ``zmq.ZMQError`` becomes a library error."""
+and the one place where ``zmq.ZMQError`` becomes a library error: the
+drivers call libzmq through the functions here (or inside :func:`mapped`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from zmq.backend import zmq_poll
 from zmq.utils.monitor import parse_monitor_message
 
 from .config import Config
+from .errors import AddressError, CollectiveError
 
 T = TypeVar("T")
 
@@ -53,13 +55,73 @@ def set_never_drop(sock: zmq.Socket) -> None:
 
 @contextlib.contextmanager
 def mapped(what: str) -> Iterator[None]:
-    """Translate a ZeroMQ error into :class:`CollectiveError`, naming ``what``."""
-    from .errors import CollectiveError
-
+    """Translate a ZeroMQ error into a library error naming ``what``: an
+    address that cannot be used is an :class:`AddressError`, anything else
+    (no file descriptors left, a context being torn down) a
+    :class:`CollectiveError`."""
     try:
         yield
     except zmq.ZMQError as exc:
-        raise CollectiveError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
+        cls = AddressError if exc.errno in _ADDRESS_ERRNOS else CollectiveError
+        raise cls(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
+
+
+_ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EINVAL, zmq.EPROTONOSUPPORT}
+
+
+def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str) -> None:
+    """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the
+    port is taken, else ``cannot`` with libzmq's reason."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            raise AddressError(in_use) from None
+        raise AddressError(cannot.format(reason=exc.strerror)) from None
+
+
+def send_to(router: zmq.Socket, frames: list[Any]) -> bool:
+    """Send ``frames`` (the peer's routing id first) on a ROUTER with
+    ``ROUTER_MANDATORY``; False if that peer's connection is gone."""
+    try:
+        send_frames(router, frames)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return False
+        raise CollectiveError(f"the coordinator could not send: {exc.strerror} (errno {exc.errno})") from exc
+    return True
+
+
+def notify(pipe: zmq.Socket, command: bytes) -> None:
+    """Send ``command`` on a PAIR pipe without blocking; dropped if nobody
+    reads the other end any more."""
+    try:
+        pipe.send(command, zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
+def origin(frame: Any) -> tuple[Optional[int], str]:
+    """The connection fd and peer address a received frame came in on."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        fd = None
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:  # a legacy ZMTP 1.0 peer: libzmq gives no address
+        address = "an unknown address"
+    return (fd if fd is not None and fd >= 0 else None), address
+
+
+def close_monitored(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> None:
+    """Close a socket and its monitor; what is queued gets ``linger_ms`` to leave."""
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass  # never enabled, or already off
+    monitor.close(linger=0)
+    sock.close(linger=linger_ms)
 
 
 class _HeldBack:

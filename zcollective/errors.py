@@ -19,6 +19,11 @@ __all__ = [
     "AuthenticationError",
     "SerializationError",
     "ProtocolError",
+    "PeerError",
+    "AddressError",
+    "LateJoinError",
+    "ForkedProcessError",
+    "InternalError",
 ]
 
 
@@ -116,11 +121,57 @@ class ProtocolError(CollectiveError):
     """
 
 
+class PeerError(CollectiveError):
+    """Another replica's part of this call failed there, before it was sent
+    (a ``scatter`` or ``alltoall`` with the wrong number of values, an
+    interrupt while its value was being pickled).
+
+    *Another replica's program* is the cause; that replica raised its own
+    error (a ``ValueError``, a ``KeyboardInterrupt``). The message names the
+    rank and what it said. Only this call failed: the group stays usable.
+    """
+
+
+class AddressError(CollectiveError):
+    """The master address could not be used: rank 0 cannot bind it (the port
+    is taken by another program, or the address is not one of rank 0's host),
+    or a replica cannot connect to it (a malformed address).
+
+    The *configuration* or the *environment* is the cause: check
+    ``master_addr``/``master_port`` (``MASTER_ADDR``/``MASTER_PORT``).
+    """
+
+
+class LateJoinError(CollectiveError):
+    """This replica tried to join a group that had already started (or had
+    failed): a replica restarted, or two jobs share a master address and port.
+
+    The *launch* is the cause: start a new group (another port) for a new job.
+    """
+
+
+class ForkedProcessError(CollectiveError):
+    """A group was used in a process forked from the one that created it
+    (a data-loader worker, ``multiprocessing`` with fork).
+
+    *This program* is the cause: a child cannot use its parent's sockets;
+    call :func:`zcollective.initialize` in the child for a group of its own.
+    """
+
+
+class InternalError(CollectiveError):
+    """zcollective itself failed: the coordinator thread crashed or did not
+    start. A *bug in zcollective*: please report it with the message and the
+    log of rank 0. The group is failed for good.
+    """
+
+
 # The names errors travel under, from the coordinator to the replicas (ERROR, FAIL, REJECT).
 # A name not listed arrives as CollectiveError; ValueError is a configuration mistake.
 WIRE_ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (CollectiveError, ReplicaLostError, CallMismatchError,
-                                  AuthenticationError, SerializationError, ProtocolError, ValueError)
+                                  AuthenticationError, SerializationError, ProtocolError, PeerError,
+                                  LateJoinError, InternalError, ValueError)
 }
 
 
