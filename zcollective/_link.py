@@ -157,14 +157,19 @@ class Wakeup:
         self.fd, self._write = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write, False)
+        self._set = False  # a byte may be in the pipe: clear() must read it
 
     def set(self) -> None:
+        self._set = True  # before the write: a clear() in between at worst leaves a spurious wake
         try:
             os.write(self._write, b"\0")
         except (BlockingIOError, OSError):
             pass  # full (it is readable anyway) or closed (nobody waits any more)
 
     def clear(self) -> None:
+        if not self._set:
+            return  # nothing written since the last clear: spare the system call
+        self._set = False
         try:
             os.read(self.fd, 4096)
         except (BlockingIOError, OSError):

@@ -71,9 +71,12 @@ class Replica(Driver):
 
     def _send(self, msg: Message) -> None:
         member = self.member
-        with _sockets.mapped(f"rank {member.rank} could not send {msg.kind.name} seq {msg.seq} "
-                             f"to the coordinator at {member.endpoint}"):
+        try:
             _sockets.send_frames(self.dealer, encode(msg, member.signer))
+        except zmq.ZMQError as exc:
+            what = (f"rank {member.rank} could not send {msg.kind.name} seq {msg.seq} to the "
+                    f"coordinator at {member.endpoint}")
+            raise _sockets.library_error(exc, what) from exc
 
     def _pump(self, deadline: Optional[float]) -> bool:
         """One poll covers the DEALER and its monitor, so a disconnect ends a

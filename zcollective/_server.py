@@ -63,6 +63,7 @@ class Server:
         self._from_host: deque[Message] = deque()  # rank 0's member's messages, not yet taken
         self.to_host: deque[Message] = deque()  # replies to rank 0's member, not yet taken
         self.wakeup = Wakeup()  # set when to_host grows
+        self._sent = 0  # messages sent on the ROUTER, by either thread
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._started = threading.Event()
         # set when the thread has closed its sockets: unlike Thread.join, whose state a
@@ -111,21 +112,27 @@ class Server:
             return
         try:
             with _sockets.critical():
-                if self._router is not None:
-                    self._step()
+                if self._router is not None and self._take_from_host():
+                    self._step()  # it used the ROUTER, which may have swallowed its fd's edge
         finally:
             self._lock.release()
+
+    def _take_from_host(self) -> bool:
+        """With the lock: take what rank 0's member handed over; True if
+        that sent anything on the ROUTER."""
+        coordinator, sent = self.coordinator, self._sent
+        for msg in _sockets.taken(self._from_host):
+            if coordinator.phase is Phase.CLOSED:
+                self._from_host.clear()
+                break
+            self._send_all(coordinator.receive_message(HOST_PEER, msg))
+        return self._sent != sent
 
     def _step(self) -> None:
         """With the lock: take what rank 0's member handed over, then whatever
         waits on the monitor and the ROUTER (read to the end: either thread's
         use of a socket may have swallowed its fd's edge)."""
-        coordinator = self.coordinator
-        for msg in _sockets.taken(self._from_host):
-            if coordinator.phase is Phase.CLOSED:
-                self._from_host.clear()
-                return
-            self._send_all(coordinator.receive_message(HOST_PEER, msg))
+        self._take_from_host()
         self._drain_monitor()
         self._drain()
 
@@ -316,6 +323,7 @@ class Server:
                 continue
             if router is None:
                 continue  # closed: nothing more reaches anyone
+            self._sent += 1
             if not _sockets.send_to(router, [peer, *encode(msg, self.signer, cache)]):
                 member = self.coordinator.members.get(peer)
                 if member is not None:

@@ -62,8 +62,14 @@ def mapped(what: str) -> Iterator[None]:
     try:
         yield
     except zmq.ZMQError as exc:
-        cls = AddressError if exc.errno in _ADDRESS_ERRNOS else CollectiveError
-        raise cls(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
+        raise library_error(exc, what) from exc
+
+
+def library_error(exc: zmq.ZMQError, what: str) -> CollectiveError:
+    """The library error for ``exc`` (see :func:`mapped`), for a hot path
+    that catches ``ZMQError`` itself rather than enter a context manager."""
+    cls = AddressError if exc.errno in _ADDRESS_ERRNOS else CollectiveError
+    return cls(f"{what}: {exc.strerror} (errno {exc.errno})")
 
 
 _ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EINVAL, zmq.EPROTONOSUPPORT}
