@@ -56,7 +56,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 from . import _serialize
 from ._wire import (
@@ -200,27 +200,13 @@ class Coordinator:
 
     def _handle(self, peer: bytes, msg: Message, fd: Optional[int], address: str) -> list[Out]:
         member = self.members.get(peer)
-        if (member is not None and msg.kind is Kind.JOIN and self.phase is Phase.RUNNING
-                and msg.rank == member.rank):
-            # the same process again, after a reconnect lost our WELCOME: say it again
-            challenge = self._challenge(peer, msg)
-            if challenge is not None:
-                return challenge
-            member.nonce = str(msg.body().get("nonce", ""))[:64]
-            return [(peer, self._welcome(member))]
-        if member is None or (msg.kind is Kind.JOIN and self.phase is Phase.JOINING
-                              and msg.rank == member.rank):
-            if msg.kind is Kind.JOIN:
-                if member is not None:  # the same process again, after a reconnect
-                    del self.members[peer], self.by_rank[member.rank]
-                return self._on_join(peer, msg, fd, address)
+        if msg.kind is Kind.JOIN and (member is None or msg.rank == member.rank):
+            return self._on_join(peer, msg, member, fd, address)
+        if member is None:
             self._warn(address, "stranger", f"dropped a {msg.kind.name} message from "
                        f"a peer at {address} that has not joined the group")
             return []
-        # a STATUS sent before its WELCOME arrived (a join timing out) is harmless at any phase
-        joining = msg.kind is Kind.STATUS and (self.phase is Phase.JOINING or msg.session == 0)
-        if msg.rank != member.rank or (msg.kind is not Kind.JOIN and msg.session != self.session
-                                       and not joining):
+        if not self._bound(member, msg):
             what = (f"a {msg.kind.name} message on the connection of {member.describe()} at "
                     f"{address} claimed rank {msg.rank}, session {msg.session:#x}")
             if self.signer is not None:  # it proved the secret, so it was moved or replayed
@@ -230,19 +216,36 @@ class Coordinator:
             return []
         if self.phase is Phase.FAILED:
             return [self._fail_message(member)]
-        if msg.kind is Kind.CONTRIB:
-            return self._on_contribution(member, msg, address)
-        if msg.kind is Kind.BYE:
-            return self._on_bye(member, msg.seq)
-        if msg.kind is Kind.ABORT:  # only the secret's holders reach here when there is one
-            said = str(msg.body().get("message", "?"))[:2000]
-            return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
-                             f"coordinator tampered with: {said}", bad=[member.rank])
-        if msg.kind is Kind.STATUS:
-            return [(peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
-        self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} "
-                   f"from {member.describe()}")
-        return []
+        handler = self._HANDLERS.get(msg.kind)
+        if handler is None:
+            self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} "
+                       f"from {member.describe()}")
+            return []
+        return handler(self, member, msg, address)
+
+    def _bound(self, member: Member, msg: Message) -> bool:
+        """Does ``msg`` carry its member's rank and the session? A STATUS sent
+        before its WELCOME arrived (a join timing out) may carry none."""
+        if msg.rank != member.rank:
+            return False
+        return msg.session == self.session or (
+            msg.kind is Kind.STATUS and (self.phase is Phase.JOINING or msg.session == 0))
+
+    def _on_abort(self, member: Member, msg: Message, address: str) -> list[Out]:
+        # only the secret's holders reach here when there is one
+        said = str(msg.body().get("message", "?"))[:2000]
+        return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
+                         f"coordinator tampered with: {said}", bad=[member.rank])
+
+    def _on_status(self, member: Member, msg: Message, address: str) -> list[Out]:
+        return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
+
+    _HANDLERS: dict[Kind, Callable[[Coordinator, Member, Message, str], list[Out]]] = {
+        Kind.CONTRIB: lambda self, member, msg, address: self._on_contribution(member, msg, address),
+        Kind.BYE: lambda self, member, msg, address: self._on_bye(member, msg.seq),
+        Kind.ABORT: _on_abort,
+        Kind.STATUS: _on_status,
+    }
 
     def disconnected(self, fd: int, reason: str = "connection closed") -> list[Out]:
         """A connection closed; if it was a member's, the group has lost it.
@@ -323,62 +326,89 @@ class Coordinator:
                    f"from {address}")
         return []
 
-    def _on_join(self, peer: bytes, msg: Message, fd: Optional[int], address: str) -> list[Out]:
+    def _on_join(self, peer: bytes, msg: Message, member: Optional[Member], fd: Optional[int],
+                 address: str) -> list[Out]:
+        """A JOIN from a stranger, or again from a member (it reconnected)."""
+        if member is not None:
+            if self.phase is Phase.RUNNING:  # a reconnect lost our WELCOME: say it again
+                challenge = self._challenge(peer, msg)
+                if challenge is not None:
+                    return challenge
+                member.nonce = str(msg.body().get("nonce", ""))[:64]
+                return [(peer, self._welcome(member))]
+            if self.phase is Phase.FAILED:
+                return [self._fail_message(member)]
+            if self.phase is not Phase.JOINING:
+                return []
+            del self.members[peer], self.by_rank[member.rank]  # joins again, below
+        join = self._parse_join(msg, address)
+        if join is None:
+            return []
+        if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
+            return self._refuse_late(peer, msg, join, address)
+        if msg.flags & FLAG_AUTH and self.signer is None:  # unproven: refuse this peer alone
+            message = (f"{join.describe()} uses a secret, but the coordinator (rank 0) has none: "
+                       f"set the same ZCOLLECTIVE_SECRET on every replica")
+            self._warn(address, "secret", f"refused a join: {message}")
+            if 0 <= join.rank < self.num_replicas:
+                self.refused[join.rank] = message
+            return self._refuse(peer, msg, "AuthenticationError", message)
+        challenge = self._challenge(peer, msg)
+        if challenge is not None:
+            return challenge
+        problem = self._join_problem(join, msg.body()["python"], msg.body()["num_replicas"])
+        if problem is not None:
+            return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
+        join.peer, join.fd, join.address = peer, fd, address
+        self.members[peer] = join
+        self.by_rank[join.rank] = join
+        if len(self.by_rank) < self.num_replicas:
+            return []
+        self.phase = Phase.RUNNING
+        self._welcomed = True
+        return [(m.peer, self._welcome(m)) for m in self.members.values()]
+
+    def _parse_join(self, msg: Message, address: str) -> Optional[Member]:
+        """The member a JOIN describes, or None (logged) if it is malformed."""
         try:
             info = msg.body()
-            rank, n = info["rank"], info["num_replicas"]
-            python, pid, host = info["python"], info.get("pid", 0), str(info.get("host", "?"))[:256]
-            nonce = str(info.get("nonce", ""))[:64]
+            rank, n, python, pid = info["rank"], info["num_replicas"], info["python"], info.get("pid", 0)
             if not all(isinstance(x, int) and not isinstance(x, bool) for x in (rank, n, pid)):
                 raise WireError("rank, num_replicas and pid must be integers")
             if not isinstance(python, str):
                 raise WireError("python must be a string")
         except (WireError, KeyError) as exc:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
-            return []
-        who = f"rank {rank} (pid {pid} on {host})"
+            return None
+        return Member(rank, b"", pid, str(info.get("host", "?"))[:256],
+                      nonce=str(info.get("nonce", ""))[:64])
+
+    def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str) -> list[Out]:
         if self.phase is Phase.FAILED:
             failure = self.failure or {}
             return self._refuse(peer, msg, str(failure.get("error")), str(failure.get("message")))
-        if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
-            state = "has already started" if self.phase is Phase.RUNNING else f"is {self.phase.value}"
-            message = (f"{who} tried to join the group at seq {min(self.next_seq, default=0)}, "
-                       f"but the group of {self.num_replicas} replicas {state}")
-            self._warn(address, "late", f"refused a join: {message}")
-            return self._refuse(peer, msg, "LateJoinError", message)
-        if msg.flags & FLAG_AUTH and self.signer is None:  # unproven: refuse this peer alone
-            message = (f"{who} uses a secret, but the coordinator (rank 0) has none: set the "
-                       f"same ZCOLLECTIVE_SECRET on every replica")
-            self._warn(address, "secret", f"refused a join: {message}")
-            if 0 <= rank < self.num_replicas:
-                self.refused[rank] = message
-            return self._refuse(peer, msg, "AuthenticationError", message)
-        challenge = self._challenge(peer, msg)
-        if challenge is not None:
-            return challenge
-        problem = None
+        state = "has already started" if self.phase is Phase.RUNNING else f"is {self.phase.value}"
+        message = (f"{join.describe()} tried to join the group at seq {min(self.next_seq, default=0)}, "
+                   f"but the group of {self.num_replicas} replicas {state}")
+        self._warn(address, "late", f"refused a join: {message}")
+        return self._refuse(peer, msg, "LateJoinError", message)
+
+    def _join_problem(self, join: Member, python: str, n: int) -> Optional[tuple[str, str]]:
+        """Why a proven JOIN fails the whole group (error name, text), or None."""
+        who = join.describe()
         if python != PYTHON_VERSION:
-            problem = ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
-                       f"Python {PYTHON_VERSION}; pickles are only compatible between identical "
-                       f"Python versions")
-        elif n != self.num_replicas:
-            problem = ("ValueError", f"replicas disagree on num_replicas: {who} says {n}, "
-                       f"the coordinator (rank 0) says {self.num_replicas}")
-        elif not 0 <= rank < self.num_replicas:
-            problem = ("ValueError", f"{who} is out of range for num_replicas={self.num_replicas}")
-        elif rank in self.by_rank:
-            problem = ("ValueError", f"rank {rank} was claimed twice: by "
-                       f"{self.by_rank[rank].describe()} and by pid {pid} on {host}")
-        if problem is not None:
-            return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
-        member = Member(rank, peer, pid, host, fd, nonce, address)
-        self.members[peer] = member
-        self.by_rank[rank] = member
-        if len(self.by_rank) < self.num_replicas:
-            return []
-        self.phase = Phase.RUNNING
-        self._welcomed = True
-        return [(m.peer, self._welcome(m)) for m in self.members.values()]
+            return ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
+                    f"Python {PYTHON_VERSION}; pickles are only compatible between identical "
+                    f"Python versions")
+        if n != self.num_replicas:
+            return ("ValueError", f"replicas disagree on num_replicas: {who} says {n}, "
+                    f"the coordinator (rank 0) says {self.num_replicas}")
+        if not 0 <= join.rank < self.num_replicas:
+            return ("ValueError", f"{who} is out of range for num_replicas={self.num_replicas}")
+        if join.rank in self.by_rank:
+            return ("ValueError", f"rank {join.rank} was claimed twice: by "
+                    f"{self.by_rank[join.rank].describe()} and by pid {join.pid} on {join.host}")
+        return None
 
     def _welcome(self, member: Member) -> Message:
         """WELCOME echoes the nonce of the JOIN it answers."""
