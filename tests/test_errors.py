@@ -1,13 +1,13 @@
 """User mistakes get a specific error, and the group keeps working where it should."""
 
 import socket
-import sys
 import threading
 
 import pytest
+from conftest import touch, wait_for
 
 import zcollective as zc
-from zcollective.testing import Replicas, ReplicasFailed, free_port, run_replicas
+from zcollective.testing import Replicas, ReplicasFailed, free_port, report, run_replicas
 
 
 @pytest.mark.parametrize("call", [
@@ -47,74 +47,41 @@ def test_bad_configuration_is_a_value_error_naming_its_source(monkeypatch):
     assert not zc.is_initialized()
 
 
-def group_survives_user_errors():
-    r = zc.get_rank()
-    seen = []
-    try:
-        zc.allreduce(r, lambda a, b: {}[b])
-    except zc.RemoteError as exc:
-        seen.append((exc.remote_type, exc.remote_message, "KeyError" in exc.remote_traceback,
-                     "seq 0 allreduce" in str(exc)))
-    if r == 1:  # only this rank has a bad value: it raises before sending anything
-        try:
-            zc.allreduce(threading.Lock())
-        except zc.SerializationError as exc:
-            seen.append(("serialization", "lock" in str(exc).lower(), isinstance(exc, TypeError)))
-        try:
-            zc.allreduce(socket.socket())
-        except TypeError as exc:
-            seen.append(("serialization", "socket" in str(exc)))
-    try:
-        zc.allreduce(1, lambda a, b: sys.exit(3))  # must not take the coordinator down
-    except zc.RemoteError as exc:
-        seen.append(("exit", exc.remote_type))
-    try:
-        zc.allreduce(1, lambda a, b: threading.Lock())  # result cannot be pickled
-    except zc.RemoteError as exc:
-        seen.append(("result", "reduction result" in str(exc)))
-    seen.append(zc.allreduce(r + 1))  # same sequence on every rank: nothing was consumed
-    return seen
-
-
-def test_errors_in_user_code_leave_the_group_usable():
-    outs = run_replicas(group_survives_user_errors, 3)
-    for r, seen in enumerate(outs):
-        assert seen[0] == ("KeyError", "1", True, True)
-        assert seen[-1] == 6
-        assert ("result", True) in seen and ("exit", "SystemExit") in seen
-        if r == 1:
-            assert ("serialization", True, True) in seen and ("serialization", True) in seen
+def test_a_value_that_cannot_be_pickled_raises_on_its_sender_and_uses_no_seq():
+    """Errors of a reduce function are RemoteErrors on every rank
+    (test_member.py); a value that cannot be pickled never leaves its sender,
+    so the next call still pairs with the other ranks' next call."""
+    with zc.Group(size=1) as group:
+        with pytest.raises(zc.SerializationError, match="_thread.lock") as info:
+            group.allreduce(threading.Lock())
+        assert isinstance(info.value, TypeError)
+        with socket.socket() as sock, pytest.raises(TypeError, match="socket"):
+            group.allreduce(sock)
+        assert group.allreduce(5) == 5
+        assert group.allreduce_async(6).seq == 1  # the calls that raised used no seq
 
 
 def scatter_wrong_length():
     r = zc.get_rank()
     try:
         zc.scatter([1, 2] if r == 0 else None)
-    except (ValueError, zc.CollectiveError) as exc:
-        result = (type(exc).__name__, str(exc))
+    except ValueError as exc:  # the root, whose list is wrong
+        result = (r, type(exc).__name__, str(exc))
+    except zc.PeerError as exc:  # everyone else, told by the root
+        result = (r, type(exc).__name__, str(exc))
     return result, zc.allreduce(1)
 
 
 def test_scatter_with_wrong_length_fails_on_every_rank_without_a_hang():
     outs = run_replicas(scatter_wrong_length, 3)
-    assert outs[0][0] == ("ValueError", "rank 0: scatter needs one value per replica: got 2 values "
-                                        "for 3 replicas")
-    for (name, text), _ in outs[1:]:
-        assert name == "CollectiveError" and "seq 0 scatter: rank 0 failed" in text
-    assert all(out[1] == 3 for out in outs)
+    said = "scatter needs one value per replica: got 2 values for 3 replicas"
+    assert [out for out, _ in outs] == [(0, "ValueError", f"rank 0: {said}"),
+                                        (1, "PeerError", f"seq 0 scatter: rank 0 failed: {said}"),
+                                        (2, "PeerError", f"seq 0 scatter: rank 0 failed: {said}")]
+    assert all(total == 3 for _, total in outs)
 
 
-def join_and_report(fake_python=None, fake_protocol=None):
-    import os
-
-    if os.environ["ZCOLLECTIVE_REPLICA_RANK"] == "1":  # an impostor from another installation
-        import zcollective._member
-        import zcollective._wire
-
-        if fake_python:
-            zcollective._member.PYTHON_VERSION = fake_python
-        if fake_protocol:
-            zcollective._wire.PROTOCOL_VERSION = fake_protocol
+def join_and_report():
     try:
         zc.initialize(timeout=20)
     except Exception as exc:
@@ -123,35 +90,17 @@ def join_and_report(fake_python=None, fake_protocol=None):
     return "ok", ""
 
 
-def outcomes(n, *args, **kwargs):
-    with Replicas(join_and_report, n, *args, initialize=False, **kwargs) as replicas:
-        return [o.value for o in replicas.wait(40)]
-
-
 def test_replicas_disagreeing_on_num_replicas_all_fail_clearly():
-    res = outcomes(3, rank_env={2: {"ZCOLLECTIVE_NUM_REPLICAS": "4"}})
-    texts = [t for _, t in res]
-    assert all(name == "ValueError" for name, _ in res), res
-    assert all("disagree on num_replicas: rank 2" in t and "says 4" in t for t in texts), res
-
-
-def test_rank_claimed_twice_fails_clearly_everywhere():
-    res = outcomes(3, rank_env={2: {"ZCOLLECTIVE_REPLICA_RANK": "1"}})
-    assert all(name == "ValueError" and "rank 1 was claimed twice" in t for name, t in res), res
-
-
-def test_other_python_version_is_refused_on_both_sides():
-    res = outcomes(2, "3.99")
-    assert all(name == "ProtocolError" for name, _ in res), res
-    assert all("runs Python 3.99" in t and "identical Python versions" in t for _, t in res), res
-
-
-def test_other_protocol_version_is_refused_on_both_sides():
-    res = outcomes(2, None, 99)
-    assert all(name == "ProtocolError" for name, _ in res), res
-    ours = zc._wire.PROTOCOL_VERSION
-    assert f"speaks zcollective protocol version 99, the coordinator (rank 0) speaks {ours}" in res[0][1]
-    assert f"speaks protocol version {ours}, this replica speaks 99" in res[1][1]
+    """A faulty join fails the group everywhere; the other kinds (another
+    Python or protocol version, a rank claimed twice) are in test_member.py."""
+    with Replicas(join_and_report, 3, initialize=False,
+                  rank_env={2: {"ZCOLLECTIVE_NUM_REPLICAS": "4"}}) as replicas:
+        outs = replicas.wait(40)
+    for out in outs:
+        name, message = out.value or (None, "")
+        assert name == "ValueError", report(outs, "a rank did not fail clearly")
+        assert message.startswith("replicas disagree on num_replicas: rank 2 (pid "), message
+        assert message.endswith(") says 4, the coordinator (rank 0) says 3"), message
 
 
 def test_port_in_use_by_another_program_is_a_clear_error():
@@ -163,30 +112,36 @@ def test_port_in_use_by_another_program_is_a_clear_error():
             zc.Group("127.0.0.1", port, 0, 2, timeout=5)
 
 
-def test_group_joined_late_is_refused_while_it_keeps_running():
-    port = free_port()
+def late_join(started, refused):
+    import os
 
-    def late_join():
-        import os
-        import time
+    rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    if rank < 2:
+        zc.initialize(replica_rank=rank, num_replicas=2, timeout=20)
+        zc.barrier()
+        if rank == 0:
+            touch(started)
+        wait_for(refused)  # rank 2 knocks meanwhile
+        total = zc.allreduce(1)
+        zc.teardown()
+        return total
+    wait_for(started)
+    try:
+        zc.initialize(replica_rank=1, num_replicas=2, timeout=10)
+    except zc.LateJoinError as exc:
+        return str(exc)
+    finally:
+        touch(refused)
 
-        rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
-        if rank < 2:
-            zc.initialize(replica_rank=rank, num_replicas=2, timeout=20)
-            zc.barrier()
-            time.sleep(1.5)  # rank 2 knocks meanwhile
-            total = zc.allreduce(1)
-            zc.teardown()
-            return total
-        time.sleep(0.5)
-        try:
-            zc.initialize(replica_rank=1, num_replicas=2, timeout=10)
-        except zc.CollectiveError as exc:
-            return str(exc)
 
-    outs = run_replicas(late_join, 3, initialize=False, env={"ZCOLLECTIVE_MASTER_PORT": str(port)})
+def test_group_joined_late_is_refused_while_it_keeps_running(tmp_path):
+    started, refused = str(tmp_path / "started"), str(tmp_path / "refused")
+    outs = run_replicas(late_join, 3, started, refused, initialize=False,
+                        env={"ZCOLLECTIVE_MASTER_PORT": str(free_port())})
     assert outs[:2] == [2, 2]
-    assert "tried to join the group" in outs[2] and "already started" in outs[2]
+    assert outs[2].startswith("rank 1 (pid ")
+    assert outs[2].endswith(" tried to join the group at seq 1, but the group of 2 replicas has already "
+                            "started")
 
 
 def test_failing_replica_reports_every_ranks_output():
