@@ -1285,3 +1285,45 @@ def test_with_a_secret_anything_injected_ends_in_authentication_error(tmp_path):
     assert "a message from the coordinator" in message and "failed authentication" in message
     for out in (outs[0], outs[2]):  # a CollectiveError at most: they lose rank 1, or hear why
         assert out.value[0] in ("ok", "ReplicaLostError", "AuthenticationError"), report(outs, "")
+
+
+# -- driver: rank 0's in-process name cannot be claimed over TCP ----------------------------
+
+
+def test_a_peer_using_rank_0s_in_process_name_is_dropped():
+    """Rank 0's own member has a routing id no DEALER is given; libzmq lets a
+    peer announce it anyway, so the server drops it: a JOIN under that name
+    for rank 0, sent while the group joins, takes nobody's place."""
+    from zcollective._link import HOST_PEER
+
+    port = free_port()
+    done = {}
+
+    def rank(r):
+        try:
+            with zc.Group("127.0.0.1", port, r, 2, timeout=20) as group:
+                done[r] = group.allreduce(r + 1)
+        except Exception as exc:  # reported by the assert below
+            done[r] = exc
+
+    ctx = zmq.Context()
+    impostor = ctx.socket(zmq.DEALER)
+    impostor.setsockopt(zmq.ROUTING_ID, HOST_PEER)
+    impostor.setsockopt(zmq.LINGER, 0)
+    try:
+        zero = threading.Thread(target=rank, args=(0,))
+        zero.start()
+        impostor.connect(f"tcp://127.0.0.1:{port}")
+        join = control(Kind.JOIN, {"rank": 0, "num_replicas": 2, "python": PYTHON_VERSION,
+                                   "pid": 1, "host": "impostor", "nonce": "ab" * 16}, rank=0)
+        for _ in range(3):
+            impostor.send_multipart(encode(join))
+            time.sleep(0.1)
+        one = threading.Thread(target=rank, args=(1,))
+        one.start()
+        for thread in (zero, one):
+            thread.join(30)
+        assert done == {0: 3, 1: 3}, done
+    finally:
+        impostor.close(linger=0)
+        ctx.term()

@@ -239,8 +239,8 @@ class HostLink(Driver):
         return self.server.busy()
 
 
-HOST_PEER = b"L0"  # the coordinator's name for the member in its own process (never a DEALER's:
-# theirs start with b"R")
+HOST_PEER = b"\x00L0"  # the coordinator's name for the member in its own process: libzmq
+# reserves routing ids that start with a zero byte, and the server drops any peer using it
 
 
 class DirectLink(Driver):

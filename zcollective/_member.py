@@ -12,8 +12,9 @@ network, as :mod:`zcollective._coordinator`'s are.
 
 Rules:
 
-1. *Join.* A JOIN carries a fresh nonce, and its *token* (a hash of the
-   nonce) binds the replies sent before the WELCOME. A WELCOME counts only if
+1. *Join.* A JOIN carries a fresh nonce, and its *token* (the nonce's
+   first 16 hex digits, as a number) binds the replies sent before the
+   WELCOME. A WELCOME counts only if
    it echoes the nonce of a JOIN this member sent. With a secret the
    coordinator first answers with a CHALLENGE, which a new JOIN echoes. A
    connection closed before the WELCOME may have taken the JOIN with it: the

@@ -183,12 +183,18 @@ class Server:
 
     def _bind(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
         config = self.config
-        router = self.ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.LINGER, _sockets.CLOSE_LINGER_MS)
-        router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
-        _sockets.set_never_drop(router)
-        _sockets.set_heartbeats(router, config)
+        with _sockets.mapped("rank 0 cannot make the coordinator's socket"):
+            router = self.ctx.socket(zmq.ROUTER)
+        try:
+            with _sockets.mapped("rank 0 cannot set the coordinator's socket options"):
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                router.setsockopt(zmq.LINGER, _sockets.CLOSE_LINGER_MS)
+                router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+                _sockets.set_never_drop(router)
+                _sockets.set_heartbeats(router, config)
+        except BaseException:
+            router.close(linger=0)
+            raise
         host = _bindable(config.bind_host)
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
@@ -204,11 +210,12 @@ class Server:
             raise
         made: list[zmq.Socket] = [router]
         try:
-            monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED)
-            made.append(monitor)
-            pipe = self.ctx.socket(zmq.PAIR)
-            made.append(pipe)
-            pipe.connect(self._pipe_endpoint)
+            with _sockets.mapped("rank 0 cannot start its coordinator thread"):
+                monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED)
+                made.append(monitor)
+                pipe = self.ctx.socket(zmq.PAIR)
+                made.append(pipe)
+                pipe.connect(self._pipe_endpoint)
         except BaseException:
             for sock in made:
                 sock.close(linger=0)
@@ -297,7 +304,7 @@ class Server:
         while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
             frames = _sockets.recv_message(router)
             peer = frames[0].bytes
-            if len(frames) < 2:
+            if len(frames) < 2 or peer == HOST_PEER:  # that name is rank 0's own member's alone
                 continue
             member = coordinator.members.get(peer)
             if member is None or coordinator.phase is Phase.JOINING:
