@@ -8,9 +8,11 @@ import threading
 import time
 
 import pytest
+from conftest import touch, wait_for
 from hostile import Boom
 
 import zcollective as zc
+import zcollective._member
 from zcollective.testing import Replicas, free_port, report, run_replicas
 
 LIVENESS = "2"  # seconds; tests set the detection bound low to stay fast
@@ -23,15 +25,17 @@ def outcomes_ok(replicas, timeout=60):
     return outs
 
 
-def survive_a_kill(victim, port2):
+def survive_a_kill(victim, port2, markers):
     r = zc.get_rank()
     zc.barrier()
     if r == victim:
-        time.sleep(0.5)  # let the others block in allreduce first
-        os.kill(os.getpid(), signal.SIGKILL)
+        wait_for(*(os.path.join(markers, f"sent{k}") for k in range(3) if k != victim))
+        os.kill(os.getpid(), signal.SIGKILL)  # the others wait in allreduce
     start = time.monotonic()
+    future = zc.allreduce_async(1)
+    touch(os.path.join(markers, f"sent{r}"))
     try:
-        zc.allreduce(1)
+        future.result()
     except zc.ReplicaLostError as exc:
         first = (str(exc), time.monotonic() - start)
     else:
@@ -49,35 +53,40 @@ def survive_a_kill(victim, port2):
     return first, sticky, threads, again_total
 
 
-def test_killed_replica_is_reported_to_every_survivor_within_the_bound():
-    with Replicas(survive_a_kill, 3, 2, free_port(), env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
+def test_killed_replica_is_reported_to_every_survivor_within_the_bound(tmp_path):
+    with Replicas(survive_a_kill, 3, 2, free_port(), str(tmp_path),
+                  env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
         outs = reps.wait(60)
-    assert outs[2].returncode == -signal.SIGKILL
+    assert outs[2].returncode == -signal.SIGKILL, report(outs, "rank 2 was not killed")
     for out in outs[:2]:
-        assert out.error is None, report(outs, "survivor failed")
+        assert out.error is None and out.value != "no error", report(outs, "survivor failed")
         (message, elapsed), (same, sticky_elapsed), threads, total = out.value
-        assert "rank 2 (pid" in message and "was lost" in message, message
-        assert "seq 1 allreduce" in message, message
+        assert message.startswith("rank 2 (pid") and " was lost (" in message, message
+        assert "seq 1 allreduce (arrived: ranks 0,1)" in message, message
         assert elapsed < BOUND
         assert same and sticky_elapsed < 1.0
         assert threads == [], f"leaked threads {threads}"
         assert total == 2
 
 
-def lose_the_coordinator():
+def lose_the_coordinator(sent, idle, noticed):
     r = zc.get_rank()
     zc.barrier()
     if r == 0:
-        time.sleep(0.5)
+        wait_for(sent, idle)
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     if r == 1:  # blocked in Future.result of an async call
         future = zc.allreduce_async(1)
+        touch(sent)
         try:
             future.result()
         except zc.ReplicaLostError as exc:
             return str(exc), time.monotonic() - start
-    time.sleep(BOUND)  # rank 2 calls nothing while rank 0 dies ...
+        finally:
+            touch(noticed)
+    touch(idle)
+    wait_for(noticed)  # rank 2 calls nothing while rank 0 dies and rank 1 notices ...
     start = time.monotonic()
     try:
         zc.broadcast(1)  # ... and its next call raises at once
@@ -87,24 +96,27 @@ def lose_the_coordinator():
         zc.teardown()
 
 
-def test_killed_coordinator_is_reported_to_waiting_and_idle_replicas():
-    with Replicas(lose_the_coordinator, 3, env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
+def test_killed_coordinator_is_reported_to_waiting_and_idle_replicas(tmp_path):
+    markers = [str(tmp_path / name) for name in ("sent", "idle", "noticed")]
+    with Replicas(lose_the_coordinator, 3, *markers,
+                  env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
         outs = reps.wait(60)
-    assert outs[0].returncode == -signal.SIGKILL
+    assert outs[0].returncode == -signal.SIGKILL, report(outs, "rank 0 was not killed")
     for out in outs[1:]:
         assert out.error is None, report(outs, "survivor failed")
         message, elapsed = out.value
-        assert "lost the coordinator (rank 0)" in message, message
-        assert elapsed < (BOUND if out.rank == 1 else 1.0)
-    assert "in flight: seq 1 allreduce" in outs[1].value[0]
+        assert message.startswith(f"rank {out.rank} lost the coordinator (rank 0) at tcp://"), message
+        assert elapsed < (BOUND if out.rank == 1 else 1.0), report(outs, f"rank {out.rank} took {elapsed} s")
+    assert outs[1].value[0].endswith("in flight: seq 1 allreduce"), outs[1].value[0]
+    assert outs[2].value[0].endswith("in flight: seq 1 broadcast"), outs[2].value[0]  # the call it made
 
 
 def wait_for_a_stopped_peer(marker):
     r = zc.get_rank()
     zc.barrier()
     if r == 2:
-        open(marker, "w").close()  # past the barrier: the test may stop this process now
-        time.sleep(60)  # the test stops this process with SIGSTOP
+        touch(marker)  # past the barrier: the test may stop this process now
+        time.sleep(60)  # the test stops this process with SIGSTOP, then kills it
     start = time.monotonic()
     try:
         zc.allreduce(1)
@@ -117,18 +129,18 @@ def test_stopped_replica_is_found_by_heartbeats_within_the_bound(tmp_path):
     marker = tmp_path / "past-the-barrier"
     with Replicas(wait_for_a_stopped_peer, 3, str(marker),
                   env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
-        deadline = time.monotonic() + 30
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling a marker, with a bound
+        wait_for(marker)
         reps.kill(2, signal.SIGSTOP)
         reps.join([0, 1], 30)
         reps.kill(2, signal.SIGKILL)
         outs = reps.wait(10)
     for out in outs[:2]:
-        assert out.error is None, report(outs, "survivor failed")
+        assert out.error is None and out.value is not None, report(outs, "survivor failed")
         message, elapsed = out.value
-        assert "rank 2" in message and ("was lost" in message or "lost the" in message), message
-        assert elapsed < BOUND + 1.5
+        # rank 0 found it by heartbeats; rank 1 heard it from rank 0
+        assert message.startswith("rank 2 (pid") and " was lost (" in message, message
+        assert "seq 1 allreduce (arrived: ranks 0,1)" in message, message
+        assert elapsed < BOUND + 1.5, report(outs, f"rank {out.rank} took {elapsed} s")
 
 
 def busy_but_alive(seconds):
@@ -178,68 +190,64 @@ def test_call_mismatch_names_ranks_operations_and_call_sites_on_every_replica():
     assert all(sticky and total == 3 for _, sticky, total in outs)
 
 
-def late_rank(delay):
-    r = zc.get_rank()
-    if r == 2:
-        time.sleep(delay)
-    result = {}
+def stall(timed_out, future_timed_out):
+    """Rank 1 comes late twice: after rank 0's blocking barrier timed out
+    (the group's default timeout), then after a future's wait did."""
     try:
-        zc.allreduce(1, timeout=1.0)
-    except zc.CollectiveTimeoutError as exc:
-        result["blocking"] = str(exc)
-    future = zc.allreduce_async(2)
-    try:
-        future.result(timeout=0.5)
-    except TimeoutError as exc:  # CollectiveTimeoutError is a TimeoutError
-        result["future"] = str(exc)
-    result["retry"] = future.result(timeout=30)  # the same future, waited on again
-    result["after"] = zc.allreduce(r, timeout=30)  # the group is still usable
-    return result
-
-
-def test_timeouts_name_the_ranks_that_had_not_arrived():
-    outs = run_replicas(late_rank, 3, 4.0, timeout=60)
-    for r in (0, 1):
-        res = outs[r]
-        assert res["blocking"].startswith(f"seq 0 allreduce timed out after 1 s on rank {r}: "
-                                          f"waiting for ranks 2 (arrived: 0,1)"), res
-        assert "seq 1 allreduce timed out after 0.5 s" in res["future"], res
-    for res in outs:
-        assert res["retry"] == 6 and res["after"] == 3
-
-
-def test_group_wide_default_timeout_from_the_environment():
-    def stall():
+        if zc.get_rank() == 1:
+            wait_for(timed_out)
+            zc.barrier()
+            wait_for(future_timed_out)
+            return zc.allreduce(1)
         try:
-            if zc.get_rank() == 1:
-                time.sleep(3)
-                zc.barrier()
-                return "late"
-            try:
-                zc.barrier()
-            except zc.CollectiveTimeoutError as exc:
-                return str(exc)
-        finally:
-            zc.teardown(timeout=30)
+            zc.barrier()
+        except zc.CollectiveTimeoutError as exc:
+            blocking = str(exc)
+        touch(timed_out)
+        future = zc.allreduce_async(1)
+        try:
+            future.result(timeout=0.5)
+        except TimeoutError as exc:  # CollectiveTimeoutError is a TimeoutError
+            waited = str(exc)
+        touch(future_timed_out)
+        return blocking, waited, future.result(timeout=30)  # the same future, waited on again
+    finally:
+        zc.teardown(timeout=30)  # the group is still usable
 
-    with Replicas(stall, 2, env={"ZCOLLECTIVE_TIMEOUT": "0.5"}) as reps:
-        outs = reps.wait(30)
-    assert "seq 0 barrier timed out after 0.5 s on rank 0: waiting for ranks 1" in outs[0].value
+
+def test_timeouts_name_the_late_ranks_and_the_call_stays_in_flight(tmp_path):
+    """The wording of every kind of timeout is in test_member.py; this is the
+    real thing: ZCOLLECTIVE_TIMEOUT as the default, a future waited on again."""
+    with Replicas(stall, 2, str(tmp_path / "timed-out"), str(tmp_path / "future-timed-out"),
+                  env={"ZCOLLECTIVE_TIMEOUT": "0.5"}) as reps:
+        outs = reps.wait(60)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert outs[0].value == (
+        "seq 0 barrier timed out after 0.5 s on rank 0: waiting for ranks 1 (arrived: 0)",
+        "seq 1 allreduce timed out after 0.5 s on rank 0: waiting for ranks 1 (arrived: 0)",
+        2), report(outs, "")
+    assert outs[1].value == 2
 
 
 def test_initialize_timeout_names_the_address_or_the_missing_ranks():
     port = free_port()
     start = time.monotonic()
     with pytest.raises(zc.CollectiveTimeoutError) as info:
-        zc.Group("127.0.0.1", port, 1, 2, timeout=1)
+        zc.Group("127.0.0.1", port, 1, 2, timeout=0.5)
     assert time.monotonic() - start < 5
-    assert f"rank 1 timed out after 1 s joining the group at tcp://127.0.0.1:{port}" in str(info.value)
-    assert "could not reach the coordinator" in str(info.value)
-    with pytest.raises(zc.CollectiveTimeoutError, match="ranks 1,2 had not joined"):
-        zc.Group("127.0.0.1", port, 0, 3, timeout=1)
+    assert str(info.value) == (f"rank 1 timed out after 0.5 s joining the group at tcp://127.0.0.1:{port}: "
+                               f"could not reach the coordinator (rank 0) at that address (is rank 0 "
+                               f"running, and is the address and port right?)")
+    with pytest.raises(zc.CollectiveTimeoutError) as info:
+        zc.Group("127.0.0.1", port, 0, 3, timeout=0.5)
+    assert str(info.value) == (f"rank 0 timed out after 0.5 s joining the group at tcp://127.0.0.1:{port}: "
+                               f"connected, but ranks 1,2 had not joined")
 
 
-def test_port_answered_by_a_non_zeromq_program_fails_fast():
+def test_port_answered_by_a_non_zeromq_program_fails_fast(monkeypatch):
+    """The heuristic's numbers are tested in test_member.py; here, a shorter
+    window, so the real handshakes fail often enough in a second."""
+    monkeypatch.setattr(zcollective._member, "FOREIGN_PEER_S", 1.0)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -259,10 +267,11 @@ def test_port_answered_by_a_non_zeromq_program_fails_fast():
     thread = threading.Thread(target=answer_garbage, daemon=True)
     thread.start()
     try:
-        start = time.monotonic()
-        with pytest.raises(zc.ProtocolError, match="is not a zcollective coordinator"):
-            zc.Group("127.0.0.1", server.getsockname()[1], 1, 2, timeout=20)
-        assert time.monotonic() - start < 15  # FOREIGN_PEER_S and slack, not the 20 s timeout
+        port = server.getsockname()[1]
+        with pytest.raises(zc.ProtocolError) as info:  # not the join's CollectiveTimeoutError
+            zc.Group("127.0.0.1", port, 1, 2, timeout=20)
+        assert str(info.value).startswith(f"rank 1: the program listening at tcp://127.0.0.1:{port} is "
+                                          f"not a zcollective coordinator (")
     finally:
         stop.set()
         thread.join(5)
@@ -303,10 +312,8 @@ MARKER_ENV = "ZC_HOSTILE_MARKER"
 def honest_job(steps, started, go):
     r = zc.get_rank()
     if r == 0:
-        open(started, "w").close()  # the group is complete: a JOIN now must be refused
-    deadline = time.monotonic() + 30
-    while not os.path.exists(go) and time.monotonic() < deadline:
-        time.sleep(0.01)  # wait (bounded) for the attacker's first full round
+        touch(started)  # the group is complete: a JOIN now must be refused
+    wait_for(go)  # the attacker's first full round
     results = []
     for step in range(steps):
         results.append(zc.allreduce(step * (r + 1)))
@@ -387,6 +394,7 @@ def test_hostile_peers_change_nothing_and_run_nothing(tmp_path):
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(300)
 def test_soak_mixed_operations_lose_nothing():
     outs = run_replicas(soak, 4, 10_000, timeout=240)
     assert outs == [outs[0]] * 4 and outs[0] == "ok"
