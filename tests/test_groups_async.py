@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from conftest import touch, wait_for
 
 import zcollective as zc
 import zcollective._future
@@ -107,7 +108,7 @@ def test_futures_are_awaitable_without_blocking_the_event_loop():
 SLOW_RECHECK_S = 30
 
 
-def gathered():
+def gathered(markers):
     zcollective._future.ASYNC_RECHECK_S = SLOW_RECHECK_S
     r = zc.get_rank()
 
@@ -120,7 +121,7 @@ def gathered():
         readers_left = len(zcollective._future._waiters)
         # an await given up on (rank 1 comes late) leaves the group's reader too
         if r == 1:
-            await asyncio.sleep(1)
+            wait_for(*(os.path.join(markers, f"gave-up{k}") for k in (0, 2)))
         late = zc.allreduce_async(r)
         gave_up = False
         try:
@@ -128,13 +129,14 @@ def gathered():
         except asyncio.TimeoutError:
             gave_up = True
             readers_left += len(zcollective._future._waiters)
+            touch(os.path.join(markers, f"gave-up{r}"))
         return many, pairs, gave_up, await asyncio.wait_for(late, 10), readers_left
 
     return asyncio.run(main())
 
 
-def test_futures_awaited_together_each_wake_when_their_call_finishes():
-    outs = run_replicas(gathered, 3, timeout=30)
+def test_futures_awaited_together_each_wake_when_their_call_finishes(tmp_path):
+    outs = run_replicas(gathered, 3, str(tmp_path), timeout=40)
     for r, (many, pairs, gave_up, late, readers_left) in enumerate(outs):
         assert many == [3 * i for i in range(100)]
         assert pairs == [[3 * step + 3, [0, 1, 2]] for step in range(5)]
