@@ -86,6 +86,7 @@ def large_objects():
     return float(total[0]), float(total[-1]), total.nbytes, len(blob), blob[-1]
 
 
+@pytest.mark.timeout(180)  # the replicas get 120 s
 def test_large_objects():
     n = 3
     for out in run_replicas(large_objects, n, timeout=120):
