@@ -17,6 +17,7 @@ stays for progress while rank 0's own code is busy elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -24,6 +25,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import zmq
@@ -38,6 +40,8 @@ from .errors import InternalError
 
 log = logging.getLogger("zcollective")
 
+HOST_LOCK_WAIT_S = 0.002  # rank 0's member waits this long for the lock before it hands
+# its message to the thread instead (a wake-up of the thread costs more than a short wait)
 START_TIMEOUT_S = 10.0  # binding a socket takes milliseconds; longer means something is wrong
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
@@ -64,6 +68,7 @@ class Server:
         self.to_host: deque[Message] = deque()  # replies to rank 0's member, not yet taken
         self.wakeup = Wakeup()  # set when to_host grows
         self._sent = 0  # messages sent on the ROUTER, by either thread
+        self._host_owed = False  # to_host grew while the lock was held
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._started = threading.Event()
         # set when the thread has closed its sockets: unlike Thread.join, whose state a
@@ -107,15 +112,33 @@ class Server:
         out). Signals are held back meanwhile, so an interrupt never leaves a
         call taken but its results unsent."""
         self._from_host.append(msg)
-        if not self._lock.acquire(blocking=False):
+        try:
+            # the thread holds the lock for microseconds after a step (or, stuck in a reduce
+            # function, for ever): wait that long before handing the message to it
+            taken = self._lock.acquire(timeout=HOST_LOCK_WAIT_S)
+        except BaseException:  # interrupted while waiting: the thread must still take it
+            self._command(_TAKE)
+            raise
+        if not taken:
             self._command(_TAKE)
             return
         try:
             with _sockets.critical():
                 if self._router is not None and self._take_from_host():
                     self._step()  # it used the ROUTER, which may have swallowed its fd's edge
+            self._host_owed = False  # rank 0's member looks at to_host before it waits
         finally:
             self._lock.release()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The thread's hold of the lock; rank 0's member is woken for what
+        was queued for it only once the lock is free for its next call."""
+        with self._lock:
+            yield
+            owed, self._host_owed = self._host_owed, False
+        if owed:
+            self.wakeup.set()
 
     def _take_from_host(self) -> bool:
         """With the lock: take what rank 0's member handed over; True if
@@ -237,7 +260,7 @@ class Server:
             self._started.set()
             return
         self._monitor = monitor
-        with self._lock:
+        with self._locked():
             self._router = router
         self._started.set()
         try:
@@ -246,14 +269,14 @@ class Server:
             log.exception("zcollective: the coordinator crashed")
             self.crashed = f"the coordinator crashed: {type(exc).__name__}: {exc}"
             try:
-                with self._lock:
+                with self._locked():
                     self._send_all(self.coordinator.fail("InternalError", self.crashed))
             except Exception:
                 pass
         finally:
             # results, or a FAIL just sent to the survivors, must reach them
             linger = _sockets.EXIT_LINGER_MS if self._ending is not None else _sockets.CLOSE_LINGER_MS
-            with self._lock:  # rank 0's member may be using it
+            with self._locked():  # rank 0's member may be using it
                 self._router = None
             pipe.close(linger=0)
             _sockets.close_monitored(router, monitor, linger)
@@ -273,7 +296,7 @@ class Server:
                     return  # whatever the others must hear is queued
                 waited = time.monotonic() - self._ending
                 if waited >= EXIT_WAIT_S:
-                    with self._lock:
+                    with self._locked():
                         self._send_all(coordinator.give_up_ending(waited))
                     return
                 timeout = int((EXIT_WAIT_S - waited) * 1000) + 1
@@ -282,12 +305,12 @@ class Server:
                 command = pipe.recv()
                 if command in (_STOP, _GIVE_UP, _END):
                     if command == _GIVE_UP and self._ending is not None:
-                        with self._lock:
+                        with self._locked():
                             self._send_all(coordinator.give_up_ending(time.monotonic() - self._ending))
                     if command != _END:
                         return
                     self._ending = time.monotonic()
-            with self._lock:
+            with self._locked():
                 self._step()
 
     def _drain_monitor(self) -> None:
@@ -326,7 +349,7 @@ class Server:
         for peer, msg in outs:
             if peer == HOST_PEER:
                 self.to_host.append(owned(msg))
-                self.wakeup.set()
+                self._host_owed = True  # woken when the lock is let go (see _locked)
                 continue
             if router is None:
                 continue  # closed: nothing more reaches anyone
