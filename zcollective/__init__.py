@@ -40,7 +40,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "initialize", "teardown", "is_initialized", "get_rank", "get_world_size",
+    "initialize", "teardown", "is_initialized", "get_rank", "get_world_size", "stats",
     "allreduce", "allreduce_async", "reduce", "reduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 _group: Optional[Group] = None
+_ended: Optional[Group] = None  # the last default group torn down: its stats stay readable
 
 
 
@@ -153,13 +154,13 @@ def teardown(*, timeout: Timeout = DEFAULT) -> None:
     CollectiveTimeoutError
         Not every replica called it in time; the group is closed all the same.
     """
-    global _group
+    global _group, _ended
     group = _current()
     try:
         group.teardown(timeout=timeout)
     finally:
         if group.closed:  # not when refused (another thread): the group is still the owner's
-            _group = None
+            _group, _ended = None, group
 
 
 def is_initialized() -> bool:
@@ -176,6 +177,21 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """The number of replicas in the default group."""
     return _current().size
+
+
+def stats() -> dict[str, Any]:
+    """Who is slow: call statistics of the default group (see
+    :meth:`Group.stats`); after :func:`teardown`, those of the group it closed.
+
+    Raises
+    ------
+    RuntimeError
+        No group was ever initialized.
+    """
+    group = _group if _group is not None else _ended
+    if group is None:
+        raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
+    return group.stats()
 
 
 def allreduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
 from . import _serialize
+from ._stats import Lateness
 from ._wire import (
     FLAG_AUTH,
     FLAG_LOCAL_ERROR,
@@ -124,6 +125,7 @@ class Call:
     op: Op
     root: int
     contributions: dict[int, Message] = field(default_factory=dict)
+    arrived: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic()
 
 
 def rank_list(ranks: Iterable[int]) -> str:
@@ -161,6 +163,7 @@ class Coordinator:
         self._answered: set[bytes] = set()  # refused peers that got their one REJECT
         self._welcomed = False  # WELCOME went out: members know the session
         self.refused: dict[int, str] = {}  # rank -> why a JOIN claiming it was refused (joining)
+        self.lateness = Lateness(num_replicas)  # who is slow (read by rank 0's own thread too)
 
     # -- entry points -------------------------------------------------
 
@@ -469,11 +472,13 @@ class Coordinator:
         if call is None:
             call = self.pending[seq] = Call(msg.op, msg.root)
         call.contributions[rank] = msg
+        call.arrived[rank] = time.monotonic()
         if (msg.op, msg.root) != (call.op, call.root):
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
         if len(call.contributions) < self.num_replicas:
             return self._check_endings()
         del self.pending[seq]
+        self.lateness.record(call.arrived)
         out = self._complete(seq, call)
         if call.op is Op.TEARDOWN:
             self.phase = Phase.CLOSED

@@ -51,6 +51,7 @@ import enum
 import logging
 import os
 import socket
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from typing import Any, Callable, Optional
 
 from . import _wire
 from ._coordinator import PYTHON_VERSION
+from ._stats import CallStats, calls_log
 from ._wire import (
     FLAG_LOCAL_ERROR,
     AuthError,
@@ -104,6 +106,9 @@ class Call:
     op: str
     future: Any = None  # a CollectiveFuture; None for an error note
     finish: Optional[Callable[[Message], Any]] = None
+    started: float = 0.0  # time.perf_counter() when submitted
+    sent: int = 0  # bytes of the contribution
+    callsite: str = ""
 
 
 class Member:
@@ -128,6 +133,8 @@ class Member:
         self._rejoin = False
         self._failed_handshakes: list[float] = []  # since the last good one
         self._reserved: Optional[tuple[int, Op, int, str]] = None  # seq, op, root, site being built
+        self.stats = CallStats()
+        self.log_calls = False  # one line per call on the logger "zcollective.calls"
 
     # -- join ---------------------------------------------------------------
 
@@ -186,18 +193,20 @@ class Member:
             anything is owed: the coordinator would drop the connection).
         """
         self.check()
-        limit = self.max_frame_bytes
-        if limit is not None:
-            for segment in segments:
-                for frame in segment:
-                    size = memoryview(frame).nbytes
-                    if size > limit:
-                        raise ValueError(
-                            f"rank {self.rank}: a {op.label} value holds a buffer of {size} bytes, "
-                            f"above max_frame_bytes={limit}; raise ZCOLLECTIVE_MAX_FRAME_BYTES on "
-                            f"every replica, or split the value")
+        limit = self.max_frame_bytes or sys.maxsize
+        sent = 0
+        for segment in segments:
+            for frame in segment:
+                size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+                if size > limit:
+                    raise ValueError(
+                        f"rank {self.rank}: a {op.label} value holds a buffer of {size} bytes, "
+                        f"above max_frame_bytes={limit}; raise ZCOLLECTIVE_MAX_FRAME_BYTES on "
+                        f"every replica, or split the value")
+                sent += size
         seq = self.next_seq
-        self._owe(seq, op, root, callsite, flags, fn, segments, Call(op.label, future, finish))
+        self._owe(seq, op, root, callsite, flags, fn, segments,
+                  Call(op.label, future, finish, time.perf_counter(), sent, callsite))
         return seq
 
     def _owe(self, seq: int, op: Op, root: int, callsite: str, flags: int, fn: Any,
@@ -313,6 +322,7 @@ class Member:
             return
         future = call.future
         if future is not None and not future._done:
+            self._record(msg, call)
             if error is not None:
                 future._set_exception(error)
             else:
@@ -323,6 +333,18 @@ class Member:
                 else:
                     future._set_result(value)
         self.calls.pop(msg.seq, None)
+
+    def _record(self, msg: Message, call: Call) -> None:
+        """Count a call answered (see :mod:`zcollective._stats`)."""
+        waited = time.perf_counter() - call.started
+        received = sum(len(f) if type(f) is bytes else memoryview(f).nbytes
+                       for segment in msg.segments for f in segment)
+        self.stats.record(call.op, call.sent, received, waited)
+        if self.log_calls:
+            outcome = "error" if msg.kind is Kind.ERROR else "done"
+            calls_log.info("zcollective rank %d: seq %d %s at %s: %s, sent %d B, received %d B, "
+                           "waited %.3f ms", self.rank, msg.seq, call.op, call.callsite or "?",
+                           outcome, call.sent, received, waited * 1000)
 
     def connection(self, event: Link, now: Optional[float] = None) -> list[Message]:
         """Handle what the driver saw of its connection; return what to send."""

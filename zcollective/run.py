@@ -10,21 +10,27 @@ Each replica gets ``ZCOLLECTIVE_MASTER_ADDR``, ``ZCOLLECTIVE_MASTER_PORT``,
 ``ZCOLLECTIVE_LOCAL_RANK``; on a single host, also a fresh random
 ``ZCOLLECTIVE_SECRET`` (unless one is set). Its output is prefixed with ``[rank]``. The
 launcher exits with the first non-zero exit code; when a replica fails, the
-others are stopped after a grace period. Ctrl-C stops every replica.
+others are stopped after a grace period. Ctrl-C stops every replica. When
+the job ends, it names the slowest rank (how late its contributions reached
+rank 0), unless ``--no-straggler-summary``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Optional
 
+from ._stats import STATS_FILE_ENV, slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, SECRET_ENV, SECRET_FILE_ENV
 
 DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit by itself
@@ -51,6 +57,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              f"host, {DEFAULT_MASTER_PORT} across hosts)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help=f"seconds the others get after a replica fails (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--no-straggler-summary", dest="straggler_summary", action="store_false",
+                        help="do not print which rank was slowest when the job ends (rank 0 "
+                             "runs on this host)")
     parser.add_argument("script", help="a Python script (run with this Python) or a program")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
@@ -100,6 +109,10 @@ class Launcher:
         self.last_lines: dict[int, bytes] = {}
         self.interrupted = False
         self.secret: Optional[str] = None
+        self.stats_file: Optional[str] = None  # where rank 0 leaves its stats (see _stats)
+        if ns.straggler_summary and ns.node_rank == 0:
+            fd, self.stats_file = tempfile.mkstemp(prefix="zcollective-stats-", suffix=".json")
+            os.close(fd)
         if ns.nnodes == 1 and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
             # one host: a fresh secret per job, so nobody else on the machine can join or inject
             self.secret = secrets.token_hex(32)
@@ -116,7 +129,26 @@ class Launcher:
             "ZCOLLECTIVE_LOCAL_RANK": str(local_rank),
             "PYTHONUNBUFFERED": "1",
         })
+        if self.stats_file is not None and rank == 0:
+            env[STATS_FILE_ENV] = self.stats_file
         return env
+
+    def straggler_summary(self) -> None:
+        """Say which rank was slowest, from what rank 0 left (if it did)."""
+        path, self.stats_file = self.stats_file, None
+        if path is None:
+            return
+        try:
+            with open(path) as f:
+                ranks = json.load(f).get("ranks") or {}
+        except (OSError, ValueError):
+            ranks = {}  # rank 0 never closed a group of two or more: nothing to say
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        line = slowest(ranks)
+        if line is not None:
+            self.message(line)
 
     def start(self) -> None:
         ns = self.ns
@@ -213,13 +245,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     try:
         launcher.start()
-        return launcher.wait()
+        code = launcher.wait()
+        launcher.straggler_summary()
+        return code
     except KeyboardInterrupt:
         launcher.message("interrupted; stopping every replica")
         launcher.stop(signal.SIGINT)
         for thread in launcher.threads:
             thread.join(timeout=2)
         return 130
+    finally:
+        if launcher.stats_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(launcher.stats_file)
 
 
 if __name__ == "__main__":
