@@ -1,14 +1,17 @@
 """cloudpickle protocol 5 with out-of-band buffers, to and from frames.
 
 A serialized value is a *segment*: the pickle stream, then one frame per large
-contiguous buffer (numpy arrays, PickleBuffer-aware types), so large data is
-never copied into the pickle. Knows nothing of sockets.
+contiguous buffer (numpy arrays, PickleBuffer-aware types, CPU torch tensors),
+so large data is never copied into the pickle. Knows nothing of sockets, and
+imports torch only to rebuild a tensor that was sent.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
-from typing import Any
+import sys
+from typing import Any, Callable, Optional
 
 import cloudpickle
 
@@ -44,7 +47,7 @@ def dumps(value: Any, what: str = "value") -> list[Any]:
         return False
 
     try:
-        stream = cloudpickle.dumps(value, protocol=PROTOCOL, buffer_callback=keep)
+        stream = _pickle(value, keep)
     except Exception as exc:
         raise SerializationError(
             f"cannot serialize the {what} of type {type(value).__module__}."
@@ -92,3 +95,78 @@ def loads(segment: list[Any], what: str = "value") -> Any:
         return pickle.loads(segment[0], buffers=segment[1:])
     except Exception as exc:
         raise SerializationError(f"cannot deserialize the {what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _pickle(value: Any, keep: Callable[[pickle.PickleBuffer], bool]) -> bytes:
+    # torch is looked up, never imported: a program that has not imported it
+    # cannot be sending a tensor, and pays nothing for this path.
+    tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
+    if not isinstance(tensor_type, type):
+        return cloudpickle.dumps(value, protocol=PROTOCOL, buffer_callback=keep)
+    with io.BytesIO() as file:
+        _TensorPickler(file, tensor_type, keep).dump(value)
+        return file.getvalue()
+
+
+class _TensorPickler(cloudpickle.Pickler):
+    """cloudpickle, with plain CPU tensors sent as numpy arrays are: their
+    bytes as one buffer (out of band when large), rebuilt by :func:`_tensor`.
+
+    ``reducer_override`` rather than a ``dispatch_table`` entry: it may decline
+    (``NotImplemented``), so every tensor this path does not take is pickled
+    exactly as torch pickles it, and it is the hook cloudpickle itself uses."""
+
+    def __init__(self, file: io.BytesIO, tensor_type: type,
+                 keep: Callable[[pickle.PickleBuffer], bool]) -> None:
+        super().__init__(file, protocol=PROTOCOL, buffer_callback=keep)
+        self._tensor_type = tensor_type
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is self._tensor_type:
+            reduced = _reduce_tensor(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        return super().reducer_override(obj)
+
+
+def _reduce_tensor(tensor: Any) -> Any:
+    """``(_tensor, (bytes, dtype name, shape))`` for a plain CPU tensor, else
+    ``NotImplemented`` (torch's own pickling)."""
+    if (tensor.requires_grad  # autograd state travels as torch pickles it
+            or tensor.device.type != "cpu" or tensor.layout is not _torch().strided
+            or tensor.is_quantized or tensor.is_nested
+            or getattr(tensor, "has_names", bool)()  # named tensors (torch < 2.12) refuse pickling
+            or tensor.__dict__):  # Python attributes, which torch's pickle keeps
+        return NotImplemented
+    # A strided view is made contiguous (one copy of the visible elements;
+    # torch's pickle copies its whole storage), as numpy does for its own.
+    flat = tensor.contiguous().resolve_conj().resolve_neg().reshape(-1)
+    try:
+        data = flat.view(_torch().uint8).numpy()  # shares the tensor's memory
+    except RuntimeError:  # torch without numpy, or a dtype without a byte view
+        return NotImplemented
+    name = str(tensor.dtype).removeprefix("torch.")
+    return _tensor, (pickle.PickleBuffer(data), name, tuple(tensor.shape))
+
+
+def _tensor(data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    """Rebuild a tensor from its bytes, sharing their memory (a received
+    frame is writable, so the default reduce function adds in place)."""
+    torch = _torch()
+    kind = getattr(torch, dtype)
+    view = memoryview(data)
+    if view.nbytes == 0:
+        return torch.empty(shape, dtype=kind)  # frombuffer refuses an empty buffer
+    if view.readonly:
+        data = bytearray(view)  # a tensor cannot be read-only: its own copy
+    flat = torch.frombuffer(data, dtype=torch.uint8)
+    if flat.data_ptr() % kind.itemsize:
+        flat = flat.clone()  # kernels may assume elements are aligned
+    return flat.view(kind).reshape(shape)
+
+
+def _torch() -> Any:
+    torch: Optional[Any] = sys.modules.get("torch")
+    if torch is None:
+        import torch
+    return torch
