@@ -5,6 +5,7 @@ default instance of this class."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import operator
 import os
@@ -390,6 +391,8 @@ class Group:
         except BaseException as exc:
             member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its part "
                            f"was sent")
+            with _sockets.critical(), contextlib.suppress(CollectiveError):
+                link.flush()  # the others hear of it now, not at this replica's next call
             raise
         link.flush()
         return future

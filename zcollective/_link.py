@@ -160,11 +160,13 @@ class Wakeup:
         self._set = False  # a byte may be in the pipe: clear() must read it
 
     def set(self) -> None:
-        self._set = True  # before the write: a clear() in between at worst leaves a spurious wake
         try:
             os.write(self._write, b"\0")
         except (BlockingIOError, OSError):
             pass  # full (it is readable anyway) or closed (nobody waits any more)
+        # after the write: a clear() in between skips the read and leaves one spurious wake;
+        # before it, a clear() could reset the flag with the byte still to come, for good
+        self._set = True
 
     def clear(self) -> None:
         if not self._set:
@@ -239,8 +241,8 @@ class HostLink(Driver):
         return self.server.busy()
 
 
-HOST_PEER = b"\x00L0"  # the coordinator's name for the member in its own process: libzmq
-# reserves routing ids that start with a zero byte, and the server drops any peer using it
+HOST_PEER = b"\x00L0"  # the coordinator's name for the member in its own process; no DEALER
+# of ours has it (theirs start with b"R"), and the server drops any peer announcing it
 
 
 class DirectLink(Driver):

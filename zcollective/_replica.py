@@ -21,6 +21,7 @@ from ._link import Driver
 from ._member import Link, Member
 from ._wire import Message, encode
 from .config import Config
+from .errors import CollectiveError
 
 MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -49,7 +50,7 @@ class Replica(Driver):
         super().__init__(member)
         self._inbox: deque[list[Any]] = deque()  # received, not yet handled (see _sockets.handled)
         self._events: deque[list[Any]] = deque()  # the same for monitor events
-        with _sockets.mapped(f"rank {config.rank} cannot connect to {config.endpoint}"):
+        with _sockets.mapped(f"rank {config.rank} cannot make its socket"):
             self.dealer = ctx.socket(zmq.DEALER)
             try:
                 self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(config.rank))
@@ -62,11 +63,12 @@ class Replica(Driver):
             except BaseException:
                 self.dealer.close(linger=0)
                 raise
-            try:
+        try:
+            with _sockets.mapped(f"rank {config.rank} cannot connect to {config.endpoint}", address=True):
                 self.dealer.connect(config.endpoint)
-            except BaseException:
-                self.close()  # sockets left open would make the context's term() wait forever
-                raise
+        except BaseException:
+            self.close()  # sockets left open would make the context's term() wait forever
+            raise
         self._poll_items = [(self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN)]
 
     def _send(self, msg: Message) -> None:
@@ -114,18 +116,24 @@ class Replica(Driver):
         got = False
         for frames in _sockets.handled(self.dealer, self._inbox):
             got = True
-            replies = self.member.receive(frames)
+            self._answer(self.member.receive(frames))
+        return got
+
+    def _answer(self, replies: list[Message]) -> None:
+        """Send what the member answered; an ABORT that cannot leave (the link
+        broke) must not hide the failure it reports."""
+        try:
             if replies:
                 self.send(replies)
-        return got
+        except CollectiveError:
+            if self.member.failure is None:
+                raise
 
     def _drain_monitor(self) -> None:
         for kind, _ in _sockets.monitor_events(self.monitor, self._events):
             event = _EVENTS.get(kind)
             if event is not None:
-                replies = self.member.connection(event)
-                if replies:
-                    self.send(replies)
+                self._answer(self.member.connection(event))
 
     def fds(self) -> list[int]:
         return [self.dealer.FD, self.monitor.FD]

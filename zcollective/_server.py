@@ -66,9 +66,9 @@ class Server:
         self._router: Optional[zmq.Socket] = None  # while serving
         self._from_host: deque[Message] = deque()  # rank 0's member's messages, not yet taken
         self.to_host: deque[Message] = deque()  # replies to rank 0's member, not yet taken
-        self.wakeup = Wakeup()  # set when to_host grows
         self._sent = 0  # messages sent on the ROUTER, by either thread
         self._host_owed = False  # to_host grew while the lock was held
+        self._take_pending = False  # a _TAKE is on its way to the thread
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._started = threading.Event()
         # set when the thread has closed its sockets: unlike Thread.join, whose state a
@@ -78,7 +78,9 @@ class Server:
         self._pipe_endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
         with _sockets.mapped("rank 0 cannot start its coordinator thread"):
             self._pipe = ctx.socket(zmq.PAIR)
+            self._pipe.setsockopt(zmq.SNDHWM, 0)  # a command is never dropped
             self._pipe.bind(self._pipe_endpoint)
+        self.wakeup = Wakeup()  # set when to_host grows (made last: nothing after it can fail)
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
 
     def start(self) -> None:
@@ -101,34 +103,60 @@ class Server:
 
     def gone(self) -> Optional[str]:
         """Why the coordinator thread is no longer serving, or None if it is."""
-        if not self._finished.is_set() and self._thread.is_alive():
+        # not Thread.is_alive(): an interrupt inside it can leave a live thread marked stopped
+        if not self._finished.is_set():
             return None
         return self.crashed or "it stopped"
 
     def from_host(self, msg: Message) -> None:
-        """Rank 0's member sends ``msg`` (from its own thread). Taken at once
-        when the lock is free; else the thread takes it when it lets go (a
-        reduce function it runs may take long: rank 0's call must still time
-        out). Signals are held back meanwhile, so an interrupt never leaves a
-        call taken but its results unsent."""
-        self._from_host.append(msg)
+        """Rank 0's member sends ``msg`` (from its own thread): taken here,
+        under the lock, when the lock comes free within
+        :data:`HOST_LOCK_WAIT_S` and nothing handed over earlier is still
+        waiting for the thread; else the thread takes it."""
+        # signals are held back across the lock, so an interrupt never leaves it held, nor
+        # a call taken but its results unsent; held-back handlers run once it is let go
+        with _sockets.critical():
+            self._from_host.append(msg)
+            # the thread holds the lock for microseconds after a step (or, in a reduce
+            # function, for long): wait that long before handing the message to it
+            if self._take_pending or not self._lock.acquire(timeout=HOST_LOCK_WAIT_S):
+                self._hand_to_thread()
+                return
+            try:
+                self._take_here()
+            finally:
+                self._lock.release()
+
+    def _take_here(self) -> None:
+        """With the lock, in rank 0's own thread: take what its member handed
+        over, up to a contribution that would run a reduce function (user
+        code runs in the coordinator thread only, so rank 0's calls can time
+        out and be interrupted while it runs); the thread takes the rest."""
+        coordinator, sent = self.coordinator, self._sent
         try:
-            # the thread holds the lock for microseconds after a step (or, stuck in a reduce
-            # function, for ever): wait that long before handing the message to it
-            taken = self._lock.acquire(timeout=HOST_LOCK_WAIT_S)
-        except BaseException:  # interrupted while waiting: the thread must still take it
+            for msg in _sockets.taken(self._from_host):
+                if self._router is None or coordinator.phase is Phase.CLOSED:
+                    self._from_host.clear()
+                    return
+                if coordinator.completes_reduction(msg):
+                    self._hand_to_thread()
+                    return
+                self._send_all(coordinator.receive_message(HOST_PEER, msg))
+        except Exception as exc:  # a bug: fail the group for everyone, as the thread would
+            self._from_host.clear()
+            self._crash(exc)
+            raise InternalError(self.crashed or "the coordinator crashed") from exc
+        self._host_owed = False  # rank 0's member looks at to_host before it waits
+        if self._sent != sent and self._router is not None and _sockets.readable(self._router):
+            # sending swallowed the fd's edge of what had arrived meanwhile: the thread takes it
+            self._hand_to_thread()
+
+    def _hand_to_thread(self) -> None:
+        """Have the thread take what rank 0's member handed over (one wake-up
+        at a time: the flag is cleared by the thread when it reads it)."""
+        if not self._take_pending:
+            self._take_pending = True
             self._command(_TAKE)
-            raise
-        if not taken:
-            self._command(_TAKE)
-            return
-        try:
-            with _sockets.critical():
-                if self._router is not None and self._take_from_host():
-                    self._step()  # it used the ROUTER, which may have swallowed its fd's edge
-            self._host_owed = False  # rank 0's member looks at to_host before it waits
-        finally:
-            self._lock.release()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -140,22 +168,16 @@ class Server:
         if owed:
             self.wakeup.set()
 
-    def _take_from_host(self) -> bool:
-        """With the lock: take what rank 0's member handed over; True if
-        that sent anything on the ROUTER."""
-        coordinator, sent = self.coordinator, self._sent
+    def _step(self) -> None:
+        """The thread, with the lock: take what rank 0's member handed over,
+        then whatever waits on the monitor and the ROUTER (read to the end:
+        either thread's use of a socket may have swallowed its fd's edge)."""
+        coordinator = self.coordinator
         for msg in _sockets.taken(self._from_host):
             if coordinator.phase is Phase.CLOSED:
                 self._from_host.clear()
                 break
             self._send_all(coordinator.receive_message(HOST_PEER, msg))
-        return self._sent != sent
-
-    def _step(self) -> None:
-        """With the lock: take what rank 0's member handed over, then whatever
-        waits on the monitor and the ROUTER (read to the end: either thread's
-        use of a socket may have swallowed its fd's edge)."""
-        self._take_from_host()
         self._drain_monitor()
         self._drain()
 
@@ -176,7 +198,7 @@ class Server:
         results are on their way (at most :data:`EXIT_WAIT_S`), then closes,
         giving what is queued :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave.
         """
-        if not self._finished.is_set() and self._thread.is_alive():
+        if not self._finished.is_set():
             self._command(_END if ending else _STOP)
             if ending:  # however long a reduction runs, up to the exit bound: its results are owed
                 bound = EXIT_WAIT_S + _sockets.EXIT_LINGER_MS / 1000 + 1
@@ -238,6 +260,7 @@ class Server:
                 made.append(monitor)
                 pipe = self.ctx.socket(zmq.PAIR)
                 made.append(pipe)
+                pipe.setsockopt(zmq.RCVHWM, 0)
                 pipe.connect(self._pipe_endpoint)
         except BaseException:
             for sock in made:
@@ -257,22 +280,19 @@ class Server:
             router, monitor, pipe = self._bind()
         except BaseException as exc:
             self._start_error = exc
+            self._finished.set()
             self._started.set()
             return
         self._monitor = monitor
+        fds = router.FD, monitor.FD  # read before rank 0's member may use the ROUTER
         with self._locked():
             self._router = router
         self._started.set()
         try:
-            self._serve(router, monitor, pipe)
+            self._serve(fds, pipe)
         except BaseException as exc:  # a bug: tell every replica rather than leave them waiting
-            log.exception("zcollective: the coordinator crashed")
-            self.crashed = f"the coordinator crashed: {type(exc).__name__}: {exc}"
-            try:
-                with self._locked():
-                    self._send_all(self.coordinator.fail("InternalError", self.crashed))
-            except Exception:
-                pass
+            with self._locked():
+                self._crash(exc)
         finally:
             # results, or a FAIL just sent to the survivors, must reach them
             linger = _sockets.EXIT_LINGER_MS if self._ending is not None else _sockets.CLOSE_LINGER_MS
@@ -284,10 +304,20 @@ class Server:
 
     _ending: Optional[float] = None  # when rank 0's program said it was ending
 
-    def _serve(self, router: zmq.Socket, monitor: zmq.Socket, pipe: zmq.Socket) -> None:
+    def _crash(self, exc: BaseException) -> None:
+        """With the lock: a bug in the coordinator; tell every replica rather
+        than leave them waiting."""
+        log.exception("zcollective: the coordinator crashed", exc_info=exc)
+        self.crashed = f"the coordinator crashed: {type(exc).__name__}: {exc}"
+        try:
+            self._send_all(self.coordinator.fail("InternalError", self.crashed))
+        except Exception:
+            pass
+
+    def _serve(self, fds: tuple[int, int], pipe: zmq.Socket) -> None:
         # the fds of the ROUTER and its monitor, not the sockets: polling a socket would use it
         # without the lock. They are edge-triggered: each step reads both until they are empty
-        items: list[Any] = [(router.FD, zmq.POLLIN), (monitor.FD, zmq.POLLIN), (pipe, zmq.POLLIN)]
+        items: list[Any] = [(fds[0], zmq.POLLIN), (fds[1], zmq.POLLIN), (pipe, zmq.POLLIN)]
         coordinator = self.coordinator
         while coordinator.phase is not Phase.CLOSED:
             timeout = -1
@@ -303,7 +333,9 @@ class Server:
             ready = {sock for sock, _ in zmq_poll(items, timeout)}
             if pipe in ready:
                 command = pipe.recv()
-                if command in (_STOP, _GIVE_UP, _END):
+                if command == _TAKE:
+                    self._take_pending = False  # before the step: a later hand-over sends another
+                elif command in (_STOP, _GIVE_UP, _END):
                     if command == _GIVE_UP and self._ending is not None:
                         with self._locked():
                             self._send_all(coordinator.give_up_ending(time.monotonic() - self._ending))
@@ -325,6 +357,9 @@ class Server:
         """Handle every message waiting on the ROUTER (with the lock)."""
         router, coordinator = self._router, self.coordinator
         while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
+            if self._host_owed:  # rank 0's reply is ready: do not keep it waiting for the rest
+                self._host_owed = False
+                self.wakeup.set()
             frames = _sockets.recv_message(router)
             peer = frames[0].bytes
             if len(frames) < 2 or peer == HOST_PEER:  # that name is rank 0's own member's alone

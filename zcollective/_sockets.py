@@ -54,7 +54,7 @@ def set_never_drop(sock: zmq.Socket) -> None:
 
 
 @contextlib.contextmanager
-def mapped(what: str) -> Iterator[None]:
+def mapped(what: str, address: bool = False) -> Iterator[None]:
     """Translate a ZeroMQ error into a library error naming ``what``: an
     address that cannot be used is an :class:`AddressError`, anything else
     (no file descriptors left, a context being torn down) a
@@ -62,6 +62,8 @@ def mapped(what: str) -> Iterator[None]:
     try:
         yield
     except zmq.ZMQError as exc:
+        if address and exc.errno == zmq.EINVAL:  # connect or bind: the endpoint is malformed
+            raise AddressError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
         raise library_error(exc, what) from exc
 
 
@@ -72,7 +74,7 @@ def library_error(exc: zmq.ZMQError, what: str) -> CollectiveError:
     return cls(f"{what}: {exc.strerror} (errno {exc.errno})")
 
 
-_ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EINVAL, zmq.EPROTONOSUPPORT}
+_ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EPROTONOSUPPORT}
 
 
 def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str) -> None:
@@ -179,10 +181,13 @@ def release_signals() -> None:
 
 
 def _enter() -> None:
-    _HeldBack.depth += 1
+    if threading.get_ident() == _MAIN_THREAD:  # the only thread that runs Python signal handlers
+        _HeldBack.depth += 1
 
 
 def _leave() -> None:
+    if threading.get_ident() != _MAIN_THREAD:
+        return
     _HeldBack.depth -= 1
     if not _HeldBack.depth and _HeldBack.pending:
         pending, _HeldBack.pending = _HeldBack.pending, []
