@@ -135,7 +135,7 @@ def _reduce_tensor(tensor: Any) -> Any:
     if (tensor.requires_grad  # autograd state travels as torch pickles it
             or tensor.device.type != "cpu" or tensor.layout is not _torch().strided
             or tensor.is_quantized or tensor.is_nested
-            or getattr(tensor, "has_names", bool)()  # named tensors (torch < 2.12) refuse pickling
+            or getattr(tensor, "has_names", bool)()  # named tensors (older torch): pickling refuses them
             or tensor.__dict__):  # Python attributes, which torch's pickle keeps
         return NotImplemented
     # A strided view is made contiguous (one copy of the visible elements;
