@@ -9,7 +9,17 @@ import re
 import pytest
 
 import zcollective as zc
-from zcollective.config import DEFAULT_MASTER_PORT, SETTINGS, resolve, takes_settings
+from zcollective.config import (
+    ARGUMENTS,
+    DEFAULT_MASTER_PORT,
+    LAUNCHERS,
+    SETTINGS,
+    SLURM_PORT_BASE,
+    SLURM_PORT_SPAN,
+    launcher_variables,
+    resolve,
+    takes_settings,
+)
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -115,7 +125,7 @@ def test_initialize_and_group_pass_every_setting_straight_to_resolve(monkeypatch
 
     group_module = importlib.import_module("zcollective._group")  # zc._group is the default group
     monkeypatch.setattr(group_module, "resolve", spy)
-    markers = {s.name: object() for s in SETTINGS}  # one distinct value per setting
+    markers = {s.name: object() for s in ARGUMENTS}  # one distinct value per setting
     with pytest.raises(Stop):
         zc.initialize(**markers)
     with pytest.raises(Stop):
@@ -127,12 +137,14 @@ def test_initialize_and_group_pass_every_setting_straight_to_resolve(monkeypatch
 
 def test_every_signature_and_docstring_lists_the_settings():
     for func in (resolve, zc.initialize, zc.Group.__init__):
-        assert len(_arguments(func)) == len(SETTINGS)
+        assert len(_arguments(func)) == len(ARGUMENTS)
         for name in _arguments(func):
             assert f"\n{name} : " in func.__doc__, (func, name)
-        for s in SETTINGS:
-            assert all(f"``{env}``" in func.__doc__ for env in s.env), (func, s.name)
-    assert _arguments(zc.initialize) == _arguments(resolve) == [s.name for s in SETTINGS]
+        for s in ARGUMENTS:
+            names = [*s.env, *launcher_variables(s.name)]
+            assert all(f"``{env}``" in func.__doc__ for env in names), (func, s.name)
+    assert _arguments(zc.initialize) == _arguments(resolve) == [s.name for s in ARGUMENTS]
+    assert [s.name for s in SETTINGS if not s.argument] == ["local_rank"]  # read, never passed
 
 
 def test_a_signature_that_leaves_the_settings_table_is_refused_at_import():
@@ -147,13 +159,24 @@ def _readme_section(title):
     return README.read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def _table(section):
-    rows = [line for line in section.splitlines() if line.startswith("|")][2:]
-    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+def _tables(section):
+    """Each table of a README section, as rows of cells (header and rule left out)."""
+    tables, rows = [], []
+    for line in [*section.splitlines(), ""]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            tables.append(rows[2:])
+            rows = []
+    return tables
 
 
 def _code(cell):
     return re.findall(r"`([^`]*)`", cell)
+
+
+def _env_names(cell):
+    return [c for c in _code(cell) if re.fullmatch(r"[A-Z][A-Z0-9_]*", c)]
 
 
 def _as_readme_writes(value):
@@ -161,18 +184,40 @@ def _as_readme_writes(value):
 
 
 def test_readme_configuration_table_is_the_settings_table():
-    rows = _table(_readme_section("Configuration"))
-    assert [_code(argument)[0] for _, argument, _, _ in rows] == [s.name for s in SETTINGS]
-    group_names = _arguments(zc.Group.__init__)
-    for (label, argument, env, default), s, group_name in zip(rows, SETTINGS, group_names, strict=True):
-        if group_name != s.name:
-            assert f"`{group_name}` on `Group`" in argument, label
-        env_names = [c for c in _code(env) if re.fullmatch(r"[A-Z][A-Z0-9_]*", c)]
-        assert env_names == [*s.env, *([s.file_env] if s.file_env else [])], label
+    rows = _tables(_readme_section("Configuration"))[0]
+    assert [(_code(argument) or [None])[0] for _, argument, _, _ in rows] == [
+        s.name if s.argument else None for s in SETTINGS]
+    group_names = dict(zip([s.name for s in ARGUMENTS], _arguments(zc.Group.__init__), strict=True))
+    for (label, argument, env, default), s in zip(rows, SETTINGS, strict=True):
+        if group_names.get(s.name, s.name) != s.name:
+            assert f"`{group_names[s.name]}` on `Group`" in argument, label
+        expected = [*s.env, *([s.file_env] if s.file_env else []), *launcher_variables(s.name)]
+        assert _env_names(env) == expected, label
         if s.default is None:
             assert default.startswith("none"), label
         else:
             assert _code(default)[0] == _as_readme_writes(s.default), label
+
+
+def test_readme_launchers_table_is_the_launchers_table():
+    """Row by row, in precedence order: each launcher, what recognizes it, and the
+    variables it reads for each setting (the settings' own variables, which the
+    text names as what a manifest or user sets, aside)."""
+    own = {name for s in SETTINGS for name in s.env}
+    rows = _tables(_readme_section("Configuration"))[1]
+    assert [row[0].split(" (`")[0] for row in rows] == [launcher.name for launcher in LAUNCHERS]
+    columns = ["replica_rank", "num_replicas", "local_rank", "master_addr", "master_port"]
+    for (_, recognized, *cells), launcher in zip(rows, LAUNCHERS, strict=True):
+        ours, theirs = [o for o, _ in launcher.defers_to], [t for _, t in launcher.defers_to]
+        assert _env_names(recognized) == list(dict.fromkeys([launcher.rank, *ours, *theirs]))
+        for setting, cell in zip(columns, cells, strict=True):
+            reader = launcher.readers.get(setting)
+            read = [name for name in _env_names(cell) if name not in own]
+            assert read == list(reader.variables if reader else ()), (launcher.name, setting)
+            if reader is None:
+                assert cell in ("none", "default"), (launcher.name, setting)
+    slurm_port = rows[[launcher.name for launcher in LAUNCHERS].index("Slurm")][-1]
+    assert slurm_port == f"{SLURM_PORT_BASE} + `SLURM_JOB_ID` % {SLURM_PORT_SPAN}"
 
 
 def test_readme_api_row_of_initialize_is_its_signature():

@@ -9,9 +9,11 @@ test holds the README's configuration table to them.
 
 Precedence, setting by setting: an explicit argument; else the first
 environment variable set (``ZCOLLECTIVE_*``, then adaptdl's ``ADAPTDL_*``,
-then torchrun's names); else the default. Every malformed value is a
-``ValueError`` that names the argument or variable it came from.
-This module knows nothing of sockets.
+then torchrun's names); else what the launcher that started this process
+says (:data:`LAUNCHERS`: Open MPI, MPICH/Intel MPI, Slurm, a Kubernetes
+Indexed Job -- only the first one recognized is read); else the default.
+Every malformed value is a ``ValueError`` that names the argument or
+variable it came from, and its value. This module knows nothing of sockets.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import os
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, NamedTuple, Optional, TypeVar, Union
+
+from ._hostlist import first_host
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"  # one machine needs no configuration at all
 DEFAULT_MASTER_PORT = 29457  # near torchrun's 29500 range but not on it, so both fit in one job
@@ -41,6 +45,9 @@ SECRET_ENV = "ZCOLLECTIVE_SECRET"
 SECRET_FILE_ENV = "ZCOLLECTIVE_SECRET_FILE"
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
 ALL_INTERFACES = ("*", "0.0.0.0", "::")
+LOOPBACK = "127.0.0.1"  # MPI ranks all on one host find rank 0 here
+SLURM_PORT_BASE = 20000  # Slurm's port is BASE + SLURM_JOB_ID % SPAN: 20000-29999, below every
+SLURM_PORT_SPAN = 10000  # OS's ephemeral ports (Linux: 32768+); jobs collide only 10000 ids apart
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class Config:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     secret: Optional[bytes] = field(default=None, repr=False)
     bind_addr: Optional[str] = None  # rank 0 binds here; None: the interface of master_addr
+    local_rank: Optional[int] = None  # this replica's index on its host; None: nobody said
 
     @property
     def endpoint(self) -> str:
@@ -150,6 +158,10 @@ def _bind_problem(addr: str) -> Optional[str]:
     return "is not an address to bind" if bad else None
 
 
+def _not_negative(n: int) -> Optional[str]:
+    return None if n >= 0 else "must be 0 or more"
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting: its argument, where else it comes from, how it is read, what it means."""
@@ -166,6 +178,7 @@ class Setting:
     secret: bool = False  # quoted in no message; taken from the environment byte for byte
     none_is_value: bool = False  # an argument of None is a value (no bound), not "look further";
     # the signatures' default is then `default` itself
+    argument: bool = True  # False: read from the environment only; no signature takes it
 
     @property
     def field_name(self) -> str:
@@ -215,60 +228,253 @@ SETTINGS: tuple[Setting, ...] = (
             env=("ZCOLLECTIVE_BIND_ADDR",),
             doc="Where rank 0 listens (``\"*\"``: every interface); by default, on the "
                 "interface of ``master_addr``."),
+    Setting("local_rank", "Optional[int]", None, _integer, check=_not_negative, argument=False,
+            env=("ZCOLLECTIVE_LOCAL_RANK", "LOCAL_RANK"),
+            doc="This replica's index among the replicas on its host (to pick a GPU, say); "
+                "``None`` when nobody said."),
 )
+
+ARGUMENTS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.argument)
 
 ENV_NAMES: dict[str, tuple[str, ...]] = {s.field_name: s.env for s in SETTINGS if s.env}
 
 
-# -- resolving ---------------------------------------------------------------
+class Origin(NamedTuple):
+    """Where a setting's value came from."""
 
-Origin = tuple[Any, str]  # (raw value, where it came from)
+    raw: Any  # the value as found, before conversion
+    source: str  # "argument replica_rank", "environment variable RANK", "the default", ...
+    shown: str  # how error messages quote it: source and raw value (never a secret's)
+
+
+def _variable(env: Mapping[str, str], name: str, secret: bool = False) -> Optional[Origin]:
+    raw = env.get(name)
+    if raw is not None and not secret:
+        raw = raw.strip()
+    if not raw:  # set but empty counts as unset
+        return None
+    source = f"environment variable {name}"
+    return Origin(raw, source, source if secret else f"{source}={raw!r}")
+
+
+# -- launchers: programs that start the replicas and tell each who it is -----
+#
+# A launcher started inside another's allocation (mpirun in an sbatch script,
+# mpiexec under srun, anything in a pod) also sees the outer one's variables,
+# which describe its own daemons, not this process: the inner one -- the first
+# in LAUNCHERS -- is read, and only it, so no setting mixes two launchers.
+
+Read = Callable[[Mapping[str, str]], Optional[Origin]]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """How one launcher gives one setting."""
+
+    variables: tuple[str, ...]  # what it reads, in the order the README names them
+    read: Read  # env -> the value's origin; None: the launcher does not say (the default holds)
+
+
+def _plain(name: str) -> Reader:
+    return Reader((name,), lambda env: _variable(env, name))
+
+
+def _count(env: Mapping[str, str], name: str) -> Optional[int]:
+    found = _variable(env, name)
+    if found is None:
+        return None
+    try:
+        return _integer(found.raw)
+    except ValueError as exc:
+        raise ValueError(f"{found.shown} {exc}") from None
+
+
+def _mpi_master(launcher: str, size_env: str, local_size_env: str) -> Reader:
+    """Loopback when every rank runs on this host; else an error (MPI publishes no address)."""
+
+    def read(env: Mapping[str, str]) -> Origin:
+        size, local_size = _count(env, size_env), _count(env, local_size_env)
+        if size in (None, 1) or local_size == size:
+            return Origin(LOOPBACK, f"{launcher} on one host",
+                          f"{LOOPBACK} ({launcher} started every rank on this host: "
+                          f"{local_size_env}={env.get(local_size_env)!r}, {size_env}={env.get(size_env)!r})")
+        where = (f"and {local_size_env} is not set, so they may span hosts" if local_size is None else
+                 f"with {local_size_env}={env[local_size_env]!r} of them on this host")
+        raise ValueError(
+            f"{launcher} started {size_env}={env[size_env]!r} ranks {where}, and MPI launchers "
+            f"publish no master address: set MASTER_ADDR (or ZCOLLECTIVE_MASTER_ADDR) to the host "
+            f"of rank 0 for every rank (see docs/launching.md)")
+
+    return Reader((local_size_env,), read)
+
+
+def _slurm_size(env: Mapping[str, str]) -> Optional[Origin]:
+    found, tasks = _variable(env, "SLURM_NTASKS"), _count(env, "SLURM_NTASKS")
+    if found is not None and tasks is not None and tasks > 1 and "SLURM_STEP_NODELIST" not in env:
+        raise ValueError(
+            f"{found.shown} is set, but SLURM_STEP_NODELIST is not: this process is the batch "
+            f"script itself, not one of the {tasks} tasks srun starts; start the replicas with "
+            f"'srun python ...' (see docs/launching.md)")
+    return found
+
+
+def _slurm_master(env: Mapping[str, str]) -> Origin:
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
+        found = _variable(env, name)
+        if found is not None:
+            try:
+                host = first_host(found.raw)
+            except ValueError as exc:
+                raise ValueError(f"{found.shown} is not a Slurm host list: {exc}") from None
+            return Origin(host, f"the first host of {found.source}",
+                          f"{host!r}, the first host of {found.shown}")
+    raise ValueError(f"Slurm set SLURM_PROCID={env.get('SLURM_PROCID')!r} but neither SLURM_STEP_NODELIST "
+                     f"nor SLURM_JOB_NODELIST, which say where rank 0 runs: set MASTER_ADDR (or "
+                     f"ZCOLLECTIVE_MASTER_ADDR) to the host of rank 0")
+
+
+def _slurm_port(env: Mapping[str, str]) -> Optional[Origin]:
+    job_id = _count(env, "SLURM_JOB_ID")  # two jobs sharing a node get different ports
+    if job_id is None:
+        return None
+    port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+    return Origin(port, "environment variable SLURM_JOB_ID",
+                  f"port {port} ({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}, "
+                  f"SLURM_JOB_ID={env['SLURM_JOB_ID']!r})")
+
+
+def _pod_job_hint(env: Mapping[str, str]) -> str:
+    """'(HOSTNAME='train-2' makes it 'train-0.<service>')' when the pod's name says its Job's."""
+    index, host = env.get("JOB_COMPLETION_INDEX", "").strip(), env.get("HOSTNAME", "")
+    job = host[:-len(index) - 1] if index and host.endswith(f"-{index}") else ""
+    return f" (HOSTNAME={host!r} makes it {job + '-0.<service>'!r})" if job else ""
+
+
+def _kubernetes_master(env: Mapping[str, str]) -> Origin:
+    raise ValueError(
+        f"Kubernetes gives this pod JOB_COMPLETION_INDEX={env.get('JOB_COMPLETION_INDEX')!r} but does "
+        f"not say where rank 0 is: set ZCOLLECTIVE_MASTER_ADDR in the Job's manifest to rank 0's "
+        f"pod, '<job>-0.<service>'{_pod_job_hint(env)}, with a headless Service <service> "
+        f"(see docs/launching.md)")
+
+
+def _kubernetes_size(env: Mapping[str, str]) -> Origin:
+    raise ValueError(
+        f"Kubernetes gives this pod JOB_COMPLETION_INDEX={env.get('JOB_COMPLETION_INDEX')!r} but not "
+        f"the number of replicas: set ZCOLLECTIVE_NUM_REPLICAS in the Job's manifest to its "
+        f"spec.completions (see docs/launching.md)")
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """A program that starts the replicas of a job and tells each, in its
+    environment, who it is. Its readers are asked only for the settings
+    that no argument and no variable of :data:`SETTINGS` gave."""
+
+    name: str  # as the README's table and error messages call it
+    rank: str  # set in every process it starts: that it is set recognizes the launcher
+    readers: Mapping[str, Reader]  # setting name -> how this launcher gives it
+    defers_to: tuple[tuple[str, str], ...] = ()  # (ours, theirs) pairs of variables another
+    # launcher may set to the same values (srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE): when all
+    # agree, the process is that launcher's, which knows more (the master address)
+
+    def recognizes(self, env: Mapping[str, str]) -> bool:
+        if _variable(env, self.rank) is None:
+            return False
+        agree = all(env.get(ours, "").strip() == env.get(theirs, "").strip()
+                    for ours, theirs in self.defers_to)
+        return not (self.defers_to and agree)
+
+    def find(self, setting: str, env: Mapping[str, str]) -> Optional[Origin]:
+        reader = self.readers.get(setting)
+        return reader.read(env) if reader else None
+
+
+LAUNCHERS: tuple[Launcher, ...] = (
+    Launcher("Open MPI", "OMPI_COMM_WORLD_RANK", {
+        "replica_rank": _plain("OMPI_COMM_WORLD_RANK"),
+        "num_replicas": _plain("OMPI_COMM_WORLD_SIZE"),
+        "local_rank": _plain("OMPI_COMM_WORLD_LOCAL_RANK"),
+        "master_addr": _mpi_master("Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    }),
+    Launcher("MPICH / Intel MPI (Hydra)", "PMI_RANK", {
+        "replica_rank": _plain("PMI_RANK"),
+        "num_replicas": _plain("PMI_SIZE"),
+        "local_rank": _plain("MPI_LOCALRANKID"),
+        "master_addr": _mpi_master("MPICH / Intel MPI (Hydra)", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    }, defers_to=(("PMI_RANK", "SLURM_PROCID"), ("PMI_SIZE", "SLURM_NTASKS"))),
+    Launcher("Slurm", "SLURM_PROCID", {
+        "replica_rank": _plain("SLURM_PROCID"),
+        "num_replicas": Reader(("SLURM_NTASKS",), _slurm_size),
+        "local_rank": _plain("SLURM_LOCALID"),
+        "master_addr": Reader(("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"), _slurm_master),
+        "master_port": Reader(("SLURM_JOB_ID",), _slurm_port),
+    }),
+    Launcher("Kubernetes Indexed Job", "JOB_COMPLETION_INDEX", {
+        "replica_rank": _plain("JOB_COMPLETION_INDEX"),
+        "num_replicas": Reader((), _kubernetes_size),
+        "master_addr": Reader((), _kubernetes_master),
+    }),
+)
+
+
+def launcher_of(env: Mapping[str, str]) -> Optional[Launcher]:
+    """The launcher that started this process: the first of :data:`LAUNCHERS` it recognizes."""
+    return next((launcher for launcher in LAUNCHERS if launcher.recognizes(env)), None)
+
+
+def launcher_variables(setting: str) -> tuple[str, ...]:
+    """Every launcher variable that may give ``setting``, in the order of :data:`LAUNCHERS`."""
+    return tuple(v for launcher in LAUNCHERS if setting in launcher.readers
+                 for v in launcher.readers[setting].variables)
+
+
+# -- resolving ---------------------------------------------------------------
 
 
 def _from_env(s: Setting, env: Mapping[str, str]) -> Optional[Origin]:
     for name in s.env:
-        raw = env.get(name)
-        if raw is not None and not s.secret:
-            raw = raw.strip()
-        if raw:  # set but empty counts as unset
-            return raw, f"environment variable {name}"
+        found = _variable(env, name, s.secret)
+        if found is not None:
+            return found
     path = env.get(s.file_env) if s.file_env else None
     if path:
         source = f"the file {path!r} named by {s.file_env}"
         try:
             with open(path, "rb") as f:
-                return f.read().strip(), source
+                return Origin(f.read().strip(), source, source)
         except OSError as exc:
             raise ValueError(f"cannot read {source}: {exc.strerror}") from None
     return None
 
 
-def _value(s: Setting, arg: Any, env: Mapping[str, str]) -> tuple[Any, Origin]:
-    """The setting's value and its origin: the argument, else the environment, else the default."""
+def _value(s: Setting, arg: Any, env: Mapping[str, str],
+           launcher: Optional[Launcher]) -> tuple[Any, Origin]:
+    """The setting's value and its origin: the argument, else the environment's
+    variables, else the launcher's, else the default."""
     if arg is not None or s.none_is_value:
-        raw, source = arg, f"argument {s.name}"
+        source = f"argument {s.name}"
+        found: Optional[Origin] = Origin(arg, source, source if s.secret else f"{source}={arg!r}")
     else:
-        found = _from_env(s, env)
-        if found is None:
-            return s.default, (s.default, "the default")
-        raw, source = found
-    where = source if s.secret else f"{source}={raw!r}"
+        found = _from_env(s, env) or (launcher.find(s.name, env) if launcher else None)
+    if found is None:
+        return s.default, Origin(s.default, "the default", "the default")
+    origin = found
     try:
-        value = s.convert(raw)
+        value = s.convert(origin.raw)
     except ValueError as exc:
-        raise ValueError(f"{where} {exc}") from None
+        raise ValueError(f"{origin.shown} {exc}") from None
     problem = s.check(value) if s.check else None
     if problem:
-        raise ValueError(f"{where} {problem}")
-    return value, (raw, source)
+        raise ValueError(f"{origin.shown} {problem}")
+    return value, origin
 
 
 def _rank_in_range(c: Config, origins: Mapping[str, Origin]) -> None:
     if not 0 <= c.rank < c.num_replicas:
-        raw, source = origins["replica_rank"]
         raise ValueError(
-            f"{source}={raw!r} is out of range: ranks run from 0 to {c.num_replicas - 1} "
-            f"for num_replicas={c.num_replicas} (from {origins['num_replicas'][1]})"
+            f"{origins['replica_rank'].shown} is out of range: ranks run from 0 to {c.num_replicas - 1} "
+            f"for num_replicas={c.num_replicas} (from {origins['num_replicas'].source})"
         )
 
 
@@ -276,7 +482,7 @@ def _port_zero_only_alone(c: Config, origins: Mapping[str, Origin]) -> None:
     # one replica binds nothing, so adaptdl's standalone port 0 is fine
     if c.master_port == 0 and c.num_replicas > 1:
         raise ValueError(
-            f"{origins['master_port'][1]}=0 cannot be used with num_replicas={c.num_replicas}: "
+            f"{origins['master_port'].source}=0 cannot be used with num_replicas={c.num_replicas}: "
             f"rank 0 must listen on a port that every replica is given; pass the same "
             f"master_port everywhere")
 
@@ -310,6 +516,10 @@ def _parameter_doc(s: Setting, name: str) -> str:
         places = [f"``{n}``" for n in s.env]
         if s.file_env:
             places.append(f"the file named by ``{s.file_env}``")
+        launched = ", ".join(f"``{n}``" for n in launcher_variables(s.name))
+        if launched:
+            places.append(f"the launcher that started this process ({launched}; see "
+                          f"docs/launching.md)")
         default = "" if s.default is None else f"; default {_shown(s.default)}"  # doc says what None means
         where = f"Left ``None``: read from {', else '.join(places)}{default}."
     text = textwrap.fill(f"{s.doc} {where}", width=88, initial_indent="    ",
@@ -334,8 +544,8 @@ def takes_settings(**renamed: str) -> Callable[[F], F]:
     ``renamed`` gives (setting name -> argument name) or its own.
 
     Checks, at import, that its arguments besides ``self`` and ``env`` are
-    exactly :data:`SETTINGS` (in order, with their annotations and
-    defaults), and puts their "Parameters" section into its docstring,
+    exactly the settings of :data:`SETTINGS` that are arguments (in order,
+    with their annotations and defaults), and puts their "Parameters" section into its docstring,
     before "Raises".
 
     Raises
@@ -343,7 +553,7 @@ def takes_settings(**renamed: str) -> Callable[[F], F]:
     TypeError
         The signature does not match :data:`SETTINGS`.
     """
-    named = [(renamed.get(s.name, s.name), s) for s in SETTINGS]
+    named = [(renamed.get(s.name, s.name), s) for s in ARGUMENTS]
 
     def decorate(func: F) -> F:
         _check_signature(func, named)
@@ -374,7 +584,8 @@ def resolve(
     bind_addr: Optional[str] = None,
     env: Optional[Mapping[str, str]] = None,
 ) -> Config:
-    """Build a :class:`Config` from arguments, then the environment, then defaults.
+    """Build a :class:`Config` from arguments, then the environment (its
+    variables, then the launcher's), then defaults.
 
     Raises
     ------
@@ -384,10 +595,11 @@ def resolve(
     """
     given = dict(locals())  # every argument by name; takes_settings holds them to SETTINGS
     env = os.environ if env is None else env
+    launcher = launcher_of(env)
     values: dict[str, Any] = {}
     origins: dict[str, Origin] = {}
     for s in SETTINGS:
-        values[s.field_name], origins[s.name] = _value(s, given[s.name], env)
+        values[s.field_name], origins[s.name] = _value(s, given.get(s.name), env, launcher)
     config = Config(**values)
     for check in CROSS_CHECKS:
         check(config, origins)
