@@ -1,6 +1,7 @@
 """Side-by-side benchmark of zcollective and the peers users would otherwise pick.
 
     pip install -e '.[bench]'        # numpy, psutil, adaptdl==0.2.11 (--no-deps, see README)
+    pip install -e '.[torch]'        # optional: the torch tensor workloads (CPU wheel: see README)
     python benchmarks/bench.py       # prints a markdown table, writes benchmarks/results/latest.json
 
 Each (backend, N, round) runs in fresh processes on loopback; rounds alternate the
@@ -31,6 +32,7 @@ ALL_BACKENDS = ["zcollective", "zcollective+secret", "floor", "adaptdl", "torch"
 SECRET = "benchmark-secret-0123456789abcdef"
 RUN_TIMEOUT_S = 600  # one backend at one N, all workloads
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+TORCH_CPU_WHEEL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
 def add(a: Any, b: Any) -> Any:
@@ -50,7 +52,11 @@ WORKLOADS: dict[str, tuple[int, int, int | None]] = {
     "allreduce float32 1 MiB": (60, 20, 1 << 20),
     "allreduce float32 16 MiB": (12, 5, 16 << 20),
     "64 pipelined allreduce_async": (30, 10, None),
+    # the array workloads again, as CPU torch tensors; only where torch is installed
+    "allreduce torch float32 1 MiB": (60, 20, 1 << 20),
+    "allreduce torch float32 16 MiB": (12, 5, 16 << 20),
 }
+TENSOR_WORKLOADS = ("allreduce torch float32 1 MiB", "allreduce torch float32 16 MiB")
 WARMUP = 5
 
 
@@ -119,6 +125,17 @@ def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: b
         for k, f in enumerate(futures):
             assert f.result() == k * size
 
+    def tensors(nbytes: int) -> Callable[[int], None]:
+        import torch
+
+        torch.set_num_threads(1)  # N replicas share the cores: torch's own threads would fight them
+        base = torch.full((nbytes // 4,), rank + 1, dtype=torch.float32)
+
+        def one(i: int) -> None:
+            out = impl.allreduce(base.clone(), fn("add"))
+            assert out.shape == base.shape and out[0].item() == tri and out[-1].item() == tri
+        return one
+
     timed("allreduce int", small_int)
     timed("allreduce dict100 (lambda merge)", small_dict)
     timed("broadcast small dict", bcast)
@@ -127,6 +144,9 @@ def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: b
     timed("allreduce float32 16 MiB", arrays(16 << 20))
     rss_after = peak_rss()
     timed("64 pipelined allreduce_async", pipelined)
+    if tensors_available():  # last: importing torch must not count in the RSS figures above
+        timed("allreduce torch float32 1 MiB", tensors(1 << 20))
+        timed("allreduce torch float32 16 MiB", tensors(16 << 20))
     impl.close()
     with open(out, "w") as f:
         json.dump({"rank": rank, "times": results, "peak_rss": rss_after,
@@ -141,6 +161,14 @@ def peak_rss() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def tensors_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def free_port() -> int:
@@ -202,6 +230,8 @@ def summarize(runs: list[list[dict[str, Any]]], size: int) -> dict[str, Any]:
     """Median over rounds of the slowest rank's median and p90."""
     summary: dict[str, Any] = {}
     for name, (_, _, nbytes) in WORKLOADS.items():
+        if any(name not in r["times"] for ranks in runs for r in ranks):
+            continue  # not run (torch tensors without torch)
         medians, p90s = [], []
         for ranks in runs:
             per_rank = [sorted(r["times"][name]) for r in ranks]
@@ -230,6 +260,8 @@ def table(results: dict[str, dict[int, dict[str, Any]]], sizes: list[int], backe
     ran = [b for b in backends if b in results]
     lines = ["| workload | N | " + " | ".join(ran) + " |", "|---|---|" + "---|" * len(ran)]
     for name, (_, _, nbytes) in WORKLOADS.items():
+        if not any(name in results[b].get(n, {}) for b in ran for n in sizes):
+            continue
         for n in sizes:
             floor = results.get("floor", {}).get(n, {}).get(name)
             cells = []
@@ -292,6 +324,8 @@ def main() -> None:
                 runs[b][n].append(run_one(b, n, args.quick))
     results = {b: {n: summarize(runs[b][n], n) for n in sizes} for b in order}
     text = table(results, sizes, order)
+    if not tensors_available():
+        skipped["torch tensor workloads"] = f"torch not installed ({TORCH_CPU_WHEEL})"
     notes = [f"- {b}: skipped, {why}" for b, why in skipped.items()]
     print(text)
     for note in notes:
