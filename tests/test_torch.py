@@ -10,13 +10,13 @@ import textwrap
 import warnings
 
 import pytest
+import zmq
 
 import zcollective as zc
 from zcollective import _serialize
 from zcollective.testing import run_replicas
 
 torch = pytest.importorskip("torch")
-zmq = pytest.importorskip("zmq")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = ["float32", "float64", "float16", "bfloat16", "bool", "int8", "int16", "int32", "int64", "uint8",
