@@ -8,6 +8,8 @@ with a bound, and fails loudly (naming the marker) if it never appears.
 import os
 import time
 
+import pytest
+
 MARKER_WAIT_S = 30.0  # a rank reaches its point within this, even on a loaded 2-core machine
 MARKER_POLL_S = 0.01
 
@@ -32,3 +34,14 @@ def wait_for(*paths, timeout=MARKER_WAIT_S):
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"marker {path} did not appear within {timeout:g} s")
             time.sleep(MARKER_POLL_S)  # polling a file, with a bound
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Captured output made UTF-8-safe: what a fuzzed peer sends (a lone
+    surrogate in a JSON string) ends up in the library's log, and pytest-xdist
+    cannot send a report holding it from a worker."""
+    outcome = yield
+    report = outcome.get_result()
+    report.sections = [(title, text.encode("utf-8", "backslashreplace").decode("utf-8"))
+                       for title, text in report.sections]
