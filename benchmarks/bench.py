@@ -337,6 +337,10 @@ def main() -> None:
                    "command": " ".join(sys.argv), "rounds": args.rounds, "quick": args.quick,
                    "skipped": skipped, "results": results, "table": text}, f, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
+    from plot import draw  # this folder is on sys.path: bench.py runs as a script
+
+    for png in draw(args.out) or ["no pictures: matplotlib is not installed"]:
+        print(f"wrote {png}" if png.endswith(".png") else png, file=sys.stderr)
 
 
 if __name__ == "__main__":
