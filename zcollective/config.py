@@ -48,6 +48,7 @@ ALL_INTERFACES = ("*", "0.0.0.0", "::")
 LOOPBACK = "127.0.0.1"  # MPI ranks all on one host find rank 0 here
 SLURM_PORT_BASE = 20000  # Slurm's port is BASE + SLURM_JOB_ID % SPAN: 20000-29999, below every
 SLURM_PORT_SPAN = 10000  # OS's ephemeral ports (Linux: 32768+); jobs collide only 10000 ids apart
+TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": torchrun's agent holds MASTER_PORT
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,27 @@ class Config:
     def bind_host(self) -> str:
         host = self.bind_addr or self.master_addr
         return "*" if host in ALL_INTERFACES else host
+
+
+# -- where a value came from -------------------------------------------------
+
+
+class Origin(NamedTuple):
+    """Where a setting's value came from."""
+
+    raw: Any  # the value as found, before conversion
+    source: str  # "argument replica_rank", "environment variable RANK", "the default", ...
+    shown: str  # how error messages quote it: source and raw value (never a secret's)
+
+
+def _variable(env: Mapping[str, str], name: str, secret: bool = False) -> Optional[Origin]:
+    raw = env.get(name)
+    if raw is not None and not secret:
+        raw = raw.strip()
+    if not raw:  # set but empty counts as unset
+        return None
+    source = f"environment variable {name}"
+    return Origin(raw, source, source if secret else f"{source}={raw!r}")
 
 
 # -- conversions: raw value -> value, or ValueError(what is wrong) -----------
@@ -162,6 +184,23 @@ def _not_negative(n: int) -> Optional[str]:
     return None if n >= 0 else "must be 0 or more"
 
 
+# -- adjustments: a value found in the environment -> the value it stands for -
+
+
+def _beside_torchrun_agent(found: Origin, env: Mapping[str, str]) -> Origin:
+    """torchrun's agent itself listens on MASTER_PORT when it says TORCHELASTIC_USE_AGENT_STORE=True
+    (its workers' torch.distributed stores connect there): the coordinator takes the next port."""
+    if found.source != "environment variable MASTER_PORT" or env.get(TORCHRUN_AGENT_STORE) != "True":
+        return found
+    try:
+        port = _integer(found.raw) + 1
+    except ValueError as exc:
+        raise ValueError(f"{found.shown} {exc}") from None
+    return Origin(port, "environment variable MASTER_PORT, plus 1",
+                  f"{found.shown} plus 1 ({TORCHRUN_AGENT_STORE}='True': torchrun's agent listens "
+                  f"on MASTER_PORT itself), {port},")
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting: its argument, where else it comes from, how it is read, what it means."""
@@ -179,6 +218,8 @@ class Setting:
     none_is_value: bool = False  # an argument of None is a value (no bound), not "look further";
     # the signatures' default is then `default` itself
     argument: bool = True  # False: read from the environment only; no signature takes it
+    adjust: Optional[Callable[[Origin, Mapping[str, str]], Origin]] = None  # a value its variables
+    # gave -> the value it stands for there
 
     @property
     def field_name(self) -> str:
@@ -196,6 +237,7 @@ SETTINGS: tuple[Setting, ...] = (
                 "must reach it there."),
     Setting("master_port", "Optional[int]", DEFAULT_MASTER_PORT, _integer, check=_port_problem,
             env=("ZCOLLECTIVE_MASTER_PORT", "ADAPTDL_MASTER_PORT", "MASTER_PORT"),
+            adjust=_beside_torchrun_agent,
             doc="TCP port of the coordinator, the same on every replica (0 only with one "
                 "replica, which binds nothing)."),
     Setting("replica_rank", "Optional[int]", DEFAULT_RANK, _integer, config_field="rank",
@@ -237,24 +279,6 @@ SETTINGS: tuple[Setting, ...] = (
 ARGUMENTS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.argument)
 
 ENV_NAMES: dict[str, tuple[str, ...]] = {s.field_name: s.env for s in SETTINGS if s.env}
-
-
-class Origin(NamedTuple):
-    """Where a setting's value came from."""
-
-    raw: Any  # the value as found, before conversion
-    source: str  # "argument replica_rank", "environment variable RANK", "the default", ...
-    shown: str  # how error messages quote it: source and raw value (never a secret's)
-
-
-def _variable(env: Mapping[str, str], name: str, secret: bool = False) -> Optional[Origin]:
-    raw = env.get(name)
-    if raw is not None and not secret:
-        raw = raw.strip()
-    if not raw:  # set but empty counts as unset
-        return None
-    source = f"environment variable {name}"
-    return Origin(raw, source, source if secret else f"{source}={raw!r}")
 
 
 # -- launchers: programs that start the replicas and tell each who it is -----
@@ -456,7 +480,11 @@ def _value(s: Setting, arg: Any, env: Mapping[str, str],
         source = f"argument {s.name}"
         found: Optional[Origin] = Origin(arg, source, source if s.secret else f"{source}={arg!r}")
     else:
-        found = _from_env(s, env) or (launcher.find(s.name, env) if launcher else None)
+        found = _from_env(s, env)
+        if found is not None and s.adjust is not None:
+            found = s.adjust(found, env)
+        if found is None and launcher is not None:
+            found = launcher.find(s.name, env)
     if found is None:
         return s.default, Origin(s.default, "the default", "the default")
     origin = found
