@@ -198,6 +198,24 @@ def test_the_kubernetes_manifest_makes_one_group():
     assert all(c.secret for c in configs)
 
 
+def test_launching_md_names_what_each_launcher_sets_and_zcollective_reads():
+    text = LAUNCHING_MD.read_text()
+    sections = dict(re.findall(r"\n## ([^\n]+)\n(.*?)(?=\n## |\Z)", text, re.S))
+    titles = {"Open MPI": "Open MPI", "MPICH / Intel MPI (Hydra)": "MPICH and Intel MPI (Hydra)",
+              "Slurm": "Slurm", "Kubernetes Indexed Job": "Kubernetes: an Indexed Job and a headless Service"}
+    for launcher in LAUNCHERS:
+        section = sections[titles[launcher.name]]
+        for name in {launcher.rank, *(v for r in launcher.readers.values() for v in r.variables)}:
+            assert f"`{name}`" in section, (launcher.name, name)
+    slurm = dict(re.findall(r"^\| ([a-z ]+) \| (.+) \|$", sections["Slurm"], re.M))
+    readers = next(launcher for launcher in LAUNCHERS if launcher.name == "Slurm").readers
+    for label, setting in [("rank", "replica_rank"), ("number of replicas", "num_replicas"),
+                           ("local rank", "local_rank")]:
+        assert slurm[label] == f"`{readers[setting].variables[0]}`", label
+    assert slurm["master port"] == f"{SLURM_PORT_BASE} + `SLURM_JOB_ID` % {SLURM_PORT_SPAN}"
+    assert f"`{SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}`" in sections["Slurm"]
+
+
 # -- precedence --------------------------------------------------------------
 
 LAUNCHER_ENVS = {  # one process of each launcher, recognized by its own variables
@@ -450,8 +468,9 @@ def _by_rank(output, tag):
 
 
 def _assert_allreduce_ran(code, output, ranks, size):
-    shown = "\n".join(f"--- rank {r} ---\n" + "\n".join(lines) for r, lines in sorted(
-        ranks.items(), key=lambda item: -1 if item[0] is None else item[0]))
+    order = sorted(ranks, key=lambda r: -1 if r is None else r)  # the launcher's own lines first
+    shown = "\n".join(f"--- {'the launcher' if r is None else f'rank {r}'} ---\n" + "\n".join(ranks[r])
+                       for r in order)
     assert code == 0, f"exit code {code} (None: killed after {RUN_TIMEOUT_S:g} s)\n{shown}"
     total = size * (size + 1) // 2
     for rank in range(size):

@@ -46,8 +46,8 @@ SECRET_FILE_ENV = "ZCOLLECTIVE_SECRET_FILE"
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
 ALL_INTERFACES = ("*", "0.0.0.0", "::")
 LOOPBACK = "127.0.0.1"  # MPI ranks all on one host find rank 0 here
-SLURM_PORT_BASE = 20000  # Slurm's port is BASE + SLURM_JOB_ID % SPAN: 20000-29999, below every
-SLURM_PORT_SPAN = 10000  # OS's ephemeral ports (Linux: 32768+); jobs collide only 10000 ids apart
+SLURM_PORT_BASE = 20000  # Slurm's port is BASE + SLURM_JOB_ID % SPAN: 20000-29999, below Linux's
+SLURM_PORT_SPAN = 10000  # ephemeral ports (32768+) and IANA's (49152+); jobs collide 10000 ids apart
 TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": torchrun's agent holds MASTER_PORT
 
 
