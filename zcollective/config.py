@@ -9,7 +9,8 @@ test holds the README's configuration table to them.
 
 Precedence, setting by setting: an explicit argument; else the first
 environment variable set (``ZCOLLECTIVE_*``, then adaptdl's ``ADAPTDL_*``,
-then torchrun's names); else what the launcher that started this process
+then torchrun's names, ``MASTER_PORT`` plus 1 where torchrun's agent holds
+it); else what the launcher that started this process
 says (:data:`LAUNCHERS`: Open MPI, MPICH/Intel MPI, Slurm, a Kubernetes
 Indexed Job -- only the first one recognized is read); else the default.
 Every malformed value is a ``ValueError`` that names the argument or
