@@ -3,10 +3,12 @@ each rank arrives, the one-line-per-call log, and the launcher's summary."""
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
 from pair import Pair
 
 import zcollective as zc
@@ -87,3 +89,25 @@ def test_the_launcher_names_the_slowest_rank_and_is_quiet_when_asked(tmp_path):
     assert quiet.returncode == 0 and "slowest" not in quiet.stderr, quiet.stderr
     json.dumps(zc.__all__)  # stats is public
     assert "stats" in zc.__all__
+
+
+def test_zcollective_log_calls_prints_one_line_per_call_to_stderr(tmp_path):
+    job = tmp_path / "logged.py"
+    job.write_text(textwrap.dedent("""
+        import zcollective as zc
+        zc.initialize()
+        zc.allreduce(1)
+        zc.broadcast("x")
+        zc.teardown()
+    """))
+    env = {**os.environ, "ZCOLLECTIVE_LOG": "calls"}
+    proc = subprocess.run([sys.executable, "-m", "zcollective.run", "-n", "2", str(job)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "waited" in line]
+    assert len(lines) == 6, proc.stdout  # 2 ranks x (allreduce, broadcast, teardown)
+    assert any(line.startswith("[1] zcollective rank 1: seq 0 allreduce at logged.py:4: done, sent")
+               for line in lines), lines
+    bad = dict(env, ZCOLLECTIVE_LOG="everything")
+    with pytest.raises(ValueError, match="ZCOLLECTIVE_LOG='everything'"):
+        zc.config.resolve(env=bad)

@@ -40,7 +40,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "initialize", "teardown", "is_initialized", "get_rank", "get_world_size", "stats",
+    "initialize", "teardown", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "stats",
     "allreduce", "allreduce_async", "reduce", "reduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
@@ -177,6 +177,12 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """The number of replicas in the default group."""
     return _current().size
+
+
+def get_local_rank() -> Optional[int]:
+    """This replica's index among those on its host, as its launcher said
+    (``None`` when none did); see ``ZCOLLECTIVE_LOCAL_RANK`` in the README."""
+    return _current().config.local_rank
 
 
 def stats() -> dict[str, Any]:

@@ -24,7 +24,7 @@ from ._link import DirectLink, Driver, HostLink
 from ._member import Member
 from ._replica import Replica
 from ._server import Server
-from ._stats import write_for_launcher
+from ._stats import calls_log, write_for_launcher
 from ._wire import DEFAULT_MAX_FRAMES, FLAG_LOCAL_ERROR, Message, Op, Signer, error_note
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
 from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError
@@ -136,6 +136,9 @@ class Group:
         signer = Signer(config.secret) if config.secret is not None else None
         self._member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
+        if config.log == "calls":
+            self._member.log_calls = True
+            _show_calls_log()
         self._link: Optional[Driver] = None
         _open_groups[id(self)] = self
         _register_atexit()
@@ -519,6 +522,17 @@ class Group:
             except BaseException:
                 pass  # the group failed, or an interrupt: nothing to announce, only to flush
         self._close(ending=True)
+
+
+def _show_calls_log() -> None:
+    """``ZCOLLECTIVE_LOG=calls`` asks to see the lines: print them to stderr,
+    unless the program has configured logging itself."""
+    if not calls_log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        calls_log.addHandler(handler)
+    if calls_log.getEffectiveLevel() > logging.INFO:
+        calls_log.setLevel(logging.INFO)
 
 
 def _end_all() -> None:

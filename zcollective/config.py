@@ -67,6 +67,7 @@ class Config:
     secret: Optional[bytes] = field(default=None, repr=False)
     bind_addr: Optional[str] = None  # rank 0 binds here; None: the interface of master_addr
     local_rank: Optional[int] = None  # this replica's index on its host; None: nobody said
+    log: Optional[str] = None  # "calls": one line per call on the logger zcollective.calls
 
     @property
     def endpoint(self) -> str:
@@ -181,6 +182,13 @@ def _bind_problem(addr: str) -> Optional[str]:
     return "is not an address to bind" if bad else None
 
 
+def _log_problem(value: str) -> Optional[str]:
+    return None if value in LOG_CHOICES else f"must be one of {', '.join(map(repr, LOG_CHOICES))}"
+
+
+LOG_CHOICES = ("", "calls")
+
+
 def _not_negative(n: int) -> Optional[str]:
     return None if n >= 0 else "must be 0 or more"
 
@@ -275,6 +283,10 @@ SETTINGS: tuple[Setting, ...] = (
             env=("ZCOLLECTIVE_LOCAL_RANK", "LOCAL_RANK"),
             doc="This replica's index among the replicas on its host (to pick a GPU, say); "
                 "``None`` when nobody said."),
+    Setting("log", "Optional[str]", None, str, check=_log_problem, argument=False,
+            env=("ZCOLLECTIVE_LOG",),
+            doc="``calls``: log one line per call (seq, operation, call site, bytes, time "
+                "waited) on the logger ``zcollective.calls``; ``None``: no such lines."),
 )
 
 ARGUMENTS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.argument)
