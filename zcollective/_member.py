@@ -337,8 +337,10 @@ class Member:
     def _record(self, msg: Message, call: Call) -> None:
         """Count a call answered (see :mod:`zcollective._stats`)."""
         waited = time.perf_counter() - call.started
-        received = sum(len(f) if type(f) is bytes else memoryview(f).nbytes
-                       for segment in msg.segments for f in segment)
+        received = 0
+        for segment in msg.segments:
+            for f in segment:
+                received += len(f) if type(f) is bytes else memoryview(f).nbytes
         self.stats.record(call.op, call.sent, received, waited)
         if self.log_calls:
             outcome = "error" if msg.kind is Kind.ERROR else "done"

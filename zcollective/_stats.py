@@ -27,65 +27,62 @@ def percentiles(values: Any) -> dict[str, Optional[float]]:
     return {"median": ordered[n // 2], "p90": ordered[min(n - 1, n * 9 // 10)]}
 
 
-class OpStats:
-    __slots__ = ("calls", "bytes_sent", "bytes_received", "waits")
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.waits: deque[float] = deque(maxlen=SAMPLES)
-
-
 class CallStats:
-    """One rank's calls, by operation."""
+    """One rank's calls, by operation: running totals, and the waits of the
+    last :data:`SAMPLES` calls of each."""
 
     def __init__(self) -> None:
-        self.ops: dict[str, OpStats] = {}
+        self.totals: dict[str, list[int]] = {}  # op -> [calls, bytes sent, bytes received]
+        self.waits: dict[str, deque[float]] = {}
 
     def record(self, op: str, sent: int, received: int, waited: float) -> None:
-        stats = self.ops.get(op)
-        if stats is None:
-            stats = self.ops[op] = OpStats()
-        stats.calls += 1
-        stats.bytes_sent += sent
-        stats.bytes_received += received
-        stats.waits.append(waited)
+        try:
+            totals = self.totals[op]
+        except KeyError:
+            totals = self.totals[op] = [0, 0, 0]
+            self.waits[op] = deque(maxlen=SAMPLES)
+        totals[0] += 1
+        totals[1] += sent
+        totals[2] += received
+        self.waits[op].append(waited)
 
     def summary(self) -> dict[str, Any]:
         out = {}
-        for op, stats in sorted(self.ops.items()):
-            wait = percentiles(stats.waits)
-            out[op] = {"calls": stats.calls, "bytes_sent": stats.bytes_sent,
-                       "bytes_received": stats.bytes_received,
+        for op, (calls, sent, received) in sorted(self.totals.items()):
+            wait = percentiles(self.waits[op])
+            out[op] = {"calls": calls, "bytes_sent": sent, "bytes_received": received,
                        "wait_median_s": wait["median"], "wait_p90_s": wait["p90"]}
         return out
 
 
 class Lateness:
-    """At the coordinator: for each completed call, how long after the first
-    contribution each rank's arrived, and which rank was last."""
+    """At the coordinator: the arrival times of each of the last
+    :data:`SAMPLES` completed calls, by rank; how late each rank was after
+    the first, and who was last, are worked out when asked for."""
 
     def __init__(self, size: int) -> None:
+        self.size = size
         self.calls = 0
-        self.late: list[deque[float]] = [deque(maxlen=SAMPLES) for _ in range(size)]
-        self.last = [0] * size
+        self.recent: deque[dict[int, float]] = deque(maxlen=SAMPLES)
 
     def record(self, arrived: dict[int, float]) -> None:
-        if len(arrived) < 2:
-            return
-        first = min(arrived.values())
-        for rank, when in arrived.items():
-            self.late[rank].append(when - first)
-        self.last[max(arrived, key=arrived.__getitem__)] += 1
         self.calls += 1
+        self.recent.append(arrived)
 
     def summary(self) -> dict[int, dict[str, Any]]:
+        late: list[list[float]] = [[] for _ in range(self.size)]
+        last = [0] * self.size
+        recent = [a for a in list(self.recent) if len(a) > 1]  # copied whole, holding the GIL
+        for arrived in recent:
+            first = min(arrived.values())
+            for rank, when in arrived.items():
+                late[rank].append(when - first)
+            last[max(arrived, key=arrived.__getitem__)] += 1
         out = {}
-        for rank, late in enumerate(self.late):
-            p = percentiles(late)
+        for rank in range(self.size):
+            p = percentiles(late[rank])
             out[rank] = {"late_median_s": p["median"], "late_p90_s": p["p90"],
-                         "last_share": self.last[rank] / self.calls if self.calls else None}
+                         "last_share": last[rank] / len(recent) if recent else None}
         return out
 
 
