@@ -66,13 +66,14 @@ def test_replica_with_another_secret_gets_authentication_error(tmp_path):
         outs = reps.wait(40)
     assert [o.value[0] if o.value else None for o in outs] == ["CollectiveTimeoutError",
                                                                "AuthenticationError"], report(outs, "")
+    said = report(outs, "")
     assert outs[1].value[1] == (f"rank 1: a reply of the coordinator at tcp://127.0.0.1:{reps.port} failed "
                                 f"authentication (authentication tag does not match): rank 0 has a "
-                                f"different secret; set the same ZCOLLECTIVE_SECRET everywhere")
+                                f"different secret; set the same ZCOLLECTIVE_SECRET everywhere"), said
     # rank 0 says who never joined, and logs the refusal once
     assert outs[0].value[1] == (f"rank 0 timed out after 2 s joining the group at "
-                                f"tcp://127.0.0.1:{reps.port}: connected, but ranks 1 had not joined")
-    assert outs[0].output.count("failed authentication") == 1, outs[0].output
+                                f"tcp://127.0.0.1:{reps.port}: connected, but ranks 1 had not joined"), said
+    assert outs[0].output.count("failed authentication") == 1, report(outs, "logged more than once")
 
 
 def attack(port, marker, stop):
@@ -120,10 +121,10 @@ def test_stranger_without_the_secret_is_refused_and_nothing_it_sent_runs(tmp_pat
         stop.set()
         attacker.join(10)
     assert all(o.ok for o in outs), report(outs, "the job failed")
-    assert [o.value for o in outs] == [[i * 6 for i in range(300)]] * 3
+    assert [o.value for o in outs] == [[i * 6 for i in range(300)]] * 3, report(outs, "wrong results")
     assert not os.path.exists(marker)
     log = outs[0].output
-    assert log.count("refused a message from 127.0.0.1") == 1, log  # once, with the address
+    assert log.count("refused a message from 127.0.0.1") == 1, report(outs, "")  # once, with the address
 
 
 class TamperingProxy:
@@ -212,8 +213,8 @@ def test_message_altered_in_flight_is_rejected_never_acted_upon(secret):
     assert proxy.flipped, report(outs, "the proxy never altered a byte")
     for out in outs:
         assert out.value[0] == "AuthenticationError", report(outs, "")
-        assert "a message on the connection of rank 1" in out.value[1]
-        assert "failed authentication" in out.value[1]
+        assert "a message on the connection of rank 1" in out.value[1], report(outs, "")
+        assert "failed authentication" in out.value[1], report(outs, "")
 
 
 def bind_report():
@@ -234,7 +235,7 @@ def test_coordinator_binds_the_master_interface_only():
     with Replicas(probe, 2, port=port, env=env) as reps:
         outs = reps.wait(30)
     assert outs[0].value == (True, 2), report(outs, "")
-    assert "without a secret" not in outs[0].output  # loopback: no warning
+    assert "without a secret" not in outs[0].output, report(outs, "")  # loopback: no warning
 
 
 def test_binding_beyond_loopback_without_a_secret_warns_once():
@@ -245,7 +246,7 @@ def test_binding_beyond_loopback_without_a_secret_warns_once():
     assert log.count("without a secret") == 1 and "docs/security.md" in log
     with Replicas(bind_report, 2, env={"ZCOLLECTIVE_BIND_ADDR": "*", "ZCOLLECTIVE_SECRET": SECRET}) as reps:
         outs = reps.wait(30)
-    assert "without a secret" not in outs[0].output
+    assert "without a secret" not in outs[0].output, report(outs, "")
 
 
 FLOOD_S = 6.0  # three times the liveness bound: heartbeats must be answered all along
@@ -281,7 +282,7 @@ def test_a_flood_of_connections_cannot_silence_heartbeats(tmp_path):
         touch(flooded)
         outs = reps.wait(FLOOD_MAX_S + 60)
     assert all(o.ok for o in outs), report(outs, f"a rank failed after {opened} connections")
-    assert [o.value for o in outs] == [3, 3]
+    assert [o.value for o in outs] == [3, 3], report(outs, "")
     assert opened >= FLOOD_CONNECTIONS, opened
 
 
@@ -367,8 +368,9 @@ def test_a_message_moved_between_ranks_is_refused_never_returned():
     for out in outs[1:]:
         name, message = out.value
         assert name == "AuthenticationError", report(outs, "a moved result was returned")
-        assert f"rank {out.rank}: a RESULT message from the coordinator" in message
-        assert f"was bound to rank {3 - out.rank}" in message and "moved between ranks" in message
+        said = report(outs, "")
+        assert f"rank {out.rank}: a RESULT message from the coordinator" in message, said
+        assert f"was bound to rank {3 - out.rank}" in message and "moved between ranks" in message, said
     name, message = outs[0].value  # the root got its own part; the group then failed everywhere
-    assert name == "result" and message == "for rank 0"
+    assert name == "result" and message == "for rank 0", report(outs, "")
     assert outs[0].ok and all(o.returncode == 0 for o in outs), report(outs, "a rank did not end cleanly")
