@@ -22,6 +22,7 @@ ENDINGS = ("rank0-first", "rank0-last", "rank0-raises")
 SIZES = ("small", "4MiB")
 
 
+@pytest.mark.timeout(200)  # its own waits are bounded at 150 s
 def test_programs_that_end_without_teardown_lose_nothing(tmp_path):
     """8 ranks, each ending (rank 0 first, last, or by an uncaught exception)
     right after its last call, 10 times each with small values and 4 MiB

@@ -269,15 +269,23 @@ def test_timeout_names_the_ranks_that_had_not_arrived_and_the_call_stays_in_flig
     assert outcome(late) == 5
 
 
-def test_timeout_after_every_rank_arrived_says_rank_0_is_still_computing():
+def test_timeout_after_every_rank_arrived_says_the_result_is_on_its_way():
     pair = Pair(3).joined()
     pair.hold(2, Kind.RESULT)  # rank 2's result is on its way
     futures = pair.call_all(Op.ALLREDUCE, [1, 2, 3], fn=add)
     assert pair.members[2].timeout_message(0, 2, pair.status(2, 0)) == (
-        "seq 0 allreduce timed out after 2 s on rank 2: every rank arrived; the coordinator (rank 0) "
-        "is still computing it")
+        "seq 0 allreduce timed out after 2 s on rank 2: every rank arrived and the coordinator "
+        "(rank 0) sent the result, which had not arrived here yet")
     pair.release(2, Kind.RESULT)
     assert outcome(futures[2]) == 6
+
+
+def test_timeout_while_the_coordinator_computes_says_so():
+    pair = Pair(2).joined()
+    computing = {"seq": 0, "state": "computing", "arrived": [0, 1], "missing": []}
+    assert pair.members[1].timeout_message(0, 2, computing) == (
+        "seq 0 call timed out after 2 s on rank 1: every rank arrived; the coordinator (rank 0) "
+        "is still computing it")
 
 
 def test_timeout_without_a_status_answer_asks_whether_a_reduce_function_is_stuck():

@@ -392,7 +392,7 @@ class Coordinator:
         except (WireError, KeyError) as exc:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return None
-        return Member(rank, b"", pid, str(info.get("host", "?"))[:256],
+        return Member(rank, b"", pid, _printable(str(info.get("host", "?"))[:256]),
                       nonce=str(info.get("nonce", ""))[:64])
 
     def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str) -> list[Out]:
@@ -409,6 +409,7 @@ class Coordinator:
         """Why a proven JOIN fails the whole group (error name, text), or None."""
         who = join.describe()
         if python != PYTHON_VERSION:
+            python = _printable(python[:64])
             return ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
                     f"Python {PYTHON_VERSION}; pickles are only compatible between identical "
                     f"Python versions")
@@ -721,6 +722,12 @@ class Coordinator:
 class _Unreadable(Exception):
     """A contribution rank 0 cannot unpickle (its sender's fault, not the
     reduce function's): its text names the rank."""
+
+
+def _printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate a peer sent
+    in JSON) escaped: it ends up in logs and messages."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _cap(text: str, limit: int = MAX_MESSAGE_BYTES, tail: bool = False) -> str:

@@ -149,8 +149,9 @@ class Group:
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
-            if self._server is not None and refused:
-                # replicas still starting up should hear why, not time out
+            if self._server is not None and self._server.gone() is None and refused:
+                # replicas still starting up should hear why, not time out (when it serves:
+                # a coordinator that could not bind has nobody to tell)
                 time.sleep(JOIN_FAILURE_GRACE_S)
             self._close()
             raise

@@ -435,6 +435,9 @@ class Member:
             missing = ",".join(map(str, status["missing"]))
             arrived = ",".join(map(str, status.get("arrived", []))) or "none"
             return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
+        if status.get("state") == "done":
+            return (f"{base}: every rank arrived and the coordinator (rank 0) sent the result, "
+                    f"which had not arrived here yet")
         return f"{base}: every rank arrived; the coordinator (rank 0) is still computing it"
 
     def join_timeout_message(self, timeout: Optional[float], status: Optional[dict[str, Any]]) -> str:
