@@ -8,10 +8,11 @@ imports torch only to rebuild a tensor that was sent.
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import cloudpickle
 
@@ -166,7 +167,7 @@ def _tensor(data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
 
 
 def _torch() -> Any:
-    torch: Optional[Any] = sys.modules.get("torch")
-    if torch is None:
-        import torch
-    return torch
+    module = sys.modules.get("torch")
+    if module is None:  # a tensor arrives at a process that has not imported torch yet
+        module = importlib.import_module("torch")
+    return module
