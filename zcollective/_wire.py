@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-PROTOCOL_VERSION = 2  # bump on any change to the layout below (2: BYE; recipient-bound headers)
+PROTOCOL_VERSION = 3  # bump on any change to the layout below (2: BYE; recipient-bound headers;
+# 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
@@ -40,6 +41,7 @@ DEFAULT_MAX_FRAMES = 1 << 20  # alltoall at 64 ranks with many arrays stays far 
 FLAG_FN = 0x01  # a pickled reduce function follows the header
 FLAG_LOCAL_ERROR = 0x02  # the contribution is a JSON error raised on its sender
 FLAG_AUTH = 0x04  # the last frame is an HMAC-SHA256 tag over all the others
+FLAG_DATA = 0x08  # the segment describes data that travels on the data plane, not the data
 
 TAG_BYTES = 32
 KEY_LABEL = b"zcollective-v1-hmac-sha256"  # binds derived keys to this protocol

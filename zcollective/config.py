@@ -44,6 +44,9 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: libzmq allocates what a frame announ
 MIN_MAX_FRAME_BYTES = 1024  # a message header with the longest call site (546 bytes) always fits
 SECRET_ENV = "ZCOLLECTIVE_SECRET"
 SECRET_FILE_ENV = "ZCOLLECTIVE_SECRET_FILE"
+DEFAULT_DATA_PLANE = "auto"  # large arrays travel peer to peer; "off": everything through rank 0
+DATA_PLANE_CHOICES = ("auto", "off")
+DEFAULT_DATA_PLANE_MIN_BYTES = 1 << 20  # below this an array keeps the star (benchmarks/README.md)
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
 ALL_INTERFACES = ("*", "0.0.0.0", "::")
 LOOPBACK = "127.0.0.1"  # MPI ranks all on one host find rank 0 here
@@ -68,6 +71,8 @@ class Config:
     bind_addr: Optional[str] = None  # rank 0 binds here; None: the interface of master_addr
     local_rank: Optional[int] = None  # this replica's index on its host; None: nobody said
     log: Optional[str] = None  # "calls": one line per call on the logger zcollective.calls
+    data_plane: str = DEFAULT_DATA_PLANE  # "auto": large arrays peer to peer; "off": star only
+    data_plane_min_bytes: int = DEFAULT_DATA_PLANE_MIN_BYTES  # smaller arrays keep the star
 
     @property
     def endpoint(self) -> str:
@@ -189,6 +194,11 @@ def _log_problem(value: str) -> Optional[str]:
 LOG_CHOICES = ("", "calls")
 
 
+def _data_plane_problem(value: str) -> Optional[str]:
+    return None if value in DATA_PLANE_CHOICES else (
+        f"must be one of {', '.join(map(repr, DATA_PLANE_CHOICES))}")
+
+
 def _not_negative(n: int) -> Optional[str]:
     return None if n >= 0 else "must be 0 or more"
 
@@ -287,6 +297,15 @@ SETTINGS: tuple[Setting, ...] = (
             env=("ZCOLLECTIVE_LOG",),
             doc="``calls``: log one line per call (seq, operation, call site, bytes, time "
                 "waited) on the logger ``zcollective.calls``; ``None``: no such lines."),
+    Setting("data_plane", "Optional[str]", DEFAULT_DATA_PLANE, str, check=_data_plane_problem,
+            argument=False, env=("ZCOLLECTIVE_DATA_PLANE",),
+            doc="``auto``: large numeric arrays reduced elementwise, and large broadcasts, travel "
+                "between replicas directly (a ring, a chain); ``off``: every byte goes through "
+                "rank 0, as before."),
+    Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, _integer,
+            check=_not_negative, argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
+            doc="Arrays (and broadcast values) smaller than this many bytes keep the star "
+                "through rank 0, where small messages are faster."),
 )
 
 ARGUMENTS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.argument)
