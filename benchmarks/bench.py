@@ -28,7 +28,8 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-ALL_BACKENDS = ["zcollective", "zcollective+secret", "floor", "adaptdl", "torch", "mpi4py"]
+ALL_BACKENDS = ["zcollective", "zcollective+secret", "zcollective-star", "zcollective-star+secret", "floor",
+                "adaptdl", "torch", "mpi4py"]
 SECRET = "benchmark-secret-0123456789abcdef"
 RUN_TIMEOUT_S = 600  # one backend at one N, all workloads
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
@@ -72,6 +73,8 @@ def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: b
             return name
     else:
         if backend.startswith("zcollective"):
+            if "-star" in backend:  # everything through rank 0, as before the data plane
+                os.environ["ZCOLLECTIVE_DATA_PLANE"] = "off"
             impl = backends.ZCollective(rank, size, port, SECRET if backend.endswith("secret") else None)
         elif backend == "adaptdl":
             impl = backends.AdaptDL(rank, size, port)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from ._future import CollectiveFuture
 from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
+from ._ring import elementwise
 from .config import DEFAULT_INIT_TIMEOUT_S, takes_settings
 from .errors import (
     AddressError,
@@ -45,7 +46,7 @@ __all__ = [
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
     "alltoall", "alltoall_async", "barrier", "barrier_async",
-    "default_reduce_fn", "Group", "CollectiveFuture",
+    "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
     "PeerError", "AddressError", "LateJoinError", "ForkedProcessError", "InternalError",

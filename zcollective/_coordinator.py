@@ -62,6 +62,7 @@ from . import _serialize
 from ._stats import Lateness
 from ._wire import (
     FLAG_AUTH,
+    FLAG_DATA,
     FLAG_LOCAL_ERROR,
     NO_RANK,
     PROTOCOL_VERSION,
@@ -88,6 +89,7 @@ MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while j
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
 MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
 # rank 0 hold at most about 1.2 MiB of answers
+MAX_ENDPOINT_CHARS = 300  # a data port's "tcp://host:port", as a JOIN states it
 
 Out = tuple[bytes, Message]
 
@@ -109,6 +111,9 @@ class Member:
     nonce: str = ""  # echoed in WELCOME: binds it to this JOIN, so an old WELCOME cannot be replayed
     address: str = "?"
     ended: Optional[int] = None  # its program ended after this many calls (BYE)
+    data: Optional[str] = None  # its data port's endpoint, if it has one
+    data_min: int = 0  # the smallest array it would send peer to peer (rank 0's is used)
+    data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
@@ -164,6 +169,7 @@ class Coordinator:
         self._welcomed = False  # WELCOME went out: members know the session
         self.refused: dict[int, str] = {}  # rank -> why a JOIN claiming it was refused (joining)
         self.lateness = Lateness(num_replicas)  # who is slow (read by rank 0's own thread too)
+        self._moving: Optional[tuple[int, Op]] = None  # the last call whose data went peer to peer
 
     # -- entry points -------------------------------------------------
 
@@ -236,7 +242,16 @@ class Coordinator:
 
     def _on_abort(self, member: Member, msg: Message, address: str) -> list[Out]:
         # only the secret's holders reach here when there is one
-        said = str(msg.body().get("message", "?"))[:2000]
+        body = msg.body()
+        said = _printable(str(body.get("message", "?"))[:2000])
+        error = body.get("error")
+        if error == "PeerError" and self.phase is Phase.RUNNING and msg.seq < min(self.next_seq):
+            # a reduce function raised mid-ring: that call fails on every rank, the group goes on
+            return self._error_all(msg.seq, Op.ALLREDUCE, {"error": "PeerError", "message": _cap(said)})
+        if error == "ReplicaLostError":  # its data plane lost a link
+            lost = body.get("lost")
+            ranks = [lost] if type(lost) is int and 0 <= lost < self.num_replicas else []
+            return self.fail(str(error), f"{said} (reported by {member.describe()})", lost=ranks)
         return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
                          f"coordinator tampered with: {said}", bad=[member.rank])
 
@@ -253,7 +268,7 @@ class Coordinator:
     def completes_reduction(self, msg: Message) -> bool:
         """Would ``msg``, a member's next contribution, complete a call whose
         reduce function would run? (Its driver may want that run elsewhere.)"""
-        if msg.kind is not Kind.CONTRIB or msg.op not in (Op.ALLREDUCE, Op.REDUCE):
+        if msg.kind is not Kind.CONTRIB or msg.op not in (Op.ALLREDUCE, Op.REDUCE) or msg.flags & FLAG_DATA:
             return False
         call = self.pending.get(msg.seq)
         return self.phase is Phase.RUNNING and (0 if call is None else len(call.contributions)) == (
@@ -392,8 +407,13 @@ class Coordinator:
         except (WireError, KeyError) as exc:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return None
+        data, data_min, mode = info.get("data"), info.get("data_min", 0), info.get("data_mode")
+        if not (isinstance(data, str) and data.startswith("tcp://") and len(data) <= MAX_ENDPOINT_CHARS
+                and type(data_min) is int):
+            data, data_min = None, 0  # no data port: the group keeps the star
         return Member(rank, b"", pid, _printable(str(info.get("host", "?"))[:256]),
-                      nonce=str(info.get("nonce", ""))[:64])
+                      nonce=str(info.get("nonce", ""))[:64], data=data, data_min=data_min,
+                      data_mode="on" if mode == "on" else "auto")
 
     def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str) -> list[Out]:
         if self.phase is Phase.FAILED:
@@ -424,9 +444,14 @@ class Coordinator:
         return None
 
     def _welcome(self, member: Member) -> Message:
-        """WELCOME echoes the nonce of the JOIN it answers."""
-        return control(Kind.WELCOME, {"num_replicas": self.num_replicas, "nonce": member.nonce},
-                       rank=member.rank, session=self.session)
+        """WELCOME echoes the nonce of the JOIN it answers, and hands out every
+        rank's data port when every rank has one (rank 0's threshold for all)."""
+        body: dict[str, Any] = {"num_replicas": self.num_replicas, "nonce": member.nonce}
+        ports = [self.by_rank[r].data for r in range(self.num_replicas) if r in self.by_rank]
+        if len(ports) == self.num_replicas and all(ports) and (
+                self.by_rank[0].data_mode == "on" or len({_host_of(p) for p in ports}) > 1):
+            body["data"], body["data_min"] = ports, self.by_rank[0].data_min
+        return control(Kind.WELCOME, body, rank=member.rank, session=self.session)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:
         """With a secret, a JOIN is fresh only if it echoes the challenge this
@@ -559,6 +584,9 @@ class Coordinator:
 
     def _complete(self, seq: int, call: Call) -> list[Out]:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
+        if any(c.flags & FLAG_DATA for c in contributions) and not any(
+                c.flags & FLAG_LOCAL_ERROR for c in contributions):
+            return self._plan(seq, call, contributions)
         problem = self._malformed_call(seq, call, contributions)
         if problem is not None:
             return self._error_all(seq, call.op, {"error": problem[0], "message": _cap(problem[1])})
@@ -575,6 +603,51 @@ class Coordinator:
         return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
                                                   self.session, segments=segments))
                 for rank, segments in enumerate(routes)]
+
+    def _plan(self, seq: int, call: Call, contributions: list[Message]) -> list[Out]:
+        """A call whose data travels on the data plane: matched here like any
+        other, then every rank is sent the plan (the description every rank
+        agreed on, or the root's) and moves the data itself. An allreduce
+        whose ranks describe different arrays is a mismatch."""
+        head = f"seq {seq} {call.op.label}"
+        if call.op is Op.ALLREDUCE:
+            plans = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
+                     and len(c.segments[0]) == 1 else None for c in contributions}
+            if len(plans) != 1 or None in plans:
+                return self.fail("CallMismatchError", self._disagreement(seq, call, contributions), seq=seq)
+            plan = bytes(contributions[0].segments[0][0])
+        elif call.op is Op.BROADCAST:
+            root = contributions[call.root]
+            others = [r for r, c in enumerate(contributions) if c.flags & FLAG_DATA and r != call.root]
+            if others or not root.flags & FLAG_DATA or len(root.segments) != 1:
+                return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
+                    f"{head}: only the root may send a data plan ({rank_list(others) or 'the root'} "
+                    f"sent a malformed one)")})
+            plan = bytes(root.segments[0][0])
+        else:
+            return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
+                f"{head} has no data plane")})
+        segments = [[plan]]
+        self._moving = (seq, call.op)
+        return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
+                                                  self.session, flags=FLAG_DATA, segments=segments))
+                for rank in range(self.num_replicas)]
+
+    def _disagreement(self, seq: int, call: Call, contributions: list[Message]) -> str:
+        groups: dict[tuple[str, str], list[int]] = {}
+        for rank, c in enumerate(contributions):
+            what = ("a value that does not go peer to peer (not a numeric array that large, "
+                    "reduced elementwise)")
+            if c.flags & FLAG_DATA:
+                try:
+                    plan = json.loads(bytes(c.segments[0][0])[:MAX_MESSAGE_BYTES])
+                    what = (f"a {plan['dtype']} array of shape {tuple(plan['shape'])} reduced "
+                            f"with {plan['fn']}")
+                except (ValueError, KeyError, TypeError, IndexError):
+                    what = "a malformed array description"
+            groups.setdefault((_printable(what[:300]), c.callsite or "?"), []).append(rank)
+        parts = [f"{rank_list(ranks)} passed {what} at {site}" for (what, site), ranks in groups.items()]
+        return f"seq {seq} {call.op.label}: the ranks disagree: " + "; ".join(parts)
 
     def _malformed_call(self, seq: int, call: Call,
                         contributions: list[Message]) -> Optional[tuple[str, str]]:
@@ -696,6 +769,11 @@ class Coordinator:
     def _in_flight(self) -> str:
         if self.phase is Phase.JOINING:
             return f"while joining ({rank_list(self.missing_joins())} had not joined)"
+        moving = self._moving
+        if moving is not None and moving[0] == min(self.next_seq) - 1:
+            moving_note = f"seq {moving[0]} {moving[1].label} was matched; its data moves peer to peer"
+            if not self.pending:
+                return moving_note
         if not self.pending:
             return f"no call was in flight (next seq {min(self.next_seq)})"
         parts = []
@@ -722,6 +800,11 @@ class Coordinator:
 class _Unreadable(Exception):
     """A contribution rank 0 cannot unpickle (its sender's fault, not the
     reduce function's): its text names the rank."""
+
+
+def _host_of(endpoint: Optional[str]) -> str:
+    """``tcp://host:port`` -> ``host``."""
+    return (endpoint or "").rpartition(":")[0]
 
 
 def _printable(text: str) -> str:

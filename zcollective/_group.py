@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import operator
 import os
@@ -17,15 +18,16 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 import zmq
 
-from . import _serialize, _sockets
+from . import _ring, _serialize, _sockets
 from ._coordinator import Coordinator
+from ._dataplane import DataPlane
 from ._future import CollectiveFuture
 from ._link import DirectLink, Driver, HostLink
 from ._member import Member
 from ._replica import Replica
 from ._server import Server
 from ._stats import calls_log, write_for_launcher
-from ._wire import DEFAULT_MAX_FRAMES, FLAG_LOCAL_ERROR, Message, Op, Signer, error_note
+from ._wire import DEFAULT_MAX_FRAMES, FLAG_DATA, FLAG_LOCAL_ERROR, Message, Op, Signer, error_note
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
 from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError
 
@@ -35,6 +37,8 @@ T = TypeVar("T")
 Timeout = Union[float, None, "_Default"]
 ReduceFn = Callable[[Any, Any], Any]
 
+_NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
+_MAX_PLAN_BYTES = 1 << 16  # a broadcast's plan: the sizes of the root's frames
 JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
 COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
 # 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
@@ -55,6 +59,9 @@ def default_reduce_fn(a: Any, b: Any) -> Any:
     Counters, concatenates lists."""
     a += b
     return a
+
+
+_ring.register_default(default_reduce_fn)
 
 
 _ours: dict[str, bool] = {}  # file name -> is it this package's
@@ -132,6 +139,7 @@ class Group:
         self._closed = False
         self._ctx: Optional[zmq.Context] = None
         self._server: Optional[Server] = None
+        self._data: Optional[DataPlane] = None
         config = self.config
         signer = Signer(config.secret) if config.secret is not None else None
         self._member = Member(config.rank, config.num_replicas, config.endpoint, signer,
@@ -146,6 +154,7 @@ class Group:
         try:
             self._link = self._connect(signer)
             self._link.join(config.init_timeout)
+            self._start_data()
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
@@ -166,11 +175,27 @@ class Group:
             return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer))
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
+        if config.data_plane != "off":
+            self._data = DataPlane(self._ctx, config)
+            member.data_endpoint, member.data_min_bytes = self._data.endpoint, config.data_plane_min_bytes
+            member.data_mode = config.data_plane
         if config.rank == 0:
             self._server = Server(self._ctx, config)
             self._server.start()
             return HostLink(member, self._server)
         return Replica(self._ctx, config, member)
+
+    def _start_data(self) -> None:
+        """Joined: use the data plane if every rank has one, else let it go."""
+        data, member = self._data, self._member
+        if data is None or self._link is None:
+            return
+        if member.data_endpoints is None:
+            self._data = None
+            data.close()
+            return
+        data.start(member.session, member.data_endpoints)
+        self._link.data = data
 
     # -- properties ---------------------------------------------------------
 
@@ -255,10 +280,39 @@ class Group:
         """Like :meth:`broadcast`, without blocking; returns a future
         (see :func:`zcollective.broadcast_async`)."""
         root = self._check_root(root)
-        if self.rank == root:
+        site = _callsite()
+        chain = self._member.data_endpoints is not None and self._link is not None and (
+            self._link.data is not None)
+        if self.rank != root:
+            return self._submit(Op.BROADCAST, root, _nothing, _first, site,
+                                data_job=self._chain(root, None) if chain else None)
+        if not chain:
             return self._submit(Op.BROADCAST, root, lambda: ([_serialize.dumps(value)], None),
-                                lambda m: value, _callsite())
-        return self._submit(Op.BROADCAST, root, _nothing, _first, _callsite())
+                                lambda m: value, site)
+        segment = _serialize.dumps(value)
+        sizes = [memoryview(f).nbytes for f in segment]
+        if sum(sizes) < self._member.data_min_bytes:
+            return self._submit(Op.BROADCAST, root, lambda: ([segment], None), lambda m: value, site)
+        plan = json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
+        return self._submit(Op.BROADCAST, root, lambda: ([[plan]], None), lambda m: value, site,
+                            FLAG_DATA, self._chain(root, segment, value))
+
+    def _chain(self, root: int, segment: Optional[list[Any]], value: Any = None
+               ) -> Callable[[Message], _ring.Job]:
+        """The job of a broadcast whose value goes down the chain (the root's
+        plan says the sizes of its frames)."""
+        def job(msg: Message) -> _ring.Job:
+            sizes = json.loads(bytes(msg.segments[0][0])[:_MAX_PLAN_BYTES])["sizes"]
+            if not (isinstance(sizes, list) and all(type(n) is int and n >= 0 for n in sizes)
+                    and sum(sizes) <= (self.config.max_frame_bytes or sys.maxsize) * max(1, len(sizes))):
+                raise ValueError(f"malformed frame sizes {str(sizes)[:100]}")
+            chain = _ring.ChainBroadcast(self.rank, self.size, root, sizes, segment)
+            if segment is not None:
+                chain.finish = lambda: value  # type: ignore[attr-defined]
+            else:
+                chain.finish = lambda: _serialize.loads(chain.result())  # type: ignore[attr-defined]
+            return chain
+        return job
 
     def allgather(self, value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
         """Every replica gets the list of all replicas' values, in rank order."""
@@ -365,13 +419,46 @@ class Group:
         else:
             finish = _first
 
+        if op is Op.ALLREDUCE:
+            plan = self._array_plan(value, reduce_fn)
+            if plan is not None:
+                array, name, description = plan
+                return self._submit(op, root, lambda: ([[description]], None), finish, site, FLAG_DATA,
+                                    lambda m: self._ring(array, name, reduce_fn))
+
         def build() -> tuple[list[list[Any]], Any]:
             fn = _serialize.dumps_function(reduce_fn) if self.rank == root else None
             return [_serialize.dumps(value)], fn
         return self._submit(op, root, build, finish, site)
 
+    def _array_plan(self, value: Any, reduce_fn: ReduceFn) -> Optional[tuple[Any, str, bytes]]:
+        """``(array, reduction, description)`` when ``value`` goes peer to peer:
+        a C-contiguous numeric numpy array of at least the group's threshold,
+        reduced elementwise, in a group with a data plane; else None (the star)."""
+        member = self._member
+        if member.data_endpoints is None or self._link is None or self._link.data is None:
+            return None
+        numpy = sys.modules.get("numpy")
+        if numpy is None or type(value) is not numpy.ndarray:
+            return None
+        if (value.dtype.kind not in _NUMERIC_KINDS or not value.flags.c_contiguous
+                or value.nbytes < member.data_min_bytes or value.dtype.hasobject):
+            return None
+        name = _ring.reduction_name(reduce_fn)
+        if name is None:
+            return None
+        description = json.dumps({"dtype": value.dtype.str, "shape": list(value.shape), "fn": name},
+                                 separators=(",", ":")).encode()
+        return value, name, description
+
+    def _ring(self, array: Any, name: str, reduce_fn: ReduceFn) -> _ring.Job:
+        job = _ring.RingAllreduce(self.rank, self.size, array, _ring.reducer(name, reduce_fn))
+        job.finish = job.result  # type: ignore[attr-defined]
+        return job
+
     def _submit(self, op: Op, root: int, build: Callable[[], tuple[list[list[Any]], Any]],
-                finish: Callable[[Message], Any], site: str, flags: int = 0) -> CollectiveFuture[Any]:
+                finish: Callable[[Message], Any], site: str, flags: int = 0,
+                data_job: Optional[Callable[[Message], Any]] = None) -> CollectiveFuture[Any]:
         """Make this replica's part of the next call: ``build()`` serializes it
         (segments and reduce function), after the call's seq is reserved.
 
@@ -388,7 +475,7 @@ class Group:
             seq = member.reserve(op, root, site)
             segments, fn = build()
             future: CollectiveFuture[Any] = CollectiveFuture(self, seq, op.label)
-            member.submit(op, root, segments, fn, site, flags, future, finish)
+            member.submit(op, root, segments, fn, site, flags, future, finish, data_job)
         except Exception:
             member.unreserve()
             raise
@@ -482,7 +569,8 @@ class Group:
         if self._link is None or self._closed:
             return []
         self._check_thread()
-        return self._link.fds()
+        data = self._link.data
+        return self._link.fds() + (data.fds() if data is not None else [])
 
     def _close(self, ending: bool = False) -> None:
         """Close the sockets. ``ending``: the program is ending without
@@ -501,6 +589,8 @@ class Group:
                 self._server.stop(ending)
         finally:  # an interrupt while rank 0 waits for the others still closes everything
             stuck = self._server is not None and self._server.gone() is None
+            if self._data is not None:
+                self._data.close()
             if self._link is not None:
                 self._link.close(_sockets.EXIT_LINGER_MS if ending else 0)
             if self._ctx is not None and not stuck:

@@ -31,13 +31,15 @@ from zmq.backend import zmq_poll
 from . import _sockets
 from ._coordinator import Coordinator
 from ._member import STATUS_WAIT_S, Member
-from ._wire import Kind, Message
-from .errors import CollectiveTimeoutError
+from ._wire import Kind, Message, Op, control
+from .errors import CollectiveError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
+    from ._dataplane import DataPlane
     from ._server import Server
 
 _POLLIN = 1  # zmq.POLLIN, for polling a plain file descriptor
+DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take to say why
 
 
 class Driver:
@@ -45,6 +47,7 @@ class Driver:
 
     def __init__(self, member: Member) -> None:
         self.member = member
+        self.data: Optional[DataPlane] = None  # the data plane, once the group has one
 
     # -- to implement -----------------------------------------------------
 
@@ -60,6 +63,10 @@ class Driver:
     def fds(self) -> list[int]:
         """File descriptors that become readable when something may have arrived."""
         return []
+
+    def poll_items(self) -> list[tuple[Any, Any]]:
+        """What to poll (sockets or file descriptors) for the link's messages."""
+        return [(fd, _POLLIN) for fd in self.fds()]
 
     def busy(self) -> Optional[str]:
         """What the coordinator is stuck in, when it runs in this process."""
@@ -113,7 +120,8 @@ class Driver:
         self.flush()
         while not done():
             self.member.check()
-            if not self._pump(deadline):
+            moved = self._move_data(deadline)
+            if moved is False or (moved is None and not self._pump(deadline)):
                 return done()
         return True
 
@@ -121,6 +129,52 @@ class Driver:
         """Send what is owed; take in whatever has arrived, without blocking."""
         self.flush()
         self._pump(time.monotonic())
+        self._move_data(time.monotonic())
+
+    def _move_data(self, deadline: Optional[float]) -> Optional[bool]:
+        """Move the data of the first call the data plane has to carry: True
+        when it is done (its future resolved), False when ``deadline`` came
+        first (it goes on at the next wait), None if there is none."""
+        member, data = self.member, self.data
+        if not member.data_jobs or data is None:
+            return None
+        seq, job = member.data_jobs[0]
+        if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data):
+            return False
+        if member.failure is None and member.data_jobs and member.data_jobs[0][1] is job:
+            member.data_done()  # (else the call failed meanwhile: its future has the error)
+        return True
+
+    def _take_in(self) -> None:
+        """What the control plane has, without blocking (from inside a data move)."""
+        self.flush()
+        self._pump(time.monotonic())
+
+    def _fail_data(self, error: Exception) -> None:
+        """The data plane failed here: fail the group, and ask the coordinator
+        to fail it for every rank."""
+        lost, seq = getattr(error, "lost_rank", None), getattr(error, "seq", None)
+        member = self.member
+        if lost is not None:  # a closed data link may be a peer whose group failed first:
+            # rank 0's FAIL, on its way, then says why (not "lost rank 0")
+            deadline = time.monotonic() + DATA_LOSS_GRACE_S
+            while member.failure is None and time.monotonic() < deadline:
+                self._pump(deadline)
+        if member.failure is not None:
+            return
+        if seq is not None:  # only this call failed (the reduce function raised here)
+            member.data_failed(seq, error)
+        else:
+            member.fail(error)
+        replies = []
+        if member.joined:
+            body = {"error": type(error).__name__, "message": str(error), "lost": lost}
+            replies = [control(Kind.ABORT, body, rank=member.rank, session=member.session,
+                               seq=seq or 0, op=Op.ALLREDUCE)]
+        try:
+            self.send(replies)
+        except CollectiveError:
+            pass  # the link to rank 0 broke too: it learns of the loss from that
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         """The coordinator's view of call ``seq`` (who arrived), or None if it

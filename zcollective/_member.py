@@ -61,6 +61,7 @@ from . import _wire
 from ._coordinator import PYTHON_VERSION
 from ._stats import CallStats, calls_log
 from ._wire import (
+    FLAG_DATA,
     FLAG_LOCAL_ERROR,
     AuthError,
     Kind,
@@ -109,6 +110,7 @@ class Call:
     started: float = 0.0  # time.perf_counter() when submitted
     sent: int = 0  # bytes of the contribution
     callsite: str = ""
+    data_job: Optional[Callable[[Message], Any]] = None  # a plan -> the data plane's Job
 
 
 class Member:
@@ -135,6 +137,11 @@ class Member:
         self._reserved: Optional[tuple[int, Op, int, str]] = None  # seq, op, root, site being built
         self.stats = CallStats()
         self.log_calls = False  # one line per call on the logger "zcollective.calls"
+        self.data_endpoint: Optional[str] = None  # this replica's data port, if it has one
+        self.data_min_bytes = 0  # what it asks of the group (rank 0's is used)
+        self.data_mode = "auto"  # "on": use it even on one host (rank 0's is used)
+        self.data_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME
+        self.data_jobs: deque[tuple[int, Any]] = deque()  # (seq, Job) ready to move, in order
 
     # -- join ---------------------------------------------------------------
 
@@ -148,6 +155,10 @@ class Member:
                 "nonce": nonce}
         if challenge is not None:
             body["challenge"] = challenge
+        if self.data_endpoint is not None:
+            body["data"] = self.data_endpoint
+            body["data_min"] = self.data_min_bytes
+            body["data_mode"] = self.data_mode
         return control(Kind.JOIN, body, rank=self.rank)
 
     @property
@@ -183,7 +194,8 @@ class Member:
 
     def submit(self, op: Op, root: int, segments: list[list[Any]], fn: Any = None,
                callsite: str = "", flags: int = 0, future: Any = None,
-               finish: Optional[Callable[[Message], Any]] = None) -> int:
+               finish: Optional[Callable[[Message], Any]] = None,
+               data_job: Optional[Callable[[Message], Any]] = None) -> int:
         """Owe this rank's contribution to the next call (rule 4); return its seq.
 
         Raises
@@ -206,7 +218,7 @@ class Member:
                 sent += size
         seq = self.next_seq
         self._owe(seq, op, root, callsite, flags, fn, segments,
-                  Call(op.label, future, finish, time.perf_counter(), sent, callsite))
+                  Call(op.label, future, finish, time.perf_counter(), sent, callsite, data_job))
         return seq
 
     def _owe(self, seq: int, op: Op, root: int, callsite: str, flags: int, fn: Any,
@@ -279,6 +291,7 @@ class Member:
         elif kind is Kind.WELCOME:
             nonce = msg.body().get("nonce")
             if isinstance(nonce, str) and nonce in self._nonces:  # answers a JOIN of ours
+                self._data_plan(msg.body())
                 self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
             return self.fail(from_wire(msg.body()))
@@ -311,6 +324,14 @@ class Member:
             log.warning("zcollective rank %d: dropped %s", self.rank, what)
         return []
 
+    def _data_plan(self, body: dict[str, Any]) -> None:
+        """The WELCOME says where every rank's data port is, when all have one."""
+        endpoints, least = body.get("data"), body.get("data_min")
+        if (self.data_endpoint is not None and isinstance(endpoints, list)
+                and len(endpoints) == self.size and all(isinstance(e, str) for e in endpoints)
+                and type(least) is int):
+            self.data_endpoints, self.data_min_bytes = endpoints, least
+
     def _deliver(self, msg: Message) -> None:
         """Resolve the call ``msg`` answers (rule 3). The call leaves the table
         only after its future is resolved: an interrupt in between leaves
@@ -320,9 +341,13 @@ class Member:
         call = self.calls.get(msg.seq)
         if call is None:
             return
+        if msg.flags & FLAG_DATA and error is None:
+            return self._start_data(msg, call)
+        if error is not None and self.data_jobs:  # its data move stops where it is
+            self.data_jobs = deque((s, j) for s, j in self.data_jobs if s != msg.seq)
         future = call.future
         if future is not None and not future._done:
-            self._record(msg, call)
+            self._record(msg.seq, call, _received(msg), "error" if error is not None else "done")
             if error is not None:
                 future._set_exception(error)
             else:
@@ -334,18 +359,52 @@ class Member:
                     future._set_result(value)
         self.calls.pop(msg.seq, None)
 
-    def _record(self, msg: Message, call: Call) -> None:
+    def _start_data(self, msg: Message, call: Call) -> None:
+        """The coordinator matched a call whose data travels peer to peer: its
+        job joins the queue the driver moves (the call stays in the table
+        until the job is done). Handled twice, it is queued once."""
+        if call.data_job is None or any(seq == msg.seq for seq, _ in self.data_jobs):
+            return
+        try:
+            job = call.data_job(msg)
+        except (WireError, ValueError, KeyError, TypeError) as exc:
+            self.fail(ProtocolError(f"seq {msg.seq} {call.op}: rank {self.rank} got a data plan "
+                                    f"it cannot follow from the coordinator: {exc}"), tell=True)
+            return
+        self.data_jobs.append((msg.seq, job))
+
+    def data_failed(self, seq: int, error: Exception) -> None:
+        """Call ``seq``'s data move failed here (not the group): its job
+        stops, its future gets ``error``; the others hear it from rank 0."""
+        self.data_jobs = deque((s, j) for s, j in self.data_jobs if s != seq)
+        call = self.calls.pop(seq, None)
+        if call is not None and call.future is not None and not call.future._done:
+            call.future._set_exception(error)
+
+    def data_done(self) -> None:
+        """The first queued job moved all its data: its call's value is ready."""
+        seq, job = self.data_jobs.popleft()
+        call = self.calls.get(seq)
+        if call is None:
+            return
+        future = call.future
+        if future is not None and not future._done:
+            self._record(seq, call, job.received_bytes, "done")
+            try:
+                value = job.finish()
+            except Exception as exc:
+                future._set_exception(exc)
+            else:
+                future._set_result(value)
+        self.calls.pop(seq, None)
+
+    def _record(self, seq: int, call: Call, received: int, outcome: str) -> None:
         """Count a call answered (see :mod:`zcollective._stats`)."""
         waited = time.perf_counter() - call.started
-        received = 0
-        for segment in msg.segments:
-            for f in segment:
-                received += len(f) if type(f) is bytes else memoryview(f).nbytes
         self.stats.record(call.op, call.sent, received, waited)
         if self.log_calls:
-            outcome = "error" if msg.kind is Kind.ERROR else "done"
             calls_log.info("zcollective rank %d: seq %d %s at %s: %s, sent %d B, received %d B, "
-                           "waited %.3f ms", self.rank, msg.seq, call.op, call.callsite or "?",
+                           "waited %.3f ms", self.rank, seq, call.op, call.callsite or "?",
                            outcome, call.sent, received, waited * 1000)
 
     def connection(self, event: Link, now: Optional[float] = None) -> list[Message]:
@@ -396,6 +455,7 @@ class Member:
             return []
         self.failure = error
         self.owed.clear()  # nobody will pair them now
+        self.data_jobs.clear()
         calls, self.calls = self.calls, {}
         for call in calls.values():
             if call.future is not None and not call.future._done:
@@ -408,6 +468,7 @@ class Member:
     def forget_calls(self, error_for: Callable[[Call, int], BaseException]) -> None:
         """The group closes: every call still in the table gets an error."""
         calls, self.calls = self.calls, {}
+        self.data_jobs.clear()
         for seq, call in calls.items():
             if call.future is not None and not call.future._done:
                 call.future._set_exception(error_for(call, seq))
@@ -454,6 +515,15 @@ class Member:
                                        for r, m in list(refused.items())[:3]) + ")"
             return f"{base}: connected, but ranks {missing} had not joined{why}"
         return f"{base}: connected, but the group did not complete"
+
+
+def _received(msg: Message) -> int:
+    """Bytes of a reply's values."""
+    received = 0
+    for segment in msg.segments:
+        for f in segment:
+            received += len(f) if type(f) is bytes else memoryview(f).nbytes
+    return received
 
 
 def _status_body(body: dict[str, Any]) -> dict[str, Any]:

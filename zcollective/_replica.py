@@ -138,5 +138,8 @@ class Replica(Driver):
     def fds(self) -> list[int]:
         return [self.dealer.FD, self.monitor.FD]
 
+    def poll_items(self) -> list[tuple[Any, Any]]:
+        return self._poll_items
+
     def close(self, linger_ms: int = 0) -> None:
         _sockets.close_monitored(self.dealer, self.monitor, linger_ms)

@@ -44,8 +44,9 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: libzmq allocates what a frame announ
 MIN_MAX_FRAME_BYTES = 1024  # a message header with the longest call site (546 bytes) always fits
 SECRET_ENV = "ZCOLLECTIVE_SECRET"
 SECRET_FILE_ENV = "ZCOLLECTIVE_SECRET_FILE"
-DEFAULT_DATA_PLANE = "auto"  # large arrays travel peer to peer; "off": everything through rank 0
-DATA_PLANE_CHOICES = ("auto", "off")
+DEFAULT_DATA_PLANE = "auto"  # large arrays peer to peer when the group spans hosts (on one host of
+# 2 cores the star was faster at N = 4 and 8: benchmarks/README.md); "on": also on one host; "off": never
+DATA_PLANE_CHOICES = ("auto", "on", "off")
 DEFAULT_DATA_PLANE_MIN_BYTES = 1 << 20  # below this an array keeps the star (benchmarks/README.md)
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
 ALL_INTERFACES = ("*", "0.0.0.0", "::")
@@ -299,9 +300,10 @@ SETTINGS: tuple[Setting, ...] = (
                 "waited) on the logger ``zcollective.calls``; ``None``: no such lines."),
     Setting("data_plane", "Optional[str]", DEFAULT_DATA_PLANE, str, check=_data_plane_problem,
             argument=False, env=("ZCOLLECTIVE_DATA_PLANE",),
-            doc="``auto``: large numeric arrays reduced elementwise, and large broadcasts, travel "
-                "between replicas directly (a ring, a chain); ``off``: every byte goes through "
-                "rank 0, as before."),
+            doc="``auto``: when the replicas are on more than one host, large numeric arrays "
+                "reduced elementwise, and large broadcasts, travel between replicas directly (a "
+                "ring, a chain); ``on``: also when they share one host; ``off``: every byte goes "
+                "through rank 0. Rank 0's setting decides for the group."),
     Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, _integer,
             check=_not_negative, argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
             doc="Arrays (and broadcast values) smaller than this many bytes keep the star "

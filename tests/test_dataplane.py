@@ -1,0 +1,259 @@
+"""The data plane: large arrays peer to peer (a ring), large broadcasts down
+a chain; matched by the coordinator first, faults named on every rank.
+
+The pure schedules are tested in test_ring.py; the coordinator's part here
+without sockets; the rest with real processes on loopback, the data plane
+forced on (``ZCOLLECTIVE_DATA_PLANE=on``: by default it is used only when
+the replicas span hosts, see test_multihost.py)."""
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import touch
+from test_coordinator import SESSION, feed, join_msg, peer
+
+import zcollective as zc
+from zcollective._coordinator import Coordinator, Phase
+from zcollective._wire import FLAG_DATA, Kind, Message, Op
+from zcollective.testing import Replicas, report, run_replicas
+
+ON = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}
+LIVENESS = "2"
+BOUND = float(LIVENESS) + 4.0  # detection bound plus slack for a loaded 2-core machine
+
+
+# -- the coordinator's part, without sockets --------------------------------------
+
+
+def _join(rank, n, data, mode="auto"):
+    msg = join_msg(rank, n)
+    body = json.loads(msg.segments[0][0])
+    body.update({"data": data, "data_min": 4096, "data_mode": mode})
+    msg.segments = [[json.dumps(body).encode()]]
+    return msg
+
+
+def _welcomes(n, hosts, mode="auto"):
+    coord = Coordinator(n, SESSION, 1000)
+    out = []
+    for r in range(n):
+        out = feed(coord, peer(r), _join(r, n, f"tcp://{hosts[r]}:{7000 + r}", mode if r == 0 else "auto"))
+    assert coord.phase is Phase.RUNNING
+    return coord, [json.loads(m.segments[0][0]) for _, m in out]
+
+
+def test_the_welcome_hands_out_data_ports_when_the_group_spans_hosts_or_rank_0_says_on():
+    _, bodies = _welcomes(3, ["10.0.0.1", "10.0.0.2", "10.0.0.2"])
+    assert bodies[0]["data"] == ["tcp://10.0.0.1:7000", "tcp://10.0.0.2:7001", "tcp://10.0.0.2:7002"]
+    assert bodies[0]["data_min"] == 4096
+    _, bodies = _welcomes(3, ["127.0.0.1"] * 3)
+    assert "data" not in bodies[0]  # one host: the star is faster there
+    _, bodies = _welcomes(3, ["127.0.0.1"] * 3, mode="on")
+    assert len(bodies[0]["data"]) == 3
+
+
+def _plan(rank, seq, plan, site="train.py:40"):
+    return Message(Kind.CONTRIB, Op.ALLREDUCE, rank, 0, seq, SESSION, site, FLAG_DATA, None, [[plan]])
+
+
+def test_agreeing_descriptions_get_the_plan_and_a_shape_disagreement_is_a_mismatch():
+    coord, _ = _welcomes(3, ["a", "b", "c"])
+    good = b'{"dtype":"<f4","shape":[1024,1024],"fn":"add"}'
+    feed(coord, peer(0), _plan(0, 0, good))
+    feed(coord, peer(1), _plan(1, 0, good))
+    out = feed(coord, peer(2), _plan(2, 0, good))
+    assert len(out) == 3 and all(m.kind is Kind.RESULT and m.flags & FLAG_DATA for _, m in out)
+    assert all(bytes(m.segments[0][0]) == good for _, m in out)
+    other = b'{"dtype":"<f4","shape":[1024,1000],"fn":"add"}'
+    feed(coord, peer(0), _plan(0, 1, good))
+    feed(coord, peer(1), _plan(1, 1, good))
+    out = feed(coord, peer(2), _plan(2, 1, other, site="train.py:41"))
+    assert {m.kind for _, m in out} == {Kind.FAIL}
+    body = json.loads(out[0][1].segments[0][0])
+    assert body["error"] == "CallMismatchError"
+    assert body["message"] == (
+        "seq 1 allreduce: the ranks disagree: ranks 0,1 passed a <f4 array of shape (1024, 1024) "
+        "reduced with add at train.py:40; rank 2 passed a <f4 array of shape (1024, 1000) reduced "
+        "with add at train.py:41")
+
+
+# -- real processes -----------------------------------------------------------------
+
+
+def _digest(a):
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def every_kind_of_array():
+    r, n = zc.get_rank(), zc.get_world_size()
+    out = {}
+    for dtype in (np.float32, np.float64, np.int32, np.int64, np.uint8, np.complex64, np.bool_):
+        a = (np.arange(70001) % 7 * (r + 1)).astype(dtype)
+        keep = a.copy()
+        res = zc.allreduce(a)
+        assert (a == keep).all(), "the input was changed"
+        out[np.dtype(dtype).name] = (res.dtype.name, res.shape, _digest(res))
+        expected = sum((np.arange(70001) % 7 * (k + 1)).astype(dtype) for k in range(n))
+        if dtype is np.bool_:
+            expected = expected.astype(bool)
+        np.testing.assert_allclose(res, expected, rtol=1e-6)
+    shaped = zc.allreduce(np.full((3, 50, 40), r, dtype=np.float32))
+    out["shape"] = (shaped.shape, float(shaped[0, 0, 0]))
+    out["max"] = float(zc.allreduce(np.arange(5000.0) * (r + 1), np.maximum)[-1])
+
+    @zc.elementwise
+    def biggest_magnitude(a, b):
+        return np.where(np.abs(a) >= np.abs(b), a, b)
+
+    out["marked"] = float(zc.allreduce(np.full(5000, (-1.0) ** r * (r + 1)), biggest_magnitude)[0])
+    big = {"w": np.full(100000, 7.0), "name": "weights"} if r == 1 else None
+    got = zc.broadcast(big, root=1)
+    out["bcast"] = (got["name"], float(got["w"].sum()))
+    out["small"] = zc.allreduce(np.ones(10)).tolist()  # below the threshold: the star
+    futures = [zc.allreduce_async(np.full(9000, float(k + r))) for k in range(6)]
+    futures.insert(3, zc.allreduce_async(r))  # a star call in between
+    out["async"] = [float(np.asarray(f.result()).flat[0]) for f in reversed(futures)]
+    out["sent"] = zc.stats()["ops"]["allreduce"]["bytes_sent"]
+    return out
+
+
+def test_arrays_of_every_numeric_dtype_are_reduced_peer_to_peer_with_the_same_bits_everywhere():
+    n = 3
+    outs = run_replicas(every_kind_of_array, n, env=ON, timeout=120)
+    for key in outs[0]:
+        if key != "sent":
+            assert all(o[key] == outs[0][key] for o in outs), key  # bit-identical on every rank
+    assert outs[0]["shape"] == ((3, 50, 40), 3.0)
+    assert outs[0]["max"] == 4999.0 * n
+    assert outs[0]["marked"] == 3.0  # rank 2's +3 has the largest magnitude
+    assert outs[0]["bcast"] == ("weights", 700000.0)
+    assert outs[0]["small"] == [3.0] * 10
+    assert outs[0]["async"][3] == 3  # the star call, in its place
+    # every array went peer to peer: rank 0 was sent descriptions, not arrays
+    assert all(o["sent"] < 20000 for o in outs), [o["sent"] for o in outs]
+
+
+def disagree(markers):
+    r = zc.get_rank()
+    size = 1000 if r == 2 else 1001
+    try:
+        zc.allreduce(np.ones(size, dtype=np.float32) * r)
+    except zc.CallMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_shape_disagreement_is_a_mismatch_on_every_rank(tmp_path):
+    outs = run_replicas(disagree, 3, str(tmp_path), env={**ON, "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "100"})
+    assert len(set(outs)) == 1, outs
+    assert "ranks 0,1 passed a <f4 array of shape (1001,) reduced with add at test_dataplane.py:" in outs[0]
+    assert "rank 2 passed a <f4 array of shape (1000,) reduced with add at test_dataplane.py:" in outs[0]
+
+
+def raise_mid_ring():
+    r = zc.get_rank()
+
+    @zc.elementwise
+    def picky(a, b):
+        if r == 1:
+            raise ArithmeticError("rank 1 refuses")
+        a += b
+        return a
+
+    try:
+        zc.allreduce(np.ones(200000), picky)
+    except zc.PeerError as exc:
+        first = str(exc)
+    else:
+        first = "no error"
+    return first, float(zc.allreduce(np.ones(200000))[0])  # the group goes on
+
+
+def test_a_reduce_function_raising_mid_ring_fails_that_call_on_every_rank_only():
+    outs = run_replicas(raise_mid_ring, 3, env=ON, timeout=90)
+    for first, after in outs:
+        assert "seq 0 allreduce: the reduce function raised on rank 1 during the ring: " \
+               "ArithmeticError: rank 1 refuses" in first
+        assert after == 3.0
+
+
+def killed_mid_ring(markers):
+    r = zc.get_rank()
+
+    @zc.elementwise
+    def add_then_die(a, b):
+        if r == 2:
+            touch(os.path.join(markers, "dying"))
+            os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the ring
+        a += b
+        return a
+
+    zc.barrier()
+    start = time.monotonic()
+    try:
+        zc.allreduce(np.ones(4 << 20, dtype=np.float32), add_then_die)
+    except zc.ReplicaLostError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_a_peer_killed_mid_ring_is_named_on_every_survivor_within_the_bound(tmp_path):
+    with Replicas(killed_mid_ring, 4, str(tmp_path),
+                  env={**ON, "ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
+        outs = reps.wait(90)
+    assert outs[2].returncode == -signal.SIGKILL, report(outs, "rank 2 did not die mid-ring")
+    assert os.path.exists(os.path.join(str(tmp_path), "dying"))
+    for o in (outs[0], outs[1], outs[3]):
+        assert o.ok, report(outs, f"rank {o.rank} failed")
+        message, took = o.value
+        assert "rank 2" in message and "lost" in message, report(outs, message)
+        assert took < BOUND, report(outs, f"rank {o.rank} took {took:.1f} s")
+
+
+def stranger_on_the_data_port(markers, secret):
+    import zmq
+
+    r = zc.get_rank()
+    group = zc._current()
+    target = group._link.data.endpoint  # this rank's own data port, as the WELCOME told everyone
+    stop = threading.Event()
+
+    def stranger():
+        ctx = zmq.Context.instance()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(target)
+        from zcollective._dataplane import HEADER, MAGIC, VERSION
+        forged = HEADER.pack(MAGIC, VERSION, 1, 0x1234, 0, (r - 1) % zc.get_world_size(), 0, 0)
+        while not stop.is_set():
+            push.send_multipart([b"garbage"])
+            push.send_multipart([forged, b"\0" * 32, b"\0" * 4096])
+            time.sleep(0.001)
+        push.close()
+
+    thread = threading.Thread(target=stranger, daemon=True)
+    if r == 1:
+        thread.start()
+    try:
+        results = [_digest(zc.allreduce(np.full(300000, float(k + r), dtype=np.float32)))
+                   for k in range(5)]
+        value = float(zc.allreduce(np.full(300000, 1.0, dtype=np.float32))[0])
+    finally:
+        stop.set()
+    return results, value
+
+
+@pytest.mark.parametrize("secret", [None, "s" * 32])
+def test_a_stranger_on_a_data_port_changes_nothing(tmp_path, secret):
+    env = dict(ON)
+    if secret:
+        env["ZCOLLECTIVE_SECRET"] = secret
+    outs = run_replicas(stranger_on_the_data_port, 3, str(tmp_path), secret, env=env, timeout=90)
+    assert all(o == outs[0] for o in outs)
+    assert outs[0][1] == 3.0

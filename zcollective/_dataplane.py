@@ -1,0 +1,295 @@
+"""The data plane's sockets: each replica binds one PULL socket (its *data
+port*, on the interface it uses to reach the master; port chosen by the OS,
+advertised in its JOIN, handed to all in the WELCOME) and connects one PUSH
+to the next rank's. It moves the chunks of a :class:`~zcollective._ring.Job`
+and nothing else: which calls go this way is decided by the coordinator,
+which matched the call first (see docs/protocol.md, "The data plane").
+
+A chunk is three frames: a header (:data:`HEADER`: magic, version, kind,
+session, seq, origin rank, step, index), a tag, the payload. With a secret
+the tag is a MAC of header and payload under the job's secret
+(:class:`zcollective._mac.ChunkMac`), verified before the payload is used;
+the header binds it to this group's session, the call and the chunk's
+place, so a chunk cannot be replayed or moved. Chunks forwarded unchanged
+keep their origin's header and tag. A chunk that fails is dropped and
+logged when it came from a stranger's connection; from the previous rank's
+own connection it means the link was tampered with, and the group fails.
+
+Liveness: ZMTP heartbeats on both sockets, as on the control plane, and
+chunks of at most :data:`~zcollective._ring.CHUNK_BYTES` (a frame completes
+well within the heartbeat timeout even on a slow link, so a link that is
+slowly but steadily carrying a large array is never declared lost). The
+PUSH's monitor reports the next rank's connection closed or silent; the
+PULL's, the previous rank's (known by the file descriptor its first valid
+chunk came on). Either ends the call on every rank with
+:class:`~zcollective.errors.ReplicaLostError` naming the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import zmq
+from zmq.backend import zmq_poll
+
+from . import _sockets
+from ._mac import ChunkMac
+from ._ring import AG, BC, KIND_NAMES, RS, Job
+from .config import Config
+from .errors import AuthenticationError, PeerError, ReplicaLostError
+
+if TYPE_CHECKING:
+    from ._member import Member
+
+log = logging.getLogger("zcollective")
+
+HEADER = struct.Struct("<2sBBQQiii")  # magic version kind session seq origin step index
+MAGIC = b"ZD"
+VERSION = 1
+EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+          | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+TRACKER_POLL_S = 0.001  # how often a finished job looks whether its last sends have left
+_POLLIN, _POLLOUT = zmq.POLLIN, zmq.POLLOUT
+
+
+def local_address(config: Config) -> str:
+    """The address of the interface this host uses to reach the master (no
+    packet is sent: a UDP socket is only connected, which picks a route)."""
+    infos = socket.getaddrinfo(config.master_addr, config.master_port or 1, type=socket.SOCK_DGRAM)
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        host = probe.getsockname()[0]
+    return f"[{host}]" if ":" in host else host
+
+
+class DataPlane:
+    """One replica's data sockets (see the module docstring). Used only by
+    the thread that owns the group."""
+
+    def __init__(self, ctx: zmq.Context, config: Config) -> None:
+        self.rank = config.rank
+        self.size = config.num_replicas
+        self._config = config
+        self._ctx = ctx
+        self._mac = ChunkMac(config.secret) if config.secret is not None else None
+        self.session = 0
+        self.endpoints: list[str] = []
+        self._push: Optional[zmq.Socket] = None
+        self._push_monitor: Optional[zmq.Socket] = None
+        self._early: dict[int, list[list[Any]]] = {}  # seq -> chunks that came before its job
+        self._prev_fd: Optional[int] = None  # the previous rank's connection, once it sent
+        self._pushed_since: Optional[float] = None  # first failed connect to the next rank
+        self._connected = False
+        self._trackers: deque[Any] = deque()
+        self._warned: set[str] = set()
+        what = f"rank {self.rank} cannot open its data port"
+        with _sockets.mapped(what, address=True):
+            self._pull = ctx.socket(zmq.PULL)
+            try:
+                self._setup(self._pull)
+                self._pull.bind(f"tcp://{local_address(config)}:*")
+                self.endpoint = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+                self._pull_monitor = _sockets.monitor_socket(self._pull, EVENTS)
+            except BaseException:
+                self._pull.close(linger=0)
+                raise
+
+    def _setup(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        _sockets.set_never_drop(sock)
+        _sockets.set_heartbeats(sock, self._config)
+
+    def start(self, session: int, endpoints: list[str]) -> None:
+        """The group is welcomed: connect to the next rank's data port."""
+        self.session, self.endpoints = session, endpoints
+        target = endpoints[(self.rank + 1) % self.size]
+        with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
+            push = self._ctx.socket(zmq.PUSH)
+            try:
+                self._setup(push)
+                self._push_monitor = _sockets.monitor_socket(push, EVENTS)
+                push.connect(target)
+            except BaseException:
+                push.close(linger=0)
+                raise
+        self._push = push
+
+    def fds(self) -> list[int]:
+        return [s.FD for s in (self._pull, self._pull_monitor, self._push_monitor) if s is not None]
+
+    def close(self) -> None:
+        if self._push is not None and self._push_monitor is not None:
+            _sockets.close_monitored(self._push, self._push_monitor, 0)
+        _sockets.close_monitored(self._pull, self._pull_monitor, 0)
+        self._early.clear()
+
+    # -- one job ------------------------------------------------------------
+
+    def run(self, seq: int, job: Job, deadline: Optional[float], member: Member,
+            link: list[tuple[Any, Any]], pump: Callable[[], None], fail: Callable[[Exception], None]) -> bool:
+        """Move ``job``'s chunks until it is done and its last sends have
+        left (True), ``deadline`` passes (False) or the group fails (True:
+        the caller finds ``member.failure``). ``pump`` takes in what the
+        control plane has without blocking; ``fail`` fails the group for
+        every rank."""
+        for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
+            del self._early[stale]
+        for frames in self._early.pop(seq, []):
+            self._take(frames, seq, job, member, fail)
+        items: list[Any] = [(self._pull, _POLLIN), (self._pull_monitor, _POLLIN)]
+        if self._push_monitor is not None:
+            items.append((self._push_monitor, _POLLIN))
+        ours = len(items)
+        items += link
+        while member.failure is None and member.data_jobs and member.data_jobs[0][1] is job:
+            self._send(seq, job)
+            if job.done and self._sent():
+                return True
+            slice_s = TRACKER_POLL_S if job.done else _sockets.POLL_SLICE_S
+            if deadline is not None:
+                slice_s = min(slice_s, deadline - time.monotonic())
+            ready = zmq_poll(items, max(0, int(slice_s * 1000)))
+            self._drain(seq, job, member, fail)
+            self._events(seq, job, fail)
+            if len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready):
+                pump()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
+
+    def _sent(self) -> bool:
+        """Have libzmq's I/O threads let go of every buffer sent without a copy?"""
+        trackers = self._trackers
+        while trackers and trackers[0].done:
+            trackers.popleft()
+        return not trackers
+
+    def _send(self, seq: int, job: Job) -> None:
+        push = self._push
+        assert push is not None
+        outbox = job.outbox
+        with _sockets.critical():
+            for out in outbox:
+                if out.frames is not None:  # forwarded as it came: header, tag, payload
+                    push.send_multipart(out.frames, copy=False)
+                    continue
+                header = HEADER.pack(MAGIC, VERSION, out.kind, self.session, seq, self.rank, out.step,
+                                     out.index)
+                payload = memoryview(out.payload).cast("B")
+                tag = self._mac.tag(header, payload) if self._mac is not None else b""
+                tracker = push.send_multipart([header, tag, payload], copy=False, track=True)
+                if tracker is not None and not tracker.done:
+                    self._trackers.append(tracker)
+            outbox.clear()
+
+    def _drain(self, seq: int, job: Job, member: Member, fail: Callable[[Exception], None]) -> None:
+        pull = self._pull
+        while member.failure is None:
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._take(frames, seq, job, member, fail)
+
+    def _take(self, frames: list[Any], seq: int, job: Job, member: Member,
+              fail: Callable[[Exception], None]) -> None:
+        """Check one chunk and give it to ``job``, keep it for a later job, or drop it."""
+        fd = frames[0].get(zmq.SRCFD) if hasattr(frames[0], "get") else None
+        if len(frames) != 3 or len(frames[0]) != HEADER.size:
+            self._warn("shape", f"dropped a message of {len(frames)} frames on the data port "
+                                f"(fd {fd}): not a chunk")
+            return
+        header = frames[0].bytes
+        magic, version, kind, session, chunk_seq, origin, step, index = HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION or session != self.session or kind not in KIND_NAMES:
+            self._warn("session", f"dropped a chunk on the data port (fd {fd}) that is not of this "
+                                  f"group (session {session:#x}, kind {kind})")
+            return
+        payload = frames[2]
+        if self._mac is not None and not self._mac.verify(header, memoryview(payload), frames[1].bytes):
+            if fd is not None and fd == self._prev_fd:
+                fail(AuthenticationError(
+                    f"seq {chunk_seq} {job.op}: rank {self.rank}: a {KIND_NAMES[kind]} chunk from rank "
+                    f"{(self.rank - 1) % self.size} failed authentication on the data plane: was "
+                    f"the link altered in flight?"))
+            else:
+                self._warn("tag", f"dropped a chunk on the data port (fd {fd}) that failed "
+                                  f"authentication: not from a holder of the secret")
+            return
+        if kind == RS and origin != (self.rank - 1) % self.size:
+            self._warn("origin", f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
+                                 f"{self.rank}'s data port")
+            return
+        if self._prev_fd is None and fd is not None:
+            self._prev_fd = fd
+        if chunk_seq == seq:
+            try:
+                taken = job.receive(kind, step, index, payload, frames)
+            except Exception as exc:  # the user's elementwise function raised: this call fails
+                error = PeerError(f"seq {seq} allreduce: the reduce function raised on rank "
+                                  f"{self.rank} during the ring: {type(exc).__name__}: {exc}")
+                error.seq = seq  # type: ignore[attr-defined]
+                fail(error)
+                return
+            if not taken:
+                self._warn("duplicate", f"dropped a {KIND_NAMES[kind]} chunk (seq {chunk_seq}, "
+                                        f"step {step}, index {index}) this call does not expect")
+        elif seq < chunk_seq < member.next_seq:  # the previous rank is ahead: its next call
+            self._early.setdefault(chunk_seq, []).append(frames)
+        elif chunk_seq < seq:  # the rest of a call that failed (a reduce function raised)
+            log.debug("zcollective rank %d: dropped a chunk of the ended seq %d", self.rank, chunk_seq)
+        else:
+            self._warn("seq", f"dropped a chunk of seq {chunk_seq} on rank {self.rank}'s data port "
+                              f"(this rank is at seq {seq})")
+
+    def _events(self, seq: int, job: Job, fail: Callable[[Exception], None]) -> None:
+        """The monitors: a data link closed or silent fails the group."""
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        if self._push_monitor is not None:
+            for event, _ in _drain_monitor(self._push_monitor):
+                if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                    self._connected, self._pushed_since = True, None
+                elif event == zmq.EVENT_DISCONNECTED:
+                    return fail(self._lost(seq, job, nxt, "to"))
+                elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected:
+                    self._pushed_since = self._pushed_since or time.monotonic()
+        if (self._pushed_since is not None
+                and time.monotonic() - self._pushed_since > self._config.liveness_timeout):
+            return fail(ReplicaLostError(
+                f"seq {seq} {job.op}: rank {self.rank} cannot reach the data port of rank {nxt} at "
+                f"{self.endpoints[nxt]} (connection refused for {self._config.liveness_timeout:g} s); "
+                f"{job.progress()}"))
+        for event, value in _drain_monitor(self._pull_monitor):
+            if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
+                return fail(self._lost(seq, job, prev, "from"))
+        return None
+
+    def _lost(self, seq: int, job: Job, peer: int, way: str) -> ReplicaLostError:
+        error = ReplicaLostError(
+            f"seq {seq} {job.op}: rank {self.rank} lost its data link {way} rank {peer} "
+            f"({self.endpoints[peer]}): connection closed or heartbeats unanswered; {job.progress()}")
+        error.lost_rank = peer  # type: ignore[attr-defined]
+        return error
+
+    def _warn(self, category: str, text: str) -> None:
+        if category not in self._warned:
+            self._warned.add(category)
+            log.warning("zcollective rank %d: %s", self.rank, text)
+
+
+def _is_ours(sock: Any, items: list[tuple[Any, int]]) -> bool:
+    return any(sock is mine for mine, _ in items)
+
+
+def _drain_monitor(monitor: Any) -> list[tuple[int, int]]:
+    out: deque[list[Any]] = deque()
+    return list(_sockets.monitor_events(monitor, out))
+
+
+__all__ = ["AG", "BC", "RS", "DataPlane", "local_address"]

@@ -1,0 +1,291 @@
+"""The data plane's schedules: what a rank sends, and what it does with each
+chunk it receives, for a ring allreduce and a chain broadcast. Pure: no
+sockets, no MACs, no threads (:mod:`zcollective._dataplane` moves the
+chunks; the tests run whole rings in memory).
+
+Every rank sends only to the next rank, ``(rank + 1) % size``, and receives
+only from the previous one, so each host's link carries each byte about
+once each way:
+
+- *Allreduce* (reduce-scatter, then allgather, as in Patarasuk and Yuan's
+  bandwidth-optimal ring, which gloo and Horovod use too): the array is cut
+  into ``size`` segments, each into chunks of at most ``chunk_bytes``. In
+  reduce-scatter step ``t`` rank ``r`` sends segment ``(r - t) % size`` and
+  reduces segment ``(r - t - 1) % size`` with what it receives; after
+  ``size - 1`` steps it holds segment ``(r + 1) % size`` reduced over every
+  rank, which then travels once round the ring. Each chunk moves on as soon
+  as it is reduced, so the steps overlap (a pipeline, not ``2(size-1)``
+  rounds). The reduction order of an element is fixed (it starts at the rank
+  that owns its segment and goes round), so every rank gets the same bits,
+  but it is not rank order.
+- *Broadcast*: the root's serialized value flows down the chain root, root+1,
+  ..., root-1 in chunks, each forwarded as soon as it arrives.
+
+What is forwarded unchanged (an allgather chunk, a broadcast chunk) keeps
+the header and tag its origin made: a chunk is hashed once and verified at
+each receiver (see :class:`Out`).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+CHUNK_BYTES = 1 << 19  # 512 KiB: a part arrives well within a 1 s liveness bound even at
+# 10 Mbit/s, and the per-chunk cost (a header, a poll, a tag) is a few percent at 1 GB/s
+
+RS, AG, BC = 1, 2, 3  # chunk kinds: reduce-scatter, allgather, broadcast
+KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast"}
+
+
+def elementwise(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Mark ``fn(a, b)`` as elementwise: ``result[i]`` depends only on
+    ``a[i]`` and ``b[i]``. Large numeric arrays reduced with it then travel
+    between replicas directly (see the README's "The data plane"), each
+    replica applying its own ``fn``, so it must be the same function
+    everywhere. ``fn`` may update ``a`` in place and return it."""
+    fn.__zcollective_elementwise__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def reduction_name(fn: Any) -> Optional[str]:
+    """The name the data plane knows ``fn`` by, or None if it must keep the
+    star: ``add`` for the default ``a += b``, ``operator.add``/``iadd`` and
+    ``numpy.add``; ``maximum``, ``minimum``, ``multiply`` for numpy's; a
+    function marked :func:`elementwise` by its module and qualified name."""
+    name = _KNOWN.get(_key(fn))
+    if name is not None:
+        return name
+    if getattr(fn, "__zcollective_elementwise__", False):
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    numpy = _numpy()
+    if numpy is not None:
+        for ufunc, label in ((numpy.add, "add"), (numpy.maximum, "maximum"),
+                             (numpy.minimum, "minimum"), (numpy.multiply, "multiply")):
+            if fn is ufunc:
+                return label
+    return None
+
+
+def _key(fn: Any) -> Any:
+    try:
+        hash(fn)
+    except TypeError:
+        return None
+    return fn
+
+
+_KNOWN: dict[Any, str] = {operator.add: "add", operator.iadd: "add", operator.mul: "multiply",
+                          operator.imul: "multiply"}
+
+
+def register_default(fn: Callable[[Any, Any], Any]) -> None:
+    """The group's default reduce function (``a += b``) is ``add`` here."""
+    _KNOWN[fn] = "add"
+
+
+def _numpy() -> Any:
+    import sys
+    return sys.modules.get("numpy")
+
+
+def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], None]:
+    """``reduce(dst, acc, mine)``: ``dst[:] = fn(acc, mine)`` for arrays;
+    ``acc`` is what came round the ring (read-only), ``mine`` this rank's."""
+    import numpy
+    ufunc = {"add": numpy.add, "maximum": numpy.maximum, "minimum": numpy.minimum,
+             "multiply": numpy.multiply}.get(name)
+    if ufunc is not None:
+        def by_ufunc(dst: Any, acc: Any, mine: Any) -> None:
+            ufunc(acc, mine, out=dst)
+        return by_ufunc
+
+    def by_fn(dst: Any, acc: Any, mine: Any) -> None:
+        numpy.copyto(dst, acc)
+        out = fn(dst, mine)
+        if out is not dst:
+            dst[...] = out
+    return by_fn
+
+
+@dataclass
+class Out:
+    """A chunk to send to the next rank. ``origin``: for a forwarded chunk,
+    the rank whose header and tag travel with it (``frames``, as received);
+    None: made here, to be given a header and a tag by the sender."""
+
+    kind: int
+    step: int  # reduce-scatter: the step; allgather and broadcast: the segment or frame
+    index: int  # the chunk within its segment or frame
+    payload: Any
+    frames: Optional[list[Any]] = None  # forwarded as they came: header, payload, tag
+
+
+def _bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``range(total)``, sizes within one."""
+    base, extra = divmod(total, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _chunks(start: int, end: int, per: int) -> list[tuple[int, int]]:
+    return [(s, min(s + per, end)) for s in range(start, end, per)] or [(start, end)]
+
+
+class Job:
+    """One call's transfer at one rank: chunks to send (:attr:`outbox`) and
+    the chunks it expects; fed what arrives with :meth:`receive`."""
+
+    kind_name = "?"
+    op = "?"  # the operation's label, for messages
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+        self.prev = (rank - 1) % size
+        self.next = (rank + 1) % size
+        self.outbox: list[Out] = []
+        self.expected = 0  # chunks to receive in all
+        self.received = 0
+        self.received_bytes = 0
+        self.total_bytes = 0  # what this rank receives in all
+
+    @property
+    def done(self) -> bool:
+        return self.received >= self.expected
+
+    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any]) -> bool:
+        """Take one chunk from the previous rank; False if it is not one this
+        job expects (a duplicate, or out of range): the caller drops it."""
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+    def progress(self) -> str:
+        return (f"{self.kind_name}: received {self.received} of {self.expected} chunks "
+                f"({self.received_bytes} of {self.total_bytes} bytes) from rank {self.prev}")
+
+
+class RingAllreduce(Job):
+    """The ring allreduce of a contiguous numeric array (see the module docstring)."""
+
+    kind_name = "ring allreduce"
+    op = "allreduce"
+
+    def __init__(self, rank: int, size: int, array: Any, reduce: Callable[[Any, Any, Any], None],
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        import numpy
+        super().__init__(rank, size)
+        self._input = array.reshape(-1)
+        self._out = numpy.empty_like(self._input)
+        self._shape = array.shape
+        self._reduce = reduce
+        itemsize = max(1, array.itemsize)
+        per = max(1, chunk_bytes // itemsize)
+        self._segments = [_chunks(s, e, per) for s, e in _bounds(self._input.size, size)]
+        self._seen: set[tuple[int, int, int]] = set()
+        n = size
+        for t in range(n - 1):  # what arrives: reduce-scatter then allgather, one segment a step
+            for segment in ((rank - t - 1) % n, (rank - t) % n):
+                chunks = self._segments[segment]
+                self.expected += len(chunks)
+                self.total_bytes += sum(e - s for s, e in chunks) * itemsize
+        for j, (s, e) in enumerate(self._segments[rank]):  # step 0: this rank's own segment
+            self.outbox.append(Out(RS, 0, j, self._input[s:e]))
+        if n == 1:
+            self._out[...] = self._input
+
+    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any]) -> bool:
+        n, rank = self.size, self.rank
+        if kind == RS:
+            if not 0 <= step < n - 1:
+                return False
+            segment = (rank - step - 1) % n
+        elif kind == AG:
+            segment = step  # an allgather chunk names its segment
+            if (rank - segment) % n == n - 1:  # this rank's own reduced segment never comes back
+                return False
+        else:
+            return False
+        chunks = self._segments[segment]
+        key = (kind, step, index)
+        if not 0 <= index < len(chunks) or key in self._seen:
+            return False
+        s, e = chunks[index]
+        if memoryview(payload).nbytes != (e - s) * self._input.itemsize:
+            return False
+        import numpy
+        incoming = numpy.frombuffer(payload, dtype=self._input.dtype)
+        self._seen.add(key)
+        self.received += 1
+        self.received_bytes += incoming.nbytes
+        dst = self._out[s:e]
+        if kind == RS:
+            self._reduce(dst, incoming, self._input[s:e])
+            if step < n - 2:
+                self.outbox.append(Out(RS, step + 1, index, dst))
+            else:  # reduced over every rank: it starts round the ring
+                self.outbox.append(Out(AG, segment, index, dst))
+        else:
+            dst[...] = incoming
+            if (rank - segment) % n < n - 2:  # the next rank has not had it yet
+                self.outbox.append(Out(AG, segment, index, payload, frames))
+        return True
+
+    def result(self) -> Any:
+        return self._out.reshape(self._shape)
+
+
+class ChainBroadcast(Job):
+    """The root's serialized value (frames of known sizes) down the chain."""
+
+    kind_name = "chain broadcast"
+    op = "broadcast"
+
+    def __init__(self, rank: int, size: int, root: int, sizes: list[int],
+                 frames: Optional[list[Any]] = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+        super().__init__(rank, size)
+        self.root = root
+        self._position = (rank - root) % size  # 0 at the root
+        self._last = self._position == size - 1
+        self._chunks = [_chunks(0, n, chunk_bytes) for n in sizes]
+        self._seen: set[tuple[int, int]] = set()
+        if self._position == 0:
+            assert frames is not None
+            self._frames: list[Any] = frames
+            for f, frame in enumerate(frames):
+                view = memoryview(frame).cast("B")
+                for j, (s, e) in enumerate(self._chunks[f]):
+                    self.outbox.append(Out(BC, f, j, view[s:e]))
+        else:
+            self._frames = [bytearray(n) for n in sizes]
+            self.expected = sum(len(c) for c in self._chunks)
+            self.total_bytes = sum(sizes)
+
+    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any]) -> bool:
+        if kind != BC or not 0 <= step < len(self._chunks) or self._position == 0:
+            return False
+        chunks = self._chunks[step]
+        if not 0 <= index < len(chunks) or (step, index) in self._seen:
+            return False
+        s, e = chunks[index]
+        view = memoryview(payload)
+        if view.nbytes != e - s:
+            return False
+        self._seen.add((step, index))
+        self.received += 1
+        self.received_bytes += e - s
+        memoryview(self._frames[step])[s:e] = view.cast("B")
+        if not self._last:
+            self.outbox.append(Out(BC, step, index, payload, frames))
+        return True
+
+    def result(self) -> list[Any]:
+        """The frames of the value (the root's own, at the root)."""
+        return self._frames
