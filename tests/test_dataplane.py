@@ -257,3 +257,50 @@ def test_a_stranger_on_a_data_port_changes_nothing(tmp_path, secret):
     outs = run_replicas(stranger_on_the_data_port, 3, str(tmp_path), secret, env=env, timeout=90)
     assert all(o == outs[0] for o in outs)
     assert outs[0][1] == 3.0
+
+
+def tensors_peer_to_peer():
+    import torch
+
+    r = zc.get_rank()
+    out = {}
+    for dtype in (torch.float32, torch.int64, torch.float16, torch.bfloat16):
+        t = torch.full((300, 100), r + 1, dtype=dtype)
+        res = zc.allreduce(t)
+        out[str(dtype)] = (type(res).__name__, str(res.dtype), tuple(res.shape), float(res[0, 0]))
+    out["sent"] = zc.stats()["ops"]["allreduce"]["bytes_sent"]
+    return out
+
+
+def test_cpu_tensors_go_peer_to_peer_and_come_back_as_tensors():
+    pytest.importorskip("torch", reason="torch is an optional extra: pip install -e '.[torch]'")
+    outs = run_replicas(tensors_peer_to_peer, 2, env=ON, timeout=120)
+    assert outs[0] == outs[1]
+    for dtype in ("torch.float32", "torch.int64", "torch.float16", "torch.bfloat16"):
+        assert outs[0][dtype] == ("Tensor", dtype, (300, 100), 3.0)
+    # three of them went peer to peer (descriptions only); bfloat16 (no numpy dtype) kept the star
+    assert outs[0]["sent"] < 60000 + 2000, outs[0]["sent"]
+
+
+ENDING = """
+import numpy as np, zcollective as zc
+zc.initialize()
+r = zc.get_rank()
+f = zc.allreduce_async(np.ones(1 << 19, dtype=np.float32) * (r + 1))
+b = zc.broadcast_async(np.arange(1 << 18) if r == 2 else None, root=2)
+if r == 0:
+    print("result", float(f.result()[7]), int(b.result()[-1]))
+# ranks 1 and 2 end here: no result(), no teardown, their chunks still needed
+"""
+
+
+def test_ranks_that_end_without_teardown_still_move_their_data(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "ending.py"
+    script.write_text(ENDING)
+    env = {**os.environ, **ON}
+    proc = subprocess.run([sys.executable, "-m", "zcollective.run", "-n", "3", str(script)],
+                          capture_output=True, text=True, timeout=90, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[0] result 6.0 262143" in proc.stdout, proc.stdout + proc.stderr

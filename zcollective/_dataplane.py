@@ -176,6 +176,7 @@ class DataPlane:
         outbox = job.outbox
         with _sockets.critical():
             for out in outbox:
+                job.sent += 1
                 if out.frames is not None:  # forwarded as it came: header, tag, payload
                     push.send_multipart(out.frames, copy=False)
                     continue
@@ -256,7 +257,11 @@ class DataPlane:
                 if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                     self._connected, self._pushed_since = True, None
                 elif event == zmq.EVENT_DISCONNECTED:
-                    return fail(self._lost(seq, job, nxt, "to"))
+                    if job.sent < job.to_send or not self._sent():
+                        return fail(self._lost(seq, job, nxt, "to"))
+                    # it had all this rank sends it (and may have ended its program): not a loss
+                    # now; a later call that needs the link finds out (see below)
+                    self._connected = False
                 elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected:
                     self._pushed_since = self._pushed_since or time.monotonic()
         if (self._pushed_since is not None
@@ -267,7 +272,9 @@ class DataPlane:
                 f"{job.progress()}"))
         for event, value in _drain_monitor(self._pull_monitor):
             if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
-                return fail(self._lost(seq, job, prev, "from"))
+                self._prev_fd = None
+                if not job.done:  # (else it sent all this rank needs, and may have ended)
+                    return fail(self._lost(seq, job, prev, "from"))
         return None
 
     def _lost(self, seq: int, job: Job, peer: int, way: str) -> ReplicaLostError:

@@ -424,7 +424,7 @@ class Group:
             if plan is not None:
                 array, name, description = plan
                 return self._submit(op, root, lambda: ([[description]], None), finish, site, FLAG_DATA,
-                                    lambda m: self._ring(array, name, reduce_fn))
+                                    lambda m: self._ring(array, name, reduce_fn, array is not value))
 
         def build() -> tuple[list[list[Any]], Any]:
             fn = _serialize.dumps_function(reduce_fn) if self.rank == root else None
@@ -439,7 +439,12 @@ class Group:
         if member.data_endpoints is None or self._link is None or self._link.data is None:
             return None
         numpy = sys.modules.get("numpy")
-        if numpy is None or type(value) is not numpy.ndarray:
+        if numpy is None:
+            return None
+        tensor = _cpu_tensor(value)
+        if tensor is not None:
+            value = tensor.numpy()  # the same memory, seen by numpy
+        elif type(value) is not numpy.ndarray:
             return None
         if (value.dtype.kind not in _NUMERIC_KINDS or not value.flags.c_contiguous
                 or value.nbytes < member.data_min_bytes or value.dtype.hasobject):
@@ -451,9 +456,13 @@ class Group:
                                  separators=(",", ":")).encode()
         return value, name, description
 
-    def _ring(self, array: Any, name: str, reduce_fn: ReduceFn) -> _ring.Job:
+    def _ring(self, array: Any, name: str, reduce_fn: ReduceFn, tensor: bool) -> _ring.Job:
         job = _ring.RingAllreduce(self.rank, self.size, array, _ring.reducer(name, reduce_fn))
-        job.finish = job.result  # type: ignore[attr-defined]
+        if tensor:  # a tensor in, a tensor out (sharing the result's memory)
+            from_numpy = sys.modules["torch"].from_numpy
+            job.finish = lambda: from_numpy(job.result())  # type: ignore[attr-defined]
+        else:
+            job.finish = job.result  # type: ignore[attr-defined]
         return job
 
     def _submit(self, op: Op, root: int, build: Callable[[], tuple[list[list[Any]], Any]],
@@ -609,10 +618,24 @@ class Group:
         if self._link is not None:
             try:
                 self._link.progress()  # take in a FAIL that would make a BYE pointless
+                self._link.finish_data(_sockets.EXIT_LINGER_MS / 1000)  # the others need our chunks
                 self._link.say_bye()
             except BaseException:
                 pass  # the group failed, or an interrupt: nothing to announce, only to flush
         self._close(ending=True)
+
+
+def _cpu_tensor(value: Any) -> Any:
+    """``value`` if it is a torch tensor numpy can see without a copy (CPU,
+    contiguous, a dtype numpy has, not requiring grad); else None. torch is
+    looked up, never imported."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(value) is not torch.Tensor:
+        return None
+    if (value.device.type != "cpu" or value.requires_grad or not value.is_contiguous()
+            or value.dtype in (torch.bfloat16,) or value.is_sparse or value.is_quantized):
+        return None
+    return value
 
 
 def _show_calls_log() -> None:

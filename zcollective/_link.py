@@ -145,6 +145,19 @@ class Driver:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
         return True
 
+    def finish_data(self, timeout: float) -> None:
+        """Move the data of every call that has some to move, its plan first
+        (the program is ending: the other ranks need this one's chunks), for
+        at most ``timeout`` seconds."""
+        member = self.member
+        deadline = time.monotonic() + timeout
+        while member.failure is None and any(c.data_job is not None for c in member.calls.values()):
+            if time.monotonic() >= deadline:
+                return
+            self.flush()
+            if self._move_data(deadline) is None:  # its plan has not come yet
+                self._pump(deadline)
+
     def _take_in(self) -> None:
         """What the control plane has, without blocking (from inside a data move)."""
         self.flush()

@@ -496,6 +496,11 @@ class Member:
             missing = ",".join(map(str, status["missing"]))
             arrived = ",".join(map(str, status.get("arrived", []))) or "none"
             return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
+        job = next((j for s, j in self.data_jobs if s == seq), None)
+        if job is not None:
+            return (f"{base}: every rank arrived and its data moves peer to peer; "
+                    f"{job.progress()}" + ("" if self.data_jobs[0][1] is job else
+                                           f" (after seq {self.data_jobs[0][0]}'s)"))
         if status.get("state") == "done":
             return (f"{base}: every rank arrived and the coordinator (rank 0) sent the result, "
                     f"which had not arrived here yet")

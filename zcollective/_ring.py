@@ -154,6 +154,8 @@ class Job:
         self.received = 0
         self.received_bytes = 0
         self.total_bytes = 0  # what this rank receives in all
+        self.to_send = 0  # chunks this rank sends in all
+        self.sent = 0  # ... of which handed to the socket (counted by the data plane)
 
     @property
     def done(self) -> bool:
@@ -196,6 +198,8 @@ class RingAllreduce(Job):
                 chunks = self._segments[segment]
                 self.expected += len(chunks)
                 self.total_bytes += sum(e - s for s, e in chunks) * itemsize
+        self.to_send = sum(len(self._segments[(rank - t) % n]) + len(self._segments[(rank + 1 - t) % n])
+                           for t in range(n - 1))
         for j, (s, e) in enumerate(self._segments[rank]):  # step 0: this rank's own segment
             self.outbox.append(Out(RS, 0, j, self._input[s:e]))
         if n == 1:
@@ -256,6 +260,8 @@ class ChainBroadcast(Job):
         self._last = self._position == size - 1
         self._chunks = [_chunks(0, n, chunk_bytes) for n in sizes]
         self._seen: set[tuple[int, int]] = set()
+        if not self._last:
+            self.to_send = sum(len(c) for c in self._chunks)
         if self._position == 0:
             assert frames is not None
             self._frames: list[Any] = frames
