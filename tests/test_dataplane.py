@@ -116,6 +116,12 @@ def every_kind_of_array():
     got = zc.broadcast(big, root=1)
     out["bcast"] = (got["name"], float(got["w"].sum()))
     out["small"] = zc.allreduce(np.ones(10)).tolist()  # below the threshold: the star
+    mine = np.full(20000 * r, r) if r != 1 else {"small": r}  # rank 1's comes with the plan
+    gathered = zc.allgather(mine)
+    assert gathered[r] is mine  # this rank's own object, as always
+    out["gather"] = [(type(g).__name__, len(g), int(np.sum(g["small"] if isinstance(g, dict) else g)))
+                     for g in gathered]
+    out["gather small"] = zc.allgather(r)  # every value small: the star
     futures = [zc.allreduce_async(np.full(9000, float(k + r))) for k in range(6)]
     futures.insert(3, zc.allreduce_async(r))  # a star call in between
     out["async"] = [float(np.asarray(f.result()).flat[0]) for f in reversed(futures)]
@@ -134,6 +140,8 @@ def test_arrays_of_every_numeric_dtype_are_reduced_peer_to_peer_with_the_same_bi
     assert outs[0]["marked"] == 3.0  # rank 2's +3 has the largest magnitude
     assert outs[0]["bcast"] == ("weights", 700000.0)
     assert outs[0]["small"] == [3.0] * 10
+    assert outs[0]["gather"] == [("ndarray", 0, 0), ("dict", 1, 1), ("ndarray", 40000, 80000)]
+    assert outs[0]["gather small"] == [0, 1, 2]
     assert outs[0]["async"][3] == 3  # the star call, in its place
     # every array went peer to peer: rank 0 was sent descriptions, not arrays
     assert all(o["sent"] < 20000 for o in outs), [o["sent"] for o in outs]

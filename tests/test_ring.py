@@ -19,16 +19,19 @@ from zcollective._ring import (
 def _run(jobs, shuffle=None):
     """Deliver every job's outbox to the next rank until nothing moves;
     ``shuffle`` reorders what is in flight (chunks of different steps may
-    arrive in any order a real pipeline allows)."""
+    arrive in any order a real pipeline allows). A chunk made here carries
+    this rank as its origin; one forwarded keeps its origin's, as the data
+    plane's headers do."""
     n = len(jobs)
-    in_flight = [[] for _ in range(n)]  # to rank i
+    in_flight = [[] for _ in range(n)]  # to rank i: (chunk, origin)
     sent = [0] * n
     for _ in range(100000):
         moved = False
         for r, job in enumerate(jobs):
             sent[r] += len(job.outbox)
             for out in job.outbox:
-                in_flight[(r + 1) % n].append(out)
+                origin = out.frames[0][1] if out.frames is not None else r
+                in_flight[(r + 1) % n].append((out, origin))
             moved |= bool(job.outbox)
             job.outbox.clear()
         for r, job in enumerate(jobs):
@@ -36,9 +39,10 @@ def _run(jobs, shuffle=None):
             if shuffle:
                 shuffle.shuffle(queue)
             while queue:
-                out = queue.pop()
+                out, origin = queue.pop()
                 payload = bytes(memoryview(out.payload).cast("B"))
-                assert job.receive(out.kind, out.step, out.index, payload, [b"h", b"", payload])
+                assert job.receive(out.kind, out.step, out.index, payload, [("header", origin), b"", payload],
+                                   origin)
                 moved = True
         if not moved:
             break
@@ -128,3 +132,18 @@ def test_chain_broadcast_delivers_every_frame_to_every_rank(n, root):
         assert [bytes(f) for f in job.result()] == frames, r
     last = (root - 1) % n
     assert jobs[last].outbox == []  # the end of the chain forwards nothing
+
+
+@pytest.mark.parametrize("n", [2, 3, 6])
+def test_ring_allgather_delivers_the_large_values_and_leaves_the_small_ones(n):
+    from zcollective._ring import RingAllgather
+    values = [[b"p%d" % r, bytes([r]) * (300 * r)] if r % 2 == 0 else None for r in range(n)]
+    sizes = [None if v is None else [len(f) for f in v] for v in values]
+    jobs = _run([RingAllgather(r, n, sizes, values[r], chunk_bytes=128) for r in range(n)])
+    for r, job in enumerate(jobs):
+        got = job.result()
+        for owner in range(n):
+            if values[owner] is None:
+                assert got[owner] is None
+            else:
+                assert [bytes(f) for f in got[owner]] == values[owner], (r, owner)

@@ -624,10 +624,40 @@ class Coordinator:
                     f"{head}: only the root may send a data plan ({rank_list(others) or 'the root'} "
                     f"sent a malformed one)")})
             plan = bytes(root.segments[0][0])
+        elif call.op is Op.ALLGATHER:
+            return self._gather_plan(seq, call, contributions)
         else:
             return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
                 f"{head} has no data plane")})
         segments = [[plan]]
+        self._moving = (seq, call.op)
+        return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
+                                                  self.session, flags=FLAG_DATA, segments=segments))
+                for rank in range(self.num_replicas)]
+
+    def _gather_plan(self, seq: int, call: Call, contributions: list[Message]) -> list[Out]:
+        """An allgather where some values go round the ring: the plan names
+        whose (and their frames' sizes); the small values come with it."""
+        sizes: list[Any] = []
+        inline: list[list[Any]] = []
+        for rank, c in enumerate(contributions):
+            if len(c.segments) != 1:
+                return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
+                    f"seq {seq} allgather: rank {rank} sent no value")})
+            if not c.flags & FLAG_DATA:
+                sizes.append(None)
+                inline.append(c.segments[0])
+                continue
+            try:
+                told = json.loads(bytes(c.segments[0][0])[:MAX_MESSAGE_BYTES])["sizes"]
+                if not (isinstance(told, list) and all(type(n) is int and n >= 0 for n in told)):
+                    raise ValueError(told)
+            except (ValueError, KeyError, TypeError):
+                return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
+                    f"seq {seq} allgather: rank {rank} sent a malformed description")})
+            sizes.append(told)
+        plan = json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
+        segments = [[plan], *inline]
         self._moving = (seq, call.op)
         return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
                                                   self.session, flags=FLAG_DATA, segments=segments))

@@ -39,7 +39,7 @@ from zmq.backend import zmq_poll
 
 from . import _sockets
 from ._mac import ChunkMac
-from ._ring import AG, BC, KIND_NAMES, RS, Job
+from ._ring import AG, BC, GA, KIND_NAMES, RS, Job
 from .config import Config
 from .errors import AuthenticationError, PeerError, ReplicaLostError
 
@@ -231,7 +231,7 @@ class DataPlane:
             self._prev_fd = fd
         if chunk_seq == seq:
             try:
-                taken = job.receive(kind, step, index, payload, frames)
+                taken = job.receive(kind, step, index, payload, frames, origin)
             except Exception as exc:  # the user's elementwise function raised: this call fails
                 error = PeerError(f"seq {seq} allreduce: the reduce function raised on rank "
                                   f"{self.rank} during the ring: {type(exc).__name__}: {exc}")
@@ -299,4 +299,4 @@ def _drain_monitor(monitor: Any) -> list[tuple[int, int]]:
     return list(_sockets.monitor_events(monitor, out))
 
 
-__all__ = ["AG", "BC", "RS", "DataPlane", "local_address"]
+__all__ = ["AG", "BC", "GA", "RS", "DataPlane", "local_address"]

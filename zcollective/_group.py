@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import zmq
 
@@ -281,8 +281,7 @@ class Group:
         (see :func:`zcollective.broadcast_async`)."""
         root = self._check_root(root)
         site = _callsite()
-        chain = self._member.data_endpoints is not None and self._link is not None and (
-            self._link.data is not None)
+        chain = self._has_data_plane()
         if self.rank != root:
             return self._submit(Op.BROADCAST, root, _nothing, _first, site,
                                 data_job=self._chain(root, None) if chain else None)
@@ -321,8 +320,38 @@ class Group:
     def allgather_async(self, value: Any) -> CollectiveFuture[list[Any]]:
         """Like :meth:`allgather`, without blocking; returns a future
         (see :func:`zcollective.allgather_async`)."""
-        return self._submit(Op.ALLGATHER, 0, lambda: ([_serialize.dumps(value)], None), self._all(value),
-                            _callsite())
+        site = _callsite()
+        if not self._has_data_plane():
+            return self._submit(Op.ALLGATHER, 0, lambda: ([_serialize.dumps(value)], None),
+                                self._all(value), site)
+        segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
+        sizes = [memoryview(f).nbytes for f in segment]
+        rank, size = self.rank, self.size
+
+        def job(msg: Message) -> _ring.Job:
+            told = json.loads(bytes(msg.segments[0][0])[:_MAX_PLAN_BYTES])["sizes"]
+            if not (isinstance(told, list) and len(told) == size):
+                raise ValueError(f"malformed allgather plan {str(told)[:100]}")
+            ring = _ring.RingAllgather(rank, size, told, segment if told[rank] is not None else None)
+            inline = iter(msg.segments[1:])
+            slots = [None if s is not None else next(inline) for s in told]
+
+            def finish() -> list[Any]:
+                frames = ring.result()
+                return [value if r == rank else _serialize.loads(cast("list[Any]", slots[r] or frames[r]))
+                        for r in range(size)]
+            ring.finish = finish  # type: ignore[attr-defined]
+            return ring
+        if sum(sizes) < self._member.data_min_bytes:
+            return self._submit(Op.ALLGATHER, 0, lambda: ([segment], None), self._all(value), site,
+                                data_job=job)
+        plan = json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
+        return self._submit(Op.ALLGATHER, 0, lambda: ([[plan]], None), self._all(value), site,
+                            FLAG_DATA, job)
+
+    def _has_data_plane(self) -> bool:
+        return self._member.data_endpoints is not None and self._link is not None and (
+            self._link.data is not None)
 
     def gather(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
         """``root`` gets the list of all replicas' values in rank order; the
@@ -436,7 +465,7 @@ class Group:
         a C-contiguous numeric numpy array of at least the group's threshold,
         reduced elementwise, in a group with a data plane; else None (the star)."""
         member = self._member
-        if member.data_endpoints is None or self._link is None or self._link.data is None:
+        if not self._has_data_plane():
             return None
         numpy = sys.modules.get("numpy")
         if numpy is None:

@@ -20,6 +20,9 @@ once each way:
   but it is not rank order.
 - *Broadcast*: the root's serialized value flows down the chain root, root+1,
   ..., root-1 in chunks, each forwarded as soon as it arrives.
+- *Allgather*: each rank's serialized value (those large enough; the others
+  came with the plan) goes once round the ring, from its owner to the rank
+  before it, in chunks forwarded as they arrive.
 
 What is forwarded unchanged (an allgather chunk, a broadcast chunk) keeps
 the header and tag its origin made: a chunk is hashed once and verified at
@@ -35,8 +38,8 @@ from typing import Any, Callable, Optional
 CHUNK_BYTES = 1 << 19  # 512 KiB: a part arrives well within a 1 s liveness bound even at
 # 10 Mbit/s, and the per-chunk cost (a header, a poll, a tag) is a few percent at 1 GB/s
 
-RS, AG, BC = 1, 2, 3  # chunk kinds: reduce-scatter, allgather, broadcast
-KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast"}
+RS, AG, BC, GA = 1, 2, 3, 4  # chunk kinds: reduce-scatter, allgather, broadcast, gathered value
+KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast", GA: "allgather value"}
 
 
 def elementwise(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -161,9 +164,11 @@ class Job:
     def done(self) -> bool:
         return self.received >= self.expected
 
-    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any]) -> bool:
-        """Take one chunk from the previous rank; False if it is not one this
-        job expects (a duplicate, or out of range): the caller drops it."""
+    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any],
+                origin: int = -1) -> bool:
+        """Take one chunk from the previous rank (``origin``: the rank whose
+        header it carries); False if it is not one this job expects (a
+        duplicate, or out of range): the caller drops it."""
         raise NotImplementedError
 
     def result(self) -> Any:
@@ -205,7 +210,8 @@ class RingAllreduce(Job):
         if n == 1:
             self._out[...] = self._input
 
-    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any]) -> bool:
+    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any],
+                origin: int = -1) -> bool:
         n, rank = self.size, self.rank
         if kind == RS:
             if not 0 <= step < n - 1:
@@ -274,7 +280,8 @@ class ChainBroadcast(Job):
             self.expected = sum(len(c) for c in self._chunks)
             self.total_bytes = sum(sizes)
 
-    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any]) -> bool:
+    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any],
+                origin: int = -1) -> bool:
         if kind != BC or not 0 <= step < len(self._chunks) or self._position == 0:
             return False
         chunks = self._chunks[step]
@@ -294,4 +301,64 @@ class ChainBroadcast(Job):
 
     def result(self) -> list[Any]:
         """The frames of the value (the root's own, at the root)."""
+        return self._frames
+
+
+class RingAllgather(Job):
+    """Each rank's serialized value once round the ring. ``sizes[r]``: the
+    lengths of rank r's frames, or None if its value came with the plan."""
+
+    kind_name = "ring allgather"
+    op = "allgather"
+
+    def __init__(self, rank: int, size: int, sizes: list[Optional[list[int]]],
+                 own: Optional[list[Any]], chunk_bytes: int = CHUNK_BYTES) -> None:
+        super().__init__(rank, size)
+        self._chunks = [None if s is None else [_chunks(0, n, chunk_bytes) for n in s] for s in sizes]
+        self._frames: list[Optional[list[Any]]] = [None] * size
+        self._seen: set[tuple[int, int, int]] = set()
+        for owner, per_frame in enumerate(self._chunks):
+            if per_frame is None:
+                continue
+            count = sum(len(c) for c in per_frame)
+            if owner == rank:
+                assert own is not None
+                self._frames[owner] = own
+                for f, frame in enumerate(own):
+                    view = memoryview(frame).cast("B")
+                    for j, (s, e) in enumerate(per_frame[f]):
+                        self.outbox.append(Out(GA, f, j, view[s:e]))
+                self.to_send += count
+                continue
+            self._frames[owner] = [bytearray(n) for n in sizes[owner] or []]
+            self.expected += count
+            self.total_bytes += sum(sizes[owner] or [])
+            if self.next != owner:  # it goes on to the next rank, which has not had it
+                self.to_send += count
+
+    def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any],
+                origin: int = -1) -> bool:
+        if kind != GA or not 0 <= origin < self.size or origin == self.rank:
+            return False
+        per_frame = self._chunks[origin]
+        if per_frame is None or not 0 <= step < len(per_frame) or not 0 <= index < len(per_frame[step]):
+            return False
+        if (origin, step, index) in self._seen:
+            return False
+        s, e = per_frame[step][index]
+        view = memoryview(payload)
+        if view.nbytes != e - s:
+            return False
+        self._seen.add((origin, step, index))
+        self.received += 1
+        self.received_bytes += e - s
+        target = self._frames[origin]
+        assert target is not None
+        memoryview(target[step])[s:e] = view.cast("B")
+        if self.next != origin:
+            self.outbox.append(Out(GA, step, index, payload, frames))
+        return True
+
+    def result(self) -> list[Optional[list[Any]]]:
+        """Each rank's frames, by rank (None: its value came with the plan)."""
         return self._frames
