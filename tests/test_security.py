@@ -127,8 +127,11 @@ def test_stranger_without_the_secret_is_refused_and_nothing_it_sent_runs(tmp_pat
     assert all(o.ok for o in outs), report(outs, "the job failed")
     assert [o.value for o in outs] == [[i * 6 for i in range(300)]] * 3, report(outs, "wrong results")
     assert not os.path.exists(marker)
-    log = outs[0].output  # refused at the ZeroMQ handshake (security mechanism mismatch), once
-    assert log.count("refused a peer at 127.0.0.1") == 1, report(outs, "")  # once, with the address
+    # refused at the ZeroMQ handshake (it speaks NULL: a security mechanism mismatch) and logged
+    # once; libzmq refuses such a peer before the ZAP handler sees its address (see test_zap.py
+    # for the peers that offer a token: once per address, with it)
+    log = outs[0].output
+    assert log.count("refused a peer at the ZeroMQ handshake") == 1, report(outs, "")
     assert "refused a message" not in log, report(outs, "a stranger's message reached the coordinator")
 
 

@@ -72,8 +72,6 @@ class Server:
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
         # the coordinator thread answers (a data socket of rank 0's context uses it too)
-        self._accepted: dict[int, str] = {}  # with a secret: connection fd -> peer address
-        self._broken: Optional[int] = None  # the protocol error of a handshake, until its close
         self._started = threading.Event()
         # set when the thread has closed its sockets: unlike Thread.join, whose state a
         # KeyboardInterrupt during the join can leave wrong, waiting on it can be interrupted
@@ -279,8 +277,8 @@ class Server:
         try:
             with _sockets.mapped("rank 0 cannot start its coordinator thread"):
                 events = zmq.EVENT_DISCONNECTED
-                if self.gatekeeper is not None:  # to log who fails the handshake, and from where
-                    events |= zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                if self.gatekeeper is not None:  # to log peers refused before any ZAP request
+                    events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                 monitor = _sockets.monitor_socket(router, events)
                 made.append(monitor)
                 pipe = self.ctx.socket(zmq.PAIR)
@@ -381,25 +379,15 @@ class Server:
     def _drain_monitor(self) -> None:
         for kind, value in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
-                self._refused(value)
                 # what a peer sent before closing (a BYE, a last contribution) is queued
                 # before libzmq reports the close: take it in first
                 self._drain(joins_first=False)
                 self._send_all(self.coordinator.disconnected(value))
-            elif kind == zmq.EVENT_ACCEPTED:
-                self._accepted[value] = _sockets.peer_address(value)
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                self._broken = value  # the connection's close follows at once
-
-    def _refused(self, fd: int) -> None:
-        """A connection closed: log it once per address if its handshake broke
-        (a peer without credentials; the gatekeeper logs those it refuses).
-        libzmq names the peer of a failed handshake by nothing but the order
-        of the events: the close that follows is that connection's."""
-        address = self._accepted.pop(fd, "an unknown address")
-        broken, self._broken = self._broken, None
-        if broken is not None and self.gatekeeper is not None:
-            self.gatekeeper.log_refusal(address, _zap.MASTER_DOMAIN, _sockets.handshake_problem(broken))
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and self.gatekeeper is not None:
+                # a peer without credentials: libzmq refused it before asking the gatekeeper
+                # (the event names no peer: the connection's fd may be closed and reused by now)
+                self.gatekeeper.log_refusal(None, _zap.MASTER_DOMAIN,
+                                            _sockets.handshake_problem(value))
 
     def _drain(self, joins_first: bool = True) -> None:
         """Handle every message waiting on the ROUTER (with the lock)."""

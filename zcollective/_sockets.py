@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -121,16 +120,6 @@ def handshake_problem(value: int) -> str:
     if value == MECHANISM_MISMATCH:
         return "it offered no credentials (another ZeroMQ security mechanism than PLAIN)"
     return f"it broke the ZeroMQ handshake (protocol error {value:#x})"
-
-
-def peer_address(fd: int) -> str:
-    """The IP address of the peer of connection ``fd`` (libzmq's: read
-    through a duplicate, which is closed at once)."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as conn:
-            return str(conn.getpeername()[0])
-    except (OSError, IndexError):
-        return "an unknown address"
 
 
 def send_to(router: zmq.Socket, frames: list[Any]) -> bool:

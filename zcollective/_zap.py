@@ -100,7 +100,7 @@ class TokenChecker:
     def check(self, domain: bytes, username: bytes, password: bytes) -> Optional[str]:
         if (len(username) != _USERNAME_LEN or not username.startswith(USERNAME_PREFIX)
                 or not _HEX.issuperset(username[len(USERNAME_PREFIX):])
-                or len(password) != _PASSWORD_LEN):
+                or len(password) != _PASSWORD_LEN or not _HEX.issuperset(password)):
             return "malformed credentials"
         if not hmac.compare_digest(_mac(self._key, domain, username), password):
             return "credentials failed authentication (another secret, or another port's token)"
@@ -180,13 +180,20 @@ class Gatekeeper:
                 domain = frames[4].decode("ascii", "replace")[:40] if len(frames) > 4 else ""
                 self.log_refusal(address, domain, why)
 
-    def log_refusal(self, address: str, domain: str, why: str) -> None:
-        """Log a peer refused at the handshake, once per address (also those
-        refused by libzmq before any ZAP request, whose driver saw them)."""
-        if address in self._logged or len(self._logged) >= MAX_LOGGED_ADDRESSES:
+    def log_refusal(self, address: Optional[str], domain: str, why: str) -> None:
+        """Log a peer refused at the handshake, once per address; a peer
+        libzmq refused before any ZAP request (its driver saw the monitor
+        event, which does not say from where) has ``address`` None: such
+        refusals are logged once in all."""
+        key = address or ""
+        if key in self._logged or len(self._logged) >= MAX_LOGGED_ADDRESSES:
             return
-        self._logged.add(address)
+        self._logged.add(key)
         where = domain or "no domain"
+        if address is None:
+            log.warning("zcollective: refused a peer at the ZeroMQ handshake (%s): %s; libzmq "
+                        "does not say from where, and later such refusals are not logged", where, why)
+            return
         log.warning("zcollective: refused a peer at %s at the ZeroMQ handshake (%s): %s; "
                     "it sent nothing further, and later refusals of %s are not logged",
                     address, where, why, address)
