@@ -3,6 +3,7 @@ rule without sockets; the gatekeeper with real sockets in one process (master
 and data domains); strangers and the endless-multipart attack against a
 group of real processes."""
 
+import contextlib
 import os
 import socket
 import threading
@@ -584,3 +585,151 @@ def test_before_the_handshake_a_stranger_holds_at_most_max_frame_bytes(tmp_path)
     said = report(outs, f"rank 0 grew by {growth} KiB; sent {sent} B")
     print(f"\nrank 0 grew by {growth} KiB; the stranger sent {sent} B")
     assert growth < RSS_GROWTH_MAX_KIB and sent < ATTACK_BYTES, said
+
+
+# -- real processes: misconfigured replicas hear why, at once -------------------------------------
+
+
+def join_outcome(ready):
+    rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    if rank == 0:
+        wait_for(ready)
+    else:
+        touch(ready)
+    start = time.monotonic()
+    try:
+        zc.initialize(timeout=2 if rank == 0 else 30)
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    zc.teardown()
+    return "ok", "", time.monotonic() - start
+
+
+PROMPT_S = 10.0  # well below the 30 s join timeout: refused, not timed out
+
+
+@pytest.mark.parametrize("secrets, why", [
+    ({0: ENV, 1: {}}, "the coordinator at {endpoint} refused it at the ZeroMQ handshake (security "
+                      "mechanism mismatch: it requires credentials): rank 0 has a secret and this "
+                      "replica has none; set the same ZCOLLECTIVE_SECRET everywhere"),
+    ({0: {}, 1: ENV}, "the coordinator at {endpoint} does not authenticate peers at the ZeroMQ "
+                      "handshake (security mechanism mismatch: this replica speaks PLAIN): rank 0 "
+                      "has no secret; set the same ZCOLLECTIVE_SECRET everywhere"),
+], ids=["replica without a secret", "coordinator without a secret"])
+def test_a_secret_on_one_side_only_is_an_authentication_error_at_once(tmp_path, secrets, why):
+    with Replicas(join_outcome, 2, str(tmp_path / "ready"), initialize=False, rank_env=secrets) as reps:
+        outs = reps.wait(40)
+    said = report(outs, "")
+    assert [o.value[0] if o.value else None for o in outs] == ["CollectiveTimeoutError",
+                                                               "AuthenticationError"], said
+    endpoint = f"tcp://127.0.0.1:{reps.port}"
+    assert outs[1].value[1] == f"rank 1: {why.format(endpoint=endpoint)}", said
+    assert outs[1].value[2] < PROMPT_S, said
+    if secrets[0]:  # the coordinator with the secret logs the refusal once
+        assert outs[0].output.count("refused a peer at the ZeroMQ handshake") == 1, said
+
+
+class Cutter:
+    """A TCP relay for rank 1 that closes its first connection ``after``
+    seconds (the handshake done, the group not complete), then touches
+    ``cut``; later connections pass."""
+
+    def __init__(self, upstream, after, cut):
+        self.upstream, self.after, self.cut = upstream, after, cut
+        self.connections = 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.1)
+        self.port = self.server.getsockname()[1]
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self):
+        while not self.stop.is_set():
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            self.connections += 1
+            pair = (client, upstream)
+            for src, dst in (pair, pair[::-1]):
+                t = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
+                self.threads.append(t)
+                t.start()
+            if self.connections == 1:
+                t = threading.Thread(target=self._cut, args=pair, daemon=True)
+                self.threads.append(t)
+                t.start()
+
+    def _cut(self, client, upstream):
+        if not self.stop.wait(self.after):
+            for s in (client, upstream):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+            touch(self.cut)
+
+    def _pump(self, src, dst):
+        src.settimeout(0.1)
+        try:
+            while not self.stop.is_set():
+                try:
+                    data = src.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def close(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(5)
+        self.server.close()
+
+
+def join_after(cut):
+    """Rank 2 joins only once rank 1's first connection was cut, so that
+    rank 1 had joined nobody yet when it lost it."""
+    if zc_rank() == 2:
+        wait_for(cut)
+    zc.initialize(timeout=30)
+    try:
+        return zc.allreduce(zc.get_rank() + 1)
+    finally:
+        zc.teardown()
+
+
+def zc_rank():
+    return int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+
+
+def test_a_connection_lost_before_the_welcome_is_made_again_with_a_fresh_token(tmp_path):
+    """libzmq re-makes the connection with the token it was given, which the
+    coordinator refuses as spent; the replica then connects anew with a fresh
+    one and joins (rule 1 of _member.py holds with single-use tokens)."""
+    cut = str(tmp_path / "cut")
+    master = socket.socket()
+    master.bind(("127.0.0.1", 0))
+    port = master.getsockname()[1]
+    master.close()
+    relay = Cutter(port, after=1.0, cut=cut)
+    try:
+        with Replicas(join_after, 3, cut, initialize=False, port=port, env=ENV,
+                      rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
+            outs = reps.wait(60)
+    finally:
+        relay.close()
+    said = report(outs, f"{relay.connections} connections through the relay")
+    assert [o.value for o in outs] == [6, 6, 6], said
+    assert relay.connections >= 3, said  # the first, the spent token's, the fresh one's
+    assert "credentials already used (a replayed token)" in outs[0].output, said
