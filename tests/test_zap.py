@@ -228,7 +228,12 @@ def test_a_client_connecting_before_the_server_binds_spends_no_token():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         sock, monitor = g.client(port=port)
-        time.sleep(0.3)  # several refused connects (the test's point: a wait with nothing to wait on)
+        retried, deadline = 0, time.monotonic() + WAIT_S
+        while retried < 2:  # refused TCP connects, each followed by a retry
+            assert time.monotonic() < deadline, "the client never retried its connect"
+            if monitor.poll(10):
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                retried += event == zmq.EVENT_CONNECT_RETRIED
         g.bind(port)
         assert g.outcome(monitor) == ("HANDSHAKE_SUCCEEDED", 0)
         assert (g.gate.accepted, g.gate.refused) == (1, 0)

@@ -13,6 +13,12 @@ ROUTER (libzmq allows a socket to move between threads across a full memory
 barrier, which the lock is); the thread polls the ROUTER's file descriptor,
 not the socket, so it never touches the socket without the lock. The thread
 stays for progress while rank 0's own code is busy elsewhere.
+
+With a secret the thread also owns the context's ZAP handler
+(:class:`~zcollective._zap.Gatekeeper`, made before the ROUTER binds) and
+answers each handshake as soon as it is asked, without the lock: a peer
+that cannot prove the secret is refused before libzmq takes in a message
+from it.
 """
 
 from __future__ import annotations
