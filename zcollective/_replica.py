@@ -16,7 +16,7 @@ from typing import Any, Optional
 import zmq
 from zmq.backend import zmq_poll
 
-from . import _sockets
+from . import _sockets, _zap
 from ._link import Driver
 from ._member import Link, Member
 from ._wire import Message, encode
@@ -26,6 +26,7 @@ from .errors import CollectiveError
 MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _EVENTS: dict[int, Link] = {
     zmq.EVENT_CONNECTED: Link.CONNECTED,
@@ -44,10 +45,20 @@ def routing_id(rank: int) -> bytes:
 
 
 class Replica(Driver):
-    """A member's DEALER connected to the coordinator at ``config.endpoint``."""
+    """A member's DEALER connected to the coordinator at ``config.endpoint``.
+
+    With a secret the DEALER proves it at the ZeroMQ handshake with a
+    single-use token (:mod:`zcollective._zap`). libzmq re-makes a lost
+    connection with the token it was given at ``connect``, which the
+    coordinator refuses as spent: before the WELCOME (when the member joins
+    again on a new connection) the DEALER then connects anew with a fresh
+    token. A token refused on its first offer means another secret.
+    """
 
     def __init__(self, ctx: zmq.Context, config: Config, member: Member) -> None:
         super().__init__(member)
+        self._config = config
+        self._offers = 0  # TCP connections made since the DEALER got its current token
         self._inbox: deque[list[Any]] = deque()  # received, not yet handled (see _sockets.handled)
         self._events: deque[list[Any]] = deque()  # the same for monitor events
         with _sockets.mapped(f"rank {config.rank} cannot make its socket"):
@@ -59,6 +70,8 @@ class Replica(Driver):
                 self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, _sockets.RECONNECT_IVL_MAX_MS)
                 _sockets.set_never_drop(self.dealer)
                 _sockets.set_heartbeats(self.dealer, config)
+                if config.secret is not None:
+                    _zap.secure_client(self.dealer, config.secret, _zap.MASTER_DOMAIN)
                 self.monitor = _sockets.monitor_socket(self.dealer, MONITOR_EVENTS)
             except BaseException:
                 self.dealer.close(linger=0)
@@ -130,10 +143,40 @@ class Replica(Driver):
                 raise
 
     def _drain_monitor(self) -> None:
-        for kind, _ in _sockets.monitor_events(self.monitor, self._events):
+        config, member = self._config, self.member
+        for kind, value in _sockets.monitor_events(self.monitor, self._events):
+            if kind == zmq.EVENT_CONNECTED:
+                self._offers += 1
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._offers > 1:
+                # libzmq re-made a connection with a token an earlier one may have spent
+                if not member.joined and member.failure is None:
+                    self._renew_token()
+                continue  # once joined, the lost connection already failed the group
+            refusal = _sockets.handshake_refusal(kind, value, f"rank {member.rank}",
+                                                 f"the coordinator at {member.endpoint}", "rank 0",
+                                                 config.secret is not None)
+            if refusal is not None:
+                self._answer(member.fail(refusal))
+                continue
             event = _EVENTS.get(kind)
             if event is not None:
-                self._answer(self.member.connection(event))
+                self._answer(member.connection(event))
+
+    def _renew_token(self) -> None:
+        """Connect anew with a fresh token (libzmq stopped trying with the
+        refused one). Whatever was queued goes with the old connection: the
+        member joins again once the new handshake succeeds."""
+        config = self._config
+        assert config.secret is not None
+        endpoint = config.endpoint
+        with _sockets.mapped(f"rank {config.rank} cannot connect to {endpoint}", address=True):
+            try:
+                self.dealer.disconnect(endpoint)
+            except zmq.ZMQError:
+                pass  # libzmq already let go of that endpoint
+            _zap.secure_client(self.dealer, config.secret, _zap.MASTER_DOMAIN)
+            self._offers = 0
+            self.dealer.connect(endpoint)
 
     def fds(self) -> list[int]:
         return [self.dealer.FD, self.monitor.FD]

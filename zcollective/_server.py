@@ -13,6 +13,12 @@ ROUTER (libzmq allows a socket to move between threads across a full memory
 barrier, which the lock is); the thread polls the ROUTER's file descriptor,
 not the socket, so it never touches the socket without the lock. The thread
 stays for progress while rank 0's own code is busy elsewhere.
+
+With a secret the thread also owns the context's ZAP handler
+(:class:`~zcollective._zap.Gatekeeper`, made before the ROUTER binds) and
+answers each handshake as soon as it is asked, without the lock: a peer
+that cannot prove the secret is refused before libzmq takes in a message
+from it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any, Optional
 import zmq
 from zmq.backend import zmq_poll
 
-from . import _sockets
+from . import _sockets, _zap
 from ._coordinator import Coordinator, Out, Phase
 from ._link import HOST_PEER, Wakeup, owned
 from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
@@ -70,6 +76,8 @@ class Server:
         self._host_owed = False  # to_host grew while the lock was held
         self._take_pending = False  # a _TAKE is on its way to the thread
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
+        self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
+        # the coordinator thread answers (a data socket of rank 0's context uses it too)
         self._started = threading.Event()
         # set when the thread has closed its sockets: unlike Thread.join, whose state a
         # KeyboardInterrupt during the join can leave wrong, waiting on it can be interrupted
@@ -228,10 +236,28 @@ class Server:
 
     def _bind(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
         config = self.config
+        if config.secret is not None:  # before the ROUTER can take a handshake
+            with _sockets.mapped("rank 0 cannot start the coordinator's ZAP handler"):
+                self.gatekeeper = _zap.Gatekeeper(self.ctx, config.secret)
+        try:
+            return self._bind_router()
+        except BaseException:
+            self._close_gatekeeper()
+            raise
+
+    def _close_gatekeeper(self) -> None:
+        if self.gatekeeper is not None:
+            self.gatekeeper.close()
+            self.gatekeeper = None
+
+    def _bind_router(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+        config = self.config
         with _sockets.mapped("rank 0 cannot make the coordinator's socket"):
             router = self.ctx.socket(zmq.ROUTER)
         try:
             with _sockets.mapped("rank 0 cannot set the coordinator's socket options"):
+                if self.gatekeeper is not None:
+                    _zap.secure_server(router, self.gatekeeper, _zap.MASTER_DOMAIN)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 router.setsockopt(zmq.LINGER, _sockets.CLOSE_LINGER_MS)
                 router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
@@ -256,7 +282,10 @@ class Server:
         made: list[zmq.Socket] = [router]
         try:
             with _sockets.mapped("rank 0 cannot start its coordinator thread"):
-                monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED)
+                events = zmq.EVENT_DISCONNECTED
+                if self.gatekeeper is not None:  # to log peers refused before any ZAP request
+                    events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                monitor = _sockets.monitor_socket(router, events)
                 made.append(monitor)
                 pipe = self.ctx.socket(zmq.PAIR)
                 made.append(pipe)
@@ -284,7 +313,9 @@ class Server:
             self._started.set()
             return
         self._monitor = monitor
-        fds = router.FD, monitor.FD  # read before rank 0's member may use the ROUTER
+        fds = [router.FD, monitor.FD]  # read before rank 0's member may use the ROUTER
+        if self.gatekeeper is not None:
+            fds.append(self.gatekeeper.fd)
         with self._locked():
             self._router = router
         self._started.set()
@@ -300,6 +331,7 @@ class Server:
                 self._router = None
             pipe.close(linger=0)
             _sockets.close_monitored(router, monitor, linger)
+            self._close_gatekeeper()  # after the ROUTER: no handshake is left to answer
             self._finished.set()
 
     _ending: Optional[float] = None  # when rank 0's program said it was ending
@@ -314,10 +346,13 @@ class Server:
         except Exception:
             pass
 
-    def _serve(self, fds: tuple[int, int], pipe: zmq.Socket) -> None:
+    def _serve(self, fds: list[int], pipe: zmq.Socket) -> None:
         # the fds of the ROUTER and its monitor, not the sockets: polling a socket would use it
         # without the lock. They are edge-triggered: each step reads both until they are empty
         items: list[Any] = [(fds[0], zmq.POLLIN), (fds[1], zmq.POLLIN), (pipe, zmq.POLLIN)]
+        gatekeeper = self.gatekeeper  # its socket is this thread's alone: served without the lock
+        if gatekeeper is not None:
+            items.append((gatekeeper.fd, zmq.POLLIN))
         coordinator = self.coordinator
         while coordinator.phase is not Phase.CLOSED:
             timeout = -1
@@ -331,6 +366,8 @@ class Server:
                     return
                 timeout = int((EXIT_WAIT_S - waited) * 1000) + 1
             ready = {sock for sock, _ in zmq_poll(items, timeout)}
+            if gatekeeper is not None and gatekeeper.fd in ready:
+                gatekeeper.serve()  # a handshake waits for it: first
             if pipe in ready:
                 command = pipe.recv()
                 if command == _TAKE:
@@ -346,12 +383,17 @@ class Server:
                 self._step()
 
     def _drain_monitor(self) -> None:
-        for kind, fd in _sockets.monitor_events(self._monitor, self._events):
+        for kind, value in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
                 # what a peer sent before closing (a BYE, a last contribution) is queued
                 # before libzmq reports the close: take it in first
                 self._drain(joins_first=False)
-                self._send_all(self.coordinator.disconnected(fd))
+                self._send_all(self.coordinator.disconnected(value))
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and self.gatekeeper is not None:
+                # a peer without credentials: libzmq refused it before asking the gatekeeper
+                # (the event names no peer: the connection's fd may be closed and reused by now)
+                self.gatekeeper.log_refusal(None, _zap.MASTER_DOMAIN,
+                                            _sockets.handshake_problem(value))
 
     def _drain(self, joins_first: bool = True) -> None:
         """Handle every message waiting on the ROUTER (with the lock)."""

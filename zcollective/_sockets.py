@@ -1,6 +1,8 @@
 """Socket options shared by the coordinator's ROUTER and each replica's DEALER,
 and the one place where ``zmq.ZMQError`` becomes a library error: the
-drivers call libzmq through the functions here (or inside :func:`mapped`)."""
+drivers call libzmq through the functions here (or inside :func:`mapped`).
+A handshake refused over the secret, which libzmq reports only on a socket
+monitor, becomes one here too (:func:`handshake_refusal`)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from zmq.backend import zmq_poll
 from zmq.utils.monitor import parse_monitor_message
 
 from .config import Config
-from .errors import AddressError, CollectiveError
+from .errors import AddressError, AuthenticationError, CollectiveError
 
 T = TypeVar("T")
 
@@ -86,6 +88,40 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str) -> None:
         if exc.errno == zmq.EADDRINUSE:
             raise AddressError(in_use) from None
         raise AddressError(cannot.format(reason=exc.strerror)) from None
+
+
+MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)  # one side speaks PLAIN
+# (has a secret), the other NULL: reported by libzmq on both ends of the handshake
+
+
+def handshake_refusal(event: int, value: int, who: str, peer: str, holder: str,
+                      secret: bool) -> Optional[AuthenticationError]:
+    """The error for a ZeroMQ handshake that failed over the secret, from a
+    socket monitor's event: ``who`` (say ``rank 1``) could not connect to
+    ``peer`` (``the coordinator at tcp://...``), whose process is
+    ``holder`` (``rank 0``); ``secret``: ``who`` has one. None for any other
+    event, and for protocol errors that are not about the secret."""
+    advice = "set the same ZCOLLECTIVE_SECRET everywhere"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return AuthenticationError(
+            f"{who}: {peer} refused its credentials at the ZeroMQ handshake (ZAP status {value}): "
+            f"{holder} has a different secret; {advice}")
+    if event != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL or value != MECHANISM_MISMATCH:
+        return None
+    if secret:
+        return AuthenticationError(
+            f"{who}: {peer} does not authenticate peers at the ZeroMQ handshake (security "
+            f"mechanism mismatch: this replica speaks PLAIN): {holder} has no secret; {advice}")
+    return AuthenticationError(
+        f"{who}: {peer} refused it at the ZeroMQ handshake (security mechanism mismatch: it "
+        f"requires credentials): {holder} has a secret and this replica has none; {advice}")
+
+
+def handshake_problem(value: int) -> str:
+    """What a server's ``EVENT_HANDSHAKE_FAILED_PROTOCOL`` says of its peer."""
+    if value == MECHANISM_MISMATCH:
+        return "it offered no credentials (another ZeroMQ security mechanism than PLAIN)"
+    return f"it broke the ZeroMQ handshake (protocol error {value:#x})"
 
 
 def send_to(router: zmq.Socket, frames: list[Any]) -> bool:

@@ -1,0 +1,227 @@
+"""Authentication at the ZeroMQ handshake: with a secret, a peer that cannot
+prove it knows the secret is refused before libzmq takes in a single message
+from it, so no stranger can make a process buffer messages (an endless
+multipart message, say). This module knows nothing of the protocol above
+ZeroMQ, of ranks, or of threads.
+
+Theory of operation
+-------------------
+Servers speak ZMTP's PLAIN mechanism and hand each handshake to a ZAP
+handler (RFC 27): libzmq sends a request on ``inproc://zeromq.zap.01`` of the
+server socket's context and waits for the answer before it accepts anything
+else from that peer. The handler is a socket that whoever polls
+:attr:`Gatekeeper.fd` answers, without a thread of its own.
+
+A client's credentials are a single-use *token*: the username is a fresh
+random nonce, the password ``HMAC-SHA256(key, domain, username)`` (hex),
+under a key derived from the secret with a label of its own. The handler
+accepts a token whose MAC is right for its socket's ZAP domain and whose
+nonce it has never accepted before: an eavesdropper who copies a token off
+the wire (PLAIN is cleartext) cannot use it once the handshake it was made
+for has consumed it. Only tokens with a right MAC enter the set of used
+nonces, so strangers cannot grow it. Nothing is encrypted and nothing is
+computed per byte: after the handshake a connection costs what a NULL one
+does (HMAC tags on each message stay, above, as a second defence).
+
+A client's credentials are copied by libzmq at ``connect``: a connection
+libzmq re-makes (after a disconnect) offers the spent token again and is
+refused. A TCP connect that fails (the server not bound yet) sends no
+credentials and spends nothing.
+
+Use (the drivers')::
+
+    gate = Gatekeeper(ctx, secret)            # first: binds ctx's ZAP endpoint
+    secure_server(router, gate, MASTER_DOMAIN)  # before router.bind(...)
+    ... poll gate.fd (ZMQ_FD: edge-triggered, like any socket's) and call
+    gate.serve() whenever it is readable, and once after each poll anyway;
+    gate.close()                               # by the thread that made it
+
+    secure_client(dealer, secret, MASTER_DOMAIN)  # before each dealer.connect(...)
+
+One :class:`Gatekeeper` per context (libzmq allows one ZAP handler per
+context); every PLAIN server socket of that context is answered by it,
+whatever its domain. Without a secret, use none of this: sockets keep the
+NULL mechanism and libzmq makes no ZAP request.
+
+A refused peer is logged once per address (at most :data:`MAX_LOGGED_ADDRESSES`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+from typing import Optional
+
+import zmq
+
+log = logging.getLogger("zcollective")
+
+__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "Gatekeeper", "TokenChecker", "client_credentials",
+           "derive_key", "secure_client", "secure_server", "zap_reply"]
+
+MASTER_DOMAIN = "zcollective-master"  # the coordinator's ROUTER
+DATA_DOMAIN = "zcollective-data"  # a replica's data socket
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
+KEY_LABEL = b"zcollective-v1-zap-plain"  # its own key: a handshake MAC is never a message tag
+USERNAME_PREFIX = b"zc1."  # the token format's version
+NONCE_BYTES = 16  # random enough never to repeat, short enough for PLAIN's 255-byte fields
+MAX_LOGGED_ADDRESSES = 1024  # refused addresses remembered for logging once; past it, silence
+_USERNAME_LEN = len(USERNAME_PREFIX) + 2 * NONCE_BYTES
+_PASSWORD_LEN = 2 * hashlib.sha256().digest_size
+_HEX = frozenset(b"0123456789abcdef")
+
+
+def derive_key(secret: bytes) -> bytes:
+    """The handshake key: the secret under a label of its own."""
+    return hmac.new(secret, KEY_LABEL, hashlib.sha256).digest()
+
+
+def _mac(key: bytes, domain: bytes, username: bytes) -> bytes:
+    msg = len(domain).to_bytes(2, "big") + domain + username  # length first: no ambiguity
+    return hmac.new(key, msg, hashlib.sha256).hexdigest().encode()
+
+
+def client_credentials(secret: bytes, domain: str) -> tuple[bytes, bytes]:
+    """A fresh single-use token (username, password) for a server in ``domain``."""
+    username = USERNAME_PREFIX + os.urandom(NONCE_BYTES).hex().encode()
+    return username, _mac(derive_key(secret), domain.encode(), username)
+
+
+class TokenChecker:
+    """The token rule, without sockets: :meth:`check` says why a token is
+    refused, or None (and remembers its nonce) when it is accepted."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._key = derive_key(secret)
+        self._used: set[bytes] = set()  # grows only with tokens whose MAC was right
+
+    def check(self, domain: bytes, username: bytes, password: bytes) -> Optional[str]:
+        if (len(username) != _USERNAME_LEN or not username.startswith(USERNAME_PREFIX)
+                or not _HEX.issuperset(username[len(USERNAME_PREFIX):])
+                or len(password) != _PASSWORD_LEN or not _HEX.issuperset(password)):
+            return "malformed credentials"
+        if not hmac.compare_digest(_mac(self._key, domain, username), password):
+            return "credentials failed authentication (another secret, or another port's token)"
+        if username in self._used:
+            return "credentials already used (a replayed token)"
+        self._used.add(username)
+        return None
+
+
+def zap_reply(request: list[bytes], checker: TokenChecker) -> tuple[list[bytes], Optional[str], str]:
+    """Answer one ZAP request (its frames after the envelope): the reply's
+    frames, why the peer was refused (None: accepted) and its address."""
+    if len(request) < 6 or request[0] != b"1.0":
+        request_id = request[1] if len(request) > 1 else b""
+        bad = "a malformed ZAP request"
+        return [b"1.0", request_id, b"500", bad.encode(), b"", b""], bad, "an unknown address"
+    request_id, domain, address, mechanism = request[1], request[2], request[3], request[5]
+    peer = address.decode("ascii", "replace") or "an unknown address"
+    if mechanism != b"PLAIN" or len(request) != 8:
+        why: Optional[str] = f"security mechanism {mechanism.decode('ascii', 'replace')[:20]}, not PLAIN"
+    else:
+        why = checker.check(domain, request[6], request[7])
+    if why is None:
+        return [b"1.0", request_id, b"200", b"OK", b"", b""], None, peer
+    return [b"1.0", request_id, b"400", why.encode()[:200], b"", b""], why, peer
+
+
+class Gatekeeper:
+    """The ZAP handler of one context: a socket bound at the ZAP endpoint,
+    answered by :meth:`serve` from the thread that made it.
+
+    Raises
+    ------
+    zmq.ZMQError
+        The context already has a ZAP handler (``EADDRINUSE``), or is closed;
+        callers translate it (see :mod:`zcollective._sockets`).
+    """
+
+    def __init__(self, ctx: zmq.Context, secret: bytes) -> None:
+        self.ctx = ctx
+        self._checker = TokenChecker(secret)
+        self._logged: set[str] = set()
+        self.refused = 0  # handshakes refused so far (for tests and stats)
+        self.accepted = 0
+        self._sock = ctx.socket(zmq.ROUTER)  # a ROUTER never blocks nor enters a bad state
+        try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, 0)  # a handshake waiting for us is never dropped
+            self._sock.setsockopt(zmq.SNDHWM, 0)
+            self._sock.bind(ZAP_ENDPOINT)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
+        self.fd: int = self._sock.FD  # poll for POLLIN, then call serve()
+
+    def serve(self) -> int:
+        """Answer every request waiting, without blocking; return how many."""
+        sock, answered = self._sock, 0
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return answered
+            answered += 1
+            # [peer id, empty delimiter, request...]
+            if len(frames) < 2 or frames[1]:
+                continue  # not libzmq's ZAP client: nobody to answer
+            reply, why, address = zap_reply(frames[2:], self._checker)
+            try:
+                sock.send_multipart([frames[0], b"", *reply], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the handshake that asked is gone
+            if why is None:
+                self.accepted += 1
+            else:
+                self.refused += 1
+                domain = frames[4].decode("ascii", "replace")[:40] if len(frames) > 4 else ""
+                self.log_refusal(address, domain, why)
+
+    def log_refusal(self, address: Optional[str], domain: str, why: str) -> None:
+        """Log a peer refused at the handshake, once per address; a peer
+        libzmq refused before any ZAP request (its driver saw the monitor
+        event, which does not say from where) has ``address`` None: such
+        refusals are logged once in all."""
+        key = address or ""
+        if key in self._logged or len(self._logged) >= MAX_LOGGED_ADDRESSES:
+            return
+        self._logged.add(key)
+        where = domain or "no domain"
+        if address is None:
+            log.warning("zcollective: refused a peer at the ZeroMQ handshake (%s): %s; libzmq "
+                        "does not say from where, and later such refusals are not logged", where, why)
+            return
+        log.warning("zcollective: refused a peer at %s at the ZeroMQ handshake (%s): %s; "
+                    "it sent nothing further, and later refusals of %s are not logged",
+                    address, where, why, address)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+def secure_server(sock: zmq.Socket, gatekeeper: Gatekeeper, domain: str) -> None:
+    """Make ``sock`` (before it binds) accept only peers holding a token for
+    ``domain``, checked by ``gatekeeper``, which must serve ``sock``'s context.
+
+    Raises
+    ------
+    ValueError
+        ``gatekeeper`` belongs to another context (its requests would never
+        reach it: every handshake would fail).
+    """
+    if sock.context.underlying != gatekeeper.ctx.underlying:
+        raise ValueError("the gatekeeper serves another ZeroMQ context than this socket's")
+    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+
+
+def secure_client(sock: zmq.Socket, secret: bytes, domain: str) -> None:
+    """Give ``sock`` a fresh token for a server in ``domain``. Call it before
+    each ``connect``: a token is good for one handshake."""
+    username, password = client_credentials(secret, domain)
+    sock.setsockopt(zmq.PLAIN_USERNAME, username)
+    sock.setsockopt(zmq.PLAIN_PASSWORD, password)
+
