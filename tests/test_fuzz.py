@@ -29,7 +29,7 @@ from hypothesis import Phase as HypothesisPhase
 from hypothesis import strategies as st
 
 import zcollective as zc
-from zcollective import _serialize
+from zcollective import _serialize, _zap
 from zcollective._coordinator import PYTHON_VERSION, Coordinator, Phase
 from zcollective._member import Call, Member
 from zcollective._wire import (
@@ -987,6 +987,8 @@ def flood(port, count, seed, running, signer=None, signings=("none", "wrong", "z
             ident = b"R" + c.below(N).to_bytes(4, "big") + os.urandom(8) if c.below(2) else os.urandom(6)
             s.setsockopt(zmq.ROUTING_ID, ident)
             s.setsockopt(zmq.SNDHWM, 0)
+            if signer is not None:  # past the handshake: what is tested here is the message tags
+                _zap.secure_client(s, SECRET, _zap.MASTER_DOMAIN)
             s.connect(f"tcp://127.0.0.1:{port}")
             oracle = coordinator(phase, signer)
             last = frames_of(join_msg(1))  # answered, unless one before it is

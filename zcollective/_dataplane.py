@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import zmq
 from zmq.backend import zmq_poll
 
-from . import _sockets
+from . import _sockets, _zap
 from ._mac import ChunkMac
-from ._ring import AG, BC, GA, KIND_NAMES, RS, Job
+from ._ring import AG, BC, CHUNK_BYTES, GA, KIND_NAMES, RS, Job
 from .config import Config
-from .errors import AuthenticationError, PeerError, ReplicaLostError
+from .errors import AuthenticationError, CollectiveTimeoutError, PeerError, ReplicaLostError
 
 if TYPE_CHECKING:
     from ._member import Member
@@ -72,7 +72,11 @@ class DataPlane:
     """One replica's data sockets (see the module docstring). Used only by
     the thread that owns the group."""
 
-    def __init__(self, ctx: zmq.Context, config: Config) -> None:
+    def __init__(self, ctx: zmq.Context, config: Config,
+                 gatekeeper: Optional[_zap.Gatekeeper] = None) -> None:
+        """Bind the data port. With a secret, its handshakes are answered by
+        ``gatekeeper`` (rank 0's coordinator thread serves its own) or, if
+        None, by a gatekeeper of this data plane's, served in its loops."""
         self.rank = config.rank
         self.size = config.num_replicas
         self._config = config
@@ -88,37 +92,86 @@ class DataPlane:
         self._connected = False
         self._trackers: deque[Any] = deque()
         self._warned: set[str] = set()
+        self._gate: Optional[_zap.Gatekeeper] = None  # ours to serve (not rank 0's thread's)
         what = f"rank {self.rank} cannot open its data port"
         with _sockets.mapped(what, address=True):
+            if config.secret is not None and gatekeeper is None:
+                gatekeeper = self._gate = _zap.Gatekeeper(ctx, config.secret)
             self._pull = ctx.socket(zmq.PULL)
             try:
                 self._setup(self._pull)
+                if gatekeeper is not None:  # strangers are refused at the handshake
+                    _zap.secure_server(self._pull, gatekeeper, _zap.DATA_DOMAIN)
                 self._pull.bind(f"tcp://{local_address(config)}:*")
                 self.endpoint = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
                 self._pull_monitor = _sockets.monitor_socket(self._pull, EVENTS)
             except BaseException:
                 self._pull.close(linger=0)
+                if self._gate is not None:
+                    self._gate.close()
                 raise
 
     def _setup(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
-        _sockets.set_never_drop(sock)
+        sock.setsockopt(zmq.MAXMSGSIZE, CHUNK_BYTES)  # no frame of ours is larger: a stranger's
+        _sockets.set_never_drop(sock)  # cannot make this process allocate more
         _sockets.set_heartbeats(sock, self._config)
 
-    def start(self, session: int, endpoints: list[str]) -> None:
-        """The group is welcomed: connect to the next rank's data port."""
+    def start(self, session: int, endpoints: list[str], deadline: Optional[float],
+              pump: Callable[[], None]) -> None:
+        """The group is welcomed: connect to the next rank's data port and
+        wait (every rank is inside ``initialize`` now, to answer) until both
+        data links have made their handshake, so none is left waiting on a
+        replica busy in its own code.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            A data link was not made by ``deadline``; names the ports.
+        """
         self.session, self.endpoints = session, endpoints
         target = endpoints[(self.rank + 1) % self.size]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)
             try:
                 self._setup(push)
+                if self._config.secret is not None:
+                    _zap.secure_client(push, self._config.secret, _zap.DATA_DOMAIN)
                 self._push_monitor = _sockets.monitor_socket(push, EVENTS)
                 push.connect(target)
             except BaseException:
                 push.close(linger=0)
                 raise
         self._push = push
+        self._handshakes(deadline, pump)
+
+    def _handshakes(self, deadline: Optional[float], pump: Callable[[], None]) -> None:
+        assert self._push_monitor is not None
+        out_ok = in_ok = False
+        items: list[Any] = [(self._push_monitor, _POLLIN), (self._pull_monitor, _POLLIN)]
+        if self._gate is not None:
+            items.append((self._gate.fd, _POLLIN))
+        while not (out_ok and in_ok):
+            if self._gate is not None:
+                self._gate.serve()
+            for event, _ in _drain_monitor(self._push_monitor):
+                out_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            for event, _ in _drain_monitor(self._pull_monitor):
+                in_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if out_ok and in_ok:
+                break
+            pump()
+            if deadline is not None and time.monotonic() >= deadline:
+                nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+                missing = [f"to rank {nxt} at {self.endpoints[nxt]}"] if not out_ok else []
+                missing += [f"from rank {prev} (to {self.endpoint})"] if not in_ok else []
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank} joined the group but could not make its data links "
+                    f"{' and '.join(missing)} in time (a firewall between the hosts? "
+                    f"ZCOLLECTIVE_DATA_PLANE=off keeps every byte on the master port)")
+            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+            zmq_poll(items, int(wait * 1000))
+        self._connected = True
 
     def fds(self) -> list[int]:
         return [s.FD for s in (self._pull, self._pull_monitor, self._push_monitor) if s is not None]
@@ -127,6 +180,8 @@ class DataPlane:
         if self._push is not None and self._push_monitor is not None:
             _sockets.close_monitored(self._push, self._push_monitor, 0)
         _sockets.close_monitored(self._pull, self._pull_monitor, 0)
+        if self._gate is not None:
+            self._gate.close()  # after the data port: no handshake is left to answer
         self._early.clear()
 
     # -- one job ------------------------------------------------------------
@@ -145,6 +200,8 @@ class DataPlane:
         items: list[Any] = [(self._pull, _POLLIN), (self._pull_monitor, _POLLIN)]
         if self._push_monitor is not None:
             items.append((self._push_monitor, _POLLIN))
+        if self._gate is not None:
+            items.append((self._gate.fd, _POLLIN))
         ours = len(items)
         items += link
         while member.failure is None and member.data_jobs and member.data_jobs[0][1] is job:
@@ -155,6 +212,8 @@ class DataPlane:
             if deadline is not None:
                 slice_s = min(slice_s, deadline - time.monotonic())
             ready = zmq_poll(items, max(0, int(slice_s * 1000)))
+            if self._gate is not None:
+                self._gate.serve()  # a stranger's handshake, refused
             self._drain(seq, job, member, fail)
             self._events(seq, job, fail)
             if len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready):

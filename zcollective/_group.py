@@ -153,8 +153,9 @@ class Group:
         _sockets.hold_signals()  # no signal handler's exception splits a message
         try:
             self._link = self._connect(signer)
+            deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
             self._link.join(config.init_timeout)
-            self._start_data()
+            self._start_data(deadline)
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
@@ -175,27 +176,31 @@ class Group:
             return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer))
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
-        if config.data_plane != "off":
-            self._data = DataPlane(self._ctx, config)
-            member.data_endpoint, member.data_min_bytes = self._data.endpoint, config.data_plane_min_bytes
-            member.data_mode = config.data_plane
         if config.rank == 0:
             self._server = Server(self._ctx, config)
             self._server.start()
-            return HostLink(member, self._server)
-        return Replica(self._ctx, config, member)
+            link: Driver = HostLink(member, self._server)
+        else:
+            link = Replica(self._ctx, config, member)
+        if config.data_plane != "off":  # bound before the JOIN, which announces it
+            gate = self._server.gatekeeper if self._server is not None else None
+            self._data = DataPlane(self._ctx, config, gate)
+            member.data_endpoint, member.data_min_bytes = self._data.endpoint, config.data_plane_min_bytes
+            member.data_mode = config.data_plane
+        return link
 
-    def _start_data(self) -> None:
+    def _start_data(self, deadline: Optional[float]) -> None:
         """Joined: use the data plane if every rank has one, else let it go."""
-        data, member = self._data, self._member
-        if data is None or self._link is None:
+        data, member, link = self._data, self._member, self._link
+        if data is None or link is None:
             return
         if member.data_endpoints is None:
             self._data = None
             data.close()
             return
-        data.start(member.session, member.data_endpoints)
-        self._link.data = data
+        data.start(member.session, member.data_endpoints, deadline, link.progress)
+        member.check()  # the group failed while the links were made
+        link.data = data
 
     # -- properties ---------------------------------------------------------
 

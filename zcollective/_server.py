@@ -57,6 +57,9 @@ _STOP, _END, _GIVE_UP, _TAKE = b"stop", b"end", b"give up", b"take"  # pipe comm
 # over, close); take what rank 0's member handed over while the lock was held
 
 
+_REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
 class Server:
     """Runs the coordinator of one group in a background thread on rank 0."""
 
@@ -284,7 +287,9 @@ class Server:
             with _sockets.mapped("rank 0 cannot start its coordinator thread"):
                 events = zmq.EVENT_DISCONNECTED
                 if self.gatekeeper is not None:  # to log peers refused before any ZAP request
-                    events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    # (a mismatch of mechanisms is seen by whichever end reads the other's greeting
+                    # first: when the peer closes first, this end sees no detail)
+                    events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                 monitor = _sockets.monitor_socket(router, events)
                 made.append(monitor)
                 pipe = self.ctx.socket(zmq.PAIR)
@@ -389,11 +394,13 @@ class Server:
                 # before libzmq reports the close: take it in first
                 self._drain(joins_first=False)
                 self._send_all(self.coordinator.disconnected(value))
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and self.gatekeeper is not None:
+            elif kind in _REFUSED_EVENTS and self.gatekeeper is not None:
                 # a peer without credentials: libzmq refused it before asking the gatekeeper
                 # (the event names no peer: the connection's fd may be closed and reused by now)
                 self.gatekeeper.log_refusal(None, _zap.MASTER_DOMAIN,
-                                            _sockets.handshake_problem(value))
+                                            _sockets.handshake_problem(value) if kind ==
+                                            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else
+                                            "it closed the connection during the handshake")
 
     def _drain(self, joins_first: bool = True) -> None:
         """Handle every message waiting on the ROUTER (with the lock)."""
