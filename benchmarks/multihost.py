@@ -2,8 +2,8 @@
 network namespace of its own, every host's link shaped to a rate R in both
 directions (tests/netns.py), the backends side by side in one run.
 
-    sudo PYTHONPATH=$PWD python benchmarks/multihost.py                 # ~15-20 min
-    sudo PYTHONPATH=$PWD python benchmarks/multihost.py --n 2,4 --sizes 16 --rounds 1   # ~1 min
+    PYTHONPATH=$PWD python benchmarks/multihost.py      # as root; ~16 min
+    PYTHONPATH=$PWD python benchmarks/multihost.py --n 2,4 --sizes 16 --rounds 1   # ~1.5 min
 
 Backends: ``zcollective`` (``ZCOLLECTIVE_DATA_PLANE=auto``: the peer-to-peer
 data plane for large arrays once the tree under test has it), ``zcollective-star``
@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -307,6 +308,7 @@ def run_group(hosts: Any, backend: str, n: int, ops: list[tuple[str, int]], args
         finally:
             stop(procs)
         record["wall_s"] = round(time.monotonic() - start, 2)
+        record["loadavg_end"] = os.getloadavg()  # the machine is shared: how busy it was
         cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         record["cpu_s"] = round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 2)
         ranks = {}
@@ -373,8 +375,6 @@ def p2p(hosts: Any, nbytes: int) -> dict[str, float]:
 
 def available(backend: str) -> Optional[str]:
     """None if the backend can run here, else why not."""
-    import shutil
-
     try:
         if backend == "gloo":
             import torch.distributed as dist
@@ -431,6 +431,9 @@ def environment(rate_mbit: float, hosts: Any) -> dict[str, Any]:
     commit = subprocess.run(["git", "-C", tree, "describe", "--always", "--dirty"], capture_output=True,
                             text=True)
     env["zcollective_commit"] = commit.stdout.strip() or "unknown"
+    mpirun = subprocess.run(["mpirun", "--version"], capture_output=True, text=True) \
+        if shutil.which("mpirun") else None
+    env["mpirun"] = mpirun.stdout.splitlines()[0] if mpirun and mpirun.stdout else None
     for name in ("numpy", "torch", "mpi4py"):
         try:
             env[name] = __import__(name).__version__
