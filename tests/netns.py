@@ -173,7 +173,7 @@ class Hosts:
     def run(self, host: int, *cmd: str, timeout: float = IP_TIMEOUT_S,
             **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
         """Run ``cmd`` on ``host`` to completion (``check=True``, output
-        captured unless ``kwargs`` say otherwise).
+        captured, unless ``kwargs`` say otherwise).
 
         Raises
         ------
@@ -181,7 +181,8 @@ class Hosts:
             As :func:`subprocess.run`.
         """
         kwargs.setdefault("capture_output", True)
-        return subprocess.run([*self.prefix(host), *cmd], check=True, timeout=timeout, **kwargs)
+        kwargs.setdefault("check", True)
+        return subprocess.run([*self.prefix(host), *cmd], timeout=timeout, **kwargs)
 
     def popen(self, host: int, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         """Start ``cmd`` on ``host``; the caller ends it."""

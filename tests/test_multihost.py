@@ -3,6 +3,8 @@ host with its own address, no loopback (built by tests/netns.py). Needs root
 and iproute2; skipped otherwise. Every namespace is removed, also on failure."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -71,3 +73,57 @@ def test_every_operation_across_namespaced_hosts_then_a_link_goes_down(hosts, tm
         assert "rank 2" in message and "was lost" in message, report(outs, message)
         assert elapsed < BOUND, report(outs, f"detected after {elapsed:.1f} s")
     assert master not in ("127.0.0.1", "localhost")
+
+
+PROBE = """
+import socket, sys, time
+if sys.argv[1] == "serve":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 29458)); s.listen(4); print("ready", flush=True)
+    while True:
+        c, _ = s.accept(); n = 0
+        while b := c.recv(1 << 20):
+            n += len(b)
+        c.sendall(b"k"); c.close()  # every byte arrived: the sender's clock may stop
+else:
+    t0 = time.monotonic()
+    try:
+        s = socket.create_connection((sys.argv[2], 29458), timeout=2)  # a cut host: fails in 2 s
+        s.settimeout(20)  # a reachable one: the transfer itself, on a loaded machine
+        s.sendall(bytes(int(sys.argv[3]))); s.shutdown(socket.SHUT_WR); s.recv(1); s.close()
+    except OSError as exc:
+        print("unreachable", exc); sys.exit(1)
+    print(time.monotonic() - t0)
+"""
+
+
+def test_netns_helper_shapes_cuts_and_restores_a_link():
+    """What the fault tests of the data plane build on: a link shaped to R
+    carries about R; a cut host is unreachable; a restored one is back."""
+    rate_mbit, nbytes = 40, 2 << 20  # 0.42 s at the rate: long against the 256 KiB burst
+    try:
+        hosts = Hosts(2, rate_mbit).__enter__()
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    server = None
+    try:
+        server = hosts.popen(0, [sys.executable, "-c", PROBE, "serve"], stdout=subprocess.PIPE)
+        assert server.stdout.readline().strip() == b"ready"
+
+        def send(size):
+            return hosts.run(1, sys.executable, "-c", PROBE, "send", hosts.addresses[0], str(size),
+                             check=False, timeout=30)
+
+        sent = send(nbytes)
+        seconds = float(sent.stdout)
+        print(f"{nbytes} bytes in {seconds:.3f} s at {rate_mbit} Mbit/s")
+        assert nbytes * 8 / (rate_mbit * 1e6) * 0.8 < seconds < 10, seconds  # shaped: not faster than R
+        hosts.cut(1)
+        assert send(1).returncode != 0
+        hosts.restore(1)
+        assert send(1).returncode == 0
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        hosts.close()
