@@ -65,14 +65,13 @@ def mib(nbytes: int) -> str:
 
 
 # -- one replica: runs inside a host's namespace --------------------------------
+#
+# Each backend offers what a worker needs: barrier(), allreduce(a) and
+# broadcast(a or None, nbytes) on float32 numpy arrays, returning the result,
+# and close().
 
 
-class Backend:
-    """What a worker needs: ``barrier()``, ``allreduce(a)`` and
-    ``broadcast(a_or_none, nbytes)`` on float32 numpy arrays, ``close()``."""
-
-
-class ZCollective(Backend):
+class ZCollective:
     def __init__(self, rank: int, spec: dict[str, Any]) -> None:
         import zcollective
 
@@ -90,7 +89,7 @@ class ZCollective(Backend):
         self.zc.teardown()
 
 
-class Gloo(Backend):
+class Gloo:
     def __init__(self, rank: int, spec: dict[str, Any]) -> None:
         import datetime
 
@@ -121,7 +120,7 @@ class Gloo(Backend):
         self.dist.destroy_process_group()
 
 
-class MPI4Py(Backend):
+class MPI4Py:
     def __init__(self, rank: int, spec: dict[str, Any]) -> None:
         from mpi4py import MPI
 
@@ -184,7 +183,7 @@ def worker(spec_path: str) -> None:
 # -- the driver: builds the hosts, starts the replicas, writes the table -------
 
 
-def expected_s(backend: str, n: int, ops: list[tuple[str, int]], rounds: int, rate_mbit: float) -> float:
+def expected_s(n: int, ops: list[tuple[str, int]], rounds: int, rate_mbit: float) -> float:
     """Twice the star's time: rank 0's link takes N-1 contributions in, then
     sends N-1 results out, so 2(N-1) S/B; the other backends are faster."""
     per_byte = 8 / (rate_mbit * 1e6)
@@ -278,7 +277,7 @@ def run_group(hosts: Any, backend: str, n: int, ops: list[tuple[str, int]], args
     liveness = args.star_liveness if backend == "zcollective-star" else args.liveness
     record["liveness_s"] = liveness
     env = child_env(backend, n, hosts.addresses[0], secret, liveness)
-    timeout = expected_s(backend, n, ops, args.rounds + args.warmup, args.rate) + RUN_SLACK_S
+    timeout = expected_s(n, ops, args.rounds + args.warmup, args.rate) + RUN_SLACK_S
     with tempfile.TemporaryDirectory(prefix="zc-multihost-") as tmp:
         spec = {"backend": backend, "n": n, "ops": ops, "rounds": args.rounds, "warmup": args.warmup,
                 "master": hosts.addresses[0], "port": PORT, "out": os.path.join(tmp, "r{rank}.json")}
@@ -387,7 +386,9 @@ def available(backend: str) -> Optional[str]:
             if shutil.which("mpirun") is None:
                 return "mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
     except ImportError as exc:
-        return f"not installed ({exc.name}; pip install torch / pip install mpi4py)"
+        how = {"gloo": "pip install torch (the CPU wheel will do)",
+               "mpi4py": "apt-get install openmpi-bin libopenmpi-dev && pip install mpi4py"}[backend]
+        return f"{exc.name} is not installed ({how})"
     return None
 
 
