@@ -1,67 +1,31 @@
 """Replicas on three hosts: network namespaces joined through a bridge, each
-host with its own address, no loopback. Needs root and iproute2; skipped
-otherwise. Every namespace and link is removed, also on failure."""
+host with its own address, no loopback (built by tests/netns.py). Needs root
+and iproute2; skipped otherwise. Every namespace is removed, also on failure."""
 
 import os
-import shutil
 import subprocess
+import sys
 import time
 
 import pytest
+from netns import Hosts, NetnsUnavailable
 from test_ops import every_operation, expected
 
 import zcollective as zc
 from zcollective.testing import Replicas, report
 
 HOSTS = 3
-SUBNET = "198.18.{}"  # RFC 2544 benchmarking range: never routed, never anybody's address
 LIVENESS = 2.0
 BOUND = LIVENESS + 4.0  # detection bound plus slack for a loaded 2-core machine
 
 
-def _ip(*args, ns=None):
-    cmd = ["ip", *args] if ns is None else ["ip", "netns", "exec", ns, "ip", *args]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=20)
-
-
 @pytest.fixture
 def hosts():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's `ip` is not installed")
-    tag = f"zc{os.getpid() % 100000}"
-    switch = f"{tag}-sw"
-    names = [f"{tag}-h{i}" for i in range(HOSTS)]
-    subnet = SUBNET.format(os.getpid() % 250)
-    made = []
     try:
-        for ns in (switch, *names):
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("link", "add", "br0", "type", "bridge", ns=switch)
-        _ip("link", "set", "br0", "up", ns=switch)
-        addresses = []
-        for i, ns in enumerate(names):
-            host_end, switch_end = f"{tag}v{i}", f"{tag}p{i}"
-            _ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
-            _ip("link", "set", host_end, "netns", ns)
-            _ip("link", "set", switch_end, "netns", switch)
-            _ip("link", "set", switch_end, "master", "br0", ns=switch)
-            _ip("link", "set", switch_end, "up", ns=switch)
-            address = f"{subnet}.{i + 1}"
-            _ip("addr", "add", f"{address}/24", "dev", host_end, ns=ns)
-            _ip("link", "set", host_end, "up", ns=ns)
-            addresses.append((ns, address, host_end))
-    except subprocess.CalledProcessError as exc:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
-        pytest.skip(f"cannot build network namespaces here: {exc.stderr.decode().strip()}")
-    try:
-        yield addresses
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        with Hosts(HOSTS) as built:
+            yield built
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def job_across_hosts(phase2, go):
@@ -85,9 +49,9 @@ def job_across_hosts(phase2, go):
 
 def test_every_operation_across_namespaced_hosts_then_a_link_goes_down(hosts, tmp_path):
     phase2, go = str(tmp_path / "phase2"), str(tmp_path / "go")
-    master = hosts[0][1]
+    master = hosts.addresses[0]
     env = {"ZCOLLECTIVE_MASTER_ADDR": master, "ZCOLLECTIVE_LIVENESS_TIMEOUT": str(LIVENESS)}
-    prefix = {i: ["ip", "netns", "exec", ns] for i, (ns, _, _) in enumerate(hosts)}
+    prefix = {i: hosts.prefix(i) for i in range(HOSTS)}
     with Replicas(job_across_hosts, HOSTS, phase2, go, env=env, rank_prefix=prefix, port=29457) as reps:
         deadline = time.monotonic() + 60
         while not os.path.exists(phase2) and time.monotonic() < deadline:
@@ -95,8 +59,7 @@ def test_every_operation_across_namespaced_hosts_then_a_link_goes_down(hosts, tm
                 break
             time.sleep(0.05)
         assert os.path.exists(phase2), report(reps.wait(5), "the job did not reach phase 2")
-        ns2, _, link2 = hosts[2]
-        _ip("link", "set", link2, "down", ns=ns2)
+        hosts.cut(2)
         open(go, "w").close()
         reps.join([0, 1], 30)
         outs = reps.wait(5)
@@ -110,3 +73,57 @@ def test_every_operation_across_namespaced_hosts_then_a_link_goes_down(hosts, tm
         assert "rank 2" in message and "was lost" in message, report(outs, message)
         assert elapsed < BOUND, report(outs, f"detected after {elapsed:.1f} s")
     assert master not in ("127.0.0.1", "localhost")
+
+
+PROBE = """
+import socket, sys, time
+if sys.argv[1] == "serve":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 29458)); s.listen(4); print("ready", flush=True)
+    while True:
+        c, _ = s.accept(); n = 0
+        while b := c.recv(1 << 20):
+            n += len(b)
+        c.sendall(b"k"); c.close()  # every byte arrived: the sender's clock may stop
+else:
+    t0 = time.monotonic()
+    try:
+        s = socket.create_connection((sys.argv[2], 29458), timeout=2)  # a cut host: fails in 2 s
+        s.settimeout(20)  # a reachable one: the transfer itself, on a loaded machine
+        s.sendall(bytes(int(sys.argv[3]))); s.shutdown(socket.SHUT_WR); s.recv(1); s.close()
+    except OSError as exc:
+        print("unreachable", exc); sys.exit(1)
+    print(time.monotonic() - t0)
+"""
+
+
+def test_netns_helper_shapes_cuts_and_restores_a_link():
+    """What the fault tests of the data plane build on: a link shaped to R
+    carries about R; a cut host is unreachable; a restored one is back."""
+    rate_mbit, nbytes = 40, 2 << 20  # 0.42 s at the rate: long against the 256 KiB burst
+    try:
+        hosts = Hosts(2, rate_mbit).__enter__()
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    server = None
+    try:
+        server = hosts.popen(0, [sys.executable, "-c", PROBE, "serve"], stdout=subprocess.PIPE)
+        assert server.stdout.readline().strip() == b"ready"
+
+        def send(size):
+            return hosts.run(1, sys.executable, "-c", PROBE, "send", hosts.addresses[0], str(size),
+                             check=False, timeout=30)
+
+        sent = send(nbytes)
+        seconds = float(sent.stdout)
+        print(f"{nbytes} bytes in {seconds:.3f} s at {rate_mbit} Mbit/s")
+        assert nbytes * 8 / (rate_mbit * 1e6) * 0.8 < seconds < 10, seconds  # shaped: not faster than R
+        hosts.cut(1)
+        assert send(1).returncode != 0
+        hosts.restore(1)
+        assert send(1).returncode == 0
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        hosts.close()
