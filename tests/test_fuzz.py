@@ -17,7 +17,6 @@ import logging
 import os
 import pickle
 import random
-import socket
 import threading
 import time
 import traceback
@@ -27,6 +26,7 @@ import zmq
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import Phase as HypothesisPhase
 from hypothesis import strategies as st
+from relay import Relay
 
 import zcollective as zc
 from zcollective import _serialize, _zap
@@ -1062,6 +1062,7 @@ def test_a_flood_from_strangers_without_the_secret_changes_no_result(tmp_path):
 
 ZMTP_GREETING = 64  # bytes of a ZMTP 3 greeting, passed through before frames start
 MORE, LONG, COMMAND = 0x01, 0x02, 0x04  # ZMTP frame flags
+INJECT_IDLE_S = 0.02  # an idle line gets an injected message this often: the budget is spent in seconds
 
 
 def zmtp(frames):
@@ -1093,102 +1094,57 @@ def next_frame(buf):
     return flags, bytes(buf[start:start + size]), start + size
 
 
-class InjectingProxy:
+class InjectingProxy(Relay):
     """Forwards TCP between one replica and the coordinator. The replica's bytes
     pass unchanged; the coordinator's are parsed into ZMTP frames, each message
     is shown to ``injector.observe``, and between two messages (and whenever the
     line is idle) ``injector.make`` may add one of its own, up to ``budget``."""
 
     def __init__(self, upstream_port, injector, budget):
-        self.upstream, self.injector, self.budget = upstream_port, injector, budget
+        self.injector, self.budget = injector, budget
         self.injected = 0
         self.done = threading.Event()
-        self.stop = threading.Event()
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.1)
-        self.port = self.server.getsockname()[1]
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
+        super().__init__(upstream_port, poll_s=INJECT_IDLE_S)
 
-    def _accept(self):
-        while not self.stop.is_set():
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
-            except OSError:  # the coordinator is not up yet: the replica will connect again
-                client.close()
-                continue
-            for s in (client, upstream):  # no Nagle: small frames would wait for delayed ACKs
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for target, args in ((self._forward, (client, upstream)), (self._inject, (upstream, client))):
-                thread = threading.Thread(target=target, args=args, daemon=True)
-                self.threads.append(thread)
-                thread.start()
+    def pump(self, upward):
+        if upward:
+            return super().pump(upward)
+        buf, message, greeting, handshaken = bytearray(), [], ZMTP_GREETING, False
 
-    def _forward(self, src, dst):
-        with contextlib.suppress(OSError):
-            src.settimeout(0.1)
-            while not self.stop.is_set():
-                try:
-                    data = src.recv(65536)
-                except TimeoutError:
+        def inject(data):
+            nonlocal message, greeting, handshaken
+            out = bytearray()
+            if data and greeting:  # the greeting goes through as it comes: both sides wait on it
+                out += data[:greeting]
+                data = data[greeting:]
+                greeting -= len(out)
+            buf.extend(data or b"")
+            while (frame := next_frame(buf)) is not None:
+                flags, body, size = frame
+                out += buf[:size]
+                del buf[:size]
+                if flags & COMMAND:  # READY, PING, PONG: not part of a message
+                    handshaken = True
                     continue
-                if not data:
-                    break
-                dst.sendall(data)
-        for s in (src, dst):
-            s.close()
+                message.append(body)
+                if not flags & MORE:
+                    self.injector.observe(message)
+                    message = []
+                    out += self._add()
+            if data is None and handshaken and not message:
+                out += self._add()
+            return bytes(out)
+        return inject
 
-    def _inject(self, src, dst):
-        buf, greeting, message, handshaken = bytearray(), ZMTP_GREETING, [], False
-        with contextlib.suppress(OSError):
-            src.settimeout(0.02)
-            while not self.stop.is_set():
-                try:
-                    data = src.recv(65536)
-                except TimeoutError:
-                    data = None
-                if data == b"":
-                    break
-                if data and greeting:  # the greeting goes through as it comes: both sides wait on it
-                    passed, data = data[:greeting], data[greeting:]
-                    dst.sendall(passed)
-                    greeting -= len(passed)
-                buf += data or b""
-                while (frame := next_frame(buf)) is not None:
-                    flags, body, size = frame
-                    dst.sendall(bytes(buf[:size]))
-                    del buf[:size]
-                    if flags & COMMAND:  # READY, PING, PONG: not part of a message
-                        handshaken = True
-                        continue
-                    message.append(body)
-                    if not flags & MORE:
-                        self.injector.observe(message)
-                        message = []
-                        self._add(dst)
-                if data is None and handshaken and not message:
-                    self._add(dst)
-        for s in (src, dst):
-            s.close()
-
-    def _add(self, dst):
+    def _add(self):
         if self.injected >= self.budget:
             self.done.set()
-            return
+            return b""
         frames = self.injector.make()
-        if frames is not None:
-            dst.sendall(zmtp(frames))
-            self.injected += 1
-
-    def close(self):
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(5)
-        self.server.close()
+        if frames is None:
+            return b""
+        self.injected += 1
+        return zmtp(frames)
 
 
 class Injector:
@@ -1246,21 +1202,18 @@ def run_behind_proxy(tmp_path, injector, budget, env=None):
     injected ``budget`` messages (or rank 1 failed)."""
     stop, ready = tmp_path / "stop", tmp_path / "ready"
     master = free_port()
-    proxy = InjectingProxy(master, injector, budget)
-    try:
-        with Replicas(guarded_loop, 3, str(stop), str(ready), port=master, env=env,
-                      init_timeout=JOIN_TIMEOUT_S,
-                      rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(proxy.port)}}) as reps:
-            try:
-                deadline = time.monotonic() + 20
-                while not proxy.done.wait(0.05) and reps.procs[1].poll() is None:
-                    if time.monotonic() > deadline:
-                        break
-            finally:
-                stop.touch()
-            outs = reps.wait(WAIT_S)
-    finally:
-        proxy.close()
+    with InjectingProxy(master, injector, budget) as proxy, \
+            Replicas(guarded_loop, 3, str(stop), str(ready), port=master, env=env,
+                     init_timeout=JOIN_TIMEOUT_S,
+                     rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(proxy.port)}}) as reps:
+        try:
+            deadline = time.monotonic() + 20
+            while not proxy.done.wait(0.05) and reps.procs[1].poll() is None:
+                if time.monotonic() > deadline:
+                    break
+        finally:
+            stop.touch()
+        outs = reps.wait(WAIT_S)
     no_crash_reported(outs)
     assert all(o.ok for o in outs), report(outs, f"a replica raised an unexpected exception; "
                                                  f"injected: {injector.made[-5:]}")

@@ -9,6 +9,7 @@ import time
 import pytest
 from conftest import MARKER_WAIT_S, touch, wait_for
 from hostile import Boom
+from relay import Relay
 
 import zcollective as zc
 from zcollective.testing import Replicas, free_port, report
@@ -135,68 +136,30 @@ def test_stranger_without_the_secret_is_refused_and_nothing_it_sent_runs(tmp_pat
     assert "refused a message" not in log, report(outs, "a stranger's message reached the coordinator")
 
 
-class TamperingProxy:
+class TamperingProxy(Relay):
     """Forwards TCP both ways; flips one bit of the client's stream once,
     ``at`` bytes in."""
 
     def __init__(self, upstream_port, at):
-        self.upstream = upstream_port
         self.at = at
         self.flipped = False
-        self.server = socket.socket()
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen()
-        self.port = self.server.getsockname()[1]
-        self.server.settimeout(0.2)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
+        super().__init__(upstream_port)
 
-    def _accept(self):
-        while not self.stop.is_set():
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            for src, dst, tamper in ((client, upstream, True), (upstream, client, False)):
-                threading.Thread(target=self._pump, args=(src, dst, tamper), daemon=True).start()
-
-    def _pump(self, src, dst, tamper):
+    def pump(self, upward):
+        if not upward:
+            return super().pump(upward)
         seen = 0
-        src.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                data = src.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            if not data:
-                break
-            if tamper and not self.flipped and seen <= self.at < seen + len(data):
+
+        def tamper(data):
+            nonlocal seen
+            data = data or b""
+            if not self.flipped and seen <= self.at < seen + len(data):
                 i = self.at - seen
                 data = data[:i] + bytes([data[i] ^ 1]) + data[i + 1:]
                 self.flipped = True
             seen += len(data)
-            try:
-                dst.sendall(data)
-            except OSError:
-                break
-        for s in (src, dst):
-            try:
-                s.close()
-            except OSError:
-                pass
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(5)
-        self.server.close()
+            return data
+        return tamper
 
 
 def send_big():
@@ -211,13 +174,11 @@ def send_big():
 @pytest.mark.parametrize("secret", [SECRET])
 def test_message_altered_in_flight_is_rejected_never_acted_upon(secret):
     port = free_port()
-    proxy = TamperingProxy(port, at=300_000)  # inside rank 1's 1 MiB value, past the handshake
-    try:
-        with Replicas(send_big, 2, port=port, env={"ZCOLLECTIVE_SECRET": secret},
-                      rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(proxy.port)}}) as reps:
-            outs = reps.wait(60)
-    finally:
-        proxy.close()
+    # 300 000 bytes in: inside rank 1's 1 MiB value, past the handshake
+    with TamperingProxy(port, at=300_000) as proxy, \
+            Replicas(send_big, 2, port=port, env={"ZCOLLECTIVE_SECRET": secret},
+                     rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(proxy.port)}}) as reps:
+        outs = reps.wait(60)
     assert proxy.flipped, report(outs, "the proxy never altered a byte")
     for out in outs:
         assert out.value[0] == "AuthenticationError", report(outs, "")

@@ -13,6 +13,7 @@ import pytest
 import zmq
 from conftest import touch, wait_for
 from hostile import Boom
+from relay import Relay
 from zmq.utils.monitor import parse_monitor_message
 
 import zcollective as zc
@@ -376,58 +377,20 @@ def raw_attempt(port, payload, marker):
     return got, False
 
 
-class Recorder:
+class Recorder(Relay):
     """A TCP relay for rank 1 that keeps the first bytes rank 1 sends: its
     greeting and HELLO, the token an eavesdropper would copy."""
 
     def __init__(self, upstream):
-        self.upstream, self.sent = upstream, bytearray()
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.1)
-        self.port = self.server.getsockname()[1]
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
+        self.sent = bytearray()
+        super().__init__(upstream)
 
-    def _accept(self):
-        while not self.stop.is_set():
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            for src, dst, keep in ((client, upstream, True), (upstream, client, False)):
-                t = threading.Thread(target=self._pump, args=(src, dst, keep), daemon=True)
-                self.threads.append(t)
-                t.start()
-
-    def _pump(self, src, dst, keep):
-        src.settimeout(0.1)
-        try:
-            while not self.stop.is_set():
-                try:
-                    data = src.recv(65536)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                if keep and len(self.sent) < 4096:
-                    self.sent += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            s.close()
-
-    def close(self):
-        self.stop.set()
-        for t in self.threads:
-            t.join(5)
-        self.server.close()
+    def pump(self, upward):
+        def keep(data):
+            if upward and data and len(self.sent) < 4096:
+                self.sent += data
+            return data or b""
+        return keep
 
 
 def test_strangers_are_refused_at_the_handshake_and_nothing_reaches_the_coordinator(tmp_path):
@@ -444,29 +407,26 @@ def test_strangers_are_refused_at_the_handshake_and_nothing_reaches_the_coordina
     master.bind(("127.0.0.1", 0))
     port = master.getsockname()[1]
     master.close()
-    relay = Recorder(port)
     results = {}
-    try:
-        with Replicas(exact_until_stopped, 3, stop, ready, port=port, env=ENV,
-                      rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
-            try:
-                wait_for(ready)
-                silent = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
-                silent.sendall(GREETING_PLAIN[:10])  # half a greeting, then nothing
-                results["null"] = raw_attempt(port, GREETING_NULL + ready_null(), marker)
-                results["made-up"] = raw_attempt(port, GREETING_PLAIN + hello(
-                    b"zc1." + b"0" * 32, b"0" * 64), marker)
-                stolen = bytes(relay.sent)
-                hello_at = stolen.find(b"\x05HELLO")
-                assert hello_at > 0, f"the relay saw no HELLO: {stolen[:100]!r}"
-                hello_end = hello_at - 2 + 2 + stolen[hello_at - 1]
-                results["replayed"] = raw_attempt(port, stolen[:hello_end], marker)
-            finally:
-                touch(stop)
-            outs = reps.wait(60)
-            silent.close()
-    finally:
-        relay.close()
+    with Recorder(port) as relay, \
+            Replicas(exact_until_stopped, 3, stop, ready, port=port, env=ENV,
+                     rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
+        try:
+            wait_for(ready)
+            silent = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+            silent.sendall(GREETING_PLAIN[:10])  # half a greeting, then nothing
+            results["null"] = raw_attempt(port, GREETING_NULL + ready_null(), marker)
+            results["made-up"] = raw_attempt(port, GREETING_PLAIN + hello(
+                b"zc1." + b"0" * 32, b"0" * 64), marker)
+            stolen = bytes(relay.sent)
+            hello_at = stolen.find(b"\x05HELLO")
+            assert hello_at > 0, f"the relay saw no HELLO: {stolen[:100]!r}"
+            hello_end = hello_at - 2 + 2 + stolen[hello_at - 1]
+            results["replayed"] = raw_attempt(port, stolen[:hello_end], marker)
+        finally:
+            touch(stop)
+        outs = reps.wait(60)
+        silent.close()
     said = report(outs, f"strangers: {results}")
     assert all(o.ok for o in outs), said
     assert all(o.value[1] == [] for o in outs) and len({o.value[0] for o in outs}) == 1, said
@@ -634,72 +594,25 @@ def test_a_secret_on_one_side_only_is_an_authentication_error_at_once(tmp_path, 
         assert outs[0].output.count("refused a peer at the ZeroMQ handshake") == 1, said
 
 
-class Cutter:
+class Cutter(Relay):
     """A TCP relay for rank 1 that closes its first connection ``after``
     seconds (the handshake done, the group not complete), then touches
     ``cut``; later connections pass."""
 
     def __init__(self, upstream, after, cut):
-        self.upstream, self.after, self.cut = upstream, after, cut
-        self.connections = 0
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.1)
-        self.port = self.server.getsockname()[1]
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
+        self.after, self.cut = after, cut
+        super().__init__(upstream)
 
-    def _accept(self):
-        while not self.stop.is_set():
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            self.connections += 1
-            pair = (client, upstream)
-            for src, dst in (pair, pair[::-1]):
-                t = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
-                self.threads.append(t)
-                t.start()
-            if self.connections == 1:
-                t = threading.Thread(target=self._cut, args=pair, daemon=True)
-                self.threads.append(t)
-                t.start()
+    def connected(self, client, upstream):
+        if self.connections == 1:
+            self.spawn(self._cut, client, upstream)
 
     def _cut(self, client, upstream):
-        if not self.stop.wait(self.after):
+        if not self.stopping.wait(self.after):
             for s in (client, upstream):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
             touch(self.cut)
-
-    def _pump(self, src, dst):
-        src.settimeout(0.1)
-        try:
-            while not self.stop.is_set():
-                try:
-                    data = src.recv(65536)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.close()
-
-    def close(self):
-        self.stop.set()
-        for t in self.threads:
-            t.join(5)
-        self.server.close()
 
 
 def join_after(cut):
@@ -727,13 +640,10 @@ def test_a_connection_lost_before_the_welcome_is_made_again_with_a_fresh_token(t
     master.bind(("127.0.0.1", 0))
     port = master.getsockname()[1]
     master.close()
-    relay = Cutter(port, after=1.0, cut=cut)
-    try:
-        with Replicas(join_after, 3, cut, initialize=False, port=port, env=ENV,
-                      rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
-            outs = reps.wait(60)
-    finally:
-        relay.close()
+    with Cutter(port, after=1.0, cut=cut) as relay, \
+            Replicas(join_after, 3, cut, initialize=False, port=port, env=ENV,
+                     rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
+        outs = reps.wait(60)
     said = report(outs, f"{relay.connections} connections through the relay")
     assert [o.value for o in outs] == [6, 6, 6], said
     assert relay.connections >= 3, said  # the first, the spent token's, the fresh one's
