@@ -35,8 +35,18 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-CHUNK_BYTES = 1 << 19  # 512 KiB: a part arrives well within a 1 s liveness bound even at
-# 10 Mbit/s, and the per-chunk cost (a header, a poll, a tag) is a few percent at 1 GB/s
+CHUNK_BYTES = 1 << 19  # 512 KiB, the largest chunk: one arrives well within a 1 s liveness
+# bound even at 10 Mbit/s (and data ports take no larger frame)
+MIN_CHUNK_BYTES = 1 << 16  # the smallest: below, the per-chunk cost (a header, a poll, a tag)
+# shows even on a slow link
+CHUNKS_PER_PART = 32  # a ring or chain fills in about one chunk per hop: with a part (a segment,
+# a rank's share) cut into this many, filling costs a few percent of the transfer (measured on
+# shaped links, benchmarks/README.md: 512 KiB chunks 1.16-1.29x the bound at N = 8, 128 KiB 1.07-1.18x)
+
+
+def chunk_size(nbytes: int, parts: int) -> int:
+    """The chunk size for ``nbytes`` moved as ``parts`` parts (ring segments, chain hops)."""
+    return max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, nbytes // (max(1, parts) * CHUNKS_PER_PART)))
 
 RS, AG, BC, GA = 1, 2, 3, 4  # chunk kinds: reduce-scatter, allgather, broadcast, gathered value
 KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast", GA: "allgather value"}
@@ -186,7 +196,7 @@ class RingAllreduce(Job):
     op = "allreduce"
 
     def __init__(self, rank: int, size: int, array: Any, reduce: Callable[[Any, Any, Any], None],
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: Optional[int] = None) -> None:
         import numpy
         super().__init__(rank, size)
         self._input = array.reshape(-1)
@@ -194,7 +204,7 @@ class RingAllreduce(Job):
         self._shape = array.shape
         self._reduce = reduce
         itemsize = max(1, array.itemsize)
-        per = max(1, chunk_bytes // itemsize)
+        per = max(1, (chunk_bytes or chunk_size(array.nbytes, size)) // itemsize)
         self._segments = [_chunks(s, e, per) for s, e in _bounds(self._input.size, size)]
         self._seen: set[tuple[int, int, int]] = set()
         n = size
@@ -259,8 +269,9 @@ class ChainBroadcast(Job):
     op = "broadcast"
 
     def __init__(self, rank: int, size: int, root: int, sizes: list[int],
-                 frames: Optional[list[Any]] = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 frames: Optional[list[Any]] = None, chunk_bytes: Optional[int] = None) -> None:
         super().__init__(rank, size)
+        chunk_bytes = chunk_bytes or chunk_size(sum(sizes), size)
         self.root = root
         self._position = (rank - root) % size  # 0 at the root
         self._last = self._position == size - 1
@@ -312,8 +323,9 @@ class RingAllgather(Job):
     op = "allgather"
 
     def __init__(self, rank: int, size: int, sizes: list[Optional[list[int]]],
-                 own: Optional[list[Any]], chunk_bytes: int = CHUNK_BYTES) -> None:
+                 own: Optional[list[Any]], chunk_bytes: Optional[int] = None) -> None:
         super().__init__(rank, size)
+        chunk_bytes = chunk_bytes or chunk_size(sum(sum(s) for s in sizes if s), size)
         self._chunks = [None if s is None else [_chunks(0, n, chunk_bytes) for n in s] for s in sizes]
         self._frames: list[Optional[list[Any]]] = [None] * size
         self._seen: set[tuple[int, int, int]] = set()
