@@ -127,3 +127,76 @@ def test_netns_helper_shapes_cuts_and_restores_a_link():
             server.kill()
             server.wait()
         hosts.close()
+
+
+# -- the data plane across hosts (used by default: the replicas span hosts) --------
+
+SLOW_MBIT = 40  # 5 MB/s per host and direction: a ring of 12 MiB takes several liveness bounds
+
+
+@pytest.fixture
+def slow_hosts():
+    try:
+        with Hosts(HOSTS, rate_mbit=SLOW_MBIT) as built:
+            yield built
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def ring_on_a_slow_link(markers, nbytes):
+    import numpy as np
+
+    r = zc.get_rank()
+    assert zc._current()._link.data is not None, "the data plane is not in use across hosts"
+    a = np.full(nbytes // 4, r + 1, dtype=np.float32)
+    zc.barrier()
+    open(os.path.join(markers, f"ring{r}"), "w").close()
+    start = time.monotonic()
+    try:
+        out = zc.allreduce(a)
+    except zc.ReplicaLostError as exc:
+        return "lost", str(exc), time.monotonic() - start
+    sent = zc.stats()["ops"]["allreduce"]["bytes_sent"]
+    return "ok", (float(out.min()), float(out.max()), sent), time.monotonic() - start
+
+
+def _run_on(hosts, fn, *args, liveness, markers):
+    env = {"ZCOLLECTIVE_MASTER_ADDR": hosts.addresses[0], "ZCOLLECTIVE_LIVENESS_TIMEOUT": str(liveness),
+           "ZCOLLECTIVE_SECRET": "a-secret-of-this-test-only-" + "x" * 8}
+    prefix = {i: hosts.prefix(i) for i in range(HOSTS)}
+    return Replicas(fn, HOSTS, markers, *args, env=env, rank_prefix=prefix, port=29457)
+
+
+def test_a_ring_slowly_but_steadily_moving_an_array_is_never_declared_lost(slow_hosts, tmp_path):
+    """12 MiB at 40 Mbit/s: the ring moves 2/3 of it each way per host, ~3.4 s
+    at best, over three times the 1 s liveness bound."""
+    nbytes = 12 << 20
+    with _run_on(slow_hosts, ring_on_a_slow_link, nbytes, liveness=1.0, markers=str(tmp_path)) as reps:
+        outs = reps.wait(90)
+    for o in outs:
+        assert o.ok, report(outs, f"rank {o.rank} failed")
+        state, (low, high, sent), took = o.value
+        assert state == "ok" and low == high == 6.0, report(outs, str(o.value))
+        assert sent < 10000, report(outs, "the array went through rank 0")  # descriptions only
+        assert took > 3.0, report(outs, f"the link was not slow: {took:.2f} s")  # it was a real test
+
+
+def test_a_data_link_cut_mid_ring_is_named_on_every_other_rank(slow_hosts, tmp_path):
+    markers = str(tmp_path)
+    with _run_on(slow_hosts, ring_on_a_slow_link, 12 << 20, liveness=LIVENESS, markers=markers) as reps:
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(os.path.join(markers, f"ring{r}")) for r in range(HOSTS)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in reps.procs), \
+                report(reps.wait(5), "the ring did not start")
+            time.sleep(0.02)
+        time.sleep(1.0)  # mid-ring: about a third of the way
+        slow_hosts.cut(2)
+        cut_at = time.monotonic()
+        reps.join([0, 1], 30)
+        detected = time.monotonic() - cut_at
+        outs = reps.wait(30)
+    for o in outs[:2]:
+        assert o.ok, report(outs, f"rank {o.rank} failed")
+        state, message, _ = o.value
+        assert state == "lost" and "rank 2" in message, report(outs, str(o.value))
+    assert detected < BOUND, report(outs, f"detected {detected:.1f} s after the cut")
