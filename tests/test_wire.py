@@ -4,8 +4,9 @@ import struct
 
 import pytest
 
-from zcollective import _serialize
+from zcollective import _mac, _serialize
 from zcollective._wire import (
+    FAST_TAG_BYTES,
     FLAG_FN,
     FLAG_PARTS,
     HEADER,
@@ -13,6 +14,7 @@ from zcollective._wire import (
     MAX_CALLSITE_BYTES,
     PART,
     PROTOCOL_VERSION,
+    TAG_BYTES,
     WIRE_PART_BYTES,
     AuthError,
     Kind,
@@ -261,3 +263,69 @@ def test_signed_parts_keep_their_boundaries_and_table_authenticated():
     for bad in (moved, _with_table(frames, [(1, 4, WIRE_PART_BYTES * 3 + 5)], 1) + [b""]):
         with pytest.raises(AuthError):
             decode(bad, signer=signer)
+
+
+# -- the fast tag: Poly1305 for large frames, when the group has cryptography -------------
+
+
+def _fast_signer(secret=b"s" * 32):
+    signer = Signer(secret, fast=True)
+    if not signer.fast:
+        pytest.skip("the cryptography package (fast-auth extra) is not installed")
+    return signer
+
+
+def test_fast_tag_only_for_payloads_with_large_frames_and_both_tags_verify():
+    signer, plain = _fast_signer(), Signer(b"s" * 32)
+    big, msg = _parts_message()
+    small = Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=4, session=9, segments=[[b"x"]])
+    assert len(encode(small, signer)[-1]) == TAG_BYTES
+    frames = encode(msg, signer)
+    assert len(frames[-1]) == FAST_TAG_BYTES
+    for receiver in (signer, plain):  # a receiver verifies either, whatever its own `fast`
+        assert bytes(decode(frames, signer=receiver).segments[0][1]) == bytes(big)
+        assert decode(encode(small, signer), signer=receiver).segments == [[b"x"]]
+
+
+def test_fast_tag_refuses_any_change():
+    signer = _fast_signer()
+    _, msg = _parts_message()
+    frames = [bytes(f) for f in encode(msg, signer)]
+
+    def changed(index, at):
+        out = list(frames)
+        frame = bytearray(out[index])
+        frame[at] ^= 0x01
+        out[index] = bytes(frame)
+        return out
+
+    moved = [*frames[:2], frames[2][:-1], frames[2][-1:] + frames[3], *frames[4:]]
+    bads = [changed(3, 1000), changed(5, 0), changed(1, 0), changed(0, 20), changed(-1, 0),
+            changed(-1, FAST_TAG_BYTES - 1), moved, encode(msg, Signer(b"t" * 32, fast=True))]
+    for bad in bads:
+        with pytest.raises(AuthError, match="does not match"):
+            decode(bad, signer=signer)
+
+
+def test_shared_payload_gets_one_fast_tag_per_recipient():
+    signer = _fast_signer()
+    _, msg = _parts_message()
+    cache = {}
+    tags = []
+    for rank in (1, 2):
+        msg.rank = rank
+        frames = encode(msg, signer, cache)
+        assert decode(frames, signer=signer).rank == rank
+        tags.append(frames[-1])
+    assert tags[0][:16] == tags[1][:16] and tags[0] != tags[1]  # one nonce, headers of their own
+
+
+def test_without_cryptography_fast_is_off_and_fast_tags_are_refused_plainly(monkeypatch):
+    fast = _fast_signer()
+    _, msg = _parts_message()
+    frames = encode(msg, fast)
+    monkeypatch.setattr(_mac, "_Poly1305", None)
+    signer = Signer(b"s" * 32, fast=True)
+    assert not signer.fast and len(encode(msg, signer)[-1]) == TAG_BYTES
+    with pytest.raises(AuthError, match="cryptography"):
+        decode(frames, signer=signer)
