@@ -3,7 +3,7 @@
 One chunk of bytes is tagged under a *context* the caller supplies (for the
 data plane: session, sender, seq, step, chunk index), with the fastest secure
 MAC this process has. Pure functions of bytes: knows nothing of sockets,
-frames or pickle. ``benchmarks/mac_cost.py`` measures the candidates.
+frames or messages. ``benchmarks/mac_cost.py`` measures the candidates.
 
 Backends
 --------
@@ -106,10 +106,10 @@ class ChunkMac:
         h = self._keyed.copy()
         if self._poly is not None:
             h.update(context)
-            return bytes(self._poly.generate_tag(h.digest(), _flat(data)))
+            return bytes(self._poly.generate_tag(h.digest(), byte_view(data)))
         h.update(len(context).to_bytes(8, "little"))
         h.update(context)
-        h.update(_flat(data))
+        h.update(byte_view(data))
         return h.digest()[:self.TAG_BYTES]
 
     def verify(self, context: bytes, data: Any, tag: Any) -> bool:
@@ -118,9 +118,10 @@ class ChunkMac:
         return hmac.compare_digest(self.tag(context, data), bytes(tag))
 
 
-def _flat(data: Any) -> memoryview:
+def byte_view(data: Any) -> memoryview:
     """A one-dimensional byte view of any contiguous buffer (a numpy array, a
-    ZeroMQ frame), which both hashlib and cryptography take."""
+    ZeroMQ frame), uncopied: what hashlib and cryptography take, and what can
+    be sliced by byte offsets."""
     view = memoryview(data)
     if view.ndim == 1 and view.format == "B":
         return view

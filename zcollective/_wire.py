@@ -33,13 +33,12 @@ import hashlib
 import hmac
 import json
 import os
-import pickle
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ._mac import POLY1305, ChunkMac, available_backends
+from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
 PROTOCOL_VERSION = 3  # bump on any change to the layout below (2: BYE; recipient-bound headers;
 # 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME)
@@ -357,23 +356,13 @@ def split_parts(frames: list[Any], part_bytes: int = WIRE_PART_BYTES) -> tuple[l
             continue
         if not rows:
             out = frames[:index]
-        view = _byte_view(frame)
+        view = byte_view(frame)
         parts = [view[at:at + part_bytes] for at in range(0, size, part_bytes)]
         out.extend(parts)
         rows.append(PART.pack(index, len(parts), size))
     if not rows:
         return frames, b""
     return out, len(rows).to_bytes(4, "little") + b"".join(rows)
-
-
-def _byte_view(frame: Any) -> memoryview:
-    """A flat view of ``frame``'s bytes, sliceable by byte offsets."""
-    view = memoryview(frame)
-    if view.ndim == 1 and view.itemsize == 1:
-        return view
-    if view.c_contiguous:
-        return view.cast("B")
-    return pickle.PickleBuffer(view).raw()  # Fortran order: raw() takes any contiguous buffer
 
 
 def join_parts(frames: Sequence[Any], table: Sequence[tuple[int, int, int]],
