@@ -33,10 +33,11 @@ The caller's contract
 **A context must never be used for two different chunks under one secret.**
 With Poly1305, two tags under one one-time key reveal it (``r`` is a root of
 a known polynomial) and let anyone forge. Tagging the *same* chunk again
-under its context is harmless (the tag is the same). The verifier must
+under its context is harmless (the tag is the same). The verifier should
 compute the context from its own state (which session, sender, seq, step
-and chunk it expects), never read it from the wire: that is also what
-refuses a replayed or moved chunk.
+and chunk it expects) rather than read it from the wire: that is what
+refuses a replayed or moved chunk. (``Signer``'s fast tag does read its
+nonce from the wire, and authenticates it, with the header, by HMAC.)
 
 Every ``ChunkMac`` in a group must use the same backend (the tags differ):
 the group agrees on one that every rank has (:func:`available_backends`).
