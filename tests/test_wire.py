@@ -4,16 +4,23 @@ import struct
 
 import pytest
 
-from zcollective import _serialize
+from zcollective import _mac, _serialize
 from zcollective._wire import (
+    FAST_TAG_BYTES,
     FLAG_FN,
+    FLAG_PARTS,
     HEADER,
     MAGIC,
     MAX_CALLSITE_BYTES,
+    PART,
     PROTOCOL_VERSION,
+    TAG_BYTES,
+    WIRE_PART_BYTES,
+    AuthError,
     Kind,
     Message,
     Op,
+    Signer,
     VersionError,
     WireError,
     control,
@@ -148,3 +155,177 @@ def test_signed_messages_verify_and_any_change_is_refused():
     assert info.value.missing
     # a receiver without the secret can still see that the sender has one
     assert decode(frames).flags & FLAG_AUTH
+
+
+# -- frames above WIRE_PART_BYTES travel as parts --------------------------------------
+
+
+def _parts_message(size=WIRE_PART_BYTES * 3 + 5, fn=None):
+    big = bytearray(range(256)) * (size // 256) + bytearray(size % 256)
+    return big, Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=4, session=9, fn=fn,
+                        segments=[[b"pickle", memoryview(big)], [b"second"]])
+
+
+def test_large_frame_travels_as_uncopied_parts_and_is_joined_writable():
+    big, msg = _parts_message()
+    frames = encode(msg)
+    assert [memoryview(f).nbytes for f in frames[2:6]] == [WIRE_PART_BYTES] * 3 + [5]
+    assert all(f.obj is big for f in frames[2:6])  # slices of the caller's buffer
+    back = decode([bytes(f) for f in frames])
+    assert back.flags & FLAG_PARTS
+    assert [bytes(f) for f in back.segments[0]] == [b"pickle", bytes(big)]
+    assert not memoryview(back.segments[0][1]).readonly  # as a received frame is
+    assert bytes(back.segments[1][0]) == b"second"
+
+
+def test_frames_up_to_the_part_size_are_not_split():
+    frames = encode(Message(Kind.RESULT, segments=[[b"p", bytes(WIRE_PART_BYTES)]]))
+    assert len(frames) == 3 and not HEADER.unpack_from(frames[0])[4] & FLAG_PARTS
+
+
+def test_reduce_function_and_multidimensional_arrays_are_split_too():
+    np = pytest.importorskip("numpy")
+    arr = np.arange(300_000, dtype=np.float64).reshape(1000, 300)
+    fn = b"f" * (WIRE_PART_BYTES + 1)
+    msg = Message(Kind.CONTRIB, Op.ALLREDUCE, fn=fn, segments=[_serialize.dumps(arr)])
+    back = decode(encode(msg))
+    assert bytes(back.fn) == fn
+    assert (_serialize.loads(back.segments[0]) == arr).all()
+
+
+def test_joined_size_is_bounded_by_max_frame_bytes():
+    _, msg = _parts_message()
+    with pytest.raises(WireError, match="exceeds max_frame_bytes"):
+        decode(encode(msg), max_frame_bytes=WIRE_PART_BYTES * 3)
+    assert decode(encode(msg), max_frame_bytes=WIRE_PART_BYTES * 3 + 5).segments
+
+
+def test_shared_payload_is_split_once_for_every_recipient():
+    signer = Signer(b"s" * 32)
+    big, msg = _parts_message()
+    cache = {}
+    for rank in (1, 2):
+        msg.rank = rank
+        back = decode(encode(msg, signer, cache), signer=signer)
+        assert back.rank == rank and bytes(back.segments[0][1]) == bytes(big)
+    assert len(cache) == 1
+
+
+def _table(frames):
+    head = frames[0]
+    nseg = HEADER.unpack_from(head)[-1]
+    at = HEADER.size + 4 * nseg
+    return head, at
+
+
+def _with_table(frames, rows, nsplit=None):
+    head, at = _table(frames)
+    old = int.from_bytes(head[at:at + 4], "little")
+    table = (len(rows) if nsplit is None else nsplit).to_bytes(4, "little")
+    table += b"".join(PART.pack(*row) for row in rows)
+    return [head[:at] + table + head[at + 4 + PART.size * old:], *frames[1:]]
+
+
+@pytest.mark.parametrize("rows, nsplit, reason", [
+    ([(1, 4, WIRE_PART_BYTES * 3 + 5)], 0, "parts table"),
+    ([(1, 4, WIRE_PART_BYTES * 3 + 5)], 2, "parts table"),
+    ([(1, 4, WIRE_PART_BYTES * 3 + 5)], 2**31, "parts table"),
+    ([(1, 4, WIRE_PART_BYTES * 3 + 6)], None, "the header says"),
+    ([(1, 1, WIRE_PART_BYTES * 3 + 5)], None, "does not match"),
+    ([(9, 4, WIRE_PART_BYTES * 3 + 5)], None, "does not match"),
+    ([(1, 6, WIRE_PART_BYTES * 3 + 5)], None, "does not match"),
+    ([(1, 2, WIRE_PART_BYTES * 2), (1, 2, WIRE_PART_BYTES + 5)], None, "does not match"),
+    ([(1, 3, WIRE_PART_BYTES * 3)], None, "layout"),
+])
+def test_parts_tables_that_do_not_match_the_frames_are_rejected(rows, nsplit, reason):
+    _, msg = _parts_message()
+    frames = [bytes(f) for f in encode(msg)]
+    with pytest.raises(WireError, match=reason):
+        decode(_with_table(frames, rows, nsplit))
+
+
+def test_empty_part_is_rejected():
+    _, msg = _parts_message()
+    frames = [bytes(f) for f in encode(msg)]
+    frames = [*frames[:6], b"", *frames[6:]]
+    frames = _with_table(frames, [(1, 5, WIRE_PART_BYTES * 3 + 5)])
+    with pytest.raises(WireError, match="empty"):
+        decode(frames)
+
+
+def test_signed_parts_keep_their_boundaries_and_table_authenticated():
+    signer = Signer(b"s" * 32)
+    _, msg = _parts_message()
+    frames = [bytes(f) for f in encode(msg, signer)]
+    assert decode(frames, signer=signer).segments
+    # the same bytes cut at another place between two parts
+    moved = [*frames[:2], frames[2][:-1], frames[2][-1:] + frames[3], *frames[4:]]
+    for bad in (moved, _with_table(frames, [(1, 4, WIRE_PART_BYTES * 3 + 5)], 1) + [b""]):
+        with pytest.raises(AuthError):
+            decode(bad, signer=signer)
+
+
+# -- the fast tag: Poly1305 for large frames, when the group has cryptography -------------
+
+
+def _fast_signer(secret=b"s" * 32):
+    signer = Signer(secret, fast=True)
+    if not signer.fast:
+        pytest.skip("the cryptography package (fast-auth extra) is not installed")
+    return signer
+
+
+def test_fast_tag_only_for_payloads_with_large_frames_and_both_tags_verify():
+    signer, plain = _fast_signer(), Signer(b"s" * 32)
+    big, msg = _parts_message()
+    small = Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=4, session=9, segments=[[b"x"]])
+    assert len(encode(small, signer)[-1]) == TAG_BYTES
+    frames = encode(msg, signer)
+    assert len(frames[-1]) == FAST_TAG_BYTES
+    for receiver in (signer, plain):  # a receiver verifies either, whatever its own `fast`
+        assert bytes(decode(frames, signer=receiver).segments[0][1]) == bytes(big)
+        assert decode(encode(small, signer), signer=receiver).segments == [[b"x"]]
+
+
+def test_fast_tag_refuses_any_change():
+    signer = _fast_signer()
+    _, msg = _parts_message()
+    frames = [bytes(f) for f in encode(msg, signer)]
+
+    def changed(index, at):
+        out = list(frames)
+        frame = bytearray(out[index])
+        frame[at] ^= 0x01
+        out[index] = bytes(frame)
+        return out
+
+    moved = [*frames[:2], frames[2][:-1], frames[2][-1:] + frames[3], *frames[4:]]
+    bads = [changed(3, 1000), changed(5, 0), changed(1, 0), changed(0, 20), changed(-1, 0),
+            changed(-1, FAST_TAG_BYTES - 1), moved, encode(msg, Signer(b"t" * 32, fast=True))]
+    for bad in bads:
+        with pytest.raises(AuthError, match="does not match"):
+            decode(bad, signer=signer)
+
+
+def test_shared_payload_gets_one_fast_tag_per_recipient():
+    signer = _fast_signer()
+    _, msg = _parts_message()
+    cache = {}
+    tags = []
+    for rank in (1, 2):
+        msg.rank = rank
+        frames = encode(msg, signer, cache)
+        assert decode(frames, signer=signer).rank == rank
+        tags.append(frames[-1])
+    assert tags[0][:16] == tags[1][:16] and tags[0] != tags[1]  # one nonce, headers of their own
+
+
+def test_without_cryptography_fast_is_off_and_fast_tags_are_refused_plainly(monkeypatch):
+    fast = _fast_signer()
+    _, msg = _parts_message()
+    frames = encode(msg, fast)
+    monkeypatch.setattr(_mac, "_Poly1305", None)
+    signer = Signer(b"s" * 32, fast=True)
+    assert not signer.fast and len(encode(msg, signer)[-1]) == TAG_BYTES
+    with pytest.raises(AuthError, match="cryptography"):
+        decode(frames, signer=signer)

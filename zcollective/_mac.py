@@ -1,26 +1,131 @@
-"""Stand-in for the chunk MAC (HMAC-SHA256); replaced by the measured one."""
+"""Authentication tags for chunks of data, at wire speed.
+
+One chunk of bytes is tagged under a *context* the caller supplies (for the
+data plane: session, sender, seq, step, chunk index), with the fastest secure
+MAC this process has. Pure functions of bytes: knows nothing of sockets,
+frames or messages. ``benchmarks/mac_cost.py`` measures the candidates.
+
+Backends
+--------
+``poly1305`` (needs the ``cryptography`` package: ``pip install
+zcollective[fast-auth]``)
+    Each (context, data) pair gets a one-time key ``k = HMAC-SHA256(K,
+    context)`` (32 bytes: Poly1305's ``r`` and ``s``), and the tag is
+    ``Poly1305(k, data)``. Why this is a secure MAC: Poly1305 under a key used
+    for a single message is a one-time MAC in the Wegman-Carter sense: ``r``
+    selects a polynomial hash with small differential probability and ``s``
+    masks it, so after seeing one tag an attacker forges a tag for any other
+    message of L bytes with probability at most 8 * ceil(L / 16) / 2^106 per
+    attempt (Bernstein, "The Poly1305-AES message-authentication code", 2005).
+    HMAC-SHA256 is a PRF, so the keys of distinct contexts are
+    indistinguishable from independent random keys; each context is then an
+    independent one-time MAC, and the key ``K`` itself is never exposed.
+    This is the construction of ChaCha20-Poly1305 (RFC 8439), with HMAC in
+    place of ChaCha20 as the PRF. Poly1305 runs at memory speed (4-5 GB/s
+    here against ~1 GB/s for HMAC-SHA256).
+
+``hmac-sha256`` (always available)
+    ``HMAC-SHA256(K', len(context) || context || data)`` cut to 16 bytes.
+    Secure whatever the contexts, but four times slower.
+
+The caller's contract
+---------------------
+**A context must never be used for two different chunks under one secret.**
+With Poly1305, two tags under one one-time key reveal it (``r`` is a root of
+a known polynomial) and let anyone forge. Tagging the *same* chunk again
+under its context is harmless (the tag is the same). The verifier should
+compute the context from its own state (which session, sender, seq, step
+and chunk it expects) rather than read it from the wire: that is what
+refuses a replayed or moved chunk. (``Signer``'s fast tag does read its
+nonce from the wire, and authenticates it, with the header, by HMAC.)
+
+Every ``ChunkMac`` in a group must use the same backend (the tags differ):
+the group agrees on one that every rank has (:func:`available_backends`).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Any
+import pickle  # only for PickleBuffer, the standard library's flat view of any buffer
+from typing import Any, Optional
 
-KEY_LABEL = b"zcollective-v1-chunk-mac"
+_Poly1305: Any
+try:
+    from cryptography.hazmat.primitives import poly1305 as _poly1305
+    _Poly1305 = _poly1305.Poly1305
+except ImportError:  # the fast-auth extra is not installed
+    _Poly1305 = None
+
+POLY1305 = "poly1305"
+HMAC_SHA256 = "hmac-sha256"
+KEY_LABELS = {  # one key per backend, apart from every other key derived from the secret
+    POLY1305: b"zcollective-v3-chunk-poly1305-prf",
+    HMAC_SHA256: b"zcollective-v3-chunk-hmac-sha256",
+}
+
+
+def available_backends() -> tuple[str, ...]:
+    """The backends this process can use, fastest first."""
+    return (POLY1305, HMAC_SHA256) if _Poly1305 is not None else (HMAC_SHA256,)
 
 
 class ChunkMac:
-    TAG_BYTES = 32
-    backend = "hmac-sha256"
+    """Tags chunks of bytes, each bound to a unique context.
 
-    def __init__(self, secret: bytes) -> None:
-        self._base = hmac.new(hmac.new(secret, KEY_LABEL, hashlib.sha256).digest(), digestmod=hashlib.sha256)
+    Parameters
+    ----------
+    secret
+        The group's secret.
+    backend
+        ``"poly1305"`` or ``"hmac-sha256"``; by default the fastest available.
+
+    Raises
+    ------
+    ValueError
+        An unknown backend, or ``"poly1305"`` without the ``cryptography``
+        package.
+    """
+
+    TAG_BYTES = 16  # Poly1305's tag; HMAC-SHA256 is cut to the same length
+
+    def __init__(self, secret: bytes, backend: Optional[str] = None) -> None:
+        backend = backend or available_backends()[0]
+        if backend not in KEY_LABELS:
+            raise ValueError(f"unknown MAC backend {backend!r}; known: {', '.join(KEY_LABELS)}")
+        if backend not in available_backends():
+            raise ValueError(f"MAC backend {backend!r} needs the cryptography package "
+                             "(pip install zcollective[fast-auth])")
+        self.backend = backend
+        self._poly = _Poly1305 if backend == POLY1305 else None
+        key = hmac.new(secret, KEY_LABELS[backend], hashlib.sha256).digest()
+        self._keyed = hmac.new(key, digestmod=hashlib.sha256)  # copied for each tag
 
     def tag(self, context: bytes, data: Any) -> bytes:
-        h = self._base.copy()
+        """The tag of ``data`` (any contiguous buffer) under ``context``,
+        which must never have tagged other data (see the module's contract)."""
+        h = self._keyed.copy()
+        if self._poly is not None:
+            h.update(context)
+            return bytes(self._poly.generate_tag(h.digest(), byte_view(data)))
+        h.update(len(context).to_bytes(8, "little"))
         h.update(context)
-        h.update(data)
-        return h.digest()
+        h.update(byte_view(data))
+        return h.digest()[:self.TAG_BYTES]
 
-    def verify(self, context: bytes, data: Any, tag: bytes) -> bool:
-        return hmac.compare_digest(self.tag(context, data), tag)
+    def verify(self, context: bytes, data: Any, tag: Any) -> bool:
+        """Whether ``tag`` is ``data``'s tag under ``context`` (constant-time
+        comparison)."""
+        return hmac.compare_digest(self.tag(context, data), bytes(tag))
+
+
+def byte_view(data: Any) -> memoryview:
+    """A one-dimensional byte view of any contiguous buffer (a numpy array, a
+    ZeroMQ frame), uncopied: what hashlib and cryptography take, and what can
+    be sliced by byte offsets."""
+    view = memoryview(data)
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if view.c_contiguous:
+        return view.cast("B")
+    return pickle.PickleBuffer(view).raw()  # Fortran order; raises BufferError if not contiguous
