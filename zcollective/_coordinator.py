@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -59,13 +60,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
 from . import _serialize
+from ._mac import HMAC_SHA256, KEY_LABELS, POLY1305
 from ._stats import Lateness
 from ._wire import (
     FLAG_AUTH,
     FLAG_DATA,
     FLAG_LOCAL_ERROR,
+    LOCAL_PART_BYTES,
     NO_RANK,
     PROTOCOL_VERSION,
+    WIRE_PART_BYTES,
     AuthError,
     Kind,
     Message,
@@ -114,6 +118,7 @@ class Member:
     data: Optional[str] = None  # its data port's endpoint, if it has one
     data_min: int = 0  # the smallest array it would send peer to peer (rank 0's is used)
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
+    macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
@@ -149,7 +154,7 @@ class Coordinator:
     """Per-group collective state; see the module docstring for the rules."""
 
     def __init__(self, num_replicas: int, session: int, max_frames: int,
-                 signer: Optional[Signer] = None) -> None:
+                 signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None) -> None:
         self.num_replicas = num_replicas
         self.signer = signer
         self._challenge_key = os.urandom(32)  # challenges are HMAC(this, peer): nothing to store
@@ -157,6 +162,7 @@ class Coordinator:
         self._ended: list[Member] = []  # members that said BYE, in that order
         self.session = session
         self.max_frames = max_frames
+        self.max_frame_bytes = max_frame_bytes  # a frame sent in parts, joined, is no larger
         self.phase = Phase.JOINING
         self.members: dict[bytes, Member] = {}  # by routing id
         self.by_rank: dict[int, Member] = {}
@@ -170,6 +176,9 @@ class Coordinator:
         self.refused: dict[int, str] = {}  # rank -> why a JOIN claiming it was refused (joining)
         self.lateness = Lateness(num_replicas)  # who is slow (read by rank 0's own thread too)
         self._moving: Optional[tuple[int, Op]] = None  # the last call whose data went peer to peer
+        self.part_bytes = WIRE_PART_BYTES  # frames above this travel in parts (see _settle)
+        self.mac = HMAC_SHA256  # the chunk MACs every rank can use
+        self._data_ports: Optional[list[str]] = None  # by rank, when the group uses the data plane
 
     # -- entry points -------------------------------------------------
 
@@ -195,7 +204,7 @@ class Coordinator:
 
     def _receive(self, peer: bytes, frames: list[Any], fd: Optional[int], address: str) -> list[Out]:
         try:
-            msg = decode(frames, self.max_frames, self.signer)
+            msg = decode(frames, self.max_frames, self.signer, self.max_frame_bytes)
         except AuthError as exc:
             return self._on_auth_error(peer, frames, exc, self.members.get(peer), address)
         except VersionError as exc:
@@ -248,6 +257,11 @@ class Coordinator:
         if error == "PeerError" and self.phase is Phase.RUNNING and msg.seq < min(self.next_seq):
             # a reduce function raised mid-ring: that call fails on every rank, the group goes on
             return self._error_all(msg.seq, Op.ALLREDUCE, {"error": "PeerError", "message": _cap(said)})
+        if error == "AuthenticationError" and body.get("plane") == "data":  # a data link altered
+            lost = body.get("lost")
+            suspect = [lost] if type(lost) is int and 0 <= lost < self.num_replicas else []
+            return self.fail("AuthenticationError", f"{said} (reported by {member.describe()})",
+                             bad=suspect)
         if error == "ReplicaLostError":  # its data plane lost a link
             lost = body.get("lost")
             ranks = [lost] if type(lost) is int and 0 <= lost < self.num_replicas else []
@@ -392,6 +406,7 @@ class Coordinator:
         if len(self.by_rank) < self.num_replicas:
             return []
         self.phase = Phase.RUNNING
+        self._settle()
         self._welcomed = True
         return [(m.peer, self._welcome(m)) for m in self.members.values()]
 
@@ -411,9 +426,11 @@ class Coordinator:
         if not (isinstance(data, str) and data.startswith("tcp://") and len(data) <= MAX_ENDPOINT_CHARS
                 and type(data_min) is int):
             data, data_min = None, 0  # no data port: the group keeps the star
+        macs = info.get("macs")
+        macs = tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else ()
         return Member(rank, b"", pid, _printable(str(info.get("host", "?"))[:256]),
                       nonce=str(info.get("nonce", ""))[:64], data=data, data_min=data_min,
-                      data_mode="on" if mode == "on" else "auto")
+                      data_mode="on" if mode == "on" else "auto", macs=macs)
 
     def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str) -> list[Out]:
         if self.phase is Phase.FAILED:
@@ -443,14 +460,30 @@ class Coordinator:
                     f"{self.by_rank[join.rank].describe()} and by pid {join.pid} on {join.host}")
         return None
 
+    def _settle(self) -> None:
+        """Every rank joined: what the group uses, from what they all can.
+        A group on one host sends frames whole up to a large size (no join
+        at the receiver); across hosts in parts, so heartbeats keep flowing.
+        With a secret, the fast MACs when every rank has them."""
+        members = [self.by_rank[r] for r in range(self.num_replicas)]
+        ports = [m.data for m in members]
+        one_host = (all(ports) and len({_host_of(p) for p in ports}) == 1) or all(
+            _is_loopback(m.address) for m in members[1:])
+        self.part_bytes = LOCAL_PART_BYTES if one_host else WIRE_PART_BYTES
+        self.mac = POLY1305 if all(POLY1305 in m.macs for m in members) else HMAC_SHA256
+        if self.signer is not None and self.mac == POLY1305:
+            self.signer.fast = True  # every rank can verify the fast tag
+        if all(ports) and (members[0].data_mode == "on" or not one_host):
+            self._data_ports = cast("list[str]", ports)
+
     def _welcome(self, member: Member) -> Message:
-        """WELCOME echoes the nonce of the JOIN it answers, and hands out every
-        rank's data port when every rank has one (rank 0's threshold for all)."""
-        body: dict[str, Any] = {"num_replicas": self.num_replicas, "nonce": member.nonce}
-        ports = [self.by_rank[r].data for r in range(self.num_replicas) if r in self.by_rank]
-        if len(ports) == self.num_replicas and all(ports) and (
-                self.by_rank[0].data_mode == "on" or len({_host_of(p) for p in ports}) > 1):
-            body["data"], body["data_min"] = ports, self.by_rank[0].data_min
+        """WELCOME echoes the nonce of the JOIN it answers, says how the group
+        frames and authenticates, and hands out every rank's data port when
+        the group uses the data plane (rank 0's threshold for all)."""
+        body: dict[str, Any] = {"num_replicas": self.num_replicas, "nonce": member.nonce,
+                                "parts": self.part_bytes, "mac": self.mac}
+        if self._data_ports is not None:
+            body["data"], body["data_min"] = self._data_ports, self.by_rank[0].data_min
         return control(Kind.WELCOME, body, rank=member.rank, session=self.session)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:
@@ -613,8 +646,9 @@ class Coordinator:
         if call.op is Op.ALLREDUCE:
             plans = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
                      and len(c.segments[0]) == 1 else None for c in contributions}
-            if len(plans) != 1 or None in plans:
-                return self.fail("CallMismatchError", self._disagreement(seq, call, contributions), seq=seq)
+            if len(plans) != 1 or None in plans:  # the call matched; only its values disagree
+                return self._error_all(seq, call.op, {"error": "CallMismatchError", "message": _cap(
+                    self._disagreement(seq, call, contributions))})
             plan = bytes(contributions[0].segments[0][0])
         elif call.op is Op.BROADCAST:
             root = contributions[call.root]
@@ -649,7 +683,7 @@ class Coordinator:
                 inline.append(c.segments[0])
                 continue
             try:
-                told = json.loads(bytes(c.segments[0][0])[:MAX_MESSAGE_BYTES])["sizes"]
+                told = json.loads(bytes(c.segments[0][0]))["sizes"]  # bounded by MAX_PLAN_FRAMES
                 if not (isinstance(told, list) and all(type(n) is int and n >= 0 for n in told)):
                     raise ValueError(told)
             except (ValueError, KeyError, TypeError):
@@ -677,7 +711,8 @@ class Coordinator:
                     what = "a malformed array description"
             groups.setdefault((_printable(what[:300]), c.callsite or "?"), []).append(rank)
         parts = [f"{rank_list(ranks)} passed {what} at {site}" for (what, site), ranks in groups.items()]
-        return f"seq {seq} {call.op.label}: the ranks disagree: " + "; ".join(parts)
+        return (f"seq {seq} {call.op.label}: the ranks disagree: " + "; ".join(parts)
+                + " (this call failed; the group goes on)")
 
     def _malformed_call(self, seq: int, call: Call,
                         contributions: list[Message]) -> Optional[tuple[str, str]]:
@@ -800,11 +835,9 @@ class Coordinator:
         if self.phase is Phase.JOINING:
             return f"while joining ({rank_list(self.missing_joins())} had not joined)"
         moving = self._moving
-        if moving is not None and moving[0] == min(self.next_seq) - 1:
-            moving_note = f"seq {moving[0]} {moving[1].label} was matched; its data moves peer to peer"
-            if not self.pending:
-                return moving_note
         if not self.pending:
+            if moving is not None and moving[0] == min(self.next_seq) - 1:
+                return f"seq {moving[0]} {moving[1].label} was matched; its data moves peer to peer"
             return f"no call was in flight (next seq {min(self.next_seq)})"
         parts = []
         for seq in sorted(self.pending)[:3]:
@@ -830,6 +863,13 @@ class Coordinator:
 class _Unreadable(Exception):
     """A contribution rank 0 cannot unpickle (its sender's fault, not the
     reduce function's): its text names the rank."""
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _host_of(endpoint: Optional[str]) -> str:

@@ -81,7 +81,7 @@ class DataPlane:
         self.size = config.num_replicas
         self._config = config
         self._ctx = ctx
-        self._mac = ChunkMac(config.secret) if config.secret is not None else None
+        self._mac: Optional[ChunkMac] = None  # with a secret, the group's (see start)
         self.session = 0
         self.endpoints: list[str] = []
         self._push: Optional[zmq.Socket] = None
@@ -91,8 +91,11 @@ class DataPlane:
         self._pushed_since: Optional[float] = None  # first failed connect to the next rank
         self._connected = False
         self._trackers: deque[Any] = deque()
+        self._inbox: deque[list[Any]] = deque()  # received, not yet taken (see _sockets.handled)
+        self._monitor_inbox: dict[int, deque[list[Any]]] = {}  # the same for each monitor
         self._warned: set[str] = set()
         self._gate: Optional[_zap.Gatekeeper] = None  # ours to serve (not rank 0's thread's)
+        self._gate_checked = config.secret is not None  # every peer proved the secret to connect
         what = f"rank {self.rank} cannot open its data port"
         with _sockets.mapped(what, address=True):
             if config.secret is not None and gatekeeper is None:
@@ -102,7 +105,10 @@ class DataPlane:
                 self._setup(self._pull)
                 if gatekeeper is not None:  # strangers are refused at the handshake
                     _zap.secure_server(self._pull, gatekeeper, _zap.DATA_DOMAIN)
-                self._pull.bind(f"tcp://{local_address(config)}:*")
+                host = local_address(config)
+                if host.startswith("["):
+                    self._pull.setsockopt(zmq.IPV6, 1)
+                self._pull.bind(f"tcp://{host}:*")
                 self.endpoint = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
                 self._pull_monitor = _sockets.monitor_socket(self._pull, EVENTS)
             except BaseException:
@@ -117,7 +123,7 @@ class DataPlane:
         _sockets.set_never_drop(sock)  # cannot make this process allocate more
         _sockets.set_heartbeats(sock, self._config)
 
-    def start(self, session: int, endpoints: list[str], deadline: Optional[float],
+    def start(self, session: int, endpoints: list[str], mac: str, deadline: Optional[float],
               pump: Callable[[], None]) -> None:
         """The group is welcomed: connect to the next rank's data port and
         wait (every rank is inside ``initialize`` now, to answer) until both
@@ -130,11 +136,15 @@ class DataPlane:
             A data link was not made by ``deadline``; names the ports.
         """
         self.session, self.endpoints = session, endpoints
+        if self._config.secret is not None:  # the MACs every rank of the group has
+            self._mac = ChunkMac(self._config.secret, mac)
         target = endpoints[(self.rank + 1) % self.size]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)
             try:
                 self._setup(push)
+                if "[" in target:
+                    push.setsockopt(zmq.IPV6, 1)
                 if self._config.secret is not None:
                     _zap.secure_client(push, self._config.secret, _zap.DATA_DOMAIN)
                 self._push_monitor = _sockets.monitor_socket(push, EVENTS)
@@ -154,9 +164,9 @@ class DataPlane:
         while not (out_ok and in_ok):
             if self._gate is not None:
                 self._gate.serve()
-            for event, _ in _drain_monitor(self._push_monitor):
+            for event, _ in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
                 out_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
-            for event, _ in _drain_monitor(self._pull_monitor):
+            for event, _ in _drain_monitor(self._pull_monitor, self._inbox_of(self._pull_monitor)):
                 in_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
             if out_ok and in_ok:
                 break
@@ -176,9 +186,11 @@ class DataPlane:
     def fds(self) -> list[int]:
         return [s.FD for s in (self._pull, self._pull_monitor, self._push_monitor) if s is not None]
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the data sockets; what is queued to the next rank gets
+        ``linger_ms`` to leave (a program ending: chunks it forwards)."""
         if self._push is not None and self._push_monitor is not None:
-            _sockets.close_monitored(self._push, self._push_monitor, 0)
+            _sockets.close_monitored(self._push, self._push_monitor, linger_ms)
         _sockets.close_monitored(self._pull, self._pull_monitor, 0)
         if self._gate is not None:
             self._gate.close()  # after the data port: no handshake is left to answer
@@ -204,7 +216,7 @@ class DataPlane:
             items.append((self._gate.fd, _POLLIN))
         ours = len(items)
         items += link
-        while member.failure is None and member.data_jobs and member.data_jobs[0][1] is job:
+        while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
             self._send(seq, job)
             if job.done and self._sent():
                 return True
@@ -249,13 +261,13 @@ class DataPlane:
             outbox.clear()
 
     def _drain(self, seq: int, job: Job, member: Member, fail: Callable[[Exception], None]) -> None:
-        pull = self._pull
-        while member.failure is None:
-            try:
-                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+        """Take every chunk waiting. A chunk leaves the inbox only once taken,
+        and is taken whole (signals held back): an interrupt loses none."""
+        for frames in _sockets.handled(self._pull, self._inbox):
+            with _sockets.critical():
+                self._take(frames, seq, job, member, fail)
+            if not (member.data_jobs and member.data_jobs[0][1] is job):
                 return
-            self._take(frames, seq, job, member, fail)
 
     def _take(self, frames: list[Any], seq: int, job: Job, member: Member,
               fail: Callable[[Exception], None]) -> None:
@@ -273,11 +285,15 @@ class DataPlane:
             return
         payload = frames[2]
         if self._mac is not None and not self._mac.verify(header, memoryview(payload), frames[1].bytes):
-            if fd is not None and fd == self._prev_fd:
-                fail(AuthenticationError(
-                    f"seq {chunk_seq} {job.op}: rank {self.rank}: a {KIND_NAMES[kind]} chunk from rank "
-                    f"{(self.rank - 1) % self.size} failed authentication on the data plane: was "
-                    f"the link altered in flight?"))
+            # only holders of the secret pass the handshake of a data port (_zap), so a chunk that
+            # fails was altered on the way (the warning below is for a gatekeeper that let one in)
+            if self._gate_checked or (fd is not None and fd == self._prev_fd):
+                altered = AuthenticationError(
+                    f"seq {chunk_seq} {job.op}: a {KIND_NAMES[kind]} chunk on the data link from rank "
+                    f"{(self.rank - 1) % self.size} to rank {self.rank} failed authentication: was "
+                    f"the link altered in flight?")
+                altered.lost_rank = (self.rank - 1) % self.size  # type: ignore[attr-defined]
+                fail(altered)
             else:
                 self._warn("tag", f"dropped a chunk on the data port (fd {fd}) that failed "
                                   f"authentication: not from a holder of the secret")
@@ -292,7 +308,7 @@ class DataPlane:
             try:
                 taken = job.receive(kind, step, index, payload, frames, origin)
             except Exception as exc:  # the user's elementwise function raised: this call fails
-                error = PeerError(f"seq {seq} allreduce: the reduce function raised on rank "
+                error = PeerError(f"seq {seq} {job.op}: the reduce function raised on rank "
                                   f"{self.rank} during the ring: {type(exc).__name__}: {exc}")
                 error.seq = seq  # type: ignore[attr-defined]
                 fail(error)
@@ -312,7 +328,7 @@ class DataPlane:
         """The monitors: a data link closed or silent fails the group."""
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         if self._push_monitor is not None:
-            for event, _ in _drain_monitor(self._push_monitor):
+            for event, _ in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
                 if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                     self._connected, self._pushed_since = True, None
                 elif event == zmq.EVENT_DISCONNECTED:
@@ -329,12 +345,15 @@ class DataPlane:
                 f"seq {seq} {job.op}: rank {self.rank} cannot reach the data port of rank {nxt} at "
                 f"{self.endpoints[nxt]} (connection refused for {self._config.liveness_timeout:g} s); "
                 f"{job.progress()}"))
-        for event, value in _drain_monitor(self._pull_monitor):
+        for event, value in _drain_monitor(self._pull_monitor, self._inbox_of(self._pull_monitor)):
             if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
                 self._prev_fd = None
                 if not job.done:  # (else it sent all this rank needs, and may have ended)
                     return fail(self._lost(seq, job, prev, "from"))
         return None
+
+    def _inbox_of(self, monitor: Any) -> deque[list[Any]]:
+        return self._monitor_inbox.setdefault(id(monitor), deque())
 
     def _lost(self, seq: int, job: Job, peer: int, way: str) -> ReplicaLostError:
         error = ReplicaLostError(
@@ -353,9 +372,8 @@ def _is_ours(sock: Any, items: list[tuple[Any, int]]) -> bool:
     return any(sock is mine for mine, _ in items)
 
 
-def _drain_monitor(monitor: Any) -> list[tuple[int, int]]:
-    out: deque[list[Any]] = deque()
-    return list(_sockets.monitor_events(monitor, out))
+def _drain_monitor(monitor: Any, inbox: deque[list[Any]]) -> list[tuple[int, int]]:
+    return list(_sockets.monitor_events(monitor, inbox))
 
 
 __all__ = ["AG", "BC", "GA", "RS", "DataPlane", "local_address"]

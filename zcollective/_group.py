@@ -38,7 +38,7 @@ Timeout = Union[float, None, "_Default"]
 ReduceFn = Callable[[Any, Any], Any]
 
 _NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
-_MAX_PLAN_BYTES = 1 << 16  # a broadcast's plan: the sizes of the root's frames
+_MAX_PLAN_FRAMES = 256  # a value of more buffers keeps the star: its plan stays small
 JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
 COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
 # 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
@@ -198,7 +198,7 @@ class Group:
             self._data = None
             data.close()
             return
-        data.start(member.session, member.data_endpoints, deadline, link.progress)
+        data.start(member.session, member.data_endpoints, member.mac, deadline, link.progress)
         member.check()  # the group failed while the links were made
         link.data = data
 
@@ -295,7 +295,7 @@ class Group:
                                 lambda m: value, site)
         segment = _serialize.dumps(value)
         sizes = [memoryview(f).nbytes for f in segment]
-        if sum(sizes) < self._member.data_min_bytes:
+        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _MAX_PLAN_FRAMES:
             return self._submit(Op.BROADCAST, root, lambda: ([segment], None), lambda m: value, site)
         plan = json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
         return self._submit(Op.BROADCAST, root, lambda: ([[plan]], None), lambda m: value, site,
@@ -306,15 +306,15 @@ class Group:
         """The job of a broadcast whose value goes down the chain (the root's
         plan says the sizes of its frames)."""
         def job(msg: Message) -> _ring.Job:
-            sizes = json.loads(bytes(msg.segments[0][0])[:_MAX_PLAN_BYTES])["sizes"]
+            sizes = json.loads(bytes(msg.segments[0][0]))["sizes"]
             if not (isinstance(sizes, list) and all(type(n) is int and n >= 0 for n in sizes)
                     and sum(sizes) <= (self.config.max_frame_bytes or sys.maxsize) * max(1, len(sizes))):
                 raise ValueError(f"malformed frame sizes {str(sizes)[:100]}")
             chain = _ring.ChainBroadcast(self.rank, self.size, root, sizes, segment)
             if segment is not None:
-                chain.finish = lambda: value  # type: ignore[attr-defined]
+                chain.finish = lambda: value
             else:
-                chain.finish = lambda: _serialize.loads(chain.result())  # type: ignore[attr-defined]
+                chain.finish = lambda: _serialize.loads(chain.result())
             return chain
         return job
 
@@ -334,7 +334,7 @@ class Group:
         rank, size = self.rank, self.size
 
         def job(msg: Message) -> _ring.Job:
-            told = json.loads(bytes(msg.segments[0][0])[:_MAX_PLAN_BYTES])["sizes"]
+            told = json.loads(bytes(msg.segments[0][0]))["sizes"]
             if not (isinstance(told, list) and len(told) == size):
                 raise ValueError(f"malformed allgather plan {str(told)[:100]}")
             ring = _ring.RingAllgather(rank, size, told, segment if told[rank] is not None else None)
@@ -345,9 +345,9 @@ class Group:
                 frames = ring.result()
                 return [value if r == rank else _serialize.loads(cast("list[Any]", slots[r] or frames[r]))
                         for r in range(size)]
-            ring.finish = finish  # type: ignore[attr-defined]
+            ring.finish = finish
             return ring
-        if sum(sizes) < self._member.data_min_bytes:
+        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _MAX_PLAN_FRAMES:
             return self._submit(Op.ALLGATHER, 0, lambda: ([segment], None), self._all(value), site,
                                 data_job=job)
         plan = json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
@@ -457,8 +457,9 @@ class Group:
             plan = self._array_plan(value, reduce_fn)
             if plan is not None:
                 array, name, description = plan
+                tensor = _cpu_tensor(value, 0) is not None
                 return self._submit(op, root, lambda: ([[description]], None), finish, site, FLAG_DATA,
-                                    lambda m: self._ring(array, name, reduce_fn, array is not value))
+                                    lambda m: self._ring(array, name, reduce_fn, tensor))
 
         def build() -> tuple[list[list[Any]], Any]:
             fn = _serialize.dumps_function(reduce_fn) if self.rank == root else None
@@ -475,14 +476,16 @@ class Group:
         numpy = sys.modules.get("numpy")
         if numpy is None:
             return None
-        tensor = _cpu_tensor(value)
+        tensor = _cpu_tensor(value, member.data_min_bytes)
         if tensor is not None:
-            value = tensor.numpy()  # the same memory, seen by numpy
-        elif type(value) is not numpy.ndarray:
+            value = tensor  # the same memory, seen by numpy
+        elif not isinstance(value, numpy.ndarray):  # (subclasses too: a memmap is an array)
             return None
-        if (value.dtype.kind not in _NUMERIC_KINDS or not value.flags.c_contiguous
-                or value.nbytes < member.data_min_bytes or value.dtype.hasobject):
+        if (value.dtype.kind not in _NUMERIC_KINDS or value.nbytes < member.data_min_bytes
+                or value.dtype.hasobject):
             return None
+        if not value.flags.c_contiguous:  # a view: what it shows, copied (the star pickles so too),
+            value = numpy.ascontiguousarray(value)  # so the layout never decides the path
         name = _ring.reduction_name(reduce_fn)
         if name is None:
             return None
@@ -494,9 +497,9 @@ class Group:
         job = _ring.RingAllreduce(self.rank, self.size, array, _ring.reducer(name, reduce_fn))
         if tensor:  # a tensor in, a tensor out (sharing the result's memory)
             from_numpy = sys.modules["torch"].from_numpy
-            job.finish = lambda: from_numpy(job.result())  # type: ignore[attr-defined]
+            job.finish = lambda: from_numpy(job.result())
         else:
-            job.finish = job.result  # type: ignore[attr-defined]
+            job.finish = job.result
         return job
 
     def _submit(self, op: Op, root: int, build: Callable[[], tuple[list[list[Any]], Any]],
@@ -633,7 +636,7 @@ class Group:
         finally:  # an interrupt while rank 0 waits for the others still closes everything
             stuck = self._server is not None and self._server.gone() is None
             if self._data is not None:
-                self._data.close()
+                self._data.close(_sockets.EXIT_LINGER_MS if ending else 0)
             if self._link is not None:
                 self._link.close(_sockets.EXIT_LINGER_MS if ending else 0)
             if self._ctx is not None and not stuck:
@@ -659,17 +662,22 @@ class Group:
         self._close(ending=True)
 
 
-def _cpu_tensor(value: Any) -> Any:
-    """``value`` if it is a torch tensor numpy can see without a copy (CPU,
-    contiguous, a dtype numpy has, not requiring grad); else None. torch is
-    looked up, never imported."""
+def _cpu_tensor(value: Any, least: int) -> Any:
+    """``value`` as a numpy array sharing its memory, if it is a torch tensor
+    of at least ``least`` bytes that numpy can see without a copy (CPU,
+    contiguous, a dtype numpy has, no conjugate or negative bit, not
+    requiring grad); else None. torch is looked up, never imported."""
     torch = sys.modules.get("torch")
     if torch is None or type(value) is not torch.Tensor:
         return None
-    if (value.device.type != "cpu" or value.requires_grad or not value.is_contiguous()
-            or value.dtype in (torch.bfloat16,) or value.is_sparse or value.is_quantized):
+    try:
+        if (value.device.type != "cpu" or value.requires_grad or not value.is_contiguous()
+                or value.is_sparse or value.is_quantized or value.is_conj() or value.is_neg()
+                or value.element_size() * value.numel() < least):
+            return None
+        return value.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8, complex32)
         return None
-    return value
 
 
 def _show_calls_log() -> None:

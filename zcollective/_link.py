@@ -119,9 +119,11 @@ class Driver:
         """
         self.flush()
         while not done():
+            moved = self._move_data(deadline)  # (a call kept by a failure too: see Member.fail)
+            if moved:
+                continue
             self.member.check()
-            moved = self._move_data(deadline)
-            if moved is False or (moved is None and not self._pump(deadline)):
+            if moved is False or not self._pump(deadline):
                 return done()
         return True
 
@@ -141,7 +143,7 @@ class Driver:
         seq, job = member.data_jobs[0]
         if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data):
             return False
-        if member.failure is None and member.data_jobs and member.data_jobs[0][1] is job:
+        if member.data_jobs and member.data_jobs[0][1] is job:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
         return True
 
@@ -151,7 +153,8 @@ class Driver:
         at most ``timeout`` seconds."""
         member = self.member
         deadline = time.monotonic() + timeout
-        while member.failure is None and any(c.data_job is not None for c in member.calls.values()):
+        while any(c.data_job is not None for c in member.calls.values()) and (
+                member.failure is None or member.data_jobs):
             if time.monotonic() >= deadline:
                 return
             self.flush()
@@ -173,7 +176,9 @@ class Driver:
             deadline = time.monotonic() + DATA_LOSS_GRACE_S
             while member.failure is None and time.monotonic() < deadline:
                 self._pump(deadline)
-        if member.failure is not None:
+        if member.failure is not None:  # a call kept by the failure (see Member.fail) broke
+            if member.data_jobs:
+                member.data_failed(member.data_jobs[0][0], error)
             return
         if seq is not None:  # only this call failed (the reduce function raised here)
             member.data_failed(seq, error)
@@ -181,9 +186,9 @@ class Driver:
             member.fail(error)
         replies = []
         if member.joined:
-            body = {"error": type(error).__name__, "message": str(error), "lost": lost}
+            body = {"error": type(error).__name__, "message": str(error), "lost": lost, "plane": "data"}
             replies = [control(Kind.ABORT, body, rank=member.rank, session=member.session,
-                               seq=seq or 0, op=Op.ALLREDUCE)]
+                               seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
         try:
             self.send(replies)
         except CollectiveError:

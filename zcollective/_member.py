@@ -59,10 +59,12 @@ from typing import Any, Callable, Optional
 
 from . import _wire
 from ._coordinator import PYTHON_VERSION
+from ._mac import HMAC_SHA256, POLY1305, available_backends
 from ._stats import CallStats, calls_log
 from ._wire import (
     FLAG_DATA,
     FLAG_LOCAL_ERROR,
+    WIRE_PART_BYTES,
     AuthError,
     Kind,
     Message,
@@ -142,6 +144,8 @@ class Member:
         self.data_mode = "auto"  # "on": use it even on one host (rank 0's is used)
         self.data_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME
         self.data_jobs: deque[tuple[int, Any]] = deque()  # (seq, Job) ready to move, in order
+        self.part_bytes = WIRE_PART_BYTES  # frames above this are sent in parts (the WELCOME says)
+        self.mac = HMAC_SHA256  # the chunk MACs of the group (the WELCOME says)
 
     # -- join ---------------------------------------------------------------
 
@@ -155,6 +159,7 @@ class Member:
                 "nonce": nonce}
         if challenge is not None:
             body["challenge"] = challenge
+        body["macs"] = list(available_backends())
         if self.data_endpoint is not None:
             body["data"] = self.data_endpoint
             body["data_min"] = self.data_min_bytes
@@ -250,7 +255,7 @@ class Member:
         authentication or speaks another version fails the group (rule 5),
         one that does not parse is dropped and logged."""
         try:
-            msg = decode(frames, signer=self.signer)
+            msg = decode(frames, signer=self.signer, max_frame_bytes=self.max_frame_bytes)
         except AuthError as exc:
             if not self.joined:
                 why = "rank 0 has no secret" if exc.missing else "rank 0 has a different secret"
@@ -294,7 +299,9 @@ class Member:
                 self._data_plan(msg.body())
                 self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
-            return self.fail(from_wire(msg.body()))
+            body = msg.body()
+            # a rank's program ended: calls whose data moves peer to peer need only their ring
+            return self.fail(from_wire(body), keep_data=body.get("ended") is True)
         elif kind is Kind.CHALLENGE and not self.joined:
             challenge = msg.body().get("challenge")
             if isinstance(challenge, str):
@@ -325,7 +332,15 @@ class Member:
         return []
 
     def _data_plan(self, body: dict[str, Any]) -> None:
-        """The WELCOME says where every rank's data port is, when all have one."""
+        """The WELCOME says how the group frames and authenticates, and where
+        every rank's data port is when it uses the data plane."""
+        parts, mac = body.get("parts"), body.get("mac")
+        if type(parts) is int and parts >= WIRE_PART_BYTES:
+            self.part_bytes = parts
+        if mac in available_backends():
+            self.mac = mac
+            if self.signer is not None and mac == POLY1305:
+                self.signer.fast = True  # every rank can verify the fast tag
         endpoints, least = body.get("data"), body.get("data_min")
         if (self.data_endpoint is not None and isinstance(endpoints, list)
                 and len(endpoints) == self.size and all(isinstance(e, str) for e in endpoints)
@@ -382,10 +397,13 @@ class Member:
             call.future._set_exception(error)
 
     def data_done(self) -> None:
-        """The first queued job moved all its data: its call's value is ready."""
-        seq, job = self.data_jobs.popleft()
+        """The first queued job moved all its data: its call's value is ready.
+        The job leaves the queue only once its future is resolved: an
+        interrupt in between leaves both, and the next wait finishes it."""
+        seq, job = self.data_jobs[0]
         call = self.calls.get(seq)
         if call is None:
+            self.data_jobs.popleft()
             return
         future = call.future
         if future is not None and not future._done:
@@ -396,6 +414,8 @@ class Member:
                 future._set_exception(exc)
             else:
                 future._set_result(value)
+        if self.data_jobs and self.data_jobs[0][1] is job:
+            self.data_jobs.popleft()
         self.calls.pop(seq, None)
 
     def _record(self, seq: int, call: Call, received: int, outcome: str) -> None:
@@ -446,19 +466,25 @@ class Member:
         self.fail(ReplicaLostError(f"rank {self.rank}: the coordinator thread is gone: {why}; "
                                    f"{self.describe_in_flight()}"))
 
-    def fail(self, error: Exception, tell: bool = False) -> list[Message]:
+    def fail(self, error: Exception, tell: bool = False, keep_data: bool = False) -> list[Message]:
         """Fail the group here, for good (rule 5): every call in the table
         gets ``error``. ``tell``: this member found the failure itself (a
         message to it was altered or moved), so it asks the coordinator to
-        fail the group for everyone (the ABORT returned)."""
+        fail the group for everyone (the ABORT returned). ``keep_data``: a
+        call whose data is moving peer to peer (its plan came) goes on to
+        its end, as it needs only the ring (a rank whose program ended has
+        delivered its part: rule 7 of the coordinator)."""
         if self.failure is not None:
             return []
         self.failure = error
         self.owed.clear()  # nobody will pair them now
-        self.data_jobs.clear()
-        calls, self.calls = self.calls, {}
-        for call in calls.values():
-            if call.future is not None and not call.future._done:
+        kept = {seq for seq, _ in self.data_jobs} if keep_data else set()
+        if not kept:
+            self.data_jobs.clear()
+        calls = self.calls
+        self.calls = {seq: call for seq, call in calls.items() if seq in kept}
+        for seq, call in calls.items():
+            if seq not in kept and call.future is not None and not call.future._done:
                 call.future._set_exception(fresh(error))
         if tell and self.joined:
             return [control(Kind.ABORT, {"error": type(error).__name__, "message": str(error)},

@@ -87,7 +87,7 @@ class Replica(Driver):
     def _send(self, msg: Message) -> None:
         member = self.member
         try:
-            _sockets.send_frames(self.dealer, encode(msg, member.signer))
+            _sockets.send_frames(self.dealer, encode(msg, member.signer, part_bytes=member.part_bytes))
         except zmq.ZMQError as exc:
             what = (f"rank {member.rank} could not send {msg.kind.name} seq {msg.seq} to the "
                     f"coordinator at {member.endpoint}")

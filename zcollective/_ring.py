@@ -1,5 +1,6 @@
 """The data plane's schedules: what a rank sends, and what it does with each
-chunk it receives, for a ring allreduce and a chain broadcast. Pure: no
+chunk it receives, for a ring allreduce, a chain broadcast and a ring
+allgather. Pure: no
 sockets, no MACs, no threads (:mod:`zcollective._dataplane` moves the
 chunks; the tests run whole rings in memory).
 
@@ -132,7 +133,7 @@ class Out:
     step: int  # reduce-scatter: the step; allgather and broadcast: the segment or frame
     index: int  # the chunk within its segment or frame
     payload: Any
-    frames: Optional[list[Any]] = None  # forwarded as they came: header, payload, tag
+    frames: Optional[list[Any]] = None  # forwarded as they came: header, tag, payload
 
 
 def _bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -158,6 +159,7 @@ class Job:
     op = "?"  # the operation's label, for messages
 
     def __init__(self, rank: int, size: int) -> None:
+        self.finish: Callable[[], Any] = self.result  # the call's value, once done (set by the caller)
         self.rank = rank
         self.size = size
         self.prev = (rank - 1) % size

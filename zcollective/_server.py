@@ -69,7 +69,7 @@ class Server:
         self.session = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "not joined"
         self.signer = Signer(config.secret) if config.secret is not None else None
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
-                                       self.signer)
+                                       self.signer, config.max_frame_bytes)
         self.crashed: Optional[str] = None  # set once, by the thread, before _finished
         self._lock = threading.Lock()  # held to use the coordinator or the ROUTER
         self._router: Optional[zmq.Socket] = None  # while serving
@@ -438,7 +438,8 @@ class Server:
             if router is None:
                 continue  # closed: nothing more reaches anyone
             self._sent += 1
-            if not _sockets.send_to(router, [peer, *encode(msg, self.signer, cache)]):
+            if not _sockets.send_to(router, [peer, *encode(msg, self.signer, cache,
+                                                           self.coordinator.part_bytes)]):
                 member = self.coordinator.members.get(peer)
                 if member is not None:
                     lost.append((member.rank, "its connection is gone"))

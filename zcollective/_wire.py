@@ -63,6 +63,8 @@ FLAG_PARTS = 0x10  # some frames travel as several parts; the header's parts tab
 # is the receiver's one copy to join the parts: 4-6 ms of CPU per 16 MiB here
 # (a memcpy into fresh memory, ~3-4 GB/s), plus ~5 us per part sent.
 WIRE_PART_BYTES = 1 << 18
+LOCAL_PART_BYTES = 1 << 26  # a group on one host: 64 MiB cross loopback in tens of ms, far inside
+# any liveness bound, and the arrays users send most (up to 64 MiB) need no join
 PART = struct.Struct("<IIQ")  # a parts-table row: frame index after the header, parts, bytes
 
 TAG_BYTES = 32
@@ -307,10 +309,12 @@ def _parse_json(frame: Any) -> dict[str, Any]:
 
 
 def encode(msg: Message, signer: Optional[Signer] = None,
-           cache: Optional[dict[tuple[int, int, str], Any]] = None) -> list[Any]:
+           cache: Optional[dict[tuple[int, int, str], Any]] = None,
+           part_bytes: int = WIRE_PART_BYTES) -> list[Any]:
     """The frames of ``msg``, tagged when there is a ``signer``; buffers of
-    segments are passed through uncopied, those above :data:`WIRE_PART_BYTES`
-    as slices (parts).
+    segments are passed through uncopied, those above ``part_bytes``
+    as slices (parts: :data:`WIRE_PART_BYTES` across hosts,
+    :data:`LOCAL_PART_BYTES` in a group on one host).
 
     ``cache`` keeps, by the identity of ``msg.segments`` and ``msg.fn`` (and
     the call site), what follows the fixed header and the payload's MAC, so
@@ -327,7 +331,7 @@ def encode(msg: Message, signer: Optional[Signer] = None,
         tail: list[Any] = [] if msg.fn is None else [msg.fn]
         for seg in msg.segments:
             tail.extend(seg)
-        tail, table = split_parts(tail, WIRE_PART_BYTES)
+        tail, table = split_parts(tail, part_bytes)
         suffix += table + site
         mac = signer.payload(tail) if signer is not None else None
         cached = (suffix, tail, mac, FLAG_PARTS if table else 0)

@@ -86,7 +86,10 @@ class CallMismatchError(CollectiveError):
     """Replicas called different operations (or roots) at the same sequence number.
 
     *Your* program diverged between replicas. The message lists which ranks
-    called what and where. The group is failed for good.
+    called what and where. The group is failed for good; except when only
+    the arrays of an allreduce on the data plane disagree (dtype, shape,
+    reduce function): then that call fails on every rank and the group goes
+    on.
     """
 
 
