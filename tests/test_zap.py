@@ -588,7 +588,15 @@ def test_a_secret_on_one_side_only_is_an_authentication_error_at_once(tmp_path, 
     assert [o.value[0] if o.value else None for o in outs] == ["CollectiveTimeoutError",
                                                                "AuthenticationError"], said
     endpoint = f"tcp://127.0.0.1:{reps.port}"
-    assert outs[1].value[1] == f"rank 1: {why.format(endpoint=endpoint)}", said
+    closed = (f"rank 1: the coordinator at {endpoint} closed ", " ZeroMQ handshakes with this replica, "
+              "which offers credentials: rank 0 has no secret (or the program there is not a "
+              "zcollective coordinator); set the same ZCOLLECTIVE_SECRET everywhere")
+    if not secrets[0] and outs[1].value[1].startswith(closed[0]):
+        # the coordinator closed each handshake before this end read its greeting (a race of
+        # libzmq's): the same diagnosis, from the closes
+        assert outs[1].value[1].endswith(closed[1]), said
+    else:
+        assert outs[1].value[1] == f"rank 1: {why.format(endpoint=endpoint)}", said
     assert outs[1].value[2] < PROMPT_S, said
     if secrets[0]:  # the coordinator with the secret logs the refusal once
         assert outs[0].output.count("refused a peer at the ZeroMQ handshake") == 1, said

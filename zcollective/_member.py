@@ -455,6 +455,14 @@ class Member:
         failures.append(now)
         if protocol_violation or (len(failures) >= FOREIGN_PEER_TRIES
                                   and failures[-1] - failures[0] >= FOREIGN_PEER_S):
+            if self.signer is not None and not protocol_violation:
+                # a coordinator without a secret closes a PLAIN handshake; this end sees the
+                # mismatch only when it reads the greeting before the close (a race)
+                return self.fail(AuthenticationError(
+                    f"rank {self.rank}: the coordinator at {self.endpoint} closed {len(failures)} "
+                    f"ZeroMQ handshakes with this replica, which offers credentials: rank 0 has no "
+                    f"secret (or the program there is not a zcollective coordinator); set the same "
+                    f"ZCOLLECTIVE_SECRET everywhere"))
             return self.fail(ProtocolError(
                 f"rank {self.rank}: the program listening at {self.endpoint} is not a zcollective "
                 f"coordinator ({len(failures)} ZeroMQ handshakes failed); is the master port "
