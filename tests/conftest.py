@@ -5,10 +5,12 @@ A rank touches a marker when it reaches a point; another waits for the file
 with a bound, and fails loudly (naming the marker) if it never appears.
 """
 
+import contextlib
 import os
 import time
 
 import pytest
+from netns import Hosts, NetnsUnavailable
 
 MARKER_WAIT_S = 30.0  # a rank reaches its point within this, even on a loaded 2-core machine
 MARKER_POLL_S = 0.01
@@ -45,3 +47,14 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     report.sections = [(title, text.encode("utf-8", "backslashreplace").decode("utf-8"))
                        for title, text in report.sections]
+
+
+@contextlib.contextmanager
+def hosts_or_skip(n, rate_mbit=None):
+    """``n`` namespaced hosts (tests/netns.py), links shaped to ``rate_mbit``;
+    the test is skipped, with the reason, where they cannot be built."""
+    try:
+        with Hosts(n, rate_mbit=rate_mbit) as hosts:
+            yield hosts
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from conftest import hosts_or_skip
 from netns import Hosts, NetnsUnavailable
 from test_ops import every_operation, expected
 
@@ -21,11 +22,8 @@ BOUND = LIVENESS + 4.0  # detection bound plus slack for a loaded 2-core machine
 
 @pytest.fixture
 def hosts():
-    try:
-        with Hosts(HOSTS) as built:
-            yield built
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
+    with hosts_or_skip(HOSTS) as built:
+        yield built
 
 
 def job_across_hosts(phase2, go):
@@ -136,11 +134,8 @@ SLOW_MBIT = 40  # 5 MB/s per host and direction: a ring of 12 MiB takes several 
 
 @pytest.fixture
 def slow_hosts():
-    try:
-        with Hosts(HOSTS, rate_mbit=SLOW_MBIT) as built:
-            yield built
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
+    with hosts_or_skip(HOSTS, SLOW_MBIT) as built:
+        yield built
 
 
 def ring_on_a_slow_link(markers, nbytes):

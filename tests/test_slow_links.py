@@ -16,7 +16,7 @@ import hashlib
 import time
 
 import pytest
-from netns import Hosts, NetnsUnavailable
+from conftest import hosts_or_skip
 
 from zcollective.testing import Replicas, report
 
@@ -29,11 +29,8 @@ RUN_TIMEOUT_S = 60.0  # inside pytest's 120 s: the namespaces are always deleted
 
 @pytest.fixture
 def slow_hosts():
-    try:
-        with Hosts(N, rate_mbit=RATE_MBIT) as hosts:
-            yield hosts
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
+    with hosts_or_skip(N, RATE_MBIT) as hosts:
+        yield hosts
 
 
 def xor(a, b):
