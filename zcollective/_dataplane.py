@@ -27,9 +27,11 @@ chunk came on). Either ends the call on every rank with
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import socket
 import struct
+import termios
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -90,6 +92,7 @@ class DataPlane:
         self._prev_fd: Optional[int] = None  # the previous rank's connection, once it sent
         self._pushed_since: Optional[float] = None  # first failed connect to the next rank
         self._connected = False
+        self._push_fd: Optional[int] = None  # the connection to the next rank (its monitor says)
         self._trackers: deque[Any] = deque()
         self._inbox: deque[list[Any]] = deque()  # received, not yet taken (see _sockets.handled)
         self._monitor_inbox: dict[int, deque[list[Any]]] = {}  # the same for each monitor
@@ -164,8 +167,10 @@ class DataPlane:
         while not (out_ok and in_ok):
             if self._gate is not None:
                 self._gate.serve()
-            for event, _ in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
+            for event, value in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
                 out_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                if event == zmq.EVENT_CONNECTED:
+                    self._push_fd = value  # the TCP connection to the next rank
             for event, _ in _drain_monitor(self._pull_monitor, self._inbox_of(self._pull_monitor)):
                 in_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
             if out_ok and in_ok:
@@ -185,6 +190,27 @@ class DataPlane:
 
     def fds(self) -> list[int]:
         return [s.FD for s in (self._pull, self._pull_monitor, self._push_monitor) if s is not None]
+
+    def delivered(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the next rank's host has
+        acknowledged every byte sent to it: a program ending must not close
+        its connection over unacknowledged chunks (a close with a heartbeat
+        unread resets the connection, and the peer loses what it had not
+        read). Reads the kernel's send queue of the connection's socket."""
+        fd, deadline = self._push_fd, time.monotonic() + timeout
+        if fd is None:
+            return
+        while time.monotonic() < deadline:
+            if not self._sent():  # libzmq still holds some: they reach the kernel first
+                time.sleep(TRACKER_POLL_S)
+                continue
+            try:
+                unacknowledged = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0" * 4))[0]
+            except OSError:
+                return  # closed already (or not a socket any more): nothing to wait for
+            if unacknowledged == 0:
+                return
+            time.sleep(TRACKER_POLL_S)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the data sockets; what is queued to the next rank gets
@@ -328,9 +354,11 @@ class DataPlane:
         """The monitors: a data link closed or silent fails the group."""
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         if self._push_monitor is not None:
-            for event, _ in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
+            for event, value in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
                 if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                     self._connected, self._pushed_since = True, None
+                    if event == zmq.EVENT_CONNECTED:
+                        self._push_fd = value
                 elif event == zmq.EVENT_DISCONNECTED:
                     if job.sent < job.to_send or not self._sent():
                         return fail(self._lost(seq, job, nxt, "to"))
