@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import json
 import logging
 import operator
 import os
+import socket
 import sys
 import threading
 import time
@@ -182,7 +184,8 @@ class Group:
             link: Driver = HostLink(member, self._server)
         else:
             link = Replica(self._ctx, config, member)
-        if config.data_plane != "off":  # bound before the JOIN, which announces it
+        if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
+            # bound before the JOIN, which announces it (a master on loopback: one host, no use)
             gate = self._server.gatekeeper if self._server is not None else None
             self._data = DataPlane(self._ctx, config, gate)
             member.data_endpoint, member.data_min_bytes = self._data.endpoint, config.data_plane_min_bytes
@@ -662,6 +665,15 @@ class Group:
             except BaseException:
                 pass  # the group failed, or an interrupt: nothing to announce, only to flush
         self._close(ending=True)
+
+
+def _on_loopback(config: Config) -> bool:
+    """Is the master reached over loopback (so every replica is on its host)?"""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(
+            config.master_addr, None, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        return False
 
 
 def _cpu_tensor(value: Any, least: int) -> Any:
