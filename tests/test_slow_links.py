@@ -23,7 +23,7 @@ from zcollective.testing import Replicas, report
 N = 3
 LIVENESS_S = 1.0  # the smallest liveness bound: the hardest case
 RATE_MBIT = 64  # per host and direction: ~7.6 MB/s of payload
-TRANSFER_S = 4.0  # each large message takes at least this long, 4x the liveness bound
+TRANSFER_S = 3.0  # each large message takes at least this long, 3x the liveness bound
 RUN_TIMEOUT_S = 60.0  # inside pytest's 120 s: the namespaces are always deleted
 
 

@@ -563,7 +563,7 @@ def join_outcome(ready):
         touch(ready)
     start = time.monotonic()
     try:
-        zc.initialize(timeout=6 if rank == 0 else 30)  # rank 0 outlives rank 1's refusal
+        zc.initialize(timeout=4 if rank == 0 else 30)  # rank 0 outlives rank 1's refusal
     except zc.CollectiveError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     zc.teardown()
