@@ -563,7 +563,8 @@ def join_outcome(ready):
         touch(ready)
     start = time.monotonic()
     try:
-        zc.initialize(timeout=4 if rank == 0 else 30)  # rank 0 outlives rank 1's refusal
+        zc.initialize(timeout=8 if rank == 0 else 30)  # rank 0 outlives rank 1's refusal (its
+        # handshakes may all be closed before it reads the greeting: then it decides after 5 s)
     except zc.CollectiveError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     zc.teardown()
