@@ -586,9 +586,17 @@ def test_a_secret_on_one_side_only_is_an_authentication_error_at_once(tmp_path, 
     with Replicas(join_outcome, 2, str(tmp_path / "ready"), initialize=False, rank_env=secrets) as reps:
         outs = reps.wait(40)
     said = report(outs, "")
+    endpoint = f"tcp://127.0.0.1:{reps.port}"
+    unseen = (f"rank 1: the program listening at {endpoint} is not a zcollective coordinator, or is "
+              f"one that requires a secret (")
+    if secrets[0] and outs[1].value and outs[1].value[1].startswith(unseen):
+        # every handshake was closed before this end read the greeting (libzmq's race, the
+        # mirror of the one below): the diagnosis names the secret, as a ProtocolError
+        assert outs[1].value[0] == "ProtocolError" and outs[1].value[2] < PROMPT_S, said
+        assert outs[0].output.count("refused a peer at the ZeroMQ handshake") == 1, said
+        return
     assert [o.value[0] if o.value else None for o in outs] == ["CollectiveTimeoutError",
                                                                "AuthenticationError"], said
-    endpoint = f"tcp://127.0.0.1:{reps.port}"
     closed = (f"rank 1: the coordinator at {endpoint} closed ", " ZeroMQ handshakes with this replica, "
               "which offers credentials: rank 0 has no secret (or the program there is not a "
               "zcollective coordinator); set the same ZCOLLECTIVE_SECRET everywhere")

@@ -463,6 +463,12 @@ class Member:
                     f"ZeroMQ handshakes with this replica, which offers credentials: rank 0 has no "
                     f"secret (or the program there is not a zcollective coordinator); set the same "
                     f"ZCOLLECTIVE_SECRET everywhere"))
+            if not protocol_violation:  # closed: a coordinator that requires a secret closes too
+                return self.fail(ProtocolError(
+                    f"rank {self.rank}: the program listening at {self.endpoint} is not a zcollective "
+                    f"coordinator, or is one that requires a secret ({len(failures)} ZeroMQ "
+                    f"handshakes failed); set the job's ZCOLLECTIVE_SECRET if it has one, else is the "
+                    f"master port used by another program?"))
             return self.fail(ProtocolError(
                 f"rank {self.rank}: the program listening at {self.endpoint} is not a zcollective "
                 f"coordinator ({len(failures)} ZeroMQ handshakes failed); is the master port "
