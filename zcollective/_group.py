@@ -297,10 +297,9 @@ class Group:
             return self._submit(Op.BROADCAST, root, lambda: ([_serialize.dumps(value)], None),
                                 lambda m: value, site)
         segment = _serialize.dumps(value)
-        sizes = [memoryview(f).nbytes for f in segment]
-        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _MAX_PLAN_FRAMES:
+        plan = self._frames_plan(segment)
+        if plan is None:
             return self._submit(Op.BROADCAST, root, lambda: ([segment], None), lambda m: value, site)
-        plan = json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
         return self._submit(Op.BROADCAST, root, lambda: ([[plan]], None), lambda m: value, site,
                             FLAG_DATA, self._chain(root, segment, value))
 
@@ -333,7 +332,7 @@ class Group:
             return self._submit(Op.ALLGATHER, 0, lambda: ([_serialize.dumps(value)], None),
                                 self._all(value), site)
         segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
-        sizes = [memoryview(f).nbytes for f in segment]
+        plan = self._frames_plan(segment)
         rank, size = self.rank, self.size
 
         def job(msg: Message) -> _ring.Job:
@@ -350,12 +349,20 @@ class Group:
                         for r in range(size)]
             ring.finish = finish
             return ring
-        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _MAX_PLAN_FRAMES:
+        if plan is None:
             return self._submit(Op.ALLGATHER, 0, lambda: ([segment], None), self._all(value), site,
                                 data_job=job)
-        plan = json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
         return self._submit(Op.ALLGATHER, 0, lambda: ([[plan]], None), self._all(value), site,
                             FLAG_DATA, job)
+
+    def _frames_plan(self, segment: list[Any]) -> Optional[bytes]:
+        """The description of a serialized value that goes peer to peer (its
+        frames' sizes), or None if it keeps the star: below the group's
+        threshold, or of too many buffers for a small plan."""
+        sizes = [memoryview(f).nbytes for f in segment]
+        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _MAX_PLAN_FRAMES:
+            return None
+        return json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
 
     def _has_data_plane(self) -> bool:
         return self._member.data_endpoints is not None and self._link is not None and (
@@ -460,7 +467,7 @@ class Group:
             plan = self._array_plan(value, reduce_fn)
             if plan is not None:
                 array, name, description = plan
-                tensor = _cpu_tensor(value, 0) is not None
+                tensor = not isinstance(value, sys.modules["numpy"].ndarray)  # (a plan: array or tensor)
                 return self._submit(op, root, lambda: ([[description]], None), finish, site, FLAG_DATA,
                                     lambda m: self._ring(array, name, reduce_fn, tensor))
 
