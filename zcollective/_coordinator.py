@@ -770,7 +770,9 @@ class Coordinator:
         if fn_frame is None:
             raise ValueError(f"rank {root} sent no reduce function")
         try:
-            fn = _serialize.loads([fn_frame], f"reduce function of rank {root}")
+            fn = fn_frame  # rank 0's own, from its own process: as it is
+            if not callable(fn):
+                fn = _serialize.loads([fn_frame], f"reduce function of rank {root}")
             values = [_serialize.loads(c.segments[0], f"value of rank {r}")
                       for r, c in enumerate(contributions)]
         except SerializationError as exc:

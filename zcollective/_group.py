@@ -472,7 +472,11 @@ class Group:
                                     lambda m: self._ring(array, name, reduce_fn, tensor))
 
         def build() -> tuple[list[list[Any]], Any]:
-            fn = _serialize.dumps_function(reduce_fn) if self.rank == root else None
+            # only the root's function is used; rank 0's never leaves its process (the coordinator
+            # is there), so it is handed over as it is, not pickled
+            fn: Any = None
+            if self.rank == root:
+                fn = reduce_fn if root == 0 else _serialize.dumps_function(reduce_fn)
             return [_serialize.dumps(value)], fn
         return self._submit(op, root, build, finish, site)
 

@@ -262,7 +262,7 @@ class Message:
     session: int = 0
     callsite: str = ""
     flags: int = 0
-    fn: Any = None  # a buffer, when flags & FLAG_FN
+    fn: Any = None  # a buffer, when flags & FLAG_FN (rank 0's own function, in its own process)
     segments: list[list[Any]] = field(default_factory=list)
 
     def body(self) -> dict[str, Any]:
