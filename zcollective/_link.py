@@ -250,7 +250,9 @@ class Wakeup:
             pass
 
     def wait(self, timeout_s: float) -> None:
-        zmq_poll([(self.fd, _POLLIN)], max(0, int(timeout_s * 1000)))
+        if zmq_poll([(self.fd, _POLLIN)], max(0, int(timeout_s * 1000))):
+            self._set = True  # a byte came before its set() could say so: the next clear() reads
+            # it (else the pipe stayed readable and every wait returned at once, a spin)
 
     def close(self) -> None:
         for fd in (self.fd, self._write):
