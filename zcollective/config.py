@@ -26,7 +26,7 @@ import os
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, TypeVar, Union
+from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 from ._hostlist import first_host
 
@@ -631,21 +631,33 @@ def takes_settings(**renamed: str) -> Callable[[F], F]:
     return decorate
 
 
+POSITIONAL_ARGUMENTS = 4  # master_addr, master_port, rank, size: adaptdl's order; the rest by name
+
+
+def _resolve_signature() -> inspect.Signature:
+    """``resolve``'s signature, made from :data:`ARGUMENTS` (the public
+    functions spell theirs out, for readers and type checkers, and are held
+    to the same table by :func:`takes_settings`)."""
+    kinds = [inspect.Parameter.POSITIONAL_OR_KEYWORD] * POSITIONAL_ARGUMENTS
+    params = [inspect.Parameter(s.name, kinds[i] if i < len(kinds) else inspect.Parameter.KEYWORD_ONLY,
+                                default=s.signature_default, annotation=s.annotation)
+              for i, s in enumerate(ARGUMENTS)]
+    params.append(inspect.Parameter("env", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                    annotation="Optional[Mapping[str, str]]"))
+    return inspect.Signature(params, return_annotation="Config")
+
+
+_RESOLVE_SIGNATURE = _resolve_signature()
+
+
+def _signed(func: F) -> F:
+    func.__signature__ = _RESOLVE_SIGNATURE  # type: ignore[attr-defined]
+    return func
+
+
 @takes_settings()
-def resolve(
-    master_addr: Optional[str] = None,
-    master_port: Optional[int] = None,
-    replica_rank: Optional[int] = None,
-    num_replicas: Optional[int] = None,
-    *,
-    timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S,
-    op_timeout: Optional[float] = None,
-    liveness_timeout: Optional[float] = None,
-    max_frame_bytes: Optional[int] = None,
-    secret: Union[bytes, str, None] = None,
-    bind_addr: Optional[str] = None,
-    env: Optional[Mapping[str, str]] = None,
-) -> Config:
+@_signed
+def resolve(*args: Any, **kwargs: Any) -> Config:
     """Build a :class:`Config` from arguments, then the environment (its
     variables, then the launcher's), then defaults.
 
@@ -655,7 +667,10 @@ def resolve(
         A value is malformed or out of range; the message names the argument
         or environment variable it came from.
     """
-    given = dict(locals())  # every argument by name; takes_settings holds them to SETTINGS
+    bound = _RESOLVE_SIGNATURE.bind(*args, **kwargs)  # a TypeError names a wrong argument
+    bound.apply_defaults()
+    given = bound.arguments
+    env = given.pop("env")
     env = os.environ if env is None else env
     launcher = launcher_of(env)
     values: dict[str, Any] = {}
@@ -666,3 +681,4 @@ def resolve(
     for check in CROSS_CHECKS:
         check(config, origins)
     return config
+
