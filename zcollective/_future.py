@@ -20,11 +20,14 @@ group in one event loop sleeps on that group's single :class:`_AsyncWaiter`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import sys
 from collections.abc import Generator
 from functools import partial
-from typing import Any, Callable, Generic, Optional, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import asyncio  # at run time, imported by the program that awaits: not on import here
 
 log = logging.getLogger("zcollective")
 
@@ -151,6 +154,8 @@ class CollectiveFuture(Generic[T]):
     async def _wait_async(self) -> T:
         """Wait without blocking the event loop: sleep on the group's shared
         waiter until this call finishes. Must run in the group's thread."""
+        import asyncio  # awaited: asyncio runs, so this costs a lookup
+
         loop = asyncio.get_running_loop()
         while not self.done():  # progress before sleeping: the fds only fire on news
             driver = self._driver
@@ -256,6 +261,9 @@ def _sent(driver: _Driver) -> None:
     commands, which can swallow the fd's edge for a reply that arrived
     meanwhile: the group's sleepers in this loop would not hear of it, so the
     waiter makes progress on the next turn."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return  # asyncio was never imported: no loop runs, nobody awaits
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import struct
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -16,7 +17,6 @@ from typing import Any, Callable, Optional, TypeVar
 
 import zmq
 from zmq.backend import zmq_poll
-from zmq.utils.monitor import parse_monitor_message
 
 from .config import Config
 from .errors import AddressError, AuthenticationError, CollectiveError
@@ -27,6 +27,8 @@ ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is chea
 # a zero-copy frame (whose release needs pyzmq's gc thread)
 _SNDMORE = int(zmq.SNDMORE)
 _POLLIN = int(zmq.POLLIN)
+_MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event id, value
+# (libzmq's layout; zmq.utils.monitor parses the same, but importing it imports asyncio: 60 ms)
 _send = zmq.backend.Socket.send  # the Cython methods: pyzmq's multipart sugar costs 3x more
 _recv = zmq.backend.Socket.recv
 
@@ -382,5 +384,6 @@ def monitor_events(monitor: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[tup
     """The (event, value) pairs waiting on a socket monitor, without blocking
     (through ``inbox``, as :func:`handled` says)."""
     for frames in handled(monitor, inbox):
-        event = parse_monitor_message([frame.bytes for frame in frames])
-        yield int(event["event"]), int(event["value"])
+        if len(frames) != 2 or len(frames[0]) != _MONITOR_EVENT.size:
+            continue  # not an event libzmq writes
+        yield _MONITOR_EVENT.unpack(frames[0].bytes)
