@@ -1,5 +1,6 @@
-"""What rank 0 does without pickling: its own reduce function never leaves
-its process, so it is called as it is (not a copy), and need not pickle."""
+"""The hot path: rank 0's own reduce function never leaves its process, so
+it is called as it is (not a copy) and need not pickle; importing the
+library costs no asyncio; resolving a future runs every callback."""
 
 import threading
 
@@ -61,3 +62,22 @@ def test_importing_zcollective_does_not_import_asyncio():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_callback_raising_keyboard_interrupt_does_not_starve_the_others():
+    from zcollective._future import CollectiveFuture
+
+    future = CollectiveFuture(None, 1, "allreduce")
+    seen = []
+
+    def interrupted(f):
+        seen.append("first")
+        raise KeyboardInterrupt
+
+    future.add_done_callback(interrupted)
+    future.add_done_callback(lambda f: seen.append("second"))
+    future.add_done_callback(lambda f: seen.append("third"))
+    with pytest.raises(KeyboardInterrupt):
+        future._set_result(7)
+    assert seen == ["first", "second", "third"]
+    assert future.result(0) == 7

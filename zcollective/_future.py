@@ -82,8 +82,17 @@ class CollectiveFuture(Generic[T]):
         self._done = True
         self._driver = None
         callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            self._run_callback(fn)
+        ran = 0
+        try:
+            for fn in callbacks:
+                ran += 1
+                self._run_callback(fn)
+        finally:  # one raised KeyboardInterrupt (or SystemExit): the others still run, and each
+            for fn in callbacks[ran:]:  # awaiting coroutine is woken; the first such error goes on
+                try:
+                    self._run_callback(fn)
+                except BaseException:  # noqa: B036 (the first one is already on its way)
+                    log.exception("zcollective: a done-callback of %r raised", self)
 
     def _run_callback(self, fn: Callable[[CollectiveFuture[T]], None]) -> None:
         try:
