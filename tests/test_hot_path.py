@@ -1,6 +1,6 @@
-"""The hot path: rank 0's own reduce function never leaves its process, so
-it is called as it is (not a copy) and need not pickle; importing the
-library costs no asyncio; resolving a future runs every callback."""
+"""The hot path: rank 0's own reduce function is not pickled when a pickle
+could not differ from it, and is when it could; importing the library costs
+no asyncio; resolving a future runs every callback."""
 
 import threading
 
@@ -9,27 +9,59 @@ import pytest
 from zcollective.testing import run_replicas
 
 
-def _allreduce_with_an_unpicklable_function(values):
+def _lambdas_made_in_a_loop():
+    import time
+
     import zcollective
 
-    guard = threading.Lock()  # captured: this function cannot be pickled
-    calls = []
+    futures = [zcollective.allreduce_async(1, lambda a, b: a + b + 10 * i) for i in range(3)]  # noqa: B023
+    if zcollective.get_rank() == 1:
+        time.sleep(0.3)  # every reduction runs after rank 0's loop has ended
+    return [f.result(30) for f in futures]
 
-    def add(a, b):
-        with guard:
-            calls.append((a, b))
+
+def test_rank_0s_reduce_function_computes_as_it_was_at_its_call():
+    """A lambda made in a loop is called after the loop moved on: it must
+    compute with the value it had at its call (the snapshot a pickle makes),
+    not the loop's last one."""
+    assert run_replicas(_lambdas_made_in_a_loop, 2) == [[2, 12, 22], [2, 12, 22]]
+
+
+def _add(a, b):
+    a += b
+    return a
+
+
+def _merge(a, b):
+    return {k: a[k] + b[k] for k in a}
+
+
+def test_only_functions_a_pickle_could_not_change_are_handed_over_as_they_are():
+    import operator
+
+    from zcollective import _serialize
+
+    offset = 10
+
+    def closure(a, b):
+        return a + b + offset
+
+    def uses_a_global(a, b):
+        return _add(a, b)
+
+    def with_a_default(a, b, c=[]):  # noqa: B006 (state of its own, on purpose)
         return a + b
 
-    rank = zcollective.get_rank()
-    result = zcollective.allreduce(values[rank], add)
-    # rank 0's function ran on rank 0 (in its coordinator thread), as itself: its calls are
-    # seen here; no other rank ran anything
-    return result, len(calls)
+    def with_an_attribute(a, b):
+        return a + b
+    with_an_attribute.calls = 0
 
-
-def test_rank_0s_reduce_function_is_called_as_itself_never_pickled():
-    out = run_replicas(_allreduce_with_an_unpicklable_function, 3, [1, 10, 100])
-    assert out == [(111, 2), (111, 0), (111, 0)]
+    _serialize.dumps_function(operator.add)  # importable: its pickle names this very object
+    stateless = [_add, _merge, lambda a, b: a + b, operator.add]
+    stateful = [closure, uses_a_global, with_a_default, with_an_attribute, lambda a, b: len(a) + b,
+                lambda a, b: a.union(b), threading.Lock]
+    assert [_serialize.as_is(f) for f in stateless] == [True] * len(stateless)
+    assert [_serialize.as_is(f) for f in stateful] == [False] * len(stateful)
 
 
 def _reduce_to_rank_1_with_an_unpicklable_function():

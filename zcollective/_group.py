@@ -472,11 +472,12 @@ class Group:
                                     lambda m: self._ring(array, name, reduce_fn, tensor))
 
         def build() -> tuple[list[list[Any]], Any]:
-            # only the root's function is used; rank 0's never leaves its process (the coordinator
-            # is there), so it is handed over as it is, not pickled
+            # only the root's function is used; rank 0's stays in its process (the coordinator is
+            # there): handed over as it is when a pickle made now could not differ from it
             fn: Any = None
             if self.rank == root:
-                fn = reduce_fn if root == 0 else _serialize.dumps_function(reduce_fn)
+                as_is = root == 0 and _serialize.as_is(reduce_fn)
+                fn = reduce_fn if as_is else _serialize.dumps_function(reduce_fn)
             return [_serialize.dumps(value)], fn
         return self._submit(op, root, build, finish, site)
 

@@ -12,6 +12,7 @@ import importlib
 import io
 import pickle
 import sys
+import types
 from typing import Any, Callable
 
 import cloudpickle
@@ -81,6 +82,33 @@ def dumps_function(fn: Any) -> bytes:
         except Exception:
             pass
     return data
+
+
+def as_is(fn: Any) -> bool:
+    """May rank 0 hand ``fn`` to the coordinator in its own process as it is,
+    rather than a pickle made at the call? Only when the two cannot differ: a
+    function that pickles by reference (importable: the pickle names this very
+    object), or one with no state of its own — no closure, defaults,
+    attributes, nor any global, builtin or attribute name in its code — so
+    nothing the program does between the call and the reduction changes what
+    it computes. Anything else keeps the pickle's snapshot (a lambda made in a
+    loop computes with the loop's value at its call)."""
+    if fn in _by_reference:
+        return True
+    if type(fn) is not types.FunctionType:
+        return False
+    if fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__ or fn.__dict__:
+        return False
+    return _stateless(fn.__code__)
+
+
+def _stateless(code: types.CodeType) -> bool:
+    """No names looked up (globals, builtins, attributes), here or in any code
+    nested in it (a comprehension's, say: its cells are the function's own,
+    made afresh at each call)."""
+    if code.co_names:
+        return False
+    return all(_stateless(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
 def loads(segment: list[Any], what: str = "value") -> Any:
