@@ -667,7 +667,10 @@ def resolve(*args: Any, **kwargs: Any) -> Config:
         A value is malformed or out of range; the message names the argument
         or environment variable it came from.
     """
-    bound = _RESOLVE_SIGNATURE.bind(*args, **kwargs)  # a TypeError names a wrong argument
+    try:
+        bound = _RESOLVE_SIGNATURE.bind(*args, **kwargs)
+    except TypeError as exc:  # as Python words it for a function of its own
+        raise TypeError(f"resolve() {exc}") from None
     bound.apply_defaults()
     given = bound.arguments
     env = given.pop("env")
