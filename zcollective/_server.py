@@ -78,6 +78,7 @@ class Server:
         self._sent = 0  # messages sent on the ROUTER, by either thread
         self._host_owed = False  # to_host grew while the lock was held
         self._take_pending = False  # a _TAKE is on its way to the thread
+        self._lost: deque[tuple[int, str]] = deque()  # ranks rank 0's own thread found gone
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
         # the coordinator thread answers (a data socket of rank 0's context uses it too)
@@ -189,6 +190,9 @@ class Server:
                 self._from_host.clear()
                 break
             self._send_all(coordinator.receive_message(HOST_PEER, msg))
+        if self._lost:  # found by rank 0's own thread while it sent
+            lost, self._lost = list(self._lost), deque()
+            self._take_lost(lost)
         self._drain_monitor()
         self._drain()
 
@@ -443,8 +447,20 @@ class Server:
                 member = self.coordinator.members.get(peer)
                 if member is not None:
                     lost.append((member.rank, "its connection is gone"))
-        if lost:  # a BYE it sent before closing may still be queued: a rank that ended is not lost
-            self._drain(joins_first=False)
+        if not lost:
+            return
+        if threading.get_ident() != self._thread.ident:  # rank 0's own thread (_take_here): what
+            # waits on the ROUTER may complete a reduction, which only the thread may run
+            self._lost.extend(lost)
+            self._hand_to_thread()
+            return
+        self._take_lost(lost)
+
+    def _take_lost(self, lost: list[tuple[int, str]]) -> None:
+        """The thread, with the lock: ranks found gone while sending. A BYE
+        one sent before closing may still be queued: a rank that ended is not
+        lost."""
+        self._drain(joins_first=False)
         for rank, reason in lost:
             self._send_all(self.coordinator.lost(rank, reason))
 
