@@ -36,6 +36,13 @@ def _merge(a, b):
     return {k: a[k] + b[k] for k in a}
 
 
+class Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+    def __call__(self, a, b):
+        return a + b
+
+
 def test_only_functions_a_pickle_could_not_change_are_handed_over_as_they_are():
     import operator
 
@@ -59,7 +66,7 @@ def test_only_functions_a_pickle_could_not_change_are_handed_over_as_they_are():
     _serialize.dumps_function(operator.add)  # importable: its pickle names this very object
     stateless = [_add, _merge, lambda a, b: a + b, operator.add]
     stateful = [closure, uses_a_global, with_a_default, with_an_attribute, lambda a, b: len(a) + b,
-                lambda a, b: a.union(b), threading.Lock]
+                lambda a, b: a.union(b), threading.Lock, Unhashable()]
     assert [_serialize.as_is(f) for f in stateless] == [True] * len(stateless)
     assert [_serialize.as_is(f) for f in stateful] == [False] * len(stateful)
 

@@ -93,8 +93,11 @@ def as_is(fn: Any) -> bool:
     nothing the program does between the call and the reduction changes what
     it computes. Anything else keeps the pickle's snapshot (a lambda made in a
     loop computes with the loop's value at its call)."""
-    if fn in _by_reference:
-        return True
+    try:
+        if fn in _by_reference:
+            return True
+    except TypeError:  # an unhashable callable: never kept there
+        return False
     if type(fn) is not types.FunctionType:
         return False
     if fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__ or fn.__dict__:
