@@ -139,12 +139,11 @@ def main() -> None:
         floor = summary["floor"][n]
         for name in runs:
             m = summary[name][n]
-            def vs_floor(key: str) -> str:
-                return "" if name == "floor" else f" · {m[key] / floor[key]:.2f}×"  # noqa: B023
+            ratio = {k: "" if name == "floor" else f" · {m[k] / floor[k]:.2f}×" for k in m}
             lines.append(
-                f"| {n} | {name} | {m['allreduce_s'] * 1e6:,.0f} µs{vs_floor('allreduce_s')}"
-                f" | {m['broadcast_s'] * 1e6:,.0f} µs{vs_floor('broadcast_s')}"
-                f" | {m['pipelined_ops_s']:,.0f} ops/s{vs_floor('pipelined_ops_s')}"
+                f"| {n} | {name} | {m['allreduce_s'] * 1e6:,.0f} µs{ratio['allreduce_s']}"
+                f" | {m['broadcast_s'] * 1e6:,.0f} µs{ratio['broadcast_s']}"
+                f" | {m['pipelined_ops_s']:,.0f} ops/s{ratio['pipelined_ops_s']}"
                 f" | {m['cpu_rank0_s'] * 1e6:,.0f} / {m['cpu_rank1_s'] * 1e6:,.0f} µs |")
     table = "\n".join(lines)
     print(table)

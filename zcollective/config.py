@@ -638,8 +638,8 @@ def _resolve_signature() -> inspect.Signature:
     """``resolve``'s signature, made from :data:`ARGUMENTS` (the public
     functions spell theirs out, for readers and type checkers, and are held
     to the same table by :func:`takes_settings`)."""
-    kinds = [inspect.Parameter.POSITIONAL_OR_KEYWORD] * POSITIONAL_ARGUMENTS
-    params = [inspect.Parameter(s.name, kinds[i] if i < len(kinds) else inspect.Parameter.KEYWORD_ONLY,
+    by_position, by_name = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter(s.name, by_position if i < POSITIONAL_ARGUMENTS else by_name,
                                 default=s.signature_default, annotation=s.annotation)
               for i, s in enumerate(ARGUMENTS)]
     params.append(inspect.Parameter("env", inspect.Parameter.KEYWORD_ONLY, default=None,
@@ -684,4 +684,3 @@ def resolve(*args: Any, **kwargs: Any) -> Config:
     for check in CROSS_CHECKS:
         check(config, origins)
     return config
-
