@@ -286,11 +286,26 @@ def bye(rank, calls):
     return Message(Kind.BYE, rank=rank, seq=calls, session=SESSION)
 
 
+def farewell(rank, calls):
+    """The coordinator's answer to a BYE: everything before it was taken."""
+    return [(peer(rank), bye(rank, calls))]
+
+
+def test_a_bye_is_answered_after_every_reply_before_it():
+    coord = joined(2)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    out = feed(coord, peer(1), contrib(1, 0, value=2))
+    assert [(p, m.kind) for p, m in out] == [(peer(0), Kind.RESULT), (peer(1), Kind.RESULT)]
+    assert feed(coord, peer(1), bye(1, 1)) == farewell(1, 1)
+    assert feed(coord, peer(1), bye(1, 1)) == farewell(1, 1)  # sent again (a reconnect): answered again
+    assert coord.phase is Phase.RUNNING
+
+
 def test_a_rank_that_ended_is_named_when_the_others_reach_a_call_it_never_made():
     coord = joined(4)
     for r in range(4):
         feed(coord, peer(r), contrib(r, 0, value=1, fn=(lambda a, b: a + b) if r == 0 else None))
-    assert feed(coord, peer(3), bye(3, 1)) == []  # ended after seq 0: nothing is waiting for it
+    assert feed(coord, peer(3), bye(3, 1)) == farewell(3, 1)  # ended after seq 0: nothing waits for it
     assert coord.disconnected(23) == []  # its connection closing is not a loss
     assert coord.phase is Phase.RUNNING
     first = feed(coord, peer(1), contrib(1, 1, value=1))  # the first to reach seq 1 ends the wait
@@ -310,7 +325,8 @@ def test_a_bye_while_others_wait_for_it_fails_at_once():
     out = feed(coord, peer(1), bye(1, 0))
     assert coord.phase is Phase.FAILED
     assert "rank 1 ended its program (without teardown) before its first call" in out[0][1].body()["message"]
-    assert {p for p, _ in out} == {peer(0), peer(2)}
+    assert out[-1:] == farewell(1, 0)
+    assert {p for p, m in out[:-1]} == {peer(0), peer(2)}
 
 
 def test_everyone_ending_after_the_same_call_fails_nothing():
@@ -318,15 +334,15 @@ def test_everyone_ending_after_the_same_call_fails_nothing():
     for r in (1, 2, 0):
         feed(coord, peer(r), contrib(r, 0, value=1, fn=lambda a, b: a + b))
     for r in (2, 1):
-        assert feed(coord, peer(r), bye(r, 1)) == []
-    assert feed(coord, peer(0), bye(0, 1)) == []
+        assert feed(coord, peer(r), bye(r, 1)) == farewell(r, 1)
+    assert feed(coord, peer(0), bye(0, 1)) == farewell(0, 1)
     assert coord.phase is Phase.CLOSED
 
 
 def test_rank_zero_ending_first_completes_its_calls_then_tells_the_rest():
     coord = joined(3)
     feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))  # e.g. an async call not collected
-    assert feed(coord, peer(0), bye(0, 1)) == []  # seq 0 still needs ranks 1 and 2: wait
+    assert feed(coord, peer(0), bye(0, 1)) == farewell(0, 1)  # seq 0 still needs ranks 1 and 2: wait
     assert coord.phase is Phase.RUNNING
     feed(coord, peer(1), contrib(1, 0, value=1))
     out = feed(coord, peer(2), contrib(2, 0, value=1))

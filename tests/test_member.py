@@ -480,8 +480,11 @@ def test_with_a_secret_a_message_altered_in_flight_fails_the_group_everywhere():
 def test_a_member_that_ends_says_bye_and_the_others_learn_it_ended_not_that_it_was_lost():
     pair = Pair(3).joined()
     done = pair.call_all(Op.ALLREDUCE, [1, 2, 3], fn=add)
+    assert not pair.members[2].farewell
     pair.send(2, pair.members[2].bye())
     assert [m.seq for m in pair.sent("up", Kind.BYE)] == [1]  # it made one call
+    assert [m.seq for m in pair.sent("down", Kind.BYE)] == [1]  # answered: it may close now
+    assert pair.members[2].farewell and not pair.members[1].farewell
     pair.disconnect(2)  # its program ended: the connection closes, nobody is lost
     assert pair.coordinator.phase is Phase.RUNNING and [outcome(f) for f in done] == [6, 6, 6]
     waiting = pair.call(1, Op.BARRIER)

@@ -73,3 +73,50 @@ def test_large_values_over_a_slow_link_lose_nobody(slow_hosts):
         assert outcome.value[:2] == want, report(outcomes, f"rank {outcome.rank} got another value")
         # a real test: the transfers took several liveness bounds
         assert outcome.value[2] > 2 * TRANSFER_S, report(outcomes, f"took {outcome.value[2]:.1f} s")
+
+
+ENDING_BYTES = 8_000_000  # a second on the link: still in the kernel's queues when the program ends
+LATE_S = 1.0  # how much later the other ranks make the call
+
+
+def end_right_after(size, who):
+    """Rank ``who`` makes a call with a large value and its program ends at
+    once, without teardown; the others make the same call a second later."""
+    import zcollective as zc
+
+    zc.initialize()
+    rank = zc.get_rank()
+    if rank == who:
+        if who == 0:
+            zc.broadcast_async(value_of("root", size))
+        else:
+            zc.allreduce_async(value_of(rank, size), xor)
+        return "ended"
+    time.sleep(LATE_S)
+    got = zc.broadcast(None) if who == 0 else zc.allreduce(value_of(rank, size), xor)
+    return hashlib.sha256(got).hexdigest()
+
+
+@pytest.mark.parametrize("who", [0, 2], ids=["rank 0 ends first", "a replica ends first"])
+def test_a_program_ending_over_a_slow_link_loses_nothing_it_sent(slow_hosts, who):
+    """What an ending program sent is still in its kernel's queue when it
+    closes: a close with unread data (the other side's heartbeat) resets the
+    connection and drops it, unless the program waits for every byte to be
+    acknowledged (rank 0) or for the coordinator's answer to its BYE (a
+    replica). Both lost the value here before."""
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": str(LIVENESS_S), "ZCOLLECTIVE_DATA_PLANE": "off",
+           "ZCOLLECTIVE_MASTER_ADDR": slow_hosts.addresses[0]}
+    prefix = {rank: slow_hosts.prefix(rank) for rank in range(N)}
+    with Replicas(end_right_after, N, ENDING_BYTES, who, initialize=False, env=env, rank_prefix=prefix,
+                  init_timeout=RUN_TIMEOUT_S) as replicas:
+        outcomes = replicas.wait(RUN_TIMEOUT_S)
+    assert all(o.ok for o in outcomes), report(outcomes, f"rank {who} ended right after its call")
+    if who == 0:
+        want = value_of("root", ENDING_BYTES)
+    else:
+        want = value_of(0, ENDING_BYTES)
+        for rank in range(1, N):
+            want = xor(want, value_of(rank, ENDING_BYTES))
+    for outcome in outcomes:
+        if outcome.rank != who:
+            assert outcome.value == hashlib.sha256(want).hexdigest(), report(outcomes, "another value")

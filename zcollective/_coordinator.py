@@ -36,6 +36,10 @@ Rules:
    Calls below n still complete (its contributions are in); a call at n or
    later can never complete, so when any rank reaches one the group fails
    with :class:`ReplicaLostError` saying that rank *ended its program*.
+   The coordinator answers a BYE with a BYE, after whatever it answered
+   before: the member then knows everything it sent was taken, and may close
+   its connection (closing over bytes its peer had not yet acknowledged
+   could lose them: a close with unread data resets a TCP connection).
    Rank 0 hosts this object, so its BYE also means the coordinator goes:
    once every call rank 0 made is complete (and its results sent), the
    members still running are told the group is over. When every member
@@ -556,15 +560,18 @@ class Coordinator:
     # -- ending without teardown ------------------------------------------
 
     def _on_bye(self, member: Member, calls: int) -> list[Out]:
+        # answered, after every reply before it: all it sent has been taken, so it may close
+        answer = Message(Kind.BYE, rank=member.rank, seq=calls, session=self._binding(member))
+        farewell = [(member.peer, answer)]
         if self.phase is not Phase.RUNNING or member.ended is not None:
-            return []
+            return farewell
         member.ended = max(calls, self.next_seq[member.rank])
         self._ended.append(member)
         log.info("zcollective coordinator: %s", member.describe_end())
         if len(self._ended) == len(self.members):
             self.phase = Phase.CLOSED  # everyone is done: nothing can be waiting
-            return []
-        return self._check_endings()
+            return farewell
+        return self._check_endings() + farewell
 
     def _check_endings(self) -> list[Out]:
         """Fail the group if a pending call needs a rank that ended (rule 7),

@@ -27,11 +27,9 @@ chunk came on). Either ends the call on every rank with
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import socket
 import struct
-import termios
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -204,11 +202,7 @@ class DataPlane:
             if not self._sent():  # libzmq still holds some: they reach the kernel first
                 time.sleep(TRACKER_POLL_S)
                 continue
-            try:
-                unacknowledged = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0" * 4))[0]
-            except OSError:
-                return  # closed already (or not a socket any more): nothing to wait for
-            if unacknowledged == 0:
+            if not _sockets.unacknowledged(fd):  # all acknowledged, or closed already
                 return
             time.sleep(TRACKER_POLL_S)
 

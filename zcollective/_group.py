@@ -673,7 +673,7 @@ class Group:
             try:
                 self._link.progress()  # take in a FAIL that would make a BYE pointless
                 self._link.finish_data(_sockets.EXIT_LINGER_MS / 1000)  # the others need our chunks
-                self._link.say_bye()
+                self._link.say_bye(_sockets.EXIT_LINGER_MS / 1000)
             except BaseException:
                 pass  # the group failed, or an interrupt: nothing to announce, only to flush
         self._close(ending=True)

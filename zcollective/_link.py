@@ -45,6 +45,8 @@ DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take
 class Driver:
     """What every member's driver does; subclasses send and wait."""
 
+    remote = False  # True when the coordinator is at the other end of a connection
+
     def __init__(self, member: Member) -> None:
         self.member = member
         self.data: Optional[DataPlane] = None  # the data plane, once the group has one
@@ -208,11 +210,19 @@ class Driver:
     def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
         return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
 
-    def say_bye(self) -> None:
-        """Tell the coordinator this program is ending (if there is a group to tell)."""
-        bye = self.member.bye()
-        if bye is not None:
-            self.send([bye])
+    def say_bye(self, timeout: float) -> None:
+        """Tell the coordinator this program is ending (if there is a group to
+        tell). Over a connection, wait at most ``timeout`` s for its answer:
+        closing before the peer has acknowledged every byte sent can lose
+        them (a close with unread data, such as a heartbeat, resets the
+        connection, and the kernel drops what it had not yet sent)."""
+        member = self.member
+        bye = member.bye()
+        if bye is None:
+            return
+        self.send([bye])
+        if self.remote:
+            self.wait_for(lambda: member.farewell or member.failure is not None, time.monotonic() + timeout)
 
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""

@@ -43,6 +43,9 @@ Rules:
    violation proves a foreign program at once; one closed during the
    handshake may be a proxy or a coordinator still starting, so that counts
    only after :data:`FOREIGN_PEER_TRIES` of them over :data:`FOREIGN_PEER_S`.
+7. *Ending.* A program ending without ``teardown`` sends BYE; the
+   coordinator's BYE in answer (:attr:`Member.farewell`) says that
+   everything sent before it was taken, so the connection may close.
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ class Member:
         self.failure: Optional[Exception] = None
         self.connected = False
         self.status: dict[int, dict[str, Any]] = {}  # seq -> the coordinator's STATUS_REPLY
+        self.farewell = False  # the coordinator answered this member's BYE (rule 7)
         self._nonces: set[str] = set()  # every JOIN sent (a reconnect sends another)
         self._tokens: set[int] = set()  # their tokens: what binds replies before the WELCOME
         self._rejoin = False
@@ -302,6 +306,8 @@ class Member:
             body = msg.body()
             # a rank's program ended: calls whose data moves peer to peer need only their ring
             return self.fail(from_wire(body), keep_data=body.get("ended") is True)
+        elif kind is Kind.BYE:
+            self.farewell = True
         elif kind is Kind.CHALLENGE and not self.joined:
             challenge = msg.body().get("challenge")
             if isinstance(challenge, str):

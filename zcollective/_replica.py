@@ -55,6 +55,8 @@ class Replica(Driver):
     token. A token refused on its first offer means another secret.
     """
 
+    remote = True
+
     def __init__(self, ctx: zmq.Context, config: Config, member: Member) -> None:
         super().__init__(member)
         self._config = config

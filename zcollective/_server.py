@@ -50,6 +50,7 @@ HOST_LOCK_WAIT_S = 0.002  # rank 0's member waits this long for the lock before 
 # its message to the thread instead (a wake-up of the thread costs more than a short wait)
 START_TIMEOUT_S = 10.0  # binding a socket takes milliseconds; longer means something is wrong
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
+ACK_POLL_S = 0.01  # rank 0's program ending: how often it looks whether the replicas have it all
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
 _STOP, _END, _GIVE_UP, _TAKE = b"stop", b"end", b"give up", b"take"  # pipe commands: close
@@ -336,6 +337,8 @@ class Server:
         finally:
             # results, or a FAIL just sent to the survivors, must reach them
             linger = _sockets.EXIT_LINGER_MS if self._ending is not None else _sockets.CLOSE_LINGER_MS
+            if self._ending is not None:
+                self._acknowledged(linger / 1000)
             with self._locked():  # rank 0's member may be using it
                 self._router = None
             pipe.close(linger=0)
@@ -344,6 +347,18 @@ class Server:
             self._finished.set()
 
     _ending: Optional[float] = None  # when rank 0's program said it was ending
+
+    def _acknowledged(self, timeout: float) -> None:
+        """Rank 0's program is ending: wait (at most ``timeout`` s) until every
+        replica still running has acknowledged each byte sent to it (see
+        :func:`~zcollective._sockets.unacknowledged`). Quiet twice in a row,
+        :data:`ACK_POLL_S` apart: libzmq may hold a last part it has not
+        written to the kernel yet."""
+        fds = [m.fd for m in self.coordinator.members.values() if m.fd is not None and m.ended is None]
+        deadline, quiet = time.monotonic() + timeout, 0
+        while fds and quiet < 2 and time.monotonic() < deadline:
+            quiet = quiet + 1 if not any(_sockets.unacknowledged(fd) for fd in fds) else 0
+            time.sleep(ACK_POLL_S)
 
     def _crash(self, exc: BaseException) -> None:
         """With the lock: a bug in the coordinator; tell every replica rather

@@ -7,9 +7,11 @@ monitor, becomes one here too (:func:`handshake_refusal`)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import struct
+import termios
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -313,6 +315,18 @@ def take_in(sock: zmq.Socket, inbox: deque[list[Any]]) -> bool:
     finally:
         _leave()
     return True
+
+
+def unacknowledged(fd: int) -> Optional[int]:
+    """Bytes written to TCP connection ``fd`` that its peer has not yet
+    acknowledged (the kernel's send queue); None if ``fd`` is no connected
+    socket any more. A program ending waits for 0 before its connections
+    close: a close with unread data (a heartbeat) resets the connection, and
+    the kernel then drops what it had not yet sent."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0" * 4))[0])
+    except OSError:
+        return None
 
 
 def readable(sock: zmq.Socket) -> bool:

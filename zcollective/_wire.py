@@ -40,8 +40,8 @@ from typing import Any, Optional
 
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 3  # bump on any change to the layout below (2: BYE; recipient-bound headers;
-# 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME)
+PROTOCOL_VERSION = 4  # bump on any change to the layout below (2: BYE; recipient-bound headers;
+# 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
@@ -90,7 +90,8 @@ class Kind(enum.IntEnum):
     STATUS_REPLY = 8  # coordinator -> replica: the answer (JSON)
     FAIL = 9  # coordinator -> replica: the group failed for good (JSON)
     # 10 was PING in version 1: liveness is ZeroMQ's own heartbeats
-    BYE = 11  # replica -> coordinator: its program is ending; `seq` = how many calls it made
+    BYE = 11  # replica -> coordinator: its program is ending; `seq` = how many calls it made;
+    # coordinator -> replica: the answer (everything it sent before its BYE was taken)
     ABORT = 12  # replica -> coordinator: a message to it was altered or moved; fail the group (JSON)
     CHALLENGE = 13  # coordinator -> replica: with a secret, a JOIN must echo this (JSON)
 
