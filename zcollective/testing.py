@@ -15,6 +15,10 @@ Each replica joins a fresh default group on a free loopback port (so ``fn``
 calls the module functions directly), runs ``fn(*args, **kwargs)`` and tears
 the group down. Every wait is bounded; on any failure the error shows each
 rank's exception, traceback and output.
+
+Replicas are forked from a warm zygote process where they can be, else fresh
+interpreters (:mod:`zcollective._zygote` says when, and what a fork keeps
+from a fresh start); ``ZCOLLECTIVE_TESTING_FRESH=1`` asks for fresh ones only.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import time
 from typing import Any, Callable, Optional
 
 import cloudpickle
+
+from . import _zygote
+from ._zygote import ForkedProcess, SpawnRequest, ZygoteGone
 
 __all__ = ["run_replicas", "Replicas", "ReplicasFailed", "free_port"]
 
@@ -81,6 +88,21 @@ class Outcome:
         return text
 
 
+def _forked(payload: str, result: str, output: str, env: dict[str, str],
+            fn: Callable[..., Any]) -> Optional[ForkedProcess]:
+    """The replica forked from this process's zygote, if it can be (None: start
+    a fresh interpreter). See :mod:`zcollective._zygote`."""
+    zygote = _zygote.zygote()
+    if zygote is None or not zygote.accepts(env):
+        return None
+    module = getattr(fn, "__module__", None)
+    try:
+        return zygote.spawn(SpawnRequest(payload, result, output, env, os.getcwd(), list(sys.path),
+                                         module if module != "__main__" else None))
+    except ZygoteGone:
+        return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -121,7 +143,7 @@ class Replicas:
             cloudpickle.dump(list(sys.path), f)  # first, so the child can import fn's module
             cloudpickle.dump((fn, args, kwargs, initialize, init_timeout), f)
         self.outcomes = [Outcome(r) for r in range(n)]
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
         self._outs: list[Any] = []
         for rank in range(n):
             child_env = dict(os.environ)
@@ -134,11 +156,14 @@ class Replicas:
             })
             child_env.update(env or {})
             child_env.update((rank_env or {}).get(rank, {}))
-            out = open(os.path.join(self._dir.name, f"out{rank}.txt"), "w+b")  # noqa: SIM115 (closed in wait)
+            output = os.path.join(self._dir.name, f"out{rank}.txt")
+            out = open(output, "w+b")  # noqa: SIM115 (closed in wait)
             self._outs.append(out)
-            self.procs.append(subprocess.Popen(
-                [*(rank_prefix or {}).get(rank, []), sys.executable, "-m", "zcollective._child", payload,
-                 os.path.join(self._dir.name, f"result{rank}.pkl")],
+            result = os.path.join(self._dir.name, f"result{rank}.pkl")
+            prefix = (rank_prefix or {}).get(rank, [])
+            proc = None if prefix else _forked(payload, result, output, child_env, fn)
+            self.procs.append(proc or subprocess.Popen(
+                [*prefix, sys.executable, "-m", "zcollective._child", payload, result],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=child_env,
             ))
 

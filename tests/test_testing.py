@@ -1,0 +1,162 @@
+"""zcollective.testing's replicas, forked from a warm zygote process: each is
+a process of its own that behaves, to the code it runs, like a fresh
+interpreter (environment, signals, exit with atexit handlers, exit codes),
+and the harness falls back to fresh interpreters where a fork cannot do."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from zcollective import _zygote
+from zcollective.testing import Replicas, run_replicas
+
+RANK_ENV = "ZCOLLECTIVE_REPLICA_RANK"
+
+
+def _who_am_i():
+    import os
+    import sys
+
+    return {"ppid": os.getppid(), "pid": os.getpid(), "rank": os.environ[RANK_ENV],
+            "extra": os.environ.get("ZC_TEST_EXTRA"), "argv": sys.argv[1:], "cwd": os.getcwd(),
+            "stdin": sys.stdin.read()}
+
+
+def test_a_forked_replica_has_the_environment_it_asked_for_and_a_process_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    outs = run_replicas(_who_am_i, 2, initialize=False, env={"ZC_TEST_EXTRA": "x"})
+    assert [o["rank"] for o in outs] == ["0", "1"]
+    assert all(o["extra"] == "x" and o["cwd"] == str(tmp_path) and o["stdin"] == "" for o in outs)
+    assert len({o["pid"] for o in outs} | {os.getpid()}) == 3
+    assert all(o["ppid"] != os.getpid() for o in outs), "expected forks of the zygote"
+    assert all(o["argv"][0].endswith("payload.pkl") for o in outs)
+
+
+def test_fresh_interpreters_when_asked_or_when_the_interpreter_must_start_differently(monkeypatch):
+    fresh = run_replicas(_who_am_i, 1, initialize=False, env={"PYTHONHASHSEED": "123"})
+    assert fresh[0]["ppid"] == os.getpid()
+    monkeypatch.setenv(_zygote.DISABLE_ENV, "1")
+    assert run_replicas(_who_am_i, 1, initialize=False)[0]["ppid"] == os.getpid()
+
+
+def _ends_with_atexit_and_a_code(path):
+    import atexit
+    import sys
+
+    def last_words():
+        with open(path, "w") as f:
+            f.write("atexit ran")
+        print("printed at exit")
+
+    atexit.register(last_words)
+    print("hello from the replica")
+    sys.exit(3)
+
+
+def test_a_forked_replica_exits_through_the_interpreter(tmp_path):
+    """Its atexit handlers run (a program ending without teardown depends on
+    them), its output is captured unbuffered, and its exit code is reported."""
+    marker = tmp_path / "atexit"
+    with Replicas(_ends_with_atexit_and_a_code, 1, str(marker), initialize=False) as reps:
+        (outcome,) = reps.wait(30)
+    assert outcome.returncode == 1  # _child reports the SystemExit as the function's error
+    assert isinstance(outcome.error, SystemExit) and outcome.error.code == 3
+    assert marker.read_text() == "atexit ran"
+    assert "hello from the replica" in outcome.output and "printed at exit" in outcome.output
+
+
+def _wait_for_ctrl_c(ready):
+    import time
+
+    open(ready, "w").close()
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        return "interrupted"
+    return "slept"
+
+
+def _sleep_long():
+    import time
+
+    time.sleep(60)
+
+
+def test_signals_reach_a_forked_replica_as_they_reach_a_fresh_one(tmp_path):
+    from conftest import wait_for
+
+    ready = tmp_path / "ready"
+    with Replicas(_wait_for_ctrl_c, 1, str(ready), initialize=False) as reps:
+        wait_for(ready)
+        reps.kill(0, signal.SIGINT)
+        (outcome,) = reps.wait(30)
+    assert outcome.ok and outcome.value == "interrupted", outcome.describe()
+    with Replicas(_sleep_long, 2, initialize=False) as reps:
+        reps.kill(1)
+        assert reps.join([1], 30)
+        proc = reps.procs[1]
+        assert proc.poll() == -signal.SIGKILL
+        proc.send_signal(signal.SIGKILL)  # after its exit: nothing is sent (its pid may be another's now)
+        with pytest.raises(subprocess.TimeoutExpired):
+            reps.procs[0].wait(0.2)
+        outcomes = reps.wait(0.5)
+    assert outcomes[0].timed_out and outcomes[1].returncode == -signal.SIGKILL
+
+
+def test_a_zygote_that_died_is_replaced():
+    zygote = _zygote.zygote()
+    assert zygote is not None
+    first = run_replicas(_who_am_i, 1, initialize=False)[0]["ppid"]
+    zygote._proc.kill()
+    zygote._proc.wait(10)
+    second = run_replicas(_who_am_i, 1, initialize=False)[0]["ppid"]
+    assert second not in (first, os.getpid())
+
+
+def test_requests_and_replies_keep_their_bounds():
+    """Messages are length-prefixed and read exactly, however the pipe splits them."""
+    r, w = os.pipe()
+    try:
+        messages = [("spawn", "x" * 70000), ("exited", 12, -9), ("signal", 1, 2)]
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the writer)
+            os.close(r)
+            for m in messages:
+                _zygote._write(w, m)
+            os._exit(0)
+        os.close(w)
+        w = -1
+        got = [_zygote._read(r) for _ in range(len(messages) + 1)]
+        os.waitpid(pid, 0)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    assert got == [*messages, None]
+
+
+def test_the_zygote_kills_its_children_when_the_test_process_goes():
+    """A killed test run leaves no replica behind: the zygote sees its
+    requests end and kills what it forked."""
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]);"
+            "from zcollective.testing import Replicas; import test_testing as t;"
+            "r = Replicas(t._sleep_long, 1, initialize=False); print(r.procs[0].pid, flush=True);"
+            "time.sleep(60)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", code, here], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        os.kill(child, 0)  # running
+    finally:
+        proc.kill()
+        proc.wait(10)
+    for _ in range(500):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        __import__("time").sleep(0.01)
+    pytest.fail(f"replica {child} outlived its test process by 5 s")
