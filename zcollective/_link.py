@@ -221,8 +221,10 @@ class Driver:
         if bye is None:
             return
         self.send([bye])
-        if self.remote:
-            self.wait_for(lambda: member.farewell or member.failure is not None, time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        while self.remote and not member.farewell and member.failure is None:
+            if not self._pump(deadline):  # (no data moves: finish_data had its time)
+                return
 
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""

@@ -81,6 +81,8 @@ class Server:
         self._take_pending = False  # a _TAKE is on its way to the thread
         self._lost: deque[tuple[int, str]] = deque()  # ranks rank 0's own thread found gone
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
+        self._closed_fds: set[int] = set()  # connections libzmq reported closed
+        self._trackers = []
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
         # the coordinator thread answers (a data socket of rank 0's context uses it too)
         self._started = threading.Event()
@@ -337,7 +339,7 @@ class Server:
         finally:
             # results, or a FAIL just sent to the survivors, must reach them
             linger = _sockets.EXIT_LINGER_MS if self._ending is not None else _sockets.CLOSE_LINGER_MS
-            if self._ending is not None:
+            if self._ending is not None and not self._given_up:
                 self._acknowledged(linger / 1000)
             with self._locked():  # rank 0's member may be using it
                 self._router = None
@@ -348,16 +350,27 @@ class Server:
 
     _ending: Optional[float] = None  # when rank 0's program said it was ending
 
+    _given_up = False  # a second interrupt while ending: close at once
+    _trackers: list[Any]  # while ending: one per message sent, done once libzmq wrote it
+
     def _acknowledged(self, timeout: float) -> None:
-        """Rank 0's program is ending: wait (at most ``timeout`` s) until every
-        replica still running has acknowledged each byte sent to it (see
-        :func:`~zcollective._sockets.unacknowledged`). Quiet twice in a row,
-        :data:`ACK_POLL_S` apart: libzmq may hold a last part it has not
-        written to the kernel yet."""
-        fds = [m.fd for m in self.coordinator.members.values() if m.fd is not None and m.ended is None]
-        deadline, quiet = time.monotonic() + timeout, 0
-        while fds and quiet < 2 and time.monotonic() < deadline:
-            quiet = quiet + 1 if not any(_sockets.unacknowledged(fd) for fd in fds) else 0
+        """Rank 0's program is ending: wait (at most ``timeout`` s) until
+        libzmq has written every message sent since (its trackers; the last
+        message to each replica still running is one of them) and every such
+        replica has acknowledged each byte (see
+        :func:`~zcollective._sockets.unacknowledged`). Connections whose close
+        was reported are left out: their fd may be another socket's by now.
+        The thread's own: rank 0's thread waits in :meth:`stop`."""
+        with self._locked():
+            self._drain_monitor()
+        closed = self._closed_fds
+        fds = [m.fd for m in self.coordinator.members.values()
+               if m.fd is not None and m.ended is None and m.fd not in closed]
+        deadline, trackers = time.monotonic() + timeout, self._trackers
+        while fds and time.monotonic() < deadline:
+            trackers[:] = [t for t in trackers if not t.done]
+            if not trackers and not any(_sockets.unacknowledged(fd) for fd in fds):
+                return
             time.sleep(ACK_POLL_S)
 
     def _crash(self, exc: BaseException) -> None:
@@ -398,6 +411,7 @@ class Server:
                     self._take_pending = False  # before the step: a later hand-over sends another
                 elif command in (_STOP, _GIVE_UP, _END):
                     if command == _GIVE_UP and self._ending is not None:
+                        self._given_up = True
                         with self._locked():
                             self._send_all(coordinator.give_up_ending(time.monotonic() - self._ending))
                     if command != _END:
@@ -409,6 +423,7 @@ class Server:
     def _drain_monitor(self) -> None:
         for kind, value in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
+                self._closed_fds.add(value)
                 # what a peer sent before closing (a BYE, a last contribution) is queued
                 # before libzmq reports the close: take it in first
                 self._drain(joins_first=False)
@@ -457,8 +472,8 @@ class Server:
             if router is None:
                 continue  # closed: nothing more reaches anyone
             self._sent += 1
-            if not _sockets.send_to(router, [peer, *encode(msg, self.signer, cache,
-                                                           self.coordinator.part_bytes)]):
+            frames = [peer, *encode(msg, self.signer, cache, self.coordinator.part_bytes)]
+            if not _sockets.send_to(router, frames, self._trackers if self._ending is not None else None):
                 member = self.coordinator.members.get(peer)
                 if member is not None:
                     lost.append((member.rank, "its connection is gone"))

@@ -128,15 +128,24 @@ def handshake_problem(value: int) -> str:
     return f"it broke the ZeroMQ handshake (protocol error {value:#x})"
 
 
-def send_to(router: zmq.Socket, frames: list[Any]) -> bool:
+def send_to(router: zmq.Socket, frames: list[Any], trackers: Optional[list[Any]] = None) -> bool:
     """Send ``frames`` (the peer's routing id first) on a ROUTER with
-    ``ROUTER_MANDATORY``; False if that peer's connection is gone."""
+    ``ROUTER_MANDATORY``; False if that peer's connection is gone. With
+    ``trackers``, the last frame goes by reference and its tracker is added:
+    done once libzmq has handed the whole message to the kernel."""
+    last = None
+    if trackers is not None:
+        data = frames[-1].buffer if isinstance(frames[-1], zmq.Frame) else frames[-1]
+        last = zmq.Frame(data, track=True, copy=False)
+        frames = [*frames[:-1], last]
     try:
         send_frames(router, frames)
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EHOSTUNREACH:
             return False
         raise CollectiveError(f"the coordinator could not send: {exc.strerror} (errno {exc.errno})") from exc
+    if trackers is not None and last is not None:
+        trackers.append(last.tracker)
     return True
 
 
