@@ -107,7 +107,7 @@ def test_signals_reach_a_forked_replica_as_they_reach_a_fresh_one(tmp_path):
 
 
 def test_a_zygote_that_died_is_replaced():
-    zygote = _zygote.zygote()
+    zygote = _zygote.zygote(0)
     assert zygote is not None
     first = run_replicas(_who_am_i, 1, initialize=False)[0]["ppid"]
     zygote._proc.kill()
@@ -160,3 +160,78 @@ def test_the_zygote_kills_its_children_when_the_test_process_goes():
             return
         __import__("time").sleep(0.01)
     pytest.fail(f"replica {child} outlived its test process by 5 s")
+
+
+def _hash_of_a_string():
+    return hash("the same string on every rank")
+
+
+def test_the_ranks_of_a_group_do_not_share_a_hash_seed():
+    """As fresh interpreters: code iterating a set of strings on every rank
+    must be caught disagreeing (one zygote per rank index)."""
+    if os.environ.get("PYTHONHASHSEED"):
+        pytest.skip("PYTHONHASHSEED is set: every interpreter shares it")
+    outs = run_replicas(_hash_of_a_string, 3, initialize=False)
+    assert len(set(outs)) == 3, outs
+
+
+def _module_at(directory, name, source):
+    path = os.path.join(directory, f"{name}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    sys.path.insert(0, str(directory))
+    return __import__(name)
+
+
+def test_a_module_that_prints_or_stalls_when_imported_changes_nothing(tmp_path, monkeypatch):
+    """The zygote imports the function's module: what it prints goes to
+    stderr, not into the zygote's replies; one too slow to import is given
+    up (with its zygote), and every replica starts once, fresh."""
+    ran = tmp_path / "ran"
+    loud = _module_at(tmp_path, "zc_loud_module", (
+        "print('modules may print when imported')\n"
+        "def where():\n    import os\n    return os.getppid()\n"))
+    try:
+        assert all(ppid != os.getpid() for ppid in run_replicas(loud.where, 2, initialize=False))
+        slow = _module_at(tmp_path, "zc_slow_module", (
+            "import os, time\n"
+            "if os.environ.get('ZC_TEST_IN_ZYGOTE') != 'no':\n    time.sleep(3)\n"
+            f"def count():\n    open({str(ran)!r}, 'a').write('x')\n    return os.getppid()\n"))
+        monkeypatch.setattr(_zygote, "START_TIMEOUT_S", 1.0)
+        assert run_replicas(slow.count, 2, initialize=False) == [os.getpid()] * 2  # fresh
+        assert ran.read_text() == "xx"
+        assert all(p != os.getpid() for p in run_replicas(loud.where, 2, initialize=False))  # new zygotes
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_signals_sent_while_replicas_are_forked_reach_them(tmp_path):
+    """Requests (a spawn is larger than a pipe writes at once) never interleave."""
+    import threading
+
+    big = {"ZC_TEST_BIG": "x" * 200_000}
+    with Replicas(_sleep_long, 1, initialize=False) as target:
+        stop = threading.Event()
+
+        def pester():
+            while not stop.is_set():
+                target.procs[0].send_signal(signal.SIGCONT)
+
+        thread = threading.Thread(target=pester)
+        thread.start()
+        try:
+            outs = [run_replicas(_who_am_i, 1, initialize=False, env=big)[0] for _ in range(5)]
+        finally:
+            stop.set()
+            thread.join()
+        assert target.procs[0].poll() is None and not _zygote.zygote(0).gone
+    assert all(o["ppid"] != os.getpid() for o in outs)
+
+
+def test_a_forked_test_process_does_not_use_its_parents_zygotes():
+    run_replicas(_who_am_i, 1, initialize=False)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os._exit(0 if not _zygote._zygotes else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert run_replicas(_who_am_i, 1, initialize=False)[0]["ppid"] != os.getpid()

@@ -1,33 +1,43 @@
-"""A warm process that forks replica processes for :mod:`zcollective.testing`.
+"""Warm processes that fork replica processes for :mod:`zcollective.testing`.
 
 A replica started as ``python -m zcollective._child`` spends most of its
 start-up importing: the interpreter's site packages, zcollective and
 cloudpickle, then the module that defines the function it runs (for a test,
-with pytest and numpy). The test suite starts hundreds of them. The zygote
+with pytest and numpy). The test suite starts hundreds of them. A zygote
 imports all of that once, then forks a child per replica, as
-``multiprocessing``'s forkserver does.
+``multiprocessing``'s forkserver does. There is one zygote per rank index, so
+the ranks of one group do not share a string hash seed (fresh interpreters
+never do, and code that iterates a set of strings on every rank must be
+caught differing).
 
 A child is a separate process like any other (its own sockets, its own
-signals, its own exit), with three differences from a fresh interpreter,
-each of which it undoes: it sets its environment, working directory and
-``sys.argv`` to the requested ones; it restores default signal handling; and
-it leaves through the interpreter's own exit, so ``atexit`` handlers run
-(``multiprocessing`` children skip them with ``os._exit``, which would hide
-what a program ending without ``teardown`` does). What an interpreter reads
-only at start-up (``PYTHON*`` variables, thread-count variables read when
-numpy loads) cannot be undone after a fork, so :class:`Zygote` refuses a
-request whose environment differs there, and the caller starts a fresh
-interpreter instead.
+signals, its own exit). What it changes to look like a fresh interpreter:
+the requested environment, working directory and ``sys.argv``; default
+handling of SIGINT and SIGCHLD; numpy's global generator reseeded (Python
+reseeds ``random`` itself); and it leaves through the interpreter's own exit,
+so ``atexit`` handlers run (``multiprocessing`` children skip them with
+``os._exit``, which would hide what a program ending without ``teardown``
+does). What it cannot change:
 
-Protocol, over the zygote's stdin and stdout: length-prefixed pickles.
-Requests: ``("spawn", request)``, ``("signal", pid, signum)``; replies:
-``("started", pid)`` or ``("refused", why)`` for each spawn, and
-``("exited", pid, returncode)`` whenever a child ends. The zygote sends a
-signal only to a child it has not yet reaped, so a recycled pid is never hit.
+- what an interpreter reads only when it starts (``PYTHON*`` variables) or
+  numpy when it loads (thread counts): a request whose environment differs
+  there is refused, and the caller starts a fresh interpreter instead;
+- the module-level code of the function's module ran once, in the zygote,
+  with the environment of the test process at that moment;
+- ``__main__`` is this module.
+
+Protocol, over two private pipes (the zygote's stdout stays free for what
+an imported module prints): length-prefixed pickles. Requests:
+``("spawn", id, request)``, ``("signal", pid, signum)``; replies:
+``("started", id, pid)`` and ``("exited", pid, returncode)`` whenever a child
+ends. The zygote signals only a child it has not reaped yet, so a recycled pid
+is never hit. Each child dies with its zygote (``PR_SET_PDEATHSIG``), and a
+zygote whose requests end (the test process is gone) kills its children.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import pickle
@@ -40,14 +50,17 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["Zygote", "ForkedProcess", "SpawnRequest", "zygote"]
+__all__ = ["Zygote", "ForkedProcess", "SpawnRequest", "ZygoteGone", "zygote"]
 
 HEADER = struct.Struct("!I")
+MAX_MESSAGE_BYTES = 64 << 20  # a larger length means the stream is corrupt
 PRELOAD = ("cloudpickle", "zcollective", "zcollective._child")
 # read once, when the interpreter or numpy starts:
 FIXED_AT_START = ("PYTHON", "OMP_", "OPENBLAS_", "MKL_", "LD_", "MALLOC_")
 DISABLE_ENV = "ZCOLLECTIVE_TESTING_FRESH"  # "1": every replica is a fresh interpreter
-START_TIMEOUT_S = 30.0  # the zygote answers a spawn within this (its first import of a test module included)
+START_TIMEOUT_S = 30.0  # a zygote answers a spawn within this (its first import of a test module included)
+CLOSE_WAIT_S = 5.0
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -61,6 +74,10 @@ class SpawnRequest:
     cwd: str
     path: list[str]  # sys.path entries to add, for importing ``module``
     module: Optional[str]  # imported by the zygote first, so that every later child has it
+
+
+class ZygoteGone(RuntimeError):
+    """A zygote ended or stopped answering: start fresh interpreters instead."""
 
 
 def _write(fd: int, message: Any) -> None:
@@ -84,11 +101,19 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 
 def _read(fd: int) -> Any:
-    """The next message, or None at end of stream."""
+    """The next message, or None at end of stream.
+
+    Raises
+    ------
+    ZygoteGone
+        The stream is corrupt.
+    """
     header = _read_exactly(fd, HEADER.size)
     if len(header) < HEADER.size:
         return None
     (size,) = HEADER.unpack(header)
+    if size > MAX_MESSAGE_BYTES:
+        raise ZygoteGone(f"a message of {size} bytes: the stream is corrupt")
     data = _read_exactly(fd, size)
     return pickle.loads(data) if len(data) == size else None
 
@@ -98,60 +123,74 @@ def fixed_at_start(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(FIXED_AT_START)}
 
 
-# -- the zygote process ------------------------------------------------------
+# -- a zygote process ----------------------------------------------------------
 
-def _serve(requests: int, replies: int) -> SpawnRequest:
-    """Fork children on request until the requests end (then exit); return, in
-    a child only, the request it is to run."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the test run is for the children, not for this
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: set[int] = set()
-    while True:
-        ready, _, _ = select.select([requests, wake_r], [], [])
-        if wake_r in ready:
+class _Server:
+    """The zygote's loop: fork on request, reap, report."""
+
+    def __init__(self, requests: int, replies: int) -> None:
+        self.requests, self.replies = requests, replies
+        self.pid = os.getpid()
+        self.children: set[int] = set()
+
+    def serve(self) -> tuple[int, SpawnRequest]:
+        """Serve until the requests end (then exit); in a child only, return
+        its spawn id and request."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the test run is for the children
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        try:
             while True:
-                try:
-                    os.read(wake_r, 4096)
-                except BlockingIOError:
-                    break
-            _reap(children, replies)
-        if requests not in ready:
-            continue
-        message = _read(requests)
-        if message is None:
-            for pid in children:  # the test process is gone: so are the replicas it started
-                os.kill(pid, signal.SIGKILL)
-            for pid in children:
-                os.waitpid(pid, 0)
-            sys.exit(0)
-        if message[0] == "signal":
-            _, pid, signum = message
-            if pid in children:
-                os.kill(pid, signum)
-            continue
-        request: SpawnRequest = message[1]
-        _preload(request)
-        pid = os.fork()
-        if pid == 0:
-            for fd in (wake_r, wake_w):
-                os.close(fd)
-            signal.set_wakeup_fd(-1)
-            return request
-        children.add(pid)
-        _write(replies, ("started", pid))
+                ready, _, _ = select.select([self.requests, wake_r], [], [])
+                if wake_r in ready:
+                    _drain(wake_r)
+                    self._reap()
+                if self.requests not in ready:
+                    continue
+                message = _read(self.requests)
+                if message is None:
+                    sys.exit(0)  # the test process is gone: so are its replicas (below)
+                if message[0] == "signal":
+                    _, pid, signum = message
+                    if pid in self.children:
+                        os.kill(pid, signum)
+                    continue
+                _, spawn_id, request = message
+                _preload(request)
+                pid = os.fork()
+                if pid == 0:
+                    for fd in (wake_r, wake_w, self.requests, self.replies):
+                        os.close(fd)
+                    signal.set_wakeup_fd(-1)
+                    return spawn_id, request
+                self.children.add(pid)
+                _write(self.replies, ("started", spawn_id, pid))
+        finally:
+            if os.getpid() == self.pid:  # the zygote ends, however: its children with it
+                for pid in self.children:
+                    os.kill(pid, signal.SIGKILL)
+                for pid in self.children:
+                    os.waitpid(pid, 0)
+
+    def _reap(self) -> None:
+        while self.children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            _write(self.replies, ("exited", pid, os.waitstatus_to_exitcode(status)))
 
 
-def _reap(children: set[int], replies: int) -> None:
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
+def _drain(fd: int) -> None:
+    while True:
+        try:
+            if not os.read(fd, 4096):
+                return
+        except BlockingIOError:
             return
-        children.discard(pid)
-        _write(replies, ("exited", pid, os.waitstatus_to_exitcode(status)))
 
 
 def _preload(request: SpawnRequest) -> None:
@@ -163,14 +202,13 @@ def _preload(request: SpawnRequest) -> None:
             pass
 
 
-def _become(request: SpawnRequest) -> None:
-    """Turn this freshly forked child into the requested replica process
-    (its stdin and stdout, the zygote's pipes, are replaced)."""
+def _become(request: SpawnRequest, zygote_pid: int) -> None:
+    """Turn this freshly forked child into the requested replica process."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != zygote_pid:  # it died before the line above
+        os._exit(1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
     out = os.open(request.output, os.O_WRONLY | os.O_APPEND)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -184,36 +222,39 @@ def _become(request: SpawnRequest) -> None:
         numpy.random.seed()  # as a fresh interpreter's would be (Python reseeds random itself)
 
 
-def main() -> int:
+def main(requests: int, replies: int) -> int:
     for name in PRELOAD:
         importlib.import_module(name)
-    request = _serve(sys.stdin.fileno(), sys.stdout.fileno())
-    _become(request)
+    server = _Server(requests, replies)
+    _, request = server.serve()
+    _become(request, server.pid)
     from ._child import main as run
     return run(request.payload, request.result)
 
 
-# -- the test process's side -------------------------------------------------
-
-class ZygoteGone(RuntimeError):
-    """The zygote ended: start fresh interpreters instead."""
-
+# -- the test process's side ---------------------------------------------------
 
 class Zygote:
-    """A zygote process and what it reports; one per test process."""
+    """A zygote process and what it reports."""
 
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.env = fixed_at_start(env)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "zcollective._zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, env=env, close_fds=True, bufsize=0,
-        )
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._requests, self._replies = self._proc.stdin.fileno(), self._proc.stdout.fileno()
-        self._lock = threading.Lock()  # one spawn at a time: its reply is the next "started"
+        their_requests, self._requests = os.pipe()
+        self._replies, their_replies = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "zcollective._zygote", str(their_requests), str(their_replies)],
+                stdin=subprocess.DEVNULL, stdout=sys.__stderr__, env=env,
+                pass_fds=(their_requests, their_replies),
+            )
+        finally:
+            os.close(their_requests)
+            os.close(their_replies)
+        self._write_lock = threading.Lock()  # a request is larger than a pipe writes at once
         self._changed = threading.Condition()
-        self._started: list[ForkedProcess] = []
+        self._next_id = 0
+        self._started: dict[int, ForkedProcess] = {}
         self._running: dict[int, ForkedProcess] = {}
         self.gone = False
         threading.Thread(target=self._listen, name="zcollective-zygote", daemon=True).start()
@@ -222,15 +263,15 @@ class Zygote:
         while True:
             try:
                 message = _read(self._replies)
-            except OSError:
+            except Exception:  # a corrupt stream: this zygote is of no more use
                 message = None
             with self._changed:
                 if message is None:
-                    self.gone = True
+                    self._end()
                 elif message[0] == "started":
-                    child = ForkedProcess(self, message[1])
-                    self._running[child.pid] = child
-                    self._started.append(child)
+                    _, spawn_id, pid = message
+                    child = ForkedProcess(self, pid)
+                    self._running[pid] = self._started[spawn_id] = child
                 else:  # "exited": the zygote reaped it, so its pid may be reused from now on
                     _, pid, returncode = message
                     ended = self._running.pop(pid, None)
@@ -238,55 +279,100 @@ class Zygote:
                         ended.returncode = returncode
                 self._changed.notify_all()
             if message is None:
+                os.close(self._replies)  # (only this thread reads it)
                 return
+
+    def _end(self) -> None:
+        """(With ``_changed``.) This zygote is gone or of no use: kill it;
+        its children die with it (``PR_SET_PDEATHSIG``)."""
+        self.gone = True
+        if self._proc.poll() is None:
+            self._proc.kill()
+        for child in self._running.values():
+            child.returncode = -signal.SIGKILL
+        self._running.clear()
+        self._changed.notify_all()
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a child forked here can have environment ``env``."""
         return not self.gone and fixed_at_start(env) == self.env
 
-    def spawn(self, request: SpawnRequest) -> ForkedProcess:
-        with self._lock:
-            self._send(("spawn", request))
-            with self._changed:
-                if not self._changed.wait_for(lambda: self._started or self.gone, START_TIMEOUT_S) \
-                        or not self._started:
-                    raise ZygoteGone("the zygote did not start the process")
-                return self._started.pop(0)
+    def submit(self, request: SpawnRequest) -> int:
+        """Ask for a child; :meth:`collect` it with the id returned."""
+        with self._changed:
+            spawn_id = self._next_id = self._next_id + 1
+        self._send(("spawn", spawn_id, request))
+        return spawn_id
+
+    def collect(self, spawn_id: int, timeout: Optional[float] = None) -> ForkedProcess:
+        """The child asked for as ``spawn_id``.
+
+        Raises
+        ------
+        ZygoteGone
+            It was not started in time: the zygote is given up, with every
+            child it has (a late start would run a replica twice).
+        """
+        with self._changed:
+            if not self._changed.wait_for(lambda: spawn_id in self._started or self.gone,
+                                          START_TIMEOUT_S if timeout is None else timeout):
+                self._end()
+            if spawn_id not in self._started:
+                raise ZygoteGone("the zygote did not start the process in time")
+            return self._started.pop(spawn_id)
+
+    def abandon(self) -> None:
+        """Give this zygote up, with every child it has or is about to have."""
+        with self._changed:
+            self._end()
 
     def signal(self, child: ForkedProcess, signum: int) -> None:
         with self._changed:
-            if child.returncode is not None:
+            if child.returncode is not None or self.gone:
                 return
-        self._send(("signal", child.pid, signum))
+        try:
+            self._send(("signal", child.pid, signum))
+        except ZygoteGone:
+            pass  # then the child died with it
 
     def wait(self, child: ForkedProcess, timeout: Optional[float]) -> Optional[int]:
         with self._changed:
-            self._changed.wait_for(lambda: child.returncode is not None or self.gone, timeout)
-            if child.returncode is None and self.gone:
-                raise ZygoteGone(f"the zygote ended before its child {child.pid}")
+            self._changed.wait_for(lambda: child.returncode is not None, timeout)
             return child.returncode
 
     def _send(self, message: Any) -> None:
         try:
-            _write(self._requests, message)
+            with self._write_lock:
+                _write(self._requests, message)
         except OSError as exc:
             with self._changed:
-                self.gone = True
+                self._end()
             raise ZygoteGone("the zygote ended") from exc
 
     def close(self) -> None:
         """End the zygote (it kills any child still running)."""
-        assert self._proc.stdin is not None
-        self._proc.stdin.close()
+        with self._write_lock:
+            if self._requests < 0:
+                return
+            os.close(self._requests)
+            self._requests = -1
         try:
-            self._proc.wait(5)
+            self._proc.wait(CLOSE_WAIT_S)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
 
+    def forget(self) -> None:
+        """In a child of the test process: let go of the pipes without a word."""
+        for fd in (self._requests, self._replies):
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # closed already
+
 
 class ForkedProcess:
-    """A child of the zygote, with the part of :class:`subprocess.Popen`'s
+    """A child of a zygote, with the part of :class:`subprocess.Popen`'s
     interface that :class:`zcollective.testing.Replicas` offers."""
 
     def __init__(self, zygote: Zygote, pid: int) -> None:
@@ -313,22 +399,43 @@ class ForkedProcess:
         self.send_signal(signal.SIGTERM)
 
 
-_zygote: Optional[Zygote] = None
-_owner = 0
+_zygotes: dict[int, Zygote] = {}
+_started: list[Zygote] = []  # every one, replaced ones too: each is closed at exit
+_lock = threading.Lock()
 
 
-def zygote() -> Optional[Zygote]:
-    """This process's zygote, started on first use; None if fresh interpreters are wanted."""
-    global _zygote, _owner
+def zygote(index: int) -> Optional[Zygote]:
+    """This process's zygote for rank ``index``, started on first use; None
+    if fresh interpreters are wanted."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return None
-    if _zygote is None or _owner != os.getpid() or _zygote.gone:
-        import atexit
+    with _lock:
+        found = _zygotes.get(index)
+        if found is None or found.gone:
+            if not _started:
+                import atexit
 
-        _zygote, _owner = Zygote(), os.getpid()
-        atexit.register(_zygote.close)
-    return _zygote
+                atexit.register(_close_all)
+            found = _zygotes[index] = Zygote()
+            _started.append(found)
+        return found
+
+
+def _close_all() -> None:
+    for z in _started:
+        z.close()
+
+
+def _forget_all() -> None:
+    """After a fork of the test process: the child has no zygotes of its own."""
+    for z in _started:
+        z.forget()
+    _zygotes.clear()
+    _started.clear()
+
+
+os.register_at_fork(after_in_child=_forget_all)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))

@@ -41,6 +41,7 @@ __all__ = ["run_replicas", "Replicas", "ReplicasFailed", "free_port"]
 
 DEFAULT_TIMEOUT_S = 60.0  # generous for a loaded 2-core CI machine, short enough to notice a hang
 OUTPUT_TAIL_CHARS = 4000  # per rank, in failure messages
+KILL_WAIT_S = 30.0  # a killed process is gone within this
 
 
 class ReplicasFailed(AssertionError):
@@ -88,19 +89,24 @@ class Outcome:
         return text
 
 
-def _forked(payload: str, result: str, output: str, env: dict[str, str],
-            fn: Callable[..., Any]) -> Optional[ForkedProcess]:
-    """The replica forked from this process's zygote, if it can be (None: start
-    a fresh interpreter). See :mod:`zcollective._zygote`."""
-    zygote = _zygote.zygote()
-    if zygote is None or not zygote.accepts(env):
-        return None
-    module = getattr(fn, "__module__", None)
+def _forked(requests: list[SpawnRequest]) -> Optional[list[ForkedProcess]]:
+    """Every replica forked from its rank's zygote, if they all can be (None:
+    start fresh interpreters). See :mod:`zcollective._zygote`."""
+    zygotes = []
+    for rank, request in enumerate(requests):
+        zygote = _zygote.zygote(rank)
+        if zygote is None or not zygote.accepts(request.env):
+            return None
+        zygotes.append(zygote)
+    started: list[ForkedProcess] = []
     try:
-        return zygote.spawn(SpawnRequest(payload, result, output, env, os.getcwd(), list(sys.path),
-                                         module if module != "__main__" else None))
-    except ZygoteGone:
+        ids = [z.submit(r) for z, r in zip(zygotes, requests, strict=True)]  # all first: a first
+        started.extend(z.collect(i) for z, i in zip(zygotes, ids, strict=True))  # import runs in each at once
+    except ZygoteGone:  # every one asked is given up: a late fork would run a replica twice
+        for z in zygotes:
+            z.abandon()
         return None
+    return started
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -145,6 +151,8 @@ class Replicas:
         self.outcomes = [Outcome(r) for r in range(n)]
         self.procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
         self._outs: list[Any] = []
+        module = getattr(fn, "__module__", None)
+        requests, prefixes = [], []
         for rank in range(n):
             child_env = dict(os.environ)
             child_env.update({
@@ -159,13 +167,15 @@ class Replicas:
             output = os.path.join(self._dir.name, f"out{rank}.txt")
             out = open(output, "w+b")  # noqa: SIM115 (closed in wait)
             self._outs.append(out)
-            result = os.path.join(self._dir.name, f"result{rank}.pkl")
-            prefix = (rank_prefix or {}).get(rank, [])
-            proc = None if prefix else _forked(payload, result, output, child_env, fn)
-            self.procs.append(proc or subprocess.Popen(
-                [*prefix, sys.executable, "-m", "zcollective._child", payload, result],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=child_env,
-            ))
+            requests.append(SpawnRequest(payload, os.path.join(self._dir.name, f"result{rank}.pkl"), output,
+                                         child_env, os.getcwd(), list(sys.path),
+                                         module if module != "__main__" else None))
+            prefixes.append((rank_prefix or {}).get(rank, []))
+        forked = None if any(prefixes) else _forked(requests)
+        self.procs.extend(forked or (subprocess.Popen(
+            [*prefix, sys.executable, "-m", "zcollective._child", r.payload, r.result],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=r.env,
+        ) for prefix, r, out in zip(prefixes, requests, self._outs, strict=True)))
 
     def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> list[Outcome]:
         """Wait for every replica (killing those still running at ``timeout``)
@@ -212,7 +222,7 @@ class Replicas:
             if proc.poll() is None:
                 proc.kill()
         for proc in self.procs:
-            proc.wait()
+            proc.wait(KILL_WAIT_S)
 
     def __enter__(self) -> Replicas:
         return self
