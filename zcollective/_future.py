@@ -265,6 +265,12 @@ class _AsyncWaiter:
 _waiters: dict[tuple[_Driver, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
 
 
+def sleeping() -> bool:
+    """Does any coroutine sleep on a group's file descriptors (so every
+    progress must drain the sockets: rule 3)?"""
+    return bool(_waiters)
+
+
 def _sent(driver: _Driver) -> None:
     """``driver`` just sent a call. Sending makes ZeroMQ take in its pending
     commands, which can swallow the fd's edge for a reply that arrived

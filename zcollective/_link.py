@@ -55,9 +55,10 @@ class Driver:
         """Send one whole message (or raise a library error)."""
         raise NotImplementedError
 
-    def _pump(self, deadline: Optional[float]) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """Wait until something arrives or ``deadline``; hand it all to the
-        member. False on timeout."""
+        member (or, once ``until()`` holds, as much as a driver chooses).
+        False on timeout."""
         raise NotImplementedError
 
     def fds(self) -> list[int]:
@@ -123,7 +124,7 @@ class Driver:
             if moved:
                 continue
             self.member.check()
-            if moved is False or not self._pump(deadline):
+            if moved is False or not self._pump(deadline, done):
                 return done()
         return True
 
@@ -287,7 +288,7 @@ class HostLink(Driver):
             msg = owned(msg)
         self.server.from_host(msg)
 
-    def _pump(self, deadline: Optional[float]) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member = self.server, self.member
         while True:
             server.wakeup.clear()  # first: a reply queued after this sets it again
@@ -332,7 +333,7 @@ class DirectLink(Driver):
         with _sockets.critical():  # an interrupt never leaves a call taken but not answered
             self._inbox.extend(out for _, out in self.coordinator.receive_message(HOST_PEER, msg))
 
-    def _pump(self, deadline: Optional[float]) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         got = False
         for msg in _sockets.taken(self._inbox):
             got = True
