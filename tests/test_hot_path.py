@@ -223,3 +223,56 @@ def test_a_wait_with_other_calls_in_flight_takes_in_every_reply_that_came():
         assert [f.result(0) for f in futures] == [0, 10, 20] and c.member.calls == {}
     finally:
         c.close()
+
+
+def test_an_exception_at_any_line_of_a_send_still_sends_the_message_whole_once():
+    """send_frames' fast way for small frames keeps its rule: an exception
+    raised between two frames (a trace hook's here, at its k-th line, for
+    every k) is raised only once the message is whole, sent once; one raised
+    before the first frame leaves nothing sent."""
+    import sys
+
+    from zcollective import _sockets
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://send-whole")
+    b.connect("inproc://send-whole")
+    frames = [b"head", bytearray(1 << 17), b"middle", b"tail"]  # small, zero-copy, small, small
+    try:
+        hits = 0
+        for k in range(1, 200):
+            lines = 0
+
+            def trace(frame, event, arg, k=k):
+                nonlocal lines
+                if frame.f_code.co_filename != _sockets.__file__:
+                    return None
+                if event == "line":
+                    lines += 1
+                    if lines == k:
+                        raise KeyboardInterrupt
+                return trace
+
+            sys.settrace(trace)
+            try:
+                _sockets.send_frames(a, frames)
+                hit = False
+            except KeyboardInterrupt:
+                hit = True
+            finally:
+                sys.settrace(None)
+            got = []
+            while b.poll(200):
+                got.append([len(f) for f in b.recv_multipart()])
+            # none (interrupted before the first frame: nothing to undo) or one, whole: never half
+            # a message (the next would complete it), nor a frame twice
+            assert got == [[4, 1 << 17, 6, 4]] or (hit and got == []), (k, got)
+            hits += hit
+            if not hit:
+                break
+        assert hits > 10, hits
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

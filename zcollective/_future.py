@@ -72,7 +72,11 @@ class CollectiveFuture(Generic[T]):
 
     def _set_result(self, value: Any) -> None:
         self._value = value
-        self._finish()
+        if self._callbacks:
+            self._finish()
+        else:  # (what _finish does when there is no callback to run)
+            self._done = True
+            self._driver = None
 
     def _set_exception(self, error: BaseException) -> None:
         self._error = error

@@ -118,12 +118,16 @@ class Driver:
         ReplicaLostError, CallMismatchError, CollectiveError
             The group failed (sticky).
         """
-        self.flush()
+        member = self.member
+        if member.owed:
+            self.flush()
         while not done():
-            moved = self._move_data(deadline)  # (a call kept by a failure too: see Member.fail)
+            # (a call kept by a failure too: see Member.fail)
+            moved = self._move_data(deadline) if member.data_jobs else None
             if moved:
                 continue
-            self.member.check()
+            if member.failure is not None:
+                member.check()
             if moved is False or not self._pump(deadline, done):
                 return done()
         return True

@@ -64,6 +64,7 @@ from ._stats import CallStats, calls_log
 from ._wire import (
     FLAG_DATA,
     FLAG_LOCAL_ERROR,
+    LABELS,
     WIRE_PART_BYTES,
     AuthError,
     Kind,
@@ -101,7 +102,7 @@ class Link(enum.Enum):
     DISCONNECTED = "disconnected"  # closed, or heartbeats unanswered
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """A call in flight: its label, and (for the caller's own calls) the
     future to resolve and the finisher that makes its value from a RESULT."""
@@ -180,7 +181,8 @@ class Member:
     def reserve(self, op: Op, root: int, callsite: str) -> int:
         """Hold the next seq for a call whose part is being built; return it
         (then :meth:`submit`, or :meth:`unreserve` or :meth:`abandon`)."""
-        self.check()
+        if self.failure is not None:
+            self.check()
         self._reserved = (self.next_seq, op, root, callsite)
         return self.next_seq
 
@@ -209,7 +211,8 @@ class Member:
             A frame is larger than ``max_frame_bytes`` (checked before
             anything is owed: the coordinator would drop the connection).
         """
-        self.check()
+        if self.failure is not None:
+            self.check()
         limit = self.max_frame_bytes or sys.maxsize
         sent = 0
         for segment in segments:
@@ -223,7 +226,7 @@ class Member:
                 sent += size
         seq = self.next_seq
         self._owe(seq, op, root, callsite, flags, fn, segments,
-                  Call(op.label, future, finish, time.perf_counter(), sent, callsite, data_job))
+                  Call(LABELS[op], future, finish, time.perf_counter(), sent, callsite, data_job))
         return seq
 
     def _owe(self, seq: int, op: Op, root: int, callsite: str, flags: int, fn: Any,

@@ -272,15 +272,17 @@ def _send_whole(sock: zmq.Socket, frames: list[Any], copy: bool) -> None:
     while len(sent) <= last:
         tried = len(sent)
         try:
-            while len(sent) <= last:
-                i = len(sent)
+            for i in range(tried, last + 1):  # (an exception restarts it from len(sent))
                 frame = frames[i]
+                more = _SNDMORE if i < last else 0
+                if type(frame) is bytes and len(frame) < ZERO_COPY_MIN_BYTES:  # a small call's frames
+                    sent.append(_send(sock, frame, more, True))
+                    continue
                 if copy and isinstance(frame, zmq.Frame):
                     # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
                     frame = frame.buffer
                 size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
-                big = not copy and size >= ZERO_COPY_MIN_BYTES
-                sent.append(_send(sock, frame, _SNDMORE if i < last else 0, not big))
+                sent.append(_send(sock, frame, more, copy or size < ZERO_COPY_MIN_BYTES))
         except zmq.ZMQError:
             raise
         except BaseException as exc:  # noqa: B036 (raised below, once the message is whole)

@@ -322,22 +322,14 @@ def encode(msg: Message, signer: Optional[Signer] = None,
     header of its own) build and hash it once; the caller keeps them alive
     while the cache is in use.
     """
-    key = (id(msg.segments), id(msg.fn), msg.callsite)
-    cached = cache.get(key) if cache is not None else None
-    if cached is None:
-        site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES]
-        nseg = len(msg.segments)
-        suffix = struct.pack(f"<{nseg}I", *map(len, msg.segments)) if nseg else b""
-        tail: list[Any] = [] if msg.fn is None else [msg.fn]
-        for seg in msg.segments:
-            tail.extend(seg)
-        tail, table = split_parts(tail, part_bytes)
-        suffix += table + site
-        mac = signer.payload(tail) if signer is not None else None
-        cached = (suffix, tail, mac, FLAG_PARTS if table else 0)
-        if cache is not None:
-            cache[key] = cached
-    suffix, tail, mac, parts = cached
+    if cache is None:
+        suffix, tail, mac, parts = _payload(msg, signer, part_bytes)
+    else:
+        key = (id(msg.segments), id(msg.fn), msg.callsite)
+        cached = cache.get(key)
+        if cached is None:
+            cached = cache[key] = _payload(msg, signer, part_bytes)
+        suffix, tail, mac, parts = cached
     flags = (msg.flags | parts | (FLAG_FN if msg.fn is not None else 0)
              | (FLAG_AUTH if signer else 0))
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.kind, msg.op, flags,
@@ -345,6 +337,32 @@ def encode(msg: Message, signer: Optional[Signer] = None,
     if signer is None:
         return [header, *tail]
     return [header, *tail, signer.bind(mac, header)]
+
+
+def _payload(msg: Message, signer: Optional[Signer], part_bytes: int) -> tuple[bytes, list[Any], Any, int]:
+    """What :func:`encode` puts after the fixed header (layout, parts table,
+    call site), the frames after the header, their MAC state and the parts flag."""
+    segments = msg.segments
+    site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES] if msg.callsite else b""
+    if len(segments) == 1 and msg.fn is None:  # a small call's shape: no list to build
+        tail = segments[0]
+        suffix = _ONE_COUNT.pack(len(tail))
+    else:
+        suffix = struct.pack(f"<{len(segments)}I", *map(len, segments)) if segments else b""
+        tail = [] if msg.fn is None else [msg.fn]
+        for seg in segments:
+            tail.extend(seg)
+    if len(tail) == 1 and type(tail[0]) is bytes and len(tail[0]) <= part_bytes:
+        table = b""  # (split_parts' answer for one small pickle)
+    else:
+        tail, table = split_parts(tail, part_bytes)
+    if table or site:
+        suffix += table + site
+    mac = signer.payload(tail) if signer is not None else None
+    return suffix, tail, mac, FLAG_PARTS if table else 0
+
+
+_ONE_COUNT = struct.Struct("<I")
 
 
 def split_parts(frames: list[Any], part_bytes: int = WIRE_PART_BYTES) -> tuple[list[Any], bytes]:
