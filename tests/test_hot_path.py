@@ -268,6 +268,9 @@ def test_an_exception_at_any_line_of_a_send_still_sends_the_message_whole_once()
             # none (interrupted before the first frame: nothing to undo) or one, whole: never half
             # a message (the next would complete it), nor a frame twice
             assert got == [[4, 1 << 17, 6, 4]] or (hit and got == []), (k, got)
+            # a trace hook's exception at the line that lets signals go again (in a finally) leaves
+            # them held back: a testing device's price (a signal is held back there); not for later tests
+            _sockets._HeldBack.depth = 0
             hits += hit
             if not hit:
                 break

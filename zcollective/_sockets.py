@@ -256,12 +256,13 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
     if _get_ident() != _MAIN_THREAD:  # the only thread that runs Python signal handlers
         _send_whole(sock, frames, copy)
         return
-    _HeldBack.depth += 1
-    try:
+    depth = _HeldBack.depth
+    try:  # set inside, restored whatever happens: no line between can leave it raised
+        _HeldBack.depth = depth + 1
         _send_whole(sock, frames, copy)
     finally:
-        _HeldBack.depth -= 1
-        if not _HeldBack.depth and _HeldBack.pending:
+        _HeldBack.depth = depth
+        if not depth and _HeldBack.pending:
             _run_held()
 
 
@@ -324,13 +325,14 @@ def take_in(sock: zmq.Socket, inbox: deque[list[Any]], waiting: bool = False) ->
         while not frames or frames[-1].more:
             frames.append(_recv(sock, 0, False))
         return True
-    _HeldBack.depth += 1  # (critical(), spelled out: this is every message's path)
+    depth = _HeldBack.depth  # (critical(), spelled out: this is every message's path)
     try:
+        _HeldBack.depth = depth + 1
         while not frames or frames[-1].more:
             frames.append(_recv(sock, 0, False))
     finally:
-        _HeldBack.depth -= 1
-        if not _HeldBack.depth and _HeldBack.pending:
+        _HeldBack.depth = depth
+        if not depth and _HeldBack.pending:
             _run_held()
     return True
 
