@@ -263,7 +263,7 @@ def test_an_exception_at_any_line_of_a_send_still_sends_the_message_whole_once()
             finally:
                 sys.settrace(None)
             got = []
-            while b.poll(200):
+            while b.poll(20):  # (inproc: a message sent is there at once)
                 got.append([len(f) for f in b.recv_multipart()])
             # none (interrupted before the first frame: nothing to undo) or one, whole: never half
             # a message (the next would complete it), nor a frame twice

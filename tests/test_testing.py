@@ -195,10 +195,11 @@ def test_a_module_that_prints_or_stalls_when_imported_changes_nothing(tmp_path, 
         assert all(ppid != os.getpid() for ppid in run_replicas(loud.where, 2, initialize=False))
         slow = _module_at(tmp_path, "zc_slow_module", (
             "import os, time\n"
-            "if os.environ.get('ZC_TEST_IN_ZYGOTE') != 'no':\n    time.sleep(3)\n"
+            "if os.environ.get('ZC_TEST_FRESH') != 'yes':  # in a zygote\n    time.sleep(2)\n"
             f"def count():\n    open({str(ran)!r}, 'a').write('x')\n    return os.getppid()\n"))
-        monkeypatch.setattr(_zygote, "START_TIMEOUT_S", 1.0)
-        assert run_replicas(slow.count, 2, initialize=False) == [os.getpid()] * 2  # fresh
+        monkeypatch.setattr(_zygote, "START_TIMEOUT_S", 0.5)
+        fresh = run_replicas(slow.count, 2, initialize=False, env={"ZC_TEST_FRESH": "yes"})
+        assert fresh == [os.getpid()] * 2
         assert ran.read_text() == "xx"
         assert all(p != os.getpid() for p in run_replicas(loud.where, 2, initialize=False))  # new zygotes
     finally:
