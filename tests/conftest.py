@@ -12,6 +12,7 @@ replicas import to find the function they run, are compiled once per session.
 import contextlib
 import importlib.util
 import os
+import signal
 import time
 
 import pytest
@@ -47,6 +48,12 @@ def compile_once():
 
 compile_once()
 
+# A run started in the background by a non-interactive shell ignores SIGINT, and every process it
+# starts would too: the tests of Ctrl-C would then wait for a KeyboardInterrupt that never comes.
+# A handler (not SIG_IGN) is reset to the default at exec, so the processes started get Python's.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def touch(path):
     """Say, by creating ``path``, that this process reached a point."""
@@ -68,6 +75,23 @@ def wait_for(*paths, timeout=MARKER_WAIT_S):
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"marker {path} did not appear within {timeout:g} s")
             time.sleep(MARKER_POLL_S)  # polling a file, with a bound
+
+
+class InterruptAtLine:
+    """A trace hook (``sys.settrace``) raising KeyboardInterrupt at the k-th
+    line run in a file whose name ``where`` accepts: an interrupt at any line."""
+
+    def __init__(self, k, where):
+        self.k, self.where, self.lines = k, where, 0
+
+    def __call__(self, frame, event, arg):
+        if not self.where(frame.f_code.co_filename):
+            return None
+        if event == "line":
+            self.lines += 1
+            if self.lines == self.k:
+                raise KeyboardInterrupt
+        return self
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from conftest import InterruptAtLine
 
 import zcollective as zc
 from zcollective.testing import Replicas, free_port, report
@@ -308,19 +309,7 @@ def interrupted_at_every_line(secret):
                 break
             continue
         time.sleep(0.01)  # the result is waiting in the socket, frames and all
-        lines = 0
-
-        def trace(frame, event, arg, k=k):
-            nonlocal lines
-            if not frame.f_code.co_filename.startswith(package):
-                return None
-            if event == "line":
-                lines += 1
-                if lines == k:
-                    raise KeyboardInterrupt
-            return trace
-
-        sys.settrace(trace)
+        sys.settrace(InterruptAtLine(k, lambda name: name.startswith(package)))
         try:
             future.result(timeout=30)
             hit = False

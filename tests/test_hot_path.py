@@ -9,6 +9,7 @@ import time
 
 import pytest
 import zmq
+from conftest import InterruptAtLine
 
 from zcollective import _serialize
 from zcollective._future import CollectiveFuture
@@ -242,19 +243,7 @@ def test_an_exception_at_any_line_of_a_send_still_sends_the_message_whole_once()
     try:
         hits = 0
         for k in range(1, 200):
-            lines = 0
-
-            def trace(frame, event, arg, k=k):
-                nonlocal lines
-                if frame.f_code.co_filename != _sockets.__file__:
-                    return None
-                if event == "line":
-                    lines += 1
-                    if lines == k:
-                        raise KeyboardInterrupt
-                return trace
-
-            sys.settrace(trace)
+            sys.settrace(InterruptAtLine(k, lambda name: name == _sockets.__file__))
             try:
                 _sockets.send_frames(a, frames)
                 hit = False

@@ -14,6 +14,8 @@ from zcollective import _zygote
 from zcollective.testing import Replicas, run_replicas
 
 RANK_ENV = "ZCOLLECTIVE_REPLICA_RANK"
+pytestmark = pytest.mark.skipif(os.environ.get(_zygote.DISABLE_ENV, "") not in ("", "0"),
+                                reason=f"{_zygote.DISABLE_ENV} asks for fresh interpreters only")
 
 
 def _who_am_i():
