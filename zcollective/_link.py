@@ -57,10 +57,9 @@ class Driver:
         """Send one whole message (or raise a library error)."""
         raise NotImplementedError
 
-    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def _pump(self, deadline: Optional[float]) -> bool:
         """Wait until something arrives or ``deadline``; hand it all to the
-        member (or, once ``until()`` holds, as much as a driver chooses).
-        False on timeout."""
+        member. False on timeout."""
         raise NotImplementedError
 
     def fds(self) -> list[int]:
@@ -120,17 +119,13 @@ class Driver:
         ReplicaLostError, CallMismatchError, CollectiveError
             The group failed (sticky).
         """
-        member = self.member
-        if member.owed:
-            self.flush()
+        self.flush()
         while not done():
-            # (a call kept by a failure too: see Member.fail)
-            moved = self._move_data(deadline) if member.data_jobs else None
+            moved = self._move_data(deadline)  # (a call kept by a failure too: see Member.fail)
             if moved:
                 continue
-            if member.failure is not None:
-                member.check()
-            if moved is False or not self._pump(deadline, done):
+            self.member.check()
+            if moved is False or not self._pump(deadline):
                 return done()
         return True
 
@@ -304,7 +299,7 @@ class HostLink(Driver):
             msg = owned(msg)
         self.server.from_host(msg)
 
-    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def _pump(self, deadline: Optional[float]) -> bool:
         server, member = self.server, self.member
         while True:
             server.wakeup.clear()  # first: a reply queued after this sets it again
@@ -349,7 +344,7 @@ class DirectLink(Driver):
         with _sockets.critical():  # an interrupt never leaves a call taken but not answered
             self._inbox.extend(out for _, out in self.coordinator.receive_message(HOST_PEER, msg))
 
-    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def _pump(self, deadline: Optional[float]) -> bool:
         got = False
         for msg in _sockets.taken(self._inbox):
             got = True
