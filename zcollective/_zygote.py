@@ -279,7 +279,8 @@ class Zygote:
                         ended.returncode = returncode
                 self._changed.notify_all()
             if message is None:
-                os.close(self._replies)  # (only this thread reads it)
+                replies, self._replies = self._replies, -1  # (only this thread reads it)
+                os.close(replies)
                 return
 
     def _end(self) -> None:
@@ -365,10 +366,8 @@ class Zygote:
     def forget(self) -> None:
         """In a child of the test process: let go of the pipes without a word."""
         for fd in (self._requests, self._replies):
-            try:
+            if fd >= 0:  # a closed one's number may be another file's now
                 os.close(fd)
-            except OSError:
-                pass  # closed already
 
 
 class ForkedProcess:
