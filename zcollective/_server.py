@@ -81,8 +81,8 @@ class Server:
         self._take_pending = False  # a _TAKE is on its way to the thread
         self._lost: deque[tuple[int, str]] = deque()  # ranks rank 0's own thread found gone
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
-        self._closed_fds: set[int] = set()  # connections libzmq reported closed
-        self._trackers = []
+        self._closed: set[bytes] = set()  # members whose connection libzmq reported closed
+        self._trackers: list[Any] = []  # while ending: one per message sent, done once libzmq wrote it
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
         # the coordinator thread answers (a data socket of rank 0's context uses it too)
         self._started = threading.Event()
@@ -351,21 +351,19 @@ class Server:
     _ending: Optional[float] = None  # when rank 0's program said it was ending
 
     _given_up = False  # a second interrupt while ending: close at once
-    _trackers: list[Any]  # while ending: one per message sent, done once libzmq wrote it
 
     def _acknowledged(self, timeout: float) -> None:
         """Rank 0's program is ending: wait (at most ``timeout`` s) until
         libzmq has written every message sent since (its trackers; the last
         message to each replica still running is one of them) and every such
         replica has acknowledged each byte (see
-        :func:`~zcollective._sockets.unacknowledged`). Connections whose close
-        was reported are left out: their fd may be another socket's by now.
-        The thread's own: rank 0's thread waits in :meth:`stop`."""
+        :func:`~zcollective._sockets.unacknowledged`). Members whose
+        connection closed are left out: their fd may be another socket's by
+        now. The thread's own: rank 0's thread waits in :meth:`stop`."""
         with self._locked():
             self._drain_monitor()
-        closed = self._closed_fds
         fds = [m.fd for m in self.coordinator.members.values()
-               if m.fd is not None and m.ended is None and m.fd not in closed]
+               if m.fd is not None and m.ended is None and m.peer not in self._closed]
         deadline, trackers = time.monotonic() + timeout, self._trackers
         while fds and time.monotonic() < deadline:
             trackers[:] = [t for t in trackers if not t.done]
@@ -423,7 +421,8 @@ class Server:
     def _drain_monitor(self) -> None:
         for kind, value in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
-                self._closed_fds.add(value)
+                # the member on that fd now (not the fd: a later connection may get its number)
+                self._closed.update(m.peer for m in self.coordinator.members.values() if m.fd == value)
                 # what a peer sent before closing (a BYE, a last contribution) is queued
                 # before libzmq reports the close: take it in first
                 self._drain(joins_first=False)
