@@ -219,16 +219,28 @@ class DataPlane:
     # -- one job ------------------------------------------------------------
 
     def run(self, seq: int, job: Job, deadline: Optional[float], member: Member,
-            link: list[tuple[Any, Any]], pump: Callable[[], None], fail: Callable[[Exception], None]) -> bool:
+            link: list[tuple[Any, Any]], pump: Callable[[], None], fail: Callable[[Exception], None],
+            link_waiting: Callable[[], bool] = lambda: False) -> bool:
         """Move ``job``'s chunks until it is done and its last sends have
         left (True), ``deadline`` passes (False) or the group fails (True:
         the caller finds ``member.failure``). ``pump`` takes in what the
-        control plane has without blocking; ``fail`` fails the group for
-        every rank."""
+        control plane has without blocking; ``link_waiting()`` says the
+        control plane holds messages taken in but not handled (a wait was
+        interrupted); ``fail`` fails the group for every rank.
+
+        What a wait took in and an interrupt kept it from handling is handled
+        before the next poll sleeps: the socket it came from is not readable
+        any more, so a poll would wait for something else, and under a stream
+        of interrupts (Ctrl-C held down, a timer) every wait would end in its
+        poll and the chunk would never be taken."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
-        for frames in self._early.pop(seq, []):
-            self._take(frames, seq, job, member, fail)
+        early = self._early.get(seq, [])
+        while early:  # each leaves only once taken (signals held back): an interrupt loses none
+            with _sockets.critical():
+                self._take(early[0], seq, job, member, fail)
+                early.pop(0)
+        self._early.pop(seq, None)
         items: list[Any] = [(self._pull, _POLLIN), (self._pull_monitor, _POLLIN)]
         if self._push_monitor is not None:
             items.append((self._push_monitor, _POLLIN))
@@ -243,16 +255,23 @@ class DataPlane:
             slice_s = TRACKER_POLL_S if job.done else _sockets.POLL_SLICE_S
             if deadline is not None:
                 slice_s = min(slice_s, deadline - time.monotonic())
+            waiting = link_waiting()
+            if waiting or self._taken_in():  # taken in, not handled: handle it first
+                slice_s = 0
             ready = zmq_poll(items, max(0, int(slice_s * 1000)))
             if self._gate is not None:
                 self._gate.serve()  # a stranger's handshake, refused
             self._drain(seq, job, member, fail)
             self._events(seq, job, fail)
-            if len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready):
+            if waiting or (len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready)):
                 pump()
             if deadline is not None and time.monotonic() >= deadline:
                 return False
         return True
+
+    def _taken_in(self) -> bool:
+        """A chunk or a monitor event was taken in and is not yet handled."""
+        return bool(self._inbox) or any(self._monitor_inbox.values())
 
     def _sent(self) -> bool:
         """Have libzmq's I/O threads let go of every buffer sent without a copy?"""

@@ -66,6 +66,11 @@ class Driver:
         """File descriptors that become readable when something may have arrived."""
         return []
 
+    def taken_in(self) -> bool:
+        """Messages were taken in and not yet handled (a wait was
+        interrupted): no fd says so any more, so a poll must not wait."""
+        return False
+
     def poll_items(self) -> list[tuple[Any, Any]]:
         """What to poll (sockets or file descriptors) for the link's messages."""
         return [(fd, _POLLIN) for fd in self.fds()]
@@ -143,7 +148,8 @@ class Driver:
         if not member.data_jobs or data is None:
             return None
         seq, job = member.data_jobs[0]
-        if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data):
+        if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data,
+                        self.taken_in):
             return False
         if member.data_jobs and member.data_jobs[0][1] is job:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
@@ -323,6 +329,9 @@ class HostLink(Driver):
     def fds(self) -> list[int]:
         return [self.server.wakeup.fd]
 
+    def taken_in(self) -> bool:
+        return bool(self.server.to_host)
+
     def busy(self) -> Optional[str]:
         return self.server.busy()
 
@@ -343,6 +352,9 @@ class DirectLink(Driver):
     def _send(self, msg: Message) -> None:
         with _sockets.critical():  # an interrupt never leaves a call taken but not answered
             self._inbox.extend(out for _, out in self.coordinator.receive_message(HOST_PEER, msg))
+
+    def taken_in(self) -> bool:
+        return bool(self._inbox)
 
     def _pump(self, deadline: Optional[float]) -> bool:
         got = False

@@ -98,7 +98,7 @@ class Replica(Driver):
     def _pump(self, deadline: Optional[float]) -> bool:
         """One poll covers the DEALER and its monitor, so a disconnect ends a
         wait at once."""
-        if self._inbox or self._events:  # taken in by a call that was interrupted: handle first
+        if self.taken_in():  # by a call that was interrupted: handle it first
             got = self._drain_dealer()
             self._drain_monitor()
             if got or self.member.failure is not None:
@@ -143,6 +143,9 @@ class Replica(Driver):
         except CollectiveError:
             if self.member.failure is None:
                 raise
+
+    def taken_in(self) -> bool:
+        return bool(self._inbox or self._events)
 
     def _drain_monitor(self) -> None:
         config, member = self._config, self.member
