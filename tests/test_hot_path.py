@@ -1,11 +1,23 @@
 """The hot path: rank 0's own reduce function is not pickled when a pickle
 could not differ from it, and is when it could; importing the library costs
-no asyncio; resolving a future runs every callback."""
+no asyncio; resolving a future runs every callback; a replica's wait takes
+in what it must, and no more."""
 
+import json
 import threading
+import time
 
 import pytest
+import zmq
+from conftest import InterruptAtLine
 
+from zcollective import _serialize
+from zcollective._future import CollectiveFuture
+from zcollective._member import Member
+from zcollective._replica import Replica
+from zcollective._wire import Kind, Message, Op, decode, encode
+from zcollective.config import resolve
+from zcollective.errors import CallMismatchError
 from zcollective.testing import run_replicas
 
 
@@ -120,3 +132,139 @@ def test_a_callback_raising_keyboard_interrupt_does_not_starve_the_others():
         future._set_result(7)
     assert seen == ["first", "second", "third"]
     assert future.result(0) == 7
+
+
+# -- a replica's reply path: a hand-driven ROUTER plays the coordinator, in this process -----------
+
+class _Coordinator:
+    """A ROUTER on loopback, and a real Replica driver (rank 1 of 2) joined to it."""
+
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.RCVTIMEO, 10_000)  # a test fails rather than hangs
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        config = resolve("127.0.0.1", port, 1, 2, env={})
+        self.member = Member(1, 2, config.endpoint)
+        self.replica = Replica(self.ctx, config, self.member)
+        self.replica.send([self.member.join()])
+        self.peer, join = self.receive()
+        self.session = 0x5E55_11
+        self.reply(Message(Kind.WELCOME, rank=1, session=self.session,
+                           segments=[[json.dumps({"nonce": join.body()["nonce"]}).encode()]]))
+        assert self.replica.wait_for(lambda: self.member.joined, time.monotonic() + 10)
+
+    def receive(self):
+        frames = self.router.recv_multipart(copy=False)
+        return frames[0].bytes, decode(frames[1:])
+
+    def reply(self, msg):
+        self.router.send_multipart([self.peer, *encode(msg)])
+
+    def result(self, seq, value):
+        return Message(Kind.RESULT, Op.ALLREDUCE, rank=1, seq=seq, session=self.session,
+                       segments=[_serialize.dumps(value)])
+
+    def call(self):
+        seq = self.member.next_seq
+        future = CollectiveFuture(None, seq, "allreduce")
+        self.member.submit(Op.ALLREDUCE, 0, [_serialize.dumps(seq)], future=future,
+                           finish=lambda m: _serialize.loads(m.segments[0]))
+        self.replica.flush()
+        assert self.receive()[1].seq == seq
+        return future
+
+    def queued(self, count):
+        """Wait until ``count`` messages are queued at the DEALER (none taken in)."""
+        deadline = time.monotonic() + 10
+        while self.replica.dealer.get(zmq.EVENTS) & zmq.POLLIN == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the rest of them, sent right after the first
+
+    def close(self):
+        self.replica.close()
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+def test_a_wait_whose_call_was_the_last_in_flight_leaves_the_rest_for_the_next():
+    """Once the awaited call is done and none is left in flight, what came
+    behind its reply (a FAIL here) is not taken in by that wait (a poll
+    saved per call), but at once by the next: that call fails with it."""
+    c = _Coordinator()
+    try:
+        first = c.call()
+        c.reply(c.result(first.seq, "one"))
+        c.reply(Message(Kind.FAIL, rank=1, session=c.session, segments=[[json.dumps(
+            {"error": "CallMismatchError", "message": "rank 2 called broadcast"}).encode()]]))
+        c.queued(2)
+        assert c.replica.wait_for(lambda: first._done, time.monotonic() + 10)
+        assert first.result(0) == "one" and c.member.failure is None  # the FAIL still queued
+        c.replica.progress()
+        assert isinstance(c.member.failure, CallMismatchError)
+        with pytest.raises(CallMismatchError, match="rank 2 called broadcast"):
+            c.call()
+    finally:
+        c.close()
+
+
+def test_a_wait_with_other_calls_in_flight_takes_in_every_reply_that_came():
+    """With calls in flight the drain goes on: their replies are taken in by
+    the same wait (a coroutine awaiting one sleeps on the socket's fd, which
+    would not fire again for a reply already queued)."""
+    c = _Coordinator()
+    try:
+        futures = [c.call() for _ in range(3)]
+        for f in futures:
+            c.reply(c.result(f.seq, f.seq * 10))
+        c.queued(3)
+        assert c.replica.wait_for(lambda: futures[0]._done, time.monotonic() + 10)
+        assert [f._done for f in futures] == [True, True, True]
+        assert [f.result(0) for f in futures] == [0, 10, 20] and c.member.calls == {}
+    finally:
+        c.close()
+
+
+def test_an_exception_at_any_line_of_a_send_still_sends_the_message_whole_once():
+    """send_frames' fast way for small frames keeps its rule: an exception
+    raised between two frames (a trace hook's here, at its k-th line, for
+    every k) is raised only once the message is whole, sent once; one raised
+    before the first frame leaves nothing sent."""
+    import sys
+
+    from zcollective import _sockets
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://send-whole")
+    b.connect("inproc://send-whole")
+    frames = [b"head", bytearray(1 << 17), b"middle", b"tail"]  # small, zero-copy, small, small
+    try:
+        hits = 0
+        for k in range(1, 200):
+            sys.settrace(InterruptAtLine(k, lambda name: name == _sockets.__file__))
+            try:
+                _sockets.send_frames(a, frames)
+                hit = False
+            except KeyboardInterrupt:
+                hit = True
+            finally:
+                sys.settrace(None)
+            got = []
+            while b.poll(20):  # (inproc: a message sent is there at once)
+                got.append([len(f) for f in b.recv_multipart()])
+            # none (interrupted before the first frame: nothing to undo) or one, whole: never half
+            # a message (the next would complete it), nor a frame twice
+            assert got == [[4, 1 << 17, 6, 4]] or (hit and got == []), (k, got)
+            # a trace hook's exception at the line that lets signals go again (in a finally) leaves
+            # them held back: a testing device's price (a signal is held back there); not for later tests
+            _sockets._HeldBack.depth = 0
+            hits += hit
+            if not hit:
+                break
+        assert hits > 10, hits
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

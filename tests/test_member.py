@@ -420,6 +420,27 @@ def test_a_result_of_an_earlier_group_on_the_same_port_is_dropped_quietly(caplog
     assert outcome(futures[1]) == 3
 
 
+def test_a_result_resolves_a_call_only_bound_to_this_rank_and_session():
+    """A RESULT is handled by a shortcut when bound here; every other one
+    goes the whole way (rule 2): another rank's, another session's, or one
+    with session 0 (a member not yet welcomed has session 0 itself)."""
+    pair = Pair(2).joined()
+    pair.hold(1, Kind.RESULT)
+    futures = pair.call_all(Op.ALLREDUCE, [1, 2], fn=add)
+    member = pair.members[1]
+    for rank, session in [(0, SESSION), (2, SESSION), (1, 0), (1, SESSION + 1)]:
+        moved = Message(Kind.RESULT, Op.ALLREDUCE, rank=rank, seq=0, session=session,
+                        segments=[_serialize.dumps(99)])
+        assert member.receive(encode(moved)) == []
+        assert not futures[1]._done and pair.failure(1) is None
+    unwelcomed = Member(1, 2, ENDPOINT)
+    unwelcomed.calls = dict(member.calls)
+    stale = Message(Kind.RESULT, Op.ALLREDUCE, rank=1, seq=0, session=0, segments=[_serialize.dumps(99)])
+    assert unwelcomed.receive(encode(stale)) == [] and not futures[1]._done
+    pair.release(1, Kind.RESULT)
+    assert outcome(futures[1]) == 3
+
+
 def test_without_a_secret_other_misbound_messages_are_dropped_with_a_warning(caplog):
     pair = Pair(2).joined()
     caplog.set_level(logging.WARNING, logger="zcollective")

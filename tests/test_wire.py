@@ -3,8 +3,10 @@
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zcollective import _mac, _serialize
+from zcollective import _mac, _serialize, _wire
 from zcollective._wire import (
     FAST_TAG_BYTES,
     FLAG_FN,
@@ -329,3 +331,95 @@ def test_without_cryptography_fast_is_off_and_fast_tags_are_refused_plainly(monk
     assert not signer.fast and len(encode(msg, signer)[-1]) == TAG_BYTES
     with pytest.raises(AuthError, match="cryptography"):
         decode(frames, signer=signer)
+
+
+# -- the fast way of decode: the same answer as the whole way -------------------------------------
+
+def _often(common, *others):
+    """``common`` seven times in eight, else one of ``others``."""
+    return st.sampled_from([common] * 7 * len(others) + list(others))
+
+
+_FIELDS = st.fixed_dictionaries({  # mostly a small reply's shape, each field sometimes not
+    "magic": _often(MAGIC, b"ZD", b"\0\0"),
+    "version": _often(PROTOCOL_VERSION, PROTOCOL_VERSION - 1, 255),
+    "kind": st.one_of(st.sampled_from([Kind.RESULT, Kind.ERROR]), st.integers(0, 15)),
+    "op": st.one_of(st.just(Op.ALLREDUCE), st.integers(0, 12)),
+    "flags": st.one_of(st.sampled_from([0, 0x02, 0x04, 0x08, 0x0C]), st.integers(0, 255)),
+    "rank": st.sampled_from([0, 1, 7, -1, -2**31, 2**31 - 1]),
+    "root": st.sampled_from([0, 3, -1]),
+    "seq": st.sampled_from([0, 1, 2**40, 2**64 - 1]),
+    "session": st.sampled_from([0, 1, 0xDEADBEEF, 2**64 - 1]),
+    "counts": _often(None, [], [0], [1, 1], [5], [2, 0, 1]),  # None: one segment of every frame
+    "tail": _often(b"", b"a.py:1", b"\x01\x00\x00\x00"),
+    "cut": _often(0, 1, 4, 5),  # bytes cut off the header's end
+    "bodies": st.lists(st.binary(max_size=4), max_size=4),
+})
+
+
+def _frames(f):
+    counts = [len(f["bodies"])] if f["counts"] is None else f["counts"]
+    nseg = len(counts)
+    head = HEADER.pack(f["magic"], f["version"], f["kind"], f["op"], f["flags"], f["rank"], f["root"],
+                       f["seq"], f["session"], nseg) + struct.pack(f"<{nseg}I", *counts) + f["tail"]
+    return [head[:len(head) - f["cut"]], *f["bodies"]]
+
+
+def _outcome(decoder, frames):
+    try:
+        return decoder(frames)
+    except WireError as exc:
+        return (type(exc), str(exc))
+
+
+@settings(max_examples=400, deadline=None, database=None)  # 3 ms each here
+@given(fields=_FIELDS, signed=st.booleans())
+def test_fast_decode_accepts_only_what_the_whole_way_accepts_and_agrees(fields, signed):
+    """The common shape (one segment, no call site, fn or parts) is decoded
+    by a shortcut: whatever it accepts, every rule in turn accepts too, into
+    an equal message; whatever those rules refuse, it leaves to them."""
+    frames = _frames(fields)
+    fast = _wire._decode_simple(frames, signed)
+    whole = _outcome(lambda f: _wire._decode_whole(f, _wire.DEFAULT_MAX_FRAMES, signed, None), frames)
+    if fast is not None:
+        assert fast == whole
+    if signed:
+        return
+    assert _outcome(decode, frames) == whole  # decode answers as the whole way would
+
+
+@settings(max_examples=400, deadline=None, database=None)  # 3 ms each here
+@given(seq=st.integers(0, 2**64 - 1), at=st.integers(0, 37), byte=st.integers(0, 255),
+       bodies=st.integers(-1, 1), signed=st.booleans())
+def test_fast_decode_agrees_on_a_small_reply_with_one_byte_changed(seq, at, byte, bodies, signed):
+    """The near misses: a reply as sent, one header byte changed and a body
+    frame added or dropped."""
+    msg = Message(Kind.RESULT, Op.ALLREDUCE, rank=1, seq=seq, session=5,
+                  flags=_wire.FLAG_AUTH if signed else 0, segments=[[b"pickle"]])
+    frames = encode(msg)
+    head = bytearray(frames[0])
+    head[at] = byte
+    frames = [bytes(head), *frames[1:]] + [b"more"] * bodies
+    fast = _wire._decode_simple(frames, signed)
+    whole = _outcome(lambda f: _wire._decode_whole(f, _wire.DEFAULT_MAX_FRAMES, signed, None), frames)
+    if fast is not None:
+        assert fast == whole
+
+
+def test_every_small_result_takes_the_fast_way_signed_or_not():
+    signer = Signer(b"k" * 32)
+    for kind, op, segments in [(Kind.RESULT, Op.ALLREDUCE, [[b"pickle"]]),
+                               (Kind.RESULT, Op.BROADCAST, [[b"pickle", b"buffer"]]),
+                               (Kind.ERROR, Op.ALLREDUCE, [[b"{}"]])]:
+        msg = Message(kind, op, rank=2, root=0, seq=9, session=77, segments=segments)
+        plain = encode(msg)
+        assert _wire._decode_simple(plain, False) == decode(plain) == msg
+        signed = signer.verify(encode(msg, signer))
+        assert _wire._decode_simple(signed, True) is not None
+        assert decode(encode(msg, signer), signer=signer).segments == segments
+    # not the common shape: the whole way
+    for msg in [Message(Kind.CONTRIB, Op.ALLREDUCE, callsite="a.py:1", segments=[[b"p"]]),
+                Message(Kind.CONTRIB, Op.ALLREDUCE, fn=b"fn", segments=[[b"p"]]),
+                Message(Kind.RESULT, Op.BARRIER),
+                Message(Kind.RESULT, Op.ALLGATHER, segments=[[b"a"], [b"b"]])]:
+        assert _wire._decode_simple(encode(msg), False) is None

@@ -72,7 +72,11 @@ class CollectiveFuture(Generic[T]):
 
     def _set_result(self, value: Any) -> None:
         self._value = value
-        self._finish()
+        if self._callbacks:
+            self._finish()
+        else:  # (what _finish does when there is no callback to run)
+            self._done = True
+            self._driver = None
 
     def _set_exception(self, error: BaseException) -> None:
         self._error = error
@@ -263,6 +267,12 @@ class _AsyncWaiter:
 # One waiter per (group, event loop) while some coroutine awaits that group there;
 # only the group's own thread touches its entries.
 _waiters: dict[tuple[_Driver, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
+
+
+def sleeping() -> bool:
+    """Does any coroutine sleep on a group's file descriptors (so every
+    progress must drain the sockets: rule 3)?"""
+    return bool(_waiters)
 
 
 def _sent(driver: _Driver) -> None:

@@ -29,7 +29,7 @@ from ._member import Member
 from ._replica import Replica
 from ._server import Server
 from ._stats import calls_log, write_for_launcher
-from ._wire import DEFAULT_MAX_FRAMES, FLAG_DATA, FLAG_LOCAL_ERROR, Message, Op, Signer, error_note
+from ._wire import DEFAULT_MAX_FRAMES, FLAG_DATA, FLAG_LOCAL_ERROR, LABELS, Message, Op, Signer, error_note
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
 from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError
 
@@ -260,7 +260,7 @@ class Group:
         """Reduce every replica's ``value`` in rank order,
         ``fn(fn(fn(v0, v1), v2), v3)``, with rank 0's ``reduce_fn``; every
         replica gets the result. See :func:`zcollective.allreduce`."""
-        return self._blocking(self.allreduce_async(value, reduce_fn), timeout)
+        return self._blocking(self._reduce(Op.ALLREDUCE, value, reduce_fn, 0), timeout)
 
     def allreduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn
                         ) -> CollectiveFuture[Any]:
@@ -452,18 +452,20 @@ class Group:
     # -- machinery ------------------------------------------------------------
 
     def _reduce(self, op: Op, value: Any, reduce_fn: ReduceFn, root: int) -> CollectiveFuture[Any]:
-        root = self._check_root(root)
+        if op is not Op.ALLREDUCE:  # (allreduce's root is always 0)
+            root = self._check_root(root)
         if not callable(reduce_fn):
             raise TypeError(f"reduce_fn must be callable, not {type(reduce_fn).__name__}")
         site = _callsite()
-        if op is Op.REDUCE and self.rank != root:
+        config = self.config
+        if op is Op.REDUCE and config.rank != root:
             finish: Callable[[Message], Any] = _none
-        elif self.size == 1:  # nothing was combined with it: the result is the value itself
+        elif config.num_replicas == 1:  # nothing was combined with it: the result is the value itself
             finish = lambda m: value  # noqa: E731
         else:
             finish = _first
 
-        if op is Op.ALLREDUCE:
+        if op is Op.ALLREDUCE and self._has_data_plane():
             plan = self._array_plan(value, reduce_fn)
             if plan is not None:
                 array, name, description = plan
@@ -475,7 +477,7 @@ class Group:
             # only the root's function is used; rank 0's stays in its process (the coordinator is
             # there): handed over as it is when a pickle made now could not differ from it
             fn: Any = None
-            if self.rank == root:
+            if config.rank == root:
                 as_is = root == 0 and _serialize.as_is(reduce_fn)
                 fn = reduce_fn if as_is else _serialize.dumps_function(reduce_fn)
             return [_serialize.dumps(value)], fn
@@ -529,13 +531,14 @@ class Group:
         so every replica's call at that seq ends in an error and the next call
         pairs correctly.
         """
-        self._check_usable()
+        if self._closed or os.getpid() != self._pid or threading.get_ident() != self._owner:
+            self._check_usable()  # raises, saying which
         member, link = self._member, self._link
         assert link is not None
         try:
             seq = member.reserve(op, root, site)
             segments, fn = build()
-            future: CollectiveFuture[Any] = CollectiveFuture(self, seq, op.label)
+            future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
             member.submit(op, root, segments, fn, site, flags, future, finish, data_job)
         except Exception:
             member.unreserve()
@@ -550,9 +553,15 @@ class Group:
         return future
 
     def _blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
+        """``future.result(timeout)`` for a call this thread has just made
+        (so :meth:`_submit` has checked the thread)."""
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
-        return future.result(timeout)
+        if not future._done:
+            self._wait(future, timeout, checked=True)
+        if future._error is not None:
+            raise future._error
+        return future._value  # type: ignore[no-any-return]
 
     def _check_root(self, root: Any) -> int:
         """``root`` as an int: any integer type (``numpy.int64``, anything with
@@ -608,11 +617,12 @@ class Group:
 
     # -- driver interface for futures -----------------------------------------
 
-    def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None:
+    def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float], checked: bool = False) -> None:
         link = self._link
         if link is None or self._closed:
             return
-        self._check_thread()
+        if not checked:
+            self._check_thread()
         deadline = None if timeout is None else time.monotonic() + timeout
         if not link.wait_for(lambda: future._done, deadline):
             message = link.timeout_message(future.seq, timeout)

@@ -57,9 +57,10 @@ class Driver:
         """Send one whole message (or raise a library error)."""
         raise NotImplementedError
 
-    def _pump(self, deadline: Optional[float]) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """Wait until something arrives or ``deadline``; hand it all to the
-        member. False on timeout."""
+        member (or, once ``until()`` holds, as much as a driver chooses).
+        False on timeout."""
         raise NotImplementedError
 
     def fds(self) -> list[int]:
@@ -124,13 +125,17 @@ class Driver:
         ReplicaLostError, CallMismatchError, CollectiveError
             The group failed (sticky).
         """
-        self.flush()
+        member = self.member
+        if member.owed:
+            self.flush()
         while not done():
-            moved = self._move_data(deadline)  # (a call kept by a failure too: see Member.fail)
+            # (a call kept by a failure too: see Member.fail)
+            moved = self._move_data(deadline) if member.data_jobs else None
             if moved:
                 continue
-            self.member.check()
-            if moved is False or not self._pump(deadline):
+            if member.failure is not None:
+                member.check()
+            if moved is False or not self._pump(deadline, done):
                 return done()
         return True
 
@@ -305,7 +310,7 @@ class HostLink(Driver):
             msg = owned(msg)
         self.server.from_host(msg)
 
-    def _pump(self, deadline: Optional[float]) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member = self.server, self.member
         while True:
             server.wakeup.clear()  # first: a reply queued after this sets it again
@@ -356,7 +361,7 @@ class DirectLink(Driver):
     def taken_in(self) -> bool:
         return bool(self._inbox)
 
-    def _pump(self, deadline: Optional[float]) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         got = False
         for msg in _sockets.taken(self._inbox):
             got = True

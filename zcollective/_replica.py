@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 from zmq.backend import zmq_poll
 
-from . import _sockets, _zap
+from . import _future, _sockets, _zap
 from ._link import Driver
 from ._member import Link, Member
 from ._wire import Message, encode
@@ -95,7 +95,7 @@ class Replica(Driver):
                     f"coordinator at {member.endpoint}")
             raise _sockets.library_error(exc, what) from exc
 
-    def _pump(self, deadline: Optional[float]) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """One poll covers the DEALER and its monitor, so a disconnect ends a
         wait at once."""
         if self.taken_in():  # by a call that was interrupted: handle it first
@@ -109,7 +109,8 @@ class Replica(Driver):
                 remaining = min(remaining, deadline - time.monotonic())
             ready = zmq_poll(self._poll_items, max(0, int(remaining * 1000)))
             if ready:
-                got = self._drain_dealer()  # first: a FAIL that came before a disconnect explains it
+                # first: a FAIL that came before a disconnect explains it
+                got = self._drain_dealer(ready[0][0] is self.dealer, until)
                 if len(ready) > 1 or ready[0][0] is self.monitor:
                     self._drain_monitor()
                 if got or self.member.failure is not None:
@@ -121,17 +122,36 @@ class Replica(Driver):
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
-    def _drain_dealer(self) -> bool:
+    def _drain_dealer(self, waiting: bool = False, until: Optional[Callable[[], bool]] = None) -> bool:
         """Handle every message waiting; True if there was one. A message
         leaves the inbox only once handled, and handling one twice changes
         nothing (rule 3 of :mod:`zcollective._member`), so an interrupt
         anywhere in here loses no result. A done-callback that calls into the
         group re-enters here, handles the same message again (harmlessly) and
-        goes on with the rest."""
+        goes on with the rest. (:func:`zcollective._sockets.handled`, unrolled:
+        this is every reply's path.)
+
+        ``waiting``: a poll just found a message waiting, so the first needs
+        no second poll. ``until``: a wait's condition; once it holds and no
+        other call is in flight, what else came (if anything: a FAIL, a late
+        STATUS_REPLY) stays queued for the next wait, whose poll sees it at
+        once; asking costs a poll per call. (With calls in flight the drain
+        goes on: their replies are likely there, and a coroutine awaiting one
+        sleeps on the socket's fd, which would not fire again for a message
+        already queued: rule 3 of :mod:`zcollective._future`.)"""
+        inbox, dealer, member = self._inbox, self.dealer, self.member
         got = False
-        for frames in _sockets.handled(self.dealer, self._inbox):
+        while (inbox and _sockets.complete(inbox[0])) or _sockets.take_in(dealer, inbox, waiting):
+            waiting = False
+            frames = inbox[0]
             got = True
-            self._answer(self.member.receive(frames))
+            replies = member.receive(frames)
+            if replies:
+                self._answer(replies)
+            if inbox and inbox[0] is frames:
+                inbox.popleft()
+            if until is not None and not member.calls and until() and not _future.sleeping():
+                break
         return got
 
     def _answer(self, replies: list[Message]) -> None:

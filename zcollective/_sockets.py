@@ -33,6 +33,7 @@ _MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event 
 # (libzmq's layout; zmq.utils.monitor parses the same, but importing it imports asyncio: 60 ms)
 _send = zmq.backend.Socket.send  # the Cython methods: pyzmq's multipart sugar costs 3x more
 _recv = zmq.backend.Socket.recv
+_get_ident = threading.get_ident
 
 RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
 RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hammered
@@ -239,9 +240,13 @@ def _leave() -> None:
         return
     _HeldBack.depth -= 1
     if not _HeldBack.depth and _HeldBack.pending:
-        pending, _HeldBack.pending = _HeldBack.pending, []
-        for handler, signum, frame in pending:
-            handler(signum, frame)  # may raise KeyboardInterrupt: the message is whole
+        _run_held()
+
+
+def _run_held() -> None:
+    pending, _HeldBack.pending = _HeldBack.pending, []
+    for handler, signum, frame in pending:
+        handler(signum, frame)  # may raise KeyboardInterrupt: the message is whole
 
 
 _MAIN_THREAD = threading.main_thread().ident
@@ -256,13 +261,20 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
     complete it): signal handlers are held back meanwhile, and an exception
     raised between two frames otherwise (a trace hook's) sends the rest
     first, then is raised. Each frame's send and its count share one line,
-    which an exception raised at a line boundary cannot split.
+    which an exception raised at a line boundary cannot split. (What
+    :func:`critical` does, spelled out: this is every message's path.)
     """
-    _enter()
-    try:
+    if _get_ident() != _MAIN_THREAD:  # the only thread that runs Python signal handlers
+        _send_whole(sock, frames, copy)
+        return
+    depth = _HeldBack.depth
+    try:  # set inside, restored whatever happens: no line between can leave it raised
+        _HeldBack.depth = depth + 1
         _send_whole(sock, frames, copy)
     finally:
-        _leave()
+        _HeldBack.depth = depth
+        if not depth and _HeldBack.pending:
+            _run_held()
 
 
 def _send_whole(sock: zmq.Socket, frames: list[Any], copy: bool) -> None:
@@ -272,15 +284,17 @@ def _send_whole(sock: zmq.Socket, frames: list[Any], copy: bool) -> None:
     while len(sent) <= last:
         tried = len(sent)
         try:
-            while len(sent) <= last:
-                i = len(sent)
+            for i in range(tried, last + 1):  # (an exception restarts it from len(sent))
                 frame = frames[i]
+                more = _SNDMORE if i < last else 0
+                if type(frame) is bytes and len(frame) < ZERO_COPY_MIN_BYTES:  # a small call's frames
+                    sent.append(_send(sock, frame, more, True))
+                    continue
                 if copy and isinstance(frame, zmq.Frame):
                     # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
                     frame = frame.buffer
                 size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
-                big = not copy and size >= ZERO_COPY_MIN_BYTES
-                sent.append(_send(sock, frame, _SNDMORE if i < last else 0, not big))
+                sent.append(_send(sock, frame, more, copy or size < ZERO_COPY_MIN_BYTES))
         except zmq.ZMQError:
             raise
         except BaseException as exc:  # noqa: B036 (raised below, once the message is whole)
@@ -304,25 +318,33 @@ def complete(frames: list[Any]) -> bool:
     return bool(frames) and not frames[-1].more
 
 
-def take_in(sock: zmq.Socket, inbox: deque[list[Any]]) -> bool:
+def take_in(sock: zmq.Socket, inbox: deque[list[Any]], waiting: bool = False) -> bool:
     """Move one whole waiting message from ``sock`` to the end of ``inbox``;
-    False if none is waiting.
+    False if none is waiting (``waiting``: a poll just said one is, so it
+    is not asked again).
 
     A message being read is kept in ``inbox`` frame by frame, so an exception
     raised by a signal handler between two frames loses nothing: the next
     call finishes it. (Receiving a frame and keeping it share one line.)
     """
     if not inbox or complete(inbox[-1]):
-        if not readable(sock):
+        if not waiting and not readable(sock):
             return False
         inbox.append([])
     frames = inbox[-1]
-    _enter()
+    if _get_ident() != _MAIN_THREAD:
+        while not frames or frames[-1].more:
+            frames.append(_recv(sock, 0, False))
+        return True
+    depth = _HeldBack.depth  # (critical(), spelled out: this is every message's path)
     try:
-        while not complete(frames):
+        _HeldBack.depth = depth + 1
+        while not frames or frames[-1].more:
             frames.append(_recv(sock, 0, False))
     finally:
-        _leave()
+        _HeldBack.depth = depth
+        if not depth and _HeldBack.pending:
+            _run_held()
     return True
 
 

@@ -323,22 +323,14 @@ def encode(msg: Message, signer: Optional[Signer] = None,
     header of its own) build and hash it once; the caller keeps them alive
     while the cache is in use.
     """
-    key = (id(msg.segments), id(msg.fn), msg.callsite)
-    cached = cache.get(key) if cache is not None else None
-    if cached is None:
-        site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES]
-        nseg = len(msg.segments)
-        suffix = struct.pack(f"<{nseg}I", *map(len, msg.segments)) if nseg else b""
-        tail: list[Any] = [] if msg.fn is None else [msg.fn]
-        for seg in msg.segments:
-            tail.extend(seg)
-        tail, table = split_parts(tail, part_bytes)
-        suffix += table + site
-        mac = signer.payload(tail) if signer is not None else None
-        cached = (suffix, tail, mac, FLAG_PARTS if table else 0)
-        if cache is not None:
-            cache[key] = cached
-    suffix, tail, mac, parts = cached
+    if cache is None:
+        suffix, tail, mac, parts = _payload(msg, signer, part_bytes)
+    else:
+        key = (id(msg.segments), id(msg.fn), msg.callsite)
+        cached = cache.get(key)
+        if cached is None:
+            cached = cache[key] = _payload(msg, signer, part_bytes)
+        suffix, tail, mac, parts = cached
     flags = (msg.flags | parts | (FLAG_FN if msg.fn is not None else 0)
              | (FLAG_AUTH if signer else 0))
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.kind, msg.op, flags,
@@ -346,6 +338,32 @@ def encode(msg: Message, signer: Optional[Signer] = None,
     if signer is None:
         return [header, *tail]
     return [header, *tail, signer.bind(mac, header)]
+
+
+def _payload(msg: Message, signer: Optional[Signer], part_bytes: int) -> tuple[bytes, list[Any], Any, int]:
+    """What :func:`encode` puts after the fixed header (layout, parts table,
+    call site), the frames after the header, their MAC state and the parts flag."""
+    segments = msg.segments
+    site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES] if msg.callsite else b""
+    if len(segments) == 1 and msg.fn is None:  # a small call's shape: no list to build
+        tail = segments[0]
+        suffix = _ONE_COUNT.pack(len(tail))
+    else:
+        suffix = struct.pack(f"<{len(segments)}I", *map(len, segments)) if segments else b""
+        tail = [] if msg.fn is None else [msg.fn]
+        for seg in segments:
+            tail.extend(seg)
+    if len(tail) == 1 and type(tail[0]) is bytes and len(tail[0]) <= part_bytes:
+        table = b""  # (split_parts' answer for one small pickle)
+    else:
+        tail, table = split_parts(tail, part_bytes)
+    if table or site:
+        suffix += table + site
+    mac = signer.payload(tail) if signer is not None else None
+    return suffix, tail, mac, FLAG_PARTS if table else 0
+
+
+_ONE_COUNT = struct.Struct("<I")
 
 
 def split_parts(frames: list[Any], part_bytes: int = WIRE_PART_BYTES) -> tuple[list[Any], bytes]:
@@ -433,6 +451,16 @@ def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
         raise WireError(f"{len(frames)} frames exceed the bound of {max_frames}")
     if signer is not None:
         frames = signer.verify(frames)
+    simple = _decode_simple(frames, signer is not None)
+    if simple is not None:
+        return simple
+    return _decode_whole(frames, max_frames, signer is not None, max_frame_bytes)
+
+
+def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
+                  max_frame_bytes: Optional[int]) -> Message:
+    """:func:`decode` after the frame count bound and the tag (``signed``:
+    verified and stripped): every rule in turn."""
     head = memoryview(frames[0])
     if head.nbytes < 3 or head[:2].tobytes() != MAGIC:
         raise WireError("no zcollective header (bad magic)")
@@ -453,9 +481,9 @@ def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
         end += 4 + PART.size * nsplit
     if head.nbytes > end + MAX_CALLSITE_BYTES:
         raise WireError(f"header of {head.nbytes} bytes for {nseg} segments")
-    if signer is not None and not flags & FLAG_AUTH:
+    if signed and not flags & FLAG_AUTH:
         raise AuthError("tag present but the header does not announce it")
-    if signer is None and flags & FLAG_AUTH:
+    if not signed and flags & FLAG_AUTH:
         frames = frames[:-1]  # a tag this side cannot check
     kind_, op_ = KINDS.get(kind), OPS.get(op)
     if kind_ is None or op_ is None:
@@ -483,3 +511,30 @@ def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
     if kind_ in CONTROL_KINDS and (len(segments) != 1 or len(segments[0]) != 1):
         raise WireError(f"{kind_.name} must carry exactly one JSON frame")
     return Message(kind_, op_, rank, root, seq, session, callsite, flags, fn, segments)
+
+
+_HEADER_ONE_SEGMENT = struct.Struct(HEADER.format + "I")  # and a one-segment layout: every small reply
+_NOT_SIMPLE = FLAG_FN | FLAG_PARTS
+
+
+def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
+    """:func:`decode`'s answer for the common shape, or None to take the
+    whole way: a header of exactly one segment, no call site, no reduce
+    function, no parts, and the authentication flag as expected (set when
+    ``signed``: the tag was verified and stripped). It accepts only what
+    :func:`_decode_whole` accepts, and builds the same :class:`Message`,
+    with one check of each field instead of each rule in turn
+    (``tests/test_wire.py`` compares them). The frame count bound and the
+    tag are checked before it is called."""
+    head = memoryview(frames[0])
+    if head.nbytes != _HEADER_ONE_SEGMENT.size:
+        return None
+    magic, version, kind, op, flags, rank, root, seq, session, nseg, count = \
+        _HEADER_ONE_SEGMENT.unpack_from(head)
+    if (magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1 or flags & _NOT_SIMPLE
+            or bool(flags & FLAG_AUTH) is not signed or count != len(frames) - 1 or not count):
+        return None
+    kind_, op_ = KINDS.get(kind), OPS.get(op)
+    if kind_ is None or op_ is None or (count != 1 and kind_ in CONTROL_KINDS):
+        return None
+    return Message(kind_, op_, rank, root, seq, session, "", flags, None, [list(frames[1:])])
