@@ -1282,3 +1282,74 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
     finally:
         impostor.close(linger=0)
         ctx.term()
+
+
+REUSED_FD_PEERS = r"""
+import os, sys, time, zmq
+from zcollective._coordinator import PYTHON_VERSION
+from zcollective._wire import PROTOCOL_VERSION, Kind, control, encode
+port, step = int(sys.argv[1]), sys.argv[2]
+ctx = zmq.Context()
+stranger = ctx.socket(zmq.DEALER)
+stranger.connect(f"tcp://127.0.0.1:{port}")
+stranger.send(b"hello")
+sys.stdin.readline()  # the test read it (and its fd)
+stranger.close(linger=0)
+sys.stdin.readline()  # the test saw the close reported
+replica = ctx.socket(zmq.DEALER)
+replica.setsockopt(zmq.ROUTING_ID, b"R-rank-1")
+replica.connect(f"tcp://127.0.0.1:{port}")
+replica.send_multipart(encode(control(Kind.JOIN, {
+    "rank": 1, "num_replicas": 3, "python": PYTHON_VERSION, "protocol": PROTOCOL_VERSION,
+    "pid": os.getpid(), "host": "h"}, rank=1)))
+sys.stdin.readline()  # the test is done
+ctx.destroy(linger=0)
+"""
+
+
+def test_a_stranger_whose_connection_closed_cannot_take_a_replica_off_the_same_fd_number():
+    """A stranger connects and leaves; a replica's connection gets the same
+    fd number and its JOIN is waiting when rank 0's thread handles the close.
+    Taking in what came before the close (the close's last words) took in the
+    JOIN too, and the close was then taken for the replica's: it was dropped
+    from the group ("left before the group started") while its connection
+    lived on, and the group never started (seen once in a suite run of
+    test_hostile_peers_change_nothing_and_run_nothing)."""
+    import subprocess
+    import sys
+
+    from zcollective._server import Server
+    from zcollective._sockets import origin
+    from zcollective.config import resolve
+
+    def wait_readable(sock):
+        assert sock.poll(10_000), "nothing arrived within 10 s"
+
+    port = free_port()
+    ctx = zmq.Context()
+    server = Server(ctx, resolve("127.0.0.1", port, 0, 3, env={}))
+    router, monitor, _ = server._bind()  # its thread never runs: this test steps it
+    server._router, server._monitor = router, monitor
+    peers = subprocess.Popen([sys.executable, "-c", REUSED_FD_PEERS, str(port), ""], stdin=subprocess.PIPE,
+                             text=True)
+    try:
+        wait_readable(router)
+        _, hello = router.recv_multipart(copy=False)
+        stranger_fd, _ = origin(hello)
+        peers.stdin.write("\n")
+        peers.stdin.flush()
+        wait_readable(monitor)  # the stranger's close is reported (not yet handled)
+        peers.stdin.write("\n")
+        peers.stdin.flush()
+        wait_readable(router)  # the replica's JOIN is waiting
+        with server._lock:
+            server._drain_monitor()
+        joined = server.coordinator.by_rank.get(1)
+        assert joined is not None, "the replica's JOIN was taken for the stranger's closed connection"
+        assert joined.fd == stranger_fd, "no fd number was reused: the test tested nothing"
+        assert server.coordinator.phase is Phase.JOINING and server.coordinator.missing_joins() == [0, 2]
+    finally:
+        peers.stdin.close()
+        peers.wait(10)
+        server.wakeup.close()
+        ctx.destroy(linger=0)  # the server's sockets, its command pipe's too

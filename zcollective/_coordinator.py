@@ -59,7 +59,7 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
@@ -292,11 +292,14 @@ class Coordinator:
         return self.phase is Phase.RUNNING and (0 if call is None else len(call.contributions)) == (
             self.num_replicas - 1)
 
-    def disconnected(self, fd: int, reason: str = "connection closed") -> list[Out]:
+    def disconnected(self, fd: int, reason: str = "connection closed",
+                     peers: Optional[Collection[bytes]] = None) -> list[Out]:
         """A connection closed; if it was a member's, the group has lost it.
-        Before the group starts, the rank's slot just opens again."""
+        Before the group starts, the rank's slot just opens again. ``peers``:
+        the members that were on ``fd`` when the close was reported (a member
+        that joined since on a reused fd number is not the one that closed)."""
         for member in self.members.values():
-            if member.fd == fd and member.fd is not None:
+            if member.fd == fd and member.fd is not None and (peers is None or member.peer in peers):
                 if member.ended is not None:
                     return []  # it said BYE: a program that ended is not a lost one
                 if self.phase is Phase.JOINING:

@@ -82,6 +82,7 @@ class Server:
         self._lost: deque[tuple[int, str]] = deque()  # ranks rank 0's own thread found gone
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._closed: set[bytes] = set()  # members whose connection libzmq reported closed
+        self._closes: deque[tuple[int, frozenset[bytes]]] = deque()  # (fd, its members then)
         self._trackers: list[Any] = []  # while ending: one per message sent, done once libzmq wrote it
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
         # the coordinator thread answers (a data socket of rank 0's context uses it too)
@@ -419,14 +420,26 @@ class Server:
                 self._step()
 
     def _drain_monitor(self) -> None:
+        """Handle the monitor's events: a member's connection closed."""
+        self._read_events()
+        while self._closes:
+            fd, peers = self._closes.popleft()
+            # what a peer sent before closing (a BYE, a last contribution) is queued
+            # before libzmq reports the close: take it in first
+            self._drain(joins_first=False)
+            self._send_all(self.coordinator.disconnected(fd, peers=peers))
+
+    def _read_events(self) -> None:
+        """Take in every event waiting, each close bound to the members on its
+        fd now: a JOIN taken in before the close is handled may come on the
+        same fd number, reused by a new connection (a stranger's connection
+        closed, then a replica's got its number), and must not be taken for
+        the connection that closed."""
         for kind, value in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
-                # the member on that fd now (not the fd: a later connection may get its number)
-                self._closed.update(m.peer for m in self.coordinator.members.values() if m.fd == value)
-                # what a peer sent before closing (a BYE, a last contribution) is queued
-                # before libzmq reports the close: take it in first
-                self._drain(joins_first=False)
-                self._send_all(self.coordinator.disconnected(value))
+                peers = frozenset(m.peer for m in self.coordinator.members.values() if m.fd == value)
+                self._closed.update(peers)
+                self._closes.append((value, peers))
             elif kind in _REFUSED_EVENTS and self.gatekeeper is not None:
                 # a peer without credentials: libzmq refused it before asking the gatekeeper
                 # (the event names no peer: the connection's fd may be closed and reused by now)
@@ -449,10 +462,12 @@ class Server:
             member = coordinator.members.get(peer)
             if member is None or coordinator.phase is Phase.JOINING:
                 fd, address = _sockets.origin(frames[1])
+                # a JOIN records its connection's fd: first take in every earlier close,
+                # so a closed connection's reused fd is not mistaken for it
                 if joins_first:
-                    # a JOIN records its connection's fd: first take in every earlier
-                    # disconnect, so a closed connection's reused fd is not mistaken for it
                     self._drain_monitor()
+                else:  # (inside _drain_monitor: bound now, handled there next)
+                    self._read_events()
             else:  # a running member; the address is only for (rare) warnings
                 fd, address = member.fd, member.address
             self._send_all(coordinator.receive(peer, frames[1:], fd, address))
