@@ -254,8 +254,11 @@ def test_leaving_before_the_group_starts_reopens_the_slot():
 def test_a_close_is_of_the_members_on_its_fd_when_it_was_reported():
     coord = Coordinator(2, SESSION, 1000)
     feed(coord, peer(1), join_msg(1, 2), fd=31)  # joined on a number a stranger's closed connection had
-    assert coord.disconnected(31, peers=frozenset()) == [] and 1 in coord.by_rank
-    assert coord.disconnected(31, peers={peer(1)}) == [] and 1 not in coord.by_rank
+    assert coord.disconnected(31, members=[]) == [] and 1 in coord.by_rank
+    first = coord.by_rank[1]
+    feed(coord, peer(1), join_msg(1, 2), fd=31)  # joined again, on the same number
+    assert coord.disconnected(31, members=[first]) == [] and 1 in coord.by_rank
+    assert coord.disconnected(31, members=[coord.by_rank[1]]) == [] and 1 not in coord.by_rank
 
 
 def test_a_join_repeated_after_a_reconnect_refreshes_the_member():

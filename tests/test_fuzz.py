@@ -1284,27 +1284,73 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
         ctx.term()
 
 
-REUSED_FD_PEERS = r"""
-import os, sys, time, zmq
+PEERS_BY_COMMAND = r"""
+import os, sys, zmq
 from zcollective._coordinator import PYTHON_VERSION
 from zcollective._wire import PROTOCOL_VERSION, Kind, control, encode
-port, step = int(sys.argv[1]), sys.argv[2]
-ctx = zmq.Context()
-stranger = ctx.socket(zmq.DEALER)
-stranger.connect(f"tcp://127.0.0.1:{port}")
-stranger.send(b"hello")
-sys.stdin.readline()  # the test read it (and its fd)
-stranger.close(linger=0)
-sys.stdin.readline()  # the test saw the close reported
-replica = ctx.socket(zmq.DEALER)
-replica.setsockopt(zmq.ROUTING_ID, b"R-rank-1")
-replica.connect(f"tcp://127.0.0.1:{port}")
-replica.send_multipart(encode(control(Kind.JOIN, {
-    "rank": 1, "num_replicas": 3, "python": PYTHON_VERSION, "protocol": PROTOCOL_VERSION,
-    "pid": os.getpid(), "host": "h"}, rank=1)))
-sys.stdin.readline()  # the test is done
+ctx, socks = zmq.Context(), {}
+for line in sys.stdin:  # one command a line, done in order; the test waits for its effect
+    what, name, *rest = line.split()
+    if what == "connect":  # connect NAME [ROUTING_ID]
+        socks[name] = ctx.socket(zmq.DEALER)
+        if rest:
+            socks[name].setsockopt(zmq.ROUTING_ID, rest[0].encode())
+        socks[name].connect(f"tcp://127.0.0.1:{sys.argv[1]}")
+    elif what == "hello":
+        socks[name].send(b"hello")
+    elif what == "join":  # join NAME RANK
+        socks[name].send_multipart(encode(control(Kind.JOIN, {
+            "rank": int(rest[0]), "num_replicas": 3, "python": PYTHON_VERSION,
+            "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "host": "h"}, rank=int(rest[0]))))
+    elif what == "close":
+        socks.pop(name).close(linger=1000)
 ctx.destroy(linger=0)
 """
+
+
+class SteppedServer:
+    """Rank 0's coordinator server for a group of 3, bound, its thread never
+    started: the test steps it. Peers are sockets of another process
+    (``PEERS_BY_COMMAND``), so the fd numbers the server's connections get are
+    this process's lowest free ones, as in a real rank 0."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        from zcollective._server import Server
+        from zcollective.config import resolve
+
+        self.ctx = zmq.Context()
+        self.server = Server(self.ctx, resolve("127.0.0.1", free_port(), 0, 3, env={}))
+        self.router, self.monitor, _ = self.server._bind()
+        self.server._router, self.server._monitor = self.router, self.monitor
+        self.peers = subprocess.Popen([sys.executable, "-c", PEERS_BY_COMMAND,
+                                       str(self.server.config.master_port)], stdin=subprocess.PIPE,
+                                      text=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.peers.stdin.close()
+        self.peers.wait(10)
+        self.server.wakeup.close()
+        self.ctx.destroy(linger=0)  # the server's sockets, its command pipe's too
+
+    def say(self, *lines):
+        self.peers.stdin.write("".join(line + "\n" for line in lines))
+        self.peers.stdin.flush()
+
+    @staticmethod
+    def wait_readable(sock):
+        assert sock.poll(10_000), "nothing arrived within 10 s"
+
+    def step(self):
+        with self.server._lock:
+            self.server._drain_monitor()
+            self.server._drain()
+        assert not getattr(self.server, "_closes", None), "a close was read and not handled"
 
 
 def test_a_stranger_whose_connection_closed_cannot_take_a_replica_off_the_same_fd_number():
@@ -1315,41 +1361,50 @@ def test_a_stranger_whose_connection_closed_cannot_take_a_replica_off_the_same_f
     from the group ("left before the group started") while its connection
     lived on, and the group never started (seen once in a suite run of
     test_hostile_peers_change_nothing_and_run_nothing)."""
-    import subprocess
-    import sys
-
-    from zcollective._server import Server
     from zcollective._sockets import origin
-    from zcollective.config import resolve
 
-    def wait_readable(sock):
-        assert sock.poll(10_000), "nothing arrived within 10 s"
-
-    port = free_port()
-    ctx = zmq.Context()
-    server = Server(ctx, resolve("127.0.0.1", port, 0, 3, env={}))
-    router, monitor, _ = server._bind()  # its thread never runs: this test steps it
-    server._router, server._monitor = router, monitor
-    peers = subprocess.Popen([sys.executable, "-c", REUSED_FD_PEERS, str(port), ""], stdin=subprocess.PIPE,
-                             text=True)
-    try:
-        wait_readable(router)
-        _, hello = router.recv_multipart(copy=False)
+    with SteppedServer() as s:
+        s.say("connect stranger", "hello stranger")
+        s.wait_readable(s.router)
+        _, hello = s.router.recv_multipart(copy=False)
         stranger_fd, _ = origin(hello)
-        peers.stdin.write("\n")
-        peers.stdin.flush()
-        wait_readable(monitor)  # the stranger's close is reported (not yet handled)
-        peers.stdin.write("\n")
-        peers.stdin.flush()
-        wait_readable(router)  # the replica's JOIN is waiting
-        with server._lock:
-            server._drain_monitor()
-        joined = server.coordinator.by_rank.get(1)
+        s.say("close stranger")
+        s.wait_readable(s.monitor)  # the stranger's close is reported (not yet handled)
+        s.say("connect replica R-rank-1", "join replica 1")
+        s.wait_readable(s.router)  # the replica's JOIN is waiting
+        s.step()
+        joined = s.server.coordinator.by_rank.get(1)
         assert joined is not None, "the replica's JOIN was taken for the stranger's closed connection"
         assert joined.fd == stranger_fd, "no fd number was reused: the test tested nothing"
-        assert server.coordinator.phase is Phase.JOINING and server.coordinator.missing_joins() == [0, 2]
-    finally:
-        peers.stdin.close()
-        peers.wait(10)
-        server.wakeup.close()
-        ctx.destroy(linger=0)  # the server's sockets, its command pipe's too
+        assert s.server.coordinator.missing_joins() == [0, 2]
+
+
+def test_a_replica_joining_again_on_the_same_fd_number_stays_in_the_group():
+    """A replica's connection closes while the group joins; it connects again
+    (same routing id), gets the same fd number, and its second JOIN is
+    waiting when the close is handled: the close is the first JOIN's."""
+    with SteppedServer() as s:
+        s.say("connect first R-rank-1", "join first 1")
+        s.wait_readable(s.router)
+        s.step()
+        first = s.server.coordinator.by_rank[1]
+        s.say("close first")
+        s.wait_readable(s.monitor)
+        s.say("connect again R-rank-1", "join again 1")
+        s.wait_readable(s.router)
+        s.step()
+        again = s.server.coordinator.by_rank.get(1)
+        assert again is not None and again is not first, "the close of its first connection dropped it"
+        assert again.fd == first.fd, "no fd number was reused: the test tested nothing"
+
+
+def test_a_replica_that_joined_then_closed_before_rank_0_looked_frees_its_slot():
+    """A JOIN and the close of the connection it came on are both waiting
+    (the program died right after joining): the close is that JOIN's, so
+    rank 1's slot opens again rather than being held by a dead connection."""
+    with SteppedServer() as s:
+        s.say("connect replica R-rank-1", "join replica 1", "close replica")
+        s.wait_readable(s.monitor)  # closed, its JOIN queued before the close
+        s.step()
+        assert 1 not in s.server.coordinator.by_rank, "a dead connection holds rank 1's slot"
+        assert s.server.coordinator.missing_joins() == [0, 1, 2]

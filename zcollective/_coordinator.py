@@ -293,13 +293,14 @@ class Coordinator:
             self.num_replicas - 1)
 
     def disconnected(self, fd: int, reason: str = "connection closed",
-                     peers: Optional[Collection[bytes]] = None) -> list[Out]:
+                     members: Optional[Collection[Member]] = None) -> list[Out]:
         """A connection closed; if it was a member's, the group has lost it.
-        Before the group starts, the rank's slot just opens again. ``peers``:
-        the members that were on ``fd`` when the close was reported (a member
-        that joined since on a reused fd number is not the one that closed)."""
+        Before the group starts, the rank's slot just opens again. ``members``:
+        those on ``fd`` when the close was reported (one that joined since,
+        on a reused fd number or again on the same one, is another object)."""
         for member in self.members.values():
-            if member.fd == fd and member.fd is not None and (peers is None or member.peer in peers):
+            if member.fd == fd and member.fd is not None and (
+                    members is None or any(member is m for m in members)):
                 if member.ended is not None:
                     return []  # it said BYE: a program that ended is not a lost one
                 if self.phase is Phase.JOINING:

@@ -38,7 +38,7 @@ import zmq
 from zmq.backend import zmq_poll
 
 from . import _sockets, _zap
-from ._coordinator import Coordinator, Out, Phase
+from ._coordinator import Coordinator, Member, Out, Phase
 from ._link import HOST_PEER, Wakeup, owned
 from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
 from .config import Config
@@ -81,8 +81,8 @@ class Server:
         self._take_pending = False  # a _TAKE is on its way to the thread
         self._lost: deque[tuple[int, str]] = deque()  # ranks rank 0's own thread found gone
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
-        self._closed: set[bytes] = set()  # members whose connection libzmq reported closed
-        self._closes: deque[tuple[int, frozenset[bytes]]] = deque()  # (fd, its members then)
+        self._closed: dict[bytes, Member] = {}  # peer -> its member whose connection closed
+        self._closes: deque[tuple[int, list[Member]]] = deque()  # (fd, its members then): to handle
         self._trackers: list[Any] = []  # while ending: one per message sent, done once libzmq wrote it
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
         # the coordinator thread answers (a data socket of rank 0's context uses it too)
@@ -199,6 +199,8 @@ class Server:
             self._take_lost(lost)
         self._drain_monitor()
         self._drain()
+        if self._closes:  # read by a drain that was not handling closes (_take_lost's)
+            self._drain_monitor()
 
     def busy(self) -> Optional[str]:
         """What the coordinator thread has been stuck in for a while, if anything."""
@@ -364,7 +366,7 @@ class Server:
         with self._locked():
             self._drain_monitor()
         fds = [m.fd for m in self.coordinator.members.values()
-               if m.fd is not None and m.ended is None and m.peer not in self._closed]
+               if m.fd is not None and m.ended is None and self._closed.get(m.peer) is not m]
         deadline, trackers = time.monotonic() + timeout, self._trackers
         while fds and time.monotonic() < deadline:
             trackers[:] = [t for t in trackers if not t.done]
@@ -423,23 +425,26 @@ class Server:
         """Handle the monitor's events: a member's connection closed."""
         self._read_events()
         while self._closes:
-            fd, peers = self._closes.popleft()
             # what a peer sent before closing (a BYE, a last contribution) is queued
-            # before libzmq reports the close: take it in first
+            # before libzmq reports the close: take it in first (the close stays queued
+            # meanwhile: a JOIN that came before it on its connection is bound to it)
             self._drain(joins_first=False)
-            self._send_all(self.coordinator.disconnected(fd, peers=peers))
+            fd, members = self._closes.popleft()
+            self._send_all(self.coordinator.disconnected(fd, members=members))
 
     def _read_events(self) -> None:
         """Take in every event waiting, each close bound to the members on its
-        fd now: a JOIN taken in before the close is handled may come on the
-        same fd number, reused by a new connection (a stranger's connection
-        closed, then a replica's got its number), and must not be taken for
-        the connection that closed."""
+        fd now (the objects: a member that joins again is a new one): a JOIN
+        taken in before the close is handled may come on the same fd number,
+        reused by a new connection (a stranger's connection closed, then a
+        replica's got its number), and must not be taken for the connection
+        that closed. (A JOIN sent just before its own connection closed is
+        bound to that close when it is taken in: see :meth:`_drain`.)"""
         for kind, value in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
-                peers = frozenset(m.peer for m in self.coordinator.members.values() if m.fd == value)
-                self._closed.update(peers)
-                self._closes.append((value, peers))
+                members = [m for m in self.coordinator.members.values() if m.fd == value]
+                self._closed.update((m.peer, m) for m in members)
+                self._closes.append((value, members))
             elif kind in _REFUSED_EVENTS and self.gatekeeper is not None:
                 # a peer without credentials: libzmq refused it before asking the gatekeeper
                 # (the event names no peer: the connection's fd may be closed and reused by now)
@@ -471,6 +476,22 @@ class Server:
             else:  # a running member; the address is only for (rare) warnings
                 fd, address = member.fd, member.address
             self._send_all(coordinator.receive(peer, frames[1:], fd, address))
+            if fd is not None and self._closes and not _sockets.connection_open(fd):
+                self._closed_before(fd)
+
+    def _closed_before(self, fd: int) -> None:
+        """A message just taken in came on ``fd``, which a close still to be
+        handled names, and no open connection has that number now: the
+        message came before that close, on the connection that closed (a
+        JOIN, then the program died). A member it made is that close's too.
+        (Were the number taken again by a third connection meanwhile, the
+        member stays until sending to it fails.)"""
+        on_fd = [m for m in self.coordinator.members.values() if m.fd == fd]
+        for i, (closed_fd, members) in enumerate(self._closes):
+            if closed_fd == fd:
+                self._closes[i] = (fd, [*members, *(m for m in on_fd if all(m is not x for x in members))])
+                self._closed.update((m.peer, m) for m in on_fd)
+                return
 
     def _send_all(self, outs: list[Out]) -> None:
         """Send what the coordinator returned (with the lock): rank 0's part

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import os
 import signal
+import socket
 import struct
 import termios
 import threading
@@ -346,6 +347,26 @@ def take_in(sock: zmq.Socket, inbox: deque[list[Any]], waiting: bool = False) ->
         if not depth and _HeldBack.pending:
             _run_held()
     return True
+
+
+_TCP_ESTABLISHED = 1  # tcp_info's first byte (linux/tcp_states.h)
+
+
+def connection_open(fd: int) -> bool:
+    """Is ``fd`` (libzmq's) a TCP connection its peer has not closed? False
+    too when the number is no socket any more. libzmq reports a close before
+    it closes the fd, so between the two the fd is still the old connection's,
+    in CLOSE_WAIT."""
+    try:
+        sock = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a duplicate: ours to close
+    except OSError:
+        return False
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_ESTABLISHED
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def unacknowledged(fd: int) -> Optional[int]:
