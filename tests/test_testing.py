@@ -239,3 +239,22 @@ def test_a_forked_test_process_does_not_use_its_parents_zygotes():
         os._exit(0 if not _zygote._zygotes else 1)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert run_replicas(_who_am_i, 1, initialize=False)[0]["ppid"] != os.getpid()
+
+
+def test_free_ports_differ_avoid_the_ephemeral_range_and_each_worker_has_its_own(monkeypatch):
+    import zcollective.testing as testing
+
+    try:
+        with open(testing.EPHEMERAL_RANGE_FILE) as f:
+            ephemeral = int(f.read().split()[0])
+    except OSError:
+        pytest.skip("no ephemeral port range to stay under on this system")
+    seen = {}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        monkeypatch.setattr(testing, "_next_port", [])
+        seen[worker] = [testing.free_port() for _ in range(200)]
+        assert len(set(seen[worker])) == 200  # a test asking for many gets different ones
+        assert all(ephemeral - testing.PORTS_BELOW_EPHEMERAL <= p < ephemeral for p in seen[worker])
+    assert max(seen["gw0"]) < min(seen["gw1"])  # the workers' slices do not overlap

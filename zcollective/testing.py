@@ -109,9 +109,42 @@ def _forked(requests: list[SpawnRequest]) -> Optional[list[ForkedProcess]]:
     return started
 
 
+PORTS_BELOW_EPHEMERAL = 8192  # how many ports under the ephemeral range free_port hands out
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_next_port: list[int] = []  # this process's next candidate in its slice
+os.register_at_fork(after_in_child=_next_port.clear)  # a forked child starts at a random place
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that was free a moment ago.
+
+    Taken just under the kernel's ephemeral range, so no port bound to 0
+    meanwhile (a data port, another test's socket) can take it before it is
+    used; ports follow one another, so a test asking for several gets
+    different ones; each pytest-xdist worker has a slice of its own."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 0
+    low = max(1024, ephemeral - PORTS_BELOW_EPHEMERAL)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % workers
+    size = (ephemeral - low) // workers
+    if size >= 64:
+        start = low + worker * size
+        if not _next_port:
+            _next_port.append(start + int.from_bytes(os.urandom(2), "big") % size)
+        for _ in range(size):
+            port = start + (_next_port[0] - start) % size
+            _next_port[0] = port + 1
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no such range here
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
