@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import touch
+from conftest import InterruptAtLine, touch
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
@@ -397,3 +397,67 @@ def test_a_rank_interrupted_again_and_again_mid_ring_loses_no_chunk(tmp_path):
         assert f"[{r}] done {r}" in proc.stdout, proc.stdout + proc.stderr
     hits = int(proc.stdout.split("[1] done 1 interrupted ")[1].split()[0])
     assert hits > 0, "rank 1 was never interrupted mid-ring: the test tested nothing"
+
+
+class _Job:  # what DataPlane._events reads of a job
+    op, sent, to_send, done = "allreduce", 0, 1, False
+
+    def progress(self):
+        return "received 0 of 1 chunks"
+
+
+def test_an_interrupt_at_any_line_of_the_data_monitors_loses_no_event():
+    """The monitors' events (the next rank's connection made, the previous
+    rank's closed), handled with a KeyboardInterrupt raised at the k-th line
+    (a trace hook), for every k, then again without: the connection is
+    recorded, and the close fails the call. Events used to be taken out all
+    at once before any was handled: an interrupt lost the rest."""
+    import struct
+    import sys
+
+    import zmq
+
+    from zcollective._dataplane import DataPlane
+    from zcollective.config import resolve
+    from zcollective.errors import ReplicaLostError
+    from zcollective.testing import free_port
+
+    ctx = zmq.Context()
+    try:
+        plane = DataPlane(ctx, resolve("127.0.0.1", free_port(), 1, 2, env={}))
+        plane.endpoints = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+        monitors = []
+        for name in ("push", "pull"):  # each monitor a PAIR this test writes libzmq's events to
+            ours, its = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+            ours.bind(f"inproc://{name}")
+            its.connect(f"inproc://{name}")
+            monitors.append((ours, its))
+        plane._push_monitor, plane._pull_monitor = monitors[0][1], monitors[1][1]
+        package = os.path.dirname(zc.__file__)
+        interrupted = 0
+        for k in range(1, 500):
+            plane._prev_fd, plane._push_fd, plane._connected = 9, None, False
+            monitors[0][0].send_multipart([struct.pack("=HI", zmq.EVENT_CONNECTED, 7), b"tcp://x"])
+            monitors[1][0].send_multipart([struct.pack("=HI", zmq.EVENT_DISCONNECTED, 9), b"tcp://y"])
+            for _, its in monitors:
+                assert its.poll(5000)
+            failures = []
+            sys.settrace(InterruptAtLine(k, lambda name: name.startswith(package)))
+            try:
+                plane._events(0, _Job(), failures.append)
+                hit = False
+            except KeyboardInterrupt:
+                hit = True
+            finally:
+                sys.settrace(None)
+            interrupted += hit
+            plane._events(0, _Job(), failures.append)  # again, without interruption
+            assert plane._push_fd == 7, (k, "the next rank's connection was lost")
+            assert failures and isinstance(failures[0], ReplicaLostError), (k, failures)
+            assert "lost its data link from rank 0" in str(failures[0])
+            plane._monitor_inbox.clear()  # the close stays once it failed the call
+            if not hit:
+                break
+        assert interrupted > 10, interrupted
+    finally:
+        ctx.destroy(linger=0)

@@ -364,10 +364,14 @@ class DataPlane:
                               f"(this rank is at seq {seq})")
 
     def _events(self, seq: int, job: Job, fail: Callable[[Exception], None]) -> None:
-        """The monitors: a data link closed or silent fails the group."""
+        """The monitors: a data link closed or silent fails the group. Each
+        event leaves its inbox only once handled, and handling one again
+        changes nothing, so an interrupt loses none (a close that fails the
+        group stays: the group has failed, and the job left the queue)."""
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        if self._push_monitor is not None:
-            for event, value in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
+        push_monitor, pull_monitor = self._push_monitor, self._pull_monitor
+        if push_monitor is not None:
+            for event, value in _sockets.monitor_events(push_monitor, self._inbox_of(push_monitor)):
                 if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                     self._connected, self._pushed_since = True, None
                     if event == zmq.EVENT_CONNECTED:
@@ -386,11 +390,11 @@ class DataPlane:
                 f"seq {seq} {job.op}: rank {self.rank} cannot reach the data port of rank {nxt} at "
                 f"{self.endpoints[nxt]} (connection refused for {self._config.liveness_timeout:g} s); "
                 f"{job.progress()}"))
-        for event, value in _drain_monitor(self._pull_monitor, self._inbox_of(self._pull_monitor)):
+        for event, value in _sockets.monitor_events(pull_monitor, self._inbox_of(pull_monitor)):
             if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
-                self._prev_fd = None
                 if not job.done:  # (else it sent all this rank needs, and may have ended)
                     return fail(self._lost(seq, job, prev, "from"))
+                self._prev_fd = None
         return None
 
     def _inbox_of(self, monitor: Any) -> deque[list[Any]]:
