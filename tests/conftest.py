@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -102,6 +103,19 @@ def pytest_xdist_auto_num_workers(config):
     this process may use, at most :data:`MAX_WORKERS`. Measured with 2 workers
     on 2 cores: 553 tests in 134 s, against 208 s in one process."""
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def interrupted_at_line(k, package, fn, *args):
+    """Run ``fn(*args)`` with a KeyboardInterrupt raised at the k-th line run
+    in ``package`` (:class:`InterruptAtLine`); True if it was raised."""
+    sys.settrace(InterruptAtLine(k, lambda name: name.startswith(package)))
+    try:
+        fn(*args)
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import InterruptAtLine, touch
+from conftest import interrupted_at_line, touch
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
@@ -413,7 +413,6 @@ def test_an_interrupt_at_any_line_of_the_data_monitors_loses_no_event():
     recorded, and the close fails the call. Events used to be taken out all
     at once before any was handled: an interrupt lost the rest."""
     import struct
-    import sys
 
     import zmq
 
@@ -443,14 +442,7 @@ def test_an_interrupt_at_any_line_of_the_data_monitors_loses_no_event():
             for _, its in monitors:
                 assert its.poll(5000)
             failures = []
-            sys.settrace(InterruptAtLine(k, lambda name: name.startswith(package)))
-            try:
-                plane._events(0, _Job(), failures.append)
-                hit = False
-            except KeyboardInterrupt:
-                hit = True
-            finally:
-                sys.settrace(None)
+            hit = interrupted_at_line(k, package, plane._events, 0, _Job(), failures.append)
             interrupted += hit
             plane._events(0, _Job(), failures.append)  # again, without interruption
             assert plane._push_fd == 7, (k, "the next rank's connection was lost")

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import InterruptAtLine
+from conftest import interrupted_at_line
 
 import zcollective as zc
 from zcollective.testing import Replicas, free_port, report
@@ -309,14 +309,7 @@ def interrupted_at_every_line(secret):
                 break
             continue
         time.sleep(0.01)  # the result is waiting in the socket, frames and all
-        sys.settrace(InterruptAtLine(k, lambda name: name.startswith(package)))
-        try:
-            future.result(timeout=30)
-            hit = False
-        except KeyboardInterrupt:
-            hit = True
-        finally:
-            sys.settrace(None)
+        hit = interrupted_at_line(k, package, future.result, 30)
         interrupted += hit
         got = future.result(timeout=30)  # again, without interruption
         assert got[0] == 2 * k + 1 and got[-1] == 2 * k + 1, (k, got[:3])
