@@ -248,6 +248,14 @@ class DataPlane:
             items.append((self._gate.fd, _POLLIN))
         ours = len(items)
         items += link
+
+        def rest() -> bool:
+            """Take the chunks that came before a close of the previous rank's
+            link (libzmq queues them before it reports the close); is this job
+            still going?"""
+            self._drain(seq, job, member, fail)
+            return bool(member.data_jobs) and member.data_jobs[0][1] is job
+
         while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
             self._send(seq, job)
             if job.done and self._sent():
@@ -262,7 +270,7 @@ class DataPlane:
             if self._gate is not None:
                 self._gate.serve()  # a stranger's handshake, refused
             self._drain(seq, job, member, fail)
-            self._events(seq, job, fail)
+            self._events(seq, job, fail, rest)
             if waiting or (len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready)):
                 pump()
             if deadline is not None and time.monotonic() >= deadline:
@@ -363,7 +371,8 @@ class DataPlane:
             self._warn("seq", f"dropped a chunk of seq {chunk_seq} on rank {self.rank}'s data port "
                               f"(this rank is at seq {seq})")
 
-    def _events(self, seq: int, job: Job, fail: Callable[[Exception], None]) -> None:
+    def _events(self, seq: int, job: Job, fail: Callable[[Exception], None],
+                rest: Callable[[], bool] = lambda: True) -> None:
         """The monitors: a data link closed or silent fails the group. Each
         event leaves its inbox only once handled, and handling one again
         changes nothing, so an interrupt loses none (a close that fails the
@@ -392,7 +401,9 @@ class DataPlane:
                 f"{job.progress()}"))
         for event, value in _sockets.monitor_events(pull_monitor, self._inbox_of(pull_monitor)):
             if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
-                if not job.done:  # (else it sent all this rank needs, and may have ended)
+                # (done: it sent all this rank needs, and may have ended; its last chunks may
+                # have come between this wait's drain and now: ``rest`` takes them first)
+                if not job.done and rest() and not job.done:
                     return fail(self._lost(seq, job, prev, "from"))
                 self._prev_fd = None
         return None

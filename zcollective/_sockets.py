@@ -352,6 +352,13 @@ def take_in(sock: zmq.Socket, inbox: deque[list[Any]], waiting: bool = False) ->
 _TCP_ESTABLISHED = 1  # tcp_info's first byte (linux/tcp_states.h)
 
 
+def kernel_port(host: str) -> int:
+    """A TCP port of ``host`` the kernel just chose as free (port 0 bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def connection_open(fd: int) -> bool:
     """Is ``fd`` (libzmq's) a TCP connection its peer has not closed? False
     too when the number is no socket any more. libzmq reports a close before

@@ -156,9 +156,9 @@ class Launcher:
         port = ns.master_port
         if port is None:
             if ns.nnodes == 1:
-                from .testing import free_port
+                from ._sockets import kernel_port
 
-                port = free_port(ns.master_addr or DEFAULT_MASTER_ADDR)
+                port = kernel_port(ns.master_addr or DEFAULT_MASTER_ADDR)
             else:
                 port = DEFAULT_MASTER_PORT
         command = [ns.script, *ns.args]

@@ -23,6 +23,7 @@ from a fresh start); ``ZCOLLECTIVE_TESTING_FRESH=1`` asks for fresh ones only.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -34,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import cloudpickle
 
-from . import _zygote
+from . import _sockets, _zygote
 from ._zygote import ForkedProcess, SpawnRequest, ZygoteGone
 
 __all__ = ["run_replicas", "Replicas", "ReplicasFailed", "free_port"]
@@ -141,12 +142,12 @@ def free_port(host: str = "127.0.0.1") -> int:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind((host, port))
-                except OSError:
-                    continue
+                except OSError as exc:
+                    if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                        continue
+                    raise  # not the port's fault (a host that is not this one's): said at once
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no such range here
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return _sockets.kernel_port(host)  # no such range here
 
 
 class Replicas:
