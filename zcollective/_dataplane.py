@@ -220,7 +220,7 @@ class DataPlane:
 
     def run(self, seq: int, job: Job, deadline: Optional[float], member: Member,
             link: list[tuple[Any, Any]], pump: Callable[[], None], fail: Callable[[Exception], None],
-            link_waiting: Callable[[], bool] = lambda: False) -> bool:
+            link_waiting: Callable[[], bool]) -> bool:
         """Move ``job``'s chunks until it is done and its last sends have
         left (True), ``deadline`` passes (False) or the group fails (True:
         the caller finds ``member.failure``). ``pump`` takes in what the
@@ -248,14 +248,6 @@ class DataPlane:
             items.append((self._gate.fd, _POLLIN))
         ours = len(items)
         items += link
-
-        def rest() -> bool:
-            """Take the chunks that came before a close of the previous rank's
-            link (libzmq queues them before it reports the close); is this job
-            still going?"""
-            self._drain(seq, job, member, fail)
-            return bool(member.data_jobs) and member.data_jobs[0][1] is job
-
         while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
             self._send(seq, job)
             if job.done and self._sent():
@@ -270,7 +262,7 @@ class DataPlane:
             if self._gate is not None:
                 self._gate.serve()  # a stranger's handshake, refused
             self._drain(seq, job, member, fail)
-            self._events(seq, job, fail, rest)
+            self._events(seq, job, fail, lambda: self._drain(seq, job, member, fail))
             if waiting or (len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready)):
                 pump()
             if deadline is not None and time.monotonic() >= deadline:
@@ -307,14 +299,16 @@ class DataPlane:
                     self._trackers.append(tracker)
             outbox.clear()
 
-    def _drain(self, seq: int, job: Job, member: Member, fail: Callable[[Exception], None]) -> None:
-        """Take every chunk waiting. A chunk leaves the inbox only once taken,
-        and is taken whole (signals held back): an interrupt loses none."""
+    def _drain(self, seq: int, job: Job, member: Member, fail: Callable[[Exception], None]) -> bool:
+        """Take every chunk waiting; is ``job`` still going? A chunk leaves the
+        inbox only once taken, and is taken whole (signals held back): an
+        interrupt loses none."""
         for frames in _sockets.handled(self._pull, self._inbox):
             with _sockets.critical():
                 self._take(frames, seq, job, member, fail)
             if not (member.data_jobs and member.data_jobs[0][1] is job):
-                return
+                return False
+        return True
 
     def _take(self, frames: list[Any], seq: int, job: Job, member: Member,
               fail: Callable[[Exception], None]) -> None:
@@ -402,7 +396,8 @@ class DataPlane:
         for event, value in _sockets.monitor_events(pull_monitor, self._inbox_of(pull_monitor)):
             if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
                 # (done: it sent all this rank needs, and may have ended; its last chunks may
-                # have come between this wait's drain and now: ``rest`` takes them first)
+                # have come between this wait's drain and now (libzmq queues them before it
+                # reports the close): ``rest`` takes them first, and says if the job goes on)
                 if not job.done and rest() and not job.done:
                     return fail(self._lost(seq, job, prev, "from"))
                 self._prev_fd = None
