@@ -739,10 +739,17 @@ def _end_all() -> None:
 
 
 _atexit_registered = False
+_finalizer_pid: Optional[int] = None  # the process whose multiprocessing finalizers hold _end_all
+MP_EXIT_PRIORITY = 100  # above multiprocessing's own finalizers (a queue's flush is 10): the
+# group's last results leave before multiprocessing joins or terminates anything
 
 
 def _register_atexit() -> None:
-    global _atexit_registered
+    """Have every open group end when the process does: through ``atexit``
+    and, in a multiprocessing child, through multiprocessing's finalizers
+    (a ``fork`` or ``forkserver`` child ends with ``os._exit`` after them,
+    skipping ``atexit``; a ``spawn`` child runs both: ending twice is a no-op)."""
+    global _atexit_registered, _finalizer_pid
     if not _atexit_registered:
         # pyzmq registers the shutdown of its zero-copy garbage collector when that module is
         # first imported, which may be at our first large send; import it now, so that ours,
@@ -751,6 +758,13 @@ def _register_atexit() -> None:
 
         atexit.register(_end_all)
         _atexit_registered = True
+    multiprocessing = sys.modules.get("multiprocessing")  # a child has it imported; else no cost
+    if multiprocessing is None or _finalizer_pid == os.getpid() or multiprocessing.parent_process() is None:
+        return
+    from multiprocessing import util  # a child's registry starts empty: register in each child
+
+    util.Finalize(None, _end_all, exitpriority=MP_EXIT_PRIORITY)
+    _finalizer_pid = os.getpid()
 
 
 def _nothing() -> tuple[list[list[Any]], Any]:
