@@ -90,6 +90,11 @@ class Replica(Driver):
         member = self.member
         try:
             _sockets.send_frames(self.dealer, encode(msg, member.signer, part_bytes=member.part_bytes))
+        except zmq.Again:
+            # libzmq dropped the pipe to the coordinator (a re-made connection was refused): a
+            # lost connection once joined; before, the member joins again on the next handshake
+            self._answer(member.connection(Link.DISCONNECTED))
+            member.check()
         except zmq.ZMQError as exc:
             what = (f"rank {member.rank} could not send {msg.kind.name} seq {msg.seq} to the "
                     f"coordinator at {member.endpoint}")

@@ -407,7 +407,10 @@ class Server:
             if gatekeeper is not None and gatekeeper.fd in ready:
                 gatekeeper.serve()  # a handshake waits for it: first
             if pipe in ready:
-                command = pipe.recv()
+                try:
+                    command = pipe.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    command = b""  # (never: the poll said a command waits)
                 if command == _TAKE:
                     self._take_pending = False  # before the step: a later hand-over sends another
                 elif command in (_STOP, _GIVE_UP, _END):

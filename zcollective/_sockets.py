@@ -29,6 +29,9 @@ T = TypeVar("T")
 ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
 # a zero-copy frame (whose release needs pyzmq's gc thread)
 _SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)  # every send: with no high-water mark, a send fails only when
+# libzmq has no pipe for it (one it dropped after a refused re-handshake), and then it would
+# block for ever, past every deadline and interrupt: EAGAIN says that link is gone for good
 _POLLIN = int(zmq.POLLIN)
 _MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event id, value
 # (libzmq's layout; zmq.utils.monitor parses the same, but importing it imports asyncio: 60 ms)
@@ -143,7 +146,7 @@ def send_to(router: zmq.Socket, frames: list[Any], trackers: Optional[list[Any]]
     try:
         send_frames(router, frames)
     except zmq.ZMQError as exc:
-        if exc.errno == zmq.EHOSTUNREACH:
+        if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):  # (no pipe to it: gone)
             return False
         raise CollectiveError(f"the coordinator could not send: {exc.strerror} (errno {exc.errno})") from exc
     if trackers is not None and last is not None:
@@ -257,6 +260,8 @@ DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP
 
 def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
     """Send a multipart message; large frames go without a copy unless ``copy``.
+    Never blocks: ``zmq.Again`` (nothing sent) means libzmq has no pipe to
+    the peer any more (see :data:`_NOBLOCK`); callers call that link lost.
 
     Never leaves half a message in the socket (the next message would
     complete it): signal handlers are held back meanwhile, and an exception
@@ -289,13 +294,13 @@ def _send_whole(sock: zmq.Socket, frames: list[Any], copy: bool) -> None:
                 frame = frames[i]
                 more = _SNDMORE if i < last else 0
                 if type(frame) is bytes and len(frame) < ZERO_COPY_MIN_BYTES:  # a small call's frames
-                    sent.append(_send(sock, frame, more, True))
+                    sent.append(_send(sock, frame, more | _NOBLOCK, True))
                     continue
                 if copy and isinstance(frame, zmq.Frame):
                     # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
                     frame = frame.buffer
                 size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
-                sent.append(_send(sock, frame, more, copy or size < ZERO_COPY_MIN_BYTES))
+                sent.append(_send(sock, frame, more | _NOBLOCK, copy or size < ZERO_COPY_MIN_BYTES))
         except zmq.ZMQError:
             raise
         except BaseException as exc:  # noqa: B036 (raised below, once the message is whole)
@@ -307,10 +312,11 @@ def _send_whole(sock: zmq.Socket, frames: list[Any], copy: bool) -> None:
 
 
 def recv_message(sock: zmq.Socket) -> list[Any]:
-    """Receive one multipart message that is known to be waiting."""
-    frames = [_recv(sock, 0, False)]
+    """Receive one multipart message that is known to be waiting (never
+    blocks: libzmq hands over a message's frames together or none)."""
+    frames = [_recv(sock, _NOBLOCK, False)]
     while frames[-1].more:
-        frames.append(_recv(sock, 0, False))
+        frames.append(_recv(sock, _NOBLOCK, False))
     return frames
 
 
@@ -335,13 +341,13 @@ def take_in(sock: zmq.Socket, inbox: deque[list[Any]], waiting: bool = False) ->
     frames = inbox[-1]
     if _get_ident() != _MAIN_THREAD:
         while not frames or frames[-1].more:
-            frames.append(_recv(sock, 0, False))
+            frames.append(_recv(sock, _NOBLOCK, False))
         return True
     depth = _HeldBack.depth  # (critical(), spelled out: this is every message's path)
     try:
         _HeldBack.depth = depth + 1
         while not frames or frames[-1].more:
-            frames.append(_recv(sock, 0, False))
+            frames.append(_recv(sock, _NOBLOCK, False))
     finally:
         _HeldBack.depth = depth
         if not depth and _HeldBack.pending:
