@@ -87,6 +87,8 @@ from ._wire import (
 )
 from .errors import SerializationError
 
+DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is no secret
+
 log = logging.getLogger("zcollective")
 
 PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
@@ -183,6 +185,7 @@ class Coordinator:
         self.part_bytes = WIRE_PART_BYTES  # frames above this travel in parts (see _settle)
         self.mac = HMAC_SHA256  # the chunk MACs every rank can use
         self._data_ports: Optional[list[str]] = None  # by rank, when the group uses the data plane
+        self._data_key = os.urandom(DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
 
     # -- entry points -------------------------------------------------
 
@@ -492,6 +495,7 @@ class Coordinator:
                                 "parts": self.part_bytes, "mac": self.mac}
         if self._data_ports is not None:
             body["data"], body["data_min"] = self._data_ports, self.by_rank[0].data_min
+            body["data_key"] = self._data_key
         return control(Kind.WELCOME, body, rank=member.rank, session=self.session)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:

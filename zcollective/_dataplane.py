@@ -51,8 +51,11 @@ log = logging.getLogger("zcollective")
 HEADER = struct.Struct("<2sBBQQiii")  # magic version kind session seq origin step index
 MAGIC = b"ZD"
 VERSION = 1
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-          | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+          | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 TRACKER_POLL_S = 0.001  # how often a finished job looks whether its last sends have left
 _POLLIN, _POLLOUT = zmq.POLLIN, zmq.POLLOUT
 
@@ -74,9 +77,11 @@ class DataPlane:
 
     def __init__(self, ctx: zmq.Context, config: Config,
                  gatekeeper: Optional[_zap.Gatekeeper] = None) -> None:
-        """Bind the data port. With a secret, its handshakes are answered by
-        ``gatekeeper`` (rank 0's coordinator thread serves its own) or, if
-        None, by a gatekeeper of this data plane's, served in its loops."""
+        """Bind the data port. Its handshakes are answered by ``gatekeeper``
+        (with a secret, rank 0's coordinator thread serves its own) or, if
+        None, by a gatekeeper of this data plane's, served in its loops: with
+        a secret, tokens under it; without, none until :meth:`start` gives
+        the group's data key."""
         self.rank = config.rank
         self.size = config.num_replicas
         self._config = config
@@ -90,22 +95,22 @@ class DataPlane:
         self._prev_fd: Optional[int] = None  # the previous rank's connection, once it sent
         self._pushed_since: Optional[float] = None  # first failed connect to the next rank
         self._connected = False
+        self._broken = False  # the link to the next rank went down after it was made: lost
         self._push_fd: Optional[int] = None  # the connection to the next rank (its monitor says)
         self._trackers: deque[Any] = deque()
         self._inbox: deque[list[Any]] = deque()  # received, not yet taken (see _sockets.handled)
         self._monitor_inbox: dict[int, deque[list[Any]]] = {}  # the same for each monitor
         self._warned: set[str] = set()
         self._gate: Optional[_zap.Gatekeeper] = None  # ours to serve (not rank 0's thread's)
-        self._gate_checked = config.secret is not None  # every peer proved the secret to connect
         what = f"rank {self.rank} cannot open its data port"
         with _sockets.mapped(what, address=True):
-            if config.secret is not None and gatekeeper is None:
+            if gatekeeper is None:
                 gatekeeper = self._gate = _zap.Gatekeeper(ctx, config.secret)
             self._pull = ctx.socket(zmq.PULL)
             try:
                 self._setup(self._pull)
-                if gatekeeper is not None:  # strangers are refused at the handshake
-                    _zap.secure_server(self._pull, gatekeeper, _zap.DATA_DOMAIN)
+                # strangers are refused at the handshake, before libzmq takes in a byte of theirs
+                _zap.secure_server(self._pull, gatekeeper, _zap.DATA_DOMAIN)
                 host = local_address(config)
                 if host.startswith("["):
                     self._pull.setsockopt(zmq.IPV6, 1)
@@ -124,12 +129,13 @@ class DataPlane:
         _sockets.set_never_drop(sock)  # cannot make this process allocate more
         _sockets.set_heartbeats(sock, self._config)
 
-    def start(self, session: int, endpoints: list[str], mac: str, deadline: Optional[float],
-              pump: Callable[[], None]) -> None:
+    def start(self, session: int, endpoints: list[str], mac: str, data_key: Optional[str],
+              deadline: Optional[float], pump: Callable[[], None]) -> None:
         """The group is welcomed: connect to the next rank's data port and
         wait (every rank is inside ``initialize`` now, to answer) until both
         data links have made their handshake, so none is left waiting on a
-        replica busy in its own code.
+        replica busy in its own code. Tokens are made under the secret, or
+        without one under ``data_key`` (hex, from the WELCOME).
 
         Raises
         ------
@@ -137,8 +143,14 @@ class DataPlane:
             A data link was not made by ``deadline``; names the ports.
         """
         self.session, self.endpoints = session, endpoints
-        if self._config.secret is not None:  # the MACs every rank of the group has
-            self._mac = ChunkMac(self._config.secret, mac)
+        key = self._config.secret
+        if key is not None:  # the MACs every rank of the group has
+            self._mac = ChunkMac(key, mac)
+        else:
+            assert data_key is not None  # (the member takes no data plan without one)
+            key = bytes.fromhex(data_key)
+            if self._gate is not None:
+                self._gate.rekey(key)
         target = endpoints[(self.rank + 1) % self.size]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)
@@ -146,8 +158,7 @@ class DataPlane:
                 self._setup(push)
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
-                if self._config.secret is not None:
-                    _zap.secure_client(push, self._config.secret, _zap.DATA_DOMAIN)
+                _zap.secure_client(push, key, _zap.DATA_DOMAIN)  # one token: a link is made once
                 self._push_monitor = _sockets.monitor_socket(push, EVENTS)
                 push.connect(target)
             except BaseException:
@@ -249,7 +260,11 @@ class DataPlane:
         ours = len(items)
         items += link
         while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
-            self._send(seq, job)
+            if job.outbox and (self._broken or not self._send(seq, job)):
+                # the link went down since it was made: a connection libzmq re-made may have
+                # lost chunks, or was refused (a spent token) and left no pipe; it is lost
+                fail(self._lost(seq, job, (self.rank + 1) % self.size, "to"))
+                continue
             if job.done and self._sent():
                 return True
             slice_s = TRACKER_POLL_S if job.done else _sockets.POLL_SLICE_S
@@ -280,24 +295,32 @@ class DataPlane:
             trackers.popleft()
         return not trackers
 
-    def _send(self, seq: int, job: Job) -> None:
+    def _send(self, seq: int, job: Job) -> bool:
+        """Send the job's outbox without blocking; False if libzmq has no pipe
+        to the next rank (see :data:`zcollective._sockets._NOBLOCK`)."""
         push = self._push
         assert push is not None
         outbox = job.outbox
         with _sockets.critical():
-            for out in outbox:
-                job.sent += 1
-                if out.frames is not None:  # forwarded as it came: header, tag, payload
-                    push.send_multipart(out.frames, copy=False)
-                    continue
-                header = HEADER.pack(MAGIC, VERSION, out.kind, self.session, seq, self.rank, out.step,
-                                     out.index)
-                payload = memoryview(out.payload).cast("B")
-                tag = self._mac.tag(header, payload) if self._mac is not None else b""
-                tracker = push.send_multipart([header, tag, payload], copy=False, track=True)
-                if tracker is not None and not tracker.done:
-                    self._trackers.append(tracker)
+            try:
+                for out in outbox:
+                    if out.frames is not None:  # forwarded as it came: header, tag, payload
+                        push.send_multipart(out.frames, zmq.NOBLOCK, copy=False)
+                        job.sent += 1
+                        continue
+                    header = HEADER.pack(MAGIC, VERSION, out.kind, self.session, seq, self.rank, out.step,
+                                         out.index)
+                    payload = memoryview(out.payload).cast("B")
+                    tag = self._mac.tag(header, payload) if self._mac is not None else b""
+                    tracker = push.send_multipart([header, tag, payload], zmq.NOBLOCK, copy=False,
+                                                  track=True)
+                    job.sent += 1
+                    if tracker is not None and not tracker.done:
+                        self._trackers.append(tracker)
+            except zmq.Again:
+                return False
             outbox.clear()
+        return True
 
     def _drain(self, seq: int, job: Job, member: Member, fail: Callable[[Exception], None]) -> bool:
         """Take every chunk waiting; is ``job`` still going? A chunk leaves the
@@ -326,18 +349,14 @@ class DataPlane:
             return
         payload = frames[2]
         if self._mac is not None and not self._mac.verify(header, memoryview(payload), frames[1].bytes):
-            # only holders of the secret pass the handshake of a data port (_zap), so a chunk that
-            # fails was altered on the way (the warning below is for a gatekeeper that let one in)
-            if self._gate_checked or (fd is not None and fd == self._prev_fd):
-                altered = AuthenticationError(
-                    f"seq {chunk_seq} {job.op}: a {KIND_NAMES[kind]} chunk on the data link from rank "
-                    f"{(self.rank - 1) % self.size} to rank {self.rank} failed authentication: was "
-                    f"the link altered in flight?")
-                altered.lost_rank = (self.rank - 1) % self.size  # type: ignore[attr-defined]
-                fail(altered)
-            else:
-                self._warn("tag", f"dropped a chunk on the data port (fd {fd}) that failed "
-                                  f"authentication: not from a holder of the secret")
+            # only members pass the handshake of a data port (_zap), so a chunk that fails was
+            # altered on the way
+            altered = AuthenticationError(
+                f"seq {chunk_seq} {job.op}: a {KIND_NAMES[kind]} chunk on the data link from rank "
+                f"{(self.rank - 1) % self.size} to rank {self.rank} failed authentication: was "
+                f"the link altered in flight?")
+            altered.lost_rank = (self.rank - 1) % self.size  # type: ignore[attr-defined]
+            fail(altered)
             return
         if kind == RS and origin != (self.rank - 1) % self.size:
             self._warn("origin", f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
@@ -379,12 +398,12 @@ class DataPlane:
                     self._connected, self._pushed_since = True, None
                     if event == zmq.EVENT_CONNECTED:
                         self._push_fd = value
-                elif event == zmq.EVENT_DISCONNECTED:
+                elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     if job.sent < job.to_send or not self._sent():
                         return fail(self._lost(seq, job, nxt, "to"))
                     # it had all this rank sends it (and may have ended its program): not a loss
-                    # now; a later call that needs the link finds out (see below)
-                    self._connected = False
+                    # now; a later call that needs the link finds it lost (a link is made once)
+                    self._connected, self._broken = False, True
                 elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected:
                     self._pushed_since = self._pushed_since or time.monotonic()
         if (self._pushed_since is not None

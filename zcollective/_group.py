@@ -201,7 +201,8 @@ class Group:
             self._data = None
             data.close()
             return
-        data.start(member.session, member.data_endpoints, member.mac, deadline, link.progress)
+        data.start(member.session, member.data_endpoints, member.mac, member.data_key, deadline,
+                   link.progress)
         member.check()  # the group failed while the links were made
         link.data = data
 

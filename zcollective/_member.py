@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from . import _wire
-from ._coordinator import PYTHON_VERSION
+from ._coordinator import DATA_KEY_BYTES, PYTHON_VERSION
 from ._mac import HMAC_SHA256, POLY1305, available_backends
 from ._stats import CallStats, calls_log
 from ._wire import (
@@ -148,6 +148,7 @@ class Member:
         self.data_min_bytes = 0  # what it asks of the group (rank 0's is used)
         self.data_mode = "auto"  # "on": use it even on one host (rank 0's is used)
         self.data_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME
+        self.data_key: Optional[str] = None  # the data ports' token key (hex), from the WELCOME
         self.data_jobs: deque[tuple[int, Any]] = deque()  # (seq, Job) ready to move, in order
         self.part_bytes = WIRE_PART_BYTES  # frames above this are sent in parts (the WELCOME says)
         self.mac = HMAC_SHA256  # the chunk MACs of the group (the WELCOME says)
@@ -353,11 +354,11 @@ class Member:
             self.mac = mac
             if self.signer is not None and mac == POLY1305:
                 self.signer.fast = True  # every rank can verify the fast tag
-        endpoints, least = body.get("data"), body.get("data_min")
+        endpoints, least, key = body.get("data"), body.get("data_min"), body.get("data_key")
         if (self.data_endpoint is not None and isinstance(endpoints, list)
                 and len(endpoints) == self.size and all(isinstance(e, str) for e in endpoints)
-                and type(least) is int):
-            self.data_endpoints, self.data_min_bytes = endpoints, least
+                and type(least) is int and _is_key(key)):
+            self.data_endpoints, self.data_min_bytes, self.data_key = endpoints, least, key
 
     def _deliver(self, msg: Message) -> None:
         """Resolve the call ``msg`` answers (rule 3). The call leaves the table
@@ -572,6 +573,17 @@ class Member:
                                        for r, m in list(refused.items())[:3]) + ")"
             return f"{base}: connected, but ranks {missing} had not joined{why}"
         return f"{base}: connected, but the group did not complete"
+
+
+def _is_key(key: Any) -> bool:
+    """A data key as the WELCOME gives it: hex of :data:`DATA_KEY_BYTES` bytes."""
+    if not isinstance(key, str) or len(key) != 2 * DATA_KEY_BYTES:
+        return False
+    try:
+        bytes.fromhex(key)
+    except ValueError:
+        return False
+    return True
 
 
 def _received(msg: Message) -> int:

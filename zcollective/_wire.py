@@ -40,8 +40,9 @@ from typing import Any, Optional
 
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 4  # bump on any change to the layout below (2: BYE; recipient-bound headers;
-# 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered)
+PROTOCOL_VERSION = 5  # bump on any change to the layout below (2: BYE; recipient-bound headers;
+# 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered;
+# 5: data ports check tokens without a secret too, under a data key in WELCOME)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header

@@ -40,8 +40,10 @@ Use (the drivers')::
 
 One :class:`Gatekeeper` per context (libzmq allows one ZAP handler per
 context); every PLAIN server socket of that context is answered by it,
-whatever its domain. Without a secret, use none of this: sockets keep the
-NULL mechanism and libzmq makes no ZAP request.
+whatever its domain. Without a secret the master port keeps the NULL
+mechanism (libzmq makes no ZAP request); data ports still check tokens, under
+a random key the coordinator hands every member in the WELCOME (a stranger
+off the path cannot know it; one on the path can read it).
 
 A refused peer is logged once per address (at most :data:`MAX_LOGGED_ADDRESSES`).
 """
@@ -110,9 +112,11 @@ class TokenChecker:
         return None
 
 
-def zap_reply(request: list[bytes], checker: TokenChecker) -> tuple[list[bytes], Optional[str], str]:
+def zap_reply(request: list[bytes],
+              checker: Optional[TokenChecker]) -> tuple[list[bytes], Optional[str], str]:
     """Answer one ZAP request (its frames after the envelope): the reply's
-    frames, why the peer was refused (None: accepted) and its address."""
+    frames, why the peer was refused (None: accepted) and its address.
+    With no ``checker`` (no key yet) every token is refused."""
     if len(request) < 6 or request[0] != b"1.0":
         request_id = request[1] if len(request) > 1 else b""
         bad = "a malformed ZAP request"
@@ -121,6 +125,8 @@ def zap_reply(request: list[bytes], checker: TokenChecker) -> tuple[list[bytes],
     peer = address.decode("ascii", "replace") or "an unknown address"
     if mechanism != b"PLAIN" or len(request) != 8:
         why: Optional[str] = f"security mechanism {mechanism.decode('ascii', 'replace')[:20]}, not PLAIN"
+    elif checker is None:
+        why = "no key yet (the group is not formed)"
     else:
         why = checker.check(domain, request[6], request[7])
     if why is None:
@@ -130,7 +136,10 @@ def zap_reply(request: list[bytes], checker: TokenChecker) -> tuple[list[bytes],
 
 class Gatekeeper:
     """The ZAP handler of one context: a socket bound at the ZAP endpoint,
-    answered by :meth:`serve` from the thread that made it.
+    answered by :meth:`serve` from the thread that made it. Tokens are
+    checked under ``secret``; with None, every one is refused until
+    :meth:`rekey` gives the key (a data port without a secret: the group's
+    data key, from the WELCOME).
 
     Raises
     ------
@@ -139,9 +148,9 @@ class Gatekeeper:
         callers translate it (see :mod:`zcollective._sockets`).
     """
 
-    def __init__(self, ctx: zmq.Context, secret: bytes) -> None:
+    def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
         self.ctx = ctx
-        self._checker = TokenChecker(secret)
+        self._checker = TokenChecker(secret) if secret is not None else None
         self._logged: set[str] = set()
         self.refused = 0  # handshakes refused so far (for tests and stats)
         self.accepted = 0
@@ -179,6 +188,10 @@ class Gatekeeper:
                 self.refused += 1
                 domain = frames[4].decode("ascii", "replace")[:40] if len(frames) > 4 else ""
                 self.log_refusal(address, domain, why)
+
+    def rekey(self, secret: bytes) -> None:
+        """Check tokens under ``secret`` from now on."""
+        self._checker = TokenChecker(secret)
 
     def log_refusal(self, address: Optional[str], domain: str, why: str) -> None:
         """Log a peer refused at the handshake, once per address; a peer

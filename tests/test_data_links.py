@@ -1,0 +1,251 @@
+"""Faults of one data link only, the control plane staying up: a relay sits
+in front of one rank's data port (in that rank's process, which announces
+the relay's port as its own; rank 0's handshakes are answered at once by its
+coordinator thread, another rank's only while it moves data) and resets the TCP connection at rest
+or mid-call, or alters a chunk's bytes. The data plane's own detection must
+name the link on every rank within the bound, with or without a secret; the
+coordinator sees nothing wrong with anyone, so no other message can.
+
+The relay is a thread of rank 2's process: rank 2 decides when it acts
+(after a call, or after so many bytes of the next), so nothing is timed
+from outside."""
+
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+import zmq
+from conftest import touch, wait_for
+from relay import Relay
+from test_zap import GREETING_NULL, GREETING_PLAIN, command, hello, rss_kib
+
+import zcollective as zc
+from zcollective import _dataplane
+from zcollective.testing import Replicas, report
+
+ON = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096",
+      "ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}
+OP_TIMEOUT = 20.0  # the issue's: a rank stuck past it would show as a timeout, not an error
+REMADE_S = 2.0  # libzmq re-makes a connection within 100 ms (RECONNECT_IVL_MS)
+ANSWER_S = 0.5  # a refusal takes milliseconds
+BOUND = 2.0 + 6.0  # liveness bound plus slack for a loaded 2-core machine
+SECRET = "s" * 32
+ALTERED = ("chunk on the data link from rank {prev} to rank {front} failed authentication: "
+           "was the link altered")
+
+
+def lost_forms(front):
+    prev = (front - 1) % 3
+    return (f"rank {prev} lost its data link to rank {front}",
+            f"rank {front} lost its data link from rank {prev}")
+
+
+class LinkRelay(Relay):
+    """Carries the previous rank's data link; :meth:`reset` sends both ends a
+    TCP reset; ``arm(n, action)`` does ``action`` once ``n`` more bytes went
+    upstream."""
+
+    def __init__(self, upstream):
+        self.upward = 0  # bytes carried upstream
+        self.armed = None  # (byte count, "reset" | "alter")
+        self.done = False
+        self.ended = 0  # directions of connections that ended (two per connection)
+        super().__init__(upstream)
+
+    def _carry(self, *args):
+        super()._carry(*args)
+        self.ended += 1
+
+    def settled(self):
+        """Wait (bounded) until libzmq has re-made the reset connection and
+        the data port had time to refuse its handshake (a spent token) and
+        close it: rank 0's coordinator thread answers at once; another rank,
+        or rank 0 without a secret, only once it moves data again."""
+        for until, done in ((REMADE_S, lambda: self.connections >= 2), (ANSWER_S, lambda: self.ended >= 4)):
+            deadline = time.monotonic() + until
+            while time.monotonic() < deadline and not done():
+                time.sleep(0.01)
+
+    def arm(self, nbytes, action):
+        self.armed = (self.upward + nbytes, action)
+
+    def pump(self, upward):
+        def carry(data):
+            if not data or not upward:
+                return data or b""
+            self.upward += len(data)
+            if self.armed and self.upward >= self.armed[0] and not self.done:
+                self.done = True
+                if self.armed[1] == "reset":
+                    self.reset()
+                    return b""
+                data = bytearray(data)
+                data[len(data) // 2] ^= 0xFF  # a byte in the middle of whatever frame this is
+                return bytes(data)
+            return data
+        return carry
+
+    def reset(self):
+        for s in list(self._sockets):
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()  # with linger 0: a RST, as a middlebox or NAT timeout sends
+            except OSError:
+                pass
+
+
+def _through_relay():
+    """This rank announces a relay in front of its data port (before its JOIN)."""
+    original = _dataplane.DataPlane.__init__
+
+    def patched(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        port = int(self.endpoint.rsplit(":", 1)[1])
+        self.relay = LinkRelay(port)
+        self.endpoint = f"tcp://127.0.0.1:{self.relay.port}"
+
+    _dataplane.DataPlane.__init__ = patched
+
+
+def link_fault(front, when, secret):
+    rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    if rank == front:
+        _through_relay()
+    zc.initialize(op_timeout=OP_TIMEOUT, secret=secret, timeout=60)
+    relay = zc._current()._data.relay if rank == front else None
+    x = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: many chunks on every link
+    first = zc.allreduce(x)
+    assert np.array_equal(first, 3 * x)
+    if when == "at rest":
+        if relay is not None:
+            relay.reset()
+            assert relay.connections == 1  # the link was made once, and is reset now
+            relay.settled()
+        zc.barrier()  # (the control plane only)
+    elif relay is not None:
+        relay.arm(2 << 20, when)  # mid-call: a quarter into the next allreduce's ring
+    if rank == (front - 1) % 3:
+        time.sleep(0.25)  # a busy replica, a little late to the call
+    start = time.monotonic()
+    try:
+        zc.allreduce_async(x).result(timeout=OP_TIMEOUT)
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+@pytest.mark.parametrize("when", ["at rest", "reset"], ids=["at-rest", "mid-call"])
+@pytest.mark.parametrize("front", [0, 2], ids=["into-rank-0", "into-rank-2"])
+def test_a_reset_data_link_is_named_on_every_rank_within_the_bound(front, when, secret):
+    with Replicas(link_fault, 3, front, when, secret, initialize=False, env=ON) as reps:
+        outs = reps.wait(60)
+    for o in outs:
+        assert o.ok, report(outs, f"rank {o.rank} failed")
+        kind, message, took = o.value
+        assert kind == "ReplicaLostError", report(outs, f"rank {o.rank}: {kind}: {message}")
+        assert any(form in message for form in lost_forms(front)), report(outs, f"rank {o.rank}: {message}")
+        seq = 2 if when == "at rest" else 1  # (at rest, a barrier came between)
+        assert f"seq {seq} allreduce" in message, report(outs, message)
+        assert took < BOUND, report(outs, f"rank {o.rank} took {took:.1f} s")
+
+
+@pytest.mark.parametrize("front", [0, 2], ids=["into-rank-0", "into-rank-2"])
+def test_a_data_link_altered_in_flight_fails_the_call_on_every_rank(front):
+    with Replicas(link_fault, 3, front, "alter", SECRET, initialize=False, env=ON) as reps:
+        outs = reps.wait(60)
+    for o in outs:
+        assert o.ok, report(outs, f"rank {o.rank} failed")
+        kind, message, took = o.value
+        altered = ALTERED.format(prev=(front - 1) % 3, front=front)
+        assert kind == "AuthenticationError" and altered in message, report(outs, message)
+        assert took < BOUND, report(outs, f"rank {o.rank} took {took:.1f} s")
+
+
+# -- a stranger on a replica's data port, no secret -----------------------------------------
+
+FRAME = 256 << 10  # under the data port's frame bound (CHUNK_BYTES): accepted as a frame
+ATTACK_BYTES = 100 << 20  # what each stranger pushes, as frames flagged "more", never ending
+RSS_GROWTH_MAX_KIB = 32 << 10  # rank 1 may grow this much (allocator noise)
+STALL_S = 3.0  # a stranger whose bytes nobody reads for this long gives up
+MORE = bytes([0x03]) + FRAME.to_bytes(8, "big")  # a long frame, "more" to follow
+
+
+def ready_push():
+    return command(b"READY", b"\x0bSocket-Type\x00\x00\x00\x04PUSH")
+
+
+def endless(address, opening):
+    """A raw TCP stranger: ``opening``, then 256 KiB frames flagged "more"
+    for ever; return how many bytes left before the connection closed."""
+    host, port = address
+    chunk, sent = MORE + b"\0" * FRAME, 0
+    with socket.create_connection((host, port), timeout=STALL_S) as s:
+        try:
+            s.sendall(opening)
+            while sent < ATTACK_BYTES:
+                s.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # closed by the replica, or stalled (nothing read) for STALL_S
+            pass
+    return sent
+
+
+def idle_under_attack(markers):
+    """Rank 1 says where its data port is, then idles in user code while the
+    test attacks it; every rank then checks the group still computes."""
+    rank = zc.get_rank()
+    x = np.arange(1 << 16, dtype=np.float64) * (rank + 1)
+    assert np.array_equal(zc.allreduce(x), np.arange(1 << 16, dtype=np.float64) * 6)
+    if rank == 1:
+        with open(os.path.join(markers, "port.tmp"), "w") as f:
+            f.write(zc._current()._data.endpoint)
+        os.rename(os.path.join(markers, "port.tmp"), os.path.join(markers, "port"))
+        wait_for(os.path.join(markers, "attacked"), timeout=60)  # idle, in user code
+    zc.barrier()
+    y = zc.allreduce(np.full(1 << 16, rank + 1.0))
+    assert np.array_equal(y, np.full(1 << 16, 6.0)), y[:4]
+    return True
+
+
+def test_a_stranger_on_a_replicas_data_port_gets_nothing_in_without_a_secret(tmp_path):
+    """The issue's attack: NULL (or a made-up PLAIN token), then endless
+    frames flagged "more". Before data ports checked tokens without a secret,
+    rank 1 held about as much as was sent (101 MiB for 100 MiB)."""
+    markers = str(tmp_path)
+    env = {k: v for k, v in ON.items() if k != "ZCOLLECTIVE_LIVENESS_TIMEOUT"}
+    sent, growth = {}, 0
+    with Replicas(idle_under_attack, 3, markers, env=env) as reps:
+        try:
+            wait_for(os.path.join(markers, "port"), timeout=60)
+            with open(os.path.join(markers, "port")) as f:
+                endpoint = f.read()
+            host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+            pid = reps.procs[1].pid
+            before = rss_kib(pid)
+            ctx = zmq.Context()
+            try:  # a pyzmq PUSH with no credentials queues its part, too
+                stranger = ctx.socket(zmq.PUSH)
+                stranger.linger = 0
+                stranger.sndhwm = 0
+                stranger.connect(endpoint)
+                for _ in range(ATTACK_BYTES // FRAME):
+                    stranger.send(b"\0" * FRAME, zmq.SNDMORE)
+                sent["pyzmq, NULL"] = ATTACK_BYTES
+                sent["raw, NULL"] = endless((host, int(port)), GREETING_NULL + ready_push())
+                sent["raw, PLAIN"] = endless((host, int(port)), GREETING_PLAIN + hello(
+                    b"zc1." + b"1" * 32, b"1" * 64))
+                time.sleep(1.0)  # what the PUSH queued has left by now, if anything lets it
+                growth = rss_kib(pid, "VmHWM") - before  # its peak under attack
+            finally:
+                ctx.destroy(linger=0)
+        finally:
+            touch(os.path.join(markers, "attacked"))
+        outs = reps.wait(60)
+    said = report(outs, f"rank 1 grew by {growth} KiB; the strangers sent {sent}")
+    assert all(o.ok for o in outs), said
+    assert growth < RSS_GROWTH_MAX_KIB, said
+    assert sent["raw, NULL"] < ATTACK_BYTES and sent["raw, PLAIN"] < ATTACK_BYTES, said
