@@ -11,6 +11,7 @@ The relay is a thread of rank 2's process: rank 2 decides when it acts
 from outside."""
 
 import os
+import signal
 import socket
 import struct
 import time
@@ -249,3 +250,100 @@ def test_a_stranger_on_a_replicas_data_port_gets_nothing_in_without_a_secret(tmp
     assert all(o.ok for o in outs), said
     assert growth < RSS_GROWTH_MAX_KIB, said
     assert sent["raw, NULL"] < ATTACK_BYTES and sent["raw, PLAIN"] < ATTACK_BYTES, said
+
+
+# -- the control link reset: the same promise on the master port ----------------------------
+
+
+def control_reset(markers, secret):
+    """Rank 1's connection to rank 0 goes through a relay the test resets
+    between two calls; rank 1 then calls first (its contribution is sent
+    before anything is read: the send must not block on a dropped pipe)."""
+    rank = zc.get_rank()
+    assert zc.allreduce(rank) == 3
+    zc.barrier()
+    if rank == 1:
+        touch(os.path.join(markers, "reset-me"))
+        wait_for(os.path.join(markers, "reset"))
+    start = time.monotonic()
+    try:
+        zc.allreduce_async(rank).result(timeout=OP_TIMEOUT)
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_a_reset_control_link_is_named_on_every_rank_within_the_bound(tmp_path, secret):
+    markers = str(tmp_path)
+    port = zc.testing.free_port()
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2", **({"ZCOLLECTIVE_SECRET": secret} if secret else {})}
+    with LinkRelay(port) as relay, \
+            Replicas(control_reset, 3, markers, secret, port=port, env=env,
+                     rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
+        try:
+            wait_for(os.path.join(markers, "reset-me"), timeout=60)
+            assert relay.connections == 1
+            relay.reset()
+            relay.settled()  # re-made; with a secret, refused (rank 0's thread answers at once)
+        finally:
+            touch(os.path.join(markers, "reset"))
+        outs = reps.wait(60)
+    for o in outs:
+        assert o.ok, report(outs, f"rank {o.rank} failed")
+        kind, message, took = o.value
+        assert kind == "ReplicaLostError", report(outs, f"rank {o.rank}: {kind}: {message}")
+        expected = "rank 1 lost the coordinator (rank 0)" if o.rank == 1 else "rank 1 (pid"
+        assert expected in message and "lost" in message, report(outs, f"rank {o.rank}: {message}")
+        assert took < BOUND, report(outs, f"rank {o.rank} took {took:.1f} s")
+
+
+# -- Ctrl-C on a rank waiting on a silent data link -----------------------------------------
+
+
+def interrupted_on_a_silent_link(markers):
+    rank = zc.get_rank()
+
+    @zc.elementwise
+    def add_then_stop(a, b):
+        if rank == 2:
+            touch(os.path.join(markers, "stopping"))
+            os.kill(os.getpid(), signal.SIGSTOP)  # silent mid-ring: no close, no answer
+        a += b
+        return a
+
+    zc.barrier()
+    if rank == 1:
+        touch(os.path.join(markers, "waiting"))
+    try:
+        zc.allreduce(np.ones(4 << 20, dtype=np.float32), add_then_stop)
+    except KeyboardInterrupt:
+        with open(os.path.join(markers, "interrupted.tmp"), "w") as f:
+            f.write(repr(time.monotonic()))  # (CLOCK_MONOTONIC: one clock for every process)
+        os.rename(os.path.join(markers, "interrupted.tmp"), os.path.join(markers, "interrupted"))
+        return "interrupted"
+    except zc.CollectiveError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_ctrl_c_ends_a_call_waiting_on_a_silent_data_link(tmp_path):
+    """The stopped rank would be found lost only after the liveness bound
+    (30 s here); Ctrl-C on its neighbour ends that neighbour's call at once."""
+    markers = str(tmp_path)
+    env = {**ON, "ZCOLLECTIVE_LIVENESS_TIMEOUT": "30"}
+    with Replicas(interrupted_on_a_silent_link, 3, markers, env=env) as reps:
+        try:
+            wait_for(os.path.join(markers, "stopping"), os.path.join(markers, "waiting"), timeout=60)
+            time.sleep(0.5)  # rank 1 is inside the ring, waiting on rank 2's chunks
+            sent = time.monotonic()
+            reps.kill(1, signal.SIGINT)
+            wait_for(os.path.join(markers, "interrupted"), timeout=10)
+            with open(os.path.join(markers, "interrupted")) as f:
+                took = float(f.read()) - sent
+        finally:
+            reps.kill(2, signal.SIGKILL)  # the others end (without teardown) at once
+        outs = reps.wait(60)
+    said = report(outs, f"Ctrl-C on rank 1: interrupted after {took:.2f} s")
+    assert outs[1].ok and outs[1].value == "interrupted", said
+    assert took < 2.0, said
