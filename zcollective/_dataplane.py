@@ -207,7 +207,7 @@ class DataPlane:
         unread resets the connection, and the peer loses what it had not
         read). Reads the kernel's send queue of the connection's socket."""
         fd, deadline = self._push_fd, time.monotonic() + timeout
-        if fd is None:
+        if fd is None or self._broken:  # a lost link delivers nothing more
             return
         while time.monotonic() < deadline:
             if not self._sent():  # libzmq still holds some: they reach the kernel first
@@ -221,7 +221,7 @@ class DataPlane:
         """Close the data sockets; what is queued to the next rank gets
         ``linger_ms`` to leave (a program ending: chunks it forwards)."""
         if self._push is not None and self._push_monitor is not None:
-            _sockets.close_monitored(self._push, self._push_monitor, linger_ms)
+            _sockets.close_monitored(self._push, self._push_monitor, 0 if self._broken else linger_ms)
         _sockets.close_monitored(self._pull, self._pull_monitor, 0)
         if self._gate is not None:
             self._gate.close()  # after the data port: no handshake is left to answer
@@ -426,6 +426,8 @@ class DataPlane:
         return self._monitor_inbox.setdefault(id(monitor), deque())
 
     def _lost(self, seq: int, job: Job, peer: int, way: str) -> ReplicaLostError:
+        if way == "to":
+            self._broken = True  # nothing more goes that way, not even at exit
         error = ReplicaLostError(
             f"seq {seq} {job.op}: rank {self.rank} lost its data link {way} rank {peer} "
             f"({self.endpoints[peer]}): connection closed or heartbeats unanswered; {job.progress()}")
