@@ -135,6 +135,7 @@ class Member:
         self.owed: deque[Message] = deque()  # contributions to send, in order (rule 4)
         self.failure: Optional[Exception] = None
         self.connected = False
+        self.coordinator_lost = False  # its connection to rank 0 broke after the WELCOME
         self.status: dict[int, dict[str, Any]] = {}  # seq -> the coordinator's STATUS_REPLY
         self.farewell = False  # the coordinator answered this member's BYE (rule 7)
         self._nonces: set[str] = set()  # every JOIN sent (a reconnect sends another)
@@ -448,6 +449,7 @@ class Member:
             if not self.joined:
                 self._rejoin = True  # the JOIN may have gone down with that connection
                 return []
+            self.coordinator_lost = True
             return self.fail(ReplicaLostError(
                 f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: connection "
                 f"closed or heartbeats unanswered; {self.describe_in_flight()}"))

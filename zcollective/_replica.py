@@ -215,4 +215,6 @@ class Replica(Driver):
         return self._poll_items
 
     def close(self, linger_ms: int = 0) -> None:
+        if self.member.coordinator_lost:
+            linger_ms = 0  # what is queued has nobody to go to: ending must not wait for it
         _sockets.close_monitored(self.dealer, self.monitor, linger_ms)
