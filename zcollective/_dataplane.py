@@ -56,6 +56,9 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FA
 EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
           | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+CLOSED = "connection closed or heartbeats unanswered"  # why a data link is lost
+BROKEN = "its connection broke after an earlier call (a data link is made once)"
+REFUSED = "its connection broke and was refused when re-made (a data link is made once)"
 TRACKER_POLL_S = 0.001  # how often a finished job looks whether its last sends have left
 _POLLIN, _POLLOUT = zmq.POLLIN, zmq.POLLOUT
 
@@ -95,7 +98,7 @@ class DataPlane:
         self._prev_fd: Optional[int] = None  # the previous rank's connection, once it sent
         self._pushed_since: Optional[float] = None  # first failed connect to the next rank
         self._connected = False
-        self._broken = False  # the link to the next rank went down after it was made: lost
+        self._broken: Optional[str] = None  # why the link to the next rank is lost (made once)
         self._push_fd: Optional[int] = None  # the connection to the next rank (its monitor says)
         self._trackers: deque[Any] = deque()
         self._inbox: deque[list[Any]] = deque()  # received, not yet taken (see _sockets.handled)
@@ -207,7 +210,7 @@ class DataPlane:
         unread resets the connection, and the peer loses what it had not
         read). Reads the kernel's send queue of the connection's socket."""
         fd, deadline = self._push_fd, time.monotonic() + timeout
-        if fd is None or self._broken:  # a lost link delivers nothing more
+        if fd is None or self._broken is not None:  # a lost link delivers nothing more
             return
         while time.monotonic() < deadline:
             if not self._sent():  # libzmq still holds some: they reach the kernel first
@@ -221,7 +224,8 @@ class DataPlane:
         """Close the data sockets; what is queued to the next rank gets
         ``linger_ms`` to leave (a program ending: chunks it forwards)."""
         if self._push is not None and self._push_monitor is not None:
-            _sockets.close_monitored(self._push, self._push_monitor, 0 if self._broken else linger_ms)
+            _sockets.close_monitored(self._push, self._push_monitor,
+                                     0 if self._broken is not None else linger_ms)
         _sockets.close_monitored(self._pull, self._pull_monitor, 0)
         if self._gate is not None:
             self._gate.close()  # after the data port: no handshake is left to answer
@@ -260,10 +264,10 @@ class DataPlane:
         ours = len(items)
         items += link
         while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
-            if job.outbox and (self._broken or not self._send(seq, job)):
+            if job.outbox and (self._broken is not None or not self._send(seq, job)):
                 # the link went down since it was made: a connection libzmq re-made may have
                 # lost chunks, or was refused (a spent token) and left no pipe; it is lost
-                fail(self._lost(seq, job, (self.rank + 1) % self.size, "to"))
+                fail(self._lost(seq, job, (self.rank + 1) % self.size, "to", self._broken or REFUSED))
                 continue
             if job.done and self._sent():
                 return True
@@ -399,11 +403,13 @@ class DataPlane:
                     if event == zmq.EVENT_CONNECTED:
                         self._push_fd = value
                 elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
+                    why = CLOSED if event == zmq.EVENT_DISCONNECTED else REFUSED
                     if job.sent < job.to_send or not self._sent():
-                        return fail(self._lost(seq, job, nxt, "to"))
+                        return fail(self._lost(seq, job, nxt, "to", why))
                     # it had all this rank sends it (and may have ended its program): not a loss
                     # now; a later call that needs the link finds it lost (a link is made once)
-                    self._connected, self._broken = False, True
+                    self._connected = False
+                    self._broken = self._broken or (BROKEN if why is CLOSED else why)
                 elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected:
                     self._pushed_since = self._pushed_since or time.monotonic()
         if (self._pushed_since is not None
@@ -425,12 +431,12 @@ class DataPlane:
     def _inbox_of(self, monitor: Any) -> deque[list[Any]]:
         return self._monitor_inbox.setdefault(id(monitor), deque())
 
-    def _lost(self, seq: int, job: Job, peer: int, way: str) -> ReplicaLostError:
+    def _lost(self, seq: int, job: Job, peer: int, way: str, why: str = CLOSED) -> ReplicaLostError:
         if way == "to":
-            self._broken = True  # nothing more goes that way, not even at exit
+            self._broken = self._broken or why  # nothing more goes that way, not even at exit
         error = ReplicaLostError(
             f"seq {seq} {job.op}: rank {self.rank} lost its data link {way} rank {peer} "
-            f"({self.endpoints[peer]}): connection closed or heartbeats unanswered; {job.progress()}")
+            f"({self.endpoints[peer]}): {why}; {job.progress()}")
         error.lost_rank = peer  # type: ignore[attr-defined]
         return error
 
