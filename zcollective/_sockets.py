@@ -7,12 +7,11 @@ monitor, becomes one here too (:func:`handshake_refusal`)."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import socket
 import struct
-import termios
+import sys
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -356,6 +355,12 @@ def take_in(sock: zmq.Socket, inbox: deque[list[Any]], waiting: bool = False) ->
 
 
 _TCP_ESTABLISHED = 1  # tcp_info's first byte (linux/tcp_states.h)
+_TCP_INFO: Optional[int] = getattr(socket, "TCP_INFO", None) if sys.platform == "linux" else None
+try:  # Linux's send-queue ioctl; elsewhere an ending does not wait for acknowledgements
+    import fcntl as _fcntl
+    import termios as _termios
+except ImportError:
+    _fcntl = _termios = None  # type: ignore[assignment]
 
 
 def kernel_port(host: str) -> int:
@@ -369,13 +374,15 @@ def connection_open(fd: int) -> bool:
     """Is ``fd`` (libzmq's) a TCP connection its peer has not closed? False
     too when the number is no socket any more. libzmq reports a close before
     it closes the fd, so between the two the fd is still the old connection's,
-    in CLOSE_WAIT."""
+    in CLOSE_WAIT. Where the state cannot be read (not Linux), True."""
+    if _TCP_INFO is None:
+        return True
     try:
         sock = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a duplicate: ours to close
     except OSError:
         return False
     try:
-        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_ESTABLISHED
+        return sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0] == _TCP_ESTABLISHED
     except OSError:
         return False
     finally:
@@ -387,9 +394,12 @@ def unacknowledged(fd: int) -> Optional[int]:
     acknowledged (the kernel's send queue); None if ``fd`` is no connected
     socket any more. A program ending waits for 0 before its connections
     close: a close with unread data (a heartbeat) resets the connection, and
-    the kernel then drops what it had not yet sent."""
+    the kernel then drops what it had not yet sent. None where the queue
+    cannot be read (not Linux)."""
+    if _fcntl is None or _termios is None:
+        return None
     try:
-        return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0" * 4))[0])
+        return int(struct.unpack("i", _fcntl.ioctl(fd, _termios.TIOCOUTQ, b"\0" * 4))[0])
     except OSError:
         return None
 
