@@ -53,12 +53,17 @@ MAGIC = b"ZD"
 VERSION = 1
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                     zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-          | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+PUSH_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+               | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+PULL_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED  # the fewest: a stranger's
+# connections add events here that wait, unread, while this replica is in user code
 CLOSED = "connection closed or heartbeats unanswered"  # why a data link is lost
 BROKEN = "its connection broke after an earlier call (a data link is made once)"
 REFUSED = "its connection broke and was refused when re-made (a data link is made once)"
+RETRY_S = 0.05  # a data link refused before it was made is tried again this soon (the next
+# rank is inside initialize, about to take its key from the WELCOME)
+HANDSHAKE_MIN_MS = 1000  # the liveness bound's minimum: a handshake on a busy host still fits
 TRACKER_POLL_S = 0.001  # how often a finished job looks whether its last sends have left
 _POLLIN, _POLLOUT = zmq.POLLIN, zmq.POLLOUT
 
@@ -82,9 +87,9 @@ class DataPlane:
                  gatekeeper: Optional[_zap.Gatekeeper] = None) -> None:
         """Bind the data port. Its handshakes are answered by ``gatekeeper``
         (with a secret, rank 0's coordinator thread serves its own) or, if
-        None, by a gatekeeper of this data plane's, served in its loops: with
-        a secret, tokens under it; without, none until :meth:`start` gives
-        the group's data key."""
+        None, by a gatekeeper of this data plane's, answered at once by a
+        thread of its own; none is accepted until :meth:`start` gives the
+        port's link key."""
         self.rank = config.rank
         self.size = config.num_replicas
         self._config = config
@@ -104,11 +109,14 @@ class DataPlane:
         self._inbox: deque[list[Any]] = deque()  # received, not yet taken (see _sockets.handled)
         self._monitor_inbox: dict[int, deque[list[Any]]] = {}  # the same for each monitor
         self._warned: set[str] = set()
-        self._gate: Optional[_zap.Gatekeeper] = None  # ours to serve (not rank 0's thread's)
+        self._gate: Optional[_zap.GateThread] = None  # ours (not rank 0's coordinator thread's)
         what = f"rank {self.rank} cannot open its data port"
         with _sockets.mapped(what, address=True):
             if gatekeeper is None:
-                gatekeeper = self._gate = _zap.Gatekeeper(ctx, config.secret)
+                self._gate = _zap.GateThread(ctx, None)
+                gatekeeper = self._gate.gatekeeper
+            gatekeeper.rekey(None, _zap.DATA_DOMAIN)  # no token opens it before the WELCOME
+            self._gatekeeper = gatekeeper
             self._pull = ctx.socket(zmq.PULL)
             try:
                 self._setup(self._pull)
@@ -119,7 +127,7 @@ class DataPlane:
                     self._pull.setsockopt(zmq.IPV6, 1)
                 self._pull.bind(f"tcp://{host}:*")
                 self.endpoint = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
-                self._pull_monitor = _sockets.monitor_socket(self._pull, EVENTS)
+                self._pull_monitor = _sockets.monitor_socket(self._pull, PULL_EVENTS)
             except BaseException:
                 self._pull.close(linger=0)
                 if self._gate is not None:
@@ -128,6 +136,9 @@ class DataPlane:
 
     def _setup(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
+        # a handshake takes a few round trips: one unfinished within the liveness bound is
+        # dropped, so a stranger cannot hold a connection (an fd, a half-read HELLO) for long
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(HANDSHAKE_MIN_MS, int(self._config.liveness_timeout * 1000)))
         sock.setsockopt(zmq.MAXMSGSIZE, CHUNK_BYTES)  # no frame of ours is larger: a stranger's
         _sockets.set_never_drop(sock)  # cannot make this process allocate more
         _sockets.set_heartbeats(sock, self._config)
@@ -146,15 +157,16 @@ class DataPlane:
             A data link was not made by ``deadline``; names the ports.
         """
         self.session, self.endpoints = session, endpoints
-        key = self._config.secret
-        if key is not None:  # the MACs every rank of the group has
-            self._mac = ChunkMac(key, mac)
+        base = self._config.secret
+        if base is not None:  # the MACs every rank of the group has
+            self._mac = ChunkMac(base, mac)
         else:
             assert data_key is not None  # (the member takes no data plan without one)
-            key = bytes.fromhex(data_key)
-            if self._gate is not None:
-                self._gate.rekey(key)
-        target = endpoints[(self.rank + 1) % self.size]
+            base = bytes.fromhex(data_key)
+        nxt = (self.rank + 1) % self.size
+        self._gatekeeper.rekey(_zap.link_key(base, session, self.rank), _zap.DATA_DOMAIN)
+        key = _zap.link_key(base, session, nxt)  # the next rank's port accepts only its own
+        target = endpoints[nxt]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)
             try:
@@ -162,35 +174,46 @@ class DataPlane:
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 _zap.secure_client(push, key, _zap.DATA_DOMAIN)  # one token: a link is made once
-                self._push_monitor = _sockets.monitor_socket(push, EVENTS)
+                self._push_monitor = _sockets.monitor_socket(push, PUSH_EVENTS)
                 push.connect(target)
             except BaseException:
                 push.close(linger=0)
                 raise
         self._push = push
-        self._handshakes(deadline, pump)
+        self._handshakes(deadline, pump, key)
 
-    def _handshakes(self, deadline: Optional[float], pump: Callable[[], None]) -> None:
-        assert self._push_monitor is not None
+    def _handshakes(self, deadline: Optional[float], pump: Callable[[], None], key: bytes) -> None:
+        """Wait until both links made their handshake. Until then nothing was
+        sent on them, so a refused or broken attempt is made again with a
+        fresh token: the next rank refuses every token until its WELCOME gave
+        it the key, and a connection reset meanwhile spends the token."""
+        assert self._push_monitor is not None and self._push is not None
         out_ok = in_ok = False
+        retry_at: Optional[float] = None
+        refused = 0
         items: list[Any] = [(self._push_monitor, _POLLIN), (self._pull_monitor, _POLLIN)]
-        if self._gate is not None:
-            items.append((self._gate.fd, _POLLIN))
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         while not (out_ok and in_ok):
-            if self._gate is not None:
-                self._gate.serve()
             for event, value in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
-                out_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
-                if event == zmq.EVENT_CONNECTED:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    out_ok, retry_at = True, None
+                elif event == zmq.EVENT_CONNECTED:
                     self._push_fd = value  # the TCP connection to the next rank
+                elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
+                    refused += event in HANDSHAKE_FAILED
+                    out_ok, retry_at = False, time.monotonic() + RETRY_S
             for event, _ in _drain_monitor(self._pull_monitor, self._inbox_of(self._pull_monitor)):
                 in_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
             if out_ok and in_ok:
                 break
+            if retry_at is not None and time.monotonic() >= retry_at:
+                retry_at = None
+                self._connect_anew(self.endpoints[nxt], key)
             pump()
             if deadline is not None and time.monotonic() >= deadline:
-                nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
                 missing = [f"to rank {nxt} at {self.endpoints[nxt]}"] if not out_ok else []
+                if refused and not out_ok:
+                    missing[0] += f" (its data port refused this rank's token {refused} times)"
                 missing += [f"from rank {prev} (to {self.endpoint})"] if not in_ok else []
                 raise CollectiveTimeoutError(
                     f"rank {self.rank} joined the group but could not make its data links "
@@ -199,6 +222,18 @@ class DataPlane:
             wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
             zmq_poll(items, int(wait * 1000))
         self._connected = True
+
+    def _connect_anew(self, target: str, key: bytes) -> None:
+        """Drop the next rank's endpoint and connect again with a fresh token."""
+        push = self._push
+        assert push is not None
+        with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
+            try:
+                push.disconnect(target)
+            except zmq.ZMQError:
+                pass  # libzmq already let go of it (a refused handshake ends the session)
+            _zap.secure_client(push, key, _zap.DATA_DOMAIN)
+            push.connect(target)
 
     def fds(self) -> list[int]:
         return [s.FD for s in (self._pull, self._pull_monitor, self._push_monitor) if s is not None]
@@ -259,8 +294,6 @@ class DataPlane:
         items: list[Any] = [(self._pull, _POLLIN), (self._pull_monitor, _POLLIN)]
         if self._push_monitor is not None:
             items.append((self._push_monitor, _POLLIN))
-        if self._gate is not None:
-            items.append((self._gate.fd, _POLLIN))
         ours = len(items)
         items += link
         while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
@@ -278,8 +311,6 @@ class DataPlane:
             if waiting or self._taken_in():  # taken in, not handled: handle it first
                 slice_s = 0
             ready = zmq_poll(items, max(0, int(slice_s * 1000)))
-            if self._gate is not None:
-                self._gate.serve()  # a stranger's handshake, refused
             self._drain(seq, job, member, fail)
             self._events(seq, job, fail, lambda: self._drain(seq, job, member, fail))
             if waiting or (len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready)):

@@ -54,25 +54,37 @@ import hashlib
 import hmac
 import logging
 import os
+import threading
 from typing import Optional
 
 import zmq
 
 log = logging.getLogger("zcollective")
 
-__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "Gatekeeper", "TokenChecker", "client_credentials",
-           "derive_key", "secure_client", "secure_server", "zap_reply"]
+__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "Gatekeeper", "GateThread", "TokenChecker",
+           "client_credentials", "derive_key", "link_key", "secure_client", "secure_server", "zap_reply"]
 
 MASTER_DOMAIN = "zcollective-master"  # the coordinator's ROUTER
 DATA_DOMAIN = "zcollective-data"  # a replica's data socket
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
 KEY_LABEL = b"zcollective-v1-zap-plain"  # its own key: a handshake MAC is never a message tag
+LINK_LABEL = b"zcollective-v1-data-link"  # a data port's key: bound to its group and rank
 USERNAME_PREFIX = b"zc1."  # the token format's version
 NONCE_BYTES = 16  # random enough never to repeat, short enough for PLAIN's 255-byte fields
+NOT_YET = "no key yet (the group is not formed)"  # a member early for its link: not logged
+GATE_JOIN_S = 5.0  # a gate thread stops within one poll; more means something is badly wrong
 MAX_LOGGED_ADDRESSES = 1024  # refused addresses remembered for logging once; past it, silence
 _USERNAME_LEN = len(USERNAME_PREFIX) + 2 * NONCE_BYTES
 _PASSWORD_LEN = 2 * hashlib.sha256().digest_size
 _HEX = frozenset(b"0123456789abcdef")
+
+
+def link_key(base: bytes, session: int, rank: int) -> bytes:
+    """The key of the tokens for rank ``rank``'s data port in group
+    ``session``: a token copied off one data link opens no other port, and
+    none of a later group under the same secret (or data key)."""
+    return hmac.new(base, LINK_LABEL + session.to_bytes(8, "little") + rank.to_bytes(4, "little"),
+                    hashlib.sha256).digest()
 
 
 def derive_key(secret: bytes) -> bytes:
@@ -126,7 +138,7 @@ def zap_reply(request: list[bytes],
     if mechanism != b"PLAIN" or len(request) != 8:
         why: Optional[str] = f"security mechanism {mechanism.decode('ascii', 'replace')[:20]}, not PLAIN"
     elif checker is None:
-        why = "no key yet (the group is not formed)"
+        why = NOT_YET
     else:
         why = checker.check(domain, request[6], request[7])
     if why is None:
@@ -138,8 +150,9 @@ class Gatekeeper:
     """The ZAP handler of one context: a socket bound at the ZAP endpoint,
     answered by :meth:`serve` from the thread that made it. Tokens are
     checked under ``secret``; with None, every one is refused until
-    :meth:`rekey` gives the key (a data port without a secret: the group's
-    data key, from the WELCOME).
+    :meth:`rekey` gives the key. A domain can have a key of its own (a data
+    port: its link key, see :func:`link_key`); :meth:`rekey` with None
+    refuses every token for that domain until it is given one.
 
     Raises
     ------
@@ -151,6 +164,7 @@ class Gatekeeper:
     def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
         self.ctx = ctx
         self._checker = TokenChecker(secret) if secret is not None else None
+        self._domains: dict[bytes, Optional[TokenChecker]] = {}  # keys of their own (see rekey)
         self._logged: set[str] = set()
         self.refused = 0  # handshakes refused so far (for tests and stats)
         self.accepted = 0
@@ -177,21 +191,29 @@ class Gatekeeper:
             # [peer id, empty delimiter, request...]
             if len(frames) < 2 or frames[1]:
                 continue  # not libzmq's ZAP client: nobody to answer
-            reply, why, address = zap_reply(frames[2:], self._checker)
+            domain = frames[4] if len(frames) > 4 else b""
+            reply, why, address = zap_reply(frames[2:], self._domains.get(domain, self._checker))
             try:
                 sock.send_multipart([frames[0], b"", *reply], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the handshake that asked is gone
             if why is None:
                 self.accepted += 1
-            else:
+            elif why is not NOT_YET:
                 self.refused += 1
-                domain = frames[4].decode("ascii", "replace")[:40] if len(frames) > 4 else ""
-                self.log_refusal(address, domain, why)
+                self.log_refusal(address, domain.decode("ascii", "replace")[:40], why)
 
-    def rekey(self, secret: bytes) -> None:
-        """Check tokens under ``secret`` from now on."""
-        self._checker = TokenChecker(secret)
+    def rekey(self, secret: Optional[bytes], domain: str) -> None:
+        """Check ``domain``'s tokens under ``secret`` from now on (None:
+        refuse them all). Another thread may call it: one attribute swap."""
+        domains = dict(self._domains)
+        domains[domain.encode()] = TokenChecker(secret) if secret is not None else None
+        self._domains = domains
+
+    @property
+    def poll_item(self) -> tuple[zmq.Socket, int]:
+        """What to poll (level-triggered) for a request waiting."""
+        return (self._sock, zmq.POLLIN)
 
     def log_refusal(self, address: Optional[str], domain: str, why: str) -> None:
         """Log a peer refused at the handshake, once per address; a peer
@@ -213,6 +235,64 @@ class Gatekeeper:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+class GateThread:
+    """A :class:`Gatekeeper` answered by a daemon thread of its own, at once:
+    a replica idle in user code must not let strangers' handshakes queue up
+    unanswered (each holds memory in libzmq until answered). The thread owns
+    the gatekeeper's socket from :meth:`start` to :meth:`close` (the thread's
+    start is the one hand-over); :meth:`rekey` is safe from any thread.
+
+    Raises
+    ------
+    zmq.ZMQError
+        As :class:`Gatekeeper`; callers translate it.
+    """
+
+    def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
+        self.gatekeeper = Gatekeeper(ctx, secret)
+        self._endpoint = f"inproc://zcollective-gate-{os.urandom(8).hex()}"
+        try:
+            self._stop = ctx.socket(zmq.PAIR)  # the caller's end: one command, stop
+            self._stop.setsockopt(zmq.LINGER, 0)
+            self._stop.bind(self._endpoint)
+            self._pipe = ctx.socket(zmq.PAIR)  # the thread's end, made here, used only there
+            self._pipe.setsockopt(zmq.LINGER, 0)
+            self._pipe.connect(self._endpoint)
+        except BaseException:
+            self.gatekeeper.close()
+            raise
+        self._thread = threading.Thread(target=self._serve, name="zcollective-gate", daemon=True)
+        self._thread.start()
+
+    def rekey(self, secret: Optional[bytes], domain: str) -> None:
+        self.gatekeeper.rekey(secret, domain)
+
+    def _serve(self) -> None:
+        items = [self.gatekeeper.poll_item, (self._pipe, zmq.POLLIN)]
+        try:
+            while True:
+                ready = dict(zmq.zmq_poll(items, -1))
+                if self._pipe in ready:
+                    return
+                self.gatekeeper.serve()
+        except zmq.ZMQError:
+            return  # the context is being torn down
+        finally:
+            self.gatekeeper.close()
+            self._pipe.close(linger=0)
+
+    def close(self) -> None:
+        """Stop the thread (it closes its sockets), then close the caller's end."""
+        try:
+            self._stop.send(b"stop", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._thread.join(GATE_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("zcollective: the gatekeeper thread did not stop within %g s", GATE_JOIN_S)
+        self._stop.close(linger=0)
 
 
 def secure_server(sock: zmq.Socket, gatekeeper: Gatekeeper, domain: str) -> None:
