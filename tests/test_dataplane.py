@@ -10,12 +10,13 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import interrupted_at_line, touch
+from conftest import interrupted_at_line, ring_jobs, ring_loss_forms, touch
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
@@ -213,6 +214,9 @@ def test_a_reduce_function_raising_mid_ring_fails_that_call_on_every_rank_only()
         assert after == 3.0
 
 
+KILLED_ELEMENTS = 4 << 20  # float32: 16 MiB, a ring of many chunks
+
+
 def killed_mid_ring(markers):
     r = zc.get_rank()
 
@@ -225,24 +229,35 @@ def killed_mid_ring(markers):
         return a
 
     zc.barrier()
+    endpoints = zc._current()._link.data.endpoints  # every data port, as the WELCOME said
     start = time.monotonic()
     try:
-        zc.allreduce(np.ones(4 << 20, dtype=np.float32), add_then_die)
+        zc.allreduce(np.ones(KILLED_ELEMENTS, dtype=np.float32), add_then_die)
     except zc.ReplicaLostError as exc:
-        return str(exc), time.monotonic() - start
-    return "no error", 0.0
+        return str(exc), time.monotonic() - start, os.getpid(), endpoints
+    return "no error", 0.0, os.getpid(), endpoints
 
 
 def test_a_peer_killed_mid_ring_is_named_on_every_survivor_within_the_bound(tmp_path):
-    with Replicas(killed_mid_ring, 4, str(tmp_path),
+    """Each survivor is told by the coordinator (rank 2's connection closed)
+    or, next to rank 2 in the ring, by its own data plane or its
+    neighbour's: exactly one of those messages, naming rank 2, seq 1 and
+    the operation."""
+    n = 4
+    with Replicas(killed_mid_ring, n, str(tmp_path),
                   env={**ON, "ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
         outs = reps.wait(90)
+        pid_of_2 = reps.procs[2].pid
     assert outs[2].returncode == -signal.SIGKILL, report(outs, "rank 2 did not die mid-ring")
     assert os.path.exists(os.path.join(str(tmp_path), "dying"))
-    for o in (outs[0], outs[1], outs[3]):
-        assert o.ok, report(outs, f"rank {o.rank} failed")
-        message, took = o.value
-        assert "rank 2" in message and "lost" in message, report(outs, message)
+    survivors = (outs[0], outs[1], outs[3])
+    assert all(o.ok for o in survivors), report(outs, "a survivor failed")
+    pids = {o.rank: o.value[2] for o in survivors} | {2: pid_of_2}
+    jobs = ring_jobs(n, KILLED_ELEMENTS, np.float32)
+    for o in survivors:
+        message, took, _, endpoints = o.value
+        forms = ring_loss_forms(o.rank, 2, 1, "allreduce", pids, socket.gethostname(), endpoints, jobs)
+        assert any(f.fullmatch(message) for f in forms), report(outs, f"rank {o.rank}: {message}")
         assert took < BOUND, report(outs, f"rank {o.rank} took {took:.1f} s")
 
 
