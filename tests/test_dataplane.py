@@ -370,6 +370,7 @@ def tensors_peer_to_peer():
     return out
 
 
+@pytest.mark.torch
 def test_cpu_tensors_go_peer_to_peer_and_come_back_as_tensors():
     pytest.importorskip("torch", reason="torch is an optional extra: pip install -e '.[torch]'")
     outs = run_replicas(tensors_peer_to_peer, 2, env=ON, timeout=120)

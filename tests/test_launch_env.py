@@ -498,6 +498,7 @@ def test_mpirun_runs_an_example_with_no_configuration():
     _assert_allreduce_ran(code, output, ranks, 3)
 
 
+@pytest.mark.torch
 def test_torchrun_runs_an_example_with_no_configuration():
     torchrun = shutil.which("torchrun")
     if torchrun is None:
