@@ -7,13 +7,14 @@ import gc
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-from conftest import interrupted_at_line
+from conftest import interrupted_at_line, touch, wait_for
 
 import zcollective as zc
 from zcollective.testing import Replicas, free_port, report
@@ -167,40 +168,59 @@ def test_keyboard_interrupt_abandons_a_call_like_a_timeout():
         assert out.value == ([0, 10, 20], 3)
 
 
-def wait_for_the_victim():
+def victim_and_survivors(markers):
+    """Rank 2 waits in its own code, to be signalled; ranks 0 and 1 call
+    (seq 1), and say so once the coordinator holds both their parts."""
+    r = zc.get_rank()
     zc.barrier()
+    if r == 2:
+        touch(os.path.join(markers, "ready"))
+        time.sleep(60)  # the test signals this process
+        return "not signalled"
     start = time.monotonic()
+    future = zc.allreduce_async(1)
+    if r == 0:
+        coordinator = zc._current()._coordinator()  # served by its thread meanwhile
+        deadline = time.monotonic() + 30
+        while sorted(getattr(coordinator.pending.get(1), "contributions", ())) != [0, 1]:
+            assert time.monotonic() < deadline, "the survivors' parts did not both arrive"
+            time.sleep(0.01)
+        touch(os.path.join(markers, "arrived"))
     try:
-        zc.allreduce(1)
+        future.result(timeout=30)
     except zc.ReplicaLostError as exc:
         return str(exc), time.monotonic() - start
     return "no error", 0
 
 
-@pytest.mark.parametrize("sig, words", [(signal.SIGINT, "ended its program"),
-                                        (signal.SIGTERM, "was lost")])
-def test_a_replica_stopped_by_a_signal_is_named(sig, words, tmp_path):
-    ready = tmp_path / "ready"
-
-    def victim_waits():
-        if zc.get_rank() == 2:
-            zc.barrier()
-            ready.touch()
-            time.sleep(60)  # the test signals this process
-        return wait_for_the_victim()
-
-    with Replicas(initialized(victim_waits), 3, initialize=False, env=LIVENESS) as reps:
-        deadline = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_replica_stopped_by_a_signal_is_named(sig, tmp_path):
+    """Ctrl-C ends rank 2's program (a KeyboardInterrupt, its BYE sent on
+    the way out): the others are told it ended. SIGTERM kills it: they are
+    told it was lost. Either names its pid, the call and who was in it."""
+    markers = str(tmp_path)
+    with Replicas(initialized(victim_and_survivors), 3, markers, initialize=False, env=LIVENESS) as reps:
+        try:
+            wait_for(os.path.join(markers, "ready"), os.path.join(markers, "arrived"))
+        except TimeoutError as exc:
+            raise AssertionError(report(reps.wait(5), str(exc))) from None
         reps.kill(2, sig)
         outs = reps.wait(30)
-    assert outs[2].returncode != 0
+        victim = f"pid {reps.procs[2].pid} on {socket.gethostname()}"
+    if sig == signal.SIGINT:
+        assert outs[2].returncode == 1 and isinstance(outs[2].error, KeyboardInterrupt), \
+            report(outs, "rank 2's program did not end in a KeyboardInterrupt")
+        want = (f"rank 2 ended its program (without teardown) after seq 0 ({victim}); "
+                f"seq 1 allreduce was in flight on ranks 0,1")
+    else:
+        assert outs[2].returncode == -signal.SIGTERM, report(outs, "rank 2 was not killed by SIGTERM")
+        want = (f"rank 2 ({victim}) was lost (connection closed); "
+                f"in flight: seq 1 allreduce (arrived: ranks 0,1)")
     for out in outs[:2]:
         assert out.ok, report(outs, "a survivor failed")
         message, elapsed = out.value
-        assert "rank 2" in message and words in message, message
-        assert elapsed < 5.0
+        assert message == want, report(outs, f"rank {out.rank} was told: {message}")
+        assert elapsed < 5.0, report(outs, f"rank {out.rank} was told after {elapsed:.1f} s")
 
 
 def fork_children():
