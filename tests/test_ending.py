@@ -193,7 +193,7 @@ def victim_and_survivors(markers):
     return "no error", 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_replica_stopped_by_a_signal_is_named(sig, tmp_path):
     """Ctrl-C ends rank 2's program (a KeyboardInterrupt, its BYE sent on
     the way out): the others are told it ended. SIGTERM kills it: they are
