@@ -9,13 +9,16 @@ the replicas span hosts, see test_multihost.py)."""
 import hashlib
 import json
 import os
+import pathlib
+import re
 import signal
-import threading
+import socket
 import time
 
 import numpy as np
 import pytest
-from conftest import interrupted_at_line, touch
+import zmtp
+from conftest import MARKER_WAIT_S, interrupted_at_line, ring_jobs, ring_loss_forms, touch, wait_for
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
@@ -213,6 +216,9 @@ def test_a_reduce_function_raising_mid_ring_fails_that_call_on_every_rank_only()
         assert after == 3.0
 
 
+KILLED_ELEMENTS = 4 << 20  # float32: 16 MiB, a ring of many chunks
+
+
 def killed_mid_ring(markers):
     r = zc.get_rank()
 
@@ -225,68 +231,130 @@ def killed_mid_ring(markers):
         return a
 
     zc.barrier()
+    endpoints = zc._current()._link.data.endpoints  # every data port, as the WELCOME said
     start = time.monotonic()
     try:
-        zc.allreduce(np.ones(4 << 20, dtype=np.float32), add_then_die)
+        zc.allreduce(np.ones(KILLED_ELEMENTS, dtype=np.float32), add_then_die)
     except zc.ReplicaLostError as exc:
-        return str(exc), time.monotonic() - start
-    return "no error", 0.0
+        return str(exc), time.monotonic() - start, os.getpid(), endpoints
+    return "no error", 0.0, os.getpid(), endpoints
 
 
 def test_a_peer_killed_mid_ring_is_named_on_every_survivor_within_the_bound(tmp_path):
-    with Replicas(killed_mid_ring, 4, str(tmp_path),
+    """Each survivor is told by the coordinator (rank 2's connection closed)
+    or, next to rank 2 in the ring, by its own data plane or its
+    neighbour's: exactly one of those messages, naming rank 2, seq 1 and
+    the operation."""
+    n = 4
+    with Replicas(killed_mid_ring, n, str(tmp_path),
                   env={**ON, "ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
         outs = reps.wait(90)
+        pid_of_2 = reps.procs[2].pid
     assert outs[2].returncode == -signal.SIGKILL, report(outs, "rank 2 did not die mid-ring")
     assert os.path.exists(os.path.join(str(tmp_path), "dying"))
-    for o in (outs[0], outs[1], outs[3]):
-        assert o.ok, report(outs, f"rank {o.rank} failed")
-        message, took = o.value
-        assert "rank 2" in message and "lost" in message, report(outs, message)
+    survivors = (outs[0], outs[1], outs[3])
+    assert all(o.ok for o in survivors), report(outs, "a survivor failed")
+    pids = {o.rank: o.value[2] for o in survivors} | {2: pid_of_2}
+    jobs = ring_jobs(n, KILLED_ELEMENTS, np.float32)
+    for o in survivors:
+        message, took, _, endpoints = o.value
+        forms = ring_loss_forms(o.rank, 2, 1, "allreduce", pids, socket.gethostname(), endpoints, jobs)
+        assert any(f.fullmatch(message) for f in forms), report(outs, f"rank {o.rank}: {message}")
         assert took < BOUND, report(outs, f"rank {o.rank} took {took:.1f} s")
 
 
-def stranger_on_the_data_port(markers, secret):
-    import zmq
+STRANGER_ELEMENTS = 3000  # three segments of one chunk each, well above the data plane's minimum
+STRANGER_CALLS = (np.float32, np.float64, np.int64, np.float32)
+POISON = 1e6  # what the stranger's chunks say: no sum of the honest arrays comes near
 
+
+def honest_array(call, rank, dtype):
+    return (np.arange(STRANGER_ELEMENTS) % 251 + 1000 * call + rank).astype(dtype)
+
+
+def calls_beside_a_stranger(markers):
+    """Publish this rank's data port; make each call once the stranger has
+    written its chunks for it to every data port."""
     r = zc.get_rank()
-    group = zc._current()
-    target = group._link.data.endpoint  # this rank's own data port, as the WELCOME told everyone
-    stop = threading.Event()
+    port = os.path.join(markers, f"port{r}")
+    with open(port + ".tmp", "w") as f:
+        f.write(zc._current()._link.data.endpoint)
+    os.replace(port + ".tmp", port)
+    results = []
+    for k, dtype in enumerate(STRANGER_CALLS):
+        wait_for(os.path.join(markers, f"forged{k}"))
+        results.append(zc.allreduce(honest_array(k, r, dtype)))
+        touch(os.path.join(markers, f"done{k}-{r}"))
+    return results
 
-    def stranger():
-        ctx = zmq.Context.instance()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(target)
-        from zcollective._dataplane import HEADER, MAGIC, VERSION
-        forged = HEADER.pack(MAGIC, VERSION, 1, 0x1234, 0, (r - 1) % zc.get_world_size(), 0, 0)
-        while not stop.is_set():
-            push.send_multipart([b"garbage"])
-            push.send_multipart([forged, b"\0" * 32, b"\0" * 4096])
-            time.sleep(0.001)
-        push.close()
 
-    thread = threading.Thread(target=stranger, daemon=True)
-    if r == 1:
-        thread.start()
-    try:
-        results = [_digest(zc.allreduce(np.full(300000, float(k + r), dtype=np.float32)))
-                   for k in range(5)]
-        value = float(zc.allreduce(np.full(300000, 1.0, dtype=np.float32))[0])
-    finally:
-        stop.set()
-    return results, value
+def forged_chunks(n, rank, seq, dtype, session, tag):
+    """What a stranger would send rank ``rank``'s data port to change call
+    ``seq``: every reduce-scatter and allgather chunk that call expects, of
+    the right size, claiming the right origin: all but the session, which
+    it cannot know."""
+    from zcollective._dataplane import HEADER, MAGIC, VERSION
+    from zcollective._ring import AG, RS
+
+    payload = np.full(STRANGER_ELEMENTS // n, POISON, dtype=dtype).tobytes()
+    prev = (rank - 1) % n
+    heads = [HEADER.pack(MAGIC, VERSION, RS, session, seq, prev, step, 0) for step in range(n - 1)]
+    heads += [HEADER.pack(MAGIC, VERSION, AG, session, seq, prev, segment, 0) for segment in range(n)]
+    return b"".join(zmtp.message([head, tag, payload]) for head in heads)
 
 
 @pytest.mark.parametrize("secret", [None, "s" * 32])
 def test_a_stranger_on_a_data_port_changes_nothing(tmp_path, secret):
-    env = dict(ON)
+    """Before each call, a stranger connects to every rank's data port over
+    TCP and starts a ZMTP handshake (NULL, as a PUSH); where the port lets
+    it in (no secret, and no gate at the handshake), it writes a message
+    that is no chunk and a chunk for every place of that call, full of a
+    poison value. Every result is still exactly the sum of the honest
+    arrays; every rank that let the stranger in said it dropped its chunks
+    as not of its group."""
+    n, markers = 3, str(tmp_path)
+    env = {**ON, "ZCOLLECTIVE_SECRET": secret} if secret else ON
+    session = int.from_bytes(os.urandom(8), "big")  # the stranger's guess at the group's
+    tag = b"\0" * 32 if secret else b""
+    let_in, stranger = set(), []
+    with Replicas(calls_beside_a_stranger, n, markers, env=env) as reps:
+        try:
+            wait_for(*(os.path.join(markers, f"port{r}") for r in range(n)))
+            ports = [pathlib.Path(markers, f"port{r}").read_text() for r in range(n)]
+            for k, dtype in enumerate(STRANGER_CALLS):
+                for r, endpoint in enumerate(ports):
+                    sock = zmtp.connect(endpoint, MARKER_WAIT_S)  # the TCP connection is made
+                    stranger.append(sock)
+                    sock.sendall(zmtp.greeting() + zmtp.ready(b"PUSH"))
+                    if zmtp.server_answer(sock, MARKER_WAIT_S)[1] == b"READY":  # let in: it may send
+                        sock.sendall(zmtp.message([b"garbage"]) + forged_chunks(n, r, k, dtype, session, tag))
+                        let_in.add(r)  # every byte of every chunk written
+                touch(os.path.join(markers, f"forged{k}"))
+                wait_for(*(os.path.join(markers, f"done{k}-{r}") for r in range(n)))
+        except TimeoutError as exc:
+            raise AssertionError(report(reps.wait(5), str(exc))) from None
+        finally:
+            for sock in stranger:
+                sock.close()
+        outs = reps.wait(60)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for k, dtype in enumerate(STRANGER_CALLS):
+        want = sum(honest_array(k, r, dtype) for r in range(n))
+        for o in outs:
+            got = o.value[k]
+            assert (got.dtype, got.shape) == (want.dtype, want.shape), report(outs, f"rank {o.rank} call {k}")
+            wrong = np.flatnonzero(got != want)
+            first = wrong[0] if wrong.size else None
+            assert first is None, report(outs, f"rank {o.rank} call {k}: {wrong.size} elements differ, "
+                                               f"the first at {first}: {got[first]}, not {want[first]}")
     if secret:
-        env["ZCOLLECTIVE_SECRET"] = secret
-    outs = run_replicas(stranger_on_the_data_port, 3, str(tmp_path), secret, env=env, timeout=90)
-    assert all(o == outs[0] for o in outs)
-    assert outs[0][1] == 3.0
+        assert not let_in, "a data port let in a stranger without the secret"
+    for r in let_in:
+        said = outs[r].output
+        assert re.search(rf"zcollective rank {r}: dropped a chunk on the data port \(fd \d+\) that is not of "
+                         rf"this group \(session {session:#x}, kind \d\)", said), report(outs, f"rank {r}")
+        assert f"zcollective rank {r}: dropped a message of 1 frames on the data port" in said, \
+            report(outs, f"rank {r}")
 
 
 def tensors_peer_to_peer():
@@ -302,6 +370,7 @@ def tensors_peer_to_peer():
     return out
 
 
+@pytest.mark.torch
 def test_cpu_tensors_go_peer_to_peer_and_come_back_as_tensors():
     pytest.importorskip("torch", reason="torch is an optional extra: pip install -e '.[torch]'")
     outs = run_replicas(tensors_peer_to_peer, 2, env=ON, timeout=120)

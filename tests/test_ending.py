@@ -3,15 +3,18 @@ child, by a signal; and a process may regroup many times. Real processes,
 real exits, real signals; every wait is bounded."""
 
 import collections
+import gc
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
-from conftest import interrupted_at_line
+from conftest import interrupted_at_line, touch, wait_for
 
 import zcollective as zc
 from zcollective.testing import Replicas, free_port, report
@@ -165,40 +168,59 @@ def test_keyboard_interrupt_abandons_a_call_like_a_timeout():
         assert out.value == ([0, 10, 20], 3)
 
 
-def wait_for_the_victim():
+def victim_and_survivors(markers):
+    """Rank 2 waits in its own code, to be signalled; ranks 0 and 1 call
+    (seq 1), and say so once the coordinator holds both their parts."""
+    r = zc.get_rank()
     zc.barrier()
+    if r == 2:
+        touch(os.path.join(markers, "ready"))
+        time.sleep(60)  # the test signals this process
+        return "not signalled"
     start = time.monotonic()
+    future = zc.allreduce_async(1)
+    if r == 0:
+        coordinator = zc._current()._coordinator()  # served by its thread meanwhile
+        deadline = time.monotonic() + 30
+        while sorted(getattr(coordinator.pending.get(1), "contributions", ())) != [0, 1]:
+            assert time.monotonic() < deadline, "the survivors' parts did not both arrive"
+            time.sleep(0.01)
+        touch(os.path.join(markers, "arrived"))
     try:
-        zc.allreduce(1)
+        future.result(timeout=30)
     except zc.ReplicaLostError as exc:
         return str(exc), time.monotonic() - start
     return "no error", 0
 
 
-@pytest.mark.parametrize("sig, words", [(signal.SIGINT, "ended its program"),
-                                        (signal.SIGTERM, "was lost")])
-def test_a_replica_stopped_by_a_signal_is_named(sig, words, tmp_path):
-    ready = tmp_path / "ready"
-
-    def victim_waits():
-        if zc.get_rank() == 2:
-            zc.barrier()
-            ready.touch()
-            time.sleep(60)  # the test signals this process
-        return wait_for_the_victim()
-
-    with Replicas(initialized(victim_waits), 3, initialize=False, env=LIVENESS) as reps:
-        deadline = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_replica_stopped_by_a_signal_is_named(sig, tmp_path):
+    """Ctrl-C ends rank 2's program (a KeyboardInterrupt, its BYE sent on
+    the way out): the others are told it ended. SIGTERM kills it: they are
+    told it was lost. Either names its pid, the call and who was in it."""
+    markers = str(tmp_path)
+    with Replicas(initialized(victim_and_survivors), 3, markers, initialize=False, env=LIVENESS) as reps:
+        try:
+            wait_for(os.path.join(markers, "ready"), os.path.join(markers, "arrived"))
+        except TimeoutError as exc:
+            raise AssertionError(report(reps.wait(5), str(exc))) from None
         reps.kill(2, sig)
         outs = reps.wait(30)
-    assert outs[2].returncode != 0
+        victim = f"pid {reps.procs[2].pid} on {socket.gethostname()}"
+    if sig == signal.SIGINT:
+        assert outs[2].returncode == 1 and isinstance(outs[2].error, KeyboardInterrupt), \
+            report(outs, "rank 2's program did not end in a KeyboardInterrupt")
+        want = (f"rank 2 ended its program (without teardown) after seq 0 ({victim}); "
+                f"seq 1 allreduce was in flight on ranks 0,1")
+    else:
+        assert outs[2].returncode == -signal.SIGTERM, report(outs, "rank 2 was not killed by SIGTERM")
+        want = (f"rank 2 ({victim}) was lost (connection closed); "
+                f"in flight: seq 1 allreduce (arrived: ranks 0,1)")
     for out in outs[:2]:
         assert out.ok, report(outs, "a survivor failed")
         message, elapsed = out.value
-        assert "rank 2" in message and words in message, message
-        assert elapsed < 5.0
+        assert message == want, report(outs, f"rank {out.rank} was told: {message}")
+        assert elapsed < 5.0, report(outs, f"rank {out.rank} was told after {elapsed:.1f} s")
 
 
 def fork_children():
@@ -372,47 +394,124 @@ def test_an_interrupt_before_a_part_is_sent_still_pairs_the_next_call():
                              "before its part was sent", 21]
 
 
+MULTIPART_FRAMES = 20000  # small frames: sending or taking in the message is tens of ms of Python
+SIGNAL_TRIALS = 4  # of each: a signal halfway through a send, halfway through taking one in
+SIGNAL_ATTEMPTS = 5  # a trial whose thread did not catch the main thread halfway is run again
+
+
+def _signal_main_thread_when(halfway):
+    """A thread sending SIGALRM to the main thread as soon as
+    ``halfway(frame)`` is true of a frame on its stack; ``.signalled`` says
+    it did. Python runs the handler in the main thread at its next line."""
+    main = threading.main_thread().ident
+    thread = threading.Thread(daemon=True, target=lambda: None)
+    thread.signalled, thread.done = False, threading.Event()
+
+    def watch():
+        deadline = time.monotonic() + 10
+        while not thread.done.is_set() and time.monotonic() < deadline:
+            frame = sys._current_frames().get(main)
+            while frame is not None:
+                if halfway(frame):
+                    thread.signalled = True
+                    signal.pthread_kill(main, signal.SIGALRM)
+                    return
+                frame = frame.f_back
+            time.sleep(0.0001)
+
+    thread._target = watch
+    thread.start()
+    return thread
+
+
+def _signalled_halfway(call, halfway):
+    """Run ``call()`` while a thread signals the main thread ``halfway``
+    through it: True if the KeyboardInterrupt came out of ``call``, False if
+    the thread did not catch it halfway (``call`` ended first)."""
+    watcher = _signal_main_thread_when(halfway)
+    try:
+        call()
+    except KeyboardInterrupt:
+        assert watcher.signalled, "a KeyboardInterrupt nobody signalled"
+        return True
+    finally:
+        watcher.done.set()
+        watcher.join(10)
+    assert not watcher.signalled, "a signal sent halfway through was not raised from the call"
+    return False
+
+
 def test_a_signal_during_a_multipart_send_or_receive_leaves_the_message_whole():
     """pyzmq raises a signal handler's exception right after a frame was sent
-    or received; the library holds handlers back for the whole message."""
+    or received; the library holds handlers back for the whole message. A
+    thread signals the main thread halfway through a message of many frames:
+    each time the KeyboardInterrupt comes out of that send (the message
+    arrives whole, once) or that receive (the inbox already holds it whole).
+    Every signal's handler ran once, and raised where this test caught it:
+    none was swallowed (one raised in pyzmq's Frame.__dealloc__ was, and the
+    old version of this test passed)."""
     import zmq
 
     from zcollective import _sockets
 
-    def interrupt(*_):
+    where = []
+
+    def interrupt(signum, frame):
+        where.append(frame.f_code.co_name)  # the frame the signal came in (its handler held back)
         raise KeyboardInterrupt
 
+    unraisable = []
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     a.bind("inproc://whole")
     b.connect("inproc://whole")
-    old = signal.signal(signal.SIGALRM, interrupt)
+    message = [b"head", *(i.to_bytes(8, "little") for i in range(MULTIPART_FRAMES)), b"tail"]
+    total = len(message)
+
+    def sending_halfway(frame):  # _send_whole counts the frames it sent
+        return frame.f_code.co_name == "_send_whole" and 0 < len(frame.f_locals["sent"]) < total // 2
+
+    def send_once(trial):
+        sent = _signalled_halfway(lambda: _sockets.send_frames(a, message), sending_halfway)
+        inbox = collections.deque()
+        while not (inbox and _sockets.complete(inbox[-1])):
+            assert b.poll(10000), f"trial {trial}: {len(inbox[-1]) if inbox else 0} frames came, no more"
+            _sockets.take_in(b, inbox)
+        assert [bytes(f) for f in inbox[0]] == message, f"trial {trial}: the message sent is not whole"
+        assert not _sockets.readable(b), f"trial {trial}: something more was sent"
+        return sent
+
+    def receive_once(trial):
+        _sockets.send_frames(a, message)
+        assert b.poll(10000), f"trial {trial}: the message did not come"
+        inbox = collections.deque()
+        taken = _signalled_halfway(lambda: _sockets.take_in(b, inbox), lambda frame: (
+            frame.f_code.co_name == "take_in" and inbox and 0 < len(inbox[-1]) < total // 2))
+        assert len(inbox) == 1 and _sockets.complete(inbox[0]), \
+            f"trial {trial}: interrupted with {len(inbox[-1])} of {total} frames taken in"
+        assert [bytes(f) for f in inbox[0]] == message and not _sockets.readable(b), trial
+        return taken
+
+    old_handler, old_hook = signal.signal(signal.SIGALRM, interrupt), sys.unraisablehook
+    old_interval = sys.getswitchinterval()
+    sys.unraisablehook = unraisable.append
+    sys.setswitchinterval(0.0002)  # the watching thread looks often, even while the main one is busy
     _sockets.hold_signals()  # as a group does when it starts, for the handlers installed then
-    big = bytes(64 << 20)
-    interrupted = 0
     try:
-        for trial in range(6):
-            signal.setitimer(signal.ITIMER_REAL, 0.001 + 0.004 * trial)
-            try:
-                _sockets.send_frames(a, [b"head", big, b"tail"], copy=True)
-                inbox = collections.deque()
-                while not _sockets.take_in(b, inbox):
-                    pass
-                time.sleep(0.05)  # let a timer that has not fired yet fire now, outside
-            except KeyboardInterrupt:
-                interrupted += 1
-                inbox = collections.deque()
-                while not (inbox and _sockets.complete(inbox[0])):
-                    _sockets.take_in(b, inbox)  # the rest of the message, after the interrupt
-            assert [len(f.bytes) for f in inbox[0]] == [4, 64 << 20, 4], trial
-            assert not _sockets.readable(b)  # nothing left over, nothing sent twice
+        for trial in range(SIGNAL_TRIALS):
+            for once, what in ((send_once, "send"), (receive_once, "receive")):
+                assert any(once(trial) for _ in range(SIGNAL_ATTEMPTS)), \
+                    f"trial {trial}: no {what} was caught halfway in {SIGNAL_ATTEMPTS} attempts"
+        gc.collect()  # every frame released here, with no signal pending
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        signal.signal(signal.SIGALRM, old_handler)
+        sys.setswitchinterval(old_interval)
+        sys.unraisablehook = old_hook
         a.close(0)
         b.close(0)
         ctx.term()
-    assert interrupted >= 1
+    assert where == ["_send_whole", "take_in"] * SIGNAL_TRIALS  # each signal's handler ran once
+    assert not unraisable, [u.exc_value for u in unraisable]
 
 
 def handlers_during_and_after():

@@ -3,10 +3,11 @@ asyncio see them."""
 
 import asyncio
 import os
+import select
 import threading
-import time
 
 import pytest
+import zmq
 from conftest import touch, wait_for
 
 import zcollective as zc
@@ -146,36 +147,53 @@ def test_futures_awaited_together_each_wake_when_their_call_finishes(tmp_path):
             assert gave_up  # it waited for rank 1, then left while its call was pending
 
 
-def sent_while_awaiting(port_a, port_b):
+def sent_while_awaiting(port_a, port_b, markers):
+    """Rank 1 awaits its first call's result in a task while its loop is
+    blocked; the result reaches its socket (ZeroMQ signals the fd the task
+    sleeps on); then it sends a second call, which makes ZeroMQ take in its
+    commands and so swallows that edge: the result waits in the socket with
+    nothing left to wake the task, but the send itself."""
     zcollective._future.ASYNC_RECHECK_S = SLOW_RECHECK_S
     rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
     with zc.Group(master_port=port_a, rank=rank, size=3) as data, \
             zc.Group(master_port=port_b, rank=rank, size=3) as control:
         async def main():
-            first = data.allreduce_async(rank)
             if rank != 1:
-                got = await asyncio.wait_for(first, 10)
+                wait_for(os.path.join(markers, "asleep1"))  # so its result comes only then
+                got = await asyncio.wait_for(data.allreduce_async(rank), 10)
+                touch(os.path.join(markers, f"first{rank}"))  # rank 0 sent every rank its result
                 control.barrier(timeout=20)  # no traffic on `data` until rank 1 has its result
-                return got, await asyncio.wait_for(data.allreduce_async(rank), 10)
+                return got, await asyncio.wait_for(data.allreduce_async(rank), 10), None
 
             async def await_first():
                 return await first
 
+            first = data.allreduce_async(rank)
             awaiting = asyncio.create_task(await_first())
             await asyncio.sleep(0)  # it runs up to its `await`, asleep on the group's reader
-            time.sleep(1)  # work that blocks the loop while the first result arrives
-            # sending makes ZeroMQ take in its commands, which swallows the fd's edge
+            touch(os.path.join(markers, "asleep1"))
+            # the loop blocked from here to the send: the task cannot take the result in
+            wait_for(*(os.path.join(markers, f"first{r}") for r in (0, 2)))
+            dealer = data._link.dealer
+            arrived = bool(select.select([dealer.FD], [], [], 10)[0])  # the edge the task sleeps on
             second = data.allreduce_async(rank)
+            scenario = {"arrived": arrived, "edge left": bool(select.select([dealer.FD], [], [], 0)[0]),
+                        "waiting in the socket": bool(dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN),
+                        "taken in": first._done}
             got = await asyncio.wait_for(awaiting, 10)
             control.barrier(timeout=20)
-            return got, await asyncio.wait_for(second, 10)
+            return got, await asyncio.wait_for(second, 10), scenario
 
         return asyncio.run(main())
 
 
-def test_a_call_sent_while_others_await_does_not_hide_their_results():
-    outs = run_replicas(sent_while_awaiting, 3, free_port(), free_port(), initialize=False, timeout=40)
-    assert outs == [(3, 3)] * 3
+def test_a_call_sent_while_others_await_does_not_hide_their_results(tmp_path):
+    outs = run_replicas(sent_while_awaiting, 3, free_port(), free_port(), str(tmp_path),
+                        initialize=False, timeout=40)
+    assert [out[:2] for out in outs] == [(3, 3)] * 3
+    # the case this test is for happened: a result in the socket, its edge swallowed by the send
+    assert outs[1][2] == {"arrived": True, "edge left": False, "waiting in the socket": True,
+                          "taken in": False}, outs[1][2]
 
 
 def other_thread():

@@ -4,12 +4,13 @@ no asyncio; resolving a future runs every callback; a replica's wait takes
 in what it must, and no more."""
 
 import json
+import os
 import threading
 import time
 
 import pytest
 import zmq
-from conftest import interrupted_at_line
+from conftest import interrupted_at_line, touch, wait_for
 
 from zcollective import _serialize
 from zcollective._future import CollectiveFuture
@@ -21,22 +22,22 @@ from zcollective.errors import CallMismatchError
 from zcollective.testing import run_replicas
 
 
-def _lambdas_made_in_a_loop():
-    import time
-
+def _lambdas_made_in_a_loop(markers):
     import zcollective
 
+    if zcollective.get_rank() == 1:  # its parts come once rank 0's loop has ended: every
+        wait_for(os.path.join(markers, "looped"))  # reduction runs after `i` moved on to 2
     futures = [zcollective.allreduce_async(1, lambda a, b: a + b + 10 * i) for i in range(3)]  # noqa: B023
-    if zcollective.get_rank() == 1:
-        time.sleep(0.3)  # every reduction runs after rank 0's loop has ended
+    if zcollective.get_rank() == 0:
+        touch(os.path.join(markers, "looped"))
     return [f.result(30) for f in futures]
 
 
-def test_rank_0s_reduce_function_computes_as_it_was_at_its_call():
+def test_rank_0s_reduce_function_computes_as_it_was_at_its_call(tmp_path):
     """A lambda made in a loop is called after the loop moved on: it must
     compute with the value it had at its call (the snapshot a pickle makes),
     not the loop's last one."""
-    assert run_replicas(_lambdas_made_in_a_loop, 2) == [[2, 12, 22], [2, 12, 22]]
+    assert run_replicas(_lambdas_made_in_a_loop, 2, str(tmp_path)) == [[2, 12, 22], [2, 12, 22]]
 
 
 def _add(a, b):

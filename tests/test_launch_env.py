@@ -271,14 +271,20 @@ def test_arguments_and_variables_win_over_the_launcher_setting_by_setting(kwargs
     assert _seen(resolve(env={**SLURM, **extra}, **kwargs)) == seen
 
 
-@pytest.mark.parametrize("env", [
-    {**mpirun_rank(5, 1, 8, 4), "ZCOLLECTIVE_MASTER_ADDR": "node0"},
-    {**srun_task(0, 0, 0, nodes="gpu[01-"), "MASTER_ADDR": "gpu01"},
-    {**sbatch_script(), "WORLD_SIZE": "8"},
-    indexed_job_pod(0, {"ZCOLLECTIVE_MASTER_ADDR": "j-0.s", "ZCOLLECTIVE_NUM_REPLICAS": "2"}),
+@pytest.mark.parametrize("env, seen", [
+    ({**mpirun_rank(5, 1, 8, 4), "ZCOLLECTIVE_MASTER_ADDR": "node0"},
+     ("node0", DEFAULT_MASTER_PORT, 5, 8, 1)),
+    ({**srun_task(0, 0, 0, nodes="gpu[01-"), "MASTER_ADDR": "gpu01"}, ("gpu01", SLURM_PORT, 0, 8, 0)),
+    ({**sbatch_script(), "WORLD_SIZE": "8"}, ("gpu01", SLURM_PORT, 0, 8, 0)),
+    (indexed_job_pod(3, {"ZCOLLECTIVE_MASTER_ADDR": "j-0.s", "ZCOLLECTIVE_NUM_REPLICAS": "4"}),
+     ("j-0.s", DEFAULT_MASTER_PORT, 3, 4, None)),
 ], ids=["MPI across hosts", "a malformed host list", "the batch script", "Kubernetes"])
-def test_a_launcher_is_asked_only_for_what_nothing_else_gave(env):
-    resolve(env=env)  # each would raise, had the launcher been asked
+def test_a_launcher_is_asked_only_for_what_nothing_else_gave(env, seen):
+    """The launcher cannot say one setting (each would raise, had it been
+    asked: no master address from MPI, a malformed Slurm host list, a batch
+    script's task count, a pod's master and size without the manifest's
+    variables); a variable says it, and the launcher still gives the rest."""
+    assert _seen(resolve(env=env)) == seen
 
 
 # -- what a launcher does not say ---------------------------------------------
@@ -498,6 +504,7 @@ def test_mpirun_runs_an_example_with_no_configuration():
     _assert_allreduce_ran(code, output, ranks, 3)
 
 
+@pytest.mark.torch
 def test_torchrun_runs_an_example_with_no_configuration():
     torchrun = shutil.which("torchrun")
     if torchrun is None:

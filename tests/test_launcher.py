@@ -1,13 +1,18 @@
 """zcollective-run end to end: environment, prefixed output, exit codes, a
 failing rank, Ctrl-C, several hosts by hand, bad arguments."""
 
+import ast
+import collections
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from zcollective.testing import free_port
@@ -135,11 +140,119 @@ def test_console_script_is_installed():
     assert subprocess.run([exe, "--help"], capture_output=True, timeout=30).returncode == 0
 
 
+EXAMPLE_RANKS = 3
+
+
+def _lines_by_rank(stdout):
+    """rank -> the lines it printed, in order (the launcher prefixes each with ``[rank] ``)."""
+    ranks = {}
+    for line in stdout.splitlines():
+        rank, _, text = line.partition("] ")
+        assert rank.startswith("[") and rank[1:].isdigit(), f"not a rank's line: {line!r}"
+        ranks.setdefault(int(rank[1:]), []).append(text)
+    return ranks
+
+
+def _every_rank(*lines):
+    return {r: [line.format(r=r) for line in lines] for r in range(EXAMPLE_RANKS)}
+
+
+def _linear_regression_lines():
+    """What examples/train_linear_regression.py must print on each rank:
+    its training computed here in one process, the shards' sums added in
+    rank order as allreduce adds them."""
+    n, steps, rate, target = EXAMPLE_RANKS, 200, 0.1, 1e-3
+    rng = np.random.default_rng(0)
+    true_w = rng.normal(size=5)
+    features = rng.normal(size=(4000, 5))
+    targets = features @ true_w + 0.01 * rng.normal(size=4000)
+    shards = [(features[r::n], targets[r::n]) for r in range(n)]
+    weights = np.random.default_rng(42).normal(size=5)
+    lines, stop = [], None
+    for step in range(steps):
+        errors = [x @ weights - y for x, y in shards]
+        grad = (shards[0][0].T @ errors[0]).copy()
+        for (x, _), error in zip(shards[1:], errors[1:], strict=True):
+            grad += x.T @ error
+        count = sum(len(y) for _, y in shards)
+        weights -= rate * grad / count
+        total = float(errors[0] @ errors[0])
+        for error in errors[1:]:
+            total += float(error @ error)
+        loss = total / count
+        if step % 20 == 0:
+            lines.append(f"rank {{r}}: step {step:3d} loss {loss:.6f}")
+        if stop is not None and stop:
+            lines.append(f"rank {{r}}: every replica agreed to stop at step {step}, loss {loss:.6f}")
+            break
+        stop = loss < target
+    lines.append(f"rank {{r}}: weights agree across replicas: True; distance to truth "
+                 f"{np.linalg.norm(weights - true_w):.4f}")
+    return _every_rank(*lines)
+
+
+def _example_lines():
+    """What each example must print with 3 replicas (rank -> lines), computed
+    here from what it does; None for those checked otherwise."""
+    n = EXAMPLE_RANKS
+    texts = ["the quick brown fox", "jumps over the lazy dog", "the end"]
+    metrics = [{"rank": r, "accuracy": round(random.Random(r).uniform(0.8, 0.9), 3)} for r in range(n)]
+    words = sum((collections.Counter(t.split()) for t in texts), collections.Counter())
+    files = [f"part-{i:03d}.csv" for i in range(10)]
+    owned = {r: sorted({k for s in range(n) for k in range(s, s + 6) if k % n == r})  # rank s has
+             for r in range(n)}  # keys s..s+5; rank k % n owns key k
+    return {
+        "allgather.py": None,
+        "allreduce.py": _every_rank(f"rank {{r}}: sum of 1..{n} = {n * (n + 1) // 2}",
+                                    "rank {r}: merged dict = {{'rank0': 0, 'rank1': 10, 'rank2': 20}}"),
+        "allreduce_async.py": _every_rank(
+            f"rank {{r}}: results in reverse order {[i * n * (n + 1) // 2 for i in reversed(range(4))]}"),
+        "alltoall.py": {r: [f"rank {r}: I own keys {owned[r]}"] for r in range(n)},
+        "barrier.py": None,
+        "broadcast.py": _every_rank("rank {r}: config from rank 0 = {{'lr': 0.1, 'seed': 1234}}",
+                                    f"rank {{r}}: hello from rank {n - 1}: hi from {n - 1}"),
+        "gather.py": {0: [f"rank 0: metrics of all ranks {metrics}; mean accuracy "
+                          f"{sum(m['accuracy'] for m in metrics) / n:.3f}"]},
+        "reduce.py": {0: [f"rank 0: most common words {words.most_common(3)}"]},
+        "scatter.py": {r: [f"rank {r}: my files {files[r::n]}"] for r in range(n)},
+        "train_linear_regression.py": _linear_regression_lines(),
+    }
+
+
+def _check_allgather(lines):
+    everyone = {r: ast.literal_eval(lines[r][0].split(" = ", 1)[1]) for r in lines}
+    assert sorted(lines) == list(range(EXAMPLE_RANKS)) and all(len(v) == 1 for v in lines.values()), lines
+    assert all(v == everyone[0] for v in everyone.values()), everyone
+    assert [host for host, _ in everyone[0]] == [socket.gethostname()] * EXAMPLE_RANKS, everyone
+    assert len({pid for _, pid in everyone[0]}) == EXAMPLE_RANKS, everyone  # a process each
+
+
+def _check_barrier(lines):
+    """Rank r sleeps 0.2 r s before the barrier: rank 0 waits for the last, rank 2, about 0.4 s."""
+    waited = {}
+    for r, said in lines.items():
+        prefix, _, rest = said[0].partition(" passed the barrier after waiting ")
+        assert prefix == f"rank {r}:" and rest.endswith(" s") and len(said) == 1, said
+        waited[r] = float(rest[:-2])
+    assert sorted(waited) == list(range(EXAMPLE_RANKS)), lines
+    assert waited[0] >= 0.25 and waited[0] > waited[2] and waited[1] > waited[2], waited
+
+
 def test_examples_run_under_the_launcher():
+    """Each example, under the launcher with 3 replicas, prints exactly what
+    it must: each line of each rank computed here (or, where it shows process
+    ids and times, checked for what they must be)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     examples = sorted(f for f in os.listdir(os.path.join(root, "examples")) if f.endswith(".py"))
-    assert len(examples) >= 10
+    expected = _example_lines()
+    assert examples == sorted(expected), "an example this test does not know, or one gone"
+    checks = {"allgather.py": _check_allgather, "barrier.py": _check_barrier}
     for name in examples:
-        proc = launch(["-n", "3", os.path.join("examples", name)], cwd=root, timeout=120)
+        proc = launch(["-n", str(EXAMPLE_RANKS), os.path.join("examples", name)], cwd=root, timeout=120)
         assert proc.returncode == 0, (name, proc.stdout, proc.stderr)
-        assert "[2] " in proc.stdout or name in ("gather.py", "reduce.py"), name
+        assert "Traceback" not in proc.stderr, (name, proc.stderr)
+        lines = _lines_by_rank(proc.stdout)
+        if expected[name] is None:
+            checks[name](lines)
+        else:
+            assert lines == expected[name], (name, proc.stdout, proc.stderr)

@@ -16,6 +16,7 @@ import zcollective as zc
 from zcollective import _serialize
 from zcollective.testing import run_replicas
 
+pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import socket
+import statistics
 import threading
 import time
 
@@ -258,35 +259,52 @@ def test_a_gatekeeper_serves_only_its_own_context():
         g.close()
 
 
+HANDSHAKES = 50
+HANDSHAKE_COST_BOUND = 5.0  # a token's handshake against a NULL one: 1.4-2.4x measured on a loaded
+# 2-core machine (docs/security.md: 1.6x)
+
+
 def test_handshake_cost(gate):
-    """Not an assertion on speed: prints what a PLAIN handshake with a token
-    costs against a NULL one, in this process (see docs/security.md)."""
-    def handshakes(secure, n=50):
-        ctx = gate.ctx
-        plain = ctx.socket(zmq.ROUTER)
-        plain.linger = 0
-        if secure:
-            _zap.secure_server(plain, gate.gate, _zap.MASTER_DOMAIN)
-        port = plain.bind_to_random_port("tcp://127.0.0.1")
-        start = time.perf_counter()
-        for _ in range(n):
-            sock = ctx.socket(zmq.DEALER)
-            sock.linger = 0
+    """A PLAIN handshake with a token (connect and a first message) costs at
+    most a few times a NULL one, in this process: median of 50 each (the
+    figures docs/security.md quotes; ``-s`` prints them). Every token's
+    handshake was the gatekeeper's to accept; no NULL one asked it."""
+    def handshakes(secure):
+        ctx, seconds = gate.ctx, []
+        server = ctx.socket(zmq.ROUTER)
+        server.linger = 0
+        try:
             if secure:
-                _zap.secure_client(sock, SECRET, _zap.MASTER_DOMAIN)
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            sock.send(b"x")
-            deadline = time.monotonic() + WAIT_S
-            while not plain.poll(0):
-                gate.gate.serve()
-                assert time.monotonic() < deadline
-                zmq.select([gate.gate.fd, plain], [], [], 0.01)  # whichever wakes first
-            plain.recv_multipart()
-            sock.close(0)
-        plain.close(0)
-        return (time.perf_counter() - start) / n
-    null, secure = handshakes(False), handshakes(True)
+                _zap.secure_server(server, gate.gate, _zap.MASTER_DOMAIN)
+            port = server.bind_to_random_port("tcp://127.0.0.1")
+            for _ in range(HANDSHAKES):
+                start = time.perf_counter()
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                try:
+                    if secure:
+                        _zap.secure_client(sock, SECRET, _zap.MASTER_DOMAIN)
+                    sock.connect(f"tcp://127.0.0.1:{port}")
+                    sock.send(b"x")
+                    deadline = time.monotonic() + WAIT_S
+                    while not server.poll(0):
+                        gate.gate.serve()
+                        assert time.monotonic() < deadline, f"no handshake within {WAIT_S:g} s"
+                        zmq.select([gate.gate.fd, server], [], [], 0.01)  # whichever wakes first
+                    server.recv_multipart()
+                finally:
+                    sock.close(0)
+                seconds.append(time.perf_counter() - start)
+        finally:
+            server.close(0)
+        return statistics.median(seconds)
+
+    null = handshakes(False)
+    assert (gate.gate.accepted, gate.gate.refused) == (0, 0)
+    secure = handshakes(True)
+    assert (gate.gate.accepted, gate.gate.refused) == (HANDSHAKES, 0)
     print(f"\nconnect + first message: NULL {null * 1e6:.0f} us, PLAIN + ZAP token {secure * 1e6:.0f} us")
+    assert secure < HANDSHAKE_COST_BOUND * null, (null, secure)
 
 
 # -- real processes: strangers at the master port of a group with a secret -------------------
