@@ -686,3 +686,38 @@ def test_a_connection_lost_before_the_welcome_is_made_again_with_a_fresh_token(t
     assert [o.value for o in outs] == [6, 6, 6], said
     assert relay.connections >= 3, said  # the first, the spent token's, the fresh one's
     assert "credentials already used (a replayed token)" in outs[0].output, said
+
+
+# -- data ports: tokens bound to their group and port --------------------------------------
+
+
+def test_a_data_token_opens_only_the_port_and_group_it_was_made_for():
+    """A token copied off the data link into rank 1 (PLAIN is cleartext)
+    opens neither rank 2's port nor rank 1's port of a later group under the
+    same secret: each port checks tokens under its own link key."""
+    wrong_mac = "credentials failed authentication (another secret, or another port's token)"
+    domain = _zap.DATA_DOMAIN.encode()
+    username, password = _zap.client_credentials(_zap.link_key(SECRET, 7, 1), _zap.DATA_DOMAIN)
+    for session, rank in ((7, 2), (8, 1)):
+        other = _zap.TokenChecker(_zap.link_key(SECRET, session, rank))
+        assert other.check(domain, username, password) == wrong_mac
+    assert _zap.TokenChecker(_zap.link_key(SECRET, 7, 1)).check(domain, username, password) is None
+    assert len({_zap.link_key(b, s, r) for b in (SECRET, OTHER) for s in (7, 8) for r in (1, 2)}) == 8
+
+
+def test_a_data_domain_refuses_every_token_until_it_has_its_key_and_says_nothing_of_early_ones(caplog):
+    gate = Gate(domain=_zap.DATA_DOMAIN)
+    try:
+        key = _zap.link_key(SECRET, 7, 1)
+        gate.gate.rekey(None, _zap.DATA_DOMAIN)  # a data port before its WELCOME
+        _, monitor = gate.client(secret=key, domain=_zap.DATA_DOMAIN)
+        assert gate.outcome(monitor)[0] == "HANDSHAKE_FAILED_AUTH"
+        assert gate.gate.refused == 0 and "refused a peer" not in caplog.text  # early, not a stranger
+        gate.gate.rekey(key, _zap.DATA_DOMAIN)
+        _, monitor = gate.client(secret=key, domain=_zap.DATA_DOMAIN)
+        assert gate.outcome(monitor)[0] == "HANDSHAKE_SUCCEEDED"
+        _, monitor = gate.client(secret=SECRET, domain=_zap.DATA_DOMAIN)  # the plain secret: not the key
+        assert gate.outcome(monitor)[0] == "HANDSHAKE_FAILED_AUTH"
+        assert gate.gate.refused == 1  # (that one is a stranger's, and logged)
+    finally:
+        gate.close()
