@@ -21,7 +21,9 @@ import pytest
 import zmq
 from conftest import touch, wait_for
 from relay import Relay
-from test_zap import GREETING_NULL, GREETING_PLAIN, command, hello, rss_kib
+from test_dataplane import signalled_mid_ring
+from test_zap import hello, rss_kib
+from zmtp import greeting, ready
 
 import zcollective as zc
 from zcollective import _dataplane
@@ -130,9 +132,14 @@ def link_fault(front, when, secret):
         relay.arm(2 << 20, when)  # mid-call: a quarter into the next allreduce's ring
     if rank == (front - 1) % 3:
         time.sleep(0.25)  # a busy replica, a little late to the call
+    return timed_call(x)
+
+
+def timed_call(value):
+    """An allreduce of ``value`` that should fail: (error type, message, seconds taken)."""
     start = time.monotonic()
     try:
-        zc.allreduce_async(x).result(timeout=OP_TIMEOUT)
+        zc.allreduce_async(value).result(timeout=OP_TIMEOUT)
     except zc.CollectiveError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     return "no error", "", time.monotonic() - start
@@ -173,10 +180,6 @@ ATTACK_BYTES = 100 << 20  # what each stranger pushes, as frames flagged "more",
 RSS_GROWTH_MAX_KIB = 32 << 10  # rank 1 may grow this much (allocator noise)
 STALL_S = 3.0  # a stranger whose bytes nobody reads for this long gives up
 MORE = bytes([0x03]) + FRAME.to_bytes(8, "big")  # a long frame, "more" to follow
-
-
-def ready_push():
-    return command(b"READY", b"\x0bSocket-Type\x00\x00\x00\x04PUSH")
 
 
 def endless(address, opening):
@@ -236,8 +239,8 @@ def test_a_stranger_on_a_replicas_data_port_gets_nothing_in_without_a_secret(tmp
                 for _ in range(ATTACK_BYTES // FRAME):
                     stranger.send(b"\0" * FRAME, zmq.SNDMORE)
                 sent["pyzmq, NULL"] = ATTACK_BYTES
-                sent["raw, NULL"] = endless((host, int(port)), GREETING_NULL + ready_push())
-                sent["raw, PLAIN"] = endless((host, int(port)), GREETING_PLAIN + hello(
+                sent["raw, NULL"] = endless((host, int(port)), greeting(b"NULL") + ready(b"PUSH"))
+                sent["raw, PLAIN"] = endless((host, int(port)), greeting(b"PLAIN") + hello(
                     b"zc1." + b"1" * 32, b"1" * 64))
                 time.sleep(1.0)  # what the PUSH queued has left by now, if anything lets it
                 growth = rss_kib(pid, "VmHWM") - before  # its peak under attack
@@ -265,12 +268,7 @@ def control_reset(markers, secret):
     if rank == 1:
         touch(os.path.join(markers, "reset-me"))
         wait_for(os.path.join(markers, "reset"))
-    start = time.monotonic()
-    try:
-        zc.allreduce_async(rank).result(timeout=OP_TIMEOUT)
-    except zc.CollectiveError as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - start
-    return "no error", "", time.monotonic() - start
+    return timed_call(rank)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
@@ -303,15 +301,8 @@ def test_a_reset_control_link_is_named_on_every_rank_within_the_bound(tmp_path, 
 
 def interrupted_on_a_silent_link(markers):
     rank = zc.get_rank()
-
-    @zc.elementwise
-    def add_then_stop(a, b):
-        if rank == 2:
-            touch(os.path.join(markers, "stopping"))
-            os.kill(os.getpid(), signal.SIGSTOP)  # silent mid-ring: no close, no answer
-        a += b
-        return a
-
+    # silent mid-ring: no close, no answer
+    add_then_stop = signalled_mid_ring(2, os.path.join(markers, "stopping"), signal.SIGSTOP)
     zc.barrier()
     if rank == 1:
         touch(os.path.join(markers, "waiting"))

@@ -219,17 +219,24 @@ def test_a_reduce_function_raising_mid_ring_fails_that_call_on_every_rank_only()
 KILLED_ELEMENTS = 4 << 20  # float32: 16 MiB, a ring of many chunks
 
 
-def killed_mid_ring(markers):
-    r = zc.get_rank()
+def signalled_mid_ring(victim, marker, sig):
+    """An elementwise sum with which rank ``victim`` touches ``marker`` and
+    sends itself ``sig`` in the middle of the ring (its first reduction)."""
+    rank = zc.get_rank()
 
     @zc.elementwise
-    def add_then_die(a, b):
-        if r == 2:
-            touch(os.path.join(markers, "dying"))
-            os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the ring
+    def add_then_signal(a, b):
+        if rank == victim:
+            touch(marker)
+            os.kill(os.getpid(), sig)
         a += b
         return a
 
+    return add_then_signal
+
+
+def killed_mid_ring(markers):
+    add_then_die = signalled_mid_ring(2, os.path.join(markers, "dying"), signal.SIGKILL)
     zc.barrier()
     endpoints = zc._current()._link.data.endpoints  # every data port, as the WELCOME said
     start = time.monotonic()

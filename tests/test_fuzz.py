@@ -23,6 +23,7 @@ import traceback
 
 import pytest
 import zmq
+import zmtp
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import Phase as HypothesisPhase
 from hypothesis import strategies as st
@@ -1060,38 +1061,8 @@ def test_a_flood_from_strangers_without_the_secret_changes_no_result(tmp_path):
 
 # -- real processes: what a replica receives ------------------------------------------------
 
-ZMTP_GREETING = 64  # bytes of a ZMTP 3 greeting, passed through before frames start
-MORE, LONG, COMMAND = 0x01, 0x02, 0x04  # ZMTP frame flags
+ZMTP_GREETING = zmtp.GREETING_BYTES  # passed through before frames start
 INJECT_IDLE_S = 0.02  # an idle line gets an injected message this often: the budget is spent in seconds
-
-
-def zmtp(frames):
-    """A message as ZMTP 3 frames on the wire."""
-    out = bytearray()
-    for i, frame in enumerate(frames):
-        more = MORE if i < len(frames) - 1 else 0
-        if len(frame) > 255:
-            out += bytes([more | LONG]) + len(frame).to_bytes(8, "big")
-        else:
-            out += bytes([more, len(frame)])
-        out += frame
-    return bytes(out)
-
-
-def next_frame(buf):
-    """(flags, body, length on the wire) of the first whole frame in ``buf``, or None."""
-    if len(buf) < 2:
-        return None
-    flags = buf[0]
-    if flags & LONG:
-        if len(buf) < 9:
-            return None
-        size, start = int.from_bytes(buf[1:9], "big"), 9
-    else:
-        size, start = buf[1], 2
-    if len(buf) < start + size:
-        return None
-    return flags, bytes(buf[start:start + size]), start + size
 
 
 class InjectingProxy(Relay):
@@ -1119,15 +1090,15 @@ class InjectingProxy(Relay):
                 data = data[greeting:]
                 greeting -= len(out)
             buf.extend(data or b"")
-            while (frame := next_frame(buf)) is not None:
+            while (frame := zmtp.next_frame(buf)) is not None:
                 flags, body, size = frame
                 out += buf[:size]
                 del buf[:size]
-                if flags & COMMAND:  # READY, PING, PONG: not part of a message
+                if flags & zmtp.COMMAND:  # READY, PING, PONG: not part of a message
                     handshaken = True
                     continue
                 message.append(body)
-                if not flags & MORE:
+                if not flags & zmtp.MORE:
                     self.injector.observe(message)
                     message = []
                     out += self._add()
@@ -1144,7 +1115,7 @@ class InjectingProxy(Relay):
         if frames is None:
             return b""
         self.injected += 1
-        return zmtp(frames)
+        return zmtp.message(frames)
 
 
 class Injector:

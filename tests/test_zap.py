@@ -13,6 +13,7 @@ import time
 
 import pytest
 import zmq
+import zmtp
 from conftest import touch, wait_for
 from hostile import Boom
 from relay import Relay
@@ -347,14 +348,9 @@ def run_group_under(tmp_path, attack, env=ENV):
     return outs, result
 
 
-GREETING_PLAIN = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"PLAIN".ljust(20, b"\0") + b"\0" * 32
-GREETING_NULL = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
-
-
-def command(name, body=b""):
-    data = bytes([len(name)]) + name + body
-    return bytes([0x04, len(data)]) + data if len(data) < 256 else \
-        bytes([0x06]) + len(data).to_bytes(8, "big") + data
+GREETING_PLAIN = zmtp.greeting(b"PLAIN")
+GREETING_NULL = zmtp.greeting(b"NULL")
+command = zmtp.command
 
 
 def hello(username, password):
