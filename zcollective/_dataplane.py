@@ -215,6 +215,8 @@ class DataPlane:
                 if refused and not out_ok:
                     missing[0] += f" (its data port refused this rank's token {refused} times)"
                 missing += [f"from rank {prev} (to {self.endpoint})"] if not in_ok else []
+                if self._gate is not None and self._gate.crashed is not None:
+                    missing[-1] += f" (this rank's handshake thread crashed: {self._gate.crashed})"
                 raise CollectiveTimeoutError(
                     f"rank {self.rank} joined the group but could not make its data links "
                     f"{' and '.join(missing)} in time (a firewall between the hosts? "

@@ -72,6 +72,7 @@ LINK_LABEL = b"zcollective-v1-data-link"  # a data port's key: bound to its grou
 USERNAME_PREFIX = b"zc1."  # the token format's version
 NONCE_BYTES = 16  # random enough never to repeat, short enough for PLAIN's 255-byte fields
 NOT_YET = "no key yet (the group is not formed)"  # a member early for its link: not logged
+MAX_EARLY_NONCES = 1 << 16  # tokens offered before a port's key, remembered as spent (~4 MiB)
 GATE_JOIN_S = 5.0  # a gate thread stops within one poll; more means something is badly wrong
 MAX_LOGGED_ADDRESSES = 1024  # refused addresses remembered for logging once; past it, silence
 _USERNAME_LEN = len(USERNAME_PREFIX) + 2 * NONCE_BYTES
@@ -123,6 +124,10 @@ class TokenChecker:
         self._used.add(username)
         return None
 
+    def spend(self, usernames: set[bytes]) -> None:
+        """Count these tokens as used (offered before this key existed)."""
+        self._used |= usernames
+
 
 def zap_reply(request: list[bytes],
               checker: Optional[TokenChecker]) -> tuple[list[bytes], Optional[str], str]:
@@ -165,6 +170,8 @@ class Gatekeeper:
         self.ctx = ctx
         self._checker = TokenChecker(secret) if secret is not None else None
         self._domains: dict[bytes, Optional[TokenChecker]] = {}  # keys of their own (see rekey)
+        self._early: dict[bytes, set[bytes]] = {}  # usernames offered to a domain before its key
+        self._lock = threading.Lock()  # rekey (any thread) against serve (the serving thread)
         self._logged: set[str] = set()
         self.refused = 0  # handshakes refused so far (for tests and stats)
         self.accepted = 0
@@ -192,7 +199,12 @@ class Gatekeeper:
             if len(frames) < 2 or frames[1]:
                 continue  # not libzmq's ZAP client: nobody to answer
             domain = frames[4] if len(frames) > 4 else b""
-            reply, why, address = zap_reply(frames[2:], self._domains.get(domain, self._checker))
+            with self._lock:
+                reply, why, address = zap_reply(frames[2:], self._domains.get(domain, self._checker))
+                if why is NOT_YET and len(frames) == 10:  # its username: spent, though refused (a
+                    early = self._early.setdefault(domain, set())  # copy must not pass once keyed)
+                    if len(early) < MAX_EARLY_NONCES:
+                        early.add(frames[8])
             try:
                 sock.send_multipart([frames[0], b"", *reply], zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -205,10 +217,14 @@ class Gatekeeper:
 
     def rekey(self, secret: Optional[bytes], domain: str) -> None:
         """Check ``domain``'s tokens under ``secret`` from now on (None:
-        refuse them all). Another thread may call it: one attribute swap."""
-        domains = dict(self._domains)
-        domains[domain.encode()] = TokenChecker(secret) if secret is not None else None
-        self._domains = domains
+        refuse them all). The tokens it refused while it had no key count as
+        spent. Any thread may call it (under a lock the serving thread takes)."""
+        name = domain.encode()
+        with self._lock:
+            checker = TokenChecker(secret) if secret is not None else None
+            if checker is not None:
+                checker.spend(self._early.pop(name, set()))
+            self._domains = {**self._domains, name: checker}
 
     @property
     def poll_item(self) -> tuple[zmq.Socket, int]:
@@ -263,6 +279,7 @@ class GateThread:
         except BaseException:
             self.gatekeeper.close()
             raise
+        self.crashed: Optional[str] = None  # what ended the thread early (a bug of ours)
         self._thread = threading.Thread(target=self._serve, name="zcollective-gate", daemon=True)
         self._thread.start()
 
@@ -279,6 +296,10 @@ class GateThread:
                 self.gatekeeper.serve()
         except zmq.ZMQError:
             return  # the context is being torn down
+        except Exception as exc:  # a bug of ours: every handshake now fails; say why, once
+            self.crashed = f"{type(exc).__name__}: {exc}"
+            log.exception("zcollective: the data port's gatekeeper thread crashed; its handshakes "
+                          "now fail (a bug in zcollective: please report it)")
         finally:
             self.gatekeeper.close()
             self._pipe.close(linger=0)
