@@ -1,4 +1,7 @@
-"""Warm processes that fork replica processes for :mod:`zcollective.testing`.
+"""Warm processes that fork replica processes for :mod:`zcollective.testing`:
+this test suite's own way to start replicas fast (conftest.py plugs it in as
+``zcollective.testing.spawner``; the installed package starts fresh
+interpreters).
 
 A replica started as ``python -m zcollective._child`` spends most of its
 start-up importing: the interpreter's site packages, zcollective and
@@ -47,10 +50,11 @@ import struct
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["Zygote", "ForkedProcess", "SpawnRequest", "ZygoteGone", "zygote"]
+from zcollective.testing import SpawnRequest
+
+__all__ = ["Zygote", "ForkedProcess", "ZygoteGone", "forked", "zygote"]
 
 HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 << 20  # a larger length means the stream is corrupt
@@ -61,19 +65,6 @@ DISABLE_ENV = "ZCOLLECTIVE_TESTING_FRESH"  # "1": every replica is a fresh inter
 START_TIMEOUT_S = 30.0  # a zygote answers a spawn within this (its first import of a test module included)
 CLOSE_WAIT_S = 5.0
 PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class SpawnRequest:
-    """What a child needs to become ``python -m zcollective._child payload result``."""
-
-    payload: str
-    result: str
-    output: str  # the file its stdout and stderr go to
-    env: dict[str, str]
-    cwd: str
-    path: list[str]  # sys.path entries to add, for importing ``module``
-    module: Optional[str]  # imported by the zygote first, so that every later child has it
 
 
 class ZygoteGone(RuntimeError):
@@ -228,7 +219,7 @@ def main(requests: int, replies: int) -> int:
     server = _Server(requests, replies)
     _, request = server.serve()
     _become(request, server.pid)
-    from ._child import main as run
+    from zcollective._child import main as run
     return run(request.payload, request.result)
 
 
@@ -244,7 +235,7 @@ class Zygote:
         self._replies, their_replies = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "zcollective._zygote", str(their_requests), str(their_replies)],
+                [sys.executable, os.path.abspath(__file__), str(their_requests), str(their_replies)],
                 stdin=subprocess.DEVNULL, stdout=sys.__stderr__, env=env,
                 pass_fds=(their_requests, their_replies),
             )
@@ -436,5 +427,26 @@ def _forget_all() -> None:
 os.register_at_fork(after_in_child=_forget_all)
 
 
+def forked(requests: list[SpawnRequest]) -> Optional[list[ForkedProcess]]:
+    """Every replica forked from its rank's zygote, if they all can be (None:
+    start fresh interpreters): ``zcollective.testing.spawner``."""
+    zygotes = []
+    for rank, request in enumerate(requests):
+        found = zygote(rank)
+        if found is None or not found.accepts(request.env):
+            return None
+        zygotes.append(found)
+    started: list[ForkedProcess] = []
+    try:
+        ids = [z.submit(r) for z, r in zip(zygotes, requests, strict=True)]  # all first: a first
+        started.extend(z.collect(i) for z, i in zip(zygotes, ids, strict=True))  # import runs in each at once
+    except ZygoteGone:  # every one asked is given up: a late fork would run a replica twice
+        for z in zygotes:
+            z.abandon()
+        return None
+    return started
+
+
 if __name__ == "__main__":
+    sys.modules["_zygote"] = sys.modules["__main__"]  # a test module importing it gets this one
     sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))

@@ -17,8 +17,11 @@ import signal
 import sys
 import time
 
+import _zygote
 import pytest
 from netns import Hosts, NetnsUnavailable
+
+import zcollective.testing
 
 MARKER_WAIT_S = 30.0  # a rank reaches its point within this, even on a loaded 2-core machine
 MARKER_POLL_S = 0.01
@@ -49,6 +52,9 @@ def compile_once():
 
 
 compile_once()
+
+# replicas forked from warm processes: the suite starts hundreds (see _zygote.py)
+zcollective.testing.spawner = _zygote.forked
 
 # A run started in the background by a non-interactive shell ignores SIGINT, and every process it
 # starts would too: the tests of Ctrl-C would then wait for a KeyboardInterrupt that never comes.

@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 
+import _zygote
 import pytest
 
-from zcollective import _zygote
 from zcollective.testing import Replicas, run_replicas
 
 RANK_ENV = "ZCOLLECTIVE_REPLICA_RANK"
@@ -144,6 +144,7 @@ def test_the_zygote_kills_its_children_when_the_test_process_goes():
     """A killed test run leaves no replica behind: the zygote sees its
     requests end and kills what it forked."""
     code = ("import sys, time; sys.path.insert(0, sys.argv[1]);"
+            "import zcollective.testing as zt, _zygote; zt.spawner = _zygote.forked;"
             "from zcollective.testing import Replicas; import test_testing as t;"
             "r = Replicas(t._sleep_long, 1, initialize=False); print(r.procs[0].pid, flush=True);"
             "time.sleep(60)")

@@ -16,9 +16,9 @@ calls the module functions directly), runs ``fn(*args, **kwargs)`` and tears
 the group down. Every wait is bounded; on any failure the error shows each
 rank's exception, traceback and output.
 
-Replicas are forked from a warm zygote process where they can be, else fresh
-interpreters (:mod:`zcollective._zygote` says when, and what a fork keeps
-from a fresh start); ``ZCOLLECTIVE_TESTING_FRESH=1`` asks for fresh ones only.
+Each replica is a fresh interpreter, unless a test suite sets :data:`spawner`
+to a faster way of starting them (zcollective's own suite forks them from
+warm processes: its tests/_zygote.py).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import cloudpickle
 
-from . import _sockets, _zygote
-from ._zygote import ForkedProcess, SpawnRequest, ZygoteGone
+from . import _sockets
 
-__all__ = ["run_replicas", "Replicas", "ReplicasFailed", "free_port"]
+__all__ = ["run_replicas", "Replicas", "ReplicasFailed", "SpawnRequest", "free_port", "spawner"]
 
 DEFAULT_TIMEOUT_S = 60.0  # generous for a loaded 2-core CI machine, short enough to notice a hang
 OUTPUT_TAIL_CHARS = 4000  # per rank, in failure messages
@@ -90,24 +90,24 @@ class Outcome:
         return text
 
 
-def _forked(requests: list[SpawnRequest]) -> Optional[list[ForkedProcess]]:
-    """Every replica forked from its rank's zygote, if they all can be (None:
-    start fresh interpreters). See :mod:`zcollective._zygote`."""
-    zygotes = []
-    for rank, request in enumerate(requests):
-        zygote = _zygote.zygote(rank)
-        if zygote is None or not zygote.accepts(request.env):
-            return None
-        zygotes.append(zygote)
-    started: list[ForkedProcess] = []
-    try:
-        ids = [z.submit(r) for z, r in zip(zygotes, requests, strict=True)]  # all first: a first
-        started.extend(z.collect(i) for z, i in zip(zygotes, ids, strict=True))  # import runs in each at once
-    except ZygoteGone:  # every one asked is given up: a late fork would run a replica twice
-        for z in zygotes:
-            z.abandon()
-        return None
-    return started
+@dataclass
+class SpawnRequest:
+    """What a replica process needs to be ``python -m zcollective._child payload result``."""
+
+    payload: str
+    result: str
+    output: str  # the file its stdout and stderr go to
+    env: dict[str, str]
+    cwd: str
+    path: list[str]  # sys.path entries to add, for importing ``module``
+    module: Optional[str]  # the module that defines the function it runs
+
+
+spawner: Optional[Callable[[list[SpawnRequest]], Optional[list[Any]]]] = None
+"""A faster way to start a group's replica processes: given one request per
+rank, it returns process objects with ``poll``, ``wait``, ``send_signal``,
+``kill``, ``pid`` and ``returncode`` as :class:`subprocess.Popen` has, or None
+(fresh interpreters are started). None: always fresh interpreters."""
 
 
 PORTS_BELOW_EPHEMERAL = 8192  # how many ports under the ephemeral range free_port hands out
@@ -183,7 +183,7 @@ class Replicas:
             cloudpickle.dump(list(sys.path), f)  # first, so the child can import fn's module
             cloudpickle.dump((fn, args, kwargs, initialize, init_timeout), f)
         self.outcomes = [Outcome(r) for r in range(n)]
-        self.procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
+        self.procs: list[Any] = []  # subprocess.Popen, or what the spawner gives
         self._outs: list[Any] = []
         module = getattr(fn, "__module__", None)
         requests, prefixes = [], []
@@ -205,7 +205,7 @@ class Replicas:
                                          child_env, os.getcwd(), list(sys.path),
                                          module if module != "__main__" else None))
             prefixes.append((rank_prefix or {}).get(rank, []))
-        forked = None if any(prefixes) else _forked(requests)
+        forked = None if any(prefixes) or spawner is None else spawner(requests)
         self.procs.extend(forked or (subprocess.Popen(
             [*prefix, sys.executable, "-m", "zcollective._child", r.payload, r.result],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=r.env,
