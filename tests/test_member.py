@@ -574,3 +574,11 @@ def test_nothing_is_sent_for_a_call_that_could_not_be_built():
     assert type(error) is zc.PeerError and str(error) == (
         "seq 0 allreduce: rank 1 failed: rank 1 was interrupted (KeyboardInterrupt) before its part was sent")
     assert [outcome(f) for f in pair.call_all(Op.ALLREDUCE, [1, 2], fn=add)] == [3, 3]
+
+
+def test_a_data_key_is_taken_only_as_the_welcome_writes_it():
+    from zcollective._member import _is_key
+
+    assert _is_key("ab" * 32)
+    for bad in (" " * 64, "AB" * 31 + " " * 2, "ab" * 31, "zz" * 32, None, 7, b"ab" * 32):
+        assert not _is_key(bad), bad

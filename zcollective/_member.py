@@ -582,10 +582,9 @@ def _is_key(key: Any) -> bool:
     if not isinstance(key, str) or len(key) != 2 * DATA_KEY_BYTES:
         return False
     try:
-        bytes.fromhex(key)
+        return len(bytes.fromhex(key)) == DATA_KEY_BYTES  # (fromhex skips whitespace)
     except ValueError:
         return False
-    return True
 
 
 def _received(msg: Message) -> int:
