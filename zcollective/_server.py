@@ -83,7 +83,8 @@ class Server:
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._closed: dict[bytes, Member] = {}  # peer -> its member whose connection closed
         self._closes: deque[tuple[int, list[Member]]] = deque()  # (fd, its members then): to handle
-        self._trackers: list[Any] = []  # while ending: one per message sent, done once libzmq wrote it
+        self._trackers: dict[bytes, list[Any]] = {}  # while ending, by peer: one per message sent,
+        # done once libzmq wrote it
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
         # the coordinator thread answers (a data socket of rank 0's context uses it too)
         self._started = threading.Event()
@@ -361,16 +362,24 @@ class Server:
         message to each replica still running is one of them) and every such
         replica has acknowledged each byte (see
         :func:`~zcollective._sockets.unacknowledged`). Members whose
-        connection closed are left out: their fd may be another socket's by
-        now. The thread's own: rank 0's thread waits in :meth:`stop`."""
-        with self._locked():
-            self._drain_monitor()
-        fds = [m.fd for m in self.coordinator.members.values()
-               if m.fd is not None and m.ended is None and self._closed.get(m.peer) is not m]
-        deadline, trackers = time.monotonic() + timeout, self._trackers
-        while fds and time.monotonic() < deadline:
-            trackers[:] = [t for t in trackers if not t.done]
-            if not trackers and not any(_sockets.unacknowledged(fd) for fd in fds):
+        connection closed, before or during the wait, are left out with the
+        messages sent to them (libzmq may never let those go): their fd may be
+        another socket's by now. The thread's own: rank 0's thread waits in
+        :meth:`stop`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._locked():
+                self._drain_monitor()
+            running = [m for m in self.coordinator.members.values()
+                       if m.fd is not None and m.ended is None and self._closed.get(m.peer) is not m]
+            if not running:
+                return
+            pending = False
+            for member in running:
+                trackers = self._trackers.get(member.peer, [])
+                trackers[:] = [t for t in trackers if not t.done]
+                pending = pending or bool(trackers)
+            if not pending and not any(_sockets.unacknowledged(m.fd) for m in running if m.fd is not None):
                 return
             time.sleep(ACK_POLL_S)
 
@@ -511,7 +520,8 @@ class Server:
                 continue  # closed: nothing more reaches anyone
             self._sent += 1
             frames = [peer, *encode(msg, self.signer, cache, self.coordinator.part_bytes)]
-            if not _sockets.send_to(router, frames, self._trackers if self._ending is not None else None):
+            trackers = self._trackers.setdefault(peer, []) if self._ending is not None else None
+            if not _sockets.send_to(router, frames, trackers):
                 member = self.coordinator.members.get(peer)
                 if member is not None:
                     lost.append((member.rank, "its connection is gone"))
