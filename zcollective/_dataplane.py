@@ -53,9 +53,8 @@ MAGIC = b"ZD"
 VERSION = 1
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                     zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-PUSH_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-               | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+PUSH_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+               | sum(HANDSHAKE_FAILED))  # (one bit each)
 PULL_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED  # the fewest: a stranger's
 # connections add events here that wait, unread, while this replica is in user code
 CLOSED = "connection closed or heartbeats unanswered"  # why a data link is lost
@@ -101,8 +100,6 @@ class DataPlane:
         self._push_monitor: Optional[zmq.Socket] = None
         self._early: dict[int, list[list[Any]]] = {}  # seq -> chunks that came before its job
         self._prev_fd: Optional[int] = None  # the previous rank's connection, once it sent
-        self._pushed_since: Optional[float] = None  # first failed connect to the next rank
-        self._connected = False
         self._broken: Optional[str] = None  # why the link to the next rank is lost (made once)
         self._push_fd: Optional[int] = None  # the connection to the next rank (its monitor says)
         self._trackers: deque[Any] = deque()
@@ -113,7 +110,7 @@ class DataPlane:
         what = f"rank {self.rank} cannot open its data port"
         with _sockets.mapped(what, address=True):
             if gatekeeper is None:
-                self._gate = _zap.GateThread(ctx, None)
+                self._gate = _zap.GateThread(ctx)
                 gatekeeper = self._gate.gatekeeper
             gatekeeper.rekey(None, _zap.DATA_DOMAIN)  # no token opens it before the WELCOME
             self._gatekeeper = gatekeeper
@@ -223,7 +220,6 @@ class DataPlane:
                     f"ZCOLLECTIVE_DATA_PLANE=off keeps every byte on the master port)")
             wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
             zmq_poll(items, int(wait * 1000))
-        self._connected = True
 
     def _connect_anew(self, target: str, key: bytes) -> None:
         """Drop the next rank's endpoint and connect again with a fresh token."""
@@ -431,26 +427,15 @@ class DataPlane:
         push_monitor, pull_monitor = self._push_monitor, self._pull_monitor
         if push_monitor is not None:
             for event, value in _sockets.monitor_events(push_monitor, self._inbox_of(push_monitor)):
-                if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
-                    self._connected, self._pushed_since = True, None
-                    if event == zmq.EVENT_CONNECTED:
-                        self._push_fd = value
+                if event == zmq.EVENT_CONNECTED:
+                    self._push_fd = value
                 elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     why = CLOSED if event == zmq.EVENT_DISCONNECTED else REFUSED
                     if job.sent < job.to_send or not self._sent():
                         return fail(self._lost(seq, job, nxt, "to", why))
                     # it had all this rank sends it (and may have ended its program): not a loss
                     # now; a later call that needs the link finds it lost (a link is made once)
-                    self._connected = False
                     self._broken = self._broken or (BROKEN if why is CLOSED else why)
-                elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected:
-                    self._pushed_since = self._pushed_since or time.monotonic()
-        if (self._pushed_since is not None
-                and time.monotonic() - self._pushed_since > self._config.liveness_timeout):
-            return fail(ReplicaLostError(
-                f"seq {seq} {job.op}: rank {self.rank} cannot reach the data port of rank {nxt} at "
-                f"{self.endpoints[nxt]} (connection refused for {self._config.liveness_timeout:g} s); "
-                f"{job.progress()}"))
         for event, value in _sockets.monitor_events(pull_monitor, self._inbox_of(pull_monitor)):
             if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
                 # (done: it sent all this rank needs, and may have ended; its last chunks may

@@ -256,9 +256,10 @@ class Gatekeeper:
 class GateThread:
     """A :class:`Gatekeeper` answered by a daemon thread of its own, at once:
     a replica idle in user code must not let strangers' handshakes queue up
-    unanswered (each holds memory in libzmq until answered). The thread owns
-    the gatekeeper's socket from :meth:`start` to :meth:`close` (the thread's
-    start is the one hand-over); :meth:`rekey` is safe from any thread.
+    unanswered (each holds memory in libzmq until answered). Its gatekeeper
+    has no key until :meth:`Gatekeeper.rekey` (safe from any thread) gives
+    one. The thread owns the gatekeeper's socket from its start (the one
+    hand-over) to :meth:`close`.
 
     Raises
     ------
@@ -266,8 +267,8 @@ class GateThread:
         As :class:`Gatekeeper`; callers translate it.
     """
 
-    def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
-        self.gatekeeper = Gatekeeper(ctx, secret)
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.gatekeeper = Gatekeeper(ctx, None)
         self._endpoint = f"inproc://zcollective-gate-{os.urandom(8).hex()}"
         try:
             self._stop = ctx.socket(zmq.PAIR)  # the caller's end: one command, stop
@@ -282,9 +283,6 @@ class GateThread:
         self.crashed: Optional[str] = None  # what ended the thread early (a bug of ours)
         self._thread = threading.Thread(target=self._serve, name="zcollective-gate", daemon=True)
         self._thread.start()
-
-    def rekey(self, secret: Optional[bytes], domain: str) -> None:
-        self.gatekeeper.rekey(secret, domain)
 
     def _serve(self) -> None:
         items = [self.gatekeeper.poll_item, (self._pipe, zmq.POLLIN)]
