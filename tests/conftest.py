@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 import _zygote
@@ -86,19 +87,22 @@ def wait_for(*paths, timeout=MARKER_WAIT_S):
 
 
 class InterruptAtLine:
-    """A trace hook (``sys.settrace``) raising KeyboardInterrupt at the k-th
-    line run in a file whose name ``where`` accepts: an interrupt at any line."""
+    """A trace hook (``sys.settrace``) sending SIGINT to the main thread at the
+    k-th line run in a file whose name ``where`` accepts: a Ctrl-C at any
+    line, met by the library's real signal handling."""
 
     def __init__(self, k, where):
-        self.k, self.where, self.lines = k, where, 0
+        self.k, self.where, self.lines, self.sent = k, where, 0, False
 
     def __call__(self, frame, event, arg):
-        if not self.where(frame.f_code.co_filename):
+        if self.sent or not self.where(frame.f_code.co_filename):
             return None
         if event == "line":
             self.lines += 1
             if self.lines == self.k:
-                raise KeyboardInterrupt
+                self.sent = True
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                return None
         return self
 
 
@@ -156,21 +160,29 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
+INTERRUPT_SURFACE_S = 2.0  # a deferred interrupt comes out within this of its signal
+
+
 def interrupted_at_line(k, package, fn, *args):
-    """Run ``fn(*args)`` with a KeyboardInterrupt raised at the k-th line run
-    in ``package`` (a directory or one file; :class:`InterruptAtLine`); True
-    if it was raised.
+    """Run ``fn(*args)`` with SIGINT sent at the k-th line run in ``package``
+    (a directory or one file; :class:`InterruptAtLine`); True if it was
+    sent, in which case the KeyboardInterrupt must come out of ``fn`` or,
+    deferred by the library, right after it returns."""
+    from zcollective import _interrupts
 
-    A hook's exception at the line that lets signals go again (in a
-    ``finally``) leaves them held back: a testing device's price (a real
-    signal is held back there), not passed on to what runs next."""
-    from zcollective import _sockets
-
-    sys.settrace(InterruptAtLine(k, lambda name: name.startswith(package)))
+    _interrupts.hold_signals()  # (a group does it when it starts; again changes nothing)
+    hook = InterruptAtLine(k, lambda name: name.startswith(package))
+    sys.settrace(hook)
     try:
         fn(*args)
+        sys.settrace(None)
+        if hook.sent:  # deferred: it comes once the library has returned
+            deadline = time.monotonic() + INTERRUPT_SURFACE_S
+            while time.monotonic() < deadline:
+                time.sleep(0.001)
+            raise AssertionError(f"SIGINT sent at line {k} never came out")
     except KeyboardInterrupt:
-        _sockets._HeldBack.depth = 0
+        assert hook.sent, "a KeyboardInterrupt nobody sent"
         return True
     finally:
         sys.settrace(None)

@@ -227,11 +227,9 @@ def test_a_wait_with_other_calls_in_flight_takes_in_every_reply_that_came():
         c.close()
 
 
-def test_an_exception_at_any_line_of_a_send_still_sends_the_message_whole_once():
-    """send_frames' fast way for small frames keeps its rule: an exception
-    raised between two frames (a trace hook's here, at its k-th line, for
-    every k) is raised only once the message is whole, sent once; one raised
-    before the first frame leaves nothing sent."""
+def test_a_ctrl_c_at_any_line_of_a_send_still_sends_the_message_whole_once():
+    """A SIGINT at any line of send_frames (a trace hook sends it at its k-th
+    line, for every k) comes out only once the message is whole, sent once."""
 
     from zcollective import _sockets
 

@@ -35,9 +35,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import zmq
-from zmq.backend import zmq_poll
 
-from . import _sockets, _zap
+from . import _interrupts, _sockets, _zap
 from ._mac import ChunkMac
 from ._ring import AG, BC, CHUNK_BYTES, GA, KIND_NAMES, RS, Job
 from .config import Config
@@ -219,7 +218,7 @@ class DataPlane:
                     f"{' and '.join(missing)} in time (a firewall between the hosts? "
                     f"ZCOLLECTIVE_DATA_PLANE=off keeps every byte on the master port)")
             wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
-            zmq_poll(items, int(wait * 1000))
+            _interrupts.wait(items, int(wait * 1000))
 
     def _connect_anew(self, target: str, key: bytes) -> None:
         """Drop the next rank's endpoint and connect again with a fresh token."""
@@ -284,10 +283,9 @@ class DataPlane:
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
         early = self._early.get(seq, [])
-        while early:  # each leaves only once taken (signals held back): an interrupt loses none
-            with _sockets.critical():
-                self._take(early[0], seq, job, member, fail)
-                early.pop(0)
+        while early:
+            self._take(early[0], seq, job, member, fail)
+            early.pop(0)
         self._early.pop(seq, None)
         items: list[Any] = [(self._pull, _POLLIN), (self._pull_monitor, _POLLIN)]
         if self._push_monitor is not None:
@@ -308,7 +306,7 @@ class DataPlane:
             waiting = link_waiting()
             if waiting or self._taken_in():  # taken in, not handled: handle it first
                 slice_s = 0
-            ready = zmq_poll(items, max(0, int(slice_s * 1000)))
+            ready = _interrupts.wait(items, max(0, int(slice_s * 1000)))
             self._drain(seq, job, member, fail)
             self._events(seq, job, fail, lambda: self._drain(seq, job, member, fail))
             if waiting or (len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready)):
@@ -334,25 +332,24 @@ class DataPlane:
         push = self._push
         assert push is not None
         outbox = job.outbox
-        with _sockets.critical():
-            try:
-                for out in outbox:
-                    if out.frames is not None:  # forwarded as it came: header, tag, payload
-                        push.send_multipart(out.frames, zmq.NOBLOCK, copy=False)
-                        job.sent += 1
-                        continue
-                    header = HEADER.pack(MAGIC, VERSION, out.kind, self.session, seq, self.rank, out.step,
-                                         out.index)
-                    payload = memoryview(out.payload).cast("B")
-                    tag = self._mac.tag(header, payload) if self._mac is not None else b""
-                    tracker = push.send_multipart([header, tag, payload], zmq.NOBLOCK, copy=False,
-                                                  track=True)
+        try:
+            for out in outbox:
+                if out.frames is not None:  # forwarded as it came: header, tag, payload
+                    push.send_multipart(out.frames, zmq.NOBLOCK, copy=False)
                     job.sent += 1
-                    if tracker is not None and not tracker.done:
-                        self._trackers.append(tracker)
-            except zmq.Again:
-                return False
-            outbox.clear()
+                    continue
+                header = HEADER.pack(MAGIC, VERSION, out.kind, self.session, seq, self.rank, out.step,
+                                     out.index)
+                payload = memoryview(out.payload).cast("B")
+                tag = self._mac.tag(header, payload) if self._mac is not None else b""
+                tracker = push.send_multipart([header, tag, payload], zmq.NOBLOCK, copy=False,
+                                              track=True)
+                job.sent += 1
+                if tracker is not None and not tracker.done:
+                    self._trackers.append(tracker)
+        except zmq.Again:
+            return False
+        outbox.clear()
         return True
 
     def _drain(self, seq: int, job: Job, member: Member, fail: Callable[[Exception], None]) -> bool:
@@ -360,8 +357,7 @@ class DataPlane:
         inbox only once taken, and is taken whole (signals held back): an
         interrupt loses none."""
         for frames in _sockets.handled(self._pull, self._inbox):
-            with _sockets.critical():
-                self._take(frames, seq, job, member, fail)
+            self._take(frames, seq, job, member, fail)
             if not (member.data_jobs and member.data_jobs[0][1] is job):
                 return False
         return True

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import zmq
 
-from . import _ring, _serialize, _sockets
+from . import _interrupts, _ring, _serialize, _sockets
 from ._coordinator import Coordinator
 from ._dataplane import DataPlane
 from ._future import CollectiveFuture
@@ -152,7 +152,7 @@ class Group:
         self._link: Optional[Driver] = None
         _open_groups[id(self)] = self
         _register_atexit()
-        _sockets.hold_signals()  # no signal handler's exception splits a message
+        _interrupts.hold_signals()  # no signal handler's exception splits a message
         try:
             self._link = self._connect(signer)
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
@@ -547,7 +547,7 @@ class Group:
         except BaseException as exc:
             member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its part "
                            f"was sent")
-            with _sockets.critical(), contextlib.suppress(CollectiveError):
+            with contextlib.suppress(CollectiveError):
                 link.flush()  # the others hear of it now, not at this replica's next call
             raise
         link.flush()
@@ -653,7 +653,7 @@ class Group:
         if self.rank == 0:
             write_for_launcher(self.stats())
         if not _open_groups:
-            _sockets.release_signals()
+            _interrupts.release_signals()
         self._member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
         try:

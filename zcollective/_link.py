@@ -26,9 +26,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from zmq.backend import zmq_poll
-
-from . import _sockets
+from . import _interrupts, _sockets
 from ._coordinator import Coordinator
 from ._member import STATUS_WAIT_S, Member
 from ._wire import Kind, Message, Op, control
@@ -273,7 +271,7 @@ class Wakeup:
             pass
 
     def wait(self, timeout_s: float) -> None:
-        if zmq_poll([(self.fd, _POLLIN)], max(0, int(timeout_s * 1000))):
+        if _interrupts.wait([(self.fd, _POLLIN)], max(0, int(timeout_s * 1000))):
             self._set = True  # a byte came before its set() could say so: the next clear() reads
             # it (else the pipe stayed readable and every wait returned at once, a spin)
 
@@ -355,8 +353,7 @@ class DirectLink(Driver):
         member.connected = True
 
     def _send(self, msg: Message) -> None:
-        with _sockets.critical():  # an interrupt never leaves a call taken but not answered
-            self._inbox.extend(out for _, out in self.coordinator.receive_message(HOST_PEER, msg))
+        self._inbox.extend(out for _, out in self.coordinator.receive_message(HOST_PEER, msg))
 
     def taken_in(self) -> bool:
         return bool(self._inbox)

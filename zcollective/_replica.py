@@ -14,9 +14,8 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 import zmq
-from zmq.backend import zmq_poll
 
-from . import _future, _sockets, _zap
+from . import _future, _interrupts, _sockets, _zap
 from ._link import Driver
 from ._member import Link, Member
 from ._wire import Message, encode
@@ -112,7 +111,7 @@ class Replica(Driver):
             remaining = _sockets.POLL_SLICE_S
             if deadline is not None:
                 remaining = min(remaining, deadline - time.monotonic())
-            ready = zmq_poll(self._poll_items, max(0, int(remaining * 1000)))
+            ready = _interrupts.wait(self._poll_items, max(0, int(remaining * 1000)))
             if ready:
                 # first: a FAIL that came before a disconnect explains it
                 got = self._drain_dealer(ready[0][0] is self.dealer, until)

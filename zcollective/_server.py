@@ -37,7 +37,7 @@ from typing import Any, Optional
 import zmq
 from zmq.backend import zmq_poll
 
-from . import _sockets, _zap
+from . import _interrupts, _sockets, _zap
 from ._coordinator import Coordinator, Member, Out, Phase
 from ._link import HOST_PEER, Wakeup, owned
 from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
@@ -130,19 +130,16 @@ class Server:
         under the lock, when the lock comes free within
         :data:`HOST_LOCK_WAIT_S` and nothing handed over earlier is still
         waiting for the thread; else the thread takes it."""
-        # signals are held back across the lock, so an interrupt never leaves it held, nor
-        # a call taken but its results unsent; held-back handlers run once it is let go
-        with _sockets.critical():
-            self._from_host.append(msg)
-            # the thread holds the lock for microseconds after a step (or, in a reduce
-            # function, for long): wait that long before handing the message to it
-            if self._take_pending or not self._lock.acquire(timeout=HOST_LOCK_WAIT_S):
-                self._hand_to_thread()
-                return
-            try:
-                self._take_here()
-            finally:
-                self._lock.release()
+        self._from_host.append(msg)
+        # the thread holds the lock for microseconds after a step (or, in a reduce
+        # function, for long): wait that long before handing the message to it
+        if self._take_pending or not self._lock.acquire(timeout=HOST_LOCK_WAIT_S):
+            self._hand_to_thread()
+            return
+        try:
+            self._take_here()
+        finally:
+            self._lock.release()
 
     def _take_here(self) -> None:
         """With the lock, in rank 0's own thread: take what its member handed
@@ -227,11 +224,11 @@ class Server:
             else:  # a reduce function that never returns cannot be interrupted: do not wait for it
                 bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
             try:
-                self._finished.wait(bound)
+                _interrupts.wait_event(self._finished, bound)
             except BaseException:  # a second Ctrl-C while rank 0 waits for the others: stop now
                 try:
                     self._command(_GIVE_UP)
-                    self._finished.wait(STOP_TIMEOUT_S)
+                    _interrupts.wait_event(self._finished, STOP_TIMEOUT_S)
                 finally:
                     self._pipe.close(linger=0)
                 raise

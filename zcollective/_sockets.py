@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import struct
 import sys
-import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import zmq
 from zmq.backend import zmq_poll
@@ -36,7 +34,6 @@ _MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event 
 # (libzmq's layout; zmq.utils.monitor parses the same, but importing it imports asyncio: 60 ms)
 _send = zmq.backend.Socket.send  # the Cython methods: pyzmq's multipart sugar costs 3x more
 _recv = zmq.backend.Socket.recv
-_get_ident = threading.get_ident
 
 RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
 RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hammered
@@ -185,129 +182,22 @@ def close_monitored(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> No
     sock.close(linger=linger_ms)
 
 
-class _HeldBack:
-    """Signal handlers held back while one whole message is sent or received.
-
-    pyzmq checks for signals *after* a frame was sent or received, so a
-    handler's exception there (``KeyboardInterrupt``) would lose a received
-    frame, or make the caller send a sent frame again. :func:`hold_signals`
-    wraps the Python handlers installed when a group starts (in the main
-    thread, the only one that runs them): inside a critical section a signal
-    is recorded, and its handler runs when the section ends, the message
-    whole. Entering a section costs two attribute updates, not system calls.
-    A handler the program installs later is not wrapped; when the last group
-    closes, the wrapped handlers are put back (:func:`release_signals`).
-    """
-
-    depth = 0
-    pending: list[tuple[Callable[..., Any], int, Any]] = []
-
-    def __init__(self, handler: Callable[..., Any]) -> None:
-        self.handler = handler
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if _HeldBack.depth:
-            _HeldBack.pending.append((self.handler, signum, frame))
-        else:
-            self.handler(signum, frame)
-
-
-def hold_signals() -> None:
-    """Wrap the current Python signal handlers (see :class:`_HeldBack`)."""
-    if threading.get_ident() != _MAIN_THREAD:
-        return
-    for sig in DEFERRED_SIGNALS:
-        handler = signal.getsignal(sig)
-        if callable(handler) and not isinstance(handler, _HeldBack):
-            signal.signal(sig, _HeldBack(handler))
-
-
-def release_signals() -> None:
-    """Put back the handlers :func:`hold_signals` wrapped (when no group is
-    left), unless the program has installed others since."""
-    if threading.get_ident() != _MAIN_THREAD:
-        return
-    for sig in DEFERRED_SIGNALS:
-        handler = signal.getsignal(sig)
-        if isinstance(handler, _HeldBack):
-            signal.signal(sig, handler.handler)
-
-
-def _enter() -> None:
-    if threading.get_ident() == _MAIN_THREAD:  # the only thread that runs Python signal handlers
-        _HeldBack.depth += 1
-
-
-def _leave() -> None:
-    if threading.get_ident() != _MAIN_THREAD:
-        return
-    _HeldBack.depth -= 1
-    if not _HeldBack.depth and _HeldBack.pending:
-        _run_held()
-
-
-def _run_held() -> None:
-    pending, _HeldBack.pending = _HeldBack.pending, []
-    for handler, signum, frame in pending:
-        handler(signum, frame)  # may raise KeyboardInterrupt: the message is whole
-
-
-_MAIN_THREAD = threading.main_thread().ident
-DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP,
-                    signal.SIGUSR1, signal.SIGUSR2)  # those whose Python handlers may raise
-
-
 def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
     """Send a multipart message; large frames go without a copy unless ``copy``.
     Never blocks: ``zmq.Again`` (nothing sent) means libzmq has no pipe to
     the peer any more (see :data:`_NOBLOCK`); callers call that link lost.
-
-    Never leaves half a message in the socket (the next message would
-    complete it): signal handlers are held back meanwhile, and an exception
-    raised between two frames otherwise (a trace hook's) sends the rest
-    first, then is raised. Each frame's send and its count share one line,
-    which an exception raised at a line boundary cannot split. (What
-    :func:`critical` does, spelled out: this is every message's path.)
-    """
-    if _get_ident() != _MAIN_THREAD:  # the only thread that runs Python signal handlers
-        _send_whole(sock, frames, copy)
-        return
-    depth = _HeldBack.depth
-    try:  # set inside, restored whatever happens: no line between can leave it raised
-        _HeldBack.depth = depth + 1
-        _send_whole(sock, frames, copy)
-    finally:
-        _HeldBack.depth = depth
-        if not depth and _HeldBack.pending:
-            _run_held()
-
-
-def _send_whole(sock: zmq.Socket, frames: list[Any], copy: bool) -> None:
+    (No signal handler's exception splits it: :mod:`zcollective._interrupts`.)"""
     last = len(frames) - 1
-    sent: list[Any] = []
-    interrupted: Optional[BaseException] = None
-    while len(sent) <= last:
-        tried = len(sent)
-        try:
-            for i in range(tried, last + 1):  # (an exception restarts it from len(sent))
-                frame = frames[i]
-                more = _SNDMORE if i < last else 0
-                if type(frame) is bytes and len(frame) < ZERO_COPY_MIN_BYTES:  # a small call's frames
-                    sent.append(_send(sock, frame, more | _NOBLOCK, True))
-                    continue
-                if copy and isinstance(frame, zmq.Frame):
-                    # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
-                    frame = frame.buffer
-                size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
-                sent.append(_send(sock, frame, more | _NOBLOCK, copy or size < ZERO_COPY_MIN_BYTES))
-        except zmq.ZMQError:
-            raise
-        except BaseException as exc:  # noqa: B036 (raised below, once the message is whole)
-            if interrupted is not None and len(sent) == tried:
-                raise  # the same frame failed twice: not an interrupt, a real error
-            interrupted = exc
-    if interrupted is not None:
-        raise interrupted
+    for i, frame in enumerate(frames):
+        more = _SNDMORE if i < last else 0
+        if type(frame) is bytes and len(frame) < ZERO_COPY_MIN_BYTES:  # a small call's frames
+            _send(sock, frame, more | _NOBLOCK, True)
+            continue
+        if copy and isinstance(frame, zmq.Frame):
+            # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
+            frame = frame.buffer
+        size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
+        _send(sock, frame, more | _NOBLOCK, copy or size < ZERO_COPY_MIN_BYTES)
 
 
 def recv_message(sock: zmq.Socket) -> list[Any]:
@@ -327,30 +217,10 @@ def complete(frames: list[Any]) -> bool:
 def take_in(sock: zmq.Socket, inbox: deque[list[Any]], waiting: bool = False) -> bool:
     """Move one whole waiting message from ``sock`` to the end of ``inbox``;
     False if none is waiting (``waiting``: a poll just said one is, so it
-    is not asked again).
-
-    A message being read is kept in ``inbox`` frame by frame, so an exception
-    raised by a signal handler between two frames loses nothing: the next
-    call finishes it. (Receiving a frame and keeping it share one line.)
-    """
-    if not inbox or complete(inbox[-1]):
-        if not waiting and not readable(sock):
-            return False
-        inbox.append([])
-    frames = inbox[-1]
-    if _get_ident() != _MAIN_THREAD:
-        while not frames or frames[-1].more:
-            frames.append(_recv(sock, _NOBLOCK, False))
-        return True
-    depth = _HeldBack.depth  # (critical(), spelled out: this is every message's path)
-    try:
-        _HeldBack.depth = depth + 1
-        while not frames or frames[-1].more:
-            frames.append(_recv(sock, _NOBLOCK, False))
-    finally:
-        _HeldBack.depth = depth
-        if not depth and _HeldBack.pending:
-            _run_held()
+    is not asked again)."""
+    if not waiting and not readable(sock):
+        return False
+    inbox.append(recv_message(sock))
     return True
 
 
@@ -432,17 +302,6 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
         pair.close(linger=0)
         raise
     return pair
-
-
-@contextlib.contextmanager
-def critical() -> Iterator[None]:
-    """A section no signal handler's exception interrupts: handlers held back
-    meanwhile run when it ends (see :class:`_HeldBack`)."""
-    _enter()
-    try:
-        yield
-    finally:
-        _leave()
 
 
 def taken(inbox: deque[T]) -> Iterator[T]:

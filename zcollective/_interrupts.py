@@ -1,0 +1,144 @@
+"""Where an interrupt may surface: the interrupt half of the one concurrency
+rule (the other half, who owns each socket, opens :mod:`zcollective._server`).
+
+Python runs a signal handler in the main thread between two bytecodes of
+whatever runs there. A handler's exception (``KeyboardInterrupt``) raised
+inside the library could leave a message half sent, a reply taken in but not
+handled, a reduction half done. So while a group is open the handlers of
+:data:`DEFERRED_SIGNALS` are wrapped (:func:`hold_signals`): a wrapped
+handler runs at once only where the interrupted code is not the library's,
+or is one of its *surfaces*:
+
+- a wait (:func:`wait`, :func:`wait_event`), where nothing is half done;
+- user code the library calls on rank 0 (:func:`call_user`: a reduce
+  function), whose interruption its caller handles.
+
+Anywhere else in the library the signal is *deferred*: sent to the main
+thread again a moment later, so its handler runs at the library's next wait
+or just after the library returns to the program. Which it is depends on the
+stack alone (trio's ``_ki.py`` decides the same way), so no line of the
+library needs care, and the hot path pays nothing: the stack is read only
+when a signal comes. A handler the program installs while a group is open is
+not wrapped; when the last group closes the wrapped ones are put back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import CodeType, FrameType
+from typing import Any, Callable, Optional, TypeVar
+
+from zmq.backend import zmq_poll
+
+T = TypeVar("T")
+
+DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in (
+    "SIGINT", "SIGTERM", "SIGALRM", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+# those whose Python handlers may raise
+RESEND_FIRST_S = 0.001  # a deferred signal comes again this soon: most library steps are shorter
+RESEND_MAX_S = 0.05  # ... backing off to this, within a long step (pickling a large value)
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_NOT_LIBRARY = {os.path.join(_HERE, name) for name in ("run.py", "testing.py", "_child.py", "__main__.py")}
+# (the launcher and the test helpers run programs: their code is not the library at work)
+_SURFACES: set[CodeType] = set()
+_library_files: dict[str, bool] = {}
+_MAIN_THREAD = threading.main_thread().ident
+
+
+def surface(fn: Callable[..., T]) -> Callable[..., T]:
+    """Mark ``fn`` as a surface: a signal handler runs at once inside it."""
+    _SURFACES.add(fn.__code__)
+    return fn
+
+
+@surface
+def wait(items: list[Any], timeout_ms: int) -> list[Any]:
+    """Wait in ``zmq_poll`` for ``items``: the library's one socket wait."""
+    return zmq_poll(items, timeout_ms)  # type: ignore[no-any-return]
+
+
+@surface
+def wait_event(event: threading.Event, timeout: Optional[float]) -> bool:
+    """Wait for ``event`` (another thread's work)."""
+    return event.wait(timeout)
+
+
+@surface
+def wait_lock(lock: Any, timeout: float) -> bool:
+    """Wait for ``lock`` (another thread's hold); -1: no bound. The caller
+    checks whether it holds the lock if this raises."""
+    return bool(lock.acquire(timeout=timeout))
+
+
+@surface
+def call_user(fn: Callable[..., T], *args: Any) -> T:
+    """Call user code (a reduce function): an interrupt comes out of it."""
+    return fn(*args)
+
+
+def deferred(frame: Optional[FrameType]) -> bool:
+    """Would a signal coming at ``frame`` be deferred? The innermost frame
+    that is a surface or the library's decides; others' (numpy, pickle,
+    the program's) are looked through."""
+    while frame is not None:
+        code = frame.f_code
+        if code in _SURFACES:
+            return False
+        name = code.co_filename
+        mine = _library_files.get(name)
+        if mine is None:
+            mine = _library_files[name] = name.startswith(_HERE) and name not in _NOT_LIBRARY
+        if mine:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Wrapped:
+    """A program's signal handler, deferred while the library is at work."""
+
+    def __init__(self, handler: Callable[..., Any]) -> None:
+        self.handler = handler
+        self.delay = RESEND_FIRST_S
+
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
+        if not deferred(frame):
+            self.delay = RESEND_FIRST_S
+            self.handler(signum, frame)
+            return
+        timer = threading.Timer(self.delay, _resend, (signum,))
+        timer.daemon = True
+        timer.start()
+        self.delay = min(RESEND_MAX_S, self.delay * 2)
+
+
+def _resend(signum: int) -> None:
+    if hasattr(signal, "pthread_kill") and _MAIN_THREAD is not None:
+        signal.pthread_kill(_MAIN_THREAD, signum)  # ends a wait in the main thread at once
+    else:  # (Windows: the handler runs when the main thread's wait returns)
+        signal.raise_signal(signum)
+
+
+def hold_signals() -> None:
+    """Wrap the current Python signal handlers (in the main thread, the only
+    one that may set them and runs them)."""
+    if threading.get_ident() != _MAIN_THREAD:
+        return
+    for sig in DEFERRED_SIGNALS:
+        handler = signal.getsignal(sig)
+        if callable(handler) and not isinstance(handler, _Wrapped):
+            signal.signal(sig, _Wrapped(handler))
+
+
+def release_signals() -> None:
+    """Put back the handlers :func:`hold_signals` wrapped (when no group is
+    left), unless the program has installed others since."""
+    if threading.get_ident() != _MAIN_THREAD:
+        return
+    for sig in DEFERRED_SIGNALS:
+        handler = signal.getsignal(sig)
+        if isinstance(handler, _Wrapped):
+            signal.signal(sig, handler.handler)
