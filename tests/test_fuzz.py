@@ -1280,8 +1280,8 @@ ctx.destroy(linger=0)
 
 
 class SteppedServer:
-    """Rank 0's coordinator server for a group of 3, bound, its thread never
-    started: the test steps it. Peers are sockets of another process
+    """Rank 0's coordinator server for a group of 3, bound, its background
+    thread never started: the test steps it. Peers are sockets of another process
     (``PEERS_BY_COMMAND``), so the fd numbers the server's connections get are
     this process's lowest free ones, as in a real rank 0."""
 
@@ -1294,7 +1294,7 @@ class SteppedServer:
 
         self.ctx = zmq.Context()
         self.server = Server(self.ctx, resolve("127.0.0.1", free_port(), 0, 3, env={}))
-        self.router, self.monitor, _ = self.server._bind()
+        self.router, self.monitor = self.server._bind()
         self.server._router, self.server._monitor = self.router, self.monitor
         self.peers = subprocess.Popen([sys.executable, "-c", PEERS_BY_COMMAND,
                                        str(self.server.config.master_port)], stdin=subprocess.PIPE,
@@ -1306,8 +1306,8 @@ class SteppedServer:
     def __exit__(self, *exc):
         self.peers.stdin.close()
         self.peers.wait(10)
-        self.server.wakeup.close()
-        self.ctx.destroy(linger=0)  # the server's sockets, its command pipe's too
+        self.server._close_pipes()
+        self.ctx.destroy(linger=0)  # the server's sockets
 
     def say(self, *lines):
         self.peers.stdin.write("".join(line + "\n" for line in lines))
@@ -1318,9 +1318,8 @@ class SteppedServer:
         assert sock.poll(10_000), "nothing arrived within 10 s"
 
     def step(self):
-        with self.server._lock:
-            self.server._drain_monitor()
-            self.server._drain()
+        self.server._drain_monitor()
+        self.server._drain()
         assert not getattr(self.server, "_closes", None), "a close was read and not handled"
 
 

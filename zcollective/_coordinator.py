@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
 from . import _serialize
+from ._interrupts import call_user
 from ._mac import HMAC_SHA256, KEY_LABELS, POLY1305
 from ._stats import Lateness
 from ._wire import (
@@ -176,6 +177,8 @@ class Coordinator:
         self.pending: dict[int, Call] = {}
         self.failure: Optional[dict[str, Any]] = None
         self.reducing: Optional[tuple[int, Op, float]] = None  # (seq, op, since): read by other threads
+        self.interrupted: Optional[BaseException] = None  # a reduce function's KeyboardInterrupt, to
+        # raise once its call's errors are sent
         self._warned: set[tuple[str, str]] = set()
         self._answered: set[bytes] = set()  # refused peers that got their one REJECT
         self._welcomed = False  # WELCOME went out: members know the session
@@ -645,6 +648,8 @@ class Coordinator:
                 "error": "SerializationError",
                 "message": _cap(f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}")})
         except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
+            if isinstance(exc, KeyboardInterrupt):  # on rank 0's thread: everyone hears of it,
+                self.interrupted = exc  # then the driver raises it there
             return self._error_all(seq, call.op, self._remote_error(seq, call.op, exc))
         # a header of its own for each rank; ranks given one payload share its frames,
         # which the driver hashes once
@@ -796,7 +801,7 @@ class Coordinator:
         try:
             acc = values[0]
             for value in values[1:]:
-                acc = fn(acc, value)
+                acc = call_user(fn, acc, value)
         finally:
             self.reducing = None
         return acc

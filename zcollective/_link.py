@@ -8,10 +8,10 @@ next. Three exist:
 
 - :class:`~zcollective._replica.Replica`: a DEALER socket to rank 0 (ranks 1
   and up);
-- :class:`HostLink`: rank 0's own member, which hands its messages to the
-  coordinator in its own process (:meth:`Server.from_host
-  <zcollective._server.Server.from_host>`) and takes its replies from a
-  queue the coordinator fills, woken through a pipe;
+- :class:`HostLink`: rank 0's own member, whose thread serves the
+  coordinator's sockets itself while it waits in the library
+  (:class:`~zcollective._server.Server`): its messages and replies are
+  function calls;
 - :class:`DirectLink`: a group of one, where the coordinator is called in
   the member's own thread; no socket, no thread.
 
@@ -251,6 +251,7 @@ class Wakeup:
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write, False)
         self._set = False  # a byte may be in the pipe: clear() must read it
+        self._open = True
 
     def set(self) -> None:
         try:
@@ -276,7 +277,8 @@ class Wakeup:
             # it (else the pipe stayed readable and every wait returned at once, a spin)
 
     def close(self) -> None:
-        for fd in (self.fd, self._write):
+        fds, self._open = (self.fd, self._write) if self._open else (), False  # once: the numbers
+        for fd in fds:  # may be another file's afterwards
             try:
                 os.close(fd)
             except OSError:
@@ -296,7 +298,9 @@ def owned(msg: Message) -> Message:
 
 
 class HostLink(Driver):
-    """Rank 0's member, beside the coordinator thread (:class:`Server`)."""
+    """Rank 0's member, beside the coordinator (:class:`Server`): rank 0's
+    thread owns the coordinator's sockets while it waits here, and serves
+    them itself."""
 
     def __init__(self, member: Member, server: Server) -> None:
         super().__init__(member)
@@ -310,27 +314,44 @@ class HostLink(Driver):
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member = self.server, self.member
-        while True:
-            server.wakeup.clear()  # first: a reply queued after this sets it again
-            got = False
-            for msg in _sockets.taken(server.to_host):
-                got = True
-                self._handle(msg)
-            if got or member.failure is not None:
-                return True
-            why = server.gone()
-            if why is not None:
-                member.coordinator_gone(why)
-                return True
-            remaining = _sockets.POLL_SLICE_S
-            if deadline is not None:
-                remaining = min(remaining, deadline - time.monotonic())
-                if remaining <= 0:
-                    return False
-            server.wakeup.wait(remaining)
+        if not server.hold(deadline):
+            return False
+        try:
+            got = server.serve(deadline, self._handle)
+        finally:
+            server.release()
+        why = server.gone()
+        if why is not None and member.failure is None:
+            member.coordinator_gone(why)
+        return got
+
+    def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+        if not self.server.hold(deadline):  # (the background thread runs a reduce function)
+            return done()
+        try:
+            return super().wait_for(done, deadline)
+        finally:
+            self.server.release()
+
+    def progress(self) -> None:
+        self.server.hold()
+        try:
+            super().progress()
+        finally:
+            self.server.release()
+
+    def finish_data(self, timeout: float) -> None:
+        self.server.hold()
+        try:
+            super().finish_data(timeout)
+        finally:
+            self.server.release()
+
+    def poll_items(self) -> list[tuple[Any, Any]]:
+        return self.server.poll_items()
 
     def fds(self) -> list[int]:
-        return [self.server.wakeup.fd]
+        return self.server.fds()
 
     def taken_in(self) -> bool:
         return bool(self.server.to_host)
@@ -353,7 +374,11 @@ class DirectLink(Driver):
         member.connected = True
 
     def _send(self, msg: Message) -> None:
-        self._inbox.extend(out for _, out in self.coordinator.receive_message(HOST_PEER, msg))
+        coordinator = self.coordinator
+        self._inbox.extend(out for _, out in coordinator.receive_message(HOST_PEER, msg))
+        if coordinator.interrupted is not None:  # in the reduce function: its error is queued
+            interrupted, coordinator.interrupted = coordinator.interrupted, None
+            raise interrupted
 
     def taken_in(self) -> bool:
         return bool(self._inbox)

@@ -1,29 +1,33 @@
-"""The thread on rank 0 that owns the coordinator's ROUTER socket.
+"""Rank 0's coordinator: its ROUTER socket, served by whichever thread owns it.
 
 A thin driver: it receives frames, feeds them to the pure
 :class:`~zcollective._coordinator.Coordinator`, and sends what it returns.
-It is controlled through an inproc PAIR pipe, as pyzmq's auth thread is, and
-reports its start-up (bind) result with a bounded wait.
 
-Rank 0's own member needs no socket: it hands its messages to the
-coordinator with :meth:`Server.from_host`, a function call under the
-server's lock, and takes its replies from :attr:`Server.to_host`, woken
-through :attr:`Server.wakeup`. Whichever thread holds the lock may use the
-ROUTER (libzmq allows a socket to move between threads across a full memory
-barrier, which the lock is); the thread polls the ROUTER's file descriptor,
-not the socket, so it never touches the socket without the lock. The thread
-stays for progress while rank 0's own code is busy elsewhere.
+The one concurrency rule (its interrupt half is :mod:`zcollective._interrupts`):
+the ROUTER, its monitor, the ZAP handler's socket and the coordinator have one
+owner at a time, the thread holding :attr:`Server._own`, and ownership
+changes hands only by that lock.
 
-With a secret the thread also owns the context's ZAP handler
-(:class:`~zcollective._zap.Gatekeeper`, made before the ROUTER binds) and
-answers each handshake as soon as it is asked, without the lock: a peer
-that cannot prove the secret is refused before libzmq takes in a message
-from it.
+- **Rank 0's own thread** owns them while its program is inside the library
+  (:meth:`Server.hold` .. :meth:`Server.release`): it receives, matches,
+  reduces and sends itself, and hands its member's results over as plain
+  function calls. No thread hop on the hot path.
+- **A background thread** owns them only while rank 0's program has been
+  elsewhere for :data:`AWAY_S` (or is ending its wait): then the others still
+  make progress, are told of losses and answered when they ask. It parks
+  meanwhile, and gives ownership back when rank 0's thread asks (a ``give``
+  on its pipe); what it produced for rank 0's member waits in
+  :attr:`Server.to_host`, signalled on :attr:`Server.wakeup` (which an
+  awaiting coroutine watches).
+
+With a secret the owner also answers each handshake (the context's ZAP
+handler, :class:`~zcollective._zap.Gatekeeper`, made before the ROUTER binds):
+a peer that cannot prove the secret is refused before libzmq takes in a
+message from it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
@@ -31,8 +35,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 from zmq.backend import zmq_poll
@@ -46,23 +49,21 @@ from .errors import InternalError
 
 log = logging.getLogger("zcollective")
 
-HOST_LOCK_WAIT_S = 0.002  # rank 0's member waits this long for the lock before it hands
-# its message to the thread instead (a wake-up of the thread costs more than a short wait)
-START_TIMEOUT_S = 10.0  # binding a socket takes milliseconds; longer means something is wrong
+AWAY_S = 0.002  # rank 0's program out of the library this long: the background thread serves
+# (shorter, and a tight loop of calls would hand the sockets over and back at every call)
+PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
+PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
 ACK_POLL_S = 0.01  # rank 0's program ending: how often it looks whether the replicas have it all
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
-_STOP, _END, _GIVE_UP, _TAKE = b"stop", b"end", b"give up", b"take"  # pipe commands: close
-# now; rank 0's program is ending; it was interrupted while ending (tell the others the group is
-# over, close); take what rank 0's member handed over while the lock was held
-
+_STOP, _GIVE = b"stop", b"give"  # commands to the background thread: end; let go of the sockets
 
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class Server:
-    """Runs the coordinator of one group in a background thread on rank 0."""
+    """Serves the coordinator of one group on rank 0 (see the module's rule)."""
 
     def __init__(self, ctx: zmq.Context, config: Config) -> None:
         self.ctx = ctx
@@ -71,37 +72,48 @@ class Server:
         self.signer = Signer(config.secret) if config.secret is not None else None
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer, config.max_frame_bytes)
-        self.crashed: Optional[str] = None  # set once, by the thread, before _finished
-        self._lock = threading.Lock()  # held to use the coordinator or the ROUTER
-        self._router: Optional[zmq.Socket] = None  # while serving
-        self._from_host: deque[Message] = deque()  # rank 0's member's messages, not yet taken
-        self.to_host: deque[Message] = deque()  # replies to rank 0's member, not yet taken
-        self._sent = 0  # messages sent on the ROUTER, by either thread
-        self._host_owed = False  # to_host grew while the lock was held
-        self._take_pending = False  # a _TAKE is on its way to the thread
-        self._lost: deque[tuple[int, str]] = deque()  # ranks rank 0's own thread found gone
+        self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
+        self._own = threading.RLock()  # its holder owns the sockets and the coordinator (an RLock
+        # for its _is_owned: an interrupt right after acquiring must not leave it held)
+        self._depth = 0  # rank 0's thread's nested holds
+        self._left = 0.0  # when rank 0's thread last let go
+        self._wanted = False  # rank 0's thread waits to take them back
+        self._away = False  # the background thread serves
+        self._router: Optional[zmq.Socket] = None
+        self._monitor: Optional[zmq.Socket] = None
+        self._items: list[Any] = []  # what an owner polls: ROUTER, monitor, ZAP handler
+        self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
+        self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
+        self._sent = 0  # messages sent on the ROUTER
         self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._closed: dict[bytes, Member] = {}  # peer -> its member whose connection closed
         self._closes: deque[tuple[int, list[Member]]] = deque()  # (fd, its members then): to handle
         self._trackers: dict[bytes, list[Any]] = {}  # while ending, by peer: one per message sent,
         # done once libzmq wrote it
-        self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler, which
-        # the coordinator thread answers (a data socket of rank 0's context uses it too)
-        self._started = threading.Event()
-        # set when the thread has closed its sockets: unlike Thread.join, whose state a
-        # KeyboardInterrupt during the join can leave wrong, waiting on it can be interrupted
-        self._finished = threading.Event()
-        self._start_error: Optional[BaseException] = None
-        self._pipe_endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
-        with _sockets.mapped("rank 0 cannot start its coordinator thread"):
-            self._pipe = ctx.socket(zmq.PAIR)
-            self._pipe.setsockopt(zmq.SNDHWM, 0)  # a command is never dropped
-            self._pipe.bind(self._pipe_endpoint)
-        self.wakeup = Wakeup()  # set when to_host grows (made last: nothing after it can fail)
+        self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
+        # socket of rank 0's context uses it too)
+        self._ending: Optional[float] = None  # when rank 0's program said it was ending
+        self._stopped = False
+        self._finished = threading.Event()  # the background thread has ended
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
+        self.wakeup = Wakeup()
+        endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
+        try:
+            with _sockets.mapped("rank 0 cannot start its coordinator thread"):
+                self._pipe = ctx.socket(zmq.PAIR)  # rank 0's thread's end
+                self._pipe.setsockopt(zmq.SNDHWM, 0)  # a command is never dropped
+                self._pipe.setsockopt(zmq.LINGER, 0)
+                self._pipe.bind(endpoint)
+                self._thread_pipe = ctx.socket(zmq.PAIR)  # the thread's end: made here, used there
+                self._thread_pipe.setsockopt(zmq.RCVHWM, 0)
+                self._thread_pipe.setsockopt(zmq.LINGER, 0)
+                self._thread_pipe.connect(endpoint)
+        except BaseException:
+            self._close_pipes()
+            raise
 
     def start(self) -> None:
-        """Bind and start serving.
+        """Bind, then start the background thread.
 
         Raises
         ------
@@ -109,99 +121,135 @@ class Server:
             The master address could not be bound (port in use, address not
             on this host).
         """
+        try:
+            router, monitor = self._bind()
+        except BaseException:
+            self._close_pipes()
+            raise
+        self._router, self._monitor = router, monitor
+        self._items = [(router, zmq.POLLIN), (monitor, zmq.POLLIN)]
+        self._fds = [router.FD, monitor.FD]
+        if self.gatekeeper is not None:
+            self._items.append(self.gatekeeper.poll_item)
+            self._fds.append(self.gatekeeper.fd)
         self._thread.start()
-        if not self._started.wait(START_TIMEOUT_S):
-            raise InternalError(f"the coordinator thread did not start within {START_TIMEOUT_S} s")
-        if self._start_error is not None:
-            self._pipe.close(linger=0)
-            self._thread.join(STOP_TIMEOUT_S)
-            self.wakeup.close()
-            raise self._start_error
+
+    def _close_pipes(self) -> None:
+        for pipe in (getattr(self, "_pipe", None), getattr(self, "_thread_pipe", None)):
+            if pipe is not None:
+                pipe.close(linger=0)
+        self.wakeup.close()
 
     def gone(self) -> Optional[str]:
-        """Why the coordinator thread is no longer serving, or None if it is."""
-        # not Thread.is_alive(): an interrupt inside it can leave a live thread marked stopped
-        if not self._finished.is_set():
-            return None
-        return self.crashed or "it stopped"
+        """Why the coordinator is no longer served, or None if it is."""
+        if self.crashed is not None:
+            return self.crashed
+        return "it stopped" if self._stopped else None
+
+    # -- ownership ------------------------------------------------------------
+
+    def hold(self, deadline: Optional[float] = None) -> bool:
+        """Rank 0's thread takes ownership (nested holds count); False if the
+        background thread, busy in a reduce function, did not give it back
+        by ``deadline``."""
+        if self._depth:
+            self._depth += 1
+            return True
+        own = self._own
+        if not own.acquire(blocking=False):
+            self._wanted = True  # the thread must not take the sockets again before this thread
+            _sockets.notify(self._pipe, _GIVE)  # has (a lock is not handed to its waiter)
+            timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                if not _interrupts.wait_lock(own, timeout):
+                    return False
+            except BaseException:
+                if own._is_owned():  # type: ignore[attr-defined]
+                    own.release()
+                raise
+            finally:
+                self._wanted = False
+        self._depth = 1
+        return True
+
+    def release(self) -> None:
+        """Rank 0's thread lets go of one hold."""
+        self._depth -= 1
+        if not self._depth:
+            self._left = time.monotonic()
+            self._own.release()
 
     def from_host(self, msg: Message) -> None:
-        """Rank 0's member sends ``msg`` (from its own thread): taken here,
-        under the lock, when the lock comes free within
-        :data:`HOST_LOCK_WAIT_S` and nothing handed over earlier is still
-        waiting for the thread; else the thread takes it."""
-        self._from_host.append(msg)
-        # the thread holds the lock for microseconds after a step (or, in a reduce
-        # function, for long): wait that long before handing the message to it
-        if self._take_pending or not self._lock.acquire(timeout=HOST_LOCK_WAIT_S):
-            self._hand_to_thread()
+        """Rank 0's member sends ``msg``: taken by the coordinator now, in this
+        thread (a reduce function may run here)."""
+        self.hold()
+        try:
+            self._take(lambda: self.coordinator.receive_message(HOST_PEER, msg))
+        finally:
+            self.release()
+
+    def serve(self, deadline: Optional[float], deliver: Callable[[Message], None]) -> bool:
+        """Rank 0's thread, holding: serve until something came for its member
+        (handed to ``deliver``; True) or ``deadline`` (False)."""
+        items, stepped = self._items, False
+        while True:
+            if self.to_host:
+                self.wakeup.clear()
+                while self.to_host:
+                    deliver(self.to_host.popleft())
+                return True
+            if self.gone() is not None:
+                return True
+            remaining = _sockets.POLL_SLICE_S
+            if deadline is not None:
+                remaining = min(remaining, deadline - time.monotonic())
+                if stepped and remaining <= 0:
+                    return False
+            ready = _interrupts.wait(items, max(0, int(remaining * 1000)))
+            if ready:
+                self._step(ready)
+            stepped = True
+
+    def poll_items(self) -> list[Any]:
+        """What rank 0's thread polls for the coordinator, while holding."""
+        return self._items
+
+    def fds(self) -> list[int]:
+        """File descriptors that become readable when the coordinator may have
+        work: watched by an awaiting coroutine (zero-copy: their numbers, read
+        once, are the owner's business)."""
+        return [self.wakeup.fd, *self._fds]
+
+    def _take(self, step: Callable[[], list[Out]]) -> None:
+        """Run one step of the coordinator and send what it returns; a bug
+        fails the group for everyone."""
+        if self._router is None or self.coordinator.phase is Phase.CLOSED or self.crashed:
             return
         try:
-            self._take_here()
-        finally:
-            self._lock.release()
-
-    def _take_here(self) -> None:
-        """With the lock, in rank 0's own thread: take what its member handed
-        over, up to a contribution that would run a reduce function (user
-        code runs in the coordinator thread only, so rank 0's calls can time
-        out and be interrupted while it runs); the thread takes the rest."""
-        coordinator, sent = self.coordinator, self._sent
-        try:
-            for msg in _sockets.taken(self._from_host):
-                if self._router is None or coordinator.phase is Phase.CLOSED:
-                    self._from_host.clear()
-                    return
-                if coordinator.completes_reduction(msg):
-                    self._hand_to_thread()
-                    return
-                self._send_all(coordinator.receive_message(HOST_PEER, msg))
-        except Exception as exc:  # a bug: fail the group for everyone, as the thread would
-            self._from_host.clear()
+            outs = step()
+        except Exception as exc:
             self._crash(exc)
             raise InternalError(self.crashed or "the coordinator crashed") from exc
-        self._host_owed = False  # rank 0's member looks at to_host before it waits
-        if self._sent != sent and self._router is not None and _sockets.readable(self._router):
-            # sending swallowed the fd's edge of what had arrived meanwhile: the thread takes it
-            self._hand_to_thread()
+        self._send_all(outs)
 
-    def _hand_to_thread(self) -> None:
-        """Have the thread take what rank 0's member handed over (one wake-up
-        at a time: the flag is cleared by the thread when it reads it)."""
-        if not self._take_pending:
-            self._take_pending = True
-            self._command(_TAKE)
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The thread's hold of the lock; rank 0's member is woken for what
-        was queued for it only once the lock is free for its next call."""
-        with self._lock:
-            yield
-            owed, self._host_owed = self._host_owed, False
-        if owed:
-            self.wakeup.set()
-
-    def _step(self) -> None:
-        """The thread, with the lock: take what rank 0's member handed over,
-        then whatever waits on the monitor and the ROUTER (read to the end:
-        either thread's use of a socket may have swallowed its fd's edge)."""
-        coordinator = self.coordinator
-        for msg in _sockets.taken(self._from_host):
-            if coordinator.phase is Phase.CLOSED:
-                self._from_host.clear()
-                break
-            self._send_all(coordinator.receive_message(HOST_PEER, msg))
-        if self._lost:  # found by rank 0's own thread while it sent
-            lost, self._lost = list(self._lost), deque()
-            self._take_lost(lost)
-        self._drain_monitor()
-        self._drain()
-        if self._closes:  # read by a drain that was not handling closes (_take_lost's)
+    def _step(self, ready: list[Any]) -> None:
+        """The owner: answer handshakes, then whatever waits on the monitor and
+        the ROUTER."""
+        if self.gatekeeper is not None and ready:
+            self.gatekeeper.serve()  # a handshake waits for it: first
+        try:
             self._drain_monitor()
+            self._drain()
+            if self._closes:  # read by a drain that was not handling closes (_take_lost's)
+                self._drain_monitor()
+        except InternalError:
+            raise
+        except Exception as exc:
+            self._crash(exc)
+            raise InternalError(self.crashed or "the coordinator crashed") from exc
 
     def busy(self) -> Optional[str]:
-        """What the coordinator thread has been stuck in for a while, if anything."""
+        """What the coordinator has been stuck in for a while, if anything."""
         reducing = self.coordinator.reducing  # one attribute read: safe across threads
         if reducing is None:
             return None
@@ -209,43 +257,120 @@ class Server:
         return (f"every rank arrived; the reduce function of seq {seq} {op.label} has been "
                 f"running on the coordinator (rank 0) for {time.monotonic() - since:.1f} s")
 
-    def stop(self, ending: bool = False) -> None:
-        """Ask the thread to close its sockets and wait for it, with a bound.
+    # -- the background thread ---------------------------------------------------
 
-        ``ending``: rank 0's program is ending (its member has sent BYE). The
-        thread serves on until every call rank 0 made is complete and its
-        results are on their way (at most :data:`EXIT_WAIT_S`), then closes,
-        giving what is queued :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave.
-        """
-        if not self._finished.is_set():
-            self._command(_END if ending else _STOP)
-            if ending:  # however long a reduction runs, up to the exit bound: its results are owed
-                bound = EXIT_WAIT_S + _sockets.EXIT_LINGER_MS / 1000 + 1
-            else:  # a reduce function that never returns cannot be interrupted: do not wait for it
-                bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
-            try:
-                _interrupts.wait_event(self._finished, bound)
-            except BaseException:  # a second Ctrl-C while rank 0 waits for the others: stop now
+    def _run(self) -> None:
+        pipe = self._thread_pipe
+        park = [(pipe, zmq.POLLIN)]
+        items = [*self._items, (pipe, zmq.POLLIN)]
+        coordinator = self.coordinator
+        try:
+            while True:
+                wait = PARK_BUSY_S if coordinator.pending else PARK_IDLE_S
+                if zmq_poll(park, int(wait * 1000)) and _STOP in _commands(pipe):
+                    return
+                if self._wanted or self._depth or time.monotonic() - self._left < AWAY_S:
+                    continue
+                if not self._own.acquire(blocking=False):
+                    continue
                 try:
-                    self._command(_GIVE_UP)
-                    _interrupts.wait_event(self._finished, STOP_TIMEOUT_S)
+                    if self._serve_away(items, pipe):
+                        return
                 finally:
-                    self._pipe.close(linger=0)
-                raise
-            if not self._finished.is_set():
-                log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind",
-                          self.busy() or "no reason known")
+                    self._own.release()
+        except BaseException as exc:  # a bug: tell every replica rather than leave them waiting
+            if self.crashed is None:
+                self._crash(exc)
+        finally:
+            pipe.close(linger=0)
+            self._finished.set()
+
+    def _serve_away(self, items: list[Any], pipe: zmq.Socket) -> bool:
+        """Owning, while rank 0's program is elsewhere: serve until it asks for
+        the sockets back (False) or the thread must end (True)."""
+        self._away = True
+        try:
+            while True:
+                ready = zmq_poll(items, -1)
+                if ready and ready[-1][0] is pipe:
+                    commands = _commands(pipe)
+                    if _STOP in commands:
+                        return True
+                    if _GIVE in commands:
+                        return False
+                self._step(ready)
+        finally:
+            self._away = False
+
+    # -- stopping -------------------------------------------------------------
+
+    def stop(self, ending: bool = False) -> None:
+        """Close the coordinator's sockets, in rank 0's thread, once the
+        background thread has ended (with a bound: one stuck in a reduce
+        function is left behind, with the sockets).
+
+        ``ending``: rank 0's program is ending (its member has sent BYE): it
+        serves on until every call it made is complete and its results are on
+        their way (at most :data:`EXIT_WAIT_S`), then what is queued gets
+        :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave. An interrupt
+        meanwhile tells the others the group is over, and closes at once.
+        """
+        if self._stopped:
+            return
+        if not self._thread.is_alive() and not self._finished.is_set():
+            self._thread_pipe.close(linger=0)  # (it never started: start() failed)
+        _sockets.notify(self._pipe, _STOP)
+        bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
+        if self._thread.is_alive() and not _interrupts.wait_event(self._finished, bound):
+            log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind, "
+                      "with the sockets", self.busy() or "no reason known")
+            self._pipe.close(linger=0)
+            return  # (gone() stays None: the group leaves the context to it)
+        self._stopped = True
         self._pipe.close(linger=0)
-        if self._finished.is_set():
-            self.wakeup.close()  # else the thread may still deliver to it
+        linger = _sockets.CLOSE_LINGER_MS
+        try:
+            if ending and self.crashed is None:
+                linger = _sockets.EXIT_LINGER_MS
+                self._serve_ending()
+                self._acknowledged(linger / 1000)
+        except BaseException:
+            linger = 0  # interrupted again while ending: close now
+            self._give_up_ending()
+            raise
+        finally:
+            self._close(linger)
 
-    def _command(self, command: bytes) -> None:
-        """Tell the thread ``command`` (the main thread's end of the pipe)."""
-        _sockets.notify(self._pipe, command)
+    def _serve_ending(self) -> None:
+        """Rank 0's program is ending: serve until the group is over, or
+        :data:`EXIT_WAIT_S` (then the others are told it is)."""
+        coordinator = self.coordinator
+        self._ending = time.monotonic()
+        while coordinator.phase not in (Phase.CLOSED, Phase.FAILED):
+            waited = time.monotonic() - self._ending
+            if waited >= EXIT_WAIT_S:
+                self._give_up_ending()
+                return
+            timeout = int((EXIT_WAIT_S - waited) * 1000) + 1
+            self._step(_interrupts.wait(self._items, timeout))
 
-    # -- the thread ----------------------------------------------------------
+    def _give_up_ending(self) -> None:
+        if self._ending is not None and self._router is not None:
+            try:
+                self._send_all(self.coordinator.give_up_ending(time.monotonic() - self._ending))
+            except Exception:
+                pass  # nothing more can be said: the sockets close now
 
-    def _bind(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    def _close(self, linger_ms: int) -> None:
+        router, monitor, self._router = self._router, self._monitor, None
+        if router is not None and monitor is not None:
+            _sockets.close_monitored(router, monitor, linger_ms)
+        self._close_gatekeeper()  # after the ROUTER: no handshake is left to answer
+        self.wakeup.close()
+
+    # -- binding ---------------------------------------------------------------
+
+    def _bind(self) -> tuple[zmq.Socket, zmq.Socket]:
         config = self.config
         if config.secret is not None:  # before the ROUTER can take a handshake
             with _sockets.mapped("rank 0 cannot start the coordinator's ZAP handler"):
@@ -261,7 +386,7 @@ class Server:
             self.gatekeeper.close()
             self.gatekeeper = None
 
-    def _bind_router(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    def _bind_router(self) -> tuple[zmq.Socket, zmq.Socket]:
         config = self.config
         with _sockets.mapped("rank 0 cannot make the coordinator's socket"):
             router = self.ctx.socket(zmq.ROUTER)
@@ -292,7 +417,7 @@ class Server:
             raise
         made: list[zmq.Socket] = [router]
         try:
-            with _sockets.mapped("rank 0 cannot start its coordinator thread"):
+            with _sockets.mapped("rank 0 cannot watch the coordinator's connections"):
                 events = zmq.EVENT_DISCONNECTED
                 if self.gatekeeper is not None:  # to log peers refused before any ZAP request
                     # (a mismatch of mechanisms is seen by whichever end reads the other's greeting
@@ -300,10 +425,6 @@ class Server:
                     events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                 monitor = _sockets.monitor_socket(router, events)
                 made.append(monitor)
-                pipe = self.ctx.socket(zmq.PAIR)
-                made.append(pipe)
-                pipe.setsockopt(zmq.RCVHWM, 0)
-                pipe.connect(self._pipe_endpoint)
         except BaseException:
             for sock in made:
                 sock.close(linger=0)
@@ -315,43 +436,9 @@ class Server:
                 "ZCOLLECTIVE_SECRET or ZCOLLECTIVE_SECRET_FILE on every replica; see "
                 "docs/security.md", config.bind_host, config.master_port)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replica reconnecting while joining keeps its id
-        return router, monitor, pipe
+        return router, monitor
 
-    def _run(self) -> None:
-        try:
-            router, monitor, pipe = self._bind()
-        except BaseException as exc:
-            self._start_error = exc
-            self._finished.set()
-            self._started.set()
-            return
-        self._monitor = monitor
-        fds = [router.FD, monitor.FD]  # read before rank 0's member may use the ROUTER
-        if self.gatekeeper is not None:
-            fds.append(self.gatekeeper.fd)
-        with self._locked():
-            self._router = router
-        self._started.set()
-        try:
-            self._serve(fds, pipe)
-        except BaseException as exc:  # a bug: tell every replica rather than leave them waiting
-            with self._locked():
-                self._crash(exc)
-        finally:
-            # results, or a FAIL just sent to the survivors, must reach them
-            linger = _sockets.EXIT_LINGER_MS if self._ending is not None else _sockets.CLOSE_LINGER_MS
-            if self._ending is not None and not self._given_up:
-                self._acknowledged(linger / 1000)
-            with self._locked():  # rank 0's member may be using it
-                self._router = None
-            pipe.close(linger=0)
-            _sockets.close_monitored(router, monitor, linger)
-            self._close_gatekeeper()  # after the ROUTER: no handshake is left to answer
-            self._finished.set()
-
-    _ending: Optional[float] = None  # when rank 0's program said it was ending
-
-    _given_up = False  # a second interrupt while ending: close at once
+    # -- ending and failing -------------------------------------------------------
 
     def _acknowledged(self, timeout: float) -> None:
         """Rank 0's program is ending: wait (at most ``timeout`` s) until
@@ -361,12 +448,10 @@ class Server:
         :func:`~zcollective._sockets.unacknowledged`). Members whose
         connection closed, before or during the wait, are left out with the
         messages sent to them (libzmq may never let those go): their fd may be
-        another socket's by now. The thread's own: rank 0's thread waits in
-        :meth:`stop`."""
+        another socket's by now."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with self._locked():
-                self._drain_monitor()
+            self._drain_monitor()
             running = [m for m in self.coordinator.members.values()
                        if m.fd is not None and m.ended is None and self._closed.get(m.peer) is not m]
             if not running:
@@ -381,8 +466,8 @@ class Server:
             time.sleep(ACK_POLL_S)
 
     def _crash(self, exc: BaseException) -> None:
-        """With the lock: a bug in the coordinator; tell every replica rather
-        than leave them waiting."""
+        """A bug in the coordinator: tell every replica rather than leave them
+        waiting."""
         log.exception("zcollective: the coordinator crashed", exc_info=exc)
         self.crashed = f"the coordinator crashed: {type(exc).__name__}: {exc}"
         try:
@@ -390,45 +475,7 @@ class Server:
         except Exception:
             pass
 
-    def _serve(self, fds: list[int], pipe: zmq.Socket) -> None:
-        # the fds of the ROUTER and its monitor, not the sockets: polling a socket would use it
-        # without the lock. They are edge-triggered: each step reads both until they are empty
-        items: list[Any] = [(fds[0], zmq.POLLIN), (fds[1], zmq.POLLIN), (pipe, zmq.POLLIN)]
-        gatekeeper = self.gatekeeper  # its socket is this thread's alone: served without the lock
-        if gatekeeper is not None:
-            items.append((gatekeeper.fd, zmq.POLLIN))
-        coordinator = self.coordinator
-        while coordinator.phase is not Phase.CLOSED:
-            timeout = -1
-            if self._ending is not None:
-                if coordinator.phase is Phase.FAILED:
-                    return  # whatever the others must hear is queued
-                waited = time.monotonic() - self._ending
-                if waited >= EXIT_WAIT_S:
-                    with self._locked():
-                        self._send_all(coordinator.give_up_ending(waited))
-                    return
-                timeout = int((EXIT_WAIT_S - waited) * 1000) + 1
-            ready = {sock for sock, _ in zmq_poll(items, timeout)}
-            if gatekeeper is not None and gatekeeper.fd in ready:
-                gatekeeper.serve()  # a handshake waits for it: first
-            if pipe in ready:
-                try:
-                    command = pipe.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    command = b""  # (never: the poll said a command waits)
-                if command == _TAKE:
-                    self._take_pending = False  # before the step: a later hand-over sends another
-                elif command in (_STOP, _GIVE_UP, _END):
-                    if command == _GIVE_UP and self._ending is not None:
-                        self._given_up = True
-                        with self._locked():
-                            self._send_all(coordinator.give_up_ending(time.monotonic() - self._ending))
-                    if command != _END:
-                        return
-                    self._ending = time.monotonic()
-            with self._locked():
-                self._step()
+    # -- the ROUTER and its monitor ---------------------------------------------
 
     def _drain_monitor(self) -> None:
         """Handle the monitor's events: a member's connection closed."""
@@ -449,6 +496,8 @@ class Server:
         replica's got its number), and must not be taken for the connection
         that closed. (A JOIN sent just before its own connection closed is
         bound to that close when it is taken in: see :meth:`_drain`.)"""
+        if self._monitor is None:
+            return
         for kind, value in _sockets.monitor_events(self._monitor, self._events):
             if kind == zmq.EVENT_DISCONNECTED:
                 members = [m for m in self.coordinator.members.values() if m.fd == value]
@@ -463,12 +512,9 @@ class Server:
                                             "it closed the connection during the handshake")
 
     def _drain(self, joins_first: bool = True) -> None:
-        """Handle every message waiting on the ROUTER (with the lock)."""
+        """Handle every message waiting on the ROUTER."""
         router, coordinator = self._router, self.coordinator
         while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
-            if self._host_owed:  # rank 0's reply is ready: do not keep it waiting for the rest
-                self._host_owed = False
-                self.wakeup.set()
             frames = _sockets.recv_message(router)
             peer = frames[0].bytes
             if len(frames) < 2 or peer == HOST_PEER:  # that name is rank 0's own member's alone
@@ -503,15 +549,16 @@ class Server:
                 return
 
     def _send_all(self, outs: list[Out]) -> None:
-        """Send what the coordinator returned (with the lock): rank 0's part
-        to its queue, the others' on the ROUTER."""
+        """Send what the coordinator returned: rank 0's part to its queue, the
+        others' on the ROUTER."""
         lost: list[tuple[int, str]] = []
         cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
         router = self._router
         for peer, msg in outs:
             if peer == HOST_PEER:
                 self.to_host.append(owned(msg))
-                self._host_owed = True  # woken when the lock is let go (see _locked)
+                if self._away:  # rank 0's thread is elsewhere: an awaiting coroutine watches this
+                    self.wakeup.set()
                 continue
             if router is None:
                 continue  # closed: nothing more reaches anyone
@@ -522,22 +569,29 @@ class Server:
                 member = self.coordinator.members.get(peer)
                 if member is not None:
                     lost.append((member.rank, "its connection is gone"))
-        if not lost:
-            return
-        if threading.get_ident() != self._thread.ident:  # rank 0's own thread (_take_here): what
-            # waits on the ROUTER may complete a reduction, which only the thread may run
-            self._lost.extend(lost)
-            self._hand_to_thread()
-            return
-        self._take_lost(lost)
+        if lost:
+            self._take_lost(lost)
+        if self.coordinator.interrupted is not None:  # in a reduce function, once all are told
+            interrupted, self.coordinator.interrupted = self.coordinator.interrupted, None
+            raise interrupted
 
     def _take_lost(self, lost: list[tuple[int, str]]) -> None:
-        """The thread, with the lock: ranks found gone while sending. A BYE
+        """Ranks found gone while sending. A BYE
         one sent before closing may still be queued: a rank that ended is not
         lost."""
         self._drain(joins_first=False)
         for rank, reason in lost:
             self._send_all(self.coordinator.lost(rank, reason))
+
+
+def _commands(pipe: zmq.Socket) -> set[bytes]:
+    """Every command waiting on the background thread's pipe."""
+    commands = set()
+    while True:
+        try:
+            commands.add(pipe.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return commands
 
 
 def _bindable(host: str) -> str:
