@@ -289,15 +289,6 @@ class Coordinator:
         Kind.STATUS: _on_status,
     }
 
-    def completes_reduction(self, msg: Message) -> bool:
-        """Would ``msg``, a member's next contribution, complete a call whose
-        reduce function would run? (Its driver may want that run elsewhere.)"""
-        if msg.kind is not Kind.CONTRIB or msg.op not in (Op.ALLREDUCE, Op.REDUCE) or msg.flags & FLAG_DATA:
-            return False
-        call = self.pending.get(msg.seq)
-        return self.phase is Phase.RUNNING and (0 if call is None else len(call.contributions)) == (
-            self.num_replicas - 1)
-
     def disconnected(self, fd: int, reason: str = "connection closed",
                      members: Optional[Collection[Member]] = None) -> list[Out]:
         """A connection closed; if it was a member's, the group has lost it.
