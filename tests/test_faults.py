@@ -284,7 +284,8 @@ def test_port_answered_by_a_non_zeromq_program_fails_fast(monkeypatch):
 
 def stuck_reduce():
     """A reduce function that never returns: rank 0 runs it in its own thread
-    (its timeout cannot stop it; a Ctrl-C two seconds in does)."""
+    (its timeout cannot stop it; a Ctrl-C does, once the others' timeouts and
+    status queries, 1 s each, have long passed)."""
     r = zc.get_rank()
 
     def forever(a, b):
@@ -292,7 +293,7 @@ def stuck_reduce():
             pass
 
     if r == 0:
-        threading.Timer(2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        threading.Timer(5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
     message = "no error"
     try:
         zc.allreduce(r, forever, timeout=1)

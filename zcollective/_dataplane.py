@@ -38,7 +38,7 @@ import zmq
 
 from . import _interrupts, _sockets, _zap
 from ._mac import ChunkMac
-from ._ring import AG, BC, CHUNK_BYTES, GA, KIND_NAMES, RS, Job
+from ._ring import CHUNK_BYTES, KIND_NAMES, RS, Job
 from .config import Config
 from .errors import AuthenticationError, CollectiveTimeoutError, PeerError, ReplicaLostError
 
@@ -102,8 +102,6 @@ class DataPlane:
         self._broken: Optional[str] = None  # why the link to the next rank is lost (made once)
         self._push_fd: Optional[int] = None  # the connection to the next rank (its monitor says)
         self._trackers: deque[Any] = deque()
-        self._inbox: deque[list[Any]] = deque()  # received, not yet taken (see _sockets.handled)
-        self._monitor_inbox: dict[int, deque[list[Any]]] = {}  # the same for each monitor
         self._warned: set[str] = set()
         self._gate: Optional[_zap.GateThread] = None  # ours (not rank 0's coordinator thread's)
         what = f"rank {self.rank} cannot open its data port"
@@ -190,7 +188,7 @@ class DataPlane:
         items: list[Any] = [(self._push_monitor, _POLLIN), (self._pull_monitor, _POLLIN)]
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         while not (out_ok and in_ok):
-            for event, value in _drain_monitor(self._push_monitor, self._inbox_of(self._push_monitor)):
+            for event, value in _sockets.monitor_events(self._push_monitor):
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     out_ok, retry_at = True, None
                 elif event == zmq.EVENT_CONNECTED:
@@ -198,7 +196,7 @@ class DataPlane:
                 elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     refused += event in HANDSHAKE_FAILED
                     out_ok, retry_at = False, time.monotonic() + RETRY_S
-            for event, _ in _drain_monitor(self._pull_monitor, self._inbox_of(self._pull_monitor)):
+            for event, _ in _sockets.monitor_events(self._pull_monitor):
                 in_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
             if out_ok and in_ok:
                 break
@@ -266,27 +264,17 @@ class DataPlane:
     # -- one job ------------------------------------------------------------
 
     def run(self, seq: int, job: Job, deadline: Optional[float], member: Member,
-            link: list[tuple[Any, Any]], pump: Callable[[], None], fail: Callable[[Exception], None],
-            link_waiting: Callable[[], bool]) -> bool:
+            link: list[tuple[Any, Any]], pump: Callable[[], None],
+            fail: Callable[[Exception], None]) -> bool:
         """Move ``job``'s chunks until it is done and its last sends have
         left (True), ``deadline`` passes (False) or the group fails (True:
         the caller finds ``member.failure``). ``pump`` takes in what the
-        control plane has without blocking; ``link_waiting()`` says the
-        control plane holds messages taken in but not handled (a wait was
-        interrupted); ``fail`` fails the group for every rank.
-
-        What a wait took in and an interrupt kept it from handling is handled
-        before the next poll sleeps: the socket it came from is not readable
-        any more, so a poll would wait for something else, and under a stream
-        of interrupts (Ctrl-C held down, a timer) every wait would end in its
-        poll and the chunk would never be taken."""
+        control plane has without blocking; ``fail`` fails the group for
+        every rank."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
-        early = self._early.get(seq, [])
-        while early:
-            self._take(early[0], seq, job, member, fail)
-            early.pop(0)
-        self._early.pop(seq, None)
+        for frames in self._early.pop(seq, []):
+            self._take(frames, seq, job, member, fail)
         items: list[Any] = [(self._pull, _POLLIN), (self._pull_monitor, _POLLIN)]
         if self._push_monitor is not None:
             items.append((self._push_monitor, _POLLIN))
@@ -303,21 +291,14 @@ class DataPlane:
             slice_s = TRACKER_POLL_S if job.done else _sockets.POLL_SLICE_S
             if deadline is not None:
                 slice_s = min(slice_s, deadline - time.monotonic())
-            waiting = link_waiting()
-            if waiting or self._taken_in():  # taken in, not handled: handle it first
-                slice_s = 0
             ready = _interrupts.wait(items, max(0, int(slice_s * 1000)))
             self._drain(seq, job, member, fail)
             self._events(seq, job, fail, lambda: self._drain(seq, job, member, fail))
-            if waiting or (len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready)):
+            if len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready):
                 pump()
             if deadline is not None and time.monotonic() >= deadline:
                 return False
         return True
-
-    def _taken_in(self) -> bool:
-        """A chunk or a monitor event was taken in and is not yet handled."""
-        return bool(self._inbox) or any(self._monitor_inbox.values())
 
     def _sent(self) -> bool:
         """Have libzmq's I/O threads let go of every buffer sent without a copy?"""
@@ -353,11 +334,10 @@ class DataPlane:
         return True
 
     def _drain(self, seq: int, job: Job, member: Member, fail: Callable[[Exception], None]) -> bool:
-        """Take every chunk waiting; is ``job`` still going? A chunk leaves the
-        inbox only once taken, and is taken whole (signals held back): an
-        interrupt loses none."""
-        for frames in _sockets.handled(self._pull, self._inbox):
-            self._take(frames, seq, job, member, fail)
+        """Take every chunk waiting; is ``job`` still going?"""
+        pull = self._pull
+        while _sockets.readable(pull):
+            self._take(_sockets.recv_message(pull), seq, job, member, fail)
             if not (member.data_jobs and member.data_jobs[0][1] is job):
                 return False
         return True
@@ -415,14 +395,11 @@ class DataPlane:
 
     def _events(self, seq: int, job: Job, fail: Callable[[Exception], None],
                 rest: Callable[[], bool] = lambda: True) -> None:
-        """The monitors: a data link closed or silent fails the group. Each
-        event leaves its inbox only once handled, and handling one again
-        changes nothing, so an interrupt loses none (a close that fails the
-        group stays: the group has failed, and the job left the queue)."""
+        """The monitors: a data link closed or silent fails the group."""
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         push_monitor, pull_monitor = self._push_monitor, self._pull_monitor
         if push_monitor is not None:
-            for event, value in _sockets.monitor_events(push_monitor, self._inbox_of(push_monitor)):
+            for event, value in _sockets.monitor_events(push_monitor):
                 if event == zmq.EVENT_CONNECTED:
                     self._push_fd = value
                 elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
@@ -432,7 +409,7 @@ class DataPlane:
                     # it had all this rank sends it (and may have ended its program): not a loss
                     # now; a later call that needs the link finds it lost (a link is made once)
                     self._broken = self._broken or (BROKEN if why is CLOSED else why)
-        for event, value in _sockets.monitor_events(pull_monitor, self._inbox_of(pull_monitor)):
+        for event, value in _sockets.monitor_events(pull_monitor):
             if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
                 # (done: it sent all this rank needs, and may have ended; its last chunks may
                 # have come between this wait's drain and now (libzmq queues them before it
@@ -441,9 +418,6 @@ class DataPlane:
                     return fail(self._lost(seq, job, prev, "from"))
                 self._prev_fd = None
         return None
-
-    def _inbox_of(self, monitor: Any) -> deque[list[Any]]:
-        return self._monitor_inbox.setdefault(id(monitor), deque())
 
     def _lost(self, seq: int, job: Job, peer: int, way: str, why: str = CLOSED) -> ReplicaLostError:
         if way == "to":
@@ -462,10 +436,3 @@ class DataPlane:
 
 def _is_ours(sock: Any, items: list[tuple[Any, int]]) -> bool:
     return any(sock is mine for mine, _ in items)
-
-
-def _drain_monitor(monitor: Any, inbox: deque[list[Any]]) -> list[tuple[int, int]]:
-    return list(_sockets.monitor_events(monitor, inbox))
-
-
-__all__ = ["AG", "BC", "GA", "RS", "DataPlane", "local_address"]

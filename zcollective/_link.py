@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import _interrupts, _sockets
+from . import _interrupts
 from ._coordinator import Coordinator
 from ._member import STATUS_WAIT_S, Member
 from ._wire import Kind, Message, Op, control
@@ -64,11 +64,6 @@ class Driver:
     def fds(self) -> list[int]:
         """File descriptors that become readable when something may have arrived."""
         return []
-
-    def taken_in(self) -> bool:
-        """Messages were taken in and not yet handled (a wait was
-        interrupted): no fd says so any more, so a poll must not wait."""
-        return False
 
     def poll_items(self) -> list[tuple[Any, Any]]:
         """What to poll (sockets or file descriptors) for the link's messages."""
@@ -151,8 +146,7 @@ class Driver:
         if not member.data_jobs or data is None:
             return None
         seq, job = member.data_jobs[0]
-        if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data,
-                        self.taken_in):
+        if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data):
             return False
         if member.data_jobs and member.data_jobs[0][1] is job:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
@@ -329,6 +323,8 @@ class HostLink(Driver):
         if not self.server.hold(deadline):  # (the background thread runs a reduce function)
             return done()
         try:
+            if self.server.to_host:  # what the background thread took in meanwhile: first
+                self._pump(time.monotonic())
             return super().wait_for(done, deadline)
         finally:
             self.server.release()
@@ -352,9 +348,6 @@ class HostLink(Driver):
 
     def fds(self) -> list[int]:
         return self.server.fds()
-
-    def taken_in(self) -> bool:
-        return bool(self.server.to_host)
 
     def busy(self) -> Optional[str]:
         return self.server.busy()
@@ -380,12 +373,10 @@ class DirectLink(Driver):
             interrupted, coordinator.interrupted = coordinator.interrupted, None
             raise interrupted
 
-    def taken_in(self) -> bool:
-        return bool(self._inbox)
-
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         got = False
-        for msg in _sockets.taken(self._inbox):
+        inbox = self._inbox
+        while inbox:
             got = True
-            self._handle(msg)
+            self._handle(inbox.popleft())
         return got  # nothing else can ever arrive

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from typing import Any, Callable, Optional
 
 import zmq
@@ -60,8 +59,6 @@ class Replica(Driver):
         super().__init__(member)
         self._config = config
         self._offers = 0  # TCP connections made since the DEALER got its current token
-        self._inbox: deque[list[Any]] = deque()  # received, not yet handled (see _sockets.handled)
-        self._events: deque[list[Any]] = deque()  # the same for monitor events
         with _sockets.mapped(f"rank {config.rank} cannot make its socket"):
             self.dealer = ctx.socket(zmq.DEALER)
             try:
@@ -102,11 +99,6 @@ class Replica(Driver):
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """One poll covers the DEALER and its monitor, so a disconnect ends a
         wait at once."""
-        if self.taken_in():  # by a call that was interrupted: handle it first
-            got = self._drain_dealer()
-            self._drain_monitor()
-            if got or self.member.failure is not None:
-                return True
         while True:
             remaining = _sockets.POLL_SLICE_S
             if deadline is not None:
@@ -127,13 +119,8 @@ class Replica(Driver):
                 return False
 
     def _drain_dealer(self, waiting: bool = False, until: Optional[Callable[[], bool]] = None) -> bool:
-        """Handle every message waiting; True if there was one. A message
-        leaves the inbox only once handled, and handling one twice changes
-        nothing (rule 3 of :mod:`zcollective._member`), so an interrupt
-        anywhere in here loses no result. A done-callback that calls into the
-        group re-enters here, handles the same message again (harmlessly) and
-        goes on with the rest. (:func:`zcollective._sockets.handled`, unrolled:
-        this is every reply's path.)
+        """Handle every message waiting; True if there was one. A done-callback
+        that calls into the group re-enters here and goes on with the rest.
 
         ``waiting``: a poll just found a message waiting, so the first needs
         no second poll. ``until``: a wait's condition; once it holds and no
@@ -143,17 +130,13 @@ class Replica(Driver):
         goes on: their replies are likely there, and a coroutine awaiting one
         sleeps on the socket's fd, which would not fire again for a message
         already queued: rule 3 of :mod:`zcollective._future`.)"""
-        inbox, dealer, member = self._inbox, self.dealer, self.member
+        dealer, member = self.dealer, self.member
         got = False
-        while (inbox and _sockets.complete(inbox[0])) or _sockets.take_in(dealer, inbox, waiting):
-            waiting = False
-            frames = inbox[0]
-            got = True
-            replies = member.receive(frames)
+        while waiting or _sockets.readable(dealer):
+            waiting, got = False, True
+            replies = member.receive(_sockets.recv_message(dealer))
             if replies:
                 self._answer(replies)
-            if inbox and inbox[0] is frames:
-                inbox.popleft()
             if until is not None and not member.calls and until() and not _future.sleeping():
                 break
         return got
@@ -168,12 +151,9 @@ class Replica(Driver):
             if self.member.failure is None:
                 raise
 
-    def taken_in(self) -> bool:
-        return bool(self._inbox or self._events)
-
     def _drain_monitor(self) -> None:
         config, member = self._config, self.member
-        for kind, value in _sockets.monitor_events(self.monitor, self._events):
+        for kind, value in _sockets.monitor_events(self.monitor):
             if kind == zmq.EVENT_CONNECTED:
                 self._offers += 1
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._offers > 1:

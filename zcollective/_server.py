@@ -85,7 +85,6 @@ class Server:
         self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._sent = 0  # messages sent on the ROUTER
-        self._events: deque[list[Any]] = deque()  # monitor events taken in, not yet handled
         self._closed: dict[bytes, Member] = {}  # peer -> its member whose connection closed
         self._closes: deque[tuple[int, list[Member]]] = deque()  # (fd, its members then): to handle
         self._trackers: dict[bytes, list[Any]] = {}  # while ending, by peer: one per message sent,
@@ -498,7 +497,7 @@ class Server:
         bound to that close when it is taken in: see :meth:`_drain`.)"""
         if self._monitor is None:
             return
-        for kind, value in _sockets.monitor_events(self._monitor, self._events):
+        for kind, value in _sockets.monitor_events(self._monitor):
             if kind == zmq.EVENT_DISCONNECTED:
                 members = [m for m in self.coordinator.members.values() if m.fd == value]
                 self._closed.update((m.peer, m) for m in members)

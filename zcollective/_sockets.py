@@ -11,7 +11,6 @@ import os
 import socket
 import struct
 import sys
-from collections import deque
 from collections.abc import Iterator
 from typing import Any, Optional, TypeVar
 
@@ -209,21 +208,6 @@ def recv_message(sock: zmq.Socket) -> list[Any]:
     return frames
 
 
-def complete(frames: list[Any]) -> bool:
-    """``frames`` hold a whole message (its last frame has no more after it)."""
-    return bool(frames) and not frames[-1].more
-
-
-def take_in(sock: zmq.Socket, inbox: deque[list[Any]], waiting: bool = False) -> bool:
-    """Move one whole waiting message from ``sock`` to the end of ``inbox``;
-    False if none is waiting (``waiting``: a poll just said one is, so it
-    is not asked again)."""
-    if not waiting and not readable(sock):
-        return False
-    inbox.append(recv_message(sock))
-    return True
-
-
 _TCP_ESTABLISHED = 1  # tcp_info's first byte (linux/tcp_states.h)
 _TCP_INFO: Optional[int] = getattr(socket, "TCP_INFO", None) if sys.platform == "linux" else None
 try:  # Linux's send-queue ioctl; elsewhere an ending does not wait for acknowledgements
@@ -304,34 +288,9 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
     return pair
 
 
-def taken(inbox: deque[T]) -> Iterator[T]:
-    """Each item of ``inbox``, oldest first; an item leaves only after the
-    consumer has handled it (see :func:`handled`)."""
-    while inbox:
-        item = inbox[0]
-        yield item
-        if inbox and inbox[0] is item:
-            inbox.popleft()
-
-
-def handled(sock: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[list[Any]]:
-    """Each whole message waiting on ``sock`` (first those already in
-    ``inbox``), without blocking. A message leaves ``inbox`` only after the
-    consumer has handled it, so an interrupt meanwhile (or between two of its
-    frames) loses none: the next reader handles it again, so handling must
-    be harmless to repeat. A nested reader (a done-callback calling into the
-    group) may handle and remove it first."""
-    while (inbox and complete(inbox[0])) or take_in(sock, inbox):
-        frames = inbox[0]
-        yield frames
-        if inbox and inbox[0] is frames:
-            inbox.popleft()
-
-
-def monitor_events(monitor: zmq.Socket, inbox: deque[list[Any]]) -> Iterator[tuple[int, int]]:
-    """The (event, value) pairs waiting on a socket monitor, without blocking
-    (through ``inbox``, as :func:`handled` says)."""
-    for frames in handled(monitor, inbox):
-        if len(frames) != 2 or len(frames[0]) != _MONITOR_EVENT.size:
-            continue  # not an event libzmq writes
-        yield _MONITOR_EVENT.unpack(frames[0].bytes)
+def monitor_events(monitor: zmq.Socket) -> Iterator[tuple[int, int]]:
+    """The (event, value) pairs waiting on a socket monitor, without blocking."""
+    while readable(monitor):
+        frames = recv_message(monitor)
+        if len(frames) == 2 and len(frames[0]) == _MONITOR_EVENT.size:  # (else not libzmq's)
+            yield _MONITOR_EVENT.unpack(frames[0].bytes)
