@@ -28,8 +28,7 @@ Rules:
 3. *Calls.* The n-th call has sequence number n. A call is in the table from
    :meth:`Member.submit` until its RESULT or ERROR arrives; the RESULT
    resolves its future through the call's finisher, an ERROR with the error
-   it names. Handling a reply twice changes nothing (a driver interrupted
-   while handling one hands it in again).
+   it names. A reply for a call no longer in the table is dropped.
 4. *Owed.* A contribution leaves :meth:`Member.submit` as *owed*, in the
    same step that uses its seq; it stays owed until the driver has sent it
    whole. So an interrupt never leaves a seq used but unsent (every rank's
@@ -362,9 +361,7 @@ class Member:
             self.data_endpoints, self.data_min_bytes, self.data_key = endpoints, least, key
 
     def _deliver(self, msg: Message) -> None:
-        """Resolve the call ``msg`` answers (rule 3). The call leaves the table
-        only after its future is resolved: an interrupt in between leaves
-        both, and the same message, handled again, resolves it then."""
+        """Resolve the call ``msg`` answers (rule 3)."""
         # an ERROR's body is parsed first: a malformed one is dropped, its call still waits
         error = from_wire(msg.body()) if msg.kind is Kind.ERROR else None
         call = self.calls.get(msg.seq)
