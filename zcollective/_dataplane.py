@@ -84,7 +84,7 @@ class DataPlane:
     def __init__(self, ctx: zmq.Context, config: Config,
                  gatekeeper: Optional[_zap.Gatekeeper] = None) -> None:
         """Bind the data port. Its handshakes are answered by ``gatekeeper``
-        (with a secret, rank 0's coordinator thread serves its own) or, if
+        (with a secret, rank 0's coordinator serves its own) or, if
         None, by a gatekeeper of this data plane's, answered at once by a
         thread of its own; none is accepted until :meth:`start` gives the
         port's link key."""
@@ -103,7 +103,7 @@ class DataPlane:
         self._push_fd: Optional[int] = None  # the connection to the next rank (its monitor says)
         self._trackers: deque[Any] = deque()
         self._warned: set[str] = set()
-        self._gate: Optional[_zap.GateThread] = None  # ours (not rank 0's coordinator thread's)
+        self._gate: Optional[_zap.GateThread] = None  # ours (not rank 0's coordinator's)
         what = f"rank {self.rank} cannot open its data port"
         with _sockets.mapped(what, address=True):
             if gatekeeper is None:

@@ -47,8 +47,8 @@ class CollectiveFuture(Generic[T]):
 
     Results progress when the calling thread enters the library: any call,
     :meth:`result`, :meth:`done` or awaiting. Meanwhile ZeroMQ's I/O thread
-    moves the bytes in the background, and on rank 0 the coordinator thread
-    computes the results of all ranks in the background.
+    moves the bytes in the background, and on rank 0, while its program is
+    elsewhere, a background thread computes the results of all ranks.
     """
 
     __slots__ = ("seq", "op", "_driver", "_done", "_value", "_error", "_callbacks")

@@ -1,5 +1,5 @@
 """A group of replicas as an object: the operations, over one replica end and,
-on rank 0, the coordinator thread. The module-level API in ``__init__`` is a
+on rank 0, the coordinator. The module-level API in ``__init__`` is a
 default instance of this class."""
 
 from __future__ import annotations

@@ -488,8 +488,8 @@ class Member:
         return []
 
     def coordinator_gone(self, why: str) -> None:
-        """Rank 0's own member: the coordinator thread stopped serving."""
-        self.fail(ReplicaLostError(f"rank {self.rank}: the coordinator thread is gone: {why}; "
+        """Rank 0's own member: the coordinator stopped serving."""
+        self.fail(ReplicaLostError(f"rank {self.rank}: the coordinator is gone: {why}; "
                                    f"{self.describe_in_flight()}"))
 
     def fail(self, error: Exception, tell: bool = False, keep_data: bool = False) -> list[Message]:

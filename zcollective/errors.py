@@ -163,9 +163,9 @@ class ForkedProcessError(CollectiveError):
 
 
 class InternalError(CollectiveError):
-    """zcollective itself failed: the coordinator thread crashed or did not
-    start. A *bug in zcollective*: please report it with the message and the
-    log of rank 0. The group is failed for good.
+    """zcollective itself failed: the coordinator crashed. A *bug in
+    zcollective*: please report it with the message and the log of rank 0.
+    The group is failed for good.
     """
 
 
