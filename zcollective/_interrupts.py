@@ -103,16 +103,24 @@ class _Wrapped:
     def __init__(self, handler: Callable[..., Any]) -> None:
         self.handler = handler
         self.delay = RESEND_FIRST_S
+        self.resending = False  # a resend is scheduled: more of the signal meanwhile are one
 
     def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
         if not deferred(frame):
             self.delay = RESEND_FIRST_S
             self.handler(signum, frame)
             return
-        timer = threading.Timer(self.delay, _resend, (signum,))
+        if self.resending:
+            return
+        self.resending = True
+        timer = threading.Timer(self.delay, self._resend, (signum,))
         timer.daemon = True
         timer.start()
         self.delay = min(RESEND_MAX_S, self.delay * 2)
+
+    def _resend(self, signum: int) -> None:
+        self.resending = False
+        _resend(signum)
 
 
 def _resend(signum: int) -> None:
