@@ -271,7 +271,7 @@ class Message:
         """The JSON body of a control message (an empty dict if there is none)."""
         if not self.segments:
             return {}
-        return _parse_json(self.segments[0][0])
+        return parse_json(self.segments[0][0])
 
 
 def join_token(nonce: str) -> int:
@@ -295,10 +295,11 @@ def control(kind: Kind, body: dict[str, Any], **header: Any) -> Message:
     return Message(kind, segments=[[data]], **header)
 
 
-def _parse_json(frame: Any) -> dict[str, Any]:
+def parse_json(frame: Any, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    """The JSON object in ``frame``, of at most ``limit`` bytes, or WireError."""
     raw = memoryview(frame)
-    if raw.nbytes > MAX_JSON_BYTES:
-        raise WireError(f"control body of {raw.nbytes} bytes exceeds {MAX_JSON_BYTES}")
+    if raw.nbytes > limit:
+        raise WireError(f"control body of {raw.nbytes} bytes exceeds {limit}")
     try:
         body = json.loads(raw.tobytes())
     except RecursionError:
