@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ipaddress
-import json
 import logging
 import operator
 import os
@@ -21,6 +20,7 @@ from typing import Any, Callable, Optional, TypeVar, Union, cast
 import zmq
 
 from . import _interrupts, _ring, _serialize, _sockets
+from ._bodies import MAX_PLAN_FRAMES, array_plan, parse_gather_plan, parse_sizes, sizes_plan
 from ._coordinator import Coordinator
 from ._dataplane import DataPlane
 from ._future import CollectiveFuture
@@ -40,7 +40,6 @@ Timeout = Union[float, None, "_Default"]
 ReduceFn = Callable[[Any, Any], Any]
 
 _NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
-_MAX_PLAN_FRAMES = 256  # a value of more buffers keeps the star: its plan stays small
 JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
 COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
 # 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
@@ -309,10 +308,7 @@ class Group:
         """The job of a broadcast whose value goes down the chain (the root's
         plan says the sizes of its frames)."""
         def job(msg: Message) -> _ring.Job:
-            sizes = json.loads(bytes(msg.segments[0][0]))["sizes"]
-            if not (isinstance(sizes, list) and all(type(n) is int and n >= 0 for n in sizes)
-                    and sum(sizes) <= (self.config.max_frame_bytes or sys.maxsize) * max(1, len(sizes))):
-                raise ValueError(f"malformed frame sizes {str(sizes)[:100]}")
+            sizes = parse_sizes(msg, self.config.max_frame_bytes)
             chain = _ring.ChainBroadcast(self.rank, self.size, root, sizes, segment)
             if segment is not None:
                 chain.finish = lambda: value
@@ -337,9 +333,7 @@ class Group:
         rank, size = self.rank, self.size
 
         def job(msg: Message) -> _ring.Job:
-            told = json.loads(bytes(msg.segments[0][0]))["sizes"]
-            if not (isinstance(told, list) and len(told) == size):
-                raise ValueError(f"malformed allgather plan {str(told)[:100]}")
+            told = parse_gather_plan(msg, size)
             ring = _ring.RingAllgather(rank, size, told, segment if told[rank] is not None else None)
             inline = iter(msg.segments[1:])
             slots = [None if s is not None else next(inline) for s in told]
@@ -361,9 +355,9 @@ class Group:
         frames' sizes), or None if it keeps the star: below the group's
         threshold, or of too many buffers for a small plan."""
         sizes = [memoryview(f).nbytes for f in segment]
-        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _MAX_PLAN_FRAMES:
+        if sum(sizes) < self._member.data_min_bytes or len(sizes) > MAX_PLAN_FRAMES:
             return None
-        return json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
+        return sizes_plan(sizes)
 
     def _has_data_plane(self) -> bool:
         return self._member.data_endpoints is not None and self._link is not None and (
@@ -507,9 +501,7 @@ class Group:
         name = _ring.reduction_name(reduce_fn)
         if name is None:
             return None
-        description = json.dumps({"dtype": value.dtype.str, "shape": list(value.shape), "fn": name},
-                                 separators=(",", ":")).encode()
-        return value, name, description
+        return value, name, array_plan(value.dtype.str, list(value.shape), name)
 
     def _ring(self, array: Any, name: str, reduce_fn: ReduceFn, tensor: bool) -> _ring.Job:
         job = _ring.RingAllreduce(self.rank, self.size, array, _ring.reducer(name, reduce_fn))
