@@ -435,15 +435,17 @@ def _through_the_wire(msg):
 
 
 def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
-    join = _bodies.Join(3, 4, "3.11", PROTOCOL_VERSION, 99, "host", "ab" * 16, "c" * 32,
-                        ("hmac-sha256",), "tcp://10.0.0.3:4000", 1 << 20, "on")
-    msg = join.to_message()
+    msg = _bodies.join(3, 4, "3.11", "ab" * 16, "c" * 32, "tcp://10.0.0.3:4000", 1 << 20, "on")
     assert msg.kind is Kind.JOIN and msg.rank == 3
     assert bytes(msg.segments[0][0]).startswith(b'{"rank":3,"num_replicas":4,"protocol":')
-    assert _bodies.Join.parse(_through_the_wire(msg)) == join
-    bare = _bodies.Join(1, 2, "3.11", PROTOCOL_VERSION, 5, "h", "00" * 16)
-    assert b'"data' not in bytes(bare.to_message().segments[0][0])
-    assert _bodies.Join.parse(bare.to_message()) == bare
+    info = _bodies.parse_join(_through_the_wire(msg))
+    assert info == {"rank": 3, "num_replicas": 4, "python": "3.11", "pid": info["pid"], "nonce": "ab" * 16,
+                    "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
+                    "data_mode": "on", "macs": _mac.available_backends()}
+    assert _bodies.challenge_of(msg) == "c" * 32
+    bare = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto")
+    assert b'"data' not in bytes(bare.segments[0][0]) and b'"challenge' not in bytes(bare.segments[0][0])
+    assert _bodies.parse_join(bare)["data"] is None and _bodies.challenge_of(bare) is None
 
 
 @pytest.mark.parametrize("body", [
@@ -455,38 +457,44 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
 ])
 def test_a_join_without_its_rank_count_or_python_is_malformed(body):
     with pytest.raises(WireError):
-        _bodies.Join.parse(control(Kind.JOIN, body))
+        _bodies.parse_join(control(Kind.JOIN, body))
 
 
 def test_a_joins_optional_fields_read_as_absent_when_malformed():
-    join = _bodies.Join.parse(control(Kind.JOIN, {
+    join = _bodies.parse_join(control(Kind.JOIN, {
         "rank": 1, "num_replicas": 2, "python": "3.11", "host": "\udcff" * 300, "nonce": 7,
         "challenge": 5, "macs": ["nope", "hmac-sha256"], "data": "udp://x:1", "data_min": 5,
         "data_mode": "maybe"}))
-    assert (join.data, join.data_min, join.data_mode, join.macs) == (None, 0, "auto", ("hmac-sha256",))
-    assert (join.nonce, join.challenge, len(join.host)) == ("7", None, 256 * 6)  # "\\udcff": escaped
+    assert (join["data"], join["data_min"], join["data_mode"]) == (None, 0, "auto")
+    assert join["macs"] == ("hmac-sha256",)
+    assert (join["nonce"], len(join["host"])) == ("7", 256 * 6)  # "\\udcff": escaped
 
 
 def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
-    welcome = _bodies.Welcome(3, "ab" * 16, 1 << 20, "poly1305", ["tcp://a:1", "tcp://b:2", "tcp://c:3"],
-                              1 << 16, "00" * _bodies.DATA_KEY_BYTES)
-    assert _bodies.Welcome.parse(_through_the_wire(welcome.to_message(rank=1, session=5))) == welcome
-    for broken in ({"data_key": "xy"}, {"data_min": "1"}, {"data": "tcp://a:1"}):
-        body = {"num_replicas": 3, "nonce": "n", "parts": 10, "mac": 1, "data": ["tcp://a:1"],
-                "data_min": 1, "data_key": "00" * _bodies.DATA_KEY_BYTES, **broken}
-        got = _bodies.Welcome.parse(control(Kind.WELCOME, body))
-        assert (got.data, got.data_min, got.data_key, got.parts, got.mac) == (None, 0, None, None, None)
+    key = "00" * _bodies.DATA_KEY_BYTES
+    ports = ["tcp://a:1", "tcp://b:2", "tcp://c:3"]
+    msg = _bodies.welcome(3, "ab" * 16, 1 << 20, "hmac-sha256", ports, 1 << 16, key, rank=1, session=5)
+    assert _bodies.parse_welcome(_through_the_wire(msg)) == {
+        "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
+        "data_key": key}
+    for broken in ({"data_key": "xy"}, {"data_min": "1"}, {"data": "tcp://a:1"}, {"data_key": " " * 64}):
+        body = {"num_replicas": 1, "nonce": "n", "parts": 10, "mac": 1, "data": ["tcp://a:1"],
+                "data_min": 1, "data_key": key, **broken}
+        got = _bodies.parse_welcome(control(Kind.WELCOME, body))
+        assert (got["data"], got["data_min"], got["data_key"]) == (None, 0, None)
+        assert (got["parts"], got["mac"]) == (None, None)
 
 
 def test_an_abort_from_the_data_plane_names_its_lost_rank_only_if_it_is_one():
-    msg = _bodies.Abort("ReplicaLostError", "gone", 2, "data").to_message(rank=1, session=9)
+    msg = _bodies.abort(zc.ReplicaLostError("gone"), True, 2, rank=1, session=9)
     assert bytes(msg.segments[0][0]) == (b'{"error":"ReplicaLostError","message":"gone","lost":2,'
                                          b'"plane":"data"}')
-    assert _bodies.Abort.parse(msg, 3) == _bodies.Abort("ReplicaLostError", "gone", 2, "data")
-    assert _bodies.Abort.parse(msg, 2).lost is None
-    plain = _bodies.Abort("AuthenticationError", "x" * 5000).to_message(rank=1, session=9)
+    assert _bodies.parse_abort(msg, 3) == ("ReplicaLostError", "gone", [2], True)
+    assert _bodies.parse_abort(msg, 2)[2] == []
+    plain = _bodies.abort(zc.AuthenticationError("x" * 5000), rank=1, session=9)
     assert bytes(plain.segments[0][0]).count(b'"') == 8  # error and message only
-    assert len(_bodies.Abort.parse(plain, 3).message) == 2000
+    error, said, lost, data_plane = _bodies.parse_abort(plain, 3)
+    assert (error, len(said), lost, data_plane) == ("AuthenticationError", 2000, [], False)
 
 
 def test_error_bodies_are_cut_to_their_bound_and_read_back_as_their_exceptions():
@@ -503,12 +511,13 @@ def test_error_bodies_are_cut_to_their_bound_and_read_back_as_their_exceptions()
 
 
 def test_a_status_reply_must_list_ranks():
-    msg = _bodies.call_status(4, "pending", [0], [1, 2], "allreduce", rank=2, session=9)
+    msg = _bodies.status(4, "pending", {"arrived": [0], "missing": [1, 2], "op": "allreduce"}, rank=2,
+                         session=9)
     assert (msg.seq, msg.rank) == (4, 2)
+    assert bytes(msg.segments[0][0]) == (b'{"seq":4,"state":"pending","arrived":[0],"missing":[1,2],'
+                                         b'"op":"allreduce"}')
     assert _bodies.parse_status(msg) == {"seq": 4, "state": "pending", "arrived": [0], "missing": [1, 2],
                                          "op": "allreduce"}
-    joining = _bodies.joining_status(0, [1], [0], {1: "why"}, rank=0, session=0)
-    assert _bodies.parse_status(joining)["refused"] == {"1": "why"}
     with pytest.raises(WireError):
         _bodies.parse_status(control(Kind.STATUS_REPLY, {"missing": ["1"]}))
 
@@ -518,10 +527,10 @@ def _plan(frame):
 
 
 def test_plans_read_back_as_they_were_built():
-    assert _bodies.parse_sizes(_plan(_bodies.sizes_plan([3, 0, 5])), 8) == [3, 0, 5]
+    assert _bodies.parse_sizes(_plan(_bodies.plan(sizes=[3, 0, 5])), 8) == [3, 0, 5]
     told = [[1, 2], None, [3]]
-    assert _bodies.parse_gather_plan(_plan(_bodies.gather_plan(told)), 3) == told
-    frame = _bodies.array_plan("<f4", [1024, 1024], "add")
+    assert _bodies.parse_gather_plan(_plan(_bodies.plan(sizes=told)), 3) == told
+    frame = _bodies.plan(dtype="<f4", shape=[1024, 1024], fn="add")
     assert frame == b'{"dtype":"<f4","shape":[1024,1024],"fn":"add"}'
     assert _bodies.parse_array_plan(_plan(frame)) == ("<f4", (1024, 1024), "add")
 

@@ -54,7 +54,6 @@ import hmac
 import ipaddress
 import logging
 import os
-import sys
 import time
 import traceback
 from collections import OrderedDict
@@ -62,24 +61,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
-from . import _serialize
-from ._bodies import (
-    DATA_KEY_BYTES,
-    Abort,
-    Join,
-    Welcome,
-    call_status,
-    challenge_message,
-    challenge_of,
-    error_body,
-    gather_plan,
-    join_nonce,
-    joining_status,
-    parse_array_plan,
-    parse_sizes,
-    printable,
-    remote_error_body,
-)
+from . import _bodies, _serialize
+from ._bodies import PYTHON_VERSION, error_body
 from ._interrupts import call_user
 from ._mac import HMAC_SHA256, POLY1305
 from ._stats import Lateness
@@ -106,7 +89,6 @@ from .errors import SerializationError
 
 log = logging.getLogger("zcollective")
 
-PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
 MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
 MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while joining; more is a replay
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
@@ -199,7 +181,7 @@ class Coordinator:
         self.part_bytes = WIRE_PART_BYTES  # frames above this travel in parts (see _settle)
         self.mac = HMAC_SHA256  # the chunk MACs every rank can use
         self._data_ports: Optional[list[str]] = None  # by rank, when the group uses the data plane
-        self._data_key = os.urandom(DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
+        self._data_key = os.urandom(_bodies.DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
 
     # -- entry points -------------------------------------------------
 
@@ -272,15 +254,12 @@ class Coordinator:
 
     def _on_abort(self, member: Member, msg: Message, address: str) -> list[Out]:
         # only the secret's holders reach here when there is one
-        abort = Abort.parse(msg, self.num_replicas)
-        said, error = abort.message, abort.error
+        error, said, ranks, data_plane = _bodies.parse_abort(msg, self.num_replicas)
         if error == "PeerError" and self.phase is Phase.RUNNING and msg.seq < min(self.next_seq):
             # a reduce function raised mid-ring: that call fails on every rank, the group goes on
             return self._error_all(msg.seq, Op.ALLREDUCE, error_body("PeerError", said))
-        ranks = [] if abort.lost is None else [abort.lost]
-        if error == "AuthenticationError" and abort.plane == "data":  # a data link altered
-            return self.fail("AuthenticationError", f"{said} (reported by {member.describe()})",
-                             bad=ranks)
+        if error == "AuthenticationError" and data_plane:  # a data link altered
+            return self.fail("AuthenticationError", f"{said} (reported by {member.describe()})", bad=ranks)
         if error == "ReplicaLostError":  # its data plane lost a link
             return self.fail(error, f"{said} (reported by {member.describe()})", lost=ranks)
         return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
@@ -387,17 +366,20 @@ class Coordinator:
                 challenge = self._challenge(peer, msg)
                 if challenge is not None:
                     return challenge
-                member.nonce = join_nonce(msg)
+                member.nonce = _bodies.join_nonce(msg)
                 return [(peer, self._welcome(member))]
             if self.phase is Phase.FAILED:
                 return [self._fail_message(member)]
             if self.phase is not Phase.JOINING:
                 return []
             del self.members[peer], self.by_rank[member.rank]  # joins again, below
-        parsed = self._parse_join(msg, address)
-        if parsed is None:
+        try:
+            info = _bodies.parse_join(msg)
+        except WireError as exc:
+            self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return []
-        info, join = parsed
+        python, n = info.pop("python"), info.pop("num_replicas")
+        join = Member(peer=b"", **info)
         if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
             return self._refuse_late(peer, msg, join, address)
         if msg.flags & FLAG_AUTH and self.signer is None:  # unproven: refuse this peer alone
@@ -410,7 +392,7 @@ class Coordinator:
         challenge = self._challenge(peer, msg)
         if challenge is not None:
             return challenge
-        problem = self._join_problem(join, info.python, info.num_replicas)
+        problem = self._join_problem(join, python, n)
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
         join.peer, join.fd, join.address = peer, fd, address
@@ -422,16 +404,6 @@ class Coordinator:
         self._settle()
         self._welcomed = True
         return [(m.peer, self._welcome(m)) for m in self.members.values()]
-
-    def _parse_join(self, msg: Message, address: str) -> Optional[tuple[Join, Member]]:
-        """A JOIN and the member it describes, or None (logged) if it is malformed."""
-        try:
-            info = Join.parse(msg)
-        except WireError as exc:
-            self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
-            return None
-        return info, Member(info.rank, b"", info.pid, info.host, nonce=info.nonce, data=info.data,
-                            data_min=info.data_min, data_mode=info.data_mode, macs=info.macs)
 
     def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str) -> list[Out]:
         if self.phase is Phase.FAILED:
@@ -447,7 +419,6 @@ class Coordinator:
         """Why a proven JOIN fails the whole group (error name, text), or None."""
         who = join.describe()
         if python != PYTHON_VERSION:
-            python = printable(python[:64])
             return ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
                     f"Python {PYTHON_VERSION}; pickles are only compatible between identical "
                     f"Python versions")
@@ -477,14 +448,10 @@ class Coordinator:
         if all(ports) and (members[0].data_mode == "on" or not one_host):
             self._data_ports = cast("list[str]", ports)
 
-    def _welcome(self, member: Member) -> Message:
-        """WELCOME echoes the nonce of the JOIN it answers, says how the group
-        frames and authenticates, and hands out every rank's data port when
-        the group uses the data plane (rank 0's threshold for all)."""
-        data = self._data_ports is not None
-        welcome = Welcome(self.num_replicas, member.nonce, self.part_bytes, self.mac, self._data_ports,
-                          self.by_rank[0].data_min if data else 0, self._data_key if data else None)
-        return welcome.to_message(rank=member.rank, session=self.session)
+    def _welcome(self, member: Member) -> Message:  # rank 0's data threshold for all
+        return _bodies.welcome(self.num_replicas, member.nonce, self.part_bytes, self.mac, self._data_ports,
+                               self.by_rank[0].data_min, self._data_key, rank=member.rank,
+                               session=self.session)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:
         """With a secret, a JOIN is fresh only if it echoes the challenge this
@@ -498,7 +465,7 @@ class Coordinator:
         if self.signer is None:
             return None
         expected = hmac.new(self._challenge_key, peer, "sha256").hexdigest()[:32]
-        echoed = challenge_of(join)
+        echoed = _bodies.challenge_of(join)
         if echoed is not None and hmac.compare_digest(echoed.encode("utf-8", "replace"),
                                                       expected.encode()):
             return None
@@ -510,7 +477,7 @@ class Coordinator:
         if len(self._challenged) > MAX_ANSWERED_PEERS:
             self._challenged.popitem(last=False)
         rank, token = _claimed(join)
-        return [(peer, challenge_message(expected, rank=rank, session=token))]
+        return [(peer, _bodies.challenge(expected, rank=rank, session=token))]
 
     def _binding(self, member: Member) -> int:
         """What the header of a message to ``member`` carries as its session:
@@ -686,11 +653,11 @@ class Coordinator:
                 inline.append(c.segments[0])
                 continue
             try:
-                sizes.append(parse_sizes(c))
+                sizes.append(_bodies.parse_sizes(c))
             except WireError:
                 return self._error_all(seq, call.op, error_body(
                     "ProtocolError", f"seq {seq} allgather: rank {rank} sent a malformed description"))
-        segments = [[gather_plan(sizes)], *inline]
+        segments = [[_bodies.plan(sizes=sizes)], *inline]
         self._moving = (seq, call.op)
         return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
                                                   self.session, flags=FLAG_DATA, segments=segments))
@@ -703,11 +670,11 @@ class Coordinator:
                     "reduced elementwise)")
             if c.flags & FLAG_DATA:
                 try:
-                    dtype, shape, fn = parse_array_plan(c)
+                    dtype, shape, fn = _bodies.parse_array_plan(c)
                     what = f"a {dtype} array of shape {shape} reduced with {fn}"
                 except WireError:
                     what = "a malformed array description"
-            groups.setdefault((printable(what[:300]), c.callsite or "?"), []).append(rank)
+            groups.setdefault((_bodies.printable(what[:300]), c.callsite or "?"), []).append(rank)
         parts = [f"{rank_list(ranks)} passed {what} at {site}" for (what, site), ranks in groups.items()]
         return (f"seq {seq} {call.op.label}: the ranks disagree: " + "; ".join(parts)
                 + " (this call failed; the group goes on)")
@@ -796,8 +763,8 @@ class Coordinator:
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         except Exception:
             trace = ""
-        return remote_error_body(f"seq {seq} {op.label}: the reduction raised on the coordinator "
-                                 f"(rank 0): {kind}: {said}", kind, said, trace)
+        return _bodies.remote_error_body(f"seq {seq} {op.label}: the reduction raised on the coordinator "
+                                         f"(rank 0): {kind}: {said}", kind, said, trace)
 
     def _error_all(self, seq: int, op: Op, body: dict[str, Any]) -> list[Out]:
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
@@ -808,9 +775,9 @@ class Coordinator:
     def _status(self, seq: int, member: Member, welcomed: bool = True) -> Message:
         binding = self._binding(member) if welcomed else join_token(member.nonce)
         if self.phase is Phase.JOINING:
-            refused = {r: m for r, m in self.refused.items() if r not in self.by_rank}
-            return joining_status(seq, self.missing_joins(), sorted(self.by_rank), refused, member.rank,
-                                  binding)
+            refused = {str(r): m for r, m in self.refused.items() if r not in self.by_rank}
+            return _bodies.status(seq, "joining", {"missing": self.missing_joins(), "arrived": sorted(
+                self.by_rank), "refused": refused}, rank=member.rank, session=binding)
         call = self.pending.get(seq)
         if call is not None:
             arrived = sorted(call.contributions)
@@ -818,8 +785,10 @@ class Coordinator:
             arrived = [r for r in range(self.num_replicas) if self.next_seq[r] > seq]
         missing = [r for r in range(self.num_replicas) if r not in arrived]
         state = "pending" if missing else ("done" if call is None else "computing")
-        op = None if call is None else describe_call(call.op, call.root)
-        return call_status(seq, state, arrived, missing, op, member.rank, binding)
+        fields: dict[str, Any] = {"arrived": arrived, "missing": missing}
+        if call is not None:
+            fields["op"] = describe_call(call.op, call.root)
+        return _bodies.status(seq, state, fields, rank=member.rank, session=binding)
 
     def _in_flight(self) -> str:
         if self.phase is Phase.JOINING:
@@ -873,7 +842,7 @@ def _claimed(join: Any) -> tuple[int, int]:
     is bound to."""
     try:
         msg = join if isinstance(join, Message) else decode(join)  # a tag is stripped unread
-        return msg.rank, join_token(join_nonce(msg))
+        return msg.rank, join_token(_bodies.join_nonce(msg))
     except Exception:  # anything unreadable: the REJECT is bound to nobody
         return NO_RANK, 0
 

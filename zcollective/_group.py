@@ -19,8 +19,7 @@ from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import zmq
 
-from . import _interrupts, _ring, _serialize, _sockets
-from ._bodies import MAX_PLAN_FRAMES, array_plan, parse_gather_plan, parse_sizes, sizes_plan
+from . import _bodies, _interrupts, _ring, _serialize, _sockets
 from ._coordinator import Coordinator
 from ._dataplane import DataPlane
 from ._future import CollectiveFuture
@@ -308,7 +307,7 @@ class Group:
         """The job of a broadcast whose value goes down the chain (the root's
         plan says the sizes of its frames)."""
         def job(msg: Message) -> _ring.Job:
-            sizes = parse_sizes(msg, self.config.max_frame_bytes)
+            sizes = _bodies.parse_sizes(msg, self.config.max_frame_bytes)
             chain = _ring.ChainBroadcast(self.rank, self.size, root, sizes, segment)
             if segment is not None:
                 chain.finish = lambda: value
@@ -333,7 +332,7 @@ class Group:
         rank, size = self.rank, self.size
 
         def job(msg: Message) -> _ring.Job:
-            told = parse_gather_plan(msg, size)
+            told = _bodies.parse_gather_plan(msg, size)
             ring = _ring.RingAllgather(rank, size, told, segment if told[rank] is not None else None)
             inline = iter(msg.segments[1:])
             slots = [None if s is not None else next(inline) for s in told]
@@ -355,9 +354,9 @@ class Group:
         frames' sizes), or None if it keeps the star: below the group's
         threshold, or of too many buffers for a small plan."""
         sizes = [memoryview(f).nbytes for f in segment]
-        if sum(sizes) < self._member.data_min_bytes or len(sizes) > MAX_PLAN_FRAMES:
+        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _bodies.MAX_PLAN_FRAMES:
             return None
-        return sizes_plan(sizes)
+        return _bodies.plan(sizes=sizes)
 
     def _has_data_plane(self) -> bool:
         return self._member.data_endpoints is not None and self._link is not None and (
@@ -501,7 +500,7 @@ class Group:
         name = _ring.reduction_name(reduce_fn)
         if name is None:
             return None
-        return value, name, array_plan(value.dtype.str, list(value.shape), name)
+        return value, name, _bodies.plan(dtype=value.dtype.str, shape=list(value.shape), fn=name)
 
     def _ring(self, array: Any, name: str, reduce_fn: ReduceFn, tensor: bool) -> _ring.Job:
         job = _ring.RingAllreduce(self.rank, self.size, array, _ring.reducer(name, reduce_fn))

@@ -26,8 +26,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import _interrupts
-from ._bodies import Abort
+from . import _bodies, _interrupts
 from ._coordinator import Coordinator
 from ._member import STATUS_WAIT_S, Member
 from ._wire import Kind, Message, Op
@@ -192,9 +191,8 @@ class Driver:
             member.fail(error)
         replies = []
         if member.joined:
-            abort = Abort(type(error).__name__, str(error), lost, "data")
-            replies = [abort.to_message(rank=member.rank, session=member.session,
-                                        seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
+            replies = [_bodies.abort(error, True, lost, rank=member.rank, session=member.session,
+                                     seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
         try:
             self.send(replies)
         except CollectiveError:

@@ -52,17 +52,15 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import socket
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _wire
-from ._bodies import Abort, Join, Welcome, challenge_of, parse_error, parse_status
+from . import _bodies, _wire
+from ._bodies import PYTHON_VERSION
 from ._bodies import is_data_key as _is_key  # noqa: F401 (tests check it here)
-from ._coordinator import PYTHON_VERSION
 from ._mac import HMAC_SHA256, POLY1305, available_backends
 from ._stats import CallStats, calls_log
 from ._wire import (
@@ -156,9 +154,8 @@ class Member:
         nonce = os.urandom(16).hex()
         self._nonces.add(nonce)
         self._tokens.add(join_token(nonce))
-        return Join(self.rank, self.size, PYTHON_VERSION, _wire.PROTOCOL_VERSION, os.getpid(),
-                    socket.gethostname(), nonce, challenge, available_backends(), self.data_endpoint,
-                    self.data_min_bytes, self.data_mode).to_message()
+        return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
+                            self.data_min_bytes, self.data_mode)
 
     @property
     def joined(self) -> bool:
@@ -291,20 +288,20 @@ class Member:
         if kind is Kind.RESULT or kind is Kind.ERROR:
             self._deliver(msg)
         elif kind is Kind.STATUS_REPLY:
-            self.status[msg.seq] = parse_status(msg)
+            self.status[msg.seq] = _bodies.parse_status(msg)
         elif kind is Kind.WELCOME:
-            welcome = Welcome.parse(msg)
-            if welcome.nonce in self._nonces:  # answers a JOIN of ours
+            welcome = _bodies.parse_welcome(msg)
+            if welcome["nonce"] in self._nonces:  # answers a JOIN of ours
                 self._data_plan(welcome)
                 self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
-            error, ended = parse_error(msg)
+            error, ended = _bodies.parse_error(msg)
             # a rank's program ended: calls whose data moves peer to peer need only their ring
             return self.fail(error, keep_data=ended)
         elif kind is Kind.BYE:
             self.farewell = True
         elif kind is Kind.CHALLENGE and not self.joined:
-            challenge = challenge_of(msg)
+            challenge = _bodies.challenge_of(msg)
             if challenge is not None:
                 return [self.join(challenge[:64])]
         return []
@@ -332,23 +329,22 @@ class Member:
             log.warning("zcollective rank %d: dropped %s", self.rank, what)
         return []
 
-    def _data_plan(self, welcome: Welcome) -> None:
-        """The WELCOME says how the group frames and authenticates, and where
-        every rank's data port is when it uses the data plane."""
-        if welcome.parts is not None:
-            self.part_bytes = welcome.parts
-        if welcome.mac in available_backends():
-            self.mac = welcome.mac
-            if self.signer is not None and welcome.mac == POLY1305:
+    def _data_plan(self, welcome: dict[str, Any]) -> None:
+        """Use the framing, MAC and data ports the WELCOME gives."""
+        mac, data = welcome["mac"], welcome["data"]
+        self.part_bytes = welcome["parts"] or self.part_bytes
+        if mac in available_backends():
+            self.mac = mac
+            if self.signer is not None and mac == POLY1305:
                 self.signer.fast = True  # every rank can verify the fast tag
-        if self.data_endpoint is not None and welcome.data is not None and len(welcome.data) == self.size:
-            self.data_endpoints, self.data_min_bytes = welcome.data, welcome.data_min
-            self.data_key = welcome.data_key
+        if self.data_endpoint is not None and data is not None and len(data) == self.size:
+            self.data_endpoints, self.data_min_bytes = data, welcome["data_min"]
+            self.data_key = welcome["data_key"]
 
     def _deliver(self, msg: Message) -> None:
         """Resolve the call ``msg`` answers (rule 3)."""
         # an ERROR's body is parsed first: a malformed one is dropped, its call still waits
-        error = parse_error(msg)[0] if msg.kind is Kind.ERROR else None
+        error = _bodies.parse_error(msg)[0] if msg.kind is Kind.ERROR else None
         call = self.calls.get(msg.seq)
         if call is None:
             return
@@ -498,7 +494,7 @@ class Member:
             if seq not in kept and call.future is not None and not call.future._done:
                 call.future._set_exception(fresh(error))
         if tell and self.joined:
-            return [Abort(type(error).__name__, str(error)).to_message(rank=self.rank, session=self.session)]
+            return [_bodies.abort(error, rank=self.rank, session=self.session)]
         return []
 
     def forget_calls(self, error_for: Callable[[Call, int], BaseException]) -> None:
