@@ -161,7 +161,7 @@ def plan(**fields: Any) -> bytes:
 
 def parse_sizes(msg: Message, max_frame_bytes: Optional[int] = None) -> list[int]:
     """The sizes of a value's frames, at most MAX_PLAN_FRAMES of max_frame_bytes, or WireError."""
-    sizes: Any = _plan(msg, _wire.MAX_JSON_BYTES).get("sizes")
+    sizes: Any = msg.body().get("sizes")
     if not _sizes(sizes) or sum(sizes) > (max_frame_bytes or sys.maxsize) * max(1, len(sizes)):
         raise WireError(f"malformed frame sizes {str(sizes)[:100]}")
     return sizes
@@ -169,7 +169,7 @@ def parse_sizes(msg: Message, max_frame_bytes: Optional[int] = None) -> list[int
 
 def parse_gather_plan(msg: Message, num_replicas: int) -> list[Optional[list[int]]]:
     """By rank, the sizes of a value's frames, or None for one inline; or WireError."""
-    told: Any = _plan(msg, _wire.MAX_JSON_BYTES * num_replicas).get("sizes")
+    told: Any = msg.body(_wire.MAX_JSON_BYTES * num_replicas).get("sizes")
     if not (isinstance(told, list) and len(told) == num_replicas
             and all(s is None or _sizes(s) for s in told)):
         raise WireError(f"malformed allgather plan {str(told)[:100]}")
@@ -178,18 +178,12 @@ def parse_gather_plan(msg: Message, num_replicas: int) -> list[Optional[list[int
 
 def parse_array_plan(msg: Message) -> tuple[str, tuple[int, ...], str]:
     """``(dtype, shape, fn)`` of an array plan of at most MAX_MESSAGE_BYTES, or WireError."""
-    got = _plan(msg, MAX_MESSAGE_BYTES)
+    got = msg.body(MAX_MESSAGE_BYTES)
     dtype, shape, fn = got.get("dtype"), got.get("shape"), got.get("fn")
     if not (isinstance(dtype, str) and isinstance(fn, str) and isinstance(shape, list)
             and all(type(n) is int for n in shape)):
         raise WireError("malformed array description")
     return dtype, tuple(shape), fn
-
-
-def _plan(msg: Message, limit: int) -> dict[str, Any]:
-    if not msg.segments:
-        raise WireError("no plan")
-    return _wire.parse_json(msg.segments[0][0], limit)
 
 
 def _sizes(sizes: Any) -> bool:
