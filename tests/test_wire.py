@@ -502,8 +502,12 @@ def test_error_bodies_are_cut_to_their_bound_and_read_back_as_their_exceptions()
     assert len(json.dumps(body)) < _wire.MAX_JSON_BYTES and body["lost"] == [1]
     error, ended = _bodies.parse_error(control(Kind.FAIL, body))
     assert isinstance(error, zc.ReplicaLostError) and ended
-    remote = _bodies.remote_error_body("m", "KeyError", "1", "t" * 100_000)
+    try:
+        raise KeyError("k" * 100_000)
+    except KeyError as exc:
+        remote = _bodies.remote_error_body("seq 1 allreduce: raised", exc)
     assert len(json.dumps(remote)) < _wire.MAX_JSON_BYTES
+    assert remote["message"].startswith("seq 1 allreduce: raised: KeyError: 'kkk")
     error, ended = _bodies.parse_error(control(Kind.ERROR, remote))
     assert isinstance(error, zc.RemoteError) and error.remote_type == "KeyError" and not ended
     error, _ = _bodies.parse_error(control(Kind.REJECT, {"error": "NoSuchError", "message": 5}))

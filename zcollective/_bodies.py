@@ -8,6 +8,7 @@ import os
 import socket
 import string
 import sys
+import traceback
 from typing import Any, Optional
 
 from . import _wire
@@ -102,11 +103,19 @@ def error_body(error: str, message: str, limit: int = MAX_MESSAGE_BYTES, **extra
     return {"error": error, "message": cap(message, limit), **extra}
 
 
-def remote_error_body(message: str, remote_type: str, remote_message: str, trace: str) -> dict[str, Any]:
-    """The ERROR for a reduce function that raised on rank 0."""
-    return {"error": "RemoteError", "message": cap(message), "remote_type": cap(remote_type, 1000),
-            "remote_message": cap(remote_message),
-            "remote_traceback": cap(trace, MAX_TRACEBACK_BYTES, tail=True)}
+def remote_error_body(head: str, exc: BaseException) -> dict[str, Any]:
+    """The ERROR for a reduce function that raised ``exc`` on rank 0 (which may fail to print)."""
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    try:
+        said = str(exc)
+    except Exception as inner:
+        said = f"<str() of the exception raised {type(inner).__name__}>"
+    try:
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:
+        trace = ""
+    return {"error": "RemoteError", "message": cap(f"{head}: {kind}: {said}"), "remote_type": cap(kind, 1000),
+            "remote_message": cap(said), "remote_traceback": cap(trace, MAX_TRACEBACK_BYTES, tail=True)}
 
 
 def parse_error(msg: Message) -> tuple[Exception, bool]:

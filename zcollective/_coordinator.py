@@ -55,7 +55,6 @@ import ipaddress
 import logging
 import os
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -601,7 +600,8 @@ class Coordinator:
         except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
             if isinstance(exc, KeyboardInterrupt):  # on rank 0's thread: everyone hears of it,
                 self.interrupted = exc  # then the driver raises it there
-            return self._error_all(seq, call.op, self._remote_error(seq, call.op, exc))
+            return self._error_all(seq, call.op, _bodies.remote_error_body(
+                f"seq {seq} {call.op.label}: the reduction raised on the coordinator (rank 0)", exc))
         # a header of its own for each rank; ranks given one payload share its frames,
         # which the driver hashes once
         return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
@@ -750,21 +750,6 @@ class Coordinator:
         finally:
             self.reducing = None
         return acc
-
-    def _remote_error(self, seq: int, op: Op, exc: BaseException) -> dict[str, Any]:
-        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
-        if type(exc).__module__ == "builtins":
-            kind = type(exc).__qualname__
-        try:  # the user's exception may fail to print itself
-            said = str(exc)
-        except Exception as inner:
-            said = f"<str() of the exception raised {type(inner).__name__}>"
-        try:
-            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        except Exception:
-            trace = ""
-        return _bodies.remote_error_body(f"seq {seq} {op.label}: the reduction raised on the coordinator "
-                                         f"(rank 0): {kind}: {said}", kind, said, trace)
 
     def _error_all(self, seq: int, op: Op, body: dict[str, Any]) -> list[Out]:
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
