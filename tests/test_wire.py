@@ -474,13 +474,14 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     key = "00" * _bodies.DATA_KEY_BYTES
     ports = ["tcp://a:1", "tcp://b:2", "tcp://c:3"]
     msg = _bodies.welcome(3, "ab" * 16, 1 << 20, "hmac-sha256", ports, 1 << 16, key, rank=1, session=5)
-    assert _bodies.parse_welcome(_through_the_wire(msg)) == {
+    assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
         "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
         "data_key": key}
+    assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
     for broken in ({"data_key": "xy"}, {"data_min": "1"}, {"data": "tcp://a:1"}, {"data_key": " " * 64}):
         body = {"num_replicas": 1, "nonce": "n", "parts": 10, "mac": 1, "data": ["tcp://a:1"],
                 "data_min": 1, "data_key": key, **broken}
-        got = _bodies.parse_welcome(control(Kind.WELCOME, body))
+        got = _bodies.parse_welcome(control(Kind.WELCOME, body), 1)
         assert (got["data"], got["data_min"], got["data_key"]) == (None, 0, None)
         assert (got["parts"], got["mac"]) == (None, None)
 

@@ -80,16 +80,16 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
     return control(Kind.WELCOME, body, **header)
 
 
-def parse_welcome(msg: Message) -> dict[str, Any]:
-    """A WELCOME's fields, a malformed one as None; the data plane only whole."""
+def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
+    """A WELCOME's fields, a malformed one (or a MAC not here) as None; the data plane only whole."""
     body = msg.body()
     nonce, parts, mac, data = body.get("nonce"), body.get("parts"), body.get("mac"), body.get("data")
     least, key = body.get("data_min"), body.get("data_key")
-    whole = (isinstance(data, list) and all(isinstance(e, str) for e in data) and type(least) is int
-             and is_data_key(key))
+    whole = (isinstance(data, list) and len(data) == num_replicas and all(isinstance(e, str) for e in data)
+             and type(least) is int and is_data_key(key))
     return {"nonce": nonce if isinstance(nonce, str) else None,
             "parts": parts if type(parts) is int and parts >= _wire.WIRE_PART_BYTES else None,
-            "mac": mac if isinstance(mac, str) else None, "data": data if whole else None,
+            "mac": mac if mac in available_backends() else None, "data": data if whole else None,
             "data_min": least if whole else 0, "data_key": key if whole else None}
 
 

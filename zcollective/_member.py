@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional
 from . import _bodies, _wire
 from ._bodies import PYTHON_VERSION
 from ._bodies import is_data_key as _is_key  # noqa: F401 (tests check it here)
-from ._mac import HMAC_SHA256, POLY1305, available_backends
+from ._mac import HMAC_SHA256, POLY1305
 from ._stats import CallStats, calls_log
 from ._wire import (
     FLAG_DATA,
@@ -290,7 +290,7 @@ class Member:
         elif kind is Kind.STATUS_REPLY:
             self.status[msg.seq] = _bodies.parse_status(msg)
         elif kind is Kind.WELCOME:
-            welcome = _bodies.parse_welcome(msg)
+            welcome = _bodies.parse_welcome(msg, self.size)
             if welcome["nonce"] in self._nonces:  # answers a JOIN of ours
                 self._data_plan(welcome)
                 self.session = msg.session
@@ -331,14 +331,11 @@ class Member:
 
     def _data_plan(self, welcome: dict[str, Any]) -> None:
         """Use the framing, MAC and data ports the WELCOME gives."""
-        mac, data = welcome["mac"], welcome["data"]
-        self.part_bytes = welcome["parts"] or self.part_bytes
-        if mac in available_backends():
-            self.mac = mac
-            if self.signer is not None and mac == POLY1305:
-                self.signer.fast = True  # every rank can verify the fast tag
-        if self.data_endpoint is not None and data is not None and len(data) == self.size:
-            self.data_endpoints, self.data_min_bytes = data, welcome["data_min"]
+        self.part_bytes, self.mac = welcome["parts"] or self.part_bytes, welcome["mac"] or self.mac
+        if self.signer is not None and welcome["mac"] == POLY1305:
+            self.signer.fast = True  # every rank can verify the fast tag
+        if self.data_endpoint is not None and welcome["data"] is not None:
+            self.data_endpoints, self.data_min_bytes = welcome["data"], welcome["data_min"]
             self.data_key = welcome["data_key"]
 
     def _deliver(self, msg: Message) -> None:
