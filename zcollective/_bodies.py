@@ -168,6 +168,12 @@ def plan(**fields: Any) -> bytes:
     return json.dumps(fields, separators=(",", ":")).encode()
 
 
+def sizes_plan(segment: list[Any], data_min: int) -> Optional[bytes]:
+    """The plan of a serialized value, or None if it keeps the star (small, or of many buffers)."""
+    sizes = [memoryview(f).nbytes for f in segment]
+    return None if sum(sizes) < data_min or len(sizes) > MAX_PLAN_FRAMES else plan(sizes=sizes)
+
+
 def parse_sizes(msg: Message, max_frame_bytes: Optional[int] = None) -> list[int]:
     """The sizes of a value's frames, at most MAX_PLAN_FRAMES of max_frame_bytes, or WireError."""
     sizes: Any = msg.body().get("sizes")

@@ -296,7 +296,7 @@ class Group:
             return self._submit(Op.BROADCAST, root, lambda: ([_serialize.dumps(value)], None),
                                 lambda m: value, site)
         segment = _serialize.dumps(value)
-        plan = self._frames_plan(segment)
+        plan = _bodies.sizes_plan(segment, self._member.data_min_bytes)
         if plan is None:
             return self._submit(Op.BROADCAST, root, lambda: ([segment], None), lambda m: value, site)
         return self._submit(Op.BROADCAST, root, lambda: ([[plan]], None), lambda m: value, site,
@@ -328,7 +328,7 @@ class Group:
             return self._submit(Op.ALLGATHER, 0, lambda: ([_serialize.dumps(value)], None),
                                 self._all(value), site)
         segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
-        plan = self._frames_plan(segment)
+        plan = _bodies.sizes_plan(segment, self._member.data_min_bytes)
         rank, size = self.rank, self.size
 
         def job(msg: Message) -> _ring.Job:
@@ -348,15 +348,6 @@ class Group:
                                 data_job=job)
         return self._submit(Op.ALLGATHER, 0, lambda: ([[plan]], None), self._all(value), site,
                             FLAG_DATA, job)
-
-    def _frames_plan(self, segment: list[Any]) -> Optional[bytes]:
-        """The description of a serialized value that goes peer to peer (its
-        frames' sizes), or None if it keeps the star: below the group's
-        threshold, or of too many buffers for a small plan."""
-        sizes = [memoryview(f).nbytes for f in segment]
-        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _bodies.MAX_PLAN_FRAMES:
-            return None
-        return _bodies.plan(sizes=sizes)
 
     def _has_data_plane(self) -> bool:
         return self._member.data_endpoints is not None and self._link is not None and (
