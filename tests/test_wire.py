@@ -1,12 +1,14 @@
 """The wire format, without sockets: round trips and rejection of bad frames."""
 
+import json
 import struct
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zcollective import _mac, _serialize, _wire
+import zcollective as zc
+from zcollective import _bodies, _mac, _serialize, _wire
 from zcollective._wire import (
     FAST_TAG_BYTES,
     FLAG_FN,
@@ -423,3 +425,142 @@ def test_every_small_result_takes_the_fast_way_signed_or_not():
                 Message(Kind.RESULT, Op.BARRIER),
                 Message(Kind.RESULT, Op.ALLGATHER, segments=[[b"a"], [b"b"]])]:
         assert _wire._decode_simple(encode(msg), False) is None
+
+
+# -- bodies: one schema per kind (zcollective._bodies) ---------------------------------
+
+
+def _through_the_wire(msg):
+    return decode(encode(msg))
+
+
+def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
+    msg = _bodies.join(3, 4, "3.11", "ab" * 16, "c" * 32, "tcp://10.0.0.3:4000", 1 << 20, "on")
+    assert msg.kind is Kind.JOIN and msg.rank == 3
+    assert bytes(msg.segments[0][0]).startswith(b'{"rank":3,"num_replicas":4,"protocol":')
+    info = _bodies.parse_join(_through_the_wire(msg))
+    assert info == {"rank": 3, "num_replicas": 4, "python": "3.11", "pid": info["pid"], "nonce": "ab" * 16,
+                    "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
+                    "data_mode": "on", "macs": _mac.available_backends()}
+    assert _bodies.challenge_of(msg) == "c" * 32
+    bare = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto")
+    assert b'"data' not in bytes(bare.segments[0][0]) and b'"challenge' not in bytes(bare.segments[0][0])
+    assert _bodies.parse_join(bare)["data"] is None and _bodies.challenge_of(bare) is None
+
+
+@pytest.mark.parametrize("body", [
+    {"num_replicas": 2, "python": "3.11"},
+    {"rank": "1", "num_replicas": 2, "python": "3.11"},
+    {"rank": True, "num_replicas": 2, "python": "3.11"},
+    {"rank": 1, "num_replicas": 2, "python": 3.11},
+    {"rank": 1, "num_replicas": 2, "python": "3.11", "pid": None},
+])
+def test_a_join_without_its_rank_count_or_python_is_malformed(body):
+    with pytest.raises(WireError):
+        _bodies.parse_join(control(Kind.JOIN, body))
+
+
+def test_a_joins_optional_fields_read_as_absent_when_malformed():
+    join = _bodies.parse_join(control(Kind.JOIN, {
+        "rank": 1, "num_replicas": 2, "python": "3.11", "host": "\udcff" * 300, "nonce": 7,
+        "challenge": 5, "macs": ["nope", "hmac-sha256"], "data": "udp://x:1", "data_min": 5,
+        "data_mode": "maybe"}))
+    assert (join["data"], join["data_min"], join["data_mode"]) == (None, 0, "auto")
+    assert join["macs"] == ("hmac-sha256",)
+    assert (join["nonce"], len(join["host"])) == ("7", 256 * 6)  # "\\udcff": escaped
+
+
+def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
+    key = "00" * _bodies.DATA_KEY_BYTES
+    ports = ["tcp://a:1", "tcp://b:2", "tcp://c:3"]
+    msg = _bodies.welcome(3, "ab" * 16, 1 << 20, "hmac-sha256", ports, 1 << 16, key, rank=1, session=5)
+    assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
+        "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
+        "data_key": key}
+    assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
+    for broken in ({"data_key": "xy"}, {"data_min": "1"}, {"data": "tcp://a:1"}, {"data_key": " " * 64}):
+        body = {"num_replicas": 1, "nonce": "n", "parts": 10, "mac": 1, "data": ["tcp://a:1"],
+                "data_min": 1, "data_key": key, **broken}
+        got = _bodies.parse_welcome(control(Kind.WELCOME, body), 1)
+        assert (got["data"], got["data_min"], got["data_key"]) == (None, 0, None)
+        assert (got["parts"], got["mac"]) == (None, None)
+
+
+def test_an_abort_from_the_data_plane_names_its_lost_rank_only_if_it_is_one():
+    msg = _bodies.abort(zc.ReplicaLostError("gone"), True, 2, rank=1, session=9)
+    assert bytes(msg.segments[0][0]) == (b'{"error":"ReplicaLostError","message":"gone","lost":2,'
+                                         b'"plane":"data"}')
+    assert _bodies.parse_abort(msg, 3) == ("ReplicaLostError", "gone", [2], True)
+    assert _bodies.parse_abort(msg, 2)[2] == []
+    plain = _bodies.abort(zc.AuthenticationError("x" * 5000), rank=1, session=9)
+    assert bytes(plain.segments[0][0]).count(b'"') == 8  # error and message only
+    error, said, lost, data_plane = _bodies.parse_abort(plain, 3)
+    assert (error, len(said), lost, data_plane) == ("AuthenticationError", 2000, [], False)
+
+
+def test_error_bodies_are_cut_to_their_bound_and_read_back_as_their_exceptions():
+    body = _bodies.error_body("ReplicaLostError", "x" * 100_000, lost=[1], ended=True)
+    assert len(json.dumps(body)) < _wire.MAX_JSON_BYTES and body["lost"] == [1]
+    error, ended = _bodies.parse_error(control(Kind.FAIL, body))
+    assert isinstance(error, zc.ReplicaLostError) and ended
+    try:
+        raise KeyError("k" * 100_000)
+    except KeyError as exc:
+        remote = _bodies.remote_error_body("seq 1 allreduce: raised", exc)
+    assert len(json.dumps(remote)) < _wire.MAX_JSON_BYTES
+    assert remote["message"].startswith("seq 1 allreduce: raised: KeyError: 'kkk")
+    error, ended = _bodies.parse_error(control(Kind.ERROR, remote))
+    assert isinstance(error, zc.RemoteError) and error.remote_type == "KeyError" and not ended
+    error, _ = _bodies.parse_error(control(Kind.REJECT, {"error": "NoSuchError", "message": 5}))
+    assert type(error) is zc.CollectiveError and str(error) == "5"
+
+
+def test_a_status_reply_must_list_ranks():
+    msg = _bodies.status(4, "pending", {"arrived": [0], "missing": [1, 2], "op": "allreduce"}, rank=2,
+                         session=9)
+    assert (msg.seq, msg.rank) == (4, 2)
+    assert bytes(msg.segments[0][0]) == (b'{"seq":4,"state":"pending","arrived":[0],"missing":[1,2],'
+                                         b'"op":"allreduce"}')
+    assert _bodies.parse_status(msg) == {"seq": 4, "state": "pending", "arrived": [0], "missing": [1, 2],
+                                         "op": "allreduce"}
+    with pytest.raises(WireError):
+        _bodies.parse_status(control(Kind.STATUS_REPLY, {"missing": ["1"]}))
+
+
+def _plan(frame):
+    return Message(Kind.RESULT, Op.BROADCAST, segments=[[frame]])
+
+
+def test_plans_read_back_as_they_were_built():
+    assert _bodies.parse_sizes(_plan(_bodies.plan(sizes=[3, 0, 5])), 8) == [3, 0, 5]
+    told = [[1, 2], None, [3]]
+    assert _bodies.parse_gather_plan(_plan(_bodies.plan(sizes=told)), 3) == told
+    frame = _bodies.plan(dtype="<f4", shape=[1024, 1024], fn="add")
+    assert frame == b'{"dtype":"<f4","shape":[1024,1024],"fn":"add"}'
+    assert _bodies.parse_array_plan(_plan(frame)) == ("<f4", (1024, 1024), "add")
+
+
+@pytest.mark.parametrize("frame", [
+    b'{"sizes":[1,-1]}', b'{"sizes":[1.5]}', b'{"sizes":"12"}', b'{"size":[1]}', b"[]", b"not json",
+    b'{"sizes":[20,20]}', b"[" * 100_000, b'{"sizes":[' + b",".join([b"1"] * 257) + b"]}",
+])
+def test_malformed_sizes_plans_are_wire_errors(frame):
+    with pytest.raises(WireError):
+        _bodies.parse_sizes(_plan(frame), 8)
+
+
+@pytest.mark.parametrize("frame", [
+    b'{"sizes":[[1],null]}', b'{"sizes":[[1],5,null]}', b'{"sizes":[[-1],null,null]}', b"{}",
+])
+def test_malformed_allgather_plans_are_wire_errors(frame):
+    with pytest.raises(WireError):
+        _bodies.parse_gather_plan(_plan(frame), 3)
+
+
+@pytest.mark.parametrize("frame", [
+    b'{"dtype":"<f4","shape":"ab","fn":"add"}', b'{"dtype":1,"shape":[1],"fn":"add"}',
+    b'{"dtype":"<f4","shape":[1]}', b'{"dtype":"' + b"x" * 20000 + b'","shape":[1],"fn":"add"}',
+])
+def test_malformed_array_plans_are_wire_errors(frame):
+    with pytest.raises(WireError):
+        _bodies.parse_array_plan(_plan(frame))

@@ -52,20 +52,18 @@ import dataclasses
 import enum
 import hmac
 import ipaddress
-import json
 import logging
 import os
-import sys
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
-from . import _serialize
+from . import _bodies, _serialize
+from ._bodies import PYTHON_VERSION, error_body
 from ._interrupts import call_user
-from ._mac import HMAC_SHA256, KEY_LABELS, POLY1305
+from ._mac import HMAC_SHA256, POLY1305
 from ._stats import Lateness
 from ._wire import (
     FLAG_AUTH,
@@ -88,19 +86,13 @@ from ._wire import (
 )
 from .errors import SerializationError
 
-DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is no secret
-
 log = logging.getLogger("zcollective")
 
-PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
 MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
-MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's two texts, type
-MAX_TRACEBACK_BYTES = 32000  # and traceback stay under the 64 KiB a replica parses (MAX_JSON_BYTES)
 MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while joining; more is a replay
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
 MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
 # rank 0 hold at most about 1.2 MiB of answers
-MAX_ENDPOINT_CHARS = 300  # a data port's "tcp://host:port", as a JOIN states it
 
 Out = tuple[bytes, Message]
 
@@ -188,7 +180,7 @@ class Coordinator:
         self.part_bytes = WIRE_PART_BYTES  # frames above this travel in parts (see _settle)
         self.mac = HMAC_SHA256  # the chunk MACs every rank can use
         self._data_ports: Optional[list[str]] = None  # by rank, when the group uses the data plane
-        self._data_key = os.urandom(DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
+        self._data_key = os.urandom(_bodies.DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
 
     # -- entry points -------------------------------------------------
 
@@ -261,21 +253,14 @@ class Coordinator:
 
     def _on_abort(self, member: Member, msg: Message, address: str) -> list[Out]:
         # only the secret's holders reach here when there is one
-        body = msg.body()
-        said = _printable(str(body.get("message", "?"))[:2000])
-        error = body.get("error")
+        error, said, ranks, data_plane = _bodies.parse_abort(msg, self.num_replicas)
         if error == "PeerError" and self.phase is Phase.RUNNING and msg.seq < min(self.next_seq):
             # a reduce function raised mid-ring: that call fails on every rank, the group goes on
-            return self._error_all(msg.seq, Op.ALLREDUCE, {"error": "PeerError", "message": _cap(said)})
-        if error == "AuthenticationError" and body.get("plane") == "data":  # a data link altered
-            lost = body.get("lost")
-            suspect = [lost] if type(lost) is int and 0 <= lost < self.num_replicas else []
-            return self.fail("AuthenticationError", f"{said} (reported by {member.describe()})",
-                             bad=suspect)
+            return self._error_all(msg.seq, Op.ALLREDUCE, error_body("PeerError", said))
+        if error == "AuthenticationError" and data_plane:  # a data link altered
+            return self.fail("AuthenticationError", f"{said} (reported by {member.describe()})", bad=ranks)
         if error == "ReplicaLostError":  # its data plane lost a link
-            lost = body.get("lost")
-            ranks = [lost] if type(lost) is int and 0 <= lost < self.num_replicas else []
-            return self.fail(str(error), f"{said} (reported by {member.describe()})", lost=ranks)
+            return self.fail(error, f"{said} (reported by {member.describe()})", lost=ranks)
         return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
                          f"coordinator tampered with: {said}", bad=[member.rank])
 
@@ -325,7 +310,7 @@ class Coordinator:
         if self.phase is Phase.FAILED:
             return []
         self.phase = Phase.FAILED
-        self.failure = {"error": error, "message": _cap(message), **extra}
+        self.failure = error_body(error, message, **extra)
         log.log(level, "zcollective coordinator: %s", message)
         skip = set(exclude)
         return [self._fail_message(m) for m in self.members.values() if m.rank not in skip]
@@ -354,7 +339,7 @@ class Coordinator:
             return []
         self._answered.add(peer)
         rank, token = _claimed(join)
-        return [(peer, control(Kind.REJECT, {"error": error, "message": _cap(message, MAX_REFUSAL_BYTES)},
+        return [(peer, control(Kind.REJECT, error_body(error, message, MAX_REFUSAL_BYTES),
                                rank=rank, session=token))]
 
     # -- join -----------------------------------------------------------
@@ -380,16 +365,20 @@ class Coordinator:
                 challenge = self._challenge(peer, msg)
                 if challenge is not None:
                     return challenge
-                member.nonce = str(msg.body().get("nonce", ""))[:64]
+                member.nonce = _bodies.join_nonce(msg)
                 return [(peer, self._welcome(member))]
             if self.phase is Phase.FAILED:
                 return [self._fail_message(member)]
             if self.phase is not Phase.JOINING:
                 return []
             del self.members[peer], self.by_rank[member.rank]  # joins again, below
-        join = self._parse_join(msg, address)
-        if join is None:
+        try:
+            info = _bodies.parse_join(msg)
+        except WireError as exc:
+            self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return []
+        python, n = info.pop("python"), info.pop("num_replicas")
+        join = Member(peer=b"", **info)
         if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
             return self._refuse_late(peer, msg, join, address)
         if msg.flags & FLAG_AUTH and self.signer is None:  # unproven: refuse this peer alone
@@ -402,7 +391,7 @@ class Coordinator:
         challenge = self._challenge(peer, msg)
         if challenge is not None:
             return challenge
-        problem = self._join_problem(join, msg.body()["python"], msg.body()["num_replicas"])
+        problem = self._join_problem(join, python, n)
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
         join.peer, join.fd, join.address = peer, fd, address
@@ -414,28 +403,6 @@ class Coordinator:
         self._settle()
         self._welcomed = True
         return [(m.peer, self._welcome(m)) for m in self.members.values()]
-
-    def _parse_join(self, msg: Message, address: str) -> Optional[Member]:
-        """The member a JOIN describes, or None (logged) if it is malformed."""
-        try:
-            info = msg.body()
-            rank, n, python, pid = info["rank"], info["num_replicas"], info["python"], info.get("pid", 0)
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (rank, n, pid)):
-                raise WireError("rank, num_replicas and pid must be integers")
-            if not isinstance(python, str):
-                raise WireError("python must be a string")
-        except (WireError, KeyError) as exc:
-            self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
-            return None
-        data, data_min, mode = info.get("data"), info.get("data_min", 0), info.get("data_mode")
-        if not (isinstance(data, str) and data.startswith("tcp://") and len(data) <= MAX_ENDPOINT_CHARS
-                and type(data_min) is int):
-            data, data_min = None, 0  # no data port: the group keeps the star
-        macs = info.get("macs")
-        macs = tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else ()
-        return Member(rank, b"", pid, _printable(str(info.get("host", "?"))[:256]),
-                      nonce=str(info.get("nonce", ""))[:64], data=data, data_min=data_min,
-                      data_mode="on" if mode == "on" else "auto", macs=macs)
 
     def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str) -> list[Out]:
         if self.phase is Phase.FAILED:
@@ -451,7 +418,6 @@ class Coordinator:
         """Why a proven JOIN fails the whole group (error name, text), or None."""
         who = join.describe()
         if python != PYTHON_VERSION:
-            python = _printable(python[:64])
             return ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
                     f"Python {PYTHON_VERSION}; pickles are only compatible between identical "
                     f"Python versions")
@@ -481,16 +447,10 @@ class Coordinator:
         if all(ports) and (members[0].data_mode == "on" or not one_host):
             self._data_ports = cast("list[str]", ports)
 
-    def _welcome(self, member: Member) -> Message:
-        """WELCOME echoes the nonce of the JOIN it answers, says how the group
-        frames and authenticates, and hands out every rank's data port when
-        the group uses the data plane (rank 0's threshold for all)."""
-        body: dict[str, Any] = {"num_replicas": self.num_replicas, "nonce": member.nonce,
-                                "parts": self.part_bytes, "mac": self.mac}
-        if self._data_ports is not None:
-            body["data"], body["data_min"] = self._data_ports, self.by_rank[0].data_min
-            body["data_key"] = self._data_key
-        return control(Kind.WELCOME, body, rank=member.rank, session=self.session)
+    def _welcome(self, member: Member) -> Message:  # rank 0's data threshold for all
+        return _bodies.welcome(self.num_replicas, member.nonce, self.part_bytes, self.mac, self._data_ports,
+                               self.by_rank[0].data_min, self._data_key, rank=member.rank,
+                               session=self.session)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:
         """With a secret, a JOIN is fresh only if it echoes the challenge this
@@ -504,9 +464,9 @@ class Coordinator:
         if self.signer is None:
             return None
         expected = hmac.new(self._challenge_key, peer, "sha256").hexdigest()[:32]
-        echoed = join.body().get("challenge")
-        if isinstance(echoed, str) and hmac.compare_digest(echoed.encode("utf-8", "replace"),
-                                                           expected.encode()):
+        echoed = _bodies.challenge_of(join)
+        if echoed is not None and hmac.compare_digest(echoed.encode("utf-8", "replace"),
+                                                      expected.encode()):
             return None
         sent = self._challenged.pop(peer, 0)
         if sent >= MAX_CHALLENGES_PER_PEER:
@@ -516,7 +476,7 @@ class Coordinator:
         if len(self._challenged) > MAX_ANSWERED_PEERS:
             self._challenged.popitem(last=False)
         rank, token = _claimed(join)
-        return [(peer, control(Kind.CHALLENGE, {"challenge": expected}, rank=rank, session=token))]
+        return [(peer, _bodies.challenge(expected, rank=rank, session=token))]
 
     def _binding(self, member: Member) -> int:
         """What the header of a message to ``member`` carries as its session:
@@ -631,17 +591,17 @@ class Coordinator:
             return self._plan(seq, call, contributions)
         problem = self._malformed_call(seq, call, contributions)
         if problem is not None:
-            return self._error_all(seq, call.op, {"error": problem[0], "message": _cap(problem[1])})
+            return self._error_all(seq, call.op, error_body(*problem))
         try:
             routes = self._route(call.op, call.root, contributions)
         except _Unreadable as exc:  # the reduce function never ran: not a RemoteError
-            return self._error_all(seq, call.op, {
-                "error": "SerializationError",
-                "message": _cap(f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}")})
+            return self._error_all(seq, call.op, error_body(
+                "SerializationError", f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}"))
         except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
             if isinstance(exc, KeyboardInterrupt):  # on rank 0's thread: everyone hears of it,
                 self.interrupted = exc  # then the driver raises it there
-            return self._error_all(seq, call.op, self._remote_error(seq, call.op, exc))
+            return self._error_all(seq, call.op, _bodies.remote_error_body(
+                f"seq {seq} {call.op.label}: the reduction raised on the coordinator (rank 0)", exc))
         # a header of its own for each rank; ranks given one payload share its frames,
         # which the driver hashes once
         return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
@@ -658,22 +618,21 @@ class Coordinator:
             plans = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
                      and len(c.segments[0]) == 1 else None for c in contributions}
             if len(plans) != 1 or None in plans:  # the call matched; only its values disagree
-                return self._error_all(seq, call.op, {"error": "CallMismatchError", "message": _cap(
-                    self._disagreement(seq, call, contributions))})
+                return self._error_all(seq, call.op, error_body(
+                    "CallMismatchError", self._disagreement(seq, call, contributions)))
             plan = bytes(contributions[0].segments[0][0])
         elif call.op is Op.BROADCAST:
             root = contributions[call.root]
             others = [r for r, c in enumerate(contributions) if c.flags & FLAG_DATA and r != call.root]
             if others or not root.flags & FLAG_DATA or len(root.segments) != 1:
-                return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
-                    f"{head}: only the root may send a data plan ({rank_list(others) or 'the root'} "
-                    f"sent a malformed one)")})
+                return self._error_all(seq, call.op, error_body(
+                    "ProtocolError", f"{head}: only the root may send a data plan "
+                    f"({rank_list(others) or 'the root'} sent a malformed one)"))
             plan = bytes(root.segments[0][0])
         elif call.op is Op.ALLGATHER:
             return self._gather_plan(seq, call, contributions)
         else:
-            return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
-                f"{head} has no data plane")})
+            return self._error_all(seq, call.op, error_body("ProtocolError", f"{head} has no data plane"))
         segments = [[plan]]
         self._moving = (seq, call.op)
         return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
@@ -687,22 +646,18 @@ class Coordinator:
         inline: list[list[Any]] = []
         for rank, c in enumerate(contributions):
             if len(c.segments) != 1:
-                return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
-                    f"seq {seq} allgather: rank {rank} sent no value")})
+                return self._error_all(seq, call.op, error_body(
+                    "ProtocolError", f"seq {seq} allgather: rank {rank} sent no value"))
             if not c.flags & FLAG_DATA:
                 sizes.append(None)
                 inline.append(c.segments[0])
                 continue
             try:
-                told = json.loads(bytes(c.segments[0][0]))["sizes"]  # bounded by MAX_PLAN_FRAMES
-                if not (isinstance(told, list) and all(type(n) is int and n >= 0 for n in told)):
-                    raise ValueError(told)
-            except (ValueError, KeyError, TypeError):
-                return self._error_all(seq, call.op, {"error": "ProtocolError", "message": _cap(
-                    f"seq {seq} allgather: rank {rank} sent a malformed description")})
-            sizes.append(told)
-        plan = json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
-        segments = [[plan], *inline]
+                sizes.append(_bodies.parse_sizes(c))
+            except WireError:
+                return self._error_all(seq, call.op, error_body(
+                    "ProtocolError", f"seq {seq} allgather: rank {rank} sent a malformed description"))
+        segments = [[_bodies.plan(sizes=sizes)], *inline]
         self._moving = (seq, call.op)
         return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
                                                   self.session, flags=FLAG_DATA, segments=segments))
@@ -715,12 +670,11 @@ class Coordinator:
                     "reduced elementwise)")
             if c.flags & FLAG_DATA:
                 try:
-                    plan = json.loads(bytes(c.segments[0][0])[:MAX_MESSAGE_BYTES])
-                    what = (f"a {plan['dtype']} array of shape {tuple(plan['shape'])} reduced "
-                            f"with {plan['fn']}")
-                except (ValueError, KeyError, TypeError, IndexError):
+                    dtype, shape, fn = _bodies.parse_array_plan(c)
+                    what = f"a {dtype} array of shape {shape} reduced with {fn}"
+                except WireError:
                     what = "a malformed array description"
-            groups.setdefault((_printable(what[:300]), c.callsite or "?"), []).append(rank)
+            groups.setdefault((_bodies.printable(what[:300]), c.callsite or "?"), []).append(rank)
         parts = [f"{rank_list(ranks)} passed {what} at {site}" for (what, site), ranks in groups.items()]
         return (f"seq {seq} {call.op.label}: the ranks disagree: " + "; ".join(parts)
                 + " (this call failed; the group goes on)")
@@ -797,27 +751,6 @@ class Coordinator:
             self.reducing = None
         return acc
 
-    def _remote_error(self, seq: int, op: Op, exc: BaseException) -> dict[str, Any]:
-        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
-        if type(exc).__module__ == "builtins":
-            kind = type(exc).__qualname__
-        try:  # the user's exception may fail to print itself
-            said = str(exc)
-        except Exception as inner:
-            said = f"<str() of the exception raised {type(inner).__name__}>"
-        try:
-            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        except Exception:
-            trace = ""
-        return {
-            "error": "RemoteError",
-            "message": _cap(f"seq {seq} {op.label}: the reduction raised on the coordinator "
-                            f"(rank 0): {kind}: {said}"),
-            "remote_type": _cap(kind, 1000),
-            "remote_message": _cap(said),
-            "remote_traceback": _cap(trace, MAX_TRACEBACK_BYTES, tail=True),
-        }
-
     def _error_all(self, seq: int, op: Op, body: dict[str, Any]) -> list[Out]:
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
         return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r)) for r in range(self.num_replicas)]
@@ -826,12 +759,10 @@ class Coordinator:
 
     def _status(self, seq: int, member: Member, welcomed: bool = True) -> Message:
         binding = self._binding(member) if welcomed else join_token(member.nonce)
-        header = {"seq": seq, "rank": member.rank, "session": binding}
         if self.phase is Phase.JOINING:
-            body = {"seq": seq, "state": "joining", "missing": self.missing_joins(),
-                    "arrived": sorted(self.by_rank),
-                    "refused": {str(r): m for r, m in self.refused.items() if r not in self.by_rank}}
-            return control(Kind.STATUS_REPLY, body, **header)
+            refused = {str(r): m for r, m in self.refused.items() if r not in self.by_rank}
+            return _bodies.status(seq, "joining", {"missing": self.missing_joins(), "arrived": sorted(
+                self.by_rank), "refused": refused}, rank=member.rank, session=binding)
         call = self.pending.get(seq)
         if call is not None:
             arrived = sorted(call.contributions)
@@ -839,10 +770,10 @@ class Coordinator:
             arrived = [r for r in range(self.num_replicas) if self.next_seq[r] > seq]
         missing = [r for r in range(self.num_replicas) if r not in arrived]
         state = "pending" if missing else ("done" if call is None else "computing")
-        body = {"seq": seq, "state": state, "arrived": arrived, "missing": missing}
+        fields: dict[str, Any] = {"arrived": arrived, "missing": missing}
         if call is not None:
-            body["op"] = describe_call(call.op, call.root)
-        return control(Kind.STATUS_REPLY, body, **header)
+            fields["op"] = describe_call(call.op, call.root)
+        return _bodies.status(seq, state, fields, rank=member.rank, session=binding)
 
     def _in_flight(self) -> str:
         if self.phase is Phase.JOINING:
@@ -890,35 +821,13 @@ def _host_of(endpoint: Optional[str]) -> str:
     return (endpoint or "").rpartition(":")[0]
 
 
-def _printable(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode (a lone surrogate a peer sent
-    in JSON) escaped: it ends up in logs and messages."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _cap(text: str, limit: int = MAX_MESSAGE_BYTES, tail: bool = False) -> str:
-    """``text`` cut until it takes at most ``limit`` bytes as JSON, saying so
-    (the end of a traceback matters most, the start of a message)."""
-    def part(keep: int) -> str:
-        return text[len(text) - keep:] if tail else text[:keep]
-
-    keep, size = len(text), len(json.dumps(text))
-    while keep > 0 and size > limit:
-        keep = max(0, keep * limit // size - 40)
-        size = len(json.dumps(part(keep)))
-    if keep == len(text):
-        return text
-    cut = len(text) - keep
-    return f"[{cut} characters cut] {part(keep)}" if tail else f"{part(keep)} [{cut} characters cut]"
-
-
 def _claimed(join: Any) -> tuple[int, int]:
     """The rank and JOIN token a refused JOIN claimed, as far as they can be
     read (it may have failed authentication or be malformed): what its REJECT
     is bound to."""
     try:
         msg = join if isinstance(join, Message) else decode(join)  # a tag is stripped unread
-        return msg.rank, join_token(str(msg.body().get("nonce", "")))
+        return msg.rank, join_token(_bodies.join_nonce(msg))
     except Exception:  # anything unreadable: the REJECT is bound to nobody
         return NO_RANK, 0
 

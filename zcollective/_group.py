@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ipaddress
-import json
 import logging
 import operator
 import os
@@ -20,7 +19,7 @@ from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import zmq
 
-from . import _interrupts, _ring, _serialize, _sockets
+from . import _bodies, _interrupts, _ring, _serialize, _sockets
 from ._coordinator import Coordinator
 from ._dataplane import DataPlane
 from ._future import CollectiveFuture
@@ -40,7 +39,6 @@ Timeout = Union[float, None, "_Default"]
 ReduceFn = Callable[[Any, Any], Any]
 
 _NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
-_MAX_PLAN_FRAMES = 256  # a value of more buffers keeps the star: its plan stays small
 JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
 COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
 # 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
@@ -298,7 +296,7 @@ class Group:
             return self._submit(Op.BROADCAST, root, lambda: ([_serialize.dumps(value)], None),
                                 lambda m: value, site)
         segment = _serialize.dumps(value)
-        plan = self._frames_plan(segment)
+        plan = _bodies.sizes_plan(segment, self._member.data_min_bytes)
         if plan is None:
             return self._submit(Op.BROADCAST, root, lambda: ([segment], None), lambda m: value, site)
         return self._submit(Op.BROADCAST, root, lambda: ([[plan]], None), lambda m: value, site,
@@ -309,10 +307,7 @@ class Group:
         """The job of a broadcast whose value goes down the chain (the root's
         plan says the sizes of its frames)."""
         def job(msg: Message) -> _ring.Job:
-            sizes = json.loads(bytes(msg.segments[0][0]))["sizes"]
-            if not (isinstance(sizes, list) and all(type(n) is int and n >= 0 for n in sizes)
-                    and sum(sizes) <= (self.config.max_frame_bytes or sys.maxsize) * max(1, len(sizes))):
-                raise ValueError(f"malformed frame sizes {str(sizes)[:100]}")
+            sizes = _bodies.parse_sizes(msg, self.config.max_frame_bytes)
             chain = _ring.ChainBroadcast(self.rank, self.size, root, sizes, segment)
             if segment is not None:
                 chain.finish = lambda: value
@@ -333,13 +328,11 @@ class Group:
             return self._submit(Op.ALLGATHER, 0, lambda: ([_serialize.dumps(value)], None),
                                 self._all(value), site)
         segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
-        plan = self._frames_plan(segment)
+        plan = _bodies.sizes_plan(segment, self._member.data_min_bytes)
         rank, size = self.rank, self.size
 
         def job(msg: Message) -> _ring.Job:
-            told = json.loads(bytes(msg.segments[0][0]))["sizes"]
-            if not (isinstance(told, list) and len(told) == size):
-                raise ValueError(f"malformed allgather plan {str(told)[:100]}")
+            told = _bodies.parse_gather_plan(msg, size)
             ring = _ring.RingAllgather(rank, size, told, segment if told[rank] is not None else None)
             inline = iter(msg.segments[1:])
             slots = [None if s is not None else next(inline) for s in told]
@@ -355,15 +348,6 @@ class Group:
                                 data_job=job)
         return self._submit(Op.ALLGATHER, 0, lambda: ([[plan]], None), self._all(value), site,
                             FLAG_DATA, job)
-
-    def _frames_plan(self, segment: list[Any]) -> Optional[bytes]:
-        """The description of a serialized value that goes peer to peer (its
-        frames' sizes), or None if it keeps the star: below the group's
-        threshold, or of too many buffers for a small plan."""
-        sizes = [memoryview(f).nbytes for f in segment]
-        if sum(sizes) < self._member.data_min_bytes or len(sizes) > _MAX_PLAN_FRAMES:
-            return None
-        return json.dumps({"sizes": sizes}, separators=(",", ":")).encode()
 
     def _has_data_plane(self) -> bool:
         return self._member.data_endpoints is not None and self._link is not None and (
@@ -507,9 +491,7 @@ class Group:
         name = _ring.reduction_name(reduce_fn)
         if name is None:
             return None
-        description = json.dumps({"dtype": value.dtype.str, "shape": list(value.shape), "fn": name},
-                                 separators=(",", ":")).encode()
-        return value, name, description
+        return value, name, _bodies.plan(dtype=value.dtype.str, shape=list(value.shape), fn=name)
 
     def _ring(self, array: Any, name: str, reduce_fn: ReduceFn, tensor: bool) -> _ring.Job:
         job = _ring.RingAllreduce(self.rank, self.size, array, _ring.reducer(name, reduce_fn))

@@ -26,10 +26,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import _interrupts
+from . import _bodies, _interrupts
 from ._coordinator import Coordinator
 from ._member import STATUS_WAIT_S, Member
-from ._wire import Kind, Message, Op, control
+from ._wire import Kind, Message, Op
 from .errors import CollectiveError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -191,9 +191,8 @@ class Driver:
             member.fail(error)
         replies = []
         if member.joined:
-            body = {"error": type(error).__name__, "message": str(error), "lost": lost, "plane": "data"}
-            replies = [control(Kind.ABORT, body, rank=member.rank, session=member.session,
-                               seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
+            replies = [_bodies.abort(error, True, lost, rank=member.rank, session=member.session,
+                                     seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
         try:
             self.send(replies)
         except CollectiveError:

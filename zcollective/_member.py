@@ -52,16 +52,16 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import socket
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _wire
-from ._coordinator import DATA_KEY_BYTES, PYTHON_VERSION
-from ._mac import HMAC_SHA256, POLY1305, available_backends
+from . import _bodies, _wire
+from ._bodies import PYTHON_VERSION
+from ._bodies import is_data_key as _is_key  # noqa: F401 (tests check it here)
+from ._mac import HMAC_SHA256, POLY1305
 from ._stats import CallStats, calls_log
 from ._wire import (
     FLAG_DATA,
@@ -75,17 +75,11 @@ from ._wire import (
     Signer,
     VersionError,
     WireError,
-    control,
     decode,
     error_note,
     join_token,
 )
-from .errors import (
-    AuthenticationError,
-    ProtocolError,
-    ReplicaLostError,
-    from_wire,
-)
+from .errors import AuthenticationError, ProtocolError, ReplicaLostError
 
 log = logging.getLogger("zcollective")
 
@@ -160,17 +154,8 @@ class Member:
         nonce = os.urandom(16).hex()
         self._nonces.add(nonce)
         self._tokens.add(join_token(nonce))
-        body = {"rank": self.rank, "num_replicas": self.size, "protocol": _wire.PROTOCOL_VERSION,
-                "python": PYTHON_VERSION, "pid": os.getpid(), "host": socket.gethostname(),
-                "nonce": nonce}
-        if challenge is not None:
-            body["challenge"] = challenge
-        body["macs"] = list(available_backends())
-        if self.data_endpoint is not None:
-            body["data"] = self.data_endpoint
-            body["data_min"] = self.data_min_bytes
-            body["data_mode"] = self.data_mode
-        return control(Kind.JOIN, body, rank=self.rank)
+        return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
+                            self.data_min_bytes, self.data_mode)
 
     @property
     def joined(self) -> bool:
@@ -303,21 +288,21 @@ class Member:
         if kind is Kind.RESULT or kind is Kind.ERROR:
             self._deliver(msg)
         elif kind is Kind.STATUS_REPLY:
-            self.status[msg.seq] = _status_body(msg.body())
+            self.status[msg.seq] = _bodies.parse_status(msg)
         elif kind is Kind.WELCOME:
-            nonce = msg.body().get("nonce")
-            if isinstance(nonce, str) and nonce in self._nonces:  # answers a JOIN of ours
-                self._data_plan(msg.body())
+            welcome = _bodies.parse_welcome(msg, self.size)
+            if welcome["nonce"] in self._nonces:  # answers a JOIN of ours
+                self._data_plan(welcome)
                 self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
-            body = msg.body()
+            error, ended = _bodies.parse_error(msg)
             # a rank's program ended: calls whose data moves peer to peer need only their ring
-            return self.fail(from_wire(body), keep_data=body.get("ended") is True)
+            return self.fail(error, keep_data=ended)
         elif kind is Kind.BYE:
             self.farewell = True
         elif kind is Kind.CHALLENGE and not self.joined:
-            challenge = msg.body().get("challenge")
-            if isinstance(challenge, str):
+            challenge = _bodies.challenge_of(msg)
+            if challenge is not None:
                 return [self.join(challenge[:64])]
         return []
 
@@ -344,26 +329,19 @@ class Member:
             log.warning("zcollective rank %d: dropped %s", self.rank, what)
         return []
 
-    def _data_plan(self, body: dict[str, Any]) -> None:
-        """The WELCOME says how the group frames and authenticates, and where
-        every rank's data port is when it uses the data plane."""
-        parts, mac = body.get("parts"), body.get("mac")
-        if type(parts) is int and parts >= WIRE_PART_BYTES:
-            self.part_bytes = parts
-        if mac in available_backends():
-            self.mac = mac
-            if self.signer is not None and mac == POLY1305:
-                self.signer.fast = True  # every rank can verify the fast tag
-        endpoints, least, key = body.get("data"), body.get("data_min"), body.get("data_key")
-        if (self.data_endpoint is not None and isinstance(endpoints, list)
-                and len(endpoints) == self.size and all(isinstance(e, str) for e in endpoints)
-                and type(least) is int and _is_key(key)):
-            self.data_endpoints, self.data_min_bytes, self.data_key = endpoints, least, key
+    def _data_plan(self, welcome: dict[str, Any]) -> None:
+        """Use the framing, MAC and data ports the WELCOME gives."""
+        self.part_bytes, self.mac = welcome["parts"] or self.part_bytes, welcome["mac"] or self.mac
+        if self.signer is not None and welcome["mac"] == POLY1305:
+            self.signer.fast = True  # every rank can verify the fast tag
+        if self.data_endpoint is not None and welcome["data"] is not None:
+            self.data_endpoints, self.data_min_bytes = welcome["data"], welcome["data_min"]
+            self.data_key = welcome["data_key"]
 
     def _deliver(self, msg: Message) -> None:
         """Resolve the call ``msg`` answers (rule 3)."""
         # an ERROR's body is parsed first: a malformed one is dropped, its call still waits
-        error = from_wire(msg.body()) if msg.kind is Kind.ERROR else None
+        error = _bodies.parse_error(msg)[0] if msg.kind is Kind.ERROR else None
         call = self.calls.get(msg.seq)
         if call is None:
             return
@@ -513,8 +491,7 @@ class Member:
             if seq not in kept and call.future is not None and not call.future._done:
                 call.future._set_exception(fresh(error))
         if tell and self.joined:
-            return [control(Kind.ABORT, {"error": type(error).__name__, "message": str(error)},
-                            rank=self.rank, session=self.session)]
+            return [_bodies.abort(error, rank=self.rank, session=self.session)]
         return []
 
     def forget_calls(self, error_for: Callable[[Call, int], BaseException]) -> None:
@@ -574,16 +551,6 @@ class Member:
         return f"{base}: connected, but the group did not complete"
 
 
-def _is_key(key: Any) -> bool:
-    """A data key as the WELCOME gives it: hex of :data:`DATA_KEY_BYTES` bytes."""
-    if not isinstance(key, str) or len(key) != 2 * DATA_KEY_BYTES:
-        return False
-    try:
-        return len(bytes.fromhex(key)) == DATA_KEY_BYTES  # (fromhex skips whitespace)
-    except ValueError:
-        return False
-
-
 def _received(msg: Message) -> int:
     """Bytes of a reply's values."""
     received = 0
@@ -591,15 +558,6 @@ def _received(msg: Message) -> int:
         for f in segment:
             received += len(f) if type(f) is bytes else memoryview(f).nbytes
     return received
-
-
-def _status_body(body: dict[str, Any]) -> dict[str, Any]:
-    """A STATUS_REPLY's body, with its rank lists checked (they end up in messages)."""
-    for key in ("missing", "arrived"):
-        ranks = body.get(key, [])
-        if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
-            raise WireError(f"status reply field {key!r} is not a list of ranks")
-    return body
 
 
 def fresh(error: Exception) -> Exception:

@@ -267,11 +267,11 @@ class Message:
     fn: Any = None  # a buffer, when flags & FLAG_FN (rank 0's own function, in its own process)
     segments: list[list[Any]] = field(default_factory=list)
 
-    def body(self) -> dict[str, Any]:
+    def body(self, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
         """The JSON body of a control message (an empty dict if there is none)."""
         if not self.segments:
             return {}
-        return _parse_json(self.segments[0][0])
+        return _parse_json(self.segments[0][0], limit)
 
 
 def join_token(nonce: str) -> int:
@@ -295,10 +295,10 @@ def control(kind: Kind, body: dict[str, Any], **header: Any) -> Message:
     return Message(kind, segments=[[data]], **header)
 
 
-def _parse_json(frame: Any) -> dict[str, Any]:
+def _parse_json(frame: Any, limit: int) -> dict[str, Any]:
     raw = memoryview(frame)
-    if raw.nbytes > MAX_JSON_BYTES:
-        raise WireError(f"control body of {raw.nbytes} bytes exceeds {MAX_JSON_BYTES}")
+    if raw.nbytes > limit:
+        raise WireError(f"control body of {raw.nbytes} bytes exceeds {limit}")
     try:
         body = json.loads(raw.tobytes())
     except RecursionError:

@@ -8,8 +8,6 @@ sockets, threads or pickle.
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = [
     "CollectiveError",
     "RemoteError",
@@ -177,13 +175,3 @@ WIRE_ERRORS: dict[str, type[Exception]] = {
                                   LateJoinError, InternalError, ValueError)
 }
 
-
-def from_wire(body: dict[str, Any]) -> Exception:
-    """Rebuild the exception a coordinator described in an ERROR, FAIL or
-    REJECT body (``{"error": name, "message": text, ...}``)."""
-    name, message = str(body.get("error")), str(body.get("message", "?"))
-    if name == "RemoteError":
-        return RemoteError(message, str(body.get("remote_type", "")),
-                           str(body.get("remote_message", "")),
-                           str(body.get("remote_traceback", "")))
-    return WIRE_ERRORS.get(name, CollectiveError)(message)

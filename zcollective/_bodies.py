@@ -1,0 +1,226 @@
+"""Every control body and data plan, built and checked here: one schema each. A parser raises
+WireError on what no working replica sends, or reads a malformed optional field as absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import string
+import sys
+import traceback
+from typing import Any, Optional
+
+from . import _wire
+from ._mac import KEY_LABELS, available_backends
+from ._wire import Kind, Message, WireError, control
+from .errors import WIRE_ERRORS, CollectiveError, RemoteError
+
+PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
+MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's two texts, type
+MAX_TRACEBACK_BYTES = 32000  # and traceback stay under the 64 KiB a replica parses (MAX_JSON_BYTES)
+MAX_ENDPOINT_CHARS = 300  # a data port's "tcp://host:port", as a JOIN states it
+MAX_PLAN_FRAMES = 256  # a value of more buffers keeps the star: its plan stays small
+DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is no secret
+
+
+def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optional[str],
+         data: Optional[str], data_min: int, data_mode: str) -> Message:
+    """JOIN: who this replica is and what it runs; its answers are bound to ``nonce``."""
+    body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
+                            "python": python, "pid": os.getpid(), "host": socket.gethostname(),
+                            "nonce": nonce}
+    if challenge is not None:
+        body["challenge"] = challenge
+    body["macs"] = list(available_backends())
+    if data is not None:
+        body.update(data=data, data_min=data_min, data_mode=data_mode)
+    return control(Kind.JOIN, body, rank=rank)
+
+
+def parse_join(msg: Message) -> dict[str, Any]:
+    """A JOIN's fields: WireError without integer rank, num_replicas and pid and a python string."""
+    body = msg.body()
+    rank, n, python, pid = body.get("rank"), body.get("num_replicas"), body.get("python"), body.get("pid", 0)
+    if not (all(type(x) is int for x in (rank, n, pid)) and isinstance(python, str)):
+        raise WireError("rank, num_replicas and pid must be integers, python a string")
+    python = printable(python[:64])
+    data, data_min, macs = body.get("data"), body.get("data_min", 0), body.get("macs")
+    if not (isinstance(data, str) and data.startswith("tcp://") and len(data) <= MAX_ENDPOINT_CHARS
+            and type(data_min) is int):
+        data, data_min = None, 0  # no data port: the group keeps the star
+    return {"rank": rank, "num_replicas": n, "python": python, "pid": pid, "nonce": join_nonce(msg),
+            "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,
+            "data_mode": "on" if body.get("data_mode") == "on" else "auto",
+            "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else ()}
+
+
+def join_nonce(msg: Message) -> str:
+    """A JOIN's nonce as far as it reads: even a refused one's answer is bound to it."""
+    return str(msg.body().get("nonce", ""))[:64]
+
+
+def challenge(text: str, **header: Any) -> Message:
+    """CHALLENGE: with a secret, the text a JOIN must echo."""
+    return control(Kind.CHALLENGE, {"challenge": text}, **header)
+
+
+def challenge_of(msg: Message) -> Optional[str]:
+    """The text a CHALLENGE gives and a JOIN echoes, or None."""
+    text = msg.body().get("challenge")
+    return text if isinstance(text, str) else None
+
+
+def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[str],
+            data: Optional[list[str]], data_min: int, data_key: Optional[str], **header: Any) -> Message:
+    """WELCOME: the JOIN it answers, how the group frames and signs, and its data ports."""
+    body: dict[str, Any] = {"num_replicas": num_replicas, "nonce": nonce, "parts": parts, "mac": mac}
+    if data is not None:
+        body.update(data=data, data_min=data_min, data_key=data_key)
+    return control(Kind.WELCOME, body, **header)
+
+
+def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
+    """A WELCOME's fields, a malformed one (or a MAC not here) as None; the data plane only whole."""
+    body = msg.body()
+    nonce, parts, mac, data = body.get("nonce"), body.get("parts"), body.get("mac"), body.get("data")
+    least, key = body.get("data_min"), body.get("data_key")
+    whole = (isinstance(data, list) and len(data) == num_replicas and all(isinstance(e, str) for e in data)
+             and type(least) is int and is_data_key(key))
+    return {"nonce": nonce if isinstance(nonce, str) else None,
+            "parts": parts if type(parts) is int and parts >= _wire.WIRE_PART_BYTES else None,
+            "mac": mac if mac in available_backends() else None, "data": data if whole else None,
+            "data_min": least if whole else 0, "data_key": key if whole else None}
+
+
+def is_data_key(key: Any) -> bool:
+    """Hex of DATA_KEY_BYTES bytes, as a WELCOME gives the data ports' key."""
+    return isinstance(key, str) and len(key) == 2 * DATA_KEY_BYTES and all(c in string.hexdigits for c in key)
+
+
+def error_body(error: str, message: str, limit: int = MAX_MESSAGE_BYTES, **extra: Any) -> dict[str, Any]:
+    """An ERROR, FAIL or REJECT: a name of errors.WIRE_ERRORS, its text cut, what else it says."""
+    return {"error": error, "message": cap(message, limit), **extra}
+
+
+def remote_error_body(head: str, exc: BaseException) -> dict[str, Any]:
+    """The ERROR for a reduce function that raised ``exc`` on rank 0 (which may fail to print)."""
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    try:
+        said = str(exc)
+    except Exception as inner:
+        said = f"<str() of the exception raised {type(inner).__name__}>"
+    try:
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:
+        trace = ""
+    return {"error": "RemoteError", "message": cap(f"{head}: {kind}: {said}"), "remote_type": cap(kind, 1000),
+            "remote_message": cap(said), "remote_traceback": cap(trace, MAX_TRACEBACK_BYTES, tail=True)}
+
+
+def parse_error(msg: Message) -> tuple[Exception, bool]:
+    """The exception an ERROR, FAIL or REJECT describes, and whether a rank's program ``ended``."""
+    body = msg.body()
+    name, message = str(body.get("error")), str(body.get("message", "?"))
+    if name == "RemoteError":
+        error: Exception = RemoteError(message, str(body.get("remote_type", "")),
+                                       str(body.get("remote_message", "")),
+                                       str(body.get("remote_traceback", "")))
+    else:
+        error = WIRE_ERRORS.get(name, CollectiveError)(message)
+    return error, body.get("ended") is True
+
+
+def abort(error: BaseException, data_plane: bool = False, lost: Optional[int] = None,
+          **header: Any) -> Message:
+    """ABORT: a replica found the group broken (on its data plane: ``lost`` is the far end)."""
+    body: dict[str, Any] = {"error": type(error).__name__, "message": str(error)}
+    if data_plane:
+        body.update(lost=lost, plane="data")
+    return control(Kind.ABORT, body, **header)
+
+
+def parse_abort(msg: Message, num_replicas: int) -> tuple[str, str, list[int], bool]:
+    """An ABORT's error name, its text (printable, cut), the rank it lost, if from its data plane."""
+    body = msg.body()
+    error, lost = body.get("error"), body.get("lost")
+    return (error if isinstance(error, str) else "", printable(str(body.get("message", "?"))[:2000]),
+            [lost] if type(lost) is int and 0 <= lost < num_replicas else [], body.get("plane") == "data")
+
+
+def status(seq: int, state: str, fields: dict[str, Any], **header: Any) -> Message:
+    """STATUS_REPLY: joining (missing, arrived, refused) or a call's (arrived, missing, op)."""
+    return control(Kind.STATUS_REPLY, {"seq": seq, "state": state, **fields}, seq=seq, **header)
+
+
+def parse_status(msg: Message) -> dict[str, Any]:
+    """A STATUS_REPLY's body; WireError unless its rank lists are (they end up in messages)."""
+    body = msg.body()
+    for key in ("missing", "arrived"):
+        ranks = body.get(key, [])
+        if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
+            raise WireError(f"status reply field {key!r} is not a list of ranks")
+    return body
+
+
+def plan(**fields: Any) -> bytes:
+    """A data plan: ``sizes`` of frames (by rank in an allgather), or an array's dtype, shape, fn."""
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def sizes_plan(segment: list[Any], data_min: int) -> Optional[bytes]:
+    """The plan of a serialized value, or None if it keeps the star (small, or of many buffers)."""
+    sizes = [memoryview(f).nbytes for f in segment]
+    return None if sum(sizes) < data_min or len(sizes) > MAX_PLAN_FRAMES else plan(sizes=sizes)
+
+
+def parse_sizes(msg: Message, max_frame_bytes: Optional[int] = None) -> list[int]:
+    """The sizes of a value's frames, at most MAX_PLAN_FRAMES of max_frame_bytes, or WireError."""
+    sizes: Any = msg.body().get("sizes")
+    if not _sizes(sizes) or sum(sizes) > (max_frame_bytes or sys.maxsize) * max(1, len(sizes)):
+        raise WireError(f"malformed frame sizes {str(sizes)[:100]}")
+    return sizes
+
+
+def parse_gather_plan(msg: Message, num_replicas: int) -> list[Optional[list[int]]]:
+    """By rank, the sizes of a value's frames, or None for one inline; or WireError."""
+    told: Any = msg.body(_wire.MAX_JSON_BYTES * num_replicas).get("sizes")
+    if not (isinstance(told, list) and len(told) == num_replicas
+            and all(s is None or _sizes(s) for s in told)):
+        raise WireError(f"malformed allgather plan {str(told)[:100]}")
+    return told
+
+
+def parse_array_plan(msg: Message) -> tuple[str, tuple[int, ...], str]:
+    """``(dtype, shape, fn)`` of an array plan of at most MAX_MESSAGE_BYTES, or WireError."""
+    got = msg.body(MAX_MESSAGE_BYTES)
+    dtype, shape, fn = got.get("dtype"), got.get("shape"), got.get("fn")
+    if not (isinstance(dtype, str) and isinstance(fn, str) and isinstance(shape, list)
+            and all(type(n) is int for n in shape)):
+        raise WireError("malformed array description")
+    return dtype, tuple(shape), fn
+
+
+def _sizes(sizes: Any) -> bool:
+    return (isinstance(sizes, list) and len(sizes) <= MAX_PLAN_FRAMES
+            and all(type(n) is int and n >= 0 for n in sizes))
+
+
+def printable(text: str) -> str:
+    """``text`` with a lone surrogate a peer sent escaped: it ends up in logs and messages."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def cap(text: str, limit: int = MAX_MESSAGE_BYTES, tail: bool = False) -> str:
+    """``text`` cut to ``limit`` bytes as JSON, saying so (a traceback keeps its end)."""
+    def part(keep: int) -> str:
+        return text[len(text) - keep:] if tail else text[:keep]
+
+    keep, size = len(text), len(json.dumps(text))
+    while keep > 0 and size > limit:
+        keep = max(0, keep * limit // size - 40)
+        size = len(json.dumps(part(keep)))
+    if keep == len(text):
+        return text
+    cut = len(text) - keep
+    return f"[{cut} characters cut] {part(keep)}" if tail else f"{part(keep)} [{cut} characters cut]"
