@@ -436,3 +436,76 @@ def soak(count):
     for j, future in pending:
         assert future.result(timeout=60) == j * n + n * (n - 1) // 2
     return "ok"
+
+
+def reduced_while_rank_0_was_away():
+    """Rank 0 starts an async call whose reduce function takes 6 s, then
+    computes for 0.5 s: the background thread serves and runs it. Rank 0's
+    ``done()`` must not wait for it, nor ``result(timeout=0.5)`` outlast its
+    bound (plus the 1 s status query) by much."""
+    r = zc.get_rank()
+
+    def slow(a, b):
+        time.sleep(6)
+        return a + b
+
+    future = zc.allreduce_async(1, slow)
+    if r != 0:
+        return future.result(timeout=30)
+    time.sleep(0.5)
+    start = time.monotonic()
+    done = future.done()
+    took_done = time.monotonic() - start
+    start = time.monotonic()
+    try:
+        got = future.result(timeout=0.5)
+    except zc.CollectiveTimeoutError as exc:
+        got = str(exc)
+    took_result = time.monotonic() - start
+    return done, took_done, got, took_result, future.result(timeout=30)
+
+
+def test_rank_0_waits_only_as_long_as_it_asked_while_its_background_thread_reduces():
+    outs = run_replicas(reduced_while_rank_0_was_away, 2, initialize=True, timeout=60)
+    done, took_done, got, took_result, final = outs[0]
+    assert done is False and took_done < 0.5, outs[0]
+    assert took_result < 2.5, outs[0]
+    assert got.startswith("seq 0 allreduce timed out after 0.5 s on rank 0: every rank arrived; the "
+                          "reduce function of seq 0 allreduce has been running on the coordinator"), got
+    assert final == 2 and outs[1] == 2
+
+
+def exits_on_sigterm_during_a_reduction(marker):
+    """Rank 0's own SIGTERM handler exits (``sys.exit(143)``); the signal
+    comes while rank 0's thread runs the reduce function."""
+    import sys
+
+    r = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    if r == 0:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    zc.initialize(timeout=30)
+
+    def slow(a, b):
+        time.sleep(1.5)
+        return a + b
+
+    if r == 0:
+        threading.Timer(0.7, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    try:
+        got = zc.allreduce(1, slow, timeout=20)
+    except zc.RemoteError as exc:
+        got = str(exc)
+    touch(f"{marker}.{r}")  # rank 0 never gets here: its handler's SystemExit came out of the call
+    zc.teardown(timeout=20)
+    return got
+
+
+def test_a_signal_handlers_exception_in_a_reduction_ends_rank_0_and_fails_the_call_everywhere(tmp_path):
+    marker = str(tmp_path / "after")
+    with Replicas(exits_on_sigterm_during_a_reduction, 2, marker, initialize=False) as reps:
+        outs = reps.wait(60)
+    assert isinstance(outs[0].error, SystemExit) and outs[0].error.code == 143, \
+        report(outs, "rank 0's handler did not end it")
+    assert not os.path.exists(f"{marker}.0"), "rank 0 went on after its SIGTERM handler exited"
+    assert "the reduction raised on the coordinator (rank 0): SystemExit: 143" in str(outs[1].value), \
+        report(outs, "rank 1 was not told")

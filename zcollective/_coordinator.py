@@ -58,11 +58,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional, cast
 
 from . import _bodies, _serialize
 from ._bodies import PYTHON_VERSION, error_body
-from ._interrupts import call_user
+from ._interrupts import call_user, from_signal, library_code
 from ._mac import HMAC_SHA256, POLY1305
 from ._stats import Lateness
 from ._wire import (
@@ -169,7 +170,7 @@ class Coordinator:
         self.pending: dict[int, Call] = {}
         self.failure: Optional[dict[str, Any]] = None
         self.reducing: Optional[tuple[int, Op, float]] = None  # (seq, op, since): read by other threads
-        self.interrupted: Optional[BaseException] = None  # a reduce function's KeyboardInterrupt, to
+        self.interrupted: Optional[BaseException] = None  # a signal handler's, in a reduce function: to
         # raise once its call's errors are sent
         self._warned: set[tuple[str, str]] = set()
         self._answered: set[bytes] = set()  # refused peers that got their one REJECT
@@ -598,7 +599,7 @@ class Coordinator:
             return self._error_all(seq, call.op, error_body(
                 "SerializationError", f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}"))
         except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
-            if isinstance(exc, KeyboardInterrupt):  # on rank 0's thread: everyone hears of it,
+            if from_signal(exc):  # a signal handler's, on rank 0's thread: everyone hears of it,
                 self.interrupted = exc  # then the driver raises it there
             return self._error_all(seq, call.op, _bodies.remote_error_body(
                 f"seq {seq} {call.op.label}: the reduction raised on the coordinator (rank 0)", exc))
@@ -743,10 +744,12 @@ class Coordinator:
         except SerializationError as exc:
             raise _Unreadable(str(exc)) from exc
         self.reducing = (contributions[0].seq, contributions[0].op, time.monotonic())
+        if not library_code(fn):  # user code: an interrupt may stop it (rank 0's thread)
+            fn = partial(call_user, fn)
         try:
             acc = values[0]
             for value in values[1:]:
-                acc = call_user(fn, acc, value)
+                acc = fn(acc, value)
         finally:
             self.reducing = None
         return acc

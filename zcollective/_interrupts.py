@@ -79,6 +79,24 @@ def call_user(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
+def from_signal(exc: BaseException) -> bool:
+    """Did a signal handler raise ``exc`` (an interrupt, not the code's own error)?"""
+    return hasattr(exc, "zcollective_signal")
+
+
+def library_code(fn: Any) -> bool:
+    """Is ``fn`` the library's own (or built in): no surface needed to call it?"""
+    code = getattr(fn, "__code__", None)
+    return code is None or _is_library(code.co_filename)
+
+
+def _is_library(name: str) -> bool:
+    mine = _library_files.get(name)
+    if mine is None:
+        mine = _library_files[name] = name.startswith(_HERE) and name not in _NOT_LIBRARY
+    return mine
+
+
 def deferred(frame: Optional[FrameType]) -> bool:
     """Would a signal coming at ``frame`` be deferred? The innermost frame
     that is a surface or the library's decides; others' (numpy, pickle,
@@ -87,11 +105,7 @@ def deferred(frame: Optional[FrameType]) -> bool:
         code = frame.f_code
         if code in _SURFACES:
             return False
-        name = code.co_filename
-        mine = _library_files.get(name)
-        if mine is None:
-            mine = _library_files[name] = name.startswith(_HERE) and name not in _NOT_LIBRARY
-        if mine:
+        if _is_library(code.co_filename):
             return True
         frame = frame.f_back
     return False
@@ -108,7 +122,11 @@ class _Wrapped:
     def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
         if not deferred(frame):
             self.delay = RESEND_FIRST_S
-            self.handler(signum, frame)
+            try:
+                self.handler(signum, frame)
+            except BaseException as exc:
+                exc.zcollective_signal = signum  # type: ignore[attr-defined]  # (see from_signal)
+                raise
             return
         if self.resending:
             return

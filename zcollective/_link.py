@@ -329,14 +329,16 @@ class HostLink(Driver):
             self.server.release()
 
     def progress(self) -> None:
-        self.server.hold()
+        if not self.server.hold_briefly():
+            return  # (the background thread runs a reduce function: no news now)
         try:
             super().progress()
         finally:
             self.server.release()
 
     def finish_data(self, timeout: float) -> None:
-        self.server.hold()
+        if not self.server.hold(time.monotonic() + timeout):
+            return
         try:
             super().finish_data(timeout)
         finally:

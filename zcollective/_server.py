@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Optional
 
 import zmq
@@ -51,6 +52,8 @@ log = logging.getLogger("zcollective")
 
 AWAY_S = 0.002  # rank 0's program out of the library this long: the background thread serves
 # (shorter, and a tight loop of calls would hand the sockets over and back at every call)
+HOLD_TRY_S = 0.02  # rank 0's thread sending or looking for news waits this long for the sockets
+# (the background thread gives them back within microseconds unless it runs a reduce function)
 PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
 PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
@@ -84,6 +87,7 @@ class Server:
         self._items: list[Any] = []  # what an owner polls: ROUTER, monitor, ZAP handler
         self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
+        self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
         self._sent = 0  # messages sent on the ROUTER
         self._closed: dict[bytes, Member] = {}  # peer -> its member whose connection closed
         self._closes: deque[tuple[int, list[Member]]] = deque()  # (fd, its members then): to handle
@@ -171,6 +175,10 @@ class Server:
         self._depth = 1
         return True
 
+    def hold_briefly(self) -> bool:
+        """:meth:`hold`, waiting at most :data:`HOLD_TRY_S`."""
+        return self.hold(time.monotonic() + HOLD_TRY_S)
+
     def release(self) -> None:
         """Rank 0's thread lets go of one hold."""
         self._depth -= 1
@@ -180,17 +188,28 @@ class Server:
 
     def from_host(self, msg: Message) -> None:
         """Rank 0's member sends ``msg``: taken by the coordinator now, in this
-        thread (a reduce function may run here)."""
-        self.hold()
+        thread (a reduce function may run here), or, when the background
+        thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
+        function), by whichever owner comes next: sending never blocks."""
+        self._from_host.append(msg)
+        if not self.hold_briefly():
+            return
         try:
-            self._take(lambda: self.coordinator.receive_message(HOST_PEER, msg))
+            self._take_from_host()
         finally:
             self.release()
+
+    def _take_from_host(self) -> None:
+        """The owner: what rank 0's member sent, in order."""
+        queue, receive = self._from_host, self.coordinator.receive_message
+        while queue:
+            self._take(partial(receive, HOST_PEER, queue.popleft()))
 
     def serve(self, deadline: Optional[float], deliver: Callable[[Message], None]) -> bool:
         """Rank 0's thread, holding: serve until something came for its member
         (handed to ``deliver``; True) or ``deadline`` (False)."""
         items, stepped = self._items, False
+        self._take_from_host()
         while True:
             if self.to_host:
                 self.wakeup.clear()
@@ -289,6 +308,7 @@ class Server:
         the sockets back (False) or the thread must end (True)."""
         self._away = True
         try:
+            self._take_from_host()
             while True:
                 ready = zmq_poll(items, -1)
                 if ready and ready[-1][0] is pipe:
