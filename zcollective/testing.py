@@ -111,7 +111,8 @@ rank, it returns process objects with ``poll``, ``wait``, ``send_signal``,
 
 
 PORTS_BELOW_EPHEMERAL = 8192  # how many ports under the ephemeral range free_port hands out
-EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"  # read on Linux only
+DEFAULT_EPHEMERAL_LOW = 32768  # Linux's default start; BSDs, macOS and Windows start higher (49152)
 _next_port: list[int] = []  # this process's next candidate in its slice
 os.register_at_fork(after_in_child=_next_port.clear)  # a forked child starts at a random place
 
@@ -123,11 +124,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     meanwhile (a data port, another test's socket) can take it before it is
     used; ports follow one another, so a test asking for several gets
     different ones; each pytest-xdist worker has a slice of its own."""
-    try:
-        with open(EPHEMERAL_RANGE_FILE) as f:
-            ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral = 0
+    ephemeral = _ephemeral_low()
     low = max(1024, ephemeral - PORTS_BELOW_EPHEMERAL)
     workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % workers
@@ -148,6 +145,19 @@ def free_port(host: str = "127.0.0.1") -> int:
                     raise  # not the port's fault (a host that is not this one's): said at once
                 return port
     return _sockets.kernel_port(host)  # no such range here
+
+
+def _ephemeral_low() -> int:
+    """Where the kernel's ephemeral ports start: Linux says; elsewhere (or
+    if it cannot be read) the lowest usual start, as the ports just under it
+    are under every system's range."""
+    if sys.platform.startswith("linux"):
+        try:
+            with open(EPHEMERAL_RANGE_FILE) as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return DEFAULT_EPHEMERAL_LOW
 
 
 class Replicas:
