@@ -31,10 +31,6 @@ def peer(rank: int) -> bytes:
     return b"R%d" % rank
 
 
-def fd(rank: int) -> int:
-    return 40 + rank
-
-
 def address(rank: int) -> str:
     return f"10.0.0.{10 + rank}:5{rank:04d}"
 
@@ -104,7 +100,7 @@ class Pair:
         while self.in_flight:
             to, rank, frames = self.in_flight.popleft()
             if to == "coordinator":
-                for out_peer, out in self.coordinator.receive(peer(rank), frames, fd(rank), address(rank)):
+                for out_peer, out in self.coordinator.receive(peer(rank), frames, address(rank)):
                     self._queue_down(_rank_of(out_peer), out)
             else:
                 with self.installed(rank):
@@ -195,9 +191,9 @@ class Pair:
         return member.status.pop(seq, None)
 
     def disconnect(self, rank: int, reason: str = "connection closed") -> None:
-        """``rank``'s connection closes: the coordinator sees it go (its
+        """``rank``'s connection closes: the coordinator finds it gone (its
         member's own event is the test's to give)."""
-        for out_peer, out in self.coordinator.disconnected(fd(rank), reason):
+        for out_peer, out in self.coordinator.gone(peer(rank), reason):
             self._queue_down(_rank_of(out_peer), out)
         self.settle()
 

@@ -8,6 +8,7 @@ from zcollective import _serialize
 from zcollective._coordinator import PYTHON_VERSION, Coordinator, Phase
 from zcollective._wire import (
     FLAG_AUTH,
+    FLAG_LAST,
     FLAG_LOCAL_ERROR,
     PROTOCOL_VERSION,
     Kind,
@@ -16,6 +17,7 @@ from zcollective._wire import (
     control,
     decode,
     encode,
+    join_token,
 )
 
 SESSION = 0x5E55
@@ -31,16 +33,16 @@ def join_msg(rank, n, python=PYTHON_VERSION):
                    rank=rank)
 
 
-def feed(coord, who, msg, fd=None):
+def feed(coord, who, msg):
     """Send msg as frames, as the driver would; decode what comes back."""
-    out = coord.receive(who, encode(msg), fd=fd, address="10.0.0.9")
+    out = coord.receive(who, encode(msg), address="10.0.0.9")
     return [(p, decode(encode(m))) for p, m in out]
 
 
 def joined(n):
     coord = Coordinator(n, SESSION, max_frames=1000)
     for r in range(n):
-        out = feed(coord, peer(r), join_msg(r, n), fd=20 + r)
+        out = feed(coord, peer(r), join_msg(r, n))
     assert coord.phase is Phase.RUNNING
     assert sorted(p for p, _ in out) == sorted(peer(r) for r in range(n))
     assert all(m.kind is Kind.WELCOME and m.session == SESSION for _, m in out)
@@ -152,18 +154,18 @@ def test_different_roots_are_a_mismatch():
 def test_lost_rank_fails_group_naming_rank_and_calls_in_flight():
     coord = joined(3)
     feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a))
-    out = coord.disconnected(21)  # rank 1's connection
+    out = coord.gone(peer(1))  # a probe to rank 1 failed
     assert {p for p, _ in out} == {peer(0), peer(2)}
     body = decode(encode(out[0][1])).body()
     assert body["error"] == "ReplicaLostError" and body["lost"] == [1]
     assert "rank 1 (pid 101 on h) was lost" in body["message"]
     assert "seq 0 allreduce (arrived: rank 0)" in body["message"]
-    assert coord.disconnected(21) == []  # already failed
+    assert coord.gone(peer(1)) == []  # already failed
 
 
 def test_unknown_connection_closing_changes_nothing():
     coord = joined(2)
-    assert coord.disconnected(99) == []
+    assert coord.gone(b"stranger") == []
     assert coord.phase is Phase.RUNNING
 
 
@@ -239,36 +241,78 @@ def test_teardown_closes_after_everyone_called_it():
     assert coord.phase is Phase.RUNNING
     out = feed(coord, peer(0), contrib(0, 0, Op.TEARDOWN, segments=[]))
     assert coord.phase is Phase.CLOSED and len(out) == 2
-    assert coord.disconnected(20) == []  # leaving is not being lost
+    assert coord.gone(peer(1)) == []  # leaving is not being lost
 
 
 def test_leaving_before_the_group_starts_reopens_the_slot():
     coord = Coordinator(2, SESSION, 1000)
-    feed(coord, peer(1), join_msg(1, 2), fd=31)
-    assert coord.disconnected(31) == [] and coord.missing_joins() == [0, 1]
-    feed(coord, peer(0), join_msg(0, 2), fd=30)
-    out = feed(coord, b"R1-again", join_msg(1, 2), fd=32)
+    feed(coord, peer(1), join_msg(1, 2))
+    assert coord.gone(peer(1)) == [] and coord.missing_joins() == [0, 1]
+    feed(coord, peer(0), join_msg(0, 2))
+    out = feed(coord, b"R1-again", join_msg(1, 2))
     assert coord.phase is Phase.RUNNING and len(out) == 2
-
-
-def test_a_close_is_of_the_members_on_its_fd_when_it_was_reported():
-    coord = Coordinator(2, SESSION, 1000)
-    feed(coord, peer(1), join_msg(1, 2), fd=31)  # joined on a number a stranger's closed connection had
-    assert coord.disconnected(31, members=[]) == [] and 1 in coord.by_rank
-    first = coord.by_rank[1]
-    feed(coord, peer(1), join_msg(1, 2), fd=31)  # joined again, on the same number
-    assert coord.disconnected(31, members=[first]) == [] and 1 in coord.by_rank
-    assert coord.disconnected(31, members=[coord.by_rank[1]]) == [] and 1 not in coord.by_rank
 
 
 def test_a_join_repeated_after_a_reconnect_refreshes_the_member():
     coord = Coordinator(2, SESSION, 1000)
-    feed(coord, peer(1), join_msg(1, 2), fd=31)
-    feed(coord, peer(1), join_msg(1, 2), fd=41)  # same process, new connection
-    assert coord.phase is Phase.JOINING and coord.by_rank[1].fd == 41
-    assert coord.disconnected(31) == [] and 1 in coord.by_rank  # the old connection's close
-    out = feed(coord, peer(0), join_msg(0, 2), fd=40)
+    feed(coord, peer(1), join_msg(1, 2))
+    feed(coord, peer(1), join_msg(1, 2))  # same process, new connection
+    assert coord.phase is Phase.JOINING and 1 in coord.by_rank
+    out = feed(coord, peer(0), join_msg(0, 2))
     assert coord.phase is Phase.RUNNING and len(out) == 2
+
+
+def test_probes_go_to_every_member_whose_loss_would_matter():
+    """Rule 8: a connection closed; the driver probes each member that may
+    be affected (never rank 0, which hosts the coordinator; never one that
+    said BYE), each bound to its member as every message to it is."""
+    coord = Coordinator(3, SESSION, 1000)
+    feed(coord, peer(1), join_msg(1, 3))
+    joining = coord.probes()
+    assert [(p, m.kind, m.rank) for p, m in joining] == [(peer(1), Kind.PROBE, 1)]
+    assert joining[0][1].session == join_token(coord.by_rank[1].nonce)  # not welcomed yet: its JOIN's
+    feed(coord, peer(0), join_msg(0, 3))
+    feed(coord, peer(2), join_msg(2, 3))
+    feed(coord, peer(2), bye(2, 0))
+    out = [(p, decode(encode(m))) for p, m in coord.probes()]
+    assert [(p, m.kind, m.rank, m.session) for p, m in out] == [(peer(1), Kind.PROBE, 1, SESSION)]
+    coord.fail("ValueError", "over")
+    assert coord.probes() == []  # the group is over: nobody's loss changes anything
+
+
+def test_a_stranger_gone_changes_nothing_and_a_replica_joining_again_stays():
+    coord = Coordinator(2, SESSION, 1000)
+    feed(coord, peer(1), join_msg(1, 2))
+    assert coord.gone(b"stranger") == [] and 1 in coord.by_rank
+    assert coord.gone(peer(1)) == [] and 1 not in coord.by_rank  # its slot opens again
+    feed(coord, b"R1-again", join_msg(1, 2))  # it joins again, on a new connection
+    assert coord.gone(peer(1)) == [] and 1 in coord.by_rank  # the old connection's: nothing
+
+
+def test_the_last_byes_of_rank_0_are_answered_or_gone():
+    """Rule 7: rank 0 ends; the group is over; each member still running gets
+    a last BYE (FLAG_LAST) and answers it in kind, even in a failed group;
+    one that is gone owes nothing. A BYE without the flag is no answer."""
+    coord = joined(4)
+    assert feed(coord, peer(3), bye(3, 0)) == farewell(3, 0)  # ended: owed no last BYE
+    feed(coord, peer(0), bye(0, 0))  # rank 0 ends: the group is over
+    assert coord.phase is Phase.FAILED
+    out = [(p, decode(encode(m))) for p, m in coord.last_byes()]
+    assert [(p, m.kind, m.flags & FLAG_LAST, m.session) for p, m in out] == [
+        (peer(1), Kind.BYE, FLAG_LAST, SESSION), (peer(2), Kind.BYE, FLAG_LAST, SESSION)]
+    assert coord.unanswered == {peer(1), peer(2)}
+    assert [m.kind for _, m in feed(coord, peer(1), bye(1, 0))] == [Kind.FAIL]  # its own BYE: no answer
+    assert [(p, m.kind) for p, m in coord.probes()] == [(peer(1), Kind.PROBE), (peer(2), Kind.PROBE)]
+    answer = bye(1, 0)
+    answer.flags = FLAG_LAST
+    assert feed(coord, peer(1), answer) == [] and coord.unanswered == {peer(2)}
+    assert coord.gone(peer(2)) == [] and not coord.unanswered
+
+
+def test_no_last_byes_before_the_welcome():
+    coord = Coordinator(2, SESSION, 1000)
+    feed(coord, peer(1), join_msg(1, 2))
+    assert coord.last_byes() == [] and not coord.unanswered
 
 
 def test_a_member_repeating_its_join_after_the_start_is_welcomed_again():
@@ -316,7 +360,7 @@ def test_a_rank_that_ended_is_named_when_the_others_reach_a_call_it_never_made()
     for r in range(4):
         feed(coord, peer(r), contrib(r, 0, value=1, fn=(lambda a, b: a + b) if r == 0 else None))
     assert feed(coord, peer(3), bye(3, 1)) == farewell(3, 1)  # ended after seq 0: nothing waits for it
-    assert coord.disconnected(23) == []  # its connection closing is not a loss
+    assert coord.gone(peer(3)) == []  # its connection closing is not a loss
     assert coord.phase is Phase.RUNNING
     first = feed(coord, peer(1), contrib(1, 1, value=1))  # the first to reach seq 1 ends the wait
     assert coord.phase is Phase.FAILED
@@ -395,7 +439,7 @@ def test_a_stranger_cannot_fail_a_running_group_whatever_its_join_says():
     frames[0] = bytearray(frames[0])
     frames[0][5] |= FLAG_AUTH  # "I use a secret": the coordinator has none
     frames.append(b"\0" * 32)
-    out = coord.receive(b"stranger", frames, fd=99, address="10.0.0.66")
+    out = coord.receive(b"stranger", frames, address="10.0.0.66")
     assert [(p, m.kind, m.body()) for p, m in out] == [(b"stranger", Kind.REJECT, late(1, 1, "evil"))]
     for i, bad in enumerate((join_msg(0, 2, python="2.7"), join_msg(1, 3), join_msg(5, 2))):
         who = b"stranger%d" % i
@@ -415,7 +459,7 @@ def test_while_joining_an_unproven_secret_refuses_only_that_peer():
     frames[0] = bytearray(frames[0])
     frames[0][5] |= FLAG_AUTH
     frames.append(b"\0" * 32)
-    out = coord.receive(b"other", frames, fd=7, address="10.0.0.66")
+    out = coord.receive(b"other", frames, address="10.0.0.66")
     assert [m.kind for _, m in out] == [Kind.REJECT] and coord.phase is Phase.JOINING
     status = feed(coord, peer(0), Message(Kind.STATUS, rank=0, seq=0))[0][1].body()
     assert "uses a secret, but the coordinator (rank 0) has none" in status["refused"]["1"]
@@ -439,7 +483,7 @@ def test_with_a_secret_a_join_must_echo_a_fresh_challenge_so_old_joins_claim_not
 
     def send(coord, who, msg):
         return [(p, decode(encode(m, signer), signer=signer)) for p, m in
-                coord.receive(who, encode(msg, signer), fd=5, address="10.0.0.9")]
+                coord.receive(who, encode(msg, signer), address="10.0.0.9")]
 
     def join(rank, challenge=None):
         body = {"rank": rank, "num_replicas": 2, "python": PYTHON_VERSION, "protocol": PROTOCOL_VERSION,

@@ -87,6 +87,66 @@ def test_agreeing_descriptions_get_the_plan_and_a_shape_disagreement_is_a_mismat
     assert coord.phase is Phase.RUNNING
 
 
+def _moved(n):
+    """A group of ``n`` whose seq 0 went peer to peer (every plan delivered)."""
+    coord, _ = _welcomes(n, ["a", "b", "c", "d"][:n])
+    plan = b'{"dtype":"<f4","shape":[1024],"fn":"add"}'
+    for r in range(n):
+        out = feed(coord, peer(r), _plan(r, 0, plan))
+    assert all(m.flags & FLAG_DATA for _, m in out)
+    return coord
+
+
+def _bye(rank, calls, flags=0):
+    return Message(Kind.BYE, rank=rank, seq=calls, session=SESSION, flags=flags)
+
+
+def test_the_answer_to_a_bye_waits_until_the_next_rank_has_taken_the_chunks():
+    """Rule 7: rank 1 ends after a call that went peer to peer: its BYE's
+    answer is held, rank 2 asked (TAKEN, seq 0); rank 2's TAKEN releases it.
+    Sent again meanwhile (a reconnect), the BYE is not answered early."""
+    coord = _moved(3)
+    out = feed(coord, peer(1), _bye(1, 1))
+    assert [(p, m.kind, m.seq) for p, m in out] == [(peer(2), Kind.TAKEN, 0)]
+    assert coord.waiting()
+    assert feed(coord, peer(1), _bye(1, 1)) == []
+    out = feed(coord, peer(2), Message(Kind.TAKEN, rank=2, seq=0, session=SESSION))
+    assert [(p, m.kind, m.seq) for p, m in out] == [(peer(1), Kind.BYE, 1)]
+    assert not coord.waiting() and coord.phase is Phase.RUNNING
+
+
+def test_a_held_answer_is_released_when_the_next_rank_ends_or_is_gone():
+    coord = _moved(4)
+    feed(coord, peer(1), _bye(1, 1))
+    feed(coord, peer(2), _bye(2, 1))  # ended (its data moved first): rank 1 is answered; 3 is asked
+    assert [p for p, _ in coord.held[3]] == [0] and not coord.held[2]
+    out = coord.gone(peer(3))  # lost: what waited on its data is answered; the group fails
+    assert (peer(2), Kind.BYE) in [(p, m.kind) for p, m in out]
+    assert coord.phase is Phase.FAILED and not coord.waiting()
+
+
+def test_rank_0_ending_waits_for_the_taken_of_rank_1_after_the_group_is_over():
+    """Rank 0's BYE ends the group (FAIL to the others, who keep moving the
+    data); rank 1's TAKEN is still taken in: rank 0 may close after it."""
+    coord = _moved(2)
+    out = feed(coord, peer(0), _bye(0, 1))
+    assert {(p, m.kind) for p, m in out} == {(peer(1), Kind.TAKEN), (peer(1), Kind.FAIL)}
+    assert coord.phase is Phase.FAILED and coord.waiting()
+    assert [p for p, _ in coord.probes()] == [peer(1)]  # its loss would end the wait
+    out = feed(coord, peer(1), Message(Kind.TAKEN, rank=1, seq=0, session=SESSION))
+    assert [(p, m.kind) for p, m in out] == [(peer(0), Kind.BYE)] and not coord.waiting()
+
+
+def test_a_bye_with_data_left_unsent_fails_the_group_with_the_data():
+    coord = _moved(3)
+    out = feed(coord, peer(1), _bye(1, 1, FLAG_DATA))
+    fails = [json.loads(m.segments[0][0]) for p, m in out if m.kind is Kind.FAIL]
+    assert [p for p, m in out if m.kind is Kind.FAIL] == [peer(0), peer(2)]
+    assert fails[0]["lost"] == [1] and "ended" not in fails[0]  # not kept: no ring completes
+    assert "before it had moved its data" in fails[0]["message"]
+    assert out[-1][0] == peer(1) and out[-1][1].kind is Kind.BYE
+
+
 def test_an_altered_data_link_is_named_as_such_and_blames_the_sender_link():
     coord, _ = _welcomes(3, ["a", "b", "c"])
     body = {"error": "AuthenticationError", "plane": "data", "lost": 1,
@@ -483,11 +543,11 @@ class _Job:  # what DataPlane._events reads of a job
 
 
 def test_an_interrupt_at_any_line_of_the_data_monitors_loses_no_event():
-    """The monitors' events (the next rank's connection made, the previous
-    rank's closed), handled with SIGINT sent at the k-th line (a trace hook),
-    for every k, then again without: the connection is recorded, and the
-    close fails the call. Events used to be taken out all at once before any
-    was handled: an interrupt lost the rest."""
+    """The monitors' events (the next rank's connection made then closed, a
+    handshake on the data port), handled with SIGINT sent at the k-th line (a
+    trace hook), for every k, then again without: the close fails the call.
+    Events used to be taken out all at once before any was handled: an
+    interrupt lost the rest."""
     import struct
 
     import zmq
@@ -511,18 +571,20 @@ def test_an_interrupt_at_any_line_of_the_data_monitors_loses_no_event():
         package = os.path.dirname(zc.__file__)
         interrupted = 0
         for k in range(1, 500):
-            plane._prev_fd, plane._push_fd, plane._connected = 9, None, False
+            plane._broken = None
             monitors[0][0].send_multipart([struct.pack("=HI", zmq.EVENT_CONNECTED, 7), b"tcp://x"])
-            monitors[1][0].send_multipart([struct.pack("=HI", zmq.EVENT_DISCONNECTED, 9), b"tcp://y"])
+            monitors[0][0].send_multipart([struct.pack("=HI", zmq.EVENT_DISCONNECTED, 7), b"tcp://x"])
+            monitors[1][0].send_multipart([struct.pack("=HI", zmq.EVENT_HANDSHAKE_SUCCEEDED, 0), b"tcp://y"])
             for _, its in monitors:
                 assert its.poll(5000)
             failures = []
             hit = interrupted_at_line(k, package, plane._events, 0, _Job(), failures.append)
             interrupted += hit
             plane._events(0, _Job(), failures.append)  # again, without interruption
-            assert plane._push_fd == 7, (k, "the next rank's connection was lost")
             assert failures and isinstance(failures[0], ReplicaLostError), (k, failures)
-            assert "lost its data link from rank 0" in str(failures[0])
+            assert "lost its data link to rank 0" in str(failures[0])
+            while monitors[1][1].poll(0):  # (the close failed the call first: taken next time)
+                monitors[1][1].recv_multipart()
             if not hit:
                 break
         assert interrupted > 10, interrupted

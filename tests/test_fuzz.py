@@ -386,10 +386,10 @@ CHALLENGE = getattr(Kind, "CHALLENGE", None)  # with a secret, a JOIN must echo 
 
 def join(coord, rank, signer=None):
     """Rank ``rank`` joins as a replica does (answering a CHALLENGE if it gets one)."""
-    out = send(coord, peer(rank), join_msg(rank), signer, fd=20 + rank)
+    out = send(coord, peer(rank), join_msg(rank), signer)
     asked = [m for p, m in out if p == peer(rank) and m.kind is CHALLENGE]
     if asked:
-        out = send(coord, peer(rank), join_msg(rank, asked[0].body()["challenge"]), signer, fd=20 + rank)
+        out = send(coord, peer(rank), join_msg(rank, asked[0].body()["challenge"]), signer)
     return out
 
 
@@ -417,12 +417,12 @@ def readable(out, signer):
     return got
 
 
-def deliver(coord, who, frames, signer=None, fd=None):
-    return readable(coord.receive(who, frames, fd, "10.0.0.9"), signer)
+def deliver(coord, who, frames, signer=None):
+    return readable(coord.receive(who, frames, "10.0.0.9"), signer)
 
 
-def send(coord, who, msg, signer=None, fd=None):
-    return deliver(coord, who, encode(msg, signer), signer, fd)
+def send(coord, who, msg, signer=None):
+    return deliver(coord, who, encode(msg, signer), signer)
 
 
 PHASES = {"joining": Phase.JOINING, "idle": Phase.RUNNING, "running": Phase.RUNNING,
@@ -999,7 +999,7 @@ def flood(port, count, seed, running, signer=None, signings=("none", "wrong", "z
                     more = False
                     break
                 s.send_multipart(frames)
-                if oracle.receive(ident, frames, None, "oracle"):
+                if oracle.receive(ident, frames, "oracle"):
                     last = None
                     break
             if last is not None:
@@ -1281,9 +1281,8 @@ ctx.destroy(linger=0)
 
 class SteppedServer:
     """Rank 0's coordinator server for a group of 3, bound, its background
-    thread never started: the test steps it. Peers are sockets of another process
-    (``PEERS_BY_COMMAND``), so the fd numbers the server's connections get are
-    this process's lowest free ones, as in a real rank 0."""
+    thread never started: the test steps it. Peers are sockets of another
+    process (``PEERS_BY_COMMAND``), as a real rank 0's are."""
 
     def __init__(self):
         import subprocess
@@ -1296,6 +1295,7 @@ class SteppedServer:
         self.server = Server(self.ctx, resolve("127.0.0.1", free_port(), 0, 3, env={}))
         self.router, self.monitor = self.server._bind()
         self.server._router, self.server._monitor = self.router, self.monitor
+        self.server._items = [(self.router, zmq.POLLIN), (self.monitor, zmq.POLLIN)]
         self.peers = subprocess.Popen([sys.executable, "-c", PEERS_BY_COMMAND,
                                        str(self.server.config.master_port)], stdin=subprocess.PIPE,
                                       text=True)
@@ -1317,64 +1317,85 @@ class SteppedServer:
     def wait_readable(sock):
         assert sock.poll(10_000), "nothing arrived within 10 s"
 
-    def step(self):
-        self.server._drain_monitor()
-        self.server._drain()
-        assert not getattr(self.server, "_closes", None), "a close was read and not handled"
+    def settle(self):
+        """Step the server until its probes have found out whose connection
+        closed (the schedule ends), with a bound."""
+        from zcollective._server import PROBE_SPAN_S
+
+        server = self.server
+        server._step([])
+        deadline = time.monotonic() + PROBE_SPAN_S + 5
+        while server._probe_at is not None:
+            assert time.monotonic() < deadline, "the probes did not end"
+            server._step(zmq.zmq_poll(server._items, server._wait_ms(0.1)))
 
 
-def test_a_stranger_whose_connection_closed_cannot_take_a_replica_off_the_same_fd_number():
-    """A stranger connects and leaves; a replica's connection gets the same
-    fd number and its JOIN is waiting when rank 0's thread handles the close.
-    Taking in what came before the close (the close's last words) took in the
-    JOIN too, and the close was then taken for the replica's: it was dropped
-    from the group ("left before the group started") while its connection
-    lived on, and the group never started (seen once in a suite run of
-    test_hostile_peers_change_nothing_and_run_nothing)."""
-    from zcollective._sockets import origin
-
+def test_a_stranger_whose_connection_closed_cannot_take_a_replica_off():
+    """A stranger connects and leaves; a replica's JOIN is waiting when rank
+    0's thread handles the close (on fd numbers, the replica's connection
+    could get the stranger's and be taken off with it, as once in a suite run
+    of test_hostile_peers_change_nothing_and_run_nothing): the probes find
+    the replica's connection open."""
     with SteppedServer() as s:
         s.say("connect stranger", "hello stranger")
         s.wait_readable(s.router)
-        _, hello = s.router.recv_multipart(copy=False)
-        stranger_fd, _ = origin(hello)
+        s.router.recv_multipart()
         s.say("close stranger")
         s.wait_readable(s.monitor)  # the stranger's close is reported (not yet handled)
         s.say("connect replica R-rank-1", "join replica 1")
         s.wait_readable(s.router)  # the replica's JOIN is waiting
-        s.step()
-        joined = s.server.coordinator.by_rank.get(1)
-        assert joined is not None, "the replica's JOIN was taken for the stranger's closed connection"
-        assert joined.fd == stranger_fd, "no fd number was reused: the test tested nothing"
+        s.settle()
+        assert 1 in s.server.coordinator.by_rank, "a stranger's close took the replica off"
         assert s.server.coordinator.missing_joins() == [0, 2]
 
 
-def test_a_replica_joining_again_on_the_same_fd_number_stays_in_the_group():
+def test_a_replica_joining_again_stays_in_the_group():
     """A replica's connection closes while the group joins; it connects again
-    (same routing id), gets the same fd number, and its second JOIN is
-    waiting when the close is handled: the close is the first JOIN's."""
+    (same routing id) and its second JOIN is waiting when the close is
+    handled: it stays."""
     with SteppedServer() as s:
         s.say("connect first R-rank-1", "join first 1")
         s.wait_readable(s.router)
-        s.step()
-        first = s.server.coordinator.by_rank[1]
+        s.settle()
+        assert 1 in s.server.coordinator.by_rank
         s.say("close first")
         s.wait_readable(s.monitor)
         s.say("connect again R-rank-1", "join again 1")
         s.wait_readable(s.router)
-        s.step()
-        again = s.server.coordinator.by_rank.get(1)
-        assert again is not None and again is not first, "the close of its first connection dropped it"
-        assert again.fd == first.fd, "no fd number was reused: the test tested nothing"
+        s.settle()
+        assert 1 in s.server.coordinator.by_rank, "the close of its first connection dropped it"
 
 
 def test_a_replica_that_joined_then_closed_before_rank_0_looked_frees_its_slot():
     """A JOIN and the close of the connection it came on are both waiting
-    (the program died right after joining): the close is that JOIN's, so
-    rank 1's slot opens again rather than being held by a dead connection."""
+    (the program died right after joining): rank 1's slot opens again rather
+    than being held by a dead connection."""
     with SteppedServer() as s:
         s.say("connect replica R-rank-1", "join replica 1", "close replica")
         s.wait_readable(s.monitor)  # closed, its JOIN queued before the close
-        s.step()
+        s.settle()
         assert 1 not in s.server.coordinator.by_rank, "a dead connection holds rank 1's slot"
         assert s.server.coordinator.missing_joins() == [0, 1, 2]
+
+
+def test_a_flood_of_strangers_costs_a_bounded_number_of_probe_rounds():
+    """Each stranger's close would start a schedule of probes: closes during
+    one are coalesced, at most a round per PROBE_FLOOD_GAP_S."""
+    from zcollective import _server
+
+    with SteppedServer() as s:
+        s.say("connect replica R-rank-1", "join replica 1")
+        s.wait_readable(s.router)
+        s.settle()
+        rounds = []
+        probe = s.server._probe
+        s.server._probe = lambda: (rounds.append(time.monotonic()), probe())
+        start = time.monotonic()
+        for i in range(40):
+            s.say(f"connect stranger{i}", f"close stranger{i}")
+        s.wait_readable(s.monitor)
+        s.settle()
+        took = time.monotonic() - start
+        assert 1 in s.server.coordinator.by_rank
+        most = 12 + took / _server.PROBE_FLOOD_GAP_S  # one schedule, plus a round per flood gap
+        assert 1 <= len(rounds) <= most, (len(rounds), took)

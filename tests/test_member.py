@@ -13,8 +13,10 @@ from pair import ENDPOINT, SESSION, Pair, outcome
 import zcollective as zc
 from zcollective import _serialize
 from zcollective._coordinator import PYTHON_VERSION, Phase
-from zcollective._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Link, Member
+from zcollective._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Call, Link, Member
 from zcollective._wire import (
+    FLAG_DATA,
+    FLAG_LAST,
     FLAG_LOCAL_ERROR,
     PROTOCOL_VERSION,
     Kind,
@@ -94,7 +96,7 @@ def test_a_late_join_is_refused_while_the_group_runs_on():
     pair = Pair(2).joined()
     pair.call_all(Op.ALLREDUCE, [1, 2], fn=add)
     late = Member(1, 2, ENDPOINT)  # a restarted replica, or another job on the same port
-    out = pair.coordinator.receive(b"late", encode(late.join()), 99, "10.0.0.99:1")
+    out = pair.coordinator.receive(b"late", encode(late.join()), "10.0.0.99:1")
     [(_, reject)] = out
     late.receive(encode(reject))
     assert isinstance(late.failure, zc.LateJoinError)
@@ -582,3 +584,62 @@ def test_a_data_key_is_taken_only_as_the_welcome_writes_it():
     assert _is_key("ab" * 32)
     for bad in (" " * 64, "AB" * 31 + " " * 2, "ab" * 31, "zz" * 32, None, 7, b"ab" * 32):
         assert not _is_key(bad), bad
+
+
+def test_a_probe_asks_for_nothing():
+    """Rule 7: a PROBE bound to this member is ignored, whatever the phase."""
+    pair = Pair(2, secret=b"s").joined()
+    member = pair.members[1]
+    probe = Message(Kind.PROBE, rank=1, session=member.session)
+    assert member.receive(encode(probe, member.signer)) == [] and member.failure is None
+    member.fail(zc.ReplicaLostError("over"))
+    assert member.receive(encode(probe, member.signer)) == []
+
+
+def test_a_probe_bound_elsewhere_is_refused_as_any_message_is():
+    """Rule 2: a PROBE replayed from an earlier group (another session) that
+    proves the secret fails the group here; without a secret it is dropped."""
+    for secret in (b"s", None):
+        pair = Pair(2, secret=secret).joined()
+        member = pair.members[1]
+        replayed = Message(Kind.PROBE, rank=1, session=member.session ^ 1)
+        member.receive(encode(replayed, member.signer))
+        assert isinstance(member.failure, zc.AuthenticationError) == (secret is not None)
+
+
+def test_the_last_bye_is_answered_in_kind_even_in_a_failed_group():
+    """Rule 7: rank 0 ends; its last BYE (FLAG_LAST) is answered, so rank 0
+    knows all before it was read; the answer to this member's own BYE is not."""
+    pair = Pair(2).joined()
+    member = pair.members[1]
+    member.fail(zc.ReplicaLostError("rank 0 ended its program"))
+    last = Message(Kind.BYE, rank=1, session=member.session, flags=FLAG_LAST)
+    [answer] = member.receive(encode(last))
+    assert (answer.kind, answer.flags & FLAG_LAST, answer.rank, answer.session) == (
+        Kind.BYE, FLAG_LAST, 1, member.session)
+    assert member.farewell
+    assert member.receive(encode(Message(Kind.BYE, rank=1, session=member.session))) == []
+
+
+def test_a_taken_is_answered_once_no_data_through_its_seq_is_left():
+    """Rule 7: the rank before this one ends; the coordinator asks (TAKEN,
+    seq 0) for word once this member has taken its chunks. Owed once the
+    job is done (the driver flushes it), at once if none is left."""
+    pair = Pair(2).joined()
+    member = pair.members[1]
+    member.data_jobs.append((0, "a job of seq 0"))
+    ask = Message(Kind.TAKEN, rank=1, seq=0, session=member.session)
+    assert member.receive(encode(ask)) == []
+    member.data_done()
+    [taken] = member.owed
+    assert (taken.kind, taken.seq, taken.rank, taken.session) == (Kind.TAKEN, 0, 1, member.session)
+    [again] = member.receive(encode(ask))
+    assert again.kind is Kind.TAKEN
+
+
+def test_a_bye_says_when_data_to_move_is_left():
+    pair = Pair(2).joined()
+    member = pair.members[1]
+    assert not member.bye().flags & FLAG_DATA
+    member.calls[0] = Call("allreduce", data_job=lambda plan: None)
+    assert member.bye().flags & FLAG_DATA

@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 Rank 0 hosts the coordinator. It knows nothing of sockets: a driver
 (:mod:`zcollective._server`) feeds it every received message with the peer's
-routing id and connection fd, tells it of disconnects, and sends what it
-returns. That keeps every rule below testable without a network.
+routing id, tells it which peers are gone, and sends what it returns. That
+keeps every rule below testable without a network.
 
 Rules:
 
@@ -42,8 +42,21 @@ Rules:
    could lose them: a close with unread data resets a TCP connection).
    Rank 0 hosts this object, so its BYE also means the coordinator goes:
    once every call rank 0 made is complete (and its results sent), the
-   members still running are told the group is over. When every member
-   has ended, the group is closed.
+   members still running are told the group is over; then each gets a last
+   BYE flagged ``FLAG_LAST``, which it answers in kind: rank 0 may close
+   once each has answered (it has read all before) or is gone. When every
+   member has ended, the group is closed. When the group moves data peer to
+   peer, a member's chunks must also have reached the next rank before it
+   closes: the answer to its BYE is held, and the next rank asked (TAKEN
+   with the last data call's seq) to say when it has taken the data of
+   every call through it; its TAKEN, its own BYE or its loss releases the
+   answer. A BYE flagged ``FLAG_DATA`` says the member's part of such a call
+   never left: the group fails (the ring cannot complete), data and all.
+8. *Gone.* The driver learns that a peer's connection is gone only by a
+   send to it failing: when a connection closes it sends a PROBE to each
+   peer whose loss would matter (:meth:`Coordinator.probes`). A member
+   gone while the group runs is lost; before it starts, its slot opens
+   again; a member that said BYE is never lost.
 """
 
 from __future__ import annotations
@@ -56,7 +69,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional, cast
@@ -69,6 +82,7 @@ from ._stats import Lateness
 from ._wire import (
     FLAG_AUTH,
     FLAG_DATA,
+    FLAG_LAST,
     FLAG_LOCAL_ERROR,
     LOCAL_PART_BYTES,
     NO_RANK,
@@ -111,7 +125,6 @@ class Member:
     peer: bytes
     pid: int = 0
     host: str = "?"
-    fd: Optional[int] = None
     nonce: str = ""  # echoed in WELCOME: binds it to this JOIN, so an old WELCOME cannot be replayed
     address: str = "?"
     ended: Optional[int] = None  # its program ended after this many calls (BYE)
@@ -182,30 +195,32 @@ class Coordinator:
         self.mac = HMAC_SHA256  # the chunk MACs every rank can use
         self._data_ports: Optional[list[str]] = None  # by rank, when the group uses the data plane
         self._data_key = os.urandom(_bodies.DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
+        self.unanswered: set[bytes] = set()  # peers sent the last BYE that have not answered it
+        self.held: dict[int, list[tuple[int, Out]]] = {}  # rank -> (seq, BYE answer) held until that
+        # rank says it has taken the data of every call through seq (rule 7)
 
     # -- entry points -------------------------------------------------
 
-    def receive(self, peer: bytes, frames: list[Any], fd: Optional[int] = None,
-                address: str = "?") -> list[Out]:
+    def receive(self, peer: bytes, frames: list[Any], address: str = "?") -> list[Out]:
         """Handle one message from ``peer``; return what to send to whom.
         Input that does not parse is dropped and logged: it never raises."""
         try:
-            return self._receive(peer, frames, fd, address)
+            return self._receive(peer, frames, address)
         except WireError as exc:
             self._warn(address, "malformed", f"dropped a malformed message from {address}: {exc}")
             return []
 
-    def receive_message(self, peer: bytes, msg: Message, fd: Optional[int] = None,
+    def receive_message(self, peer: bytes, msg: Message,
                         address: str = "rank 0's own process") -> list[Out]:
         """Handle one decoded message: from the member in this process, which
         needs no decoding (nor authentication); as :meth:`receive`."""
         try:
-            return self._handle(peer, msg, fd, address)
+            return self._handle(peer, msg, address)
         except WireError as exc:
             self._warn(address, "malformed", f"dropped a malformed message from {address}: {exc}")
             return []
 
-    def _receive(self, peer: bytes, frames: list[Any], fd: Optional[int], address: str) -> list[Out]:
+    def _receive(self, peer: bytes, frames: list[Any], address: str) -> list[Out]:
         try:
             msg = decode(frames, self.max_frames, self.signer, self.max_frame_bytes)
         except AuthError as exc:
@@ -217,12 +232,12 @@ class Coordinator:
             self._warn(address, "malformed", f"dropped a malformed message from "
                        f"{member.describe() if member else 'unknown peer'} at {address}: {exc}")
             return []
-        return self._handle(peer, msg, fd, address)
+        return self._handle(peer, msg, address)
 
-    def _handle(self, peer: bytes, msg: Message, fd: Optional[int], address: str) -> list[Out]:
+    def _handle(self, peer: bytes, msg: Message, address: str) -> list[Out]:
         member = self.members.get(peer)
         if msg.kind is Kind.JOIN and (member is None or msg.rank == member.rank):
-            return self._on_join(peer, msg, member, fd, address)
+            return self._on_join(peer, msg, member, address)
         if member is None:
             self._warn(address, "stranger", f"dropped a {msg.kind.name} message from "
                        f"a peer at {address} that has not joined the group")
@@ -235,6 +250,11 @@ class Coordinator:
                                  f"or replayed? {self._in_flight()}", bad=[member.rank])
             self._warn(address, "forged", f"dropped {what}")
             return []
+        if msg.kind is Kind.BYE and msg.flags & FLAG_LAST:  # the answer to our last BYE
+            self.unanswered.discard(peer)
+            return []
+        if msg.kind is Kind.TAKEN:  # (after rank 0 ended too: the group failed, data still moves)
+            return self._release(member.rank, msg.seq)
         if self.phase is Phase.FAILED:
             return [self._fail_message(member)]
         handler = self._HANDLERS.get(msg.kind)
@@ -270,29 +290,52 @@ class Coordinator:
 
     _HANDLERS: dict[Kind, Callable[[Coordinator, Member, Message, str], list[Out]]] = {
         Kind.CONTRIB: lambda self, member, msg, address: self._on_contribution(member, msg, address),
-        Kind.BYE: lambda self, member, msg, address: self._on_bye(member, msg.seq),
+        Kind.BYE: lambda self, member, msg, address: self._on_bye(member, msg.seq, msg.flags),
         Kind.ABORT: _on_abort,
         Kind.STATUS: _on_status,
     }
 
-    def disconnected(self, fd: int, reason: str = "connection closed",
-                     members: Optional[Collection[Member]] = None) -> list[Out]:
-        """A connection closed; if it was a member's, the group has lost it.
-        Before the group starts, the rank's slot just opens again. ``members``:
-        those on ``fd`` when the close was reported (one that joined since,
-        on a reused fd number or again on the same one, is another object)."""
-        for member in self.members.values():
-            if member.fd == fd and member.fd is not None and (
-                    members is None or any(member is m for m in members)):
-                if member.ended is not None:
-                    return []  # it said BYE: a program that ended is not a lost one
-                if self.phase is Phase.JOINING:
-                    del self.members[member.peer], self.by_rank[member.rank]
-                    log.warning("zcollective coordinator: %s left before the group started; "
-                                "waiting for rank %d again", member.describe(), member.rank)
-                    return []
-                return self.lost(member.rank, reason)
-        return []
+    def probes(self) -> list[Out]:
+        """A connection closed, whose is not known: a PROBE for each peer
+        whose loss would matter (rule 8). Never rank 0, which hosts this."""
+        if self.phase in (Phase.JOINING, Phase.RUNNING):
+            peers = [m for m in self.members.values() if m.ended is None and m.rank != 0]
+        else:  # over: only those that owe an answer
+            peers = [m for m in self.members.values() if m.peer in self.unanswered or self.held.get(m.rank)]
+        return [(m.peer, Message(Kind.PROBE, rank=m.rank, session=self._binding(m))) for m in peers]
+
+    def gone(self, peer: bytes, reason: str = "connection closed") -> list[Out]:
+        """A send to ``peer`` failed: its connection is gone (rule 8). A
+        member is lost while the group runs; before it starts, the rank's
+        slot opens again."""
+        self.unanswered.discard(peer)
+        member = self.members.get(peer)
+        if member is None:
+            return []  # a stranger
+        released = self._release(member.rank)  # it takes no more data
+        if member.ended is not None:
+            return released  # it said BYE: a program that ended is not a lost one
+        if self.phase is Phase.JOINING:
+            del self.members[member.peer], self.by_rank[member.rank]
+            log.warning("zcollective coordinator: %s left before the group started; "
+                        "waiting for rank %d again", member.describe(), member.rank)
+            return []
+        return self.lost(member.rank, reason) + released
+
+    def waiting(self) -> bool:
+        """Rank 0 may not close yet: an answer to a last BYE, or a data
+        rank's TAKEN, is still to come (rule 7)."""
+        return bool(self.unanswered) or any(self.held.values())
+
+    def last_byes(self) -> list[Out]:
+        """Rank 0's program ends and the group is over: a last BYE to every
+        member still running, each to be answered (rule 7)."""
+        if not self._welcomed:
+            return []  # nobody was sent a result
+        running = [m for m in self.members.values() if m.ended is None and m.rank != 0]
+        self.unanswered.update(m.peer for m in running)
+        return [(m.peer, Message(Kind.BYE, rank=m.rank, session=self.session, flags=FLAG_LAST))
+                for m in running]
 
     def lost(self, rank: int, reason: str) -> list[Out]:
         """Rank ``rank`` is gone: fail the group and tell every other member."""
@@ -358,8 +401,7 @@ class Coordinator:
                    f"from {address}")
         return []
 
-    def _on_join(self, peer: bytes, msg: Message, member: Optional[Member], fd: Optional[int],
-                 address: str) -> list[Out]:
+    def _on_join(self, peer: bytes, msg: Message, member: Optional[Member], address: str) -> list[Out]:
         """A JOIN from a stranger, or again from a member (it reconnected)."""
         if member is not None:
             if self.phase is Phase.RUNNING:  # a reconnect lost our WELCOME: say it again
@@ -395,7 +437,7 @@ class Coordinator:
         problem = self._join_problem(join, python, n)
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
-        join.peer, join.fd, join.address = peer, fd, address
+        join.peer, join.address = peer, address
         self.members[peer] = join
         self.by_rank[join.rank] = join
         if len(self.by_rank) < self.num_replicas:
@@ -522,19 +564,44 @@ class Coordinator:
 
     # -- ending without teardown ------------------------------------------
 
-    def _on_bye(self, member: Member, calls: int) -> list[Out]:
+    def _on_bye(self, member: Member, calls: int, flags: int = 0) -> list[Out]:
         # answered, after every reply before it: all it sent has been taken, so it may close
-        answer = Message(Kind.BYE, rank=member.rank, seq=calls, session=self._binding(member))
-        farewell = [(member.peer, answer)]
+        answer = (member.peer, Message(Kind.BYE, rank=member.rank, seq=calls, session=self._binding(member)))
+        if any(out[0] == member.peer for held in self.held.values() for _, out in held):
+            return []  # sent again (a reconnect): its answer is still held for its data
         if self.phase is not Phase.RUNNING or member.ended is not None:
-            return farewell
+            return [answer]
         member.ended = max(calls, self.next_seq[member.rank])
         self._ended.append(member)
         log.info("zcollective coordinator: %s", member.describe_end())
+        if flags & FLAG_DATA:  # its part of a call moving peer to peer never left: no ring completes
+            told = self.fail("ReplicaLostError", f"{member.describe_end()} before it had moved its "
+                             f"data of the calls going peer to peer; {self._in_flight()}",
+                             lost=[member.rank], exclude={member.rank})
+            return [*told, *self._release(member.rank), answer]
+        farewell = self._hold(member, answer) + self._release(member.rank)  # it moves no more data
         if len(self._ended) == len(self.members):
             self.phase = Phase.CLOSED  # everyone is done: nothing can be waiting
             return farewell
         return self._check_endings() + farewell
+
+    def _hold(self, member: Member, answer: Out) -> list[Out]:
+        """The answer to ``member``'s BYE, or, when data went peer to peer and
+        the next rank still runs, the TAKEN asking it (the answer is held)."""
+        nxt = self.by_rank.get((member.rank + 1) % self.num_replicas)
+        if self._moving is None or nxt is None or nxt is member or nxt.ended is not None:
+            return [answer]
+        seq = self._moving[0]  # every data call had every rank: this is the member's last
+        self.held.setdefault(nxt.rank, []).append((seq, answer))
+        return [(nxt.peer, Message(Kind.TAKEN, rank=nxt.rank, seq=seq, session=self.session))]
+
+    def _release(self, rank: int, seq: Optional[int] = None) -> list[Out]:
+        """The BYE answers held for ``rank``'s data through ``seq`` (None: all)."""
+        held = self.held.get(rank)
+        if not held:
+            return []
+        self.held[rank] = [(s, out) for s, out in held if seq is not None and s > seq]
+        return [out for s, out in held if seq is None or s <= seq]
 
     def _check_endings(self) -> list[Out]:
         """Fail the group if a pending call needs a rank that ended (rule 7),

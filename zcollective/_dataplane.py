@@ -19,10 +19,12 @@ Liveness: ZMTP heartbeats on both sockets, as on the control plane, and
 chunks of at most :data:`~zcollective._ring.CHUNK_BYTES` (a frame completes
 well within the heartbeat timeout even on a slow link, so a link that is
 slowly but steadily carrying a large array is never declared lost). The
-PUSH's monitor reports the next rank's connection closed or silent; the
-PULL's, the previous rank's (known by the file descriptor its first valid
-chunk came on). Either ends the call on every rank with
-:class:`~zcollective.errors.ReplicaLostError` naming the rank.
+PUSH's monitor reports the next rank's connection closed or silent, which ends
+the call on every rank with :class:`~zcollective.errors.ReplicaLostError`
+naming the rank. The PULL's monitor names no peer (a stranger's connection
+closes the same way): the previous rank's loss is told by the coordinator
+(it probes on every close), or by that rank (its PUSH saw the link go), and
+a rank whose program ends with data unsent says so in its BYE.
 """
 
 from __future__ import annotations
@@ -54,8 +56,7 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FA
                     zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 PUSH_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                | sum(HANDSHAKE_FAILED))  # (one bit each)
-PULL_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED  # the fewest: a stranger's
-# connections add events here that wait, unread, while this replica is in user code
+PULL_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED  # the fewest: none for a stranger's connection
 CLOSED = "connection closed or heartbeats unanswered"  # why a data link is lost
 BROKEN = "its connection broke after an earlier call (a data link is made once)"
 REFUSED = "its connection broke and was refused when re-made (a data link is made once)"
@@ -98,9 +99,7 @@ class DataPlane:
         self._push: Optional[zmq.Socket] = None
         self._push_monitor: Optional[zmq.Socket] = None
         self._early: dict[int, list[list[Any]]] = {}  # seq -> chunks that came before its job
-        self._prev_fd: Optional[int] = None  # the previous rank's connection, once it sent
         self._broken: Optional[str] = None  # why the link to the next rank is lost (made once)
-        self._push_fd: Optional[int] = None  # the connection to the next rank (its monitor says)
         self._trackers: deque[Any] = deque()
         self._warned: set[str] = set()
         self._gate: Optional[_zap.GateThread] = None  # ours (not rank 0's coordinator's)
@@ -188,11 +187,9 @@ class DataPlane:
         items: list[Any] = [(self._push_monitor, _POLLIN), (self._pull_monitor, _POLLIN)]
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         while not (out_ok and in_ok):
-            for event, value in _sockets.monitor_events(self._push_monitor):
+            for event, _ in _sockets.monitor_events(self._push_monitor):
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     out_ok, retry_at = True, None
-                elif event == zmq.EVENT_CONNECTED:
-                    self._push_fd = value  # the TCP connection to the next rank
                 elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     refused += event in HANDSHAKE_FAILED
                     out_ok, retry_at = False, time.monotonic() + RETRY_S
@@ -232,23 +229,6 @@ class DataPlane:
 
     def fds(self) -> list[int]:
         return [s.FD for s in (self._pull, self._pull_monitor, self._push_monitor) if s is not None]
-
-    def delivered(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` s) until the next rank's host has
-        acknowledged every byte sent to it: a program ending must not close
-        its connection over unacknowledged chunks (a close with a heartbeat
-        unread resets the connection, and the peer loses what it had not
-        read). Reads the kernel's send queue of the connection's socket."""
-        fd, deadline = self._push_fd, time.monotonic() + timeout
-        if fd is None or self._broken is not None:  # a lost link delivers nothing more
-            return
-        while time.monotonic() < deadline:
-            if not self._sent():  # libzmq still holds some: they reach the kernel first
-                time.sleep(TRACKER_POLL_S)
-                continue
-            if not _sockets.unacknowledged(fd):  # all acknowledged, or closed already
-                return
-            time.sleep(TRACKER_POLL_S)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the data sockets; what is queued to the next rank gets
@@ -293,7 +273,7 @@ class DataPlane:
                 slice_s = min(slice_s, deadline - time.monotonic())
             ready = _interrupts.wait(items, max(0, int(slice_s * 1000)))
             self._drain(seq, job, member, fail)
-            self._events(seq, job, fail, lambda: self._drain(seq, job, member, fail))
+            self._events(seq, job, fail)
             if len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready):
                 pump()
             if deadline is not None and time.monotonic() >= deadline:
@@ -345,15 +325,14 @@ class DataPlane:
     def _take(self, frames: list[Any], seq: int, job: Job, member: Member,
               fail: Callable[[Exception], None]) -> None:
         """Check one chunk and give it to ``job``, keep it for a later job, or drop it."""
-        fd = frames[0].get(zmq.SRCFD) if hasattr(frames[0], "get") else None
         if len(frames) != 3 or len(frames[0]) != HEADER.size:
-            self._warn("shape", f"dropped a message of {len(frames)} frames on the data port "
-                                f"(fd {fd}): not a chunk")
+            self._warn("shape", f"dropped a message of {len(frames)} frames on the data port: "
+                                f"not a chunk")
             return
         header = frames[0].bytes
         magic, version, kind, session, chunk_seq, origin, step, index = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION or session != self.session or kind not in KIND_NAMES:
-            self._warn("session", f"dropped a chunk on the data port (fd {fd}) that is not of this "
+            self._warn("session", f"dropped a chunk on the data port that is not of this "
                                   f"group (session {session:#x}, kind {kind})")
             return
         payload = frames[2]
@@ -371,8 +350,6 @@ class DataPlane:
             self._warn("origin", f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
                                  f"{self.rank}'s data port")
             return
-        if self._prev_fd is None and fd is not None:
-            self._prev_fd = fd
         if chunk_seq == seq:
             try:
                 taken = job.receive(kind, step, index, payload, frames, origin)
@@ -393,30 +370,22 @@ class DataPlane:
             self._warn("seq", f"dropped a chunk of seq {chunk_seq} on rank {self.rank}'s data port "
                               f"(this rank is at seq {seq})")
 
-    def _events(self, seq: int, job: Job, fail: Callable[[Exception], None],
-                rest: Callable[[], bool] = lambda: True) -> None:
-        """The monitors: a data link closed or silent fails the group."""
-        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+    def _events(self, seq: int, job: Job, fail: Callable[[Exception], None]) -> None:
+        """The monitors: the link to the next rank closed or silent fails the
+        group (the previous rank's loss is told by the coordinator, or by it)."""
+        nxt = (self.rank + 1) % self.size
         push_monitor, pull_monitor = self._push_monitor, self._pull_monitor
         if push_monitor is not None:
-            for event, value in _sockets.monitor_events(push_monitor):
-                if event == zmq.EVENT_CONNECTED:
-                    self._push_fd = value
-                elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
+            for event, _ in _sockets.monitor_events(push_monitor):
+                if event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     why = CLOSED if event == zmq.EVENT_DISCONNECTED else REFUSED
                     if job.sent < job.to_send or not self._sent():
                         return fail(self._lost(seq, job, nxt, "to", why))
                     # it had all this rank sends it (and may have ended its program): not a loss
                     # now; a later call that needs the link finds it lost (a link is made once)
                     self._broken = self._broken or (BROKEN if why is CLOSED else why)
-        for event, value in _sockets.monitor_events(pull_monitor):
-            if event == zmq.EVENT_DISCONNECTED and value == self._prev_fd:
-                # (done: it sent all this rank needs, and may have ended; its last chunks may
-                # have come between this wait's drain and now (libzmq queues them before it
-                # reports the close): ``rest`` takes them first, and says if the job goes on)
-                if not job.done and rest() and not job.done:
-                    return fail(self._lost(seq, job, prev, "from"))
-                self._prev_fd = None
+        for _ in _sockets.monitor_events(pull_monitor):  # (handshakes only: no peer named)
+            pass
         return None
 
     def _lost(self, seq: int, job: Job, peer: int, way: str, why: str = CLOSED) -> ReplicaLostError:

@@ -643,9 +643,8 @@ class Group:
                 self._server.stop(ending)
         finally:  # an interrupt while rank 0 waits for the others still closes everything
             stuck = self._server is not None and self._server.gone() is None
-            if self._data is not None:
-                if ending:  # what it sent must have arrived before the connection closes
-                    self._data.delivered(_sockets.EXIT_LINGER_MS / 1000)
+            if self._data is not None:  # (ending: the next rank said it has its chunks, see
+                # rule 7 of the coordinator; or the wait for it ran out)
                 self._data.close(_sockets.EXIT_LINGER_MS if ending else 0)
             if self._link is not None:
                 self._link.close(_sockets.EXIT_LINGER_MS if ending else 0)

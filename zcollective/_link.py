@@ -150,6 +150,8 @@ class Driver:
             return False
         if member.data_jobs and member.data_jobs[0][1] is job:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
+        if member.owed:  # a TAKEN its data owed (rule 7 of the member)
+            self.flush()
         return True
 
     def finish_data(self, timeout: float) -> None:

@@ -42,9 +42,16 @@ Rules:
    violation proves a foreign program at once; one closed during the
    handshake may be a proxy or a coordinator still starting, so that counts
    only after :data:`FOREIGN_PEER_TRIES` of them over :data:`FOREIGN_PEER_S`.
-7. *Ending.* A program ending without ``teardown`` sends BYE; the
+7. *Ending.* A program ending without ``teardown`` sends BYE (flagged
+   ``FLAG_DATA`` if data it had to move peer to peer is left); the
    coordinator's BYE in answer (:attr:`Member.farewell`) says that
    everything sent before it was taken, so the connection may close.
+   Rank 0's program ending sends its last BYE (``FLAG_LAST``), which the
+   member answers in kind, failed or not: all before it was read. A PROBE
+   (the coordinator asks whether the connection is still there) asks for
+   nothing: once bound here (rule 2), it is ignored. A TAKEN asks this
+   member to say (TAKEN, owed) once it has no data left to take through its
+   seq: the rank before it ends, and must not close before.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from ._mac import HMAC_SHA256, POLY1305
 from ._stats import CallStats, calls_log
 from ._wire import (
     FLAG_DATA,
+    FLAG_LAST,
     FLAG_LOCAL_ERROR,
     LABELS,
     WIRE_PART_BYTES,
@@ -131,6 +139,7 @@ class Member:
         self.coordinator_lost = False  # its connection to rank 0 broke after the WELCOME
         self.status: dict[int, dict[str, Any]] = {}  # seq -> the coordinator's STATUS_REPLY
         self.farewell = False  # the coordinator answered this member's BYE (rule 7)
+        self._asked: Optional[int] = None  # the seq of a TAKEN to answer once its data is in (rule 7)
         self._nonces: set[str] = set()  # every JOIN sent (a reconnect sends another)
         self._tokens: set[int] = set()  # their tokens: what binds replies before the WELCOME
         self._rejoin = False
@@ -233,7 +242,9 @@ class Member:
         (the group failed or never started)."""
         if self.failure is not None or not self.joined:
             return None
-        return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session)
+        unsent = any(c.data_job is not None for c in self.calls.values())  # (finish_data ran out)
+        return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session,
+                       flags=FLAG_DATA if unsent else 0)
 
     def status_query(self, seq: int) -> Message:
         """A STATUS for ``seq``; the reply lands in :attr:`status`."""
@@ -297,14 +308,28 @@ class Member:
         elif kind is Kind.REJECT or kind is Kind.FAIL:
             error, ended = _bodies.parse_error(msg)
             # a rank's program ended: calls whose data moves peer to peer need only their ring
-            return self.fail(error, keep_data=ended)
+            return [*self.fail(error, keep_data=ended), *self._taken()]
         elif kind is Kind.BYE:
             self.farewell = True
+            if msg.flags & FLAG_LAST:  # rank 0 ends: everything before this was read
+                return [Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session,
+                                flags=FLAG_LAST)]
         elif kind is Kind.CHALLENGE and not self.joined:
             challenge = _bodies.challenge_of(msg)
             if challenge is not None:
                 return [self.join(challenge[:64])]
-        return []
+        elif kind is Kind.TAKEN:
+            self._asked = max(msg.seq, self._asked or 0)
+        return self._taken() if self._asked is not None else []
+
+    def _taken(self) -> list[Message]:
+        """The answer to a TAKEN once no data job through its seq is left
+        here (rule 7); none until then."""
+        asked = self._asked
+        if asked is None or any(seq <= asked for seq, _ in self.data_jobs):
+            return []
+        self._asked = None
+        return [Message(Kind.TAKEN, rank=self.rank, seq=asked, session=self.session)]
 
     def _bound_here(self, msg: Message) -> bool:
         """Rule 2: is ``msg`` bound to this rank and session (or, before the
@@ -381,6 +406,7 @@ class Member:
         """Call ``seq``'s data move failed here (not the group): its job
         stops, its future gets ``error``; the others hear it from rank 0."""
         self.data_jobs = deque((s, j) for s, j in self.data_jobs if s != seq)
+        self.owed.extend(self._taken())
         call = self.calls.pop(seq, None)
         if call is not None and call.future is not None and not call.future._done:
             call.future._set_exception(error)
@@ -393,6 +419,7 @@ class Member:
         call = self.calls.get(seq)
         if call is None:
             self.data_jobs.popleft()
+            self.owed.extend(self._taken())
             return
         future = call.future
         if future is not None and not future._done:
@@ -405,6 +432,7 @@ class Member:
                 future._set_result(value)
         if self.data_jobs and self.data_jobs[0][1] is job:
             self.data_jobs.popleft()
+        self.owed.extend(self._taken())
         self.calls.pop(seq, None)
 
     def _record(self, seq: int, call: Call, received: int, outcome: str) -> None:

@@ -24,6 +24,17 @@ With a secret the owner also answers each handshake (the context's ZAP
 handler, :class:`~zcollective._zap.Gatekeeper`, made before the ROUTER binds):
 a peer that cannot prove the secret is refused before libzmq takes in a
 message from it.
+
+Whose connection closed: the monitor says only that one did. The owner then
+*probes* (rule 8 of :mod:`zcollective._coordinator`): it sends each peer
+whose loss would matter a PROBE under ``ROUTER_MANDATORY``; a send fails once
+libzmq has dropped that peer's pipe, which it does only after this thread has
+processed the socket's commands, so rounds follow at growing gaps
+(:data:`PROBE_GAP_S` doubling to :data:`PROBE_MAX_GAP_S`) until
+:data:`PROBE_SPAN_S` after the last close. Closes during a schedule bring
+the next round forward, at most to :data:`PROBE_FLOOD_GAP_S` after the last:
+a stranger's connection costs a dozen rounds, a flood of them a round per
+:data:`PROBE_FLOOD_GAP_S`.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import zmq
 from zmq.backend import zmq_poll
 
 from . import _interrupts, _sockets, _zap
-from ._coordinator import Coordinator, Member, Out, Phase
+from ._coordinator import Coordinator, Out, Phase
 from ._link import HOST_PEER, Wakeup, owned
 from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
 from .config import Config
@@ -57,7 +68,10 @@ HOLD_TRY_S = 0.02  # rank 0's thread sending or looking for news waits this long
 PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
 PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
-ACK_POLL_S = 0.01  # rank 0's program ending: how often it looks whether the replicas have it all
+PROBE_GAP_S = 0.001  # a close, then probe rounds at once and after 1, 2, 4 ... ms: libzmq drops a
+PROBE_MAX_GAP_S = 0.25  # closed peer's pipe within a round or two; ... the gap grows to this,
+PROBE_SPAN_S = 1.0  # ... and the rounds go on this long after the last close
+PROBE_FLOOD_GAP_S = 0.05  # a close during a schedule: the next round at most this after the last
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
 _STOP, _GIVE = b"stop", b"give"  # commands to the background thread: end; let go of the sockets
@@ -88,11 +102,10 @@ class Server:
         self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
-        self._sent = 0  # messages sent on the ROUTER
-        self._closed: dict[bytes, Member] = {}  # peer -> its member whose connection closed
-        self._closes: deque[tuple[int, list[Member]]] = deque()  # (fd, its members then): to handle
-        self._trackers: dict[bytes, list[Any]] = {}  # while ending, by peer: one per message sent,
-        # done once libzmq wrote it
+        self._probe_at: Optional[float] = None  # when the next probe round is due (None: no schedule)
+        self._probe_gap = PROBE_GAP_S  # and the gap after it
+        self._probed = 0.0  # when the last round went
+        self._probe_until = 0.0  # the schedule ends after this
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
         # socket of rank 0's context uses it too)
         self._ending: Optional[float] = None  # when rank 0's program said it was ending
@@ -223,8 +236,8 @@ class Server:
                 remaining = min(remaining, deadline - time.monotonic())
                 if stepped and remaining <= 0:
                     return False
-            ready = _interrupts.wait(items, max(0, int(remaining * 1000)))
-            if ready:
+            ready = _interrupts.wait(items, self._wait_ms(remaining))
+            if ready or self._probe_at is not None:
                 self._step(ready)
             stepped = True
 
@@ -258,8 +271,8 @@ class Server:
         try:
             self._drain_monitor()
             self._drain()
-            if self._closes:  # read by a drain that was not handling closes (_take_lost's)
-                self._drain_monitor()
+            if self._probe_at is not None and time.monotonic() >= self._probe_at:
+                self._probe()
         except InternalError:
             raise
         except Exception as exc:
@@ -310,7 +323,7 @@ class Server:
         try:
             self._take_from_host()
             while True:
-                ready = zmq_poll(items, -1)
+                ready = zmq_poll(items, self._wait_ms(None))
                 if ready and ready[-1][0] is pipe:
                     commands = _commands(pipe)
                     if _STOP in commands:
@@ -352,7 +365,7 @@ class Server:
             if ending and self.crashed is None:
                 linger = _sockets.EXIT_LINGER_MS
                 self._serve_ending()
-                self._acknowledged(linger / 1000)
+                self._last_byes(linger / 1000)
         except BaseException:
             linger = 0  # interrupted again while ending: close now
             self._give_up_ending()
@@ -370,8 +383,7 @@ class Server:
             if waited >= EXIT_WAIT_S:
                 self._give_up_ending()
                 return
-            timeout = int((EXIT_WAIT_S - waited) * 1000) + 1
-            self._step(_interrupts.wait(self._items, timeout))
+            self._step(_interrupts.wait(self._items, self._wait_ms(EXIT_WAIT_S - waited)))
 
     def _give_up_ending(self) -> None:
         if self._ending is not None and self._router is not None:
@@ -459,30 +471,24 @@ class Server:
 
     # -- ending and failing -------------------------------------------------------
 
-    def _acknowledged(self, timeout: float) -> None:
-        """Rank 0's program is ending: wait (at most ``timeout`` s) until
-        libzmq has written every message sent since (its trackers; the last
-        message to each replica still running is one of them) and every such
-        replica has acknowledged each byte (see
-        :func:`~zcollective._sockets.unacknowledged`). Members whose
-        connection closed, before or during the wait, are left out with the
-        messages sent to them (libzmq may never let those go): their fd may be
-        another socket's by now."""
+    def _last_byes(self, timeout: float) -> None:
+        """Rank 0's program is ending and the group is over: send each member
+        still running its last BYE and wait (at most ``timeout`` s) until
+        each has answered (it has read every message before: closing over
+        bytes its host had not acknowledged could lose them, as a close
+        with unread data resets the connection) or is gone, and every rank
+        asked has said it took the chunks of a rank that ended (rule 7 of
+        the coordinator; rank 0's own too). A replica busy in its own code
+        answers when it next enters the library, or at its exit: rank 0
+        waits for it until ``timeout``."""
+        coordinator = self.coordinator
+        self._send_all(coordinator.last_byes())
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._drain_monitor()
-            running = [m for m in self.coordinator.members.values()
-                       if m.fd is not None and m.ended is None and self._closed.get(m.peer) is not m]
-            if not running:
+        while coordinator.waiting():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 return
-            pending = False
-            for member in running:
-                trackers = self._trackers.get(member.peer, [])
-                trackers[:] = [t for t in trackers if not t.done]
-                pending = pending or bool(trackers)
-            if not pending and not any(_sockets.unacknowledged(m.fd) for m in running if m.fd is not None):
-                return
-            time.sleep(ACK_POLL_S)
+            self._step(_interrupts.wait(self._items, self._wait_ms(remaining)))
 
     def _crash(self, exc: BaseException) -> None:
         """A bug in the coordinator: tell every replica rather than leave them
@@ -497,40 +503,50 @@ class Server:
     # -- the ROUTER and its monitor ---------------------------------------------
 
     def _drain_monitor(self) -> None:
-        """Handle the monitor's events: a member's connection closed."""
-        self._read_events()
-        while self._closes:
-            # what a peer sent before closing (a BYE, a last contribution) is queued
-            # before libzmq reports the close: take it in first (the close stays queued
-            # meanwhile: a JOIN that came before it on its connection is bound to it)
-            self._drain(joins_first=False)
-            fd, members = self._closes.popleft()
-            self._send_all(self.coordinator.disconnected(fd, members=members))
-
-    def _read_events(self) -> None:
-        """Take in every event waiting, each close bound to the members on its
-        fd now (the objects: a member that joins again is a new one): a JOIN
-        taken in before the close is handled may come on the same fd number,
-        reused by a new connection (a stranger's connection closed, then a
-        replica's got its number), and must not be taken for the connection
-        that closed. (A JOIN sent just before its own connection closed is
-        bound to that close when it is taken in: see :meth:`_drain`.)"""
+        """Handle the monitor's events: a connection closed (whose, the probes
+        find out), a stranger refused."""
         if self._monitor is None:
             return
+        closed = False
         for kind, value in _sockets.monitor_events(self._monitor):
             if kind == zmq.EVENT_DISCONNECTED:
-                members = [m for m in self.coordinator.members.values() if m.fd == value]
-                self._closed.update((m.peer, m) for m in members)
-                self._closes.append((value, members))
+                closed = True
             elif kind in _REFUSED_EVENTS and self.gatekeeper is not None:
                 # a peer without credentials: libzmq refused it before asking the gatekeeper
-                # (the event names no peer: the connection's fd may be closed and reused by now)
                 self.gatekeeper.log_refusal(None, _zap.MASTER_DOMAIN,
                                             _sockets.handshake_problem(value) if kind ==
                                             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else
                                             "it closed the connection during the handshake")
+        if closed:
+            now = time.monotonic()
+            self._probe_until = now + PROBE_SPAN_S
+            if self._probe_at is None:  # a new schedule: a round at once
+                self._probe_at, self._probe_gap = now, PROBE_GAP_S
+            else:  # a flood is coalesced: at most a round per PROBE_FLOOD_GAP_S
+                self._probe_at = min(self._probe_at, self._probed + PROBE_FLOOD_GAP_S)
 
-    def _drain(self, joins_first: bool = True) -> None:
+    def _probe(self) -> None:
+        """One round of probes (see the module docstring); the next is due
+        after the gap, which doubles, until the schedule ends."""
+        now = time.monotonic()
+        self._probed = now
+        probes = self.coordinator.probes()
+        if not probes or now >= self._probe_until:
+            self._probe_at = None
+        else:
+            self._probe_at = now + self._probe_gap
+            self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP_S)
+        self._send_all(probes)
+
+    def _wait_ms(self, limit_s: Optional[float]) -> int:
+        """How long a poll may sleep: ``limit_s`` (None: for ever, -1), but
+        not past the next probe round."""
+        if self._probe_at is not None:
+            due = self._probe_at - time.monotonic()
+            limit_s = due if limit_s is None else min(limit_s, due)
+        return -1 if limit_s is None else max(0, int(limit_s * 1000))
+
+    def _drain(self) -> None:
         """Handle every message waiting on the ROUTER."""
         router, coordinator = self._router, self.coordinator
         while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
@@ -540,37 +556,15 @@ class Server:
                 continue
             member = coordinator.members.get(peer)
             if member is None or coordinator.phase is Phase.JOINING:
-                fd, address = _sockets.origin(frames[1])
-                # a JOIN records its connection's fd: first take in every earlier close,
-                # so a closed connection's reused fd is not mistaken for it
-                if joins_first:
-                    self._drain_monitor()
-                else:  # (inside _drain_monitor: bound now, handled there next)
-                    self._read_events()
+                address = _sockets.peer_address(frames[1])
             else:  # a running member; the address is only for (rare) warnings
-                fd, address = member.fd, member.address
-            self._send_all(coordinator.receive(peer, frames[1:], fd, address))
-            if fd is not None and self._closes and not _sockets.connection_open(fd):
-                self._closed_before(fd)
-
-    def _closed_before(self, fd: int) -> None:
-        """A message just taken in came on ``fd``, which a close still to be
-        handled names, and no open connection has that number now: the
-        message came before that close, on the connection that closed (a
-        JOIN, then the program died). A member it made is that close's too.
-        (Were the number taken again by a third connection meanwhile, the
-        member stays until sending to it fails.)"""
-        on_fd = [m for m in self.coordinator.members.values() if m.fd == fd]
-        for i, (closed_fd, members) in enumerate(self._closes):
-            if closed_fd == fd:
-                self._closes[i] = (fd, [*members, *(m for m in on_fd if all(m is not x for x in members))])
-                self._closed.update((m.peer, m) for m in on_fd)
-                return
+                address = member.address
+            self._send_all(coordinator.receive(peer, frames[1:], address))
 
     def _send_all(self, outs: list[Out]) -> None:
         """Send what the coordinator returned: rank 0's part to its queue, the
         others' on the ROUTER."""
-        lost: list[tuple[int, str]] = []
+        gone: list[bytes] = []
         cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
         router = self._router
         for peer, msg in outs:
@@ -581,26 +575,22 @@ class Server:
                 continue
             if router is None:
                 continue  # closed: nothing more reaches anyone
-            self._sent += 1
             frames = [peer, *encode(msg, self.signer, cache, self.coordinator.part_bytes)]
-            trackers = self._trackers.setdefault(peer, []) if self._ending is not None else None
-            if not _sockets.send_to(router, frames, trackers):
-                member = self.coordinator.members.get(peer)
-                if member is not None:
-                    lost.append((member.rank, "its connection is gone"))
-        if lost:
-            self._take_lost(lost)
+            if not _sockets.send_to(router, frames):
+                gone.append(peer)
+        if gone:
+            self._take_gone(gone)
         if self.coordinator.interrupted is not None:  # in a reduce function, once all are told
             interrupted, self.coordinator.interrupted = self.coordinator.interrupted, None
             raise interrupted
 
-    def _take_lost(self, lost: list[tuple[int, str]]) -> None:
-        """Ranks found gone while sending. A BYE
-        one sent before closing may still be queued: a rank that ended is not
-        lost."""
-        self._drain(joins_first=False)
-        for rank, reason in lost:
-            self._send_all(self.coordinator.lost(rank, reason))
+    def _take_gone(self, peers: list[bytes]) -> None:
+        """Peers found gone while sending. What one sent before closing (a
+        BYE, a JOIN) is still queued: taken in first, so a rank that ended
+        is not lost, and a JOIN is not left holding a slot."""
+        self._drain()
+        for peer in peers:
+            self._send_all(self.coordinator.gone(peer, "connection closed"))
 
 
 def _commands(pipe: zmq.Socket) -> set[bytes]:

@@ -10,7 +10,6 @@ import contextlib
 import os
 import socket
 import struct
-import sys
 from collections.abc import Iterator
 from typing import Any, Optional, TypeVar
 
@@ -128,24 +127,16 @@ def handshake_problem(value: int) -> str:
     return f"it broke the ZeroMQ handshake (protocol error {value:#x})"
 
 
-def send_to(router: zmq.Socket, frames: list[Any], trackers: Optional[list[Any]] = None) -> bool:
+def send_to(router: zmq.Socket, frames: list[Any]) -> bool:
     """Send ``frames`` (the peer's routing id first) on a ROUTER with
-    ``ROUTER_MANDATORY``; False if that peer's connection is gone. With
-    ``trackers``, the last frame goes by reference and its tracker is added:
-    done once libzmq has handed the whole message to the kernel."""
-    last = None
-    if trackers is not None:
-        data = frames[-1].buffer if isinstance(frames[-1], zmq.Frame) else frames[-1]
-        last = zmq.Frame(data, track=True, copy=False)
-        frames = [*frames[:-1], last]
+    ``ROUTER_MANDATORY``; False if that peer's connection is gone (no pipe:
+    ``EHOSTUNREACH``, or ``EAGAIN`` for a pipe libzmq is closing)."""
     try:
         send_frames(router, frames)
     except zmq.ZMQError as exc:
-        if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):  # (no pipe to it: gone)
+        if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
             return False
         raise CollectiveError(f"the coordinator could not send: {exc.strerror} (errno {exc.errno})") from exc
-    if trackers is not None and last is not None:
-        trackers.append(last.tracker)
     return True
 
 
@@ -158,17 +149,12 @@ def notify(pipe: zmq.Socket, command: bytes) -> None:
         pass
 
 
-def origin(frame: Any) -> tuple[Optional[int], str]:
-    """The connection fd and peer address a received frame came in on."""
+def peer_address(frame: Any) -> str:
+    """The peer address a received frame came in on (libzmq's metadata)."""
     try:
-        fd = frame.get(zmq.SRCFD)
-    except zmq.ZMQError:
-        fd = None
-    try:
-        address = frame.get("Peer-Address")
+        return str(frame.get("Peer-Address"))
     except zmq.ZMQError:  # a legacy ZMTP 1.0 peer: libzmq gives no address
-        address = "an unknown address"
-    return (fd if fd is not None and fd >= 0 else None), address
+        return "an unknown address"
 
 
 def close_monitored(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> None:
@@ -208,54 +194,11 @@ def recv_message(sock: zmq.Socket) -> list[Any]:
     return frames
 
 
-_TCP_ESTABLISHED = 1  # tcp_info's first byte (linux/tcp_states.h)
-_TCP_INFO: Optional[int] = getattr(socket, "TCP_INFO", None) if sys.platform == "linux" else None
-try:  # Linux's send-queue ioctl; elsewhere an ending does not wait for acknowledgements
-    import fcntl as _fcntl
-    import termios as _termios
-except ImportError:
-    _fcntl = _termios = None  # type: ignore[assignment]
-
-
 def kernel_port(host: str) -> int:
     """A TCP port of ``host`` the kernel just chose as free (port 0 bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def connection_open(fd: int) -> bool:
-    """Is ``fd`` (libzmq's) a TCP connection its peer has not closed? False
-    too when the number is no socket any more. libzmq reports a close before
-    it closes the fd, so between the two the fd is still the old connection's,
-    in CLOSE_WAIT. Where the state cannot be read (not Linux), True."""
-    if _TCP_INFO is None:
-        return True
-    try:
-        sock = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a duplicate: ours to close
-    except OSError:
-        return False
-    try:
-        return sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0] == _TCP_ESTABLISHED
-    except OSError:
-        return False
-    finally:
-        sock.close()
-
-
-def unacknowledged(fd: int) -> Optional[int]:
-    """Bytes written to TCP connection ``fd`` that its peer has not yet
-    acknowledged (the kernel's send queue); None if ``fd`` is no connected
-    socket any more. A program ending waits for 0 before its connections
-    close: a close with unread data (a heartbeat) resets the connection, and
-    the kernel then drops what it had not yet sent. None where the queue
-    cannot be read (not Linux)."""
-    if _fcntl is None or _termios is None:
-        return None
-    try:
-        return int(struct.unpack("i", _fcntl.ioctl(fd, _termios.TIOCOUTQ, b"\0" * 4))[0])
-    except OSError:
-        return None
 
 
 def readable(sock: zmq.Socket) -> bool:

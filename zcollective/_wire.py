@@ -40,9 +40,10 @@ from typing import Any, Optional
 
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 5  # bump on any change to the layout below (2: BYE; recipient-bound headers;
+PROTOCOL_VERSION = 6  # bump on any change to the layout below (2: BYE; recipient-bound headers;
 # 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered;
-# 5: data ports check tokens without a secret too, under a data key in WELCOME)
+# 5: data ports check tokens without a secret too, under a data key in WELCOME; 6: PROBE, TAKEN,
+# and the coordinator's last BYE (FLAG_LAST), answered)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
@@ -54,6 +55,7 @@ FLAG_LOCAL_ERROR = 0x02  # the contribution is a JSON error raised on its sender
 FLAG_AUTH = 0x04  # the last frame is an HMAC-SHA256 tag over all the others
 FLAG_DATA = 0x08  # the segment describes data that travels on the data plane, not the data
 FLAG_PARTS = 0x10  # some frames travel as several parts; the header's parts table says which
+FLAG_LAST = 0x20  # a BYE: the coordinator's last message to a running replica, or its answer
 
 # A frame above this travels as parts. libzmq cancels a connection's heartbeat
 # timeout only when a whole frame has arrived, so a part must arrive well
@@ -95,6 +97,9 @@ class Kind(enum.IntEnum):
     # coordinator -> replica: the answer (everything it sent before its BYE was taken)
     ABORT = 12  # replica -> coordinator: a message to it was altered or moved; fail the group (JSON)
     CHALLENGE = 13  # coordinator -> replica: with a secret, a JOIN must echo this (JSON)
+    PROBE = 14  # coordinator -> replica: is its connection still there? (a send fails if not)
+    TAKEN = 15  # coordinator -> replica: say when you have taken the data of every call through
+    # `seq` (a rank before you ends); replica -> coordinator: it has
 
 
 KINDS = {int(k): k for k in Kind}  # a dict lookup costs a tenth of Kind(value)
