@@ -120,3 +120,38 @@ def test_a_program_ending_over_a_slow_link_loses_nothing_it_sent(slow_hosts, who
     for outcome in outcomes:
         if outcome.rank != who:
             assert outcome.value == hashlib.sha256(want).hexdigest(), report(outcomes, "another value")
+
+
+def forward_then_end(size):
+    """A chain broadcast 0 -> 1 -> 2 over the data plane: rank 1 takes its
+    value and its program ends at once, its forwarded chunks to rank 2 still
+    in the kernel's queue; rank 2 is busy in its own code for a while."""
+    import numpy as np
+
+    import zcollective as zc
+
+    zc.initialize()
+    rank = zc.get_rank()
+    value = np.frombuffer(value_of("root", size), dtype=np.uint8) if rank == 0 else None
+    future = zc.broadcast_async(value)
+    if rank == 1:
+        future.result()
+        return "ended"
+    if rank == 2:
+        time.sleep(LATE_S)
+    return hashlib.sha256(future.result().tobytes()).hexdigest()
+
+
+def test_a_rank_ending_right_after_it_forwarded_chunks_over_a_slow_link_loses_none(slow_hosts):
+    """Rank 1's chunks for rank 2 are still in its kernel's queue when its
+    program ends: closing then (rank 2's heartbeat unread) would reset the
+    link and drop them. Its BYE's answer waits until rank 2 says TAKEN."""
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": str(LIVENESS_S), "ZCOLLECTIVE_DATA_PLANE": "on",
+           "ZCOLLECTIVE_MASTER_ADDR": slow_hosts.addresses[0]}
+    prefix = {rank: slow_hosts.prefix(rank) for rank in range(N)}
+    with Replicas(forward_then_end, N, ENDING_BYTES, initialize=False, env=env, rank_prefix=prefix,
+                  init_timeout=RUN_TIMEOUT_S) as replicas:
+        outcomes = replicas.wait(RUN_TIMEOUT_S)
+    assert all(o.ok for o in outcomes), report(outcomes, "rank 1 ended right after forwarding")
+    want = hashlib.sha256(value_of("root", ENDING_BYTES)).hexdigest()
+    assert outcomes[2].value == want, report(outcomes, "rank 2 got another value")
