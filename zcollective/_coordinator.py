@@ -42,21 +42,15 @@ Rules:
    could lose them: a close with unread data resets a TCP connection).
    Rank 0 hosts this object, so its BYE also means the coordinator goes:
    once every call rank 0 made is complete (and its results sent), the
-   members still running are told the group is over; then each gets a last
-   BYE flagged ``FLAG_LAST``, which it answers in kind: rank 0 may close
-   once each has answered (it has read all before) or is gone. When every
-   member has ended, the group is closed. When the group moves data peer to
-   peer, a member's chunks must also have reached the next rank before it
-   closes: the answer to its BYE is held, and the next rank asked (TAKEN
-   with the last data call's seq) to say when it has taken the data of
-   every call through it; its TAKEN, its own BYE or its loss releases the
-   answer. A BYE flagged ``FLAG_DATA`` says the member's part of such a call
-   never left: the group fails (the ring cannot complete), data and all.
-8. *Gone.* The driver learns that a peer's connection is gone only by a
-   send to it failing: when a connection closes it sends a PROBE to each
-   peer whose loss would matter (:meth:`Coordinator.probes`). A member
-   gone while the group runs is lost; before it starts, its slot opens
-   again; a member that said BYE is never lost.
+   members still running are told the group is over, then sent a last BYE
+   (``FLAG_LAST``) each answers in kind: rank 0 closes once all answered
+   or are gone. When every member has ended, the group is closed. If data
+   went peer to peer, a BYE's answer is held until the next rank says it
+   took the data (TAKEN, of the last such call), ends or is gone; a BYE
+   flagged ``FLAG_DATA`` (data left unmoved) fails the group.
+8. *Gone.* A peer is gone when a send to it fails (a connection closed:
+   the driver sends :meth:`Coordinator.probes`). Lost while running; its
+   slot opens again while joining; never lost once it said BYE.
 """
 
 from __future__ import annotations

@@ -46,12 +46,9 @@ Rules:
    ``FLAG_DATA`` if data it had to move peer to peer is left); the
    coordinator's BYE in answer (:attr:`Member.farewell`) says that
    everything sent before it was taken, so the connection may close.
-   Rank 0's program ending sends its last BYE (``FLAG_LAST``), which the
-   member answers in kind, failed or not: all before it was read. A PROBE
-   (the coordinator asks whether the connection is still there) asks for
-   nothing: once bound here (rule 2), it is ignored. A TAKEN asks this
-   member to say (TAKEN, owed) once it has no data left to take through its
-   seq: the rank before it ends, and must not close before.
+   Rank 0's last BYE (``FLAG_LAST``) is answered in kind, failed or not;
+   a TAKEN, once no data through its seq is left to take (the rank before
+   this one ends). A PROBE asks for nothing: bound here, it is ignored.
 """
 
 from __future__ import annotations

@@ -25,16 +25,10 @@ handler, :class:`~zcollective._zap.Gatekeeper`, made before the ROUTER binds):
 a peer that cannot prove the secret is refused before libzmq takes in a
 message from it.
 
-Whose connection closed: the monitor says only that one did. The owner then
-*probes* (rule 8 of :mod:`zcollective._coordinator`): it sends each peer
-whose loss would matter a PROBE under ``ROUTER_MANDATORY``; a send fails once
-libzmq has dropped that peer's pipe, which it does only after this thread has
-processed the socket's commands, so rounds follow at growing gaps
-(:data:`PROBE_GAP_S` doubling to :data:`PROBE_MAX_GAP_S`) until
-:data:`PROBE_SPAN_S` after the last close. Closes during a schedule bring
-the next round forward, at most to :data:`PROBE_FLOOD_GAP_S` after the last:
-a stranger's connection costs a dozen rounds, a flood of them a round per
-:data:`PROBE_FLOOD_GAP_S`.
+The monitor says only that *a* connection closed: the owner then sends a
+PROBE to each member whose loss would matter (rule 8 of the coordinator); a
+send fails once libzmq has dropped that peer's pipe, which this thread's
+next poll or send may do, so rounds follow at growing gaps (constants below).
 """
 
 from __future__ import annotations
@@ -68,10 +62,10 @@ HOLD_TRY_S = 0.02  # rank 0's thread sending or looking for news waits this long
 PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
 PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
-PROBE_GAP_S = 0.001  # a close, then probe rounds at once and after 1, 2, 4 ... ms: libzmq drops a
-PROBE_MAX_GAP_S = 0.25  # closed peer's pipe within a round or two; ... the gap grows to this,
-PROBE_SPAN_S = 1.0  # ... and the rounds go on this long after the last close
-PROBE_FLOOD_GAP_S = 0.05  # a close during a schedule: the next round at most this after the last
+PROBE_GAP_S = 0.001  # a close: probe rounds at once, then after 1, 2, 4 ... ms (a pipe goes in one or
+PROBE_MAX_GAP_S = 0.25  # two), the gap growing to this, until PROBE_SPAN_S after the last close;
+PROBE_SPAN_S = 1.0  # a close during a schedule brings the next round to PROBE_FLOOD_GAP_S after the
+PROBE_FLOOD_GAP_S = 0.05  # last: a stranger costs a dozen rounds, a flood 20 a second
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
 _STOP, _GIVE = b"stop", b"give"  # commands to the background thread: end; let go of the sockets
@@ -472,15 +466,10 @@ class Server:
     # -- ending and failing -------------------------------------------------------
 
     def _last_byes(self, timeout: float) -> None:
-        """Rank 0's program is ending and the group is over: send each member
-        still running its last BYE and wait (at most ``timeout`` s) until
-        each has answered (it has read every message before: closing over
-        bytes its host had not acknowledged could lose them, as a close
-        with unread data resets the connection) or is gone, and every rank
-        asked has said it took the chunks of a rank that ended (rule 7 of
-        the coordinator; rank 0's own too). A replica busy in its own code
-        answers when it next enters the library, or at its exit: rank 0
-        waits for it until ``timeout``."""
+        """Rank 0's program is ending and the group is over: send the last
+        BYEs and wait (at most ``timeout`` s) for their answers and the
+        TAKENs asked for (rule 7 of the coordinator). A replica busy in its
+        own code answers when it next enters the library or ends."""
         coordinator = self.coordinator
         self._send_all(coordinator.last_byes())
         deadline = time.monotonic() + timeout

@@ -148,9 +148,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _ephemeral_low() -> int:
-    """Where the kernel's ephemeral ports start: Linux says; elsewhere (or
-    if it cannot be read) the lowest usual start, as the ports just under it
-    are under every system's range."""
+    """Where the kernel's ephemeral ports start (Linux says)."""
     if sys.platform.startswith("linux"):
         try:
             with open(EPHEMERAL_RANGE_FILE) as f:
