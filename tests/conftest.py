@@ -110,32 +110,32 @@ def ring_loss_forms(rank, lost, seq, op, pids, host, data_endpoints, jobs):
     """Every exact message rank ``rank`` may get when rank ``lost`` is lost
     while call ``seq`` (``op``) moves peer to peer, as regular expressions:
 
-    - the coordinator's, when it sees the lost rank's connection close;
-    - this rank's own data plane's, when it is next to the lost rank in the
-      ring (the link to it, or from it, closed);
-    - a neighbour's data plane's, passed on by the coordinator.
+    - the coordinator's, when its probes find the lost rank's connection gone;
+    - this rank's own data plane's, when it is the rank before the lost one
+      in the ring (the link to it closed; a link's far end cannot tell);
+    - that rank's, passed on by the coordinator.
 
     ``pids``: rank -> process id; ``data_endpoints``: the data ports (from
     the WELCOME); ``jobs``: rank -> (chunks, bytes) that rank's part of the
     call receives in all (each form names what came of it)."""
     size = len(data_endpoints)
-    prev, nxt = (lost - 1) % size, (lost + 1) % size
+    prev = (lost - 1) % size
 
     def data_link(r):
-        way = "to" if r == prev else "from"
         chunks, nbytes = jobs[r]
-        return (rf"seq {seq} {op}: rank {r} lost its data link {way} rank {lost} "
+        return (rf"seq {seq} {op}: rank {r} lost its data link to rank {lost} "
                 rf"\({re.escape(data_endpoints[lost])}\): connection closed or heartbeats unanswered; "
                 rf"ring {op}: received \d+ of {chunks} chunks \(\d+ of {nbytes} bytes\) "
                 rf"from rank {(r - 1) % size}")
 
     forms = [rf"rank {lost} \(pid {pids[lost]} on {re.escape(host)}\) was lost "
-             rf"\((connection closed|its connection is gone)\); seq {seq} {op} was matched; "
+             rf"\(connection closed\); seq {seq} {op} was matched; "
              rf"its data moves peer to peer"]
-    if rank in (prev, nxt):
+    if rank == prev:
         forms.append(data_link(rank))
-    forms += [data_link(r) + rf" \(reported by rank {r} \(pid {pids[r]} on {re.escape(host)}\)\)"
-              for r in sorted({prev, nxt} - {rank, lost})]
+    elif prev != lost:
+        forms.append(data_link(prev) + rf" \(reported by rank {prev} "
+                                       rf"\(pid {pids[prev]} on {re.escape(host)}\)\)")
     return [re.compile(f) for f in forms]
 
 

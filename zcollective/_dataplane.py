@@ -264,7 +264,7 @@ class DataPlane:
             if job.outbox and (self._broken is not None or not self._send(seq, job)):
                 # the link went down since it was made: a connection libzmq re-made may have
                 # lost chunks, or was refused (a spent token) and left no pipe; it is lost
-                fail(self._lost(seq, job, (self.rank + 1) % self.size, "to", self._broken or REFUSED))
+                fail(self._lost(seq, job, self._broken or REFUSED))
                 continue
             if job.done and self._sent():
                 return True
@@ -373,14 +373,13 @@ class DataPlane:
     def _events(self, seq: int, job: Job, fail: Callable[[Exception], None]) -> None:
         """The monitors: the link to the next rank closed or silent fails the
         group (the previous rank's loss is told by the coordinator, or by it)."""
-        nxt = (self.rank + 1) % self.size
         push_monitor, pull_monitor = self._push_monitor, self._pull_monitor
         if push_monitor is not None:
             for event, _ in _sockets.monitor_events(push_monitor):
                 if event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     why = CLOSED if event == zmq.EVENT_DISCONNECTED else REFUSED
                     if job.sent < job.to_send or not self._sent():
-                        return fail(self._lost(seq, job, nxt, "to", why))
+                        return fail(self._lost(seq, job, why))
                     # it had all this rank sends it (and may have ended its program): not a loss
                     # now; a later call that needs the link finds it lost (a link is made once)
                     self._broken = self._broken or (BROKEN if why is CLOSED else why)
@@ -388,13 +387,14 @@ class DataPlane:
             pass
         return None
 
-    def _lost(self, seq: int, job: Job, peer: int, way: str, why: str = CLOSED) -> ReplicaLostError:
-        if way == "to":
-            self._broken = self._broken or why  # nothing more goes that way, not even at exit
+    def _lost(self, seq: int, job: Job, why: str) -> ReplicaLostError:
+        """The link to the next rank is lost (the only one this rank can tell)."""
+        self._broken = self._broken or why  # nothing more goes that way, not even at exit
+        nxt = (self.rank + 1) % self.size
         error = ReplicaLostError(
-            f"seq {seq} {job.op}: rank {self.rank} lost its data link {way} rank {peer} "
-            f"({self.endpoints[peer]}): {why}; {job.progress()}")
-        error.lost_rank = peer  # type: ignore[attr-defined]
+            f"seq {seq} {job.op}: rank {self.rank} lost its data link to rank {nxt} "
+            f"({self.endpoints[nxt]}): {why}; {job.progress()}")
+        error.lost_rank = nxt  # type: ignore[attr-defined]
         return error
 
     def _warn(self, category: str, text: str) -> None:
