@@ -372,6 +372,7 @@ class Server:
         :data:`EXIT_WAIT_S` (then the others are told it is)."""
         coordinator = self.coordinator
         self._ending = time.monotonic()
+        self._take_from_host()  # (its BYE may wait there, sent while the thread was reducing)
         while coordinator.phase not in (Phase.CLOSED, Phase.FAILED):
             waited = time.monotonic() - self._ending
             if waited >= EXIT_WAIT_S:
