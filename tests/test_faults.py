@@ -449,9 +449,10 @@ def reduced_while_rank_0_was_away():
         time.sleep(6)
         return a + b
 
-    future = zc.allreduce_async(1, slow)
     if r != 0:
-        return future.result(timeout=30)
+        time.sleep(0.2)  # rank 0 is away by then: its background thread completes the call
+        return zc.allreduce_async(1, slow).result(timeout=30)
+    future = zc.allreduce_async(1, slow)
     time.sleep(0.5)
     start = time.monotonic()
     done = future.done()

@@ -108,6 +108,7 @@ class Replica(Driver):
                 # first: a FAIL that came before a disconnect explains it
                 got = self._drain_dealer(ready[0][0] is self.dealer, until)
                 if len(ready) > 1 or ready[0][0] is self.monitor:
+                    self._drain_dealer()  # all of it, past ``until``: a FAIL explains a close
                     self._drain_monitor()
                 if got or self.member.failure is not None:
                     return True
