@@ -528,3 +528,29 @@ def test_signal_handlers_are_wrapped_while_a_group_is_open_and_put_back_after():
     outs = run_group(handlers_during_and_after, 2)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     assert [o.value for o in outs] == [(True, "_Wrapped", True)] * 2
+
+
+def rank_0_ends_while_rank_1_computes():
+    """Rank 0 takes its results and ends its program; rank 1 computes for
+    longer than rank 0 waits for its last answer (5 s), then takes its
+    results (queued ahead of rank 0's FAIL) and calls again."""
+    r = zc.get_rank()
+    futures = [zc.broadcast_async(r), zc.allreduce_async(r)]
+    if r != 1:
+        return [f.result(timeout=30) for f in futures]
+    time.sleep(6.5)
+    got = [f.result(timeout=30) for f in futures]
+    try:
+        zc.allreduce(1, timeout=30)
+    except zc.ReplicaLostError as exc:
+        return got, str(exc)
+    return got, "no error"
+
+
+def test_a_rank_busy_past_rank_0s_ending_is_told_rank_0_ended_not_lost():
+    """The FAIL saying rank 0 ended came before its connection closed: a
+    wait that finds the close reads the FAIL first (attack review)."""
+    outs = run_group(initialized(rank_0_ends_while_rank_1_computes), 3)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    got, said = outs[1].value
+    assert got == [0, 3] and said.startswith("rank 0 ended its program (without teardown)"), said
