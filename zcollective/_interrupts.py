@@ -138,14 +138,10 @@ class _Wrapped:
 
     def _resend(self, signum: int) -> None:
         self.resending = False
-        _resend(signum)
-
-
-def _resend(signum: int) -> None:
-    if hasattr(signal, "pthread_kill") and _MAIN_THREAD is not None:
-        signal.pthread_kill(_MAIN_THREAD, signum)  # ends a wait in the main thread at once
-    else:  # (Windows: the handler runs when the main thread's wait returns)
-        signal.raise_signal(signum)
+        if hasattr(signal, "pthread_kill") and _MAIN_THREAD is not None:
+            signal.pthread_kill(_MAIN_THREAD, signum)  # ends a wait in the main thread at once
+        else:  # (Windows: the handler runs when the main thread's wait returns)
+            signal.raise_signal(signum)
 
 
 def hold_signals() -> None:

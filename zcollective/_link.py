@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import _bodies, _interrupts
+from . import _bodies
 from ._coordinator import Coordinator
 from ._member import STATUS_WAIT_S, Member
 from ._wire import Kind, Message, Op
@@ -238,8 +238,8 @@ class Driver:
 
 
 class Wakeup:
-    """A pipe one thread writes to wake another polling its read end (which
-    stays readable until :meth:`clear`, so asyncio can watch it too)."""
+    """A pipe one thread writes to wake another watching its read end (an
+    awaiting coroutine's event loop); it stays readable until :meth:`clear`."""
 
     def __init__(self) -> None:
         self.fd, self._write = os.pipe()
@@ -265,11 +265,6 @@ class Wakeup:
             os.read(self.fd, 4096)
         except (BlockingIOError, OSError):
             pass
-
-    def wait(self, timeout_s: float) -> None:
-        if _interrupts.wait([(self.fd, _POLLIN)], max(0, int(timeout_s * 1000))):
-            self._set = True  # a byte came before its set() could say so: the next clear() reads
-            # it (else the pipe stayed readable and every wait returned at once, a spin)
 
     def close(self) -> None:
         fds, self._open = (self.fd, self._write) if self._open else (), False  # once: the numbers

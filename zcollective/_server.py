@@ -241,8 +241,8 @@ class Server:
 
     def fds(self) -> list[int]:
         """File descriptors that become readable when the coordinator may have
-        work: watched by an awaiting coroutine (zero-copy: their numbers, read
-        once, are the owner's business)."""
+        work: watched by an awaiting coroutine (read once, at start: only the
+        owner uses the sockets)."""
         return [self.wakeup.fd, *self._fds]
 
     def _take(self, step: Callable[[], list[Out]]) -> None:
@@ -253,8 +253,7 @@ class Server:
         try:
             outs = step()
         except Exception as exc:
-            self._crash(exc)
-            raise InternalError(self.crashed or "the coordinator crashed") from exc
+            raise self._failed(exc) from exc
         self._send_all(outs)
 
     def _step(self, ready: list[Any]) -> None:
@@ -267,11 +266,15 @@ class Server:
             self._drain()
             if self._probe_at is not None and time.monotonic() >= self._probe_at:
                 self._probe()
-        except InternalError:
-            raise
         except Exception as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: Exception) -> InternalError:
+        """A bug in the coordinator (``exc``): every replica is told, once; the
+        error for rank 0's caller."""
+        if self.crashed is None:
             self._crash(exc)
-            raise InternalError(self.crashed or "the coordinator crashed") from exc
+        return InternalError(self.crashed or "the coordinator crashed")
 
     def busy(self) -> Optional[str]:
         """What the coordinator has been stuck in for a while, if anything."""

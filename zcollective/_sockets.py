@@ -11,15 +11,13 @@ import os
 import socket
 import struct
 from collections.abc import Iterator
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
 import zmq
 from zmq.backend import zmq_poll
 
 from .config import Config
 from .errors import AddressError, AuthenticationError, CollectiveError
-
-T = TypeVar("T")
 
 ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
 # a zero-copy frame (whose release needs pyzmq's gc thread)
