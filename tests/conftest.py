@@ -23,9 +23,11 @@ import pytest
 from netns import Hosts, NetnsUnavailable
 
 import zcollective.testing
+from zcollective.testing import report
 
 MARKER_WAIT_S = 30.0  # a rank reaches its point within this, even on a loaded 2-core machine
 MARKER_POLL_S = 0.01
+MARKER_WAIT_AFTER_S = 5.0  # a marker's wait failed: the other replicas have this long to end
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 QUIET = 2  # compileall: not even errors (a read-only tree just stays uncompiled)
 COMPILED_ENV = "ZC_TESTS_COMPILED"  # set by the session: its replicas, importing this, skip it
@@ -70,19 +72,31 @@ def touch(path):
         pass
 
 
-def wait_for(*paths, timeout=MARKER_WAIT_S):
+def wait_for(*paths, timeout=MARKER_WAIT_S, watch=None):
     """Wait until every file in ``paths`` exists.
+
+    ``watch``: the :class:`~zcollective.testing.Replicas` that make them; if one
+    of its processes ends first, or the wait times out, the test fails at once
+    with every rank's outcome and output (not a bare timeout).
 
     Raises
     ------
     TimeoutError
-        One did not appear within ``timeout`` seconds.
+        One did not appear within ``timeout`` seconds (no ``watch``).
     """
     deadline = time.monotonic() + timeout
     for path in paths:
         while not os.path.exists(path):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"marker {path} did not appear within {timeout:g} s")
+            ended = watch is not None and any(p.poll() is not None for p in watch.procs)
+            if ended and os.path.exists(path):
+                break  # made just before its maker ended
+            if ended or time.monotonic() >= deadline:
+                why = "a replica ended before" if ended else f"did not appear within {timeout:g} s:"
+                headline = f"marker {path}: {why} it appeared"
+                if watch is None:
+                    raise TimeoutError(headline)
+                # the others end too, with the errors that explain it, or are killed
+                raise AssertionError(report(watch.wait(MARKER_WAIT_AFTER_S), headline))
             time.sleep(MARKER_POLL_S)  # polling a file, with a bound
 
 

@@ -223,7 +223,7 @@ def test_a_stranger_on_a_replicas_data_port_gets_nothing_in_without_a_secret(tmp
     sent, growth = {}, 0
     with Replicas(idle_under_attack, 3, markers, env=env) as reps:
         try:
-            wait_for(os.path.join(markers, "port"), timeout=60)
+            wait_for(os.path.join(markers, "port"), timeout=60, watch=reps)
             with open(os.path.join(markers, "port")) as f:
                 endpoint = f.read()
             host, port = endpoint[len("tcp://"):].rsplit(":", 1)
@@ -279,7 +279,7 @@ def test_a_reset_control_link_is_named_on_every_rank_within_the_bound(tmp_path, 
             Replicas(control_reset, 3, markers, secret, port=port, env=env,
                      rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
         try:
-            wait_for(os.path.join(markers, "reset-me"), timeout=60)
+            wait_for(os.path.join(markers, "reset-me"), timeout=60, watch=reps)
             assert relay.connections == 1
             relay.reset()
             relay.settled()  # re-made; with a secret, refused (rank 0's thread answers at once)
@@ -324,11 +324,12 @@ def test_ctrl_c_ends_a_call_waiting_on_a_silent_data_link(tmp_path):
     env = {**ON, "ZCOLLECTIVE_LIVENESS_TIMEOUT": "30"}
     with Replicas(interrupted_on_a_silent_link, 3, markers, env=env) as reps:
         try:
-            wait_for(os.path.join(markers, "stopping"), os.path.join(markers, "waiting"), timeout=60)
+            wait_for(os.path.join(markers, "stopping"), os.path.join(markers, "waiting"), timeout=60,
+                     watch=reps)
             time.sleep(0.5)  # rank 1 is inside the ring, waiting on rank 2's chunks
             sent = time.monotonic()
             reps.kill(1, signal.SIGINT)
-            wait_for(os.path.join(markers, "interrupted"), timeout=10)
+            wait_for(os.path.join(markers, "interrupted"), timeout=10, watch=reps)
             with open(os.path.join(markers, "interrupted")) as f:
                 took = float(f.read()) - sent
         finally:

@@ -386,7 +386,7 @@ def test_a_stranger_on_a_data_port_changes_nothing(tmp_path, secret):
     let_in, stranger = set(), []
     with Replicas(calls_beside_a_stranger, n, markers, env=env) as reps:
         try:
-            wait_for(*(os.path.join(markers, f"port{r}") for r in range(n)))
+            wait_for(*(os.path.join(markers, f"port{r}") for r in range(n)), watch=reps)
             ports = [pathlib.Path(markers, f"port{r}").read_text() for r in range(n)]
             for k, dtype in enumerate(STRANGER_CALLS):
                 for r, endpoint in enumerate(ports):
@@ -397,7 +397,7 @@ def test_a_stranger_on_a_data_port_changes_nothing(tmp_path, secret):
                         sock.sendall(zmtp.message([b"garbage"]) + forged_chunks(n, r, k, dtype, session, tag))
                         let_in.add(r)  # every byte of every chunk written
                 touch(os.path.join(markers, f"forged{k}"))
-                wait_for(*(os.path.join(markers, f"done{k}-{r}") for r in range(n)))
+                wait_for(*(os.path.join(markers, f"done{k}-{r}") for r in range(n)), watch=reps)
         except TimeoutError as exc:
             raise AssertionError(report(reps.wait(5), str(exc))) from None
         finally:

@@ -200,7 +200,7 @@ def test_a_replica_stopped_by_a_signal_is_named(sig, tmp_path):
     markers = str(tmp_path)
     with Replicas(initialized(victim_and_survivors), 3, markers, initialize=False, env=LIVENESS) as reps:
         try:
-            wait_for(os.path.join(markers, "ready"), os.path.join(markers, "arrived"))
+            wait_for(os.path.join(markers, "ready"), os.path.join(markers, "arrived"), watch=reps)
         except TimeoutError as exc:
             raise AssertionError(report(reps.wait(5), str(exc))) from None
         reps.kill(2, sig)

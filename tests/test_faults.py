@@ -131,7 +131,7 @@ def test_stopped_replica_is_found_by_heartbeats_within_the_bound(tmp_path):
     marker = tmp_path / "past-the-barrier"
     with Replicas(wait_for_a_stopped_peer, 3, str(marker),
                   env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": LIVENESS}) as reps:
-        wait_for(marker)
+        wait_for(marker, watch=reps)
         reps.kill(2, signal.SIGSTOP)
         reps.join([0, 1], 30)
         reps.kill(2, signal.SIGKILL)

@@ -36,7 +36,8 @@ from zcollective.testing import Replicas, ReplicasFailed, report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAUNCHING_MD = ROOT / "docs" / "launching.md"
-RUN_TIMEOUT_S = 120.0  # a whole launcher run of a 3-replica example on a loaded 2-core machine
+RUN_TIMEOUT_S = 50.0  # a launcher run of a 3-replica example (seconds, loaded): twice fits in pytest's 120 s,
+# so a run that hangs is killed and its ranks' output shown, not cut off by pytest-timeout
 
 
 # -- what each launcher sets -------------------------------------------------

@@ -237,7 +237,7 @@ def test_a_flood_of_connections_cannot_silence_heartbeats(tmp_path):
     opens and closes thousands of connections: nobody is declared lost."""
     busy, flooded = str(tmp_path / "busy"), str(tmp_path / "flooded")
     with Replicas(busy_reduction, 2, busy, flooded, env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}) as reps:
-        wait_for(busy)
+        wait_for(busy, watch=reps)
         opened, start = 0, time.monotonic()
         while time.monotonic() - start < (FLOOD_S if opened >= FLOOD_CONNECTIONS else FLOOD_MAX_S):
             if opened >= 2 * FLOOD_CONNECTIONS:  # enough: the thread stays busy till FLOOD_S all the same

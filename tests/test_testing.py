@@ -92,7 +92,7 @@ def test_signals_reach_a_forked_replica_as_they_reach_a_fresh_one(tmp_path):
 
     ready = tmp_path / "ready"
     with Replicas(_wait_for_ctrl_c, 1, str(ready), initialize=False) as reps:
-        wait_for(ready)
+        wait_for(ready, watch=reps)
         reps.kill(0, signal.SIGINT)
         (outcome,) = reps.wait(30)
     assert outcome.ok and outcome.value == "interrupted", outcome.describe()
@@ -259,3 +259,20 @@ def test_free_ports_differ_avoid_the_ephemeral_range_and_each_worker_has_its_own
         assert len(set(seen[worker])) == 200  # a test asking for many gets different ones
         assert all(ephemeral - testing.PORTS_BELOW_EPHEMERAL <= p < ephemeral for p in seen[worker])
     assert max(seen["gw0"]) < min(seen["gw1"])  # the workers' slices do not overlap
+
+
+def test_free_port_never_hands_out_a_port_a_launcher_uses_by_default(monkeypatch):
+    """CI once gave a test's group port 29457, zcollective's default, while the mpirun test's
+    job (no port set) ran on the other worker: the two jobs joined each other and both hung."""
+    import zcollective.testing as testing
+
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+    for reserved in sorted(testing.LAUNCHER_PORTS):
+        monkeypatch.setattr(testing, "_next_port", [reserved - 1])
+        ports = [testing.free_port() for _ in range(3)]
+        if ports[0] != reserved - 1:
+            continue  # (that port is outside this system's range, or was busy)
+        assert reserved not in ports, (reserved, ports)
+    from zcollective.config import DEFAULT_MASTER_PORT
+
+    assert DEFAULT_MASTER_PORT in testing.LAUNCHER_PORTS

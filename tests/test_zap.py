@@ -337,7 +337,7 @@ def run_group_under(tmp_path, attack, env=ENV):
     stop, ready = str(tmp_path / "stop"), str(tmp_path / "ready")
     with Replicas(exact_until_stopped, 3, stop, ready, env=env) as reps:
         try:
-            wait_for(ready)
+            wait_for(ready, watch=reps)
             result = attack(reps.port, reps.procs[0].pid)
         finally:
             touch(stop)
@@ -427,7 +427,7 @@ def test_strangers_are_refused_at_the_handshake_and_nothing_reaches_the_coordina
             Replicas(exact_until_stopped, 3, stop, ready, port=port, env=ENV,
                      rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
         try:
-            wait_for(ready)
+            wait_for(ready, watch=reps)
             silent = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
             silent.sendall(GREETING_PLAIN[:10])  # half a greeting, then nothing
             results["null"] = raw_attempt(port, GREETING_NULL + ready_null(), marker)

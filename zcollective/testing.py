@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 import cloudpickle
 
 from . import _sockets
+from .config import DEFAULT_MASTER_PORT
 
 __all__ = ["run_replicas", "Replicas", "ReplicasFailed", "SpawnRequest", "free_port", "spawner"]
 
@@ -113,6 +114,10 @@ rank, it returns process objects with ``poll``, ``wait``, ``send_signal``,
 PORTS_BELOW_EPHEMERAL = 8192  # how many ports under the ephemeral range free_port hands out
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"  # read on Linux only
 DEFAULT_EPHEMERAL_LOW = 32768  # Linux's default start; BSDs, macOS and Windows start higher (49152)
+LAUNCHER_PORTS = frozenset({DEFAULT_MASTER_PORT, DEFAULT_MASTER_PORT + 1, 29400, 29500, 29501})
+# never handed out: ports a job started with no port set uses (zcollective's default, and the port
+# torchrun's agent (29400) and torch.distributed (29500) default to, plus the one after each that
+# zcollective takes under torchrun): a test's group there and a launcher's job would join each other
 _next_port: list[int] = []  # this process's next candidate in its slice
 os.register_at_fork(after_in_child=_next_port.clear)  # a forked child starts at a random place
 
@@ -123,7 +128,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     Taken just under the kernel's ephemeral range, so no port bound to 0
     meanwhile (a data port, another test's socket) can take it before it is
     used; ports follow one another, so a test asking for several gets
-    different ones; each pytest-xdist worker has a slice of its own."""
+    different ones; each pytest-xdist worker has a slice of its own. Ports
+    that launchers use when none is set (:data:`LAUNCHER_PORTS`) are skipped:
+    a job started meanwhile with no port set would join the test's group."""
     ephemeral = _ephemeral_low()
     low = max(1024, ephemeral - PORTS_BELOW_EPHEMERAL)
     workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
@@ -136,6 +143,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         for _ in range(size):
             port = start + (_next_port[0] - start) % size
             _next_port[0] = port + 1
+            if port in LAUNCHER_PORTS:
+                continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind((host, port))
