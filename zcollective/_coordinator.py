@@ -65,12 +65,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable, Optional, cast
 
 from . import _bodies, _serialize
 from ._bodies import PYTHON_VERSION, error_body
-from ._interrupts import call_user, from_signal, library_code
 from ._mac import HMAC_SHA256, POLY1305
 from ._stats import Lateness
 from ._wire import (
@@ -93,7 +91,7 @@ from ._wire import (
     decode,
     join_token,
 )
-from .errors import SerializationError
+from .errors import SerializationError, from_signal
 
 log = logging.getLogger("zcollective")
 
@@ -161,8 +159,11 @@ class Coordinator:
     """Per-group collective state; see the module docstring for the rules."""
 
     def __init__(self, num_replicas: int, session: int, max_frames: int,
-                 signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None) -> None:
+                 signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None,
+                 user_code: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn) -> None:
         self.num_replicas = num_replicas
+        self.user_code = user_code  # the driver's: a reduce function made callable where an
+        # interrupt may stop it (rank 0's thread: _interrupts.user_code); as it is by default
         self.signer = signer
         self._challenge_key = os.urandom(32)  # challenges are HMAC(this, peer): nothing to store
         self._challenged: OrderedDict[bytes, int] = OrderedDict()  # peer -> CHALLENGEs sent (LRU)
@@ -805,8 +806,7 @@ class Coordinator:
         except SerializationError as exc:
             raise _Unreadable(str(exc)) from exc
         self.reducing = (contributions[0].seq, contributions[0].op, time.monotonic())
-        if not library_code(fn):  # user code: an interrupt may stop it (rank 0's thread)
-            fn = partial(call_user, fn)
+        fn = self.user_code(fn)
         try:
             acc = values[0]
             for value in values[1:]:

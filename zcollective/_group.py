@@ -167,13 +167,14 @@ class Group:
             raise
 
     def _connect(self, signer: Optional[Signer]) -> Driver:
-        """The member's link: one replica has the coordinator in its own
-        thread; rank 0 of more has it in a thread of its own; the others
-        reach it through a DEALER."""
+        """The member's link: one replica calls the coordinator directly;
+        rank 0 of more serves it (in its own thread while in the library);
+        the others reach it through a DEALER."""
         config, member = self.config, self._member
         if config.num_replicas == 1:
             session = int.from_bytes(os.urandom(8), "little") | 1
-            return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer))
+            return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
+                                                      user_code=_interrupts.user_code))
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         if config.rank == 0:

@@ -27,10 +27,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from functools import partial
 from types import CodeType, FrameType
 from typing import Any, Callable, Optional, TypeVar
 
 from zmq.backend import zmq_poll
+
+from .errors import SIGNAL_ATTR
 
 T = TypeVar("T")
 
@@ -79,9 +82,10 @@ def call_user(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-def from_signal(exc: BaseException) -> bool:
-    """Did a signal handler raise ``exc`` (an interrupt, not the code's own error)?"""
-    return hasattr(exc, "zcollective_signal")
+def user_code(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` made callable where an interrupt may stop it: through
+    :func:`call_user` unless it is the library's own (or built in)."""
+    return fn if library_code(fn) else partial(call_user, fn)
 
 
 def library_code(fn: Any) -> bool:
@@ -125,7 +129,7 @@ class _Wrapped:
             try:
                 self.handler(signum, frame)
             except BaseException as exc:
-                exc.zcollective_signal = signum  # type: ignore[attr-defined]  # (see from_signal)
+                setattr(exc, SIGNAL_ATTR, signum)  # (see errors.from_signal)
                 raise
             return
         if self.resending:

@@ -175,3 +175,10 @@ WIRE_ERRORS: dict[str, type[Exception]] = {
                                   LateJoinError, InternalError, ValueError)
 }
 
+
+SIGNAL_ATTR = "zcollective_signal"  # set on an exception a signal handler raised: its signal number
+
+
+def from_signal(exc: BaseException) -> bool:
+    """Did a signal handler raise ``exc`` (an interrupt, not the code's own error)?"""
+    return hasattr(exc, SIGNAL_ATTR)
