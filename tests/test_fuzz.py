@@ -1220,7 +1220,7 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
     """Rank 0's own member has a routing id no DEALER is given; libzmq lets a
     peer announce it anyway, so the server drops it: a JOIN under that name
     for rank 0, sent while the group joins, takes nobody's place."""
-    from zcollective._link import HOST_PEER
+    from zcollective._coordinator import HOST_PEER
 
     port = free_port()
     done = {}

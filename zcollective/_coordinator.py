@@ -102,6 +102,8 @@ MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so st
 # rank 0 hold at most about 1.2 MiB of answers
 
 Out = tuple[bytes, Message]
+HOST_PEER = b"\x00L0"  # its name for the member in its own process; no DEALER of ours has it
+# (theirs start with b"R"), and the server drops any peer announcing it
 
 
 class Phase(enum.Enum):

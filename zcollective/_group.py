@@ -22,7 +22,7 @@ import zmq
 from . import _bodies, _interrupts, _ring, _serialize, _sockets
 from ._coordinator import Coordinator
 from ._dataplane import DataPlane
-from ._future import CollectiveFuture
+from ._future import CollectiveFuture, sleeping
 from ._link import DirectLink, Driver, HostLink
 from ._member import Member
 from ._replica import Replica
@@ -183,6 +183,7 @@ class Group:
             link: Driver = HostLink(member, self._server)
         else:
             link = Replica(self._ctx, config, member)
+            link.sleepers = sleeping
         if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
             # bound before the JOIN, which announces it (a master on loopback: one host, no use)
             gate = self._server.gatekeeper if self._server is not None else None

@@ -21,15 +21,14 @@ every size of group.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import _bodies
-from ._coordinator import Coordinator
+from ._coordinator import HOST_PEER, Coordinator
 from ._member import STATUS_WAIT_S, Member
-from ._wire import Kind, Message, Op
+from ._wire import Kind, Message, Op, owned
 from .errors import CollectiveError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -48,6 +47,8 @@ class Driver:
     def __init__(self, member: Member) -> None:
         self.member = member
         self.data: Optional[DataPlane] = None  # the data plane, once the group has one
+        self.sleepers: Callable[[], bool] = bool  # does a coroutine sleep on the fds (the group
+        # sets _future.sleeping): then every progress drains the sockets (rule 3 of _future)
 
     # -- to implement -----------------------------------------------------
 
@@ -237,56 +238,6 @@ class Driver:
             self.send(replies)
 
 
-class Wakeup:
-    """A pipe one thread writes to wake another watching its read end (an
-    awaiting coroutine's event loop); it stays readable until :meth:`clear`."""
-
-    def __init__(self) -> None:
-        self.fd, self._write = os.pipe()
-        os.set_blocking(self.fd, False)
-        os.set_blocking(self._write, False)
-        self._set = False  # a byte may be in the pipe: clear() must read it
-        self._open = True
-
-    def set(self) -> None:
-        try:
-            os.write(self._write, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # full (it is readable anyway) or closed (nobody waits any more)
-        # after the write: a clear() in between skips the read and leaves one spurious wake;
-        # before it, a clear() could reset the flag with the byte still to come, for good
-        self._set = True
-
-    def clear(self) -> None:
-        if not self._set:
-            return  # nothing written since the last clear: spare the system call
-        self._set = False
-        try:
-            os.read(self.fd, 4096)
-        except (BlockingIOError, OSError):
-            pass
-
-    def close(self) -> None:
-        fds, self._open = (self.fd, self._write) if self._open else (), False  # once: the numbers
-        for fd in fds:  # may be another file's afterwards
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def owned(msg: Message) -> Message:
-    """``msg`` with every buffer its own copy. What crosses between rank 0's
-    member and the coordinator in one process is copied, as a socket would:
-    so a reduction never runs in place in the user's input, and mutating a
-    result never changes buffers still being sent to other ranks."""
-    if not msg.segments:
-        return msg
-    msg.segments = [[frame if isinstance(frame, bytes) else bytearray(memoryview(frame))
-                     for frame in segment] for segment in msg.segments]
-    return msg
-
-
 class HostLink(Driver):
     """Rank 0's member, beside the coordinator (:class:`Server`): rank 0's
     thread owns the coordinator's sockets while it waits here, and serves
@@ -351,8 +302,7 @@ class HostLink(Driver):
         return self.server.busy()
 
 
-HOST_PEER = b"\x00L0"  # the coordinator's name for the member in its own process; no DEALER
-# of ours has it (theirs start with b"R"), and the server drops any peer announcing it
+
 
 
 class DirectLink(Driver):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from . import _future, _interrupts, _sockets, _zap
+from . import _interrupts, _sockets, _zap
 from ._link import Driver
 from ._member import Link, Member
 from ._wire import Message, encode
@@ -138,7 +138,7 @@ class Replica(Driver):
             replies = member.receive(_sockets.recv_message(dealer))
             if replies:
                 self._answer(replies)
-            if until is not None and not member.calls and until() and not _future.sleeping():
+            if until is not None and not member.calls and until() and not self.sleepers():
                 break
         return got
 

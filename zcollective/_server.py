@@ -47,9 +47,8 @@ import zmq
 from zmq.backend import zmq_poll
 
 from . import _interrupts, _sockets, _zap
-from ._coordinator import Coordinator, Out, Phase
-from ._link import HOST_PEER, Wakeup, owned
-from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
+from ._coordinator import HOST_PEER, Coordinator, Out, Phase
+from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
 from .config import Config
 from .errors import InternalError
 
@@ -106,7 +105,7 @@ class Server:
         self._stopped = False
         self._finished = threading.Event()  # the background thread has ended
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
-        self.wakeup = Wakeup()
+        self.wakeup = _sockets.Wakeup()
         endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
         try:
             with _sockets.mapped("rank 0 cannot start its coordinator thread"):

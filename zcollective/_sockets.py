@@ -235,3 +235,41 @@ def monitor_events(monitor: zmq.Socket) -> Iterator[tuple[int, int]]:
         frames = recv_message(monitor)
         if len(frames) == 2 and len(frames[0]) == _MONITOR_EVENT.size:  # (else not libzmq's)
             yield _MONITOR_EVENT.unpack(frames[0].bytes)
+
+
+class Wakeup:
+    """A pipe one thread writes to wake another watching its read end (an
+    awaiting coroutine's event loop); it stays readable until :meth:`clear`."""
+
+    def __init__(self) -> None:
+        self.fd, self._write = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write, False)
+        self._set = False  # a byte may be in the pipe: clear() must read it
+        self._open = True
+
+    def set(self) -> None:
+        try:
+            os.write(self._write, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # full (it is readable anyway) or closed (nobody waits any more)
+        # after the write: a clear() in between skips the read and leaves one spurious wake;
+        # before it, a clear() could reset the flag with the byte still to come, for good
+        self._set = True
+
+    def clear(self) -> None:
+        if not self._set:
+            return  # nothing written since the last clear: spare the system call
+        self._set = False
+        try:
+            os.read(self.fd, 4096)
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        fds, self._open = (self.fd, self._write) if self._open else (), False  # once: the numbers
+        for fd in fds:  # may be another file's afterwards
+            try:
+                os.close(fd)
+            except OSError:
+                pass

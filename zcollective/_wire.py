@@ -544,3 +544,15 @@ def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
     if kind_ is None or op_ is None or (count != 1 and kind_ in CONTROL_KINDS):
         return None
     return Message(kind_, op_, rank, root, seq, session, "", flags, None, [list(frames[1:])])
+
+
+def owned(msg: Message) -> Message:
+    """``msg`` with every buffer its own copy. What crosses between rank 0's
+    member and the coordinator in one process is copied, as a socket would:
+    so a reduction never runs in place in the user's input, and mutating a
+    result never changes buffers still being sent to other ranks."""
+    if not msg.segments:
+        return msg
+    msg.segments = [[frame if isinstance(frame, bytes) else bytearray(memoryview(frame))
+                     for frame in segment] for segment in msg.segments]
+    return msg
