@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from zcollective._mac import ChunkMac, available_backends  # noqa: E402
+from zcollective._format._mac import ChunkMac, available_backends  # noqa: E402
 
 SIZES = {"1 MiB": 1 << 20, "16 MiB": 16 << 20}
 CHUNK = 1 << 20  # the threaded HMAC's unit

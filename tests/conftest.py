@@ -158,7 +158,7 @@ def ring_jobs(n, elements, dtype):
     of ``dtype`` on ``n`` ranks receives in all (as its progress reports say)."""
     import numpy as np
 
-    from zcollective._ring import RingAllreduce
+    from zcollective._protocol._ring import RingAllreduce
 
     jobs = (RingAllreduce(r, n, np.empty(elements, dtype=dtype), None) for r in range(n))
     return {job.rank: (job.expected, job.total_bytes) for job in jobs}
@@ -182,7 +182,7 @@ def interrupted_at_line(k, package, fn, *args):
     (a directory or one file; :class:`InterruptAtLine`); True if it was
     sent, in which case the KeyboardInterrupt must come out of ``fn`` or,
     deferred by the library, right after it returns."""
-    from zcollective import _interrupts
+    from zcollective._io import _interrupts
 
     _interrupts.hold_signals()  # (a group does it when it starts; again changes nothing)
     hook = InterruptAtLine(k, lambda name: name.startswith(package))

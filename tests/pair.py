@@ -13,13 +13,13 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Any, Optional
 
-import zcollective._member
-import zcollective._wire
-from zcollective import _serialize
-from zcollective._coordinator import Coordinator
+import zcollective._format._wire
+import zcollective._protocol._member
+from zcollective._format import _serialize
+from zcollective._format._wire import DEFAULT_MAX_FRAMES, Message, Op, Signer, encode
 from zcollective._future import CollectiveFuture
-from zcollective._member import Link, Member
-from zcollective._wire import DEFAULT_MAX_FRAMES, Message, Op, Signer, encode
+from zcollective._protocol._coordinator import Coordinator
+from zcollective._protocol._member import Link, Member
 
 SESSION = 0x5E55_10
 ENDPOINT = "tcp://10.0.0.1:29500"
@@ -133,7 +133,7 @@ class Pair:
     def installed(self, rank: int):
         """Run as ``rank``'s installation would (its versions)."""
         patches = self.installs.get(rank, {})
-        modules = (zcollective._wire, zcollective._member)
+        modules = (zcollective._format._wire, zcollective._protocol._member)
         saved = [(m, k, getattr(m, k)) for k in patches for m in modules if hasattr(m, k)]
         for module, key, _ in saved:
             setattr(module, key, patches[key])

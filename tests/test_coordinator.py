@@ -4,9 +4,8 @@ import logging
 
 import pytest
 
-from zcollective import _serialize
-from zcollective._coordinator import PYTHON_VERSION, Coordinator, Phase
-from zcollective._wire import (
+from zcollective._format import _serialize
+from zcollective._format._wire import (
     FLAG_AUTH,
     FLAG_LAST,
     FLAG_LOCAL_ERROR,
@@ -19,6 +18,7 @@ from zcollective._wire import (
     encode,
     join_token,
 )
+from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
 
 SESSION = 0x5E55
 
@@ -471,13 +471,13 @@ def test_a_refused_peer_gets_one_answer_and_refusals_are_bounded():
     coord = joined(2)
     answers = sum(len(feed(coord, b"flood", join_msg(1, 2))) for _ in range(1000))
     assert answers == 1
-    from zcollective._coordinator import MAX_ANSWERED_PEERS
+    from zcollective._protocol._coordinator import MAX_ANSWERED_PEERS
     answered = sum(len(feed(coord, b"peer%d" % i, join_msg(1, 2))) for i in range(MAX_ANSWERED_PEERS + 500))
     assert answered == MAX_ANSWERED_PEERS - 1  # "flood" took the first place
 
 
 def test_with_a_secret_a_join_must_echo_a_fresh_challenge_so_old_joins_claim_nothing():
-    from zcollective._wire import Signer
+    from zcollective._format._wire import Signer
 
     signer = Signer(b"0123456789abcdef-secret")
 

@@ -26,7 +26,7 @@ from test_zap import hello, rss_kib
 from zmtp import greeting, ready
 
 import zcollective as zc
-from zcollective import _dataplane
+from zcollective._io import _dataplane
 from zcollective.testing import Replicas, report
 
 ON = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096",

@@ -22,8 +22,8 @@ from conftest import MARKER_WAIT_S, interrupted_at_line, ring_jobs, ring_loss_fo
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
-from zcollective._coordinator import Coordinator, Phase
-from zcollective._wire import FLAG_DATA, Kind, Message, Op
+from zcollective._format._wire import FLAG_DATA, Kind, Message, Op
+from zcollective._protocol._coordinator import Coordinator, Phase
 from zcollective.testing import Replicas, report, run_replicas
 
 ON = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}
@@ -360,8 +360,8 @@ def forged_chunks(n, rank, seq, dtype, session, tag):
     ``seq``: every reduce-scatter and allgather chunk that call expects, of
     the right size, claiming the right origin: all but the session, which
     it cannot know."""
-    from zcollective._dataplane import HEADER, MAGIC, VERSION
-    from zcollective._ring import AG, RS
+    from zcollective._io._dataplane import HEADER, MAGIC, VERSION
+    from zcollective._protocol._ring import AG, RS
 
     payload = np.full(STRANGER_ELEMENTS // n, POISON, dtype=dtype).tobytes()
     prev = (rank - 1) % n
@@ -552,7 +552,7 @@ def test_an_interrupt_at_any_line_of_the_data_monitors_loses_no_event():
 
     import zmq
 
-    from zcollective._dataplane import DataPlane
+    from zcollective._io._dataplane import DataPlane
     from zcollective.config import resolve
     from zcollective.errors import ReplicaLostError
     from zcollective.testing import free_port

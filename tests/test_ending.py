@@ -455,7 +455,7 @@ def test_a_signal_during_a_multipart_send_or_receive_leaves_the_message_whole():
     Frame.__dealloc__ was, and an old version of this test passed)."""
     import zmq
 
-    from zcollective import _interrupts, _sockets
+    from zcollective._io import _interrupts, _sockets
 
     where = []
 

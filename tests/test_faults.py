@@ -12,7 +12,7 @@ from conftest import touch, wait_for
 from hostile import Boom
 
 import zcollective as zc
-import zcollective._member
+import zcollective._protocol._member
 from zcollective.testing import Replicas, free_port, report, run_replicas
 
 LIVENESS = "2"  # seconds; tests set the detection bound low to stay fast
@@ -249,7 +249,7 @@ def test_initialize_timeout_names_the_address_or_the_missing_ranks():
 def test_port_answered_by_a_non_zeromq_program_fails_fast(monkeypatch):
     """The heuristic's numbers are tested in test_member.py; here, a shorter
     window, so the real handshakes fail often enough in a second."""
-    monkeypatch.setattr(zcollective._member, "FOREIGN_PEER_S", 1.0)
+    monkeypatch.setattr(zcollective._protocol._member, "FOREIGN_PEER_S", 1.0)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -334,8 +334,8 @@ def honest_job(steps, started, go):
 def hostile_client(port, marker, started, go, stop):
     import zmq
 
-    from zcollective import _serialize
-    from zcollective._wire import Kind, Message, Op, control, encode
+    from zcollective._format import _serialize
+    from zcollective._format._wire import Kind, Message, Op, control, encode
 
     evil = _serialize.dumps(Boom(marker))
     ctx = zmq.Context()

@@ -30,10 +30,8 @@ from hypothesis import strategies as st
 from relay import Relay
 
 import zcollective as zc
-from zcollective import _serialize, _zap
-from zcollective._coordinator import PYTHON_VERSION, Coordinator, Phase
-from zcollective._member import Call, Member
-from zcollective._wire import (
+from zcollective._format import _serialize
+from zcollective._format._wire import (
     CONTROL_KINDS,
     FLAG_AUTH,
     FLAG_LOCAL_ERROR,
@@ -52,6 +50,9 @@ from zcollective._wire import (
     decode,
     encode,
 )
+from zcollective._io import _zap
+from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
+from zcollective._protocol._member import Call, Member
 from zcollective.errors import AuthenticationError, CollectiveError, ProtocolError
 from zcollective.testing import Replicas, free_port, report
 
@@ -1220,7 +1221,7 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
     """Rank 0's own member has a routing id no DEALER is given; libzmq lets a
     peer announce it anyway, so the server drops it: a JOIN under that name
     for rank 0, sent while the group joins, takes nobody's place."""
-    from zcollective._coordinator import HOST_PEER
+    from zcollective._protocol._coordinator import HOST_PEER
 
     port = free_port()
     done = {}
@@ -1257,8 +1258,8 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
 
 PEERS_BY_COMMAND = r"""
 import os, sys, zmq
-from zcollective._coordinator import PYTHON_VERSION
-from zcollective._wire import PROTOCOL_VERSION, Kind, control, encode
+from zcollective._protocol._coordinator import PYTHON_VERSION
+from zcollective._format._wire import PROTOCOL_VERSION, Kind, control, encode
 ctx, socks = zmq.Context(), {}
 for line in sys.stdin:  # one command a line, done in order; the test waits for its effect
     what, name, *rest = line.split()
@@ -1288,7 +1289,7 @@ class SteppedServer:
         import subprocess
         import sys
 
-        from zcollective._server import Server
+        from zcollective._io._server import Server
         from zcollective.config import resolve
 
         self.ctx = zmq.Context()
@@ -1320,7 +1321,7 @@ class SteppedServer:
     def settle(self):
         """Step the server until its probes have found out whose connection
         closed (the schedule ends), with a bound."""
-        from zcollective._server import PROBE_SPAN_S
+        from zcollective._io._server import PROBE_SPAN_S
 
         server = self.server
         server._step([])
@@ -1381,7 +1382,7 @@ def test_a_replica_that_joined_then_closed_before_rank_0_looked_frees_its_slot()
 def test_a_flood_of_strangers_costs_a_bounded_number_of_probe_rounds():
     """Each stranger's close would start a schedule of probes: closes during
     one are coalesced, at most a round per PROBE_FLOOD_GAP_S."""
-    from zcollective import _server
+    from zcollective._io import _server
 
     with SteppedServer() as s:
         s.say("connect replica R-rank-1", "join replica 1")

@@ -12,11 +12,11 @@ import pytest
 import zmq
 from conftest import interrupted_at_line, touch, wait_for
 
-from zcollective import _serialize
+from zcollective._format import _serialize
+from zcollective._format._wire import Kind, Message, Op, decode, encode
 from zcollective._future import CollectiveFuture
-from zcollective._member import Member
-from zcollective._replica import Replica
-from zcollective._wire import Kind, Message, Op, decode, encode
+from zcollective._io._replica import Replica
+from zcollective._protocol._member import Member
 from zcollective.config import resolve
 from zcollective.errors import CallMismatchError
 from zcollective.testing import run_replicas
@@ -59,7 +59,7 @@ class Unhashable:
 def test_only_functions_a_pickle_could_not_change_are_handed_over_as_they_are():
     import operator
 
-    from zcollective import _serialize
+    from zcollective._format import _serialize
 
     offset = 10
 
@@ -231,7 +231,7 @@ def test_a_ctrl_c_at_any_line_of_a_send_still_sends_the_message_whole_once():
     """A SIGINT at any line of send_frames (a trace hook sends it at its k-th
     line, for every k) comes out only once the message is whole, sent once."""
 
-    from zcollective import _sockets
+    from zcollective._io import _sockets
 
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)

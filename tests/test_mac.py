@@ -2,8 +2,8 @@
 
 import pytest
 
-from zcollective import _mac
-from zcollective._mac import HMAC_SHA256, POLY1305, ChunkMac, available_backends
+from zcollective._format import _mac
+from zcollective._format._mac import HMAC_SHA256, POLY1305, ChunkMac, available_backends
 
 SECRET = b"chunk-mac-test-secret-0123456789"
 CONTEXT = b"session|sender 1|seq 7|step 2|chunk 0"

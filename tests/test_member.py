@@ -11,10 +11,8 @@ import pytest
 from pair import ENDPOINT, SESSION, Pair, outcome
 
 import zcollective as zc
-from zcollective import _serialize
-from zcollective._coordinator import PYTHON_VERSION, Phase
-from zcollective._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Call, Link, Member
-from zcollective._wire import (
+from zcollective._format import _serialize
+from zcollective._format._wire import (
     FLAG_DATA,
     FLAG_LAST,
     FLAG_LOCAL_ERROR,
@@ -25,6 +23,8 @@ from zcollective._wire import (
     encode,
     error_note,
 )
+from zcollective._protocol._coordinator import PYTHON_VERSION, Phase
+from zcollective._protocol._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Call, Link, Member
 
 SECRET = b"0123456789abcdef-the-job-secret"
 OTHER_SECRET = b"a-different-secret-of-enough-length"
@@ -579,7 +579,7 @@ def test_nothing_is_sent_for_a_call_that_could_not_be_built():
 
 
 def test_a_data_key_is_taken_only_as_the_welcome_writes_it():
-    from zcollective._member import _is_key
+    from zcollective._protocol._member import _is_key
 
     assert _is_key("ab" * 32)
     for bad in (" " * 64, "AB" * 31 + " " * 2, "ab" * 31, "zz" * 32, None, 7, b"ab" * 32):

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from zcollective._ring import (
+from zcollective._protocol._ring import (
     RS,
     ChainBroadcast,
     RingAllreduce,
@@ -136,7 +136,7 @@ def test_chain_broadcast_delivers_every_frame_to_every_rank(n, root):
 
 @pytest.mark.parametrize("n", [2, 3, 6])
 def test_ring_allgather_delivers_the_large_values_and_leaves_the_small_ones(n):
-    from zcollective._ring import RingAllgather
+    from zcollective._protocol._ring import RingAllgather
     values = [[b"p%d" % r, bytes([r]) * (300 * r)] if r % 2 == 0 else None for r in range(n)]
     sizes = [None if v is None else [len(f) for f in v] for v in values]
     jobs = _run([RingAllgather(r, n, sizes, values[r], chunk_bytes=128) for r in range(n)])

@@ -84,8 +84,8 @@ def test_replica_with_another_secret_gets_authentication_error(tmp_path):
 def attack(port, marker, stop):
     import zmq
 
-    from zcollective import _serialize
-    from zcollective._wire import Kind, Message, Op, Signer, control, encode
+    from zcollective._format import _serialize
+    from zcollective._format._wire import Kind, Message, Op, Signer, control, encode
 
     evil = _serialize.dumps(Boom(marker))
     wrong = Signer(b"not-the-secret-but-long-enough")
@@ -270,7 +270,7 @@ class SwappingProxy:
     def __init__(self, upstream_port, secret):
         import zmq
 
-        from zcollective import _zap
+        from zcollective._io import _zap
 
         self.secret = secret.encode()
         self.ctx = zmq.Context()
@@ -289,7 +289,7 @@ class SwappingProxy:
     def _run(self):
         import zmq
 
-        from zcollective import _zap
+        from zcollective._io import _zap
 
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)

@@ -12,9 +12,9 @@ import pytest
 from pair import Pair
 
 import zcollective as zc
-from zcollective import _serialize
-from zcollective._stats import SAMPLES, CallStats, Lateness, percentiles, slowest
-from zcollective._wire import Op
+from zcollective._format import _serialize
+from zcollective._format._wire import Op
+from zcollective._protocol._stats import SAMPLES, CallStats, Lateness, percentiles, slowest
 
 
 def test_percentiles_take_the_median_and_p90_of_what_was_kept():

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 import zcollective as zc
-from zcollective import _serialize
+from zcollective._format import _serialize
 from zcollective.testing import run_replicas
 
 pytestmark = pytest.mark.torch
@@ -216,7 +216,7 @@ NO_TORCH_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
     import zcollective
-    from zcollective import _serialize
+    from zcollective._format import _serialize
     from zcollective.testing import run_replicas
 
     array = _serialize.loads(_serialize.dumps(np.ones(1 << 20)))

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zcollective as zc
-from zcollective import _bodies, _mac, _serialize, _wire
-from zcollective._wire import (
+from zcollective._format import _bodies, _mac, _serialize, _wire
+from zcollective._format._wire import (
     FAST_TAG_BYTES,
     FLAG_FN,
     FLAG_PARTS,
@@ -141,7 +141,7 @@ def test_unserializable_value_names_its_type():
 
 
 def test_signed_messages_verify_and_any_change_is_refused():
-    from zcollective._wire import FLAG_AUTH, AuthError, Signer
+    from zcollective._format._wire import FLAG_AUTH, AuthError, Signer
 
     signer = Signer(b"s" * 32)
     msg = Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=9, session=7, segments=[[b"ab", b"cd"]])
@@ -427,7 +427,7 @@ def test_every_small_result_takes_the_fast_way_signed_or_not():
         assert _wire._decode_simple(encode(msg), False) is None
 
 
-# -- bodies: one schema per kind (zcollective._bodies) ---------------------------------
+# -- bodies: one schema per kind (zcollective._format._bodies) ---------------------------------
 
 
 def _through_the_wire(msg):

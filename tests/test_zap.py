@@ -1,4 +1,4 @@
-"""Authentication at the ZeroMQ handshake (zcollective/_zap.py): the token
+"""Authentication at the ZeroMQ handshake (zcollective/_io/_zap.py): the token
 rule without sockets; the gatekeeper with real sockets in one process (master
 and data domains); strangers and the endless-multipart attack against a
 group of real processes."""
@@ -20,7 +20,7 @@ from relay import Relay
 from zmq.utils.monitor import parse_monitor_message
 
 import zcollective as zc
-from zcollective import _zap
+from zcollective._io import _zap
 from zcollective.testing import Replicas, report
 
 SECRET = b"0123456789abcdef-the-job-secret"
@@ -58,7 +58,7 @@ def test_a_token_under_another_secret_or_for_another_domain_is_refused():
 
 
 def test_the_handshake_key_is_not_the_message_key():
-    from zcollective._wire import Signer
+    from zcollective._format._wire import Signer
 
     key = _zap.derive_key(SECRET)
     assert len(key) == 32 and key != _zap.derive_key(OTHER)
@@ -365,8 +365,8 @@ def raw_attempt(port, payload, marker):
     """A raw TCP stranger: send ``payload`` (after reading the greeting), then
     a JOIN-shaped message whose pickle would create ``marker``; return what
     the server sent back and whether it closed the connection."""
-    from zcollective import _serialize
-    from zcollective._wire import Kind, Message, Op, encode
+    from zcollective._format import _serialize
+    from zcollective._format._wire import Kind, Message, Op, encode
 
     evil = _serialize.dumps(Boom(marker))
     msg = encode(Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=0, session=1, fn=evil[0],

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from ._future import CollectiveFuture
 from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
-from ._ring import elementwise
+from ._protocol._ring import elementwise
 from .config import DEFAULT_INIT_TIMEOUT_S, takes_settings
 from .errors import (
     AddressError,

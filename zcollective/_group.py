@@ -19,16 +19,27 @@ from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import zmq
 
-from . import _bodies, _interrupts, _ring, _serialize, _sockets
-from ._coordinator import Coordinator
-from ._dataplane import DataPlane
+from ._format import _bodies, _serialize
+from ._format._wire import (
+    DEFAULT_MAX_FRAMES,
+    FLAG_DATA,
+    FLAG_LOCAL_ERROR,
+    LABELS,
+    Message,
+    Op,
+    Signer,
+    error_note,
+)
 from ._future import CollectiveFuture, sleeping
-from ._link import DirectLink, Driver, HostLink
-from ._member import Member
-from ._replica import Replica
-from ._server import Server
-from ._stats import calls_log, write_for_launcher
-from ._wire import DEFAULT_MAX_FRAMES, FLAG_DATA, FLAG_LOCAL_ERROR, LABELS, Message, Op, Signer, error_note
+from ._io import _interrupts, _sockets
+from ._io._dataplane import DataPlane
+from ._io._link import DirectLink, Driver, HostLink
+from ._io._replica import Replica
+from ._io._server import Server
+from ._protocol import _ring
+from ._protocol._coordinator import Coordinator
+from ._protocol._member import Member
+from ._protocol._stats import calls_log, write_for_launcher
 from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
 from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError
 
@@ -631,7 +642,7 @@ class Group:
     def _close(self, ending: bool = False) -> None:
         """Close the sockets. ``ending``: the program is ending without
         teardown: rank 0 first serves until its calls are delivered, and what
-        is queued gets :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave."""
+        is queued gets :data:`~zcollective._io._sockets.EXIT_LINGER_MS` to leave."""
         self._closed = True
         _open_groups.pop(id(self), None)
         if self.rank == 0:

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import IO, Optional
 
-from ._stats import STATS_FILE_ENV, slowest
+from ._protocol._stats import STATS_FILE_ENV, slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, SECRET_ENV, SECRET_FILE_ENV
 
 DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit by itself
@@ -156,7 +156,7 @@ class Launcher:
         port = ns.master_port
         if port is None:
             if ns.nnodes == 1:
-                from ._sockets import kernel_port
+                from ._io._sockets import kernel_port
 
                 port = kernel_port(ns.master_addr or DEFAULT_MASTER_ADDR)
             else:

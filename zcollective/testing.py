@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import cloudpickle
 
-from . import _sockets
+from ._io import _sockets
 from .config import DEFAULT_MASTER_PORT
 
 __all__ = ["run_replicas", "Replicas", "ReplicasFailed", "SpawnRequest", "free_port", "spawner"]

@@ -11,10 +11,10 @@ import sys
 import traceback
 from typing import Any, Optional
 
+from ..errors import WIRE_ERRORS, CollectiveError, RemoteError
 from . import _wire
 from ._mac import KEY_LABELS, available_backends
 from ._wire import Kind, Message, WireError, control
-from .errors import WIRE_ERRORS, CollectiveError, RemoteError
 
 PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
 MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's two texts, type

@@ -1,4 +1,4 @@
-"""Drivers of a :class:`~zcollective._member.Member`: how its messages reach
+"""Drivers of a :class:`~zcollective._protocol._member.Member`: how its messages reach
 the coordinator and the replies come back.
 
 :class:`Driver` holds what every driver does the same way (send what the
@@ -6,11 +6,11 @@ member owes, wait for a condition, ask the coordinator for the status of a
 late call); a subclass says how one message is sent and how to wait for the
 next. Three exist:
 
-- :class:`~zcollective._replica.Replica`: a DEALER socket to rank 0 (ranks 1
+- :class:`~zcollective._io._replica.Replica`: a DEALER socket to rank 0 (ranks 1
   and up);
 - :class:`HostLink`: rank 0's own member, whose thread serves the
   coordinator's sockets itself while it waits in the library
-  (:class:`~zcollective._server.Server`): its messages and replies are
+  (:class:`~zcollective._io._server.Server`): its messages and replies are
   function calls;
 - :class:`DirectLink`: a group of one, where the coordinator is called in
   the member's own thread; no socket, no thread.
@@ -25,11 +25,11 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import _bodies
-from ._coordinator import HOST_PEER, Coordinator
-from ._member import STATUS_WAIT_S, Member
-from ._wire import Kind, Message, Op, owned
-from .errors import CollectiveError, CollectiveTimeoutError
+from .._format import _bodies
+from .._format._wire import Kind, Message, Op, owned
+from .._protocol._coordinator import HOST_PEER, Coordinator
+from .._protocol._member import STATUS_WAIT_S, Member
+from ..errors import CollectiveError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
     from ._dataplane import DataPlane
@@ -86,7 +86,7 @@ class Driver:
             self._send(msg)
 
     def flush(self) -> None:
-        """Send what the member owes (rule 4 of :mod:`zcollective._member`):
+        """Send what the member owes (rule 4 of :mod:`zcollective._protocol._member`):
         a contribution leaves the queue only once it was sent whole."""
         owed = self.member.owed
         while owed:
@@ -203,7 +203,7 @@ class Driver:
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         """The coordinator's view of call ``seq`` (who arrived), or None if it
-        does not answer within :data:`~zcollective._member.STATUS_WAIT_S`."""
+        does not answer within :data:`~zcollective._protocol._member.STATUS_WAIT_S`."""
         member = self.member
         self.send([member.status_query(seq)])
         deadline = time.monotonic() + STATUS_WAIT_S

@@ -157,7 +157,7 @@ class Signer:
     With ``fast`` (and the ``cryptography`` package), a payload holding a
     frame of :data:`FAST_MAC_MIN_BYTES` or more is tagged at memory speed: a
     fresh random 16-byte nonce, each such frame replaced in the HMAC's input
-    by its :class:`~zcollective._mac.ChunkMac` tag (Poly1305 under a one-time
+    by its :class:`~zcollective._format._mac.ChunkMac` tag (Poly1305 under a one-time
     key derived from the nonce and the frame's index), and the HMAC, under a
     key of its own, over the nonce, the frames' lengths, the small frames,
     the chunk tags and the header. The tag frame is the nonce then that HMAC

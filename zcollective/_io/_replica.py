@@ -1,7 +1,7 @@
 """The DEALER driver of a replica's member (ranks 1 and up).
 
-A thin driver, as :mod:`zcollective._server` is for the coordinator: it
-sends what the :class:`~zcollective._member.Member` owes and answers, and
+A thin driver, as :mod:`zcollective._io._server` is for the coordinator: it
+sends what the :class:`~zcollective._protocol._member.Member` owes and answers, and
 hands it every message and connection event. The rules are the member's.
 Used only by the thread that created it.
 """
@@ -14,12 +14,12 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from .._format._wire import Message, encode
+from .._protocol._member import Link, Member
+from ..config import Config
+from ..errors import CollectiveError
 from . import _interrupts, _sockets, _zap
 from ._link import Driver
-from ._member import Link, Member
-from ._wire import Message, encode
-from .config import Config
-from .errors import CollectiveError
 
 MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -46,7 +46,7 @@ class Replica(Driver):
     """A member's DEALER connected to the coordinator at ``config.endpoint``.
 
     With a secret the DEALER proves it at the ZeroMQ handshake with a
-    single-use token (:mod:`zcollective._zap`). libzmq re-makes a lost
+    single-use token (:mod:`zcollective._io._zap`). libzmq re-makes a lost
     connection with the token it was given at ``connect``, which the
     coordinator refuses as spent: before the WELCOME (when the member joins
     again on a new connection) the DEALER then connects anew with a fresh

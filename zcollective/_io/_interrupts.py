@@ -1,5 +1,5 @@
 """Where an interrupt may surface: the interrupt half of the one concurrency
-rule (the other half, who owns each socket, opens :mod:`zcollective._server`).
+rule (the other half, who owns each socket, opens :mod:`zcollective._io._server`).
 
 Python runs a signal handler in the main thread between two bytecodes of
 whatever runs there. A handler's exception (``KeyboardInterrupt``) raised
@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from zmq.backend import zmq_poll
 
-from .errors import SIGNAL_ATTR
+from ..errors import SIGNAL_ATTR
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in (
 RESEND_FIRST_S = 0.001  # a deferred signal comes again this soon: most library steps are shorter
 RESEND_MAX_S = 0.05  # ... backing off to this, within a long step (pickling a large value)
 
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
 _NOT_LIBRARY = {os.path.join(_HERE, name) for name in ("run.py", "testing.py", "_child.py", "__main__.py")}
 # (the launcher and the test helpers run programs: their code is not the library at work)
 _SURFACES: set[CodeType] = set()

@@ -1,9 +1,9 @@
 """Rank 0's coordinator: its ROUTER socket, served by whichever thread owns it.
 
 A thin driver: it receives frames, feeds them to the pure
-:class:`~zcollective._coordinator.Coordinator`, and sends what it returns.
+:class:`~zcollective._protocol._coordinator.Coordinator`, and sends what it returns.
 
-The one concurrency rule (its interrupt half is :mod:`zcollective._interrupts`):
+The one concurrency rule (its interrupt half is :mod:`zcollective._io._interrupts`):
 the ROUTER, its monitor, the ZAP handler's socket and the coordinator have one
 owner at a time, the thread holding :attr:`Server._own`, and ownership
 changes hands only by that lock.
@@ -21,7 +21,7 @@ changes hands only by that lock.
   awaiting coroutine watches).
 
 With a secret the owner also answers each handshake (the context's ZAP
-handler, :class:`~zcollective._zap.Gatekeeper`, made before the ROUTER binds):
+handler, :class:`~zcollective._io._zap.Gatekeeper`, made before the ROUTER binds):
 a peer that cannot prove the secret is refused before libzmq takes in a
 message from it.
 
@@ -46,11 +46,11 @@ from typing import Any, Callable, Optional
 import zmq
 from zmq.backend import zmq_poll
 
+from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
+from .._protocol._coordinator import HOST_PEER, Coordinator, Out, Phase
+from ..config import Config
+from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
-from ._coordinator import HOST_PEER, Coordinator, Out, Phase
-from ._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
-from .config import Config
-from .errors import InternalError
 
 log = logging.getLogger("zcollective")
 
@@ -340,7 +340,7 @@ class Server:
         ``ending``: rank 0's program is ending (its member has sent BYE): it
         serves on until every call it made is complete and its results are on
         their way (at most :data:`EXIT_WAIT_S`), then what is queued gets
-        :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave. An interrupt
+        :data:`~zcollective._io._sockets.EXIT_LINGER_MS` to leave. An interrupt
         meanwhile tells the others the group is over, and closes at once.
         """
         if self._stopped:

@@ -4,11 +4,11 @@ returning the messages to send.
 Theory of operation
 -------------------
 Every replica, rank 0 included, has one :class:`Member`. It knows nothing of
-sockets or threads: a driver (:mod:`zcollective._link`) gives it every
+sockets or threads: a driver (:mod:`zcollective._io._link`) gives it every
 message that arrives and every event of its connection, and sends what it
 returns and what it owes. The member holds the one table of calls in flight
 and resolves their futures. That keeps every rule below testable without a
-network, as :mod:`zcollective._coordinator`'s are.
+network, as :mod:`zcollective._protocol._coordinator`'s are.
 
 Rules:
 
@@ -62,12 +62,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _bodies, _wire
-from ._bodies import PYTHON_VERSION
-from ._bodies import is_data_key as _is_key  # noqa: F401 (tests check it here)
-from ._mac import HMAC_SHA256, POLY1305
-from ._stats import CallStats, calls_log
-from ._wire import (
+from .._format import _bodies, _wire
+from .._format._bodies import PYTHON_VERSION
+from .._format._bodies import is_data_key as _is_key  # noqa: F401 (tests check it here)
+from .._format._mac import HMAC_SHA256, POLY1305
+from .._format._wire import (
     FLAG_DATA,
     FLAG_LAST,
     FLAG_LOCAL_ERROR,
@@ -84,7 +83,8 @@ from ._wire import (
     error_note,
     join_token,
 )
-from .errors import AuthenticationError, ProtocolError, ReplicaLostError
+from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
+from ._stats import CallStats, calls_log
 
 log = logging.getLogger("zcollective")
 
@@ -235,7 +235,7 @@ class Member:
 
     def bye(self) -> Optional[Message]:
         """BYE: this program is ending after ``next_seq`` calls (rule 7 of
-        :mod:`zcollective._coordinator`); None when there is nobody to tell
+        :mod:`zcollective._protocol._coordinator`); None when there is nobody to tell
         (the group failed or never started)."""
         if self.failure is not None or not self.joined:
             return None
@@ -433,7 +433,7 @@ class Member:
         self.calls.pop(seq, None)
 
     def _record(self, seq: int, call: Call, received: int, outcome: str) -> None:
-        """Count a call answered (see :mod:`zcollective._stats`)."""
+        """Count a call answered (see :mod:`zcollective._protocol._stats`)."""
         waited = time.perf_counter() - call.started
         self.stats.record(call.op, call.sent, received, waited)
         if self.log_calls:

@@ -1,14 +1,14 @@
 """The data plane's sockets: each replica binds one PULL socket (its *data
 port*, on the interface it uses to reach the master; port chosen by the OS,
 advertised in its JOIN, handed to all in the WELCOME) and connects one PUSH
-to the next rank's. It moves the chunks of a :class:`~zcollective._ring.Job`
+to the next rank's. It moves the chunks of a :class:`~zcollective._protocol._ring.Job`
 and nothing else: which calls go this way is decided by the coordinator,
 which matched the call first (see docs/protocol.md, "The data plane").
 
 A chunk is three frames: a header (:data:`HEADER`: magic, version, kind,
 session, seq, origin rank, step, index), a tag, the payload. With a secret
 the tag is a MAC of header and payload under the job's secret
-(:class:`zcollective._mac.ChunkMac`), verified before the payload is used;
+(:class:`zcollective._format._mac.ChunkMac`), verified before the payload is used;
 the header binds it to this group's session, the call and the chunk's
 place, so a chunk cannot be replayed or moved. Chunks forwarded unchanged
 keep their origin's header and tag. A chunk that fails is dropped and
@@ -16,7 +16,7 @@ logged when it came from a stranger's connection; from the previous rank's
 own connection it means the link was tampered with, and the group fails.
 
 Liveness: ZMTP heartbeats on both sockets, as on the control plane, and
-chunks of at most :data:`~zcollective._ring.CHUNK_BYTES` (a frame completes
+chunks of at most :data:`~zcollective._protocol._ring.CHUNK_BYTES` (a frame completes
 well within the heartbeat timeout even on a slow link, so a link that is
 slowly but steadily carrying a large array is never declared lost). The
 PUSH's monitor reports the next rank's connection closed or silent, which ends
@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import zmq
 
+from .._format._mac import ChunkMac
+from .._protocol._ring import CHUNK_BYTES, KIND_NAMES, RS, Job
+from ..config import Config
+from ..errors import AuthenticationError, CollectiveTimeoutError, PeerError, ReplicaLostError
 from . import _interrupts, _sockets, _zap
-from ._mac import ChunkMac
-from ._ring import CHUNK_BYTES, KIND_NAMES, RS, Job
-from .config import Config
-from .errors import AuthenticationError, CollectiveTimeoutError, PeerError, ReplicaLostError
 
 if TYPE_CHECKING:
-    from ._member import Member
+    from .._protocol._member import Member
 
 log = logging.getLogger("zcollective")
 
@@ -289,7 +289,7 @@ class DataPlane:
 
     def _send(self, seq: int, job: Job) -> bool:
         """Send the job's outbox without blocking; False if libzmq has no pipe
-        to the next rank (see :data:`zcollective._sockets._NOBLOCK`)."""
+        to the next rank (see :data:`zcollective._io._sockets._NOBLOCK`)."""
         push = self._push
         assert push is not None
         outbox = job.outbox

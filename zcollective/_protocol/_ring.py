@@ -1,7 +1,7 @@
 """The data plane's schedules: what a rank sends, and what it does with each
 chunk it receives, for a ring allreduce, a chain broadcast and a ring
 allgather. Pure: no
-sockets, no MACs, no threads (:mod:`zcollective._dataplane` moves the
+sockets, no MACs, no threads (:mod:`zcollective._io._dataplane` moves the
 chunks; the tests run whole rings in memory).
 
 Every rank sends only to the next rank, ``(rank + 1) % size``, and receives

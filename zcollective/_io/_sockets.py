@@ -16,8 +16,8 @@ from typing import Any, Optional
 import zmq
 from zmq.backend import zmq_poll
 
-from .config import Config
-from .errors import AddressError, AuthenticationError, CollectiveError
+from ..config import Config
+from ..errors import AddressError, AuthenticationError, CollectiveError
 
 ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
 # a zero-copy frame (whose release needs pyzmq's gc thread)
@@ -169,7 +169,7 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
     """Send a multipart message; large frames go without a copy unless ``copy``.
     Never blocks: ``zmq.Again`` (nothing sent) means libzmq has no pipe to
     the peer any more (see :data:`_NOBLOCK`); callers call that link lost.
-    (No signal handler's exception splits it: :mod:`zcollective._interrupts`.)"""
+    (No signal handler's exception splits it: :mod:`zcollective._io._interrupts`.)"""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         more = _SNDMORE if i < last else 0

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Rank 0 hosts the coordinator. It knows nothing of sockets: a driver
-(:mod:`zcollective._server`) feeds it every received message with the peer's
+(:mod:`zcollective._io._server`) feeds it every received message with the peer's
 routing id, tells it which peers are gone, and sends what it returns. That
 keeps every rule below testable without a network.
 
@@ -67,11 +67,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
-from . import _bodies, _serialize
-from ._bodies import PYTHON_VERSION, error_body
-from ._mac import HMAC_SHA256, POLY1305
-from ._stats import Lateness
-from ._wire import (
+from .._format import _bodies, _serialize
+from .._format._bodies import PYTHON_VERSION, error_body
+from .._format._mac import HMAC_SHA256, POLY1305
+from .._format._wire import (
     FLAG_AUTH,
     FLAG_DATA,
     FLAG_LAST,
@@ -91,7 +90,8 @@ from ._wire import (
     decode,
     join_token,
 )
-from .errors import SerializationError, from_signal
+from ..errors import SerializationError, from_signal
+from ._stats import Lateness
 
 log = logging.getLogger("zcollective")
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from .errors import SerializationError
+from ..errors import SerializationError
 
 PROTOCOL = 5  # the first protocol with out-of-band buffers
 INBAND_MAX_BYTES = 1 << 16  # smaller buffers cost less to copy than a frame of their own

@@ -163,7 +163,7 @@ class Gatekeeper:
     ------
     zmq.ZMQError
         The context already has a ZAP handler (``EADDRINUSE``), or is closed;
-        callers translate it (see :mod:`zcollective._sockets`).
+        callers translate it (see :mod:`zcollective._io._sockets`).
     """
 
     def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
