@@ -519,3 +519,35 @@ def test_a_value_rank_0_cannot_unpickle_is_a_serialization_error_naming_its_send
     assert body["message"].startswith("seq 0 allreduce: the coordinator (rank 0) cannot deserialize "
                                       "the value of rank 1: ")
     assert coord.phase is Phase.RUNNING  # the group goes on
+
+
+def test_probe_rounds_go_at_once_then_at_doubling_gaps_until_the_span_ends_and_a_flood_is_coalesced():
+    from zcollective._protocol._coordinator import (
+        PROBE_FLOOD_GAP_S,
+        PROBE_GAP_S,
+        PROBE_MAX_GAP_S,
+        PROBE_SPAN_S,
+        ProbeSchedule,
+    )
+
+    schedule = ProbeSchedule()
+    assert schedule.due is None and schedule.limit(None, 0.0) is None and schedule.limit(3.0, 0.0) == 3.0
+    schedule.closed(10.0)
+    assert schedule.due == 10.0  # a round at once
+    now, gaps = 10.0, []
+    while schedule.due is not None:
+        now = schedule.due
+        schedule.went(now, probed=True)
+        if schedule.due is not None:
+            gaps.append(round(schedule.due - now, 6))
+    assert gaps[:3] == [PROBE_GAP_S, 2 * PROBE_GAP_S, 4 * PROBE_GAP_S]
+    assert max(gaps) == PROBE_MAX_GAP_S and 10.0 + PROBE_SPAN_S <= now < 10.0 + PROBE_SPAN_S + PROBE_MAX_GAP_S
+    schedule.closed(20.0)
+    schedule.went(20.0, probed=False)  # nobody to probe: the schedule ends at once
+    assert schedule.due is None
+    schedule.closed(30.0)
+    schedule.went(30.0, probed=True)
+    for k in range(1, 200):  # a flood of closes: at most a round per flood gap
+        schedule.closed(30.0 + k * 1e-4)
+    assert schedule.due is not None and schedule.due <= 30.0 + PROBE_FLOOD_GAP_S
+    assert schedule.limit(5.0, 30.0) == schedule.due - 30.0  # a poll does not sleep past a round

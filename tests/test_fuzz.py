@@ -1321,12 +1321,12 @@ class SteppedServer:
     def settle(self):
         """Step the server until its probes have found out whose connection
         closed (the schedule ends), with a bound."""
-        from zcollective._io._server import PROBE_SPAN_S
+        from zcollective._protocol._coordinator import PROBE_SPAN_S
 
         server = self.server
         server._step([])
         deadline = time.monotonic() + PROBE_SPAN_S + 5
-        while server._probe_at is not None:
+        while server._probes.due is not None:
             assert time.monotonic() < deadline, "the probes did not end"
             server._step(zmq.zmq_poll(server._items, server._wait_ms(0.1)))
 
@@ -1382,7 +1382,7 @@ def test_a_replica_that_joined_then_closed_before_rank_0_looked_frees_its_slot()
 def test_a_flood_of_strangers_costs_a_bounded_number_of_probe_rounds():
     """Each stranger's close would start a schedule of probes: closes during
     one are coalesced, at most a round per PROBE_FLOOD_GAP_S."""
-    from zcollective._io import _server
+    from zcollective._protocol import _coordinator
 
     with SteppedServer() as s:
         s.say("connect replica R-rank-1", "join replica 1")
@@ -1398,5 +1398,5 @@ def test_a_flood_of_strangers_costs_a_bounded_number_of_probe_rounds():
         s.settle()
         took = time.monotonic() - start
         assert 1 in s.server.coordinator.by_rank
-        most = 12 + took / _server.PROBE_FLOOD_GAP_S  # one schedule, plus a round per flood gap
+        most = 12 + took / _coordinator.PROBE_FLOOD_GAP_S  # one schedule, plus a round per flood gap
         assert 1 <= len(rounds) <= most, (len(rounds), took)

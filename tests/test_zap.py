@@ -21,6 +21,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 import zcollective as zc
 from zcollective._io import _zap
+from zcollective._protocol import _tokens
 from zcollective.testing import Replicas, report
 
 SECRET = b"0123456789abcdef-the-job-secret"
@@ -32,8 +33,8 @@ WAIT_S = 10.0  # an in-process handshake takes milliseconds; a loaded machine, f
 
 
 def checker_and_token(domain=_zap.MASTER_DOMAIN, secret=SECRET):
-    username, password = _zap.client_credentials(secret, domain)
-    return _zap.TokenChecker(SECRET), username, password
+    username, password = _tokens.client_credentials(secret, domain)
+    return _tokens.TokenChecker(SECRET), username, password
 
 
 def test_a_fresh_token_for_the_domain_is_accepted_once():
@@ -41,7 +42,7 @@ def test_a_fresh_token_for_the_domain_is_accepted_once():
     assert checker.check(_zap.MASTER_DOMAIN.encode(), username, password) is None
     assert checker.check(_zap.MASTER_DOMAIN.encode(), username, password) == (
         "credentials already used (a replayed token)")
-    other_username, other_password = _zap.client_credentials(SECRET, _zap.MASTER_DOMAIN)
+    other_username, other_password = _tokens.client_credentials(SECRET, _zap.MASTER_DOMAIN)
     assert other_username != username  # every token is fresh
     assert checker.check(_zap.MASTER_DOMAIN.encode(), other_username, other_password) is None
 
@@ -60,8 +61,8 @@ def test_a_token_under_another_secret_or_for_another_domain_is_refused():
 def test_the_handshake_key_is_not_the_message_key():
     from zcollective._format._wire import Signer
 
-    key = _zap.derive_key(SECRET)
-    assert len(key) == 32 and key != _zap.derive_key(OTHER)
+    key = _tokens.derive_key(SECRET)
+    assert len(key) == 32 and key != _tokens.derive_key(OTHER)
     assert key not in vars(Signer(SECRET)).values()
 
 
@@ -74,7 +75,7 @@ def test_the_handshake_key_is_not_the_message_key():
     (b"zc1." + b"0" * 32, b"\xff" * 64),
 ])
 def test_malformed_credentials_are_refused(username, password):
-    checker = _zap.TokenChecker(SECRET)
+    checker = _tokens.TokenChecker(SECRET)
     assert checker.check(_zap.MASTER_DOMAIN.encode(), username, password) == "malformed credentials"
     assert not checker._used
 
@@ -84,16 +85,16 @@ def zap_request(mechanism, *credentials):
 
 
 def test_zap_reply_answers_the_request_it_was_asked():
-    checker = _zap.TokenChecker(SECRET)
-    username, password = _zap.client_credentials(SECRET, _zap.MASTER_DOMAIN)
-    assert _zap.zap_reply(zap_request(b"PLAIN", username, password), checker) == (
+    checker = _tokens.TokenChecker(SECRET)
+    username, password = _tokens.client_credentials(SECRET, _zap.MASTER_DOMAIN)
+    assert _tokens.zap_reply(zap_request(b"PLAIN", username, password), checker) == (
         [b"1.0", b"7", b"200", b"OK", b"", b""], None, "10.0.0.66")
-    reply, why, address = _zap.zap_reply(zap_request(b"PLAIN", username, password), checker)
+    reply, why, address = _tokens.zap_reply(zap_request(b"PLAIN", username, password), checker)
     assert reply[:3] == [b"1.0", b"7", b"400"] and "already used" in why and address == "10.0.0.66"
-    reply, why, _ = _zap.zap_reply(zap_request(b"CURVE", b"k" * 32), checker)
+    reply, why, _ = _tokens.zap_reply(zap_request(b"CURVE", b"k" * 32), checker)
     assert reply[2] == b"400" and why == "security mechanism CURVE, not PLAIN"
     for bad in ([], [b"2.0", b"7", b"d", b"a", b"", b"PLAIN", b"u", b"p"], [b"1.0", b"7"]):
-        reply, why, _ = _zap.zap_reply(bad, checker)
+        reply, why, _ = _tokens.zap_reply(bad, checker)
         assert reply[2] == b"500" and why == "a malformed ZAP request"
 
 
@@ -698,18 +699,18 @@ def test_a_data_token_opens_only_the_port_and_group_it_was_made_for():
     same secret: each port checks tokens under its own link key."""
     wrong_mac = "credentials failed authentication (another secret, or another port's token)"
     domain = _zap.DATA_DOMAIN.encode()
-    username, password = _zap.client_credentials(_zap.link_key(SECRET, 7, 1), _zap.DATA_DOMAIN)
+    username, password = _tokens.client_credentials(_tokens.link_key(SECRET, 7, 1), _zap.DATA_DOMAIN)
     for session, rank in ((7, 2), (8, 1)):
-        other = _zap.TokenChecker(_zap.link_key(SECRET, session, rank))
+        other = _tokens.TokenChecker(_tokens.link_key(SECRET, session, rank))
         assert other.check(domain, username, password) == wrong_mac
-    assert _zap.TokenChecker(_zap.link_key(SECRET, 7, 1)).check(domain, username, password) is None
-    assert len({_zap.link_key(b, s, r) for b in (SECRET, OTHER) for s in (7, 8) for r in (1, 2)}) == 8
+    assert _tokens.TokenChecker(_tokens.link_key(SECRET, 7, 1)).check(domain, username, password) is None
+    assert len({_tokens.link_key(b, s, r) for b in (SECRET, OTHER) for s in (7, 8) for r in (1, 2)}) == 8
 
 
 def test_a_data_domain_refuses_every_token_until_it_has_its_key_and_says_nothing_of_early_ones(caplog):
     gate = Gate(domain=_zap.DATA_DOMAIN)
     try:
-        key = _zap.link_key(SECRET, 7, 1)
+        key = _tokens.link_key(SECRET, 7, 1)
         gate.gate.rekey(None, _zap.DATA_DOMAIN)  # a data port before its WELCOME
         _, monitor = gate.client(secret=key, domain=_zap.DATA_DOMAIN)
         assert gate.outcome(monitor)[0] == "HANDSHAKE_FAILED_AUTH"
@@ -729,9 +730,9 @@ def test_a_token_refused_before_the_key_is_spent_all_the_same():
     had no key yet, could be copied and replayed once it has one."""
     gate = Gate(domain=_zap.DATA_DOMAIN)
     try:
-        key = _zap.link_key(SECRET, 7, 1)
+        key = _tokens.link_key(SECRET, 7, 1)
         gate.gate.rekey(None, _zap.DATA_DOMAIN)
-        early = _zap.client_credentials(key, _zap.DATA_DOMAIN)
+        early = _tokens.client_credentials(key, _zap.DATA_DOMAIN)
         _, monitor = gate.client(credentials=early)
         assert gate.outcome(monitor)[0] == "HANDSHAKE_FAILED_AUTH"
         gate.gate.rekey(key, _zap.DATA_DOMAIN)

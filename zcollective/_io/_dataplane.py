@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import zmq
 
 from .._format._mac import ChunkMac
+from .._protocol import _tokens
 from .._protocol._ring import CHUNK_BYTES, KIND_NAMES, RS, Job
 from ..config import Config
 from ..errors import AuthenticationError, CollectiveTimeoutError, PeerError, ReplicaLostError
@@ -157,8 +158,8 @@ class DataPlane:
             assert data_key is not None  # (the member takes no data plan without one)
             base = bytes.fromhex(data_key)
         nxt = (self.rank + 1) % self.size
-        self._gatekeeper.rekey(_zap.link_key(base, session, self.rank), _zap.DATA_DOMAIN)
-        key = _zap.link_key(base, session, nxt)  # the next rank's port accepts only its own
+        self._gatekeeper.rekey(_tokens.link_key(base, session, self.rank), _zap.DATA_DOMAIN)
+        key = _tokens.link_key(base, session, nxt)  # the next rank's port accepts only its own
         target = endpoints[nxt]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)

@@ -25,10 +25,9 @@ handler, :class:`~zcollective._io._zap.Gatekeeper`, made before the ROUTER binds
 a peer that cannot prove the secret is refused before libzmq takes in a
 message from it.
 
-The monitor says only that *a* connection closed: the owner then sends a
-PROBE to each member whose loss would matter (rule 8 of the coordinator); a
-send fails once libzmq has dropped that peer's pipe, which this thread's
-next poll or send may do, so rounds follow at growing gaps (constants below).
+The monitor says only that *a* connection closed: the owner then sends
+PROBEs to each member whose loss would matter, as often as the coordinator's
+:class:`~zcollective._protocol._coordinator.ProbeSchedule` says (rule 8).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ import zmq
 from zmq.backend import zmq_poll
 
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
-from .._protocol._coordinator import HOST_PEER, Coordinator, Out, Phase
+from .._protocol._coordinator import HOST_PEER, Coordinator, Out, Phase, ProbeSchedule
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
@@ -61,10 +60,6 @@ HOLD_TRY_S = 0.02  # rank 0's thread sending or looking for news waits this long
 PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
 PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
 STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
-PROBE_GAP_S = 0.001  # a close: probe rounds at once, then after 1, 2, 4 ... ms (a pipe goes in one or
-PROBE_MAX_GAP_S = 0.25  # two), the gap growing to this, until PROBE_SPAN_S after the last close;
-PROBE_SPAN_S = 1.0  # a close during a schedule brings the next round to PROBE_FLOOD_GAP_S after the
-PROBE_FLOOD_GAP_S = 0.05  # last: a stranger costs a dozen rounds, a flood 20 a second
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
 _STOP, _GIVE = b"stop", b"give"  # commands to the background thread: end; let go of the sockets
@@ -95,10 +90,7 @@ class Server:
         self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
-        self._probe_at: Optional[float] = None  # when the next probe round is due (None: no schedule)
-        self._probe_gap = PROBE_GAP_S  # and the gap after it
-        self._probed = 0.0  # when the last round went
-        self._probe_until = 0.0  # the schedule ends after this
+        self._probes = ProbeSchedule()
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
         # socket of rank 0's context uses it too)
         self._ending: Optional[float] = None  # when rank 0's program said it was ending
@@ -230,7 +222,7 @@ class Server:
                 if stepped and remaining <= 0:
                     return False
             ready = _interrupts.wait(items, self._wait_ms(remaining))
-            if ready or self._probe_at is not None:
+            if ready or self._probes.due is not None:
                 self._step(ready)
             stepped = True
 
@@ -263,7 +255,7 @@ class Server:
         try:
             self._drain_monitor()
             self._drain()
-            if self._probe_at is not None and time.monotonic() >= self._probe_at:
+            if self._probes.due is not None and time.monotonic() >= self._probes.due:
                 self._probe()
         except Exception as exc:
             raise self._failed(exc) from exc
@@ -510,32 +502,18 @@ class Server:
                                             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else
                                             "it closed the connection during the handshake")
         if closed:
-            now = time.monotonic()
-            self._probe_until = now + PROBE_SPAN_S
-            if self._probe_at is None:  # a new schedule: a round at once
-                self._probe_at, self._probe_gap = now, PROBE_GAP_S
-            else:  # a flood is coalesced: at most a round per PROBE_FLOOD_GAP_S
-                self._probe_at = min(self._probe_at, self._probed + PROBE_FLOOD_GAP_S)
+            self._probes.closed(time.monotonic())
 
     def _probe(self) -> None:
-        """One round of probes (see the module docstring); the next is due
-        after the gap, which doubles, until the schedule ends."""
-        now = time.monotonic()
-        self._probed = now
+        """One round of probes, when the schedule says."""
         probes = self.coordinator.probes()
-        if not probes or now >= self._probe_until:
-            self._probe_at = None
-        else:
-            self._probe_at = now + self._probe_gap
-            self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP_S)
+        self._probes.went(time.monotonic(), bool(probes))
         self._send_all(probes)
 
     def _wait_ms(self, limit_s: Optional[float]) -> int:
         """How long a poll may sleep: ``limit_s`` (None: for ever, -1), but
         not past the next probe round."""
-        if self._probe_at is not None:
-            due = self._probe_at - time.monotonic()
-            limit_s = due if limit_s is None else min(limit_s, due)
+        limit_s = self._probes.limit(limit_s, time.monotonic())
         return -1 if limit_s is None else max(0, int(limit_s * 1000))
 
     def _drain(self) -> None:

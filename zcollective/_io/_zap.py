@@ -12,16 +12,8 @@ server socket's context and waits for the answer before it accepts anything
 else from that peer. The handler is a socket that whoever polls
 :attr:`Gatekeeper.fd` answers, without a thread of its own.
 
-A client's credentials are a single-use *token*: the username is a fresh
-random nonce, the password ``HMAC-SHA256(key, domain, username)`` (hex),
-under a key derived from the secret with a label of its own. The handler
-accepts a token whose MAC is right for its socket's ZAP domain and whose
-nonce it has never accepted before: an eavesdropper who copies a token off
-the wire (PLAIN is cleartext) cannot use it once the handshake it was made
-for has consumed it. Only tokens with a right MAC enter the set of used
-nonces, so strangers cannot grow it. Nothing is encrypted and nothing is
-computed per byte: after the handshake a connection costs what a NULL one
-does (HMAC tags on each message stay, above, as a second defence).
+A client's credentials are a single-use *token*, checked by the pure rules of
+:mod:`zcollective._protocol._tokens`.
 
 A client's credentials are copied by libzmq at ``connect``: a connection
 libzmq re-makes (after a disconnect) offers the spent token again and is
@@ -50,8 +42,6 @@ A refused peer is logged once per address (at most :data:`MAX_LOGGED_ADDRESSES`)
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import threading
@@ -59,96 +49,18 @@ from typing import Optional
 
 import zmq
 
+from .._protocol._tokens import NOT_YET, TokenChecker, client_credentials, zap_reply
+
 log = logging.getLogger("zcollective")
 
-__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "Gatekeeper", "GateThread", "TokenChecker",
-           "client_credentials", "derive_key", "link_key", "secure_client", "secure_server", "zap_reply"]
+__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "Gatekeeper", "GateThread", "secure_client", "secure_server"]
 
 MASTER_DOMAIN = "zcollective-master"  # the coordinator's ROUTER
 DATA_DOMAIN = "zcollective-data"  # a replica's data socket
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
-KEY_LABEL = b"zcollective-v1-zap-plain"  # its own key: a handshake MAC is never a message tag
-LINK_LABEL = b"zcollective-v1-data-link"  # a data port's key: bound to its group and rank
-USERNAME_PREFIX = b"zc1."  # the token format's version
-NONCE_BYTES = 16  # random enough never to repeat, short enough for PLAIN's 255-byte fields
-NOT_YET = "no key yet (the group is not formed)"  # a member early for its link: not logged
 MAX_EARLY_NONCES = 1 << 16  # tokens offered before a port's key, remembered as spent (~4 MiB)
 GATE_JOIN_S = 5.0  # a gate thread stops within one poll; more means something is badly wrong
 MAX_LOGGED_ADDRESSES = 1024  # refused addresses remembered for logging once; past it, silence
-_USERNAME_LEN = len(USERNAME_PREFIX) + 2 * NONCE_BYTES
-_PASSWORD_LEN = 2 * hashlib.sha256().digest_size
-_HEX = frozenset(b"0123456789abcdef")
-
-
-def link_key(base: bytes, session: int, rank: int) -> bytes:
-    """The key of the tokens for rank ``rank``'s data port in group
-    ``session``: a token copied off one data link opens no other port, and
-    none of a later group under the same secret (or data key)."""
-    return hmac.new(base, LINK_LABEL + session.to_bytes(8, "little") + rank.to_bytes(4, "little"),
-                    hashlib.sha256).digest()
-
-
-def derive_key(secret: bytes) -> bytes:
-    """The handshake key: the secret under a label of its own."""
-    return hmac.new(secret, KEY_LABEL, hashlib.sha256).digest()
-
-
-def _mac(key: bytes, domain: bytes, username: bytes) -> bytes:
-    msg = len(domain).to_bytes(2, "big") + domain + username  # length first: no ambiguity
-    return hmac.new(key, msg, hashlib.sha256).hexdigest().encode()
-
-
-def client_credentials(secret: bytes, domain: str) -> tuple[bytes, bytes]:
-    """A fresh single-use token (username, password) for a server in ``domain``."""
-    username = USERNAME_PREFIX + os.urandom(NONCE_BYTES).hex().encode()
-    return username, _mac(derive_key(secret), domain.encode(), username)
-
-
-class TokenChecker:
-    """The token rule, without sockets: :meth:`check` says why a token is
-    refused, or None (and remembers its nonce) when it is accepted."""
-
-    def __init__(self, secret: bytes) -> None:
-        self._key = derive_key(secret)
-        self._used: set[bytes] = set()  # grows only with tokens whose MAC was right
-
-    def check(self, domain: bytes, username: bytes, password: bytes) -> Optional[str]:
-        if (len(username) != _USERNAME_LEN or not username.startswith(USERNAME_PREFIX)
-                or not _HEX.issuperset(username[len(USERNAME_PREFIX):])
-                or len(password) != _PASSWORD_LEN or not _HEX.issuperset(password)):
-            return "malformed credentials"
-        if not hmac.compare_digest(_mac(self._key, domain, username), password):
-            return "credentials failed authentication (another secret, or another port's token)"
-        if username in self._used:
-            return "credentials already used (a replayed token)"
-        self._used.add(username)
-        return None
-
-    def spend(self, usernames: set[bytes]) -> None:
-        """Count these tokens as used (offered before this key existed)."""
-        self._used |= usernames
-
-
-def zap_reply(request: list[bytes],
-              checker: Optional[TokenChecker]) -> tuple[list[bytes], Optional[str], str]:
-    """Answer one ZAP request (its frames after the envelope): the reply's
-    frames, why the peer was refused (None: accepted) and its address.
-    With no ``checker`` (no key yet) every token is refused."""
-    if len(request) < 6 or request[0] != b"1.0":
-        request_id = request[1] if len(request) > 1 else b""
-        bad = "a malformed ZAP request"
-        return [b"1.0", request_id, b"500", bad.encode(), b"", b""], bad, "an unknown address"
-    request_id, domain, address, mechanism = request[1], request[2], request[3], request[5]
-    peer = address.decode("ascii", "replace") or "an unknown address"
-    if mechanism != b"PLAIN" or len(request) != 8:
-        why: Optional[str] = f"security mechanism {mechanism.decode('ascii', 'replace')[:20]}, not PLAIN"
-    elif checker is None:
-        why = NOT_YET
-    else:
-        why = checker.check(domain, request[6], request[7])
-    if why is None:
-        return [b"1.0", request_id, b"200", b"OK", b"", b""], None, peer
-    return [b"1.0", request_id, b"400", why.encode()[:200], b"", b""], why, peer
 
 
 class Gatekeeper:

@@ -106,6 +106,48 @@ HOST_PEER = b"\x00L0"  # its name for the member in its own process; no DEALER o
 # (theirs start with b"R"), and the server drops any peer announcing it
 
 
+PROBE_GAP_S = 0.001  # a close: probe rounds at once, then after 1, 2, 4 ... ms (a pipe goes in one or
+PROBE_MAX_GAP_S = 0.25  # two), the gap growing to this, until PROBE_SPAN_S after the last close;
+PROBE_SPAN_S = 1.0  # a close during a schedule brings the next round to PROBE_FLOOD_GAP_S after the
+PROBE_FLOOD_GAP_S = 0.05  # last: a stranger costs a dozen rounds, a flood 20 a second
+
+
+class ProbeSchedule:
+    """When the driver sends :meth:`Coordinator.probes` (rule 8). ZeroMQ
+    says only that *a* connection closed; a send fails once libzmq has
+    dropped that peer's pipe, which the driver's next poll or send may do, so
+    rounds follow at growing gaps (constants above)."""
+
+    def __init__(self) -> None:
+        self.due: Optional[float] = None  # when the next round is (None: no schedule)
+        self._gap = PROBE_GAP_S  # the gap after it
+        self._went = 0.0  # when the last round went
+        self._until = 0.0  # the schedule ends after this
+
+    def closed(self, now: float) -> None:
+        """A connection closed."""
+        self._until = now + PROBE_SPAN_S
+        if self.due is None:  # a new schedule: a round at once
+            self.due, self._gap = now, PROBE_GAP_S
+        else:  # a flood is coalesced: at most a round per PROBE_FLOOD_GAP_S
+            self.due = min(self.due, self._went + PROBE_FLOOD_GAP_S)
+
+    def went(self, now: float, probed: bool) -> None:
+        """A round went (``probed``: to someone); the next is due after the
+        gap, which doubles, until the schedule ends."""
+        self._went = now
+        if not probed or now >= self._until:
+            self.due = None
+        else:
+            self.due, self._gap = now + self._gap, min(2 * self._gap, PROBE_MAX_GAP_S)
+
+    def limit(self, wait_s: Optional[float], now: float) -> Optional[float]:
+        """``wait_s`` (None: for ever), but not past the next round."""
+        if self.due is None:
+            return wait_s
+        return self.due - now if wait_s is None else min(wait_s, self.due - now)
+
+
 class Phase(enum.Enum):
     JOINING = "joining"
     RUNNING = "running"
