@@ -564,3 +564,20 @@ def test_malformed_allgather_plans_are_wire_errors(frame):
 def test_malformed_array_plans_are_wire_errors(frame):
     with pytest.raises(WireError):
         _bodies.parse_array_plan(_plan(frame))
+
+
+def test_the_bounds_keep_the_relations_written_beside_them():
+    """zcollective/_limits.py: what travels in one piece arrives well within the smallest
+    liveness bound on a slow link; waits are shorter than what they wait for."""
+    from zcollective import _limits as lim
+
+    smallest_timeout_s = (lim.heartbeats(lim.MIN_LIVENESS_S)[1]) / 1000  # a PING unanswered this long
+    part_s = lim.WIRE_PART_BYTES / lim.SLOW_LINK_BYTES_S  # one part on the slowest link
+    assert part_s < smallest_timeout_s / 2
+    assert lim.CHUNK_BYTES * 8 / 10e6 < lim.MIN_LIVENESS_S / 2  # one data link at 10 Mbit/s
+    assert lim.MIN_CHUNK_BYTES <= lim.CHUNK_BYTES <= lim.WIRE_PART_BYTES * 2
+    assert lim.POLL_SLICE_S < lim.MIN_LIVENESS_S and lim.HANDSHAKE_MIN_MS == lim.MIN_LIVENESS_S * 1000
+    assert lim.STOP_TIMEOUT_S > lim.CLOSE_LINGER_MS / 1000
+    for liveness in (lim.MIN_LIVENESS_S, lim.DEFAULT_LIVENESS_S, lim.MAX_LIVENESS_S):
+        ivl, timeout, ttl = lim.heartbeats(liveness)
+        assert ivl >= lim.HEARTBEAT_MIN_IVL_MS and ivl + timeout == ttl == int(liveness * 1000)

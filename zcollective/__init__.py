@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from ._future import CollectiveFuture
 from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
+from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._protocol._ring import elementwise
-from .config import DEFAULT_INIT_TIMEOUT_S, takes_settings
+from .config import takes_settings
 from .errors import (
     AddressError,
     AuthenticationError,

@@ -36,11 +36,12 @@ from ._io._dataplane import DataPlane
 from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
 from ._io._server import Server
+from ._limits import DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
 from ._protocol._stats import calls_log, write_for_launcher
-from .config import DEFAULT_INIT_TIMEOUT_S, Config, resolve, takes_settings
+from .config import Config, resolve, takes_settings
 from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError
 
 log = logging.getLogger("zcollective")
@@ -642,7 +643,7 @@ class Group:
     def _close(self, ending: bool = False) -> None:
         """Close the sockets. ``ending``: the program is ending without
         teardown: rank 0 first serves until its calls are delivered, and what
-        is queued gets :data:`~zcollective._io._sockets.EXIT_LINGER_MS` to leave."""
+        is queued gets :data:`~zcollective._io.EXIT_LINGER_MS` to leave."""
         self._closed = True
         _open_groups.pop(id(self), None)
         if self.rank == 0:
@@ -658,9 +659,9 @@ class Group:
             stuck = self._server is not None and self._server.gone() is None
             if self._data is not None:  # (ending: the next rank said it has its chunks, see
                 # rule 7 of the coordinator; or the wait for it ran out)
-                self._data.close(_sockets.EXIT_LINGER_MS if ending else 0)
+                self._data.close(EXIT_LINGER_MS if ending else 0)
             if self._link is not None:
-                self._link.close(_sockets.EXIT_LINGER_MS if ending else 0)
+                self._link.close(EXIT_LINGER_MS if ending else 0)
             if self._ctx is not None and not stuck:
                 # after term() libzmq holds no buffer of ours: the interpreter may free them
                 with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
@@ -677,8 +678,8 @@ class Group:
         if self._link is not None:
             try:
                 self._link.progress()  # take in a FAIL that would make a BYE pointless
-                self._link.finish_data(_sockets.EXIT_LINGER_MS / 1000)  # the others need our chunks
-                self._link.say_bye(_sockets.EXIT_LINGER_MS / 1000)
+                self._link.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
+                self._link.say_bye(EXIT_LINGER_MS / 1000)
             except BaseException:
                 pass  # the group failed, or an interrupt: nothing to announce, only to flush
         self._close(ending=True)

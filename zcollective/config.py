@@ -29,16 +29,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 from ._hostlist import first_host
+from ._limits import (
+    DEFAULT_INIT_TIMEOUT_S,
+    DEFAULT_LIVENESS_S,
+    DEFAULT_OP_TIMEOUT_S,
+    MAX_LIVENESS_S,
+    MIN_LIVENESS_S,
+)
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"  # one machine needs no configuration at all
 DEFAULT_MASTER_PORT = 29457  # near torchrun's 29500 range but not on it, so both fit in one job
 DEFAULT_RANK = 0  # the only rank of the default single replica
 DEFAULT_NUM_REPLICAS = 1  # a script written for many replicas runs unchanged on one
-DEFAULT_INIT_TIMEOUT_S = 300.0  # replicas of a job may start minutes apart on a busy cluster
-DEFAULT_OP_TIMEOUT_S = 1800.0  # torch.distributed's default: long steps pass, hangs end
-DEFAULT_LIVENESS_S = 10.0  # a silent peer (host down, cable cut) is declared lost after this
-MIN_LIVENESS_S = 1.0  # below this, scheduler hiccups on a loaded host look like deaths
-MAX_LIVENESS_S = 86400.0  # a day; libzmq's heartbeat options are int milliseconds (inf overflows)
 DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: libzmq allocates what a frame announces, so a stranger's
 # claim is bounded by this; raise it (on every replica) for single arrays above 2 GiB
 MIN_MAX_FRAME_BYTES = 1024  # a message header with the longest call site (546 bytes) always fits

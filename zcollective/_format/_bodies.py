@@ -11,6 +11,7 @@ import sys
 import traceback
 from typing import Any, Optional
 
+from .._limits import WIRE_PART_BYTES
 from ..errors import WIRE_ERRORS, CollectiveError, RemoteError
 from . import _wire
 from ._mac import KEY_LABELS, available_backends
@@ -88,7 +89,7 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
     whole = (isinstance(data, list) and len(data) == num_replicas and all(isinstance(e, str) for e in data)
              and type(least) is int and is_data_key(key))
     return {"nonce": nonce if isinstance(nonce, str) else None,
-            "parts": parts if type(parts) is int and parts >= _wire.WIRE_PART_BYTES else None,
+            "parts": parts if type(parts) is int and parts >= WIRE_PART_BYTES else None,
             "mac": mac if mac in available_backends() else None, "data": data if whole else None,
             "data_min": least if whole else 0, "data_key": key if whole else None}
 

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .._limits import WIRE_PART_BYTES
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
 PROTOCOL_VERSION = 6  # bump on any change to the layout below (2: BYE; recipient-bound headers;
@@ -57,17 +58,6 @@ FLAG_DATA = 0x08  # the segment describes data that travels on the data plane, n
 FLAG_PARTS = 0x10  # some frames travel as several parts; the header's parts table says which
 FLAG_LAST = 0x20  # a BYE: the coordinator's last message to a running replica, or its answer
 
-# A frame above this travels as parts. libzmq cancels a connection's heartbeat
-# timeout only when a whole frame has arrived, so a part must arrive well
-# within the smallest timeout (liveness_timeout 1 s: a PING unanswered for
-# 667 ms), even on a slow link shared by many connections: 256 KiB take 0.33 s
-# at 0.8 MB/s (100 Mbit/s shared by 16 connections). On loopback the part size
-# hardly matters (256 KiB to 4 MiB parts cost the same); what splitting costs
-# is the receiver's one copy to join the parts: 4-6 ms of CPU per 16 MiB here
-# (a memcpy into fresh memory, ~3-4 GB/s), plus ~5 us per part sent.
-WIRE_PART_BYTES = 1 << 18
-LOCAL_PART_BYTES = 1 << 26  # a group on one host: 64 MiB cross loopback in tens of ms, far inside
-# any liveness bound, and the arrays users send most (up to 64 MiB) need no join
 PART = struct.Struct("<IIQ")  # a parts-table row: frame index after the header, parts, bytes
 
 TAG_BYTES = 32

@@ -16,7 +16,7 @@ logged when it came from a stranger's connection; from the previous rank's
 own connection it means the link was tampered with, and the group fails.
 
 Liveness: ZMTP heartbeats on both sockets, as on the control plane, and
-chunks of at most :data:`~zcollective._protocol._ring.CHUNK_BYTES` (a frame completes
+chunks of at most :data:`~zcollective._protocol.CHUNK_BYTES` (a frame completes
 well within the heartbeat timeout even on a slow link, so a link that is
 slowly but steadily carrying a large array is never declared lost). The
 PUSH's monitor reports the next rank's connection closed or silent, which ends
@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import zmq
 
 from .._format._mac import ChunkMac
+from .._limits import CHUNK_BYTES, HANDSHAKE_MIN_MS, POLL_SLICE_S
 from .._protocol import _tokens
-from .._protocol._ring import CHUNK_BYTES, KIND_NAMES, RS, Job
+from .._protocol._ring import KIND_NAMES, RS, Job
 from ..config import Config
 from ..errors import AuthenticationError, CollectiveTimeoutError, PeerError, ReplicaLostError
 from . import _interrupts, _sockets, _zap
@@ -63,7 +64,6 @@ BROKEN = "its connection broke after an earlier call (a data link is made once)"
 REFUSED = "its connection broke and was refused when re-made (a data link is made once)"
 RETRY_S = 0.05  # a data link refused before it was made is tried again this soon (the next
 # rank is inside initialize, about to take its key from the WELCOME)
-HANDSHAKE_MIN_MS = 1000  # the liveness bound's minimum: a handshake on a busy host still fits
 TRACKER_POLL_S = 0.001  # how often a finished job looks whether its last sends have left
 _POLLIN, _POLLOUT = zmq.POLLIN, zmq.POLLOUT
 
@@ -269,7 +269,7 @@ class DataPlane:
                 continue
             if job.done and self._sent():
                 return True
-            slice_s = TRACKER_POLL_S if job.done else _sockets.POLL_SLICE_S
+            slice_s = TRACKER_POLL_S if job.done else POLL_SLICE_S
             if deadline is not None:
                 slice_s = min(slice_s, deadline - time.monotonic())
             ready = _interrupts.wait(items, max(0, int(slice_s * 1000)))

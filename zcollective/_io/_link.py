@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format import _bodies
 from .._format._wire import Kind, Message, Op, owned
+from .._limits import DATA_LOSS_GRACE_S, STATUS_WAIT_S
 from .._protocol._coordinator import HOST_PEER, Coordinator
-from .._protocol._member import STATUS_WAIT_S, Member
+from .._protocol._member import Member
 from ..errors import CollectiveError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from ._server import Server
 
 _POLLIN = 1  # zmq.POLLIN, for polling a plain file descriptor
-DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take to say why
 
 
 class Driver:
@@ -203,7 +203,7 @@ class Driver:
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         """The coordinator's view of call ``seq`` (who arrived), or None if it
-        does not answer within :data:`~zcollective._protocol._member.STATUS_WAIT_S`."""
+        does not answer within :data:`~zcollective._protocol.STATUS_WAIT_S`."""
         member = self.member
         self.send([member.status_query(seq)])
         deadline = time.monotonic() + STATUS_WAIT_S

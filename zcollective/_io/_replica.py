@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from .._format._wire import Message, encode
+from .._limits import POLL_SLICE_S
 from .._protocol._member import Link, Member
 from ..config import Config
 from ..errors import CollectiveError
@@ -100,7 +101,7 @@ class Replica(Driver):
         """One poll covers the DEALER and its monitor, so a disconnect ends a
         wait at once."""
         while True:
-            remaining = _sockets.POLL_SLICE_S
+            remaining = POLL_SLICE_S
             if deadline is not None:
                 remaining = min(remaining, deadline - time.monotonic())
             ready = _interrupts.wait(self._poll_items, max(0, int(remaining * 1000)))

@@ -46,6 +46,7 @@ import zmq
 from zmq.backend import zmq_poll
 
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
+from .._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, POLL_SLICE_S, STOP_TIMEOUT_S
 from .._protocol._coordinator import HOST_PEER, Coordinator, Out, Phase, ProbeSchedule
 from ..config import Config
 from ..errors import InternalError
@@ -59,9 +60,6 @@ HOLD_TRY_S = 0.02  # rank 0's thread sending or looking for news waits this long
 # (the background thread gives them back within microseconds unless it runs a reduce function)
 PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
 PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
-STOP_TIMEOUT_S = 5.0  # CLOSE_LINGER_MS plus slack
-EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
-# are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
 _STOP, _GIVE = b"stop", b"give"  # commands to the background thread: end; let go of the sockets
 
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -216,7 +214,7 @@ class Server:
                 return True
             if self.gone() is not None:
                 return True
-            remaining = _sockets.POLL_SLICE_S
+            remaining = POLL_SLICE_S
             if deadline is not None:
                 remaining = min(remaining, deadline - time.monotonic())
                 if stepped and remaining <= 0:
@@ -332,7 +330,7 @@ class Server:
         ``ending``: rank 0's program is ending (its member has sent BYE): it
         serves on until every call it made is complete and its results are on
         their way (at most :data:`EXIT_WAIT_S`), then what is queued gets
-        :data:`~zcollective._io._sockets.EXIT_LINGER_MS` to leave. An interrupt
+        :data:`~zcollective._io.EXIT_LINGER_MS` to leave. An interrupt
         meanwhile tells the others the group is over, and closes at once.
         """
         if self._stopped:
@@ -348,10 +346,10 @@ class Server:
             return  # (gone() stays None: the group leaves the context to it)
         self._stopped = True
         self._pipe.close(linger=0)
-        linger = _sockets.CLOSE_LINGER_MS
+        linger = CLOSE_LINGER_MS
         try:
             if ending and self.crashed is None:
-                linger = _sockets.EXIT_LINGER_MS
+                linger = EXIT_LINGER_MS
                 self._serve_ending()
                 self._last_byes(linger / 1000)
         except BaseException:
@@ -415,7 +413,7 @@ class Server:
                 if self.gatekeeper is not None:
                     _zap.secure_server(router, self.gatekeeper, _zap.MASTER_DOMAIN)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.LINGER, _sockets.CLOSE_LINGER_MS)
+                router.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
                 router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
                 _sockets.set_never_drop(router)
                 _sockets.set_heartbeats(router, config)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import zmq
 from zmq.backend import zmq_poll
 
+from .._limits import heartbeats
 from ..config import Config
 from ..errors import AddressError, AuthenticationError, CollectiveError
 
@@ -33,20 +34,16 @@ _recv = zmq.backend.Socket.recv
 
 RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
 RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hammered
-CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown
-EXIT_LINGER_MS = 5000  # a program ending without teardown: time for what it produced to leave
-# (results, contributions, notices); a peer that stopped reading holds a process no longer
-POLL_SLICE_S = 0.5  # longest a wait sleeps before re-checking failure and thread liveness
 
 
 def set_heartbeats(sock: zmq.Socket, config: Config) -> None:
     """ZMTP heartbeats: libzmq's own threads answer them, outside the GIL, so a
     busy replica is never mistaken for a dead one. A silent peer is dropped
     after about ``liveness_timeout`` seconds."""
-    ivl = max(100, int(config.liveness_timeout * 1000 / 3))
+    ivl, timeout, ttl = heartbeats(config.liveness_timeout)
     sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.liveness_timeout * 1000) - ivl)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(config.liveness_timeout * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, ttl)
 
 
 def set_never_drop(sock: zmq.Socket) -> None:

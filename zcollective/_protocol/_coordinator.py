@@ -75,10 +75,8 @@ from .._format._wire import (
     FLAG_DATA,
     FLAG_LAST,
     FLAG_LOCAL_ERROR,
-    LOCAL_PART_BYTES,
     NO_RANK,
     PROTOCOL_VERSION,
-    WIRE_PART_BYTES,
     AuthError,
     Kind,
     Message,
@@ -90,6 +88,7 @@ from .._format._wire import (
     decode,
     join_token,
 )
+from .._limits import LOCAL_PART_BYTES, WIRE_PART_BYTES
 from ..errors import SerializationError, from_signal
 from ._stats import Lateness
 

@@ -71,7 +71,6 @@ from .._format._wire import (
     FLAG_LAST,
     FLAG_LOCAL_ERROR,
     LABELS,
-    WIRE_PART_BYTES,
     AuthError,
     Kind,
     Message,
@@ -83,6 +82,7 @@ from .._format._wire import (
     error_note,
     join_token,
 )
+from .._limits import STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
 from ._stats import CallStats, calls_log
 
@@ -90,7 +90,6 @@ log = logging.getLogger("zcollective")
 
 FOREIGN_PEER_S = 5.0  # handshakes failing this long (and never succeeding) mean a foreign program
 FOREIGN_PEER_TRIES = 3  # ... over at least this many connections
-STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
 
 
 class Link(enum.Enum):

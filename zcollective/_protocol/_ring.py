@@ -36,13 +36,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-CHUNK_BYTES = 1 << 19  # 512 KiB, the largest chunk: one arrives well within a 1 s liveness
-# bound even at 10 Mbit/s (and data ports take no larger frame)
-MIN_CHUNK_BYTES = 1 << 16  # the smallest: below, the per-chunk cost (a header, a poll, a tag)
-# shows even on a slow link
-CHUNKS_PER_PART = 32  # a ring or chain fills in about one chunk per hop: with a part (a segment,
-# a rank's share) cut into this many, filling costs a few percent of the transfer (measured on
-# shaped links, benchmarks/README.md: 512 KiB chunks 1.16-1.29x the bound at N = 8, 128 KiB 1.07-1.18x)
+from .._limits import CHUNK_BYTES, CHUNKS_PER_PART, MIN_CHUNK_BYTES
 
 
 def chunk_size(nbytes: int, parts: int) -> int:

@@ -1,0 +1,66 @@
+"""Every bound on time and size that others depend on, with how they relate.
+
+The pivot is a group's liveness bound L (``liveness_timeout``; users set it,
+within :data:`MIN_LIVENESS_S` .. :data:`MAX_LIVENESS_S`): a peer silent for
+about L is lost. So whatever travels in one piece (a part of a large frame,
+a data-plane chunk) must arrive well within the smallest L even on a slow
+link, and the waits that end a call or a program are bounded apart from it.
+``tests/test_wire.py`` checks the relations written here.
+"""
+
+from __future__ import annotations
+
+# -- timeouts and liveness (the defaults of config.py's settings) --------------------------------
+
+DEFAULT_INIT_TIMEOUT_S = 300.0  # replicas of a job may start minutes apart on a busy cluster
+DEFAULT_OP_TIMEOUT_S = 1800.0  # torch.distributed's default: long steps pass, hangs end
+DEFAULT_LIVENESS_S = 10.0  # a silent peer (host down, cable cut) is declared lost after this
+MIN_LIVENESS_S = 1.0  # below this, scheduler hiccups on a loaded host look like deaths
+MAX_LIVENESS_S = 86400.0  # a day; libzmq's heartbeat options are int milliseconds (inf overflows)
+HEARTBEAT_MIN_IVL_MS = 100  # pings no more often than this, whatever L
+HANDSHAKE_MIN_MS = int(MIN_LIVENESS_S * 1000)  # a data link's handshake gets L, never less: a
+# handshake on a busy host still fits
+
+
+def heartbeats(liveness_s: float) -> tuple[int, int, int]:
+    """ZMTP heartbeat options (interval, timeout, TTL, in ms) for bound L:
+    libzmq's own threads answer pings, outside the GIL, so a busy process is
+    never taken for a dead one. A ping every L/3; its pong due within L minus
+    that; a peer's pings may stop for L: lost within about L."""
+    ms = int(liveness_s * 1000)
+    ivl = max(HEARTBEAT_MIN_IVL_MS, ms // 3)
+    return ivl, ms - ivl, ms
+
+
+# -- what travels in one piece: well within the smallest L on a slow link ------------------------
+
+# libzmq cancels a connection's heartbeat timeout only when a whole frame has arrived, so a
+# frame above WIRE_PART_BYTES travels as parts, each of which must arrive within the smallest
+# timeout (L = 1 s: a PING unanswered for 667 ms) even on a link shared by many connections:
+# 256 KiB take 0.33 s at 0.8 MB/s (100 Mbit/s shared by 16). On loopback the part size hardly
+# matters (256 KiB to 4 MiB cost the same); what splitting costs is the receiver's one copy to
+# join the parts: 4-6 ms of CPU per 16 MiB here (~3-4 GB/s), plus ~5 us per part sent.
+SLOW_LINK_BYTES_S = 0.8e6  # the slowest link a part must cross within the smallest timeout
+WIRE_PART_BYTES = 1 << 18
+LOCAL_PART_BYTES = 1 << 26  # a group on one host: 64 MiB cross loopback in tens of ms, far inside
+# any L, and the arrays users send most (up to 64 MiB) need no join
+CHUNK_BYTES = 1 << 19  # a data-plane chunk, the largest: 0.42 s at 10 Mbit/s, within L = 1 s (a
+# data link is one connection, not one of 16; data ports take no larger frame)
+MIN_CHUNK_BYTES = 1 << 16  # the smallest: below, the per-chunk cost (a header, a poll, a tag)
+# shows even on a slow link
+CHUNKS_PER_PART = 32  # a ring or chain fills in about one chunk per hop: with a part (a segment,
+# a rank's share) cut into this many, filling costs a few percent of the transfer (measured on
+# shaped links, benchmarks/README.md: 512 KiB chunks 1.16-1.29x the bound at N = 8, 128 KiB 1.07-1.18x)
+
+# -- waits around a call and at an ending --------------------------------------------------------
+
+POLL_SLICE_S = 0.5  # longest a wait sleeps before re-checking failure and thread liveness (< L)
+STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
+DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take to say why
+CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown
+EXIT_LINGER_MS = 5000  # a program ending without teardown: time for what it produced to leave
+# (results, contributions, notices) and for rank 0's last BYEs to be answered; a peer that
+# stopped reading holds a process no longer
+STOP_TIMEOUT_S = CLOSE_LINGER_MS / 1000 + 3.0  # rank 0's background thread stops within this
+EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
+# are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
