@@ -551,3 +551,17 @@ def test_probe_rounds_go_at_once_then_at_doubling_gaps_until_the_span_ends_and_a
         schedule.closed(30.0 + k * 1e-4)
     assert schedule.due is not None and schedule.due <= 30.0 + PROBE_FLOOD_GAP_S
     assert schedule.limit(5.0, 30.0) == schedule.due - 30.0  # a poll does not sleep past a round
+
+
+def test_every_operation_has_a_row_of_rules_and_one_without_fails_its_call_not_the_group():
+    from zcollective._protocol._coordinator import OP_RULES
+
+    assert set(OP_RULES) == set(Op) - {Op.NONE}
+    coord = joined(2)
+    feed(coord, peer(0), contrib(0, 0, op=Op.NONE))
+    out = results(feed(coord, peer(1), contrib(1, 0, op=Op.NONE)))
+    assert {m.kind for m in out.values()} == {Kind.ERROR}
+    assert all("has no rules" in m.body()["message"] for m in out.values())
+    feed(coord, peer(0), contrib(0, 1, value=1, fn=lambda a, b: a + b))  # the group goes on
+    out = results(feed(coord, peer(1), contrib(1, 1, value=2)))
+    assert [_serialize.loads(m.segments[0]) for m in out.values()] == [3, 3]

@@ -192,10 +192,70 @@ def rank_list(ranks: Iterable[int]) -> str:
     return f"{word} {','.join(map(str, ranks))}" if ranks else "no ranks"
 
 
+Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """One operation's rules at the coordinator: a row of :data:`OP_RULES`."""
+
+    rooted: bool  # called with a root (named wherever the call is described)
+    sends: str  # what a rank must send: "one" value each, "root" (one, from the root alone),
+    # "root-all" (a value per rank, from the root alone), "all" (a value per rank, each), "none"
+    route: Callable[[Coordinator, list[Message], int], Routes]  # (self, contributions, root): where
+    # values go; ranks given the same list object get the same frames
+    plan: Optional[str] = None  # the data plane: "agreed" (every rank sends the same plan), "root"
+    # (the root's), "gather" (each rank's, or its value inline); None: the star only
+
+
+def _reduced(to_all: bool) -> Callable[[Coordinator, list[Message], int], Routes]:
+    def route(self: Coordinator, contributions: list[Message], root: int) -> Routes:
+        result = [_serialize.dumps(self._reduce(contributions, root), "reduction result")]
+        return [result if to_all or r == root else [] for r in range(self.num_replicas)]
+    return route
+
+
+def _gathered(to_all: bool) -> Callable[[Coordinator, list[Message], int], Routes]:
+    def route(self: Coordinator, contributions: list[Message], root: int) -> Routes:
+        values = [c.segments[0] for c in contributions]
+        return [values if to_all or r == root else [] for r in range(self.num_replicas)]
+    return route
+
+
+def _forwarded(self: Coordinator, contributions: list[Message], root: int) -> Routes:
+    value = contributions[root].segments  # as the root sent it, never unpickled here
+    return [[] if r == root else value for r in range(self.num_replicas)]
+
+
+def _scattered(self: Coordinator, contributions: list[Message], root: int) -> Routes:
+    parts = contributions[root].segments  # the root keeps its own part
+    return [[] if r == root else [parts[r]] for r in range(self.num_replicas)]
+
+
+def _transposed(self: Coordinator, contributions: list[Message], root: int) -> Routes:
+    return [[c.segments[r] for c in contributions] for r in range(self.num_replicas)]
+
+
+def _nothing(self: Coordinator, contributions: list[Message], root: int) -> Routes:
+    return [[] for _ in range(self.num_replicas)]
+
+
+OP_RULES = {  # a row per operation; its Group method (and module function) is the other half
+    Op.ALLREDUCE: OpRule(False, "one", _reduced(True), "agreed"),
+    Op.REDUCE: OpRule(True, "one", _reduced(False)),
+    Op.BROADCAST: OpRule(True, "root", _forwarded, "root"),
+    Op.ALLGATHER: OpRule(False, "one", _gathered(True), "gather"),
+    Op.GATHER: OpRule(True, "one", _gathered(False)),
+    Op.SCATTER: OpRule(True, "root-all", _scattered),
+    Op.ALLTOALL: OpRule(False, "all", _transposed),
+    Op.BARRIER: OpRule(False, "none", _nothing),
+    Op.TEARDOWN: OpRule(False, "none", _nothing),
+}
+
+
 def describe_call(op: Op, root: int) -> str:
-    if op in (Op.BROADCAST, Op.GATHER, Op.SCATTER, Op.REDUCE):
-        return f"{op.label}(root={root})"
-    return op.label
+    rule = OP_RULES.get(op)
+    return f"{op.label}(root={root})" if rule is not None and rule.rooted else op.label
 
 
 class Coordinator:
@@ -692,6 +752,9 @@ class Coordinator:
 
     def _complete(self, seq: int, call: Call) -> list[Out]:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
+        if call.op not in OP_RULES:  # no working replica sends it
+            return self._error_all(seq, call.op, error_body(
+                "ProtocolError", f"seq {seq}: operation {call.op.label!r} has no rules"))
         if any(c.flags & FLAG_DATA for c in contributions) and not any(
                 c.flags & FLAG_LOCAL_ERROR for c in contributions):
             return self._plan(seq, call, contributions)
@@ -699,7 +762,7 @@ class Coordinator:
         if problem is not None:
             return self._error_all(seq, call.op, error_body(*problem))
         try:
-            routes = self._route(call.op, call.root, contributions)
+            routes = OP_RULES[call.op].route(self, contributions, call.root)
         except _Unreadable as exc:  # the reduce function never ran: not a RemoteError
             return self._error_all(seq, call.op, error_body(
                 "SerializationError", f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}"))
@@ -720,14 +783,15 @@ class Coordinator:
         agreed on, or the root's) and moves the data itself. An allreduce
         whose ranks describe different arrays is a mismatch."""
         head = f"seq {seq} {call.op.label}"
-        if call.op is Op.ALLREDUCE:
+        kind = OP_RULES[call.op].plan
+        if kind == "agreed":
             plans = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
                      and len(c.segments[0]) == 1 else None for c in contributions}
             if len(plans) != 1 or None in plans:  # the call matched; only its values disagree
                 return self._error_all(seq, call.op, error_body(
                     "CallMismatchError", self._disagreement(seq, call, contributions)))
             plan = bytes(contributions[0].segments[0][0])
-        elif call.op is Op.BROADCAST:
+        elif kind == "root":
             root = contributions[call.root]
             others = [r for r, c in enumerate(contributions) if c.flags & FLAG_DATA and r != call.root]
             if others or not root.flags & FLAG_DATA or len(root.segments) != 1:
@@ -735,7 +799,7 @@ class Coordinator:
                     "ProtocolError", f"{head}: only the root may send a data plan "
                     f"({rank_list(others) or 'the root'} sent a malformed one)"))
             plan = bytes(root.segments[0][0])
-        elif call.op is Op.ALLGATHER:
+        elif kind == "gather":
             return self._gather_plan(seq, call, contributions)
         else:
             return self._error_all(seq, call.op, error_body("ProtocolError", f"{head} has no data plane"))
@@ -801,40 +865,20 @@ class Coordinator:
         n = self.num_replicas
         if not 0 <= call.root < n:  # replicas check it: only a broken or altered one sends this
             return "ProtocolError", f"{head}: root {call.root} is not a rank of this group of {n} replicas"
-        sent = len(contributions[call.root].segments)
-        if call.op is Op.SCATTER and sent != n:
+        sent, sends = len(contributions[call.root].segments), OP_RULES[call.op].sends
+        if sends == "root-all" and sent != n:
             return "ProtocolError", f"{head}: root {call.root} sent {sent} values for {n} replicas"
-        if call.op is Op.ALLTOALL:
+        if sends == "all":
             short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
             if short:
                 return "ProtocolError", f"{head}: {rank_list(short)} did not send exactly {n} values"
-        if call.op in (Op.ALLGATHER, Op.GATHER, Op.ALLREDUCE, Op.REDUCE):
+        if sends == "one":
             empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
             if empty:
                 return "ProtocolError", f"{head}: {rank_list(empty)} sent no value"
-        if call.op is Op.BROADCAST and sent != 1:
+        if sends == "root" and sent != 1:
             return "ProtocolError", f"{head}: root {call.root} sent no value"
         return None
-
-    def _route(self, op: Op, root: int, contributions: list[Message]) -> list[list[list[Any]]]:
-        """The segments each rank receives, by rank. Ranks given the same list
-        object get the same frames."""
-        n, nothing = self.num_replicas, cast("list[list[Any]]", [])
-        if op in (Op.ALLREDUCE, Op.REDUCE):
-            result = [_serialize.dumps(self._reduce(contributions, root), "reduction result")]
-            return [result if op is Op.ALLREDUCE or r == root else nothing for r in range(n)]
-        if op is Op.BROADCAST:  # forwarded as the root sent it, never unpickled here
-            value = contributions[root].segments
-            return [nothing if r == root else value for r in range(n)]
-        if op in (Op.ALLGATHER, Op.GATHER):
-            values = [c.segments[0] for c in contributions]
-            return [values if op is Op.ALLGATHER or r == root else nothing for r in range(n)]
-        if op is Op.SCATTER:  # the root keeps its own part
-            parts = contributions[root].segments
-            return [nothing if r == root else [parts[r]] for r in range(n)]
-        if op is Op.ALLTOALL:
-            return [[c.segments[r] for c in contributions] for r in range(n)]
-        return [nothing] * n  # barrier, teardown
 
     def _reduce(self, contributions: list[Message], root: int) -> Any:
         fn_frame = contributions[root].fn
