@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+import zcollective
 from zcollective.testing import free_port
 
 RUN = [sys.executable, "-m", "zcollective.run"]
@@ -60,6 +61,29 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path):
     assert ("zcollective-run: rank 1 exited with code 3 (giving up: disk full); stopping the others "
             "in 1 s") in proc.stderr
     assert time.monotonic() - start < 30
+
+
+def test_the_summary_quotes_the_users_exception_not_what_the_library_said_after_it(tmp_path):
+    """Rank 0 dies of a KeyError without teardown: the library's ending notice comes after the
+    traceback, and the summary used to quote it instead of the user's exception."""
+    job = script(tmp_path, """
+        import logging, time, zcollective
+        logging.basicConfig(level=logging.INFO)  # the library's notices show, after the traceback
+        zcollective.initialize()
+        zcollective.allreduce(1)
+        if zcollective.get_rank() == 0:
+            {}["missing key"]
+        time.sleep(60)
+    """)
+    proc = launch(["-n", "2", "--grace", "1", job])
+    assert proc.returncode == 1, proc.stderr
+    assert "zcollective-run: rank 0 exited with code 1 (KeyError: 'missing key'); stopping" in proc.stderr, (
+        proc.stdout + proc.stderr)
+
+
+def test_version_needs_no_script():
+    proc = launch(["--version"])
+    assert proc.returncode == 0 and proc.stdout.strip() == f"zcollective {zcollective.__version__}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import IO, Optional
 
+from . import __version__
 from ._protocol._stats import STATS_FILE_ENV, slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, SECRET_ENV, SECRET_FILE_ENV
 
@@ -60,6 +61,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-straggler-summary", dest="straggler_summary", action="store_false",
                         help="do not print which rank was slowest when the job ends (rank 0 "
                              "runs on this host)")
+    parser.add_argument("--version", action="version", version=f"zcollective {__version__}")
     parser.add_argument("script", help="a Python script (run with this Python) or a program")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
@@ -82,10 +84,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def _pump(rank: int, stream: IO[bytes], out: IO[bytes], lock: threading.Lock,
           last: dict[int, bytes]) -> None:
+    """Copy a rank's output, prefixed; remember what explains its failure:
+    the exception of its last traceback (what a library or atexit handler
+    printed after it does not), else its last line."""
     prefix = f"[{rank}] ".encode()
+    in_traceback, raised = False, b""
     for line in iter(stream.readline, b""):
+        if line.startswith(b"Traceback (most recent call last):"):
+            in_traceback = True
+        elif in_traceback and line.strip() and not line[:1].isspace():
+            in_traceback, raised = False, line.strip()
         if line.strip():
-            last[rank] = line.strip()  # a failing rank's last words: usually its exception
+            last[rank] = raised or line.strip()
         with lock:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()
