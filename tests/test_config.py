@@ -3,6 +3,7 @@ one table of settings behind every signature, docstring and the README."""
 
 import importlib
 import inspect
+import logging
 import pathlib
 import re
 
@@ -227,3 +228,17 @@ def test_readme_api_row_of_initialize_is_its_signature():
         p.replace(annotation=p.empty, default=int(p.default) if isinstance(p.default, float)
                   else p.default) for p in sig.parameters.values()])
     assert f"| `initialize{plain}` |" in _readme_section("API")
+
+
+def test_a_rank_0_told_its_rank_or_port_but_not_the_size_warns_that_it_runs_alone(caplog):
+    """Forgetting ZCOLLECTIVE_NUM_REPLICAS on rank 0 only: it ran alone and exited 0 while rank 1
+    waited out its join timeout, and nothing named the likely cause (issue 26)."""
+    with caplog.at_level(logging.WARNING, logger="zcollective"):
+        resolve(env={"ZCOLLECTIVE_REPLICA_RANK": "0", "ZCOLLECTIVE_MASTER_PORT": "29999"})
+    assert "running alone (a group of one): num_replicas is not set" in caplog.text
+    assert "environment variable ZCOLLECTIVE_REPLICA_RANK" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zcollective"):
+        resolve(env={})  # a script run on its own: nothing to warn about
+        resolve(env={"ZCOLLECTIVE_NUM_REPLICAS": "1", "ZCOLLECTIVE_REPLICA_RANK": "0"})
+    assert caplog.text == ""

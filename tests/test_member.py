@@ -180,7 +180,8 @@ def test_join_timeout_names_the_address_when_nothing_answered():
     member = Member(1, 2, ENDPOINT)
     assert member.join_timeout_message(1, None) == (
         f"rank 1 timed out after 1 s joining the group at {ENDPOINT}: could not reach the coordinator "
-        f"(rank 0) at that address (is rank 0 running, and is the address and port right?)")
+        f"(rank 0) at that address (is rank 0 running, with the same num_replicas (a rank 0 told "
+        f"none, or 1, runs alone and listens on nothing), and is the address and port right?)")
 
 
 def test_join_timeout_names_the_missing_ranks():

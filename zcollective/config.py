@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import math
 import os
 import textwrap
@@ -551,7 +552,20 @@ def _port_zero_only_alone(c: Config, origins: Mapping[str, Origin]) -> None:
             f"master_port everywhere")
 
 
-CROSS_CHECKS = (_rank_in_range, _port_zero_only_alone)
+def _alone_by_omission(c: Config, origins: Mapping[str, Origin]) -> None:
+    # a group of one by default, though where the group is was set: the others wait for a rank 0
+    # that runs alone and listens on nothing (issue 26: rank 1 waited out its join timeout)
+    if c.num_replicas == 1 and origins["num_replicas"].source == "the default":
+        given = [origins[name].source for name in ("replica_rank", "master_port")
+                 if origins[name].source != "the default"]
+        if given:
+            logging.getLogger("zcollective").warning(
+                "zcollective: running alone (a group of one): num_replicas is not set (argument "
+                "num_replicas, ZCOLLECTIVE_NUM_REPLICAS or a launcher's), though %s is; other "
+                "replicas will not find this one", " and ".join(given))
+
+
+CROSS_CHECKS = (_rank_in_range, _port_zero_only_alone, _alone_by_omission)
 
 
 # -- signatures --------------------------------------------------------------

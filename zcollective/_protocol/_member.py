@@ -563,7 +563,8 @@ class Member:
         base = f"rank {self.rank} timed out after {timeout:g} s joining the group at {self.endpoint}"
         if not self.connected:
             return (f"{base}: could not reach the coordinator (rank 0) at that address "
-                    f"(is rank 0 running, and is the address and port right?)")
+                    f"(is rank 0 running, with the same num_replicas (a rank 0 told none, or 1, "
+                    f"runs alone and listens on nothing), and is the address and port right?)")
         if status and status.get("missing"):
             missing = ",".join(map(str, status["missing"]))
             refused = status.get("refused")
