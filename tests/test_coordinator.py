@@ -431,7 +431,8 @@ def test_a_stranger_cannot_fail_a_running_group_whatever_its_join_says():
     def late(rank, pid, host):
         return {"error": "LateJoinError", "message": f"rank {rank} (pid {pid} on {host}) tried to join "
                                                      f"the group at seq 0, but the group of 2 replicas "
-                                                     f"has already started"}
+                                                     f"has already started (another job on this "
+                                                     f"port? give each job its own)"}
 
     forged = control(Kind.JOIN, {"rank": 1, "num_replicas": 2, "python": "2.7", "protocol": 1,
                                  "pid": 1, "host": "evil"}, rank=1)

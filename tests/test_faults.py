@@ -239,7 +239,8 @@ def test_initialize_timeout_names_the_address_or_the_missing_ranks():
     assert time.monotonic() - start < 5
     assert str(info.value) == (f"rank 1 timed out after 0.5 s joining the group at tcp://127.0.0.1:{port}: "
                                f"could not reach the coordinator (rank 0) at that address (is rank 0 "
-                               f"running, and is the address and port right?)")
+                               f"running, with the same num_replicas (a rank 0 told none, or 1, runs "
+                               f"alone and listens on nothing), and is the address and port right?)")
     with pytest.raises(zc.CollectiveTimeoutError) as info:
         zc.Group("127.0.0.1", port, 0, 3, timeout=0.5)
     assert str(info.value) == (f"rank 0 timed out after 0.5 s joining the group at tcp://127.0.0.1:{port}: "

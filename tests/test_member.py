@@ -101,7 +101,8 @@ def test_a_late_join_is_refused_while_the_group_runs_on():
     late.receive(encode(reject))
     assert isinstance(late.failure, zc.LateJoinError)
     assert str(late.failure) == (f"rank 1 {WHO} tried to join the group at seq 1, but the group of "
-                                 f"2 replicas has already started")
+                                 f"2 replicas has already started (another job on this port? give "
+                                 f"each job its own)")
     assert [outcome(f) for f in pair.call_all(Op.ALLREDUCE, [1, 2], fn=add)] == [3, 3]
 
 

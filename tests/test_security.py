@@ -73,7 +73,9 @@ def test_replica_with_another_secret_gets_authentication_error(tmp_path):
     # checked as before, is the second defence; test_member.py shows that refusal's wording)
     assert outs[1].value[1] == (f"rank 1: the coordinator at tcp://127.0.0.1:{reps.port} refused its "
                                 f"credentials at the ZeroMQ handshake (ZAP status 400): rank 0 has a "
-                                f"different secret; set the same ZCOLLECTIVE_SECRET everywhere"), said
+                                f"different secret, or the port is another job's (zcollective-run "
+                                f"gives each job a secret of its own); set the same ZCOLLECTIVE_SECRET "
+                                f"everywhere, and give each job its own port"), said
     # rank 0 says who never joined, and logs the refusal once, with the address
     assert outs[0].value[1] == (f"rank 0 timed out after 2 s joining the group at "
                                 f"tcp://127.0.0.1:{reps.port}: connected, but ranks 1 had not joined"), said

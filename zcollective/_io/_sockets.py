@@ -103,7 +103,8 @@ def handshake_refusal(event: int, value: int, who: str, peer: str, holder: str,
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return AuthenticationError(
             f"{who}: {peer} refused its credentials at the ZeroMQ handshake (ZAP status {value}): "
-            f"{holder} has a different secret; {advice}")
+            f"{holder} has a different secret, or the port is another job's (zcollective-run gives "
+            f"each job a secret of its own); {advice}, and give each job its own port")
     if event != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL or value != MECHANISM_MISMATCH:
         return None
     if secret:

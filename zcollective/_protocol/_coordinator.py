@@ -551,7 +551,8 @@ class Coordinator:
             return self._refuse(peer, msg, str(failure.get("error")), str(failure.get("message")))
         state = "has already started" if self.phase is Phase.RUNNING else f"is {self.phase.value}"
         message = (f"{join.describe()} tried to join the group at seq {min(self.next_seq, default=0)}, "
-                   f"but the group of {self.num_replicas} replicas {state}")
+                   f"but the group of {self.num_replicas} replicas {state} (another job on this "
+                   f"port? give each job its own)")
         self._warn(address, "late", f"refused a join: {message}")
         return self._refuse(peer, msg, "LateJoinError", message)
 
