@@ -566,3 +566,32 @@ def test_every_operation_has_a_row_of_rules_and_one_without_fails_its_call_not_t
     feed(coord, peer(0), contrib(0, 1, value=1, fn=lambda a, b: a + b))  # the group goes on
     out = results(feed(coord, peer(1), contrib(1, 1, value=2)))
     assert [_serialize.loads(m.segments[0]) for m in out.values()] == [3, 3]
+
+
+def test_arrays_an_elementwise_reduction_cannot_combine_are_a_mismatch_on_the_star_too():
+    """np.ones(1) + np.ones(3) broadcasts: the star returned [3, 3, 3] where the data plane,
+    torch and MPI refuse; a reduce function of the user's own may still combine anything."""
+    np = pytest.importorskip("numpy")
+    import operator
+
+    coord = joined(3)
+    for r, value in enumerate([np.ones(3), np.ones(1), np.ones(3)]):
+        out = results(feed(coord, peer(r), contrib(r, 0, value=value, fn=operator.add if r == 0 else None,
+                                                   site=f"train.py:{40 + r}")))
+    assert {m.kind for m in out.values()} == {Kind.ERROR}
+    body = out[peer(1)].body()
+    assert body["error"] == "CallMismatchError"
+    assert body["message"] == (
+        "seq 0 allreduce: the ranks disagree: rank 0 passed a <f8 array of shape (3,) reduced with add at "
+        "train.py:40; rank 1 passed a <f8 array of shape (1,) reduced with add at train.py:41; rank 2 "
+        "passed a <f8 array of shape (3,) reduced with add at train.py:42 (this call failed; the group "
+        "goes on)")
+    for r, value in enumerate([np.ones(2, "f4"), np.ones(2, "f8"), np.ones(2, "f4")]):  # dtypes too
+        out = results(feed(coord, peer(r), contrib(r, 1, value=value, fn=operator.add if r == 0 else None)))
+    assert "rank 1 passed a <f8 array of shape (2,)" in out[peer(0)].body()["message"]
+    def concatenate(a, b):  # the user's own: combining anything is its business
+        return np.concatenate([a, b])
+
+    for r, value in enumerate([np.ones(1), np.ones(2), np.ones(3)]):
+        out = results(feed(coord, peer(r), contrib(r, 2, value=value, fn=concatenate if r == 0 else None)))
+    assert [len(_serialize.loads(m.segments[0])) for m in out.values()] == [6, 6, 6]

@@ -143,7 +143,7 @@ def test_group_joined_late_is_refused_while_it_keeps_running(tmp_path):
     assert outs[:2] == [2, 2]
     assert outs[2].startswith("rank 1 (pid ")
     assert outs[2].endswith(" tried to join the group at seq 1, but the group of 2 replicas has already "
-                            "started")
+                            "started (another job on this port? give each job its own)")
 
 
 def test_failing_replica_reports_every_ranks_output():

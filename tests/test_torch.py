@@ -192,6 +192,10 @@ def tensor_operations():
         zc.allreduce(torch.ones(2, requires_grad=True))  # in place on a leaf, as under pickle
     except zc.RemoteError as exc:
         out["reduce_grad"] = exc.remote_message
+    try:  # broadcasting would have returned a (3,) of 6 (issue 26): torch and MPI refuse too
+        zc.allreduce(torch.ones(1) if r == 1 else torch.ones(3))
+    except zc.CallMismatchError as exc:
+        out["shapes"] = str(exc)
     return out
 
 
@@ -210,6 +214,8 @@ def test_operations_on_tensors_between_processes():
         assert out["transposed"] == (r != 0, transposed)  # the root has its own view back
         assert out["requires_grad"] == [True] * n
         assert "leaf Variable that requires grad" in out["reduce_grad"]
+        assert ("rank 1 passed a torch.float32 array of shape (1,) reduced with add at test_torch.py:"
+                in out["shapes"] and "ranks 0,2 passed a torch.float32 array of shape (3,)" in out["shapes"])
 
 
 NO_TORCH_SCRIPT = textwrap.dedent("""

@@ -90,6 +90,7 @@ from .._format._wire import (
 )
 from .._limits import LOCAL_PART_BYTES, WIRE_PART_BYTES
 from ..errors import SerializationError, from_signal
+from . import _ring
 from ._stats import Lateness
 
 log = logging.getLogger("zcollective")
@@ -767,6 +768,9 @@ class Coordinator:
         except _Unreadable as exc:  # the reduce function never ran: not a RemoteError
             return self._error_all(seq, call.op, error_body(
                 "SerializationError", f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}"))
+        except _Disagree as exc:  # nor here: arrays the data plane would have refused too
+            return self._error_all(seq, call.op, error_body(
+                "CallMismatchError", self._disagreement(seq, call, contributions, exc.described)))
         except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
             if from_signal(exc):  # a signal handler's, on rank 0's thread: everyone hears of it,
                 self.interrupted = exc  # then the driver raises it there
@@ -834,12 +838,17 @@ class Coordinator:
                                                   self.session, flags=FLAG_DATA, segments=segments))
                 for rank in range(self.num_replicas)]
 
-    def _disagreement(self, seq: int, call: Call, contributions: list[Message]) -> str:
+    def _disagreement(self, seq: int, call: Call, contributions: list[Message],
+                      described: Optional[list[str]] = None) -> str:
+        """The ranks' values, grouped by what each passed and where: from
+        their data plans, or as rank 0 found them (``described``)."""
         groups: dict[tuple[str, str], list[int]] = {}
         for rank, c in enumerate(contributions):
             what = ("a value that does not go peer to peer (not a numeric array that large, "
                     "reduced elementwise)")
-            if c.flags & FLAG_DATA:
+            if described is not None:
+                what = described[rank]
+            elif c.flags & FLAG_DATA:
                 try:
                     dtype, shape, fn = _bodies.parse_array_plan(c)
                     what = f"a {dtype} array of shape {shape} reduced with {fn}"
@@ -893,6 +902,11 @@ class Coordinator:
                       for r, c in enumerate(contributions)]
         except SerializationError as exc:
             raise _Unreadable(str(exc)) from exc
+        name = _ring.reduction_name(fn)
+        if name is not None:  # elementwise: arrays must agree, as on the data plane (no broadcasting)
+            described = _arrays(values, name)
+            if described is not None and len(set(described)) > 1:
+                raise _Disagree(described)
         self.reducing = (contributions[0].seq, contributions[0].op, time.monotonic())
         fn = self.user_code(fn)
         try:
@@ -954,6 +968,31 @@ class Coordinator:
         if len(self._warned) < MAX_WARNED_PEERS:
             self._warned.add(key)
         log.warning("zcollective coordinator: %s", text)
+
+
+class _Disagree(Exception):
+    """Arrays an elementwise reduction cannot combine: each rank's, described."""
+
+    def __init__(self, described: list[str]) -> None:
+        super().__init__("the ranks' arrays disagree")
+        self.described = described
+
+
+def _arrays(values: list[Any], fn: str) -> Optional[list[str]]:
+    """Each value described as the data plane's plans describe arrays (dtype,
+    shape, reduction), when all are arrays (numpy's, torch's) and not all
+    scalars; else None (left to the reduce function)."""
+    shapes: list[Any] = [getattr(v, "shape", None) for v in values]
+    dtypes: list[Any] = [getattr(v, "dtype", None) for v in values]
+    if any(s is None or d is None for s, d in zip(shapes, dtypes, strict=True)):  # (not `in`:
+        return None  # numpy's dtype equals None, which means float64 to it)
+    try:
+        if not any(len(s) for s in shapes):
+            return None
+        return [f"a {getattr(d, 'str', d)} array of shape {tuple(int(n) for n in s)} reduced with {fn}"
+                for s, d in zip(shapes, dtypes, strict=True)]
+    except TypeError:  # a shape of something else than numbers: not an array
+        return None
 
 
 class _Unreadable(Exception):
