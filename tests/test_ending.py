@@ -554,3 +554,25 @@ def test_a_rank_busy_past_rank_0s_ending_is_told_rank_0_ended_not_lost():
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     got, said = outs[1].value
     assert got == [0, 3] and said.startswith("rank 0 ended its program (without teardown)"), said
+
+
+def rank_0_dies_the_others_tear_down(ready):
+    zc.allreduce(1)
+    if zc.get_rank() == 0:
+        raise KeyError("a bug of rank 0's")  # ends its program without teardown
+    time.sleep(0.5)  # rank 0 has ended by now
+    zc.teardown()
+    return "teardown returned"
+
+
+def test_teardown_after_a_rank_ended_without_it_returns_and_says_so(tmp_path):
+    """Issue 26: teardown returned on ranks 1 and 2 as if all were done while rank 0 had died.
+    It is cleanup (often in a `finally`, where raising hides the exception in flight): it closes
+    and returns, and logs why the group was already over."""
+    with Replicas(rank_0_dies_the_others_tear_down, 3, str(tmp_path), initialize=True) as reps:
+        outs = reps.wait(60)
+    assert isinstance(outs[0].error, KeyError), report(outs, "rank 0 should die of its KeyError")
+    for out in outs[1:]:
+        assert out.value == "teardown returned", report(outs, f"rank {out.rank}")
+        assert (f"zcollective rank {out.rank}: teardown closed a group that was already over: rank 0 "
+                f"ended its program (without teardown)") in out.output, report(outs, f"rank {out.rank}")

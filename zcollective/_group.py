@@ -437,14 +437,18 @@ class Group:
             return
         self._check_thread()  # before touching a socket: they belong to the owner thread
         try:
-            if self._link is not None and self._member.failure is None:
+            failure: Optional[BaseException] = self._member.failure
+            if self._link is not None and failure is None:
                 future = self._submit(Op.TEARDOWN, 0, _nothing, _none, _callsite())
                 try:
                     self._blocking(future, timeout)
                 except CollectiveTimeoutError:
                     raise
-                except Exception:
-                    pass  # a failed group closes anyway
+                except Exception as exc:  # a failed group closes anyway
+                    failure = exc
+            if failure is not None:  # cleanup, often in a `finally`: said, never raised over
+                log.warning("zcollective rank %d: teardown closed a group that was already over: %s",
+                            self.rank, failure)  # the exception in flight
         finally:
             self._close()
 
