@@ -76,11 +76,28 @@ def test_replica_with_another_secret_gets_authentication_error(tmp_path):
                                 f"different secret, or the port is another job's (zcollective-run "
                                 f"gives each job a secret of its own); set the same ZCOLLECTIVE_SECRET "
                                 f"everywhere, and give each job its own port"), said
-    # rank 0 says who never joined, and logs the refusal once, with the address
+    # rank 0 says who never joined and whom the port refused, and logs the refusal once, with the
+    # address (issue 26: its join timeout named nobody)
     assert outs[0].value[1] == (f"rank 0 timed out after 2 s joining the group at "
-                                f"tcp://127.0.0.1:{reps.port}: connected, but ranks 1 had not joined"), said
+                                f"tcp://127.0.0.1:{reps.port}: connected, but ranks 1 had not joined "
+                                f"(refused at the ZeroMQ handshake: a peer at 127.0.0.1: credentials "
+                                f"failed authentication (another secret, or another port's token))"), said
     assert outs[0].output.count("failed authentication") == 1, report(outs, "logged more than once")
     assert "refused a peer at 127.0.0.1 at the ZeroMQ handshake" in outs[0].output, said
+
+
+def test_a_rank_0_without_a_secret_names_the_replica_that_has_one_at_its_join_timeout(tmp_path):
+    with Replicas(join_outcome, 2, str(tmp_path / "ready"), initialize=False,
+                  rank_env={1: {"ZCOLLECTIVE_SECRET": SECRET}}) as reps:
+        outs = reps.wait(40)
+    said = report(outs, "")
+    assert [o.value[0] if o.value else None for o in outs] == ["CollectiveTimeoutError",
+                                                               "AuthenticationError"], said
+    assert outs[0].value[1].startswith(f"rank 0 timed out after 2 s joining the group at "
+                                       f"tcp://127.0.0.1:{reps.port}: connected, but ranks 1 had not "
+                                       f"joined (refused at the ZeroMQ handshake: "), said
+    assert ("a peer offered credentials: it has a secret and rank 0 has none" in outs[0].value[1]
+            or "a secret on one side only?" in outs[0].value[1]), said
 
 
 def attack(port, marker, stop):

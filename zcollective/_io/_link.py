@@ -248,6 +248,12 @@ class HostLink(Driver):
         self.server = server
         member.connected = True  # nothing between them can break
 
+    def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
+        status = super().ask_status(seq)
+        if status is not None and not self.member.joined:  # a join timeout: whom the port refused
+            status["handshakes"] = list(self.server.refusals())
+        return status
+
     def _send(self, msg: Message) -> None:
         if msg.kind is Kind.CONTRIB:
             msg = owned(msg)

@@ -89,6 +89,7 @@ class Server:
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
         self._probes = ProbeSchedule()
+        self._refusals: list[str] = []  # peers refused at the handshake without a secret here
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
         # socket of rank 0's context uses it too)
         self._ending: Optional[float] = None  # when rank 0's program said it was ending
@@ -223,6 +224,10 @@ class Server:
             if ready or self._probes.due is not None:
                 self._step(ready)
             stepped = True
+
+    def refusals(self) -> list[str]:
+        """The first peers refused at the handshake, and why."""
+        return self.gatekeeper.first_refusals if self.gatekeeper is not None else self._refusals
 
     def poll_items(self) -> list[Any]:
         """What rank 0's thread polls for the coordinator, while holding."""
@@ -436,11 +441,11 @@ class Server:
         made: list[zmq.Socket] = [router]
         try:
             with _sockets.mapped("rank 0 cannot watch the coordinator's connections"):
-                events = zmq.EVENT_DISCONNECTED
-                if self.gatekeeper is not None:  # to log peers refused before any ZAP request
-                    # (a mismatch of mechanisms is seen by whichever end reads the other's greeting
-                    # first: when the peer closes first, this end sees no detail)
-                    events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                # DISCONNECTED, and peers refused before any ZAP request, to name at a join timeout
+                # (a mismatch of mechanisms is seen by whichever end reads the other's greeting
+                # first: when the peer closes first, this end sees no detail)
+                events = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
                 monitor = _sockets.monitor_socket(router, events)
                 made.append(monitor)
         except BaseException:
@@ -499,6 +504,12 @@ class Server:
                                             _sockets.handshake_problem(value) if kind ==
                                             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else
                                             "it closed the connection during the handshake")
+            elif kind in _REFUSED_EVENTS:  # no secret here
+                why = ("a peer offered credentials: it has a secret and rank 0 has none"
+                       if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _sockets.MECHANISM_MISMATCH
+                       else "a peer closed its connection during the handshake (a secret on one side only?)")
+                if why not in self._refusals and len(self._refusals) < _zap.FIRST_REFUSALS:
+                    self._refusals.append(why)
         if closed:
             self._probes.closed(time.monotonic())
 

@@ -60,6 +60,7 @@ DATA_DOMAIN = "zcollective-data"  # a replica's data socket
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
 MAX_EARLY_NONCES = 1 << 16  # tokens offered before a port's key, remembered as spent (~4 MiB)
 GATE_JOIN_S = 5.0  # a gate thread stops within one poll; more means something is badly wrong
+FIRST_REFUSALS = 3  # the first refusals (of different addresses), for a join timeout to name
 MAX_LOGGED_ADDRESSES = 1024  # refused addresses remembered for logging once; past it, silence
 
 
@@ -79,6 +80,7 @@ class Gatekeeper:
     """
 
     def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
+        self.first_refusals: list[str] = []  # "a peer at <address>: <why>", at most FIRST_REFUSALS
         self.ctx = ctx
         self._checker = TokenChecker(secret) if secret is not None else None
         self._domains: dict[bytes, Optional[TokenChecker]] = {}  # keys of their own (see rekey)
@@ -152,6 +154,8 @@ class Gatekeeper:
         if key in self._logged or len(self._logged) >= MAX_LOGGED_ADDRESSES:
             return
         self._logged.add(key)
+        if len(self.first_refusals) < FIRST_REFUSALS:
+            self.first_refusals.append(f"a peer at {address}: {why}" if address else f"a peer: {why}")
         where = domain or "no domain"
         if address is None:
             log.warning("zcollective: refused a peer at the ZeroMQ handshake (%s): %s; libzmq "

@@ -572,6 +572,10 @@ class Member:
             if isinstance(refused, dict) and refused:
                 why = " (" + "; ".join(f"rank {r} was refused: {str(m)[:300]}"
                                        for r, m in list(refused.items())[:3]) + ")"
+            handshakes = status.get("handshakes")
+            if isinstance(handshakes, list) and handshakes:
+                why += " (refused at the ZeroMQ handshake: " + "; ".join(
+                    str(h)[:300] for h in handshakes[:3]) + ")"
             return f"{base}: connected, but ranks {missing} had not joined{why}"
         return f"{base}: connected, but the group did not complete"
 
