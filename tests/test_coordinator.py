@@ -595,3 +595,32 @@ def test_arrays_an_elementwise_reduction_cannot_combine_are_a_mismatch_on_the_st
     for r, value in enumerate([np.ones(1), np.ones(2), np.ones(3)]):
         out = results(feed(coord, peer(r), contrib(r, 2, value=value, fn=concatenate if r == 0 else None)))
     assert [len(_serialize.loads(m.segments[0])) for m in out.values()] == [6, 6, 6]
+
+
+def test_a_call_one_rank_gave_up_fails_alike_on_every_rank_and_the_group_goes_on():
+    """Issue 26: rank 2 came 4 s late to an allreduce with timeout=2: ranks 0 and 1 raised
+    CollectiveTimeoutError and rank 2 got 3. A rank that gives up a call now fails it for all."""
+    from zcollective._format import _bodies
+
+    coord = joined(3)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    feed(coord, peer(1), contrib(1, 0, value=2))
+    gave_up = _bodies.abandon("its call timed out (timed out after 2 s)", True, rank=1, seq=0,
+                              session=SESSION)
+    out = results(feed(coord, peer(1), gave_up))
+    assert set(out) == {peer(0), peer(1)} and {m.kind for m in out.values()} == {Kind.ERROR}
+    said = out[peer(0)].body()
+    assert said["error"] == "CollectiveTimeoutError"
+    assert said["message"].startswith("seq 0 allreduce: rank 1 (pid 101 on h) gave it up (its call timed out")
+    assert said["message"].endswith("so it failed on every rank (the group goes on)")
+    assert feed(coord, peer(0), gave_up) == []  # given up once: nothing more to say
+    late = results(feed(coord, peer(2), contrib(2, 0, value=3)))  # the late rank hears the same
+    assert list(late) == [peer(2)] and late[peer(2)].body() == said
+    assert 0 not in coord.pending
+    for r in range(3):  # the group goes on
+        fn = (lambda a, b: a + b) if r == 0 else None
+        out = results(feed(coord, peer(r), contrib(r, 1, value=r + 1, fn=fn)))
+    assert [_serialize.loads(m.segments[0]) for m in out.values()] == [6, 6, 6]
+    done = _bodies.abandon("its call was interrupted (KeyboardInterrupt)", False, rank=0, seq=1,
+                           session=SESSION)
+    assert feed(coord, peer(0), done) == []  # complete already: every rank has its result

@@ -198,9 +198,12 @@ def stall(timed_out, future_timed_out):
     try:
         if zc.get_rank() == 1:
             wait_for(timed_out)
-            zc.barrier()
+            try:
+                zc.barrier()  # rank 0 gave it up: it fails here too (issue 26)
+            except zc.CollectiveTimeoutError as exc:
+                gave_up = str(exc)
             wait_for(future_timed_out)
-            return zc.allreduce(1)
+            return gave_up, zc.allreduce(1)
         try:
             zc.barrier()
         except zc.CollectiveTimeoutError as exc:
@@ -217,9 +220,11 @@ def stall(timed_out, future_timed_out):
         zc.teardown(timeout=30)  # the group is still usable
 
 
-def test_timeouts_name_the_late_ranks_and_the_call_stays_in_flight(tmp_path):
+def test_timeouts_name_the_late_ranks_a_call_given_up_fails_on_all_and_a_future_stays_in_flight(tmp_path):
     """The wording of every kind of timeout is in test_member.py; this is the
-    real thing: ZCOLLECTIVE_TIMEOUT as the default, a future waited on again."""
+    real thing: ZCOLLECTIVE_TIMEOUT as the default; a blocking call that timed
+    out is given up on every rank; a future's wait that timed out is not (the
+    future is waited on again)."""
     with Replicas(stall, 2, str(tmp_path / "timed-out"), str(tmp_path / "future-timed-out"),
                   env={"ZCOLLECTIVE_TIMEOUT": "0.5"}) as reps:
         outs = reps.wait(60)
@@ -228,7 +233,11 @@ def test_timeouts_name_the_late_ranks_and_the_call_stays_in_flight(tmp_path):
         "seq 0 barrier timed out after 0.5 s on rank 0: waiting for ranks 1 (arrived: 0)",
         "seq 1 allreduce timed out after 0.5 s on rank 0: waiting for ranks 1 (arrived: 0)",
         2), report(outs, "")
-    assert outs[1].value == 2, report(outs, "")
+    gave_up, total = outs[1].value
+    assert gave_up.startswith("seq 0 barrier: rank 0 (pid ") and gave_up.endswith(
+        "gave it up (its call timed out (seq 0 barrier timed out after 0.5 s on rank 0: waiting for "
+        "ranks 1 (arrived: 0))), so it failed on every rank (the group goes on)"), report(outs, "")
+    assert total == 2, report(outs, "")
 
 
 def test_initialize_timeout_names_the_address_or_the_missing_ranks():
@@ -511,3 +520,26 @@ def test_a_signal_handlers_exception_in_a_reduction_ends_rank_0_and_fails_the_ca
     assert not os.path.exists(f"{marker}.0"), "rank 0 went on after its SIGTERM handler exited"
     assert "the reduction raised on the coordinator (rank 0): SystemExit: 143" in str(outs[1].value), \
         report(outs, "rank 1 was not told")
+
+
+def one_rank_late(markers):
+    """Issue 26's scenario: rank 2 sleeps past the others' timeout, then all call allreduce."""
+    r = zc.get_rank()
+    if r == 2:
+        time.sleep(4)
+    try:
+        got = ("value", zc.allreduce(r, timeout=2))
+    except zc.CollectiveTimeoutError as exc:
+        got = ("timeout", str(exc))
+    zc.barrier(timeout=30)  # the group goes on, with every rank at the same call again
+    return got, zc.allreduce(r + 1, timeout=30)
+
+
+def test_a_call_that_timed_out_on_some_ranks_fails_on_every_rank(tmp_path):
+    outs = run_replicas(one_rank_late, 3, str(tmp_path), timeout=60)
+    kinds = [got[0] for got, _ in outs]
+    assert kinds == ["timeout"] * 3, outs  # rank 2 used to get 3: a vote the ranks disagree on
+    late = outs[2][0][1]
+    assert late.startswith("seq 0 allreduce: rank ") and " gave it up (its call timed out (" in late, late
+    assert late.endswith("so it failed on every rank (the group goes on)"), late
+    assert [total for _, total in outs] == [6, 6, 6]

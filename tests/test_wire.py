@@ -490,12 +490,12 @@ def test_an_abort_from_the_data_plane_names_its_lost_rank_only_if_it_is_one():
     msg = _bodies.abort(zc.ReplicaLostError("gone"), True, 2, rank=1, session=9)
     assert bytes(msg.segments[0][0]) == (b'{"error":"ReplicaLostError","message":"gone","lost":2,'
                                          b'"plane":"data"}')
-    assert _bodies.parse_abort(msg, 3) == ("ReplicaLostError", "gone", [2], True)
+    assert _bodies.parse_abort(msg, 3) == ("ReplicaLostError", "gone", [2], True, False)
     assert _bodies.parse_abort(msg, 2)[2] == []
     plain = _bodies.abort(zc.AuthenticationError("x" * 5000), rank=1, session=9)
     assert bytes(plain.segments[0][0]).count(b'"') == 8  # error and message only
-    error, said, lost, data_plane = _bodies.parse_abort(plain, 3)
-    assert (error, len(said), lost, data_plane) == ("AuthenticationError", 2000, [], False)
+    error, said, lost, data_plane, abandoned = _bodies.parse_abort(plain, 3)
+    assert (error, len(said), lost, data_plane, abandoned) == ("AuthenticationError", 2000, [], False, False)
 
 
 def test_error_bodies_are_cut_to_their_bound_and_read_back_as_their_exceptions():

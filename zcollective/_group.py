@@ -42,7 +42,7 @@ from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
 from ._protocol._stats import calls_log, write_for_launcher
 from .config import Config, resolve, takes_settings
-from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError
+from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError, from_signal
 
 log = logging.getLogger("zcollective")
 
@@ -559,7 +559,14 @@ class Group:
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
         if not future._done:
-            self._wait(future, timeout, checked=True)
+            try:
+                self._wait(future, timeout, checked=True)
+            except BaseException as exc:  # given up here: it fails on every rank alike
+                timed_out = isinstance(exc, CollectiveTimeoutError)
+                if (timed_out or from_signal(exc)) and self._link is not None:
+                    with contextlib.suppress(CollectiveError):  # (a broken link: the group failed)
+                        self._link.send(self._member.give_up(future.seq, exc, timed_out))
+                raise
         if future._error is not None:
             raise future._error
         return future._value  # type: ignore[no-any-return]

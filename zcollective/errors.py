@@ -170,9 +170,9 @@ class InternalError(CollectiveError):
 # The names errors travel under, from the coordinator to the replicas (ERROR, FAIL, REJECT).
 # A name not listed arrives as CollectiveError; ValueError is a configuration mistake.
 WIRE_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (CollectiveError, ReplicaLostError, CallMismatchError,
-                                  AuthenticationError, SerializationError, ProtocolError, PeerError,
-                                  LateJoinError, InternalError, ValueError)
+    cls.__name__: cls for cls in (CollectiveError, CollectiveTimeoutError, ReplicaLostError,
+                                  CallMismatchError, AuthenticationError, SerializationError,
+                                  ProtocolError, PeerError, LateJoinError, InternalError, ValueError)
 }
 
 

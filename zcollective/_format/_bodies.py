@@ -141,12 +141,21 @@ def abort(error: BaseException, data_plane: bool = False, lost: Optional[int] = 
     return control(Kind.ABORT, body, **header)
 
 
-def parse_abort(msg: Message, num_replicas: int) -> tuple[str, str, list[int], bool]:
-    """An ABORT's error name, its text (printable, cut), the rank it lost, if from its data plane."""
+def abandon(why: str, timed_out: bool, **header: Any) -> Message:
+    """ABORT of call ``seq`` alone: this rank gave it up (``why``: its timeout, an interrupt), so
+    it fails on every rank alike."""
+    error = "CollectiveTimeoutError" if timed_out else "PeerError"
+    return control(Kind.ABORT, {"error": error, "message": why, "abandoned": True}, **header)
+
+
+def parse_abort(msg: Message, num_replicas: int) -> tuple[str, str, list[int], bool, bool]:
+    """An ABORT's error name, its text (printable, cut), the rank it lost, if from its data
+    plane, and if it gives up one call (see :func:`abandon`)."""
     body = msg.body()
     error, lost = body.get("error"), body.get("lost")
     return (error if isinstance(error, str) else "", printable(str(body.get("message", "?"))[:2000]),
-            [lost] if type(lost) is int and 0 <= lost < num_replicas else [], body.get("plane") == "data")
+            [lost] if type(lost) is int and 0 <= lost < num_replicas else [], body.get("plane") == "data",
+            body.get("abandoned") is True)
 
 
 def status(seq: int, state: str, fields: dict[str, Any], **header: Any) -> Message:

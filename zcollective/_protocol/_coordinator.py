@@ -22,7 +22,10 @@ Rules:
 4. *Complete.* When all ranks contributed to a number, the outcome is
    computed (reductions in rank order, left to right) and each rank is sent
    only what it needs. A reduce function that raises is an ERROR for that
-   number only; the group stays usable.
+   number only; the group stays usable. A call a rank gives up (its timeout
+   ran out, it was interrupted: an ABORT marked ``abandoned``) before it
+   completes fails alike on every rank, on each as it arrives; once
+   complete, there is nothing to change.
 5. *Sticky failure.* Once FAILED, every message from a member is answered
    with the same FAIL; nothing else happens.
 6. *Strangers.* Anything from a peer that has not joined, other than a JOIN,
@@ -185,6 +188,7 @@ class Call:
     root: int
     contributions: dict[int, Message] = field(default_factory=dict)
     arrived: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic()
+    abandoned: Optional[dict[str, Any]] = None  # a rank gave it up: the ERROR every rank gets
 
 
 def rank_list(ranks: Iterable[int]) -> str:
@@ -373,7 +377,9 @@ class Coordinator:
 
     def _on_abort(self, member: Member, msg: Message, address: str) -> list[Out]:
         # only the secret's holders reach here when there is one
-        error, said, ranks, data_plane = _bodies.parse_abort(msg, self.num_replicas)
+        error, said, ranks, data_plane, abandoned = _bodies.parse_abort(msg, self.num_replicas)
+        if abandoned:
+            return self._abandon(member, msg.seq, error, said)
         if error == "PeerError" and self.phase is Phase.RUNNING and msg.seq < min(self.next_seq):
             # a reduce function raised mid-ring: that call fails on every rank, the group goes on
             return self._error_all(msg.seq, Op.ALLREDUCE, error_body("PeerError", said))
@@ -383,6 +389,21 @@ class Coordinator:
             return self.fail(error, f"{said} (reported by {member.describe()})", lost=ranks)
         return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
                          f"coordinator tampered with: {said}", bad=[member.rank])
+
+    def _abandon(self, member: Member, seq: int, error: str, said: str) -> list[Out]:
+        """``member`` gave up call ``seq`` (rule 4)."""
+        call = self.pending.get(seq)
+        if (call is None or call.abandoned is not None or member.rank not in call.contributions
+                or error not in ("CollectiveTimeoutError", "PeerError")):
+            return []
+        call.abandoned = error_body(error, f"seq {seq} {describe_call(call.op, call.root)}: "
+                                           f"{member.describe()} gave it up ({said}), so it failed on "
+                                           f"every rank (the group goes on)")
+        return self._error_some(seq, call, list(call.contributions))
+
+    def _error_some(self, seq: int, call: Call, ranks: list[int]) -> list[Out]:
+        msg = control(Kind.ERROR, call.abandoned or {}, seq=seq, op=call.op, session=self.session)
+        return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r)) for r in ranks]
 
     def _on_status(self, member: Member, msg: Message, address: str) -> list[Out]:
         return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
@@ -652,6 +673,10 @@ class Coordinator:
         call.arrived[rank] = time.monotonic()
         if (msg.op, msg.root) != (call.op, call.root):
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
+        if call.abandoned is not None:  # given up by a rank: this one hears so, as the others did
+            if len(call.contributions) == self.num_replicas:
+                del self.pending[seq]
+            return self._error_some(seq, call, [rank]) + self._check_endings()
         if len(call.contributions) < self.num_replicas:
             return self._check_endings()
         del self.pending[seq]

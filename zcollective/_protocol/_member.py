@@ -242,6 +242,18 @@ class Member:
         return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session,
                        flags=FLAG_DATA if unsent else 0)
 
+    def give_up(self, seq: int, error: BaseException, timed_out: bool) -> list[Message]:
+        """This rank gives up call ``seq`` (``error`` is why): tell the coordinator, so that the
+        call fails alike on every rank (rule 4 of the coordinator); nothing once the group failed
+        or the call completed."""
+        call = self.calls.get(seq)
+        if self.failure is not None or not self.joined or call is None or (
+                call.future is not None and call.future._done):
+            return []
+        why = (f"its call timed out ({error})" if timed_out else
+               f"its call was interrupted ({type(error).__name__})")
+        return [_bodies.abandon(why[:1000], timed_out, rank=self.rank, seq=seq, session=self.session)]
+
     def status_query(self, seq: int) -> Message:
         """A STATUS for ``seq``; the reply lands in :attr:`status`."""
         self.status.pop(seq, None)
