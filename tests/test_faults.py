@@ -543,3 +543,36 @@ def test_a_call_that_timed_out_on_some_ranks_fails_on_every_rank(tmp_path):
     assert late.startswith("seq 0 allreduce: rank ") and " gave it up (its call timed out (" in late, late
     assert late.endswith("so it failed on every rank (the group goes on)"), late
     assert [total for _, total in outs] == [6, 6, 6]
+
+
+def interrupted_in_a_call(markers):
+    r = zc.get_rank()
+    if r == 2:
+        wait_for(os.path.join(markers, "interrupted"))
+    else:
+        touch(os.path.join(markers, f"calling{r}"))
+    try:
+        got = ("value", zc.allreduce(r, timeout=30))
+    except KeyboardInterrupt:
+        touch(os.path.join(markers, "interrupted"))
+        got = ("interrupted", "")
+    except zc.PeerError as exc:
+        got = ("error", str(exc))
+    return got, zc.allreduce(r + 1, timeout=30)
+
+
+def test_a_call_interrupted_by_ctrl_c_on_one_rank_fails_alike_on_the_others(tmp_path):
+    markers = str(tmp_path)
+    with Replicas(interrupted_in_a_call, 3, markers) as reps:
+        wait_for(*(os.path.join(markers, f"calling{r}") for r in (0, 1)), watch=reps)
+        time.sleep(0.3)  # both are waiting in the call
+        reps.kill(1, signal.SIGINT)
+        outs = reps.wait(60)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    kinds = [o.value[0][0] for o in outs]
+    assert kinds == ["error", "interrupted", "error"], report(outs, "")
+    for r in (0, 2):
+        said = outs[r].value[0][1]
+        assert said.startswith("seq 0 allreduce: rank 1 (pid ") and " gave it up (its call was interrupted " \
+            "(KeyboardInterrupt)), so it failed on every rank" in said, report(outs, "")
+    assert [o.value[1] for o in outs] == [6, 6, 6], report(outs, "")
