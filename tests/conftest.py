@@ -143,7 +143,7 @@ def ring_loss_forms(rank, lost, seq, op, pids, host, data_endpoints, jobs):
                 rf"from rank {(r - 1) % size}")
 
     forms = [rf"rank {lost} \(pid {pids[lost]} on {re.escape(host)}\) was lost "
-             rf"\(connection closed\); seq {seq} {op} was matched; "
+             rf"\(connection closed or heartbeats unanswered\); seq {seq} {op} was matched; "
              rf"its data moves peer to peer"]
     if rank == prev:
         forms.append(data_link(rank))

@@ -141,6 +141,7 @@ def test_stopped_replica_is_found_by_heartbeats_within_the_bound(tmp_path):
         message, elapsed = out.value
         # rank 0 found it by heartbeats; rank 1 heard it from rank 0
         assert message.startswith("rank 2 (pid") and " was lost (" in message, report(outs, "")
+        assert "heartbeats unanswered" in message, report(outs, "not a crash: it stopped answering")
         assert "seq 1 allreduce (arrived: ranks 0,1)" in message, report(outs, "")
         assert elapsed < BOUND + 1.5, report(outs, f"rank {out.rank} took {elapsed} s")
 

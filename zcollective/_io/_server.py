@@ -569,7 +569,7 @@ class Server:
         is not lost, and a JOIN is not left holding a slot."""
         self._drain()
         for peer in peers:
-            self._send_all(self.coordinator.gone(peer, "connection closed"))
+            self._send_all(self.coordinator.gone(peer))
 
 
 def _commands(pipe: zmq.Socket) -> set[bytes]:

@@ -105,6 +105,8 @@ MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so st
 # rank 0 hold at most about 1.2 MiB of answers
 
 Out = tuple[bytes, Message]
+GONE = "connection closed or heartbeats unanswered"  # ZeroMQ does not say which: a process that
+# ended or was killed, and one stopped (SIGSTOP) or cut off past the liveness bound, look alike
 HOST_PEER = b"\x00L0"  # its name for the member in its own process; no DEALER of ours has it
 # (theirs start with b"R"), and the server drops any peer announcing it
 
@@ -424,7 +426,7 @@ class Coordinator:
             peers = [m for m in self.members.values() if m.peer in self.unanswered or self.held.get(m.rank)]
         return [(m.peer, Message(Kind.PROBE, rank=m.rank, session=self._binding(m))) for m in peers]
 
-    def gone(self, peer: bytes, reason: str = "connection closed") -> list[Out]:
+    def gone(self, peer: bytes, reason: str = GONE) -> list[Out]:
         """A send to ``peer`` failed: its connection is gone (rule 8). A
         member is lost while the group runs; before it starts, the rank's
         slot opens again."""
