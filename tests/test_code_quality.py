@@ -26,3 +26,9 @@ def _has_module(name):
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def test_the_api_reference_is_what_the_docstrings_say():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "make_api.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
