@@ -554,3 +554,46 @@ def test_a_rank_busy_past_rank_0s_ending_is_told_rank_0_ended_not_lost():
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     got, said = outs[1].value
     assert got == [0, 3] and said.startswith("rank 0 ended its program (without teardown)"), said
+
+
+def interrupted_while_rank_0_stops():
+    """Rank 0's teardown is interrupted while it waits for its coordinator
+    thread to end. Returns the SIGINT handler's type seen there, or what
+    went wrong."""
+    from zcollective import _interrupts
+
+    zc.allreduce(1)
+    if zc.get_rank() != 0:
+        zc.teardown(timeout=30)
+        return None
+    seen = []
+
+    def interrupted(event, timeout):
+        seen.append(type(signal.getsignal(signal.SIGINT)).__name__)
+        raise KeyboardInterrupt
+
+    real, _interrupts.wait_event = _interrupts.wait_event, interrupted
+    try:
+        zc.teardown(timeout=30)
+        return "not interrupted"
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _interrupts.wait_event = real
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", int(os.environ["ZCOLLECTIVE_MASTER_PORT"])))
+        except OSError as exc:
+            return f"the master port is still bound: {exc}"
+    return seen
+
+
+def test_an_interrupt_while_rank_0_stops_still_closes_its_sockets():
+    """A Ctrl-C while rank 0's teardown waits for its coordinator thread
+    left the ROUTER open for good (the master port bound, a later
+    initialize on it failing), and the handlers were already put back, so
+    it could land anywhere in stop() (attack review round 3)."""
+    outs = run_group(initialized(interrupted_while_rank_0_stops), 2)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert outs[0].value == ["_Wrapped"], outs[0].value

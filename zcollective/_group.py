@@ -634,24 +634,27 @@ class Group:
         _open_groups.pop(id(self), None)
         if self.rank == 0:
             write_for_launcher(self.stats())
-        if not _open_groups:
-            _interrupts.release_signals()
         self._member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
         try:
             if self._server is not None:
                 self._server.stop(ending)
         finally:  # an interrupt while rank 0 waits for the others still closes everything
-            stuck = self._server is not None and self._server.gone() is None
-            if self._data is not None:  # (ending: the next rank said it has its chunks, see
-                # rule 7 of the coordinator; or the wait for it ran out)
-                self._data.close(_sockets.EXIT_LINGER_MS if ending else 0)
-            if self._link is not None:
-                self._link.close(_sockets.EXIT_LINGER_MS if ending else 0)
-            if self._ctx is not None and not stuck:
-                # after term() libzmq holds no buffer of ours: the interpreter may free them
-                with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
-                    self._ctx.term()
+            try:
+                stuck = self._server is not None and self._server.gone() is None
+                if self._data is not None:  # (ending: the next rank said it has its chunks, see
+                    # rule 7 of the coordinator; or the wait for it ran out)
+                    self._data.close(_sockets.EXIT_LINGER_MS if ending else 0)
+                if self._link is not None:
+                    self._link.close(_sockets.EXIT_LINGER_MS if ending else 0)
+                if self._ctx is not None and not stuck:
+                    # after term() libzmq holds no buffer of ours: the interpreter may free them
+                    with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
+                        self._ctx.term()
+            finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
+                # a wait, never halfway through a message or before the sockets are closed
+                if not _open_groups:
+                    _interrupts.release_signals()
 
     def _end(self) -> None:
         """The program is ending without teardown (at exit): deliver what this

@@ -350,7 +350,22 @@ class Server:
             self._thread_pipe.close(linger=0)  # (it never started: start() failed)
         _sockets.notify(self._pipe, _STOP)
         bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
-        if self._thread.is_alive() and not _interrupts.wait_event(self._finished, bound):
+        started = self._thread.ident is not None
+        try:
+            ended = not started or _interrupts.wait_event(self._finished, bound)
+        except BaseException:  # interrupted while the thread ends (it has the STOP): once it has,
+            # the sockets are this thread's: close them now (else the port stays bound for good)
+            if not started or self._finished.wait(bound):
+                self._stopped = True
+                self._pipe.close(linger=0)
+                try:
+                    if ending and self.crashed is None:
+                        self._ending = time.monotonic()
+                        self._give_up_ending()
+                finally:
+                    self._close(0 if ending else _sockets.CLOSE_LINGER_MS)
+            raise
+        if not ended:
             log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind, "
                       "with the sockets", self.busy() or "no reason known")
             self._pipe.close(linger=0)
