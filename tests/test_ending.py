@@ -597,3 +597,39 @@ def test_an_interrupt_while_rank_0_stops_still_closes_its_sockets():
     outs = run_group(initialized(interrupted_while_rank_0_stops), 2)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     assert outs[0].value == ["_Wrapped"], outs[0].value
+
+
+def interrupted_while_rank_0_ends():
+    """Rank 0 ends with a call whose data moves peer to peer that the others
+    reach 4 s later; a Ctrl-C comes while its exit waits for that data."""
+    import numpy as np
+
+    r = zc.get_rank()
+    zc.allreduce(np.ones(1 << 16, np.float32), timeout=30)  # the data plane is up
+    if r == 0:
+        zc.allreduce_async(np.ones(1 << 16, np.float32))
+        timer = threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.daemon = True  # (the interpreter's exit would wait for it, before ours)
+        timer.start()
+        return None  # its exit moves that call's data (at most 5 s): interrupted there
+    time.sleep(4)
+    start = time.monotonic()
+    try:
+        zc.allreduce(np.ones(1 << 16, np.float32), timeout=10)
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "no error", "", 0
+
+
+def test_an_interrupt_while_rank_0_ends_tells_the_others_at_once():
+    """Interrupted before its BYE went, rank 0's exit swallowed the interrupt
+    and served on for 30 s, never telling anyone it had ended: the others
+    timed out (attack review round 3)."""
+    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}
+    outs = run_group(initialized(interrupted_while_rank_0_ends), 3, env=env)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for out in outs[1:]:
+        kind, said, waited = out.value
+        told = kind == "ReplicaLostError" and said.startswith("rank 0 ended its program (without teardown)")
+        assert told, report(outs, f"rank {out.rank} was told: {kind}: {said}")
+        assert waited < 2, report(outs, f"rank {out.rank} was told after {waited:.1f} s")

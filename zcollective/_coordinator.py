@@ -628,8 +628,12 @@ class Coordinator:
         """Rank 0's program ended and waited ``waited`` seconds for the
         others to reach its last calls: tell them the group is over."""
         host = self.by_rank.get(0)
-        if self.phase is not Phase.RUNNING or host is None or host.ended is None:
+        if self.phase is not Phase.RUNNING or host is None:
             return []
+        if host.ended is None:  # interrupted before its BYE went: it ends now, after its calls
+            host.ended = self.next_seq[0]
+            self._ended.append(host)
+            return self._fail_ended(host, "it was interrupted while ending, so the group is over")
         waiting = [f"seq {seq} {self._pending_call(seq)}" for seq in sorted(self.pending)
                    if seq < host.ended][:3]
         return self._fail_ended(host, f"it waited {waited:g} s for its last calls, but "

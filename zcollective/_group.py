@@ -626,10 +626,12 @@ class Group:
         data = self._link.data
         return self._link.fds() + (data.fds() if data is not None else [])
 
-    def _close(self, ending: bool = False) -> None:
+    def _close(self, ending: bool = False, hurry: bool = False) -> None:
         """Close the sockets. ``ending``: the program is ending without
         teardown: rank 0 first serves until its calls are delivered, and what
-        is queued gets :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave."""
+        is queued gets :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave.
+        ``hurry``: it was interrupted while ending: rank 0 tells the others
+        the group is over and waits for nothing."""
         self._closed = True
         _open_groups.pop(id(self), None)
         if self.rank == 0:
@@ -638,7 +640,7 @@ class Group:
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
         try:
             if self._server is not None:
-                self._server.stop(ending)
+                self._server.stop(ending, hurry)
         finally:  # an interrupt while rank 0 waits for the others still closes everything
             try:
                 stuck = self._server is not None and self._server.gone() is None
@@ -664,14 +666,24 @@ class Group:
         owner = next((t for t in threading.enumerate() if t.ident == self._owner), None)
         if owner is not None and owner is not threading.current_thread():
             return  # its thread still runs (a daemon): its sockets are not ours to use
+        interrupted: Optional[BaseException] = None
         if self._link is not None:
             try:
                 self._link.progress()  # take in a FAIL that would make a BYE pointless
                 self._link.finish_data(_sockets.EXIT_LINGER_MS / 1000)  # the others need our chunks
                 self._link.say_bye(_sockets.EXIT_LINGER_MS / 1000)
-            except BaseException:
-                pass  # the group failed, or an interrupt: nothing to announce, only to flush
-        self._close(ending=True)
+            except Exception:
+                pass  # the group failed: nothing to announce, only to flush
+            except BaseException as exc:  # an interrupt: the BYE still goes (flagged if data is
+                # left), unwaited, so the others are told now; rank 0 then waits for nothing
+                interrupted = exc
+                bye = self._member.bye()
+                with contextlib.suppress(BaseException):
+                    if bye is not None:
+                        self._link.send([bye])
+        self._close(ending=True, hurry=interrupted is not None)
+        if interrupted is not None:
+            raise interrupted
 
 
 def _on_loopback(config: Config) -> bool:

@@ -333,7 +333,7 @@ class Server:
 
     # -- stopping -------------------------------------------------------------
 
-    def stop(self, ending: bool = False) -> None:
+    def stop(self, ending: bool = False, hurry: bool = False) -> None:
         """Close the coordinator's sockets, in rank 0's thread, once the
         background thread has ended (with a bound: one stuck in a reduce
         function is left behind, with the sockets).
@@ -342,7 +342,8 @@ class Server:
         serves on until every call it made is complete and its results are on
         their way (at most :data:`EXIT_WAIT_S`), then what is queued gets
         :data:`~zcollective._sockets.EXIT_LINGER_MS` to leave. An interrupt
-        meanwhile tells the others the group is over, and closes at once.
+        meanwhile tells the others the group is over, and closes at once;
+        so does ``hurry`` (the program was interrupted while ending).
         """
         if self._stopped:
             return
@@ -375,9 +376,13 @@ class Server:
         linger = _sockets.CLOSE_LINGER_MS
         try:
             if ending and self.crashed is None:
-                linger = _sockets.EXIT_LINGER_MS
-                self._serve_ending()
-                self._last_byes(linger / 1000)
+                if hurry:  # interrupted while ending: its BYE may not have gone
+                    self._ending = time.monotonic()
+                    self._give_up_ending()
+                else:
+                    linger = _sockets.EXIT_LINGER_MS
+                    self._serve_ending()
+                    self._last_byes(linger / 1000)
         except BaseException:
             linger = 0  # interrupted again while ending: close now
             self._give_up_ending()
