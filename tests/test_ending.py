@@ -633,3 +633,31 @@ def test_an_interrupt_while_rank_0_ends_tells_the_others_at_once():
         told = kind == "ReplicaLostError" and said.startswith("rank 0 ended its program (without teardown)")
         assert told, report(outs, f"rank {out.rank} was told: {kind}: {said}")
         assert waited < 2, report(outs, f"rank {out.rank} was told after {waited:.1f} s")
+
+
+def ends_with_a_broadcast_not_collected():
+    r = zc.get_rank()
+    zc.barrier(timeout=30)
+    if r == 2:
+        zc.broadcast_async(None)  # a small value is coming: nothing will go peer to peer
+        return None
+    time.sleep(6)  # past rank 2's exit wait for that call's plan (5 s)
+    got = zc.broadcast({"lr": 0.1} if r == 0 else None, timeout=30)
+    try:
+        zc.barrier(timeout=30)
+    except zc.ReplicaLostError as exc:
+        return got, str(exc)
+    return got, "no error"
+
+
+def test_a_rank_ending_with_a_small_broadcast_uncollected_does_not_fail_it_with_a_data_plane():
+    """With the data plane on, rank 2's BYE was flagged 'data left unmoved'
+    for a call whose plan never came, and the group failed at once; without
+    the data plane the broadcast completes (attack review round 3)."""
+    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}
+    outs = run_group(initialized(ends_with_a_broadcast_not_collected), 3, env=env)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for out in outs[:2]:
+        got, said = out.value
+        assert got == {"lr": 0.1} and said.startswith("rank 2 ended its program (without teardown)"), \
+            report(outs, f"rank {out.rank}: {out.value}")

@@ -654,6 +654,12 @@ class Coordinator:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
         if any(c.flags & FLAG_DATA for c in contributions) and not any(
                 c.flags & FLAG_LOCAL_ERROR for c in contributions):
+            if self._ended:  # its program ended before this call's plan came: no ring completes
+                member = self._ended[0]
+                return self.fail("ReplicaLostError", f"{member.describe_end()} before the plan of "
+                                 f"seq {seq} {call.op.label} came, whose data goes peer to peer; "
+                                 f"that call cannot complete", lost=[member.rank],
+                                 exclude={m.rank for m in self._ended})
             return self._plan(seq, call, contributions)
         problem = self._malformed_call(seq, call, contributions)
         if problem is not None:
