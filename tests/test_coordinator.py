@@ -487,6 +487,20 @@ def test_a_refused_peer_gets_one_answer_and_refusals_are_bounded():
     assert answered == MAX_ANSWERED_PEERS - 1  # "flood" took the first place
 
 
+def test_a_peer_refused_once_the_group_runs_is_not_read_again(monkeypatch):
+    """A flood of large JOINs cost rank 0 a parse each (attack review round 3)."""
+    from zcollective import _bodies
+
+    coord = joined(2)
+    parsed = []
+    parse = _bodies.parse_join
+    monkeypatch.setattr(_bodies, "parse_join", lambda msg: parsed.append(1) or parse(msg))
+    assert [m.kind for _, m in feed(coord, b"flood", join_msg(1, 2))] == [Kind.REJECT]
+    for _ in range(100):
+        assert feed(coord, b"flood", join_msg(1, 2)) == []
+    assert len(parsed) == 1 and coord.phase is Phase.RUNNING
+
+
 def test_with_a_secret_a_join_must_echo_a_fresh_challenge_so_old_joins_claim_nothing():
     from zcollective._wire import Signer
 

@@ -215,6 +215,9 @@ class Coordinator:
             return []
 
     def _receive(self, peer: bytes, frames: list[Any], address: str) -> list[Out]:
+        if peer in self._answered and self.phase is not Phase.JOINING and peer not in self.members:
+            return []  # refused once the group ran: nothing it sends is read again (a flood of
+            # large JOINs cost rank 0 a parse each)
         try:
             msg = decode(frames, self.max_frames, self.signer, self.max_frame_bytes)
         except AuthError as exc:

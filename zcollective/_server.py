@@ -66,6 +66,8 @@ PROBE_GAP_S = 0.001  # a close: probe rounds at once, then after 1, 2, 4 ... ms 
 PROBE_MAX_GAP_S = 0.25  # two), the gap growing to this, until PROBE_SPAN_S after the last close;
 PROBE_SPAN_S = 1.0  # a close during a schedule brings the next round to PROBE_FLOOD_GAP_S after the
 PROBE_FLOOD_GAP_S = 0.05  # last: a stranger costs a dozen rounds, a flood 20 a second
+DRAIN_BATCH = 256  # messages one step takes in before rank 0's member, if it has news, gets it
+# (a peer sending faster than the coordinator reads must not starve rank 0's own calls)
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
 _STOP, _GIVE = b"stop", b"give"  # commands to the background thread: end; let go of the sockets
@@ -559,10 +561,18 @@ class Server:
             limit_s = due if limit_s is None else min(limit_s, due)
         return -1 if limit_s is None else max(0, int(limit_s * 1000))
 
-    def _drain(self) -> None:
-        """Handle every message waiting on the ROUTER."""
+    def _drain(self, batch: Optional[int] = DRAIN_BATCH) -> None:
+        """Handle every message waiting on the ROUTER; after ``batch`` of them
+        (None: no bound), return once rank 0's member has news, so that it
+        gets it (the owner's next poll finds the rest at once): a stranger
+        flooding the port would otherwise keep rank 0's thread here, and
+        every call of the group waiting for rank 0."""
         router, coordinator = self._router, self.coordinator
+        taken = 0
         while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
+            if batch is not None and taken >= batch and self.to_host:
+                return
+            taken += 1
             frames = _sockets.recv_message(router)
             peer = frames[0].bytes
             if len(frames) < 2 or peer == HOST_PEER:  # that name is rank 0's own member's alone
@@ -601,7 +611,7 @@ class Server:
         """Peers found gone while sending. What one sent before closing (a
         BYE, a JOIN) is still queued: taken in first, so a rank that ended
         is not lost, and a JOIN is not left holding a slot."""
-        self._drain()
+        self._drain(None)
         for peer in peers:
             self._send_all(self.coordinator.gone(peer, "connection closed"))
 
