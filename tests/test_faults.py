@@ -510,3 +510,31 @@ def test_a_signal_handlers_exception_in_a_reduction_ends_rank_0_and_fails_the_ca
     assert not os.path.exists(f"{marker}.0"), "rank 0 went on after its SIGTERM handler exited"
     assert "the reduction raised on the coordinator (rank 0): SystemExit: 143" in str(outs[1].value), \
         report(outs, "rank 1 was not told")
+
+
+def reentrant_reduce():
+    """Rank 0's reduce function calls a collective; then the group goes on."""
+    r = zc.get_rank()
+
+    def nested(a, b):
+        zc.barrier(timeout=3)
+        return a + b
+
+    try:
+        zc.allreduce(1, nested, timeout=10) if r == 0 else (time.sleep(0.3), zc.allreduce(1, timeout=10))
+        said = "no error"
+    except zc.RemoteError as exc:
+        said = str(exc)
+    return said, zc.allreduce(r + 1, timeout=10)
+
+
+def test_a_reduce_function_calling_a_collective_fails_its_call_alone():
+    """Run in rank 0's thread, the nested call took the next seq: the group
+    failed for good (CallMismatchError) after a 3 s wait, where the same
+    function run by the background thread failed its call alone with a
+    RuntimeError (attack review round 3)."""
+    outs = run_replicas(reentrant_reduce, 2, timeout=60)
+    for said, total in outs:
+        assert "a reduce function may not call zcollective collectives" in said, said
+        assert total == 3
+

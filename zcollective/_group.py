@@ -516,6 +516,12 @@ class Group:
         """
         if self._closed or os.getpid() != self._pid or threading.get_ident() != self._owner:
             self._check_usable()  # raises, saying which
+        server = self._server
+        if server is not None and server.reducing_here():
+            # as in the background thread (RuntimeError above): a call here would take the next
+            # seq while every rank waits for this reduction, so the group failed for good
+            raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
+                               f"collectives (it runs inside the coordinator, on rank 0)")
         member, link = self._member, self._link
         assert link is not None
         try:

@@ -278,6 +278,10 @@ class Server:
             self._crash(exc)
         return InternalError(self.crashed or "the coordinator crashed")
 
+    def reducing_here(self) -> bool:
+        """Is rank 0's thread (the caller) inside a reduce function it runs?"""
+        return self._depth > 0 and self.coordinator.reducing is not None
+
     def busy(self) -> Optional[str]:
         """What the coordinator has been stuck in for a while, if anything."""
         reducing = self.coordinator.reducing  # one attribute read: safe across threads
