@@ -105,6 +105,7 @@ class Server:
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
         # socket of rank 0's context uses it too)
         self._ending: Optional[float] = None  # when rank 0's program said it was ending
+        self._handover = True  # ROUTER_HANDOVER is on (while joining only)
         self._stopped = False
         self._finished = threading.Event()  # the background thread has ended
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
@@ -607,6 +608,12 @@ class Server:
                 gone.append(peer)
         if gone:
             self._take_gone(gone)
+        if self._handover and self.coordinator.phase is not Phase.JOINING and router is not None:
+            # joined: nobody takes over a member's routing id any more (libzmq 4.3.5 aborts rank 0,
+            # 'Assertion failed: !_io_error (src/stream_engine_base.cpp:310)', when strangers
+            # reuse a routing id on quick connections to a ROUTER with handover on)
+            self._handover = False
+            router.setsockopt(zmq.ROUTER_HANDOVER, 0)
         if self.coordinator.interrupted is not None:  # in a reduce function, once all are told
             interrupted, self.coordinator.interrupted = self.coordinator.interrupted, None
             raise interrupted
