@@ -421,6 +421,17 @@ def test_rank_zero_gives_up_waiting_with_the_ranks_it_waited_for():
     assert "it waited 30 s for its last calls, but seq 0 allreduce was in flight on ranks 0,1" in message
 
 
+def test_rank_zero_interrupted_before_its_bye_still_tells_the_rest_it_ended():
+    """Its exit was interrupted before its BYE went (attack review round 3)."""
+    coord = joined(3)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    out = coord.give_up_ending(0)
+    assert coord.phase is Phase.FAILED and {p for p, _ in out} == {peer(1), peer(2)}
+    message = decode(encode(out[0][1])).body()["message"]
+    assert message.startswith("rank 0 ended its program (without teardown) after seq 0")
+    assert "interrupted while ending" in message
+
+
 def test_a_stranger_cannot_fail_a_running_group_whatever_its_join_says():
     """Every JOIN to a running group, however wrong (a claimed secret, another
     Python, another size, a rank out of range), gets its peer one REJECT
@@ -475,6 +486,20 @@ def test_a_refused_peer_gets_one_answer_and_refusals_are_bounded():
     from zcollective._protocol._coordinator import MAX_ANSWERED_PEERS
     answered = sum(len(feed(coord, b"peer%d" % i, join_msg(1, 2))) for i in range(MAX_ANSWERED_PEERS + 500))
     assert answered == MAX_ANSWERED_PEERS - 1  # "flood" took the first place
+
+
+def test_a_peer_refused_once_the_group_runs_is_not_read_again(monkeypatch):
+    """A flood of large JOINs cost rank 0 a parse each (attack review round 3)."""
+    from zcollective._format import _bodies
+
+    coord = joined(2)
+    parsed = []
+    parse = _bodies.parse_join
+    monkeypatch.setattr(_bodies, "parse_join", lambda msg: parsed.append(1) or parse(msg))
+    assert [m.kind for _, m in feed(coord, b"flood", join_msg(1, 2))] == [Kind.REJECT]
+    for _ in range(100):
+        assert feed(coord, b"flood", join_msg(1, 2)) == []
+    assert len(parsed) == 1 and coord.phase is Phase.RUNNING
 
 
 def test_with_a_secret_a_join_must_echo_a_fresh_challenge_so_old_joins_claim_nothing():

@@ -147,6 +147,27 @@ def test_a_bye_with_data_left_unsent_fails_the_group_with_the_data():
     assert out[-1][0] == peer(1) and out[-1][1].kind is Kind.BYE
 
 
+def test_a_call_going_peer_to_peer_after_a_rank_ended_without_its_plan_fails_the_group():
+    """Rank 2 ended (a clean BYE: no plan had come) after contributing to
+    seq 1, which the others reach later; a small value would complete as
+    usual, but this one goes peer to peer, and rank 2 moves nothing now
+    (attack review round 3)."""
+    coord = _moved(3)
+    share = Message(Kind.CONTRIB, Op.BROADCAST, 2, 0, 1, SESSION, "t.py:9", 0, None, [])
+    feed(coord, peer(2), share)
+    feed(coord, peer(2), _bye(2, 2))  # (its answer held for rank 0's TAKEN of seq 0)
+    assert coord.phase is Phase.RUNNING and coord.by_rank[2].ended == 2
+    feed(coord, peer(1), Message(Kind.CONTRIB, Op.BROADCAST, 1, 0, 1, SESSION, "t.py:9", 0, None, []))
+    sizes = b'{"sizes":[1048576]}'
+    out = feed(coord, peer(0), Message(Kind.CONTRIB, Op.BROADCAST, 0, 0, 1, SESSION, "t.py:9", FLAG_DATA,
+                                       None, [[sizes]]))
+    assert coord.phase is Phase.FAILED and [(p, m.kind) for p, m in out] == [(peer(0), Kind.FAIL),
+                                                                           (peer(1), Kind.FAIL)]
+    body = json.loads(out[0][1].segments[0][0])
+    assert body["lost"] == [2] and "ended" not in body  # no ring completes: nothing is kept
+    assert "before the plan of seq 1 broadcast came" in body["message"]
+
+
 def test_an_altered_data_link_is_named_as_such_and_blames_the_sender_link():
     coord, _ = _welcomes(3, ["a", "b", "c"])
     body = {"error": "AuthenticationError", "plane": "data", "lost": 1,

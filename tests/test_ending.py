@@ -576,3 +576,110 @@ def test_teardown_after_a_rank_ended_without_it_returns_and_says_so(tmp_path):
         assert out.value == "teardown returned", report(outs, f"rank {out.rank}")
         assert (f"zcollective rank {out.rank}: teardown closed a group that was already over: rank 0 "
                 f"ended its program (without teardown)") in out.output, report(outs, f"rank {out.rank}")
+
+
+def interrupted_while_rank_0_stops():
+    """Rank 0's teardown is interrupted while it waits for its coordinator
+    thread to end. Returns the SIGINT handler's type seen there, or what
+    went wrong."""
+    from zcollective._io import _interrupts
+
+    zc.allreduce(1)
+    if zc.get_rank() != 0:
+        zc.teardown(timeout=30)
+        return None
+    seen = []
+
+    def interrupted(event, timeout):
+        seen.append(type(signal.getsignal(signal.SIGINT)).__name__)
+        raise KeyboardInterrupt
+
+    real, _interrupts.wait_event = _interrupts.wait_event, interrupted
+    try:
+        zc.teardown(timeout=30)
+        return "not interrupted"
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _interrupts.wait_event = real
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", int(os.environ["ZCOLLECTIVE_MASTER_PORT"])))
+        except OSError as exc:
+            return f"the master port is still bound: {exc}"
+    return seen
+
+
+def test_an_interrupt_while_rank_0_stops_still_closes_its_sockets():
+    """A Ctrl-C while rank 0's teardown waits for its coordinator thread
+    left the ROUTER open for good (the master port bound, a later
+    initialize on it failing), and the handlers were already put back, so
+    it could land anywhere in stop() (attack review round 3)."""
+    outs = run_group(initialized(interrupted_while_rank_0_stops), 2)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert outs[0].value == ["_Wrapped"], outs[0].value
+
+
+def interrupted_while_rank_0_ends():
+    """Rank 0 ends with a call whose data moves peer to peer that the others
+    reach 4 s later; a Ctrl-C comes while its exit waits for that data."""
+    import numpy as np
+
+    r = zc.get_rank()
+    zc.allreduce(np.ones(1 << 16, np.float32), timeout=30)  # the data plane is up
+    if r == 0:
+        zc.allreduce_async(np.ones(1 << 16, np.float32))
+        timer = threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.daemon = True  # (the interpreter's exit would wait for it, before ours)
+        timer.start()
+        return None  # its exit moves that call's data (at most 5 s): interrupted there
+    time.sleep(4)
+    start = time.monotonic()
+    try:
+        zc.allreduce(np.ones(1 << 16, np.float32), timeout=10)
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "no error", "", 0
+
+
+def test_an_interrupt_while_rank_0_ends_tells_the_others_at_once():
+    """Interrupted before its BYE went, rank 0's exit swallowed the interrupt
+    and served on for 30 s, never telling anyone it had ended: the others
+    timed out (attack review round 3)."""
+    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}
+    outs = run_group(initialized(interrupted_while_rank_0_ends), 3, env=env)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for out in outs[1:]:
+        kind, said, waited = out.value
+        told = kind == "ReplicaLostError" and said.startswith("rank 0 ended its program (without teardown)")
+        assert told, report(outs, f"rank {out.rank} was told: {kind}: {said}")
+        assert waited < 2, report(outs, f"rank {out.rank} was told after {waited:.1f} s")
+
+
+def ends_with_a_broadcast_not_collected():
+    r = zc.get_rank()
+    zc.barrier(timeout=30)
+    if r == 2:
+        zc.broadcast_async(None)  # a small value is coming: nothing will go peer to peer
+        return None
+    time.sleep(6)  # past rank 2's exit wait for that call's plan (5 s)
+    got = zc.broadcast({"lr": 0.1} if r == 0 else None, timeout=30)
+    try:
+        zc.barrier(timeout=30)
+    except zc.ReplicaLostError as exc:
+        return got, str(exc)
+    return got, "no error"
+
+
+def test_a_rank_ending_with_a_small_broadcast_uncollected_does_not_fail_it_with_a_data_plane():
+    """With the data plane on, rank 2's BYE was flagged 'data left unmoved'
+    for a call whose plan never came, and the group failed at once; without
+    the data plane the broadcast completes (attack review round 3)."""
+    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}
+    outs = run_group(initialized(ends_with_a_broadcast_not_collected), 3, env=env)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for out in outs[:2]:
+        got, said = out.value
+        assert got == {"lr": 0.1} and said.startswith("rank 2 ended its program (without teardown)"), \
+            report(outs, f"rank {out.rank}: {out.value}")

@@ -577,3 +577,79 @@ def test_a_call_interrupted_by_ctrl_c_on_one_rank_fails_alike_on_the_others(tmp_
         assert said.startswith("seq 0 allreduce: rank 1 (pid ") and " gave it up (its call was interrupted " \
             "(KeyboardInterrupt)), so it failed on every rank" in said, report(outs, "")
     assert [o.value[1] for o in outs] == [6, 6, 6], report(outs, "")
+
+
+def reentrant_reduce():
+    """Rank 0's reduce function calls a collective; then the group goes on."""
+    r = zc.get_rank()
+
+    def nested(a, b):
+        zc.barrier(timeout=3)
+        return a + b
+
+    try:
+        zc.allreduce(1, nested, timeout=10) if r == 0 else (time.sleep(0.3), zc.allreduce(1, timeout=10))
+        said = "no error"
+    except zc.RemoteError as exc:
+        said = str(exc)
+    return said, zc.allreduce(r + 1, timeout=10)
+
+
+def test_a_reduce_function_calling_a_collective_fails_its_call_alone():
+    """Run in rank 0's thread, the nested call took the next seq: the group
+    failed for good (CallMismatchError) after a 3 s wait, where the same
+    function run by the background thread failed its call alone with a
+    RuntimeError (attack review round 3)."""
+    outs = run_replicas(reentrant_reduce, 2, timeout=60)
+    for said, total in outs:
+        assert "a reduce function may not call zcollective collectives" in said, said
+        assert total == 3
+
+
+def stranger_reusing_a_routing_id(port, stop):
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        n = 0
+        while not stop.is_set():
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, b"evil")
+            s.connect(f"tcp://127.0.0.1:{port}")
+            s.send_multipart([b"garbage", b"more"])
+            time.sleep(0.001 * (n % 3))
+            s.close()
+            n += 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+def calls_for(seconds):
+    """Allreduce for about ``seconds`` (the ranks agree when to stop); the number of calls."""
+    start, n = time.monotonic(), 0
+    while not zc.allreduce(time.monotonic() - start >= seconds, lambda a, b: a or b, timeout=20):
+        n += 1
+    return n
+
+
+def test_strangers_reusing_a_routing_id_cannot_crash_rank_0():
+    """libzmq 4.3.5 aborts a ROUTER with ROUTER_HANDOVER on ('Assertion failed:
+    !_io_error (src/stream_engine_base.cpp:310)') when peers reuse a routing
+    id on quick connections: strangers without the secret killed rank 0 in
+    seconds. Handover is off once the group runs (attack review round 3)."""
+    port = free_port()
+    stop = threading.Event()
+    with Replicas(lambda: calls_for(6), 3, port=port) as reps:
+        threads = [threading.Thread(target=stranger_reusing_a_routing_id, args=(port, stop), daemon=True)
+                   for _ in range(3)]
+        try:
+            time.sleep(1)  # (joined by then, usually: else a stranger only waits to connect)
+            for t in threads:
+                t.start()
+            outs = outcomes_ok(reps, 60)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+    assert len({o.value for o in outs}) == 1

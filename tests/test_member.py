@@ -640,8 +640,18 @@ def test_a_taken_is_answered_once_no_data_through_its_seq_is_left():
 
 
 def test_a_bye_says_when_data_to_move_is_left():
+    """Left: a plan came and its data is not moved, or this rank described
+    data of its own. A call whose plan did not come (a small broadcast or
+    allgather may need no data plane) is the coordinator's to judge: flagged,
+    it failed a group whose others would have completed it (attack review
+    round 3)."""
     pair = Pair(2).joined()
     member = pair.members[1]
     assert not member.bye().flags & FLAG_DATA
-    member.calls[0] = Call("allreduce", data_job=lambda plan: None)
+    member.calls[0] = Call("broadcast", data_job=lambda plan: None)
+    assert not member.bye().flags & FLAG_DATA
+    member.calls[0] = Call("allreduce", data_job=lambda plan: None, described=True)
+    assert member.bye().flags & FLAG_DATA
+    member.calls[0] = Call("broadcast", data_job=lambda plan: None)
+    member.data_jobs.append((0, "its job"))
     assert member.bye().flags & FLAG_DATA

@@ -534,6 +534,12 @@ class Group:
         """
         if self._closed or os.getpid() != self._pid or threading.get_ident() != self._owner:
             self._check_usable()  # raises, saying which
+        server = self._server
+        if server is not None and server.reducing_here():
+            # as in the background thread (RuntimeError above): a call here would take the next
+            # seq while every rank waits for this reduction, so the group failed for good
+            raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
+                               f"collectives (it runs inside the coordinator, on rank 0)")
         member, link = self._member, self._link
         assert link is not None
         try:
@@ -651,32 +657,37 @@ class Group:
         data = self._link.data
         return self._link.fds() + (data.fds() if data is not None else [])
 
-    def _close(self, ending: bool = False) -> None:
+    def _close(self, ending: bool = False, hurry: bool = False) -> None:
         """Close the sockets. ``ending``: the program is ending without
         teardown: rank 0 first serves until its calls are delivered, and what
-        is queued gets :data:`~zcollective._io.EXIT_LINGER_MS` to leave."""
+        is queued gets :data:`~zcollective._limits.EXIT_LINGER_MS` to leave.
+        ``hurry``: it was interrupted while ending: rank 0 tells the others
+        the group is over and waits for nothing."""
         self._closed = True
         _open_groups.pop(id(self), None)
         if self.rank == 0:
             write_for_launcher(self.stats())
-        if not _open_groups:
-            _interrupts.release_signals()
         self._member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
         try:
             if self._server is not None:
-                self._server.stop(ending)
+                self._server.stop(ending, hurry)
         finally:  # an interrupt while rank 0 waits for the others still closes everything
-            stuck = self._server is not None and self._server.gone() is None
-            if self._data is not None:  # (ending: the next rank said it has its chunks, see
-                # rule 7 of the coordinator; or the wait for it ran out)
-                self._data.close(EXIT_LINGER_MS if ending else 0)
-            if self._link is not None:
-                self._link.close(EXIT_LINGER_MS if ending else 0)
-            if self._ctx is not None and not stuck:
-                # after term() libzmq holds no buffer of ours: the interpreter may free them
-                with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
-                    self._ctx.term()
+            try:
+                stuck = self._server is not None and self._server.gone() is None
+                if self._data is not None:  # (ending: the next rank said it has its chunks, see
+                    # rule 7 of the coordinator; or the wait for it ran out)
+                    self._data.close(EXIT_LINGER_MS if ending else 0)
+                if self._link is not None:
+                    self._link.close(EXIT_LINGER_MS if ending else 0)
+                if self._ctx is not None and not stuck:
+                    # after term() libzmq holds no buffer of ours: the interpreter may free them
+                    with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
+                        self._ctx.term()
+            finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
+                # a wait, never halfway through a message or before the sockets are closed
+                if not _open_groups:
+                    _interrupts.release_signals()
 
     def _end(self) -> None:
         """The program is ending without teardown (at exit): deliver what this
@@ -686,14 +697,24 @@ class Group:
         owner = next((t for t in threading.enumerate() if t.ident == self._owner), None)
         if owner is not None and owner is not threading.current_thread():
             return  # its thread still runs (a daemon): its sockets are not ours to use
+        interrupted: Optional[BaseException] = None
         if self._link is not None:
             try:
                 self._link.progress()  # take in a FAIL that would make a BYE pointless
                 self._link.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
                 self._link.say_bye(EXIT_LINGER_MS / 1000)
-            except BaseException:
-                pass  # the group failed, or an interrupt: nothing to announce, only to flush
-        self._close(ending=True)
+            except Exception:
+                pass  # the group failed: nothing to announce, only to flush
+            except BaseException as exc:  # an interrupt: the BYE still goes (flagged if data is
+                # left), unwaited, so the others are told now; rank 0 then waits for nothing
+                interrupted = exc
+                bye = self._member.bye()
+                with contextlib.suppress(BaseException):
+                    if bye is not None:
+                        self._link.send([bye])
+        self._close(ending=True, hurry=interrupted is not None)
+        if interrupted is not None:
+            raise interrupted
 
 
 def _on_loopback(config: Config) -> bool:

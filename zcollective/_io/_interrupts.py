@@ -137,7 +137,12 @@ class _Wrapped:
         self.resending = True
         timer = threading.Timer(self.delay, self._resend, (signum,))
         timer.daemon = True
-        timer.start()
+        try:
+            timer.start()
+        except RuntimeError:  # no new thread (the interpreter is shutting down): run it now
+            self.resending = False
+            self.handler(signum, frame)
+            return
         self.delay = min(RESEND_MAX_S, self.delay * 2)
 
     def _resend(self, signum: int) -> None:

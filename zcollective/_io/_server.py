@@ -60,6 +60,8 @@ HOLD_TRY_S = 0.02  # rank 0's thread sending or looking for news waits this long
 # (the background thread gives them back within microseconds unless it runs a reduce function)
 PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
 PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
+DRAIN_BATCH = 256  # messages one step takes in before rank 0's member, if it has news, gets it
+# (a peer sending faster than the coordinator reads must not starve rank 0's own calls)
 _STOP, _GIVE = b"stop", b"give"  # commands to the background thread: end; let go of the sockets
 
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -93,6 +95,7 @@ class Server:
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
         # socket of rank 0's context uses it too)
         self._ending: Optional[float] = None  # when rank 0's program said it was ending
+        self._handover = True  # ROUTER_HANDOVER is on (while joining only)
         self._stopped = False
         self._finished = threading.Event()  # the background thread has ended
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
@@ -270,6 +273,10 @@ class Server:
             self._crash(exc)
         return InternalError(self.crashed or "the coordinator crashed")
 
+    def reducing_here(self) -> bool:
+        """Is rank 0's thread (the caller) inside a reduce function it runs?"""
+        return self._depth > 0 and self.coordinator.reducing is not None
+
     def busy(self) -> Optional[str]:
         """What the coordinator has been stuck in for a while, if anything."""
         reducing = self.coordinator.reducing  # one attribute read: safe across threads
@@ -327,7 +334,7 @@ class Server:
 
     # -- stopping -------------------------------------------------------------
 
-    def stop(self, ending: bool = False) -> None:
+    def stop(self, ending: bool = False, hurry: bool = False) -> None:
         """Close the coordinator's sockets, in rank 0's thread, once the
         background thread has ended (with a bound: one stuck in a reduce
         function is left behind, with the sockets).
@@ -335,8 +342,9 @@ class Server:
         ``ending``: rank 0's program is ending (its member has sent BYE): it
         serves on until every call it made is complete and its results are on
         their way (at most :data:`EXIT_WAIT_S`), then what is queued gets
-        :data:`~zcollective._io.EXIT_LINGER_MS` to leave. An interrupt
-        meanwhile tells the others the group is over, and closes at once.
+        :data:`~zcollective._limits.EXIT_LINGER_MS` to leave. An interrupt
+        meanwhile tells the others the group is over, and closes at once;
+        so does ``hurry`` (the program was interrupted while ending).
         """
         if self._stopped:
             return
@@ -344,7 +352,22 @@ class Server:
             self._thread_pipe.close(linger=0)  # (it never started: start() failed)
         _sockets.notify(self._pipe, _STOP)
         bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
-        if self._thread.is_alive() and not _interrupts.wait_event(self._finished, bound):
+        started = self._thread.ident is not None
+        try:
+            ended = not started or _interrupts.wait_event(self._finished, bound)
+        except BaseException:  # interrupted while the thread ends (it has the STOP): once it has,
+            # the sockets are this thread's: close them now (else the port stays bound for good)
+            if not started or self._finished.wait(bound):
+                self._stopped = True
+                self._pipe.close(linger=0)
+                try:
+                    if ending and self.crashed is None:
+                        self._ending = time.monotonic()
+                        self._give_up_ending()
+                finally:
+                    self._close(0 if ending else CLOSE_LINGER_MS)
+            raise
+        if not ended:
             log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind, "
                       "with the sockets", self.busy() or "no reason known")
             self._pipe.close(linger=0)
@@ -354,9 +377,13 @@ class Server:
         linger = CLOSE_LINGER_MS
         try:
             if ending and self.crashed is None:
-                linger = EXIT_LINGER_MS
-                self._serve_ending()
-                self._last_byes(linger / 1000)
+                if hurry:  # interrupted while ending: its BYE may not have gone
+                    self._ending = time.monotonic()
+                    self._give_up_ending()
+                else:
+                    linger = EXIT_LINGER_MS
+                    self._serve_ending()
+                    self._last_byes(linger / 1000)
         except BaseException:
             linger = 0  # interrupted again while ending: close now
             self._give_up_ending()
@@ -525,10 +552,18 @@ class Server:
         limit_s = self._probes.limit(limit_s, time.monotonic())
         return -1 if limit_s is None else max(0, int(limit_s * 1000))
 
-    def _drain(self) -> None:
-        """Handle every message waiting on the ROUTER."""
+    def _drain(self, batch: Optional[int] = DRAIN_BATCH) -> None:
+        """Handle every message waiting on the ROUTER; after ``batch`` of them
+        (None: no bound), return once rank 0's member has news, so that it
+        gets it (the owner's next poll finds the rest at once): a stranger
+        flooding the port would otherwise keep rank 0's thread here, and
+        every call of the group waiting for rank 0."""
         router, coordinator = self._router, self.coordinator
+        taken = 0
         while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
+            if batch is not None and taken >= batch and self.to_host:
+                return
+            taken += 1
             frames = _sockets.recv_message(router)
             peer = frames[0].bytes
             if len(frames) < 2 or peer == HOST_PEER:  # that name is rank 0's own member's alone
@@ -559,6 +594,12 @@ class Server:
                 gone.append(peer)
         if gone:
             self._take_gone(gone)
+        if self._handover and self.coordinator.phase is not Phase.JOINING and router is not None:
+            # joined: nobody takes over a member's routing id any more (libzmq 4.3.5 aborts rank 0,
+            # 'Assertion failed: !_io_error (src/stream_engine_base.cpp:310)', when strangers
+            # reuse a routing id on quick connections to a ROUTER with handover on)
+            self._handover = False
+            router.setsockopt(zmq.ROUTER_HANDOVER, 0)
         if self.coordinator.interrupted is not None:  # in a reduce function, once all are told
             interrupted, self.coordinator.interrupted = self.coordinator.interrupted, None
             raise interrupted
@@ -567,7 +608,7 @@ class Server:
         """Peers found gone while sending. What one sent before closing (a
         BYE, a JOIN) is still queued: taken in first, so a rank that ended
         is not lost, and a JOIN is not left holding a slot."""
-        self._drain()
+        self._drain(None)
         for peer in peers:
             self._send_all(self.coordinator.gone(peer))
 

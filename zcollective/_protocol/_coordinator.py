@@ -326,6 +326,9 @@ class Coordinator:
             return []
 
     def _receive(self, peer: bytes, frames: list[Any], address: str) -> list[Out]:
+        if peer in self._answered and self.phase is not Phase.JOINING and peer not in self.members:
+            return []  # refused once the group ran: nothing it sends is read again (a flood of
+            # large JOINs cost rank 0 a parse each)
         try:
             msg = decode(frames, self.max_frames, self.signer, self.max_frame_bytes)
         except AuthError as exc:
@@ -761,8 +764,12 @@ class Coordinator:
         """Rank 0's program ended and waited ``waited`` seconds for the
         others to reach its last calls: tell them the group is over."""
         host = self.by_rank.get(0)
-        if self.phase is not Phase.RUNNING or host is None or host.ended is None:
+        if self.phase is not Phase.RUNNING or host is None:
             return []
+        if host.ended is None:  # interrupted before its BYE went: it ends now, after its calls
+            host.ended = self.next_seq[0]
+            self._ended.append(host)
+            return self._fail_ended(host, "it was interrupted while ending, so the group is over")
         waiting = [f"seq {seq} {self._pending_call(seq)}" for seq in sorted(self.pending)
                    if seq < host.ended][:3]
         return self._fail_ended(host, f"it waited {waited:g} s for its last calls, but "
@@ -786,6 +793,12 @@ class Coordinator:
                 "ProtocolError", f"seq {seq}: operation {call.op.label!r} has no rules"))
         if any(c.flags & FLAG_DATA for c in contributions) and not any(
                 c.flags & FLAG_LOCAL_ERROR for c in contributions):
+            if self._ended:  # its program ended before this call's plan came: no ring completes
+                member = self._ended[0]
+                return self.fail("ReplicaLostError", f"{member.describe_end()} before the plan of "
+                                 f"seq {seq} {call.op.label} came, whose data goes peer to peer; "
+                                 f"that call cannot complete", lost=[member.rank],
+                                 exclude={m.rank for m in self._ended})
             return self._plan(seq, call, contributions)
         problem = self._malformed_call(seq, call, contributions)
         if problem is not None:

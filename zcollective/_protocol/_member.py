@@ -114,6 +114,7 @@ class Call:
     sent: int = 0  # bytes of the contribution
     callsite: str = ""
     data_job: Optional[Callable[[Message], Any]] = None  # a plan -> the data plane's Job
+    described: bool = False  # its contribution describes data of its own to move (FLAG_DATA)
 
 
 class Member:
@@ -221,7 +222,8 @@ class Member:
                 sent += size
         seq = self.next_seq
         self._owe(seq, op, root, callsite, flags, fn, segments,
-                  Call(LABELS[op], future, finish, time.perf_counter(), sent, callsite, data_job))
+                  Call(LABELS[op], future, finish, time.perf_counter(), sent, callsite, data_job,
+                       bool(flags & FLAG_DATA)))
         return seq
 
     def _owe(self, seq: int, op: Op, root: int, callsite: str, flags: int, fn: Any,
@@ -238,7 +240,11 @@ class Member:
         (the group failed or never started)."""
         if self.failure is not None or not self.joined:
             return None
-        unsent = any(c.data_job is not None for c in self.calls.values())  # (finish_data ran out)
+        # (finish_data ran out) a plan came and its data is not moved, or this rank described data
+        # of its own; a call whose plan did not come may need no data plane at all (a small
+        # broadcast or allgather): the coordinator fails it if it goes peer to peer after all
+        unsent = bool(self.data_jobs) or any(c.described and c.data_job is not None
+                                             for c in self.calls.values())
         return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session,
                        flags=FLAG_DATA if unsent else 0)
 
