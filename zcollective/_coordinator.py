@@ -97,6 +97,7 @@ from .errors import SerializationError
 
 log = logging.getLogger("zcollective")
 
+_ONE_VALUE_EACH = frozenset({Op.ALLGATHER, Op.GATHER, Op.ALLREDUCE, Op.REDUCE})  # every rank sends one
 MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
 MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while joining; more is a replay
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
@@ -230,6 +231,9 @@ class Coordinator:
 
     def _handle(self, peer: bytes, msg: Message, address: str) -> list[Out]:
         member = self.members.get(peer)
+        if (msg.kind is Kind.CONTRIB and member is not None and msg.rank == member.rank
+                and msg.session == self.session and self.phase is not Phase.FAILED):
+            return self._on_contribution(member, msg, address)  # the common case: what follows, in one test
         if msg.kind is Kind.JOIN and (member is None or msg.rank == member.rank):
             return self._on_join(peer, msg, member, address)
         if member is None:
@@ -544,17 +548,17 @@ class Coordinator:
             call = self.pending[seq] = Call(msg.op, msg.root)
         call.contributions[rank] = msg
         call.arrived[rank] = time.monotonic()
-        if (msg.op, msg.root) != (call.op, call.root):
+        if msg.op != call.op or msg.root != call.root:
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
         if len(call.contributions) < self.num_replicas:
-            return self._check_endings()
+            return self._check_endings() if self._ended else []
         del self.pending[seq]
         self.lateness.record(call.arrived)
         out = self._complete(seq, call)
         if call.op is Op.TEARDOWN:
             self.phase = Phase.CLOSED
             return out
-        return out + self._check_endings()
+        return out + self._check_endings() if self._ended else out
 
     # -- ending without teardown ------------------------------------------
 
@@ -648,8 +652,10 @@ class Coordinator:
 
     def _complete(self, seq: int, call: Call) -> list[Out]:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
-        if any(c.flags & FLAG_DATA for c in contributions) and not any(
-                c.flags & FLAG_LOCAL_ERROR for c in contributions):
+        flags = 0  # any rank's
+        for c in contributions:
+            flags |= c.flags
+        if flags & FLAG_DATA and not flags & FLAG_LOCAL_ERROR:
             return self._plan(seq, call, contributions)
         problem = self._malformed_call(seq, call, contributions)
         if problem is not None:
@@ -746,31 +752,30 @@ class Coordinator:
         """Why the call cannot complete as it is, as (error name, text), or
         None: a sender's own error (PeerError), or parts no working replica
         sends (ProtocolError: a wrong root or number of values)."""
-        head = f"seq {seq} {call.op.label}"
         for rank, c in enumerate(contributions):
             if c.flags & FLAG_LOCAL_ERROR:
                 try:
                     said = c.body().get("message", "?")
                 except WireError:  # a sender's error note that is not JSON: still its error
                     said = "?"
-                return "PeerError", f"{head}: rank {rank} failed: {said}"
-        n = self.num_replicas
-        if not 0 <= call.root < n:  # replicas check it: only a broken or altered one sends this
-            return "ProtocolError", f"{head}: root {call.root} is not a rank of this group of {n} replicas"
-        sent = len(contributions[call.root].segments)
-        if call.op is Op.SCATTER and sent != n:
-            return "ProtocolError", f"{head}: root {call.root} sent {sent} values for {n} replicas"
-        if call.op is Op.ALLTOALL:
-            short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
-            if short:
-                return "ProtocolError", f"{head}: {rank_list(short)} did not send exactly {n} values"
-        if call.op in (Op.ALLGATHER, Op.GATHER, Op.ALLREDUCE, Op.REDUCE):
+                return "PeerError", f"seq {seq} {call.op.label}: rank {rank} failed: {said}"
+        n, op, root = self.num_replicas, call.op, call.root
+        if not 0 <= root < n:  # replicas check it: only a broken or altered one sends this
+            why = f"root {root} is not a rank of this group of {n} replicas"
+        elif op in _ONE_VALUE_EACH:
             empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
-            if empty:
-                return "ProtocolError", f"{head}: {rank_list(empty)} sent no value"
-        if call.op is Op.BROADCAST and sent != 1:
-            return "ProtocolError", f"{head}: root {call.root} sent no value"
-        return None
+            why = f"{rank_list(empty)} sent no value" if empty else ""
+        elif op is Op.BROADCAST:
+            why = "" if len(contributions[root].segments) == 1 else f"root {root} sent no value"
+        elif op is Op.SCATTER:
+            sent = len(contributions[root].segments)
+            why = "" if sent == n else f"root {root} sent {sent} values for {n} replicas"
+        elif op is Op.ALLTOALL:
+            short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
+            why = f"{rank_list(short)} did not send exactly {n} values" if short else ""
+        else:
+            why = ""
+        return ("ProtocolError", f"seq {seq} {op.label}: {why}") if why else None  # (formatted only then)
 
     def _route(self, op: Op, root: int, contributions: list[Message]) -> list[list[list[Any]]]:
         """The segments each rank receives, by rank. Ranks given the same list

@@ -557,6 +557,8 @@ class Server:
     def _send_all(self, outs: list[Out]) -> None:
         """Send what the coordinator returned: rank 0's part to its queue, the
         others' on the ROUTER."""
+        if not outs and self.coordinator.interrupted is None:
+            return  # (most contributions complete no call)
         gone: list[bytes] = []
         cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
         router = self._router
