@@ -258,12 +258,23 @@ class Server:
 
     def _step(self, ready: list[Any]) -> None:
         """The owner: answer handshakes, then whatever waits on the monitor and
-        the ROUTER."""
+        the ROUTER. ``ready`` is what the owner's poll of :attr:`_items` just
+        found: a socket it did not list is not asked again (the next poll
+        finds what came since), one it listed is read without asking again;
+        none (a probe round is due, or nothing is known): each is asked."""
         if self.gatekeeper is not None and ready:
             self.gatekeeper.serve()  # a handshake waits for it: first
+        router = monitor = not ready
+        for sock, _ in ready:
+            if sock is self._router:
+                router = True
+            elif sock is self._monitor:
+                monitor = True
         try:
-            self._drain_monitor()
-            self._drain()
+            if monitor:
+                self._drain_monitor()
+            if router:
+                self._drain(waiting=bool(ready))
             if self._probe_at is not None and time.monotonic() >= self._probe_at:
                 self._probe()
         except Exception as exc:
@@ -539,10 +550,13 @@ class Server:
             limit_s = due if limit_s is None else min(limit_s, due)
         return -1 if limit_s is None else max(0, int(limit_s * 1000))
 
-    def _drain(self) -> None:
-        """Handle every message waiting on the ROUTER."""
+    def _drain(self, waiting: bool = False) -> None:
+        """Handle every message waiting on the ROUTER (``waiting``: a poll just
+        found one, so the first needs no second poll)."""
         router, coordinator = self._router, self.coordinator
-        while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
+        while router is not None and coordinator.phase is not Phase.CLOSED and (
+                waiting or _sockets.readable(router)):
+            waiting = False
             frames = _sockets.recv_message(router)
             peer = frames[0].bytes
             if len(frames) < 2 or peer == HOST_PEER:  # that name is rank 0's own member's alone
