@@ -280,8 +280,9 @@ def owned(msg: Message) -> Message:
     member and the coordinator in one process is copied, as a socket would:
     so a reduction never runs in place in the user's input, and mutating a
     result never changes buffers still being sent to other ranks."""
-    if not msg.segments:
-        return msg
+    segments = msg.segments
+    if not segments or (len(segments) == 1 and len(segments[0]) == 1 and type(segments[0][0]) is bytes):
+        return msg  # (a small call's: one immutable frame, nothing to copy)
     msg.segments = [[frame if isinstance(frame, bytes) else bytearray(memoryview(frame))
                      for frame in segment] for segment in msg.segments]
     return msg
