@@ -136,13 +136,21 @@ class Server:
         except BaseException:
             self._close_pipes()
             raise
-        self._router, self._monitor = router, monitor
-        self._items = [(router, zmq.POLLIN), (monitor, zmq.POLLIN)]
-        self._fds = [router.FD, monitor.FD]
+        self._watch(router, monitor)
         if self.gatekeeper is not None:
             self._items.append(self.gatekeeper.poll_item)
             self._fds.append(self.gatekeeper.fd)
         self._thread.start()
+
+    def _watch(self, router: zmq.Socket, monitor: zmq.Socket) -> None:
+        """Poll the ROUTER, and its monitor by its file descriptor (its
+        ZMQ_EVENTS cost a system call a poll): readable whenever an event came
+        since the monitor was last found empty, which only
+        :meth:`_drain_monitor` asks, reading to the end; so once here."""
+        self._router, self._monitor = router, monitor
+        self._fds = [router.FD, monitor.FD]
+        self._items = [(router, zmq.POLLIN), (self._fds[1], zmq.POLLIN)]
+        self._drain_monitor()
 
     def _close_pipes(self) -> None:
         for pipe in (getattr(self, "_pipe", None), getattr(self, "_thread_pipe", None)):
@@ -268,7 +276,7 @@ class Server:
         for sock, _ in ready:
             if sock is self._router:
                 router = True
-            elif sock is self._monitor:
+            elif sock == self._fds[1]:
                 monitor = True
         try:
             if monitor:
