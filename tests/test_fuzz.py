@@ -1295,8 +1295,7 @@ class SteppedServer:
         self.ctx = zmq.Context()
         self.server = Server(self.ctx, resolve("127.0.0.1", free_port(), 0, 3, env={}))
         self.router, self.monitor = self.server._bind()
-        self.server._router, self.server._monitor = self.router, self.monitor
-        self.server._items = [(self.router, zmq.POLLIN), (self.monitor, zmq.POLLIN)]
+        self.server._watch(self.router, self.monitor)
         self.peers = subprocess.Popen([sys.executable, "-c", PEERS_BY_COMMAND,
                                        str(self.server.config.master_port)], stdin=subprocess.PIPE,
                                       text=True)

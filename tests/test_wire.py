@@ -353,7 +353,7 @@ _FIELDS = st.fixed_dictionaries({  # mostly a small reply's shape, each field so
     "seq": st.sampled_from([0, 1, 2**40, 2**64 - 1]),
     "session": st.sampled_from([0, 1, 0xDEADBEEF, 2**64 - 1]),
     "counts": _often(None, [], [0], [1, 1], [5], [2, 0, 1]),  # None: one segment of every frame
-    "tail": _often(b"", b"a.py:1", b"\x01\x00\x00\x00"),
+    "tail": _often(b"", b"a.py:1", b"\x01\x00\x00\x00", b"\xe9" * 512, b"x" * 513),  # call sites
     "cut": _often(0, 1, 4, 5),  # bytes cut off the header's end
     "bodies": st.lists(st.binary(max_size=4), max_size=4),
 })
@@ -377,7 +377,7 @@ def _outcome(decoder, frames):
 @settings(max_examples=400, deadline=None, database=None)  # 3 ms each here
 @given(fields=_FIELDS, signed=st.booleans())
 def test_fast_decode_accepts_only_what_the_whole_way_accepts_and_agrees(fields, signed):
-    """The common shape (one segment, no call site, fn or parts) is decoded
+    """The common shape (one segment, maybe a call site, no fn or parts) is decoded
     by a shortcut: whatever it accepts, every rule in turn accepts too, into
     an equal message; whatever those rules refuse, it leaves to them."""
     frames = _frames(fields)
@@ -410,18 +410,21 @@ def test_fast_decode_agrees_on_a_small_reply_with_one_byte_changed(seq, at, byte
 
 def test_every_small_result_takes_the_fast_way_signed_or_not():
     signer = Signer(b"k" * 32)
-    for kind, op, segments in [(Kind.RESULT, Op.ALLREDUCE, [[b"pickle"]]),
-                               (Kind.RESULT, Op.BROADCAST, [[b"pickle", b"buffer"]]),
-                               (Kind.ERROR, Op.ALLREDUCE, [[b"{}"]])]:
-        msg = Message(kind, op, rank=2, root=0, seq=9, session=77, segments=segments)
+    for kind, op, segments, site in [(Kind.RESULT, Op.ALLREDUCE, [[b"pickle"]], ""),
+                                     (Kind.RESULT, Op.BROADCAST, [[b"pickle", b"buffer"]], ""),
+                                     (Kind.ERROR, Op.ALLREDUCE, [[b"{}"]], ""),
+                                     (Kind.CONTRIB, Op.ALLREDUCE, [[b"p"]], "a.py:1"),
+                                     (Kind.CONTRIB, Op.BROADCAST, [[b"p"]], "\u00e9.py:1" * 100)]:
+        msg = Message(kind, op, rank=2, root=0, seq=9, session=77, segments=segments, callsite=site)
+        if len(site.encode()) > _wire.MAX_CALLSITE_BYTES:  # cut by encode, as the whole way reads it
+            msg.callsite = site.encode()[:_wire.MAX_CALLSITE_BYTES].decode("utf-8", "replace")
         plain = encode(msg)
         assert _wire._decode_simple(plain, False) == decode(plain) == msg
         signed = signer.verify(encode(msg, signer))
         assert _wire._decode_simple(signed, True) is not None
         assert decode(encode(msg, signer), signer=signer).segments == segments
     # not the common shape: the whole way
-    for msg in [Message(Kind.CONTRIB, Op.ALLREDUCE, callsite="a.py:1", segments=[[b"p"]]),
-                Message(Kind.CONTRIB, Op.ALLREDUCE, fn=b"fn", segments=[[b"p"]]),
+    for msg in [Message(Kind.CONTRIB, Op.ALLREDUCE, fn=b"fn", segments=[[b"p"]]),
                 Message(Kind.RESULT, Op.BARRIER),
                 Message(Kind.RESULT, Op.ALLGATHER, segments=[[b"a"], [b"b"]])]:
         assert _wire._decode_simple(encode(msg), False) is None

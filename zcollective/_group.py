@@ -76,6 +76,17 @@ def default_reduce_fn(a: Any, b: Any) -> Any:
 _ring.register_default(default_reduce_fn)
 
 
+_process = os.getpid()  # this process's id, renewed in a forked child: no system call per call
+
+
+def _forked() -> None:
+    global _process
+    _process = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # (no fork without it)
+    os.register_at_fork(after_in_child=_forked)
+
 _ours: dict[str, bool] = {}  # file name -> is it this package's
 _basenames: dict[str, str] = {}
 
@@ -532,7 +543,7 @@ class Group:
         so every replica's call at that seq ends in an error and the next call
         pairs correctly.
         """
-        if self._closed or os.getpid() != self._pid or threading.get_ident() != self._owner:
+        if self._closed or _process != self._pid or threading.get_ident() != self._owner:
             self._check_usable()  # raises, saying which
         server = self._server
         if server is not None and server.reducing_here():

@@ -509,13 +509,14 @@ def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
     return Message(kind_, op_, rank, root, seq, session, callsite, flags, fn, segments)
 
 
-_HEADER_ONE_SEGMENT = struct.Struct(HEADER.format + "I")  # and a one-segment layout: every small reply
+_HEADER_ONE_SEGMENT = struct.Struct(HEADER.format + "I")  # and a one-segment layout: every small call
+_SIMPLE_MAX_BYTES = _HEADER_ONE_SEGMENT.size + MAX_CALLSITE_BYTES
 _NOT_SIMPLE = FLAG_FN | FLAG_PARTS
 
 
 def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
     """:func:`decode`'s answer for the common shape, or None to take the
-    whole way: a header of exactly one segment, no call site, no reduce
+    whole way: a header of one segment and maybe a call site, no reduce
     function, no parts, and the authentication flag as expected (set when
     ``signed``: the tag was verified and stripped). It accepts only what
     :func:`_decode_whole` accepts, and builds the same :class:`Message`,
@@ -523,7 +524,8 @@ def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
     (``tests/test_wire.py`` compares them). The frame count bound and the
     tag are checked before it is called."""
     head = memoryview(frames[0])
-    if head.nbytes != _HEADER_ONE_SEGMENT.size:
+    size = head.nbytes
+    if not _HEADER_ONE_SEGMENT.size <= size <= _SIMPLE_MAX_BYTES:
         return None
     magic, version, kind, op, flags, rank, root, seq, session, nseg, count = \
         _HEADER_ONE_SEGMENT.unpack_from(head)
@@ -533,7 +535,9 @@ def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
     kind_, op_ = KINDS.get(kind), OPS.get(op)
     if kind_ is None or op_ is None or (count != 1 and kind_ in CONTROL_KINDS):
         return None
-    return Message(kind_, op_, rank, root, seq, session, "", flags, None, [list(frames[1:])])
+    callsite = head[_HEADER_ONE_SEGMENT.size:].tobytes().decode("utf-8", "replace") if (
+        size > _HEADER_ONE_SEGMENT.size) else ""  # (a replica's contribution)
+    return Message(kind_, op_, rank, root, seq, session, callsite, flags, None, [list(frames[1:])])
 
 
 def owned(msg: Message) -> Message:
@@ -541,8 +545,9 @@ def owned(msg: Message) -> Message:
     member and the coordinator in one process is copied, as a socket would:
     so a reduction never runs in place in the user's input, and mutating a
     result never changes buffers still being sent to other ranks."""
-    if not msg.segments:
-        return msg
+    segments = msg.segments
+    if not segments or (len(segments) == 1 and len(segments[0]) == 1 and type(segments[0][0]) is bytes):
+        return msg  # (a small call's: one immutable frame, nothing to copy)
     msg.segments = [[frame if isinstance(frame, bytes) else bytearray(memoryview(frame))
                      for frame in segment] for segment in msg.segments]
     return msg

@@ -76,12 +76,17 @@ class Replica(Driver):
                 self.dealer.close(linger=0)
                 raise
         try:
+            # the monitor by its file descriptor (its ZMQ_EVENTS cost two system calls a poll):
+            # readable whenever an event came since its socket was last found empty, which only
+            # _drain_monitor asks, reading to the end; asked once here (before the connect)
+            _sockets.readable(self.monitor)
+            self._monitor_fd = self.monitor.FD
+            self._poll_items = [(self.dealer, zmq.POLLIN), (self._monitor_fd, zmq.POLLIN)]
             with _sockets.mapped(f"rank {config.rank} cannot connect to {config.endpoint}", address=True):
                 self.dealer.connect(config.endpoint)
         except BaseException:
             self.close()  # sockets left open would make the context's term() wait forever
             raise
-        self._poll_items = [(self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN)]
 
     def _send(self, msg: Message) -> None:
         member = self.member
@@ -108,7 +113,7 @@ class Replica(Driver):
             if ready:
                 # first: a FAIL that came before a disconnect explains it
                 got = self._drain_dealer(ready[0][0] is self.dealer, until)
-                if len(ready) > 1 or ready[0][0] is self.monitor:
+                if len(ready) > 1 or ready[0][0] == self._monitor_fd:
                     self._drain_dealer()  # all of it, past ``until``: a FAIL explains a close
                     self._drain_monitor()
                 if got or self.member.failure is not None:

@@ -129,13 +129,21 @@ class Server:
         except BaseException:
             self._close_pipes()
             raise
-        self._router, self._monitor = router, monitor
-        self._items = [(router, zmq.POLLIN), (monitor, zmq.POLLIN)]
-        self._fds = [router.FD, monitor.FD]
+        self._watch(router, monitor)
         if self.gatekeeper is not None:
             self._items.append(self.gatekeeper.poll_item)
             self._fds.append(self.gatekeeper.fd)
         self._thread.start()
+
+    def _watch(self, router: zmq.Socket, monitor: zmq.Socket) -> None:
+        """Poll the ROUTER, and its monitor by its file descriptor (its
+        ZMQ_EVENTS cost a system call a poll): readable whenever an event came
+        since the monitor was last found empty, which only
+        :meth:`_drain_monitor` asks, reading to the end; so once here."""
+        self._router, self._monitor = router, monitor
+        self._fds = [router.FD, monitor.FD]
+        self._items = [(router, zmq.POLLIN), (self._fds[1], zmq.POLLIN)]
+        self._drain_monitor()
 
     def _close_pipes(self) -> None:
         for pipe in (getattr(self, "_pipe", None), getattr(self, "_thread_pipe", None)):
@@ -255,12 +263,23 @@ class Server:
 
     def _step(self, ready: list[Any]) -> None:
         """The owner: answer handshakes, then whatever waits on the monitor and
-        the ROUTER."""
+        the ROUTER. ``ready`` is what the owner's poll of :attr:`_items` just
+        found: a socket it did not list is not asked again (the next poll
+        finds what came since), one it listed is read without asking again;
+        none (a probe round is due, or nothing is known): each is asked."""
         if self.gatekeeper is not None and ready:
             self.gatekeeper.serve()  # a handshake waits for it: first
+        router = monitor = not ready
+        for sock, _ in ready:
+            if sock is self._router:
+                router = True
+            elif sock == self._fds[1]:
+                monitor = True
         try:
-            self._drain_monitor()
-            self._drain()
+            if monitor:
+                self._drain_monitor()
+            if router:
+                self._drain(waiting=bool(ready))
             if self._probes.due is not None and time.monotonic() >= self._probes.due:
                 self._probe()
         except Exception as exc:
@@ -552,15 +571,18 @@ class Server:
         limit_s = self._probes.limit(limit_s, time.monotonic())
         return -1 if limit_s is None else max(0, int(limit_s * 1000))
 
-    def _drain(self, batch: Optional[int] = DRAIN_BATCH) -> None:
-        """Handle every message waiting on the ROUTER; after ``batch`` of them
+    def _drain(self, waiting: bool = False, batch: Optional[int] = DRAIN_BATCH) -> None:
+        """Handle every message waiting on the ROUTER (``waiting``: a poll just
+        found one, so the first needs no second poll); after ``batch`` of them
         (None: no bound), return once rank 0's member has news, so that it
         gets it (the owner's next poll finds the rest at once): a stranger
         flooding the port would otherwise keep rank 0's thread here, and
         every call of the group waiting for rank 0."""
         router, coordinator = self._router, self.coordinator
         taken = 0
-        while router is not None and coordinator.phase is not Phase.CLOSED and _sockets.readable(router):
+        while router is not None and coordinator.phase is not Phase.CLOSED and (
+                waiting or _sockets.readable(router)):
+            waiting = False
             if batch is not None and taken >= batch and self.to_host:
                 return
             taken += 1
@@ -578,6 +600,8 @@ class Server:
     def _send_all(self, outs: list[Out]) -> None:
         """Send what the coordinator returned: rank 0's part to its queue, the
         others' on the ROUTER."""
+        if not outs and self.coordinator.interrupted is None:
+            return  # (most contributions complete no call)
         gone: list[bytes] = []
         cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
         router = self._router
@@ -608,7 +632,7 @@ class Server:
         """Peers found gone while sending. What one sent before closing (a
         BYE, a JOIN) is still queued: taken in first, so a rank that ended
         is not lost, and a JOIN is not left holding a slot."""
-        self._drain(None)
+        self._drain(batch=None)
         for peer in peers:
             self._send_all(self.coordinator.gone(peer))
 

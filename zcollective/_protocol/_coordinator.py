@@ -344,6 +344,9 @@ class Coordinator:
 
     def _handle(self, peer: bytes, msg: Message, address: str) -> list[Out]:
         member = self.members.get(peer)
+        if (msg.kind is Kind.CONTRIB and member is not None and msg.rank == member.rank
+                and msg.session == self.session and self.phase is not Phase.FAILED):
+            return self._on_contribution(member, msg, address)  # the common case: what follows, in one test
         if msg.kind is Kind.JOIN and (member is None or msg.rank == member.rank):
             return self._on_join(peer, msg, member, address)
         if member is None:
@@ -676,21 +679,21 @@ class Coordinator:
             call = self.pending[seq] = Call(msg.op, msg.root)
         call.contributions[rank] = msg
         call.arrived[rank] = time.monotonic()
-        if (msg.op, msg.root) != (call.op, call.root):
+        if msg.op != call.op or msg.root != call.root:
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
         if call.abandoned is not None:  # given up by a rank: this one hears so, as the others did
             if len(call.contributions) == self.num_replicas:
                 del self.pending[seq]
             return self._error_some(seq, call, [rank]) + self._check_endings()
         if len(call.contributions) < self.num_replicas:
-            return self._check_endings()
+            return self._check_endings() if self._ended else []
         del self.pending[seq]
         self.lateness.record(call.arrived)
         out = self._complete(seq, call)
         if call.op is Op.TEARDOWN:
             self.phase = Phase.CLOSED
             return out
-        return out + self._check_endings()
+        return out + self._check_endings() if self._ended else out
 
     # -- ending without teardown ------------------------------------------
 
@@ -791,8 +794,10 @@ class Coordinator:
         if call.op not in OP_RULES:  # no working replica sends it
             return self._error_all(seq, call.op, error_body(
                 "ProtocolError", f"seq {seq}: operation {call.op.label!r} has no rules"))
-        if any(c.flags & FLAG_DATA for c in contributions) and not any(
-                c.flags & FLAG_LOCAL_ERROR for c in contributions):
+        flags = 0  # any rank's
+        for c in contributions:
+            flags |= c.flags
+        if flags & FLAG_DATA and not flags & FLAG_LOCAL_ERROR:
             if self._ended:  # its program ended before this call's plan came: no ring completes
                 member = self._ended[0]
                 return self.fail("ReplicaLostError", f"{member.describe_end()} before the plan of "
@@ -904,31 +909,31 @@ class Coordinator:
         """Why the call cannot complete as it is, as (error name, text), or
         None: a sender's own error (PeerError), or parts no working replica
         sends (ProtocolError: a wrong root or number of values)."""
-        head = f"seq {seq} {call.op.label}"
         for rank, c in enumerate(contributions):
             if c.flags & FLAG_LOCAL_ERROR:
                 try:
                     said = c.body().get("message", "?")
                 except WireError:  # a sender's error note that is not JSON: still its error
                     said = "?"
-                return "PeerError", f"{head}: rank {rank} failed: {said}"
-        n = self.num_replicas
-        if not 0 <= call.root < n:  # replicas check it: only a broken or altered one sends this
-            return "ProtocolError", f"{head}: root {call.root} is not a rank of this group of {n} replicas"
-        sent, sends = len(contributions[call.root].segments), OP_RULES[call.op].sends
-        if sends == "root-all" and sent != n:
-            return "ProtocolError", f"{head}: root {call.root} sent {sent} values for {n} replicas"
-        if sends == "all":
-            short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
-            if short:
-                return "ProtocolError", f"{head}: {rank_list(short)} did not send exactly {n} values"
-        if sends == "one":
+                return "PeerError", f"seq {seq} {call.op.label}: rank {rank} failed: {said}"
+        n, root = self.num_replicas, call.root
+        sends = OP_RULES[call.op].sends
+        if not 0 <= root < n:  # replicas check it: only a broken or altered one sends this
+            why = f"root {root} is not a rank of this group of {n} replicas"
+        elif sends == "one":
             empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
-            if empty:
-                return "ProtocolError", f"{head}: {rank_list(empty)} sent no value"
-        if sends == "root" and sent != 1:
-            return "ProtocolError", f"{head}: root {call.root} sent no value"
-        return None
+            why = f"{rank_list(empty)} sent no value" if empty else ""
+        elif sends == "root":
+            why = "" if len(contributions[root].segments) == 1 else f"root {root} sent no value"
+        elif sends == "root-all":
+            sent = len(contributions[root].segments)
+            why = "" if sent == n else f"root {root} sent {sent} values for {n} replicas"
+        elif sends == "all":
+            short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
+            why = f"{rank_list(short)} did not send exactly {n} values" if short else ""
+        else:
+            why = ""
+        return ("ProtocolError", f"seq {seq} {call.op.label}: {why}") if why else None
 
     def _reduce(self, contributions: list[Message], root: int) -> Any:
         fn_frame = contributions[root].fn
