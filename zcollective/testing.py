@@ -43,6 +43,7 @@ __all__ = ["run_replicas", "Replicas", "ReplicasFailed", "SpawnRequest", "free_p
 
 DEFAULT_TIMEOUT_S = 60.0  # generous for a loaded 2-core CI machine, short enough to notice a hang
 OUTPUT_TAIL_CHARS = 4000  # per rank, in failure messages
+STACKS_WAIT_S = 1.0  # a replica that overran gets this long to write its stacks before it is killed
 KILL_WAIT_S = 30.0  # a killed process is gone within this
 
 
@@ -237,6 +238,11 @@ class Replicas:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.outcomes[rank].timed_out = True
+        if any(o.timed_out for o in self.outcomes) and hasattr(signal, "SIGUSR2"):
+            for proc in self.procs:  # each overrunning replica writes its threads' stacks
+                if proc.poll() is None:  # to its output (zcollective._child registered it)
+                    proc.send_signal(signal.SIGUSR2)
+            time.sleep(STACKS_WAIT_S)
         self.kill_all()
         for rank, proc in enumerate(self.procs):
             outcome = self.outcomes[rank]
