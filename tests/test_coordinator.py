@@ -649,3 +649,21 @@ def test_a_call_one_rank_gave_up_fails_alike_on_every_rank_and_the_group_goes_on
     done = _bodies.abandon("its call was interrupted (KeyboardInterrupt)", False, rank=0, seq=1,
                            session=SESSION)
     assert feed(coord, peer(0), done) == []  # complete already: every rank has its result
+
+
+def test_a_call_given_up_while_its_data_moves_peer_to_peer_fails_on_every_rank():
+    from zcollective._format import _bodies
+    from zcollective._format._wire import FLAG_DATA
+
+    coord = joined(3)
+    plan = _bodies.plan(dtype="<f4", shape=[1 << 16], fn="add")
+    for r in range(3):
+        msg = contrib(r, 0, segments=[[plan]], fn=(lambda a, b: a + b) if r == 0 else None)
+        msg.flags |= FLAG_DATA
+        out = results(feed(coord, peer(r), msg))
+    assert {m.kind for m in out.values()} == {Kind.RESULT}  # the plan: the data moves now
+    gave_up = _bodies.abandon("its call timed out (…)", True, rank=1, seq=0, session=SESSION)
+    out = results(feed(coord, peer(1), gave_up))
+    assert set(out) == {peer(0), peer(1), peer(2)} and {m.kind for m in out.values()} == {Kind.ERROR}
+    assert "while its data moved peer to peer, so it failed on every rank that had not finished it" in (
+        out[peer(0)].body()["message"])

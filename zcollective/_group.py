@@ -36,7 +36,7 @@ from ._io._dataplane import DataPlane
 from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
 from ._io._server import Server
-from ._limits import DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS
+from ._limits import DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS, STATUS_WAIT_S
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
@@ -582,7 +582,13 @@ class Group:
                 timed_out = isinstance(exc, CollectiveTimeoutError)
                 if (timed_out or from_signal(exc)) and self._link is not None:
                     with contextlib.suppress(CollectiveError):  # (a broken link: the group failed)
-                        self._link.send(self._member.give_up(future.seq, exc, timed_out))
+                        gave_up = self._member.give_up(future.seq, exc, timed_out)
+                        self._link.send(gave_up)
+                        if gave_up and timed_out:  # the coordinator's verdict: an ERROR (failed on
+                            # every rank), or the result, when the call completed before it heard
+                            self._link.wait_for(lambda: future._done, time.monotonic() + STATUS_WAIT_S)
+                            if future._done and future._error is None:
+                                return future._value  # type: ignore[no-any-return]
                 raise
         if future._error is not None:
             raise future._error

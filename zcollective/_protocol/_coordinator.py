@@ -401,9 +401,16 @@ class Coordinator:
     def _abandon(self, member: Member, seq: int, error: str, said: str) -> list[Out]:
         """``member`` gave up call ``seq`` (rule 4)."""
         call = self.pending.get(seq)
-        if (call is None or call.abandoned is not None or member.rank not in call.contributions
-                or error not in ("CollectiveTimeoutError", "PeerError")):
+        if error not in ("CollectiveTimeoutError", "PeerError"):
             return []
+        if call is None and self._moving is not None and self._moving[0] == seq:  # its data moves
+            # peer to peer: it fails on every rank still moving it, as when a reduce function raises
+            return self._error_all(seq, self._moving[1], error_body(
+                error, f"seq {seq} {self._moving[1].label}: {member.describe()} gave it up ({said}) "
+                       f"while its data moved peer to peer, so it failed on every rank that had not "
+                       f"finished it (the group goes on)"))
+        if call is None or call.abandoned is not None or member.rank not in call.contributions:
+            return []  # complete: every rank was sent its result (the giver's is on its way)
         call.abandoned = error_body(error, f"seq {seq} {describe_call(call.op, call.root)}: "
                                            f"{member.describe()} gave it up ({said}), so it failed on "
                                            f"every rank (the group goes on)")
