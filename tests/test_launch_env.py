@@ -32,7 +32,7 @@ from zcollective.config import (
     launcher_of,
     resolve,
 )
-from zcollective.testing import Replicas, ReplicasFailed, report
+from zcollective.testing import Replicas, ReplicasFailed, free_port, report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAUNCHING_MD = ROOT / "docs" / "launching.md"
@@ -510,15 +510,27 @@ def test_torchrun_runs_an_example_with_no_configuration():
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not on PATH (it comes with torch, an optional extra)")
-    argv = [torchrun, "--standalone", "--nproc-per-node", "2", "--tee", "3", str(EXAMPLE)]
+    # torchrun --standalone picks a random free port P in the ephemeral range, and zcollective
+    # takes P + 1, which any connection of the suite's may hold as its local port at that moment
+    # (CI failed so, twice in a row). Ports below that range, P + 1 free too, as a user's job
+    # would set them; zcollective itself is given no configuration.
+    port = free_port()
+    while not _bindable(port + 1):
+        port = free_port()
+    argv = [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--tee", "3", str(EXAMPLE)]
     code, output = _run(argv, _clean_env(OMP_NUM_THREADS="1"))
-    if code != 0 and "is already in use by another program" in output:
-        # torchrun's agent listens on a random free port P, and zcollective on P + 1, which any
-        # connection of the suite's may hold as its local port at that moment: the library's clear
-        # error (the README says to set ZCOLLECTIVE_MASTER_PORT then). A second random P.
-        code, output = _run(argv, _clean_env(OMP_NUM_THREADS="1"))
     ranks = _by_rank(output, r"\[default(\d+)\]:")
     _assert_allreduce_ran(code, output, ranks, 2)
+
+
+def _bindable(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _free_slurm_job_id():
