@@ -414,11 +414,7 @@ class Coordinator:
         call.abandoned = error_body(error, f"seq {seq} {describe_call(call.op, call.root)}: "
                                            f"{member.describe()} gave it up ({said}), so it failed on "
                                            f"every rank (the group goes on)")
-        return self._error_some(seq, call, list(call.contributions))
-
-    def _error_some(self, seq: int, call: Call, ranks: list[int]) -> list[Out]:
-        msg = control(Kind.ERROR, call.abandoned or {}, seq=seq, op=call.op, session=self.session)
-        return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r)) for r in ranks]
+        return self._error_all(seq, call.op, call.abandoned, list(call.contributions))
 
     def _on_status(self, member: Member, msg: Message, address: str) -> list[Out]:
         return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
@@ -691,7 +687,7 @@ class Coordinator:
         if call.abandoned is not None:  # given up by a rank: this one hears so, as the others did
             if len(call.contributions) == self.num_replicas:
                 del self.pending[seq]
-            return self._error_some(seq, call, [rank]) + self._check_endings()
+            return self._error_all(seq, call.op, call.abandoned, [rank]) + self._check_endings()
         if len(call.contributions) < self.num_replicas:
             return self._check_endings() if self._ended else []
         del self.pending[seq]
@@ -903,7 +899,7 @@ class Coordinator:
             elif c.flags & FLAG_DATA:
                 try:
                     dtype, shape, fn = _bodies.parse_array_plan(c)
-                    what = f"a {dtype} array of shape {shape} reduced with {fn}"
+                    what = _array(dtype, shape, fn)
                 except WireError:
                     what = "a malformed array description"
             groups.setdefault((_bodies.printable(what[:300]), c.callsite or "?"), []).append(rank)
@@ -969,9 +965,12 @@ class Coordinator:
             self.reducing = None
         return acc
 
-    def _error_all(self, seq: int, op: Op, body: dict[str, Any]) -> list[Out]:
+    def _error_all(self, seq: int, op: Op, body: dict[str, Any],
+                   ranks: Optional[list[int]] = None) -> list[Out]:
+        """An ERROR of call ``seq`` to every rank (or to ``ranks``)."""
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
-        return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r)) for r in range(self.num_replicas)]
+        return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r))
+                for r in (range(self.num_replicas) if ranks is None else ranks)]
 
     # -- status and failure ----------------------------------------------
 
@@ -1030,6 +1029,11 @@ class _Disagree(Exception):
         self.described = described
 
 
+def _array(dtype: Any, shape: tuple[int, ...], fn: str) -> str:
+    """An array as a mismatch names it, from a data plan or as rank 0 found it."""
+    return f"a {dtype} array of shape {shape} reduced with {fn}"
+
+
 def _arrays(values: list[Any], fn: str) -> Optional[list[str]]:
     """Each value described as the data plane's plans describe arrays (dtype,
     shape, reduction), when all are arrays (numpy's, torch's) and not all
@@ -1041,7 +1045,7 @@ def _arrays(values: list[Any], fn: str) -> Optional[list[str]]:
     try:
         if not any(len(s) for s in shapes):
             return None
-        return [f"a {getattr(d, 'str', d)} array of shape {tuple(int(n) for n in s)} reduced with {fn}"
+        return [_array(getattr(d, "str", d), tuple(int(n) for n in s), fn)
                 for s, d in zip(shapes, dtypes, strict=True)]
     except TypeError:  # a shape of something else than numbers: not an array
         return None
