@@ -550,6 +550,7 @@ def interrupted_in_a_call(markers):
     r = zc.get_rank()
     if r == 2:
         wait_for(os.path.join(markers, "interrupted"))
+        time.sleep(0.5)  # rank 1's give-up, on another connection, is usually in by then
     else:
         touch(os.path.join(markers, f"calling{r}"))
     try:
@@ -571,11 +572,15 @@ def test_a_call_interrupted_by_ctrl_c_on_one_rank_fails_alike_on_the_others(tmp_
         outs = reps.wait(60)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     kinds = [o.value[0][0] for o in outs]
-    assert kinds == ["error", "interrupted", "error"], report(outs, "")
+    # the others agree: the call failed for both, naming rank 1, unless rank 2's contribution
+    # reached the coordinator before rank 1's give-up (two connections: no order between them)
+    # and the call completed; a Ctrl-C is never swallowed to return that result on rank 1
+    assert kinds in (["error", "interrupted", "error"], ["value", "interrupted", "value"]), report(outs, "")
     for r in (0, 2):
         said = outs[r].value[0][1]
-        assert said.startswith("seq 0 allreduce: rank 1 (pid ") and " gave it up (its call was interrupted " \
-            "(KeyboardInterrupt)), so it failed on every rank" in said, report(outs, "")
+        assert kinds[0] == "value" or said.startswith("seq 0 allreduce: rank 1 (pid ") and (
+            " gave it up (its call was interrupted (KeyboardInterrupt)), so it failed on every rank"
+            in said), report(outs, "")
     assert [o.value[1] for o in outs] == [6, 6, 6], report(outs, "")
 
 
