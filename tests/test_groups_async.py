@@ -4,7 +4,6 @@ asyncio see them."""
 import asyncio
 import os
 import select
-import threading
 
 import pytest
 import zmq
@@ -194,32 +193,6 @@ def test_a_call_sent_while_others_await_does_not_hide_their_results(tmp_path):
     # the case this test is for happened: a result in the socket, its edge swallowed by the send
     assert outs[1][2] == {"arrived": True, "edge left": False, "waiting in the socket": True,
                           "taken in": False}, outs[1][2]
-
-
-def other_thread():
-    errors = []
-
-    pending = zc.allreduce_async(1)
-
-    def use():
-        for call in (lambda: zc.allreduce(1), pending.done, zc.teardown):
-            try:
-                call()
-            except RuntimeError as exc:
-                errors.append(str(exc))
-
-    t = threading.Thread(target=use)
-    t.start()
-    t.join(10)
-    pending.result(timeout=30)
-    return errors, zc.allreduce(1)  # the group survived all three
-
-
-def test_a_group_refuses_use_from_another_thread():
-    for errors, total in run_replicas(other_thread, 2):
-        assert total == 2
-        assert len(errors) == 3, errors
-        assert all("only be used by the thread that created it" in e for e in errors)
 
 
 def test_rank_and_size_at_module_level_and_on_a_group():

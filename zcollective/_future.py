@@ -45,10 +45,11 @@ class _Driver(Protocol):
 class CollectiveFuture(Generic[T]):
     """The pending result of one collective call.
 
-    Results progress when the calling thread enters the library: any call,
-    :meth:`result`, :meth:`done` or awaiting. Meanwhile ZeroMQ's I/O thread
-    moves the bytes in the background, and on rank 0, while its program is
-    elsewhere, a background thread computes the results of all ranks.
+    Results progress when a thread of the program enters the library: any
+    call, :meth:`result`, :meth:`done` or awaiting. Meanwhile ZeroMQ's I/O
+    thread moves the bytes in the background, and on rank 0, while its
+    program is elsewhere, a background thread computes the results of all
+    ranks. Any thread may wait for it.
     """
 
     __slots__ = ("seq", "op", "_driver", "_done", "_value", "_error", "_callbacks")
@@ -153,7 +154,8 @@ class CollectiveFuture(Generic[T]):
 
     def add_done_callback(self, fn: Callable[[CollectiveFuture[T]], None]) -> None:
         """Call ``fn(future)`` when the call finishes (at once if it has).
-        Callbacks run in the thread that owns the group, during a library call."""
+        Callbacks run in the thread that takes the result in, during a
+        library call (with several threads, whichever waits at the time)."""
         if self._done:
             self._run_callback(fn)
         else:
@@ -166,7 +168,8 @@ class CollectiveFuture(Generic[T]):
 
     async def _wait_async(self) -> T:
         """Wait without blocking the event loop: sleep on the group's shared
-        waiter until this call finishes. Must run in the group's thread."""
+        waiter until this call finishes (in any thread's loop; another
+        thread that takes the result in wakes it through its loop)."""
         import asyncio  # awaited: asyncio runs, so this costs a lookup
 
         loop = asyncio.get_running_loop()
@@ -265,7 +268,7 @@ class _AsyncWaiter:
 
 
 # One waiter per (group, event loop) while some coroutine awaits that group there;
-# only the group's own thread touches its entries.
+# only the loop's own thread touches its entries.
 _waiters: dict[tuple[_Driver, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
 
 
@@ -292,10 +295,26 @@ def _sent(driver: _Driver) -> None:
         waiter.kick()
 
 
-def _wake_on_finish(waiter: _AsyncWaiter, sleeper: asyncio.Future[None], _: CollectiveFuture[Any]) -> None:
+def _wake_on_finish(waiter: _AsyncWaiter, sleeper: asyncio.Future[None],
+                    future: CollectiveFuture[Any]) -> None:
+    loop = waiter.loop
+    if not _in_loop(loop):  # another thread took the result in: the loop's own thread wakes it
+        try:
+            loop.call_soon_threadsafe(_wake_on_finish, waiter, sleeper, future)
+        except RuntimeError:
+            pass  # its loop is closed: nobody awaits there any more
+        return
     _wake(sleeper)
     # leave now, not when the coroutine resumes: the group may close its fds right after
     waiter.leave(sleeper)
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    asyncio = sys.modules["asyncio"]  # (a loop exists: asyncio is imported)
+    try:
+        return asyncio.get_running_loop() is loop  # type: ignore[no-any-return]
+    except RuntimeError:
+        return False
 
 
 def _wake(woken: asyncio.Future[None]) -> None:

@@ -12,7 +12,6 @@ import operator
 import os
 import socket
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar, Union, cast
@@ -36,6 +35,7 @@ from ._io._dataplane import DataPlane
 from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
 from ._io._server import Server
+from ._io._turns import Turns
 from ._limits import DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS, STATUS_WAIT_S
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
@@ -157,7 +157,7 @@ class Group:
             liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, secret=secret,
             bind_addr=bind_addr, env=env,
         )
-        self._owner = threading.get_ident()
+        self._turns = Turns()  # which of the program's threads uses the sockets now
         self._pid = os.getpid()  # a forked child must never touch this process's sockets
         self._closed = False
         self._ctx: Optional[zmq.Context] = None
@@ -176,6 +176,7 @@ class Group:
         _interrupts.hold_signals()  # no signal handler's exception splits a message
         try:
             self._link = self._connect(signer)
+            self._link.nudge = (self._turns.nudge.fd, zmq.POLLIN)
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
             self._link.join(config.init_timeout)
             self._start_data(deadline)
@@ -446,7 +447,17 @@ class Group:
         if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
             self._closed = True
             return
-        self._check_thread()  # before touching a socket: they belong to the owner thread
+        turns = self._turns
+        turns.take()
+        try:
+            self._teardown(timeout)
+        finally:
+            turns.give()
+
+    def _teardown(self, timeout: Timeout) -> None:
+        """:meth:`teardown`, holding the turn."""
+        if self._closed:
+            return  # (by another thread, meanwhile)
         try:
             failure: Optional[BaseException] = self._member.failure
             if self._link is not None and failure is None:
@@ -543,12 +554,25 @@ class Group:
         so every replica's call at that seq ends in an error and the next call
         pairs correctly.
         """
-        if self._closed or _process != self._pid or threading.get_ident() != self._owner:
+        if self._closed or _process != self._pid:
             self._check_usable()  # raises, saying which
+        turns = self._turns
+        turns.take()
+        try:
+            return self._submit_turn(op, root, build, finish, site, flags, data_job)
+        finally:
+            turns.give()
+
+    def _submit_turn(self, op: Op, root: int, build: Callable[[], tuple[list[list[Any]], Any]],
+                     finish: Callable[[Message], Any], site: str, flags: int,
+                     data_job: Optional[Callable[[Message], Any]]) -> CollectiveFuture[Any]:
+        """:meth:`_submit`, holding the turn."""
+        if self._closed:  # torn down by another thread meanwhile
+            self._check_usable()
         server = self._server
         if server is not None and server.reducing_here():
-            # as in the background thread (RuntimeError above): a call here would take the next
-            # seq while every rank waits for this reduction, so the group failed for good
+            # a call here would take the next seq while every rank waits for this reduction,
+            # so the group would fail for good
             raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
                                f"collectives (it runs inside the coordinator, on rank 0)")
         member, link = self._member, self._link
@@ -572,7 +596,7 @@ class Group:
 
     def _blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
         """``future.result(timeout)`` for a call this thread has just made
-        (so :meth:`_submit` has checked the thread)."""
+        (so :meth:`_submit` has checked the process)."""
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
         if not future._done:
@@ -580,19 +604,35 @@ class Group:
                 self._wait(future, timeout, checked=True)
             except BaseException as exc:  # given up here: it fails on every rank alike
                 timed_out = isinstance(exc, CollectiveTimeoutError)
-                if (timed_out or from_signal(exc)) and self._link is not None:
-                    with contextlib.suppress(CollectiveError):  # (a broken link: the group failed)
-                        gave_up = self._member.give_up(future.seq, exc, timed_out)
-                        self._link.send(gave_up)
-                        if gave_up and timed_out:  # the coordinator's verdict: an ERROR (failed on
-                            # every rank), or the result, when the call completed before it heard
-                            self._link.wait_for(lambda: future._done, time.monotonic() + STATUS_WAIT_S)
-                            if future._done and future._error is None:
-                                return future._value  # type: ignore[no-any-return]
+                if (timed_out or from_signal(exc)) and self._link is not None and not self._closed:
+                    got = self._give_up(future, exc, timed_out)
+                    if got:
+                        return future._value  # type: ignore[no-any-return]
                 raise
         if future._error is not None:
             raise future._error
         return future._value  # type: ignore[no-any-return]
+
+    def _give_up(self, future: CollectiveFuture[Any], exc: BaseException, timed_out: bool) -> bool:
+        """This rank gave up waiting for ``future`` (``exc``): tell the
+        coordinator, which fails the call on every rank. True if the call had
+        completed before it heard (a timeout waits for the verdict; an
+        interrupt does not)."""
+        link, turns = self._link, self._turns
+        assert link is not None
+        if not turns.take(time.monotonic() + STATUS_WAIT_S):  # (the holder is in a long step)
+            return False
+        try:
+            with contextlib.suppress(CollectiveError):  # (a broken link: the group failed)
+                gave_up = self._member.give_up(future.seq, exc, timed_out)
+                link.send(gave_up)
+                if gave_up and timed_out:  # the coordinator's verdict: an ERROR (failed on every
+                    # rank), or the result, when the call completed before it heard
+                    turns.wait(lambda: future._done, time.monotonic() + STATUS_WAIT_S, self._drive,
+                               _never)
+            return future._done and future._error is None
+        finally:
+            turns.give()
 
     def _check_root(self, root: Any) -> int:
         """``root`` as an int: any integer type (``numpy.int64``, anything with
@@ -634,17 +674,14 @@ class Group:
         if self._closed:
             raise RuntimeError("this zcollective group was torn down; call initialize() "
                                "(or create a new Group) first")
-        self._check_thread()
+        self._check_process()
 
-    def _check_thread(self) -> None:
+    def _check_process(self) -> None:
         if os.getpid() != self._pid:
             raise ForkedProcessError(
                 f"this zcollective group belongs to process {self._pid}, the parent of this forked "
                 f"process {os.getpid()}; a child cannot use its parent's group: call "
                 f"zcollective.initialize() (or create a Group) in the child for a group of its own")
-        if threading.get_ident() != self._owner:
-            raise RuntimeError("a zcollective group may only be used by the thread that "
-                               "created it (ZeroMQ sockets are not thread-safe)")
 
     # -- driver interface for futures -----------------------------------------
 
@@ -653,24 +690,51 @@ class Group:
         if link is None or self._closed:
             return
         if not checked:
-            self._check_thread()
+            self._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not link.wait_for(lambda: future._done, deadline):
+        turns = self._turns
+        if turns.wait(lambda: future._done, deadline, self._drive,
+                      lambda wake: future.add_done_callback(lambda _: wake())):
+            return
+        if not turns.take(time.monotonic() + STATUS_WAIT_S):  # the holder is in a long step
+            raise CollectiveTimeoutError(self._member.timeout_message(future.seq, timeout, None, None))
+        try:
             message = link.timeout_message(future.seq, timeout)
             if future._done:
                 return  # it arrived while the coordinator was asked
             self._member.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer
             raise CollectiveTimeoutError(message)
+        finally:
+            turns.give()
+
+    def _drive(self, until: Callable[[], bool], deadline: Optional[float], nudged: bool) -> bool:
+        """The leading thread's wait (see :mod:`zcollective._io._turns`):
+        ``nudged``, another thread wanting the turn ends it too."""
+        link = self._link
+        if link is None or self._closed:
+            return True  # (closed meanwhile: every call was failed)
+        link.nudged = nudged
+        try:
+            return link.wait_for(until, deadline)
+        finally:
+            link.nudged = False
 
     def _progress(self) -> None:
         if self._link is not None and not self._closed:
-            self._check_thread()
-            self._link.progress()
+            self._check_process()
+            turns = self._turns
+            if not turns.try_take():
+                return  # another thread is at work in the library: it takes in what arrives
+            try:
+                if not self._closed:
+                    self._link.progress()
+            finally:
+                turns.give()
 
     def _fds(self) -> list[int]:
         if self._link is None or self._closed:
             return []
-        self._check_thread()
+        self._check_process()
         data = self._link.data
         return self._link.fds() + (data.fds() if data is not None else [])
 
@@ -703,6 +767,7 @@ class Group:
                         self._ctx.term()
             finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
                 # a wait, never halfway through a message or before the sockets are closed
+                self._turns.close()
                 if not _open_groups:
                     _interrupts.release_signals()
 
@@ -711,9 +776,17 @@ class Group:
         process produced, bounded, then close. Rule 7 of the coordinator."""
         if self._closed or os.getpid() != self._pid:
             return
-        owner = next((t for t in threading.enumerate() if t.ident == self._owner), None)
-        if owner is not None and owner is not threading.current_thread():
-            return  # its thread still runs (a daemon): its sockets are not ours to use
+        turns = self._turns
+        if not turns.take(time.monotonic() + STATUS_WAIT_S):
+            return  # a thread left running (a daemon) is busy in a step: the sockets are its
+        try:
+            if not self._closed:
+                self._end_turn()
+        finally:
+            turns.give()
+
+    def _end_turn(self) -> None:
+        """:meth:`_end`, holding the turn."""
         interrupted: Optional[BaseException] = None
         if self._link is not None:
             try:
@@ -810,6 +883,10 @@ def _register_atexit() -> None:
 
     util.Finalize(None, _end_all, exitpriority=MP_EXIT_PRIORITY)
     _finalizer_pid = os.getpid()
+
+
+def _never(wake: Callable[[], None]) -> None:
+    """(A wait that holds the turn never follows.)"""
 
 
 def _nothing() -> tuple[list[list[Any]], Any]:

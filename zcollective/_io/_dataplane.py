@@ -246,12 +246,12 @@ class DataPlane:
 
     def run(self, seq: int, job: Job, deadline: Optional[float], member: Member,
             link: list[tuple[Any, Any]], pump: Callable[[], None],
-            fail: Callable[[Exception], None]) -> bool:
+            fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None) -> bool:
         """Move ``job``'s chunks until it is done and its last sends have
-        left (True), ``deadline`` passes (False) or the group fails (True:
-        the caller finds ``member.failure``). ``pump`` takes in what the
-        control plane has without blocking; ``fail`` fails the group for
-        every rank."""
+        left (True), ``deadline`` passes or ``until()`` holds after news on
+        ``link`` (False), or the group fails (True: the caller finds
+        ``member.failure``). ``pump`` takes in what the control plane has
+        without blocking; ``fail`` fails the group for every rank."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
         for frames in self._early.pop(seq, []):
@@ -277,6 +277,8 @@ class DataPlane:
             self._events(seq, job, fail)
             if len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready):
                 pump()
+                if until is not None and until():
+                    return False
             if deadline is not None and time.monotonic() >= deadline:
                 return False
         return True

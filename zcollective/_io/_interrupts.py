@@ -9,7 +9,8 @@ handled, a reduction half done. So while a group is open the handlers of
 handler runs at once only where the interrupted code is not the library's,
 or is one of its *surfaces*:
 
-- a wait (:func:`wait`, :func:`wait_event`), where nothing is half done;
+- a wait (:func:`wait`, :func:`wait_event`, :func:`wait_lock`,
+  :func:`wait_condition`), where nothing is half done;
 - user code the library calls on rank 0 (:func:`call_user`: a reduce
   function), whose interruption its caller handles.
 
@@ -74,6 +75,12 @@ def wait_lock(lock: Any, timeout: float) -> bool:
     """Wait for ``lock`` (another thread's hold); -1: no bound. The caller
     checks whether it holds the lock if this raises."""
     return bool(lock.acquire(timeout=timeout))
+
+
+@surface
+def wait_condition(condition: threading.Condition, timeout: Optional[float]) -> bool:
+    """Wait on ``condition`` (held by the caller) for another thread's news."""
+    return condition.wait(timeout)
 
 
 @surface

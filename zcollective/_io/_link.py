@@ -49,6 +49,8 @@ class Driver:
         self.data: Optional[DataPlane] = None  # the data plane, once the group has one
         self.sleepers: Callable[[], bool] = bool  # does a coroutine sleep on the fds (the group
         # sets _future.sleeping): then every progress drains the sockets (rule 3 of _future)
+        self.nudge: Optional[tuple[int, int]] = None  # the group's nudge fd, as a poll item
+        self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
 
     # -- to implement -----------------------------------------------------
 
@@ -124,7 +126,7 @@ class Driver:
             self.flush()
         while not done():
             # (a call kept by a failure too: see Member.fail)
-            moved = self._move_data(deadline) if member.data_jobs else None
+            moved = self._move_data(deadline, done if self.nudged else None) if member.data_jobs else None
             if moved:
                 continue
             if member.failure is not None:
@@ -139,15 +141,18 @@ class Driver:
         self._pump(time.monotonic())
         self._move_data(time.monotonic())
 
-    def _move_data(self, deadline: Optional[float]) -> Optional[bool]:
+    def _move_data(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None
+                   ) -> Optional[bool]:
         """Move the data of the first call the data plane has to carry: True
         when it is done (its future resolved), False when ``deadline`` came
-        first (it goes on at the next wait), None if there is none."""
+        first, or ``until()`` held after news (it goes on at the next wait),
+        None if there is none."""
         member, data = self.member, self.data
         if not member.data_jobs or data is None:
             return None
         seq, job = member.data_jobs[0]
-        if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data):
+        if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data,
+                        until):
             return False
         if member.data_jobs and member.data_jobs[0][1] is job:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
@@ -264,7 +269,7 @@ class HostLink(Driver):
         if not server.hold(deadline):
             return False
         try:
-            got = server.serve(deadline, self._handle)
+            got = server.serve(deadline, self._handle, self.nudge if self.nudged else None)
         finally:
             server.release()
         why = server.gone()
@@ -299,7 +304,7 @@ class HostLink(Driver):
             self.server.release()
 
     def poll_items(self) -> list[tuple[Any, Any]]:
-        return self.server.poll_items()
+        return self.server.poll_items(self.nudge if self.nudged else None)
 
     def fds(self) -> list[int]:
         return self.server.fds()

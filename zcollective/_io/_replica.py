@@ -3,7 +3,7 @@
 A thin driver, as :mod:`zcollective._io._server` is for the coordinator: it
 sends what the :class:`~zcollective._protocol._member.Member` owes and answers, and
 hands it every message and connection event. The rules are the member's.
-Used only by the thread that created it.
+Used by one thread at a time, the holder of the group's turn (:mod:`._turns`).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class Replica(Driver):
             _sockets.readable(self.monitor)
             self._monitor_fd = self.monitor.FD
             self._poll_items = [(self.dealer, zmq.POLLIN), (self._monitor_fd, zmq.POLLIN)]
+            self._nudged_items: Optional[list[tuple[Any, Any]]] = None  # and the nudge (_turns)
             with _sockets.mapped(f"rank {config.rank} cannot connect to {config.endpoint}", address=True):
                 self.dealer.connect(config.endpoint)
         except BaseException:
@@ -105,18 +106,21 @@ class Replica(Driver):
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """One poll covers the DEALER and its monitor, so a disconnect ends a
         wait at once."""
+        items = self.poll_items()
         while True:
             remaining = POLL_SLICE_S
             if deadline is not None:
                 remaining = min(remaining, deadline - time.monotonic())
-            ready = _interrupts.wait(self._poll_items, max(0, int(remaining * 1000)))
+            ready = _interrupts.wait(items, max(0, int(remaining * 1000)))
             if ready:
                 # first: a FAIL that came before a disconnect explains it
                 got = self._drain_dealer(ready[0][0] is self.dealer, until)
-                if len(ready) > 1 or ready[0][0] == self._monitor_fd:
+                nudged = self.nudged and ready[-1][0] == self.nudge[0]  # type: ignore[index]
+                # (the nudge is polled last, when it is)
+                if len(ready) > 1 + nudged or ready[0][0] == self._monitor_fd:
                     self._drain_dealer()  # all of it, past ``until``: a FAIL explains a close
                     self._drain_monitor()
-                if got or self.member.failure is not None:
+                if got or nudged or self.member.failure is not None:
                     return True
                 continue
             self._drain_monitor()
@@ -198,6 +202,10 @@ class Replica(Driver):
         return [self.dealer.FD, self.monitor.FD]
 
     def poll_items(self) -> list[tuple[Any, Any]]:
+        if self.nudged and self.nudge is not None:
+            if self._nudged_items is None:
+                self._nudged_items = [*self._poll_items, self.nudge]
+            return self._nudged_items
         return self._poll_items
 
     def close(self, linger_ms: int = 0) -> None:

@@ -6,7 +6,9 @@ A thin driver: it receives frames, feeds them to the pure
 The one concurrency rule (its interrupt half is :mod:`zcollective._io._interrupts`):
 the ROUTER, its monitor, the ZAP handler's socket and the coordinator have one
 owner at a time, the thread holding :attr:`Server._own`, and ownership
-changes hands only by that lock.
+changes hands only by that lock. Of the program's threads only the holder of
+the group's turn (:mod:`zcollective._io._turns`) takes it: "rank 0's thread"
+below is whichever thread that is.
 
 - **Rank 0's own thread** owns them while its program is inside the library
   (:meth:`Server.hold` .. :meth:`Server.release`): it receives, matches,
@@ -87,6 +89,7 @@ class Server:
         self._router: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None
         self._items: list[Any] = []  # what an owner polls: ROUTER, monitor, ZAP handler
+        self._nudged_items: Optional[list[Any]] = None  # ... and a nudge (see poll_items)
         self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
@@ -213,10 +216,12 @@ class Server:
         while queue:
             self._take(partial(receive, HOST_PEER, queue.popleft()))
 
-    def serve(self, deadline: Optional[float], deliver: Callable[[Message], None]) -> bool:
+    def serve(self, deadline: Optional[float], deliver: Callable[[Message], None],
+              nudge: Optional[tuple[int, int]] = None) -> bool:
         """Rank 0's thread, holding: serve until something came for its member
-        (handed to ``deliver``; True) or ``deadline`` (False)."""
-        items, stepped = self._items, False
+        (handed to ``deliver``; True), ``nudge`` is readable (True) or
+        ``deadline`` (False)."""
+        items, stepped = self.poll_items(nudge), False
         self._take_from_host()
         while True:
             if self.to_host:
@@ -234,15 +239,22 @@ class Server:
             ready = _interrupts.wait(items, self._wait_ms(remaining))
             if ready or self._probes.due is not None:
                 self._step(ready)
+                if nudge is not None and ready and ready[-1][0] == nudge[0]:
+                    return True  # (the nudge is polled last)
             stepped = True
 
     def refusals(self) -> list[str]:
         """The first peers refused at the handshake, and why."""
         return self.gatekeeper.first_refusals if self.gatekeeper is not None else self._refusals
 
-    def poll_items(self) -> list[Any]:
-        """What rank 0's thread polls for the coordinator, while holding."""
-        return self._items
+    def poll_items(self, nudge: Optional[tuple[int, int]] = None) -> list[Any]:
+        """What rank 0's thread polls for the coordinator, while holding (and
+        ``nudge``, last, if given: the group's :mod:`._turns`)."""
+        if nudge is None:
+            return self._items
+        if self._nudged_items is None or self._nudged_items[-1] is not nudge:
+            self._nudged_items = [*self._items, nudge]
+        return self._nudged_items
 
     def fds(self) -> list[int]:
         """File descriptors that become readable when the coordinator may have
@@ -293,8 +305,9 @@ class Server:
         return InternalError(self.crashed or "the coordinator crashed")
 
     def reducing_here(self) -> bool:
-        """Is rank 0's thread (the caller) inside a reduce function it runs?"""
-        return self._depth > 0 and self.coordinator.reducing is not None
+        """Is the calling thread inside a reduce function it runs (rank 0's
+        thread, or the background thread)?"""
+        return self.coordinator.reducing is not None and bool(self._own._is_owned())  # type: ignore[attr-defined]
 
     def busy(self) -> Optional[str]:
         """What the coordinator has been stuck in for a while, if anything."""

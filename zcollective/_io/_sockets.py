@@ -247,6 +247,8 @@ class Wakeup:
         self._open = True
 
     def set(self) -> None:
+        if not self._open:
+            return  # (its numbers may be another file's now)
         try:
             os.write(self._write, b"\0")
         except (BlockingIOError, OSError):
@@ -256,7 +258,7 @@ class Wakeup:
         self._set = True
 
     def clear(self) -> None:
-        if not self._set:
+        if not self._set or not self._open:
             return  # nothing written since the last clear: spare the system call
         self._set = False
         try:

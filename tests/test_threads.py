@@ -1,0 +1,424 @@
+"""Any thread may call: the turn's rules without sockets (fast), then
+threads of real processes calling one group at once, with real signals."""
+
+import os
+import select
+import signal
+import threading
+import time
+
+import pytest
+
+import zcollective as zc
+from zcollective._io._turns import Turns
+from zcollective.testing import Replicas, report, run_replicas
+
+WAIT_S = 10  # every wait of these tests is bounded by this
+
+
+# -- the rules, without sockets --------------------------------------------------
+
+
+class FakeLink:
+    """A link whose 'messages' are results put in by the test: the leader's
+    drive takes them in (resolving calls) and sleeps on a pipe, like a poll
+    of the sockets with the turn's nudge; it records who drove, and whether
+    two threads ever drove at once."""
+
+    def __init__(self, turns):
+        self.turns = turns
+        self.inbox = []
+        self.done = set()
+        self.drivers = []
+        self.inside = 0
+        self.overlap = False
+        self.read, self.write = os.pipe()
+        self.lock = threading.Lock()
+
+    def deliver(self, call):
+        with self.lock:
+            self.inbox.append(call)
+        os.write(self.write, b"x")
+
+    def drive(self, until, deadline, nudged):
+        self.inside += 1
+        self.overlap |= self.inside > 1
+        self.drivers.append((threading.get_ident(), nudged))
+        try:
+            while not until():
+                watch = [self.read] + ([self.turns.nudge.fd] if nudged else [])
+                timeout = None if deadline is None else max(0, deadline - time.monotonic())
+                ready, _, _ = select.select(watch, [], [], timeout)
+                if not ready:
+                    return until()
+                if self.read in ready:
+                    os.read(self.read, 4096)
+                    with self.lock:
+                        taken, self.inbox = self.inbox, []
+                    for call in taken:
+                        self.done.add(call)
+                        for wake in self.wakers.pop(call, []):
+                            wake()
+            return True
+        finally:
+            self.inside -= 1
+
+    wakers: dict = {}
+
+    def wait(self, call, timeout=WAIT_S):
+        def follow(wake):
+            self.wakers.setdefault(call, []).append(wake)
+            if call in self.done:
+                wake()
+        return self.turns.wait(lambda: call in self.done, time.monotonic() + timeout, self.drive, follow)
+
+
+def _thread(target, *args):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = target(*args)
+        except BaseException as exc:  # noqa: B036 (reported to the test)
+            out["error"] = exc
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_one_thread_leads_the_others_follow_and_each_wakes_when_its_call_is_done():
+    turns = Turns()
+    link = FakeLink(turns)
+    link.wakers = {}
+    waiting = [_thread(link.wait, call) for call in range(4)]
+    time.sleep(0.1)  # all four wait: one leads, three follow
+    assert len({ident for ident, _ in link.drivers}) == 1
+    for call in (2, 0, 3, 1):  # out of order: a follower's call first
+        link.deliver(call)
+    for t, out in waiting:
+        t.join(WAIT_S)
+        assert out == {"value": True}
+    assert not link.overlap
+
+
+def test_a_thread_wanting_the_turn_nudges_the_leader_which_takes_it_back_after():
+    turns = Turns()
+    link = FakeLink(turns)
+    link.wakers = {}
+    leader, out = _thread(link.wait, "slow")
+    time.sleep(0.1)
+    assert turns._leader is not None
+    started = time.monotonic()
+    assert turns.take(time.monotonic() + WAIT_S)  # the leader waits in its poll: nudged, lets go
+    took = time.monotonic() - started
+    assert turns.held() and link.inside == 0
+    turns.give()
+    link.deliver("slow")
+    leader.join(WAIT_S)
+    assert out == {"value": True}
+    assert took < WAIT_S / 2, took
+    assert len(link.drivers) >= 2  # it drove again after letting go
+    assert not turns._wanting and not select.select([turns.nudge.fd], [], [], 0)[0]  # cleared
+
+
+def test_a_wait_holding_the_turn_leads_and_never_lets_go():
+    turns = Turns()
+    link = FakeLink(turns)
+    link.wakers = {}
+    turns.take()  # as teardown does, or a done-callback halfway through a message
+    try:
+        t, out = _thread(lambda: turns.take(time.monotonic() + 0.3))
+        time.sleep(0.05)  # it waits for the turn: the nudge is set
+        link.deliver("own")
+        assert link.wait("own")
+        assert link.drivers == [(threading.get_ident(), False)]  # not nudged: it held the turn
+    finally:
+        turns.give()
+    t.join(WAIT_S)
+    assert out["value"] in (True, False)
+
+
+def test_a_follower_times_out_on_its_own_deadline_while_the_leader_waits_on():
+    turns = Turns()
+    link = FakeLink(turns)
+    link.wakers = {}
+    leader, out = _thread(link.wait, "long")
+    time.sleep(0.05)
+    assert link.wait("short", timeout=0.2) is False
+    link.deliver("long")
+    leader.join(WAIT_S)
+    assert out == {"value": True}
+
+
+def test_when_the_leader_is_done_a_follower_leads():
+    turns = Turns()
+    link = FakeLink(turns)
+    link.wakers = {}
+    first, out1 = _thread(link.wait, 1)
+    time.sleep(0.05)
+    second, out2 = _thread(link.wait, 2)
+    time.sleep(0.05)
+    link.deliver(1)
+    first.join(WAIT_S)
+    time.sleep(0.05)
+    link.deliver(2)  # only a thread that leads takes this in
+    second.join(WAIT_S)
+    assert out1 == out2 == {"value": True}
+    assert len({ident for ident, _ in link.drivers}) == 2
+
+
+def test_a_closed_turn_is_not_nudged():
+    turns = Turns()
+    turns.close()
+    turns.nudge.set()  # (a thread still waiting for the turn of a closed group): no write
+    turns.nudge.clear()
+
+
+# -- threads of real processes ----------------------------------------------------
+
+THREADS = 4
+CALLS = 30  # per thread
+
+
+def many_threads(arrays):
+    """THREADS threads of each rank call at once. A ticket (the program's
+    own business, as in MPI_THREAD_MULTIPLE) makes every rank send its calls
+    in the same order; waits overlap freely: one thread leads, others
+    follow, others send meanwhile. The main thread, which made the group,
+    only waits for them."""
+    import numpy as np
+
+    rank, size = zc.get_rank(), zc.get_world_size()
+    ticket = [0]
+    turn = threading.Condition()
+    results, errors = {}, []
+
+    def call(k):
+        kind = k % 4
+        if kind == 0:
+            return zc.allgather_async((k, rank)), [(k, r) for r in range(size)]
+        if kind == 1:
+            return zc.allreduce_async(rank + k), sum(range(size)) + size * k
+        if kind == 2:
+            root = k % size
+            return zc.broadcast_async(k * 10 + rank, root), k * 10 + root
+        if arrays:  # the data plane's ring, from any thread
+            array = np.full(100_000, rank + k, dtype=np.float64)
+            return zc.allreduce_async(array), float(sum(range(size)) + size * k)
+        return zc.barrier_async(), None
+
+    def worker(t):
+        try:
+            pending = []
+            for i in range(CALLS):
+                k = i * THREADS + t
+                with turn:
+                    assert turn.wait_for(lambda k=k: ticket[0] == k, WAIT_S * 3), f"ticket {k} never came"
+                    future, expected = call(k)
+                    ticket[0] += 1
+                    turn.notify_all()
+                pending.append((k, future, expected))
+                if i % 3 == 2:  # let some pile up, then wait for them in another order
+                    for k2, f, e in reversed(pending):
+                        got = f.result(timeout=WAIT_S * 3)
+                        results[k2] = (float(got[0]) if hasattr(got, "shape") else got, e)
+                    pending.clear()
+            for k2, f, e in pending:
+                got = f.result(timeout=WAIT_S * 3)
+                results[k2] = (float(got[0]) if hasattr(got, "shape") else got, e)
+        except BaseException as exc:  # noqa: B036 (reported below)
+            errors.append(f"thread {t}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S * 6)
+    assert not any(t.is_alive() for t in threads), "a thread is still waiting"
+    assert not errors, errors
+    wrong = {k: v for k, v in results.items() if v[0] != v[1]}
+    assert not wrong, wrong
+    assert len(results) == THREADS * CALLS
+    assert zc._current()._has_data_plane() == arrays
+    return zc.allgather(len(results))  # and the group goes on, from the main thread
+
+
+@pytest.mark.parametrize("arrays", [False, True], ids=["star", "data-plane"])
+def test_threads_of_every_rank_call_one_group_at_once(arrays):
+    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "65536"} if arrays else None
+    outs = run_replicas(many_threads, 3, arrays, env=env, timeout=120)
+    assert outs == [[THREADS * CALLS] * 3] * 3
+
+
+def sends_while_another_waits(markers):
+    """The main thread blocks in a call a slow rank holds up; meanwhile a
+    second thread of the same rank sends the next call and takes its
+    result: sending never waits for another thread's call to finish."""
+    rank = zc.get_rank()
+    zc.barrier()
+    if rank == 2:
+        time.sleep(1.5)  # the others' main threads wait for this rank meanwhile
+        first = zc.allreduce(1)
+        return first, zc.broadcast(None, root=1), zc.allgather(rank)
+    started = threading.Event()
+    seen = {}
+
+    def second():
+        started.wait(WAIT_S)
+        time.sleep(0.2)  # the main thread is in its wait by now (it leads)
+        future = zc.broadcast_async("from rank 1" if rank == 1 else None, root=1)
+        seen["sent while the first was pending"] = not first_done.is_set()
+        seen["result"] = future.result(timeout=WAIT_S)
+
+    first_done = threading.Event()
+    thread = threading.Thread(target=second)
+    thread.start()
+    future = zc.allreduce_async(1)
+    started.set()
+    first = future.result(timeout=WAIT_S)
+    first_done.set()
+    thread.join(WAIT_S)
+    return first, seen, zc.allgather(rank)
+
+
+def test_a_thread_sends_while_another_waits_for_an_earlier_call():
+    outs = run_replicas(sends_while_another_waits, 3, None)
+    assert outs[2] == (3, "from rank 1", [0, 1, 2])
+    for first, seen, gathered in outs[:2]:
+        assert first == 3 and gathered == [0, 1, 2]
+        assert seen == {"sent while the first was pending": True, "result": "from rank 1"}, seen
+
+
+def interrupted_among_threads(main_leads):
+    """Rank 1's main thread is interrupted (a real SIGINT) in a blocking
+    call while its other thread waits for an earlier call: the main thread
+    raises KeyboardInterrupt; its call fails on every rank alike (it was
+    given up); the other thread's call completes on every rank; the group
+    goes on."""
+    rank = zc.get_rank()
+    zc.barrier()
+    sent, main_in = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        future = zc.allreduce_async(10)  # seq 1, on every rank before the main thread's
+        sent.set()
+        if main_leads:
+            main_in.wait(WAIT_S)
+            time.sleep(0.3)  # the main thread waits (it leads); this one follows it
+        try:
+            seen["other"] = future.result(timeout=WAIT_S * 2)
+        except BaseException as exc:  # noqa: B036 (reported)
+            seen["other"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    sent.wait(WAIT_S)
+    if rank == 2:
+        time.sleep(1.5)  # rank 1's main thread is interrupted while waiting for this rank
+    if rank == 1:
+        if not main_leads:
+            time.sleep(0.3)  # the other thread waits first (it leads); this one follows
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    main_in.set()
+    try:
+        seen["main"] = zc.allreduce(1)  # seq 2
+    except KeyboardInterrupt:
+        seen["main"] = "KeyboardInterrupt"
+    except zc.CollectiveError as exc:
+        seen["main"] = type(exc).__name__ + ("(given up)" if "interrupted" in str(exc) else str(exc))
+    thread.join(WAIT_S * 2)
+    return seen, zc.allgather(rank)
+
+
+@pytest.mark.parametrize("main_leads", [True, False], ids=["interrupted-leader", "interrupted-follower"])
+def test_an_interrupt_of_one_thread_fails_its_call_alike_and_spares_the_others(main_leads):
+    outs = run_replicas(interrupted_among_threads, 3, main_leads)
+    for rank, (seen, gathered) in enumerate(outs):
+        assert gathered == [0, 1, 2]
+        assert seen["other"] == 30, (rank, seen)
+        expected = "KeyboardInterrupt" if rank == 1 else "PeerError(given up)"
+        assert seen["main"] == expected, (rank, seen)
+
+
+def teardown_from_another_thread():
+    """A thread that is not the group's creator tears it down while another
+    waits for a call nobody else makes: the waiter is told at once."""
+    rank = zc.get_rank()
+    zc.barrier()
+    seen = {}
+    if rank == 1:
+        waiting = zc.barrier_async()  # rank 0 never makes this call
+        done = threading.Event()
+
+        def wait():
+            try:
+                waiting.result(timeout=WAIT_S)
+            except BaseException as exc:  # noqa: B036 (reported)
+                seen["waiter"] = type(exc).__name__
+            done.set()
+        threading.Thread(target=wait).start()
+        time.sleep(0.3)
+    closer = threading.Thread(target=lambda: seen.setdefault("teardown", zc.teardown(timeout=WAIT_S)))
+    closer.start()
+    closer.join(WAIT_S)
+    if rank == 1:
+        done.wait(WAIT_S)
+    return seen
+
+
+def test_teardown_from_another_thread_ends_the_waits_of_the_others():
+    outs = run_replicas(teardown_from_another_thread, 2)
+    assert outs[0] == {"teardown": None}
+    assert outs[1]["teardown"] is None or "waiter" in outs[1], outs
+
+
+def awaited_in_another_threads_loop():
+    """A thread runs an event loop awaiting calls while the main thread
+    makes blocking calls; the ticket orders the sends alike on every rank."""
+    import asyncio
+
+    rank = zc.get_rank()
+    sent = threading.Event()
+    seen = {}
+
+    async def main():
+        futures = [zc.allreduce_async(rank + k) for k in range(5)]
+        sent.set()
+        seen["async"] = [await f for f in futures]
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),))
+    thread.start()
+    sent.wait(WAIT_S)
+    seen["blocking"] = [zc.allgather(rank * k) for k in range(5)]
+    thread.join(WAIT_S)
+    return seen
+
+
+def test_a_coroutine_in_another_threads_loop_awaits_while_the_main_thread_calls():
+    outs = run_replicas(awaited_in_another_threads_loop, 3)
+    for seen in outs:
+        assert seen == {"async": [3 + 3 * k for k in range(5)],
+                        "blocking": [[0, k, 2 * k] for k in range(5)]}, seen
+
+
+def ends_with_a_daemon_thread_in_the_library():
+    """The program ends (no teardown) while a daemon thread of rank 1 still
+    waits in the library for a call nobody else makes: the end still
+    delivers the main thread's last result and closes."""
+    rank = zc.get_rank()
+    if rank == 1:
+        lone = zc.barrier_async()
+        threading.Thread(target=lambda: lone.result(), daemon=True).start()
+        time.sleep(0.3)
+        return zc.allreduce(rank)
+    time.sleep(0.3)
+    return zc.allreduce(rank)
+
+
+def test_a_program_ends_while_a_daemon_thread_waits_in_the_library():
+    with Replicas(ends_with_a_daemon_thread_in_the_library, 2) as reps:
+        outs = reps.wait(60)
+    # the order of the calls differs (rank 1's barrier is its seq 0): the coordinator says so
+    assert all(o.returncode is not None for o in outs), report(outs, "a rank hung")
+    assert not any(o.timed_out for o in outs), report(outs, "a rank hung")

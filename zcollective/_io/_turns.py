@@ -1,0 +1,163 @@
+"""Which of the program's threads uses a group's sockets: the one-owner rule
+(see :mod:`zcollective._io._server`) among the program's own threads.
+
+A group's member, its link and rank 0's hold on the coordinator are used by
+one thread at a time, the holder of the group's *turn* (:class:`Turns`). Any
+thread may call:
+
+- a thread that sends a call takes the turn for as long as sending takes;
+- a thread that waits for a result *leads*: it holds the turn and waits in
+  the link's poll, which also watches :attr:`Turns.nudge`; one thread leads
+  at a time;
+- the other threads waiting for results *follow*: they sleep until their
+  call is done (a done-callback wakes them) or nobody leads (the leader's
+  own call finished: one of them leads next);
+- a thread that wants the turn while the leader waits nudges it: the leader
+  lets go, waits until every thread that wanted the turn has had it, and
+  takes it back. A leader nested in a done-callback never lets go (its outer
+  frame is halfway through taking a message in).
+
+Results are taken in by whichever thread leads, so done-callbacks run in that
+thread. A program of one thread pays an uncontended lock per call.
+
+Order between threads is the program's business: every rank must make its
+calls in the same order (as MPI_THREAD_MULTIPLE requires of MPI programs); two
+threads of one rank that call at once make their calls in the order they took
+the turn.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+from . import _interrupts
+from ._sockets import Wakeup
+
+Drive = Callable[[Callable[[], bool], Optional[float], bool], bool]
+# (until, deadline, may it be nudged) -> until() held (False: deadline)
+
+
+class Turns:
+    """The turn of one group (see the module's rules)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # the turn (re-entered by done-callbacks and nested steps)
+        self._depth = 0  # the holder's nested takes
+        self._state = threading.Condition(threading.Lock())  # guards what follows; followers sleep on it
+        self._wanting = 0  # threads waiting for the turn
+        self._leader: Optional[int] = None  # the thread leading the wait for results
+        self.nudge = Wakeup()  # readable while some thread waits for the turn
+
+    def wanted(self) -> bool:
+        """Does another thread wait for the turn (read by the leader's wait)?"""
+        return self._wanting > 0
+
+    def take(self, deadline: Optional[float] = None) -> bool:
+        """Take the turn (nested takes count); False if its holder, busy in a
+        step that is not a wait (pickling, a reduce function), kept it past
+        ``deadline``."""
+        lock = self._lock
+        if not lock.acquire(blocking=False):
+            with self._state:
+                self._wanting += 1
+                self.nudge.set()
+            try:
+                timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+                if not _interrupts.wait_lock(lock, timeout):
+                    return False
+            except BaseException:
+                if lock._is_owned():  # type: ignore[attr-defined]
+                    lock.release()
+                raise
+            finally:
+                with self._state:
+                    self._wanting -= 1
+                    if not self._wanting:
+                        self.nudge.clear()
+                    self._state.notify_all()  # a leader that let go waits for this
+        self._depth += 1
+        return True
+
+    def try_take(self) -> bool:
+        """Take the turn if nobody holds it (nested takes count)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        self._depth += 1
+        return True
+
+    def give(self) -> None:
+        """Let go of one take."""
+        self._depth -= 1
+        self._lock.release()
+
+    def held(self) -> bool:
+        """Does this thread hold the turn?"""
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """The group closed: no thread nudges any more (a thread still waiting
+        for the turn finds the group closed once it has it)."""
+        with self._state:
+            self.nudge.close()
+
+    def wait(self, done: Callable[[], bool], deadline: Optional[float], drive: Drive,
+             follow: Callable[[Callable[[], None]], None]) -> bool:
+        """Until ``done()`` (True) or ``deadline`` (False): lead, driving the
+        link with ``drive``, or follow while another thread leads; ``follow(wake)``
+        arranges for ``wake()`` once the awaited call is done."""
+        if self.held():  # a step of this thread's (teardown, a done-callback) waits: it leads
+            return self._lead(done, deadline, drive, nested=True)  # without letting go
+        me, state, following = threading.get_ident(), self._state, False
+        while not done():
+            with state:
+                if self._leader is not None:  # another thread leads: follow
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return done()
+                    if not following:
+                        following = True
+                        follow(self._wake)  # (a call done already wakes at once)
+                    if not done() and self._leader is not None:
+                        _interrupts.wait_condition(state, remaining)
+                    continue
+                self._leader = me
+            try:
+                return self._lead(done, deadline, drive, nested=False)
+            finally:
+                with state:
+                    self._leader = None
+                    state.notify_all()  # a follower leads next
+        return True
+
+    def _lead(self, done: Callable[[], bool], deadline: Optional[float], drive: Drive,
+              nested: bool) -> bool:
+        """Lead until ``done()`` (True) or ``deadline`` (False), letting go
+        whenever another thread wants the turn (unless ``nested``: this thread
+        held the turn already, halfway through a step of its own)."""
+        wanted = self.wanted
+        while True:
+            if not self.take(deadline):
+                return False
+            try:
+                if done():
+                    return True
+                top = self._depth == 1 and not nested
+                until: Callable[[], bool] = (lambda: done() or wanted()) if top else done
+                if not drive(until, deadline, top):
+                    return done()
+            finally:
+                self.give()
+            if done():
+                return True
+            with self._state:  # wanted: each thread that waits has the turn before it comes back
+                while self._wanting:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    _interrupts.wait_condition(self._state, remaining)
+
+    def _wake(self) -> None:
+        with self._state:
+            self._state.notify_all()
