@@ -45,7 +45,8 @@ class Turns:
     def __init__(self) -> None:
         self._lock = threading.RLock()  # the turn (re-entered by done-callbacks and nested steps)
         self._depth = 0  # the holder's nested takes
-        self._state = threading.Condition(threading.Lock())  # guards what follows; followers sleep on it
+        self._mutex = threading.Lock()  # guards what follows (with it, for speed: no Python frame)
+        self._state = threading.Condition(self._mutex)  # ... on which followers sleep
         self._wanting = 0  # threads waiting for the turn
         self._leader: Optional[int] = None  # the thread leading the wait for results
         self.nudge = Wakeup()  # readable while some thread waits for the turn
@@ -107,11 +108,12 @@ class Turns:
         """Until ``done()`` (True) or ``deadline`` (False): lead, driving the
         link with ``drive``, or follow while another thread leads; ``follow(wake)``
         arranges for ``wake()`` once the awaited call is done."""
-        if self.held():  # a step of this thread's (teardown, a done-callback) waits: it leads
-            return self._lead(done, deadline, drive, nested=True)  # without letting go
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            # a step of this thread's (teardown, a done-callback) waits: it leads without letting go
+            return self._lead(done, deadline, drive, nested=True)
         me, state, following = threading.get_ident(), self._state, False
         while not done():
-            with state:
+            with self._mutex:
                 if self._leader is not None:  # another thread leads: follow
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -126,9 +128,10 @@ class Turns:
             try:
                 return self._lead(done, deadline, drive, nested=False)
             finally:
-                with state:
+                with self._mutex:
                     self._leader = None
-                    state.notify_all()  # a follower leads next
+                    if state._waiters:  # type: ignore[attr-defined]
+                        state.notify_all()  # a follower leads next
         return True
 
     def _lead(self, done: Callable[[], bool], deadline: Optional[float], drive: Drive,
@@ -136,19 +139,22 @@ class Turns:
         """Lead until ``done()`` (True) or ``deadline`` (False), letting go
         whenever another thread wants the turn (unless ``nested``: this thread
         held the turn already, halfway through a step of its own)."""
-        wanted = self.wanted
+        lock = self._lock
         while True:
-            if not self.take(deadline):
+            if lock.acquire(blocking=False):
+                self._depth += 1
+            elif not self.take(deadline):
                 return False
             try:
                 if done():
                     return True
                 top = self._depth == 1 and not nested
-                until: Callable[[], bool] = (lambda: done() or wanted()) if top else done
+                until: Callable[[], bool] = (lambda: done() or self._wanting > 0) if top else done
                 if not drive(until, deadline, top):
                     return done()
             finally:
-                self.give()
+                self._depth -= 1
+                lock.release()
             if done():
                 return True
             with self._state:  # wanted: each thread that waits has the turn before it comes back
