@@ -667,3 +667,61 @@ def test_a_call_given_up_while_its_data_moves_peer_to_peer_fails_on_every_rank()
     assert set(out) == {peer(0), peer(1), peer(2)} and {m.kind for m in out.values()} == {Kind.ERROR}
     assert "while its data moved peer to peer, so it failed on every rank that had not finished it" in (
         out[peer(0)].body()["message"])
+
+
+# -- rule 10: a group formed from an earlier one ------------------------------------
+
+
+def form_join(rank, n, lineage="ab12"):
+    msg = join_msg(rank, n)
+    body = msg.body()
+    body["lineage"] = lineage
+    return control(Kind.JOIN, body, rank=rank)
+
+
+def test_survivors_form_a_group_ranked_densely_in_old_rank_order():
+    from zcollective._protocol._coordinator import Forming
+    coord = Coordinator(4, SESSION, 1000, forming=Forming("ab12", frozenset({1, 2, 3}), 4),
+                        host_address="10.0.0.1")
+    assert feed(coord, peer(3), form_join(3, 4)) == []
+    assert feed(coord, peer(1), form_join(1, 4)) == []
+    assert coord.missing_joins() == [2]
+    out = results(feed(coord, peer(2), form_join(2, 4)))
+    assert coord.phase is Phase.RUNNING and coord.num_replicas == 3 and coord.old_ranks == [1, 2, 3]
+    for old, new in ((1, 0), (2, 1), (3, 2)):
+        welcome = out[peer(old)]
+        assert welcome.kind is Kind.WELCOME and welcome.rank == old  # bound to the rank its JOIN claimed
+        assert welcome.body()["renumber"] == {"rank": new, "old": [1, 2, 3]}
+        assert welcome.body()["addresses"] == ["10.0.0.1", "10.0.0.9", "10.0.0.9"]
+    # the new ranks from now on: a call of the three completes
+    assert feed(coord, peer(1), contrib(0, 0, value=1)) == []
+    assert feed(coord, peer(2), contrib(1, 0, value=2)) == []
+    assert {m.rank for _, m in feed(coord, peer(3), contrib(2, 0, value=3))} == {0, 1, 2}
+
+
+def test_at_the_bound_the_host_forms_with_those_that_came_and_the_late_are_left_out():
+    from zcollective._protocol._coordinator import Forming
+    coord = Coordinator(4, SESSION, 1000, forming=Forming("ab12", frozenset({0, 2, 3}), 4))
+    assert coord.form_now() == []  # not before the host's own member came
+    feed(coord, peer(0), form_join(0, 4))
+    feed(coord, peer(3), form_join(3, 4))
+    out = results(decode(encode(m)) and (p, decode(encode(m))) for p, m in coord.form_now())
+    assert set(out) == {peer(0), peer(3)} and coord.num_replicas == 2 and coord.old_ranks == [0, 3]
+    late = feed(coord, peer(2), form_join(2, 4))
+    assert [(p, m.kind, m.body()["error"]) for p, m in late] == [(peer(2), Kind.REJECT, "LeftOutError")]
+    assert "left out" in late[0][1].body()["message"]
+    counted_lost = feed(coord, peer(1), form_join(1, 4))  # a rank the host expected no more
+    assert counted_lost[0][1].body()["error"] == "LeftOutError"
+    assert coord.phase is Phase.RUNNING  # neither changed the group
+
+
+def test_a_join_of_another_lineage_or_of_none_is_refused_while_forming():
+    from zcollective._protocol._coordinator import Forming
+    coord = Coordinator(3, SESSION, 1000, forming=Forming("ab12", frozenset({0, 1, 2}), 3))
+    for who, msg in ((peer(1), form_join(1, 3, lineage="ffff")), (peer(7), join_msg(1, 3))):
+        out = feed(coord, who, msg)
+        assert [(m.kind, m.body()["error"]) for _, m in out] == [(Kind.REJECT, "LateJoinError")]
+    assert coord.phase is Phase.JOINING and coord.missing_joins() == [0, 1, 2]
+    plain = Coordinator(2, SESSION, 1000)  # a group that is not forming refuses a lineage
+    out = feed(plain, peer(1), form_join(1, 2))
+    assert [(m.kind, m.body()["error"]) for _, m in out] == [(Kind.REJECT, "LateJoinError")]

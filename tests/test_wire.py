@@ -444,7 +444,8 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
     info = _bodies.parse_join(_through_the_wire(msg))
     assert info == {"rank": 3, "num_replicas": 4, "python": "3.11", "pid": info["pid"], "nonce": "ab" * 16,
                     "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
-                    "data_mode": "on", "macs": _mac.available_backends()}
+                    "data_mode": "on", "macs": _mac.available_backends(), "lineage": None,
+                    "newcomer": False}
     assert _bodies.challenge_of(msg) == "c" * 32
     bare = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto")
     assert b'"data' not in bytes(bare.segments[0][0]) and b'"challenge' not in bytes(bare.segments[0][0])
@@ -479,7 +480,7 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     msg = _bodies.welcome(3, "ab" * 16, 1 << 20, "hmac-sha256", ports, 1 << 16, key, rank=1, session=5)
     assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
         "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
-        "data_key": key}
+        "data_key": key, "renumber": None, "addresses": None}
     assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
     for broken in ({"data_key": "xy"}, {"data_min": "1"}, {"data": "tcp://a:1"}, {"data_key": " " * 64}):
         body = {"num_replicas": 1, "nonce": "n", "parts": 10, "mac": 1, "data": ["tcp://a:1"],
@@ -487,6 +488,18 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
         got = _bodies.parse_welcome(control(Kind.WELCOME, body), 1)
         assert (got["data"], got["data_min"], got["data_key"]) == (None, 0, None)
         assert (got["parts"], got["mac"]) == (None, None)
+
+
+def test_a_formed_groups_join_and_welcome_carry_lineage_renumbering_and_addresses():
+    join = _bodies.join(2, 4, "3.11", "ab" * 16, None, None, 0, "auto", lineage="5f" * 8)
+    assert _bodies.parse_join(_through_the_wire(join))["lineage"] == "5f" * 8
+    msg = _bodies.welcome(3, "n", None, None, None, 0, None, ["h0", "h1", "h2"],
+                          {"rank": 1, "old": [0, 2, 3]}, rank=2, session=5)
+    got = _bodies.parse_welcome(_through_the_wire(msg), 4)  # (the member's old size)
+    assert got["renumber"] == {"rank": 1, "old": [0, 2, 3]} and got["addresses"] == ["h0", "h1", "h2"]
+    for bad in ({"rank": 3, "old": [0, 2, 3]}, {"rank": 0, "old": [0, 2]}, {"rank": 0}, {"old": [1, "2", 3]}):
+        with pytest.raises(WireError):
+            _bodies.parse_welcome(control(Kind.WELCOME, {"num_replicas": 3, "nonce": "n", "renumber": bad}), 4)
 
 
 def test_an_abort_from_the_data_plane_names_its_lost_rank_only_if_it_is_one():

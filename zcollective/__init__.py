@@ -32,6 +32,7 @@ from .errors import (
     ForkedProcessError,
     InternalError,
     LateJoinError,
+    LeftOutError,
     PeerError,
     ProtocolError,
     RemoteError,
@@ -46,11 +47,11 @@ __all__ = [
     "allreduce", "allreduce_async", "reduce", "reduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
-    "alltoall", "alltoall_async", "barrier", "barrier_async",
+    "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
-    "PeerError", "AddressError", "LateJoinError", "ForkedProcessError", "InternalError",
+    "PeerError", "AddressError", "LateJoinError", "LeftOutError", "ForkedProcessError", "InternalError",
     "__version__",
 ]
 
@@ -163,6 +164,25 @@ def teardown(*, timeout: Timeout = DEFAULT) -> None:
     finally:
         if group.closed:  # not when refused (another thread): the group is still the owner's
             _group, _ended = None, group
+
+
+def shrink(timeout: Optional[float] = None) -> None:
+    """After a loss (a :class:`ReplicaLostError`), go on with the survivors in
+    this process: every survivor calls it, and they all end in one new default
+    group, ranked densely in old-rank order (:func:`get_rank` and
+    :func:`get_world_size` tell the new values); see :meth:`Group.shrink`.
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    LeftOutError
+        The others formed their group without this replica.
+    CollectiveTimeoutError
+        No group could be formed within ``timeout``.
+    """
+    global _group
+    _group = _current().shrink(timeout)
 
 
 def is_initialized() -> bool:

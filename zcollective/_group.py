@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import operator
@@ -29,6 +30,7 @@ from ._format._wire import (
     Signer,
     error_note,
 )
+from ._forming import Form, Unreachable
 from ._future import CollectiveFuture, sleeping
 from ._io import _interrupts, _sockets
 from ._io._dataplane import DataPlane
@@ -36,7 +38,7 @@ from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
 from ._io._server import Server
 from ._io._turns import Turns
-from ._limits import DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS, STATUS_WAIT_S
+from ._limits import CLOSE_LINGER_MS, DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS, STATUS_WAIT_S
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
@@ -152,21 +154,34 @@ class Group:
         left ``None`` is read from the environment, else takes its default;
         error messages call ``rank`` and ``size`` by their names in
         :func:`zcollective.initialize`, ``replica_rank`` and ``num_replicas``."""
-        self.config: Config = resolve(
+        self._open(resolve(
             master_addr, master_port, rank, size, timeout=timeout, op_timeout=op_timeout,
             liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, secret=secret,
             bind_addr=bind_addr, env=env,
-        )
+        ))
+
+    @classmethod
+    def _formed(cls, config: Config, form: Form) -> Group:
+        """A group formed from an earlier one (see :mod:`zcollective._elastic`):
+        ``config`` names this replica by its old rank and size, and the host."""
+        group = cls.__new__(cls)
+        group._open(config, form)
+        return group
+
+    def _open(self, config: Config, form: Optional[Form] = None) -> None:
+        """Join the group ``config`` describes (or form one: ``form``)."""
+        self.config = config
         self._turns = Turns()  # which of the program's threads uses the sockets now
         self._pid = os.getpid()  # a forked child must never touch this process's sockets
         self._closed = False
         self._ctx: Optional[zmq.Context] = None
         self._server: Optional[Server] = None
         self._data: Optional[DataPlane] = None
-        config = self.config
         signer = Signer(config.secret) if config.secret is not None else None
         self._member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
+        if form is not None:
+            self._member.lineage = form.lineage
         if config.log == "calls":
             self._member.log_calls = True
             _show_calls_log()
@@ -175,10 +190,13 @@ class Group:
         _register_atexit()
         _interrupts.hold_signals()  # no signal handler's exception splits a message
         try:
-            self._link = self._connect(signer)
+            self._link = self._connect(signer, form)
             self._link.nudge = (self._turns.nudge.fd, zmq.POLLIN)
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
-            self._link.join(config.init_timeout)
+            if form is None:
+                self._link.join(config.init_timeout)
+            else:
+                self._join_forming(form)
             self._start_data(deadline)
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
@@ -190,19 +208,20 @@ class Group:
             self._close()
             raise
 
-    def _connect(self, signer: Optional[Signer]) -> Driver:
+    def _connect(self, signer: Optional[Signer], form: Optional[Form] = None) -> Driver:
         """The member's link: one replica calls the coordinator directly;
         rank 0 of more serves it (in its own thread while in the library);
-        the others reach it through a DEALER."""
+        the others reach it through a DEALER. Forming a group, its host
+        serves it."""
         config, member = self.config, self._member
-        if config.num_replicas == 1:
+        if config.num_replicas == 1 and form is None:
             session = int.from_bytes(os.urandom(8), "little") | 1
             return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
                                                       user_code=_interrupts.user_code))
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
-        if config.rank == 0:
-            self._server = Server(self._ctx, config)
+        if config.rank == 0 if form is None else form.forming is not None:
+            self._server = Server(self._ctx, config, form.forming if form is not None else None)
             self._server.start()
             link: Driver = HostLink(member, self._server)
         else:
@@ -215,6 +234,32 @@ class Group:
             member.data_endpoint, member.data_min_bytes = self._data.endpoint, config.data_plane_min_bytes
             member.data_mode = config.data_plane
         return link
+
+    def _join_forming(self, form: Form) -> None:
+        """Join a group formed from an earlier one (rule 10 of the
+        coordinator): the host waits :attr:`Form.wait_s` for the members it
+        expects, then starts with those who came; a member gives up on a
+        host it cannot reach within :attr:`Form.reach_s` (:class:`Unreachable`).
+        Then this replica has the rank and size the WELCOME gave."""
+        link, member, server = self._link, self._member, self._server
+        assert link is not None
+        link.send([member.join()])
+        who = f"old rank {self.config.rank}"
+        if server is not None:
+            link.wait_for(lambda: member.joined, time.monotonic() + form.wait_s)
+            if not member.joined:
+                server.form_now()
+            if not link.wait_for(lambda: member.joined, time.monotonic() + STATUS_WAIT_S):
+                raise CollectiveTimeoutError(f"{who} could not form a group at {self.config.endpoint}")
+        else:
+            if not link.wait_for(lambda: member.joined or member.connected, time.monotonic() + form.reach_s):
+                raise Unreachable(f"{who} could not reach {self.config.endpoint} within {form.reach_s:g} s")
+            if not link.wait_for(lambda: member.joined, time.monotonic() + form.wait_s + form.reach_s):
+                raise CollectiveTimeoutError(f"{who} reached {self.config.endpoint}, but no group was "
+                                             f"formed there within {form.wait_s + form.reach_s:g} s")
+        self.config = dataclasses.replace(self.config, rank=member.rank, num_replicas=member.size)
+        if self._data is not None:
+            self._data.rank, self._data.size = member.rank, member.size
 
     def _start_data(self, deadline: Optional[float]) -> None:
         """Joined: use the data plane if every rank has one, else let it go."""
@@ -473,6 +518,57 @@ class Group:
                             self.rank, failure)  # the exception in flight
         finally:
             self._close()
+
+    # -- elastic groups ---------------------------------------------------------
+
+    def shrink(self, timeout: Optional[float] = None) -> Group:
+        """After a loss, the survivors' new group, in the same processes: call
+        it on every survivor (the rules: README, "Elastic groups"). This group
+        is closed; the new one ranks the survivors densely in old-rank order
+        (:attr:`old_ranks`, :attr:`lost_ranks` say how). If rank 0 was lost,
+        the lowest surviving rank hosts the coordinator, at the master port
+        on its own host.
+
+        Raises
+        ------
+        LeftOutError
+            The others formed their group without this replica (it came too
+            late, or they had counted it lost).
+        CollectiveTimeoutError
+            No group could be formed within ``timeout``.
+        """
+        from . import _elastic
+
+        self._check_process()
+        if self._closed:
+            raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")
+        return _elastic.shrink(self, timeout)
+
+    @property
+    def old_ranks(self) -> Optional[list[int]]:
+        """A group formed by :meth:`shrink`: every rank's rank in the group
+        before (by new rank); None otherwise."""
+        return self._member.old_ranks
+
+    @property
+    def lost_ranks(self) -> list[int]:
+        """A group formed by :meth:`shrink`: the ranks of the group before
+        that are not in this one."""
+        old = self._member.old_ranks
+        return [] if old is None else sorted(set(range(self._member.old_size)) - set(old))
+
+    def _close_for_shrink(self) -> None:
+        """Close now, holding the turn: the group failed (or its members
+        leave it together), so nothing queued is worth waiting for."""
+        turns = self._turns
+        turns.take()
+        try:
+            if not self._closed:
+                self._member.forget_calls(lambda call, seq: self._member.failure or RuntimeError(
+                    f"seq {seq} {call.op}: the group shrank before the call finished"))
+                self._close(quick=True)
+        finally:
+            turns.give()
 
     # -- machinery ------------------------------------------------------------
 
@@ -738,12 +834,13 @@ class Group:
         data = self._link.data
         return self._link.fds() + (data.fds() if data is not None else [])
 
-    def _close(self, ending: bool = False, hurry: bool = False) -> None:
+    def _close(self, ending: bool = False, hurry: bool = False, quick: bool = False) -> None:
         """Close the sockets. ``ending``: the program is ending without
         teardown: rank 0 first serves until its calls are delivered, and what
         is queued gets :data:`~zcollective._limits.EXIT_LINGER_MS` to leave.
         ``hurry``: it was interrupted while ending: rank 0 tells the others
-        the group is over and waits for nothing."""
+        the group is over and waits for nothing. ``quick``: nothing queued
+        is worth waiting for (a failed group shrinks)."""
         self._closed = True
         _open_groups.pop(id(self), None)
         if self.rank == 0:
@@ -752,7 +849,7 @@ class Group:
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
         try:
             if self._server is not None:
-                self._server.stop(ending, hurry)
+                self._server.stop(ending, hurry, 0 if quick else CLOSE_LINGER_MS)
         finally:  # an interrupt while rank 0 waits for the others still closes everything
             try:
                 stuck = self._server is not None and self._server.gone() is None

@@ -64,3 +64,11 @@ EXIT_LINGER_MS = 5000  # a program ending without teardown: time for what it pro
 STOP_TIMEOUT_S = CLOSE_LINGER_MS / 1000 + 3.0  # rank 0's background thread stops within this
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)
+
+# -- elastic groups (zcollective._elastic) -----------------------------------------
+FORM_REACH_S = 2.0  # shrink: a survivor tries this long to reach a would-be host before it
+# counts that one lost too (a killed host's port refuses at once; this bounds a silent one)
+FORM_WAIT_S = 2.0  # shrink: the host waits this long for the survivors it expects, then forms
+# the group with those that came (the others are left out, alike on every survivor)
+HOST_WINDOW_S = FORM_REACH_S / 2  # a survivor hosts only if it shrinks this soon after its
+# group failed: later, the others may have counted it lost already (no split group)

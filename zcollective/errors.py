@@ -151,6 +151,17 @@ class LateJoinError(CollectiveError):
     """
 
 
+class LeftOutError(LateJoinError):
+    """The survivors of a loss formed their new group without this replica
+    (:func:`zcollective.shrink`): it did not come within the bound, or the
+    group it belonged to had already counted it as lost.
+
+    *This replica was too slow* (stopped, or busy in its own code when the
+    others shrank): it is no longer a member; end it, or start it again as a
+    newcomer (``initialize(join=True)``) and have the group ``grow()``.
+    """
+
+
 class ForkedProcessError(CollectiveError):
     """A group was used in a process forked from the one that created it
     (a data-loader worker, ``multiprocessing`` with fork).
@@ -172,7 +183,8 @@ class InternalError(CollectiveError):
 WIRE_ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (CollectiveError, CollectiveTimeoutError, ReplicaLostError,
                                   CallMismatchError, AuthenticationError, SerializationError,
-                                  ProtocolError, PeerError, LateJoinError, InternalError, ValueError)
+                                  ProtocolError, PeerError, LateJoinError, LeftOutError, InternalError,
+                                  ValueError)
 }
 
 

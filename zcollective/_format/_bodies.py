@@ -26,13 +26,21 @@ DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is
 
 
 def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optional[str],
-         data: Optional[str], data_min: int, data_mode: str) -> Message:
-    """JOIN: who this replica is and what it runs; its answers are bound to ``nonce``."""
+         data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
+         newcomer: bool = False) -> Message:
+    """JOIN: who this replica is and what it runs; its answers are bound to ``nonce``.
+    ``lineage``: it joins a group the members of an earlier one form (its session, in
+    hex; ``rank`` and ``num_replicas`` are then its old ones); ``newcomer``: it
+    waits to be admitted to a running group."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
                             "nonce": nonce}
     if challenge is not None:
         body["challenge"] = challenge
+    if lineage is not None:
+        body["lineage"] = lineage
+    if newcomer:
+        body["newcomer"] = True
     body["macs"] = list(available_backends())
     if data is not None:
         body.update(data=data, data_min=data_min, data_mode=data_mode)
@@ -50,7 +58,10 @@ def parse_join(msg: Message) -> dict[str, Any]:
     if not (isinstance(data, str) and data.startswith("tcp://") and len(data) <= MAX_ENDPOINT_CHARS
             and type(data_min) is int):
         data, data_min = None, 0  # no data port: the group keeps the star
+    lineage = body.get("lineage")
     return {"rank": rank, "num_replicas": n, "python": python, "pid": pid, "nonce": join_nonce(msg),
+            "lineage": lineage[:64] if isinstance(lineage, str) else None,
+            "newcomer": body.get("newcomer") is True,
             "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,
             "data_mode": "on" if body.get("data_mode") == "on" else "auto",
             "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else ()}
@@ -73,17 +84,40 @@ def challenge_of(msg: Message) -> Optional[str]:
 
 
 def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[str],
-            data: Optional[list[str]], data_min: int, data_key: Optional[str], **header: Any) -> Message:
-    """WELCOME: the JOIN it answers, how the group frames and signs, and its data ports."""
+            data: Optional[list[str]], data_min: int, data_key: Optional[str],
+            addresses: Optional[list[str]] = None, renumber: Optional[dict[str, Any]] = None,
+            **header: Any) -> Message:
+    """WELCOME: the JOIN it answers, how the group frames and signs, its data ports,
+    every rank's address as rank 0 sees it, and, in a group formed from an earlier
+    one, ``renumber``: this member's new ``rank`` and every new rank's ``old`` one."""
     body: dict[str, Any] = {"num_replicas": num_replicas, "nonce": nonce, "parts": parts, "mac": mac}
     if data is not None:
         body.update(data=data, data_min=data_min, data_key=data_key)
+    if addresses is not None:
+        body["addresses"] = addresses
+    if renumber is not None:
+        body["renumber"] = renumber
     return control(Kind.WELCOME, body, **header)
 
 
 def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
-    """A WELCOME's fields, a malformed one (or a MAC not here) as None; the data plane only whole."""
+    """A WELCOME's fields, a malformed one (or a MAC not here) as None; the data plane only
+    whole. With a well-formed ``renumber``, ``num_replicas`` is the WELCOME's."""
     body = msg.body()
+    renumber = body.get("renumber")
+    if isinstance(renumber, dict):
+        n, rank, old = body.get("num_replicas"), renumber.get("rank"), renumber.get("old")
+        if (type(n) is int and type(rank) is int and 0 <= rank < n and isinstance(old, list)
+                and len(old) == n and all(type(r) is int for r in old)):
+            num_replicas, renumber = n, {"rank": rank, "old": old}
+        else:
+            raise WireError("a WELCOME's renumbering must give a rank and every rank's old one")
+    else:
+        renumber = None
+    addresses = body.get("addresses")
+    if not (isinstance(addresses, list) and len(addresses) == num_replicas
+            and all(isinstance(a, str) and len(a) <= MAX_ENDPOINT_CHARS for a in addresses)):
+        addresses = None
     nonce, parts, mac, data = body.get("nonce"), body.get("parts"), body.get("mac"), body.get("data")
     least, key = body.get("data_min"), body.get("data_key")
     whole = (isinstance(data, list) and len(data) == num_replicas and all(isinstance(e, str) for e in data)
@@ -91,7 +125,8 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
     return {"nonce": nonce if isinstance(nonce, str) else None,
             "parts": parts if type(parts) is int and parts >= WIRE_PART_BYTES else None,
             "mac": mac if mac in available_backends() else None, "data": data if whole else None,
-            "data_min": least if whole else 0, "data_key": key if whole else None}
+            "data_min": least if whole else 0, "data_key": key if whole else None,
+            "renumber": renumber, "addresses": addresses}
 
 
 def is_data_key(key: Any) -> bool:
@@ -129,6 +164,9 @@ def parse_error(msg: Message) -> tuple[Exception, bool]:
                                        str(body.get("remote_traceback", "")))
     else:
         error = WIRE_ERRORS.get(name, CollectiveError)(message)
+    lost = body.get("lost")
+    if isinstance(lost, list) and all(type(r) is int for r in lost[:4096]):
+        error.lost_ranks = tuple(lost[:4096])  # type: ignore[attr-defined]  # (shrink's lead)
     return error, body.get("ended") is True
 
 

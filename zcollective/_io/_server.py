@@ -49,7 +49,7 @@ from zmq.backend import zmq_poll
 
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
 from .._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, POLL_SLICE_S, STOP_TIMEOUT_S
-from .._protocol._coordinator import HOST_PEER, Coordinator, Out, Phase, ProbeSchedule
+from .._protocol._coordinator import HOST_PEER, Coordinator, Forming, Out, Phase, ProbeSchedule
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
@@ -72,13 +72,14 @@ _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAIL
 class Server:
     """Serves the coordinator of one group on rank 0 (see the module's rule)."""
 
-    def __init__(self, ctx: zmq.Context, config: Config) -> None:
+    def __init__(self, ctx: zmq.Context, config: Config, forming: Optional[Forming] = None) -> None:
         self.ctx = ctx
         self.config = config
         self.session = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "not joined"
         self.signer = Signer(config.secret) if config.secret is not None else None
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
-                                       self.signer, config.max_frame_bytes, _interrupts.user_code)
+                                       self.signer, config.max_frame_bytes, _interrupts.user_code,
+                                       forming, config.master_addr)
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self._own = threading.RLock()  # its holder owns the sockets and the coordinator (an RLock
         # for its _is_owned: an interrupt right after acquiring must not leave it held)
@@ -207,6 +208,15 @@ class Server:
             return
         try:
             self._take_from_host()
+        finally:
+            self.release()
+
+    def form_now(self) -> None:
+        """Rank 0's thread: the forming bound passed; start with those who came."""
+        if not self.hold_briefly():
+            return
+        try:
+            self._take(self.coordinator.form_now)
         finally:
             self.release()
 
@@ -366,7 +376,7 @@ class Server:
 
     # -- stopping -------------------------------------------------------------
 
-    def stop(self, ending: bool = False, hurry: bool = False) -> None:
+    def stop(self, ending: bool = False, hurry: bool = False, linger_ms: int = CLOSE_LINGER_MS) -> None:
         """Close the coordinator's sockets, in rank 0's thread, once the
         background thread has ended (with a bound: one stuck in a reduce
         function is left behind, with the sockets).
@@ -406,7 +416,7 @@ class Server:
             return  # (gone() stays None: the group leaves the context to it)
         self._stopped = True
         self._pipe.close(linger=0)
-        linger = CLOSE_LINGER_MS
+        linger = linger_ms
         try:
             if ending and self.crashed is None:
                 if hurry:  # interrupted while ending: its BYE may not have gone

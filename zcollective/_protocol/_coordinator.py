@@ -173,6 +173,7 @@ class Member:
     data_min: int = 0  # the smallest array it would send peer to peer (rank 0's is used)
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
+    old_rank: Optional[int] = None  # in a group formed from an earlier one: its rank there
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
@@ -182,6 +183,17 @@ class Member:
         after = f"after seq {self.ended - 1}" if self.ended else "before its first call"
         return (f"rank {self.rank} ended its program (without teardown) {after} "
                 f"(pid {self.pid} on {self.host})")
+
+
+@dataclass(frozen=True)
+class Forming:
+    """Members of an earlier group, whose session was ``lineage`` (hex), form a
+    new group here (rule 10): ``expected`` are their old ranks, the host's (rank
+    0's here) the lowest, of a group of ``old_size``."""
+
+    lineage: str
+    expected: frozenset[int]
+    old_size: int
 
 
 @dataclass
@@ -270,7 +282,13 @@ class Coordinator:
 
     def __init__(self, num_replicas: int, session: int, max_frames: int,
                  signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None,
-                 user_code: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn) -> None:
+                 user_code: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
+                 forming: Optional[Forming] = None, host_address: str = "?") -> None:
+        self.forming = forming
+        if forming is not None:
+            num_replicas = len(forming.expected)  # at most; those who came, once formed
+        self.host_address = host_address  # rank 0's, as the others reach it
+        self.old_ranks: Optional[list[int]] = None  # formed: every new rank's old one
         self.num_replicas = num_replicas
         self.user_code = user_code  # the driver's: a reduce function made callable where an
         # interrupt may stop it (rank 0's thread: _interrupts.user_code); as it is by default
@@ -552,9 +570,14 @@ class Coordinator:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return []
         python, n = info.pop("python"), info.pop("num_replicas")
+        lineage = info.pop("lineage")
+        info.pop("newcomer")
         join = Member(peer=b"", **info)
         if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
-            return self._refuse_late(peer, msg, join, address)
+            return self._refuse_late(peer, msg, join, address, lineage)
+        forming = self.forming
+        if lineage != (forming.lineage if forming is not None else None):
+            return self._refuse_stranger(peer, msg, join, address, lineage)
         if msg.flags & FLAG_AUTH and self.signer is None:  # unproven: refuse this peer alone
             message = (f"{join.describe()} uses a secret, but the coordinator (rank 0) has none: "
                        f"set the same ZCOLLECTIVE_SECRET on every replica")
@@ -565,6 +588,8 @@ class Coordinator:
         challenge = self._challenge(peer, msg)
         if challenge is not None:
             return challenge
+        if forming is not None and join.rank not in forming.expected and 0 <= join.rank < n:
+            return self._refuse(peer, msg, "LeftOutError", self._left_out(join))
         problem = self._join_problem(join, python, n)
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
@@ -573,12 +598,66 @@ class Coordinator:
         self.by_rank[join.rank] = join
         if len(self.by_rank) < self.num_replicas:
             return []
+        return self._start()
+
+    def _start(self) -> list[Out]:
+        """Every member joined (or, forming, the bound passed): WELCOME them."""
+        if self.forming is not None:
+            self._renumber()
         self.phase = Phase.RUNNING
         self._settle()
         self._welcomed = True
         return [(m.peer, self._welcome(m)) for m in self.members.values()]
 
-    def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str) -> list[Out]:
+    def _renumber(self) -> None:
+        """Rule 10: the members that came, ranked densely in old-rank order."""
+        old = sorted(self.by_rank)
+        members = [self.by_rank[r] for r in old]
+        self.num_replicas = len(members)
+        self.by_rank = {}
+        for rank, member in enumerate(members):
+            member.old_rank, member.rank = member.rank, rank
+            self.by_rank[rank] = member
+        self.old_ranks = old
+        self.next_seq = [0] * self.num_replicas
+        self.lateness = Lateness(self.num_replicas)
+
+    def form_now(self) -> list[Out]:
+        """The forming bound passed (the driver's clock): start with the members
+        that came, if the host's own member is among them."""
+        forming = self.forming
+        if forming is None or self.phase is not Phase.JOINING or min(forming.expected) not in self.by_rank:
+            return []
+        return self._start()
+
+    def _left_out(self, join: Member) -> str:
+        forming = self.forming
+        assert forming is not None
+        if self.old_ranks is not None:
+            return (f"{join.describe()} was left out: the survivors formed a group of "
+                    f"{self.num_replicas} without it (old ranks {','.join(map(str, self.old_ranks))}); "
+                    f"it did not come within the bound")
+        return (f"{join.describe()} was left out: the survivors counted it as lost (they form "
+                f"a group of old ranks {','.join(map(str, sorted(forming.expected)))})")
+
+    def _refuse_stranger(self, peer: bytes, msg: Message, join: Member, address: str,
+                         lineage: Optional[str]) -> list[Out]:
+        """A JOIN for another group: of another lineage, or forming where this
+        group is not (or the other way round)."""
+        if lineage is None:
+            message = (f"{join.describe()} tried to join a group the survivors of an earlier one "
+                       f"form here, with no part in it (another job on this port? give each job "
+                       f"its own)")
+        else:
+            message = (f"{join.describe()} came to form a group from an earlier one here, but "
+                       f"the group here is {'another' if self.forming else 'a new'} one")
+        self._warn(address, "late", f"refused a join: {message}")
+        return self._refuse(peer, msg, "LateJoinError", message)
+
+    def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str,
+                     lineage: Optional[str] = None) -> list[Out]:
+        if self.forming is not None and lineage == self.forming.lineage and self.phase is Phase.RUNNING:
+            return self._refuse(peer, msg, "LeftOutError", self._left_out(join))
         if self.phase is Phase.FAILED:
             failure = self.failure or {}
             return self._refuse(peer, msg, str(failure.get("error")), str(failure.get("message")))
@@ -596,11 +675,12 @@ class Coordinator:
             return ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
                     f"Python {PYTHON_VERSION}; pickles are only compatible between identical "
                     f"Python versions")
-        if n != self.num_replicas:
+        size = self.forming.old_size if self.forming is not None else self.num_replicas
+        if n != size:
             return ("ValueError", f"replicas disagree on num_replicas: {who} says {n}, "
-                    f"the coordinator (rank 0) says {self.num_replicas}")
-        if not 0 <= join.rank < self.num_replicas:
-            return ("ValueError", f"{who} is out of range for num_replicas={self.num_replicas}")
+                    f"the coordinator (rank 0) says {size}")
+        if not 0 <= join.rank < size:
+            return ("ValueError", f"{who} is out of range for num_replicas={size}")
         if join.rank in self.by_rank:
             return ("ValueError", f"rank {join.rank} was claimed twice: by "
                     f"{self.by_rank[join.rank].describe()} and by pid {join.pid} on {join.host}")
@@ -623,8 +703,12 @@ class Coordinator:
             self._data_ports = cast("list[str]", ports)
 
     def _welcome(self, member: Member) -> Message:  # rank 0's data threshold for all
+        addresses = [self.host_address] + [self.by_rank[r].address for r in range(1, self.num_replicas)]
+        renumber, rank = None, member.rank
+        if self.old_ranks is not None:  # bound to the rank its JOIN claimed: its old one
+            renumber, rank = {"rank": member.rank, "old": self.old_ranks}, cast(int, member.old_rank)
         return _bodies.welcome(self.num_replicas, member.nonce, self.part_bytes, self.mac, self._data_ports,
-                               self.by_rank[0].data_min, self._data_key, rank=member.rank,
+                               self.by_rank[0].data_min, self._data_key, addresses, renumber, rank=rank,
                                session=self.session)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:
@@ -659,7 +743,8 @@ class Coordinator:
         return self.session if self._welcomed else join_token(member.nonce)
 
     def missing_joins(self) -> list[int]:
-        return [r for r in range(self.num_replicas) if r not in self.by_rank]
+        expected = self.forming.expected if self.forming is not None else range(self.num_replicas)
+        return [r for r in sorted(expected) if r not in self.by_rank]
 
     # -- calls ----------------------------------------------------------
 

@@ -132,6 +132,7 @@ class Member:
         self.calls: dict[int, Call] = {}
         self.owed: deque[Message] = deque()  # contributions to send, in order (rule 4)
         self.failure: Optional[Exception] = None
+        self.failed_at = 0.0  # when (time.monotonic()) it failed here
         self.connected = False
         self.coordinator_lost = False  # its connection to rank 0 broke after the WELCOME
         self.status: dict[int, dict[str, Any]] = {}  # seq -> the coordinator's STATUS_REPLY
@@ -152,6 +153,11 @@ class Member:
         self.data_jobs: deque[tuple[int, Any]] = deque()  # (seq, Job) ready to move, in order
         self.part_bytes = WIRE_PART_BYTES  # frames above this are sent in parts (the WELCOME says)
         self.mac = HMAC_SHA256  # the chunk MACs of the group (the WELCOME says)
+        self.lineage: Optional[str] = None  # joining a group formed from an earlier one: its session
+        self.newcomer = False  # joining a running group: wait to be admitted
+        self.addresses: Optional[list[str]] = None  # every rank's host, as rank 0 sees it (WELCOME)
+        self.old_ranks: Optional[list[int]] = None  # formed from an earlier group: every rank's old one
+        self.old_size = 0  # ... and the size of that group
 
     # -- join ---------------------------------------------------------------
 
@@ -161,7 +167,7 @@ class Member:
         self._nonces.add(nonce)
         self._tokens.add(join_token(nonce))
         return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
-                            self.data_min_bytes, self.data_mode)
+                            self.data_min_bytes, self.data_mode, self.lineage, self.newcomer)
 
     @property
     def joined(self) -> bool:
@@ -317,6 +323,11 @@ class Member:
         elif kind is Kind.WELCOME:
             welcome = _bodies.parse_welcome(msg, self.size)
             if welcome["nonce"] in self._nonces:  # answers a JOIN of ours
+                renumber = welcome["renumber"]
+                if renumber is not None and self.lineage is not None:  # rule 10 of the coordinator
+                    self.old_ranks, self.old_size = renumber["old"], self.size
+                    self.rank, self.size = renumber["rank"], len(self.old_ranks)
+                self.addresses = welcome["addresses"]
                 self._data_plan(welcome)
                 self.session = msg.session
         elif kind is Kind.REJECT or kind is Kind.FAIL:
@@ -467,9 +478,9 @@ class Member:
                 self._rejoin = True  # the JOIN may have gone down with that connection
                 return []
             self.coordinator_lost = True
-            return self.fail(ReplicaLostError(
+            return self.fail(_lost_rank_0(ReplicaLostError(
                 f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: connection "
-                f"closed or heartbeats unanswered; {self.describe_in_flight()}"))
+                f"closed or heartbeats unanswered; {self.describe_in_flight()}")))
         elif event is Link.HANDSHAKE_SUCCEEDED:
             self._failed_handshakes.clear()
             if self._rejoin and not self.joined:
@@ -509,8 +520,8 @@ class Member:
 
     def coordinator_gone(self, why: str) -> None:
         """Rank 0's own member: the coordinator stopped serving."""
-        self.fail(ReplicaLostError(f"rank {self.rank}: the coordinator is gone: {why}; "
-                                   f"{self.describe_in_flight()}"))
+        self.fail(_lost_rank_0(ReplicaLostError(f"rank {self.rank}: the coordinator is gone: {why}; "
+                                                f"{self.describe_in_flight()}")))
 
     def fail(self, error: Exception, tell: bool = False, keep_data: bool = False) -> list[Message]:
         """Fail the group here, for good (rule 5): every call in the table
@@ -523,6 +534,7 @@ class Member:
         if self.failure is not None:
             return []
         self.failure = error
+        self.failed_at = time.monotonic()
         self.owed.clear()  # nobody will pair them now
         kept = {seq for seq, _ in self.data_jobs} if keep_data else set()
         if not kept:
@@ -616,3 +628,9 @@ def fresh(error: Exception) -> Exception:
         return new
     except Exception:
         return error
+
+
+def _lost_rank_0(error: Exception) -> Exception:
+    """``error`` says rank 0 (the coordinator) was lost: the lead of a shrink."""
+    error.lost_ranks = (0,)  # type: ignore[attr-defined]
+    return error

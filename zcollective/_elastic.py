@@ -1,0 +1,85 @@
+"""Elastic groups, the steps each replica takes: the survivors of a loss go on
+in the same processes (:func:`shrink`). The rules are the coordinator's rule
+10 (a group formed from an earlier one); the bounds are in :mod:`._limits`.
+
+Shrinking, on every survivor (old rank ``r``; ``L``, the ranks its failure
+named lost):
+
+1. It closes the old group at once: nothing queued there is worth waiting for.
+2. The *candidates* are the old ranks not in ``L``, lowest first. The first
+   that can be reached hosts the new group's coordinator, at the group's
+   master port on its own host: old rank 0 at the master address, another at
+   the address rank 0 saw it at (``Member.addresses``).
+3. A survivor tries the candidates in turn: it hosts when it comes to its own
+   rank, and joins any other; one it cannot reach within
+   :data:`~._limits.FORM_REACH_S` (a killed process refuses at once, a silent
+   host runs out the bound) it counts lost too, and tries the next. A
+   survivor that shrinks later than :data:`~._limits.HOST_WINDOW_S` after its
+   group failed hosts only if nobody after it can be reached: by then the
+   others may have counted it lost, and must not find two groups.
+4. The host expects the candidates from itself on; it forms the group with
+   those that came within :data:`~._limits.FORM_WAIT_S`, ranked densely in
+   old-rank order (so it is rank 0). Whoever comes later is told it was left
+   out (:class:`~.errors.LeftOutError`), as is a lower rank that comes at all.
+
+So every survivor ends in the same group or is told it is not in it; a
+survivor that the others could not reach (the same bound for all) is the one
+left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Optional
+
+from ._forming import Form, Unreachable
+from ._limits import HOST_WINDOW_S
+from ._protocol._coordinator import Forming
+from .errors import CollectiveTimeoutError, LateJoinError, LeftOutError
+
+if TYPE_CHECKING:
+    from ._group import Group
+
+
+def shrink(group: Group, timeout: Optional[float]) -> Group:
+    """The survivors' new group (see the module's steps); ``group`` is closed."""
+    from ._group import Group  # (a cycle: Group's methods call this module)
+
+    member, config = group._member, group.config
+    old_rank, old_size = config.rank, config.num_replicas
+    lost = set(getattr(member.failure, "lost_ranks", ()))
+    addresses = member.addresses or [config.master_addr] * old_size
+    lineage = f"{member.session:x}"
+    late = member.failure is not None and time.monotonic() - member.failed_at > HOST_WINDOW_S
+    group._close_for_shrink()
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
+    candidates = [r for r in range(old_size) if r not in lost]
+    tried: list[str] = []
+
+    def host(expected: list[int]) -> Group:
+        where = config if old_rank == 0 else dataclasses.replace(
+            config, master_addr=addresses[old_rank], bind_addr=None)
+        forming = Forming(lineage, frozenset(expected), old_size)
+        return Group._formed(where, Form(lineage, forming))
+
+    for candidate in candidates:
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        if candidate == old_rank:
+            if late and candidate != candidates[-1]:
+                continue  # too late to host: join a later one (which may say this one was left out)
+            return host([r for r in candidates if r >= old_rank])
+        where = dataclasses.replace(config, master_addr=addresses[candidate] if candidate else
+                                    config.master_addr)
+        try:
+            return Group._formed(where, Form(lineage))
+        except LeftOutError:
+            raise
+        except (Unreachable, LateJoinError) as exc:  # lost too, or another group's port
+            tried.append(f"old rank {candidate}: {exc}")
+    if late and old_rank in candidates and (deadline is None or time.monotonic() <= deadline):
+        return host([old_rank])  # nobody after it could be reached: it goes on alone
+    raise CollectiveTimeoutError(f"old rank {old_rank} could not shrink within {timeout} s: "
+                                 + "; ".join(tried))

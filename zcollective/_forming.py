@@ -1,0 +1,26 @@
+"""How one replica takes part in forming a group from an earlier one (the
+rules are the coordinator's rule 10; the steps are :mod:`zcollective._elastic`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ._limits import FORM_REACH_S, FORM_WAIT_S
+from ._protocol._coordinator import Forming
+from .errors import CollectiveError
+
+
+@dataclass(frozen=True)
+class Form:
+    """This replica's part: ``lineage`` is the earlier group's session (hex);
+    ``forming`` is set on the host (what its coordinator expects)."""
+
+    lineage: str
+    forming: Optional[Forming] = None
+    reach_s: float = FORM_REACH_S  # a member gives up on a host it cannot reach within this
+    wait_s: float = FORM_WAIT_S  # the host forms with those that came within this
+
+
+class Unreachable(CollectiveError):
+    """A would-be host of a formed group could not be reached (it is lost too)."""
