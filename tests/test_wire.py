@@ -499,7 +499,7 @@ def test_a_formed_groups_join_and_welcome_carry_lineage_renumbering_and_addresse
     assert got["renumber"] == {"rank": 1, "old": [0, 2, 3]} and got["addresses"] == ["h0", "h1", "h2"]
     for bad in ({"rank": 3, "old": [0, 2, 3]}, {"rank": 0, "old": [0, 2]}, {"rank": 0}, {"old": [1, "2", 3]}):
         with pytest.raises(WireError):
-            _bodies.parse_welcome(control(Kind.WELCOME, {"num_replicas": 3, "nonce": "n", "renumber": bad}), 4)
+            _bodies.parse_welcome(control(Kind.WELCOME, {"num_replicas": 3, "renumber": bad}), 4)
 
 
 def test_an_abort_from_the_data_plane_names_its_lost_rank_only_if_it_is_one():

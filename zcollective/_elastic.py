@@ -9,7 +9,11 @@ named lost):
 2. The *candidates* are the old ranks not in ``L``, lowest first. The first
    that can be reached hosts the new group's coordinator, at the group's
    master port on its own host: old rank 0 at the master address, another at
-   the address rank 0 saw it at (``Member.addresses``).
+   the address rank 0 saw it at (``Member.addresses``). Only the
+   coordinator's word (a FAIL's lost ranks) puts a rank in ``L``: a replica
+   that saw its connection to rank 0 close may have been left behind by a
+   rank 0 that is shrinking (it closes that connection to do so), so rank 0
+   stays a candidate, tried for :data:`~._limits.FORM_PROBE_S` only.
 3. A survivor tries the candidates in turn: it hosts when it comes to its own
    rank, and joins any other; one it cannot reach within
    :data:`~._limits.FORM_REACH_S` (a killed process refuses at once, a silent
@@ -34,7 +38,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from ._forming import Form, Unreachable
-from ._limits import HOST_WINDOW_S
+from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
 from ._protocol._coordinator import Forming
 from .errors import CollectiveTimeoutError, LateJoinError, LeftOutError
 
@@ -48,7 +52,8 @@ def shrink(group: Group, timeout: Optional[float]) -> Group:
 
     member, config = group._member, group.config
     old_rank, old_size = config.rank, config.num_replicas
-    lost = set(getattr(member.failure, "lost_ranks", ()))
+    lost = set(getattr(member.failure, "lost_ranks", ()))  # the coordinator's word
+    inferred = set(getattr(member.failure, "lost_inferred", ())) - lost  # a connection closed
     addresses = member.addresses or [config.master_addr] * old_size
     lineage = f"{member.session:x}"
     late = member.failure is not None and time.monotonic() - member.failed_at > HOST_WINDOW_S
@@ -74,7 +79,8 @@ def shrink(group: Group, timeout: Optional[float]) -> Group:
         where = dataclasses.replace(config, master_addr=addresses[candidate] if candidate else
                                     config.master_addr)
         try:
-            return Group._formed(where, Form(lineage))
+            return Group._formed(where, Form(lineage, reach_s=FORM_PROBE_S if candidate in inferred
+                                             else FORM_REACH_S))
         except LeftOutError:
             raise
         except (Unreachable, LateJoinError) as exc:  # lost too, or another group's port

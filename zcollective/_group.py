@@ -252,7 +252,7 @@ class Group:
             if not link.wait_for(lambda: member.joined, time.monotonic() + STATUS_WAIT_S):
                 raise CollectiveTimeoutError(f"{who} could not form a group at {self.config.endpoint}")
         else:
-            if not link.wait_for(lambda: member.joined or member.connected, time.monotonic() + form.reach_s):
+            if not link.wait_for(lambda: member.joined or member.greeted, time.monotonic() + form.reach_s):
                 raise Unreachable(f"{who} could not reach {self.config.endpoint} within {form.reach_s:g} s")
             if not link.wait_for(lambda: member.joined, time.monotonic() + form.wait_s + form.reach_s):
                 raise CollectiveTimeoutError(f"{who} reached {self.config.endpoint}, but no group was "

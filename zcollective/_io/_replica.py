@@ -65,8 +65,11 @@ class Replica(Driver):
             try:
                 self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(config.rank))
                 self.dealer.setsockopt(zmq.LINGER, 0)
-                self.dealer.setsockopt(zmq.RECONNECT_IVL, _sockets.RECONNECT_IVL_MS)
-                self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, _sockets.RECONNECT_IVL_MAX_MS)
+                forming = member.lineage is not None  # the host binds within milliseconds
+                self.dealer.setsockopt(zmq.RECONNECT_IVL, _sockets.FORM_RECONNECT_IVL_MS if forming
+                                       else _sockets.RECONNECT_IVL_MS)
+                self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, _sockets.FORM_RECONNECT_IVL_MAX_MS
+                                       if forming else _sockets.RECONNECT_IVL_MAX_MS)
                 _sockets.set_never_drop(self.dealer)
                 _sockets.set_heartbeats(self.dealer, config)
                 if config.secret is not None:

@@ -48,7 +48,14 @@ import zmq
 from zmq.backend import zmq_poll
 
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
-from .._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, POLL_SLICE_S, STOP_TIMEOUT_S
+from .._limits import (
+    CLOSE_LINGER_MS,
+    EXIT_LINGER_MS,
+    EXIT_WAIT_S,
+    FORM_BIND_RETRY_S,
+    POLL_SLICE_S,
+    STOP_TIMEOUT_S,
+)
 from .._protocol._coordinator import HOST_PEER, Coordinator, Forming, Out, Phase, ProbeSchedule
 from ..config import Config
 from ..errors import InternalError
@@ -503,7 +510,8 @@ class Server:
                           in_use=f"rank 0 cannot host the coordinator: port {config.master_port} on "
                                  f"{config.master_addr} is already in use by another program",
                           cannot=f"rank 0 cannot bind the coordinator to {config.endpoint}: {{reason}} "
-                                 f"(master_addr must be an address of rank 0's host)")
+                                 f"(master_addr must be an address of rank 0's host)",
+                          retry_s=FORM_BIND_RETRY_S if self.coordinator.forming is not None else 0.0)
         except BaseException:
             router.close(linger=0)
             raise

@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -34,6 +35,9 @@ _recv = zmq.backend.Socket.recv
 
 RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
 RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hammered
+FORM_RECONNECT_IVL_MS = 10  # a survivor reaching the host of a formed group: it binds within
+FORM_RECONNECT_IVL_MAX_MS = 100  # milliseconds of the loss, and every one counts (issue 23)
+BIND_RETRY_STEP_S = 0.005  # a port held by a process that is being killed: tried again this often
 
 
 def set_heartbeats(sock: zmq.Socket, config: Config) -> None:
@@ -77,15 +81,21 @@ def library_error(exc: zmq.ZMQError, what: str) -> CollectiveError:
 _ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EPROTONOSUPPORT}
 
 
-def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str) -> None:
+def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> None:
     """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the
-    port is taken, else ``cannot`` with libzmq's reason."""
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as exc:
-        if exc.errno == zmq.EADDRINUSE:
-            raise AddressError(in_use) from None
-        raise AddressError(cannot.format(reason=exc.strerror)) from None
+    port is taken (for ``retry_s``: a process that was killed holding it may
+    still be closing its files), else ``cannot`` with libzmq's reason."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE:
+                raise AddressError(cannot.format(reason=exc.strerror)) from None
+            if time.monotonic() >= deadline:
+                raise AddressError(in_use) from None
+        time.sleep(BIND_RETRY_STEP_S)
 
 
 MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)  # one side speaks PLAIN

@@ -134,6 +134,7 @@ class Member:
         self.failure: Optional[Exception] = None
         self.failed_at = 0.0  # when (time.monotonic()) it failed here
         self.connected = False
+        self.greeted = False  # a ZeroMQ handshake with the coordinator succeeded on the connection now up
         self.coordinator_lost = False  # its connection to rank 0 broke after the WELCOME
         self.status: dict[int, dict[str, Any]] = {}  # seq -> the coordinator's STATUS_REPLY
         self.farewell = False  # the coordinator answered this member's BYE (rule 7)
@@ -474,6 +475,7 @@ class Member:
         if event is Link.CONNECTED:
             self.connected = True
         elif event is Link.DISCONNECTED:
+            self.greeted = False
             if not self.joined:
                 self._rejoin = True  # the JOIN may have gone down with that connection
                 return []
@@ -482,6 +484,7 @@ class Member:
                 f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: connection "
                 f"closed or heartbeats unanswered; {self.describe_in_flight()}")))
         elif event is Link.HANDSHAKE_SUCCEEDED:
+            self.greeted = True
             self._failed_handshakes.clear()
             if self._rejoin and not self.joined:
                 self._rejoin = False
@@ -631,6 +634,8 @@ def fresh(error: Exception) -> Exception:
 
 
 def _lost_rank_0(error: Exception) -> Exception:
-    """``error`` says rank 0 (the coordinator) was lost: the lead of a shrink."""
-    error.lost_ranks = (0,)  # type: ignore[attr-defined]
+    """``error`` says the connection to rank 0 (the coordinator) was lost: a lead
+    for a shrink, not proof (rank 0 also closes it to shrink; a FAIL's
+    ``lost_ranks`` are the coordinator's word)."""
+    error.lost_inferred = (0,)  # type: ignore[attr-defined]
     return error

@@ -1,0 +1,127 @@
+"""Elastic groups between real processes: ranks killed (SIGKILL) mid-call, the
+survivors shrink and go on in the same processes; a stopped survivor is left
+out by all; with a secret too. The rules alone: tests/test_coordinator.py
+(rule 10)."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import touch, wait_for
+
+import zcollective as zc
+from zcollective.testing import Replicas, report
+
+RUN_S = 90  # every run is bounded by this
+
+
+def outlive(kill_plan, big):
+    """Each original rank named in ``kill_plan`` in turn kills itself in the
+    middle of a call (SIGKILL); the others go on through ``shrink``: every
+    call's result is checked against the membership it reports."""
+    me = zc.get_rank()
+    shrinks = []
+    for victim in kill_plan:
+        if me == victim:
+            if big:  # mid-way into a ring allreduce of a large array
+                zc.allreduce_async(np.ones(1 << 20, dtype=np.float32))
+            else:
+                zc.allgather_async(me)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            try:
+                if big:
+                    total = zc.allreduce(np.full(1 << 20, me + 1, dtype=np.float32), timeout=30)
+                got = zc.allgather(me, timeout=30)
+            except zc.ReplicaLostError:
+                started = time.monotonic()
+                zc.shrink()
+                shrinks.append(round(time.monotonic() - started, 3))
+                continue
+            if big:
+                assert np.all(total == sum(got) + len(got)), (total[:3], got)
+            if victim not in got:
+                break
+    final = zc.allreduce(me)
+    return {"members": got, "rank": zc.get_rank(), "size": zc.get_world_size(), "sum": final,
+            "shrinks": shrinks}
+
+
+def _run(kill_plan, n=4, big=False, env=None):
+    with Replicas(outlive, n, kill_plan, big, env=env) as reps:
+        outs = reps.wait(RUN_S)
+    survivors = [r for r in range(n) if r not in kill_plan]
+    for o in outs:
+        if o.rank in kill_plan:
+            assert o.returncode == -signal.SIGKILL, report(outs, f"rank {o.rank} was to die")
+    bad = [o.rank for o in outs if o.rank in survivors and not o.ok]
+    assert not bad, report(outs, f"survivors {bad} failed")
+    for new, rank in enumerate(survivors):
+        value = outs[rank].value
+        assert value["members"] == survivors, report(outs, "wrong membership")
+        assert (value["rank"], value["size"], value["sum"]) == (new, len(survivors), sum(survivors))
+    return [outs[r].value for r in survivors]
+
+
+@pytest.mark.parametrize("victim", [0, 2, 3], ids=["rank-0", "middle", "last"])
+def test_the_survivors_of_a_kill_mid_call_shrink_and_go_on(victim):
+    _run([victim])
+
+
+def test_repeated_kills_down_to_one_survivor():
+    values = _run([0, 2, 1])
+    assert values[0]["size"] == 1 and len(values[0]["shrinks"]) >= 3
+
+
+def test_a_kill_during_a_ring_allreduce_of_a_large_array():
+    _run([1], big=True, env={"ZCOLLECTIVE_DATA_PLANE": "on"})
+
+
+def test_with_a_secret_the_survivors_of_rank_0_shrink():
+    _run([0], env={"ZCOLLECTIVE_SECRET": "s3cret-of-this-test"})
+
+
+def stopped_survivor(markers):
+    """Rank 3 is killed and rank 2 stopped (SIGSTOP) by the test while all
+    wait in a call; ranks 0 and 1 shrink without rank 2; once continued,
+    rank 2's own shrink says it was left out."""
+    me = zc.get_rank()
+    zc.barrier()
+    touch(os.path.join(markers, f"ready{me}"))
+    if me == 3:
+        time.sleep(60)  # killed meanwhile: the others' call waits for it
+    try:
+        zc.allreduce(1, timeout=60)
+        return "no loss"
+    except zc.ReplicaLostError:
+        pass
+    try:
+        zc.shrink()
+    except zc.LeftOutError as exc:
+        return f"left out: {exc}"
+    finally:
+        if me == 2:
+            touch(os.path.join(markers, "tried"))
+    got = {"members": zc.allgather(me), "rank": zc.get_rank()}
+    wait_for(os.path.join(markers, "tried"), timeout=60)  # alive while rank 2 tries to join
+    return got
+
+
+def test_a_survivor_stopped_past_the_bound_is_left_out_by_all(tmp_path):
+    with Replicas(stopped_survivor, 4, str(tmp_path)) as reps:
+        wait_for(*(tmp_path / f"ready{r}" for r in range(4)), watch=reps)
+        time.sleep(0.3)  # all four wait in the allreduce
+        reps.kill(2, signal.SIGSTOP)
+        reps.kill(3, signal.SIGKILL)
+        time.sleep(5)  # past the forming bound (FORM_WAIT_S)
+        reps.kill(2, signal.SIGCONT)
+        outs = reps.wait(RUN_S)
+    assert outs[0].ok and outs[1].ok and outs[2].ok, report(outs, "a survivor failed")
+    assert outs[0].value == {"members": [0, 1], "rank": 0}
+    assert outs[1].value == {"members": [0, 1], "rank": 1}
+    left_out = outs[2].value
+    assert isinstance(left_out, str) and left_out.startswith("left out: "), report(outs, "not left out")
+    assert "old rank" in outs[2].value or "rank 2" in outs[2].value
