@@ -125,3 +125,27 @@ def test_a_survivor_stopped_past_the_bound_is_left_out_by_all(tmp_path):
     left_out = outs[2].value
     assert isinstance(left_out, str) and left_out.startswith("left out: "), report(outs, "not left out")
     assert "old rank" in outs[2].value or "rank 2" in outs[2].value
+
+
+def agreeing():
+    """agree in a healthy group, then after rank 3 is killed mid-call: the
+    same flag and lost ranks on every survivor, and the default group theirs."""
+    me = zc.get_rank()
+    first = zc.agree(me != 2)
+    if me == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    second = zc.agree(True)
+    third = zc.agree(me != 1)  # in the shrunk group: rank 1 is still old rank 1
+    return first, second, third, zc.get_world_size()
+
+
+def test_agree_gives_every_survivor_the_same_flag_and_lost_ranks():
+    with Replicas(agreeing, 4) as reps:
+        outs = reps.wait(RUN_S)
+    assert outs[3].returncode == -signal.SIGKILL, report(outs, "rank 3 was to die")
+    assert all(o.ok for o in outs[:3]), report(outs, "a survivor failed")
+    for o in outs[:3]:
+        first, second, third, size = o.value
+        assert (first.flag, first.lost) == (False, frozenset())
+        assert (second.flag, second.lost) == (True, frozenset({3}))
+        assert (third.flag, third.lost, size) == (False, frozenset(), 3)

@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, TypeVar, Union
 
+from ._elastic import Agreement
 from ._future import CollectiveFuture
 from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
 from ._limits import DEFAULT_INIT_TIMEOUT_S
@@ -47,7 +48,7 @@ __all__ = [
     "allreduce", "allreduce_async", "reduce", "reduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
-    "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink",
+    "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
@@ -183,6 +184,25 @@ def shrink(timeout: Optional[float] = None) -> None:
     """
     global _group
     _group = _current().shrink(timeout)
+
+
+def agree(flag: bool, timeout: Optional[float] = None) -> Agreement:
+    """ULFM's agree among the living: every member gets the same AND of the
+    members' ``flag`` and the same set of ranks (of the group at the call)
+    found lost. In a failed group the survivors shrink first, as
+    :func:`shrink` does, and the default group becomes theirs. The building
+    block of "rescale now?".
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    LeftOutError
+        The others went on without this replica.
+    """
+    global _group
+    _group, agreement = _current().agree(flag, timeout)
+    return agreement
 
 
 def is_initialized() -> bool:

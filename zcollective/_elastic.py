@@ -1,5 +1,5 @@
 """Elastic groups, the steps each replica takes: the survivors of a loss go on
-in the same processes (:func:`shrink`). The rules are the coordinator's rule
+in the same processes (:func:`shrink`), and agree (:func:`agree`). The rules are the coordinator's rule
 10 (a group formed from an earlier one); the bounds are in :mod:`._limits`.
 
 Shrinking, on every survivor (old rank ``r``; ``L``, the ranks its failure
@@ -34,13 +34,15 @@ left out.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from ._forming import Form, Unreachable
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
 from ._protocol._coordinator import Forming
-from .errors import CollectiveTimeoutError, LateJoinError, LeftOutError
+from ._protocol._member import fresh
+from .errors import CollectiveTimeoutError, LateJoinError, LeftOutError, ReplicaLostError
 
 if TYPE_CHECKING:
     from ._group import Group
@@ -89,3 +91,30 @@ def shrink(group: Group, timeout: Optional[float]) -> Group:
         return host([old_rank])  # nobody after it could be reached: it goes on alone
     raise CollectiveTimeoutError(f"old rank {old_rank} could not shrink within {timeout} s: "
                                  + "; ".join(tried))
+
+
+class Agreement(NamedTuple):
+    """What :func:`zcollective.agree` returns on every member alike."""
+
+    flag: bool  # every living member's flag, AND-ed
+    lost: frozenset[int]  # the ranks (of the group agree was called on) found lost
+
+
+def agree(group: Group, flag: bool, timeout: Optional[float]) -> tuple[Group, Agreement]:
+    """AND of ``flag`` over the living members, and who was lost: in a failed
+    group (or one failing meanwhile) the survivors shrink first, then agree
+    among themselves. Returns the group it ends in (``group`` itself if
+    nothing was lost) and the agreement."""
+    at_call = list(range(group.size))  # each rank of the current group, as a rank of ``group``
+    current = group
+    while True:
+        if current._member.failure is None:
+            try:
+                together = current.allreduce(bool(flag), operator.and_, timeout=timeout)
+                return current, Agreement(bool(together), frozenset(set(range(group.size)) - set(at_call)))
+            except ReplicaLostError:
+                pass
+        elif not isinstance(current._member.failure, ReplicaLostError):
+            raise fresh(current._member.failure)
+        current = current.shrink(timeout)
+        at_call = [at_call[old] for old in current.old_ranks or range(current.size)]

@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union, cast
 
 import zmq
 
@@ -31,6 +31,9 @@ from ._format._wire import (
     error_note,
 )
 from ._forming import Form, Unreachable
+
+if TYPE_CHECKING:
+    from ._elastic import Agreement
 from ._future import CollectiveFuture, sleeping
 from ._io import _interrupts, _sockets
 from ._io._dataplane import DataPlane
@@ -543,6 +546,24 @@ class Group:
         if self._closed:
             raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")
         return _elastic.shrink(self, timeout)
+
+    def agree(self, flag: bool, timeout: Optional[float] = None) -> tuple[Group, Agreement]:
+        """ULFM's agree: every living member gets the same AND of the
+        members' ``flag`` and the same set of ranks found lost (of this
+        group). In a failed group (or one failing meanwhile) the survivors
+        shrink first: returns the group they agreed in (this one if nothing
+        was lost) and the :class:`~zcollective.Agreement`.
+
+        Raises
+        ------
+        LeftOutError
+            The others went on without this replica (see :meth:`shrink`).
+        CollectiveError
+            The group failed for another reason than a loss.
+        """
+        from . import _elastic
+
+        return _elastic.agree(self, flag, timeout)
 
     @property
     def old_ranks(self) -> Optional[list[int]]:
