@@ -669,7 +669,7 @@ def test_a_call_given_up_while_its_data_moves_peer_to_peer_fails_on_every_rank()
         out[peer(0)].body()["message"])
 
 
-# -- rule 10: a group formed from an earlier one ------------------------------------
+# -- rule 9: a group formed from an earlier one ------------------------------------
 
 
 def form_join(rank, n, lineage="ab12"):

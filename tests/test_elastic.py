@@ -149,3 +149,43 @@ def test_agree_gives_every_survivor_the_same_flag_and_lost_ranks():
         assert (first.flag, first.lost) == (False, frozenset())
         assert (second.flag, second.lost) == (True, frozenset({3}))
         assert (third.flag, third.lost, size) == (False, frozenset(), 3)
+
+
+def _epochs(target, admitted):
+    """From a grow() on, as every rank runs it: until the group has
+    ``target`` ranks, an epoch's work, then grow() at its end."""
+    deadline = time.monotonic() + 60
+    while zc.get_world_size() < target:
+        assert time.monotonic() < deadline, "the newcomers never came"
+        zc.allreduce(1)  # an epoch's work: never mixes two memberships
+        time.sleep(0.05)
+        admitted += zc.grow()
+    return admitted, zc.get_rank(), zc.allgather(zc.get_rank()), zc.allreduce(1)
+
+
+def members_grow(target):
+    zc.allreduce(1)
+    return _epochs(target, zc.grow())
+
+
+def newcomer(target):
+    zc.initialize(join=True)  # returns once a grow() admitted it
+    return _epochs(target, 0)
+
+
+@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
+def test_newcomers_wait_and_are_admitted_at_a_grow(secret):
+    env = {"ZCOLLECTIVE_SECRET": "s3cret-of-this-test"} if secret else {}
+    with Replicas(members_grow, 3, 5, env=env) as members:
+        time.sleep(0.5)  # the members run, growing with nobody waiting
+        with Replicas(newcomer, 2, 5, initialize=False, port=members.port,
+                      env={**env, "ZCOLLECTIVE_NUM_REPLICAS": ""}) as newcomers:
+            new = newcomers.wait(RUN_S)
+        old = members.wait(RUN_S)
+    outs = old + new
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert sorted(o.value[1] for o in outs) == [0, 1, 2, 3, 4]
+    assert [o.value[1] for o in old] == [0, 1, 2]  # the members keep their ranks
+    assert all(o.value[2:] == ([0, 1, 2, 3, 4], 5) for o in outs)
+    assert [o.value[0] for o in old] == [2, 2, 2]  # each member admitted the two
+    assert {o.value[0] for o in new} <= {0, 1}  # a newcomer admitted with the first sees the second

@@ -480,7 +480,7 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     msg = _bodies.welcome(3, "ab" * 16, 1 << 20, "hmac-sha256", ports, 1 << 16, key, rank=1, session=5)
     assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
         "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
-        "data_key": key, "renumber": None, "addresses": None}
+        "data_key": key, "renumber": None, "addresses": None, "admitted": None}
     assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
     for broken in ({"data_key": "xy"}, {"data_min": "1"}, {"data": "tcp://a:1"}, {"data_key": " " * 64}):
         body = {"num_replicas": 1, "nonce": "n", "parts": 10, "mac": 1, "data": ["tcp://a:1"],

@@ -48,7 +48,8 @@ __all__ = [
     "allreduce", "allreduce_async", "reduce", "reduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
-    "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement",
+    "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement", "grow",
+    "coordinator_address",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
@@ -120,6 +121,7 @@ def initialize(
     max_frame_bytes: Optional[int] = None,
     secret: Union[bytes, str, None] = None,
     bind_addr: Optional[str] = None,
+    join: Optional[bool] = None,
 ) -> None:
     """Join the default group; blocks until every replica has called it.
 
@@ -144,7 +146,7 @@ def initialize(
         raise RuntimeError("zcollective is already initialized: call teardown() first")
     _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
                    op_timeout=op_timeout, liveness_timeout=liveness_timeout,
-                   max_frame_bytes=max_frame_bytes, secret=secret, bind_addr=bind_addr)
+                   max_frame_bytes=max_frame_bytes, secret=secret, bind_addr=bind_addr, join=join)
 
 
 def teardown(*, timeout: Timeout = DEFAULT) -> None:
@@ -203,6 +205,38 @@ def agree(flag: bool, timeout: Optional[float] = None) -> Agreement:
     global _group
     _group, agreement = _current().agree(flag, timeout)
     return agreement
+
+
+def grow(timeout: Timeout = DEFAULT) -> int:
+    """Admit every newcomer waiting (started with ``initialize(join=True)``, or
+    ``ZCOLLECTIVE_JOIN=1``, at :func:`coordinator_address`): every member
+    calls it where it chooses (an epoch boundary, say). Returns how many were
+    admitted: 0 at once if none waits; otherwise the default group is the
+    next one, of the members (same ranks) and the newcomers (after them).
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    CollectiveError
+        As for any collective call.
+    """
+    global _group
+    old = _current()
+    _group = old.grow(timeout)
+    return _group.size - old.size if _group is not old else 0
+
+
+def coordinator_address() -> str:
+    """``host:port`` of the default group's coordinator: where a launcher
+    sends newcomers (after rank 0's loss and a shrink, another host's).
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    """
+    return _current().coordinator_address()
 
 
 def is_initialized() -> bool:

@@ -1,6 +1,8 @@
 """Elastic groups, the steps each replica takes: the survivors of a loss go on
-in the same processes (:func:`shrink`), and agree (:func:`agree`). The rules are the coordinator's rule
-10 (a group formed from an earlier one); the bounds are in :mod:`._limits`.
+in the same processes (:func:`shrink`), the living agree (:func:`agree`), and a
+running group admits newcomers (:func:`grow`). The rules are the coordinator's
+rules 9 (a group formed from an earlier one) and 10 (newcomers); the bounds
+are in :mod:`._limits`.
 
 Shrinking, on every survivor (old rank ``r``; ``L``, the ranks its failure
 named lost):
@@ -46,6 +48,7 @@ from .errors import CollectiveTimeoutError, LateJoinError, LeftOutError, Replica
 
 if TYPE_CHECKING:
     from ._group import Group
+    from .config import Config
 
 
 def shrink(group: Group, timeout: Optional[float]) -> Group:
@@ -59,7 +62,7 @@ def shrink(group: Group, timeout: Optional[float]) -> Group:
     addresses = member.addresses or [config.master_addr] * old_size
     lineage = f"{member.session:x}"
     late = member.failure is not None and time.monotonic() - member.failed_at > HOST_WINDOW_S
-    group._close_for_shrink()
+    group._close_to_form(quick=True)
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
     candidates = [r for r in range(old_size) if r not in lost]
@@ -118,3 +121,30 @@ def agree(group: Group, flag: bool, timeout: Optional[float]) -> tuple[Group, Ag
             raise fresh(current._member.failure)
         current = current.shrink(timeout)
         at_call = [at_call[old] for old in current.old_ranks or range(current.size)]
+
+
+def admission(config: Config) -> tuple[Config, Form]:
+    """A newcomer (``config.join``) waits at the group's address until a grow()
+    admits it (rule 10); returns how it joins the group formed next."""
+    from ._group import Group
+
+    waiting = Group.__new__(Group)
+    waiting._open(config)  # returns once admitted, closed
+    admitted = waiting._member.admitted
+    assert admitted is not None
+    return (dataclasses.replace(config, rank=admitted["rank"], num_replicas=admitted["size"], join=False),
+            Form(admitted["lineage"]))
+
+
+def regroup(group: Group, newcomers: int) -> Group:
+    """A grow() admitted ``newcomers``: this group closes, and its members and
+    the newcomers form the next one where it was (rule 9), rank 0 hosting."""
+    from ._group import Group
+
+    config = group.config
+    lineage, size = f"{group._member.session:x}", config.num_replicas + newcomers
+    group._close_to_form(quick=False)
+    where = dataclasses.replace(config, num_replicas=size)
+    if config.rank == 0:
+        return Group._formed(where, Form(lineage, Forming(lineage, frozenset(range(size)), size)))
+    return Group._formed(where, Form(lineage))

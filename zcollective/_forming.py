@@ -1,5 +1,5 @@
 """How one replica takes part in forming a group from an earlier one (the
-rules are the coordinator's rule 10; the steps are :mod:`zcollective._elastic`)."""
+rules are the coordinator's rule 9; the steps are :mod:`zcollective._elastic`)."""
 
 from __future__ import annotations
 

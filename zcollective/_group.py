@@ -151,17 +151,24 @@ class Group:
         max_frame_bytes: Optional[int] = None,
         secret: Union[bytes, str, None] = None,
         bind_addr: Optional[str] = None,
+        join: Optional[bool] = None,
         env: Optional[Mapping[str, str]] = None,
     ) -> None:
         """Join the group; raises as the class docstring says. Each argument
         left ``None`` is read from the environment, else takes its default;
         error messages call ``rank`` and ``size`` by their names in
         :func:`zcollective.initialize`, ``replica_rank`` and ``num_replicas``."""
-        self._open(resolve(
+        config = resolve(
             master_addr, master_port, rank, size, timeout=timeout, op_timeout=op_timeout,
             liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, secret=secret,
-            bind_addr=bind_addr, env=env,
-        ))
+            bind_addr=bind_addr, join=join, env=env,
+        )
+        if config.join:  # a newcomer: admitted by a grow(), it forms the next group with the members
+            from . import _elastic
+
+            self._open(*_elastic.admission(config))
+        else:
+            self._open(config)
 
     @classmethod
     def _formed(cls, config: Config, form: Form) -> Group:
@@ -196,6 +203,10 @@ class Group:
             self._link = self._connect(signer, form)
             self._link.nudge = (self._turns.nudge.fd, zmq.POLLIN)
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
+            if config.join:
+                self._await_admission()
+                self._close(quick=True)
+                return
             if form is None:
                 self._link.join(config.init_timeout)
             else:
@@ -217,19 +228,21 @@ class Group:
         the others reach it through a DEALER. Forming a group, its host
         serves it."""
         config, member = self.config, self._member
-        if config.num_replicas == 1 and form is None:
+        if config.num_replicas == 1 and form is None and not config.join:
             session = int.from_bytes(os.urandom(8), "little") | 1
             return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
                                                       user_code=_interrupts.user_code))
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
-        if config.rank == 0 if form is None else form.forming is not None:
+        if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
             self._server = Server(self._ctx, config, form.forming if form is not None else None)
             self._server.start()
             link: Driver = HostLink(member, self._server)
         else:
             link = Replica(self._ctx, config, member)
             link.sleepers = sleeping
+        if config.join:  # (a newcomer waiting: no data plane until it is a member)
+            return link
         if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
             # bound before the JOIN, which announces it (a master on loopback: one host, no use)
             gate = self._server.gatekeeper if self._server is not None else None
@@ -238,8 +251,24 @@ class Group:
             member.data_mode = config.data_plane
         return link
 
+    def _await_admission(self) -> None:
+        """A newcomer: wait until a grow() of the group admits it (rule 10 of
+        the coordinator); :attr:`Member.admitted` then says where it goes."""
+        link, member, config = self._link, self._member, self.config
+        assert link is not None
+        member.newcomer = True
+        link.send([member.join()])
+        deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
+        if not link.wait_for(lambda: member.admitted is not None, deadline):
+            raise CollectiveTimeoutError(
+                f"a newcomer was not admitted to the group at {config.endpoint} within "
+                f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"
+                + ("" if member.greeted or member.connected else "; the coordinator could not be "
+                   "reached there (is the address right? after rank 0's loss, "
+                   "coordinator_address() on a member says where the group is)"))
+
     def _join_forming(self, form: Form) -> None:
-        """Join a group formed from an earlier one (rule 10 of the
+        """Join a group formed from an earlier one (rule 9 of the
         coordinator): the host waits :attr:`Form.wait_s` for the members it
         expects, then starts with those who came; a member gives up on a
         host it cannot reach within :attr:`Form.reach_s` (:class:`Unreachable`).
@@ -547,6 +576,30 @@ class Group:
             raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")
         return _elastic.shrink(self, timeout)
 
+    def grow(self, timeout: Timeout = DEFAULT) -> Group:
+        """Admit every newcomer waiting (started with ``join=True`` at this
+        group's coordinator address): a collective call of every member. With
+        nobody waiting, returns this group at once, unchanged; otherwise this
+        group closes, and its members and the newcomers form the next one at
+        the same address, the members keeping their ranks, the newcomers
+        numbered after them. No call ever mixes the two memberships.
+
+        Raises
+        ------
+        CollectiveError
+            As for any collective call (the group goes on, unchanged).
+        """
+        from . import _elastic
+
+        count = self._blocking(self._submit(Op.GROW, 0, _nothing, _first, _callsite()), timeout)
+        return _elastic.regroup(self, count) if count else self
+
+    def coordinator_address(self) -> str:
+        """``host:port`` of this group's coordinator: where newcomers go (it
+        moves when rank 0 is lost and the survivors shrink)."""
+        host = self.config.master_addr
+        return f"[{host}]:{self.config.master_port}" if ":" in host else f"{host}:{self.config.master_port}"
+
     def agree(self, flag: bool, timeout: Optional[float] = None) -> tuple[Group, Agreement]:
         """ULFM's agree: every living member gets the same AND of the
         members' ``flag`` and the same set of ranks found lost (of this
@@ -578,16 +631,17 @@ class Group:
         old = self._member.old_ranks
         return [] if old is None else sorted(set(range(self._member.old_size)) - set(old))
 
-    def _close_for_shrink(self) -> None:
-        """Close now, holding the turn: the group failed (or its members
-        leave it together), so nothing queued is worth waiting for."""
+    def _close_to_form(self, quick: bool) -> None:
+        """Close, holding the turn, for the next group to form: ``quick``, the
+        group failed, so nothing queued is worth waiting for; else (a grow)
+        rank 0's last results and admissions leave first."""
         turns = self._turns
         turns.take()
         try:
             if not self._closed:
                 self._member.forget_calls(lambda call, seq: self._member.failure or RuntimeError(
-                    f"seq {seq} {call.op}: the group shrank before the call finished"))
-                self._close(quick=True)
+                    f"seq {seq} {call.op}: the group was formed again before the call finished"))
+                self._close(quick=quick)
         finally:
             turns.give()
 
@@ -864,7 +918,7 @@ class Group:
         is worth waiting for (a failed group shrinks)."""
         self._closed = True
         _open_groups.pop(id(self), None)
-        if self.rank == 0:
+        if self.rank == 0 and not self.config.join:  # (a newcomer waiting has no stats to say)
             write_for_launcher(self.stats())
         self._member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))

@@ -73,6 +73,7 @@ class Config:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     secret: Optional[bytes] = field(default=None, repr=False)
     bind_addr: Optional[str] = None  # rank 0 binds here; None: the interface of master_addr
+    join: bool = False  # a newcomer: wait to be admitted to a running group (grow)
     local_rank: Optional[int] = None  # this replica's index on its host; None: nobody said
     log: Optional[str] = None  # "calls": one line per call on the logger zcollective.calls
     data_plane: str = DEFAULT_DATA_PLANE  # "auto": large arrays peer to peer; "off": star only
@@ -124,6 +125,17 @@ def _integer(raw: Any) -> int:
         return int(str(raw), 10)
     except ValueError:
         raise ValueError("is not an integer") from None
+
+
+def _boolean(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("is not a boolean (1/0, true/false, yes/no, on/off)")
 
 
 def _seconds(raw: Any, unbounded: bool = False) -> Optional[float]:
@@ -293,6 +305,11 @@ SETTINGS: tuple[Setting, ...] = (
             env=("ZCOLLECTIVE_BIND_ADDR",),
             doc="Where rank 0 listens (``\"*\"``: every interface); by default, on the "
                 "interface of ``master_addr``."),
+    Setting("join", "Optional[bool]", False, _boolean, env=("ZCOLLECTIVE_JOIN",),
+            doc="``True``: this replica is a *newcomer*: it waits at ``master_addr`` to be "
+                "admitted to a running group, when its members call :func:`zcollective.grow`; "
+                "its rank and the size come from the group then (``replica_rank`` and "
+                "``num_replicas`` are not used)."),
     Setting("local_rank", "Optional[int]", None, _integer, check=_not_negative, argument=False,
             env=("ZCOLLECTIVE_LOCAL_RANK", "LOCAL_RANK"),
             doc="This replica's index among the replicas on its host (to pick a GPU, say); "
@@ -536,7 +553,7 @@ def _value(s: Setting, arg: Any, env: Mapping[str, str],
 
 
 def _rank_in_range(c: Config, origins: Mapping[str, Origin]) -> None:
-    if not 0 <= c.rank < c.num_replicas:
+    if not 0 <= c.rank < c.num_replicas and not c.join:  # (a newcomer is given both)
         raise ValueError(
             f"{origins['replica_rank'].shown} is out of range: ranks run from 0 to {c.num_replicas - 1} "
             f"for num_replicas={c.num_replicas} (from {origins['num_replicas'].source})"
@@ -555,7 +572,7 @@ def _port_zero_only_alone(c: Config, origins: Mapping[str, Origin]) -> None:
 def _alone_by_omission(c: Config, origins: Mapping[str, Origin]) -> None:
     # a group of one by default, though where the group is was set: the others wait for a rank 0
     # that runs alone and listens on nothing (issue 26: rank 1 waited out its join timeout)
-    if c.num_replicas == 1 and origins["num_replicas"].source == "the default":
+    if c.num_replicas == 1 and origins["num_replicas"].source == "the default" and not c.join:
         given = [origins[name].source for name in ("replica_rank", "master_port")
                  if origins[name].source != "the default"]
         if given:

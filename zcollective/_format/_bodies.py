@@ -86,7 +86,7 @@ def challenge_of(msg: Message) -> Optional[str]:
 def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[str],
             data: Optional[list[str]], data_min: int, data_key: Optional[str],
             addresses: Optional[list[str]] = None, renumber: Optional[dict[str, Any]] = None,
-            **header: Any) -> Message:
+            admitted: Optional[dict[str, Any]] = None, **header: Any) -> Message:
     """WELCOME: the JOIN it answers, how the group frames and signs, its data ports,
     every rank's address as rank 0 sees it, and, in a group formed from an earlier
     one, ``renumber``: this member's new ``rank`` and every new rank's ``old`` one."""
@@ -97,6 +97,8 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
         body["addresses"] = addresses
     if renumber is not None:
         body["renumber"] = renumber
+    if admitted is not None:  # a newcomer: its rank and size in the group formed next, the lineage
+        body["admitted"] = admitted
     return control(Kind.WELCOME, body, **header)
 
 
@@ -114,6 +116,15 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
             raise WireError("a WELCOME's renumbering must give a rank and every rank's old one")
     else:
         renumber = None
+    admitted = body.get("admitted")
+    if isinstance(admitted, dict):
+        rank, size, lineage = admitted.get("rank"), admitted.get("size"), admitted.get("lineage")
+        if not (type(rank) is int and type(size) is int and 0 <= rank < size
+                and isinstance(lineage, str) and 0 < len(lineage) <= 64):
+            raise WireError("a WELCOME's admission must give a rank, a size and a lineage")
+        admitted = {"rank": rank, "size": size, "lineage": lineage}
+    else:
+        admitted = None
     addresses = body.get("addresses")
     if not (isinstance(addresses, list) and len(addresses) == num_replicas
             and all(isinstance(a, str) and len(a) <= MAX_ENDPOINT_CHARS for a in addresses)):
@@ -126,7 +137,7 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
             "parts": parts if type(parts) is int and parts >= WIRE_PART_BYTES else None,
             "mac": mac if mac in available_backends() else None, "data": data if whole else None,
             "data_min": least if whole else 0, "data_key": key if whole else None,
-            "renumber": renumber, "addresses": addresses}
+            "renumber": renumber, "addresses": addresses, "admitted": admitted}
 
 
 def is_data_key(key: Any) -> bool:

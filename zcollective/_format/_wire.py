@@ -110,6 +110,7 @@ class Op(enum.IntEnum):
     ALLTOALL = 7
     BARRIER = 8
     TEARDOWN = 9
+    GROW = 10  # members admit the newcomers waiting (rule 10 of the coordinator)
 
     @property
     def label(self) -> str:

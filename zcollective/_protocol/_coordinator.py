@@ -54,6 +54,22 @@ Rules:
 8. *Gone.* A peer is gone when a send to it fails (a connection closed:
    the driver sends :meth:`Coordinator.probes`). Lost while running; its
    slot opens again while joining; never lost once it said BYE.
+9. *Forming.* The members of an earlier group (its session, in hex, is the
+   *lineage*) form a new one (:class:`Forming`): their JOINs carry the
+   lineage and their old rank and size; a JOIN of another lineage, or of
+   none, is refused. When every expected member joined, or when the driver
+   says the bound passed (:meth:`Coordinator.form_now`), the members that
+   came are ranked densely in old-rank order; each WELCOME, bound to the old
+   rank its JOIN claimed, gives the new rank and every rank's old one. A
+   member of the lineage that comes later, or was not expected (a lower
+   rank, or one counted lost), is refused as left out.
+10. *Newcomers.* A JOIN marked ``newcomer`` while the group runs (proven,
+   with a secret) is parked, not refused (at most :data:`MAX_NEWCOMERS`;
+   one gone is dropped). A GROW call, made by every member, completes with
+   the number of newcomers parked; if there are any, each gets a WELCOME
+   bound to its JOIN that admits it (``admitted``: its rank, counted on from
+   the members', the new size, the lineage), and the group is closed: its
+   members and the newcomers form the next one (rule 9) where it was.
 """
 
 from __future__ import annotations
@@ -99,6 +115,7 @@ from ._stats import Lateness
 log = logging.getLogger("zcollective")
 
 MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
+MAX_NEWCOMERS = 64  # newcomers parked at once (rule 10); more are refused until a GROW
 MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while joining; more is a replay
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
 MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
@@ -188,7 +205,7 @@ class Member:
 @dataclass(frozen=True)
 class Forming:
     """Members of an earlier group, whose session was ``lineage`` (hex), form a
-    new group here (rule 10): ``expected`` are their old ranks, the host's (rank
+    new group here (rule 9): ``expected`` are their old ranks, the host's (rank
     0's here) the lowest, of a group of ``old_size``."""
 
     lineage: str
@@ -259,6 +276,11 @@ def _nothing(self: Coordinator, contributions: list[Message], root: int) -> Rout
     return [[] for _ in range(self.num_replicas)]
 
 
+def _newcomers(self: Coordinator, contributions: list[Message], root: int) -> Routes:
+    told = [_serialize.dumps(len(self.newcomers), "the number of newcomers")]
+    return [told for _ in range(self.num_replicas)]
+
+
 OP_RULES = {  # a row per operation; its Group method (and module function) is the other half
     Op.ALLREDUCE: OpRule(False, "one", _reduced(True), "agreed"),
     Op.REDUCE: OpRule(True, "one", _reduced(False)),
@@ -269,6 +291,7 @@ OP_RULES = {  # a row per operation; its Group method (and module function) is t
     Op.ALLTOALL: OpRule(False, "all", _transposed),
     Op.BARRIER: OpRule(False, "none", _nothing),
     Op.TEARDOWN: OpRule(False, "none", _nothing),
+    Op.GROW: OpRule(False, "none", _newcomers),  # (rule 10)
 }
 
 
@@ -289,6 +312,7 @@ class Coordinator:
             num_replicas = len(forming.expected)  # at most; those who came, once formed
         self.host_address = host_address  # rank 0's, as the others reach it
         self.old_ranks: Optional[list[int]] = None  # formed: every new rank's old one
+        self.newcomers: dict[bytes, Member] = {}  # parked until a GROW (rule 10), by routing id
         self.num_replicas = num_replicas
         self.user_code = user_code  # the driver's: a reduce function made callable where an
         # interrupt may stop it (rank 0's thread: _interrupts.user_code); as it is by default
@@ -460,7 +484,8 @@ class Coordinator:
         self.unanswered.discard(peer)
         member = self.members.get(peer)
         if member is None:
-            return []  # a stranger
+            self.newcomers.pop(peer, None)  # a newcomer that left, or a stranger
+            return []
         released = self._release(member.rank)  # it takes no more data
         if member.ended is not None:
             return released  # it said BYE: a program that ended is not a lost one
@@ -570,9 +595,10 @@ class Coordinator:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return []
         python, n = info.pop("python"), info.pop("num_replicas")
-        lineage = info.pop("lineage")
-        info.pop("newcomer")
+        lineage, newcomer = info.pop("lineage"), info.pop("newcomer")
         join = Member(peer=b"", **info)
+        if newcomer and self.phase is Phase.RUNNING and lineage is None:
+            return self._park(peer, msg, join, python, address)
         if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
             return self._refuse_late(peer, msg, join, address, lineage)
         forming = self.forming
@@ -600,6 +626,36 @@ class Coordinator:
             return []
         return self._start()
 
+    def _park(self, peer: bytes, msg: Message, join: Member, python: str, address: str) -> list[Out]:
+        """Rule 10: a newcomer waits for a GROW."""
+        challenge = self._challenge(peer, msg)
+        if challenge is not None:
+            return challenge
+        if python != PYTHON_VERSION:
+            return self._refuse(peer, msg, "ProtocolError", f"newcomer {join.describe()} runs Python "
+                                f"{python}, the group runs {PYTHON_VERSION}")
+        if peer not in self.newcomers and len(self.newcomers) >= MAX_NEWCOMERS:
+            return self._refuse(peer, msg, "LateJoinError", f"newcomer {join.describe()}: "
+                                f"{MAX_NEWCOMERS} newcomers already wait to be admitted")
+        join.peer, join.address = peer, address
+        self.newcomers[peer] = join
+        log.info("zcollective coordinator: newcomer %s waits to be admitted (grow)", join.describe())
+        return []
+
+    def _admit(self, seq: int) -> list[Out]:
+        """Rule 10: a GROW completed: WELCOME each newcomer in, then close."""
+        newcomers, self.newcomers = list(self.newcomers.values()), {}
+        if not newcomers:
+            return []
+        size, lineage = self.num_replicas + len(newcomers), f"{self.session:x}"
+        log.info("zcollective coordinator: seq %d grow: admitting %d newcomers (%s); the group "
+                 "of %d forms again here", seq, len(newcomers), ", ".join(n.describe() for n in newcomers),
+                 size)
+        self.phase = Phase.CLOSED  # its members, and the newcomers, form the next group here
+        return [(n.peer, _bodies.welcome(size, n.nonce, None, None, None, 0, None, admitted={
+            "rank": self.num_replicas + i, "size": size, "lineage": lineage},
+            rank=n.rank, session=join_token(n.nonce))) for i, n in enumerate(newcomers)]
+
     def _start(self) -> list[Out]:
         """Every member joined (or, forming, the bound passed): WELCOME them."""
         if self.forming is not None:
@@ -610,7 +666,7 @@ class Coordinator:
         return [(m.peer, self._welcome(m)) for m in self.members.values()]
 
     def _renumber(self) -> None:
-        """Rule 10: the members that came, ranked densely in old-rank order."""
+        """Rule 9: the members that came, ranked densely in old-rank order."""
         old = sorted(self.by_rank)
         members = [self.by_rank[r] for r in old]
         self.num_replicas = len(members)
@@ -911,9 +967,10 @@ class Coordinator:
                 f"seq {seq} {call.op.label}: the reduction raised on the coordinator (rank 0)", exc))
         # a header of its own for each rank; ranks given one payload share its frames,
         # which the driver hashes once
-        return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
-                                                  self.session, segments=segments))
-                for rank, segments in enumerate(routes)]
+        outs: list[Out] = [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
+                                                             self.session, segments=segments))
+                           for rank, segments in enumerate(routes)]
+        return outs + self._admit(seq) if call.op is Op.GROW else outs
 
     def _plan(self, seq: int, call: Call, contributions: list[Message]) -> list[Out]:
         """A call whose data travels on the data plane: matched here like any

@@ -156,6 +156,7 @@ class Member:
         self.mac = HMAC_SHA256  # the chunk MACs of the group (the WELCOME says)
         self.lineage: Optional[str] = None  # joining a group formed from an earlier one: its session
         self.newcomer = False  # joining a running group: wait to be admitted
+        self.admitted: Optional[dict[str, Any]] = None  # a newcomer's rank, size and lineage (WELCOME)
         self.addresses: Optional[list[str]] = None  # every rank's host, as rank 0 sees it (WELCOME)
         self.old_ranks: Optional[list[int]] = None  # formed from an earlier group: every rank's old one
         self.old_size = 0  # ... and the size of that group
@@ -324,8 +325,11 @@ class Member:
         elif kind is Kind.WELCOME:
             welcome = _bodies.parse_welcome(msg, self.size)
             if welcome["nonce"] in self._nonces:  # answers a JOIN of ours
+                if self.newcomer:  # rule 10 of the coordinator: admitted to the group formed next
+                    self.admitted = welcome["admitted"]
+                    return []
                 renumber = welcome["renumber"]
-                if renumber is not None and self.lineage is not None:  # rule 10 of the coordinator
+                if renumber is not None and self.lineage is not None:  # rule 9 of the coordinator
                     self.old_ranks, self.old_size = renumber["old"], self.size
                     self.rank, self.size = renumber["rank"], len(self.old_ranks)
                 self.addresses = welcome["addresses"]
