@@ -167,6 +167,36 @@ def test_when_the_leader_is_done_a_follower_leads():
     assert len({ident for ident, _ in link.drivers}) == 2
 
 
+def test_a_follower_whose_call_completes_as_it_starts_following_returns():
+    """The call completes between the follower's check and its follow(): its
+    done-callback runs at once (as CollectiveFuture.add_done_callback does),
+    which must not deadlock on the turn's own mutex."""
+    turns = Turns()
+    release = threading.Event()
+
+    def drive(until, deadline, nudged):
+        release.wait(WAIT_S)
+        return until()
+    leader, _ = _thread(turns.wait, release.is_set, None, drive, lambda wake: None)
+    time.sleep(0.05)  # it leads
+    checks = []
+
+    def done():
+        checks.append(1)
+        return len(checks) > 1  # done from the second look on
+
+    def follow(wake):
+        if done():
+            wake()
+    try:
+        follower, out = _thread(turns.wait, done, time.monotonic() + 1, drive, follow)
+        follower.join(WAIT_S / 2)
+        assert out == {"value": True}
+    finally:
+        release.set()
+    leader.join(WAIT_S)
+
+
 def test_a_closed_turn_is_not_nudged():
     turns = Turns()
     turns.close()

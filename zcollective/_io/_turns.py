@@ -35,6 +35,8 @@ from typing import Callable, Optional
 from . import _interrupts
 from ._sockets import Wakeup
 
+FOLLOW_SLICE_S = 0.05  # a follower re-checks its call this often (see wait)
+
 Drive = Callable[[Callable[[], bool], Optional[float], bool], bool]
 # (until, deadline, may it be nudged) -> until() held (False: deadline)
 
@@ -114,17 +116,23 @@ class Turns:
         me, state, following = threading.get_ident(), self._state, False
         while not done():
             with self._mutex:
-                if self._leader is not None:  # another thread leads: follow
+                leads = self._leader is None
+                if leads:
+                    self._leader = me
+                elif following:  # another thread leads: follow
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return done()
-                    if not following:
-                        following = True
-                        follow(self._wake)  # (a call done already wakes at once)
                     if not done() and self._leader is not None:
-                        _interrupts.wait_condition(state, remaining)
+                        # sliced: a wake-up lost to a call resolved just as its callback was
+                        # added (futures take no lock) costs a slice, never the whole wait
+                        _interrupts.wait_condition(state, FOLLOW_SLICE_S if remaining is None
+                                                   else min(remaining, FOLLOW_SLICE_S))
                     continue
-                self._leader = me
+            if not leads:
+                following = True
+                follow(self._wake)  # not holding the mutex: a call done already wakes at once,
+                continue  # which takes it
             try:
                 return self._lead(done, deadline, drive, nested=False)
             finally:
