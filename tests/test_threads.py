@@ -452,3 +452,41 @@ def test_a_program_ends_while_a_daemon_thread_waits_in_the_library():
     # the order of the calls differs (rank 1's barrier is its seq 0): the coordinator says so
     assert all(o.returncode is not None for o in outs), report(outs, "a rank hung")
     assert not any(o.timed_out for o in outs), report(outs, "a rank hung")
+
+
+def test_an_interrupt_while_a_notified_follower_takes_the_mutex_back_never_releases_anothers():
+    """The main thread, notified, waits in Condition.wait to take the turn's
+    mutex back from another thread: a SIGINT then is deferred (as anywhere
+    the library is halfway through), so it never leaves the wait without the
+    mutex and releases the one the other thread holds."""
+    from zcollective._io import _interrupts
+
+    mutex = threading.Lock()
+    cond = threading.Condition(mutex)
+    seen = {}
+
+    def other():
+        time.sleep(0.1)
+        try:
+            with mutex:
+                cond.notify_all()  # the main thread wakes and waits for the mutex ...
+                threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()  # ... interrupted there
+                time.sleep(0.3)
+                seen["held"] = mutex.locked()
+        except BaseException as exc:  # noqa: B036 (reported)
+            seen["other"] = repr(exc)
+
+    _interrupts.hold_signals()
+    try:
+        thread = threading.Thread(target=other)
+        thread.start()
+        try:
+            with mutex:
+                _interrupts.wait_condition(cond, WAIT_S)
+            time.sleep(1)  # the deferred interrupt surfaces here
+        except KeyboardInterrupt:
+            seen["interrupted"] = True
+        thread.join(WAIT_S)
+    finally:
+        _interrupts.release_signals()
+    assert seen == {"held": True, "interrupted": True}, seen

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from _thread import allocate_lock as _allocate_lock
 from functools import partial
 from types import CodeType, FrameType
 from typing import Any, Callable, Optional, TypeVar
@@ -64,10 +65,14 @@ def wait(items: list[Any], timeout_ms: int) -> list[Any]:
     return zmq_poll(items, timeout_ms)  # type: ignore[no-any-return]
 
 
-@surface
 def wait_event(event: threading.Event, timeout: Optional[float]) -> bool:
-    """Wait for ``event`` (another thread's work)."""
-    return event.wait(timeout)
+    """Wait for ``event`` (another thread's work): its condition, by
+    :func:`wait_condition`."""
+    cond = event._cond  # type: ignore[attr-defined]
+    with cond:
+        if not event.is_set():
+            wait_condition(cond, timeout)
+        return event.is_set()
 
 
 @surface
@@ -77,10 +82,29 @@ def wait_lock(lock: Any, timeout: float) -> bool:
     return bool(lock.acquire(timeout=timeout))
 
 
-@surface
 def wait_condition(condition: threading.Condition, timeout: Optional[float]) -> bool:
-    """Wait on ``condition`` (held by the caller) for another thread's news."""
-    return condition.wait(timeout)
+    """Wait on ``condition`` (held by the caller) for another thread's news.
+
+    ``Condition.wait`` itself is no surface: an interrupt while it takes the
+    lock back (notified while another thread holds it) would leave it
+    without the lock, and the caller's ``with`` would release the other
+    thread's. Only the sleep is (:func:`wait_lock`); taking the lock back is
+    the library's (deferred). As ``Condition.wait`` does otherwise."""
+    waiter = _allocate_lock()
+    waiter.acquire()
+    condition._waiters.append(waiter)  # type: ignore[attr-defined]
+    saved = condition._release_save()  # type: ignore[attr-defined]
+    got = False
+    try:
+        got = wait_lock(waiter, -1.0 if timeout is None else max(0.0, timeout))
+        return got
+    finally:
+        condition._acquire_restore(saved)  # type: ignore[attr-defined]
+        if not got:
+            try:
+                condition._waiters.remove(waiter)  # type: ignore[attr-defined]
+            except ValueError:
+                pass  # notified meanwhile
 
 
 @surface
