@@ -490,3 +490,30 @@ def test_an_interrupt_while_a_notified_follower_takes_the_mutex_back_never_relea
     finally:
         _interrupts.release_signals()
     assert seen == {"held": True, "interrupted": True}, seen
+
+
+def test_a_coroutine_whose_call_another_thread_resolves_as_it_goes_to_sleep_wakes():
+    """Another thread (the leader) resolves the future after the coroutine's
+    done() said no and before its wake-up is added: it must not sleep for
+    ever. The fake driver resolves it just then (when the waiter asks for
+    the fds)."""
+    import asyncio
+
+    from zcollective._future import CollectiveFuture
+
+    class Driver:
+        def _progress(self):
+            pass  # another thread leads: nothing is taken in here
+
+        def _wait(self, future, timeout):
+            pass
+
+        def _fds(self):
+            future._set_result(42)
+            return []
+
+    future = CollectiveFuture(Driver(), 1, "allreduce")
+
+    async def main():
+        return await asyncio.wait_for(future, WAIT_S / 2)
+    assert asyncio.run(main()) == 42

@@ -73,10 +73,10 @@ class CollectiveFuture(Generic[T]):
 
     def _set_result(self, value: Any) -> None:
         self._value = value
-        if self._callbacks:
+        self._done = True  # before looking for callbacks: one another thread adds meanwhile sees
+        if self._callbacks:  # it (add_done_callback), or is seen here
             self._finish()
         else:  # (what _finish does when there is no callback to run)
-            self._done = True
             self._driver = None
 
     def _set_exception(self, error: BaseException) -> None:
@@ -86,18 +86,20 @@ class CollectiveFuture(Generic[T]):
     def _finish(self) -> None:
         self._done = True
         self._driver = None
-        callbacks, self._callbacks = self._callbacks, []
-        ran = 0
-        try:
-            for fn in callbacks:
-                ran += 1
+        callbacks = self._callbacks  # each taken by one pop (a thread adding one meanwhile may
+        try:  # take its own back: see add_done_callback)
+            fn = _take(callbacks)
+            while fn is not None:
                 self._run_callback(fn)
+                fn = _take(callbacks)
         finally:  # one raised KeyboardInterrupt (or SystemExit): the others still run, and each
-            for fn in callbacks[ran:]:  # awaiting coroutine is woken; the first such error goes on
+            fn = _take(callbacks)  # awaiting coroutine is woken; the first such error goes on
+            while fn is not None:
                 try:
                     self._run_callback(fn)
                 except BaseException:  # noqa: B036 (the first one is already on its way)
                     log.exception("zcollective: a done-callback of %r raised", self)
+                fn = _take(callbacks)
 
     def _run_callback(self, fn: Callable[[CollectiveFuture[T]], None]) -> None:
         try:
@@ -156,10 +158,15 @@ class CollectiveFuture(Generic[T]):
         """Call ``fn(future)`` when the call finishes (at once if it has).
         Callbacks run in the thread that takes the result in, during a
         library call (with several threads, whichever waits at the time)."""
-        if self._done:
-            self._run_callback(fn)
-        else:
+        if not self._done:
             self._callbacks.append(fn)
+            if not self._done:
+                return
+            try:  # resolved meanwhile, by another thread: run it here unless that one took it
+                self._callbacks.remove(fn)
+            except ValueError:
+                return
+        self._run_callback(fn)
 
     # -- asyncio -------------------------------------------------------------
 
@@ -180,13 +187,15 @@ class CollectiveFuture(Generic[T]):
             woken: asyncio.Future[None] = loop.create_future()
             waiter = _AsyncWaiter.enter(driver, loop, woken)
             wake = partial(_wake_on_finish, waiter, woken)
-            self._callbacks.append(wake)
+            self.add_done_callback(wake)  # (resolved meanwhile by another thread: wakes at once)
             try:
                 await woken
             finally:
                 waiter.leave(woken)
-                if wake in self._callbacks:  # cancelled before the call finished
-                    self._callbacks.remove(wake)
+                try:
+                    self._callbacks.remove(wake)  # cancelled before the call finished
+                except ValueError:
+                    pass
         return self.result(0)
 
 
@@ -320,6 +329,14 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
 def _wake(woken: asyncio.Future[None]) -> None:
     if not woken.done():
         woken.set_result(None)
+
+
+def _take(callbacks: list[Any]) -> Any:
+    """The first callback of ``callbacks``, taken (None: none is left)."""
+    try:
+        return callbacks.pop(0)
+    except IndexError:
+        return None
 
 
 def completed(seq: int, op: str, value: Any) -> CollectiveFuture[Any]:
