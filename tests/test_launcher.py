@@ -233,6 +233,7 @@ def _example_lines():
             f"rank {{r}}: results in reverse order {[i * n * (n + 1) // 2 for i in reversed(range(4))]}"),
         "alltoall.py": {r: [f"rank {r}: I own keys {owned[r]}"] for r in range(n)},
         "barrier.py": None,
+        "elastic_training.py": None,
         "broadcast.py": _every_rank("rank {r}: config from rank 0 = {{'lr': 0.1, 'seed': 1234}}",
                                     f"rank {{r}}: hello from rank {n - 1}: hi from {n - 1}"),
         "gather.py": {0: [f"rank 0: metrics of all ranks {metrics}; mean accuracy "
@@ -241,6 +242,23 @@ def _example_lines():
         "scatter.py": {r: [f"rank {r}: my files {files[r::n]}"] for r in range(n)},
         "train_linear_regression.py": _linear_regression_lines(),
     }
+
+
+def test_replace_lost_starts_newcomers_in_the_place_of_killed_ranks_and_training_sees_every_sample():
+    """examples/elastic_training.py under --replace-lost: rank 2 is killed at
+    step 40 and rank 0 (the coordinator's host) at step 100; the survivors go
+    on, the launcher starts a newcomer for each, the group admits them, and
+    the job ends with 4 replicas that saw every sample once."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = launch(["-n", "4", "--replace-lost", "2", os.path.join("examples", "elastic_training.py"),
+                   "--kill", "2@40", "--kill", "0@100"], cwd=root, timeout=120)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert proc.stderr.count("starting a newcomer in its place") == 2, proc.stderr
+    lines = {}
+    for line in proc.stdout.splitlines():
+        lines.setdefault(line.split("]")[0], []).append(line.split("] ", 1)[-1])
+    _check_elastic(4)(lines)
+    assert "lost ranks [2] at step 40" in proc.stdout and "lost ranks [0] at step" in proc.stdout
 
 
 def _check_allgather(lines):
@@ -262,6 +280,22 @@ def _check_barrier(lines):
     assert waited[0] >= 0.25 and waited[0] > waited[2] and waited[1] > waited[2], waited
 
 
+def _check_elastic(size, ranks=None):
+    """Every rank at the end trained every step on as many samples as an
+    undisturbed run, in a group of ``size``, to the same loss."""
+    def check(lines):
+        finals = [line for said in lines.values() for line in said if " trained " in line]
+        assert len(finals) == size, lines
+        losses = set()
+        for line in finals:
+            assert " trained 200 steps on 12800 samples (undisturbed: 12800); " in line, line
+            assert f"; {size} replicas at the end; " in line, line
+            losses.add(line.rsplit(" ", 1)[1])
+        assert len(losses) == 1, finals  # the same weights everywhere
+        assert sorted(int(line.split()[1][:-1]) for line in finals) == list(range(size)), finals
+    return check
+
+
 def test_examples_run_under_the_launcher():
     """Each example, under the launcher with 3 replicas, prints exactly what
     it must: each line of each rank computed here (or, where it shows process
@@ -270,7 +304,8 @@ def test_examples_run_under_the_launcher():
     examples = sorted(f for f in os.listdir(os.path.join(root, "examples")) if f.endswith(".py"))
     expected = _example_lines()
     assert examples == sorted(expected), "an example this test does not know, or one gone"
-    checks = {"allgather.py": _check_allgather, "barrier.py": _check_barrier}
+    checks = {"allgather.py": _check_allgather, "barrier.py": _check_barrier,
+              "elastic_training.py": _check_elastic(EXAMPLE_RANKS)}
     for name in examples:
         proc = launch(["-n", str(EXAMPLE_RANKS), os.path.join("examples", name)], cwd=root, timeout=120)
         assert proc.returncode == 0, (name, proc.stdout, proc.stderr)

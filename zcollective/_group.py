@@ -45,7 +45,7 @@ from ._limits import CLOSE_LINGER_MS, DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS, ST
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
-from ._protocol._stats import calls_log, write_for_launcher
+from ._protocol._stats import announce_coordinator, calls_log, write_for_launcher
 from .config import Config, resolve, takes_settings
 from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError, from_signal
 
@@ -212,6 +212,8 @@ class Group:
             else:
                 self._join_forming(form)
             self._start_data(deadline)
+            if self.config.rank == 0:
+                announce_coordinator(self.coordinator_address())
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours

@@ -10,7 +10,9 @@ Each replica gets ``ZCOLLECTIVE_MASTER_ADDR``, ``ZCOLLECTIVE_MASTER_PORT``,
 ``ZCOLLECTIVE_LOCAL_RANK``; on a single host, also a fresh random
 ``ZCOLLECTIVE_SECRET`` (unless one is set). Its output is prefixed with ``[rank]``. The
 launcher exits with the first non-zero exit code; when a replica fails, the
-others are stopped after a grace period. Ctrl-C stops every replica. When
+others are stopped after a grace period; with ``--replace-lost K``, up to K
+replicas that die are started again instead, as newcomers the group admits at
+its next ``grow()`` (the others keep running). Ctrl-C stops every replica. When
 the job ends, it names the slowest rank (how late its contributions reached
 rank 0), unless ``--no-straggler-summary``.
 """
@@ -31,11 +33,12 @@ import time
 from typing import IO, Optional
 
 from . import __version__
-from ._protocol._stats import STATS_FILE_ENV, slowest
+from ._protocol._stats import COORDINATOR_FILE_ENV, STATS_FILE_ENV, slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, SECRET_ENV, SECRET_FILE_ENV
 
 DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit by itself
 KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
+COORDINATOR_MOVE_S = 10.0  # --replace-lost: rank 0 died; the survivors' new one says where it is
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -58,6 +61,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              f"host, {DEFAULT_MASTER_PORT} across hosts)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help=f"seconds the others get after a replica fails (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--replace-lost", type=int, default=0, metavar="K",
+                        help="start a replica that dies (up to K times in all) again, as a "
+                             "newcomer (ZCOLLECTIVE_JOIN=1) at the group's coordinator, while the "
+                             "others keep running; the program admits it with zcollective.grow() "
+                             "(default 0: a replica that fails stops the job)")
     parser.add_argument("--no-straggler-summary", dest="straggler_summary", action="store_false",
                         help="do not print which rank was slowest when the job ends (rank 0 "
                              "runs on this host)")
@@ -77,6 +85,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error(f"--master-port must be from 1 to 65535, not {ns.master_port}")
     if ns.grace < 0:
         parser.error("--grace must not be negative")
+    if ns.replace_lost < 0:
+        parser.error("--replace-lost must not be negative")
     if ns.script.endswith(".py") and not os.path.isfile(ns.script):
         parser.error(f"no such script: {ns.script}")
     return ns
@@ -115,7 +125,12 @@ class Launcher:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.threads: list[threading.Thread] = []
+        self.threads: dict[int, threading.Thread] = {}  # each rank's output pump (its latest process)
+        self.replaced = 0  # replicas started again as newcomers (--replace-lost)
+        self.coordinator_file: Optional[str] = None  # where each group's rank 0 says where it is
+        if ns.replace_lost:
+            fd, self.coordinator_file = tempfile.mkstemp(prefix="zcollective-coordinator-")
+            os.close(fd)
         self.last_lines: dict[int, bytes] = {}
         self.interrupted = False
         self.secret: Optional[str] = None
@@ -141,6 +156,8 @@ class Launcher:
         })
         if self.stats_file is not None and rank == 0:
             env[STATS_FILE_ENV] = self.stats_file
+        if self.coordinator_file is not None:
+            env[COORDINATOR_FILE_ENV] = self.coordinator_file
         return env
 
     def straggler_summary(self) -> None:
@@ -171,26 +188,64 @@ class Launcher:
                 port = kernel_port(ns.master_addr or DEFAULT_MASTER_ADDR)
             else:
                 port = DEFAULT_MASTER_PORT
-        command = [ns.script, *ns.args]
+        self.port, self.size = port, size
+        self.command = [ns.script, *ns.args]
         if ns.script.endswith(".py"):
-            command = [sys.executable, *command]
-        lock = threading.Lock()
-        out = sys.stdout.buffer
+            self.command = [sys.executable, *self.command]
+        self.lock = threading.Lock()
         for local in range(ns.nproc_per_node):
             rank = ns.node_rank * ns.nproc_per_node + local
+            self.spawn(rank, self.env_for(rank, local, port, size))
+
+    def spawn(self, rank: int, env: dict[str, str]) -> None:
+        """Start the process of ``rank``'s slot, its output pumped."""
+        try:
+            proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            self.message(f"cannot start {self.command[0]!r}: {exc.strerror}")
+            self.stop(signal.SIGTERM)
+            raise SystemExit(127) from None
+        self.procs[rank] = proc
+        thread = threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout.buffer, self.lock,
+                                                      self.last_lines), daemon=True)
+        thread.start()
+        self.threads[rank] = thread
+
+    def coordinator(self, dead: int) -> str:
+        """Where the group's coordinator is (``host:port``, from what its rank 0
+        wrote): if the process ``dead`` was that rank 0, once the survivors' new
+        one said so (within :data:`COORDINATOR_MOVE_S`)."""
+        assert self.coordinator_file is not None
+        deadline = time.monotonic() + COORDINATOR_MOVE_S
+        while True:
             try:
-                proc = subprocess.Popen(command, env=self.env_for(rank, local, port, size),
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-            except OSError as exc:
-                self.message(f"cannot start {command[0]!r}: {exc.strerror}")
-                self.stop(signal.SIGTERM)
-                raise SystemExit(127) from None
-            self.procs[rank] = proc
-            thread = threading.Thread(target=_pump, args=(rank, proc.stdout, out, lock, self.last_lines),
-                                      daemon=True)
-            thread.start()
-            self.threads.append(thread)
+                with open(self.coordinator_file) as f:
+                    where, _, pid = f.read().strip().partition(" ")
+            except OSError:
+                where, pid = "", ""
+            if pid != str(dead) or time.monotonic() > deadline:
+                return where
+            time.sleep(0.05)
+
+    def replace(self, rank: int, code: int) -> bool:
+        """``--replace-lost``: start ``rank``'s slot again, as a newcomer at the
+        group's coordinator (it moves when rank 0 is lost), while others run."""
+        if self.replaced >= self.ns.replace_lost or self.coordinator_file is None or not any(
+                p.poll() is None for p in self.procs.values()):
+            return False
+        where = self.coordinator(self.procs[rank].pid)
+        host, _, port = where.rpartition(":")
+        env = self.env_for(rank, rank % self.ns.nproc_per_node, self.port, self.size)
+        if host and port.isdigit():
+            env.update(ZCOLLECTIVE_MASTER_ADDR=host.strip("[]"), ZCOLLECTIVE_MASTER_PORT=port)
+        env["ZCOLLECTIVE_JOIN"] = "1"
+        self.replaced += 1
+        self.threads[rank].join(timeout=1)  # its last output
+        self.message(f"rank {rank} {_describe(code)}; starting a newcomer in its place at "
+                     f"{where or 'the master address'} ({self.replaced} of {self.ns.replace_lost})")
+        self.spawn(rank, env)
+        return True
 
     def message(self, text: str) -> None:
         sys.stderr.write(f"zcollective-run: {text}\n")
@@ -222,9 +277,11 @@ class Launcher:
             if first_failure is None:
                 for rank, proc in sorted(self.procs.items()):
                     if proc.returncode not in (None, 0):
+                        if self.replace(rank, proc.returncode):
+                            continue
                         first_failure = (rank, proc.returncode)
                         failed_at = time.monotonic()
-                        self.threads[list(self.procs).index(rank)].join(timeout=1)  # its last output
+                        self.threads[rank].join(timeout=1)  # its last output
                         said = self.last_lines.get(rank, b"").decode("utf-8", "replace")[:300]
                         self.message(f"rank {rank} {_describe(proc.returncode)}"
                                      f"{f' ({said})' if said else ''}; stopping the others in "
@@ -237,7 +294,7 @@ class Launcher:
                 self.stop(signal.SIGTERM)
                 break
             time.sleep(0.05)
-        for thread in self.threads:
+        for thread in self.threads.values():
             thread.join(timeout=2)
         if first_failure is None:
             return 0
@@ -261,13 +318,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         launcher.message("interrupted; stopping every replica")
         launcher.stop(signal.SIGINT)
-        for thread in launcher.threads:
+        for thread in launcher.threads.values():
             thread.join(timeout=2)
         return 130
     finally:
-        if launcher.stats_file is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(launcher.stats_file)
+        for path in (launcher.stats_file, launcher.coordinator_file):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 if __name__ == "__main__":

@@ -424,6 +424,8 @@ class Server:
         self._stopped = True
         self._pipe.close(linger=0)
         linger = linger_ms
+        if linger_ms and self.crashed is None:  # (not forming the next group: it ends)
+            self._send_all(self.coordinator.dismiss_newcomers())
         try:
             if ending and self.crashed is None:
                 if hurry:  # interrupted while ending: its BYE may not have gone

@@ -389,7 +389,8 @@ class Coordinator:
         if (msg.kind is Kind.CONTRIB and member is not None and msg.rank == member.rank
                 and msg.session == self.session and self.phase is not Phase.FAILED):
             return self._on_contribution(member, msg, address)  # the common case: what follows, in one test
-        if msg.kind is Kind.JOIN and (member is None or msg.rank == member.rank):
+        if msg.kind is Kind.JOIN and (member is None or msg.rank in (member.rank, member.old_rank)):
+            # (a formed group's member repeats its JOIN, after a reconnect, under its old rank)
             return self._on_join(peer, msg, member, address)
         if member is None:
             self._warn(address, "stranger", f"dropped a {msg.kind.name} message from "
@@ -597,8 +598,8 @@ class Coordinator:
         python, n = info.pop("python"), info.pop("num_replicas")
         lineage, newcomer = info.pop("lineage"), info.pop("newcomer")
         join = Member(peer=b"", **info)
-        if newcomer and self.phase is Phase.RUNNING and lineage is None:
-            return self._park(peer, msg, join, python, address)
+        if newcomer and lineage is None:  # while joining, running, or failed (its survivors form
+            return self._park(peer, msg, join, python, address)  # the next group: it comes again)
         if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
             return self._refuse_late(peer, msg, join, address, lineage)
         forming = self.forming
@@ -641,6 +642,14 @@ class Coordinator:
         self.newcomers[peer] = join
         log.info("zcollective coordinator: newcomer %s waits to be admitted (grow)", join.describe())
         return []
+
+    def dismiss_newcomers(self) -> list[Out]:
+        """The group ends for good (not to form again): every newcomer still
+        parked is told so, rather than left waiting (rule 10)."""
+        newcomers, self.newcomers = list(self.newcomers.values()), {}
+        return [(n.peer, control(Kind.REJECT, error_body(
+            "LateJoinError", f"newcomer {n.describe()}: the group ended before a grow() admitted it"),
+            rank=n.rank, session=join_token(n.nonce))) for n in newcomers]
 
     def _admit(self, seq: int) -> list[Out]:
         """Rule 10: a GROW completed: WELCOME each newcomer in, then close."""

@@ -323,8 +323,9 @@ class Member:
         elif kind is Kind.STATUS_REPLY:
             self.status[msg.seq] = _bodies.parse_status(msg)
         elif kind is Kind.WELCOME:
-            welcome = _bodies.parse_welcome(msg, self.size)
-            if welcome["nonce"] in self._nonces:  # answers a JOIN of ours
+            welcome = _bodies.parse_welcome(msg, self.old_size or self.size)
+            if welcome["nonce"] in self._nonces and not self.joined:  # answers a JOIN of ours (again,
+                # after a reconnect: the first one counts)
                 if self.newcomer:  # rule 10 of the coordinator: admitted to the group formed next
                     self.admitted = welcome["admitted"]
                     return []
@@ -364,10 +365,12 @@ class Member:
     def _bound_here(self, msg: Message) -> bool:
         """Rule 2: is ``msg`` bound to this rank and session (or, before the
         WELCOME, to one of its JOINs)?"""
+        if msg.kind is Kind.WELCOME:  # bound by the nonce in its body, checked by _act; once
+            # renumbered, a WELCOME repeated for a JOIN repeated under the old rank is bound to that
+            old = self.old_ranks
+            return msg.rank == self.rank or (old is not None and msg.rank == old[self.rank])
         if msg.rank != self.rank:
             return False
-        if msg.kind is Kind.WELCOME:
-            return True  # bound by the nonce in its body, checked by _act
         if msg.session == self.session if self.joined else msg.session in self._tokens:
             return True
         # a late answer to a JOIN sent twice (a reconnect): ignored once joined

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 SAMPLES = 1024  # recent calls kept per operation (and per rank) for the median and p90
 STATS_FILE_ENV = "ZCOLLECTIVE_STATS_FILE"  # set by zcollective-run: rank 0 writes its stats there
+COORDINATOR_FILE_ENV = "ZCOLLECTIVE_COORDINATOR_FILE"  # set by zcollective-run --replace-lost: the
+# rank 0 of each group (it moves when rank 0 is lost) writes the coordinator's host:port there
 
 calls_log = logging.getLogger("zcollective.calls")
 
@@ -107,5 +109,20 @@ def write_for_launcher(stats: dict[str, Any]) -> None:
     try:
         with open(path, "w") as f:
             json.dump(stats, f)
+    except OSError:
+        pass
+
+
+def announce_coordinator(address: str) -> None:
+    """Rank 0 of a group started by ``zcollective-run --replace-lost``: say
+    where the coordinator is (``host:port pid``), for newcomers the launcher
+    starts (best effort; replaced whole, so a reader never sees half)."""
+    path = os.environ.get(COORDINATOR_FILE_ENV)
+    if not path:
+        return
+    try:
+        with open(path + ".new", "w") as f:
+            f.write(f"{address} {os.getpid()}")
+        os.replace(path + ".new", path)
     except OSError:
         pass
