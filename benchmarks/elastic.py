@@ -119,7 +119,8 @@ def trial_admit(size: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4,8")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "elastic.json"))
@@ -127,7 +128,8 @@ def main() -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     cases: list[tuple[str, int, Any]] = []
     for size in sizes:
-        cases += [("killed rank 0", size, (0, "killed")), (f"killed rank {size // 2}", size, (size // 2, "killed")),
+        cases += [("killed rank 0", size, (0, "killed")),
+                  (f"killed rank {size // 2}", size, (size // 2, "killed")),
                   (f"killed rank {size - 1}", size, (size - 1, "killed")),
                   (f"stopped rank {size // 2} (L = {STOPPED_LIVENESS_S:g} s)", size, (size // 2, "stopped")),
                   ("newcomer admitted", size, None)]
