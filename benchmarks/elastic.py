@@ -50,16 +50,17 @@ STOPPED_LIVENESS_S = 2.0
 def lose(victim: int, how: str, moment: str) -> Optional[float]:
     """One rank's part of a loss trial (see the module docstring)."""
     rank = zc.get_rank()
-    for _ in range(50):
-        zc.allreduce(1)
     if rank == victim:
+        for _ in range(50):
+            zc.allreduce(1)
         with open(moment, "w") as f:
             f.write(repr(time.monotonic()))
         os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         time.sleep(60)  # (stopped: the trial ends it)
         return None
     try:
-        zc.allreduce(1, timeout=60)
+        for _ in range(51):  # the last waits for the victim (a rank 0 that dies may not have sent
+            zc.allreduce(1, timeout=60)  # the 50th's result either)
         raise AssertionError("no loss")
     except zc.ReplicaLostError:
         pass
