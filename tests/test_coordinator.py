@@ -725,3 +725,12 @@ def test_a_join_of_another_lineage_or_of_none_is_refused_while_forming():
     plain = Coordinator(2, SESSION, 1000)  # a group that is not forming refuses a lineage
     out = feed(plain, peer(1), form_join(1, 2))
     assert [(m.kind, m.body()["error"]) for _, m in out] == [(Kind.REJECT, "LateJoinError")]
+
+
+def test_a_group_ignores_its_own_members_forming_the_next_one_at_its_address():
+    coord = joined(3)
+    coord.lost(2, "test")  # failed: the survivors shrink; one reaches this old one first
+    out = feed(coord, b"early", form_join(1, 3, lineage=f"{SESSION:x}"))
+    assert out == []  # not this group's failure: the next group answers it
+    stranger = feed(coord, b"other", form_join(1, 3, lineage="ffff"))
+    assert [m.kind for _, m in stranger] == [Kind.REJECT]

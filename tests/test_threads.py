@@ -34,6 +34,7 @@ class FakeLink:
         self.overlap = False
         self.read, self.write = os.pipe()
         self.lock = threading.Lock()
+        self.wakers = {}  # call -> wake-ups of threads following it
 
     def deliver(self, call):
         with self.lock:
@@ -63,14 +64,17 @@ class FakeLink:
         finally:
             self.inside -= 1
 
-    wakers: dict = {}
-
     def wait(self, call, timeout=WAIT_S):
         def follow(wake):
             self.wakers.setdefault(call, []).append(wake)
             if call in self.done:
                 wake()
         return self.turns.wait(lambda: call in self.done, time.monotonic() + timeout, self.drive, follow)
+
+
+def _fake():
+    turns = Turns()
+    return turns, FakeLink(turns)
 
 
 def _thread(target, *args):
@@ -87,9 +91,7 @@ def _thread(target, *args):
 
 
 def test_one_thread_leads_the_others_follow_and_each_wakes_when_its_call_is_done():
-    turns = Turns()
-    link = FakeLink(turns)
-    link.wakers = {}
+    turns, link = _fake()
     waiting = [_thread(link.wait, call) for call in range(4)]
     time.sleep(0.1)  # all four wait: one leads, three follow
     assert len({ident for ident, _ in link.drivers}) == 1
@@ -102,9 +104,7 @@ def test_one_thread_leads_the_others_follow_and_each_wakes_when_its_call_is_done
 
 
 def test_a_thread_wanting_the_turn_nudges_the_leader_which_takes_it_back_after():
-    turns = Turns()
-    link = FakeLink(turns)
-    link.wakers = {}
+    turns, link = _fake()
     leader, out = _thread(link.wait, "slow")
     time.sleep(0.1)
     assert turns._leader is not None
@@ -122,9 +122,7 @@ def test_a_thread_wanting_the_turn_nudges_the_leader_which_takes_it_back_after()
 
 
 def test_a_wait_holding_the_turn_leads_and_never_lets_go():
-    turns = Turns()
-    link = FakeLink(turns)
-    link.wakers = {}
+    turns, link = _fake()
     turns.take()  # as teardown does, or a done-callback halfway through a message
     try:
         t, out = _thread(lambda: turns.take(time.monotonic() + 0.3))
@@ -139,9 +137,7 @@ def test_a_wait_holding_the_turn_leads_and_never_lets_go():
 
 
 def test_a_follower_times_out_on_its_own_deadline_while_the_leader_waits_on():
-    turns = Turns()
-    link = FakeLink(turns)
-    link.wakers = {}
+    turns, link = _fake()
     leader, out = _thread(link.wait, "long")
     time.sleep(0.05)
     assert link.wait("short", timeout=0.2) is False
@@ -151,9 +147,7 @@ def test_a_follower_times_out_on_its_own_deadline_while_the_leader_waits_on():
 
 
 def test_when_the_leader_is_done_a_follower_leads():
-    turns = Turns()
-    link = FakeLink(turns)
-    link.wakers = {}
+    turns, link = _fake()
     first, out1 = _thread(link.wait, 1)
     time.sleep(0.05)
     second, out2 = _thread(link.wait, 2)

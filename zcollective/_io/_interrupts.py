@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from _thread import allocate_lock as _allocate_lock
 from functools import partial
 from types import CodeType, FrameType
@@ -73,6 +74,18 @@ def wait_event(event: threading.Event, timeout: Optional[float]) -> bool:
         if not event.is_set():
             wait_condition(cond, timeout)
         return event.is_set()
+
+
+def acquire_by(lock: Any, deadline: Optional[float]) -> bool:
+    """Take an ``RLock`` by ``deadline`` (None: no bound), where an interrupt may
+    stop the wait; False if it did not come. An interrupt leaves it not held."""
+    timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        return wait_lock(lock, timeout)
+    except BaseException:
+        if lock._is_owned():  # (the interrupt came just after it was taken)
+            lock.release()
+        raise
 
 
 @surface

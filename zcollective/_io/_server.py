@@ -181,14 +181,9 @@ class Server:
         if not own.acquire(blocking=False):
             self._wanted = True  # the thread must not take the sockets again before this thread
             _sockets.notify(self._pipe, _GIVE)  # has (a lock is not handed to its waiter)
-            timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                if not _interrupts.wait_lock(own, timeout):
+                if not _interrupts.acquire_by(own, deadline):
                     return False
-            except BaseException:
-                if own._is_owned():  # type: ignore[attr-defined]
-                    own.release()
-                raise
             finally:
                 self._wanted = False
         self._depth = 1

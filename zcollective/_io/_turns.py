@@ -67,13 +67,8 @@ class Turns:
                 self._wanting += 1
                 self.nudge.set()
             try:
-                timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-                if not _interrupts.wait_lock(lock, timeout):
+                if not _interrupts.acquire_by(lock, deadline):
                     return False
-            except BaseException:
-                if lock._is_owned():  # type: ignore[attr-defined]
-                    lock.release()
-                raise
             finally:
                 with self._state:
                     self._wanting -= 1

@@ -600,6 +600,8 @@ class Coordinator:
         join = Member(peer=b"", **info)
         if newcomer and lineage is None:  # while joining, running, or failed (its survivors form
             return self._park(peer, msg, join, python, address)  # the next group: it comes again)
+        if lineage == f"{self.session:x}":  # this group's members forming the next one (rule 9), early
+            return []  # at its address: once this one closes, they find the next (and its answer)
         if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
             return self._refuse_late(peer, msg, join, address, lineage)
         forming = self.forming
