@@ -2,6 +2,7 @@
 
     python benchmarks/elastic.py                          # N = 4 and 8, 5 trials each
     python benchmarks/elastic.py --sizes 4 --trials 3 --out results/elastic.json
+    python benchmarks/elastic.py --hosts --rate 1000      # one host (namespace) per rank
 
 Each trial starts N fresh processes on loopback (zcollective.testing.Replicas).
 They make 50 allreduces, then every rank but the victim calls one more, which
@@ -11,7 +12,13 @@ process on a Linux host) and then
 - ``killed``: SIGKILLs itself (its connections close): rank 0, a middle rank
   (N/2) or the last;
 - ``stopped``: SIGSTOPs itself (silent, as a host cut off is: heartbeats go
-  unanswered), the middle rank, with ``liveness_timeout`` of 2 s.
+  unanswered), the middle rank, with ``liveness_timeout`` of 2 s;
+- ``cut`` (with ``--hosts``): its host's link is cut (tests/netns.py), the
+  middle rank, ``liveness_timeout`` 2 s: a silent host, as a pulled cable is.
+
+With ``--hosts`` every rank runs in a network namespace of its own (the
+shaped hosts of ``multihost.py``, ``--rate`` Mbit/s each way), so a host that
+takes over the coordinator is another address.
 
 Each survivor catches the ReplicaLostError, calls ``shrink()`` and makes one
 allreduce in the new group; the figure is the time from the victim's moment to
@@ -38,6 +45,7 @@ from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # netns.py, shared with the tests
 
 import zcollective as zc  # noqa: E402
 from zcollective.testing import Replicas  # noqa: E402
@@ -53,10 +61,11 @@ def lose(victim: int, how: str, moment: str) -> Optional[float]:
     if rank == victim:
         for _ in range(50):
             zc.allreduce(1)
-        with open(moment, "w") as f:
+        with open(moment + ("-ready" if how == "cut" else ""), "w") as f:
             f.write(repr(time.monotonic()))
-        os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        time.sleep(60)  # (stopped: the trial ends it)
+        if how != "cut":  # (cut: the trial cuts its host off, and writes the moment)
+            os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        time.sleep(60)  # (stopped, cut: the trial ends it)
         return None
     try:
         for _ in range(51):  # the last waits for the victim (a rank 0 that dies may not have sent
@@ -86,11 +95,34 @@ def admit_newcomer() -> float:
     return took
 
 
-def trial_loss(size: int, victim: int, how: str) -> float:
+def _where(hosts: Any, size: int) -> dict[str, Any]:
+    """Replicas' placement: loopback, or a namespace (host) per rank."""
+    if hosts is None:
+        return {}
+    return {"rank_prefix": {r: hosts.prefix(r) for r in range(size)},
+            "env": {"ZCOLLECTIVE_MASTER_ADDR": hosts.addresses[0]}}
+
+
+def trial_loss(size: int, victim: int, how: str, hosts: Any = None) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         moment = os.path.join(tmp, "moment")
-        env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": str(STOPPED_LIVENESS_S)} if how == "stopped" else {}
-        with Replicas(lose, size, victim, how, moment, env=env) as reps:
+        where: dict[str, Any] = _where(hosts, size)
+        env = dict(where.pop("env", {}))
+        if how != "killed":
+            env["ZCOLLECTIVE_LIVENESS_TIMEOUT"] = str(STOPPED_LIVENESS_S)
+        with Replicas(lose, size, victim, how, moment, env=env, **where) as reps:
+            if how == "cut":
+                deadline = time.monotonic() + RUN_S
+                while not os.path.exists(moment + "-ready") and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                hosts.cut(victim)
+                with open(moment, "w") as f:
+                    f.write(repr(time.monotonic()))
+                try:
+                    reps.join([r for r in range(size) if r != victim], RUN_S)
+                finally:
+                    reps.kill(victim, signal.SIGKILL)
+                    hosts.restore(victim)
             if how == "stopped":
                 deadline = time.monotonic() + RUN_S
                 while not os.path.exists(moment) and time.monotonic() < deadline:
@@ -107,11 +139,14 @@ def trial_loss(size: int, victim: int, how: str) -> float:
     return max(done) - t0
 
 
-def trial_admit(size: int) -> float:
-    with Replicas(admit_members, size, size + 1) as members:
+def trial_admit(size: int, hosts: Any = None) -> float:
+    where: dict[str, Any] = _where(hosts, size)
+    env = dict(where.pop("env", {}))
+    with Replicas(admit_members, size, size + 1, env=env, **where) as members:
         time.sleep(0.5)
+        elsewhere: dict[str, Any] = {} if hosts is None else {"rank_prefix": {0: hosts.prefix(size)}}
         with Replicas(admit_newcomer, 1, initialize=False, port=members.port,
-                      env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as newcomer:
+                      env={**env, "ZCOLLECTIVE_NUM_REPLICAS": ""}, **elsewhere) as newcomer:
             new = newcomer.wait(RUN_S)
         old = members.wait(RUN_S)
     if not all(o.ok for o in old + new):
@@ -125,21 +160,35 @@ def main() -> None:
     parser.add_argument("--sizes", default="4,8")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "elastic.json"))
+    parser.add_argument("--hosts", action="store_true", help="a network namespace per rank")
+    parser.add_argument("--rate", type=float, default=1000.0, help="with --hosts: Mbit/s per link")
     args = parser.parse_args()
     sizes = [int(n) for n in args.sizes.split(",")]
+    if args.hosts:
+        from netns import Hosts
+
+        with Hosts(max(sizes) + 1, args.rate, prefix="zce") as hosts:
+            run(args, sizes, hosts)
+    else:
+        run(args, sizes, None)
+
+
+def run(args: argparse.Namespace, sizes: list[int], hosts: Any) -> None:
     cases: list[tuple[str, int, Any]] = []
     for size in sizes:
         cases += [("killed rank 0", size, (0, "killed")),
                   (f"killed rank {size // 2}", size, (size // 2, "killed")),
                   (f"killed rank {size - 1}", size, (size - 1, "killed")),
-                  (f"stopped rank {size // 2} (L = {STOPPED_LIVENESS_S:g} s)", size, (size // 2, "stopped")),
+                  (f"{'cut off' if hosts else 'stopped'} rank {size // 2} (L = {STOPPED_LIVENESS_S:g} s)",
+                   size, (size // 2, "cut" if hosts else "stopped")),
                   ("newcomer admitted", size, None)]
-    results = []
+    results: list[dict[str, Any]] = []
     for name, size, loss in cases:
         times = []
         for i in range(args.trials):
             print(f"N={size} {name}: trial {i + 1}/{args.trials}", file=sys.stderr, flush=True)
-            times.append(trial_loss(size, *loss) if loss is not None else trial_admit(size))
+            times.append(trial_loss(size, loss[0], loss[1], hosts) if loss is not None
+                         else trial_admit(size, hosts))
         results.append({"case": name, "size": size, "seconds": times, "median": statistics.median(times)})
     lines = ["| N | case | median (s) | min–max (s) | Horovod's re-init alone (s) |", "|---|---|---|---|---|"]
     for r in results:
@@ -149,6 +198,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
+                   "placement": f"a namespace per rank, {args.rate:g} Mbit/s" if hosts else "loopback",
                    "horovod_reinit_s": HOROVOD_REINIT_S, "results": results}, f, indent=1)
     print(f"wrote {args.out}")
 
