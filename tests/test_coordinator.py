@@ -734,3 +734,42 @@ def test_a_group_ignores_its_own_members_forming_the_next_one_at_its_address():
     assert out == []  # not this group's failure: the next group answers it
     stranger = feed(coord, b"other", form_join(1, 3, lineage="ffff"))
     assert [m.kind for _, m in stranger] == [Kind.REJECT]
+
+
+# -- rule 10: newcomers --------------------------------------------------------------
+
+
+def newcomer_join(rank=0):
+    msg = join_msg(rank, 1)
+    body = msg.body()
+    body.update(newcomer=True, nonce="ab" * 16)
+    return control(Kind.JOIN, body, rank=rank)
+
+
+def test_newcomers_are_parked_and_a_grow_admits_them_after_the_members_then_closes():
+    coord = joined(3)
+    assert feed(coord, b"N1", newcomer_join()) == []  # parked, not refused
+    assert feed(coord, b"N2", newcomer_join(5)) == []
+    assert feed(coord, b"N3", newcomer_join()) == []
+    coord.gone(b"N3")  # a newcomer that left is not admitted
+    for r in range(2):
+        assert feed(coord, peer(r), contrib(r, 0, op=Op.GROW, segments=[])) == []
+    out = feed(coord, peer(2), contrib(2, 0, op=Op.GROW, segments=[]))
+    told = [m for p, m in out if p in {peer(0), peer(1), peer(2)}]
+    assert [(m.kind, _serialize.loads(m.segments[0])) for m in told] == [(Kind.RESULT, 2)] * 3
+    admitted = {p: m.body()["admitted"] for p, m in out if m.kind is Kind.WELCOME}
+    assert admitted == {b"N1": {"rank": 3, "size": 5, "lineage": f"{SESSION:x}"},
+                        b"N2": {"rank": 4, "size": 5, "lineage": f"{SESSION:x}"}}
+    assert {m.rank for p, m in out if m.kind is Kind.WELCOME} == {0, 5}  # bound to each one's JOIN
+    assert coord.phase is Phase.CLOSED  # members and newcomers form the next group
+
+
+def test_a_grow_with_nobody_waiting_changes_nothing_and_an_ending_group_dismisses_newcomers():
+    coord = joined(2)
+    for r in range(2):
+        out = feed(coord, peer(r), contrib(r, 0, op=Op.GROW, segments=[]))
+    assert [_serialize.loads(m.segments[0]) for _, m in out] == [0, 0] and coord.phase is Phase.RUNNING
+    feed(coord, b"N1", newcomer_join())
+    out = [(p, decode(encode(m))) for p, m in coord.dismiss_newcomers()]
+    assert [(p, m.kind, m.body()["error"]) for p, m in out] == [(b"N1", Kind.REJECT, "LateJoinError")]
+    assert "ended before a grow() admitted it" in out[0][1].body()["message"]

@@ -66,22 +66,24 @@ def _run(kill_plan, n=4, big=False, env=None):
     return [outs[r].value for r in survivors]
 
 
+SECRET = {"ZCOLLECTIVE_SECRET": "s3cret-of-this-test"}
+
+
+@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
 @pytest.mark.parametrize("victim", [0, 2, 3], ids=["rank-0", "middle", "last"])
-def test_the_survivors_of_a_kill_mid_call_shrink_and_go_on(victim):
-    _run([victim])
+def test_the_survivors_of_a_kill_mid_call_shrink_and_go_on(victim, secret):
+    _run([victim], env=SECRET if secret else None)
 
 
-def test_repeated_kills_down_to_one_survivor():
-    values = _run([0, 2, 1])
+@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
+def test_repeated_kills_down_to_one_survivor(secret):
+    values = _run([0, 2, 1], env=SECRET if secret else None)
     assert values[0]["size"] == 1 and len(values[0]["shrinks"]) >= 3
 
 
-def test_a_kill_during_a_ring_allreduce_of_a_large_array():
-    _run([1], big=True, env={"ZCOLLECTIVE_DATA_PLANE": "on"})
-
-
-def test_with_a_secret_the_survivors_of_rank_0_shrink():
-    _run([0], env={"ZCOLLECTIVE_SECRET": "s3cret-of-this-test"})
+@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
+def test_a_kill_during_a_ring_allreduce_of_a_large_array(secret):
+    _run([1], big=True, env={"ZCOLLECTIVE_DATA_PLANE": "on", **(SECRET if secret else {})})
 
 
 def stopped_survivor(markers):
@@ -110,8 +112,9 @@ def stopped_survivor(markers):
     return got
 
 
-def test_a_survivor_stopped_past_the_bound_is_left_out_by_all(tmp_path):
-    with Replicas(stopped_survivor, 4, str(tmp_path)) as reps:
+@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
+def test_a_survivor_stopped_past_the_bound_is_left_out_by_all(tmp_path, secret):
+    with Replicas(stopped_survivor, 4, str(tmp_path), env=SECRET if secret else None) as reps:
         wait_for(*(tmp_path / f"ready{r}" for r in range(4)), watch=reps)
         time.sleep(0.3)  # all four wait in the allreduce
         reps.kill(2, signal.SIGSTOP)
@@ -139,8 +142,9 @@ def agreeing():
     return first, second, third, zc.get_world_size()
 
 
-def test_agree_gives_every_survivor_the_same_flag_and_lost_ranks():
-    with Replicas(agreeing, 4) as reps:
+@pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
+def test_agree_gives_every_survivor_the_same_flag_and_lost_ranks(secret):
+    with Replicas(agreeing, 4, env=SECRET if secret else None) as reps:
         outs = reps.wait(RUN_S)
     assert outs[3].returncode == -signal.SIGKILL, report(outs, "rank 3 was to die")
     assert all(o.ok for o in outs[:3]), report(outs, "a survivor failed")
@@ -175,7 +179,7 @@ def newcomer(target):
 
 @pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
 def test_newcomers_wait_and_are_admitted_at_a_grow(secret):
-    env = {"ZCOLLECTIVE_SECRET": "s3cret-of-this-test"} if secret else {}
+    env = SECRET if secret else {}
     with Replicas(members_grow, 3, 5, env=env) as members:
         time.sleep(0.5)  # the members run, growing with nobody waiting
         with Replicas(newcomer, 2, 5, initialize=False, port=members.port,
