@@ -193,3 +193,41 @@ def test_newcomers_wait_and_are_admitted_at_a_grow(secret):
     assert all(o.value[2:] == ([0, 1, 2, 3, 4], 5) for o in outs)
     assert [o.value[0] for o in old] == [2, 2, 2]  # each member admitted the two
     assert {o.value[0] for o in new} <= {0, 1}  # a newcomer admitted with the first sees the second
+
+
+def test_a_survivor_stopped_while_it_probes_does_not_host_a_second_group(monkeypatch):
+    """Old rank 1 (rank 0 killed) is stopped while it probes old rank 0, longer
+    than the others' bound: by then ranks 2 and 3 counted it lost and formed
+    their group; it must go to theirs (and be told it was left out), never host
+    a group of its own (a split). Without processes: Group._formed is faked."""
+    import types
+
+    import sys
+
+    from zcollective import _elastic
+    from zcollective._forming import Unreachable
+    from zcollective._limits import HOST_WINDOW_S
+    from zcollective.config import Config
+
+    tried = []
+
+    def formed(config, form):
+        tried.append(("host" if form.forming is not None else "join", config.master_addr))
+        if form.forming is not None:
+            return "a group of its own"
+        if config.master_addr == "h0":
+            time.sleep(HOST_WINDOW_S + 0.3)  # stopped (SIGSTOP) mid-probe
+            raise Unreachable("old rank 0 is gone")
+        raise zc.LeftOutError("the survivors formed a group without it")
+
+    # (the package's ``_group`` is its default group: the module, by its name)
+    monkeypatch.setattr(sys.modules["zcollective._group"].Group, "_formed", staticmethod(formed))
+    failure = zc.ReplicaLostError("lost the coordinator")
+    failure.lost_inferred = (0,)
+    member = types.SimpleNamespace(failure=failure, failed_at=time.monotonic(), session=0xABC,
+                                   addresses=["h0", "h1", "h2", "h3"])
+    config = Config(master_addr="h0", master_port=29500, rank=1, num_replicas=4)
+    group = types.SimpleNamespace(_member=member, config=config, _close_to_form=lambda quick: None)
+    with pytest.raises(zc.LeftOutError):
+        _elastic.shrink(group, timeout=10)
+    assert tried == [("join", "h0"), ("join", "h2")]

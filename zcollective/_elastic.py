@@ -61,9 +61,18 @@ def shrink(group: Group, timeout: Optional[float]) -> Group:
     inferred = set(getattr(member.failure, "lost_inferred", ())) - lost  # a connection closed
     addresses = member.addresses or [config.master_addr] * old_size
     lineage = f"{member.session:x}"
-    late = member.failure is not None and time.monotonic() - member.failed_at > HOST_WINDOW_S
+    failed_at = member.failed_at if member.failure is not None else time.monotonic()
     group._close_to_form(quick=True)
     started = time.monotonic()
+    allowed = 0.0  # the time its tries of the candidates so far were allowed to take
+
+    def is_late() -> bool:
+        # late: more time went since the failure than its own tries explain (it shrank late,
+        # or was stopped or starved meanwhile, even while probing): the others may have
+        # counted it lost by now, and must not find two groups
+        return time.monotonic() - failed_at - allowed > HOST_WINDOW_S
+
+    late = is_late()
     deadline = None if timeout is None else started + timeout
     candidates = [r for r in range(old_size) if r not in lost]
     tried: list[str] = []
@@ -78,14 +87,16 @@ def shrink(group: Group, timeout: Optional[float]) -> Group:
         if deadline is not None and time.monotonic() > deadline:
             break
         if candidate == old_rank:
+            late = late or is_late()
             if late and candidate != candidates[-1]:
                 continue  # too late to host: join a later one (which may say this one was left out)
             return host([r for r in candidates if r >= old_rank])
         where = dataclasses.replace(config, master_addr=addresses[candidate] if candidate else
                                     config.master_addr)
+        reach_s = FORM_PROBE_S if candidate in inferred else FORM_REACH_S
+        allowed += reach_s
         try:
-            return Group._formed(where, Form(lineage, reach_s=FORM_PROBE_S if candidate in inferred
-                                             else FORM_REACH_S))
+            return Group._formed(where, Form(lineage, reach_s=reach_s))
         except LeftOutError:
             raise
         except (Unreachable, LateJoinError) as exc:  # lost too, or another group's port
