@@ -200,9 +200,8 @@ def test_a_survivor_stopped_while_it_probes_does_not_host_a_second_group(monkeyp
     than the others' bound: by then ranks 2 and 3 counted it lost and formed
     their group; it must go to theirs (and be told it was left out), never host
     a group of its own (a split). Without processes: Group._formed is faked."""
-    import types
-
     import sys
+    import types
 
     from zcollective import _elastic
     from zcollective._forming import Unreachable
@@ -231,3 +230,45 @@ def test_a_survivor_stopped_while_it_probes_does_not_host_a_second_group(monkeyp
     with pytest.raises(zc.LeftOutError):
         _elastic.shrink(group, timeout=10)
     assert tried == [("join", "h0"), ("join", "h2")]
+
+
+def grow_while_rank_0_dies():
+    """Rank 0 dies right after a GROW completed, while the group forms again:
+    the other members go on together (as after any loss), the newcomer is
+    told to start again."""
+    me = zc.get_rank()
+    if me == 0:
+        from zcollective import _elastic
+
+        def regroup(group, newcomers):
+            time.sleep(0.3)  # its results and the admission are out
+            os.kill(os.getpid(), signal.SIGKILL)
+        _elastic.regroup = regroup
+    deadline = time.monotonic() + 30
+    while not zc.grow():
+        assert time.monotonic() < deadline, "the newcomer never came"
+        zc.allreduce(1)
+        time.sleep(0.05)
+    return zc.get_rank(), zc.allgather(me)
+
+
+def late_newcomer():
+    try:
+        zc.initialize(join=True)
+    except zc.LateJoinError as exc:
+        return str(exc)
+    return "admitted"
+
+
+def test_rank_0_lost_while_a_grow_forms_the_group_again():
+    with Replicas(grow_while_rank_0_dies, 3) as members:
+        time.sleep(0.5)
+        with Replicas(late_newcomer, 1, initialize=False, port=members.port,
+                      env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as newcomer:
+            new = newcomer.wait(RUN_S)
+        old = members.wait(RUN_S)
+    outs = old + new
+    assert old[0].returncode == -signal.SIGKILL, report(outs, "rank 0 was to die")
+    assert old[1].ok and old[2].ok and new[0].ok, report(outs, "a rank failed")
+    assert (old[1].value, old[2].value) == ((0, [1, 2]), (1, [1, 2]))
+    assert "the group's coordinator was lost while it formed again" in new[0].value, new[0].value

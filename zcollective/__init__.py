@@ -224,7 +224,7 @@ def grow(timeout: Timeout = DEFAULT) -> int:
     global _group
     old = _current()
     _group = old.grow(timeout)
-    return _group.size - old.size if _group is not old else 0
+    return _group.admitted if _group is not old else 0
 
 
 def coordinator_address() -> str:

@@ -40,10 +40,10 @@ import operator
 import time
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
-from ._forming import Form, Unreachable
+from ._forming import Form, Overslept, Unreachable
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
 from ._protocol._coordinator import Forming
-from ._protocol._member import fresh
+from ._protocol._member import fresh, lost_rank_0
 from .errors import CollectiveTimeoutError, LateJoinError, LeftOutError, ReplicaLostError
 
 if TYPE_CHECKING:
@@ -90,7 +90,12 @@ def shrink(group: Group, timeout: Optional[float]) -> Group:
             late = late or is_late()
             if late and candidate != candidates[-1]:
                 continue  # too late to host: join a later one (which may say this one was left out)
-            return host([r for r in candidates if r >= old_rank])
+            try:
+                return host([r for r in candidates if r >= old_rank])
+            except Overslept as exc:  # stopped while it waited for them: as too late to host
+                tried.append(f"old rank {candidate}: {exc}")
+                late = True
+                continue
         where = dataclasses.replace(config, master_addr=addresses[candidate] if candidate else
                                     config.master_addr)
         reach_s = FORM_PROBE_S if candidate in inferred else FORM_REACH_S
@@ -152,10 +157,18 @@ def regroup(group: Group, newcomers: int) -> Group:
     the newcomers form the next one where it was (rule 9), rank 0 hosting."""
     from ._group import Group
 
-    config = group.config
-    lineage, size = f"{group._member.session:x}", config.num_replicas + newcomers
+    config, member = group.config, group._member
+    lineage, size = f"{member.session:x}", config.num_replicas + newcomers
     group._close_to_form(quick=False)
     where = dataclasses.replace(config, num_replicas=size)
     if config.rank == 0:
         return Group._formed(where, Form(lineage, Forming(lineage, frozenset(range(size)), size)))
-    return Group._formed(where, Form(lineage))
+    try:
+        return Group._formed(where, Form(lineage))
+    except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 was lost as the group formed
+        # again: its members go on as after any loss (the newcomers are told to start again)
+        member.failure = lost_rank_0(ReplicaLostError(
+            f"rank {config.rank}: the coordinator (rank 0) was lost while the group formed again "
+            f"after a grow(): {exc}"))
+        member.failed_at = time.monotonic()
+        return shrink(group, None)

@@ -24,3 +24,9 @@ class Form:
 
 class Unreachable(CollectiveError):
     """A would-be host of a formed group could not be reached (it is lost too)."""
+
+
+class Overslept(CollectiveError):
+    """A would-be host came back from its wait for the survivors much later than
+    the bound (stopped, or starved): the others may have gone on without it, so
+    it must not form a group with fewer than it expected."""

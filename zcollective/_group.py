@@ -30,7 +30,7 @@ from ._format._wire import (
     Signer,
     error_note,
 )
-from ._forming import Form, Unreachable
+from ._forming import Form, Overslept, Unreachable
 
 if TYPE_CHECKING:
     from ._elastic import Agreement
@@ -41,13 +41,19 @@ from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
 from ._io._server import Server
 from ._io._turns import Turns
-from ._limits import CLOSE_LINGER_MS, DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS, STATUS_WAIT_S
+from ._limits import CLOSE_LINGER_MS, DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS, HOST_WINDOW_S, STATUS_WAIT_S
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
 from ._protocol._stats import announce_coordinator, calls_log, write_for_launcher
 from .config import Config, resolve, takes_settings
-from .errors import CollectiveError, CollectiveTimeoutError, ForkedProcessError, from_signal
+from .errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    ForkedProcessError,
+    LateJoinError,
+    from_signal,
+)
 
 log = logging.getLogger("zcollective")
 
@@ -166,7 +172,12 @@ class Group:
         if config.join:  # a newcomer: admitted by a grow(), it forms the next group with the members
             from . import _elastic
 
-            self._open(*_elastic.admission(config))
+            try:
+                self._open(*_elastic.admission(config))
+            except Unreachable as exc:
+                raise LateJoinError(f"newcomer: admitted, but the group's coordinator was lost "
+                                    f"while it formed again ({exc}); start it again at "
+                                    f"coordinator_address() of a member") from None
         else:
             self._open(config)
 
@@ -280,8 +291,11 @@ class Group:
         link.send([member.join()])
         who = f"old rank {self.config.rank}"
         if server is not None:
-            link.wait_for(lambda: member.joined, time.monotonic() + form.wait_s)
+            waited = time.monotonic()
+            link.wait_for(lambda: member.joined, waited + form.wait_s)
             if not member.joined:
+                if time.monotonic() - waited > form.wait_s + HOST_WINDOW_S:  # stopped meanwhile
+                    raise Overslept(f"{who} overslept the forming of a group at {self.config.endpoint}")
                 server.form_now()
             if not link.wait_for(lambda: member.joined, time.monotonic() + STATUS_WAIT_S):
                 raise CollectiveTimeoutError(f"{who} could not form a group at {self.config.endpoint}")
@@ -594,7 +608,11 @@ class Group:
         from . import _elastic
 
         count = self._blocking(self._submit(Op.GROW, 0, _nothing, _first, _callsite()), timeout)
-        return _elastic.regroup(self, count) if count else self
+        if not count:
+            return self
+        grown = _elastic.regroup(self, count)
+        grown.admitted = count
+        return grown
 
     def coordinator_address(self) -> str:
         """``host:port`` of this group's coordinator: where newcomers go (it
@@ -619,6 +637,8 @@ class Group:
         from . import _elastic
 
         return _elastic.agree(self, flag, timeout)
+
+    admitted = 0  # a group grow() formed: how many newcomers that grow admitted
 
     @property
     def old_ranks(self) -> Optional[list[int]]:

@@ -487,7 +487,7 @@ class Member:
                 self._rejoin = True  # the JOIN may have gone down with that connection
                 return []
             self.coordinator_lost = True
-            return self.fail(_lost_rank_0(ReplicaLostError(
+            return self.fail(lost_rank_0(ReplicaLostError(
                 f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: connection "
                 f"closed or heartbeats unanswered; {self.describe_in_flight()}")))
         elif event is Link.HANDSHAKE_SUCCEEDED:
@@ -530,7 +530,7 @@ class Member:
 
     def coordinator_gone(self, why: str) -> None:
         """Rank 0's own member: the coordinator stopped serving."""
-        self.fail(_lost_rank_0(ReplicaLostError(f"rank {self.rank}: the coordinator is gone: {why}; "
+        self.fail(lost_rank_0(ReplicaLostError(f"rank {self.rank}: the coordinator is gone: {why}; "
                                                 f"{self.describe_in_flight()}")))
 
     def fail(self, error: Exception, tell: bool = False, keep_data: bool = False) -> list[Message]:
@@ -640,7 +640,7 @@ def fresh(error: Exception) -> Exception:
         return error
 
 
-def _lost_rank_0(error: Exception) -> Exception:
+def lost_rank_0(error: Exception) -> Exception:
     """``error`` says the connection to rank 0 (the coordinator) was lost: a lead
     for a shrink, not proof (rank 0 also closes it to shrink; a FAIL's
     ``lost_ranks`` are the coordinator's word)."""
