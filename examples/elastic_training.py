@@ -80,5 +80,6 @@ while state["step"] < STEPS:
 
 loss = float(np.mean((features @ state["weights"] - targets) ** 2))
 print(f"rank {zcollective.get_rank()}: trained {state['step']} steps on {state['seen']} samples "
-      f"(undisturbed: {STEPS * BATCH}); {zcollective.get_world_size()} replicas at the end; "
+      f"(undisturbed: {STEPS * BATCH}); {zcollective.get_world_size()} "
+      f"replica{'s' if zcollective.get_world_size() != 1 else ''} at the end; "
       f"loss {loss:.6f}")
