@@ -37,11 +37,18 @@ if TYPE_CHECKING:
 from ._future import CollectiveFuture, sleeping
 from ._io import _interrupts, _sockets
 from ._io._dataplane import DataPlane
-from ._io._link import DirectLink, Driver, HostLink
+from ._io._link import DirectLink, Driver, HostLink, sooner
 from ._io._replica import Replica
 from ._io._server import Server
 from ._io._turns import Turns
-from ._limits import CLOSE_LINGER_MS, DEFAULT_INIT_TIMEOUT_S, EXIT_LINGER_MS, HOST_WINDOW_S, STATUS_WAIT_S
+from ._limits import (
+    CLOSE_LINGER_MS,
+    DEFAULT_INIT_TIMEOUT_S,
+    EXIT_LINGER_MS,
+    HOST_WINDOW_S,
+    JOIN_RESEND_S,
+    STATUS_WAIT_S,
+)
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
@@ -272,7 +279,10 @@ class Group:
         member.newcomer = True
         link.send([member.join()])
         deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
-        if not link.wait_for(lambda: member.admitted is not None, deadline):
+        while not link.wait_for(lambda: member.admitted is not None, sooner(deadline, JOIN_RESEND_S)):
+            if deadline is None or time.monotonic() < deadline:
+                link.send([member.join()])  # again (see Driver.join): parked anew, under its last nonce
+                continue
             raise CollectiveTimeoutError(
                 f"a newcomer was not admitted to the group at {config.endpoint} within "
                 f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"

@@ -55,6 +55,8 @@ CHUNKS_PER_PART = 32  # a ring or chain fills in about one chunk per hop: with a
 # -- waits around a call and at an ending --------------------------------------------------------
 
 POLL_SLICE_S = 0.5  # longest a wait sleeps before re-checking failure and thread liveness (< L)
+JOIN_RESEND_S = 1.0  # a member not yet welcomed sends its JOIN again this often (one lost to a
+# connection made twice, or its WELCOME, would leave it waiting out its join timeout)
 STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
 DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take to say why
 CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format import _bodies
 from .._format._wire import Kind, Message, Op, owned
-from .._limits import DATA_LOSS_GRACE_S, STATUS_WAIT_S
+from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, STATUS_WAIT_S
 from .._protocol._coordinator import HOST_PEER, Coordinator
 from .._protocol._member import Member
 from ..errors import CollectiveError, CollectiveTimeoutError
@@ -109,9 +109,12 @@ class Driver:
         member = self.member
         self.send([member.join()])
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.wait_for(lambda: member.joined, deadline):
-            status = self.ask_status(0) if member.connected else None
-            raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
+        while not self.wait_for(lambda: member.joined, sooner(deadline, JOIN_RESEND_S)):
+            if deadline is not None and time.monotonic() >= deadline:
+                status = self.ask_status(0) if member.connected else None
+                raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
+            self.send([member.join()])  # again: a JOIN, or its WELCOME, can be lost to a connection
+            # made twice; the coordinator takes a member's JOIN again (a WELCOME again, once running)
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """Take in messages until ``done()`` or ``deadline``; False on timeout.
@@ -241,6 +244,12 @@ class Driver:
         replies = self.member.receive_message(msg)
         if replies:
             self.send(replies)
+
+
+def sooner(deadline: Optional[float], within: float) -> float:
+    """``deadline``, or ``within`` seconds from now if that comes first."""
+    soon = time.monotonic() + within
+    return soon if deadline is None else min(deadline, soon)
 
 
 class HostLink(Driver):

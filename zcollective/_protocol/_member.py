@@ -142,6 +142,7 @@ class Member:
         self._nonces: set[str] = set()  # every JOIN sent (a reconnect sends another)
         self._tokens: set[int] = set()  # their tokens: what binds replies before the WELCOME
         self._rejoin = False
+        self.challenge: Optional[str] = None  # the coordinator's last CHALLENGE (with a secret)
         self._failed_handshakes: list[float] = []  # since the last good one
         self._reserved: Optional[tuple[int, Op, int, str]] = None  # seq, op, root, site being built
         self.stats = CallStats()
@@ -164,7 +165,9 @@ class Member:
     # -- join ---------------------------------------------------------------
 
     def join(self, challenge: Optional[str] = None) -> Message:
-        """A JOIN with a fresh nonce (rule 1)."""
+        """A JOIN with a fresh nonce (rule 1), echoing the coordinator's last
+        challenge (with a secret) unless given another."""
+        challenge = challenge if challenge is not None else self.challenge
         nonce = os.urandom(16).hex()
         self._nonces.add(nonce)
         self._tokens.add(join_token(nonce))
@@ -348,7 +351,8 @@ class Member:
         elif kind is Kind.CHALLENGE and not self.joined:
             challenge = _bodies.challenge_of(msg)
             if challenge is not None:
-                return [self.join(challenge[:64])]
+                self.challenge = challenge[:64]
+                return [self.join()]
         elif kind is Kind.TAKEN:
             self._asked = max(msg.seq, self._asked or 0)
         return self._taken() if self._asked is not None else []
