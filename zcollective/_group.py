@@ -31,13 +31,10 @@ from ._format._wire import (
     error_note,
 )
 from ._forming import Form, Overslept, Unreachable
-
-if TYPE_CHECKING:
-    from ._elastic import Agreement
 from ._future import CollectiveFuture, sleeping
 from ._io import _interrupts, _sockets
 from ._io._dataplane import DataPlane
-from ._io._link import DirectLink, Driver, HostLink, sooner
+from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
 from ._io._server import Server
 from ._io._turns import Turns
@@ -46,7 +43,6 @@ from ._limits import (
     DEFAULT_INIT_TIMEOUT_S,
     EXIT_LINGER_MS,
     HOST_WINDOW_S,
-    JOIN_RESEND_S,
     STATUS_WAIT_S,
 )
 from ._protocol import _ring
@@ -61,6 +57,9 @@ from .errors import (
     LateJoinError,
     from_signal,
 )
+
+if TYPE_CHECKING:
+    from ._elastic import Agreement
 
 log = logging.getLogger("zcollective")
 
@@ -277,12 +276,8 @@ class Group:
         link, member, config = self._link, self._member, self.config
         assert link is not None
         member.newcomer = True
-        link.send([member.join()])
         deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
-        while not link.wait_for(lambda: member.admitted is not None, sooner(deadline, JOIN_RESEND_S)):
-            if deadline is None or time.monotonic() < deadline:
-                link.send([member.join()])  # again (see Driver.join): parked anew, under its last nonce
-                continue
+        if not link.send_join(lambda: member.admitted is not None, deadline):  # (parked anew each time)
             raise CollectiveTimeoutError(
                 f"a newcomer was not admitted to the group at {config.endpoint} within "
                 f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"
@@ -550,12 +545,8 @@ class Group:
         if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
             self._closed = True
             return
-        turns = self._turns
-        turns.take()
-        try:
+        with self._turns:
             self._teardown(timeout)
-        finally:
-            turns.give()
 
     def _teardown(self, timeout: Timeout) -> None:
         """:meth:`teardown`, holding the turn."""
@@ -667,15 +658,11 @@ class Group:
         """Close, holding the turn, for the next group to form: ``quick``, the
         group failed, so nothing queued is worth waiting for; else (a grow)
         rank 0's last results and admissions leave first."""
-        turns = self._turns
-        turns.take()
-        try:
+        with self._turns:
             if not self._closed:
                 self._member.forget_calls(lambda call, seq: self._member.failure or RuntimeError(
                     f"seq {seq} {call.op}: the group was formed again before the call finished"))
                 self._close(quick=quick)
-        finally:
-            turns.give()
 
     # -- machinery ------------------------------------------------------------
 
@@ -759,12 +746,8 @@ class Group:
         """
         if self._closed or _process != self._pid:
             self._check_usable()  # raises, saying which
-        turns = self._turns
-        turns.take()
-        try:
+        with self._turns:
             return self._submit_turn(op, root, build, finish, site, flags, data_job)
-        finally:
-            turns.give()
 
     def _submit_turn(self, op: Op, root: int, build: Callable[[], tuple[list[list[Any]], Any]],
                      finish: Callable[[Message], Any], site: str, flags: int,

@@ -107,14 +107,24 @@ class Driver:
             The coordinator refused the join; the message says why.
         """
         member = self.member
-        self.send([member.join()])
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.wait_for(lambda: member.joined, sooner(deadline, JOIN_RESEND_S)):
+        if not self.send_join(lambda: member.joined, deadline):
+            status = self.ask_status(0) if member.connected else None
+            raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
+
+    def send_join(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+        """Send JOIN, and again every :data:`~zcollective._limits.JOIN_RESEND_S`
+        until ``done()`` (True) or ``deadline`` (False): a JOIN, or its
+        WELCOME, can be lost to a connection made twice; the coordinator takes
+        a member's JOIN again (a WELCOME again, once running; a newcomer is
+        parked anew)."""
+        while True:
+            self.send([self.member.join()])
+            soon = time.monotonic() + JOIN_RESEND_S
+            if self.wait_for(done, soon if deadline is None else min(deadline, soon)):
+                return True
             if deadline is not None and time.monotonic() >= deadline:
-                status = self.ask_status(0) if member.connected else None
-                raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
-            self.send([member.join()])  # again: a JOIN, or its WELCOME, can be lost to a connection
-            # made twice; the coordinator takes a member's JOIN again (a WELCOME again, once running)
+                return False
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """Take in messages until ``done()`` or ``deadline``; False on timeout.
@@ -244,12 +254,6 @@ class Driver:
         replies = self.member.receive_message(msg)
         if replies:
             self.send(replies)
-
-
-def sooner(deadline: Optional[float], within: float) -> float:
-    """``deadline``, or ``within`` seconds from now if that comes first."""
-    soon = time.monotonic() + within
-    return soon if deadline is None else min(deadline, soon)
 
 
 class HostLink(Driver):

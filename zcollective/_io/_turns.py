@@ -90,6 +90,14 @@ class Turns:
         self._depth -= 1
         self._lock.release()
 
+    def __enter__(self) -> Turns:
+        """``with turns:`` takes the turn, with no bound, for the block."""
+        self.take()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.give()
+
     def held(self) -> bool:
         """Does this thread hold the turn?"""
         return bool(self._lock._is_owned())  # type: ignore[attr-defined]
