@@ -701,7 +701,8 @@ def test_survivors_form_a_group_ranked_densely_in_old_rank_order():
 
 def test_at_the_bound_the_host_forms_with_those_that_came_and_the_late_are_left_out():
     from zcollective._protocol._coordinator import Forming
-    coord = Coordinator(4, SESSION, 1000, forming=Forming("ab12", frozenset({0, 2, 3}), 4))
+    coord = Coordinator(4, SESSION, 1000, forming=Forming("ab12", frozenset({0, 2, 3}), 4,
+                                                          dead=frozenset({1})))
     assert coord.form_now() == []  # not before the host's own member came
     feed(coord, peer(0), form_join(0, 4))
     feed(coord, peer(3), form_join(3, 4))
@@ -727,13 +728,51 @@ def test_a_join_of_another_lineage_or_of_none_is_refused_while_forming():
     assert [(m.kind, m.body()["error"]) for _, m in out] == [(Kind.REJECT, "LateJoinError")]
 
 
-def test_a_group_ignores_its_own_members_forming_the_next_one_at_its_address():
+def test_a_group_tells_its_own_members_forming_the_next_one_that_it_is_not_forming():
     coord = joined(3)
     coord.lost(2, "test")  # failed: the survivors shrink; one reaches this old one first
     out = feed(coord, b"early", form_join(1, 3, lineage=f"{SESSION:x}"))
-    assert out == []  # not this group's failure: the next group answers it
+    # not this group's failure: its host is alive (its program elsewhere), and may form soon
+    assert [(m.kind, m.body()["error"]) for _, m in out] == [(Kind.REJECT, "NotFormingHere")]
     stranger = feed(coord, b"other", form_join(1, 3, lineage="ffff"))
     assert [m.kind for _, m in stranger] == [Kind.REJECT]
+
+
+def test_a_partitions_smaller_side_is_left_out_and_told_so():
+    from zcollective._protocol._coordinator import Forming
+    coord = Coordinator(4, SESSION, 1000, forming=Forming("ab12", frozenset({0, 1}), 4))
+    feed(coord, peer(0), form_join(0, 4))
+    out = feed(coord, peer(1), form_join(1, 4))  # every rank it expected: 2 of 4, no majority
+    assert sorted((p, m.kind, m.body()["error"]) for p, m in out) == [
+        (peer(0), Kind.REJECT, "LeftOutError"), (peer(1), Kind.REJECT, "LeftOutError")]
+    assert "fewer than half" in out[0][1].body()["message"] and coord.phase is Phase.FAILED
+    again = feed(coord, peer(2), form_join(2, 4))  # later: the same answer
+    assert again[0][1].body()["error"] == "LeftOutError"
+
+
+@pytest.mark.parametrize("dead, majority, forms", [
+    (frozenset(), True, False), (frozenset({2, 3}), True, True), (frozenset({3}), True, True),
+    (frozenset(), False, True)])
+def test_a_side_forms_with_more_than_half_of_those_not_seen_to_die(dead, majority, forms):
+    from zcollective._protocol._coordinator import Forming
+    coord = Coordinator(4, SESSION, 1000, forming=Forming("ab12", frozenset({0, 1}), 4, dead, majority))
+    feed(coord, peer(0), form_join(0, 4))
+    out = feed(coord, peer(1), form_join(1, 4))
+    assert {m.kind for _, m in out} == ({Kind.WELCOME} if forms else {Kind.REJECT})
+
+
+def test_a_connection_gone_soon_after_a_message_was_seen_to_die_and_a_silent_one_not():
+    coord = Coordinator(3, SESSION, max_frames=1000, liveness_s=10.0)
+    for r in range(3):
+        feed(coord, peer(r), join_msg(r, 3))
+    coord.by_rank[2].heard -= 60  # silent for a minute: heartbeats, or a partition, closed it
+    silent = [m.body() for _, m in coord.lost(2, "test")]
+    assert silent and all(b["lost"] == [2] and b["dead"] == [] for b in silent)
+    coord = Coordinator(3, SESSION, max_frames=1000, liveness_s=10.0)
+    for r in range(3):
+        feed(coord, peer(r), join_msg(r, 3))  # its JOIN just came: a close now is a death
+    died = [m.body() for _, m in coord.lost(1, "test")]
+    assert died and all(b["dead"] == [1] for b in died)
 
 
 # -- rule 10: newcomers --------------------------------------------------------------
@@ -773,3 +812,17 @@ def test_a_grow_with_nobody_waiting_changes_nothing_and_an_ending_group_dismisse
     out = [(p, decode(encode(m))) for p, m in coord.dismiss_newcomers()]
     assert [(p, m.kind, m.body()["error"]) for p, m in out] == [(b"N1", Kind.REJECT, "LateJoinError")]
     assert "ended before a grow() admitted it" in out[0][1].body()["message"]
+
+
+def test_parked_newcomers_are_probed_so_one_that_died_or_gave_up_is_dropped():
+    coord = joined(3)
+    feed(coord, b"N1", newcomer_join())
+    feed(coord, b"N2", newcomer_join(5))
+    probed = {p: m for p, m in coord.probes() if p in (b"N1", b"N2")}
+    assert {p: (m.kind, m.rank) for p, m in probed.items()} == {b"N1": (Kind.PROBE, 0),
+                                                                 b"N2": (Kind.PROBE, 5)}
+    assert all(m.session == join_token("ab" * 16) for m in probed.values())  # bound to its JOIN
+    coord.gone(b"N1")  # the driver's probe could not be sent: its connection is gone
+    for r in range(3):
+        out = feed(coord, peer(r), contrib(r, 0, op=Op.GROW, segments=[]))
+    assert _serialize.loads(out[0][1].segments[0]) == 1  # only the living one is counted

@@ -226,7 +226,8 @@ def test_a_survivor_stopped_while_it_probes_does_not_host_a_second_group(monkeyp
     member = types.SimpleNamespace(failure=failure, failed_at=time.monotonic(), session=0xABC,
                                    addresses=["h0", "h1", "h2", "h3"])
     config = Config(master_addr="h0", master_port=29500, rank=1, num_replicas=4)
-    group = types.SimpleNamespace(_member=member, config=config, _close_to_form=lambda quick: None)
+    group = types.SimpleNamespace(_member=member, config=config, _close_to_form=lambda quick: None,
+                                  _coordinator=lambda: None, _reforming=None)
     with pytest.raises(zc.LeftOutError):
         _elastic.shrink(group, timeout=10)
     assert tried == [("join", "h0"), ("join", "h2")]

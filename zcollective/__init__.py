@@ -49,7 +49,7 @@ __all__ = [
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
     "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement", "grow",
-    "coordinator_address",
+    "coordinator_address", "lost_ranks", "old_ranks",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
@@ -98,6 +98,8 @@ def _async_twin(twin: Callable[..., Any], raised: str, mistakes: str) -> Callabl
 
 
 def _current() -> Group:
+    if _group is not None and _group.closed and _group._reforming is not None:
+        _group._check_usable()  # closed to form the next group, which did not finish: says so
     if _group is None or _group.closed:
         raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
     return _group  # in a forked child, its operations raise CollectiveError naming the parent
@@ -169,11 +171,15 @@ def teardown(*, timeout: Timeout = DEFAULT) -> None:
             _group, _ended = None, group
 
 
-def shrink(timeout: Optional[float] = None) -> None:
+def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
     """After a loss (a :class:`ReplicaLostError`), go on with the survivors in
     this process: every survivor calls it, and they all end in one new default
     group, ranked densely in old-rank order (:func:`get_rank` and
     :func:`get_world_size` tell the new values); see :meth:`Group.shrink`.
+    The survivors go on only if they are more than half of the ranks not seen
+    to die, so after a partition at most one side does; ``majority=False``
+    (on every survivor) goes on with whoever came. In a group that lost
+    nobody, every rank must call it (it returns at once, nothing changed).
 
     Raises
     ------
@@ -185,7 +191,8 @@ def shrink(timeout: Optional[float] = None) -> None:
         No group could be formed within ``timeout``.
     """
     global _group
-    _group = _current().shrink(timeout)
+    group = _group if _group is not None and _group._reforming is not None else _current()
+    _group = group.shrink(timeout, majority=majority)  # (again after one that did not finish)
 
 
 def agree(flag: bool, timeout: Optional[float] = None) -> Agreement:
@@ -225,6 +232,31 @@ def grow(timeout: Timeout = DEFAULT) -> int:
     old = _current()
     _group = old.grow(timeout)
     return _group.admitted if _group is not old else 0
+
+
+def lost_ranks() -> list[int]:
+    """After :func:`shrink` (or an :func:`agree` that shrank): the ranks of the
+    group before that are not in this one; ``[]`` otherwise.
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    """
+    return _current().lost_ranks
+
+
+def old_ranks() -> Optional[list[int]]:
+    """After :func:`shrink`: each rank's rank in the group before, by new rank
+    (``old_ranks()[get_rank()]`` is this replica's); None if the default
+    group was not formed by a shrink.
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    """
+    return _current().old_ranks
 
 
 def coordinator_address() -> str:

@@ -44,24 +44,45 @@ from ._forming import Form, Overslept, Unreachable
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
 from ._protocol._coordinator import Forming
 from ._protocol._member import fresh, lost_rank_0
+from .config import Config
 from .errors import CollectiveTimeoutError, LateJoinError, LeftOutError, ReplicaLostError
 
 if TYPE_CHECKING:
     from ._group import Group
-    from .config import Config
 
 
-def shrink(group: Group, timeout: Optional[float]) -> Group:
+def form_port(master_port: int, old_rank: int) -> int:
+    """Where old rank ``old_rank`` hosts a group formed from one at
+    ``master_port``: old rank 0 at that port, the others ``old_rank`` above it,
+    so a would-be host never needs a port a living old rank 0 (stopped, busy
+    in its own code) still holds on the same host."""
+    port = master_port + old_rank
+    span = MAX_PORT + 1 - MIN_FORM_PORT
+    return port if port <= MAX_PORT else MIN_FORM_PORT + (port - MIN_FORM_PORT) % span
+
+
+MAX_PORT = 65535
+MIN_FORM_PORT = 1024  # past the top, form ports wrap to here (below: ports only root may bind)
+
+
+def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Group:
     """The survivors' new group (see the module's steps); ``group`` is closed."""
     from ._group import Group  # (a cycle: Group's methods call this module)
 
     member, config = group._member, group.config
     old_rank, old_size = config.rank, config.num_replicas
-    lost = set(getattr(member.failure, "lost_ranks", ()))  # the coordinator's word
-    inferred = set(getattr(member.failure, "lost_inferred", ())) - lost  # a connection closed
+    failure = member.failure
+    if failure is not None and not isinstance(failure, ReplicaLostError):
+        raise fresh(failure)  # a program's bug (a mismatch, ...) failed it for good: no shrink hides it
+    lost = set(getattr(failure, "lost_ranks", ()))  # the coordinator's word
+    dead = set(getattr(failure, "dead_ranks", ()))  # ... that they died (not merely went silent)
+    inferred = set(getattr(failure, "lost_inferred", ())) - lost  # a connection closed
     addresses = member.addresses or [config.master_addr] * old_size
     lineage = f"{member.session:x}"
-    failed_at = member.failed_at if member.failure is not None else time.monotonic()
+    failed_at = member.failed_at if failure is not None else time.monotonic()
+    coordinator = group._coordinator()
+    if coordinator is not None and coordinator.failed_at is not None:  # rank 0: when its coordinator
+        failed_at = min(failed_at, coordinator.failed_at)  # failed, not when its program heard
     group._close_to_form(quick=True)
     started = time.monotonic()
     allowed = 0.0  # the time its tries of the candidates so far were allowed to take
@@ -72,42 +93,49 @@ def shrink(group: Group, timeout: Optional[float]) -> Group:
         # counted it lost by now, and must not find two groups
         return time.monotonic() - failed_at - allowed > HOST_WINDOW_S
 
-    late = is_late()
+    late = is_late() or group._reforming == "grow()"  # a grow's next group formed without it
     deadline = None if timeout is None else started + timeout
     candidates = [r for r in range(old_size) if r not in lost]
     tried: list[str] = []
 
-    def host(expected: list[int]) -> Group:
-        where = config if old_rank == 0 else dataclasses.replace(
-            config, master_addr=addresses[old_rank], bind_addr=None)
-        forming = Forming(lineage, frozenset(expected), old_size)
-        return Group._formed(where, Form(lineage, forming))
+    def at(candidate: int) -> Config:
+        """Where ``candidate`` hosts: old rank 0 where the group was, another at
+        the address rank 0 saw it at (binding that)."""
+        if candidate == 0:
+            return config
+        return dataclasses.replace(config, master_addr=addresses[candidate], bind_addr=None,
+                                   master_port=form_port(config.master_port, candidate))
 
     for candidate in candidates:
         if deadline is not None and time.monotonic() > deadline:
             break
         if candidate == old_rank:
-            late = late or is_late()
-            if late and candidate != candidates[-1]:
+            if late or is_late():
+                late = True
                 continue  # too late to host: join a later one (which may say this one was left out)
+            forming = Forming(lineage, frozenset(r for r in candidates if r >= old_rank), old_size,
+                              frozenset(dead), majority)
             try:
-                return host([r for r in candidates if r >= old_rank])
+                return Group._formed(at(candidate), Form(lineage, forming))
             except Overslept as exc:  # stopped while it waited for them: as too late to host
                 tried.append(f"old rank {candidate}: {exc}")
                 late = True
                 continue
-        where = dataclasses.replace(config, master_addr=addresses[candidate] if candidate else
-                                    config.master_addr)
         reach_s = FORM_PROBE_S if candidate in inferred else FORM_REACH_S
         allowed += reach_s
         try:
-            return Group._formed(where, Form(lineage, reach_s=reach_s))
+            return Group._formed(at(candidate), Form(lineage, reach_s=reach_s))
         except LeftOutError:
             raise
         except (Unreachable, LateJoinError) as exc:  # lost too, or another group's port
+            if getattr(exc, "refused", False):
+                dead.add(candidate)  # nobody listens there: its process is gone
             tried.append(f"old rank {candidate}: {exc}")
-    if late and old_rank in candidates and (deadline is None or time.monotonic() <= deadline):
-        return host([old_rank])  # nobody after it could be reached: it goes on alone
+    if late:
+        raise LeftOutError(f"old rank {old_rank} came to shrink {time.monotonic() - failed_at:.1f} s "
+                           f"after its group failed, too late to host the survivors' group, and found "
+                           f"none that would take it: the others may have gone on without it"
+                           + "".join(f"; {t}" for t in tried))
     raise CollectiveTimeoutError(f"old rank {old_rank} could not shrink within {timeout} s: "
                                  + "; ".join(tried))
 
@@ -171,4 +199,5 @@ def regroup(group: Group, newcomers: int) -> Group:
             f"rank {config.rank}: the coordinator (rank 0) was lost while the group formed again "
             f"after a grow(): {exc}"))
         member.failed_at = time.monotonic()
+        group._reforming = "shrink()"  # (not a grow's that went on without it: a loss)
         return shrink(group, None)

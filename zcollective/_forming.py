@@ -23,7 +23,12 @@ class Form:
 
 
 class Unreachable(CollectiveError):
-    """A would-be host of a formed group could not be reached (it is lost too)."""
+    """A would-be host of a formed group could not be reached (it is lost too);
+    ``refused``: nobody listened at its port (its process is gone)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class Overslept(CollectiveError):

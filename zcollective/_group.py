@@ -55,6 +55,7 @@ from .errors import (
     CollectiveTimeoutError,
     ForkedProcessError,
     LateJoinError,
+    ReplicaLostError,
     from_signal,
 )
 
@@ -201,6 +202,7 @@ class Group:
         self._turns = Turns()  # which of the program's threads uses the sockets now
         self._pid = os.getpid()  # a forked child must never touch this process's sockets
         self._closed = False
+        self._reforming: Optional[str] = None  # closed by shrink() or grow() to form the next group
         self._ctx: Optional[zmq.Context] = None
         self._server: Optional[Server] = None
         self._data: Optional[DataPlane] = None
@@ -209,6 +211,7 @@ class Group:
                               config.max_frame_bytes)
         if form is not None:
             self._member.lineage = form.lineage
+        self._member.newcomer = config.join
         if config.log == "calls":
             self._member.log_calls = True
             _show_calls_log()
@@ -247,7 +250,8 @@ class Group:
         the others reach it through a DEALER. Forming a group, its host
         serves it."""
         config, member = self.config, self._member
-        if config.num_replicas == 1 and form is None and not config.join:
+        if config.num_replicas == 1 and form is None and not config.join and not config.port_given:
+            # a script run as it is: no port of its own (one given: newcomers may come to it)
             session = int.from_bytes(os.urandom(8), "little") | 1
             return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
                                                       user_code=_interrupts.user_code))
@@ -305,14 +309,32 @@ class Group:
             if not link.wait_for(lambda: member.joined, time.monotonic() + STATUS_WAIT_S):
                 raise CollectiveTimeoutError(f"{who} could not form a group at {self.config.endpoint}")
         else:
-            if not link.wait_for(lambda: member.joined or member.greeted, time.monotonic() + form.reach_s):
-                raise Unreachable(f"{who} could not reach {self.config.endpoint} within {form.reach_s:g} s")
-            if not link.wait_for(lambda: member.joined, time.monotonic() + form.wait_s + form.reach_s):
-                raise CollectiveTimeoutError(f"{who} reached {self.config.endpoint}, but no group was "
-                                             f"formed there within {form.wait_s + form.reach_s:g} s")
+            self._reach_host(form, who)
         self.config = dataclasses.replace(self.config, rank=member.rank, num_replicas=member.size)
         if self._data is not None:
             self._data.rank, self._data.size = member.rank, member.size
+
+    def _reach_host(self, form: Form, who: str) -> None:
+        """A member forming a group: reach its would-be host within
+        :attr:`Form.reach_s` (a port nobody listens on is :class:`Unreachable`
+        with ``refused``: that process died), then wait for its WELCOME. A host
+        whose earlier group is still open there (its program is elsewhere) has
+        until ``reach_s`` to start forming; one that forms has the forming bound."""
+        link, member, endpoint = self._link, self._member, self.config.endpoint
+        assert link is not None
+        reached = time.monotonic() + form.reach_s
+        if not link.wait_for(lambda: member.joined or member.greeted, reached):
+            raise Unreachable(f"{who} could not reach {endpoint} within {form.reach_s:g} s"
+                              + (" (refused: nobody listens there)" if member.refused else ""),
+                              refused=member.refused)
+        formed = time.monotonic() + form.wait_s + form.reach_s
+        if link.wait_for(lambda: member.joined or member.host_busy, formed):
+            if member.joined or link.wait_for(lambda: member.joined, reached):
+                return
+            raise Unreachable(f"{who} reached {endpoint}, but its host did not start forming a group "
+                              f"within {form.reach_s:g} s (busy in its own code, or stopped?)")
+        raise Unreachable(f"{who} reached {endpoint}, but no group was formed there within "
+                          f"{form.wait_s + form.reach_s:g} s")
 
     def _start_data(self, deadline: Optional[float]) -> None:
         """Joined: use the data plane if every rank has one, else let it go."""
@@ -570,13 +592,17 @@ class Group:
 
     # -- elastic groups ---------------------------------------------------------
 
-    def shrink(self, timeout: Optional[float] = None) -> Group:
+    def shrink(self, timeout: Optional[float] = None, *, majority: bool = True) -> Group:
         """After a loss, the survivors' new group, in the same processes: call
         it on every survivor (the rules: README, "Elastic groups"). This group
         is closed; the new one ranks the survivors densely in old-rank order
         (:attr:`old_ranks`, :attr:`lost_ranks` say how). If rank 0 was lost,
-        the lowest surviving rank hosts the coordinator, at the master port
-        on its own host.
+        the lowest surviving rank ``r`` hosts the coordinator, on its own host
+        at the master port + ``r``. The survivors form a group only if they are
+        more than half of the ranks not seen to die (a partition never leaves
+        two groups going on); ``majority=False`` (on every survivor) forms one
+        with whoever came. In a group that lost nobody it is a collective call:
+        it returns this group once every rank has called it.
 
         Raises
         ------
@@ -585,13 +611,26 @@ class Group:
             late, or they had counted it lost).
         CollectiveTimeoutError
             No group could be formed within ``timeout``.
+        CallMismatchError
+            Called in a group that had lost nobody, while another rank made
+            another call: a healthy group shrinks only when every rank calls it.
+        CollectiveError
+            The group had failed for another reason than a loss (a mismatch,
+            ...): that error, as every later call of it raises.
         """
         from . import _elastic
 
         self._check_process()
-        if self._closed:
+        if self._closed and self._reforming is None:
             raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")
-        return _elastic.shrink(self, timeout)
+        if not self._closed and self._member.failure is None:  # nothing lost that this rank knows of:
+            try:  # a collective call of every member (one calling it alone is a mismatch)
+                self._blocking(self._submit(Op.SHRINK, 0, _nothing, _none, _callsite()),
+                               DEFAULT if timeout is None else timeout)
+                return self  # every member called it, and nobody was lost
+            except ReplicaLostError:
+                pass  # lost meanwhile: shrink as after any loss
+        return _elastic.shrink(self, timeout, majority)
 
     def grow(self, timeout: Timeout = DEFAULT) -> Group:
         """Admit every newcomer waiting (started with ``join=True`` at this
@@ -612,7 +651,7 @@ class Group:
         if not count:
             return self
         grown = _elastic.regroup(self, count)
-        grown.admitted = count
+        grown.admitted = max(0, grown.size - self.size)  # those that came (one may have died meanwhile)
         return grown
 
     def coordinator_address(self) -> str:
@@ -659,6 +698,7 @@ class Group:
         group failed, so nothing queued is worth waiting for; else (a grow)
         rank 0's last results and admissions leave first."""
         with self._turns:
+            self._reforming = self._reforming or ("shrink()" if quick else "grow()")
             if not self._closed:
                 self._member.forget_calls(lambda call, seq: self._member.failure or RuntimeError(
                     f"seq {seq} {call.op}: the group was formed again before the call finished"))
@@ -857,6 +897,12 @@ class Group:
         raise ValueError(f"rank {self.rank}: {message}")
 
     def _check_usable(self) -> None:
+        if self._closed and self._reforming is not None:
+            raise RuntimeError(
+                f"old rank {self.rank}: this zcollective group was closed for {self._reforming} to "
+                f"form the next one, which did not finish here (interrupted, or it raised): call "
+                f"shrink() again to join the survivors' group (it raises LeftOutError if they went "
+                f"on without this replica)")
         if self._closed:
             raise RuntimeError("this zcollective group was torn down; call initialize() "
                                "(or create a new Group) first")

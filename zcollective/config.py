@@ -78,6 +78,8 @@ class Config:
     log: Optional[str] = None  # "calls": one line per call on the logger zcollective.calls
     data_plane: str = DEFAULT_DATA_PLANE  # "auto": large arrays peer to peer; "off": star only
     data_plane_min_bytes: int = DEFAULT_DATA_PLANE_MIN_BYTES  # smaller arrays keep the star
+    port_given: bool = False  # master_port came from an argument, the environment or a launcher:
+    # a group of one then serves its coordinator there, so newcomers can come (grow)
 
     @property
     def endpoint(self) -> str:
@@ -579,7 +581,8 @@ def _alone_by_omission(c: Config, origins: Mapping[str, Origin]) -> None:
             logging.getLogger("zcollective").warning(
                 "zcollective: running alone (a group of one): num_replicas is not set (argument "
                 "num_replicas, ZCOLLECTIVE_NUM_REPLICAS or a launcher's), though %s is; other "
-                "replicas will not find this one", " and ".join(given))
+                "replicas will not find this one (a newcomer, with join=True, may: grow())",
+                " and ".join(given))
 
 
 CROSS_CHECKS = (_rank_in_range, _port_zero_only_alone, _alone_by_omission)
@@ -713,7 +716,7 @@ def resolve(*args: Any, **kwargs: Any) -> Config:
     origins: dict[str, Origin] = {}
     for s in SETTINGS:
         values[s.field_name], origins[s.name] = _value(s, given.get(s.name), env, launcher)
-    config = Config(**values)
+    config = Config(**values, port_given=origins["master_port"].source != "the default")
     for check in CROSS_CHECKS:
         check(config, origins)
     return config

@@ -18,6 +18,8 @@ from ._mac import KEY_LABELS, available_backends
 from ._wire import Kind, Message, WireError, control
 
 PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
+NOT_FORMING = "NotFormingHere"  # a REJECT's error: a member came to form the next group at the
+# earlier one's coordinator, still open (its host is alive, elsewhere in its program): rule 9
 MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's two texts, type
 MAX_TRACEBACK_BYTES = 32000  # and traceback stay under the 64 KiB a replica parses (MAX_JSON_BYTES)
 MAX_ENDPOINT_CHARS = 300  # a data port's "tcp://host:port", as a JOIN states it
@@ -178,6 +180,9 @@ def parse_error(msg: Message) -> tuple[Exception, bool]:
     lost = body.get("lost")
     if isinstance(lost, list) and all(type(r) is int for r in lost[:4096]):
         error.lost_ranks = tuple(lost[:4096])  # type: ignore[attr-defined]  # (shrink's lead)
+    dead = body.get("dead")
+    if isinstance(dead, list) and all(type(r) is int for r in dead[:4096]):
+        error.dead_ranks = tuple(dead[:4096])  # type: ignore[attr-defined]  # (shrink's majority)
     return error, body.get("ended") is True
 
 

@@ -112,6 +112,7 @@ class Op(enum.IntEnum):
     BARRIER = 8
     TEARDOWN = 9
     GROW = 10  # members admit the newcomers waiting (rule 10 of the coordinator)
+    SHRINK = 11  # shrink() in a group that had not failed: a collective call like any other
 
     @property
     def label(self) -> str:

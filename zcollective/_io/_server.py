@@ -86,7 +86,8 @@ class Server:
         self.signer = Signer(config.secret) if config.secret is not None else None
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer, config.max_frame_bytes, _interrupts.user_code,
-                                       forming, config.master_addr)
+                                       forming, config.master_addr, config.liveness_timeout)
+        self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self._own = threading.RLock()  # its holder owns the sockets and the coordinator (an RLock
         # for its _is_owned: an interrupt right after acquiring must not leave it held)
@@ -99,6 +100,7 @@ class Server:
         self._items: list[Any] = []  # what an owner polls: ROUTER, monitor, ZAP handler
         self._nudged_items: Optional[list[Any]] = None  # ... and a nudge (see poll_items)
         self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
+        self._listening: Optional[int] = None  # the master port's descriptor (see _sockets.bind)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
         self._probes = ProbeSchedule()
@@ -460,6 +462,7 @@ class Server:
     def _close(self, linger_ms: int) -> None:
         router, monitor, self._router = self._router, self._monitor, None
         if router is not None and monitor is not None:
+            _sockets.unbind(self._listening)
             _sockets.close_monitored(router, monitor, linger_ms)
         self._close_gatekeeper()  # after the ROUTER: no handshake is left to answer
         self.wakeup.close()
@@ -503,10 +506,10 @@ class Server:
             host = f"[{host}]"
             router.setsockopt(zmq.IPV6, 1)
         try:
-            _sockets.bind(router, f"tcp://{host}:{config.master_port}",
-                          in_use=f"rank 0 cannot host the coordinator: port {config.master_port} on "
+            self._listening = _sockets.bind(router, f"tcp://{host}:{config.master_port}",
+                          in_use=f"{self.host} cannot host the coordinator: port {config.master_port} on "
                                  f"{config.master_addr} is already in use by another program",
-                          cannot=f"rank 0 cannot bind the coordinator to {config.endpoint}: {{reason}} "
+                          cannot=f"{self.host} cannot bind the coordinator to {config.endpoint}: {{reason}} "
                                  f"(master_addr must be an address of rank 0's host)",
                           retry_s=FORM_BIND_RETRY_S if self.coordinator.forming is not None else 0.0)
         except BaseException:
@@ -523,6 +526,7 @@ class Server:
                 monitor = _sockets.monitor_socket(router, events)
                 made.append(monitor)
         except BaseException:
+            _sockets.unbind(self._listening)
             for sock in made:
                 sock.close(linger=0)
             raise

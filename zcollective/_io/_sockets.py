@@ -81,21 +81,86 @@ def library_error(exc: zmq.ZMQError, what: str) -> CollectiveError:
 _ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EPROTONOSUPPORT}
 
 
-def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> None:
+LISTEN_BACKLOG = 100  # libzmq's own default (ZMQ_BACKLOG): a whole job may connect at once
+_listening: set[int] = set()  # the ports this process listens on, by descriptor (ours, see bind)
+
+
+def _close_in_child() -> None:
+    """A forked child (a data-loader worker) must not hold its parent's ports:
+    a group forming again after a loss binds the same port (issue 31)."""
+    for fd in _listening:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the child's copy: the parent's stays open
+    _listening.clear()
+
+
+if hasattr(os, "register_at_fork"):  # (no fork without it)
+    os.register_at_fork(after_in_child=_close_in_child)
+
+
+def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> Optional[int]:
     """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the
     port is taken (for ``retry_s``: a process that was killed holding it may
-    still be closing its files), else ``cannot`` with libzmq's reason."""
+    still be closing its files), else ``cannot`` with libzmq's reason.
+
+    A TCP port is listened on through a descriptor made here and handed to
+    libzmq (``ZMQ_USE_FD``), so that a forked child closes its copy at once
+    (:func:`_close_in_child`); returns it, for :func:`unbind` before the
+    socket closes (None when libzmq bound an address Python cannot, such as
+    an interface name)."""
     deadline = time.monotonic() + retry_s
     while True:
         try:
-            sock.bind(endpoint)
-            return
-        except zmq.ZMQError as exc:
+            fd = _listen(endpoint)
+            if fd is not None:
+                sock.setsockopt(zmq.USE_FD, fd)
+            try:
+                sock.bind(endpoint)
+            except BaseException:
+                if fd is not None:
+                    os.close(fd)
+                raise
+            if fd is not None:
+                _listening.add(fd)
+            return fd
+        except (zmq.ZMQError, OSError) as exc:
             if exc.errno != zmq.EADDRINUSE:
-                raise AddressError(cannot.format(reason=exc.strerror)) from None
+                reason = exc.strerror if isinstance(exc, zmq.ZMQError) else str(exc)
+                raise AddressError(cannot.format(reason=reason)) from None
             if time.monotonic() >= deadline:
                 raise AddressError(in_use) from None
         time.sleep(BIND_RETRY_STEP_S)
+
+
+def unbind(fd: Optional[int]) -> None:
+    """The socket listening on ``fd`` (from :func:`bind`) is about to close:
+    a child forked from now on has nothing of it to close (libzmq closes it,
+    and the number may be reused)."""
+    _listening.discard(fd)  # type: ignore[arg-type]
+
+
+def _listen(endpoint: str) -> Optional[int]:
+    """A listening TCP socket for ``tcp://host:port`` (host an IP literal, in
+    brackets for IPv6, or ``*``), detached: its descriptor. None for what
+    only libzmq can bind (an interface name, port ``*``)."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isdigit():
+        return None
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.inet_pton(family, "0.0.0.0" if host == "*" else host)
+    except OSError:
+        return None  # not an IP literal: libzmq resolves it (and reports what it cannot)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq: TIME_WAIT is no bar
+        sock.bind(("0.0.0.0" if host == "*" else host, int(port)))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)  # one side speaks PLAIN

@@ -52,8 +52,12 @@ Rules:
    took the data (TAKEN, of the last such call), ends or is gone; a BYE
    flagged ``FLAG_DATA`` (data left unmoved) fails the group.
 8. *Gone.* A peer is gone when a send to it fails (a connection closed:
-   the driver sends :meth:`Coordinator.probes`). Lost while running; its
-   slot opens again while joining; never lost once it said BYE.
+   the driver sends :meth:`Coordinator.probes`, to members and parked
+   newcomers alike). Lost while running; its slot opens again while
+   joining; never lost once it said BYE; a newcomer gone is dropped. A
+   member gone within :data:`SEEN_DEAD_SHARE` of the liveness bound after
+   its last message was seen to die (heartbeats take longer to give up):
+   the FAIL says so (``dead``), for rule 9's majority.
 9. *Forming.* The members of an earlier group (its session, in hex, is the
    *lineage*) form a new one (:class:`Forming`): their JOINs carry the
    lineage and their old rank and size; a JOIN of another lineage, or of
@@ -62,7 +66,11 @@ Rules:
    came are ranked densely in old-rank order; each WELCOME, bound to the old
    rank its JOIN claimed, gives the new rank and every rank's old one. A
    member of the lineage that comes later, or was not expected (a lower
-   rank, or one counted lost), is refused as left out.
+   rank, or one counted lost), is refused as left out. Those that came form
+   the group only if they are more than half of the old ranks not seen to
+   die (:meth:`Forming.quorate`; a partition's smaller side is told it was
+   left out). A member's JOIN for the next group that reaches the earlier
+   group's coordinator, still open, is told so (``NotFormingHere``).
 10. *Newcomers.* A JOIN marked ``newcomer`` while the group runs (proven,
    with a secret) is parked, not refused (at most :data:`MAX_NEWCOMERS`;
    one gone is dropped). A GROW call, made by every member, completes with
@@ -87,7 +95,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
 from .._format import _bodies, _serialize
-from .._format._bodies import PYTHON_VERSION, error_body
+from .._format._bodies import NOT_FORMING, PYTHON_VERSION, error_body
 from .._format._mac import HMAC_SHA256, POLY1305
 from .._format._wire import (
     FLAG_AUTH,
@@ -124,6 +132,8 @@ MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so st
 Out = tuple[bytes, Message]
 GONE = "connection closed or heartbeats unanswered"  # ZeroMQ does not say which: a process that
 # ended or was killed, and one stopped (SIGSTOP) or cut off past the liveness bound, look alike
+SEEN_DEAD_SHARE = 0.5  # a connection gone within this share of the liveness bound after the peer's
+# last message was closed, not timed out (heartbeats take 2/3 of it): the process died (rule 8)
 HOST_PEER = b"\x00L0"  # its name for the member in its own process; no DEALER of ours has it
 # (theirs start with b"R"), and the server drops any peer announcing it
 
@@ -191,8 +201,13 @@ class Member:
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
     old_rank: Optional[int] = None  # in a group formed from an earlier one: its rank there
+    heard: float = 0.0  # when (time.monotonic()) its last message came (see Coordinator.lost)
+
+    newcomer: bool = False  # parked until a GROW (rule 10): the rank it claims means nothing yet
 
     def describe(self) -> str:
+        if self.newcomer:
+            return f"newcomer (pid {self.pid} on {self.host})"
         return f"rank {self.rank} (pid {self.pid} on {self.host})"
 
     def describe_end(self) -> str:
@@ -206,11 +221,20 @@ class Member:
 class Forming:
     """Members of an earlier group, whose session was ``lineage`` (hex), form a
     new group here (rule 9): ``expected`` are their old ranks, the host's (rank
-    0's here) the lowest, of a group of ``old_size``."""
+    0's here) the lowest, of a group of ``old_size``. With ``majority``, the
+    group forms only with more than half of the old ranks not in ``dead``
+    (those seen to die), so a partition never leaves two groups going on."""
 
     lineage: str
     expected: frozenset[int]
     old_size: int
+    dead: frozenset[int] = frozenset()
+    majority: bool = True
+
+    def quorate(self, came: Iterable[int]) -> bool:
+        """Are the old ranks that ``came`` enough to form the group?"""
+        came = set(came)
+        return not self.majority or 2 * len(came) > self.old_size - len(self.dead - came)
 
 
 @dataclass
@@ -292,6 +316,7 @@ OP_RULES = {  # a row per operation; its Group method (and module function) is t
     Op.BARRIER: OpRule(False, "none", _nothing),
     Op.TEARDOWN: OpRule(False, "none", _nothing),
     Op.GROW: OpRule(False, "none", _newcomers),  # (rule 10)
+    Op.SHRINK: OpRule(False, "none", _nothing),  # (a healthy group: nothing to leave out)
 }
 
 
@@ -306,8 +331,11 @@ class Coordinator:
     def __init__(self, num_replicas: int, session: int, max_frames: int,
                  signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None,
                  user_code: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
-                 forming: Optional[Forming] = None, host_address: str = "?") -> None:
+                 forming: Optional[Forming] = None, host_address: str = "?",
+                 liveness_s: Optional[float] = None) -> None:
         self.forming = forming
+        self.liveness_s = liveness_s  # the group's bound: tells a closed connection from a silent one
+        self.failed_at: Optional[float] = None  # when (time.monotonic()) it failed
         if forming is not None:
             num_replicas = len(forming.expected)  # at most; those who came, once formed
         self.host_address = host_address  # rank 0's, as the others reach it
@@ -386,6 +414,8 @@ class Coordinator:
 
     def _handle(self, peer: bytes, msg: Message, address: str) -> list[Out]:
         member = self.members.get(peer)
+        if member is not None:
+            member.heard = time.monotonic()
         if (msg.kind is Kind.CONTRIB and member is not None and msg.rank == member.rank
                 and msg.session == self.session and self.phase is not Phase.FAILED):
             return self._on_contribution(member, msg, address)  # the common case: what follows, in one test
@@ -476,7 +506,9 @@ class Coordinator:
             peers = [m for m in self.members.values() if m.ended is None and m.rank != 0]
         else:  # over: only those that owe an answer
             peers = [m for m in self.members.values() if m.peer in self.unanswered or self.held.get(m.rank)]
-        return [(m.peer, Message(Kind.PROBE, rank=m.rank, session=self._binding(m))) for m in peers]
+        probes = [(m.peer, Message(Kind.PROBE, rank=m.rank, session=self._binding(m))) for m in peers]
+        return probes + [(n.peer, Message(Kind.PROBE, rank=n.rank, session=join_token(n.nonce)))
+                         for n in self.newcomers.values()]  # one that timed out or died is dropped
 
     def gone(self, peer: bytes, reason: str = GONE) -> list[Out]:
         """A send to ``peer`` failed: its connection is gone (rule 8). A
@@ -521,7 +553,10 @@ class Coordinator:
             return []
         who = member.describe() if member else f"rank {rank}"
         message = f"{who} was lost ({reason}); {self._in_flight()}"
-        return self.fail("ReplicaLostError", message, lost=[rank], exclude={rank})
+        dead = member is not None and self.liveness_s is not None and (
+            time.monotonic() - member.heard < SEEN_DEAD_SHARE * self.liveness_s)
+        return self.fail("ReplicaLostError", message, lost=[rank], dead=[rank] if dead else [],
+                         exclude={rank})
 
     def fail(self, error: str, message: str, exclude: Iterable[int] = (), level: int = logging.ERROR,
              **extra: Any) -> list[Out]:
@@ -529,6 +564,7 @@ class Coordinator:
         if self.phase is Phase.FAILED:
             return []
         self.phase = Phase.FAILED
+        self.failed_at = time.monotonic()
         self.failure = error_body(error, message, **extra)
         log.log(level, "zcollective coordinator: %s", message)
         skip = set(exclude)
@@ -598,10 +634,14 @@ class Coordinator:
         python, n = info.pop("python"), info.pop("num_replicas")
         lineage, newcomer = info.pop("lineage"), info.pop("newcomer")
         join = Member(peer=b"", **info)
+        join.newcomer = bool(newcomer and lineage is None)
         if newcomer and lineage is None:  # while joining, running, or failed (its survivors form
             return self._park(peer, msg, join, python, address)  # the next group: it comes again)
         if lineage == f"{self.session:x}":  # this group's members forming the next one (rule 9), early
-            return []  # at its address: once this one closes, they find the next (and its answer)
+            # at its address: once this one closes they find the next; meanwhile they know its
+            # host is alive, but not (yet) forming (its program is elsewhere)
+            return self._refuse(peer, msg, NOT_FORMING, f"{join.describe()} came to form the next "
+                                f"group, but its would-be host has not closed this one yet")
         if self.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
             return self._refuse_late(peer, msg, join, address, lineage)
         forming = self.forming
@@ -622,7 +662,7 @@ class Coordinator:
         problem = self._join_problem(join, python, n)
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
-        join.peer, join.address = peer, address
+        join.peer, join.address, join.heard = peer, address, time.monotonic()
         self.members[peer] = join
         self.by_rank[join.rank] = join
         if len(self.by_rank) < self.num_replicas:
@@ -635,14 +675,14 @@ class Coordinator:
         if challenge is not None:
             return challenge
         if python != PYTHON_VERSION:
-            return self._refuse(peer, msg, "ProtocolError", f"newcomer {join.describe()} runs Python "
+            return self._refuse(peer, msg, "ProtocolError", f"{join.describe()} runs Python "
                                 f"{python}, the group runs {PYTHON_VERSION}")
         if peer not in self.newcomers and len(self.newcomers) >= MAX_NEWCOMERS:
-            return self._refuse(peer, msg, "LateJoinError", f"newcomer {join.describe()}: "
+            return self._refuse(peer, msg, "LateJoinError", f"{join.describe()}: "
                                 f"{MAX_NEWCOMERS} newcomers already wait to be admitted")
         join.peer, join.address = peer, address
         self.newcomers[peer] = join
-        log.info("zcollective coordinator: newcomer %s waits to be admitted (grow)", join.describe())
+        log.info("zcollective coordinator: %s waits to be admitted (grow)", join.describe())
         return []
 
     def dismiss_newcomers(self) -> list[Out]:
@@ -650,7 +690,7 @@ class Coordinator:
         parked is told so, rather than left waiting (rule 10)."""
         newcomers, self.newcomers = list(self.newcomers.values()), {}
         return [(n.peer, control(Kind.REJECT, error_body(
-            "LateJoinError", f"newcomer {n.describe()}: the group ended before a grow() admitted it"),
+            "LateJoinError", f"{n.describe()}: the group ended before a grow() admitted it"),
             rank=n.rank, session=join_token(n.nonce))) for n in newcomers]
 
     def _admit(self, seq: int) -> list[Out]:
@@ -670,6 +710,8 @@ class Coordinator:
     def _start(self) -> list[Out]:
         """Every member joined (or, forming, the bound passed): WELCOME them."""
         if self.forming is not None:
+            if not self.forming.quorate(self.by_rank):
+                return self._no_quorum()
             self._renumber()
         self.phase = Phase.RUNNING
         self._settle()
@@ -688,6 +730,22 @@ class Coordinator:
         self.old_ranks = old
         self.next_seq = [0] * self.num_replicas
         self.lateness = Lateness(self.num_replicas)
+
+    def _no_quorum(self) -> list[Out]:
+        """Rule 9: too few came to form the group: each is told it is left out."""
+        forming = self.forming
+        assert forming is not None
+        came = sorted(self.by_rank)
+        dead = f" ({rank_list(forming.dead)} seen to die)" if forming.dead else ""
+        message = (f"old {rank_list(came)} could not form a group: fewer than half of the "
+                   f"{forming.old_size} ranks of the group before{dead} came, so the others may "
+                   f"be alive and going on (a partition?); shrink(majority=False) goes on anyway")
+        members, self.members, self.by_rank = list(self.members.values()), {}, {}
+        body = error_body("LeftOutError", message, MAX_REFUSAL_BYTES)
+        outs = [(m.peer, control(Kind.REJECT, body, rank=m.rank, session=join_token(m.nonce)))
+                for m in members]
+        self.fail("LeftOutError", message, level=logging.WARNING)
+        return outs
 
     def form_now(self) -> list[Out]:
         """The forming bound passed (the driver's clock): start with the members

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .._format import _bodies, _wire
-from .._format._bodies import PYTHON_VERSION
+from .._format._bodies import NOT_FORMING, PYTHON_VERSION
 from .._format._bodies import is_data_key as _is_key  # noqa: F401 (tests check it here)
 from .._format._mac import HMAC_SHA256, POLY1305
 from .._format._wire import (
@@ -100,6 +100,7 @@ class Link(enum.Enum):
     HANDSHAKE_FAILED = "handshake failed"  # closed during the handshake: maybe a proxy
     PROTOCOL_VIOLATION = "protocol violation"  # a handshake no ZeroMQ peer would send
     DISCONNECTED = "disconnected"  # closed, or heartbeats unanswered
+    REFUSED = "refused"  # a connection attempt failed at once (nobody listens: its process died)
 
 
 @dataclass(slots=True)
@@ -135,6 +136,9 @@ class Member:
         self.failed_at = 0.0  # when (time.monotonic()) it failed here
         self.connected = False
         self.greeted = False  # a ZeroMQ handshake with the coordinator succeeded on the connection now up
+        self.refused = False  # a connection attempt was refused, and no handshake ever succeeded
+        self.shook = False  # a handshake with the coordinator ever succeeded
+        self.host_busy = False  # forming: the would-be host's earlier group is still open there
         self.coordinator_lost = False  # its connection to rank 0 broke after the WELCOME
         self.status: dict[int, dict[str, Any]] = {}  # seq -> the coordinator's STATUS_REPLY
         self.farewell = False  # the coordinator answered this member's BYE (rule 7)
@@ -227,7 +231,7 @@ class Member:
                 size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
                 if size > limit:
                     raise ValueError(
-                        f"rank {self.rank}: a {op.label} value holds a buffer of {size} bytes, "
+                        f"{self.who}: a {op.label} value holds a buffer of {size} bytes, "
                         f"above max_frame_bytes={limit}; raise ZCOLLECTIVE_MAX_FRAME_BYTES on "
                         f"every replica, or split the value")
                 sent += size
@@ -289,15 +293,15 @@ class Member:
             if not self.joined:
                 why = "rank 0 has no secret" if exc.missing else "rank 0 has a different secret"
                 return self.fail(AuthenticationError(
-                    f"rank {self.rank}: a reply of the coordinator at {self.endpoint} failed "
+                    f"{self.who}: a reply of the coordinator at {self.endpoint} failed "
                     f"authentication ({exc}): {why}; set the same ZCOLLECTIVE_SECRET everywhere"))
             return self.fail(AuthenticationError(
-                f"rank {self.rank}: a message from the coordinator at {self.endpoint} failed "
+                f"{self.who}: a message from the coordinator at {self.endpoint} failed "
                 f"authentication ({exc}); was it altered in flight? {self.describe_in_flight()}"),
                 tell=True)
         except VersionError as exc:
             return self.fail(ProtocolError(
-                f"rank {self.rank}: the coordinator at {self.endpoint} speaks protocol version "
+                f"{self.who}: the coordinator at {self.endpoint} speaks protocol version "
                 f"{exc.version}, this replica speaks {_wire.PROTOCOL_VERSION}: install the same "
                 f"zcollective everywhere"))
         except WireError as exc:
@@ -339,6 +343,9 @@ class Member:
                 self.addresses = welcome["addresses"]
                 self._data_plan(welcome)
                 self.session = msg.session
+        elif kind is Kind.REJECT and self.lineage is not None and not self.joined and (
+                msg.body().get("error") == NOT_FORMING):  # its host is alive: it may form soon
+            self.host_busy = True
         elif kind is Kind.REJECT or kind is Kind.FAIL:
             error, ended = _bodies.parse_error(msg)
             # a rank's program ended: calls whose data moves peer to peer need only their ring
@@ -384,7 +391,7 @@ class Member:
         what = (f"a {msg.kind.name} message from the coordinator at {self.endpoint} was bound to "
                 f"rank {msg.rank}, session {msg.session:#x}, not to this replica")
         if self.signer is not None:
-            return self.fail(AuthenticationError(f"rank {self.rank}: {what}: was it moved between "
+            return self.fail(AuthenticationError(f"{self.who}: {what}: was it moved between "
                                                  f"ranks or replayed? {self.describe_in_flight()}"),
                              tell=True)
         if msg.kind is not Kind.RESULT:  # a RESULT of an earlier group on this port is routine
@@ -485,6 +492,8 @@ class Member:
         """Handle what the driver saw of its connection; return what to send."""
         if event is Link.CONNECTED:
             self.connected = True
+        elif event is Link.REFUSED:  # (a connection the kernel took for a process being killed is
+            self.refused = not self.shook  # no sign of life; a handshake is)
         elif event is Link.DISCONNECTED:
             self.greeted = False
             if not self.joined:
@@ -492,10 +501,11 @@ class Member:
                 return []
             self.coordinator_lost = True
             return self.fail(lost_rank_0(ReplicaLostError(
-                f"rank {self.rank} lost the coordinator (rank 0) at {self.endpoint}: connection "
+                f"{self.who} lost the coordinator (rank 0) at {self.endpoint}: connection "
                 f"closed or heartbeats unanswered; {self.describe_in_flight()}")))
         elif event is Link.HANDSHAKE_SUCCEEDED:
-            self.greeted = True
+            self.greeted = self.shook = True
+            self.refused = False
             self._failed_handshakes.clear()
             if self._rejoin and not self.joined:
                 self._rejoin = False
@@ -516,25 +526,30 @@ class Member:
                 # a coordinator without a secret closes a PLAIN handshake; this end sees the
                 # mismatch only when it reads the greeting before the close (a race)
                 return self.fail(AuthenticationError(
-                    f"rank {self.rank}: the coordinator at {self.endpoint} closed {len(failures)} "
+                    f"{self.who}: the coordinator at {self.endpoint} closed {len(failures)} "
                     f"ZeroMQ handshakes with this replica, which offers credentials: rank 0 has no "
                     f"secret (or the program there is not a zcollective coordinator); set the same "
                     f"ZCOLLECTIVE_SECRET everywhere"))
             if not protocol_violation:  # closed: a coordinator that requires a secret closes too
                 return self.fail(ProtocolError(
-                    f"rank {self.rank}: the program listening at {self.endpoint} is not a zcollective "
+                    f"{self.who}: the program listening at {self.endpoint} is not a zcollective "
                     f"coordinator, or is one that requires a secret ({len(failures)} ZeroMQ "
                     f"handshakes failed); set the job's ZCOLLECTIVE_SECRET if it has one, else is the "
                     f"master port used by another program?"))
             return self.fail(ProtocolError(
-                f"rank {self.rank}: the program listening at {self.endpoint} is not a zcollective "
+                f"{self.who}: the program listening at {self.endpoint} is not a zcollective "
                 f"coordinator ({len(failures)} ZeroMQ handshakes failed); is the master port "
                 f"used by another program?"))
         return []
 
+    @property
+    def who(self) -> str:
+        """This replica, as its errors name it: a newcomer has no rank yet."""
+        return "a newcomer" if self.newcomer else f"rank {self.rank}"
+
     def coordinator_gone(self, why: str) -> None:
         """Rank 0's own member: the coordinator stopped serving."""
-        self.fail(lost_rank_0(ReplicaLostError(f"rank {self.rank}: the coordinator is gone: {why}; "
+        self.fail(lost_rank_0(ReplicaLostError(f"{self.who}: the coordinator is gone: {why}; "
                                                 f"{self.describe_in_flight()}")))
 
     def fail(self, error: Exception, tell: bool = False, keep_data: bool = False) -> list[Message]:
@@ -604,7 +619,7 @@ class Member:
         return f"{base}: every rank arrived; the coordinator (rank 0) is still computing it"
 
     def join_timeout_message(self, timeout: Optional[float], status: Optional[dict[str, Any]]) -> str:
-        base = f"rank {self.rank} timed out after {timeout:g} s joining the group at {self.endpoint}"
+        base = f"{self.who} timed out after {timeout:g} s joining the group at {self.endpoint}"
         if not self.connected:
             return (f"{base}: could not reach the coordinator (rank 0) at that address "
                     f"(is rank 0 running, with the same num_replicas (a rank 0 told none, or 1, "
