@@ -1,0 +1,353 @@
+"""Elastic groups at their edges (issue 31), between real processes: forked
+workers holding the master port, a busy or stopped rank 0, dead and timed-out
+newcomers, a group of one growing, late, lone and interrupted shrink() calls,
+a group failed by a program's bug. The promise under test: every survivor ends
+in the one next group or is told it is not in it."""
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import touch, wait_for
+
+import zcollective as zc
+from zcollective.testing import Replicas, report
+
+RUN_S = 90  # every run is bounded by this
+
+
+def _outcome(fn):
+    """``fn()``'s value, or ``"left out: ..."`` / ``"ErrorName: ..."``."""
+    try:
+        return fn()
+    except zc.LeftOutError as exc:
+        return f"left out: {exc}"
+    except zc.CollectiveError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _groups(values):
+    """The groups the survivors report, as sets of (old rank, new rank, size)."""
+    return {tuple(v["members"]) for v in values if isinstance(v, dict)}
+
+
+# -- forked workers -------------------------------------------------------------------
+
+
+def forks_then_loses(victim, markers):
+    """Rank 0 forks a worker that never touches the group (a data loader's)
+    and outlives the loss; ``victim`` dies mid-call; the survivors shrink."""
+    me = zc.get_rank()
+    if me == 0:
+        child = os.fork()
+        if child == 0:  # the worker: sleeps, then ends without a word
+            time.sleep(8)
+            os._exit(0)
+    zc.allreduce(1)
+    if me == victim:
+        zc.allgather_async(me)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _past_the_loss(me, victim)
+
+
+def _past_the_loss(me, victim):
+    """Calls until ``victim`` is no longer a member (shrinking at the loss: a
+    call or two may still complete, with the victim's part in)."""
+    while True:
+        try:
+            members = tuple(zc.allgather(me, timeout=30))
+        except zc.ReplicaLostError:
+            zc.shrink()
+            continue
+        if victim not in members:
+            return {"members": members, "size": zc.get_world_size()}
+
+
+@pytest.mark.parametrize("victim", [0, 3], ids=["rank-0", "last"])
+def test_a_forked_worker_of_rank_0_does_not_hold_the_port_a_shrink_needs(tmp_path, victim):
+    with Replicas(forks_then_loses, 4, victim, str(tmp_path)) as reps:
+        outs = reps.wait(RUN_S)
+    survivors = [o for o in outs if o.rank != victim]
+    assert all(o.ok for o in survivors), report(outs, "a survivor failed")
+    expected = tuple(r for r in range(4) if r != victim)
+    assert all(o.value == {"members": expected, "size": 3} for o in survivors), report(outs, "split")
+
+
+def forks_then_grows():
+    """Rank 0 forks a worker, then the members admit a newcomer: the group
+    forms again at rank 0's port while the worker lives."""
+    if zc.get_rank() == 0 and os.fork() == 0:
+        time.sleep(8)
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while zc.get_world_size() < 3:
+        assert time.monotonic() < deadline, "the newcomer never came"
+        zc.allreduce(1)
+        time.sleep(0.05)
+        zc.grow()
+    return zc.allgather(zc.get_rank())
+
+
+def newcomer():
+    zc.initialize(join=True)
+    return zc.allgather(zc.get_rank())
+
+
+def test_a_forked_worker_of_rank_0_does_not_stop_a_grow():
+    with Replicas(forks_then_grows, 2) as members:
+        time.sleep(0.3)
+        with Replicas(newcomer, 1, initialize=False, port=members.port,
+                      env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as new:
+            outs = new.wait(RUN_S)
+        outs = members.wait(RUN_S) + outs
+    assert all(o.ok and o.value == [0, 1, 2] for o in outs), report(outs, "the grow failed")
+
+
+# -- newcomers that died or gave up ---------------------------------------------------
+
+
+def grows_after(markers):
+    zc.allreduce(1)
+    wait_for(os.path.join(markers, "gone"), timeout=60)
+    started = time.monotonic()
+    admitted = zc.grow()
+    return admitted, zc.get_world_size(), round(time.monotonic() - started, 3)
+
+
+def parks(markers, timeout):
+    touch(os.path.join(markers, f"parking{os.getpid()}"))
+    try:
+        zc.initialize(join=True, timeout=timeout)
+    except zc.CollectiveTimeoutError:
+        return "gave up"
+    return "admitted"
+
+
+def test_newcomers_that_died_or_gave_up_are_not_counted(tmp_path):
+    with Replicas(grows_after, 3, str(tmp_path)) as members:
+        with Replicas(parks, 1, str(tmp_path), 60, initialize=False, port=members.port,
+                      env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as doomed, \
+                Replicas(parks, 1, str(tmp_path), 1.5, initialize=False, port=members.port,
+                         env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as impatient:
+            time.sleep(1.0)  # both parked (a newcomer parks within milliseconds of its start)
+            doomed.kill(0)
+            gave_up = impatient.wait(RUN_S)
+            time.sleep(1.5)  # the probes after their connections closed (PROBE_SPAN_S)
+            touch(tmp_path / "gone")
+            outs = members.wait(RUN_S)
+    assert gave_up[0].ok and gave_up[0].value == "gave up", report(gave_up, "the impatient one")
+    assert all(o.ok for o in outs), report(outs, "a member failed")
+    assert [o.value[:2] for o in outs] == [(0, 3)] * 3, report(outs, "a dead newcomer was counted")
+    assert max(o.value[2] for o in outs) < 1.0, report(outs, "the grow waited for a dead newcomer")
+
+
+# -- a busy or stopped rank 0 -------------------------------------------------------
+
+
+def busy_rank_0(busy_s):
+    """Rank 0 is ``busy_s`` in its own code (a checkpoint) when rank 1 dies
+    mid-call; every survivor shrinks when it learns of the loss."""
+    me = zc.get_rank()
+    zc.allreduce(1)
+    if me == 0:
+        time.sleep(busy_s)
+    elif me == 1:
+        zc.allgather_async(me)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return _outcome(lambda: _past_the_loss(me, 1))
+
+
+@pytest.mark.parametrize("busy_s", [3, 5, 8])
+def test_a_busy_rank_0_never_strands_the_prompt_survivors(busy_s):
+    with Replicas(busy_rank_0, 4, busy_s) as reps:
+        outs = reps.wait(RUN_S)
+    values = [o.value for o in outs if o.rank != 1]
+    assert all(o.ok for o in outs if o.rank != 1), report(outs, "a survivor failed")
+    groups = _groups(values)
+    assert len(groups) == 1, report(outs, f"not one group: {values}")
+    members = next(iter(groups))
+    assert {2, 3} <= set(members), report(outs, "the prompt survivors were stranded")
+    for o in outs:
+        if o.rank != 1 and o.rank not in members:
+            assert str(o.value).startswith("left out: "), report(outs, f"rank {o.rank} not told")
+
+
+def stopped_rank_0(markers):
+    me = zc.get_rank()
+    touch(os.path.join(markers, f"ready{me}"))
+
+    def go_on():
+        while True:
+            try:
+                zc.allgather(me, timeout=60)
+            except zc.ReplicaLostError:
+                zc.shrink()
+                return {"members": tuple(zc.allgather(me, timeout=30)), "size": zc.get_world_size()}
+            time.sleep(0.01)
+    return _outcome(go_on)
+
+
+def test_a_stopped_rank_0_on_the_same_host_neither_blocks_the_others_nor_goes_on_alone(tmp_path):
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "1"}
+    with Replicas(stopped_rank_0, 4, str(tmp_path), env=env) as reps:
+        wait_for(*(tmp_path / f"ready{r}" for r in range(4)), watch=reps)
+        time.sleep(0.3)
+        reps.kill(0, signal.SIGSTOP)
+        time.sleep(6)  # past the liveness bound and the others' shrink
+        reps.kill(0, signal.SIGCONT)
+        outs = reps.wait(RUN_S)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert [o.value for o in outs[1:]] == [{"members": (1, 2, 3), "size": 3}] * 3, report(outs, "split")
+    assert isinstance(outs[0].value, str), report(outs, "rank 0 went on alone")
+
+
+# -- late, lone and interrupted shrink() ---------------------------------------------
+
+
+def late_shrink(markers):
+    me = zc.get_rank()
+    zc.allreduce(1)
+    if me == 2:
+        zc.allgather_async(me)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        zc.allgather(me, timeout=30)
+    except zc.ReplicaLostError:
+        pass
+    if me == 1:  # late: the others formed their group, worked, and ended it
+        wait_for(os.path.join(markers, "done"), timeout=60)
+        time.sleep(0.5)
+    return _outcome(lambda: _work_after_shrink(me, markers))
+
+
+def _work_after_shrink(me, markers):
+    zc.shrink()
+    members = tuple(zc.allgather(me))
+    if zc.get_rank() == 0:
+        touch(os.path.join(markers, "done"))
+    return {"members": members}
+
+
+def test_a_late_shrink_is_told_it_was_left_out_even_after_the_others_ended(tmp_path):
+    with Replicas(late_shrink, 4, str(tmp_path)) as reps:
+        outs = reps.wait(RUN_S)
+    assert outs[0].ok and outs[0].value == {"members": (0, 3)}, report(outs, "rank 0")
+    assert outs[1].ok and str(outs[1].value).startswith("left out: "), report(outs, "a group of one")
+
+
+def lone_shrink():
+    me = zc.get_rank()
+    if me == 1:
+        return _outcome(lambda: zc.shrink(timeout=30))
+    return _outcome(lambda: zc.allreduce(me, timeout=30))
+
+
+def test_a_lone_shrink_in_a_healthy_group_is_a_mismatch_named_on_every_rank():
+    with Replicas(lone_shrink, 3) as reps:
+        outs = reps.wait(RUN_S)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert all(str(o.value).startswith("CallMismatchError: ") and "shrink" in o.value for o in outs), \
+        report(outs, "not a mismatch on every rank")
+
+
+def everyone_shrinks_a_healthy_group():
+    zc.shrink()
+    return zc.get_world_size(), zc.old_ranks(), zc.lost_ranks(), zc.allreduce(1)
+
+
+def test_a_shrink_by_every_rank_of_a_healthy_group_changes_nothing():
+    with Replicas(everyone_shrinks_a_healthy_group, 3) as reps:
+        outs = reps.wait(RUN_S)
+    assert all(o.ok and o.value == (3, None, [], 3) for o in outs), report(outs, "changed")
+
+
+def shrinks_after_a_mismatch():
+    me = zc.get_rank()
+    try:
+        if me == 0:
+            zc.broadcast(me)
+        else:
+            zc.allreduce(me)
+    except zc.CallMismatchError:
+        pass
+    return _outcome(zc.shrink)
+
+
+def test_shrink_does_not_revive_a_group_failed_by_a_program_bug():
+    with Replicas(shrinks_after_a_mismatch, 3) as reps:
+        outs = reps.wait(RUN_S)
+    assert all(o.ok and str(o.value).startswith("CallMismatchError: ") for o in outs), \
+        report(outs, "revived")
+
+
+def interrupted_shrink(markers):
+    """Rank 1's first shrink() is interrupted (a signal handler's exception)
+    while it waits for rank 0, busy a moment: then the group says so, and a
+    second shrink() ends it in the survivors' group or tells it is not."""
+    me = zc.get_rank()
+    zc.allreduce(1)
+    if me == 2:
+        zc.allgather_async(me)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        zc.allgather(me, timeout=30)
+    except zc.ReplicaLostError:
+        pass
+    if me == 0:
+        time.sleep(0.8)
+        zc.shrink()
+        return {"members": tuple(zc.allgather(me, timeout=30))}
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        zc.shrink()
+        return "not interrupted"
+    except KeyboardInterrupt:
+        pass
+    try:
+        zc.get_rank()
+        said = "no error"
+    except RuntimeError as exc:
+        said = str(exc)
+    got = _outcome(lambda: (zc.shrink(), {"members": tuple(zc.allgather(me, timeout=30))})[1])
+    return said, got
+
+
+def test_an_interrupted_shrink_says_so_and_can_be_called_again(tmp_path):
+    with Replicas(interrupted_shrink, 3, str(tmp_path)) as reps:
+        outs = reps.wait(RUN_S)
+    assert outs[0].ok and outs[1].ok, report(outs, "a survivor failed")
+    said, got = outs[1].value
+    assert "call shrink() again" in said, report(outs, said)
+    assert got == outs[0].value == {"members": (0, 1)} or (
+        str(got).startswith("left out: ") and outs[0].value == {"members": (0,)}), report(outs, "split")
+
+
+# -- a group of one ---------------------------------------------------------------------
+
+
+def alone_then_grows():
+    deadline = time.monotonic() + 30
+    while zc.grow() == 0:
+        assert time.monotonic() < deadline, "the newcomer never came"
+        time.sleep(0.05)
+    return zc.allgather(zc.get_rank())
+
+
+def test_a_group_of_one_grows():
+    with Replicas(alone_then_grows, 1) as alone:
+        time.sleep(0.3)
+        with Replicas(newcomer, 1, initialize=False, port=alone.port,
+                      env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as new:
+            outs = new.wait(RUN_S)
+        outs = alone.wait(RUN_S) + outs
+    assert all(o.ok and o.value == [0, 1] for o in outs), report(outs, "no grow")
