@@ -126,17 +126,17 @@ def parks(markers, timeout):
 
 
 def test_newcomers_that_died_or_gave_up_are_not_counted(tmp_path):
-    with Replicas(grows_after, 3, str(tmp_path)) as members:
-        with Replicas(parks, 1, str(tmp_path), 60, initialize=False, port=members.port,
-                      env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as doomed, \
-                Replicas(parks, 1, str(tmp_path), 1.5, initialize=False, port=members.port,
-                         env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as impatient:
-            time.sleep(1.0)  # both parked (a newcomer parks within milliseconds of its start)
-            doomed.kill(0)
-            gave_up = impatient.wait(RUN_S)
-            time.sleep(1.5)  # the probes after their connections closed (PROBE_SPAN_S)
-            touch(tmp_path / "gone")
-            outs = members.wait(RUN_S)
+    alone = {"ZCOLLECTIVE_NUM_REPLICAS": ""}
+    port = {"initialize": False, "env": alone}
+    with Replicas(grows_after, 3, str(tmp_path)) as members, \
+            Replicas(parks, 1, str(tmp_path), 60, port=members.port, **port) as doomed, \
+            Replicas(parks, 1, str(tmp_path), 1.5, port=members.port, **port) as impatient:
+        time.sleep(1.0)  # both parked (a newcomer parks within milliseconds of its start)
+        doomed.kill(0)
+        gave_up = impatient.wait(RUN_S)
+        time.sleep(1.5)  # the probes after their connections closed (PROBE_SPAN_S)
+        touch(tmp_path / "gone")
+        outs = members.wait(RUN_S)
     assert gave_up[0].ok and gave_up[0].value == "gave up", report(gave_up, "the impatient one")
     assert all(o.ok for o in outs), report(outs, "a member failed")
     assert [o.value[:2] for o in outs] == [(0, 3)] * 3, report(outs, "a dead newcomer was counted")
