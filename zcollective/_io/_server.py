@@ -86,7 +86,7 @@ class Server:
         self.signer = Signer(config.secret) if config.secret is not None else None
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer, config.max_frame_bytes, _interrupts.user_code,
-                                       forming, config.master_addr)
+                                       forming, config.master_addr, config.job)
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self._own = threading.RLock()  # its holder owns the sockets and the coordinator (an RLock
         # for its _is_owned: an interrupt right after acquiring must not leave it held)
