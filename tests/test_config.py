@@ -78,6 +78,11 @@ def test_empty_variables_count_as_unset():
      "argument master_port=0 cannot be used with num_replicas=2"),
     ({"secret": 1234}, {}, "argument secret must be bytes or str, not int"),
     ({}, {"ZCOLLECTIVE_SECRET": "short"}, "environment variable ZCOLLECTIVE_SECRET is 5 bytes long"),
+    ({"job": 4242}, {}, "argument job=4242 must be a str, not int"),
+    ({"job": " "}, {}, "argument job=' ' is empty"),
+    ({"job": "a\nb"}, {}, "argument job='a\\nb' has characters that do not print"),
+    ({}, {"ZCOLLECTIVE_JOB": "j" * 129}, f"environment variable ZCOLLECTIVE_JOB='{'j' * 129}' is 129 "
+                                         f"characters long; use at most 128"),
 ])
 def test_malformed_values_name_their_source(kwargs, env, text):
     with pytest.raises(ValueError) as info:
@@ -105,6 +110,21 @@ def test_secret_file_comes_after_the_secret_variable(tmp_path):
     env = {"ZCOLLECTIVE_SECRET_FILE": str(path), "ZCOLLECTIVE_SECRET": "v" * 16}
     assert resolve(env=env).secret == b"v" * 16
     assert resolve(secret="a" * 16, env=env).secret == b"a" * 16
+
+
+def test_the_job_is_the_argument_else_its_variables_else_unnamed():
+    """Each source of the job's name (the launchers': test_launch_env.py). adaptdl's and
+    torchrun's ids are called what they are, so an error says whose name it is."""
+    assert resolve(env={}).job is None
+    env = {"TORCHELASTIC_RUN_ID": "none"}  # torchrun's default id names no run
+    assert resolve(env=env).job is None
+    env["TORCHELASTIC_RUN_ID"] = "8f3c"
+    assert resolve(env=env).job == "torchrun run 8f3c"
+    env["ADAPTDL_JOB_ID"] = "default/train"
+    assert resolve(env=env).job == "adaptdl job default/train"
+    env["ZCOLLECTIVE_JOB"] = " train-a "  # the user's own name, as it is (a variable is stripped)
+    assert resolve(env=env).job == "train-a"
+    assert resolve(job="train b", env=env).job == "train b"
 
 
 # -- one table of settings ---------------------------------------------------
@@ -208,7 +228,7 @@ def test_readme_launchers_table_is_the_launchers_table():
     own = {name for s in SETTINGS for name in s.env}
     rows = _tables(_readme_section("Configuration"))[1]
     assert [row[0].split(" (`")[0] for row in rows] == [launcher.name for launcher in LAUNCHERS]
-    columns = ["replica_rank", "num_replicas", "local_rank", "master_addr", "master_port"]
+    columns = ["replica_rank", "num_replicas", "local_rank", "master_addr", "master_port", "job"]
     for (_, recognized, *cells), launcher in zip(rows, LAUNCHERS, strict=True):
         ours, theirs = [o for o, _ in launcher.defers_to], [t for _, t in launcher.defers_to]
         assert _env_names(recognized) == list(dict.fromkeys([launcher.rank, *ours, *theirs]))
@@ -218,7 +238,7 @@ def test_readme_launchers_table_is_the_launchers_table():
             assert read == list(reader.variables if reader else ()), (launcher.name, setting)
             if reader is None:
                 assert cell in ("none", "default"), (launcher.name, setting)
-    slurm_port = rows[[launcher.name for launcher in LAUNCHERS].index("Slurm")][-1]
+    slurm_port = rows[[launcher.name for launcher in LAUNCHERS].index("Slurm")][-2]
     assert slurm_port == f"{SLURM_PORT_BASE} + `SLURM_JOB_ID` % {SLURM_PORT_SPAN}"
 
 

@@ -535,6 +535,87 @@ def test_with_a_secret_a_join_must_echo_a_fresh_challenge_so_old_joins_claim_not
     assert [m.kind for _, m in send(coord, b"other", answer)] == [Kind.REJECT]
 
 
+# -- rule 6: a JOIN of another job refuses that peer alone ---------------------------------
+
+
+def job_join(rank, n, job, **fields):
+    """A JOIN naming ``job`` (None: naming none), with other body ``fields`` (lineage, newcomer)."""
+    body = {**join_msg(rank, n).body(), **fields}
+    if job is not None:
+        body["job"] = job
+    return control(Kind.JOIN, body, rank=rank)
+
+
+def refusal(out):
+    """The one REJECT in ``out``: its recipient, error name and message."""
+    [(who, msg)] = out
+    assert msg.kind is Kind.REJECT
+    return who, msg.body()["error"], msg.body()["message"]
+
+
+def test_a_join_of_another_job_refuses_that_peer_alone_naming_both_jobs_and_the_right_rank_joins():
+    coord = Coordinator(2, SESSION, 1000, job="job-a")
+    assert feed(coord, peer(0), job_join(0, 2, "job-a")) == []
+    who, error, message = refusal(feed(coord, b"job-b's rank 1", job_join(1, 2, "job-b")))
+    assert (who, error) == (b"job-b's rank 1", "JobMismatchError")
+    assert message == ("rank 1 (pid 101 on h) is of job 'job-b', but the group at this address is of "
+                       "job 'job-a': two jobs on one master address and port? give each its own port "
+                       "(or, if it is of this job, set ZCOLLECTIVE_JOB='job-a' on it)")
+    assert coord.phase is Phase.JOINING and coord.missing_joins() == [1]  # nobody failed
+    status = feed(coord, peer(0), Message(Kind.STATUS, rank=0, seq=0))[0][1].body()
+    assert status["refused"] == {"1": message}  # rank 0's join timeout would say why
+    out = feed(coord, peer(1), job_join(1, 2, "job-a"))  # the right rank 1 still joins
+    assert coord.phase is Phase.RUNNING and {m.kind for _, m in out} == {Kind.WELCOME}
+
+
+@pytest.mark.parametrize("ours, theirs, said", [
+    ("job-a", None, "rank 1 (pid 101 on h) names no job, but the group at this address is of job "
+                    "'job-a': two jobs on one master address and port? give each its own port (or, "
+                    "if it is of this job, set ZCOLLECTIVE_JOB='job-a' on it)"),
+    (None, "job-b", "rank 1 (pid 101 on h) is of job 'job-b', but the group at this address names no "
+                    "job: two jobs on one master address and port? give each its own port (or, if it "
+                    "is of this job, give every replica the same ZCOLLECTIVE_JOB)"),
+])
+def test_a_job_named_on_one_side_only_is_another_job(ours, theirs, said):
+    coord = Coordinator(2, SESSION, 1000, job=ours)
+    feed(coord, peer(0), job_join(0, 2, ours))
+    assert refusal(feed(coord, b"other", job_join(1, 2, theirs))) == (b"other", "JobMismatchError", said)
+    assert coord.phase is Phase.JOINING
+
+
+def test_once_running_another_jobs_join_is_told_so_and_changes_nothing():
+    coord = Coordinator(2, SESSION, 1000, job="Slurm job 4242")
+    for r in range(2):
+        feed(coord, peer(r), job_join(r, 2, "Slurm job 4242"))
+    _, error, message = refusal(feed(coord, b"late", job_join(1, 2, "Slurm job 14242")))
+    assert error == "JobMismatchError" and "is of job 'Slurm job 14242'" in message
+    assert coord.phase is Phase.RUNNING and coord.refused == {}  # (a running group reports none)
+    _, error, _ = refusal(feed(coord, b"restarted", job_join(1, 2, "Slurm job 4242")))
+    assert error == "LateJoinError"  # its own job's, late: as before
+
+
+def test_a_newcomer_of_another_job_is_refused_not_parked():
+    coord = Coordinator(2, SESSION, 1000, job="job-a")
+    for r in range(2):
+        feed(coord, peer(r), job_join(r, 2, "job-a"))
+    _, error, message = refusal(feed(coord, b"N1", job_join(0, 1, "job-b", newcomer=True)))
+    assert error == "JobMismatchError"
+    assert message.startswith("a newcomer (pid 100 on h) is of job 'job-b', but the group at this "
+                              "address is of job 'job-a'")
+    assert feed(coord, b"N2", job_join(0, 1, "job-a", newcomer=True)) == []  # its own: parked
+    assert list(coord.newcomers) == [b"N2"]
+
+
+def test_survivors_forming_a_group_must_be_of_its_job():
+    from zcollective._protocol._coordinator import Forming
+    coord = Coordinator(3, SESSION, 1000, forming=Forming("ab12", frozenset({0, 1}), 3), job="job-a")
+    feed(coord, peer(0), job_join(0, 3, "job-a", lineage="ab12"))
+    _, error, _ = refusal(feed(coord, b"other", job_join(1, 3, "job-b", lineage="ab12")))
+    assert error == "JobMismatchError" and coord.phase is Phase.JOINING
+    feed(coord, peer(1), job_join(1, 3, "job-a", lineage="ab12"))
+    assert coord.phase is Phase.RUNNING and coord.old_ranks == [0, 1]
+
+
 def test_a_value_rank_0_cannot_unpickle_is_a_serialization_error_naming_its_sender():
     coord = joined(3)
     feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))

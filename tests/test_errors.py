@@ -146,6 +146,52 @@ def test_group_joined_late_is_refused_while_it_keeps_running(tmp_path):
                             "started (another job on this port? give each job its own)")
 
 
+def hand_started(refused):
+    """One replica of two jobs started by hand on one port: job A's rank 0 and job B's rank 1
+    first, then, once B's rank 1 was refused by A's coordinator, B's rank 0 and A's rank 1."""
+    import os
+
+    job, rank = os.environ["ZCOLLECTIVE_JOB"], int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    if job == "job-b":
+        if rank == 0:
+            wait_for(refused)
+        try:
+            zc.initialize(timeout=30)
+        except (zc.JobMismatchError, zc.AddressError) as exc:
+            return type(exc).__name__, str(exc)
+        finally:
+            if rank == 1:
+                touch(refused)
+        return "joined job A's group", zc.allreduce(1)
+    if rank == 1:
+        wait_for(refused)
+    zc.initialize(timeout=30)
+    total = zc.allreduce(1)
+    zc.teardown()
+    return total
+
+
+@pytest.mark.parametrize("secret", [None, "the-secret-file-every-job-reads"], ids=["no secret", "one secret"])
+def test_two_hand_started_jobs_on_one_port_refuse_each_others_ranks_naming_both_jobs(tmp_path, secret):
+    """Issue 31: a rank of job B joined job A's group, and every process printed a result and
+    exited 0. Now A's coordinator refuses B's rank 1 alone, naming both jobs; A's own rank 1 joins
+    after it (B's rank 0 finds the port taken)."""
+    refused = str(tmp_path / "refused")
+    started = {0: ("job-a", 0), 1: ("job-a", 1), 2: ("job-b", 0), 3: ("job-b", 1)}
+    rank_env = {i: {"ZCOLLECTIVE_JOB": job, "ZCOLLECTIVE_REPLICA_RANK": str(rank)}
+                for i, (job, rank) in started.items()}
+    env = {"ZCOLLECTIVE_NUM_REPLICAS": "2", **({"ZCOLLECTIVE_SECRET": secret} if secret else {})}
+    with Replicas(hand_started, 4, refused, initialize=False, env=env, rank_env=rank_env) as replicas:
+        outs = replicas.wait(60)
+    assert all(o.ok for o in outs), report(outs, "a replica failed")
+    a0, a1, b0, b1 = (o.value for o in outs)
+    assert (a0, a1) == (2, 2), report(outs, "job A did not complete alone")
+    assert b1[0] == "JobMismatchError", report(outs, "job B's rank 1 was not refused")
+    assert b1[1].startswith(f"rank 1 (pid {replicas.procs[3].pid} on {socket.gethostname()}) is of job "
+                            f"'job-b', but the group at this address is of job 'job-a': "), b1[1]
+    assert b0[0] == "AddressError" and "already in use by another program" in b0[1], b0
+
+
 def test_failing_replica_reports_every_ranks_output():
     def fail_on_one():
         print("hello from", zc.get_rank())

@@ -140,7 +140,8 @@ def zcollective_run_replica(rank, local):
 
 def adaptdl_replica(rank):
     return {"ADAPTDL_MASTER_ADDR": "adaptdl-0", "ADAPTDL_MASTER_PORT": "47000",
-            "ADAPTDL_REPLICA_RANK": str(rank), "ADAPTDL_NUM_REPLICAS": "3"}
+            "ADAPTDL_REPLICA_RANK": str(rank), "ADAPTDL_NUM_REPLICAS": "3",
+            "ADAPTDL_JOB_ID": "default/allreduce"}  # (its scheduler's: namespace/name)
 
 
 def _seen(config):
@@ -185,6 +186,46 @@ FAMILIES = [  # (name, environment, (master_addr, master_port, rank, num_replica
 @pytest.mark.parametrize("env, seen", [f[1:] for f in FAMILIES], ids=[f[0] for f in FAMILIES])
 def test_each_family_from_its_environment_alone(env, seen):
     assert _seen(resolve(env=env)) == seen
+
+
+SLURM_JOB, OPEN_MPI_JOB = "Slurm job 4242", "Open MPI job 191430657"
+JOBS = {  # family -> the job's name its environment gives (None: unnamed)
+    "srun, rank 0": SLURM_JOB, "srun, rank 6 on the second node": SLURM_JOB,
+    "srun, a compressed list": SLURM_JOB, "srun, a step on part of the job": SLURM_JOB,
+    "srun --mpi=pmi2 (PMI_RANK/PMI_SIZE are Slurm's)": SLURM_JOB,
+    "sbatch's batch script with one task": SLURM_JOB,
+    "mpirun, one host": OPEN_MPI_JOB, "mpirun -n 1": OPEN_MPI_JOB,
+    "mpirun -x MASTER_ADDR, two hosts": OPEN_MPI_JOB,
+    "mpiexec (Hydra), one host": None, "mpiexec -genv MASTER_ADDR, two hosts": None,  # (only over PMI)
+    "Indexed Job pod 0": f"Kubernetes Job {_manifest()['job']}",
+    "Indexed Job pod 3": f"Kubernetes Job {_manifest()['job']}",
+    "torchrun (its agent holds MASTER_PORT)": None,  # TORCHELASTIC_RUN_ID=none, its default
+    "torchrun without an agent store": None,
+    "zcollective-run": None,  # across hosts: each launcher is its own process
+    "adaptdl": "adaptdl job default/allreduce", "nothing: one replica": None,
+}
+
+
+@pytest.mark.parametrize("name, env", [f[:2] for f in FAMILIES], ids=[f[0] for f in FAMILIES])
+def test_each_family_names_its_job_or_none(name, env):
+    assert resolve(env=env).job == JOBS[name]
+
+
+@pytest.mark.parametrize("env, job", [
+    ({**srun_task(3, 3, 0), **torchrun_worker(3, 1)}, SLURM_JOB),  # torchrun's default id names none
+    ({**srun_task(3, 3, 0), **torchrun_worker(3, 1), "TORCHELASTIC_RUN_ID": "5e1f"}, "torchrun run 5e1f"),
+    ({**srun_task(1, 0, 1, ntasks=2), **mpirun_rank(6, 2, 8, 4), "MASTER_ADDR": "gpu01"}, OPEN_MPI_JOB),
+    ({**srun_task(1, 0, 1, ntasks=2), **hydra_rank(5, 1, 8, 4), "MASTER_ADDR": "gpu01"}, None),
+    ({**srun_task(6, 2, 1), "ZCOLLECTIVE_JOB": "zcollective-run 4711"}, "zcollective-run 4711"),
+    ({**mpirun_rank(1, 1, 2, 2), "PMIX_NAMESPACE": "prterun-node0-5120@1"},
+     "Open MPI job prterun-node0-5120@1"),
+    ({**indexed_job_pod(3, _manifest()["env"]), "HOSTNAME": "trainer"}, None),  # not <job>-<index>
+], ids=["torchrun under srun", "torchrun --standalone under srun", "mpirun in sbatch",
+        "mpiexec in sbatch", "zcollective-run under srun", "Open MPI 5", "a pod named otherwise"])
+def test_the_job_is_named_by_whoever_names_the_rank(env, job):
+    """As for every setting, the inner launcher's or a variable's; Hydra names none (not even
+    the allocation's), since only one launcher is read."""
+    assert resolve(env=env).job == job
 
 
 def test_the_kubernetes_manifest_makes_one_group():

@@ -137,6 +137,21 @@ def test_several_hosts_by_hand(tmp_path):
     assert node1 == ["[2] 2 0 [0, 1, 2, 3]", "[3] 3 1 [0, 1, 2, 3]"]
 
 
+def test_a_launch_on_one_host_names_its_job_and_one_across_hosts_leaves_it_to_the_user(monkeypatch):
+    """Each rank of one launch, and a replacement, gets the same name, which no other launch
+    running on the host has (its pid); across hosts each launcher is a process of its own."""
+    from zcollective.run import Launcher, parse_args
+
+    monkeypatch.delenv("ZCOLLECTIVE_JOB", raising=False)
+    one = Launcher(parse_args(["-n", "2", "--no-straggler-summary", "true"]))
+    jobs = {one.env_for(rank, rank, 29457, 2)["ZCOLLECTIVE_JOB"] for rank in (0, 1, 1)}
+    assert jobs == {f"zcollective-run {os.getpid()}"}
+    across = Launcher(parse_args(["--nnodes", "2", "--master-addr", "h0", "--no-straggler-summary", "true"]))
+    assert "ZCOLLECTIVE_JOB" not in across.env_for(0, 0, 29457, 2)
+    monkeypatch.setenv("ZCOLLECTIVE_JOB", "train-a")  # the user's name wins, as the secret does
+    assert one.env_for(0, 0, 29457, 2)["ZCOLLECTIVE_JOB"] == "train-a"
+
+
 @pytest.mark.parametrize("args, text", [
     (["-n", "0", "x.py"], "-n/--nproc-per-node must be at least 1"),
     (["--nnodes", "2", "x.py"], "--master-addr is required with --nnodes > 1"),

@@ -31,6 +31,7 @@ from zcollective._format._wire import (
     decode,
     encode,
 )
+from zcollective._limits import MAX_JOB_CHARS
 
 
 def test_contribution_round_trip_keeps_every_field():
@@ -445,7 +446,7 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
     assert info == {"rank": 3, "num_replicas": 4, "python": "3.11", "pid": info["pid"], "nonce": "ab" * 16,
                     "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
                     "data_mode": "on", "macs": _mac.available_backends(), "lineage": None,
-                    "newcomer": False}
+                    "newcomer": False, "job": None}
     assert _bodies.challenge_of(msg) == "c" * 32
     bare = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto")
     assert b'"data' not in bytes(bare.segments[0][0]) and b'"challenge' not in bytes(bare.segments[0][0])
@@ -472,6 +473,21 @@ def test_a_joins_optional_fields_read_as_absent_when_malformed():
     assert (join["data"], join["data_min"], join["data_mode"]) == (None, 0, "auto")
     assert join["macs"] == ("hmac-sha256",)
     assert (join["nonce"], len(join["host"])) == ("7", 256 * 6)  # "\\udcff": escaped
+
+
+def test_a_joins_job_reads_back_whole_and_is_left_out_when_it_has_none():
+    name = "Slurm job 4242 \u00e9" + "x" * (MAX_JOB_CHARS - 16)  # the longest config allows
+    named = _bodies.join(1, 2, "3.11", "ab" * 16, None, None, 0, "auto", newcomer=True, job=name)
+    assert _bodies.parse_join(_through_the_wire(named))["job"] == name
+    bare = _bodies.join(1, 2, "3.11", "ab" * 16, None, None, 0, "auto")
+    assert b'"job"' not in bytes(bare.segments[0][0]) and _bodies.parse_join(bare)["job"] is None
+
+
+@pytest.mark.parametrize("job", [7, ["a"], "x" * (MAX_JOB_CHARS + 1)])
+def test_a_join_whose_job_is_not_a_name_config_allows_is_malformed(job):
+    """A job is compared whole: one cut to fit, or of another type, would be taken for another's."""
+    with pytest.raises(WireError, match="job must be a string"):
+        _bodies.parse_join(control(Kind.JOIN, {"rank": 1, "num_replicas": 2, "python": "3.11", "job": job}))
 
 
 def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():

@@ -32,6 +32,7 @@ from .errors import (
     CollectiveTimeoutError,
     ForkedProcessError,
     InternalError,
+    JobMismatchError,
     LateJoinError,
     LeftOutError,
     PeerError,
@@ -54,6 +55,7 @@ __all__ = [
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
     "PeerError", "AddressError", "LateJoinError", "LeftOutError", "ForkedProcessError", "InternalError",
+    "JobMismatchError",
     "__version__",
 ]
 
@@ -124,6 +126,7 @@ def initialize(
     secret: Union[bytes, str, None] = None,
     bind_addr: Optional[str] = None,
     join: Optional[bool] = None,
+    job: Optional[str] = None,
 ) -> None:
     """Join the default group; blocks until every replica has called it.
 
@@ -140,7 +143,7 @@ def initialize(
         A malformed or inconsistent configuration; names its source.
     AuthenticationError
         This replica and rank 0 do not share the same secret.
-    CollectiveTimeoutError, ProtocolError, AddressError, LateJoinError
+    CollectiveTimeoutError, ProtocolError, AddressError, LateJoinError, JobMismatchError
         As for :class:`Group`.
     """
     global _group
@@ -148,7 +151,8 @@ def initialize(
         raise RuntimeError("zcollective is already initialized: call teardown() first")
     _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
                    op_timeout=op_timeout, liveness_timeout=liveness_timeout,
-                   max_frame_bytes=max_frame_bytes, secret=secret, bind_addr=bind_addr, join=join)
+                   max_frame_bytes=max_frame_bytes, secret=secret, bind_addr=bind_addr, join=join,
+                   job=job)
 
 
 def teardown(*, timeout: Timeout = DEFAULT) -> None:

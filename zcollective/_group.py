@@ -148,6 +148,8 @@ class Group:
         Rank 0 cannot bind the master address (port taken, not its host's).
     LateJoinError
         The group was already running when this replica tried to join.
+    JobMismatchError
+        The group at the master address is another job's (a :class:`LateJoinError`).
     """
 
     @takes_settings(replica_rank="rank", num_replicas="size")
@@ -165,6 +167,7 @@ class Group:
         secret: Union[bytes, str, None] = None,
         bind_addr: Optional[str] = None,
         join: Optional[bool] = None,
+        job: Optional[str] = None,
         env: Optional[Mapping[str, str]] = None,
     ) -> None:
         """Join the group; raises as the class docstring says. Each argument
@@ -174,7 +177,7 @@ class Group:
         config = resolve(
             master_addr, master_port, rank, size, timeout=timeout, op_timeout=op_timeout,
             liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, secret=secret,
-            bind_addr=bind_addr, join=join, env=env,
+            bind_addr=bind_addr, join=join, job=job, env=env,
         )
         if config.join:  # a newcomer: admitted by a grow(), it forms the next group with the members
             from . import _elastic
@@ -209,6 +212,7 @@ class Group:
         signer = Signer(config.secret) if config.secret is not None else None
         self._member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
+        self._member.job = config.job
         if form is not None:
             self._member.lineage = form.lineage
         self._member.newcomer = config.join
@@ -254,7 +258,7 @@ class Group:
             # a script run as it is: no port of its own (one given: newcomers may come to it)
             session = int.from_bytes(os.urandom(8), "little") | 1
             return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
-                                                      user_code=_interrupts.user_code))
+                                                      user_code=_interrupts.user_code, job=config.job))
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         if (config.rank == 0 and not config.join) if form is None else form.forming is not None:

@@ -52,6 +52,9 @@ CHUNKS_PER_PART = 32  # a ring or chain fills in about one chunk per hop: with a
 # a rank's share) cut into this many, filling costs a few percent of the transfer (measured on
 # shaped links, benchmarks/README.md: 512 KiB chunks 1.16-1.29x the bound at N = 8, 128 KiB 1.07-1.18x)
 
+MAX_JOB_CHARS = 128  # a job's name (config checks it, a JOIN carries it whole): both names
+# of a refusal fit in its text (MAX_REFUSAL_BYTES)
+
 # -- waits around a call and at an ending --------------------------------------------------------
 
 POLL_SLICE_S = 0.5  # longest a wait sleeps before re-checking failure and thread liveness (< L)

@@ -34,6 +34,7 @@ from ._limits import (
     DEFAULT_INIT_TIMEOUT_S,
     DEFAULT_LIVENESS_S,
     DEFAULT_OP_TIMEOUT_S,
+    MAX_JOB_CHARS,
     MAX_LIVENESS_S,
     MIN_LIVENESS_S,
 )
@@ -57,6 +58,10 @@ LOOPBACK = "127.0.0.1"  # MPI ranks all on one host find rank 0 here
 SLURM_PORT_BASE = 20000  # Slurm's port is BASE + SLURM_JOB_ID % SPAN: 20000-29999, below Linux's
 SLURM_PORT_SPAN = 10000  # ephemeral ports (32768+) and IANA's (49152+); jobs collide 10000 ids apart
 TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": torchrun's agent holds MASTER_PORT
+JOB_ENV = "ZCOLLECTIVE_JOB"
+JOB_NAMERS = {"ADAPTDL_JOB_ID": "adaptdl job", "TORCHELASTIC_RUN_ID": "torchrun run"}  # variables
+# that name the job -> what their value is called, so an error says whose name it is
+TORCHRUN_UNNAMED_RUN = "none"  # torchrun's default --rdzv-id: every run not --standalone has it
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class Config:
     data_plane_min_bytes: int = DEFAULT_DATA_PLANE_MIN_BYTES  # smaller arrays keep the star
     port_given: bool = False  # master_port came from an argument, the environment or a launcher:
     # a group of one then serves its coordinator there, so newcomers can come (grow)
+    job: Optional[str] = None  # the job's name, which its JOIN carries; None: nothing names it
 
     @property
     def endpoint(self) -> str:
@@ -159,6 +165,12 @@ def _seconds_or_none(raw: Any) -> Optional[float]:
     return _seconds(raw, unbounded=True)
 
 
+def _text(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"must be a str, not {type(raw).__name__}")
+    return raw
+
+
 def _secret_bytes(raw: Any) -> bytes:
     if isinstance(raw, str):
         raw = raw.encode()
@@ -221,6 +233,14 @@ def _not_negative(n: int) -> Optional[str]:
     return None if n >= 0 else "must be 0 or more"
 
 
+def _job_problem(name: str) -> Optional[str]:
+    if not name.strip():
+        return "is empty"
+    if len(name) > MAX_JOB_CHARS:
+        return f"is {len(name)} characters long; use at most {MAX_JOB_CHARS}"
+    return None if name.isprintable() else "has characters that do not print"
+
+
 # -- adjustments: a value found in the environment -> the value it stands for -
 
 
@@ -236,6 +256,17 @@ def _beside_torchrun_agent(found: Origin, env: Mapping[str, str]) -> Origin:
     return Origin(port, "environment variable MASTER_PORT, plus 1",
                   f"{found.shown} plus 1 ({TORCHRUN_AGENT_STORE}='True': torchrun's agent listens "
                   f"on MASTER_PORT itself), {port},")
+
+
+def _named_job(found: Origin, env: Mapping[str, str]) -> Optional[Origin]:
+    """adaptdl's job id or torchrun's run id, called so ("torchrun run 8f3c..."); torchrun's
+    default run id names no run. ZCOLLECTIVE_JOB is the user's name, as it is."""
+    kind = JOB_NAMERS.get(found.source.removeprefix("environment variable "))
+    if kind is None:
+        return found
+    if kind == JOB_NAMERS["TORCHELASTIC_RUN_ID"] and found.raw == TORCHRUN_UNNAMED_RUN:
+        return None
+    return Origin(f"{kind} {found.raw}", found.source, found.shown)
 
 
 @dataclass(frozen=True)
@@ -255,8 +286,8 @@ class Setting:
     none_is_value: bool = False  # an argument of None is a value (no bound), not "look further";
     # the signatures' default is then `default` itself
     argument: bool = True  # False: read from the environment only; no signature takes it
-    adjust: Optional[Callable[[Origin, Mapping[str, str]], Origin]] = None  # a value its variables
-    # gave -> the value it stands for there
+    adjust: Optional[Callable[[Origin, Mapping[str, str]], Optional[Origin]]] = None  # a value its
+    # variables gave -> the value it stands for there (None: nothing; the launcher's, or the default)
 
     @property
     def field_name(self) -> str:
@@ -312,6 +343,12 @@ SETTINGS: tuple[Setting, ...] = (
                 "admitted to a running group, when its members call :func:`zcollective.grow`; "
                 "its rank and the size come from the group then (``replica_rank`` and "
                 "``num_replicas`` are not used)."),
+    Setting("job", "Optional[str]", None, _text, check=_job_problem,
+            env=(JOB_ENV, "ADAPTDL_JOB_ID", "TORCHELASTIC_RUN_ID"), adjust=_named_job,
+            doc=f"The job's name, the same on every replica (at most {MAX_JOB_CHARS} characters; "
+                "``None`` when nothing names it): rank 0 refuses a replica of another job, or of "
+                "none when it has one, with an error naming both. It prevents accidents, not "
+                "attacks: see docs/security.md."),
     Setting("local_rank", "Optional[int]", None, _integer, check=_not_negative, argument=False,
             env=("ZCOLLECTIVE_LOCAL_RANK", "LOCAL_RANK"),
             doc="This replica's index among the replicas on its host (to pick a GPU, say); "
@@ -423,11 +460,32 @@ def _slurm_port(env: Mapping[str, str]) -> Optional[Origin]:
                   f"SLURM_JOB_ID={env['SLURM_JOB_ID']!r})")
 
 
+def _pod_job(env: Mapping[str, str]) -> str:
+    """The name of an Indexed Job's pod's Job, when its host name says it ('train' of 'train-2')."""
+    index, host = env.get("JOB_COMPLETION_INDEX", "").strip(), env.get("HOSTNAME", "")
+    return host[:-len(index) - 1] if index and host.endswith(f"-{index}") else ""
+
+
 def _pod_job_hint(env: Mapping[str, str]) -> str:
     """'(HOSTNAME='train-2' makes it 'train-0.<service>')' when the pod's name says its Job's."""
-    index, host = env.get("JOB_COMPLETION_INDEX", "").strip(), env.get("HOSTNAME", "")
-    job = host[:-len(index) - 1] if index and host.endswith(f"-{index}") else ""
-    return f" (HOSTNAME={host!r} makes it {job + '-0.<service>'!r})" if job else ""
+    job = _pod_job(env)
+    return f" (HOSTNAME={env['HOSTNAME']!r} makes it {job + '-0.<service>'!r})" if job else ""
+
+
+def _kubernetes_job(env: Mapping[str, str]) -> Optional[Origin]:
+    job = _pod_job(env)
+    return Origin(f"Kubernetes Job {job}", "environment variable HOSTNAME",
+                  f"the Job of HOSTNAME={env['HOSTNAME']!r}") if job else None
+
+
+def _job_named_by(kind: str, name: str) -> Reader:
+    """A launcher's job, named in ``name``: '<kind> <value>' ('Slurm job 4242')."""
+
+    def read(env: Mapping[str, str]) -> Optional[Origin]:
+        found = _variable(env, name)
+        return None if found is None else Origin(f"{kind} {found.raw}", found.source, found.shown)
+
+    return Reader((name,), read)
 
 
 def _kubernetes_master(env: Mapping[str, str]) -> Origin:
@@ -476,12 +534,14 @@ LAUNCHERS: tuple[Launcher, ...] = (
         "num_replicas": _plain("OMPI_COMM_WORLD_SIZE"),
         "local_rank": _plain("OMPI_COMM_WORLD_LOCAL_RANK"),
         "master_addr": _mpi_master("Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        "job": _job_named_by("Open MPI job", "PMIX_NAMESPACE"),
     }),
     Launcher("MPICH / Intel MPI (Hydra)", "PMI_RANK", {
         "replica_rank": _plain("PMI_RANK"),
         "num_replicas": _plain("PMI_SIZE"),
         "local_rank": _plain("MPI_LOCALRANKID"),
         "master_addr": _mpi_master("MPICH / Intel MPI (Hydra)", "PMI_SIZE", "MPI_LOCALNRANKS"),
+        # (no job: Hydra names it, its KVS, only to a process that asks over PMI)
     }, defers_to=(("PMI_RANK", "SLURM_PROCID"), ("PMI_SIZE", "SLURM_NTASKS"))),
     Launcher("Slurm", "SLURM_PROCID", {
         "replica_rank": _plain("SLURM_PROCID"),
@@ -489,11 +549,13 @@ LAUNCHERS: tuple[Launcher, ...] = (
         "local_rank": _plain("SLURM_LOCALID"),
         "master_addr": Reader(("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"), _slurm_master),
         "master_port": Reader(("SLURM_JOB_ID",), _slurm_port),
+        "job": _job_named_by("Slurm job", "SLURM_JOB_ID"),  # its steps too (a newcomer's srun)
     }),
     Launcher("Kubernetes Indexed Job", "JOB_COMPLETION_INDEX", {
         "replica_rank": _plain("JOB_COMPLETION_INDEX"),
         "num_replicas": Reader((), _kubernetes_size),
         "master_addr": Reader((), _kubernetes_master),
+        "job": Reader(("HOSTNAME",), _kubernetes_job),
     }),
 )
 

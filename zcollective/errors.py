@@ -20,6 +20,7 @@ __all__ = [
     "PeerError",
     "AddressError",
     "LateJoinError",
+    "JobMismatchError",
     "ForkedProcessError",
     "InternalError",
 ]
@@ -151,6 +152,18 @@ class LateJoinError(CollectiveError):
     """
 
 
+class JobMismatchError(LateJoinError):
+    """This replica reached the coordinator of another job: its job's name
+    (``ZCOLLECTIVE_JOB``, or its launcher's) is not rank 0's, or only one of
+    the two has a name. The message names both, and the rank and host refused.
+
+    The *launch* is the cause: two jobs share a master address and port, or
+    one job's replicas were given different names. Only this replica is
+    refused; the group at that port goes on. Give each job its own port, and
+    the same ``ZCOLLECTIVE_JOB`` to every replica of one job.
+    """
+
+
 class LeftOutError(LateJoinError):
     """The survivors of a loss formed their new group without this replica
     (:func:`zcollective.shrink`): it did not come within the bound, or the
@@ -184,7 +197,7 @@ WIRE_ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (CollectiveError, CollectiveTimeoutError, ReplicaLostError,
                                   CallMismatchError, AuthenticationError, SerializationError,
                                   ProtocolError, PeerError, LateJoinError, LeftOutError, InternalError,
-                                  ValueError)
+                                  JobMismatchError, ValueError)
 }
 
 

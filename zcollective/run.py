@@ -8,7 +8,7 @@ mode or mpiexec.
 Each replica gets ``ZCOLLECTIVE_MASTER_ADDR``, ``ZCOLLECTIVE_MASTER_PORT``,
 ``ZCOLLECTIVE_REPLICA_RANK``, ``ZCOLLECTIVE_NUM_REPLICAS`` and
 ``ZCOLLECTIVE_LOCAL_RANK``; on a single host, also a fresh random
-``ZCOLLECTIVE_SECRET`` (unless one is set). Its output is prefixed with ``[rank]``. The
+``ZCOLLECTIVE_SECRET`` and ``ZCOLLECTIVE_JOB`` (unless set). Its output is prefixed with ``[rank]``. The
 launcher exits with the first non-zero exit code; when a replica fails, the
 others are stopped after a grace period; with ``--replace-lost K``, up to K
 replicas that die are started again instead, as newcomers the group admits at
@@ -146,6 +146,8 @@ class Launcher:
         env = dict(os.environ)
         if self.secret is not None:
             env[SECRET_ENV] = self.secret
+        if self.ns.nnodes == 1:  # one host: this launch names its job, unless the user did
+            env.setdefault("ZCOLLECTIVE_JOB", f"zcollective-run {os.getpid()}")
         env.update({
             "ZCOLLECTIVE_MASTER_ADDR": self.ns.master_addr or DEFAULT_MASTER_ADDR,
             "ZCOLLECTIVE_MASTER_PORT": str(port),

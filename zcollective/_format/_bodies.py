@@ -11,7 +11,7 @@ import sys
 import traceback
 from typing import Any, Optional
 
-from .._limits import WIRE_PART_BYTES
+from .._limits import MAX_JOB_CHARS, WIRE_PART_BYTES
 from ..errors import WIRE_ERRORS, CollectiveError, RemoteError
 from . import _wire
 from ._mac import KEY_LABELS, available_backends
@@ -29,11 +29,11 @@ DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is
 
 def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optional[str],
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
-         newcomer: bool = False) -> Message:
+         newcomer: bool = False, job: Optional[str] = None) -> Message:
     """JOIN: who this replica is and what it runs; its answers are bound to ``nonce``.
     ``lineage``: it joins a group the members of an earlier one form (its session, in
     hex; ``rank`` and ``num_replicas`` are then its old ones); ``newcomer``: it
-    waits to be admitted to a running group."""
+    waits to be admitted to a running group; ``job``: its job's name, if it has one."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
                             "nonce": nonce}
@@ -43,6 +43,8 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
         body["lineage"] = lineage
     if newcomer:
         body["newcomer"] = True
+    if job is not None:
+        body["job"] = job
     body["macs"] = list(available_backends())
     if data is not None:
         body.update(data=data, data_min=data_min, data_mode=data_mode)
@@ -50,11 +52,15 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
 
 
 def parse_join(msg: Message) -> dict[str, Any]:
-    """A JOIN's fields: WireError without integer rank, num_replicas and pid and a python string."""
+    """A JOIN's fields: WireError without integer rank, num_replicas and pid and a python string,
+    or with a job that is not a string of at most MAX_JOB_CHARS (compared whole, never cut)."""
     body = msg.body()
     rank, n, python, pid = body.get("rank"), body.get("num_replicas"), body.get("python"), body.get("pid", 0)
     if not (all(type(x) is int for x in (rank, n, pid)) and isinstance(python, str)):
         raise WireError("rank, num_replicas and pid must be integers, python a string")
+    job = body.get("job")
+    if not (job is None or isinstance(job, str) and len(job) <= MAX_JOB_CHARS):
+        raise WireError(f"job must be a string of at most {MAX_JOB_CHARS} characters")
     python = printable(python[:64])
     data, data_min, macs = body.get("data"), body.get("data_min", 0), body.get("macs")
     if not (isinstance(data, str) and data.startswith("tcp://") and len(data) <= MAX_ENDPOINT_CHARS
@@ -63,7 +69,7 @@ def parse_join(msg: Message) -> dict[str, Any]:
     lineage = body.get("lineage")
     return {"rank": rank, "num_replicas": n, "python": python, "pid": pid, "nonce": join_nonce(msg),
             "lineage": lineage[:64] if isinstance(lineage, str) else None,
-            "newcomer": body.get("newcomer") is True,
+            "newcomer": body.get("newcomer") is True, "job": None if job is None else printable(job),
             "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,
             "data_mode": "on" if body.get("data_mode") == "on" else "auto",
             "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else ()}

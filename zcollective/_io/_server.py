@@ -86,7 +86,8 @@ class Server:
         self.signer = Signer(config.secret) if config.secret is not None else None
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer, config.max_frame_bytes, _interrupts.user_code,
-                                       forming, config.master_addr, config.liveness_timeout)
+                                       forming, config.master_addr, config.liveness_timeout,
+                                       config.job)
         self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self._own = threading.RLock()  # its holder owns the sockets and the coordinator (an RLock

@@ -32,8 +32,11 @@ Rules:
    is dropped and logged once; nothing from it is ever unpickled. Once the
    group runs, nothing from a non-member changes its state, whatever the
    message says; while it joins, a faulty JOIN from a peer that does not
-   prove the secret only refuses that peer. A refused peer gets at most one
-   answer (REJECT), and at most :data:`MAX_ANSWERED_PEERS` peers get one.
+   prove the secret only refuses that peer, and so does, in any phase, a
+   JOIN of another job (its name differs from this coordinator's, or only
+   one has a name): the rank it claims may still come from this job. A
+   refused peer gets at most one answer (REJECT), and at most
+   :data:`MAX_ANSWERED_PEERS` peers get one.
 7. *Ending.* A member whose program ends without ``teardown`` sends BYE with
    the number of calls it made, n. It is not lost: its connection may close.
    Calls below n still complete (its contributions are in); a call at n or
@@ -332,10 +335,11 @@ class Coordinator:
                  signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None,
                  user_code: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
                  forming: Optional[Forming] = None, host_address: str = "?",
-                 liveness_s: Optional[float] = None) -> None:
+                 liveness_s: Optional[float] = None, job: Optional[str] = None) -> None:
         self.forming = forming
         self.liveness_s = liveness_s  # the group's bound: tells a closed connection from a silent one
         self.failed_at: Optional[float] = None  # when (time.monotonic()) it failed
+        self.job = job  # the job's name (None: unnamed): a JOIN must carry the same (rule 6)
         if forming is not None:
             num_replicas = len(forming.expected)  # at most; those who came, once formed
         self.host_address = host_address  # rank 0's, as the others reach it
@@ -633,7 +637,10 @@ class Coordinator:
             return []
         python, n = info.pop("python"), info.pop("num_replicas")
         lineage, newcomer = info.pop("lineage"), info.pop("newcomer")
+        job = info.pop("job")
         join = Member(peer=b"", **info)
+        if job != self.job:  # another job's replica: refused alone, the right one may still come
+            return self._refuse_foreign(peer, msg, join, job, newcomer, address)
         join.newcomer = bool(newcomer and lineage is None)
         if newcomer and lineage is None:  # while joining, running, or failed (its survivors form
             return self._park(peer, msg, join, python, address)  # the next group: it comes again)
@@ -778,6 +785,20 @@ class Coordinator:
                        f"the group here is {'another' if self.forming else 'a new'} one")
         self._warn(address, "late", f"refused a join: {message}")
         return self._refuse(peer, msg, "LateJoinError", message)
+
+    def _refuse_foreign(self, peer: bytes, msg: Message, join: Member, job: Optional[str],
+                        newcomer: bool, address: str) -> list[Out]:
+        """Rule 6: a JOIN of another job refuses that peer alone, naming both jobs."""
+        who = f"a newcomer (pid {join.pid} on {join.host})" if newcomer else join.describe()
+        fix = (f"set ZCOLLECTIVE_JOB={self.job!r} on it" if self.job is not None else
+               "give every replica the same ZCOLLECTIVE_JOB")
+        message = (f"{who} {_of_job(job)}, but the group at this address {_of_job(self.job)}: "
+                   f"two jobs on one master address and port? give each its own port (or, if it is "
+                   f"of this job, {fix})")
+        self._warn(address, "job", f"refused a join: {message}")
+        if self.phase is Phase.JOINING and not newcomer and 0 <= join.rank < self.num_replicas:
+            self.refused[join.rank] = message  # (rank 0's join timeout says why it never came)
+        return self._refuse(peer, msg, "JobMismatchError", message)
 
     def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str,
                      lineage: Optional[str] = None) -> list[Out]:
@@ -1277,6 +1298,11 @@ def _is_loopback(address: str) -> bool:
 def _host_of(endpoint: Optional[str]) -> str:
     """``tcp://host:port`` -> ``host``."""
     return (endpoint or "").rpartition(":")[0]
+
+
+def _of_job(job: Optional[str]) -> str:
+    """What a JOIN or a coordinator is of: "is of job 'train-a'", or "names no job"."""
+    return "names no job" if job is None else f"is of job {job!r}"
 
 
 def _claimed(join: Any) -> tuple[int, int]:

@@ -161,6 +161,7 @@ class Member:
         self.mac = HMAC_SHA256  # the chunk MACs of the group (the WELCOME says)
         self.lineage: Optional[str] = None  # joining a group formed from an earlier one: its session
         self.newcomer = False  # joining a running group: wait to be admitted
+        self.job: Optional[str] = None  # its job's name, which every JOIN carries (None: unnamed)
         self.admitted: Optional[dict[str, Any]] = None  # a newcomer's rank, size and lineage (WELCOME)
         self.addresses: Optional[list[str]] = None  # every rank's host, as rank 0 sees it (WELCOME)
         self.old_ranks: Optional[list[int]] = None  # formed from an earlier group: every rank's old one
@@ -176,7 +177,7 @@ class Member:
         self._nonces.add(nonce)
         self._tokens.add(join_token(nonce))
         return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
-                            self.data_min_bytes, self.data_mode, self.lineage, self.newcomer)
+                            self.data_min_bytes, self.data_mode, self.lineage, self.newcomer, self.job)
 
     @property
     def joined(self) -> bool:
