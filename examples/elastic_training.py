@@ -75,7 +75,7 @@ while state["step"] < STEPS:
         zcollective.shrink()  # the survivors go on, in these processes
         # a result rank 0 sent some ranks only as it died: take the new rank 0's state everywhere
         state = zcollective.broadcast(state)
-        print(f"rank {zcollective.get_rank()}: lost ranks {zcollective._current().lost_ranks} at "
+        print(f"rank {zcollective.get_rank()}: lost ranks {zcollective.lost_ranks()} at "
               f"step {step} ({type(exc).__name__}); going on with {zcollective.get_world_size()}")
 
 loss = float(np.mean((features @ state["weights"] - targets) ** 2))
