@@ -211,6 +211,7 @@ class Replica:
     proc: subprocess.Popen[bytes]
     newcomer: int = 0  # the n-th newcomer this launcher started; 0: one of the first group
     said: bytes = b""  # what explains its failure (see _pump)
+    eof_at: float = float("inf")  # when its output ended: about when it did (which ended first)
     pump: Optional[threading.Thread] = None  # copies its output
     ended: bool = False  # its end was dealt with
 
@@ -248,6 +249,7 @@ def _pump(replica: Replica, out: IO[bytes], lock: threading.Lock, label: Callabl
         with lock:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()
+    replica.eof_at = time.monotonic()
     stream.close()
 
 
@@ -468,15 +470,23 @@ class Launcher:
             if replica.pump is not None:
                 replica.pump.join(timeout=timeout)
 
+    def just_ended(self) -> list[Replica]:
+        """The replicas that ended since the last call, the first to end first
+        (the first failure is the one the others are likely to fail of)."""
+        ended = [r for r in self.replicas if not r.ended and r.proc.poll() is not None]
+        for replica in ended:
+            replica.ended = True
+            if replica.proc.returncode != 0:
+                assert replica.pump is not None
+                replica.pump.join(timeout=1)  # its last output
+        return sorted(ended, key=lambda r: r.eof_at)
+
     def ended(self, replica: Replica) -> None:
         """``replica`` ended: a failure is replaced, or recorded as a loss the
         others have the grace to go on without (no bound with --tolerate-lost)."""
-        replica.ended = True
         code = replica.proc.returncode
         if code == 0:
             return
-        assert replica.pump is not None
-        replica.pump.join(timeout=1)  # its last output
         joined = self.groups.current(replica.proc.pid)  # (dead: all it said is written)
         loss = Loss(self.name(replica), code, joined.group if joined else None,
                     joined.rank if joined else None, None)
@@ -523,9 +533,8 @@ class Launcher:
         them); the job's exit status."""
         while True:
             self.groups.refresh()
-            for replica in list(self.replicas):  # (replace() adds to it)
-                if not replica.ended and replica.proc.poll() is not None:
-                    self.ended(replica)
+            for replica in self.just_ended():
+                self.ended(replica)
             self.settle()
             if self.coordinator_file is not None:
                 self.tell_newcomers(self.coordinator())
