@@ -5,6 +5,7 @@ import ast
 import collections
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -330,3 +331,143 @@ def test_examples_run_under_the_launcher():
             checks[name](lines)
         else:
             assert lines == expected[name], (name, proc.stdout, proc.stderr)
+
+
+# -- losses without --replace-lost: survivors kept, current ranks, the last group's straggler --------
+
+SHRINKING_JOB = """
+    import os, signal, sys, time, zcollective
+    KILLED, SLOW, KILL_AT, STEPS = {killed}, {slow}, {kill_at}, {steps}
+    SLOW_S = 0.03  # the slow rank's own work each step: it arrives last at every call
+    zcollective.initialize()
+    launched = zcollective.get_rank()
+    print(f"launched as {{launched}}")
+    step = 0
+    while step < STEPS:
+        if launched == KILLED and step == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if launched == SLOW:
+            time.sleep(SLOW_S)
+        try:
+            zcollective.allreduce(1)
+            step += 1
+        except zcollective.ReplicaLostError:
+            if not {shrinks}:
+                raise
+            zcollective.shrink()
+            print(f"launched as {{launched}}, now rank {{zcollective.get_rank()}} of "
+                  f"{{zcollective.get_world_size()}}")
+    zcollective.teardown()
+"""
+
+
+def shrinking_job(tmp_path, killed=1, slow=2, kill_at=10, steps=150, shrinks=True):
+    """A job of 3 where the rank launched as ``killed`` SIGKILLs itself at step
+    ``kill_at``; the survivors shrink (if ``shrinks``) and run on (the rank
+    launched as ``slow`` takes 0.03 s a step, so they outlast a grace of 3 s)."""
+    return script(tmp_path, SHRINKING_JOB.format(killed=killed, slow=slow, kill_at=kill_at, steps=steps,
+                                                 shrinks=shrinks))
+
+
+def output(proc):
+    """A finished launcher's output, for an assertion's message."""
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def survivors_went_on(tmp_path_factory):
+    """One run for the tests below: rank 1 of 3 killed at step 10, the
+    survivors shrink and run on past the grace, without --replace-lost."""
+    job = shrinking_job(tmp_path_factory.mktemp("shrink"))
+    return launch(["-n", "3", "--grace", "3", job], timeout=120)
+
+
+def test_survivors_that_shrink_are_kept_and_the_job_exits_0(survivors_went_on):
+    proc = survivors_went_on
+    assert proc.returncode == 0, output(proc)
+    assert "rank 1 was killed by SIGKILL; stopping the others in 3 s unless they go on" in proc.stderr, (
+        output(proc))
+    assert "the others went on without rank 1 (it was killed by SIGKILL), in a group of 2" in proc.stderr, (
+        output(proc))
+    assert "stopping rank" not in proc.stderr and "starting a newcomer" not in proc.stderr, output(proc)
+    assert ("the job went on without 1 lost replica (rank 1 was killed by SIGKILL); every other exited 0"
+            in proc.stderr), output(proc)
+
+
+def test_each_line_is_prefixed_with_the_current_rank(survivors_went_on):
+    """Launched as 2, the process is rank 1 after the shrink: its lines say [2] before, [1] after."""
+    lines = survivors_went_on.stdout.splitlines()
+    assert "[2] launched as 2" in lines, output(survivors_went_on)
+    assert "[1] launched as 2, now rank 1 of 2" in lines, output(survivors_went_on)
+    assert "[0] launched as 0, now rank 0 of 2" in lines, output(survivors_went_on)
+    assert not any(line.startswith("[1] launched as 1,") for line in lines), output(survivors_went_on)
+
+
+def test_the_straggler_line_names_a_rank_of_the_last_group(survivors_went_on):
+    """The slow process was rank 2 in the first group and is rank 1 in the last: the summary
+    names it by its last rank (rank 2 is no rank of the last group)."""
+    summary = [line for line in survivors_went_on.stderr.splitlines() if "slowest" in line]
+    assert len(summary) == 1 and summary[0].startswith("zcollective-run: slowest rank 1: "), (
+        output(survivors_went_on))
+
+
+def test_the_straggler_line_never_names_a_killed_rank(tmp_path):
+    """The slow rank is killed and the others end with its loss (no shrink): rank 0's figures
+    still name it slowest, and the launcher leaves it out."""
+    job = shrinking_job(tmp_path, killed=2, slow=2, shrinks=False)
+    proc = launch(["-n", "3", job], timeout=120)
+    assert proc.returncode == 128 + signal.SIGKILL, output(proc)
+    assert "rank 2 was killed by SIGKILL" in proc.stderr, output(proc)
+    assert "slowest rank 2" not in proc.stderr, output(proc)
+
+
+def test_tolerate_lost_keeps_the_others_whatever_the_grace_and_replaces_nobody(tmp_path):
+    """--tolerate-lost: with no grace at all the survivors are not stopped, and nobody is
+    started in the lost one's place; a program that does not shrink still fails the job."""
+    proc = launch(["-n", "3", "--tolerate-lost", "--grace", "0", shrinking_job(tmp_path, steps=40)],
+                  timeout=120)
+    assert proc.returncode == 0, output(proc)
+    assert "rank 1 was killed by SIGKILL; the others may go on without it" in proc.stderr, output(proc)
+    assert "the others went on without rank 1" in proc.stderr, output(proc)
+    assert "starting a newcomer" not in proc.stderr and "stopping" not in proc.stderr, output(proc)
+    assert "[1] launched as 2, now rank 1 of 2" in proc.stdout.splitlines(), output(proc)
+    rigid = launch(["-n", "3", "--tolerate-lost", shrinking_job(tmp_path, steps=40, shrinks=False)],
+                   timeout=120)
+    assert rigid.returncode == 128 + signal.SIGKILL, output(rigid)
+    assert "went on without" not in rigid.stderr, output(rigid)
+
+
+def test_a_newcomer_started_by_hand_joins_with_what_the_launcher_prints(tmp_path):
+    """The recipe of docs/launching.md: the launcher made the secret; the line it prints
+    (address, port, a file holding the secret) is all a newcomer started by hand needs."""
+    job = script(tmp_path, """
+        import os, time, zcollective
+        zcollective.initialize()
+        if os.environ.get("ZCOLLECTIVE_JOIN") != "1":
+            deadline = time.monotonic() + 60  # bounded: the test fails, not hangs, without a newcomer
+            while zcollective.get_world_size() < 3 and time.monotonic() < deadline:
+                zcollective.grow()
+                time.sleep(0.05)
+        print("rank", zcollective.get_rank(), "of", zcollective.get_world_size(),
+              "total", zcollective.allreduce(1))
+        zcollective.teardown()
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZCOLLECTIVE_")}
+    launcher = subprocess.Popen([*RUN, "-n", "2", "--tolerate-lost", job], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        hint = launcher.stderr.readline()  # (at its start; EOF if it never says)
+        assert "a newcomer started by hand joins this job" in hint, hint
+        words = shlex.split(hint.split(" with: ", 1)[1])
+        assigned = dict(w.split("=", 1) for w in words if "=" in w and w.startswith("ZCOLLECTIVE_"))
+        assert set(assigned) == {"ZCOLLECTIVE_JOIN", "ZCOLLECTIVE_MASTER_ADDR", "ZCOLLECTIVE_MASTER_PORT",
+                                 "ZCOLLECTIVE_SECRET_FILE"}, hint
+        newcomer = subprocess.run(words[len(assigned):], env={**env, **assigned}, capture_output=True,
+                                  text=True, timeout=60)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert newcomer.returncode == 0 and newcomer.stdout == "rank 2 of 3 total 3\n", (
+        newcomer.stdout, newcomer.stderr)
+    assert launcher.returncode == 0, (out, err)
+    assert sorted(out.splitlines()) == ["[0] rank 0 of 3 total 3", "[1] rank 1 of 3 total 3"], (out, err)

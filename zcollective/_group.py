@@ -48,7 +48,7 @@ from ._limits import (
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
-from ._protocol._stats import announce_coordinator, calls_log, write_for_launcher
+from ._protocol._stats import announce_coordinator, announce_group, calls_log, write_for_launcher
 from .config import Config, resolve, takes_settings
 from .errors import (
     CollectiveError,
@@ -236,6 +236,7 @@ class Group:
             else:
                 self._join_forming(form)
             self._start_data(deadline)
+            announce_group(self.rank, self.size, self._member.session, self._member.lineage)
             if self.config.rank == 0:
                 announce_coordinator(self.coordinator_address())
         except BaseException as exc:
@@ -984,7 +985,7 @@ class Group:
         self._closed = True
         _open_groups.pop(id(self), None)
         if self.rank == 0 and not self.config.join:  # (a newcomer waiting has no stats to say)
-            write_for_launcher(self.stats())
+            write_for_launcher(self.stats(), self._member.session)
         self._member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
         try:

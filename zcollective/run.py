@@ -8,13 +8,29 @@ mode or mpiexec.
 Each replica gets ``ZCOLLECTIVE_MASTER_ADDR``, ``ZCOLLECTIVE_MASTER_PORT``,
 ``ZCOLLECTIVE_REPLICA_RANK``, ``ZCOLLECTIVE_NUM_REPLICAS`` and
 ``ZCOLLECTIVE_LOCAL_RANK``; on a single host, also a fresh random
-``ZCOLLECTIVE_SECRET`` and ``ZCOLLECTIVE_JOB`` (unless set). Its output is prefixed with ``[rank]``. The
-launcher exits with the first non-zero exit code; when a replica fails, the
-others are stopped after a grace period; with ``--replace-lost K``, up to K
-replicas that die are started again instead, as newcomers the group admits at
-its next ``grow()`` (the others keep running). Ctrl-C stops every replica. When
-the job ends, it names the slowest rank (how late its contributions reached
-rank 0), unless ``--no-straggler-summary``.
+``ZCOLLECTIVE_SECRET`` (unless ``ZCOLLECTIVE_SECRET`` or ``ZCOLLECTIVE_SECRET_FILE``
+is set: then the replicas use that) and, on one host, ``ZCOLLECTIVE_JOB``
+(unless set). Each line of output is prefixed with the process's current
+rank (``[2]``; it changes when the process's group does; ``[newcomer 1]`` for
+a newcomer not yet admitted).
+
+When a replica fails (exits non-zero or is killed), the others get ``--grace``
+seconds: if they go on without it in a group formed from theirs
+(``zcollective.shrink()``), the launcher keeps them; otherwise it stops them.
+``--tolerate-lost`` leaves them running however long they take;
+``--replace-lost K`` starts up to K dead replicas again as newcomers the group
+admits at its next ``grow()``. The exit status is 0 when every replica exited
+0 or was lost and the others went on without it (each loss is reported on
+stderr); otherwise that of the first failure not tolerated (128 + N for
+signal N). Ctrl-C stops every replica. When the job ends, it names the slowest
+rank of the last group (how late its contributions reached rank 0), unless
+``--no-straggler-summary``.
+
+The replicas tell the launcher their group, rank and size each time they join
+a group, and rank 0 its stats when it closes one, through the file
+:data:`~zcollective._protocol._stats.GROUPS_FILE_ENV` names (see
+:class:`Groups`); rank 0 of each group says where its coordinator is in the
+file :data:`~zcollective._protocol._stats.COORDINATOR_FILE_ENV` names.
 """
 
 from __future__ import annotations
@@ -24,27 +40,34 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import IO, Optional
+from dataclasses import dataclass
+from typing import IO, Any, Callable, NamedTuple, Optional
 
 from . import __version__
-from ._protocol._stats import COORDINATOR_FILE_ENV, STATS_FILE_ENV, slowest
+from ._protocol._stats import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, SECRET_ENV, SECRET_FILE_ENV
 
-DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit by itself
+DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit, or go on without the lost
 KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
 COORDINATOR_MOVE_S = 10.0  # --replace-lost: rank 0 died; the survivors' new one says where it is
+POLL_S = 0.05  # how often the launcher looks at its replicas: a stop is late by at most this
+READ_BYTES = 1 << 16  # the groups file is read in chunks of this size
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="zcollective-run",
-        description="Start the replicas of a zcollective job on this host.",
+        description="Start the replicas of a zcollective job on this host. Each line of output is "
+                    "prefixed with the process's current rank (it changes after a shrink or grow). "
+                    "Exit status: 0 when every replica exited 0, or was lost and the others went on "
+                    "without it (shrink); else that of the first failure not tolerated.",
         epilog="Example: zcollective-run -n 4 train.py --epochs 3. The script reads its rank "
                "with zcollective.initialize(); no arguments are needed in it.",
     )
@@ -60,15 +83,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="port of the coordinator on node 0 (default: a free port on a single "
                              f"host, {DEFAULT_MASTER_PORT} across hosts)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                        help=f"seconds the others get after a replica fails (default {DEFAULT_GRACE_S:g})")
+                        help="seconds the others get after a replica fails, to exit or to go on "
+                             "without it in a new group (zcollective.shrink()); those that went on "
+                             f"are kept, the rest stopped (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--tolerate-lost", action="store_true",
+                        help="a replica that fails stops nobody and is not replaced: the others "
+                             "may go on without it (zcollective.shrink()), however long they take; "
+                             "prints how a newcomer started by hand joins the job")
     parser.add_argument("--replace-lost", type=int, default=0, metavar="K",
                         help="start a replica that dies (up to K times in all) again, as a "
                              "newcomer (ZCOLLECTIVE_JOIN=1) at the group's coordinator, while the "
                              "others keep running; the program admits it with zcollective.grow() "
-                             "(default 0: a replica that fails stops the job)")
+                             "(default 0: nobody is replaced); prints how a newcomer started by "
+                             "hand joins the job")
     parser.add_argument("--no-straggler-summary", dest="straggler_summary", action="store_false",
-                        help="do not print which rank was slowest when the job ends (rank 0 "
-                             "runs on this host)")
+                        help="do not print which rank of the last group was slowest when the job "
+                             "ends (said on the host of that group's rank 0)")
     parser.add_argument("--version", action="version", version=f"zcollective {__version__}")
     parser.add_argument("script", help="a Python script (run with this Python) or a program")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -92,12 +122,122 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return ns
 
 
-def _pump(rank: int, stream: IO[bytes], out: IO[bytes], lock: threading.Lock,
-          last: dict[int, bytes]) -> None:
-    """Copy a rank's output, prefixed; remember what explains its failure:
-    the exception of its last traceback (what a library or atexit handler
-    printed after it does not), else its last line."""
-    prefix = f"[{rank}] ".encode()
+class Joined(NamedTuple):
+    """A process's place in a group, as it said when it joined."""
+
+    group: str  # the group's id (its session, in hex)
+    rank: int
+    size: int
+
+
+class Groups:
+    """What the replicas said in the groups file (see
+    :func:`zcollective._protocol._stats.announce_group`): each process's
+    current group, the group each group was formed from, and the stats each
+    group's rank 0 left when it closed it. Read as it grows, from the pumps
+    and the main loop alike."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.lock = threading.Lock()
+        self.partial = b""  # a line being written
+        self.of_pid: dict[int, Joined] = {}
+        self.lineage: dict[str, Optional[str]] = {}  # group -> the group it was formed from
+        self.size: dict[str, int] = {}
+        self.formed: list[str] = []  # the groups, in the order they were first announced
+        self.stats: dict[str, dict[str, Any]] = {}
+
+    def refresh(self) -> None:
+        """Take in the lines written since the last call."""
+        with self.lock:
+            while chunk := os.read(self.fd, READ_BYTES):
+                self.partial += chunk
+            *lines, self.partial = self.partial.split(b"\n")
+            for line in lines:
+                self._take(line)
+
+    def _take(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+            pid, group = int(record["pid"]), str(record["group"])
+            if "stats" in record:
+                self.stats[group] = dict(record["stats"])
+                return
+            joined, lineage = Joined(group, int(record["rank"]), int(record["size"])), record["lineage"]
+        except (ValueError, KeyError, TypeError):
+            return  # not a line of the library's (written by hand?)
+        self.of_pid[pid] = joined
+        if group not in self.lineage:
+            self.lineage[group], self.size[group] = lineage, joined.size
+            self.formed.append(group)
+
+    def current(self, pid: int) -> Optional[Joined]:
+        """The group ``pid`` joined last, and its rank there (None: none yet)."""
+        self.refresh()
+        return self.of_pid.get(pid)
+
+    def forget(self, pid: int) -> None:
+        """A new process has this pid: what a dead one of the same pid said is not its."""
+        with self.lock:
+            self.of_pid.pop(pid, None)
+
+    def formed_from(self, group: str) -> Optional[str]:
+        """The newest group formed from ``group`` (by one or more shrinks and
+        grows), or None."""
+        with self.lock:
+            for newer in reversed(self.formed):
+                seen, parent = set(), self.lineage[newer]
+                while parent is not None and parent not in seen:
+                    if parent == group:
+                        return newer
+                    seen.add(parent)
+                    parent = self.lineage.get(parent)
+        return None
+
+    def last(self) -> Optional[str]:
+        """The group formed last, or None."""
+        with self.lock:
+            return self.formed[-1] if self.formed else None
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass(eq=False)
+class Replica:
+    """One process the launcher started."""
+
+    slot: int  # the rank it was started as (a newcomer: that of the replica it replaces)
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    newcomer: int = 0  # the n-th newcomer this launcher started; 0: one of the first group
+    said: bytes = b""  # what explains its failure (see _pump)
+    eof_at: float = float("inf")  # when its output ended: about when it did (which ended first)
+    pump: Optional[threading.Thread] = None  # copies its output
+    ended: bool = False  # its end was dealt with
+
+
+@dataclass(eq=False)
+class Loss:
+    """A replica that failed, and whether the others went on without it."""
+
+    who: str  # as the messages name it
+    code: int
+    group: Optional[str]  # the group it was in (None: it never joined one)
+    rank: Optional[int]  # its rank there
+    deadline: Optional[float]  # the others are stopped then, unless they went on (None: never)
+    tolerated: bool = False  # the others went on without it, in a group formed from its group
+    replaced: bool = False  # a newcomer was started in its place (--replace-lost)
+
+
+def _pump(replica: Replica, out: IO[bytes], lock: threading.Lock, label: Callable[[], str]) -> None:
+    """Copy a replica's output, each line prefixed with ``label()`` as the
+    line is read (a line read before the replica's group changed keeps the
+    rank it had); remember what explains its failure: the exception of its
+    last traceback (what a library or atexit handler printed after it does
+    not), else its last line."""
+    stream = replica.proc.stdout
+    assert stream is not None
     in_traceback, raised = False, b""
     for line in iter(stream.readline, b""):
         if line.startswith(b"Traceback (most recent call last):"):
@@ -105,10 +245,12 @@ def _pump(rank: int, stream: IO[bytes], out: IO[bytes], lock: threading.Lock,
         elif in_traceback and line.strip() and not line[:1].isspace():
             in_traceback, raised = False, line.strip()
         if line.strip():
-            last[rank] = raised or line.strip()
+            replica.said = raised or line.strip()
+        prefix = f"[{label()}] ".encode()
         with lock:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()
+    replica.eof_at = time.monotonic()
     stream.close()
 
 
@@ -121,26 +263,43 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _status(code: int) -> int:
+    """The launcher's exit status for a replica's return code (a shell's: 128 + N for signal N)."""
+    return code if code > 0 else 128 - code
+
+
+def _temp_file(prefix: str, text: str = "") -> str:
+    """A new file only this user can read, holding ``text``."""
+    fd, path = tempfile.mkstemp(prefix=prefix)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
 class Launcher:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.threads: dict[int, threading.Thread] = {}  # each rank's output pump (its latest process)
+        self.elastic = ns.tolerate_lost or ns.replace_lost > 0  # newcomers may come: say how
+        self.replicas: list[Replica] = []
+        self.losses: list[Loss] = []
         self.replaced = 0  # replicas started again as newcomers (--replace-lost)
-        self.coordinator_file: Optional[str] = None  # where each group's rank 0 says where it is
-        if ns.replace_lost:
-            fd, self.coordinator_file = tempfile.mkstemp(prefix="zcollective-coordinator-")
-            os.close(fd)
-        self.last_lines: dict[int, bytes] = {}
         self.interrupted = False
         self.secret: Optional[str] = None
-        self.stats_file: Optional[str] = None  # where rank 0 leaves its stats (see _stats)
-        if ns.straggler_summary and ns.node_rank == 0:
-            fd, self.stats_file = tempfile.mkstemp(prefix="zcollective-stats-", suffix=".json")
-            os.close(fd)
+        self.secret_file: Optional[str] = None  # the launcher's secret, for newcomers by hand
         if ns.nnodes == 1 and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
             # one host: a fresh secret per job, so nobody else on the machine can join or inject
             self.secret = secrets.token_hex(32)
+            if self.elastic:
+                self.secret_file = _temp_file("zcollective-secret-", self.secret)
+        self.groups_file = _temp_file("zcollective-groups-")
+        self.groups = Groups(self.groups_file)
+        # where each group's rank 0 says its coordinator is (newcomers go there)
+        self.coordinator_file = _temp_file("zcollective-coordinator-") if self.elastic else None
+        self.told: Optional[str] = None  # the coordinator's address last told for newcomers
+
+    def files(self) -> list[str]:
+        """The launcher's files, removed when it ends."""
+        return [p for p in (self.groups_file, self.coordinator_file, self.secret_file) if p is not None]
 
     def env_for(self, rank: int, local_rank: int, port: int, size: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -155,26 +314,42 @@ class Launcher:
             "ZCOLLECTIVE_NUM_REPLICAS": str(size),
             "ZCOLLECTIVE_LOCAL_RANK": str(local_rank),
             "PYTHONUNBUFFERED": "1",
+            GROUPS_FILE_ENV: self.groups_file,
         })
-        if self.stats_file is not None and rank == 0:
-            env[STATS_FILE_ENV] = self.stats_file
         if self.coordinator_file is not None:
             env[COORDINATOR_FILE_ENV] = self.coordinator_file
         return env
 
+    def name(self, replica: Replica) -> str:
+        """A replica as the messages name it: its current rank, and how it started if that differs."""
+        joined = self.groups.current(replica.proc.pid)
+        if joined is None:
+            return f"newcomer {replica.newcomer}" if replica.newcomer else f"rank {replica.slot}"
+        if joined.rank == replica.slot and not replica.newcomer:
+            return f"rank {joined.rank}"
+        started = f"newcomer {replica.newcomer}" if replica.newcomer else f"launched as rank {replica.slot}"
+        return f"rank {joined.rank} ({started})"
+
+    def label(self, replica: Replica) -> str:
+        """The prefix of a replica's lines: its current rank (``newcomer N`` before it is admitted)."""
+        joined = self.groups.current(replica.proc.pid)
+        if joined is not None:
+            return str(joined.rank)
+        return f"newcomer {replica.newcomer}" if replica.newcomer else str(replica.slot)
+
     def straggler_summary(self) -> None:
-        """Say which rank was slowest, from what rank 0 left (if it did)."""
-        path, self.stats_file = self.stats_file, None
-        if path is None:
+        """Say which rank of the last group was slowest, from what its rank 0
+        left (if it ran here and did), never naming a rank lost in it."""
+        if not self.ns.straggler_summary:
             return
-        try:
-            with open(path) as f:
-                ranks = json.load(f).get("ranks") or {}
-        except (OSError, ValueError):
-            ranks = {}  # rank 0 never closed a group of two or more: nothing to say
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        self.groups.refresh()
+        last = self.groups.last()
+        if last is None:
+            return
+        ranks = dict(self.groups.stats.get(last, {}).get("ranks") or {})
+        for loss in self.losses:
+            if loss.group == last and loss.rank is not None:
+                ranks.pop(str(loss.rank), None)
         line = slowest(ranks)
         if line is not None:
             self.message(line)
@@ -197,10 +372,12 @@ class Launcher:
         self.lock = threading.Lock()
         for local in range(ns.nproc_per_node):
             rank = ns.node_rank * ns.nproc_per_node + local
-            self.spawn(rank, self.env_for(rank, local, port, size))
+            self.spawn(rank, local, self.env_for(rank, local, port, size))
+        if self.elastic:
+            self.tell_newcomers(f"{ns.master_addr or DEFAULT_MASTER_ADDR}:{port}")
 
-    def spawn(self, rank: int, env: dict[str, str]) -> None:
-        """Start the process of ``rank``'s slot, its output pumped."""
+    def spawn(self, slot: int, local_rank: int, env: dict[str, str], newcomer: int = 0) -> None:
+        """Start a process in ``slot``, its output pumped."""
         try:
             proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
@@ -208,16 +385,17 @@ class Launcher:
             self.message(f"cannot start {self.command[0]!r}: {exc.strerror}")
             self.stop(signal.SIGTERM)
             raise SystemExit(127) from None
-        self.procs[rank] = proc
-        thread = threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout.buffer, self.lock,
-                                                      self.last_lines), daemon=True)
-        thread.start()
-        self.threads[rank] = thread
+        self.groups.forget(proc.pid)
+        replica = Replica(slot, local_rank, proc, newcomer)
+        replica.pump = threading.Thread(target=_pump, daemon=True, args=(
+            replica, sys.stdout.buffer, self.lock, lambda: self.label(replica)))
+        replica.pump.start()
+        self.replicas.append(replica)
 
-    def coordinator(self, dead: int) -> str:
+    def coordinator(self, dead: Optional[int] = None) -> str:
         """Where the group's coordinator is (``host:port``, from what its rank 0
-        wrote): if the process ``dead`` was that rank 0, once the survivors' new
-        one said so (within :data:`COORDINATOR_MOVE_S`)."""
+        wrote; empty: not said yet): if the process ``dead`` was that rank 0,
+        once the survivors' new one said so (within :data:`COORDINATOR_MOVE_S`)."""
         assert self.coordinator_file is not None
         deadline = time.monotonic() + COORDINATOR_MOVE_S
         while True:
@@ -226,82 +404,167 @@ class Launcher:
                     where, _, pid = f.read().strip().partition(" ")
             except OSError:
                 where, pid = "", ""
-            if pid != str(dead) or time.monotonic() > deadline:
+            if dead is None or pid != str(dead) or time.monotonic() > deadline:
                 return where
-            time.sleep(0.05)
+            time.sleep(POLL_S)
 
-    def replace(self, rank: int, code: int) -> bool:
-        """``--replace-lost``: start ``rank``'s slot again, as a newcomer at the
-        group's coordinator (it moves when rank 0 is lost), while others run."""
-        if self.replaced >= self.ns.replace_lost or self.coordinator_file is None or not any(
-                p.poll() is None for p in self.procs.values()):
-            return False
-        where = self.coordinator(self.procs[rank].pid)
+    def tell_newcomers(self, where: str) -> None:
+        """Say how a newcomer started by hand joins the group at ``where``
+        (``host:port``): once at the start, again when the coordinator moves."""
         host, _, port = where.rpartition(":")
-        env = self.env_for(rank, rank % self.ns.nproc_per_node, self.port, self.size)
+        if not host or not port.isdigit() or where == self.told:
+            return
+        moved = self.told is not None
+        self.told = where
+        env = {"ZCOLLECTIVE_JOIN": "1", "ZCOLLECTIVE_MASTER_ADDR": host.strip("[]"),
+               "ZCOLLECTIVE_MASTER_PORT": port}
+        if self.secret_file is not None:
+            env[SECRET_FILE_ENV] = self.secret_file
+        command = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(self.command)])
+        exported = os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
+        mind = f" (with the {SECRET_ENV} or {SECRET_FILE_ENV} exported here)" if exported else ""
+        self.message(f"{'the coordinator moved; ' if moved else ''}a newcomer started by hand joins "
+                     f"this job (at its group's next grow()) with: {command}{mind}")
+
+    def replace(self, replica: Replica, code: int) -> bool:
+        """``--replace-lost``: start ``replica``'s slot again, as a newcomer at the
+        group's coordinator (it moves when rank 0 is lost), while others run."""
+        if self.replaced >= self.ns.replace_lost or self.coordinator_file is None or not self.running():
+            return False
+        who = self.name(replica)
+        where = self.coordinator(replica.proc.pid)
+        host, _, port = where.rpartition(":")
+        env = self.env_for(replica.slot, replica.local_rank, self.port, self.size)
         if host and port.isdigit():
             env.update(ZCOLLECTIVE_MASTER_ADDR=host.strip("[]"), ZCOLLECTIVE_MASTER_PORT=port)
         env["ZCOLLECTIVE_JOIN"] = "1"
         self.replaced += 1
-        self.threads[rank].join(timeout=1)  # its last output
-        self.message(f"rank {rank} {_describe(code)}; starting a newcomer in its place at "
+        self.message(f"{who} {_describe(code)}; starting a newcomer in its place at "
                      f"{where or 'the master address'} ({self.replaced} of {self.ns.replace_lost})")
-        self.spawn(rank, env)
+        self.spawn(replica.slot, replica.local_rank, env, newcomer=self.replaced)
         return True
 
     def message(self, text: str) -> None:
         sys.stderr.write(f"zcollective-run: {text}\n")
         sys.stderr.flush()
 
+    def running(self) -> list[Replica]:
+        return [r for r in self.replicas if r.proc.poll() is None]
+
     def signal_all(self, sig: int) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+        for replica in self.running():
+            try:
+                os.killpg(replica.proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def stop(self, sig: int) -> None:
         """Send ``sig`` to every replica still running, SIGKILL after a bound."""
         self.signal_all(sig)
         deadline = time.monotonic() + KILL_AFTER_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
-            time.sleep(0.05)
+        while time.monotonic() < deadline and self.running():
+            time.sleep(POLL_S)
         self.signal_all(signal.SIGKILL)
-        for proc in self.procs.values():
-            proc.wait()
+        for replica in self.replicas:
+            replica.proc.wait()
+
+    def join_pumps(self, timeout: float) -> None:
+        for replica in self.replicas:
+            if replica.pump is not None:
+                replica.pump.join(timeout=timeout)
+
+    def just_ended(self) -> list[Replica]:
+        """The replicas that ended since the last call, the first to end first
+        (the first failure is the one the others are likely to fail of)."""
+        ended = [r for r in self.replicas if not r.ended and r.proc.poll() is not None]
+        for replica in ended:
+            replica.ended = True
+            if replica.proc.returncode != 0:
+                assert replica.pump is not None
+                replica.pump.join(timeout=1)  # its last output
+        return sorted(ended, key=lambda r: r.eof_at)
+
+    def ended(self, replica: Replica) -> None:
+        """``replica`` ended: a failure is replaced, or recorded as a loss the
+        others have the grace to go on without (no bound with --tolerate-lost)."""
+        code = replica.proc.returncode
+        if code == 0:
+            return
+        joined = self.groups.current(replica.proc.pid)  # (dead: all it said is written)
+        loss = Loss(self.name(replica), code, joined.group if joined else None,
+                    joined.rank if joined else None, None)
+        loss.replaced = self.replace(replica, code)
+        if not loss.replaced:
+            self.report(loss, replica, never_admitted=joined is None and replica.newcomer > 0)
+        self.losses.append(loss)
+
+    def pending(self, group: Optional[str]) -> Optional[Loss]:
+        """A loss in ``group`` (not replaced) the others have not gone on without (yet)."""
+        return next((loss for loss in self.losses
+                     if not loss.tolerated and not loss.replaced and loss.group == group), None)
+
+    def report(self, loss: Loss, replica: Replica, never_admitted: bool) -> None:
+        """Say what happened to the replica ``loss`` is, and what happens now."""
+        said = replica.said.decode("utf-8", "replace")[:300] if loss.code > 0 else ""  # (a kill: no word)
+        said = f" ({said})" if said else ""
+        earlier = self.pending(loss.group)
+        if never_admitted:  # no group needed it
+            loss.tolerated = True
+            self.message(f"{loss.who} {_describe(loss.code)}{said} before it was admitted")
+        elif earlier is not None:  # likely a consequence of the loss said already
+            loss.deadline = earlier.deadline
+        elif self.ns.tolerate_lost:
+            self.message(f"{loss.who} {_describe(loss.code)}{said}; the others may go on without it")
+        else:
+            loss.deadline = time.monotonic() + self.ns.grace
+            self.message(f"{loss.who} {_describe(loss.code)}{said}; stopping the others in "
+                         f"{self.ns.grace:g} s unless they go on without it (zcollective.shrink())")
+
+    def settle(self) -> None:
+        """Mark the losses the others went on without, and say so."""
+        for loss in self.losses:
+            if loss.tolerated or loss.group is None:
+                continue
+            went_on = self.groups.formed_from(loss.group)
+            if went_on is not None:
+                loss.tolerated = True
+                self.message(f"the others went on without {loss.who} (it {_describe(loss.code)}), "
+                             f"in a group of {self.groups.size[went_on]}: keeping them")
 
     def wait(self) -> int:
-        first_failure: Optional[tuple[int, int]] = None
-        failed_at = 0.0
+        """Watch the replicas until every one ended (or the launcher stopped
+        them); the job's exit status."""
         while True:
-            running = [r for r, p in self.procs.items() if p.poll() is None]
-            if first_failure is None:
-                for rank, proc in sorted(self.procs.items()):
-                    if proc.returncode not in (None, 0):
-                        if self.replace(rank, proc.returncode):
-                            continue
-                        first_failure = (rank, proc.returncode)
-                        failed_at = time.monotonic()
-                        self.threads[rank].join(timeout=1)  # its last output
-                        said = self.last_lines.get(rank, b"").decode("utf-8", "replace")[:300]
-                        self.message(f"rank {rank} {_describe(proc.returncode)}"
-                                     f"{f' ({said})' if said else ''}; stopping the others in "
-                                     f"{self.ns.grace:g} s")
-                        break
+            self.groups.refresh()
+            for replica in self.just_ended():
+                self.ended(replica)
+            self.settle()
+            if self.coordinator_file is not None:
+                self.tell_newcomers(self.coordinator())
+            running = self.running()
             if not running:
                 break
-            if first_failure is not None and time.monotonic() - failed_at > self.ns.grace:
-                self.message(f"stopping ranks {','.join(map(str, running))}")
+            now = time.monotonic()
+            if any(not loss.tolerated and loss.deadline is not None and now > loss.deadline
+                   for loss in self.losses):
+                self.message(f"stopping {', '.join(self.name(r) for r in running)}")
                 self.stop(signal.SIGTERM)
                 break
-            time.sleep(0.05)
-        for thread in self.threads.values():
-            thread.join(timeout=2)
-        if first_failure is None:
-            return 0
-        rank, code = first_failure
-        return code if code > 0 else 128 - code
+            time.sleep(POLL_S)
+        self.join_pumps(timeout=2)
+        return self.status()
+
+    def status(self) -> int:
+        """0 when every loss was tolerated (saying which there were); else the
+        status of the first that was not."""
+        for loss in self.losses:
+            if not loss.tolerated:
+                return _status(loss.code)
+        if self.losses:
+            lost = "; ".join(f"{loss.who} {_describe(loss.code)}" for loss in self.losses)
+            self.message(f"the job went on without {len(self.losses)} lost replica"
+                         f"{'s' if len(self.losses) > 1 else ''} ({lost}); every other exited 0")
+        return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -320,14 +583,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         launcher.message("interrupted; stopping every replica")
         launcher.stop(signal.SIGINT)
-        for thread in launcher.threads.values():
-            thread.join(timeout=2)
+        launcher.join_pumps(timeout=2)
         return 130
     finally:
-        for path in (launcher.stats_file, launcher.coordinator_file):
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        launcher.groups.close()
+        for path in launcher.files():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from collections import deque
 from typing import Any, Optional
 
 SAMPLES = 1024  # recent calls kept per operation (and per rank) for the median and p90
-STATS_FILE_ENV = "ZCOLLECTIVE_STATS_FILE"  # set by zcollective-run: rank 0 writes its stats there
+GROUPS_FILE_ENV = "ZCOLLECTIVE_GROUPS_FILE"  # set by zcollective-run: each process appends a line
+# there when it joins a group, and rank 0 its stats when it closes one (the launcher follows ranks)
 COORDINATOR_FILE_ENV = "ZCOLLECTIVE_COORDINATOR_FILE"  # set by zcollective-run --replace-lost: the
 # rank 0 of each group (it moves when rank 0 is lost) writes the coordinator's host:port there
 
@@ -100,17 +101,37 @@ def slowest(ranks: dict[Any, dict[str, Any]]) -> Optional[str]:
             f"{(s['last_share'] or 0) * 100:.0f}% of calls")
 
 
-def write_for_launcher(stats: dict[str, Any]) -> None:
-    """Rank 0, at the end of a group started by zcollective-run: leave the
-    stats where the launcher will read them (best effort)."""
-    path = os.environ.get(STATS_FILE_ENV)
+def _tell_launcher(record: dict[str, Any]) -> None:
+    """Append one JSON line to the file zcollective-run named (best effort).
+    One ``write`` of a file opened to append: the processes of a job share
+    the file, and a line is never split by another's."""
+    path = os.environ.get(GROUPS_FILE_ENV)
     if not path:
         return
     try:
-        with open(path, "w") as f:
-            json.dump(stats, f)
-    except OSError:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # no O_CREAT: the launcher's file, or none
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+    except (OSError, TypeError, ValueError):
         pass
+
+
+def announce_group(rank: int, size: int, session: int, lineage: Optional[str]) -> None:
+    """A process started by zcollective-run, once it joined a group (the one
+    ``session`` names, formed from the group ``lineage`` names, if any): say
+    its rank and size there, for the launcher's line prefix and for it to see
+    survivors go on after a loss."""
+    _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "lineage": lineage,
+                    "rank": rank, "size": size})
+
+
+def write_for_launcher(stats: dict[str, Any], session: int) -> None:
+    """Rank 0, at the end of a group (``session``) started by zcollective-run:
+    leave the stats where the launcher will read them (best effort)."""
+    if session:  # (0: it closed before the group formed)
+        _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "stats": stats})
 
 
 def announce_coordinator(address: str) -> None:
