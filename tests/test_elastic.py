@@ -130,29 +130,39 @@ def test_a_survivor_stopped_past_the_bound_is_left_out_by_all(tmp_path, secret):
     assert "old rank" in outs[2].value or "rank 2" in outs[2].value
 
 
-def agreeing():
-    """agree in a healthy group, then after rank 3 is killed mid-call: the
-    same flag and lost ranks on every survivor, and the default group theirs."""
+def agreeing(victim, markers):
+    """agree in a healthy group, then after ``victim`` is killed mid-call: the
+    same flag and lost ranks (old ranks) on every survivor, and the default
+    group theirs, where agree works on. The victim dies once every other rank
+    has the first agreement (a rank 0 that dies while it sends a result leaves
+    agree uniform no more: README, "What it cannot survive")."""
     me = zc.get_rank()
     first = zc.agree(me != 2)
-    if me == 3:
+    if me == victim:
+        wait_for(*(os.path.join(markers, f"first{r}") for r in range(4) if r != victim))
         os.kill(os.getpid(), signal.SIGKILL)
+    touch(os.path.join(markers, f"first{me}"))
     second = zc.agree(True)
-    third = zc.agree(me != 1)  # in the shrunk group: rank 1 is still old rank 1
-    return first, second, third, zc.get_world_size()
+    third = zc.agree(me != 1)  # in the shrunk group: old rank 1 says False
+    return first, second, third, zc.get_world_size(), zc.get_rank()
 
 
 @pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
-def test_agree_gives_every_survivor_the_same_flag_and_lost_ranks(secret):
-    with Replicas(agreeing, 4, env=SECRET if secret else None) as reps:
+@pytest.mark.parametrize("victim", [0, 2, 3], ids=["rank-0", "middle", "last"])
+def test_agree_gives_every_survivor_the_same_flag_and_lost_ranks(tmp_path, victim, secret):
+    """The lost ranks are ranks of the group agree was called on: a loss of
+    the last rank alone would pass with survivors' new ranks taken for old."""
+    with Replicas(agreeing, 4, victim, str(tmp_path), env=SECRET if secret else None) as reps:
         outs = reps.wait(RUN_S)
-    assert outs[3].returncode == -signal.SIGKILL, report(outs, "rank 3 was to die")
-    assert all(o.ok for o in outs[:3]), report(outs, "a survivor failed")
-    for o in outs[:3]:
-        first, second, third, size = o.value
-        assert (first.flag, first.lost) == (False, frozenset())
-        assert (second.flag, second.lost) == (True, frozenset({3}))
-        assert (third.flag, third.lost, size) == (False, frozenset(), 3)
+    survivors = [r for r in range(4) if r != victim]
+    assert outs[victim].returncode == -signal.SIGKILL, report(outs, f"rank {victim} was to die")
+    assert all(outs[r].ok for r in survivors), report(outs, "a survivor failed")
+    for new, old in enumerate(survivors):
+        first, second, third, size, rank = outs[old].value
+        said = report(outs, f"old rank {old}: {outs[old].value}")
+        assert (first.flag, first.lost) == (False, frozenset()), said
+        assert (second.flag, second.lost) == (True, frozenset({victim})), said
+        assert (third.flag, third.lost, size, rank) == (False, frozenset(), 3, new), said
 
 
 def _epochs(target, admitted):

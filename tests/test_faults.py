@@ -10,6 +10,8 @@ import time
 import pytest
 from conftest import touch, wait_for
 from hostile import Boom
+from relay import Relay
+from zmtp import COMMAND, GREETING_BYTES, MORE, next_frame
 
 import zcollective as zc
 import zcollective._protocol._member
@@ -691,3 +693,78 @@ def test_a_call_given_up_as_it_completes_ends_alike_on_every_rank():
         kinds = {got[0] for got, _ in row}
         assert len(kinds) == 1, (i, row)
         assert all(after == 3 * i for _, after in row), (i, row)
+
+
+# -- a JOIN, or the coordinator's answer to it, lost on a connection that stays up ----------------
+
+JOIN_TIMEOUT_S = 10.0  # a JOIN sent once, and lost, waits this out; one sent again is in within ~1 s
+JOINED_WITHIN_S = 6.0  # JOIN_RESEND_S (1 s), twice (a CHALLENGE echoed), and slack for a loaded machine
+
+
+class Swallower(Relay):
+    """A TCP relay to the master port that drops the first message (every
+    frame of it) going one way on its first connection: ``upward``, the
+    replica's JOIN; else the coordinator's answer (its WELCOME, or with a
+    secret its CHALLENGE). The connection stays up and the handshake's
+    commands pass, so neither end sees an event: only a replica that sends
+    its JOIN again gets in."""
+
+    def __init__(self, upstream, upward):
+        self.upward = upward
+        self.dropped = []  # the frames dropped
+        super().__init__(upstream)
+
+    def pump(self, upward):
+        if upward != self.upward or self.connections != 1:
+            return super().pump(upward)
+        greeting, buf, state = [GREETING_BYTES], bytearray(), ["before"]
+
+        def carry(data):
+            if not data or state[0] == "after":
+                return data or b""
+            out = bytearray()
+            if greeting[0]:  # the greeting goes on at once, as it comes (it is sent in two parts)
+                out += data[:greeting[0]]
+                data, greeting[0] = data[greeting[0]:], max(0, greeting[0] - len(data))
+            buf.extend(data)
+            while state[0] != "after" and (parsed := next_frame(buf)) is not None:
+                flags, body, length = parsed
+                if flags & COMMAND:
+                    out += buf[:length]  # the handshake's, heartbeats
+                else:
+                    self.dropped.append(body)
+                    state[0] = "dropping" if flags & MORE else "after"
+                del buf[:length]
+            if state[0] == "after":
+                out += buf
+                buf.clear()
+            return bytes(out)
+        return carry
+
+
+def join_through_a_relay():
+    started = time.monotonic()
+    zc.initialize(timeout=JOIN_TIMEOUT_S)
+    took = time.monotonic() - started
+    return zc.allreduce(zc.get_rank() + 1), took
+
+
+@pytest.mark.parametrize("secret", [None, "s" * 32], ids=["no-secret", "secret"])
+@pytest.mark.parametrize("upward", [True, False], ids=["join-lost", "answer-lost"])
+def test_a_replica_whose_join_or_its_answer_was_lost_sends_it_again(upward, secret):
+    """Rank 1 reaches rank 0 through a relay that swallows its first JOIN, or
+    the coordinator's first message to it, on a connection that stays up
+    (as a connection made twice can lose either): rank 1 sends its JOIN
+    again (JOIN_RESEND_S) and the group forms within seconds, not at the
+    end of the join timeout."""
+    port = free_port()
+    env = {"ZCOLLECTIVE_SECRET": secret} if secret else None
+    with Swallower(port, upward) as relay, \
+            Replicas(join_through_a_relay, 3, initialize=False, port=port, env=env,
+                     rank_env={1: {"ZCOLLECTIVE_MASTER_PORT": str(relay.port)}}) as reps:
+        outs = reps.wait(60)
+    said = report(outs, f"{relay.connections} connections through the relay; dropped {relay.dropped}")
+    assert all(o.ok for o in outs), said
+    assert relay.dropped and relay.connections == 1, said  # lost, and no reconnection saved it
+    assert [o.value[0] for o in outs] == [6, 6, 6], said
+    assert outs[1].value[1] < JOINED_WITHIN_S, said
