@@ -154,7 +154,8 @@ def test_bad_arguments_are_clear_errors(args, text):
 def test_help_explains_the_launcher():
     proc = launch(["--help"])
     assert proc.returncode == 0
-    for word in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--grace"):
+    for word in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--grace",
+                 "--tolerate-lost", "--replace-lost", "current rank"):
         assert word in proc.stdout
 
 

@@ -82,9 +82,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="port of the coordinator on node 0 (default: a free port on a single "
                              f"host, {DEFAULT_MASTER_PORT} across hosts)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                        help="seconds the others get after a replica fails, to exit or to go on "
-                             "without it in a new group (zcollective.shrink()); those that went on "
-                             f"are kept, the rest stopped (default {DEFAULT_GRACE_S:g})")
+                        help="seconds the others get after a replica fails to exit, or to go on "
+                             "without it in a new group (zcollective.shrink()): if they went on, "
+                             f"they are kept, else stopped (default {DEFAULT_GRACE_S:g})")
     parser.add_argument("--tolerate-lost", action="store_true",
                         help="a replica that fails stops nobody and is not replaced: the others "
                              "may go on without it (zcollective.shrink()), however long they take; "
