@@ -169,7 +169,8 @@ def test_bad_arguments_are_clear_errors(args, text):
 def test_help_explains_the_launcher():
     proc = launch(["--help"])
     assert proc.returncode == 0
-    for word in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--grace"):
+    for word in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--grace",
+                 "--tolerate-lost", "--replace-lost", "current rank"):
         assert word in proc.stdout
 
 
@@ -461,7 +462,7 @@ def test_a_newcomer_started_by_hand_joins_with_what_the_launcher_prints(tmp_path
         words = shlex.split(hint.split(" with: ", 1)[1])
         assigned = dict(w.split("=", 1) for w in words if "=" in w and w.startswith("ZCOLLECTIVE_"))
         assert set(assigned) == {"ZCOLLECTIVE_JOIN", "ZCOLLECTIVE_MASTER_ADDR", "ZCOLLECTIVE_MASTER_PORT",
-                                 "ZCOLLECTIVE_SECRET_FILE"}, hint
+                                 "ZCOLLECTIVE_SECRET_FILE", "ZCOLLECTIVE_JOB"}, hint
         newcomer = subprocess.run(words[len(assigned):], env={**env, **assigned}, capture_output=True,
                                   text=True, timeout=60)
         out, err = launcher.communicate(timeout=60)

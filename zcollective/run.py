@@ -83,9 +83,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="port of the coordinator on node 0 (default: a free port on a single "
                              f"host, {DEFAULT_MASTER_PORT} across hosts)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                        help="seconds the others get after a replica fails, to exit or to go on "
-                             "without it in a new group (zcollective.shrink()); those that went on "
-                             f"are kept, the rest stopped (default {DEFAULT_GRACE_S:g})")
+                        help="seconds the others get after a replica fails to exit, or to go on "
+                             "without it in a new group (zcollective.shrink()): if they went on, "
+                             f"they are kept, else stopped (default {DEFAULT_GRACE_S:g})")
     parser.add_argument("--tolerate-lost", action="store_true",
                         help="a replica that fails stops nobody and is not replaced: the others "
                              "may go on without it (zcollective.shrink()), however long they take; "
@@ -420,6 +420,9 @@ class Launcher:
                "ZCOLLECTIVE_MASTER_PORT": port}
         if self.secret_file is not None:
             env[SECRET_FILE_ENV] = self.secret_file
+        job = self.env_for(0, 0, 0, 1).get("ZCOLLECTIVE_JOB")  # the job's name, as the replicas have it
+        if job is not None and "ZCOLLECTIVE_JOB" not in os.environ:
+            env["ZCOLLECTIVE_JOB"] = job
         command = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(self.command)])
         exported = os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
         mind = f" (with the {SECRET_ENV} or {SECRET_FILE_ENV} exported here)" if exported else ""
