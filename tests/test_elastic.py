@@ -256,8 +256,8 @@ def grow_while_rank_0_dies():
             os.kill(os.getpid(), signal.SIGKILL)
         _elastic.regroup = regroup
     deadline = time.monotonic() + 30
-    while not zc.grow():
-        assert time.monotonic() < deadline, "the newcomer never came"
+    while not zc.grow() and zc.get_world_size() == 3:  # (it counts who joined: none, the
+        assert time.monotonic() < deadline, "the newcomer never came"  # group shrank instead)
         zc.allreduce(1)
         time.sleep(0.05)
     return zc.get_rank(), zc.allgather(me)

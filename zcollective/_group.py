@@ -643,7 +643,10 @@ class Group:
         nobody waiting, returns this group at once, unchanged; otherwise this
         group closes, and its members and the newcomers form the next one at
         the same address, the members keeping their ranks, the newcomers
-        numbered after them. No call ever mixes the two memberships.
+        numbered after them (:attr:`admitted` says how many joined). No call
+        ever mixes the two memberships. A member lost while the group forms
+        again: the others shrink instead (the newcomers are told to start
+        again), and ``admitted`` is 0.
 
         Raises
         ------
