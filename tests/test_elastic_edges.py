@@ -35,15 +35,25 @@ def _groups(values):
 # -- forked workers -------------------------------------------------------------------
 
 
+WORKER_S = 15  # a forked worker lives this long, or 3 s past its parent (torch's notice a dead
+# parent only every 5 s): past the others' loss and shrink, whoever dies
+
+
+def _worker():
+    """A data loader's worker: never touches the group, ends without a word."""
+    parent, deadline = os.getppid(), time.monotonic() + WORKER_S
+    while time.monotonic() < deadline and os.getppid() == parent:
+        time.sleep(0.05)
+    time.sleep(3 if os.getppid() != parent else 0)
+    os._exit(0)
+
+
 def forks_then_loses(victim, markers):
     """Rank 0 forks a worker that never touches the group (a data loader's)
     and outlives the loss; ``victim`` dies mid-call; the survivors shrink."""
     me = zc.get_rank()
-    if me == 0:
-        child = os.fork()
-        if child == 0:  # the worker: sleeps, then ends without a word
-            time.sleep(8)
-            os._exit(0)
+    if me == 0 and os.fork() == 0:
+        _worker()
     zc.allreduce(1)
     if me == victim:
         zc.allgather_async(me)
@@ -67,7 +77,9 @@ def _past_the_loss(me, victim):
 
 @pytest.mark.parametrize("victim", [0, 3], ids=["rank-0", "last"])
 def test_a_forked_worker_of_rank_0_does_not_hold_the_port_a_shrink_needs(tmp_path, victim):
-    with Replicas(forks_then_loses, 4, victim, str(tmp_path)) as reps:
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}  # its worker holds rank 0's connections open: the
+    # others learn of its death from heartbeats
+    with Replicas(forks_then_loses, 4, victim, str(tmp_path), env=env) as reps:
         outs = reps.wait(RUN_S)
     survivors = [o for o in outs if o.rank != victim]
     assert all(o.ok for o in survivors), report(outs, "a survivor failed")
@@ -79,8 +91,7 @@ def forks_then_grows():
     """Rank 0 forks a worker, then the members admit a newcomer: the group
     forms again at rank 0's port while the worker lives."""
     if zc.get_rank() == 0 and os.fork() == 0:
-        time.sleep(8)
-        os._exit(0)
+        _worker()
     deadline = time.monotonic() + 30
     while zc.get_world_size() < 3:
         assert time.monotonic() < deadline, "the newcomer never came"

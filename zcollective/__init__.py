@@ -50,7 +50,7 @@ __all__ = [
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
     "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement", "grow",
-    "coordinator_address", "lost_ranks", "old_ranks",
+    "coordinator_address", "lost_ranks", "old_ranks", "status",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
@@ -121,6 +121,7 @@ def initialize(
     *,
     timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S,
     op_timeout: Optional[float] = None,
+    warn_after: Optional[float] = None,
     liveness_timeout: Optional[float] = None,
     max_frame_bytes: Optional[int] = None,
     secret: Union[bytes, str, None] = None,
@@ -150,7 +151,7 @@ def initialize(
     if _open_here():
         raise RuntimeError("zcollective is already initialized: call teardown() first")
     _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
-                   op_timeout=op_timeout, liveness_timeout=liveness_timeout,
+                   op_timeout=op_timeout, warn_after=warn_after, liveness_timeout=liveness_timeout,
                    max_frame_bytes=max_frame_bytes, secret=secret, bind_addr=bind_addr, join=join,
                    job=job)
 
@@ -236,6 +237,19 @@ def grow(timeout: Timeout = DEFAULT) -> int:
     old = _current()
     _group = old.grow(timeout)
     return _group.admitted if _group is not old else 0
+
+
+def status() -> dict[str, Any]:
+    """What the default group is doing now, from any thread, without waiting
+    for it: this rank's calls in flight and, on rank 0, every rank's last call
+    and the calls waiting for it (see :meth:`Group.status`).
+
+    Raises
+    ------
+    RuntimeError
+        Not initialized.
+    """
+    return _current().status()
 
 
 def lost_ranks() -> list[int]:

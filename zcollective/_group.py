@@ -162,6 +162,7 @@ class Group:
         *,
         timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S,
         op_timeout: Optional[float] = None,
+        warn_after: Optional[float] = None,
         liveness_timeout: Optional[float] = None,
         max_frame_bytes: Optional[int] = None,
         secret: Union[bytes, str, None] = None,
@@ -176,8 +177,8 @@ class Group:
         :func:`zcollective.initialize`, ``replica_rank`` and ``num_replicas``."""
         config = resolve(
             master_addr, master_port, rank, size, timeout=timeout, op_timeout=op_timeout,
-            liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes, secret=secret,
-            bind_addr=bind_addr, join=join, job=job, env=env,
+            warn_after=warn_after, liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes,
+            secret=secret, bind_addr=bind_addr, join=join, job=job, env=env,
         )
         if config.join:  # a newcomer: admitted by a grow(), it forms the next group with the members
             from . import _elastic
@@ -223,8 +224,11 @@ class Group:
         _open_groups[id(self)] = self
         _register_atexit()
         _interrupts.hold_signals()  # no signal handler's exception splits a message
+        if config.stacks:
+            _interrupts.stacks_on_request()  # where this rank is, when a stall names it
         try:
             self._link = self._connect(signer, form)
+            self._link.warn_after = config.warn_after
             self._link.nudge = (self._turns.nudge.fd, zmq.POLLIN)
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
             if config.join:
@@ -386,6 +390,32 @@ class Group:
         coordinator = self._coordinator()
         if coordinator is not None:
             out["ranks"] = coordinator.lateness.summary()
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """What this group is doing now, from any thread, without waiting for
+        it (say, from a watchdog thread while another is blocked in a call).
+
+        ``calls``: this rank's calls in flight (``seq``, ``op``, ``callsite``,
+        ``waiting_s``). On rank 0 also ``ranks``: per rank, its ``last_call``
+        (``seq``, ``op``, ``callsite``, ``ago_s``) and the calls that wait for
+        it (``waited_for``: ``seq``, ``op``, ``waiting_s``). ``state``:
+        ``"running"``, ``"failed"`` (``error`` says why) or ``"closed"``.
+        """
+        now = time.perf_counter()
+        member = self._member
+        calls = [{"seq": seq, "op": call.op, "callsite": call.callsite,
+                  "waiting_s": round(now - call.started, 3)}
+                 for seq, call in sorted(list(member.calls.items())) if call.future is not None]
+        failure = member.failure
+        out: dict[str, Any] = {
+            "rank": self.rank, "size": self.size, "calls": calls,
+            "state": "closed" if self._closed else ("failed" if failure is not None else "running")}
+        if failure is not None:
+            out["error"] = f"{type(failure).__name__}: {failure}"
+        coordinator = self._coordinator()
+        if coordinator is not None:
+            out["ranks"] = coordinator.snapshot(time.monotonic())
         return out
 
     def _coordinator(self) -> Optional[Coordinator]:
@@ -933,8 +963,17 @@ class Group:
             self._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         turns = self._turns
-        if turns.wait(lambda: future._done, deadline, self._drive,
-                      lambda wake: future.add_done_callback(lambda _: wake())):
+        warn = self.config.warn_after
+        if warn is not None and self.rank != 0 and (deadline is None or time.monotonic() + warn < deadline):
+            if self._wait_until(future, time.monotonic() + warn):  # rank 0 warns in its coordinator
+                return
+            said = self._say_stalled(future)
+            if self._wait_until(future, deadline):
+                if said:
+                    log.warning("zcollective rank %d: seq %d %s completed after %.0f s", self.rank,
+                                future.seq, future.op, time.monotonic() - said)
+                return
+        elif self._wait_until(future, deadline):
             return
         if not turns.take(time.monotonic() + STATUS_WAIT_S):  # the holder is in a long step
             raise CollectiveTimeoutError(self._member.timeout_message(future.seq, timeout, None, None))
@@ -944,6 +983,28 @@ class Group:
                 return  # it arrived while the coordinator was asked
             self._member.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer
             raise CollectiveTimeoutError(message)
+        finally:
+            turns.give()
+
+    def _wait_until(self, future: CollectiveFuture[Any], deadline: Optional[float]) -> bool:
+        """Wait (leading or following) until ``future`` is done (True) or ``deadline``."""
+        return self._turns.wait(lambda: future._done, deadline, self._drive,
+                                lambda wake: future.add_done_callback(lambda _: wake()))
+
+    def _say_stalled(self, future: CollectiveFuture[Any]) -> Optional[float]:
+        """A call waited ``warn_after``: ask the coordinator whom for, and say
+        so once (rule 11 of the coordinator). When it was said, or None."""
+        link, turns = self._link, self._turns
+        if link is None or future._done or not turns.take(time.monotonic() + STATUS_WAIT_S):
+            return None
+        try:
+            with contextlib.suppress(CollectiveError):
+                status = link.ask_status(future.seq)
+                line = (status or {}).get("stall")
+                if isinstance(line, str) and not future._done:
+                    log.warning("zcollective rank %d: %s", self.rank, line[:2000])
+                    return time.monotonic()
+            return None
         finally:
             turns.give()
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 DEFAULT_INIT_TIMEOUT_S = 300.0  # replicas of a job may start minutes apart on a busy cluster
 DEFAULT_OP_TIMEOUT_S = 1800.0  # torch.distributed's default: long steps pass, hangs end
+DEFAULT_WARN_AFTER_S = 60.0  # Horovod's stall inspector's: well past any step's jitter, far below
+# op_timeout (a stalled job says who and where within a minute, not after 30)
+MAX_STALL_WARNINGS = 4  # a stall is warned of at 1, 2, 4 and 8 times warn_after, then only its end
 DEFAULT_LIVENESS_S = 10.0  # a silent peer (host down, cable cut) is declared lost after this
 MIN_LIVENESS_S = 1.0  # below this, scheduler hiccups on a loaded host look like deaths
 MAX_LIVENESS_S = 86400.0  # a day; libzmq's heartbeat options are int milliseconds (inf overflows)

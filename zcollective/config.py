@@ -34,6 +34,7 @@ from ._limits import (
     DEFAULT_INIT_TIMEOUT_S,
     DEFAULT_LIVENESS_S,
     DEFAULT_OP_TIMEOUT_S,
+    DEFAULT_WARN_AFTER_S,
     MAX_JOB_CHARS,
     MAX_LIVENESS_S,
     MIN_LIVENESS_S,
@@ -74,6 +75,8 @@ class Config:
     num_replicas: int
     init_timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S
     op_timeout: Optional[float] = DEFAULT_OP_TIMEOUT_S
+    warn_after: Optional[float] = DEFAULT_WARN_AFTER_S  # a stall is named after this; None: never
+    stacks: bool = True  # SIGUSR1 writes every thread's stack to stderr (unless the program's own)
     liveness_timeout: float = DEFAULT_LIVENESS_S
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     secret: Optional[bytes] = field(default=None, repr=False)
@@ -163,6 +166,16 @@ def _seconds(raw: Any, unbounded: bool = False) -> Optional[float]:
 
 def _seconds_or_none(raw: Any) -> Optional[float]:
     return _seconds(raw, unbounded=True)
+
+
+def _seconds_or_zero(raw: Any) -> Optional[float]:
+    """Positive seconds, or 0 (None): off."""
+    try:
+        if float(raw) == 0:
+            return None
+    except (TypeError, ValueError):
+        pass
+    return _seconds(raw)
 
 
 def _text(raw: Any) -> str:
@@ -321,6 +334,11 @@ SETTINGS: tuple[Setting, ...] = (
             env=("ZCOLLECTIVE_TIMEOUT",),
             doc="Default timeout, in seconds, of every blocking call; ``math.inf`` (``inf`` in "
                 "the environment) for no bound."),
+    Setting("warn_after", "Optional[float]", DEFAULT_WARN_AFTER_S, _seconds_or_zero,
+            env=("ZCOLLECTIVE_WARN_AFTER",),
+            doc="Seconds a call (or the join) may wait before the ranks it waits for are named "
+                "in a warning, on rank 0 and on the ranks waiting (again at 2, 4 and 8 times "
+                "this, then when it ends); 0 for no warnings."),
     Setting("liveness_timeout", "Optional[float]", DEFAULT_LIVENESS_S, _seconds,
             check=_liveness_problem, env=("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
             doc=f"Seconds after which a silent peer is declared lost ({MIN_LIVENESS_S:g} to "
@@ -367,6 +385,10 @@ SETTINGS: tuple[Setting, ...] = (
             check=_not_negative, argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
             doc="Arrays (and broadcast values) smaller than this many bytes keep the star "
                 "through rank 0, where small messages are faster."),
+    Setting("stacks", "Optional[bool]", True, _boolean, argument=False, env=("ZCOLLECTIVE_STACKS",),
+            doc="``1``: on SIGUSR1 (zcollective-run sends it to the ranks a stall names, and to "
+                "every rank when it gets one itself), write every thread's stack to stderr, "
+                "unless the program handles SIGUSR1 itself; ``0``: leave SIGUSR1 alone."),
 )
 
 ARGUMENTS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.argument)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, NamedTuple, Optional
 
 from . import __version__
+from ._io._interrupts import STACKS_SIGNAL
 from ._protocol._stats import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, SECRET_ENV, SECRET_FILE_ENV
 
@@ -59,6 +60,7 @@ KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
 COORDINATOR_MOVE_S = 10.0  # --replace-lost: rank 0 died; the survivors' new one says where it is
 POLL_S = 0.05  # how often the launcher looks at its replicas: a stop is late by at most this
 READ_BYTES = 1 << 16  # the groups file is read in chunks of this size
+MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -146,6 +148,7 @@ class Groups:
         self.size: dict[str, int] = {}
         self.formed: list[str] = []  # the groups, in the order they were first announced
         self.stats: dict[str, dict[str, Any]] = {}
+        self.stalls: list[tuple[str, list[int]]] = []  # (group, ranks) a stall warning named, not yet shown
 
     def refresh(self) -> None:
         """Take in the lines written since the last call."""
@@ -163,6 +166,9 @@ class Groups:
             if "stats" in record:
                 self.stats[group] = dict(record["stats"])
                 return
+            if "stall" in record:
+                self.stalls.append((group, [int(r) for r in record["stall"]][:MAX_STACKS]))
+                return
             joined, lineage = Joined(group, int(record["rank"]), int(record["size"])), record["lineage"]
         except (ValueError, KeyError, TypeError):
             return  # not a line of the library's (written by hand?)
@@ -175,6 +181,12 @@ class Groups:
         """The group ``pid`` joined last, and its rank there (None: none yet)."""
         self.refresh()
         return self.of_pid.get(pid)
+
+    def take_stalls(self) -> list[tuple[str, list[int]]]:
+        """The stalls named since the last call: (group, ranks)."""
+        with self.lock:
+            stalls, self.stalls = self.stalls, []
+        return stalls
 
     def forget(self, pid: int) -> None:
         """A new process has this pid: what a dead one of the same pid said is not its."""
@@ -542,6 +554,7 @@ class Launcher:
             for replica in self.just_ended():
                 self.ended(replica)
             self.settle()
+            self.show_stalled()
             if self.coordinator_file is not None:
                 self.tell_newcomers(self.coordinator())
             running = self.running()
@@ -556,6 +569,28 @@ class Launcher:
             time.sleep(POLL_S)
         self.join_pumps(timeout=2)
         return self.status()
+
+    def show_stalled(self) -> None:
+        """A stall warning named ranks: show where their programs are (their
+        threads' stacks, which each replica writes to its stderr on
+        :data:`STACKS_SIGNAL`)."""
+        for group, ranks in self.groups.take_stalls():
+            for replica in self.running():
+                joined = self.groups.current(replica.proc.pid)
+                if joined is not None and joined.group == group and joined.rank in ranks:
+                    self.message(f"{self.name(replica)} is late in a call the others wait for: "
+                                 f"where its threads are:")
+                    self.dump_stacks(replica)
+
+    def dump_stacks(self, replica: Replica) -> None:
+        with contextlib.suppress(OSError):
+            replica.proc.send_signal(STACKS_SIGNAL)
+
+    def dump_all_stacks(self) -> None:
+        """The user asked (SIGUSR1 to the launcher): every replica's stacks."""
+        self.message("every replica's threads, as asked (SIGUSR1):")
+        for replica in self.running():
+            self.dump_stacks(replica)
 
     def status(self) -> int:
         """0 when every loss was tolerated (saying which there were); else the
@@ -578,6 +613,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(STACKS_SIGNAL, lambda signum, frame: launcher.dump_all_stacks())
     try:
         launcher.start()
         code = launcher.wait()

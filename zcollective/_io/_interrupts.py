@@ -25,8 +25,10 @@ not wrapped; when the last group closes the wrapped ones are put back.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import sys
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
@@ -217,3 +219,21 @@ def release_signals() -> None:
         handler = signal.getsignal(sig)
         if isinstance(handler, _Wrapped):
             signal.signal(sig, handler.handler)
+
+
+STACKS_SIGNAL = signal.SIGUSR1  # zcollective-run asks a replica for its threads' stacks with it
+_stacks_on: list[bool] = []  # registered in this process
+
+
+def stacks_on_request() -> None:
+    """On :data:`STACKS_SIGNAL`, write every thread's stack to stderr (the
+    launcher asks for the ranks a stall names), from libc's handler: it
+    answers even while Python is stuck. Not if the program handles the
+    signal itself; once per process."""
+    if _stacks_on or signal.getsignal(STACKS_SIGNAL) is not signal.SIG_DFL:
+        return
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+        _stacks_on.append(True)
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        pass  # no usable stderr (a closed one, or none at all): nowhere to write them

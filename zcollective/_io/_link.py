@@ -21,13 +21,14 @@ every size of group.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format import _bodies
 from .._format._wire import Kind, Message, Op, owned
-from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, STATUS_WAIT_S
+from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S
 from .._protocol._coordinator import HOST_PEER, Coordinator
 from .._protocol._member import Member
 from ..errors import CollectiveError, CollectiveTimeoutError
@@ -39,10 +40,14 @@ if TYPE_CHECKING:
 _POLLIN = 1  # zmq.POLLIN, for polling a plain file descriptor
 
 
+log = logging.getLogger("zcollective")
+
+
 class Driver:
     """What every member's driver does; subclasses send and wait."""
 
     remote = False  # True when the coordinator is at the other end of a connection
+    warn_after: Optional[float] = None  # a join waiting this long says so (rank 0's coordinator does)
 
     def __init__(self, member: Member) -> None:
         self.member = member
@@ -118,6 +123,7 @@ class Driver:
         WELCOME, can be lost to a connection made twice; the coordinator takes
         a member's JOIN again (a WELCOME again, once running; a newcomer is
         parked anew)."""
+        started, warned = time.monotonic(), 0
         while True:
             self.send([self.member.join()])
             soon = time.monotonic() + JOIN_RESEND_S
@@ -125,6 +131,24 @@ class Driver:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+            warned = self._join_stalled(started, warned)
+
+    def _join_stalled(self, started: float, warned: int) -> int:
+        """Rule 11 of the coordinator, on a replica waiting to join: say so at
+        ``warn_after`` (and 2, 4, 8 times it); returns the warnings said."""
+        member, after = self.member, self.warn_after
+        waited = time.monotonic() - started
+        if not self.remote or after is None or warned >= MAX_STALL_WARNINGS or waited < after * (1 << warned):
+            return warned
+        if member.newcomer:  # (waiting for a grow() is what newcomers do, for minutes in a healthy job)
+            return warned
+        if member.greeted:
+            what = "for the others to join (the coordinator answers: rank 0 warns whom it waits for)"
+        else:
+            what = ("for the coordinator (rank 0), which it cannot reach there (is rank 0 running, "
+                    "and the address right?)")
+        log.warning("zcollective %s has waited %.0f s at %s %s", member.who, waited, member.endpoint, what)
+        return warned + 1
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """Take in messages until ``done()`` or ``deadline``; False on timeout.

@@ -57,6 +57,7 @@ from .._limits import (
     STOP_TIMEOUT_S,
 )
 from .._protocol._coordinator import HOST_PEER, Coordinator, Forming, Out, Phase, ProbeSchedule
+from .._protocol._stats import announce_stall
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
@@ -87,7 +88,7 @@ class Server:
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer, config.max_frame_bytes, _interrupts.user_code,
                                        forming, config.master_addr, config.liveness_timeout,
-                                       config.job)
+                                       config.job, config.warn_after)
         self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self._own = threading.RLock()  # its holder owns the sockets and the coordinator (an RLock
@@ -256,6 +257,7 @@ class Server:
                 self._step(ready)
                 if nudge is not None and ready and ready[-1][0] == nudge[0]:
                     return True  # (the nudge is polled last)
+            self._watch_stalls()
             stepped = True
 
     def refusals(self) -> list[str]:
@@ -376,6 +378,7 @@ class Server:
                     if _GIVE in commands:
                         return False
                 self._step(ready)
+                self._watch_stalls()
         finally:
             self._away = False
 
@@ -598,10 +601,24 @@ class Server:
         self._probes.went(time.monotonic(), bool(probes))
         self._send_all(probes)
 
+    def _watch_stalls(self) -> None:
+        """Rule 11 of the coordinator: say who a stalled call waits for (and
+        have the launcher show where they are)."""
+        coordinator = self.coordinator
+        if coordinator.warn_after is None:
+            return
+        for line, ranks in coordinator.stalls(time.monotonic()):
+            log.warning("%s", line)
+            announce_stall(self.session, ranks, line)
+
     def _wait_ms(self, limit_s: Optional[float]) -> int:
         """How long a poll may sleep: ``limit_s`` (None: for ever, -1), but
-        not past the next probe round."""
-        limit_s = self._probes.limit(limit_s, time.monotonic())
+        not past the next probe round, nor the next stall warning due."""
+        now = time.monotonic()
+        limit_s = self._probes.limit(limit_s, now)
+        stall = self.coordinator.next_stall() if self.coordinator.warn_after is not None else None
+        if stall is not None:
+            limit_s = max(0.0, stall - now) if limit_s is None else max(0.0, min(limit_s, stall - now))
         return -1 if limit_s is None else max(0, int(limit_s * 1000))
 
     def _drain(self, waiting: bool = False, batch: Optional[int] = DRAIN_BATCH) -> None:

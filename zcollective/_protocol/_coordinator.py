@@ -81,6 +81,13 @@ Rules:
    bound to its JOIN that admits it (``admitted``: its rank, counted on from
    the members', the new size, the lineage), and the group is closed: its
    members and the newcomers form the next one (rule 9) where it was.
+11. *Stalls.* A call some rank has made, waiting for others longer than
+   ``warn_after`` (the join too, from the coordinator's start), is named
+   in a warning (:meth:`Coordinator.stalls`, when the driver's clock says:
+   :meth:`Coordinator.next_stall`): the ranks it waits for, each one's
+   last call (operation, seq, call site) and how long ago; again at 2, 4
+   and 8 times the bound, then only its end, with the rank that came last.
+   A STATUS reply says the same (``stall``), for the ranks waiting.
 """
 
 from __future__ import annotations
@@ -105,6 +112,7 @@ from .._format._wire import (
     FLAG_DATA,
     FLAG_LAST,
     FLAG_LOCAL_ERROR,
+    LABELS,
     NO_RANK,
     PROTOCOL_VERSION,
     AuthError,
@@ -118,7 +126,7 @@ from .._format._wire import (
     decode,
     join_token,
 )
-from .._limits import LOCAL_PART_BYTES, WIRE_PART_BYTES
+from .._limits import LOCAL_PART_BYTES, MAX_STALL_WARNINGS, WIRE_PART_BYTES
 from ..errors import SerializationError, from_signal
 from . import _ring
 from ._stats import Lateness
@@ -205,6 +213,7 @@ class Member:
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
     old_rank: Optional[int] = None  # in a group formed from an earlier one: its rank there
     heard: float = 0.0  # when (time.monotonic()) its last message came (see Coordinator.lost)
+    last: Optional[tuple[int, str, str, float]] = None  # its last call: seq, label, call site, when
 
     newcomer: bool = False  # parked until a GROW (rule 10): the rank it claims means nothing yet
 
@@ -247,6 +256,7 @@ class Call:
     contributions: dict[int, Message] = field(default_factory=dict)
     arrived: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic()
     abandoned: Optional[dict[str, Any]] = None  # a rank gave it up: the ERROR every rank gets
+    warned: int = 0  # stall warnings said of it (rule 11)
 
 
 def rank_list(ranks: Iterable[int]) -> str:
@@ -335,11 +345,15 @@ class Coordinator:
                  signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None,
                  user_code: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
                  forming: Optional[Forming] = None, host_address: str = "?",
-                 liveness_s: Optional[float] = None, job: Optional[str] = None) -> None:
+                 liveness_s: Optional[float] = None, job: Optional[str] = None,
+                 warn_after: Optional[float] = None) -> None:
         self.forming = forming
         self.liveness_s = liveness_s  # the group's bound: tells a closed connection from a silent one
         self.failed_at: Optional[float] = None  # when (time.monotonic()) it failed
         self.job = job  # the job's name (None: unnamed): a JOIN must carry the same (rule 6)
+        self.warn_after = warn_after  # a stall is named after this (rule 11); None: never
+        self.started_at = time.monotonic()  # (the join's stall is timed from here)
+        self._join_warned = 0
         if forming is not None:
             num_replicas = len(forming.expected)  # at most; those who came, once formed
         self.host_address = host_address  # rank 0's, as the others reach it
@@ -913,6 +927,7 @@ class Coordinator:
             call = self.pending[seq] = Call(msg.op, msg.root)
         call.contributions[rank] = msg
         call.arrived[rank] = time.monotonic()
+        member.last = (seq, LABELS[msg.op], msg.callsite, call.arrived[rank])
         if msg.op != call.op or msg.root != call.root:
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
         if call.abandoned is not None:  # given up by a rank: this one hears so, as the others did
@@ -923,6 +938,8 @@ class Coordinator:
             return self._check_endings() if self._ended else []
         del self.pending[seq]
         self.lateness.record(call.arrived)
+        if call.warned:
+            self._stall_ended(seq, call, rank)
         out = self._complete(seq, call)
         if call.op is Op.TEARDOWN:
             self.phase = Phase.CLOSED
@@ -1222,7 +1239,94 @@ class Coordinator:
         fields: dict[str, Any] = {"arrived": arrived, "missing": missing}
         if call is not None:
             fields["op"] = describe_call(call.op, call.root)
+            if missing and call.arrived:
+                fields["stall"] = self.stall_line(seq, call, time.monotonic())
         return _bodies.status(seq, state, fields, rank=member.rank, session=binding)
+
+    # -- stalls (rule 11) ------------------------------------------------
+
+    def next_stall(self) -> Optional[float]:
+        """When (time.monotonic()) a stall warning may next be due; None: none can."""
+        if self.warn_after is None:
+            return None
+        if self.phase is Phase.JOINING:
+            if self._join_warned >= MAX_STALL_WARNINGS:
+                return None
+            return self.started_at + self.warn_after * (1 << self._join_warned)
+        if self.phase is not Phase.RUNNING or not self.pending:
+            return None
+        due = [min(c.arrived.values()) + self.warn_after * (1 << c.warned) for c in self.pending.values()
+               if c.warned < MAX_STALL_WARNINGS and c.arrived]
+        return min(due, default=None)
+
+    def stalls(self, now: float) -> list[tuple[str, list[int]]]:
+        """The stall warnings due at ``now``: each line, with the ranks it names
+        (the driver logs them, and may ask the launcher for their stacks)."""
+        due = self.next_stall()
+        if due is None or now < due:
+            return []
+        if self.phase is Phase.JOINING:
+            self._join_warned += 1
+            missing = self.missing_joins()
+            joined = "; ".join(f"{m.describe()} from {m.address}" for _, m in sorted(self.by_rank.items()))
+            return [(f"zcollective coordinator: the group has waited {now - self.started_at:.0f} s for "
+                     f"{rank_list(missing)} to join (joined: {joined or 'none'})", missing)]
+        after, out = cast(float, self.warn_after), []
+        for seq, call in sorted(self.pending.items()):
+            if call.warned < MAX_STALL_WARNINGS and call.arrived and (
+                    now >= min(call.arrived.values()) + after * (1 << call.warned)):
+                call.warned += 1
+                missing = [r for r in range(self.num_replicas) if r not in call.contributions]
+                out.append((f"zcollective coordinator: {self.stall_line(seq, call, now)}", missing))
+        return out
+
+    def stall_line(self, seq: int, call: Call, now: float) -> str:
+        """``seq 42 allreduce at train.py:88 has waited 61 s for rank 3 ...``"""
+        site = next((c.callsite for c in call.contributions.values() if c.callsite), "?")
+        missing = [r for r in range(self.num_replicas) if r not in call.contributions]
+        waited = now - min(call.arrived.values())
+        return (f"seq {seq} {describe_call(call.op, call.root)} at {site} has waited {waited:.0f} s "
+                f"for {rank_list(missing)} (arrived: {','.join(map(str, sorted(call.contributions)))}); "
+                + "; ".join(self._last_call(r, now) for r in missing))
+
+    def snapshot(self, now: float) -> dict[int, dict[str, Any]]:
+        """Per rank: its last call (seq, op, call site, how long ago) and the
+        calls pending for it. Read by any thread (``Group.status``): only
+        copies are iterated, so a change meanwhile costs at most a stale view."""
+        ranks: dict[int, dict[str, Any]] = {}
+        for rank, member in list(self.by_rank.items()):
+            last = member.last
+            ranks[rank] = {"describe": member.describe(), "ended": member.ended is not None,
+                           "last_call": None if last is None else {
+                               "seq": last[0], "op": last[1], "callsite": last[2],
+                               "ago_s": round(now - last[3], 3)},
+                           "waited_for": []}
+        for seq, call in list(self.pending.items()):
+            arrived = dict(call.arrived)
+            if not arrived:
+                continue
+            waiting = round(now - min(arrived.values()), 3)
+            for rank, entry in ranks.items():
+                if rank not in arrived:
+                    entry["waited_for"].append({"seq": seq, "op": describe_call(call.op, call.root),
+                                                "waiting_s": waiting})
+        return ranks
+
+    def _last_call(self, rank: int, now: float) -> str:
+        member = self.by_rank.get(rank)
+        if member is None:
+            return f"rank {rank} is not a member"
+        if member.ended is not None:
+            return member.describe_end()
+        if member.last is None:
+            return f"{member.describe()} has made no call yet"
+        seq, op, site, at = member.last
+        return f"{member.describe()}'s last call was seq {seq} {op} at {site or '?'}, {now - at:.0f} s ago"
+
+    def _stall_ended(self, seq: int, call: Call, last: int) -> None:
+        waited = call.arrived[last] - min(call.arrived.values())
+        log.warning("zcollective coordinator: seq %d %s completed after %.0f s; rank %d was last",
+                    seq, describe_call(call.op, call.root), waited, last)
 
     def _in_flight(self) -> str:
         if self.phase is Phase.JOINING:

@@ -134,6 +134,12 @@ def write_for_launcher(stats: dict[str, Any], session: int) -> None:
         _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "stats": stats})
 
 
+def announce_stall(session: int, ranks: list[int], line: str) -> None:
+    """Rank 0 of a group (``session``) started by zcollective-run warned of a
+    stall naming ``ranks``: the launcher shows where their programs are."""
+    _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "stall": ranks, "line": line[:2000]})
+
+
 def announce_coordinator(address: str) -> None:
     """Rank 0 of a group started by ``zcollective-run --replace-lost``: say
     where the coordinator is (``host:port pid``), for newcomers the launcher
