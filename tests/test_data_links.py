@@ -23,10 +23,12 @@ from conftest import touch, wait_for
 from relay import Relay
 from test_dataplane import signalled_mid_ring
 from test_zap import hello, rss_kib
+from zmq.utils.monitor import parse_monitor_message
 from zmtp import greeting, ready
 
 import zcollective as zc
-from zcollective._io import _dataplane
+from zcollective._io import _dataplane, _zap
+from zcollective._protocol import _tokens
 from zcollective.testing import Replicas, report
 
 ON = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096",
@@ -252,6 +254,120 @@ def test_a_stranger_on_a_replicas_data_port_gets_nothing_in_without_a_secret(tmp
     assert all(o.ok for o in outs), said
     assert growth < RSS_GROWTH_MAX_KIB, said
     assert sent["raw, NULL"] < ATTACK_BYTES and sent["raw, PLAIN"] < ATTACK_BYTES, said
+
+
+# -- the data port's gate and session check, reached with real PLAIN handshakes ------------------
+
+SEGMENT = 1024  # float64 elements per rank's segment: one chunk each (under MIN_CHUNK_BYTES)
+HANDSHAKE_S = 10.0  # a handshake on loopback takes milliseconds; a loaded machine, far less than this
+FORGED = 1e6  # what the forged chunks carry: a result holding it took one in
+
+
+def handshake(ctx, endpoint, credentials):
+    """A PUSH offering ``credentials`` (PLAIN) to ``endpoint``: the socket,
+    and how its handshake ended ("HANDSHAKE_SUCCEEDED", "HANDSHAKE_FAILED_AUTH", ...)."""
+    push = ctx.socket(zmq.PUSH)
+    push.linger = 0
+    push.plain_username, push.plain_password = credentials
+    monitor = push.get_monitor_socket()
+    push.connect(endpoint)
+    deadline = time.monotonic() + HANDSHAKE_S
+    try:
+        while time.monotonic() < deadline:
+            if monitor.poll(10):
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED or event in _dataplane.HANDSHAKE_FAILED:
+                    return push, zmq.Event(event).name
+        return push, "no outcome"
+    finally:
+        push.disable_monitor()
+        monitor.close(0)
+
+
+def tried_by_strangers(markers):
+    """Each rank says where its data port is and what its link key is made
+    from, then idles in user code while the test offers that port tokens;
+    rank 1 waits until what the test pushed is queued on its port. Then one
+    more allreduce: (was it right, its first element)."""
+    import json
+
+    rank, group = zc.get_rank(), zc._current()
+    x = np.arange(3 * SEGMENT, dtype=np.float64)
+    assert np.array_equal(zc.allreduce(x * (rank + 1)), x * 6)  # the data links are made
+    member, data = group._member, group._data
+    base = group.config.secret or bytes.fromhex(member.data_key)  # what link keys derive from
+    said = {"endpoint": data.endpoint, "session": member.session, "base": base.hex(), "seq": member.next_seq}
+    with open(os.path.join(markers, f"port{rank}.tmp"), "w") as f:
+        json.dump(said, f)
+    os.rename(os.path.join(markers, f"port{rank}.tmp"), os.path.join(markers, f"port{rank}"))
+    wait_for(os.path.join(markers, "tried"), timeout=60)
+    if rank == 1:  # the test's chunks are here before any of the call's (a PULL takes its pipes in turn)
+        assert data._pull.poll(int(HANDSHAKE_S * 1000), zmq.POLLIN), "the forged chunks never came"
+    y = zc.allreduce(x * (rank + 1))
+    return bool(np.array_equal(y, x * 6)), float(y[:SEGMENT].max())
+
+
+def forged_chunks(session, seq):
+    """Every chunk rank 1 of 3 receives in a ring allreduce of 3 * SEGMENT
+    float64 (from rank 0), with the wrong session, carrying FORGED."""
+    from zcollective._protocol._ring import AG, RS
+
+    payload = np.full(SEGMENT, FORGED).tobytes()
+    for kind, step in ((RS, 0), (RS, 1), (AG, 0), (AG, 1)):
+        header = _dataplane.HEADER.pack(_dataplane.MAGIC, _dataplane.VERSION, kind, session ^ 1, seq, 0,
+                                        step, 0)
+        yield [header, b"\0" * 32, payload]
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_a_data_port_admits_only_its_own_link_key_and_drops_another_groups_chunks(tmp_path, secret):
+    """Real PLAIN handshakes with each rank's data port (rank 0's answered by
+    its coordinator's gatekeeper with a secret, the others' by their own
+    gate thread): a token under the port's own link key passes; a token
+    under another rank's, another group's, the plain secret or data key, the
+    master port's, or a stranger's key is refused. Through the one that
+    passed, chunks of another session reach rank 1's data port: dropped (and
+    said), the allreduce is right on every rank."""
+    import json
+
+    markers = str(tmp_path)
+    env = {k: v for k, v in ON.items() if k != "ZCOLLECTIVE_LIVENESS_TIMEOUT"}
+    env.update({"ZCOLLECTIVE_SECRET": secret} if secret else {})
+    seen = {}
+    with Replicas(tried_by_strangers, 3, markers, env=env) as reps:
+        ctx = zmq.Context()
+        try:
+            wait_for(*(os.path.join(markers, f"port{r}") for r in range(3)), timeout=60, watch=reps)
+            ports = []
+            for r in range(3):
+                with open(os.path.join(markers, f"port{r}")) as f:
+                    ports.append(json.load(f))
+            session, base = ports[0]["session"], bytes.fromhex(ports[0]["base"])
+            domain = _zap.DATA_DOMAIN
+            for r, port in enumerate(ports):
+                offers = {f"rank {q}'s key": _tokens.link_key(base, session, q) for q in range(3)}
+                offers["another group's key"] = _tokens.link_key(base, session ^ 1, r)
+                offers["the base key itself"] = base
+                offers["a stranger's key"] = os.urandom(32)
+                for what, key in offers.items():
+                    credentials = _tokens.client_credentials(key, domain)
+                    push, seen[r, what] = handshake(ctx, port["endpoint"], credentials)
+                    if (r, what) == (1, "rank 1's key") and seen[r, what] == "HANDSHAKE_SUCCEEDED":
+                        for chunk in forged_chunks(session, ports[1]["seq"]):
+                            push.send_multipart(chunk)
+                master = _tokens.client_credentials(base, _zap.MASTER_DOMAIN)  # the master port's token
+                _, seen[r, "a master port's token"] = handshake(ctx, port["endpoint"], master)
+        finally:
+            touch(os.path.join(markers, "tried"))
+            ctx.destroy(linger=1000)  # (the forged chunks leave first)
+        outs = reps.wait(60)
+    said = report(outs, f"handshakes: {seen}")
+    expected = {(r, what): "HANDSHAKE_SUCCEEDED" if what == f"rank {r}'s key" else "HANDSHAKE_FAILED_AUTH"
+                for r, what in seen}
+    assert seen == expected, said
+    assert all(o.ok for o in outs), said
+    assert [o.value for o in outs] == [(True, 6 * (SEGMENT - 1))] * 3, said
+    assert "dropped a chunk on the data port that is not of this group" in outs[1].output, said
 
 
 # -- the control link reset: the same promise on the master port ----------------------------

@@ -15,6 +15,9 @@ import zcollective as zc
 from zcollective.testing import Replicas, report
 
 RUN_S = 90  # every run is bounded by this
+SHRINK_BOUND_S = 1.5  # a shrink() or grow() takes 0.02-0.3 s (benchmarks/README.md) and up to
+# ~0.6 s on a loaded 2-core machine; a stall of the 2 s bounds (FORM_REACH_S, FORM_WAIT_S) must
+# not pass. Timed in each rank around its own call
 
 
 def outlive(kill_plan, big):
@@ -63,6 +66,9 @@ def _run(kill_plan, n=4, big=False, env=None):
         value = outs[rank].value
         assert value["members"] == survivors, report(outs, "wrong membership")
         assert (value["rank"], value["size"], value["sum"]) == (new, len(survivors), sum(survivors))
+        slow = [t for t in value["shrinks"] if t >= SHRINK_BOUND_S]
+        assert value["shrinks"] and not slow, report(outs, f"old rank {rank}'s shrinks took "
+                                                           f"{value['shrinks']} s")
     return [outs[r].value for r in survivors]
 
 
@@ -165,7 +171,91 @@ def test_agree_gives_every_survivor_the_same_flag_and_lost_ranks(tmp_path, victi
         assert (third.flag, third.lost, size, rank) == (False, frozenset(), 3, new), said
 
 
-def _epochs(target, admitted):
+def timed_grow(grows):
+    """grow(), its time (s) appended to ``grows``."""
+    started = time.monotonic()
+    admitted = zc.grow()
+    grows.append(round(time.monotonic() - started, 3))
+    return admitted
+
+
+def _probe_counted_in_then_given_up(port):
+    """In this process (old rank 2): the first forming attempt of its shrink,
+    the probe of old rank 0's port, starts once old rank 1 hosts there (one
+    host: one address and port) and gives up (Unreachable) after its JOIN went
+    out, taking nothing in meanwhile, as a replica descheduled past
+    FORM_PROBE_S does while its JOIN reaches the host."""
+    import socket
+
+    from zcollective._group import Group
+
+    original = Group._join_forming
+
+    def once(self, form):
+        Group._join_forming = original
+        deadline = time.monotonic() + 10
+        while True:  # old rank 1's coordinator is up at the port
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "old rank 1 never hosted"
+                time.sleep(0.01)
+        link = self._link
+        waiting = link.wait_for
+
+        def descheduled(done, deadline):
+            link.wait_for = waiting
+            time.sleep(0.5)  # the JOIN goes out (libzmq's thread); the host forms, welcomes it
+            return False
+        link.wait_for = descheduled
+        return original(self, form)
+    Group._join_forming = once
+
+
+def probe_given_up(markers, port):
+    """Rank 0 is killed; old ranks 1 and 2 shrink. Old rank 2's probe of
+    old rank 0 gives up just after old rank 1's new coordinator (same port)
+    took its JOIN: each goes on as it can, reporting its group."""
+    me = zc.get_rank()
+    zc.barrier()
+    if me == 2:
+        _probe_counted_in_then_given_up(port)
+    touch(os.path.join(markers, f"ready{me}"))
+    if me == 0:
+        wait_for(*(os.path.join(markers, f"ready{r}") for r in (1, 2)))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        zc.allreduce(1, timeout=30)
+    except zc.ReplicaLostError:
+        pass
+    while True:
+        try:
+            zc.shrink(timeout=30)
+            return zc.allgather(me, timeout=30)
+        except zc.LeftOutError as exc:
+            return f"left out: {exc}"
+        except zc.ReplicaLostError:
+            continue  # lost another: shrink again
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug (elastic core): a survivor that gives up on a would-be host after its JOIN "
+    "reached it is counted in, then lost; the host goes on without it and it hosts a group of "
+    "its own: two groups of one lineage (seen unforced in ~1 of 24 rank-0 agree runs under load)"))
+def test_a_survivor_counted_in_as_it_gave_up_on_the_host_does_not_go_on_alone(tmp_path):
+    port = zc.testing.free_port()
+    with Replicas(probe_given_up, 3, str(tmp_path), port, port=port) as reps:
+        outs = reps.wait(RUN_S)
+    said = report(outs, f"outcomes: {[o.value for o in outs]}")
+    assert outs[0].returncode == -signal.SIGKILL and outs[1].ok and outs[2].ok, said
+    groups = [o.value for o in outs[1:] if not isinstance(o.value, str)]
+    # every survivor is in the one next group, or told it is not (LeftOutError)
+    assert groups and all(g == groups[0] for g in groups), said
+    assert all(isinstance(o.value, str) or o.rank in groups[0] for o in outs[1:]), said
+
+
+def _epochs(target, admitted, grows):
     """From a grow() on, as every rank runs it: until the group has
     ``target`` ranks, an epoch's work, then grow() at its end."""
     deadline = time.monotonic() + 60
@@ -173,18 +263,19 @@ def _epochs(target, admitted):
         assert time.monotonic() < deadline, "the newcomers never came"
         zc.allreduce(1)  # an epoch's work: never mixes two memberships
         time.sleep(0.05)
-        admitted += zc.grow()
-    return admitted, zc.get_rank(), zc.allgather(zc.get_rank()), zc.allreduce(1)
+        admitted += timed_grow(grows)
+    return admitted, zc.get_rank(), zc.allgather(zc.get_rank()), zc.allreduce(1), grows
 
 
 def members_grow(target):
     zc.allreduce(1)
-    return _epochs(target, zc.grow())
+    grows = []
+    return _epochs(target, timed_grow(grows), grows)
 
 
 def newcomer(target):
     zc.initialize(join=True)  # returns once a grow() admitted it
-    return _epochs(target, 0)
+    return _epochs(target, 0, [])
 
 
 @pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
@@ -200,7 +291,9 @@ def test_newcomers_wait_and_are_admitted_at_a_grow(secret):
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     assert sorted(o.value[1] for o in outs) == [0, 1, 2, 3, 4]
     assert [o.value[1] for o in old] == [0, 1, 2]  # the members keep their ranks
-    assert all(o.value[2:] == ([0, 1, 2, 3, 4], 5) for o in outs)
+    assert all(o.value[2:4] == ([0, 1, 2, 3, 4], 5) for o in outs)
+    grows = [o.value[4] for o in outs]  # each rank's grow() calls
+    assert all(t < SHRINK_BOUND_S for g in grows for t in g), report(outs, f"grow() took {grows} s")
     assert [o.value[0] for o in old] == [2, 2, 2]  # each member admitted the two
     assert {o.value[0] for o in new} <= {0, 1}  # a newcomer admitted with the first sees the second
 

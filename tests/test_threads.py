@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from conftest import touch, wait_for
 
 import zcollective as zc
 from zcollective._io._turns import Turns
@@ -77,6 +78,14 @@ def _fake():
     return turns, FakeLink(turns)
 
 
+def _until(condition, timeout=WAIT_S):
+    """Wait (bounded) until ``condition()``; what it last said."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return condition()
+
+
 def _thread(target, *args):
     out = {}
 
@@ -124,16 +133,27 @@ def test_a_thread_wanting_the_turn_nudges_the_leader_which_takes_it_back_after()
 def test_a_wait_holding_the_turn_leads_and_never_lets_go():
     turns, link = _fake()
     turns.take()  # as teardown does, or a done-callback halfway through a message
+
+    def want():
+        got = turns.take(time.monotonic() + WAIT_S)
+        at = time.monotonic()
+        if got:
+            turns.give()
+        return got, at
     try:
-        t, out = _thread(lambda: turns.take(time.monotonic() + 0.3))
-        time.sleep(0.05)  # it waits for the turn: the nudge is set
+        t, out = _thread(want)
+        assert _until(lambda: turns.wanted() and select.select([turns.nudge.fd], [], [], 0)[0]), \
+            "the other thread's wish for the turn never showed (nudge)"
         link.deliver("own")
         assert link.wait("own")
         assert link.drivers == [(threading.get_ident(), False)]  # not nudged: it held the turn
+        assert "value" not in out and t.is_alive()  # the other still waits for it
     finally:
+        gave = time.monotonic()
         turns.give()
     t.join(WAIT_S)
-    assert out["value"] in (True, False)
+    got, at = out["value"]
+    assert got and at >= gave, (got, at - gave)  # it had the turn once given, not before
 
 
 def test_a_follower_times_out_on_its_own_deadline_while_the_leader_waits_on():
@@ -191,11 +211,25 @@ def test_a_follower_whose_call_completes_as_it_starts_following_returns():
     leader.join(WAIT_S)
 
 
-def test_a_closed_turn_is_not_nudged():
+def test_a_closed_turn_is_not_nudged(monkeypatch):
+    """A thread still waiting for the turn of a closed group sets the nudge:
+    nothing is written or read, as the nudge's file numbers may be another
+    file's by then (here they are kept open, as that file's, to see it)."""
     turns = Turns()
+    kept = []
+    monkeypatch.setattr(os, "close", kept.append)
     turns.close()
-    turns.nudge.set()  # (a thread still waiting for the turn of a closed group): no write
-    turns.nudge.clear()
+    monkeypatch.undo()
+    try:
+        assert sorted(kept) == sorted([turns.nudge.fd, turns.nudge._write])
+        turns.nudge.set()
+        assert not select.select([turns.nudge.fd], [], [], 0)[0], "a closed nudge wrote"
+        os.write(turns.nudge._write, b"x")  # that other file's own byte
+        turns.nudge.clear()
+        assert os.read(turns.nudge.fd, 4096) == b"x", "a closed nudge read another file's byte"
+    finally:
+        for fd in kept:
+            os.close(fd)
 
 
 # -- threads of real processes ----------------------------------------------------
@@ -291,19 +325,17 @@ def sends_while_another_waits(markers):
     def second():
         started.wait(WAIT_S)
         time.sleep(0.2)  # the main thread is in its wait by now (it leads)
-        future = zc.broadcast_async("from rank 1" if rank == 1 else None, root=1)
-        seen["sent while the first was pending"] = not first_done.is_set()
-        seen["result"] = future.result(timeout=WAIT_S)
+        later = zc.broadcast_async("from rank 1" if rank == 1 else None, root=1)
+        seen["sent while the first was pending"] = not first.done()  # (rank 2 still sleeps)
+        seen["result"] = later.result(timeout=WAIT_S)
 
-    first_done = threading.Event()
     thread = threading.Thread(target=second)
     thread.start()
-    future = zc.allreduce_async(1)
+    first = zc.allreduce_async(1)
     started.set()
-    first = future.result(timeout=WAIT_S)
-    first_done.set()
+    value = first.result(timeout=WAIT_S)
     thread.join(WAIT_S)
-    return first, seen, zc.allgather(rank)
+    return value, seen, zc.allgather(rank)
 
 
 def test_a_thread_sends_while_another_waits_for_an_earlier_call():
@@ -368,11 +400,14 @@ def test_an_interrupt_of_one_thread_fails_its_call_alike_and_spares_the_others(m
 
 def teardown_from_another_thread():
     """A thread that is not the group's creator tears it down while another
-    waits for a call nobody else makes: the waiter is told at once."""
+    waits for a call nobody else makes: the waiter is told at once (rank 0's
+    teardown meets its call: a mismatch), not at its own timeout, and the
+    teardown returns."""
     rank = zc.get_rank()
     zc.barrier()
     seen = {}
     if rank == 1:
+        started = time.monotonic()
         waiting = zc.barrier_async()  # rank 0 never makes this call
         done = threading.Event()
 
@@ -381,6 +416,7 @@ def teardown_from_another_thread():
                 waiting.result(timeout=WAIT_S)
             except BaseException as exc:  # noqa: B036 (reported)
                 seen["waiter"] = type(exc).__name__
+                seen["told after"] = time.monotonic() - started
             done.set()
         threading.Thread(target=wait).start()
         time.sleep(0.3)
@@ -388,14 +424,16 @@ def teardown_from_another_thread():
     closer.start()
     closer.join(WAIT_S)
     if rank == 1:
-        done.wait(WAIT_S)
+        seen["waiter ended"] = done.wait(WAIT_S)
     return seen
 
 
 def test_teardown_from_another_thread_ends_the_waits_of_the_others():
     outs = run_replicas(teardown_from_another_thread, 2)
-    assert outs[0] == {"teardown": None}
-    assert outs[1]["teardown"] is None or "waiter" in outs[1], outs
+    assert outs[0] == {"teardown": None}, outs
+    told_after = outs[1].pop("told after", None)
+    assert outs[1] == {"teardown": None, "waiter": "CallMismatchError", "waiter ended": True}, outs
+    assert told_after < WAIT_S / 2, outs  # at once, not at its own timeout
 
 
 def awaited_in_another_threads_loop():
@@ -427,26 +465,33 @@ def test_a_coroutine_in_another_threads_loop_awaits_while_the_main_thread_calls(
                         "blocking": [[0, k, 2 * k] for k in range(5)]}, seen
 
 
-def ends_with_a_daemon_thread_in_the_library():
-    """The program ends (no teardown) while a daemon thread of rank 1 still
-    waits in the library for a call nobody else makes: the end still
-    delivers the main thread's last result and closes."""
+def ends_with_a_daemon_thread_in_the_library(markers):
+    """Rank 1's program ends (no teardown) while a daemon thread of its own
+    still waits in the library for a call nobody else makes (rank 0 ends
+    only once rank 1's process has): the end still takes the turn, says
+    BYE, delivers the main thread's last result and closes."""
+    zc.initialize(timeout=WAIT_S * 3)
     rank = zc.get_rank()
+    last = zc.allreduce(rank)
     if rank == 1:
-        lone = zc.barrier_async()
+        lone = zc.barrier_async()  # seq 1: rank 0 never makes it
         threading.Thread(target=lambda: lone.result(), daemon=True).start()
-        time.sleep(0.3)
-        return zc.allreduce(rank)
-    time.sleep(0.3)
-    return zc.allreduce(rank)
+        assert not lone.done()
+    else:
+        wait_for(os.path.join(markers, "rank 1 ended"), timeout=WAIT_S * 3)
+    return last
 
 
-def test_a_program_ends_while_a_daemon_thread_waits_in_the_library():
-    with Replicas(ends_with_a_daemon_thread_in_the_library, 2) as reps:
+def test_a_program_ends_while_a_daemon_thread_waits_in_the_library(tmp_path):
+    with Replicas(ends_with_a_daemon_thread_in_the_library, 2, str(tmp_path), initialize=False) as reps:
+        deadline = time.monotonic() + WAIT_S * 3
+        while reps.procs[1].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # (a process's end: no event to wait on)
+        touch(tmp_path / "rank 1 ended")
         outs = reps.wait(60)
-    # the order of the calls differs (rank 1's barrier is its seq 0): the coordinator says so
-    assert all(o.returncode is not None for o in outs), report(outs, "a rank hung")
-    assert not any(o.timed_out for o in outs), report(outs, "a rank hung")
+    said = report(outs, "")
+    assert [(o.ok, o.value) for o in outs] == [(True, 1), (True, 1)], said
+    assert "rank 1 (pid" not in outs[0].output, said  # it said BYE: not found lost, nothing to say
 
 
 def test_an_interrupt_while_a_notified_follower_takes_the_mutex_back_never_releases_anothers():
