@@ -362,3 +362,100 @@ def test_a_group_of_one_grows():
             outs = new.wait(RUN_S)
         outs = alone.wait(RUN_S) + outs
     assert all(o.ok and o.value == [0, 1] for o in outs), report(outs, "no grow")
+
+
+# -- what an attack on the first version found -------------------------------------------
+
+
+def busy_low_ranks(busy_s):
+    """Rank 0 dies while ranks 1 and 2 are busy in their own code; rank 3 is
+    prompt: it must not take the busy ranks' silent ports for deaths."""
+    me = zc.get_rank()
+    zc.allreduce(1)
+    if me == 0:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if me in (1, 2):
+        time.sleep(busy_s)
+    return _outcome(lambda: _past_the_loss(me, 0))
+
+
+def test_busy_low_ranks_and_a_prompt_high_one_end_in_one_group():
+    with Replicas(busy_low_ranks, 4, 3.0) as reps:
+        outs = reps.wait(RUN_S)
+    values = [o.value for o in outs[1:]]
+    assert all(o.ok for o in outs[1:]), report(outs, "a survivor failed")
+    groups = _groups(values)
+    assert len(groups) <= 1, report(outs, f"two groups: {values}")
+    assert all(isinstance(v, dict) or v.startswith("left out: ") for v in values), report(outs, "stranded")
+
+
+def idle_then_killed(victim):
+    me = zc.get_rank()
+    zc.allreduce(1)
+    if me == victim:
+        time.sleep(1.5)  # idle past half the liveness bound: its close is no sign of death
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: _past_the_loss(me, victim))
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank-0", "rank-1"])
+def test_a_rank_killed_after_being_idle_leaves_its_one_survivor_going_on(victim):
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}
+    with Replicas(idle_then_killed, 2, victim, env=env) as reps:
+        outs = reps.wait(RUN_S)
+    survivor = outs[1 - victim]
+    assert survivor.ok and survivor.value == {"members": (1 - victim,), "size": 1}, report(outs, "stopped")
+
+
+def shrinks_past_another_programs_port():
+    me = zc.get_rank()
+    zc.allreduce(1)
+    if me == 0:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: _past_the_loss(me, 0))
+
+
+def test_a_would_be_host_whose_port_another_program_holds_lets_the_next_host():
+    import socket
+
+    port = zc.testing.free_port()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port + 1))  # old rank 1's form port: another program's
+    squatter.listen()
+    try:
+        with Replicas(shrinks_past_another_programs_port, 3, port=port) as reps:
+            outs = reps.wait(RUN_S)
+    finally:
+        squatter.close()
+    assert outs[1].ok and outs[2].ok, report(outs, "a survivor failed")
+    assert outs[1].value == outs[2].value == {"members": (2, 1), "size": 2}, report(outs, "no group")
+
+
+def grows_while_newcomers_vanish(markers):
+    zc.allreduce(1)
+    wait_for(os.path.join(markers, "parked"), timeout=60)
+    admitted = _outcome(zc.grow)
+    return admitted, zc.get_world_size(), zc.allreduce(1)
+
+
+def parks_then_stops(markers):
+    touch(os.path.join(markers, f"parking{os.getpid()}"))
+    zc.initialize(join=True, timeout=60)
+    return "admitted"
+
+
+def test_newcomers_stopped_as_they_are_admitted_never_cost_the_members_their_group(tmp_path):
+    alone = {"ZCOLLECTIVE_NUM_REPLICAS": ""}
+    with Replicas(grows_while_newcomers_vanish, 2, str(tmp_path)) as members, \
+            Replicas(parks_then_stops, 2, str(tmp_path), initialize=False, port=members.port,
+                     env=alone) as newcomers:
+        time.sleep(1.0)  # parked
+        newcomers.kill(0, signal.SIGSTOP)
+        newcomers.kill(1, signal.SIGSTOP)
+        touch(tmp_path / "parked")
+        outs = members.wait(RUN_S)
+        newcomers.kill_all()
+    assert all(o.ok for o in outs), report(outs, "a member failed")
+    assert [o.value[1:] for o in outs] == [(2, 2)] * 2, report(outs, "the members lost their group")

@@ -160,13 +160,13 @@ def hand_started(refused):
         except (zc.JobMismatchError, zc.AddressError) as exc:
             return type(exc).__name__, str(exc)
         finally:
-            if rank == 1:
-                touch(refused)
+            touch(refused if rank == 1 else refused + "-b0")
         return "joined job A's group", zc.allreduce(1)
     if rank == 1:
         wait_for(refused)
     zc.initialize(timeout=30)
     total = zc.allreduce(1)
+    wait_for(refused + "-b0")  # job A holds its port until B's rank 0 tried it
     zc.teardown()
     return total
 

@@ -278,6 +278,22 @@ def test_replace_lost_starts_newcomers_in_the_place_of_killed_ranks_and_training
     assert "lost ranks [2] at step 40" in proc.stdout and "lost ranks [0] at step" in proc.stdout
 
 
+def test_a_newcomer_waiting_where_rank_0_was_is_started_again_where_the_coordinator_moved():
+    """Rank 2 dies at step 3, its newcomer waits at rank 0's coordinator; rank 0
+    dies at step 6, before the grow at step 10: the survivors host the next
+    group at another port, and the launcher starts the waiting newcomer again
+    there (it would wait at the dead port for ever): 4 replicas at the end."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = launch(["-n", "4", "--replace-lost", "2", os.path.join("examples", "elastic_training.py"),
+                   "--kill", "2@3", "--kill", "0@6"], cwd=root, timeout=120)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert proc.stderr.count("again there (it waited at the old one)") == 1, proc.stderr
+    lines = {}
+    for line in proc.stdout.splitlines():
+        lines.setdefault(line.split("]")[0], []).append(line.split("] ", 1)[-1])
+    _check_elastic(4)(lines)
+
+
 def _check_allgather(lines):
     everyone = {r: ast.literal_eval(lines[r][0].split(" = ", 1)[1]) for r in lines}
     assert sorted(lines) == list(range(EXAMPLE_RANKS)) and all(len(v) == 1 for v in lines.values()), lines

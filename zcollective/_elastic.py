@@ -8,35 +8,41 @@ Shrinking, on every survivor (old rank ``r``; ``L``, the ranks its failure
 named lost):
 
 1. It closes the old group at once: nothing queued there is worth waiting for.
+   A group that failed for another reason (a mismatch) is not revived.
 2. The *candidates* are the old ranks not in ``L``, lowest first. The first
-   that can be reached hosts the new group's coordinator, at the group's
-   master port on its own host: old rank 0 at the master address, another at
-   the address rank 0 saw it at (``Member.addresses``). Only the
-   coordinator's word (a FAIL's lost ranks) puts a rank in ``L``: a replica
-   that saw its connection to rank 0 close may have been left behind by a
-   rank 0 that is shrinking (it closes that connection to do so), so rank 0
-   stays a candidate, tried for :data:`~._limits.FORM_PROBE_S` only.
+   that can host does, on its own host (the address rank 0 saw it at): old
+   rank 0 at the group's port, old rank ``c`` at that port + ``c``
+   (:func:`form_port`), so no would-be host needs a port a living old rank 0
+   (stopped, busy) or another job may hold. Only the coordinator's word (a
+   FAIL's lost ranks) puts a rank in ``L``: a replica that saw its
+   connection to rank 0 close may have been left behind by a rank 0 that is
+   shrinking, so rank 0 stays a candidate, tried for
+   :data:`~._limits.FORM_PROBE_S` only.
 3. A survivor tries the candidates in turn: it hosts when it comes to its own
    rank, and joins any other; one it cannot reach within
-   :data:`~._limits.FORM_REACH_S` (a killed process refuses at once, a silent
-   host runs out the bound) it counts lost too, and tries the next. A
-   survivor that shrinks later than :data:`~._limits.HOST_WINDOW_S` after its
-   group failed hosts only if nobody after it can be reached: by then the
-   others may have counted it lost, and must not find two groups.
-4. The host expects the candidates from itself on; it forms the group with
-   those that came within :data:`~._limits.FORM_WAIT_S`, ranked densely in
-   old-rank order (so it is rank 0). Whoever comes later is told it was left
-   out (:class:`~.errors.LeftOutError`), as is a lower rank that comes at all.
+   :data:`~._limits.FORM_REACH_S` it passes over (a host still open at its
+   address says ``NotFormingHere``: it is waited for that long, then passed
+   over too). A survivor later than :data:`~._limits.HOST_WINDOW_S` after its
+   group failed never hosts: it joins a later one or is told it was left out.
+4. The host expects every candidate not seen to die (a lower one comes when it
+   could not host: too late, or its port another program's); it forms the
+   group with those that came within
+   :data:`~._limits.FORM_WAIT_S`, itself as rank 0, the rest in old-rank
+   order, if they are more than half of the old group not counting ranks seen
+   to die (the FAIL's ``dead``; old rank 0 whose port refused; a lost rank
+   whose host refuses a connection at its form port: :func:`died`).
+   Whoever comes later, or too few, is told it was left out
+   (:class:`~.errors.LeftOutError`).
 
-So every survivor ends in the same group or is told it is not in it; a
-survivor that the others could not reach (the same bound for all) is the one
-left out.
+So every survivor ends in the same group or is told it is not in it, and
+after a partition at most one side goes on (unless ``majority=False``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
+import socket
 import time
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
@@ -45,7 +51,15 @@ from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
 from ._protocol._coordinator import Forming
 from ._protocol._member import fresh, lost_rank_0
 from .config import Config
-from .errors import CollectiveTimeoutError, LateJoinError, LeftOutError, ReplicaLostError
+from .errors import (
+    AddressError,
+    AuthenticationError,
+    CollectiveTimeoutError,
+    LateJoinError,
+    LeftOutError,
+    ProtocolError,
+    ReplicaLostError,
+)
 
 if TYPE_CHECKING:
     from ._group import Group
@@ -93,10 +107,15 @@ def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Gro
         # counted it lost by now, and must not find two groups
         return time.monotonic() - failed_at - allowed > HOST_WINDOW_S
 
-    late = is_late() or group._reforming == "grow()"  # a grow's next group formed without it
+    if group._reforming == "grow()":  # its grow() did not finish: the grown group formed without it
+        raise LeftOutError(f"old rank {old_rank}: its grow() did not finish here, so the others "
+                           f"formed the grown group without it")
+    late = is_late()
     deadline = None if timeout is None else started + timeout
     candidates = [r for r in range(old_size) if r not in lost]
     tried: list[str] = []
+    reach_more = 0.0  # it could not host (its port another program's): a later candidate may be
+    # trying it meanwhile, and hosts only after that
 
     def at(candidate: int) -> Config:
         """Where ``candidate`` hosts: old rank 0 where the group was, another at
@@ -113,23 +132,33 @@ def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Gro
             if late or is_late():
                 late = True
                 continue  # too late to host: join a later one (which may say this one was left out)
-            forming = Forming(lineage, frozenset(r for r in candidates if r >= old_rank), old_size,
-                              frozenset(dead), majority)
+            if majority:  # a rank the coordinator lost whose host refuses a connection: it died
+                dead |= died(lost - dead, addresses, config)
+            # a lower candidate not seen to die may come: it could not host (too late, or its
+            # port another program's), and is not to be left out for that
+            expected = frozenset(r for r in candidates if r not in dead)
+            forming = Forming(lineage, expected, old_size, frozenset(dead), majority, host=old_rank)
             try:
                 return Group._formed(at(candidate), Form(lineage, forming))
             except Overslept as exc:  # stopped while it waited for them: as too late to host
                 tried.append(f"old rank {candidate}: {exc}")
                 late = True
                 continue
-        reach_s = FORM_PROBE_S if candidate in inferred else FORM_REACH_S
+            except AddressError as exc:  # its port is another program's: the next one hosts
+                tried.append(f"old rank {candidate}: {exc}")
+                reach_more = FORM_REACH_S + FORM_PROBE_S
+                continue
+        reach_s = (FORM_PROBE_S if candidate in inferred else FORM_REACH_S) + reach_more
         allowed += reach_s
         try:
             return Group._formed(at(candidate), Form(lineage, reach_s=reach_s))
         except LeftOutError:
             raise
-        except (Unreachable, LateJoinError) as exc:  # lost too, or another group's port
-            if getattr(exc, "refused", False):
-                dead.add(candidate)  # nobody listens there: its process is gone
+        except (Unreachable, LateJoinError, AuthenticationError, ProtocolError) as exc:
+            # lost too, or another program's port (another group's, a stranger's)
+            if candidate == 0 and getattr(exc, "refused", False):
+                dead.add(candidate)  # nobody listens where its coordinator did: its process is gone
+                # (another would-be host listens only once it hosts: its refusal says nothing)
             tried.append(f"old rank {candidate}: {exc}")
     if late:
         raise LeftOutError(f"old rank {old_rank} came to shrink {time.monotonic() - failed_at:.1f} s "
@@ -138,6 +167,28 @@ def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Gro
                            + "".join(f"; {t}" for t in tried))
     raise CollectiveTimeoutError(f"old rank {old_rank} could not shrink within {timeout} s: "
                                  + "; ".join(tried))
+
+
+def died(ranks: set[int], addresses: list[str], config: Config) -> set[int]:
+    """Of ``ranks`` (lost by the coordinator's word), those whose host refuses a
+    TCP connection at the rank's form port at once: the host is up and the
+    rank's process is not hosting there. A rank cut off (or a host down) does
+    not answer within :data:`FORM_PROBE_S`, and is not counted dead."""
+    out = set()
+    for rank in sorted(ranks)[:MAX_DEATH_PROBES]:
+        host = config.master_addr if rank == 0 else addresses[rank]
+        try:
+            socket.create_connection((host.strip("[]"), form_port(config.master_port, rank)),
+                                     timeout=FORM_PROBE_S).close()
+        except ConnectionRefusedError:
+            out.add(rank)
+        except OSError:
+            pass  # silent, unreachable, or not an address: not seen to die
+    return out
+
+
+MAX_DEATH_PROBES = 64  # a shrink probes at most this many lost ranks' hosts (each refuses at once,
+# or costs FORM_PROBE_S)
 
 
 class Agreement(NamedTuple):
@@ -190,7 +241,8 @@ def regroup(group: Group, newcomers: int) -> Group:
     group._close_to_form(quick=False)
     where = dataclasses.replace(config, num_replicas=size)
     if config.rank == 0:
-        return Group._formed(where, Form(lineage, Forming(lineage, frozenset(range(size)), size)))
+        forming = Forming(lineage, frozenset(range(size)), size, voters=config.num_replicas)
+        return Group._formed(where, Form(lineage, forming))
     try:
         return Group._formed(where, Form(lineage))
     except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 was lost as the group formed

@@ -51,6 +51,7 @@ from ._protocol._member import Member
 from ._protocol._stats import announce_coordinator, announce_group, calls_log, write_for_launcher
 from .config import Config, resolve, takes_settings
 from .errors import (
+    AddressError,
     CollectiveError,
     CollectiveTimeoutError,
     ForkedProcessError,
@@ -246,9 +247,10 @@ class Group:
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
-            if self._server is not None and self._server.gone() is None and refused:
+            if self._server is not None and self._server.gone() is None and refused and form is None:
                 # replicas still starting up should hear why, not time out (when it serves:
-                # a coordinator that could not bind has nobody to tell)
+                # a coordinator that could not bind has nobody to tell; forming, the survivors
+                # are told by their own tries, and this one has others to try at once)
                 time.sleep(JOIN_FAILURE_GRACE_S)
             self._close()
             raise
@@ -259,16 +261,26 @@ class Group:
         the others reach it through a DEALER. Forming a group, its host
         serves it."""
         config, member = self.config, self._member
-        if config.num_replicas == 1 and form is None and not config.join and not config.port_given:
-            # a script run as it is: no port of its own (one given: newcomers may come to it)
-            session = int.from_bytes(os.urandom(8), "little") | 1
-            return DirectLink(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
-                                                      user_code=_interrupts.user_code, job=config.job))
+        alone = config.num_replicas == 1 and form is None and not config.join
+        if alone and not config.port_given:  # a script run as it is: no port of its own
+            return self._direct(signer)
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
             self._server = Server(self._ctx, config, form.forming if form is not None else None)
-            self._server.start()
+            try:
+                self._server.start()
+            except AddressError as exc:
+                if not alone:
+                    raise
+                # a group of one given a port serves it, so newcomers can come; taken (a
+                # MASTER_PORT left in the environment, say), it runs alone all the same
+                log.warning("zcollective: a group of one could not listen for newcomers (%s); "
+                            "it runs alone, and grow() admits nobody", exc)
+                self._server = None
+                self._ctx.term()
+                self._ctx = None
+                return self._direct(signer)
             link: Driver = HostLink(member, self._server)
         else:
             link = Replica(self._ctx, config, member)
@@ -282,6 +294,12 @@ class Group:
             member.data_endpoint, member.data_min_bytes = self._data.endpoint, config.data_plane_min_bytes
             member.data_mode = config.data_plane
         return link
+
+    def _direct(self, signer: Optional[Signer]) -> Driver:
+        """A group of one: its member calls the coordinator in-process, no socket."""
+        session = int.from_bytes(os.urandom(8), "little") | 1
+        return DirectLink(self._member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
+                                                    user_code=_interrupts.user_code, job=self.config.job))
 
     def _await_admission(self) -> None:
         """A newcomer: wait until a grow() of the group admits it (rule 10 of
@@ -936,11 +954,13 @@ class Group:
 
     def _check_usable(self) -> None:
         if self._closed and self._reforming is not None:
+            then = ("the grown group formed without it: call shrink() to be told so (LeftOutError), "
+                    "and start this process again as a newcomer" if self._reforming == "grow()" else
+                    "call shrink() again to join the survivors' group (it raises LeftOutError if they "
+                    "went on without this replica)")
             raise RuntimeError(
                 f"old rank {self.rank}: this zcollective group was closed for {self._reforming} to "
-                f"form the next one, which did not finish here (interrupted, or it raised): call "
-                f"shrink() again to join the survivors' group (it raises LeftOutError if they went "
-                f"on without this replica)")
+                f"form the next one, which did not finish here (interrupted, or it raised): {then}")
         if self._closed:
             raise RuntimeError("this zcollective group was torn down; call initialize() "
                                "(or create a new Group) first")

@@ -80,7 +80,7 @@ FORM_PROBE_S = 0.25  # ... and this long a rank 0 it only saw close its connecti
 # shrinking binds again within milliseconds (FORM_PROBE_S < FORM_REACH_S)
 FORM_WAIT_S = 2.0  # shrink: the host waits this long for the survivors it expects, then forms
 # the group with those that came (the others are left out, alike on every survivor)
-FORM_BIND_RETRY_S = 1.0  # the host binds the master port again this long: the port's last
+FORM_BIND_RETRY_S = 0.3  # the host binds its port again this long: the port's last
 # holder, just killed, may still be closing its files
 HOST_WINDOW_S = FORM_REACH_S / 2  # a survivor hosts only if it shrinks this soon after its
 # group failed: later, the others may have counted it lost already (no split group)

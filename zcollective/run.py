@@ -227,6 +227,7 @@ class Replica:
     eof_at: float = float("inf")  # when its output ended: about when it did (which ended first)
     pump: Optional[threading.Thread] = None  # copies its output
     ended: bool = False  # its end was dealt with
+    at: str = ""  # a newcomer: the coordinator's address it was started at (host:port)
 
 
 @dataclass(eq=False)
@@ -308,6 +309,7 @@ class Launcher:
         # where each group's rank 0 says its coordinator is (newcomers go there)
         self.coordinator_file = _temp_file("zcollective-coordinator-") if self.elastic else None
         self.told: Optional[str] = None  # the coordinator's address last told for newcomers
+        self.where: Optional[str] = None  # the coordinator's address last seen (see redirect_newcomers)
 
     def files(self) -> list[str]:
         """The launcher's files, removed when it ends."""
@@ -398,7 +400,8 @@ class Launcher:
             self.stop(signal.SIGTERM)
             raise SystemExit(127) from None
         self.groups.forget(proc.pid)
-        replica = Replica(slot, local_rank, proc, newcomer)
+        replica = Replica(slot, local_rank, proc, newcomer,
+                          at=f"{env.get('ZCOLLECTIVE_MASTER_ADDR')}:{env.get('ZCOLLECTIVE_MASTER_PORT')}")
         replica.pump = threading.Thread(target=_pump, daemon=True, args=(
             replica, sys.stdout.buffer, self.lock, lambda: self.label(replica)))
         replica.pump.start()
@@ -556,7 +559,9 @@ class Launcher:
             self.settle()
             self.show_stalled()
             if self.coordinator_file is not None:
-                self.tell_newcomers(self.coordinator())
+                where = self.coordinator()
+                self.redirect_newcomers(where)
+                self.tell_newcomers(where)
             running = self.running()
             if not running:
                 break
@@ -569,6 +574,29 @@ class Launcher:
             time.sleep(POLL_S)
         self.join_pumps(timeout=2)
         return self.status()
+
+    def redirect_newcomers(self, where: str) -> None:
+        """The coordinator moved (rank 0 was lost, and a survivor hosts the
+        next group at another port): a newcomer this launcher started, still
+        waiting at the old address, is started again at the new one."""
+        if not where or where == self.where:
+            return
+        moved, self.where = self.where is not None, where
+        if not moved:
+            return
+        for replica in self.running():
+            if replica.newcomer and replica.at != where and self.groups.current(replica.proc.pid) is None:
+                replica.ended = True  # (not a loss: this launcher ends it)
+                with contextlib.suppress(OSError):
+                    os.killpg(replica.proc.pid, signal.SIGKILL)
+                replica.proc.wait(timeout=5)
+                host, _, port = where.rpartition(":")
+                env = self.env_for(replica.slot, replica.local_rank, self.port, self.size)
+                env.update(ZCOLLECTIVE_MASTER_ADDR=host.strip("[]"), ZCOLLECTIVE_MASTER_PORT=port,
+                           ZCOLLECTIVE_JOIN="1")
+                self.message(f"the coordinator moved to {where}: starting {self.name(replica)} "
+                             f"again there (it waited at the old one)")
+                self.spawn(replica.slot, replica.local_rank, env, newcomer=replica.newcomer)
 
     def show_stalled(self) -> None:
         """A stall warning named ranks: show where their programs are (their

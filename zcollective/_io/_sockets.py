@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -82,20 +83,42 @@ _ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EPROTONOSUPPORT}
 
 
 LISTEN_BACKLOG = 100  # libzmq's own default (ZMQ_BACKLOG): a whole job may connect at once
-_listening: set[int] = set()  # the ports this process listens on, by descriptor (ours, see bind)
+_listening: dict[int, tuple[int, int]] = {}  # descriptor -> (family, port): the ports this process
+# listens on (ours, see bind), kept past their close (libzmq closes them in its own thread, later):
+# a forked child checks each is still that port's listening socket before it closes its copy
+_forking = threading.Lock()  # a fork waits while a descriptor is made and recorded
 
 
 def _close_in_child() -> None:
     """A forked child (a data-loader worker) must not hold its parent's ports:
     a group forming again after a loss binds the same port (issue 31)."""
-    for fd in _listening:
-        with contextlib.suppress(OSError):
-            os.close(fd)  # the child's copy: the parent's stays open
+    _forking.release()
+    for fd, (family, port) in list(_listening.items()):
+        if _listens_at(fd, family, port):
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the child's copy: the parent's stays open
     _listening.clear()
 
 
+def _listens_at(fd: int, family: int, port: int) -> bool:
+    """Is ``fd`` (still) a listening TCP socket on ``port``? (Its number may
+    have been reused since libzmq closed it.)"""
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM, fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)) and (
+            sock.getsockname()[1] == port)
+    except OSError:
+        return False
+    finally:
+        sock.close()  # (the duplicate)
+
+
 if hasattr(os, "register_at_fork"):  # (no fork without it)
-    os.register_at_fork(after_in_child=_close_in_child)
+    os.register_at_fork(before=_forking.acquire, after_in_parent=_forking.release,
+                        after_in_child=_close_in_child)
 
 
 def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> Optional[int]:
@@ -105,9 +128,8 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
 
     A TCP port is listened on through a descriptor made here and handed to
     libzmq (``ZMQ_USE_FD``), so that a forked child closes its copy at once
-    (:func:`_close_in_child`); returns it, for :func:`unbind` before the
-    socket closes (None when libzmq bound an address Python cannot, such as
-    an interface name)."""
+    (:func:`_close_in_child`); returns it (None when libzmq bound an address
+    Python cannot, such as an interface name: a child then holds the port)."""
     deadline = time.monotonic() + retry_s
     while True:
         try:
@@ -118,10 +140,9 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
                 sock.bind(endpoint)
             except BaseException:
                 if fd is not None:
+                    _listening.pop(fd, None)
                     os.close(fd)
                 raise
-            if fd is not None:
-                _listening.add(fd)
             return fd
         except (zmq.ZMQError, OSError) as exc:
             if exc.errno != zmq.EADDRINUSE:
@@ -133,16 +154,16 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
 
 
 def unbind(fd: Optional[int]) -> None:
-    """The socket listening on ``fd`` (from :func:`bind`) is about to close:
-    a child forked from now on has nothing of it to close (libzmq closes it,
-    and the number may be reused)."""
-    _listening.discard(fd)  # type: ignore[arg-type]
+    """The socket listening on ``fd`` (from :func:`bind`) is about to close.
+    It stays recorded (libzmq closes it later, in its own thread): a child
+    forked meanwhile still closes its copy, and one forked after the number
+    was reused leaves it alone (:func:`_listens_at`)."""
 
 
 def _listen(endpoint: str) -> Optional[int]:
     """A listening TCP socket for ``tcp://host:port`` (host an IP literal, in
-    brackets for IPv6, or ``*``), detached: its descriptor. None for what
-    only libzmq can bind (an interface name, port ``*``)."""
+    brackets for IPv6, or ``*``), detached and recorded: its descriptor. None
+    for what only libzmq can bind (an interface name, port ``*``)."""
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
     if not port.isdigit():
         return None
@@ -152,14 +173,17 @@ def _listen(endpoint: str) -> Optional[int]:
         socket.inet_pton(family, "0.0.0.0" if host == "*" else host)
     except OSError:
         return None  # not an IP literal: libzmq resolves it (and reports what it cannot)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq: TIME_WAIT is no bar
-        sock.bind(("0.0.0.0" if host == "*" else host, int(port)))
-        sock.listen(LISTEN_BACKLOG)
-    except BaseException:
-        sock.close()
-        raise
+    with _forking:  # listening and recorded before a fork can copy it (a copy of a socket that
+        # listens only later would hold the port in the child unseen): a few system calls
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq: TIME_WAIT is no bar
+            sock.bind(("0.0.0.0" if host == "*" else host, int(port)))
+            sock.listen(LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+        _listening[sock.fileno()] = (family, int(port))
     return sock.detach()
 
 

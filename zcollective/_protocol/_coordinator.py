@@ -242,11 +242,20 @@ class Forming:
     old_size: int
     dead: frozenset[int] = frozenset()
     majority: bool = True
+    voters: Optional[int] = None  # only ranks below this count for the majority (a grow: the
+    # members; newcomers that vanish never outvote them); None: every old rank
+    host: Optional[int] = None  # the host's old rank (its new rank is 0); None: the lowest expected
+
+    @property
+    def host_rank(self) -> int:
+        return min(self.expected) if self.host is None else self.host
 
     def quorate(self, came: Iterable[int]) -> bool:
         """Are the old ranks that ``came`` enough to form the group?"""
-        came = set(came)
-        return not self.majority or 2 * len(came) > self.old_size - len(self.dead - came)
+        voters = self.old_size if self.voters is None else self.voters
+        came = {r for r in came if r < voters}
+        dead = {r for r in self.dead if r < voters} - came
+        return not self.majority or 2 * len(came) > voters - len(dead)
 
 
 @dataclass
@@ -740,8 +749,10 @@ class Coordinator:
         return [(m.peer, self._welcome(m)) for m in self.members.values()]
 
     def _renumber(self) -> None:
-        """Rule 9: the members that came, ranked densely in old-rank order."""
-        old = sorted(self.by_rank)
+        """Rule 9: the members that came, ranked densely in old-rank order, the
+        host first (a lower rank is there only when it could not host)."""
+        host = self.forming.host_rank if self.forming is not None else 0
+        old = sorted(self.by_rank, key=lambda r: (r != host, r))
         members = [self.by_rank[r] for r in old]
         self.num_replicas = len(members)
         self.by_rank = {}
@@ -772,7 +783,7 @@ class Coordinator:
         """The forming bound passed (the driver's clock): start with the members
         that came, if the host's own member is among them."""
         forming = self.forming
-        if forming is None or self.phase is not Phase.JOINING or min(forming.expected) not in self.by_rank:
+        if forming is None or self.phase is not Phase.JOINING or forming.host_rank not in self.by_rank:
             return []
         return self._start()
 
