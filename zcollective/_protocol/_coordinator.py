@@ -66,7 +66,7 @@ Rules:
    lineage and their old rank and size; a JOIN of another lineage, or of
    none, is refused. When every expected member joined, or when the driver
    says the bound passed (:meth:`Coordinator.form_now`), the members that
-   came are ranked densely in old-rank order; each WELCOME, bound to the old
+   came are ranked densely in old-rank order, the host first; each WELCOME, bound to the old
    rank its JOIN claimed, gives the new rank and every rank's old one. A
    member of the lineage that comes later, or was not expected (a lower
    rank, or one counted lost), is refused as left out. Those that came form
