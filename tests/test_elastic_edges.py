@@ -459,3 +459,49 @@ def test_newcomers_stopped_as_they_are_admitted_never_cost_the_members_their_gro
         newcomers.kill_all()
     assert all(o.ok for o in outs), report(outs, "a member failed")
     assert [o.value[1:] for o in outs] == [(2, 2)] * 2, report(outs, "the members lost their group")
+
+
+def grows_and_one_is_interrupted(markers):
+    """Rank 2's grow() is interrupted (a signal handler's exception) at its wait
+    for the host: its group says so, shrink() tells it it was left out, and the
+    others go on with the newcomer."""
+    from zcollective._group import Group
+
+    me = zc.get_rank()
+    if me == 2:
+        reach = Group._reach_host
+
+        def interrupted(self, form, who):
+            Group._reach_host = reach
+            raise KeyboardInterrupt  # where a signal handler's exception surfaces
+        Group._reach_host = interrupted
+    zc.allreduce(1)
+    wait_for(os.path.join(markers, "parked"), timeout=60)
+    try:
+        zc.grow()
+    except KeyboardInterrupt:
+        try:
+            zc.get_rank()
+            said = "no error"
+        except RuntimeError as exc:
+            said = str(exc)
+        return said, _outcome(zc.shrink)
+    return zc.get_world_size(), zc.allreduce(1)
+
+
+def parks_and_goes_on(markers):
+    touch(os.path.join(markers, "parked"))
+    zc.initialize(join=True, timeout=60)
+    return zc.get_world_size(), zc.allreduce(1)
+
+
+def test_an_interrupted_grow_says_so_and_the_others_go_on_with_the_newcomer(tmp_path):
+    with Replicas(grows_and_one_is_interrupted, 3, str(tmp_path)) as members, \
+            Replicas(parks_and_goes_on, 1, str(tmp_path), initialize=False, port=members.port,
+                     env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as newcomer:
+        outs = members.wait(RUN_S) + newcomer.wait(RUN_S)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert [outs[0].value, outs[1].value, outs[3].value] == [(3, 3)] * 3, report(outs, "no group")
+    said, shrunk = outs[2].value
+    assert "closed for grow()" in said and "grown group formed without it" in said, said
+    assert shrunk.startswith("left out: "), shrunk

@@ -495,7 +495,9 @@ def test_with_a_secret_a_message_altered_in_flight_fails_the_group_everywhere():
     pair.settle()
     assert str(outcome(futures[1])) == (f"rank 1: a message from the coordinator at {ENDPOINT} failed "
                                         f"authentication (authentication tag does not match); was it "
-                                        f"altered in flight? in flight: seq 0 allreduce")
+                                        f"altered in flight, or did rank 0's program change a buffer "
+                                        f"it had passed to an _async call before the call completed? "
+                                        f"in flight: seq 0 allreduce")
     assert type(pair.failure(0)) is zc.AuthenticationError
 
 

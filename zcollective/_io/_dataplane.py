@@ -345,7 +345,8 @@ class DataPlane:
             altered = AuthenticationError(
                 f"seq {chunk_seq} {job.op}: a {KIND_NAMES[kind]} chunk on the data link from rank "
                 f"{(self.rank - 1) % self.size} to rank {self.rank} failed authentication: was "
-                f"the link altered in flight?")
+                f"the link altered in flight, or did rank {(self.rank - 1) % self.size}'s program "
+                f"change the array it had passed to an _async call before the call completed?")
             altered.lost_rank = (self.rank - 1) % self.size  # type: ignore[attr-defined]
             fail(altered)
             return

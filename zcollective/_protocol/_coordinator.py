@@ -145,6 +145,8 @@ GONE = "connection closed or heartbeats unanswered"  # ZeroMQ does not say which
 # ended or was killed, and one stopped (SIGSTOP) or cut off past the liveness bound, look alike
 SEEN_DEAD_SHARE = 0.5  # a connection gone within this share of the liveness bound after the peer's
 # last message was closed, not timed out (heartbeats take 2/3 of it): the process died (rule 8)
+MUTATED = ("or did its program change a buffer (an array) it had passed to an _async call before "
+           "the call completed (large buffers are sent without a copy)")  # the usual cause, by far
 HOST_PEER = b"\x00L0"  # its name for the member in its own process; no DEALER of ours has it
 # (theirs start with b"R"), and the server drops any peer announcing it
 
@@ -602,7 +604,8 @@ class Coordinator:
         if member is not None:  # only a member can write on this connection: altered in flight
             return self.fail("AuthenticationError", f"a message on the connection of "
                              f"{member.describe()} at {address} failed authentication ({exc}); "
-                             f"was it altered in flight? {self._in_flight()}", bad=[member.rank])
+                             f"was it altered in flight, {MUTATED}? {self._in_flight()}",
+                             bad=[member.rank])
         self._warn(address, "auth", f"refused a message from {address} that failed "
                    f"authentication ({exc}): it does not know the job's secret")
         head = bytes(memoryview(frames[0])[:4]) if frames else b""

@@ -298,7 +298,9 @@ class Member:
                     f"authentication ({exc}): {why}; set the same ZCOLLECTIVE_SECRET everywhere"))
             return self.fail(AuthenticationError(
                 f"{self.who}: a message from the coordinator at {self.endpoint} failed "
-                f"authentication ({exc}); was it altered in flight? {self.describe_in_flight()}"),
+                f"authentication ({exc}); was it altered in flight, or did rank 0's program change a "
+                f"buffer it had passed to an _async call before the call completed? "
+                f"{self.describe_in_flight()}"),
                 tell=True)
         except VersionError as exc:
             return self.fail(ProtocolError(
