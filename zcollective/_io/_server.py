@@ -102,7 +102,6 @@ class Server:
         self._items: list[Any] = []  # what an owner polls: ROUTER, monitor, ZAP handler
         self._nudged_items: Optional[list[Any]] = None  # ... and a nudge (see poll_items)
         self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
-        self._listening: Optional[int] = None  # the master port's descriptor (see _sockets.bind)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
         self._probes = ProbeSchedule()
@@ -466,7 +465,6 @@ class Server:
     def _close(self, linger_ms: int) -> None:
         router, monitor, self._router = self._router, self._monitor, None
         if router is not None and monitor is not None:
-            _sockets.unbind(self._listening)
             _sockets.close_monitored(router, monitor, linger_ms)
         self._close_gatekeeper()  # after the ROUTER: no handshake is left to answer
         self.wakeup.close()
@@ -510,7 +508,7 @@ class Server:
             host = f"[{host}]"
             router.setsockopt(zmq.IPV6, 1)
         try:
-            self._listening = _sockets.bind(router, f"tcp://{host}:{config.master_port}",
+            _sockets.bind(router, f"tcp://{host}:{config.master_port}",
                           in_use=f"{self.host} cannot host the coordinator: port {config.master_port} on "
                                  f"{config.master_addr} is already in use by another program",
                           cannot=f"{self.host} cannot bind the coordinator to {config.endpoint}: {{reason}} "
@@ -530,7 +528,6 @@ class Server:
                 monitor = _sockets.monitor_socket(router, events)
                 made.append(monitor)
         except BaseException:
-            _sockets.unbind(self._listening)
             for sock in made:
                 sock.close(linger=0)
             raise

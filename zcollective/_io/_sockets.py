@@ -121,15 +121,16 @@ if hasattr(os, "register_at_fork"):  # (no fork without it)
                         after_in_child=_close_in_child)
 
 
-def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> Optional[int]:
+def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> None:
     """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the
     port is taken (for ``retry_s``: a process that was killed holding it may
     still be closing its files), else ``cannot`` with libzmq's reason.
 
     A TCP port is listened on through a descriptor made here and handed to
     libzmq (``ZMQ_USE_FD``), so that a forked child closes its copy at once
-    (:func:`_close_in_child`); returns it (None when libzmq bound an address
-    Python cannot, such as an interface name: a child then holds the port)."""
+    (:func:`_close_in_child`; the record outlives the socket's close, which
+    libzmq makes later in its own thread). An address Python cannot bind
+    (an interface name) libzmq binds itself: a forked child then holds it."""
     deadline = time.monotonic() + retry_s
     while True:
         try:
@@ -143,7 +144,7 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
                     _listening.pop(fd, None)
                     os.close(fd)
                 raise
-            return fd
+            return
         except (zmq.ZMQError, OSError) as exc:
             if exc.errno != zmq.EADDRINUSE:
                 reason = exc.strerror if isinstance(exc, zmq.ZMQError) else str(exc)
@@ -151,13 +152,6 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
             if time.monotonic() >= deadline:
                 raise AddressError(in_use) from None
         time.sleep(BIND_RETRY_STEP_S)
-
-
-def unbind(fd: Optional[int]) -> None:
-    """The socket listening on ``fd`` (from :func:`bind`) is about to close.
-    It stays recorded (libzmq closes it later, in its own thread): a child
-    forked meanwhile still closes its copy, and one forked after the number
-    was reused leaves it alone (:func:`_listens_at`)."""
 
 
 def _listen(endpoint: str) -> Optional[int]:
