@@ -1,6 +1,8 @@
-"""The code stays ruff-clean and mypy-clean (both are test dependencies)."""
+"""The code stays ruff-clean and mypy-clean (both are test dependencies); the docs agree with
+the code where a test can tell."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,3 +34,41 @@ def test_the_api_reference_is_what_the_docstrings_say():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "make_api.py"), "--check"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _protocol_md():
+    with open(os.path.join(ROOT, "docs", "protocol.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_protocol_md_names_the_protocol_version_the_wire_speaks():
+    from zcollective._format._wire import PROTOCOL_VERSION
+
+    text = _protocol_md()
+    assert text.splitlines()[0] == f"# zcollective protocol (version {PROTOCOL_VERSION}) and its drivers"
+    assert f"`PROTOCOL_VERSION` = {PROTOCOL_VERSION};" in text
+
+
+def test_protocol_md_lists_every_operation_code_and_what_each_rank_receives():
+    from zcollective._format._wire import Op
+
+    text = _protocol_md()
+    header_row = next(line for line in text.splitlines() if line.startswith("| 4 | 1 | op |"))
+    assert header_row == "| 4 | 1 | op | " + ", ".join(f"{int(o)} {o.label}" for o in Op) + " |"
+    rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
+    named = {name.strip() for row in rows for name in row.split(",")}
+    assert {o.label for o in Op if o is not Op.NONE} <= named, "an operation has no row"
+
+
+def test_the_docs_cite_no_file_outside_the_repository():
+    pattern = re.compile(r"DESIGN\.md|STYLE\.md|\.\./shared|LAYOUT\.md")
+    places = ["README.md", "CHANGELOG.md", "benchmarks/README.md", *(
+        os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))]
+    for root, _, files in os.walk(os.path.join(ROOT, "zcollective")):
+        places += [os.path.relpath(os.path.join(root, f), ROOT) for f in files if f.endswith(".py")]
+    cited = []
+    for place in places:
+        with open(os.path.join(ROOT, place), encoding="utf-8") as f:
+            if pattern.search(f.read()):
+                cited.append(place)
+    assert not cited, cited

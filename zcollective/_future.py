@@ -63,7 +63,7 @@ class CollectiveFuture(Generic[T]):
         self._error: Optional[BaseException] = None
         self._callbacks: list[Callable[[CollectiveFuture[T]], None]] = []
         if driver is not None and _waiters:
-            _sent(driver)  # the group creates a future right after sending its call
+            _sent(driver)  # the group creates a future as it sends its call (before the send)
 
     def __repr__(self) -> str:
         state = "finished" if self._done else "pending"
