@@ -94,6 +94,10 @@ def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Gro
     addresses = member.addresses or [config.master_addr] * old_size
     lineage = f"{member.session:x}"
     failed_at = member.failed_at if failure is not None else time.monotonic()
+    stopped_at = getattr(member, "stopped_at", None)
+    if stopped_at is not None and inferred and failed_at - stopped_at < 2 * config.liveness_timeout:
+        failed_at = min(failed_at, stopped_at)  # it was stopped, and then its link went: that is why
+        # (its peers dropped it), and the others have been shrinking since
     coordinator = group._coordinator()
     if coordinator is not None and coordinator.failed_at is not None:  # rank 0: when its coordinator
         failed_at = min(failed_at, coordinator.failed_at)  # failed, not when its program heard
@@ -242,7 +246,10 @@ def regroup(group: Group, newcomers: int) -> Group:
     where = dataclasses.replace(config, num_replicas=size)
     if config.rank == 0:
         forming = Forming(lineage, frozenset(range(size)), size, voters=config.num_replicas)
-        return Group._formed(where, Form(lineage, forming))
+        try:
+            return Group._formed(where, Form(lineage, forming))
+        except Overslept as exc:  # stopped while the others waited: they may have gone on
+            raise LeftOutError(f"rank 0: {exc}; the others may have gone on without it") from None
     try:
         return Group._formed(where, Form(lineage))
     except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 was lost as the group formed

@@ -241,7 +241,8 @@ class Group:
             else:
                 self._join_forming(form)
             self._start_data(deadline)
-            announce_group(self.rank, self.size, self._member.session, self._member.lineage)
+            announce_group(self.rank, self.size, self._member.session, self._member.lineage,
+                           _interrupts.stacks_on())
             if self.config.rank == 0:
                 announce_coordinator(self.coordinator_address())
         except BaseException as exc:
@@ -279,6 +280,7 @@ class Group:
                             "it runs alone, and grow() admits nobody", exc)
                 self._server = None
                 self._ctx.term()
+                _sockets.forget(self._ctx)
                 self._ctx = None
                 return self._direct(signer)
             link: Driver = HostLink(member, self._server)
@@ -1087,6 +1089,7 @@ class Group:
                     # after term() libzmq holds no buffer of ours: the interpreter may free them
                     with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
                         self._ctx.term()
+                    _sockets.forget(self._ctx)
             finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
                 # a wait, never halfway through a message or before the sockets are closed
                 self._turns.close()

@@ -130,6 +130,7 @@ class Joined(NamedTuple):
     group: str  # the group's id (its session, in hex)
     rank: int
     size: int
+    stacks: bool = False  # it writes its stacks on SIGUSR1 (else that signal would end it)
 
 
 class Groups:
@@ -169,7 +170,8 @@ class Groups:
             if "stall" in record:
                 self.stalls.append((group, [int(r) for r in record["stall"]][:MAX_STACKS]))
                 return
-            joined, lineage = Joined(group, int(record["rank"]), int(record["size"])), record["lineage"]
+            joined = Joined(group, int(record["rank"]), int(record["size"]), record.get("stacks") is True)
+            lineage = record["lineage"]
         except (ValueError, KeyError, TypeError):
             return  # not a line of the library's (written by hand?)
         self.of_pid[pid] = joined
@@ -605,20 +607,28 @@ class Launcher:
         for group, ranks in self.groups.take_stalls():
             for replica in self.running():
                 joined = self.groups.current(replica.proc.pid)
-                if joined is not None and joined.group == group and joined.rank in ranks:
+                if joined is not None and joined.group == group and joined.rank in ranks and joined.stacks:
                     self.message(f"{self.name(replica)} is late in a call the others wait for: "
                                  f"where its threads are:")
                     self.dump_stacks(replica)
 
-    def dump_stacks(self, replica: Replica) -> None:
+    def dump_stacks(self, replica: Replica) -> bool:
+        """Ask ``replica`` for its stacks, if it said it answers (else the signal
+        would end it: one not started yet, or one that opted out)."""
+        joined = self.groups.current(replica.proc.pid)
+        if joined is None or not joined.stacks:
+            return False
         with contextlib.suppress(OSError):
             replica.proc.send_signal(STACKS_SIGNAL)
+        return True
 
     def dump_all_stacks(self) -> None:
         """The user asked (SIGUSR1 to the launcher): every replica's stacks."""
         self.message("every replica's threads, as asked (SIGUSR1):")
         for replica in self.running():
-            self.dump_stacks(replica)
+            if not self.dump_stacks(replica):
+                self.message(f"{self.name(replica)}: no stacks (it has not joined a group, or "
+                             f"handles SIGUSR1 itself, or ZCOLLECTIVE_STACKS=0)")
 
     def status(self) -> int:
         """0 when every loss was tolerated (saying which there were); else the

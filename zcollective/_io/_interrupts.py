@@ -237,3 +237,9 @@ def stacks_on_request() -> None:
         _stacks_on.append(True)
     except (ValueError, OSError, AttributeError, RuntimeError):
         pass  # no usable stderr (a closed one, or none at all): nowhere to write them
+
+
+def stacks_on() -> bool:
+    """Does this process write its stacks on :data:`STACKS_SIGNAL` (so a
+    launcher may send it)?"""
+    return bool(_stacks_on) and signal.getsignal(STACKS_SIGNAL) is signal.SIG_DFL

@@ -83,17 +83,18 @@ _ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EPROTONOSUPPORT}
 
 
 LISTEN_BACKLOG = 100  # libzmq's own default (ZMQ_BACKLOG): a whole job may connect at once
-_listening: dict[int, tuple[int, int]] = {}  # descriptor -> (family, port): the ports this process
-# listens on (ours, see bind), kept past their close (libzmq closes them in its own thread, later):
-# a forked child checks each is still that port's listening socket before it closes its copy
-_forking = threading.Lock()  # a fork waits while a descriptor is made and recorded
+_listening: dict[int, tuple[int, int, int]] = {}  # descriptor -> (family, port, context): the ports
+# this process listens on (ours, see bind), kept past their close until their context ends (libzmq
+# closes them in its own thread, later): a forked child checks each still listens there first
+_forking = threading.RLock()  # a fork waits while a descriptor is made and recorded (an RLock: a
+# signal handler in that thread may fork, as a pre-forking server's SIGCHLD handler does)
 
 
 def _close_in_child() -> None:
     """A forked child (a data-loader worker) must not hold its parent's ports:
     a group forming again after a loss binds the same port (issue 31)."""
     _forking.release()
-    for fd, (family, port) in list(_listening.items()):
+    for fd, (family, port, _) in list(_listening.items()):
         if _listens_at(fd, family, port):
             with contextlib.suppress(OSError):
                 os.close(fd)  # the child's copy: the parent's stays open
@@ -134,7 +135,7 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
     deadline = time.monotonic() + retry_s
     while True:
         try:
-            fd = _listen(endpoint)
+            fd = _listen(endpoint, id(sock.context))
             if fd is not None:
                 sock.setsockopt(zmq.USE_FD, fd)
             try:
@@ -154,7 +155,15 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
         time.sleep(BIND_RETRY_STEP_S)
 
 
-def _listen(endpoint: str) -> Optional[int]:
+def forget(context: zmq.Context) -> None:
+    """``context`` was terminated: libzmq has closed every socket it had, so
+    their descriptors are no longer ours to close in a child."""
+    with _forking:
+        for fd in [fd for fd, (_, _, owner) in _listening.items() if owner == id(context)]:
+            del _listening[fd]
+
+
+def _listen(endpoint: str, owner: int) -> Optional[int]:
     """A listening TCP socket for ``tcp://host:port`` (host an IP literal, in
     brackets for IPv6, or ``*``), detached and recorded: its descriptor. None
     for what only libzmq can bind (an interface name, port ``*``)."""
@@ -177,7 +186,7 @@ def _listen(endpoint: str) -> Optional[int]:
         except BaseException:
             sock.close()
             raise
-        _listening[sock.fileno()] = (family, int(port))
+        _listening[sock.fileno()] = (family, int(port), owner)
     return sock.detach()
 
 

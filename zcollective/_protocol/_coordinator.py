@@ -692,6 +692,11 @@ class Coordinator:
             return challenge
         if forming is not None and join.rank not in forming.expected and 0 <= join.rank < n:
             return self._refuse(peer, msg, "LeftOutError", self._left_out(join))
+        if forming is not None and n != forming.old_size:  # of the lineage, but it went another way
+            # (a grow it left, shrinking the group before it): it alone is refused, the group forms
+            return self._refuse(peer, msg, "LeftOutError", (
+                f"{join.describe()} came to form a group from one of {n} replicas, but the group "
+                f"here forms from {forming.old_size} (a grow that went on without it)"))
         problem = self._join_problem(join, python, n)
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
@@ -772,8 +777,9 @@ class Coordinator:
         assert forming is not None
         came = sorted(self.by_rank)
         dead = f" ({rank_list(forming.dead)} seen to die)" if forming.dead else ""
+        voters = forming.old_size if forming.voters is None else forming.voters
         message = (f"old {rank_list(came)} could not form a group: fewer than half of the "
-                   f"{forming.old_size} ranks of the group before{dead} came, so the others may "
+                   f"{voters} ranks of the group before{dead} came, so the others may "
                    f"be alive and going on (a partition?); shrink(majority=False) goes on anyway")
         members, self.members, self.by_rank = list(self.members.values()), {}, {}
         body = error_body("LeftOutError", message, MAX_REFUSAL_BYTES)

@@ -118,13 +118,14 @@ def _tell_launcher(record: dict[str, Any]) -> None:
         pass
 
 
-def announce_group(rank: int, size: int, session: int, lineage: Optional[str]) -> None:
+def announce_group(rank: int, size: int, session: int, lineage: Optional[str], stacks: bool = False) -> None:
     """A process started by zcollective-run, once it joined a group (the one
     ``session`` names, formed from the group ``lineage`` names, if any): say
     its rank and size there, for the launcher's line prefix and for it to see
-    survivors go on after a loss."""
+    survivors go on after a loss; ``stacks``: it writes its threads' stacks on
+    SIGUSR1 (the launcher sends that signal to no other process)."""
     _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "lineage": lineage,
-                    "rank": rank, "size": size})
+                    "rank": rank, "size": size, "stacks": stacks})
 
 
 def write_for_launcher(stats: dict[str, Any], session: int) -> None:
