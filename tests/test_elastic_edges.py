@@ -505,3 +505,35 @@ def test_an_interrupted_grow_says_so_and_the_others_go_on_with_the_newcomer(tmp_
     said, shrunk = outs[2].value
     assert "closed for grow()" in said and "grown group formed without it" in said, said
     assert shrunk.startswith("left out: "), shrunk
+
+
+def steps_then_reports(markers):
+    """Calls with pauses between them (a step's work), shrinking at a loss."""
+    me = zc.get_rank()
+    touch(os.path.join(markers, f"up{me}"))
+
+    def go_on():
+        for _ in range(300):
+            try:
+                zc.allreduce(1, timeout=30)
+            except zc.ReplicaLostError:
+                zc.shrink(timeout=30)
+            time.sleep(0.01)  # the step's own work: where a pause mostly lands
+        return {"size": zc.get_world_size()}
+    return _outcome(go_on)
+
+
+def test_a_rank_paused_past_the_bound_outside_the_library_never_goes_on_alone_later(tmp_path):
+    """N = 2, rank 1 paused (SIGSTOP) in its own code: rank 0 counts it dead and
+    finishes alone; rank 1, resumed after that, finds nobody at rank 0's port, and
+    must not take that for rank 0's death: it was stopped (it is told LeftOutError)."""
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "1"}
+    with Replicas(steps_then_reports, 2, str(tmp_path), env=env) as reps:
+        wait_for(tmp_path / "up0", tmp_path / "up1", watch=reps)
+        time.sleep(0.3)
+        reps.kill(1, signal.SIGSTOP)
+        ended = reps.join([0], RUN_S)
+        reps.kill(1, signal.SIGCONT)
+        outs = reps.wait(RUN_S)
+    assert ended and outs[0].ok and outs[0].value == {"size": 1}, report(outs, "rank 0")
+    assert outs[1].ok and str(outs[1].value).startswith("left out: "), report(outs, "a second group")

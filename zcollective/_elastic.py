@@ -47,6 +47,7 @@ import time
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from ._forming import Form, Overslept, Unreachable
+from ._io import _stops
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
 from ._protocol._coordinator import Forming
 from ._protocol._member import fresh, lost_rank_0
@@ -94,10 +95,11 @@ def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Gro
     addresses = member.addresses or [config.master_addr] * old_size
     lineage = f"{member.session:x}"
     failed_at = member.failed_at if failure is not None else time.monotonic()
-    stopped_at = getattr(member, "stopped_at", None)
-    if stopped_at is not None and inferred and failed_at - stopped_at < 2 * config.liveness_timeout:
-        failed_at = min(failed_at, stopped_at)  # it was stopped, and then its link went: that is why
-        # (its peers dropped it), and the others have been shrinking since
+    if inferred:  # its link went: if this process was stopped long enough for its peers to drop
+        # it, shortly before, that is why, and the others have been shrinking since
+        began = _stops.stopped(config.liveness_timeout * 2 / 3, failed_at - 2 * config.liveness_timeout)
+        if began is not None:
+            failed_at = min(failed_at, began)
     coordinator = group._coordinator()
     if coordinator is not None and coordinator.failed_at is not None:  # rank 0: when its coordinator
         failed_at = min(failed_at, coordinator.failed_at)  # failed, not when its program heard

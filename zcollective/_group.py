@@ -32,7 +32,7 @@ from ._format._wire import (
 )
 from ._forming import Form, Overslept, Unreachable
 from ._future import CollectiveFuture, sleeping
-from ._io import _interrupts, _sockets
+from ._io import _interrupts, _sockets, _stops
 from ._io._dataplane import DataPlane
 from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
@@ -208,6 +208,7 @@ class Group:
         self._pid = os.getpid()  # a forked child must never touch this process's sockets
         self._closed = False
         self._reforming: Optional[str] = None  # closed by shrink() or grow() to form the next group
+        self._watching = False  # this group counts in _stops' watch
         self._ctx: Optional[zmq.Context] = None
         self._server: Optional[Server] = None
         self._data: Optional[DataPlane] = None
@@ -227,6 +228,8 @@ class Group:
         _interrupts.hold_signals()  # no signal handler's exception splits a message
         if config.stacks:
             _interrupts.stacks_on_request()  # where this rank is, when a stall names it
+        _stops.watch()  # was this process stopped? (a loss learned after a stop: see _elastic)
+        self._watching = True
         try:
             self._link = self._connect(signer, form)
             self._link.warn_after = config.warn_after
@@ -1093,6 +1096,9 @@ class Group:
             finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
                 # a wait, never halfway through a message or before the sockets are closed
                 self._turns.close()
+                if self._watching:
+                    self._watching = False
+                    _stops.unwatch()
                 if not _open_groups:
                     _interrupts.release_signals()
 

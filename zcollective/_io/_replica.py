@@ -61,8 +61,6 @@ class Replica(Driver):
         super().__init__(member)
         self._config = config
         self._offers = 0  # TCP connections made since the DEALER got its current token
-        self._stopped_after = config.liveness_timeout * 2 / 3  # a poll this late: stopped long
-        # enough for a peer's heartbeats to give up on it (see _limits.heartbeats)
         with _sockets.mapped(f"rank {config.rank} cannot make its socket"):
             self.dealer = ctx.socket(zmq.DEALER)
             try:
@@ -115,14 +113,9 @@ class Replica(Driver):
         items = self.poll_items()
         while True:
             remaining = POLL_SLICE_S
-            polled = time.monotonic()
             if deadline is not None:
-                remaining = min(remaining, deadline - polled)
+                remaining = min(remaining, deadline - time.monotonic())
             ready = _interrupts.wait(items, max(0, int(remaining * 1000)))
-            if time.monotonic() - polled - max(0.0, remaining) > self._stopped_after:
-                # this process was stopped (SIGSTOP, a paused VM) or starved past the bound its
-                # peers drop it after: a loss learned now is as old as the stop (see _elastic)
-                self.member.stopped_at = min(self.member.stopped_at or polled, polled)
             if ready:
                 # first: a FAIL that came before a disconnect explains it
                 got = self._drain_dealer(ready[0][0] is self.dealer, until)

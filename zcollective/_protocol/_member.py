@@ -139,7 +139,6 @@ class Member:
         self.refused = False  # a connection attempt was refused, and no handshake ever succeeded
         self.shook = False  # a handshake with the coordinator ever succeeded
         self.host_busy = False  # forming: the would-be host's earlier group is still open there
-        self.stopped_at: Optional[float] = None  # when its driver found this process was stopped
         self.coordinator_lost = False  # its connection to rank 0 broke after the WELCOME
         self.status: dict[int, dict[str, Any]] = {}  # seq -> the coordinator's STATUS_REPLY
         self.farewell = False  # the coordinator answered this member's BYE (rule 7)

@@ -1,0 +1,80 @@
+"""Whether this process was stopped (SIGSTOP, a paused VM or container, a
+debugger) while its program was anywhere, in the library or not: a daemon
+thread wakes every :data:`WATCH_S` and notes a wake-up that came much later.
+
+A replica stopped past its peers' liveness bound is dropped by them; when it
+resumes, the loss it then learns is as old as the stop, and it must not host
+the survivors' group (they may have gone on without it: see ``_elastic``).
+The rules only read the stops noted here; nothing else depends on the thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Optional
+
+WATCH_S = 0.25  # how often the watch wakes: a stop shorter than the smallest bound's 2/3 (0.67 s)
+# is no loss, so a quarter second sees every stop that matters, for a few wake-ups a second
+NOTED_S = 0.5  # a wake-up this much later than due is noted as a stop
+_lock = threading.Lock()
+_watchers: dict[str, Any] = {"pid": 0, "groups": 0, "wake": None, "thread": None}
+_stops: list[tuple[float, float]] = []  # (began, ended), time.monotonic(), the last few
+MAX_STOPS = 8
+STOP_JOIN_S = 1.0  # the watch ends within this once no group is open
+
+
+def watch() -> None:
+    """A group opened: the watch runs while any group of this process is open."""
+    with _lock:
+        if _watchers["pid"] != os.getpid():  # (a forked child: its parent's thread is not here)
+            _watchers.update(pid=os.getpid(), groups=0, wake=None, thread=None)
+            _stops.clear()
+        _watchers["groups"] += 1
+        if _watchers["thread"] is None:
+            wake = threading.Event()
+            thread = threading.Thread(target=_run, args=(wake,), name="zcollective-stops", daemon=True)
+            _watchers.update(wake=wake, thread=thread)
+            thread.start()
+
+
+def unwatch() -> None:
+    """A group closed: the last one ends the watch."""
+    with _lock:
+        if _watchers["pid"] != os.getpid() or _watchers["groups"] == 0:
+            return
+        _watchers["groups"] -= 1
+        if _watchers["groups"] or _watchers["thread"] is None:
+            return
+        wake, thread = _watchers["wake"], _watchers["thread"]
+        _watchers.update(wake=None, thread=None)
+    wake.set()
+    if thread is not threading.current_thread():
+        thread.join(STOP_JOIN_S)
+
+
+_awake = [0.0]  # when the watch last woke (time.monotonic())
+
+
+def _run(wake: threading.Event) -> None:
+    _awake[0] = time.monotonic()
+    while not wake.wait(WATCH_S):
+        now = time.monotonic()
+        if now - _awake[0] > WATCH_S + NOTED_S:
+            _stops.append((_awake[0], now))
+            del _stops[:-MAX_STOPS]
+        _awake[0] = now
+
+
+def stopped(longer_than: float, ended_after: float) -> Optional[float]:
+    """When the last stop longer than ``longer_than`` seconds that ended after
+    ``ended_after`` began (one the watch has not woken from yet too: the
+    process has just been resumed); None if there was none."""
+    now, awake = time.monotonic(), _awake[0]
+    if _watchers["thread"] is not None and now - awake > WATCH_S + NOTED_S and now - awake > longer_than:
+        return awake
+    for began, ended in reversed(list(_stops)):
+        if ended > ended_after and ended - began > longer_than:
+            return began
+    return None
