@@ -294,6 +294,18 @@ def test_a_newcomer_waiting_where_rank_0_was_is_started_again_where_the_coordina
     _check_elastic(4)(lines)
 
 
+def test_a_newcomer_the_job_no_longer_needs_is_stopped_when_the_job_ends():
+    """Rank 2 dies at step 198 of 200: the launcher starts a newcomer, which no
+    grow() admits before the survivors end: it is stopped then (it waited its
+    whole join timeout, 300 s), and not counted a loss."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = launch(["-n", "3", "--replace-lost", "1", os.path.join("examples", "elastic_training.py"),
+                   "--kill", "2@198"], cwd=root, timeout=60)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "the job ended before a grow() admitted newcomer 1: stopping it" in proc.stderr, proc.stderr
+    assert "without 1 lost replica" in proc.stderr, proc.stderr
+
+
 def _check_allgather(lines):
     everyone = {r: ast.literal_eval(lines[r][0].split(" = ", 1)[1]) for r in lines}
     assert sorted(lines) == list(range(EXAMPLE_RANKS)) and all(len(v) == 1 for v in lines.values()), lines

@@ -215,3 +215,35 @@ def test_a_healthy_run_prints_no_warning():
                           capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "waited" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
+
+
+def test_a_stall_never_signals_a_rank_that_opted_out_of_stacks(tmp_path):
+    """ZCOLLECTIVE_STACKS=0 leaves SIGUSR1 alone: the launcher must not send it
+    (its default action would end the rank)."""
+    job = tmp_path / "late.py"
+    job.write_text(textwrap.dedent("""\
+        import time
+        import zcollective as zc
+        zc.initialize()
+        zc.allreduce(1)
+        if zc.get_rank() == 1:
+            time.sleep(3)
+        zc.allreduce(1)
+        zc.teardown()
+    """))
+    env = {**os.environ, "ZCOLLECTIVE_WARN_AFTER": str(WARN_S), "ZCOLLECTIVE_STACKS": "0"}
+    proc = subprocess.run([sys.executable, "-m", "zcollective.run", "-n", "2", "--master-port",
+                           str(free_port()), str(job)], capture_output=True, text=True, timeout=RUN_S,
+                          env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "has waited" in out and "where its threads are" not in out, out
+
+
+def test_status_of_a_group_closed_to_form_the_next_one_says_so():
+    group = zc.Group(size=1, env={})
+    try:
+        group._close_to_form(quick=True)
+        assert group.status()["state"] == "forming"
+    finally:
+        group.teardown()

@@ -249,7 +249,10 @@ def status() -> dict[str, Any]:
     RuntimeError
         Not initialized.
     """
-    return _current().status()
+    group = _group
+    if group is None:
+        raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
+    return group.status()  # (a group closed, or forming the next one, says so: no error)
 
 
 def lost_ranks() -> list[int]:

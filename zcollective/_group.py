@@ -423,7 +423,9 @@ class Group:
         ``waiting_s``). On rank 0 also ``ranks``: per rank, its ``last_call``
         (``seq``, ``op``, ``callsite``, ``ago_s``) and the calls that wait for
         it (``waited_for``: ``seq``, ``op``, ``waiting_s``). ``state``:
-        ``"running"``, ``"failed"`` (``error`` says why) or ``"closed"``.
+        ``"running"``, ``"failed"`` (``error`` says why), ``"forming"``
+        (closed by shrink() or grow() for the next group, which has not
+        formed here yet) or ``"closed"``.
         """
         now = time.perf_counter()
         member = self._member
@@ -433,7 +435,8 @@ class Group:
         failure = member.failure
         out: dict[str, Any] = {
             "rank": self.rank, "size": self.size, "calls": calls,
-            "state": "closed" if self._closed else ("failed" if failure is not None else "running")}
+            "state": ("forming" if self._reforming is not None else "closed") if self._closed else (
+                "failed" if failure is not None else "running")}
         if failure is not None:
             out["error"] = f"{type(failure).__name__}: {failure}"
         coordinator = self._coordinator()

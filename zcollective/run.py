@@ -61,6 +61,7 @@ COORDINATOR_MOVE_S = 10.0  # --replace-lost: rank 0 died; the survivors' new one
 POLL_S = 0.05  # how often the launcher looks at its replicas: a stop is late by at most this
 READ_BYTES = 1 << 16  # the groups file is read in chunks of this size
 MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
+STOP_NEWCOMER_S = 5.0  # a newcomer the job no longer needs has this long to end on SIGTERM
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -567,6 +568,9 @@ class Launcher:
             running = self.running()
             if not running:
                 break
+            if all(self.waiting_newcomer(r) for r in running):
+                self.dismiss(running)  # the job is over: nobody will admit them
+                break
             now = time.monotonic()
             if any(not loss.tolerated and loss.deadline is not None and now > loss.deadline
                    for loss in self.losses):
@@ -599,6 +603,26 @@ class Launcher:
                 self.message(f"the coordinator moved to {where}: starting {self.name(replica)} "
                              f"again there (it waited at the old one)")
                 self.spawn(replica.slot, replica.local_rank, env, newcomer=replica.newcomer)
+
+    def waiting_newcomer(self, replica: Replica) -> bool:
+        """A newcomer this launcher started that no group has admitted yet."""
+        return bool(replica.newcomer) and self.groups.current(replica.proc.pid) is None
+
+    def dismiss(self, newcomers: list[Replica]) -> None:
+        """Every replica of the job has ended but ``newcomers``, still waiting
+        to be admitted: stop them (no loss: the job went on without needing them)."""
+        for replica in newcomers:
+            self.message(f"the job ended before a grow() admitted {self.name(replica)}: stopping it")
+            replica.ended = True
+            with contextlib.suppress(OSError):
+                os.killpg(replica.proc.pid, signal.SIGTERM)
+        for replica in newcomers:
+            try:
+                replica.proc.wait(timeout=STOP_NEWCOMER_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.killpg(replica.proc.pid, signal.SIGKILL)
+                replica.proc.wait(timeout=STOP_NEWCOMER_S)
 
     def show_stalled(self) -> None:
         """A stall warning named ranks: show where their programs are (their
