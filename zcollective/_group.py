@@ -715,7 +715,8 @@ class Group:
         if not count:
             return self
         grown = _elastic.regroup(self, count)
-        grown.admitted = max(0, grown.size - self.size)  # those that came (one may have died meanwhile)
+        old = grown.old_ranks or []  # newcomers were numbered from this group's size on
+        grown.admitted = sum(r >= self.size for r in old)  # those in the group formed
         return grown
 
     def coordinator_address(self) -> str:
