@@ -20,6 +20,7 @@ __all__ = [
     "PeerError",
     "AddressError",
     "LateJoinError",
+    "LeftOutError",
     "JobMismatchError",
     "ForkedProcessError",
     "InternalError",
