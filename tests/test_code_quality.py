@@ -72,3 +72,70 @@ def test_the_docs_cite_no_file_outside_the_repository():
             if pattern.search(f.read()):
                 cited.append(place)
     assert not cited, cited
+
+
+LAYERS = [  # lowest first: a module imports only from its own layer or lower ones, and no circle
+    {"errors", "_limits", "_hostlist", "_future"},
+    {"config"},
+    {"_format"},
+    {"_protocol"},
+    {"_io", "_forming"},
+    {"_elastic"},
+    {"_group"},
+    {"__init__", "testing", "run", "_child"},
+]
+
+
+def _imports():
+    """Each module of the package (dotted, under ``zcollective``) and the
+    package's modules it imports, anywhere in it (a function's import too)."""
+    import ast
+
+    package = os.path.join(ROOT, "zcollective")
+    found = {}
+    for root, _, files in os.walk(package):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            parts = os.path.relpath(path, package)[:-3].split(os.sep)
+            name = ".".join(p for p in parts if p != "__init__") or "__init__"
+            here = parts[:-1]
+            targets = set()
+            with open(path, encoding="utf-8") as source:
+                tree = ast.parse(source.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+                    module = [*base, *(node.module.split(".") if node.module else [])]
+                    for alias in node.names:
+                        whole = ".".join([*module, alias.name])
+                        targets.add(whole if os.path.exists(os.path.join(package, *whole.split(".")) + ".py")
+                                    else ".".join(module) or "__init__")
+            found[name] = targets - {name}
+    return found
+
+
+def _layer(module):
+    top = module.split(".")[0]
+    return next(i for i, layer in enumerate(LAYERS) if top in layer)
+
+
+def test_imports_point_down_the_layers_and_make_no_circle():
+    imports = _imports()
+    upward = [(m, t) for m, targets in imports.items() for t in targets if _layer(t) > _layer(m)]
+    assert not upward, f"imports that reach up a layer: {upward}"
+    seen, path = set(), []
+
+    def visit(module):
+        if module in path:
+            raise AssertionError(f"a circle of imports: {' -> '.join(path[path.index(module):] + [module])}")
+        if module in seen:
+            return
+        path.append(module)
+        for target in sorted(imports.get(module, ())):
+            visit(target)
+        path.pop()
+        seen.add(module)
+    for module in sorted(imports):
+        visit(module)

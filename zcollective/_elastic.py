@@ -44,13 +44,13 @@ import dataclasses
 import operator
 import socket
 import time
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol, TypeVar
 
 from ._forming import Form, Overslept, Unreachable
 from ._io import _stops
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
-from ._protocol._coordinator import Forming
-from ._protocol._member import fresh, lost_rank_0
+from ._protocol._coordinator import Coordinator, Forming
+from ._protocol._member import Member, fresh, lost_rank_0
 from .config import Config
 from .errors import (
     AddressError,
@@ -62,8 +62,33 @@ from .errors import (
     ReplicaLostError,
 )
 
-if TYPE_CHECKING:
-    from ._group import Group
+G = TypeVar("G", bound="Group")
+
+
+class Group(Protocol):
+    """What these steps use of a group (:class:`zcollective.Group` is one):
+    they form the next group through its class, and never import it."""
+
+    config: Config
+    _member: Member
+    _reforming: Optional[str]
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def old_ranks(self) -> Optional[list[int]]: ...
+
+    @classmethod
+    def _formed(cls: type[G], config: Config, form: Form) -> G: ...
+
+    def _coordinator(self) -> Optional[Coordinator]: ...
+
+    def _close_to_form(self, quick: bool) -> None: ...
+
+    def shrink(self: G, timeout: Optional[float] = None, *, majority: bool = True) -> G: ...
+
+    def allreduce(self, value: Any, reduce_fn: Any = ..., *, timeout: Any = ...) -> Any: ...
 
 
 def form_port(master_port: int, old_rank: int) -> int:
@@ -80,11 +105,9 @@ MAX_PORT = 65535
 MIN_FORM_PORT = 1024  # past the top, form ports wrap to here (below: ports only root may bind)
 
 
-def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Group:
+def shrink(group: G, timeout: Optional[float], majority: bool = True) -> G:
     """The survivors' new group (see the module's steps); ``group`` is closed."""
-    from ._group import Group  # (a cycle: Group's methods call this module)
-
-    member, config = group._member, group.config
+    member, config, formed = group._member, group.config, type(group)._formed
     old_rank, old_size = config.rank, config.num_replicas
     failure = member.failure
     if failure is not None and not isinstance(failure, ReplicaLostError):
@@ -145,7 +168,7 @@ def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Gro
             expected = frozenset(r for r in candidates if r not in dead)
             forming = Forming(lineage, expected, old_size, frozenset(dead), majority, host=old_rank)
             try:
-                return Group._formed(at(candidate), Form(lineage, forming))
+                return formed(at(candidate), Form(lineage, forming))
             except Overslept as exc:  # stopped while it waited for them: as too late to host
                 tried.append(f"old rank {candidate}: {exc}")
                 late = True
@@ -157,7 +180,7 @@ def shrink(group: Group, timeout: Optional[float], majority: bool = True) -> Gro
         reach_s = (FORM_PROBE_S if candidate in inferred else FORM_REACH_S) + reach_more
         allowed += reach_s
         try:
-            return Group._formed(at(candidate), Form(lineage, reach_s=reach_s))
+            return formed(at(candidate), Form(lineage, reach_s=reach_s))
         except LeftOutError:
             raise
         except (Unreachable, LateJoinError, AuthenticationError, ProtocolError) as exc:
@@ -204,7 +227,7 @@ class Agreement(NamedTuple):
     lost: frozenset[int]  # the ranks (of the group agree was called on) found lost
 
 
-def agree(group: Group, flag: bool, timeout: Optional[float]) -> tuple[Group, Agreement]:
+def agree(group: G, flag: bool, timeout: Optional[float]) -> tuple[G, Agreement]:
     """AND of ``flag`` over the living members, and who was lost: in a failed
     group (or one failing meanwhile) the survivors shrink first, then agree
     among themselves. Returns the group it ends in (``group`` itself if
@@ -224,24 +247,9 @@ def agree(group: Group, flag: bool, timeout: Optional[float]) -> tuple[Group, Ag
         at_call = [at_call[old] for old in current.old_ranks or range(current.size)]
 
 
-def admission(config: Config) -> tuple[Config, Form]:
-    """A newcomer (``config.join``) waits at the group's address until a grow()
-    admits it (rule 10); returns how it joins the group formed next."""
-    from ._group import Group
-
-    waiting = Group.__new__(Group)
-    waiting._open(config)  # returns once admitted, closed
-    admitted = waiting._member.admitted
-    assert admitted is not None
-    return (dataclasses.replace(config, rank=admitted["rank"], num_replicas=admitted["size"], join=False),
-            Form(admitted["lineage"]))
-
-
-def regroup(group: Group, newcomers: int) -> Group:
+def regroup(group: G, newcomers: int) -> G:
     """A grow() admitted ``newcomers``: this group closes, and its members and
     the newcomers form the next one where it was (rule 9), rank 0 hosting."""
-    from ._group import Group
-
     config, member = group.config, group._member
     lineage, size = f"{member.session:x}", config.num_replicas + newcomers
     group._close_to_form(quick=False)
@@ -249,11 +257,11 @@ def regroup(group: Group, newcomers: int) -> Group:
     if config.rank == 0:
         forming = Forming(lineage, frozenset(range(size)), size, voters=config.num_replicas)
         try:
-            return Group._formed(where, Form(lineage, forming))
+            return type(group)._formed(where, Form(lineage, forming))
         except Overslept as exc:  # stopped while the others waited: they may have gone on
             raise LeftOutError(f"rank 0: {exc}; the others may have gone on without it") from None
     try:
-        return Group._formed(where, Form(lineage))
+        return type(group)._formed(where, Form(lineage))
     except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 was lost as the group formed
         # again: its members go on as after any loss (the newcomers are told to start again)
         member.failure = lost_rank_0(ReplicaLostError(

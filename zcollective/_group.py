@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union, cast
 
 import zmq
 
+from . import _elastic
 from ._format import _bodies, _serialize
 from ._format._wire import (
     DEFAULT_MAX_FRAMES,
@@ -182,16 +183,26 @@ class Group:
             secret=secret, bind_addr=bind_addr, join=join, job=job, env=env,
         )
         if config.join:  # a newcomer: admitted by a grow(), it forms the next group with the members
-            from . import _elastic
 
             try:
-                self._open(*_elastic.admission(config))
+                self._open(*self._admission(config))
             except Unreachable as exc:
                 raise LateJoinError(f"newcomer: admitted, but the group's coordinator was lost "
                                     f"while it formed again ({exc}); start it again at "
                                     f"coordinator_address() of a member") from None
         else:
             self._open(config)
+
+    @classmethod
+    def _admission(cls, config: Config) -> tuple[Config, Form]:
+        """A newcomer (``config.join``) waits at the group's address until a
+        grow() admits it (rule 10); returns how it joins the group formed next."""
+        waiting = cls.__new__(cls)
+        waiting._open(config)  # returns once admitted, closed
+        admitted = waiting._member.admitted
+        assert admitted is not None
+        return (dataclasses.replace(config, rank=admitted["rank"], num_replicas=admitted["size"],
+                                    join=False), Form(admitted["lineage"]))
 
     @classmethod
     def _formed(cls, config: Config, form: Form) -> Group:
@@ -679,8 +690,6 @@ class Group:
             The group had failed for another reason than a loss (a mismatch,
             ...): that error, as every later call of it raises.
         """
-        from . import _elastic
-
         self._check_process()
         if self._closed and self._reforming is None:
             raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")
@@ -709,8 +718,6 @@ class Group:
         CollectiveError
             As for any collective call (the group goes on, unchanged).
         """
-        from . import _elastic
-
         count = self._blocking(self._submit(Op.GROW, 0, _nothing, _first, _callsite()), timeout)
         if not count:
             return self
@@ -739,8 +746,6 @@ class Group:
         CollectiveError
             The group failed for another reason than a loss.
         """
-        from . import _elastic
-
         return _elastic.agree(self, flag, timeout)
 
     admitted = 0  # a group grow() formed: how many newcomers that grow admitted
