@@ -53,7 +53,7 @@ from typing import IO, Any, Callable, NamedTuple, Optional
 from . import __version__
 from ._io._interrupts import STACKS_SIGNAL
 from ._protocol._stats import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, slowest
-from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, SECRET_ENV, SECRET_FILE_ENV
+from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, JOB_ENV, SECRET_ENV, SECRET_FILE_ENV
 
 DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit, or go on without the lost
 KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
@@ -312,6 +312,8 @@ class Launcher:
         # where each group's rank 0 says its coordinator is (newcomers go there)
         self.coordinator_file = _temp_file("zcollective-coordinator-") if self.elastic else None
         self.told: Optional[str] = None  # the coordinator's address last told for newcomers
+        self.job = os.environ.get(JOB_ENV) or (  # one host: this launch names its job, unless the
+            f"zcollective-run {os.getpid()}" if ns.nnodes == 1 else None)  # user did
         self.where: Optional[str] = None  # the coordinator's address last seen (see redirect_newcomers)
 
     def files(self) -> list[str]:
@@ -322,8 +324,8 @@ class Launcher:
         env = dict(os.environ)
         if self.secret is not None:
             env[SECRET_ENV] = self.secret
-        if self.ns.nnodes == 1:  # one host: this launch names its job, unless the user did
-            env.setdefault("ZCOLLECTIVE_JOB", f"zcollective-run {os.getpid()}")
+        if self.job is not None:
+            env.setdefault(JOB_ENV, self.job)
         env.update({
             "ZCOLLECTIVE_MASTER_ADDR": self.ns.master_addr or DEFAULT_MASTER_ADDR,
             "ZCOLLECTIVE_MASTER_PORT": str(port),
@@ -335,6 +337,16 @@ class Launcher:
         })
         if self.coordinator_file is not None:
             env[COORDINATOR_FILE_ENV] = self.coordinator_file
+        return env
+
+    def newcomer_env(self, replica: Replica, where: str) -> dict[str, str]:
+        """The environment of a newcomer in ``replica``'s slot, waiting at the
+        coordinator at ``where`` (``host:port``; empty: the master address)."""
+        env = self.env_for(replica.slot, replica.local_rank, self.port, self.size)
+        host, _, port = where.rpartition(":")
+        if host and port.isdigit():
+            env.update(ZCOLLECTIVE_MASTER_ADDR=host.strip("[]"), ZCOLLECTIVE_MASTER_PORT=port)
+        env["ZCOLLECTIVE_JOIN"] = "1"
         return env
 
     def name(self, replica: Replica) -> str:
@@ -438,9 +450,8 @@ class Launcher:
                "ZCOLLECTIVE_MASTER_PORT": port}
         if self.secret_file is not None:
             env[SECRET_FILE_ENV] = self.secret_file
-        job = self.env_for(0, 0, 0, 1).get("ZCOLLECTIVE_JOB")  # the job's name, as the replicas have it
-        if job is not None and "ZCOLLECTIVE_JOB" not in os.environ:
-            env["ZCOLLECTIVE_JOB"] = job
+        if self.job is not None and JOB_ENV not in os.environ:  # (exported: the newcomer has it)
+            env[JOB_ENV] = self.job
         command = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(self.command)])
         exported = os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
         mind = f" (with the {SECRET_ENV} or {SECRET_FILE_ENV} exported here)" if exported else ""
@@ -454,11 +465,7 @@ class Launcher:
             return False
         who = self.name(replica)
         where = self.coordinator(replica.proc.pid)
-        host, _, port = where.rpartition(":")
-        env = self.env_for(replica.slot, replica.local_rank, self.port, self.size)
-        if host and port.isdigit():
-            env.update(ZCOLLECTIVE_MASTER_ADDR=host.strip("[]"), ZCOLLECTIVE_MASTER_PORT=port)
-        env["ZCOLLECTIVE_JOIN"] = "1"
+        env = self.newcomer_env(replica, where)
         self.replaced += 1
         self.message(f"{who} {_describe(code)}; starting a newcomer in its place at "
                      f"{where or 'the master address'} ({self.replaced} of {self.ns.replace_lost})")
@@ -595,11 +602,8 @@ class Launcher:
                 replica.ended = True  # (not a loss: this launcher ends it)
                 with contextlib.suppress(OSError):
                     os.killpg(replica.proc.pid, signal.SIGKILL)
-                replica.proc.wait(timeout=5)
-                host, _, port = where.rpartition(":")
-                env = self.env_for(replica.slot, replica.local_rank, self.port, self.size)
-                env.update(ZCOLLECTIVE_MASTER_ADDR=host.strip("[]"), ZCOLLECTIVE_MASTER_PORT=port,
-                           ZCOLLECTIVE_JOIN="1")
+                replica.proc.wait(timeout=STOP_NEWCOMER_S)
+                env = self.newcomer_env(replica, where)
                 self.message(f"the coordinator moved to {where}: starting {self.name(replica)} "
                              f"again there (it waited at the old one)")
                 self.spawn(replica.slot, replica.local_rank, env, newcomer=replica.newcomer)
