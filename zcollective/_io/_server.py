@@ -105,6 +105,7 @@ class Server:
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
         self._probes = ProbeSchedule()
+        self._stall_due: Optional[float] = None  # the next stall warning due, as _wait_ms found it
         self._refusals: list[str] = []  # peers refused at the handshake without a secret here
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
         # socket of rank 0's context uses it too)
@@ -601,10 +602,10 @@ class Server:
     def _watch_stalls(self) -> None:
         """Rule 11 of the coordinator: say who a stalled call waits for (and
         have the launcher show where they are)."""
-        coordinator = self.coordinator
-        if coordinator.warn_after is None:
+        now = time.monotonic()
+        if self._stall_due is None or now < self._stall_due:  # (as the last poll's wait found it)
             return
-        for line, ranks in coordinator.stalls(time.monotonic()):
+        for line, ranks in self.coordinator.stalls(now):
             log.warning("%s", line)
             announce_stall(self.session, ranks, line)
 
@@ -613,7 +614,7 @@ class Server:
         not past the next probe round, nor the next stall warning due."""
         now = time.monotonic()
         limit_s = self._probes.limit(limit_s, now)
-        stall = self.coordinator.next_stall() if self.coordinator.warn_after is not None else None
+        stall = self._stall_due = self.coordinator.next_stall()
         if stall is not None:
             limit_s = max(0.0, stall - now) if limit_s is None else max(0.0, min(limit_s, stall - now))
         return -1 if limit_s is None else max(0, int(limit_s * 1000))

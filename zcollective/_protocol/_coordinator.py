@@ -1055,7 +1055,7 @@ class Coordinator:
             what = describe_call(contribution.op, contribution.root)
             groups.setdefault((what, contribution.callsite or "?"), []).append(rank)
         parts = [f"{rank_list(ranks)} called {what} at {site}" for (what, site), ranks in groups.items()]
-        waiting = [r for r in range(self.num_replicas) if r not in call.contributions]
+        waiting = self._missing(call)
         if waiting:
             parts.append(f"{rank_list(waiting)} had not called yet")
         return f"seq {seq}: " + "; ".join(parts)
@@ -1275,9 +1275,17 @@ class Coordinator:
             return self.started_at + self.warn_after * (1 << self._join_warned)
         if self.phase is not Phase.RUNNING or not self.pending:
             return None
-        due = [min(c.arrived.values()) + self.warn_after * (1 << c.warned) for c in self.pending.values()
-               if c.warned < MAX_STALL_WARNINGS and c.arrived]
-        return min(due, default=None)
+        return min(filter(None, map(self._stall_due, self.pending.values())), default=None)
+
+    def _stall_due(self, call: Call) -> Optional[float]:
+        """When ``call``'s next stall warning is due (rule 11); None: no more."""
+        if self.warn_after is None or call.warned >= MAX_STALL_WARNINGS or not call.arrived:
+            return None
+        return min(call.arrived.values()) + self.warn_after * (1 << call.warned)
+
+    def _missing(self, call: Call) -> list[int]:
+        """The ranks ``call`` waits for."""
+        return [r for r in range(self.num_replicas) if r not in call.contributions]
 
     def stalls(self, now: float) -> list[tuple[str, list[int]]]:
         """The stall warnings due at ``now``: each line, with the ranks it names
@@ -1291,19 +1299,19 @@ class Coordinator:
             joined = "; ".join(f"{m.describe()} from {m.address}" for _, m in sorted(self.by_rank.items()))
             return [(f"zcollective coordinator: the group has waited {now - self.started_at:.0f} s for "
                      f"{rank_list(missing)} to join (joined: {joined or 'none'})", missing)]
-        after, out = cast(float, self.warn_after), []
+        out = []
         for seq, call in sorted(self.pending.items()):
-            if call.warned < MAX_STALL_WARNINGS and call.arrived and (
-                    now >= min(call.arrived.values()) + after * (1 << call.warned)):
+            call_due = self._stall_due(call)
+            if call_due is not None and now >= call_due:
                 call.warned += 1
-                missing = [r for r in range(self.num_replicas) if r not in call.contributions]
-                out.append((f"zcollective coordinator: {self.stall_line(seq, call, now)}", missing))
+                line = f"zcollective coordinator: {self.stall_line(seq, call, now)}"
+                out.append((line, self._missing(call)))
         return out
 
     def stall_line(self, seq: int, call: Call, now: float) -> str:
         """``seq 42 allreduce at train.py:88 has waited 61 s for rank 3 ...``"""
         site = next((c.callsite for c in call.contributions.values() if c.callsite), "?")
-        missing = [r for r in range(self.num_replicas) if r not in call.contributions]
+        missing = self._missing(call)
         waited = now - min(call.arrived.values())
         return (f"seq {seq} {describe_call(call.op, call.root)} at {site} has waited {waited:.0f} s "
                 f"for {rank_list(missing)} (arrived: {','.join(map(str, sorted(call.contributions)))}); "
