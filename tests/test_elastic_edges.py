@@ -106,13 +106,19 @@ def newcomer():
     return zc.allgather(zc.get_rank())
 
 
-def test_a_forked_worker_of_rank_0_does_not_stop_a_grow():
-    with Replicas(forks_then_grows, 2) as members:
+def _members_and_a_newcomer(members_fn, n):
+    """``n`` members running ``members_fn`` (which grows), and a newcomer
+    started a moment later at their port: every process's outcome."""
+    with Replicas(members_fn, n) as members:
         time.sleep(0.3)
         with Replicas(newcomer, 1, initialize=False, port=members.port,
                       env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as new:
             outs = new.wait(RUN_S)
-        outs = members.wait(RUN_S) + outs
+        return members.wait(RUN_S) + outs
+
+
+def test_a_forked_worker_of_rank_0_does_not_stop_a_grow():
+    outs = _members_and_a_newcomer(forks_then_grows, 2)
     assert all(o.ok and o.value == [0, 1, 2] for o in outs), report(outs, "the grow failed")
 
 
@@ -355,12 +361,7 @@ def alone_then_grows():
 
 
 def test_a_group_of_one_grows():
-    with Replicas(alone_then_grows, 1) as alone:
-        time.sleep(0.3)
-        with Replicas(newcomer, 1, initialize=False, port=alone.port,
-                      env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as new:
-            outs = new.wait(RUN_S)
-        outs = alone.wait(RUN_S) + outs
+    outs = _members_and_a_newcomer(alone_then_grows, 1)
     assert all(o.ok and o.value == [0, 1] for o in outs), report(outs, "no grow")
 
 

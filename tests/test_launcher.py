@@ -194,6 +194,14 @@ def _lines_by_rank(stdout):
     return ranks
 
 
+def _lines_by_prefix(stdout):
+    """prefix (``[2``, ``[newcomer 1``) -> the lines printed under it, in order."""
+    lines = {}
+    for line in stdout.splitlines():
+        lines.setdefault(line.split("]")[0], []).append(line.split("] ", 1)[-1])
+    return lines
+
+
 def _every_rank(*lines):
     return {r: [line.format(r=r) for line in lines] for r in range(EXAMPLE_RANKS)}
 
@@ -271,10 +279,7 @@ def test_replace_lost_starts_newcomers_in_the_place_of_killed_ranks_and_training
                    "--kill", "2@40", "--kill", "0@100"], cwd=root, timeout=120)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert proc.stderr.count("starting a newcomer in its place") == 2, proc.stderr
-    lines = {}
-    for line in proc.stdout.splitlines():
-        lines.setdefault(line.split("]")[0], []).append(line.split("] ", 1)[-1])
-    _check_elastic(4)(lines)
+    _check_elastic(4)(_lines_by_prefix(proc.stdout))
     assert "lost ranks [2] at step 40" in proc.stdout and "lost ranks [0] at step" in proc.stdout
 
 
@@ -288,10 +293,7 @@ def test_a_newcomer_waiting_where_rank_0_was_is_started_again_where_the_coordina
                    "--kill", "2@3", "--kill", "0@6"], cwd=root, timeout=120)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert proc.stderr.count("again there (it waited at the old one)") == 1, proc.stderr
-    lines = {}
-    for line in proc.stdout.splitlines():
-        lines.setdefault(line.split("]")[0], []).append(line.split("] ", 1)[-1])
-    _check_elastic(4)(lines)
+    _check_elastic(4)(_lines_by_prefix(proc.stdout))
 
 
 def test_a_newcomer_the_job_no_longer_needs_is_stopped_when_the_job_ends():
