@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 import timeit
 
-from zcollective._format._wire import Kind, Message, Op
+from zcollective._format._wire import Kind, Message
 from zcollective._group import _callsite
+from zcollective._protocol._ops import Op
 from zcollective._protocol._stats import CallStats, Lateness
 
 N = 200_000

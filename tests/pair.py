@@ -16,10 +16,11 @@ from typing import Any, Optional
 import zcollective._format._wire
 import zcollective._protocol._member
 from zcollective._format import _serialize
-from zcollective._format._wire import DEFAULT_MAX_FRAMES, Message, Op, Signer, encode
+from zcollective._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
 from zcollective._future import CollectiveFuture
 from zcollective._protocol._coordinator import Coordinator
 from zcollective._protocol._member import Link, Member
+from zcollective._protocol._ops import Op
 
 SESSION = 0x5E55_10
 ENDPOINT = "tcp://10.0.0.1:29500"

@@ -50,7 +50,7 @@ def test_protocol_md_names_the_protocol_version_the_wire_speaks():
 
 
 def test_protocol_md_lists_every_operation_code_and_what_each_rank_receives():
-    from zcollective._format._wire import Op
+    from zcollective._protocol._ops import Op
 
     text = _protocol_md()
     header_row = next(line for line in text.splitlines() if line.startswith("| 4 | 1 | op |"))

@@ -12,13 +12,13 @@ from zcollective._format._wire import (
     PROTOCOL_VERSION,
     Kind,
     Message,
-    Op,
     control,
     decode,
     encode,
     join_token,
 )
 from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
+from zcollective._protocol._ops import Op
 
 SESSION = 0x5E55
 
@@ -661,9 +661,9 @@ def test_probe_rounds_go_at_once_then_at_doubling_gaps_until_the_span_ends_and_a
 
 
 def test_every_operation_has_a_row_of_rules_and_one_without_fails_its_call_not_the_group():
-    from zcollective._protocol._coordinator import OP_RULES
+    from zcollective._protocol._ops import OPERATIONS
 
-    assert set(OP_RULES) == set(Op) - {Op.NONE}
+    assert set(OPERATIONS) == set(Op) - {Op.NONE}
     coord = joined(2)
     feed(coord, peer(0), contrib(0, 0, op=Op.NONE))
     out = results(feed(coord, peer(1), contrib(1, 0, op=Op.NONE)))
@@ -671,6 +671,18 @@ def test_every_operation_has_a_row_of_rules_and_one_without_fails_its_call_not_t
     assert all("has no rules" in m.body()["message"] for m in out.values())
     feed(coord, peer(0), contrib(0, 1, value=1, fn=lambda a, b: a + b))  # the group goes on
     out = results(feed(coord, peer(1), contrib(1, 1, value=2)))
+    assert [_serialize.loads(m.segments[0]) for m in out.values()] == [3, 3]
+
+
+def test_an_operation_code_nobody_knows_is_dropped_as_malformed_and_the_call_goes_on(caplog):
+    """The wire carries any op byte; which operations exist is the rules' (an op code of a
+    newer or forged peer): dropped, said, and the rank's next contribution still counts."""
+    caplog.set_level(logging.WARNING, logger="zcollective")
+    coord = joined(2)
+    assert feed(coord, peer(0), contrib(0, 0, op=77)) == []
+    assert any("77 is not a valid Op" in r.message for r in caplog.records)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
+    out = results(feed(coord, peer(1), contrib(1, 0, value=2)))
     assert [_serialize.loads(m.segments[0]) for m in out.values()] == [3, 3]
 
 

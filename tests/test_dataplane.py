@@ -22,8 +22,9 @@ from conftest import MARKER_WAIT_S, interrupted_at_line, ring_jobs, ring_loss_fo
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
-from zcollective._format._wire import FLAG_DATA, Kind, Message, Op
+from zcollective._format._wire import FLAG_DATA, Kind, Message
 from zcollective._protocol._coordinator import Coordinator, Phase
+from zcollective._protocol._ops import Op
 from zcollective.testing import Replicas, report, run_replicas
 
 ON = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}

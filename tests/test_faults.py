@@ -348,7 +348,8 @@ def hostile_client(port, marker, started, go, stop):
     import zmq
 
     from zcollective._format import _serialize
-    from zcollective._format._wire import Kind, Message, Op, control, encode
+    from zcollective._format._wire import Kind, Message, control, encode
+    from zcollective._protocol._ops import Op
 
     evil = _serialize.dumps(Boom(marker))
     ctx = zmq.Context()

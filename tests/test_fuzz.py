@@ -42,7 +42,6 @@ from zcollective._format._wire import (
     AuthError,
     Kind,
     Message,
-    Op,
     Signer,
     VersionError,
     WireError,
@@ -53,6 +52,7 @@ from zcollective._format._wire import (
 from zcollective._io import _zap
 from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
 from zcollective._protocol._member import Call, Member
+from zcollective._protocol._ops import Op, label
 from zcollective.errors import AuthenticationError, CollectiveError, ProtocolError
 from zcollective.testing import Replicas, free_port, report
 
@@ -348,7 +348,7 @@ def garbage(c, rank=1, seq=0, signings=("none",), signer=SIGNER, bases=None):
             what = "copy"
         else:
             msg = c.pick(samples(rank, seq))
-            frames, what = frames_of(msg), f"{msg.kind.name} {msg.op.label}"
+            frames, what = frames_of(msg), f"{msg.kind.name} {label(msg.op)}"
         for _ in range(c.below(4)):
             if not frames:
                 break
@@ -654,7 +654,7 @@ def test_contributions_with_wrong_fields_end_in_results_errors_or_a_failure(data
         if c.below(8) == 0:  # a mismatch
             op, root = c.pick(list(Op)), c.pick(ROOTS)
         msg = wrong_contribution(c, rank, op, root, tidy)
-        note(f"rank {rank}: {msg.op.label} root={msg.root} flags={msg.flags} fn={show([msg.fn or b''])} "
+        note(f"rank {rank}: {label(msg.op)} root={msg.root} flags={msg.flags} fn={show([msg.fn or b''])} "
              f"segments={[show(s) for s in msg.segments]}")
         out += send(coord, peer(rank), msg, signer)
         if coord.phase is not Phase.RUNNING:
@@ -796,7 +796,7 @@ def sweep(ranks=(1, NO_RANK)):
     """Every sample with every single edit: each header field's extreme values,
     layout and frame-count damage, and each body key of every wrong type."""
     for msg in [m for rank in ranks for m in samples(rank)]:
-        base, name = frames_of(msg), f"{msg.kind.name} {msg.op.label}"
+        base, name = frames_of(msg), f"{msg.kind.name} {label(msg.op)}"
         for field in FIELDS:
             for value in EXTREMES[field]:
                 yield f"{name}; {field}={value!r}", set_field(base, field, value)

@@ -13,10 +13,11 @@ import zmq
 from conftest import interrupted_at_line, touch, wait_for
 
 from zcollective._format import _serialize
-from zcollective._format._wire import Kind, Message, Op, decode, encode
+from zcollective._format._wire import Kind, Message, decode, encode
 from zcollective._future import CollectiveFuture
 from zcollective._io._replica import Replica
 from zcollective._protocol._member import Member
+from zcollective._protocol._ops import Op
 from zcollective.config import resolve
 from zcollective.errors import CallMismatchError
 from zcollective.testing import run_replicas

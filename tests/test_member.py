@@ -19,12 +19,12 @@ from zcollective._format._wire import (
     PROTOCOL_VERSION,
     Kind,
     Message,
-    Op,
     encode,
     error_note,
 )
 from zcollective._protocol._coordinator import PYTHON_VERSION, Phase
 from zcollective._protocol._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Call, Link, Member
+from zcollective._protocol._ops import Op
 
 SECRET = b"0123456789abcdef-the-job-secret"
 OTHER_SECRET = b"a-different-secret-of-enough-length"
@@ -314,7 +314,7 @@ def test_timeout_without_a_status_answer_asks_whether_a_reduce_function_is_stuck
 @pytest.mark.parametrize("op, rank, values", [(Op.SCATTER, 0, 2), (Op.ALLTOALL, 1, 2)])
 def test_a_wrong_number_of_values_fails_that_call_on_every_rank_then_the_group_goes_on(op, rank, values):
     """The sender raises ValueError itself and sends an error note instead
-    (``Group._check_values``); every other rank's call fails with its words."""
+    (``Refused``, :mod:`zcollective._protocol._ops`); every other rank's call fails with its words."""
     pair = Pair(3).joined()
     said = f"{op.label} needs one value per replica: got {values} values for 3 replicas"
     futures = {}

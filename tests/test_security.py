@@ -104,7 +104,8 @@ def attack(port, marker, stop):
     import zmq
 
     from zcollective._format import _serialize
-    from zcollective._format._wire import Kind, Message, Op, Signer, control, encode
+    from zcollective._format._wire import Kind, Message, Signer, control, encode
+    from zcollective._protocol._ops import Op
 
     evil = _serialize.dumps(Boom(marker))
     wrong = Signer(b"not-the-secret-but-long-enough")

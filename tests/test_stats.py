@@ -13,7 +13,7 @@ from pair import Pair
 
 import zcollective as zc
 from zcollective._format import _serialize
-from zcollective._format._wire import Op
+from zcollective._protocol._ops import Op
 from zcollective._protocol._stats import SAMPLES, CallStats, Lateness, percentiles, slowest
 
 

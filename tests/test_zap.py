@@ -367,7 +367,8 @@ def raw_attempt(port, payload, marker):
     a JOIN-shaped message whose pickle would create ``marker``; return what
     the server sent back and whether it closed the connection."""
     from zcollective._format import _serialize
-    from zcollective._format._wire import Kind, Message, Op, encode
+    from zcollective._format._wire import Kind, Message, encode
+    from zcollective._protocol._ops import Op
 
     evil = _serialize.dumps(Boom(marker))
     msg = encode(Message(Kind.CONTRIB, Op.ALLREDUCE, rank=1, seq=0, session=1, fn=evil[0],

@@ -9,28 +9,17 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
-import operator
 import os
 import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 import zmq
 
 from . import _elastic
-from ._format import _bodies, _serialize
-from ._format._wire import (
-    DEFAULT_MAX_FRAMES,
-    FLAG_DATA,
-    FLAG_LOCAL_ERROR,
-    LABELS,
-    Message,
-    Op,
-    Signer,
-    error_note,
-)
+from ._format._wire import DEFAULT_MAX_FRAMES, Signer, error_note
 from ._forming import Form, Overslept, Unreachable
 from ._future import CollectiveFuture, sleeping
 from ._io import _interrupts, _sockets, _stops
@@ -49,6 +38,7 @@ from ._limits import (
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
+from ._protocol._ops import BY_NAME, LABELS, Here, Op, Part, Refused, error_part
 from ._protocol._stats import announce_coordinator, announce_group, calls_log, write_for_launcher
 from .config import Config, resolve, takes_settings
 from .errors import (
@@ -70,7 +60,6 @@ T = TypeVar("T")
 Timeout = Union[float, None, "_Default"]
 ReduceFn = Callable[[Any, Any], Any]
 
-_NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
 JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
 COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
 # 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
@@ -234,6 +223,7 @@ class Group:
             self._member.log_calls = True
             _show_calls_log()
         self._link: Optional[Driver] = None
+        self._here = Here(config.rank, config.num_replicas)
         _open_groups[id(self)] = self
         _register_atexit()
         _interrupts.hold_signals()  # no signal handler's exception splits a message
@@ -255,6 +245,8 @@ class Group:
             else:
                 self._join_forming(form)
             self._start_data(deadline)
+            self._here = Here(self.rank, self.size, self._data is not None, self._member.data_min_bytes,
+                               self.config.max_frame_bytes)
             announce_group(self.rank, self.size, self._member.session, self._member.lineage,
                            _interrupts.stacks_on())
             if self.config.rank == 0:
@@ -477,143 +469,75 @@ class Group:
         """Reduce every replica's ``value`` in rank order,
         ``fn(fn(fn(v0, v1), v2), v3)``, with rank 0's ``reduce_fn``; every
         replica gets the result. See :func:`zcollective.allreduce`."""
-        return self._blocking(self._reduce(Op.ALLREDUCE, value, reduce_fn, 0), timeout)
+        return self._blocking(self._call("allreduce", value, reduce_fn), timeout)
 
     def allreduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn
                         ) -> CollectiveFuture[Any]:
         """Like :meth:`allreduce`, without blocking; returns a future."""
-        return self._reduce(Op.ALLREDUCE, value, reduce_fn, 0)
+        return self._call("allreduce", value, reduce_fn)
 
     def reduce(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *,
                timeout: Timeout = DEFAULT) -> Any:
         """Like :meth:`allreduce`, but only ``root`` gets the result (with
         ``root``'s ``reduce_fn``); the others get ``None``."""
-        return self._blocking(self.reduce_async(value, reduce_fn, root), timeout)
+        return self._blocking(self._call("reduce", value, reduce_fn, root), timeout)
 
     def reduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn,
                      root: int = 0) -> CollectiveFuture[Any]:
         """Like :meth:`reduce`, without blocking; returns a future
         (see :func:`zcollective.reduce_async`)."""
-        return self._reduce(Op.REDUCE, value, reduce_fn, root)
+        return self._call("reduce", value, reduce_fn, root)
 
     def broadcast(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
         """Every replica gets ``root``'s ``value``; other values are ignored.
         ``root`` gets back its own object, the others an unpickled copy."""
-        return self._blocking(self.broadcast_async(value, root), timeout)
+        return self._blocking(self._call("broadcast", value, root), timeout)
 
     def broadcast_async(self, value: Any, root: int = 0) -> CollectiveFuture[Any]:
         """Like :meth:`broadcast`, without blocking; returns a future
         (see :func:`zcollective.broadcast_async`)."""
-        root = self._check_root(root)
-        site = _callsite()
-        chain = self._has_data_plane()
-        if self.rank != root:
-            return self._submit(Op.BROADCAST, root, _nothing, _first, site,
-                                data_job=self._chain(root, None) if chain else None)
-        if not chain:
-            return self._submit(Op.BROADCAST, root, lambda: ([_serialize.dumps(value)], None),
-                                lambda m: value, site)
-        segment = _serialize.dumps(value)
-        plan = _bodies.sizes_plan(segment, self._member.data_min_bytes)
-        if plan is None:
-            return self._submit(Op.BROADCAST, root, lambda: ([segment], None), lambda m: value, site)
-        return self._submit(Op.BROADCAST, root, lambda: ([[plan]], None), lambda m: value, site,
-                            FLAG_DATA, self._chain(root, segment, value))
-
-    def _chain(self, root: int, segment: Optional[list[Any]], value: Any = None
-               ) -> Callable[[Message], _ring.Job]:
-        """The job of a broadcast whose value goes down the chain (the root's
-        plan says the sizes of its frames)."""
-        def job(msg: Message) -> _ring.Job:
-            sizes = _bodies.parse_sizes(msg, self.config.max_frame_bytes)
-            chain = _ring.ChainBroadcast(self.rank, self.size, root, sizes, segment)
-            if segment is not None:
-                chain.finish = lambda: value
-            else:
-                chain.finish = lambda: _serialize.loads(chain.result())
-            return chain
-        return job
+        return self._call("broadcast", value, root)
 
     def allgather(self, value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
         """Every replica gets the list of all replicas' values, in rank order."""
-        return self._blocking(self.allgather_async(value), timeout)  # type: ignore[no-any-return]
+        return self._blocking(self._call("allgather", value), timeout)  # type: ignore[no-any-return]
 
     def allgather_async(self, value: Any) -> CollectiveFuture[list[Any]]:
         """Like :meth:`allgather`, without blocking; returns a future
         (see :func:`zcollective.allgather_async`)."""
-        site = _callsite()
-        if not self._has_data_plane():
-            return self._submit(Op.ALLGATHER, 0, lambda: ([_serialize.dumps(value)], None),
-                                self._all(value), site)
-        segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
-        plan = _bodies.sizes_plan(segment, self._member.data_min_bytes)
-        rank, size = self.rank, self.size
-
-        def job(msg: Message) -> _ring.Job:
-            told = _bodies.parse_gather_plan(msg, size)
-            ring = _ring.RingAllgather(rank, size, told, segment if told[rank] is not None else None)
-            inline = iter(msg.segments[1:])
-            slots = [None if s is not None else next(inline) for s in told]
-
-            def finish() -> list[Any]:
-                frames = ring.result()
-                return [value if r == rank else _serialize.loads(cast("list[Any]", slots[r] or frames[r]))
-                        for r in range(size)]
-            ring.finish = finish
-            return ring
-        if plan is None:
-            return self._submit(Op.ALLGATHER, 0, lambda: ([segment], None), self._all(value), site,
-                                data_job=job)
-        return self._submit(Op.ALLGATHER, 0, lambda: ([[plan]], None), self._all(value), site,
-                            FLAG_DATA, job)
-
-    def _has_data_plane(self) -> bool:
-        return self._member.data_endpoints is not None and self._link is not None and (
-            self._link.data is not None)
+        return self._call("allgather", value)
 
     def gather(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
         """``root`` gets the list of all replicas' values in rank order; the
         others get ``None``. Values travel only to ``root``."""
-        return self._blocking(self.gather_async(value, root), timeout)  # type: ignore[no-any-return]
+        return self._blocking(self._call("gather", value, root), timeout)  # type: ignore[no-any-return]
 
     def gather_async(self, value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
         """Like :meth:`gather`, without blocking; returns a future
         (see :func:`zcollective.gather_async`)."""
-        root = self._check_root(root)
-        finish = self._all(value) if self.rank == root else _none
-        return self._submit(Op.GATHER, root, lambda: ([_serialize.dumps(value)], None), finish, _callsite())
+        return self._call("gather", value, root)
 
     def scatter(self, values: Optional[Sequence[Any]], root: int = 0, *,
                 timeout: Timeout = DEFAULT) -> Any:
         """Replica i gets ``values[i]`` of ``root`` (``values`` is ignored
         elsewhere). A ``values`` of the wrong length raises ``ValueError`` on
         ``root`` and :class:`PeerError` on the others."""
-        return self._blocking(self.scatter_async(values, root), timeout)
+        return self._blocking(self._call("scatter", values, root), timeout)
 
     def scatter_async(self, values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
         """Like :meth:`scatter`, without blocking; returns a future
         (see :func:`zcollective.scatter_async`)."""
-        root = self._check_root(root)
-        site = _callsite()
-        if self.rank != root:
-            return self._submit(Op.SCATTER, root, _nothing, _first, site)
-        values = self._check_values(Op.SCATTER, values, root, site)
-        own = values[root]
-        return self._submit(Op.SCATTER, root, lambda: ([_serialize.dumps(v) for v in values], None),
-                            lambda m: own, site)
+        return self._call("scatter", values, root)
 
     def alltoall(self, values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
         """Replica i gets ``[values_j[i] for j in ranks]``: each replica
         passes one value per replica."""
-        return self._blocking(self.alltoall_async(values), timeout)  # type: ignore[no-any-return]
+        return self._blocking(self._call("alltoall", values), timeout)  # type: ignore[no-any-return]
 
     def alltoall_async(self, values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
         """Like :meth:`alltoall`, without blocking; returns a future
         (see :func:`zcollective.alltoall_async`)."""
-        site = _callsite()
-        values = self._check_values(Op.ALLTOALL, values, 0, site)
-        return self._submit(Op.ALLTOALL, 0, lambda: ([_serialize.dumps(v) for v in values], None),
-                            self._all(values[self.rank]), site)
+        return self._call("alltoall", values)
 
     def barrier(self, *, timeout: Timeout = DEFAULT) -> None:
         """Return once every replica has called ``barrier``."""
@@ -622,7 +546,7 @@ class Group:
     def barrier_async(self) -> CollectiveFuture[None]:
         """Like :meth:`barrier`, without blocking; returns a future
         (see :func:`zcollective.barrier_async`)."""
-        return self._submit(Op.BARRIER, 0, _nothing, _none, _callsite())
+        return self._call("barrier")
 
     def teardown(self, *, timeout: Timeout = DEFAULT) -> None:
         """Wait until every replica calls ``teardown``, then close the
@@ -649,7 +573,7 @@ class Group:
         try:
             failure: Optional[BaseException] = self._member.failure
             if self._link is not None and failure is None:
-                future = self._submit(Op.TEARDOWN, 0, _nothing, _none, _callsite())
+                future = self._call("teardown")
                 try:
                     self._blocking(future, timeout)
                 except CollectiveTimeoutError:
@@ -695,7 +619,7 @@ class Group:
             raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")
         if not self._closed and self._member.failure is None:  # nothing lost that this rank knows of:
             try:  # a collective call of every member (one calling it alone is a mismatch)
-                self._blocking(self._submit(Op.SHRINK, 0, _nothing, _none, _callsite()),
+                self._blocking(self._call("shrink"),
                                DEFAULT if timeout is None else timeout)
                 return self  # every member called it, and nobody was lost
             except ReplicaLostError:
@@ -718,7 +642,7 @@ class Group:
         CollectiveError
             As for any collective call (the group goes on, unchanged).
         """
-        count = self._blocking(self._submit(Op.GROW, 0, _nothing, _first, _callsite()), timeout)
+        count = self._blocking(self._call("grow"), timeout)
         if not count:
             return self
         grown = _elastic.regroup(self, count)
@@ -776,119 +700,59 @@ class Group:
 
     # -- machinery ------------------------------------------------------------
 
-    def _reduce(self, op: Op, value: Any, reduce_fn: ReduceFn, root: int) -> CollectiveFuture[Any]:
-        if op is not Op.ALLREDUCE:  # (allreduce's root is always 0)
-            root = self._check_root(root)
-        if not callable(reduce_fn):
-            raise TypeError(f"reduce_fn must be callable, not {type(reduce_fn).__name__}")
-        site = _callsite()
-        config = self.config
-        if op is Op.REDUCE and config.rank != root:
-            finish: Callable[[Message], Any] = _none
-        elif config.num_replicas == 1:  # nothing was combined with it: the result is the value itself
-            finish = lambda m: value  # noqa: E731
-        else:
-            finish = _first
+    def _call(self, name: str, *args: Any) -> CollectiveFuture[Any]:
+        """This replica's part of the next call of operation ``name``
+        (:mod:`zcollective._protocol._ops` makes it from ``args``).
 
-        if op is Op.ALLREDUCE and self._has_data_plane():
-            plan = self._array_plan(value, reduce_fn)
-            if plan is not None:
-                array, name, description = plan
-                tensor = not isinstance(value, sys.modules["numpy"].ndarray)  # (a plan: array or tensor)
-                return self._submit(op, root, lambda: ([[description]], None), finish, site, FLAG_DATA,
-                                    lambda m: self._ring(array, name, reduce_fn, tensor))
-
-        def build() -> tuple[list[list[Any]], Any]:
-            # only the root's function is used; rank 0's stays in its process (the coordinator is
-            # there): handed over as it is when a pickle made now could not differ from it
-            fn: Any = None
-            if config.rank == root:
-                as_is = root == 0 and _serialize.as_is(reduce_fn)
-                fn = reduce_fn if as_is else _serialize.dumps_function(reduce_fn)
-            return [_serialize.dumps(value)], fn
-        return self._submit(op, root, build, finish, site)
-
-    def _array_plan(self, value: Any, reduce_fn: ReduceFn) -> Optional[tuple[Any, str, bytes]]:
-        """``(array, reduction, description)`` when ``value`` goes peer to peer:
-        a C-contiguous numeric numpy array of at least the group's threshold,
-        reduced elementwise, in a group with a data plane; else None (the star)."""
-        member = self._member
-        if not self._has_data_plane():
-            return None
-        numpy = sys.modules.get("numpy")
-        if numpy is None:
-            return None
-        tensor = _cpu_tensor(value, member.data_min_bytes)
-        if tensor is not None:
-            value = tensor  # the same memory, seen by numpy
-        elif not isinstance(value, numpy.ndarray):  # (subclasses too: a memmap is an array)
-            return None
-        if (value.dtype.kind not in _NUMERIC_KINDS or value.nbytes < member.data_min_bytes
-                or value.dtype.hasobject):
-            return None
-        if not value.flags.c_contiguous:  # a view: what it shows, copied (the star pickles so too),
-            value = numpy.ascontiguousarray(value)  # so the layout never decides the path
-        name = _ring.reduction_name(reduce_fn)
-        if name is None:
-            return None
-        return value, name, _bodies.plan(dtype=value.dtype.str, shape=list(value.shape), fn=name)
-
-    def _ring(self, array: Any, name: str, reduce_fn: ReduceFn, tensor: bool) -> _ring.Job:
-        job = _ring.RingAllreduce(self.rank, self.size, array, _ring.reducer(name, reduce_fn))
-        if tensor:  # a tensor in, a tensor out (sharing the result's memory)
-            from_numpy = sys.modules["torch"].from_numpy
-            job.finish = lambda: from_numpy(job.result())
-        else:
-            job.finish = job.result
-        return job
-
-    def _submit(self, op: Op, root: int, build: Callable[[], tuple[list[list[Any]], Any]],
-                finish: Callable[[Message], Any], site: str, flags: int = 0,
-                data_job: Optional[Callable[[Message], Any]] = None) -> CollectiveFuture[Any]:
-        """Make this replica's part of the next call: ``build()`` serializes it
-        (segments and reduce function), after the call's seq is reserved.
-
-        An error while building (a value that cannot be pickled) leaves the
-        seq unused: the call never happened here. An interrupt (a signal
+        An error while building it (a value that cannot be pickled) leaves
+        the seq unused: the call never happened here. An interrupt (a signal
         handler's exception) while building still sends a part, an error note,
         so every replica's call at that seq ends in an error and the next call
-        pairs correctly.
+        pairs correctly. A part the operation refuses (a wrong number of
+        values) is told to the others, and raises ``ValueError`` here.
         """
+        site = _callsite()
         if self._closed or _process != self._pid:
             self._check_usable()  # raises, saying which
-        with self._turns:
-            return self._submit_turn(op, root, build, finish, site, flags, data_job)
-
-    def _submit_turn(self, op: Op, root: int, build: Callable[[], tuple[list[list[Any]], Any]],
-                     finish: Callable[[Message], Any], site: str, flags: int,
-                     data_job: Optional[Callable[[Message], Any]]) -> CollectiveFuture[Any]:
-        """:meth:`_submit`, holding the turn."""
-        if self._closed:  # torn down by another thread meanwhile
-            self._check_usable()
-        server = self._server
-        if server is not None and server.reducing_here():
-            # a call here would take the next seq while every rank waits for this reduction,
-            # so the group would fail for good
-            raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
-                               f"collectives (it runs inside the coordinator, on rank 0)")
-        member, link = self._member, self._link
-        assert link is not None
+        operation = BY_NAME[name]
         try:
-            seq = member.reserve(op, root, site)
-            segments, fn = build()
-            future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
-            member.submit(op, root, segments, fn, site, flags, future, finish, data_job)
-        except Exception:
-            member.unreserve()
-            raise
-        except BaseException as exc:
-            member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its part "
-                           f"was sent")
-            with contextlib.suppress(CollectiveError):
-                link.flush()  # the others hear of it now, not at this replica's next call
-            raise
-        link.flush()
-        return future
+            part = operation.part(self._here, *args)
+        except Refused as exc:
+            if self._member.failure is None and not self._closed:
+                self._submit(operation.code, error_part(exc.root, error_note(str(exc))), site)
+            raise ValueError(f"rank {self.rank}: {exc}") from None
+        return self._submit(operation.code, part, site)
+
+    def _submit(self, op: Op, part: Part, site: str) -> CollectiveFuture[Any]:
+        """:meth:`_call`'s part sent, holding the turn."""
+        with self._turns:
+            if self._closed:  # torn down by another thread meanwhile
+                self._check_usable()
+            server = self._server
+            if server is not None and server.reducing_here():
+                # a call here would take the next seq while every rank waits for this reduction,
+                # so the group would fail for good
+                raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
+                                   f"collectives (it runs inside the coordinator, on rank 0)")
+            member, link = self._member, self._link
+            assert link is not None
+            try:
+                seq = member.reserve(op, part.root, site)
+                segments, fn = part.build()
+                future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
+                member.submit(op, part.root, segments, fn, site, part.flags, future, part.finish,
+                              part.data_job)
+            except Exception:
+                member.unreserve()
+                raise
+            except BaseException as exc:
+                member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its "
+                               f"part was sent")
+                with contextlib.suppress(CollectiveError):
+                    link.flush()  # the others hear of it now, not at this replica's next call
+                raise
+            link.flush()
+            return future
 
     def _blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
         """``future.result(timeout)`` for a call this thread has just made
@@ -929,42 +793,6 @@ class Group:
             return future._done and future._error is None
         finally:
             turns.give()
-
-    def _check_root(self, root: Any) -> int:
-        """``root`` as an int: any integer type (``numpy.int64``, anything with
-        ``__index__``) but bool."""
-        try:
-            index = operator.index(root)
-        except TypeError:
-            index = -1
-        if isinstance(root, bool) or not 0 <= index < self.size:
-            raise ValueError(f"root={root!r} is not a rank of this group of {self.size} replicas")
-        return index
-
-    def _all(self, own: Any) -> Callable[[Message], list[Any]]:
-        """The finisher of a list result: every rank's value in rank order,
-        this rank's own object in its slot (it is never copied back)."""
-        rank = self.rank
-
-        def finish(msg: Message) -> list[Any]:
-            return [own if i == rank else _serialize.loads(s) for i, s in enumerate(msg.segments)]
-        return finish
-
-    def _check_values(self, op: Op, values: Any, root: int, site: str) -> Sequence[Any]:
-        """``values`` must hold one value per replica; if not, tell the other
-        replicas (so they fail instead of waiting) and raise ValueError here."""
-        try:
-            count = len(values)
-        except TypeError:
-            count = -1
-        if count == self.size:
-            return values  # type: ignore[no-any-return]
-        what = "no sequence" if count < 0 else f"{count} values"
-        message = f"{op.label} needs one value per replica: got {what} for {self.size} replicas"
-        if self._member.failure is None and not self._closed:
-            note = error_note(message)
-            self._submit(op, root, lambda: (note, None), _none, site, flags=FLAG_LOCAL_ERROR)
-        raise ValueError(f"rank {self.rank}: {message}")
 
     def _check_usable(self) -> None:
         if self._closed and self._reforming is not None:
@@ -1156,24 +984,6 @@ def _on_loopback(config: Config) -> bool:
         return False
 
 
-def _cpu_tensor(value: Any, least: int) -> Any:
-    """``value`` as a numpy array sharing its memory, if it is a torch tensor
-    of at least ``least`` bytes that numpy can see without a copy (CPU,
-    contiguous, a dtype numpy has, no conjugate or negative bit, not
-    requiring grad); else None. torch is looked up, never imported."""
-    torch = sys.modules.get("torch")
-    if torch is None or type(value) is not torch.Tensor:
-        return None
-    try:
-        if (value.device.type != "cpu" or value.requires_grad or not value.is_contiguous()
-                or value.is_sparse or value.is_quantized or value.is_conj() or value.is_neg()
-                or value.element_size() * value.numel() < least):
-            return None
-        return value.numpy()
-    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8, complex32)
-        return None
-
-
 def _show_calls_log() -> None:
     """``ZCOLLECTIVE_LOG=calls`` asks to see the lines: print them to stderr,
     unless the program has configured logging itself."""
@@ -1227,15 +1037,3 @@ def _register_atexit() -> None:
 
 def _never(wake: Callable[[], None]) -> None:
     """(A wait that holds the turn never follows.)"""
-
-
-def _nothing() -> tuple[list[list[Any]], Any]:
-    return [], None
-
-
-def _first(msg: Message) -> Any:
-    return _serialize.loads(msg.segments[0])
-
-
-def _none(msg: Message) -> None:
-    return None

@@ -102,29 +102,6 @@ CONTROL_KINDS = frozenset(
 )
 
 
-class Op(enum.IntEnum):
-    NONE = 0
-    ALLREDUCE = 1
-    BROADCAST = 2
-    ALLGATHER = 3
-    GATHER = 4
-    SCATTER = 5
-    REDUCE = 6
-    ALLTOALL = 7
-    BARRIER = 8
-    TEARDOWN = 9
-    GROW = 10  # members admit the newcomers waiting (rule 10 of the coordinator)
-    SHRINK = 11  # shrink() in a group that had not failed: a collective call like any other
-
-    @property
-    def label(self) -> str:
-        return LABELS[self]
-
-
-OPS = {int(o): o for o in Op}
-LABELS = {o: o.name.lower() for o in Op}  # Enum.name is slow on a hot path
-
-
 class WireError(ValueError):
     """Frames that do not form a valid message; ``reason`` says why."""
 
@@ -257,7 +234,7 @@ class VersionError(WireError):
 @dataclass(slots=True)
 class Message:
     kind: Kind
-    op: Op = Op.NONE
+    op: int = 0  # an operation's code (see zcollective._protocol._ops.Op); 0: none
     rank: int = NO_RANK
     root: int = 0
     seq: int = 0
@@ -486,9 +463,9 @@ def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
         raise AuthError("tag present but the header does not announce it")
     if not signed and flags & FLAG_AUTH:
         frames = frames[:-1]  # a tag this side cannot check
-    kind_, op_ = KINDS.get(kind), OPS.get(op)
-    if kind_ is None or op_ is None:
-        raise WireError(f"{kind} is not a valid Kind" if kind_ is None else f"{op} is not a valid Op")
+    kind_ = KINDS.get(kind)  # (the op byte is the rules' to check: zcollective._protocol._ops)
+    if kind_ is None:
+        raise WireError(f"{kind} is not a valid Kind")
     callsite = head[end:].tobytes().decode("utf-8", "replace") if head.nbytes > end else ""
     if table:
         frames = [frames[0], *join_parts(frames[1:], table, max_frame_bytes)]
@@ -511,7 +488,7 @@ def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
         raise WireError(f"{len(frames) - pos} frames follow a message with no segments")
     if kind_ in CONTROL_KINDS and (len(segments) != 1 or len(segments[0]) != 1):
         raise WireError(f"{kind_.name} must carry exactly one JSON frame")
-    return Message(kind_, op_, rank, root, seq, session, callsite, flags, fn, segments)
+    return Message(kind_, op, rank, root, seq, session, callsite, flags, fn, segments)
 
 
 _HEADER_ONE_SEGMENT = struct.Struct(HEADER.format + "I")  # and a one-segment layout: every small call
@@ -537,12 +514,12 @@ def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
     if (magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1 or flags & _NOT_SIMPLE
             or bool(flags & FLAG_AUTH) is not signed or count != len(frames) - 1 or not count):
         return None
-    kind_, op_ = KINDS.get(kind), OPS.get(op)
-    if kind_ is None or op_ is None or (count != 1 and kind_ in CONTROL_KINDS):
+    kind_ = KINDS.get(kind)
+    if kind_ is None or (count != 1 and kind_ in CONTROL_KINDS):
         return None
     callsite = head[_HEADER_ONE_SEGMENT.size:].tobytes().decode("utf-8", "replace") if (
         size > _HEADER_ONE_SEGMENT.size) else ""  # (a replica's contribution)
-    return Message(kind_, op_, rank, root, seq, session, callsite, flags, None, [list(frames[1:])])
+    return Message(kind_, op, rank, root, seq, session, callsite, flags, None, [list(frames[1:])])
 
 
 def owned(msg: Message) -> Message:

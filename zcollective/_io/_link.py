@@ -27,10 +27,11 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format import _bodies
-from .._format._wire import Kind, Message, Op, owned
+from .._format._wire import Kind, Message, owned
 from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S
 from .._protocol._coordinator import HOST_PEER, Coordinator
 from .._protocol._member import Member
+from .._protocol._ops import Op
 from ..errors import CollectiveError, CollectiveTimeoutError
 
 if TYPE_CHECKING:

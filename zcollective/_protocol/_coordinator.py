@@ -112,13 +112,11 @@ from .._format._wire import (
     FLAG_DATA,
     FLAG_LAST,
     FLAG_LOCAL_ERROR,
-    LABELS,
     NO_RANK,
     PROTOCOL_VERSION,
     AuthError,
     Kind,
     Message,
-    Op,
     Signer,
     VersionError,
     WireError,
@@ -129,6 +127,7 @@ from .._format._wire import (
 from .._limits import LOCAL_PART_BYTES, MAX_STALL_WARNINGS, WIRE_PART_BYTES
 from ..errors import SerializationError, from_signal
 from . import _ring
+from ._ops import LABELS, OPERATIONS, OPS, Disagree, Malformed, Op, describe_call, rank_list
 from ._stats import Lateness
 
 log = logging.getLogger("zcollective")
@@ -268,85 +267,6 @@ class Call:
     arrived: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic()
     abandoned: Optional[dict[str, Any]] = None  # a rank gave it up: the ERROR every rank gets
     warned: int = 0  # stall warnings said of it (rule 11)
-
-
-def rank_list(ranks: Iterable[int]) -> str:
-    ranks = sorted(ranks)
-    word = "rank" if len(ranks) == 1 else "ranks"
-    return f"{word} {','.join(map(str, ranks))}" if ranks else "no ranks"
-
-
-Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
-
-
-@dataclass(frozen=True)
-class OpRule:
-    """One operation's rules at the coordinator: a row of :data:`OP_RULES`."""
-
-    rooted: bool  # called with a root (named wherever the call is described)
-    sends: str  # what a rank must send: "one" value each, "root" (one, from the root alone),
-    # "root-all" (a value per rank, from the root alone), "all" (a value per rank, each), "none"
-    route: Callable[[Coordinator, list[Message], int], Routes]  # (self, contributions, root): where
-    # values go; ranks given the same list object get the same frames
-    plan: Optional[str] = None  # the data plane: "agreed" (every rank sends the same plan), "root"
-    # (the root's), "gather" (each rank's, or its value inline); None: the star only
-
-
-def _reduced(to_all: bool) -> Callable[[Coordinator, list[Message], int], Routes]:
-    def route(self: Coordinator, contributions: list[Message], root: int) -> Routes:
-        result = [_serialize.dumps(self._reduce(contributions, root), "reduction result")]
-        return [result if to_all or r == root else [] for r in range(self.num_replicas)]
-    return route
-
-
-def _gathered(to_all: bool) -> Callable[[Coordinator, list[Message], int], Routes]:
-    def route(self: Coordinator, contributions: list[Message], root: int) -> Routes:
-        values = [c.segments[0] for c in contributions]
-        return [values if to_all or r == root else [] for r in range(self.num_replicas)]
-    return route
-
-
-def _forwarded(self: Coordinator, contributions: list[Message], root: int) -> Routes:
-    value = contributions[root].segments  # as the root sent it, never unpickled here
-    return [[] if r == root else value for r in range(self.num_replicas)]
-
-
-def _scattered(self: Coordinator, contributions: list[Message], root: int) -> Routes:
-    parts = contributions[root].segments  # the root keeps its own part
-    return [[] if r == root else [parts[r]] for r in range(self.num_replicas)]
-
-
-def _transposed(self: Coordinator, contributions: list[Message], root: int) -> Routes:
-    return [[c.segments[r] for c in contributions] for r in range(self.num_replicas)]
-
-
-def _nothing(self: Coordinator, contributions: list[Message], root: int) -> Routes:
-    return [[] for _ in range(self.num_replicas)]
-
-
-def _newcomers(self: Coordinator, contributions: list[Message], root: int) -> Routes:
-    told = [_serialize.dumps(len(self.newcomers), "the number of newcomers")]
-    return [told for _ in range(self.num_replicas)]
-
-
-OP_RULES = {  # a row per operation; its Group method (and module function) is the other half
-    Op.ALLREDUCE: OpRule(False, "one", _reduced(True), "agreed"),
-    Op.REDUCE: OpRule(True, "one", _reduced(False)),
-    Op.BROADCAST: OpRule(True, "root", _forwarded, "root"),
-    Op.ALLGATHER: OpRule(False, "one", _gathered(True), "gather"),
-    Op.GATHER: OpRule(True, "one", _gathered(False)),
-    Op.SCATTER: OpRule(True, "root-all", _scattered),
-    Op.ALLTOALL: OpRule(False, "all", _transposed),
-    Op.BARRIER: OpRule(False, "none", _nothing),
-    Op.TEARDOWN: OpRule(False, "none", _nothing),
-    Op.GROW: OpRule(False, "none", _newcomers),  # (rule 10)
-    Op.SHRINK: OpRule(False, "none", _nothing),  # (a healthy group: nothing to leave out)
-}
-
-
-def describe_call(op: Op, root: int) -> str:
-    rule = OP_RULES.get(op)
-    return f"{op.label}(root={root})" if rule is not None and rule.rooted else op.label
 
 
 class Coordinator:
@@ -941,13 +861,16 @@ class Coordinator:
             self._warn(address, "seq", f"dropped seq {seq} from {member.describe()}: "
                        f"expected seq {self.next_seq[rank]} (a replay or a forgery)")
             return []
+        op = OPS.get(msg.op)
+        if op is None:  # (no working replica sends it: dropped as malformed)
+            raise WireError(f"{msg.op} is not a valid Op")
         self.next_seq[rank] += 1
         call = self.pending.get(seq)
         if call is None:
-            call = self.pending[seq] = Call(msg.op, msg.root)
+            call = self.pending[seq] = Call(op, msg.root)
         call.contributions[rank] = msg
         call.arrived[rank] = time.monotonic()
-        member.last = (seq, LABELS[msg.op], msg.callsite, call.arrived[rank])
+        member.last = (seq, LABELS[op], msg.callsite, call.arrived[rank])
         if msg.op != call.op or msg.root != call.root:
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
         if call.abandoned is not None:  # given up by a rank: this one hears so, as the others did
@@ -1062,7 +985,8 @@ class Coordinator:
 
     def _complete(self, seq: int, call: Call) -> list[Out]:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
-        if call.op not in OP_RULES:  # no working replica sends it
+        operation = OPERATIONS.get(call.op)
+        if operation is None:  # no working replica sends it
             return self._error_all(seq, call.op, error_body(
                 "ProtocolError", f"seq {seq}: operation {call.op.label!r} has no rules"))
         flags = 0  # any rank's
@@ -1080,11 +1004,11 @@ class Coordinator:
         if problem is not None:
             return self._error_all(seq, call.op, error_body(*problem))
         try:
-            routes = OP_RULES[call.op].route(self, contributions, call.root)
+            routes = operation.route(self, contributions, call.root)
         except _Unreadable as exc:  # the reduce function never ran: not a RemoteError
             return self._error_all(seq, call.op, error_body(
                 "SerializationError", f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}"))
-        except _Disagree as exc:  # nor here: arrays the data plane would have refused too
+        except Disagree as exc:  # nor here: arrays the data plane would have refused too
             return self._error_all(seq, call.op, error_body(
                 "CallMismatchError", self._disagreement(seq, call, contributions, exc.described)))
         except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
@@ -1101,55 +1025,16 @@ class Coordinator:
 
     def _plan(self, seq: int, call: Call, contributions: list[Message]) -> list[Out]:
         """A call whose data travels on the data plane: matched here like any
-        other, then every rank is sent the plan (the description every rank
-        agreed on, or the root's) and moves the data itself. An allreduce
-        whose ranks describe different arrays is a mismatch."""
-        head = f"seq {seq} {call.op.label}"
-        kind = OP_RULES[call.op].plan
-        if kind == "agreed":
-            plans = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
-                     and len(c.segments[0]) == 1 else None for c in contributions}
-            if len(plans) != 1 or None in plans:  # the call matched; only its values disagree
-                return self._error_all(seq, call.op, error_body(
-                    "CallMismatchError", self._disagreement(seq, call, contributions)))
-            plan = bytes(contributions[0].segments[0][0])
-        elif kind == "root":
-            root = contributions[call.root]
-            others = [r for r, c in enumerate(contributions) if c.flags & FLAG_DATA and r != call.root]
-            if others or not root.flags & FLAG_DATA or len(root.segments) != 1:
-                return self._error_all(seq, call.op, error_body(
-                    "ProtocolError", f"{head}: only the root may send a data plan "
-                    f"({rank_list(others) or 'the root'} sent a malformed one)"))
-            plan = bytes(root.segments[0][0])
-        elif kind == "gather":
-            return self._gather_plan(seq, call, contributions)
-        else:
-            return self._error_all(seq, call.op, error_body("ProtocolError", f"{head} has no data plane"))
-        segments = [[plan]]
-        self._moving = (seq, call.op)
-        return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
-                                                  self.session, flags=FLAG_DATA, segments=segments))
-                for rank in range(self.num_replicas)]
-
-    def _gather_plan(self, seq: int, call: Call, contributions: list[Message]) -> list[Out]:
-        """An allgather where some values go round the ring: the plan names
-        whose (and their frames' sizes); the small values come with it."""
-        sizes: list[Any] = []
-        inline: list[list[Any]] = []
-        for rank, c in enumerate(contributions):
-            if len(c.segments) != 1:
-                return self._error_all(seq, call.op, error_body(
-                    "ProtocolError", f"seq {seq} allgather: rank {rank} sent no value"))
-            if not c.flags & FLAG_DATA:
-                sizes.append(None)
-                inline.append(c.segments[0])
-                continue
-            try:
-                sizes.append(_bodies.parse_sizes(c))
-            except WireError:
-                return self._error_all(seq, call.op, error_body(
-                    "ProtocolError", f"seq {seq} allgather: rank {rank} sent a malformed description"))
-        segments = [[_bodies.plan(sizes=sizes)], *inline]
+        other, then every rank is sent the plan (:meth:`Operation.plan`) and
+        moves the data itself. Ranks whose values disagree: a mismatch."""
+        try:
+            segments = OPERATIONS[call.op].plan(contributions, call.root)
+        except Disagree:  # the call matched; only its values disagree
+            return self._error_all(seq, call.op, error_body(
+                "CallMismatchError", self._disagreement(seq, call, contributions)))
+        except Malformed as exc:
+            return self._error_all(seq, call.op, error_body("ProtocolError",
+                                                            f"seq {seq} {call.op.label}: {exc}"))
         self._moving = (seq, call.op)
         return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
                                                   self.session, flags=FLAG_DATA, segments=segments))
@@ -1189,25 +1074,18 @@ class Coordinator:
                     said = "?"
                 return "PeerError", f"seq {seq} {call.op.label}: rank {rank} failed: {said}"
         n, root = self.num_replicas, call.root
-        sends = OP_RULES[call.op].sends
         if not 0 <= root < n:  # replicas check it: only a broken or altered one sends this
             why = f"root {root} is not a rank of this group of {n} replicas"
-        elif sends == "one":
-            empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
-            why = f"{rank_list(empty)} sent no value" if empty else ""
-        elif sends == "root":
-            why = "" if len(contributions[root].segments) == 1 else f"root {root} sent no value"
-        elif sends == "root-all":
-            sent = len(contributions[root].segments)
-            why = "" if sent == n else f"root {root} sent {sent} values for {n} replicas"
-        elif sends == "all":
-            short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
-            why = f"{rank_list(short)} did not send exactly {n} values" if short else ""
         else:
-            why = ""
+            why = OPERATIONS[call.op].malformed(contributions, root)
         return ("ProtocolError", f"seq {seq} {call.op.label}: {why}") if why else None
 
-    def _reduce(self, contributions: list[Message], root: int) -> Any:
+    def newcomers_waiting(self) -> int:
+        return len(self.newcomers)
+
+    def combine(self, contributions: list[Message], root: int, index: int = 0) -> Any:
+        """Every rank's ``index``-th value reduced in rank order with
+        ``root``'s function (an operation's route asks)."""
         fn_frame = contributions[root].fn
         if fn_frame is None:
             raise ValueError(f"rank {root} sent no reduce function")
@@ -1215,7 +1093,7 @@ class Coordinator:
             fn = fn_frame  # rank 0's own, from its own process: as it is
             if not callable(fn):
                 fn = _serialize.loads([fn_frame], f"reduce function of rank {root}")
-            values = [_serialize.loads(c.segments[0], f"value of rank {r}")
+            values = [_serialize.loads(c.segments[index], f"value of rank {r}")
                       for r, c in enumerate(contributions)]
         except SerializationError as exc:
             raise _Unreadable(str(exc)) from exc
@@ -1223,8 +1101,8 @@ class Coordinator:
         if name is not None:  # elementwise: arrays must agree, as on the data plane (no broadcasting)
             described = _arrays(values, name)
             if described is not None and len(set(described)) > 1:
-                raise _Disagree(described)
-        self.reducing = (contributions[0].seq, contributions[0].op, time.monotonic())
+                raise Disagree(described)
+        self.reducing = (contributions[0].seq, OPS[contributions[0].op], time.monotonic())
         fn = self.user_code(fn)
         try:
             acc = values[0]
@@ -1383,14 +1261,6 @@ class Coordinator:
         if len(self._warned) < MAX_WARNED_PEERS:
             self._warned.add(key)
         log.warning("zcollective coordinator: %s", text)
-
-
-class _Disagree(Exception):
-    """Arrays an elementwise reduction cannot combine: each rank's, described."""
-
-    def __init__(self, described: list[str]) -> None:
-        super().__init__("the ranks' arrays disagree")
-        self.described = described
 
 
 def _array(dtype: Any, shape: tuple[int, ...], fn: str) -> str:

@@ -70,11 +70,9 @@ from .._format._wire import (
     FLAG_DATA,
     FLAG_LAST,
     FLAG_LOCAL_ERROR,
-    LABELS,
     AuthError,
     Kind,
     Message,
-    Op,
     Signer,
     VersionError,
     WireError,
@@ -84,6 +82,7 @@ from .._format._wire import (
 )
 from .._limits import STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
+from ._ops import LABELS, Op
 from ._stats import CallStats, calls_log
 
 log = logging.getLogger("zcollective")

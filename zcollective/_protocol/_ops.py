@@ -1,0 +1,520 @@
+"""Every operation as one object: its code on the wire, what each rank sends
+and how its result is made (:meth:`Operation.part`), the coordinator's check,
+route and data plan (:meth:`Operation.malformed`, :meth:`Operation.route`,
+:meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
+operation by name (:data:`OPERATIONS`) and builds no message; the coordinator
+looks the operation of a call up by its code. A new operation is a class
+here, a ``Group`` method and a module function (docs/protocol.md,
+*Operations*).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from .._format import _bodies, _serialize
+from .._format._wire import FLAG_DATA, FLAG_LOCAL_ERROR, Message, WireError
+from . import _ring
+
+
+class Op(enum.IntEnum):
+    """An operation's code, the header's ``op`` byte (0: a control message's)."""
+
+    NONE = 0
+    ALLREDUCE = 1
+    BROADCAST = 2
+    ALLGATHER = 3
+    GATHER = 4
+    SCATTER = 5
+    REDUCE = 6
+    ALLTOALL = 7
+    BARRIER = 8
+    TEARDOWN = 9
+    GROW = 10  # members admit the newcomers waiting (rule 10 of the coordinator)
+    SHRINK = 11  # shrink() in a group that had not failed: a collective call like any other
+
+    @property
+    def label(self) -> str:
+        return LABELS[self]
+
+
+LABELS = {o: o.name.lower() for o in Op}  # Enum.name is slow on a hot path
+NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
+Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
+Build = Callable[[], tuple[list[list[Any]], Any]]  # -> (segments, reduce function or None)
+Finish = Callable[[Message], Any]  # the call's RESULT -> its value here
+
+
+def label(op: int) -> str:
+    """An operation code's name (its number, if no operation has it)."""
+    known = OPS.get(op)
+    return LABELS[known] if known is not None else f"operation {op}"
+
+
+@dataclass(frozen=True)
+class Here:
+    """What an operation knows of the rank that calls it."""
+
+    rank: int
+    size: int
+    data: bool = False  # the group has a data plane ...
+    data_min_bytes: int = 0  # ... and moves values this large on it
+    max_frame_bytes: int = 0
+
+
+class Combining(Protocol):
+    """What an operation's route asks of the coordinator."""
+
+    num_replicas: int
+
+    def combine(self, contributions: list[Message], root: int, index: int = 0) -> Any:
+        """Every rank's ``index``-th value reduced in rank order with ``root``'s function."""
+
+    def newcomers_waiting(self) -> int:
+        """How many newcomers a GROW admits."""
+
+
+@dataclass
+class Part:
+    """This rank's part of one call: ``build()`` serializes what it sends
+    (after the call's seq is reserved), ``finish`` makes its value from the
+    RESULT, ``data_job`` the data-plane job from a plan (``FLAG_DATA``)."""
+
+    root: int
+    build: Build
+    finish: Finish
+    flags: int = 0
+    data_job: Optional[Callable[[Message], _ring.Job]] = None
+
+
+class Refused(ValueError):
+    """A part this rank cannot make (a wrong number of values): the others
+    are told (an error note, at ``root``), so the call fails on every rank."""
+
+    def __init__(self, message: str, root: int = 0) -> None:
+        super().__init__(message)
+        self.root = root
+
+
+class Disagree(Exception):
+    """The ranks' values cannot be combined (arrays that differ): a mismatch.
+    ``described``: each rank's value as rank 0 found it, or None (its plan says)."""
+
+    def __init__(self, described: Optional[list[str]] = None) -> None:
+        super().__init__("the ranks' values disagree")
+        self.described = described
+
+
+class Malformed(Exception):
+    """Parts no working replica sends (a ProtocolError): the text says why."""
+
+
+class Operation:
+    """One operation (a subclass per operation; see the module docstring)."""
+
+    code = Op.NONE
+    rooted = False  # called with a root (named wherever the call is described)
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.code]
+
+    def part(self, here: Here, *args: Any) -> Part:
+        """This rank's part; raises ValueError or TypeError for bad arguments."""
+        return Part(0, _nothing, _none)
+
+    def malformed(self, contributions: list[Message], root: int) -> str:
+        """Why the parts cannot be combined as they came ("" if they can)."""
+        return ""
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        """The segments each rank receives (ranks given one list get the same frames)."""
+        return [[] for _ in contributions]
+
+    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+        """A call whose data goes on the data plane: the plan every rank is
+        sent; raises :class:`Disagree` or :class:`Malformed`."""
+        raise Malformed("has no data plane")
+
+
+def _nothing() -> tuple[list[list[Any]], Any]:
+    return [], None
+
+
+def _none(msg: Message) -> None:
+    return None
+
+
+def _first(msg: Message) -> Any:
+    return _serialize.loads(msg.segments[0])
+
+
+def _value(value: Any) -> Finish:
+    return lambda msg: value
+
+
+def _all(own: Any, rank: int) -> Finish:
+    """A list result: every rank's value in rank order, this rank's own
+    object in its slot (it is never copied back)."""
+    def finish(msg: Message) -> list[Any]:
+        return [own if i == rank else _serialize.loads(s) for i, s in enumerate(msg.segments)]
+    return finish
+
+
+def _sent(value: Any) -> Build:
+    return lambda: ([_serialize.dumps(value)], None)
+
+
+def check_root(root: Any, size: int) -> int:
+    """``root`` as an int: any integer type (``numpy.int64``, anything with
+    ``__index__``) but bool."""
+    try:
+        index = operator.index(root)
+    except TypeError:
+        index = -1
+    if isinstance(root, bool) or not 0 <= index < size:
+        raise ValueError(f"root={root!r} is not a rank of this group of {size} replicas")
+    return index
+
+
+def _per_rank(op: Op, values: Any, size: int, root: int = 0) -> list[Any]:
+    """``values`` must hold one value per replica (else :class:`Refused`)."""
+    try:
+        count = len(values)
+    except TypeError:
+        count = -1
+    if count != size:
+        what = "no sequence" if count < 0 else f"{count} values"
+        raise Refused(f"{LABELS[op]} needs one value per replica: got {what} for {size} replicas", root)
+    return list(values)
+
+
+def _reducer_of(here: Here, reduce_fn: Any, root: int) -> Callable[[], Any]:
+    """Only the root's function is used; rank 0's stays in its process (the
+    coordinator is there): handed over as it is when a pickle made now could
+    not differ from it."""
+    if not callable(reduce_fn):
+        raise TypeError(f"reduce_fn must be callable, not {type(reduce_fn).__name__}")
+    if here.rank != root:
+        return lambda: None
+    if root == 0 and _serialize.as_is(reduce_fn):
+        return lambda: reduce_fn
+    return lambda: _serialize.dumps_function(reduce_fn)
+
+
+def _one_each(contributions: list[Message], root: int) -> str:
+    empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
+    return f"{rank_list(empty)} sent no value" if empty else ""
+
+
+def _n_each(contributions: list[Message], root: int) -> str:
+    n = len(contributions)
+    short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
+    return f"{rank_list(short)} did not send exactly {n} values" if short else ""
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    word = "rank" if len(ranks) == 1 else "ranks"
+    return f"{word} {','.join(map(str, ranks))}" if ranks else "no ranks"
+
+
+def _agreed(contributions: list[Message]) -> list[list[Any]]:
+    """The plan every rank sent alike (else a :class:`Disagree`)."""
+    plans = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
+             and len(c.segments[0]) == 1 else None for c in contributions}
+    if len(plans) != 1 or None in plans:  # the call matched; only its values disagree
+        raise Disagree()
+    return [[bytes(contributions[0].segments[0][0])]]
+
+
+# -- arrays on the data plane --------------------------------------------------
+
+
+def cpu_tensor(value: Any, least: int) -> Any:
+    """``value`` as a numpy array sharing its memory, if it is a torch tensor
+    of at least ``least`` bytes that numpy can see without a copy (CPU,
+    contiguous, a dtype numpy has, no conjugate or negative bit, not
+    requiring grad); else None. torch is looked up, never imported."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(value) is not torch.Tensor:
+        return None
+    try:
+        if (value.device.type != "cpu" or value.requires_grad or not value.is_contiguous()
+                or value.is_sparse or value.is_quantized or value.is_conj() or value.is_neg()
+                or value.element_size() * value.numel() < least):
+            return None
+        return value.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8, complex32)
+        return None
+
+
+def _array(value: Any, least: int) -> Any:
+    """``value`` as a C-contiguous numeric numpy array of at least ``least``
+    bytes (a CPU tensor's memory, as numpy sees it), or None."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return None
+    tensor = cpu_tensor(value, least)
+    if tensor is not None:
+        value = tensor  # the same memory, seen by numpy
+    elif not isinstance(value, numpy.ndarray):  # (subclasses too: a memmap is an array)
+        return None
+    if value.dtype.kind not in NUMERIC_KINDS or value.nbytes < least or value.dtype.hasobject:
+        return None
+    if not value.flags.c_contiguous:  # a view: what it shows, copied (the star pickles so too),
+        value = numpy.ascontiguousarray(value)  # so the layout never decides the path
+    return value
+
+
+def _tensor_out(tensor: bool, result: Callable[[], Any]) -> Callable[[], Any]:
+    """A tensor in, a tensor out (sharing the result's memory)."""
+    if not tensor:
+        return result
+    from_numpy = sys.modules["torch"].from_numpy
+    return lambda: from_numpy(result())
+
+
+def _is_tensor(value: Any) -> bool:
+    return not isinstance(value, sys.modules["numpy"].ndarray)
+
+
+# -- the operations ------------------------------------------------------------
+
+
+class Allreduce(Operation):
+    code = Op.ALLREDUCE
+
+    def part(self, here: Here, value: Any, reduce_fn: Any) -> Part:
+        fn = _reducer_of(here, reduce_fn, 0)
+        finish = _value(value) if here.size == 1 else _first  # nothing was combined with it
+        name = _ring.reduction_name(reduce_fn)
+        array = _array(value, here.data_min_bytes) if here.data and name is not None else None
+        if array is None or name is None:
+            return Part(0, lambda: ([_serialize.dumps(value)], fn()), finish)
+        description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
+        tensor = _is_tensor(value)
+
+        def job(msg: Message) -> _ring.Job:
+            ring = _ring.RingAllreduce(here.rank, here.size, array, _ring.reducer(name, reduce_fn))
+            ring.finish = _tensor_out(tensor, ring.result)
+            return ring
+        return Part(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
+
+    malformed = staticmethod(_one_each)
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        result = [_serialize.dumps(at.combine(contributions, root), "reduction result")]
+        return [result for _ in contributions]
+
+    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+        return _agreed(contributions)
+
+
+class Reduce(Operation):
+    code = Op.REDUCE
+    rooted = True
+    malformed = staticmethod(_one_each)
+
+    def part(self, here: Here, value: Any, reduce_fn: Any, root: Any) -> Part:
+        root = check_root(root, here.size)
+        fn = _reducer_of(here, reduce_fn, root)
+        finish = _none if here.rank != root else _value(value) if here.size == 1 else _first
+        return Part(root, lambda: ([_serialize.dumps(value)], fn()), finish)
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        result = [_serialize.dumps(at.combine(contributions, root), "reduction result")]
+        return [result if r == root else [] for r in range(len(contributions))]
+
+
+class Broadcast(Operation):
+    code = Op.BROADCAST
+    rooted = True
+
+    def part(self, here: Here, value: Any, root: Any) -> Part:
+        root = check_root(root, here.size)
+        if here.rank != root:
+            return Part(root, _nothing, _first, data_job=self._chain(here, root, None) if here.data
+                        else None)
+        if not here.data:
+            return Part(root, _sent(value), _value(value))
+        segment = _serialize.dumps(value)
+        plan = _bodies.sizes_plan(segment, here.data_min_bytes)
+        if plan is None:
+            return Part(root, lambda: ([segment], None), _value(value))
+        return Part(root, lambda: ([[plan]], None), _value(value), FLAG_DATA,
+                    self._chain(here, root, segment, value))
+
+    @staticmethod
+    def _chain(here: Here, root: int, segment: Optional[list[Any]], value: Any = None
+               ) -> Callable[[Message], _ring.Job]:
+        """The job of a broadcast whose value goes down the chain (the root's
+        plan says the sizes of its frames)."""
+        def job(msg: Message) -> _ring.Job:
+            sizes = _bodies.parse_sizes(msg, here.max_frame_bytes)
+            chain = _ring.ChainBroadcast(here.rank, here.size, root, sizes, segment)
+            chain.finish = (lambda: value) if segment is not None else (
+                lambda: _serialize.loads(chain.result()))
+            return chain
+        return job
+
+    def malformed(self, contributions: list[Message], root: int) -> str:
+        return "" if len(contributions[root].segments) == 1 else f"root {root} sent no value"
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        value = contributions[root].segments  # as the root sent it, never unpickled here
+        return [[] if r == root else value for r in range(len(contributions))]
+
+    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+        sender = contributions[root]
+        others = [r for r, c in enumerate(contributions) if c.flags & FLAG_DATA and r != root]
+        if others or not sender.flags & FLAG_DATA or len(sender.segments) != 1:
+            who = rank_list(others) if others else "the root"
+            raise Malformed(f"only the root may send a data plan ({who} sent a malformed one)")
+        return [[bytes(sender.segments[0][0])]]
+
+
+class Allgather(Operation):
+    code = Op.ALLGATHER
+
+    def part(self, here: Here, value: Any) -> Part:
+        if not here.data:
+            return Part(0, _sent(value), _all(value, here.rank))
+        segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
+        plan = _bodies.sizes_plan(segment, here.data_min_bytes)
+        rank, size = here.rank, here.size
+
+        def job(msg: Message) -> _ring.Job:
+            told = _bodies.parse_gather_plan(msg, size)
+            ring = _ring.RingAllgather(rank, size, told, segment if told[rank] is not None else None)
+            inline = iter(msg.segments[1:])
+            slots = [None if s is not None else next(inline) for s in told]
+
+            def finish() -> list[Any]:
+                frames = ring.result()
+                return [value if r == rank else _serialize.loads(slots[r] or frames[r])  # type: ignore[arg-type]
+                        for r in range(size)]
+            ring.finish = finish
+            return ring
+        if plan is None:
+            return Part(0, lambda: ([segment], None), _all(value, rank), data_job=job)
+        return Part(0, lambda: ([[plan]], None), _all(value, rank), FLAG_DATA, job)
+
+    malformed = staticmethod(_one_each)
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        values = [c.segments[0] for c in contributions]
+        return [values for _ in contributions]
+
+    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+        """Some values go round the ring: the plan names whose (and their
+        frames' sizes); the small values come with it."""
+        sizes: list[Any] = []
+        inline: list[list[Any]] = []
+        for rank, c in enumerate(contributions):
+            if len(c.segments) != 1:
+                raise Malformed(f"rank {rank} sent no value")
+            if not c.flags & FLAG_DATA:
+                sizes.append(None)
+                inline.append(c.segments[0])
+                continue
+            try:
+                sizes.append(_bodies.parse_sizes(c))
+            except WireError:
+                raise Malformed(f"rank {rank} sent a malformed description") from None
+        return [[_bodies.plan(sizes=sizes)], *inline]
+
+
+class Gather(Operation):
+    code = Op.GATHER
+    rooted = True
+
+    def part(self, here: Here, value: Any, root: Any) -> Part:
+        root = check_root(root, here.size)
+        return Part(root, _sent(value), _all(value, here.rank) if here.rank == root else _none)
+
+    malformed = staticmethod(_one_each)
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        values = [c.segments[0] for c in contributions]
+        return [values if r == root else [] for r in range(len(contributions))]
+
+
+class Scatter(Operation):
+    code = Op.SCATTER
+    rooted = True
+
+    def part(self, here: Here, values: Any, root: Any) -> Part:
+        root = check_root(root, here.size)
+        if here.rank != root:
+            return Part(root, _nothing, _first)
+        values = _per_rank(self.code, values, here.size, root)
+        own = values[root]
+        return Part(root, lambda: ([_serialize.dumps(v) for v in values], None), _value(own))
+
+    def malformed(self, contributions: list[Message], root: int) -> str:
+        sent, n = len(contributions[root].segments), len(contributions)
+        return "" if sent == n else f"root {root} sent {sent} values for {n} replicas"
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        parts = contributions[root].segments  # the root keeps its own part
+        return [[] if r == root else [parts[r]] for r in range(len(contributions))]
+
+
+class Alltoall(Operation):
+    code = Op.ALLTOALL
+
+    def part(self, here: Here, values: Any) -> Part:
+        values = _per_rank(self.code, values, here.size)
+        return Part(0, lambda: ([_serialize.dumps(v) for v in values], None),
+                    _all(values[here.rank], here.rank))
+
+    malformed = staticmethod(_n_each)
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        return [[c.segments[r] for c in contributions] for r in range(len(contributions))]
+
+
+class Barrier(Operation):
+    code = Op.BARRIER
+
+
+class Teardown(Operation):
+    code = Op.TEARDOWN
+
+
+class Shrink(Operation):
+    code = Op.SHRINK  # (a healthy group: nothing to leave out)
+
+
+class Grow(Operation):
+    code = Op.GROW  # (rule 10)
+
+    def part(self, here: Here, *args: Any) -> Part:
+        return Part(0, _nothing, _first)
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        told = [_serialize.dumps(at.newcomers_waiting(), "the number of newcomers")]
+        return [told for _ in contributions]
+
+
+OPERATIONS: dict[int, Operation] = {o.code: o for o in (
+    Allreduce(), Reduce(), Broadcast(), Allgather(), Gather(), Scatter(), Alltoall(), Barrier(),
+    Teardown(), Grow(), Shrink())}
+BY_NAME = {o.label: o for o in OPERATIONS.values()}
+OPS = {int(o): o for o in Op}
+
+
+def error_part(root: int, note: list[list[Any]]) -> Part:
+    """A part that tells the others this rank's call failed here (``note``)."""
+    return Part(root, lambda: (note, None), _none, FLAG_LOCAL_ERROR)
+
+
+def describe_call(op: int, root: int) -> str:
+    operation = OPERATIONS.get(op)
+    return f"{operation.label}(root={root})" if operation is not None and operation.rooted else label(op)
