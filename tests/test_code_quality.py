@@ -139,3 +139,119 @@ def test_imports_point_down_the_layers_and_make_no_circle():
         seen.add(module)
     for module in sorted(imports):
         visit(module)
+
+
+def _section(text, title):
+    """The body of the ``## title`` section of protocol.md (its heading starting with ``title``)."""
+    start = next(m.end() for m in re.finditer(r"^## (.*)$", text, re.M) if m.group(1).startswith(title))
+    following = re.search(r"^## ", text[start:], re.M)
+    return text[start:start + following.start()] if following else text[start:]
+
+
+def _rules(text, title):
+    """The rule numbers of a numbered rules section, checked to run 1, 2, ... n."""
+    numbers = [int(n) for n in re.findall(r"^(\d+)\. \*[^*]+\*", _section(text, title), re.M)]
+    assert numbers == list(range(1, len(numbers) + 1)), (title, numbers)
+    return set(numbers)
+
+
+def _cited_rules():
+    """(file, line, whose, number) for every "rule N" the package's code cites: the member's
+    ("rule N of the member", "the member's rule N", or bare in _member.py) or the coordinator's
+    (any other); _future's own rules (the concurrency rule, in its docstring) are left out."""
+    cited = []
+    for root, _, files in os.walk(os.path.join(ROOT, "zcollective")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.relpath(os.path.join(root, f), ROOT)
+            with open(os.path.join(ROOT, path), encoding="utf-8") as source:
+                lines = source.read().splitlines()
+            for i, line in enumerate(lines):
+                after_line = " " + (lines[i + 1].strip() if i + 1 < len(lines) else "")
+                for m in re.finditer(r"\b[Rr]ules? (\d+)\b(?! ?-)", line):
+                    of = re.match(r"\s*of\s+(?:the\s+)?(?::mod:`~?)?([\w.]+)", line[m.end():] + after_line)
+                    owner = re.search(r"(\w+)'s\s*$", line[:m.start()])
+                    whose = of.group(1) if of else owner.group(1) if owner else f[:-3]
+                    if "_future" in whose:
+                        continue
+                    cited.append((path, i + 1, "member" if whose.endswith(("member", "_member")) else
+                                  "coordinator", int(m.group(1))))
+    return cited
+
+
+def test_every_rule_the_code_cites_is_in_protocol_md():
+    text = _protocol_md()
+    rules = {"coordinator": _rules(text, "Coordinator rules"), "member": _rules(text, "Member rules")}
+    cited = _cited_rules()
+    assert len(cited) > 40, "the scan of the code's rule citations found too few: is it broken?"
+    missing = [c for c in cited if c[3] not in rules[c[2]]]
+    assert not missing, f"rules the code cites that protocol.md's rules lists lack: {missing}"
+    for module, whose in [("_coordinator", "coordinator"), ("_member", "member")]:
+        with open(os.path.join(ROOT, "zcollective", "_protocol", module + ".py"), encoding="utf-8") as f:
+            doc = f.read().split('"""')[1]
+        title = "Coordinator rules" if whose == "coordinator" else "Member rules"
+        assert f"Rules 1-{max(rules[whose])} " in doc and f"*{title}*" in doc, (module, "points elsewhere")
+
+
+def test_every_section_the_docstrings_and_protocol_md_point_to_exists():
+    text = _protocol_md()
+    titles = re.findall(r"^## (.*)$", text, re.M)
+    pointers = [("docs/protocol.md", m) for m in re.findall(r"\bSee ((?:\*[^*]+\*(?:, | and )?)+)", text)]
+    for root, _, files in os.walk(os.path.join(ROOT, "zcollective")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(root, f), encoding="utf-8") as source:
+                    flat = " ".join(source.read().split())
+                pointers += [(f, m) for m in re.findall(
+                    r"docs/protocol\.md, ((?:\*[^*]+\*(?:, | and )?)+)", flat)]
+    assert len(pointers) > 10, "the scan of pointers found too few: is it broken?"
+    dangling = [(where, name) for where, names in pointers for name in re.findall(r"\*([^*]+)\*", names)
+                if not any(t.startswith(name) for t in titles)]
+    assert not dangling, f"pointers to sections protocol.md does not have: {dangling}"
+
+
+def test_protocol_md_opens_with_its_words_and_names_only_code_that_exists():
+    """The glossary is the first section; each word is defined once; every class, function or
+    attribute it names (to say which word the docs use instead) is still in the code, so a
+    rename that ends a clash shows here, and the glossary is brought up to date with it."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import zcollective
+
+    text = _protocol_md()
+    assert re.findall(r"^## (.*)$", text, re.M)[0] == "Words"
+    words = _section(text, "Words")
+    rows = re.findall(r"^\| (\*\*.*?) \|", words, re.M)
+    defined = [w for row in rows for w in re.findall(r"\*\*([^*]+)\*\*", row)]
+    assert len(defined) > 30 and len(defined) == len(set(defined)), sorted(defined)
+    modules = {"zcollective": zcollective}
+    for info in pkgutil.walk_packages(zcollective.__path__, "zcollective."):
+        modules[info.name] = importlib.import_module(info.name)
+
+    def found(name):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):  # the longest leading run that names a module
+            module = [m for n, m in modules.items() if n.endswith("." + ".".join(parts[:i]))]
+            if module:
+                return any(_has(m, parts[i:]) for m in module)
+        return any(_has(m, parts) for m in modules.values())
+
+    def _has(obj, rest):
+        for k, attr in enumerate(rest):
+            if hasattr(obj, attr):
+                obj = getattr(obj, attr)
+                continue
+            if k == len(rest) - 1 and inspect.isclass(obj):  # set in __init__: self.<attr> =
+                assigned = rf"self\.{re.escape(attr)}\b\s*(:[^=\n]*)?="
+                return re.search(assigned, inspect.getsource(obj)) is not None
+            return False
+        return True
+
+    names = {re.sub(r"\(.*", "", n) for n in re.findall(r"`([^`\s]+)`", words)}
+    names = {n for n in names if re.fullmatch(r"[A-Za-z_][\w.]*", n) and ("." in n or n[0].isupper())}
+    assert len(names) > 20, names
+    gone = sorted(n for n in names if not found(n))
+    assert not gone, f"protocol.md's Words name code that is not there (renamed? update the glossary): {gone}"

@@ -2,40 +2,8 @@
 in the same processes (:func:`shrink`), the living agree (:func:`agree`), and a
 running group admits newcomers (:func:`grow`). The rules are the coordinator's
 rules 9 (a group formed from an earlier one) and 10 (newcomers); the bounds
-are in :mod:`._limits`.
-
-Shrinking, on every survivor (old rank ``r``; ``L``, the ranks its failure
-named lost):
-
-1. It closes the old group at once: nothing queued there is worth waiting for.
-   A group that failed for another reason (a mismatch) is not revived.
-2. The *candidates* are the old ranks not in ``L``, lowest first. The first
-   that can host does, on its own host (the address rank 0 saw it at): old
-   rank 0 at the group's port, old rank ``c`` at that port + ``c``
-   (:func:`form_port`), so no would-be host needs a port a living old rank 0
-   (stopped, busy) or another job may hold. Only the coordinator's word (a
-   FAIL's lost ranks) puts a rank in ``L``: a replica that saw its
-   connection to rank 0 close may have been left behind by a rank 0 that is
-   shrinking, so rank 0 stays a candidate, tried for
-   :data:`~._limits.FORM_PROBE_S` only.
-3. A survivor tries the candidates in turn: it hosts when it comes to its own
-   rank, and joins any other; one it cannot reach within
-   :data:`~._limits.FORM_REACH_S` it passes over (a host still open at its
-   address says ``NotFormingHere``: it is waited for that long, then passed
-   over too). A survivor later than :data:`~._limits.HOST_WINDOW_S` after its
-   group failed never hosts: it joins a later one or is told it was left out.
-4. The host expects every candidate not seen to die (a lower one comes when it
-   could not host: too late, or its port another program's); it forms the
-   group with those that came within
-   :data:`~._limits.FORM_WAIT_S`, itself as rank 0, the rest in old-rank
-   order, if they are more than half of the old group not counting ranks seen
-   to die (the FAIL's ``dead``; old rank 0 whose port refused; a lost rank
-   whose host refuses a connection at its form port: :func:`died`).
-   Whoever comes later, or too few, is told it was left out
-   (:class:`~.errors.LeftOutError`).
-
-So every survivor ends in the same group or is told it is not in it, and
-after a partition at most one side goes on (unless ``majority=False``).
+are in :mod:`._limits`. The steps (who hosts, who joins whom, the majority):
+see docs/protocol.md, *Elastic groups*.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """The message format: kinds, header layout, encode to and decode from frames.
 
 Pure functions over byte buffers; knows nothing of sockets, threads or pickle.
-docs/protocol.md describes the same layout for people.
-
-A message is a list of frames::
-
-    [header, fn?, frame...]
-
-* ``header``: :data:`HEADER` (fixed part), then the layout (``nseg``
-  little-endian uint32 giving how many frames each segment has), then the
-  UTF-8 call site. A segment is one serialized value (a pickle and its
-  out-of-band buffers) or, for control kinds, one JSON object. One frame for
-  all of it: each frame is a libzmq call on both sides.
-* ``fn``: present when ``flags & FLAG_FN``; a pickled reduce function.
-* the segments' frames, concatenated.
-
-A frame above :data:`WIRE_PART_BYTES` travels as several *parts* (slices of
-its buffer, not copies), listed in the header's parts table
-(``FLAG_PARTS``), and :func:`decode` joins them back into one buffer. libzmq
-counts a peer alive only when a whole frame arrives, so a frame that takes
-longer than the liveness bound to cross a slow link would otherwise look like
-a dead peer.
-
-Segments let the coordinator forward values (broadcast, gather, scatter,
-alltoall) without ever unpickling them.
+The frames, the header's fields, parts, tags and what :func:`decode` checks:
+see docs/protocol.md, *Frames* and *Kinds*.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
-"""The data plane's sockets: each replica binds one PULL socket (its *data
-port*, on the interface it uses to reach the master; port chosen by the OS,
-advertised in its JOIN, handed to all in the WELCOME) and connects one PUSH
-to the next rank's. It moves the chunks of a :class:`~zcollective._protocol._ring.Job`
-and nothing else: which calls go this way is decided by the coordinator,
-which matched the call first (see docs/protocol.md, "The data plane").
+"""The data plane's sockets: each replica binds one PULL socket (its data
+port) and connects one PUSH to the next rank's. It moves the chunks of a
+:class:`~zcollective._protocol._ring.Job` and nothing else: which calls go
+this way is decided by the coordinator, which matched the call first.
 
-A chunk is three frames: a header (:data:`HEADER`: magic, version, kind,
-session, seq, origin rank, step, index), a tag, the payload. With a secret
-the tag is a MAC of header and payload under the job's secret
-(:class:`zcollective._format._mac.ChunkMac`), verified before the payload is used;
-the header binds it to this group's session, the call and the chunk's
-place, so a chunk cannot be replayed or moved. Chunks forwarded unchanged
-keep their origin's header and tag. A chunk that fails is dropped and
-logged when it came from a stranger's connection; from the previous rank's
-own connection it means the link was tampered with, and the group fails.
-
-Liveness: ZMTP heartbeats on both sockets, as on the control plane, and
-chunks of at most :data:`~zcollective._protocol.CHUNK_BYTES` (a frame completes
-well within the heartbeat timeout even on a slow link, so a link that is
-slowly but steadily carrying a large array is never declared lost). The
-PUSH's monitor reports the next rank's connection closed or silent, which ends
-the call on every rank with :class:`~zcollective.errors.ReplicaLostError`
-naming the rank. The PULL's monitor names no peer (a stranger's connection
-closes the same way): the previous rank's loss is told by the coordinator
-(it probes on every close), or by that rank (its PUSH saw the link go), and
-a rank whose program ends with data unsent says so in its BYE.
+The chunk format, its tag, liveness and faults: see docs/protocol.md,
+*The data plane*.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Drivers of a :class:`~zcollective._protocol._member.Member`: how its messages reach
-the coordinator and the replies come back.
-
-:class:`Driver` holds what every driver does the same way (send what the
-member owes, wait for a condition, ask the coordinator for the status of a
-late call); a subclass says how one message is sent and how to wait for the
-next. Three exist:
-
-- :class:`~zcollective._io._replica.Replica`: a DEALER socket to rank 0 (ranks 1
-  and up);
-- :class:`HostLink`: rank 0's own member, whose thread serves the
-  coordinator's sockets itself while it waits in the library
-  (:class:`~zcollective._io._server.Server`): its messages and replies are
-  function calls;
-- :class:`DirectLink`: a group of one, where the coordinator is called in
-  the member's own thread; no socket, no thread.
-
-So there is one set of rules for a member and one for the coordinator, at
-every size of group.
+the coordinator and the replies come back. :class:`Driver` holds what every
+driver does the same way (send what the member owes, wait for a condition,
+ask the coordinator for the status of a late call); a subclass says how one
+message is sent and how to wait for the next: :class:`HostLink` (rank 0,
+beside its :class:`~zcollective._io._server.Server`), :class:`DirectLink` (a
+group of one) and :class:`~zcollective._io._replica.Replica` (a DEALER, ranks 1
+and up). See docs/protocol.md, *Topology* and *Drivers*.
 """
 
 from __future__ import annotations

@@ -1,93 +1,11 @@
-"""The coordinator's state: a pure object fed messages, returning messages.
+"""The coordinator's rules: a pure object fed messages and peer events,
+returning the messages to send. Rank 0 hosts it; a driver
+(:mod:`zcollective._io._server`, or :class:`~zcollective._io._link.DirectLink`
+for a group of one) feeds it and sends what it returns, so every rule is
+tested without a network.
 
-Theory of operation
--------------------
-Rank 0 hosts the coordinator. It knows nothing of sockets: a driver
-(:mod:`zcollective._io._server`) feeds it every received message with the peer's
-routing id, tells it which peers are gone, and sends what it returns. That
-keeps every rule below testable without a network.
-
-Rules:
-
-1. *Join.* Each peer's first message must be a JOIN. When all
-   ``num_replicas`` ranks have joined, each gets a WELCOME carrying the
-   session id that every later message must carry. A faulty join (wrong
-   Python or protocol version, disagreeing ``num_replicas``, a rank claimed
-   twice) fails the whole group, so every replica hears why.
-2. *Order.* The n-th call of every replica has sequence number n. A rank's
-   contributions must arrive with consecutive numbers; anything else is a
-   replay or forgery and is dropped.
-3. *Match.* All contributions at one number must be the same operation with
-   the same root, else the group fails with :class:`CallMismatchError`.
-4. *Complete.* When all ranks contributed to a number, the outcome is
-   computed (reductions in rank order, left to right) and each rank is sent
-   only what it needs. A reduce function that raises is an ERROR for that
-   number only; the group stays usable. A call a rank gives up (its timeout
-   ran out, it was interrupted: an ABORT marked ``abandoned``) before it
-   completes fails alike on every rank, on each as it arrives; once
-   complete, there is nothing to change.
-5. *Sticky failure.* Once FAILED, every message from a member is answered
-   with the same FAIL; nothing else happens.
-6. *Strangers.* Anything from a peer that has not joined, other than a JOIN,
-   is dropped and logged once; nothing from it is ever unpickled. Once the
-   group runs, nothing from a non-member changes its state, whatever the
-   message says; while it joins, a faulty JOIN from a peer that does not
-   prove the secret only refuses that peer, and so does, in any phase, a
-   JOIN of another job (its name differs from this coordinator's, or only
-   one has a name): the rank it claims may still come from this job. A
-   refused peer gets at most one answer (REJECT), and at most
-   :data:`MAX_ANSWERED_PEERS` peers get one.
-7. *Ending.* A member whose program ends without ``teardown`` sends BYE with
-   the number of calls it made, n. It is not lost: its connection may close.
-   Calls below n still complete (its contributions are in); a call at n or
-   later can never complete, so when any rank reaches one the group fails
-   with :class:`ReplicaLostError` saying that rank *ended its program*.
-   The coordinator answers a BYE with a BYE, after whatever it answered
-   before: the member then knows everything it sent was taken, and may close
-   its connection (closing over bytes its peer had not yet acknowledged
-   could lose them: a close with unread data resets a TCP connection).
-   Rank 0 hosts this object, so its BYE also means the coordinator goes:
-   once every call rank 0 made is complete (and its results sent), the
-   members still running are told the group is over, then sent a last BYE
-   (``FLAG_LAST``) each answers in kind: rank 0 closes once all answered
-   or are gone. When every member has ended, the group is closed. If data
-   went peer to peer, a BYE's answer is held until the next rank says it
-   took the data (TAKEN, of the last such call), ends or is gone; a BYE
-   flagged ``FLAG_DATA`` (data left unmoved) fails the group.
-8. *Gone.* A peer is gone when a send to it fails (a connection closed:
-   the driver sends :meth:`Coordinator.probes`, to members and parked
-   newcomers alike). Lost while running; its slot opens again while
-   joining; never lost once it said BYE; a newcomer gone is dropped. A
-   member gone within :data:`SEEN_DEAD_SHARE` of the liveness bound after
-   its last message was seen to die (heartbeats take longer to give up):
-   the FAIL says so (``dead``), for rule 9's majority.
-9. *Forming.* The members of an earlier group (its session, in hex, is the
-   *lineage*) form a new one (:class:`Forming`): their JOINs carry the
-   lineage and their old rank and size; a JOIN of another lineage, or of
-   none, is refused. When every expected member joined, or when the driver
-   says the bound passed (:meth:`Coordinator.form_now`), the members that
-   came are ranked densely in old-rank order, the host first; each WELCOME, bound to the old
-   rank its JOIN claimed, gives the new rank and every rank's old one. A
-   member of the lineage that comes later, or was not expected (a lower
-   rank, or one counted lost), is refused as left out. Those that came form
-   the group only if they are more than half of the old ranks not seen to
-   die (:meth:`Forming.quorate`; a partition's smaller side is told it was
-   left out). A member's JOIN for the next group that reaches the earlier
-   group's coordinator, still open, is told so (``NotFormingHere``).
-10. *Newcomers.* A JOIN marked ``newcomer`` while the group runs (proven,
-   with a secret) is parked, not refused (at most :data:`MAX_NEWCOMERS`;
-   one gone is dropped). A GROW call, made by every member, completes with
-   the number of newcomers parked; if there are any, each gets a WELCOME
-   bound to its JOIN that admits it (``admitted``: its rank, counted on from
-   the members', the new size, the lineage), and the group is closed: its
-   members and the newcomers form the next one (rule 9) where it was.
-11. *Stalls.* A call some rank has made, waiting for others longer than
-   ``warn_after`` (the join too, from the coordinator's start), is named
-   in a warning (:meth:`Coordinator.stalls`, when the driver's clock says:
-   :meth:`Coordinator.next_stall`): the ranks it waits for, each one's
-   last call (operation, seq, call site) and how long ago; again at 2, 4
-   and 8 times the bound, then only its end, with the rank that came last.
-   A STATUS reply says the same (``stall``), for the ranks waiting.
+Rules 1-11 (cited by number in the code): see docs/protocol.md,
+*Coordinator rules*.
 """
 
 from __future__ import annotations

@@ -1,54 +1,10 @@
 """One replica's rules: a pure object fed messages and connection events,
-returning the messages to send.
+returning the messages to send. Every replica, rank 0 included, has one
+:class:`Member`; its driver (:mod:`zcollective._io._link`) gives it what
+arrives and sends what it returns and owes. It holds the one table of calls
+in flight and resolves their futures.
 
-Theory of operation
--------------------
-Every replica, rank 0 included, has one :class:`Member`. It knows nothing of
-sockets or threads: a driver (:mod:`zcollective._io._link`) gives it every
-message that arrives and every event of its connection, and sends what it
-returns and what it owes. The member holds the one table of calls in flight
-and resolves their futures. That keeps every rule below testable without a
-network, as :mod:`zcollective._protocol._coordinator`'s are.
-
-Rules:
-
-1. *Join.* A JOIN carries a fresh nonce, and its *token* (the nonce's
-   first 16 hex digits, as a number) binds the replies sent before the
-   WELCOME. A WELCOME counts only if
-   it echoes the nonce of a JOIN this member sent. With a secret the
-   coordinator first answers with a CHALLENGE, which a new JOIN echoes. A
-   connection closed before the WELCOME may have taken the JOIN with it: the
-   member joins again once a new connection's handshake succeeds.
-2. *Binding.* Every message must name this rank and the session (before the
-   WELCOME, the token of one of its JOINs). One bound elsewhere that proved
-   the secret was moved between ranks or replayed: the group fails here, and
-   the coordinator is told (ABORT) so that it fails for everyone. Without a
-   secret it is dropped (a RESULT of an earlier group on the same port is
-   routine).
-3. *Calls.* The n-th call has sequence number n. A call is in the table from
-   :meth:`Member.submit` until its RESULT or ERROR arrives; the RESULT
-   resolves its future through the call's finisher, an ERROR with the error
-   it names. A reply for a call no longer in the table is dropped.
-4. *Owed.* A contribution leaves :meth:`Member.submit` as *owed*, in the
-   same step that uses its seq; it stays owed until the driver has sent it
-   whole. So an interrupt never leaves a seq used but unsent (every rank's
-   n-th call would wait for it): the next step sends it, and a contribution
-   sent twice is dropped by the coordinator's rule 2.
-5. *Sticky failure.* A REJECT or FAIL, the connection lost after the
-   WELCOME, a reply that fails authentication, another protocol version, a
-   foreign program at the master address: the group fails here for good.
-   Every call in the table and every later one raises that error.
-6. *Foreign program.* A ZeroMQ handshake that fails with a protocol
-   violation proves a foreign program at once; one closed during the
-   handshake may be a proxy or a coordinator still starting, so that counts
-   only after :data:`FOREIGN_PEER_TRIES` of them over :data:`FOREIGN_PEER_S`.
-7. *Ending.* A program ending without ``teardown`` sends BYE (flagged
-   ``FLAG_DATA`` if data it had to move peer to peer is left); the
-   coordinator's BYE in answer (:attr:`Member.farewell`) says that
-   everything sent before it was taken, so the connection may close.
-   Rank 0's last BYE (``FLAG_LAST``) is answered in kind, failed or not;
-   a TAKEN, once no data through its seq is left to take (the rank before
-   this one ends). A PROBE asks for nothing: bound here, it is ignored.
+Rules 1-7 (cited by number in the code): see docs/protocol.md, *Member rules*.
 """
 
 from __future__ import annotations

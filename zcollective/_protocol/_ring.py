@@ -1,33 +1,8 @@
 """The data plane's schedules: what a rank sends, and what it does with each
 chunk it receives, for a ring allreduce, a chain broadcast and a ring
-allgather. Pure: no
-sockets, no MACs, no threads (:mod:`zcollective._io._dataplane` moves the
-chunks; the tests run whole rings in memory).
-
-Every rank sends only to the next rank, ``(rank + 1) % size``, and receives
-only from the previous one, so each host's link carries each byte about
-once each way:
-
-- *Allreduce* (reduce-scatter, then allgather, as in Patarasuk and Yuan's
-  bandwidth-optimal ring, which gloo and Horovod use too): the array is cut
-  into ``size`` segments, each into chunks of at most ``chunk_bytes``. In
-  reduce-scatter step ``t`` rank ``r`` sends segment ``(r - t) % size`` and
-  reduces segment ``(r - t - 1) % size`` with what it receives; after
-  ``size - 1`` steps it holds segment ``(r + 1) % size`` reduced over every
-  rank, which then travels once round the ring. Each chunk moves on as soon
-  as it is reduced, so the steps overlap (a pipeline, not ``2(size-1)``
-  rounds). The reduction order of an element is fixed (it starts at the rank
-  that owns its segment and goes round), so every rank gets the same bits,
-  but it is not rank order.
-- *Broadcast*: the root's serialized value flows down the chain root, root+1,
-  ..., root-1 in chunks, each forwarded as soon as it arrives.
-- *Allgather*: each rank's serialized value (those large enough; the others
-  came with the plan) goes once round the ring, from its owner to the rank
-  before it, in chunks forwarded as they arrive.
-
-What is forwarded unchanged (an allgather chunk, a broadcast chunk) keeps
-the header and tag its origin made: a chunk is hashed once and verified at
-each receiver (see :class:`Out`).
+allgather. Pure: no sockets, no MACs, no threads
+(:mod:`zcollective._io._dataplane` moves the chunks). The schedules: see
+docs/protocol.md, *The data plane* (Schedules).
 """
 
 from __future__ import annotations
