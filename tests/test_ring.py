@@ -68,6 +68,23 @@ def test_ring_allreduce_sums_and_every_rank_gets_the_same_bits(n, count):
         assert v.tobytes() == o.tobytes()  # inputs untouched
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_ring_reduce_scatter_stops_after_its_half_and_each_rank_holds_the_next_segment(n):
+    """gather=False: no allgather chunk is sent or taken, and rank r's result is segment
+    (r + 1) % n reduced over every rank (what reduce_scatter rotates its parts for)."""
+    rng = np.random.default_rng(n)
+    values = [rng.integers(0, 100, 4 * n * 3).astype(np.int64) for _ in range(n)]
+    jobs = _run([RingAllreduce(r, n, values[r], reducer("add", operator.add), 16, gather=False)
+                 for r in range(n)], random.Random(n))
+    total = np.sum(values, axis=0).reshape(n, -1)
+    for r, job in enumerate(jobs):
+        assert job.done
+        assert job.result().tolist() == total[(r + 1) % n].tolist()
+    if n > 1:
+        from zcollective._protocol._ring import AG
+        assert not jobs[0].receive(AG, 0, 0, b"", [], 1)
+
+
 def test_ring_allreduce_keeps_dtype_shape_and_integer_exactness():
     n = 3
     values = [np.full((4, 5, 6), r + 1, dtype=np.int64) * (10**12) for r in range(n)]

@@ -167,9 +167,12 @@ class RingAllreduce(Job):
     op = "allreduce"
 
     def __init__(self, rank: int, size: int, array: Any, reduce: Callable[[Any, Any, Any], None],
-                 chunk_bytes: Optional[int] = None) -> None:
+                 chunk_bytes: Optional[int] = None, gather: bool = True) -> None:
+        """``gather=False``: only the reduce-scatter; :meth:`result` is the
+        segment this rank holds reduced, ``(rank + 1) % size``."""
         import numpy
         super().__init__(rank, size)
+        self._gather = gather
         self._input = array.reshape(-1)
         self._out = numpy.empty_like(self._input)
         self._shape = array.shape
@@ -180,12 +183,12 @@ class RingAllreduce(Job):
         self._seen: set[tuple[int, int, int]] = set()
         n = size
         for t in range(n - 1):  # what arrives: reduce-scatter then allgather, one segment a step
-            for segment in ((rank - t - 1) % n, (rank - t) % n):
+            for segment in ((rank - t - 1) % n, (rank - t) % n)[:2 if gather else 1]:
                 chunks = self._segments[segment]
                 self.expected += len(chunks)
                 self.total_bytes += sum(e - s for s, e in chunks) * itemsize
-        self.to_send = sum(len(self._segments[(rank - t) % n]) + len(self._segments[(rank + 1 - t) % n])
-                           for t in range(n - 1))
+        self.to_send = sum(len(self._segments[(rank - t) % n])
+                           + (len(self._segments[(rank + 1 - t) % n]) if gather else 0) for t in range(n - 1))
         for j, (s, e) in enumerate(self._segments[rank]):  # step 0: this rank's own segment
             self.outbox.append(Out(RS, 0, j, self._input[s:e]))
         if n == 1:
@@ -198,7 +201,7 @@ class RingAllreduce(Job):
             if not 0 <= step < n - 1:
                 return False
             segment = (rank - step - 1) % n
-        elif kind == AG:
+        elif kind == AG and self._gather:
             segment = step  # an allgather chunk names its segment
             if (rank - segment) % n == n - 1:  # this rank's own reduced segment never comes back
                 return False
@@ -221,7 +224,7 @@ class RingAllreduce(Job):
             self._reduce(dst, incoming, self._input[s:e])
             if step < n - 2:
                 self.outbox.append(Out(RS, step + 1, index, dst))
-            else:  # reduced over every rank: it starts round the ring
+            elif self._gather:  # reduced over every rank: it starts round the ring
                 self.outbox.append(Out(AG, segment, index, dst))
         else:
             dst[...] = incoming
@@ -230,6 +233,9 @@ class RingAllreduce(Job):
         return True
 
     def result(self) -> Any:
+        if not self._gather:
+            held = self._segments[(self.rank + 1) % self.size]
+            return self._out[held[0][0]:held[-1][1]]
         return self._out.reshape(self._shape)
 
 
