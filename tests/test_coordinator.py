@@ -18,7 +18,7 @@ from zcollective._format._wire import (
     join_token,
 )
 from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
-from zcollective._protocol._ops import Op
+from zcollective._protocol._ops import SPOKEN, Op
 
 SESSION = 0x5E55
 
@@ -27,8 +27,8 @@ def peer(rank):
     return b"R%d" % rank
 
 
-def join_msg(rank, n, python=PYTHON_VERSION):
-    return control(Kind.JOIN, {"rank": rank, "num_replicas": n, "python": python,
+def join_msg(rank, n, python=PYTHON_VERSION, ops=SPOKEN):
+    return control(Kind.JOIN, {"rank": rank, "num_replicas": n, "python": python, "ops": ops,
                                "protocol": PROTOCOL_VERSION, "pid": 100 + rank, "host": "h"},
                    rank=rank)
 
@@ -171,6 +171,8 @@ def test_unknown_connection_closing_changes_nothing():
 
 @pytest.mark.parametrize("problem, msg, text", [
     ("python", join_msg(1, 2, python="2.7"), "runs Python 2.7"),
+    ("ops", join_msg(1, 2, ops="allreduce,broadcast"), "knows the operations allreduce,broadcast, the "
+     "coordinator (rank 0) knows allreduce,broadcast,allgather,gather,scatter,reduce,alltoall,barrier"),
     ("size", join_msg(1, 3), "disagree on num_replicas: rank 1 (pid 101 on h) says 3"),
     ("range", join_msg(5, 2), "out of range"),
     ("twice", join_msg(0, 2), "rank 0 was claimed twice"),

@@ -52,7 +52,7 @@ from zcollective._format._wire import (
 from zcollective._io import _zap
 from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
 from zcollective._protocol._member import Call, Member
-from zcollective._protocol._ops import Op, label
+from zcollective._protocol._ops import SPOKEN, Op, label
 from zcollective.errors import AuthenticationError, CollectiveError, ProtocolError
 from zcollective.testing import Replicas, free_port, report
 
@@ -78,7 +78,7 @@ def add(a, b):
 
 def join_body(rank, nonce):
     return {"rank": rank, "num_replicas": N, "protocol": PROTOCOL_VERSION, "python": PYTHON_VERSION,
-            "pid": 100 + rank, "host": "h", "nonce": nonce}
+            "pid": 100 + rank, "host": "h", "nonce": nonce, "ops": SPOKEN}
 
 
 @functools.lru_cache(maxsize=64)
@@ -1241,7 +1241,7 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
         zero = threading.Thread(target=rank, args=(0,))
         zero.start()
         impostor.connect(f"tcp://127.0.0.1:{port}")
-        join = control(Kind.JOIN, {"rank": 0, "num_replicas": 2, "python": PYTHON_VERSION,
+        join = control(Kind.JOIN, {"rank": 0, "num_replicas": 2, "python": PYTHON_VERSION, "ops": SPOKEN,
                                    "pid": 1, "host": "impostor", "nonce": "ab" * 16}, rank=0)
         for _ in range(3):
             impostor.send_multipart(encode(join))
@@ -1259,6 +1259,7 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
 PEERS_BY_COMMAND = r"""
 import os, sys, zmq
 from zcollective._protocol._coordinator import PYTHON_VERSION
+from zcollective._protocol._ops import SPOKEN
 from zcollective._format._wire import PROTOCOL_VERSION, Kind, control, encode
 ctx, socks = zmq.Context(), {}
 for line in sys.stdin:  # one command a line, done in order; the test waits for its effect
@@ -1272,7 +1273,7 @@ for line in sys.stdin:  # one command a line, done in order; the test waits for 
         socks[name].send(b"hello")
     elif what == "join":  # join NAME RANK
         socks[name].send_multipart(encode(control(Kind.JOIN, {
-            "rank": int(rest[0]), "num_replicas": 3, "python": PYTHON_VERSION,
+            "rank": int(rest[0]), "num_replicas": 3, "python": PYTHON_VERSION, "ops": SPOKEN,
             "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "host": "h"}, rank=int(rest[0]))))
     elif what == "close":
         socks.pop(name).close(linger=1000)

@@ -442,7 +442,8 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
     assert msg.kind is Kind.JOIN and msg.rank == 3
     assert bytes(msg.segments[0][0]).startswith(b'{"rank":3,"num_replicas":4,"protocol":')
     info = _bodies.parse_join(_through_the_wire(msg))
-    assert info == {"rank": 3, "num_replicas": 4, "python": "3.11", "pid": info["pid"], "nonce": "ab" * 16,
+    assert info == {"rank": 3, "num_replicas": 4, "python": "3.11", "ops": "", "pid": info["pid"],
+                    "nonce": "ab" * 16,
                     "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
                     "data_mode": "on", "macs": _mac.available_backends(), "lineage": None,
                     "newcomer": False, "job": None}

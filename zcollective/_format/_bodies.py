@@ -29,14 +29,15 @@ DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is
 
 def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optional[str],
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
-         newcomer: bool = False, job: Optional[str] = None) -> Message:
-    """JOIN: who this replica is and what it runs; its answers are bound to ``nonce``.
+         newcomer: bool = False, job: Optional[str] = None, ops: str = "") -> Message:
+    """JOIN: who this replica is and what it runs (``ops``: the operations it
+    knows, by name); its answers are bound to ``nonce``.
     ``lineage``: it joins a group the members of an earlier one form (its session, in
     hex; ``rank`` and ``num_replicas`` are then its old ones); ``newcomer``: it
     waits to be admitted to a running group; ``job``: its job's name, if it has one."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
-                            "nonce": nonce}
+                            "nonce": nonce, "ops": ops}
     if challenge is not None:
         body["challenge"] = challenge
     if lineage is not None:
@@ -67,7 +68,8 @@ def parse_join(msg: Message) -> dict[str, Any]:
             and type(data_min) is int):
         data, data_min = None, 0  # no data port: the group keeps the star
     lineage = body.get("lineage")
-    return {"rank": rank, "num_replicas": n, "python": python, "pid": pid, "nonce": join_nonce(msg),
+    return {"rank": rank, "num_replicas": n, "python": python, "ops": printable(str(body.get("ops"))[:1024]),
+            "pid": pid, "nonce": join_nonce(msg),
             "lineage": lineage[:64] if isinstance(lineage, str) else None,
             "newcomer": body.get("newcomer") is True, "job": None if job is None else printable(job),
             "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,

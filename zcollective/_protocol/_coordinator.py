@@ -45,7 +45,7 @@ from .._format._wire import (
 from .._limits import LOCAL_PART_BYTES, MAX_STALL_WARNINGS, WIRE_PART_BYTES
 from ..errors import SerializationError, from_signal
 from . import _ring
-from ._ops import LABELS, OPERATIONS, OPS, Disagree, Malformed, Op, describe_call, rank_list
+from ._ops import LABELS, OPERATIONS, OPS, SPOKEN, Disagree, Malformed, Op, describe_call, rank_list
 from ._stats import Lateness
 
 log = logging.getLogger("zcollective")
@@ -499,7 +499,7 @@ class Coordinator:
         except WireError as exc:
             self._warn(address, "join", f"dropped a malformed JOIN from {address}: {exc}")
             return []
-        python, n = info.pop("python"), info.pop("num_replicas")
+        python, n, ops = info.pop("python"), info.pop("num_replicas"), info.pop("ops")
         lineage, newcomer = info.pop("lineage"), info.pop("newcomer")
         job = info.pop("job")
         join = Member(peer=b"", **info)
@@ -535,7 +535,7 @@ class Coordinator:
             return self._refuse(peer, msg, "LeftOutError", (
                 f"{join.describe()} came to form a group from one of {n} replicas, but the group "
                 f"here forms from {forming.old_size} (a grow that went on without it)"))
-        problem = self._join_problem(join, python, n)
+        problem = self._join_problem(join, python, n, ops)
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
         join.peer, join.address, join.heard = peer, address, time.monotonic()
@@ -686,13 +686,16 @@ class Coordinator:
         self._warn(address, "late", f"refused a join: {message}")
         return self._refuse(peer, msg, "LateJoinError", message)
 
-    def _join_problem(self, join: Member, python: str, n: int) -> Optional[tuple[str, str]]:
+    def _join_problem(self, join: Member, python: str, n: int, ops: str) -> Optional[tuple[str, str]]:
         """Why a proven JOIN fails the whole group (error name, text), or None."""
         who = join.describe()
         if python != PYTHON_VERSION:
             return ("ProtocolError", f"{who} runs Python {python}, the coordinator (rank 0) runs "
                     f"Python {PYTHON_VERSION}; pickles are only compatible between identical "
                     f"Python versions")
+        if ops != SPOKEN:
+            return ("ProtocolError", f"{who} knows the operations {ops}, the coordinator (rank 0) "
+                    f"knows {SPOKEN}: every replica must run the same zcollective release")
         size = self.forming.old_size if self.forming is not None else self.num_replicas
         if n != size:
             return ("ValueError", f"replicas disagree on num_replicas: {who} says {n}, "

@@ -38,7 +38,7 @@ from .._format._wire import (
 )
 from .._limits import STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
-from ._ops import LABELS, Op
+from ._ops import LABELS, SPOKEN, Op
 from ._stats import CallStats, calls_log
 
 log = logging.getLogger("zcollective")
@@ -132,7 +132,8 @@ class Member:
         self._nonces.add(nonce)
         self._tokens.add(join_token(nonce))
         return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
-                            self.data_min_bytes, self.data_mode, self.lineage, self.newcomer, self.job)
+                            self.data_min_bytes, self.data_mode, self.lineage, self.newcomer, self.job,
+                            SPOKEN)
 
     @property
     def joined(self) -> bool:

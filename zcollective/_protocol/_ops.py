@@ -504,9 +504,11 @@ class Grow(Operation):
 
 
 OPERATIONS: dict[int, Operation] = {o.code: o for o in (
-    Allreduce(), Reduce(), Broadcast(), Allgather(), Gather(), Scatter(), Alltoall(), Barrier(),
-    Teardown(), Grow(), Shrink())}
+    Allreduce(), Reduce(), Broadcast(), Allgather(), Gather(), Scatter(), Alltoall(),
+    Barrier(), Teardown(), Grow(), Shrink())}
 BY_NAME = {o.label: o for o in OPERATIONS.values()}
+SPOKEN = ",".join(o.label for _, o in sorted(OPERATIONS.items()))  # a JOIN's: a group's ranks know
+# the same operations (a replica of another release whose protocol version matches may not)
 OPS = {int(o): o for o in Op}
 
 
