@@ -514,7 +514,8 @@ def test_with_a_secret_a_join_must_echo_a_fresh_challenge_so_old_joins_claim_not
                 coord.receive(who, encode(msg, signer), address="10.0.0.9")]
 
     def join(rank, challenge=None):
-        body = {"rank": rank, "num_replicas": 2, "python": PYTHON_VERSION, "protocol": PROTOCOL_VERSION,
+        body = {"rank": rank, "num_replicas": 2, "python": PYTHON_VERSION, "ops": SPOKEN,
+                "protocol": PROTOCOL_VERSION,
                 "pid": 1, "host": "h", "nonce": "ab" * 16}
         if challenge is not None:
             body["challenge"] = challenge
