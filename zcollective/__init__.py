@@ -46,7 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "initialize", "teardown", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "stats",
-    "allreduce", "allreduce_async", "reduce", "reduce_async",
+    "allreduce", "allreduce_async", "reduce", "reduce_async", "reduce_scatter", "reduce_scatter_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
     "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement", "grow",
@@ -366,6 +366,34 @@ def reduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *
 def reduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn,
                  root: int = 0) -> CollectiveFuture[Any]:
     return _current().reduce_async(value, reduce_fn, root)
+
+
+def reduce_scatter(values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn, *,
+                   timeout: Timeout = DEFAULT) -> Any:
+    """Each replica passes one value per replica; replica i gets every
+    replica's ``values[i]`` reduced in rank order, ``fn(fn(v0[i], v1[i]), v2[i])``,
+    with rank 0's ``reduce_fn``. Equal numeric arrays (or CPU tensors) of every
+    rank go peer to peer on the data plane, as an allreduce's do.
+
+    Raises
+    ------
+    ValueError
+        ``values`` does not hold one value per replica (the others' call
+        fails with :class:`PeerError`; the group stays usable).
+    RemoteError
+        ``reduce_fn`` raised on rank 0; the group stays usable.
+    CollectiveTimeoutError, ReplicaLostError, CallMismatchError
+        See "When things go wrong" in the README.
+    """
+    return _current().reduce_scatter(values, reduce_fn, timeout=timeout)
+
+
+@_async_twin(reduce_scatter, 'RuntimeError, ValueError, TypeError',
+              '``values`` of the wrong length, a value too large or that cannot be pickled, '
+              'a ``reduce_fn`` that cannot be pickled')
+def reduce_scatter_async(values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn
+                         ) -> CollectiveFuture[Any]:
+    return _current().reduce_scatter_async(values, reduce_fn)
 
 
 def broadcast(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:

@@ -488,6 +488,18 @@ class Group:
         (see :func:`zcollective.reduce_async`)."""
         return self._call("reduce", value, reduce_fn, root)
 
+    def reduce_scatter(self, values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn, *,
+                       timeout: Timeout = DEFAULT) -> Any:
+        """Each replica passes one value per replica; replica i gets every
+        replica's ``values[i]`` reduced in rank order with rank 0's
+        ``reduce_fn``. See :func:`zcollective.reduce_scatter`."""
+        return self._blocking(self._call("reduce_scatter", values, reduce_fn), timeout)
+
+    def reduce_scatter_async(self, values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn
+                             ) -> CollectiveFuture[Any]:
+        """Like :meth:`reduce_scatter`, without blocking; returns a future."""
+        return self._call("reduce_scatter", values, reduce_fn)
+
     def broadcast(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
         """Every replica gets ``root``'s ``value``; other values are ignored.
         ``root`` gets back its own object, the others an unpickled copy."""

@@ -37,6 +37,7 @@ class Op(enum.IntEnum):
     TEARDOWN = 9
     GROW = 10  # members admit the newcomers waiting (rule 10 of the coordinator)
     SHRINK = 11  # shrink() in a group that had not failed: a collective call like any other
+    REDUCE_SCATTER = 12
 
     @property
     def label(self) -> str:
@@ -332,6 +333,48 @@ class Reduce(Operation):
         return [result if r == root else [] for r in range(len(contributions))]
 
 
+class ReduceScatter(Operation):
+    """Rank i gets every rank's i-th value reduced in rank order with rank 0's
+    function. Equal arrays (or CPU tensors) with a data plane go round the
+    ring's reduce-scatter half, this rank's part coming out of it: the parts
+    are laid out one segment later, since rank r ends holding segment r + 1."""
+
+    code = Op.REDUCE_SCATTER
+
+    def part(self, here: Here, values: Any, reduce_fn: Any) -> Part:
+        values = _per_rank(self.code, values, here.size)
+        fn = _reducer_of(here, reduce_fn, 0)
+        own = values[here.rank]
+        finish = _value(own) if here.size == 1 else _first
+        name = _ring.reduction_name(reduce_fn)
+        arrays = [_array(v, 0) for v in values] if here.data and name is not None else []
+        first = arrays[0] if arrays else None
+        if (name is None or first is None
+                or any(a is None or a.dtype != first.dtype or a.shape != first.shape for a in arrays)
+                or first.nbytes * len(arrays) < here.data_min_bytes):
+            return Part(0, lambda: ([_serialize.dumps(v) for v in values], fn()), finish)
+        n, shape = here.size, first.shape
+        description = _bodies.plan(dtype=first.dtype.str, shape=[n, *shape], fn=name)
+        tensor = _is_tensor(own)
+
+        def job(msg: Message) -> _ring.Job:
+            numpy = sys.modules["numpy"]
+            laid = numpy.concatenate([arrays[(s - 1) % n].reshape(-1) for s in range(n)])
+            ring = _ring.RingAllreduce(here.rank, n, laid, _ring.reducer(name, reduce_fn), gather=False)
+            ring.finish = _tensor_out(tensor, lambda: ring.result().reshape(shape))
+            return ring
+        return Part(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
+
+    malformed = staticmethod(_n_each)
+
+    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
+        return [[_serialize.dumps(at.combine(contributions, root, i), "reduction result")]
+                for i in range(len(contributions))]
+
+    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+        return _agreed(contributions)
+
+
 class Broadcast(Operation):
     code = Op.BROADCAST
     rooted = True
@@ -504,7 +547,7 @@ class Grow(Operation):
 
 
 OPERATIONS: dict[int, Operation] = {o.code: o for o in (
-    Allreduce(), Reduce(), Broadcast(), Allgather(), Gather(), Scatter(), Alltoall(),
+    Allreduce(), Reduce(), ReduceScatter(), Broadcast(), Allgather(), Gather(), Scatter(), Alltoall(),
     Barrier(), Teardown(), Grow(), Shrink())}
 BY_NAME = {o.label: o for o in OPERATIONS.values()}
 SPOKEN = ",".join(o.label for _, o in sorted(OPERATIONS.items()))  # a JOIN's: a group's ranks know
