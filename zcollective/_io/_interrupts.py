@@ -1,26 +1,12 @@
-"""Where an interrupt may surface: the interrupt half of the one concurrency
-rule (the other half, who owns each socket, opens :mod:`zcollective._io._server`).
+"""Where an interrupt may surface, and every blocking wait of the library.
 
-Python runs a signal handler in the main thread between two bytecodes of
-whatever runs there. A handler's exception (``KeyboardInterrupt``) raised
-inside the library could leave a message half sent, a reply taken in but not
-handled, a reduction half done. So while a group is open the handlers of
-:data:`DEFERRED_SIGNALS` are wrapped (:func:`hold_signals`): a wrapped
-handler runs at once only where the interrupted code is not the library's,
-or is one of its *surfaces*:
-
-- a wait (:func:`wait`, :func:`wait_event`, :func:`wait_lock`,
-  :func:`wait_condition`), where nothing is half done;
-- user code the library calls on rank 0 (:func:`call_user`: a reduce
-  function), whose interruption its caller handles.
-
-Anywhere else in the library the signal is *deferred*: sent to the main
-thread again a moment later, so its handler runs at the library's next wait
-or just after the library returns to the program. Which it is depends on the
-stack alone (trio's ``_ki.py`` decides the same way), so no line of the
-library needs care, and the hot path pays nothing: the stack is read only
-when a signal comes. A handler the program installs while a group is open is
-not wrapped; when the last group closes the wrapped ones are put back.
+While a group is open the handlers of :data:`DEFERRED_SIGNALS` are wrapped
+(:func:`hold_signals`): a wrapped handler runs at once only where the
+interrupted code is not the library's, or is one of its *surfaces* (marked
+:func:`surface`: the waits here, and :func:`call_user`, a reduce function);
+anywhere else in the library the signal is deferred, sent again a moment later.
+Which it is depends on the stack alone, read only when a signal comes. The
+rule and the reasons: see docs/protocol.md, Concurrency.
 """
 
 from __future__ import annotations

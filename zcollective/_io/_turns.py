@@ -1,29 +1,9 @@
-"""Which of the program's threads uses a group's sockets: the one-owner rule
-(see :mod:`zcollective._io._server`) among the program's own threads.
-
-A group's member, its link and rank 0's hold on the coordinator are used by
-one thread at a time, the holder of the group's *turn* (:class:`Turns`). Any
-thread may call:
-
-- a thread that sends a call takes the turn for as long as sending takes;
-- a thread that waits for a result *leads*: it holds the turn and waits in
-  the link's poll, which also watches :attr:`Turns.nudge`; one thread leads
-  at a time;
-- the other threads waiting for results *follow*: they sleep until their
-  call is done (a done-callback wakes them) or nobody leads (the leader's
-  own call finished: one of them leads next);
-- a thread that wants the turn while the leader waits nudges it: the leader
-  lets go, waits until every thread that wanted the turn has had it, and
-  takes it back. A leader nested in a done-callback never lets go (its outer
-  frame is halfway through taking a message in).
-
-Results are taken in by whichever thread leads, so done-callbacks run in that
-thread. A program of one thread pays an uncontended lock per call.
-
-Order between threads is the program's business: every rank must make its
-calls in the same order (as MPI_THREAD_MULTIPLE requires of MPI programs); two
-threads of one rank that call at once make their calls in the order they took
-the turn.
+"""Which thread uses a group's sockets: the holder of the group's *turn*
+(:class:`Turns`). Senders take it for their send; one waiting thread leads
+(holds it and polls, watching :attr:`Turns.nudge`), the others follow; a
+thread wanting it nudges the holder, which lets go at its next poll; rank 0's
+server thread takes it while the program is away and gives way to any program
+thread. The rule and the reasons: see docs/protocol.md, Concurrency.
 """
 
 from __future__ import annotations
