@@ -255,3 +255,68 @@ def test_protocol_md_opens_with_its_words_and_names_only_code_that_exists():
     assert len(names) > 20, names
     gone = sorted(n for n in names if not found(n))
     assert not gone, f"protocol.md's Words name code that is not there (renamed? update the glossary): {gone}"
+
+
+SURFACE_MODULES = {os.path.join("zcollective", "_io", "_interrupts.py")}  # where a wait may be written
+NOT_LIBRARY = {"run.py", "testing.py", "_child.py", "__main__.py"}  # the launcher's and test helpers'
+WAITABLES = {"Event", "Condition", "Barrier", "Semaphore", "BoundedSemaphore", "Queue", "SimpleQueue"}
+
+
+def _blocking_waits(source):
+    """The blocking waits written in ``source`` (line, what): a sleep, a poll
+    or select with a timeout, a thread's join, any ``.wait(``, an acquire
+    that may block, a waitable of ``threading``/``queue`` made, a process or
+    signal waited for. Not a wait: a call of ``_interrupts`` (the surfaces),
+    a group's turn's ``wait`` (it waits through them), a poll with timeout 0,
+    an acquire with ``blocking=False``, a ``with`` on a lock (held for a few
+    statements by its holder, never across a wait)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        receiver = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+        if receiver.split(".")[-1] == "_interrupts":
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        first = node.args[0] if node.args else None
+        timeout = node.args[1] if len(node.args) > 1 else keywords.get("timeout")
+        if (
+            name == "sleep"
+            or name in ("zmq_poll", "poll", "select", "epoll", "kqueue") and not (
+                isinstance(timeout, ast.Constant) and timeout.value == 0)
+            or name == "join" and "thread" in receiver.split(".")[-1].lower()
+            or name == "wait" and not receiver.endswith("turns")
+            or name == "acquire" and not any(isinstance(v, ast.Constant) and v.value is False
+                                             for v in [first, keywords.get("blocking")])
+            or name in WAITABLES and receiver in ("threading", "queue")
+            or name in ("waitpid", "wait3", "wait4", "pause", "sigwait", "sigtimedwait")
+        ):
+            found.append((node.lineno, ast.unparse(node)[:80]))
+    return found
+
+
+def _library_sources():
+    package = os.path.join(ROOT, "zcollective")
+    for root, _, files in os.walk(package):
+        for f in sorted(files):
+            path = os.path.join(root, f)
+            rel = os.path.relpath(path, ROOT)
+            if f.endswith(".py") and rel not in SURFACE_MODULES and not (
+                    root == package and f in NOT_LIBRARY):
+                with open(path, encoding="utf-8") as source:
+                    yield rel, source.read()
+
+
+def test_every_blocking_wait_of_the_library_is_an_interrupt_surface():
+    """A wait anywhere in the library goes through ``_io/_interrupts`` (where a
+    signal's handler may run at once: see docs/protocol.md, Concurrency)."""
+    found = [(rel, *wait) for rel, source in _library_sources() for wait in _blocking_waits(source)]
+    assert not found, f"blocking waits outside the interrupt surfaces: {found}"
+    group = dict(_library_sources())[os.path.join("zcollective", "_group.py")]
+    for broken in ("time.sleep(1)", "self._thread.join(5)", "lock.acquire()", "done = threading.Event()",
+                   "cond.wait(1)", "zmq_poll(items, 10)", "select.select([fd], [], [], 2)"):
+        assert _blocking_waits(group + "\n" + broken + "\n"), f"{broken} was not found"

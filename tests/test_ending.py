@@ -590,18 +590,18 @@ def interrupted_while_rank_0_stops():
         return None
     seen = []
 
-    def interrupted(event, timeout):
+    def interrupted(thread, timeout):
         seen.append(type(signal.getsignal(signal.SIGINT)).__name__)
         raise KeyboardInterrupt
 
-    real, _interrupts.wait_event = _interrupts.wait_event, interrupted
+    real, _interrupts.join = _interrupts.join, interrupted
     try:
         zc.teardown(timeout=30)
         return "not interrupted"
     except KeyboardInterrupt:
         pass
     finally:
-        _interrupts.wait_event = real
+        _interrupts.join = real
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -502,7 +502,7 @@ def test_an_interrupt_while_a_notified_follower_takes_the_mutex_back_never_relea
     from zcollective._io import _interrupts
 
     mutex = threading.Lock()
-    cond = threading.Condition(mutex)
+    cond = _interrupts.Condition(mutex)
     seen = {}
 
     def other():

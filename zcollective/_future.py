@@ -10,9 +10,11 @@ group in one event loop sleeps on that group's single :class:`_AsyncWaiter`.
 1. The waiter's reader on the group's file descriptors, and its liveness
    recheck, are registered while at least one coroutine sleeps on it and
    removed when the last one leaves (its call finished, or it was cancelled).
-2. Whatever wakes the waiter (a readable fd, the recheck, a call sent
-   meanwhile) makes progress once for all of them; progress resolves futures,
-   and a future that finishes wakes the coroutines awaiting it.
+2. Whatever wakes the waiter (a readable fd, the recheck, a call made
+   meanwhile: its future, made just before the call is sent, asks for
+   progress at the loop's next turn, after the send) makes progress once for
+   all of them; progress resolves futures, and a future that finishes wakes
+   the coroutines awaiting it.
 3. ZeroMQ's fds are edge-triggered: an fd fires again only after progress has
    taken in everything. So a coroutine makes progress itself (``done()``)
    before it goes to sleep, and every progress drains the sockets.
@@ -288,10 +290,12 @@ def sleeping() -> bool:
 
 
 def _sent(driver: _Driver) -> None:
-    """``driver`` just sent a call. Sending makes ZeroMQ take in its pending
-    commands, which can swallow the fd's edge for a reply that arrived
-    meanwhile: the group's sleepers in this loop would not hear of it, so the
-    waiter makes progress on the next turn."""
+    """``driver`` is about to send a call (its future is made just before the
+    send): the waiter makes progress at the loop's next turn, after it.
+    Sending makes ZeroMQ take in its pending commands, which can swallow the
+    fd's edge for a reply that arrived meanwhile: the group's sleepers in this
+    loop would not hear of it. (Who touches the sockets when: see
+    docs/protocol.md, Concurrency.)"""
     asyncio = sys.modules.get("asyncio")
     if asyncio is None:
         return  # asyncio was never imported: no loop runs, nobody awaits

@@ -258,7 +258,7 @@ class Group:
                 # replicas still starting up should hear why, not time out (when it serves:
                 # a coordinator that could not bind has nobody to tell; forming, the survivors
                 # are told by their own tries, and this one has others to try at once)
-                time.sleep(JOIN_FAILURE_GRACE_S)
+                _interrupts.sleep(JOIN_FAILURE_GRACE_S)
             self._close()
             raise
 
@@ -274,7 +274,7 @@ class Group:
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self._ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
-            self._server = Server(self._ctx, config, form.forming if form is not None else None)
+            self._server = Server(self._ctx, config, form.forming if form is not None else None, self._turns)
             try:
                 self._server.start()
             except AddressError as exc:
@@ -850,7 +850,7 @@ class Group:
         elif self._wait_until(future, deadline):
             return
         if not turns.take(time.monotonic() + STATUS_WAIT_S):  # the holder is in a long step
-            raise CollectiveTimeoutError(self._member.timeout_message(future.seq, timeout, None, None))
+            raise CollectiveTimeoutError(self._member.timeout_message(future.seq, timeout, None, link.busy()))
         try:
             message = link.timeout_message(future.seq, timeout)
             if future._done:

@@ -1,26 +1,12 @@
-"""Where an interrupt may surface: the interrupt half of the one concurrency
-rule (the other half, who owns each socket, opens :mod:`zcollective._io._server`).
+"""Where an interrupt may surface, and every blocking wait of the library.
 
-Python runs a signal handler in the main thread between two bytecodes of
-whatever runs there. A handler's exception (``KeyboardInterrupt``) raised
-inside the library could leave a message half sent, a reply taken in but not
-handled, a reduction half done. So while a group is open the handlers of
-:data:`DEFERRED_SIGNALS` are wrapped (:func:`hold_signals`): a wrapped
-handler runs at once only where the interrupted code is not the library's,
-or is one of its *surfaces*:
-
-- a wait (:func:`wait`, :func:`wait_event`, :func:`wait_lock`,
-  :func:`wait_condition`), where nothing is half done;
-- user code the library calls on rank 0 (:func:`call_user`: a reduce
-  function), whose interruption its caller handles.
-
-Anywhere else in the library the signal is *deferred*: sent to the main
-thread again a moment later, so its handler runs at the library's next wait
-or just after the library returns to the program. Which it is depends on the
-stack alone (trio's ``_ki.py`` decides the same way), so no line of the
-library needs care, and the hot path pays nothing: the stack is read only
-when a signal comes. A handler the program installs while a group is open is
-not wrapped; when the last group closes the wrapped ones are put back.
+While a group is open the handlers of :data:`DEFERRED_SIGNALS` are wrapped
+(:func:`hold_signals`): a wrapped handler runs at once only where the
+interrupted code is not the library's, or is one of its *surfaces* (marked
+:func:`surface`: the waits here, and :func:`call_user`, a reduce function);
+anywhere else in the library the signal is deferred, sent again a moment later.
+Which it is depends on the stack alone, read only when a signal comes. The
+rule and the reasons: see docs/protocol.md, Concurrency.
 """
 
 from __future__ import annotations
@@ -68,25 +54,18 @@ def wait(items: list[Any], timeout_ms: int) -> list[Any]:
     return zmq_poll(items, timeout_ms)  # type: ignore[no-any-return]
 
 
-def wait_event(event: threading.Event, timeout: Optional[float]) -> bool:
-    """Wait for ``event`` (another thread's work): its condition, by
-    :func:`wait_condition`."""
-    cond = event._cond  # type: ignore[attr-defined]
-    with cond:
-        if not event.is_set():
-            wait_condition(cond, timeout)
-        return event.is_set()
-
-
 def acquire_by(lock: Any, deadline: Optional[float]) -> bool:
-    """Take an ``RLock`` by ``deadline`` (None: no bound), where an interrupt may
-    stop the wait; False if it did not come. An interrupt leaves it not held."""
+    """Take an ``RLock`` another thread holds by ``deadline`` (None: no bound),
+    where an interrupt may stop the wait; False if it did not come. An
+    interrupt leaves it not held."""
     timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
     try:
         return wait_lock(lock, timeout)
     except BaseException:
-        if lock._is_owned():  # (the interrupt came just after it was taken)
+        try:  # (the interrupt came just after it was taken: only its owner may release it)
             lock.release()
+        except RuntimeError:
+            pass
         raise
 
 
@@ -97,27 +76,67 @@ def wait_lock(lock: Any, timeout: float) -> bool:
     return bool(lock.acquire(timeout=timeout))
 
 
-def wait_condition(condition: threading.Condition, timeout: Optional[float]) -> bool:
-    """Wait on ``condition`` (held by the caller) for another thread's news.
+@surface
+def sleep(seconds: float) -> None:
+    """Sleep (nothing to wait for but time)."""
+    time.sleep(seconds)
 
-    ``Condition.wait`` itself is no surface: an interrupt while it takes the
-    lock back (notified while another thread holds it) would leave it
+
+@surface
+def join(thread: threading.Thread, timeout: Optional[float]) -> bool:
+    """Wait for ``thread`` to end; False if it had not within ``timeout``."""
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def finish(thread: threading.Thread, timeout: Optional[float]) -> bool:
+    """:func:`join` where an interrupt is deferred (the caller must go on to
+    close what the thread leaves it, whatever comes)."""
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+class Condition:
+    """A condition over a plain lock, held by its user (``with lock:``), whose
+    sleep alone is a surface (:func:`wait_condition`)."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self._sleepers: list[Any] = []  # one held lock per waiting thread; released to wake it
+
+    def sleeping(self) -> bool:
+        """Does a thread wait (the caller holds the lock)?"""
+        return bool(self._sleepers)
+
+    def notify_all(self) -> None:
+        """Wake every thread waiting (the caller holds the lock)."""
+        sleepers, self._sleepers = self._sleepers, []
+        for sleeper in sleepers:
+            sleeper.release()
+
+
+def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
+    """Wait on ``condition`` (whose lock the caller holds) for another thread's
+    news, at most ``timeout`` s; True if notified.
+
+    ``threading.Condition.wait`` is no surface: an interrupt while it takes
+    the lock back (notified while another thread holds it) would leave it
     without the lock, and the caller's ``with`` would release the other
     thread's. Only the sleep is (:func:`wait_lock`); taking the lock back is
-    the library's (deferred). As ``Condition.wait`` does otherwise."""
-    waiter = _allocate_lock()
-    waiter.acquire()
-    condition._waiters.append(waiter)  # type: ignore[attr-defined]
-    saved = condition._release_save()  # type: ignore[attr-defined]
+    the library's (deferred)."""
+    sleeper = _allocate_lock()
+    sleeper.acquire()
+    condition._sleepers.append(sleeper)
+    condition.lock.release()
     got = False
     try:
-        got = wait_lock(waiter, -1.0 if timeout is None else max(0.0, timeout))
+        got = wait_lock(sleeper, -1.0 if timeout is None else max(0.0, timeout))
         return got
     finally:
-        condition._acquire_restore(saved)  # type: ignore[attr-defined]
+        condition.lock.acquire()
         if not got:
             try:
-                condition._waiters.remove(waiter)  # type: ignore[attr-defined]
+                condition._sleepers.remove(sleeper)
             except ValueError:
                 pass  # notified meanwhile
 

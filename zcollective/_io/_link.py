@@ -278,6 +278,7 @@ class HostLink(Driver):
     def __init__(self, member: Member, server: Server) -> None:
         super().__init__(member)
         self.server = server
+        self.turns = server.turns  # its holder owns the coordinator's sockets
         member.connected = True  # nothing between them can break
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
@@ -292,43 +293,28 @@ class HostLink(Driver):
         self.server.from_host(msg)
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        server, member = self.server, self.member
-        if not server.hold(deadline):
+        server, member, turns = self.server, self.member, self.turns
+        if not turns.take(deadline):
             return False
         try:
             got = server.serve(deadline, self._handle, self.nudge if self.nudged else None)
         finally:
-            server.release()
+            turns.give()
         why = server.gone()
         if why is not None and member.failure is None:
             member.coordinator_gone(why)
         return got
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        if not self.server.hold(deadline):  # (the background thread runs a reduce function)
+        turns = self.turns
+        if not turns.take(deadline):  # (the background thread runs a reduce function)
             return done()
         try:
             if self.server.to_host:  # what the background thread took in meanwhile: first
                 self._pump(time.monotonic())
             return super().wait_for(done, deadline)
         finally:
-            self.server.release()
-
-    def progress(self) -> None:
-        if not self.server.hold_briefly():
-            return  # (the background thread runs a reduce function: no news now)
-        try:
-            super().progress()
-        finally:
-            self.server.release()
-
-    def finish_data(self, timeout: float) -> None:
-        if not self.server.hold(time.monotonic() + timeout):
-            return
-        try:
-            super().finish_data(timeout)
-        finally:
-            self.server.release()
+            turns.give()
 
     def poll_items(self) -> list[tuple[Any, Any]]:
         return self.server.poll_items(self.nudge if self.nudged else None)

@@ -3,24 +3,16 @@
 A thin driver: it receives frames, feeds them to the pure
 :class:`~zcollective._protocol._coordinator.Coordinator`, and sends what it returns.
 
-The one concurrency rule (its interrupt half is :mod:`zcollective._io._interrupts`):
-the ROUTER, its monitor, the ZAP handler's socket and the coordinator have one
-owner at a time, the thread holding :attr:`Server._own`, and ownership
-changes hands only by that lock. Of the program's threads only the holder of
-the group's turn (:mod:`zcollective._io._turns`) takes it: "rank 0's thread"
-below is whichever thread that is.
-
-- **Rank 0's own thread** owns them while its program is inside the library
-  (:meth:`Server.hold` .. :meth:`Server.release`): it receives, matches,
-  reduces and sends itself, and hands its member's results over as plain
-  function calls. No thread hop on the hot path.
-- **A background thread** owns them only while rank 0's program has been
-  elsewhere for :data:`AWAY_S` (or is ending its wait): then the others still
-  make progress, are told of losses and answered when they ask. It parks
-  meanwhile, and gives ownership back when rank 0's thread asks (a ``give``
-  on its pipe); what it produced for rank 0's member waits in
-  :attr:`Server.to_host`, signalled on :attr:`Server.wakeup` (which an
-  awaiting coroutine watches).
+The ROUTER, its monitor, the ZAP handler's socket and the coordinator belong
+to the holder of the group's turn (:mod:`zcollective._io._turns`; the rule:
+see docs/protocol.md, Concurrency). Rank 0's program thread, holding it inside
+the library, receives, matches, reduces and sends itself, and hands its
+member's results over as plain function calls: no thread hop on the hot path.
+The server's background thread takes the turn only while the program has
+been elsewhere for :data:`AWAY_S`, and gives it back when a program thread
+nudges; what it produced for rank 0's member meanwhile waits in
+:attr:`Server.to_host`, signalled on :attr:`Server.wakeup` (which an awaiting
+coroutine watches).
 
 With a secret the owner also answers each handshake (the context's ZAP
 handler, :class:`~zcollective._io._zap.Gatekeeper`, made before the ROUTER binds):
@@ -45,7 +37,6 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 import zmq
-from zmq.backend import zmq_poll
 
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
 from .._limits import (
@@ -61,26 +52,26 @@ from .._protocol._stats import announce_stall
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
+from ._turns import Turns
 
 log = logging.getLogger("zcollective")
 
 AWAY_S = 0.002  # rank 0's program out of the library this long: the background thread serves
 # (shorter, and a tight loop of calls would hand the sockets over and back at every call)
-HOLD_TRY_S = 0.02  # rank 0's thread sending or looking for news waits this long for the sockets
+HOLD_TRY_S = 0.02  # rank 0's thread sending waits this long for the turn
 # (the background thread gives them back within microseconds unless it runs a reduce function)
 PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
 PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
 DRAIN_BATCH = 256  # messages one step takes in before rank 0's member, if it has news, gets it
 # (a peer sending faster than the coordinator reads must not starve rank 0's own calls)
-_STOP, _GIVE = b"stop", b"give"  # commands to the background thread: end; let go of the sockets
-
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class Server:
     """Serves the coordinator of one group on rank 0 (see the module's rule)."""
 
-    def __init__(self, ctx: zmq.Context, config: Config, forming: Optional[Forming] = None) -> None:
+    def __init__(self, ctx: zmq.Context, config: Config, forming: Optional[Forming] = None,
+                 turns: Optional[Turns] = None) -> None:
         self.ctx = ctx
         self.config = config
         self.session = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "not joined"
@@ -91,11 +82,7 @@ class Server:
                                        config.job, config.warn_after)
         self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
-        self._own = threading.RLock()  # its holder owns the sockets and the coordinator (an RLock
-        # for its _is_owned: an interrupt right after acquiring must not leave it held)
-        self._depth = 0  # rank 0's thread's nested holds
-        self._left = 0.0  # when rank 0's thread last let go
-        self._wanted = False  # rank 0's thread waits to take them back
+        self.turns = turns if turns is not None else Turns()  # its holder owns the sockets
         self._away = False  # the background thread serves
         self._router: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None
@@ -111,24 +98,10 @@ class Server:
         # socket of rank 0's context uses it too)
         self._ending: Optional[float] = None  # when rank 0's program said it was ending
         self._handover = True  # ROUTER_HANDOVER is on (while joining only)
-        self._stopped = False
-        self._finished = threading.Event()  # the background thread has ended
+        self._stopped = self._stopping = False
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
         self.wakeup = _sockets.Wakeup()
-        endpoint = f"inproc://zcollective-ctl-{id(self):x}-{os.urandom(4).hex()}"
-        try:
-            with _sockets.mapped("rank 0 cannot start its coordinator thread"):
-                self._pipe = ctx.socket(zmq.PAIR)  # rank 0's thread's end
-                self._pipe.setsockopt(zmq.SNDHWM, 0)  # a command is never dropped
-                self._pipe.setsockopt(zmq.LINGER, 0)
-                self._pipe.bind(endpoint)
-                self._thread_pipe = ctx.socket(zmq.PAIR)  # the thread's end: made here, used there
-                self._thread_pipe.setsockopt(zmq.RCVHWM, 0)
-                self._thread_pipe.setsockopt(zmq.LINGER, 0)
-                self._thread_pipe.connect(endpoint)
-        except BaseException:
-            self._close_pipes()
-            raise
+        self._stop = _sockets.Wakeup()  # readable once the background thread must end
 
     def start(self) -> None:
         """Bind, then start the background thread.
@@ -161,10 +134,8 @@ class Server:
         self._drain_monitor()
 
     def _close_pipes(self) -> None:
-        for pipe in (getattr(self, "_pipe", None), getattr(self, "_thread_pipe", None)):
-            if pipe is not None:
-                pipe.close(linger=0)
         self.wakeup.close()
+        self._stop.close()
 
     def gone(self) -> Optional[str]:
         """Why the coordinator is no longer served, or None if it is."""
@@ -172,37 +143,11 @@ class Server:
             return self.crashed
         return "it stopped" if self._stopped else None
 
-    # -- ownership ------------------------------------------------------------
+    # -- rank 0's member --------------------------------------------------------
 
-    def hold(self, deadline: Optional[float] = None) -> bool:
-        """Rank 0's thread takes ownership (nested holds count); False if the
-        background thread, busy in a reduce function, did not give it back
-        by ``deadline``."""
-        if self._depth:
-            self._depth += 1
-            return True
-        own = self._own
-        if not own.acquire(blocking=False):
-            self._wanted = True  # the thread must not take the sockets again before this thread
-            _sockets.notify(self._pipe, _GIVE)  # has (a lock is not handed to its waiter)
-            try:
-                if not _interrupts.acquire_by(own, deadline):
-                    return False
-            finally:
-                self._wanted = False
-        self._depth = 1
-        return True
-
-    def hold_briefly(self) -> bool:
-        """:meth:`hold`, waiting at most :data:`HOLD_TRY_S`."""
-        return self.hold(time.monotonic() + HOLD_TRY_S)
-
-    def release(self) -> None:
-        """Rank 0's thread lets go of one hold."""
-        self._depth -= 1
-        if not self._depth:
-            self._left = time.monotonic()
-            self._own.release()
+    def _take_briefly(self) -> bool:
+        """Take the turn (nested takes count), waiting at most :data:`HOLD_TRY_S`."""
+        return self.turns.try_take() or self.turns.take(time.monotonic() + HOLD_TRY_S)
 
     def from_host(self, msg: Message) -> None:
         """Rank 0's member sends ``msg``: taken by the coordinator now, in this
@@ -210,21 +155,21 @@ class Server:
         thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
         function), by whichever owner comes next: sending never blocks."""
         self._from_host.append(msg)
-        if not self.hold_briefly():
+        if not self._take_briefly():
             return
         try:
             self._take_from_host()
         finally:
-            self.release()
+            self.turns.give()
 
     def form_now(self) -> None:
         """Rank 0's thread: the forming bound passed; start with those who came."""
-        if not self.hold_briefly():
+        if not self._take_briefly():
             return
         try:
             self._take(self.coordinator.form_now)
         finally:
-            self.release()
+            self.turns.give()
 
     def _take_from_host(self) -> None:
         """The owner: what rank 0's member sent, in order."""
@@ -234,7 +179,7 @@ class Server:
 
     def serve(self, deadline: Optional[float], deliver: Callable[[Message], None],
               nudge: Optional[tuple[int, int]] = None) -> bool:
-        """Rank 0's thread, holding: serve until something came for its member
+        """Rank 0's thread, holding the turn: serve until something came for its member
         (handed to ``deliver``; True), ``nudge`` is readable (True) or
         ``deadline`` (False)."""
         items, stepped = self.poll_items(nudge), False
@@ -265,7 +210,7 @@ class Server:
         return self.gatekeeper.first_refusals if self.gatekeeper is not None else self._refusals
 
     def poll_items(self, nudge: Optional[tuple[int, int]] = None) -> list[Any]:
-        """What rank 0's thread polls for the coordinator, while holding (and
+        """What rank 0's thread polls for the coordinator, holding the turn (and
         ``nudge``, last, if given: the group's :mod:`._turns`)."""
         if nudge is None:
             return self._items
@@ -324,7 +269,7 @@ class Server:
     def reducing_here(self) -> bool:
         """Is the calling thread inside a reduce function it runs (rank 0's
         thread, or the background thread)?"""
-        return self.coordinator.reducing is not None and bool(self._own._is_owned())  # type: ignore[attr-defined]
+        return self.coordinator.reducing is not None and self.turns.held()
 
     def busy(self) -> Optional[str]:
         """What the coordinator has been stuck in for a while, if anything."""
@@ -338,47 +283,39 @@ class Server:
     # -- the background thread ---------------------------------------------------
 
     def _run(self) -> None:
-        pipe = self._thread_pipe
-        park = [(pipe, zmq.POLLIN)]
-        items = [*self._items, (pipe, zmq.POLLIN)]
-        coordinator = self.coordinator
+        turns, coordinator, stop = self.turns, self.coordinator, self._stop.fd
+        park = [(stop, zmq.POLLIN)]
+        items = [*self._items, (turns.nudge.fd, zmq.POLLIN), park[0]]
         try:
             while True:
-                wait = PARK_BUSY_S if coordinator.pending else PARK_IDLE_S
-                if zmq_poll(park, int(wait * 1000)) and _STOP in _commands(pipe):
+                if _interrupts.wait(park, int((PARK_BUSY_S if coordinator.pending else PARK_IDLE_S) * 1000)):
                     return
-                if self._wanted or self._depth or time.monotonic() - self._left < AWAY_S:
+                if turns.wanted() or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
                     continue
-                if not self._own.acquire(blocking=False):
-                    continue
+                turns.standby = True
                 try:
-                    if self._serve_away(items, pipe):
+                    if self._serve_away(items, stop):
                         return
                 finally:
-                    self._own.release()
+                    turns.standby = False
+                    turns.give()
         except BaseException as exc:  # a bug: tell every replica rather than leave them waiting
             if self.crashed is None:
                 self._crash(exc)
-        finally:
-            pipe.close(linger=0)
-            self._finished.set()
 
-    def _serve_away(self, items: list[Any], pipe: zmq.Socket) -> bool:
-        """Owning, while rank 0's program is elsewhere: serve until it asks for
-        the sockets back (False) or the thread must end (True)."""
+    def _serve_away(self, items: list[Any], stop: int) -> bool:
+        """Holding the turn while rank 0's program is elsewhere: serve until a
+        program thread nudges for it (False) or the thread must end (True)."""
         self._away = True
         try:
             self._take_from_host()
-            while True:
-                ready = zmq_poll(items, self._wait_ms(None))
-                if ready and ready[-1][0] is pipe:
-                    commands = _commands(pipe)
-                    if _STOP in commands:
-                        return True
-                    if _GIVE in commands:
-                        return False
+            while not self._stopping:
+                ready = _interrupts.wait(items, self._wait_ms(None))
+                if ready and ready[-1][0] in (stop, items[-2][0]):  # (both are polled last)
+                    return ready[-1][0] == stop
                 self._step(ready)
                 self._watch_stalls()
+            return True
         finally:
             self._away = False
 
@@ -398,18 +335,16 @@ class Server:
         """
         if self._stopped:
             return
-        if not self._thread.is_alive() and not self._finished.is_set():
-            self._thread_pipe.close(linger=0)  # (it never started: start() failed)
-        _sockets.notify(self._pipe, _STOP)
+        self._stopping = True
+        self._stop.set()
         bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
         started = self._thread.ident is not None
         try:
-            ended = not started or _interrupts.wait_event(self._finished, bound)
-        except BaseException:  # interrupted while the thread ends (it has the STOP): once it has,
+            ended = not started or _interrupts.join(self._thread, bound)
+        except BaseException:  # interrupted while the thread ends (it was told): once it has,
             # the sockets are this thread's: close them now (else the port stays bound for good)
-            if not started or self._finished.wait(bound):
+            if not started or _interrupts.finish(self._thread, bound):
                 self._stopped = True
-                self._pipe.close(linger=0)
                 try:
                     if ending and self.crashed is None:
                         self._ending = time.monotonic()
@@ -420,10 +355,8 @@ class Server:
         if not ended:
             log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind, "
                       "with the sockets", self.busy() or "no reason known")
-            self._pipe.close(linger=0)
             return  # (gone() stays None: the group leaves the context to it)
         self._stopped = True
-        self._pipe.close(linger=0)
         linger = linger_ms
         if linger_ms and self.crashed is None:  # (not forming the next group: it ends)
             self._send_all(self.coordinator.dismiss_newcomers())
@@ -468,7 +401,7 @@ class Server:
         if router is not None and monitor is not None:
             _sockets.close_monitored(router, monitor, linger_ms)
         self._close_gatekeeper()  # after the ROUTER: no handshake is left to answer
-        self.wakeup.close()
+        self._close_pipes()
 
     # -- binding ---------------------------------------------------------------
 
@@ -683,16 +616,6 @@ class Server:
         self._drain(batch=None)
         for peer in peers:
             self._send_all(self.coordinator.gone(peer))
-
-
-def _commands(pipe: zmq.Socket) -> set[bytes]:
-    """Every command waiting on the background thread's pipe."""
-    commands = set()
-    while True:
-        try:
-            commands.add(pipe.recv(zmq.NOBLOCK))
-        except zmq.Again:
-            return commands
 
 
 def _bindable(host: str) -> str:

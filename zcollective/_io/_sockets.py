@@ -21,6 +21,7 @@ from zmq.backend import zmq_poll
 from .._limits import heartbeats
 from ..config import Config
 from ..errors import AddressError, AuthenticationError, CollectiveError
+from . import _interrupts
 
 ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
 # a zero-copy frame (whose release needs pyzmq's gc thread)
@@ -152,7 +153,7 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
                 raise AddressError(cannot.format(reason=reason)) from None
             if time.monotonic() >= deadline:
                 raise AddressError(in_use) from None
-        time.sleep(BIND_RETRY_STEP_S)
+        _interrupts.sleep(BIND_RETRY_STEP_S)
 
 
 def forget(context: zmq.Context) -> None:

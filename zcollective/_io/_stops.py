@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from . import _interrupts
+
 WATCH_S = 0.25  # how often the watch wakes: a stop shorter than the smallest bound's 2/3 (0.67 s)
 # is no loss, so a quarter second sees every stop that matters, for a few wake-ups a second
 NOTED_S = 0.5  # a wake-up this much later than due is noted as a stop
@@ -33,7 +35,8 @@ def watch() -> None:
             _stops.clear()
         _watchers["groups"] += 1
         if _watchers["thread"] is None:
-            wake = threading.Event()
+            wake = threading.Lock()  # held until the watch must end
+            wake.acquire(blocking=False)
             thread = threading.Thread(target=_run, args=(wake,), name="zcollective-stops", daemon=True)
             _watchers.update(wake=wake, thread=thread)
             thread.start()
@@ -49,17 +52,17 @@ def unwatch() -> None:
             return
         wake, thread = _watchers["wake"], _watchers["thread"]
         _watchers.update(wake=None, thread=None)
-    wake.set()
+    wake.release()
     if thread is not threading.current_thread():
-        thread.join(STOP_JOIN_S)
+        _interrupts.finish(thread, STOP_JOIN_S)
 
 
 _awake = [0.0]  # when the watch last woke (time.monotonic())
 
 
-def _run(wake: threading.Event) -> None:
+def _run(wake: Any) -> None:
     _awake[0] = time.monotonic()
-    while not wake.wait(WATCH_S):
+    while not _interrupts.wait_lock(wake, WATCH_S):
         now = time.monotonic()
         if now - _awake[0] > WATCH_S + NOTED_S:
             _stops.append((_awake[0], now))

@@ -1,29 +1,9 @@
-"""Which of the program's threads uses a group's sockets: the one-owner rule
-(see :mod:`zcollective._io._server`) among the program's own threads.
-
-A group's member, its link and rank 0's hold on the coordinator are used by
-one thread at a time, the holder of the group's *turn* (:class:`Turns`). Any
-thread may call:
-
-- a thread that sends a call takes the turn for as long as sending takes;
-- a thread that waits for a result *leads*: it holds the turn and waits in
-  the link's poll, which also watches :attr:`Turns.nudge`; one thread leads
-  at a time;
-- the other threads waiting for results *follow*: they sleep until their
-  call is done (a done-callback wakes them) or nobody leads (the leader's
-  own call finished: one of them leads next);
-- a thread that wants the turn while the leader waits nudges it: the leader
-  lets go, waits until every thread that wanted the turn has had it, and
-  takes it back. A leader nested in a done-callback never lets go (its outer
-  frame is halfway through taking a message in).
-
-Results are taken in by whichever thread leads, so done-callbacks run in that
-thread. A program of one thread pays an uncontended lock per call.
-
-Order between threads is the program's business: every rank must make its
-calls in the same order (as MPI_THREAD_MULTIPLE requires of MPI programs); two
-threads of one rank that call at once make their calls in the order they took
-the turn.
+"""Which thread uses a group's sockets: the holder of the group's *turn*
+(:class:`Turns`). Senders take it for their send; one waiting thread leads
+(holds it and polls, watching :attr:`Turns.nudge`), the others follow; a
+thread wanting it nudges the holder, which lets go at its next poll; rank 0's
+server thread takes it while the program is away and gives way to any program
+thread. The rule and the reasons: see docs/protocol.md, Concurrency.
 """
 
 from __future__ import annotations
@@ -36,6 +16,8 @@ from . import _interrupts
 from ._sockets import Wakeup
 
 FOLLOW_SLICE_S = 0.05  # a follower re-checks its call this often (see wait)
+GIVE_WAY_S = 0.02  # try_take waits this long for rank 0's server thread to give the turn back
+# (within microseconds, unless it runs a reduce function)
 
 Drive = Callable[[Callable[[], bool], Optional[float], bool], bool]
 # (until, deadline, may it be nudged) -> until() held (False: deadline)
@@ -47,8 +29,11 @@ class Turns:
     def __init__(self) -> None:
         self._lock = threading.RLock()  # the turn (re-entered by done-callbacks and nested steps)
         self._depth = 0  # the holder's nested takes
+        self._owner: Optional[int] = None  # the holder's thread
+        self.left = 0.0  # when a holder last let go of the turn
+        self.standby = False  # the holder is rank 0's server thread: it gives way to any program thread
         self._mutex = threading.Lock()  # guards what follows (with it, for speed: no Python frame)
-        self._state = threading.Condition(self._mutex)  # ... on which followers sleep
+        self._state = _interrupts.Condition(self._mutex)  # ... on which followers sleep
         self._wanting = 0  # threads waiting for the turn
         self._leader: Optional[int] = None  # the thread leading the wait for results
         self.nudge = Wakeup()  # readable while some thread waits for the turn
@@ -58,36 +43,42 @@ class Turns:
         return self._wanting > 0
 
     def take(self, deadline: Optional[float] = None) -> bool:
-        """Take the turn (nested takes count); False if its holder, busy in a
-        step that is not a wait (pickling, a reduce function), kept it past
-        ``deadline``."""
+        """Take the turn (nested takes count), nudging its holder; False if
+        the holder, busy in a step that is not a wait (pickling, a reduce
+        function), kept it past ``deadline``."""
         lock = self._lock
         if not lock.acquire(blocking=False):
-            with self._state:
+            with self._mutex:
                 self._wanting += 1
                 self.nudge.set()
             try:
                 if not _interrupts.acquire_by(lock, deadline):
                     return False
             finally:
-                with self._state:
+                with self._mutex:
                     self._wanting -= 1
                     if not self._wanting:
                         self.nudge.clear()
                     self._state.notify_all()  # a leader that let go waits for this
         self._depth += 1
+        self._owner = threading.get_ident()
         return True
 
     def try_take(self) -> bool:
-        """Take the turn if nobody holds it (nested takes count)."""
+        """Take the turn unless another program thread holds it (nested takes
+        count; rank 0's server thread is nudged, and waited for a moment)."""
         if not self._lock.acquire(blocking=False):
-            return False
+            return self.standby and self.take(time.monotonic() + GIVE_WAY_S)
         self._depth += 1
+        self._owner = threading.get_ident()
         return True
 
     def give(self) -> None:
         """Let go of one take."""
         self._depth -= 1
+        if not self._depth:
+            self._owner = None
+            self.left = time.monotonic()
         self._lock.release()
 
     def __enter__(self) -> Turns:
@@ -100,12 +91,12 @@ class Turns:
 
     def held(self) -> bool:
         """Does this thread hold the turn?"""
-        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+        return self._owner == threading.get_ident()
 
     def close(self) -> None:
         """The group closed: no thread nudges any more (a thread still waiting
         for the turn finds the group closed once it has it)."""
-        with self._state:
+        with self._mutex:
             self.nudge.close()
 
     def wait(self, done: Callable[[], bool], deadline: Optional[float], drive: Drive,
@@ -113,7 +104,7 @@ class Turns:
         """Until ``done()`` (True) or ``deadline`` (False): lead, driving the
         link with ``drive``, or follow while another thread leads; ``follow(wake)``
         arranges for ``wake()`` once the awaited call is done."""
-        if self._lock._is_owned():  # type: ignore[attr-defined]
+        if self.held():
             # a step of this thread's (teardown, a done-callback) waits: it leads without letting go
             return self._lead(done, deadline, drive, nested=True)
         me, state, following = threading.get_ident(), self._state, False
@@ -141,7 +132,7 @@ class Turns:
             finally:
                 with self._mutex:
                     self._leader = None
-                    if state._waiters:  # type: ignore[attr-defined]
+                    if state.sleeping():
                         state.notify_all()  # a follower leads next
         return True
 
@@ -150,11 +141,8 @@ class Turns:
         """Lead until ``done()`` (True) or ``deadline`` (False), letting go
         whenever another thread wants the turn (unless ``nested``: this thread
         held the turn already, halfway through a step of its own)."""
-        lock = self._lock
         while True:
-            if lock.acquire(blocking=False):
-                self._depth += 1
-            elif not self.take(deadline):
+            if not self.take(deadline):
                 return False
             try:
                 if done():
@@ -164,11 +152,10 @@ class Turns:
                 if not drive(until, deadline, top):
                     return done()
             finally:
-                self._depth -= 1
-                lock.release()
+                self.give()
             if done():
                 return True
-            with self._state:  # wanted: each thread that waits has the turn before it comes back
+            with self._mutex:  # wanted: each thread that waits has the turn before it comes back
                 while self._wanting:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -176,5 +163,5 @@ class Turns:
                     _interrupts.wait_condition(self._state, remaining)
 
     def _wake(self) -> None:
-        with self._state:
+        with self._mutex:
             self._state.notify_all()

@@ -50,6 +50,7 @@ from typing import Optional
 import zmq
 
 from .._protocol._tokens import NOT_YET, TokenChecker, client_credentials, zap_reply
+from . import _interrupts
 
 log = logging.getLogger("zcollective")
 
@@ -204,7 +205,7 @@ class GateThread:
         items = [self.gatekeeper.poll_item, (self._pipe, zmq.POLLIN)]
         try:
             while True:
-                ready = dict(zmq.zmq_poll(items, -1))
+                ready = dict(_interrupts.wait(items, -1))
                 if self._pipe in ready:
                     return
                 self.gatekeeper.serve()
@@ -224,8 +225,7 @@ class GateThread:
             self._stop.send(b"stop", zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-        self._thread.join(GATE_JOIN_S)
-        if self._thread.is_alive():
+        if not _interrupts.finish(self._thread, GATE_JOIN_S):
             log.warning("zcollective: the gatekeeper thread did not stop within %g s", GATE_JOIN_S)
         self._stop.close(linger=0)
 
