@@ -34,6 +34,7 @@ from ._format._wire import (
 from ._forming import Form, Overslept, Unreachable
 from ._future import CollectiveFuture, sleeping
 from ._io import _interrupts, _sockets, _stops
+from ._io._announce import announce_coordinator, announce_group, write_for_launcher
 from ._io._dataplane import DataPlane
 from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
@@ -49,7 +50,7 @@ from ._limits import (
 from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
-from ._protocol._stats import announce_coordinator, announce_group, calls_log, write_for_launcher
+from ._protocol._stats import calls_log
 from .config import Config, resolve, takes_settings
 from .errors import (
     AddressError,
