@@ -111,7 +111,7 @@ class Call:
     op: str
     future: Any = None  # a CollectiveFuture; None for an error note
     finish: Optional[Callable[[Message], Any]] = None
-    started: float = 0.0  # time.perf_counter() when submitted
+    started: float = 0.0  # when submitted (the member's stopwatch)
     sent: int = 0  # bytes of the contribution
     callsite: str = ""
     data_job: Optional[Callable[[Message], Any]] = None  # a plan -> the data plane's Job
@@ -122,7 +122,12 @@ class Member:
     """One replica's rules; see the module docstring."""
 
     def __init__(self, rank: int, size: int, endpoint: str, signer: Optional[Signer] = None,
-                 max_frame_bytes: Optional[int] = None) -> None:
+                 max_frame_bytes: Optional[int] = None, clock: Callable[[], float] = time.monotonic,
+                 entropy: Callable[[int], bytes] = os.urandom,
+                 stopwatch: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # when it failed, its handshakes and timers (a test passes a fake one)
+        self.stopwatch = stopwatch  # what a call took (its stats)
+        self._entropy = entropy  # its JOINs' nonces
         self.rank = rank
         self.size = size
         self.endpoint = endpoint  # what messages name as the coordinator's address
@@ -133,7 +138,7 @@ class Member:
         self.calls: dict[int, Call] = {}
         self.owed: deque[Message] = deque()  # contributions to send, in order (rule 4)
         self.failure: Optional[Exception] = None
-        self.failed_at = 0.0  # when (time.monotonic()) it failed here
+        self.failed_at = 0.0  # when (its clock) it failed here
         self.connected = False
         self.greeted = False  # a ZeroMQ handshake with the coordinator succeeded on the connection now up
         self.refused = False  # a connection attempt was refused, and no handshake ever succeeded
@@ -173,7 +178,7 @@ class Member:
         """A JOIN with a fresh nonce (rule 1), echoing the coordinator's last
         challenge (with a secret) unless given another."""
         challenge = challenge if challenge is not None else self.challenge
-        nonce = os.urandom(16).hex()
+        nonce = self._entropy(16).hex()
         self._nonces.add(nonce)
         self._tokens.add(join_token(nonce))
         return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
@@ -238,7 +243,7 @@ class Member:
                 sent += size
         seq = self.next_seq
         self._owe(seq, op, root, callsite, flags, fn, segments,
-                  Call(LABELS[op], future, finish, time.perf_counter(), sent, callsite, data_job,
+                  Call(LABELS[op], future, finish, self.stopwatch(), sent, callsite, data_job,
                        bool(flags & FLAG_DATA)))
         return seq
 
@@ -484,7 +489,7 @@ class Member:
 
     def _record(self, seq: int, call: Call, received: int, outcome: str) -> None:
         """Count a call answered (see :mod:`zcollective._protocol._stats`)."""
-        waited = time.perf_counter() - call.started
+        waited = self.stopwatch() - call.started
         self.stats.record(call.op, call.sent, received, waited)
         if self.log_calls:
             calls_log.info("zcollective rank %d: seq %d %s at %s: %s, sent %d B, received %d B, "
@@ -515,7 +520,7 @@ class Member:
                 return [self.join()]
         else:
             return self._failed_handshake(event is Link.PROTOCOL_VIOLATION,
-                                          time.monotonic() if now is None else now)
+                                          self.clock() if now is None else now)
         return []
 
     def _failed_handshake(self, protocol_violation: bool, now: float) -> list[Message]:
@@ -566,7 +571,7 @@ class Member:
         if self.failure is not None:
             return []
         self.failure = error
-        self.failed_at = time.monotonic()
+        self.failed_at = self.clock()
         self.owed.clear()  # nobody will pair them now
         kept = {seq for seq, _ in self.data_jobs} if keep_data else set()
         if not kept:
