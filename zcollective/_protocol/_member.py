@@ -49,6 +49,22 @@ Rules:
    Rank 0's last BYE (``FLAG_LAST``) is answered in kind, failed or not;
    a TAKEN, once no data through its seq is left to take (the rank before
    this one ends). A PROBE asks for nothing: bound here, it is ignored.
+8. *Timers.* The driver asks :meth:`Member.next_deadline`, waits until
+   then (or news), and sends what :meth:`Member.on_timer` returns. While
+   joining (:meth:`Member.start_join` until welcomed, admitted, or
+   :meth:`Member.stop_join`) the JOIN is sent again every
+   :data:`~zcollective._limits.JOIN_RESEND_S`: a JOIN, or its WELCOME, can
+   be lost to a connection made twice, and the coordinator takes a
+   member's JOIN again. Over a connection, a join waiting ``warn_after``
+   (and 2, 4, 8 times it) says so, unless a newcomer's (waiting for a grow
+   is what newcomers do).
+9. *Data failures.* A data move that fails here (:meth:`Member.data_lost`)
+   fails only its call when this rank's reduce function raised, else the
+   group; then the coordinator is asked (ABORT) to fail it alike for every
+   rank. A data link lost may be a peer whose group failed first: for
+   :data:`~zcollective._limits.DATA_LOSS_GRACE_S` the member waits for rank
+   0's FAIL, which then says why (not "lost rank 0"); a failure already
+   here only stops the move (no ABORT).
 """
 
 from __future__ import annotations
@@ -82,7 +98,7 @@ from .._format._wire import (
     error_note,
     join_token,
 )
-from .._limits import STATUS_WAIT_S, WIRE_PART_BYTES
+from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
 from ._stats import CallStats, calls_log
 
@@ -116,6 +132,16 @@ class Call:
     callsite: str = ""
     data_job: Optional[Callable[[Message], Any]] = None  # a plan -> the data plane's Job
     described: bool = False  # its contribution describes data of its own to move (FLAG_DATA)
+
+
+@dataclass(slots=True)
+class JoinTimer:
+    """A join under way (rule 8)."""
+
+    started: float
+    due: float  # when the JOIN is sent again
+    warn_after: Optional[float]
+    warned: int = 0  # the warnings said
 
 
 class Member:
@@ -171,6 +197,9 @@ class Member:
         self.addresses: Optional[list[str]] = None  # every rank's host, as rank 0 sees it (WELCOME)
         self.old_ranks: Optional[list[int]] = None  # formed from an earlier group: every rank's old one
         self.old_size = 0  # ... and the size of that group
+        self._join_timer: Optional[JoinTimer] = None  # while joining (rule 8)
+        self._data_loss: Optional[tuple[Exception, float]] = None  # a data link lost, and until when
+        # the control plane may say why (rule 9)
 
     # -- join ---------------------------------------------------------------
 
@@ -187,6 +216,93 @@ class Member:
     @property
     def joined(self) -> bool:
         return self.session != 0
+
+    # -- timers (rules 8 and 9) ----------------------------------------------------
+
+    def start_join(self, warn_after: Optional[float] = None) -> list[Message]:
+        """Begin joining (rule 8): a JOIN now, and again at each of its
+        timer's deadlines. ``warn_after``: over a connection, say so when the
+        join waits this long (None: never)."""
+        now = self.clock()
+        self._join_timer = JoinTimer(now, now + JOIN_RESEND_S, warn_after)
+        return [self.join()]
+
+    def stop_join(self) -> None:
+        """The driver stopped waiting to join (done, or out of time)."""
+        self._join_timer = None
+
+    def next_deadline(self) -> Optional[float]:
+        """When (its clock) :meth:`on_timer` next has something to do; None: no timer runs."""
+        deadlines = []
+        timer = self._joining()
+        if timer is not None:
+            deadlines.append(timer.due)
+        if self._data_loss is not None:  # (once failed, at once: that FAIL said why)
+            deadlines.append(self._data_loss[1] if self.failure is None else self.failed_at)
+        return min(deadlines, default=None)
+
+    def on_timer(self, now: float) -> list[Message]:
+        """The timers due at ``now`` (rules 8 and 9); the messages to send."""
+        out: list[Message] = []
+        loss = self._data_loss
+        if loss is not None and (self.failure is not None or now >= loss[1]):
+            self._data_loss = None
+            out += self._data_failure(loss[0])
+        timer = self._joining()
+        if timer is not None and now >= timer.due:
+            self._join_stalled(timer, now)
+            timer.due = now + JOIN_RESEND_S
+            out.append(self.join())
+        return out
+
+    def _joining(self) -> Optional[JoinTimer]:
+        """The join's timer, while it runs (until welcomed or admitted)."""
+        return None if self.joined or self.admitted is not None else self._join_timer
+
+    def _join_stalled(self, timer: JoinTimer, now: float) -> None:
+        """Rule 11 of the coordinator, on a replica waiting to join: say so at
+        ``warn_after`` (and 2, 4, 8 times it)."""
+        after, warned = timer.warn_after, timer.warned
+        waited = now - timer.started
+        if after is None or warned >= MAX_STALL_WARNINGS or waited < after * (1 << warned):
+            return
+        if self.newcomer:  # (waiting for a grow() is what newcomers do, for minutes in a healthy job)
+            return
+        if self.greeted:
+            what = "for the others to join (the coordinator answers: rank 0 warns whom it waits for)"
+        else:
+            what = ("for the coordinator (rank 0), which it cannot reach there (is rank 0 running, "
+                    "and the address right?)")
+        log.warning("zcollective %s has waited %.0f s at %s %s", self.who, waited, self.endpoint, what)
+        timer.warned = warned + 1
+
+    def data_lost(self, error: Exception) -> list[Message]:
+        """The data plane failed here (rule 9); what to send now (more may
+        come from :meth:`on_timer`, while :attr:`losing_data`)."""
+        if getattr(error, "lost_rank", None) is not None and self.failure is None and self._data_loss is None:
+            self._data_loss = (error, self.clock() + DATA_LOSS_GRACE_S)
+            return []
+        return self._data_failure(error)
+
+    @property
+    def losing_data(self) -> bool:
+        """A data link was lost and the member waits for the coordinator to say why."""
+        return self._data_loss is not None
+
+    def _data_failure(self, error: Exception) -> list[Message]:
+        lost, seq = getattr(error, "lost_rank", None), getattr(error, "seq", None)
+        if self.failure is not None:  # a call kept by the failure (see fail) broke
+            if self.data_jobs:
+                self.data_failed(self.data_jobs[0][0], error)
+            return []
+        if seq is not None:  # only this call failed (the reduce function raised here)
+            self.data_failed(seq, error)
+        else:
+            self.fail(error)
+        if not self.joined:
+            return []
+        return [_bodies.abort(error, True, lost, rank=self.rank, session=self.session,
+                              seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
 
     # -- calls ----------------------------------------------------------------
 
