@@ -871,6 +871,59 @@ def test_a_connection_gone_soon_after_a_message_was_seen_to_die_and_a_silent_one
     assert died and all(b["dead"] == [1] for b in died)
 
 
+
+class FakeClock:
+    """A clock a test moves by hand (the coordinator's and member's ``clock``)."""
+
+    def __init__(self, now=1000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def test_stall_warnings_follow_the_coordinators_clock_at_the_bound_then_twice_it():
+    clock = FakeClock()
+    coord = Coordinator(3, SESSION, 1000, warn_after=10.0, clock=clock)
+    assert coord.next_stall() == 1010.0  # the join is timed from the coordinator's start
+    for r in range(3):
+        feed(coord, peer(r), join_msg(r, 3))
+    clock.now = 2000.0
+    feed(coord, peer(0), contrib(0, 0, value=1, site="train.py:7"))
+    clock.now = 2003.0
+    feed(coord, peer(2), contrib(2, 0, value=1))
+    assert coord.next_stall() == 2010.0  # the bound after the first rank came, not the last
+    assert coord.stalls(2009.9) == []
+    clock.now = 2010.0
+    [(line, ranks)] = coord.stalls(clock())
+    assert ranks == [1]
+    assert "seq 0 allreduce at train.py:7 has waited 10 s for rank 1 (arrived: 0,2)" in line
+    assert coord.next_stall() == 2020.0  # then at twice the bound
+    assert coord.stalls(2019.0) == []
+    assert len(coord.stalls(2020.0)) == 1 and coord.next_stall() == 2040.0
+
+
+def test_a_coordinator_times_a_loss_with_its_clock():
+    clock = FakeClock()
+    coord = Coordinator(2, SESSION, 1000, liveness_s=10.0, clock=clock)
+    for r in range(2):
+        feed(coord, peer(r), join_msg(r, 2))
+    clock.now += 4.9  # within half the liveness bound of its JOIN: it died
+    assert all(m.body()["dead"] == [1] for _, m in coord.lost(1, "test"))
+    assert coord.failed_at == clock.now
+    coord = Coordinator(2, SESSION, 1000, liveness_s=10.0, clock=clock)
+    for r in range(2):
+        feed(coord, peer(r), join_msg(r, 2))
+    clock.now += 5.1  # silent past it: heartbeats gave up, or a partition
+    assert all(m.body()["dead"] == [] for _, m in coord.lost(1, "test"))
+
+
+def test_a_coordinators_keys_come_from_its_entropy():
+    coord = Coordinator(2, SESSION, 1000, entropy=lambda n: b"\x07" * n)
+    assert coord._data_key == "07" * len(bytes.fromhex(coord._data_key))
+    assert coord._challenge_key == b"\x07" * 32
+
+
 # -- rule 10: newcomers --------------------------------------------------------------
 
 

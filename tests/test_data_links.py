@@ -28,7 +28,7 @@ from zmtp import greeting, ready
 
 import zcollective as zc
 from zcollective._io import _dataplane, _zap
-from zcollective._protocol import _tokens
+from zcollective._protocol import _chunks, _tokens
 from zcollective.testing import Replicas, report
 
 ON = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096",
@@ -314,8 +314,8 @@ def forged_chunks(session, seq):
 
     payload = np.full(SEGMENT, FORGED).tobytes()
     for kind, step in ((RS, 0), (RS, 1), (AG, 0), (AG, 1)):
-        header = _dataplane.HEADER.pack(_dataplane.MAGIC, _dataplane.VERSION, kind, session ^ 1, seq, 0,
-                                        step, 0)
+        header = _chunks.HEADER.pack(_chunks.MAGIC, _chunks.VERSION, kind, session ^ 1, seq, 0,
+                                     step, 0)
         yield [header, b"\0" * 32, payload]
 
 

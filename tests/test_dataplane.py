@@ -382,7 +382,7 @@ def forged_chunks(n, rank, seq, dtype, session, tag):
     ``seq``: every reduce-scatter and allgather chunk that call expects, of
     the right size, claiming the right origin: all but the session, which
     it cannot know."""
-    from zcollective._io._dataplane import HEADER, MAGIC, VERSION
+    from zcollective._protocol._chunks import HEADER, MAGIC, VERSION
     from zcollective._protocol._ring import AG, RS
 
     payload = np.full(STRANGER_ELEMENTS // n, POISON, dtype=dtype).tobytes()

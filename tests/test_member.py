@@ -22,6 +22,7 @@ from zcollective._format._wire import (
     encode,
     error_note,
 )
+from zcollective._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S
 from zcollective._protocol._coordinator import PYTHON_VERSION, Phase
 from zcollective._protocol._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Call, Link, Member
 from zcollective._protocol._ops import Op
@@ -657,3 +658,114 @@ def test_a_bye_says_when_data_to_move_is_left():
     member.calls[0] = Call("broadcast", data_job=lambda plan: None)
     member.data_jobs.append((0, "its job"))
     assert member.bye().flags & FLAG_DATA
+
+
+# -- timers (rules 8 and 9): the driver asks when, and sends what on_timer returns ----------------
+
+
+class FakeClock:
+    def __init__(self, now=1000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_join_is_sent_again_at_its_timer_until_the_welcome():
+    pair, clock = Pair(2), FakeClock()
+    pair.join(0)
+    member = pair.members[1]
+    member.clock = clock
+    pair.connection(1, Link.CONNECTED)
+    pair.connection(1, Link.HANDSHAKE_SUCCEEDED)
+    [first] = member.start_join()  # lost (a connection made twice): the coordinator never sees it
+    assert first.kind is Kind.JOIN and member.next_deadline() == 1000.0 + JOIN_RESEND_S
+    assert member.on_timer(1000.0 + JOIN_RESEND_S - 0.01) == []
+    [again] = member.on_timer(1000.0 + JOIN_RESEND_S)
+    assert again.kind is Kind.JOIN and again.body()["nonce"] != first.body()["nonce"]
+    assert member.next_deadline() == 1000.0 + 2 * JOIN_RESEND_S  # from when it was sent
+    pair.send(1, again)
+    assert member.joined and member.next_deadline() is None and member.on_timer(2000.0) == []
+
+
+def test_a_join_timer_stops_when_the_driver_stops_waiting_or_a_newcomer_is_admitted():
+    member = Member(1, 2, ENDPOINT, clock=FakeClock())
+    member.start_join()
+    member.stop_join()
+    assert member.next_deadline() is None and member.on_timer(2000.0) == []
+    member.start_join()
+    member.admitted = {"rank": 2, "size": 3}
+    assert member.next_deadline() is None and member.on_timer(2000.0) == []
+
+
+def test_a_join_that_waits_says_so_at_the_bound_then_twice_and_four_times_it(caplog):
+    member = Member(1, 2, ENDPOINT, clock=FakeClock())
+    member.start_join(warn_after=2.0)
+    with caplog.at_level(logging.WARNING, logger="zcollective"):
+        for now in range(1001, 1011):
+            member.on_timer(float(now))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"zcollective rank 1 has waited {w} s at {ENDPOINT} for the coordinator (rank 0), "
+                    f"which it cannot reach there (is rank 0 running, and the address right?)"
+                    for w in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("newcomer, warn_after", [(True, 2.0), (False, None)],
+                         ids=["newcomer", "not-over-a-connection"])
+def test_some_joins_never_say_they_wait(caplog, newcomer, warn_after):
+    member = Member(1, 2, ENDPOINT, clock=FakeClock())
+    member.newcomer = newcomer
+    member.start_join(warn_after=warn_after)
+    with caplog.at_level(logging.WARNING, logger="zcollective"):
+        sent = [member.on_timer(float(now)) for now in range(1001, 1020)]
+    assert caplog.records == [] and all(m.kind is Kind.JOIN for [m] in sent)  # still sent again
+
+
+def lost_link(rank=0):
+    error = zc.ReplicaLostError(f"rank 1 lost its data link from rank {rank}")
+    error.lost_rank = rank
+    return error
+
+
+def test_a_lost_data_link_waits_its_grace_for_rank_0_then_fails_the_group_and_tells_it():
+    pair, clock = Pair(2).joined(), FakeClock()
+    member = pair.members[1]
+    member.clock = clock
+    future = pair.call(1, Op.ALLREDUCE, 1, send=False)
+    error = lost_link()
+    assert member.data_lost(error) == [] and member.losing_data
+    assert member.next_deadline() == 1000.0 + DATA_LOSS_GRACE_S
+    assert member.on_timer(1000.0 + DATA_LOSS_GRACE_S - 0.01) == [] and member.failure is None
+    [abort] = member.on_timer(1000.0 + DATA_LOSS_GRACE_S)
+    assert (abort.kind, abort.rank, abort.session) == (Kind.ABORT, 1, member.session)
+    assert abort.body() == {"error": "ReplicaLostError", "message": str(error), "lost": 0, "plane": "data"}
+    assert member.failure is error and outcome(future).args == error.args and not member.losing_data
+    assert member.next_deadline() is None
+
+
+def test_a_failure_within_the_grace_says_why_and_no_abort_is_sent():
+    pair, clock = Pair(2).joined(), FakeClock()
+    member = pair.members[1]
+    member.clock = clock
+    member.calls[0] = Call("allreduce")
+    member.data_jobs.append((0, "its job"))
+    assert member.data_lost(lost_link()) == []
+    clock.now += 0.1
+    why = zc.ReplicaLostError("rank 0's program ended")  # rank 0's FAIL came meanwhile
+    member.fail(why, keep_data=True)
+    assert member.next_deadline() <= clock.now  # due at once
+    assert member.on_timer(clock.now) == []
+    assert member.failure is why and not member.data_jobs and not member.losing_data
+
+
+def test_a_reduce_function_that_raised_fails_only_its_call_at_once_and_tells_rank_0():
+    pair = Pair(2).joined()
+    member = pair.members[1]
+    future = pair.call(1, Op.ALLREDUCE, 1, send=False)
+    member.data_jobs.append((0, "its job"))
+    error = zc.PeerError("seq 0 allreduce: the reduce function raised on rank 1")
+    error.seq = 0
+    [abort] = member.data_lost(error)
+    assert (abort.kind, abort.seq, abort.body()["lost"]) == (Kind.ABORT, 0, None)
+    assert member.failure is None and outcome(future) is error and not member.data_jobs
+    assert member.next_deadline() is None

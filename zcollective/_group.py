@@ -23,6 +23,7 @@ from ._format._wire import DEFAULT_MAX_FRAMES, Signer, error_note
 from ._forming import Form, Overslept, Unreachable
 from ._future import CollectiveFuture, sleeping
 from ._io import _interrupts, _sockets, _stops
+from ._io._announce import announce_coordinator, announce_group, write_for_launcher
 from ._io._dataplane import DataPlane
 from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
@@ -39,7 +40,7 @@ from ._protocol import _ring
 from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
 from ._protocol._ops import BY_NAME, LABELS, Here, Op, Part, Refused, error_part
-from ._protocol._stats import announce_coordinator, announce_group, calls_log, write_for_launcher
+from ._protocol._stats import calls_log
 from .config import Config, resolve, takes_settings
 from .errors import (
     AddressError,

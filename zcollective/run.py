@@ -28,9 +28,9 @@ rank of the last group (how late its contributions reached rank 0), unless
 
 The replicas tell the launcher their group, rank and size each time they join
 a group, and rank 0 its stats when it closes one, through the file
-:data:`~zcollective._protocol._stats.GROUPS_FILE_ENV` names (see
+:data:`~zcollective._io._announce.GROUPS_FILE_ENV` names (see
 :class:`Groups`); rank 0 of each group says where its coordinator is in the
-file :data:`~zcollective._protocol._stats.COORDINATOR_FILE_ENV` names.
+file :data:`~zcollective._io._announce.COORDINATOR_FILE_ENV` names.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, NamedTuple, Optional
 
 from . import __version__
+from ._io._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV
 from ._io._interrupts import STACKS_SIGNAL
-from ._protocol._stats import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, slowest
+from ._protocol._stats import slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, JOB_ENV, SECRET_ENV, SECRET_FILE_ENV
 
 DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit, or go on without the lost
@@ -136,7 +137,7 @@ class Joined(NamedTuple):
 
 class Groups:
     """What the replicas said in the groups file (see
-    :func:`zcollective._protocol._stats.announce_group`): each process's
+    :func:`zcollective._io._announce.announce_group`): each process's
     current group, the group each group was formed from, and the stats each
     group's rank 0 left when it closed it. Read as it grows, from the pumps
     and the main loop alike."""

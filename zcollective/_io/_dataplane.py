@@ -4,14 +4,14 @@ port) and connects one PUSH to the next rank's. It moves the chunks of a
 this way is decided by the coordinator, which matched the call first.
 
 The chunk format, its tag, liveness and faults: see docs/protocol.md,
-*The data plane*.
+*The data plane*; which chunk a port takes is decided by
+:class:`~zcollective._protocol._chunks.ChunkRules`.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import struct
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -20,10 +20,10 @@ import zmq
 
 from .._format._mac import ChunkMac
 from .._limits import CHUNK_BYTES, HANDSHAKE_MIN_MS, POLL_SLICE_S
-from .._protocol import _tokens
-from .._protocol._ring import KIND_NAMES, RS, Job
+from .._protocol import _chunks, _tokens
+from .._protocol._ring import Job
 from ..config import Config
-from ..errors import AuthenticationError, CollectiveTimeoutError, PeerError, ReplicaLostError
+from ..errors import CollectiveTimeoutError, PeerError, ReplicaLostError
 from . import _interrupts, _sockets, _zap
 
 if TYPE_CHECKING:
@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zcollective")
 
-HEADER = struct.Struct("<2sBBQQiii")  # magic version kind session seq origin step index
-MAGIC = b"ZD"
-VERSION = 1
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                     zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 PUSH_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -74,8 +71,7 @@ class DataPlane:
         self.size = config.num_replicas
         self._config = config
         self._ctx = ctx
-        self._mac: Optional[ChunkMac] = None  # with a secret, the group's (see start)
-        self.session = 0
+        self._rules = _chunks.ChunkRules(self.rank, self.size)  # which chunk it takes
         self.endpoints: list[str] = []
         self._push: Optional[zmq.Socket] = None
         self._push_monitor: Optional[zmq.Socket] = None
@@ -130,11 +126,12 @@ class DataPlane:
         CollectiveTimeoutError
             A data link was not made by ``deadline``; names the ports.
         """
-        self.session, self.endpoints = session, endpoints
+        self.endpoints = endpoints
         base = self._config.secret
         if base is not None:  # the MACs every rank of the group has
-            self._mac = ChunkMac(base, mac)
+            self._rules.start(session, ChunkMac(base, mac))
         else:
+            self._rules.start(session, None)
             assert data_key is not None  # (the member takes no data plan without one)
             base = bytes.fromhex(data_key)
         nxt = (self.rank + 1) % self.size
@@ -273,7 +270,7 @@ class DataPlane:
     def _send(self, seq: int, job: Job) -> bool:
         """Send the job's outbox without blocking; False if libzmq has no pipe
         to the next rank (see :data:`zcollective._io._sockets._NOBLOCK`)."""
-        push = self._push
+        push, rules = self._push, self._rules
         assert push is not None
         outbox = job.outbox
         try:
@@ -282,10 +279,9 @@ class DataPlane:
                     push.send_multipart(out.frames, zmq.NOBLOCK, copy=False)
                     job.sent += 1
                     continue
-                header = HEADER.pack(MAGIC, VERSION, out.kind, self.session, seq, self.rank, out.step,
-                                     out.index)
+                header = rules.header(out.kind, seq, out.step, out.index)
                 payload = memoryview(out.payload).cast("B")
-                tag = self._mac.tag(header, payload) if self._mac is not None else b""
+                tag = rules.mac.tag(header, payload) if rules.mac is not None else b""
                 tracker = push.send_multipart([header, tag, payload], zmq.NOBLOCK, copy=False,
                                               track=True)
                 job.sent += 1
@@ -307,36 +303,14 @@ class DataPlane:
 
     def _take(self, frames: list[Any], seq: int, job: Job, member: Member,
               fail: Callable[[Exception], None]) -> None:
-        """Check one chunk and give it to ``job``, keep it for a later job, or drop it."""
-        if len(frames) != 3 or len(frames[0]) != HEADER.size:
-            self._warn("shape", f"dropped a message of {len(frames)} frames on the data port: "
-                                f"not a chunk")
-            return
-        header = frames[0].bytes
-        magic, version, kind, session, chunk_seq, origin, step, index = HEADER.unpack(header)
-        if magic != MAGIC or version != VERSION or session != self.session or kind not in KIND_NAMES:
-            self._warn("session", f"dropped a chunk on the data port that is not of this "
-                                  f"group (session {session:#x}, kind {kind})")
-            return
-        payload = frames[2]
-        if self._mac is not None and not self._mac.verify(header, memoryview(payload), frames[1].bytes):
-            # only members pass the handshake of a data port (_zap), so a chunk that fails was
-            # altered on the way
-            altered = AuthenticationError(
-                f"seq {chunk_seq} {job.op}: a {KIND_NAMES[kind]} chunk on the data link from rank "
-                f"{(self.rank - 1) % self.size} to rank {self.rank} failed authentication: was "
-                f"the link altered in flight, or did rank {(self.rank - 1) % self.size}'s program "
-                f"change the array it had passed to an _async call before the call completed?")
-            altered.lost_rank = (self.rank - 1) % self.size  # type: ignore[attr-defined]
-            fail(altered)
-            return
-        if kind == RS and origin != (self.rank - 1) % self.size:
-            self._warn("origin", f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
-                                 f"{self.rank}'s data port")
-            return
-        if chunk_seq == seq:
+        """Give one chunk to ``job``, keep it for a later job, or drop it, as
+        the rules say (:mod:`zcollective._protocol._chunks`)."""
+        verdict = self._rules.check(frames, seq, member.next_seq)
+        reason = verdict.reason
+        if reason == _chunks.NOW:
             try:
-                taken = job.receive(kind, step, index, payload, frames, origin)
+                taken = job.receive(verdict.kind, verdict.step, verdict.index, frames[2], frames,
+                                    verdict.origin)
             except Exception as exc:  # the user's elementwise function raised: this call fails
                 error = PeerError(f"seq {seq} {job.op}: the reduce function raised on rank "
                                   f"{self.rank} during the ring: {type(exc).__name__}: {exc}")
@@ -344,15 +318,15 @@ class DataPlane:
                 fail(error)
                 return
             if not taken:
-                self._warn("duplicate", f"dropped a {KIND_NAMES[kind]} chunk (seq {chunk_seq}, "
-                                        f"step {step}, index {index}) this call does not expect")
-        elif seq < chunk_seq < member.next_seq:  # the previous rank is ahead: its next call
-            self._early.setdefault(chunk_seq, []).append(frames)
-        elif chunk_seq < seq:  # the rest of a call that failed (a reduce function raised)
-            log.debug("zcollective rank %d: dropped a chunk of the ended seq %d", self.rank, chunk_seq)
+                self._warn("duplicate", self._rules.unexpected(verdict))
+        elif reason == _chunks.EARLY:
+            self._early.setdefault(verdict.seq, []).append(frames)
+        elif reason == _chunks.ENDED:
+            log.debug("zcollective rank %d: dropped a chunk of the ended seq %d", self.rank, verdict.seq)
+        elif reason == _chunks.ALTERED:
+            fail(self._rules.altered(verdict, job.op))
         else:
-            self._warn("seq", f"dropped a chunk of seq {chunk_seq} on rank {self.rank}'s data port "
-                              f"(this rank is at seq {seq})")
+            self._warn(reason, verdict.why)
 
     def _events(self, seq: int, job: Job, fail: Callable[[Exception], None]) -> None:
         """The monitors: the link to the next rank closed or silent fails the

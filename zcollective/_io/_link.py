@@ -10,17 +10,14 @@ and up). See docs/protocol.md, *Topology* and *Drivers*.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .._format import _bodies
 from .._format._wire import Kind, Message, owned
-from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S
+from .._limits import STATUS_WAIT_S
 from .._protocol._coordinator import HOST_PEER, Coordinator
 from .._protocol._member import Member
-from .._protocol._ops import Op
 from ..errors import CollectiveError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -28,9 +25,6 @@ if TYPE_CHECKING:
     from ._server import Server
 
 _POLLIN = 1  # zmq.POLLIN, for polling a plain file descriptor
-
-
-log = logging.getLogger("zcollective")
 
 
 class Driver:
@@ -108,37 +102,23 @@ class Driver:
             raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
 
     def send_join(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """Send JOIN, and again every :data:`~zcollective._limits.JOIN_RESEND_S`
-        until ``done()`` (True) or ``deadline`` (False): a JOIN, or its
-        WELCOME, can be lost to a connection made twice; the coordinator takes
-        a member's JOIN again (a WELCOME again, once running; a newcomer is
-        parked anew)."""
-        started, warned = time.monotonic(), 0
-        while True:
-            self.send([self.member.join()])
-            soon = time.monotonic() + JOIN_RESEND_S
-            if self.wait_for(done, soon if deadline is None else min(deadline, soon)):
-                return True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            warned = self._join_stalled(started, warned)
-
-    def _join_stalled(self, started: float, warned: int) -> int:
-        """Rule 11 of the coordinator, on a replica waiting to join: say so at
-        ``warn_after`` (and 2, 4, 8 times it); returns the warnings said."""
-        member, after = self.member, self.warn_after
-        waited = time.monotonic() - started
-        if not self.remote or after is None or warned >= MAX_STALL_WARNINGS or waited < after * (1 << warned):
-            return warned
-        if member.newcomer:  # (waiting for a grow() is what newcomers do, for minutes in a healthy job)
-            return warned
-        if member.greeted:
-            what = "for the others to join (the coordinator answers: rank 0 warns whom it waits for)"
-        else:
-            what = ("for the coordinator (rank 0), which it cannot reach there (is rank 0 running, "
-                    "and the address right?)")
-        log.warning("zcollective %s has waited %.0f s at %s %s", member.who, waited, member.endpoint, what)
-        return warned + 1
+        """Send JOIN, and again when the member's timer says (rule 8 of
+        :mod:`zcollective._protocol._member`), until ``done()`` (True) or
+        ``deadline`` (False)."""
+        member = self.member
+        try:
+            self.send(member.start_join(self.warn_after if self.remote else None))
+            while True:
+                due = member.next_deadline()
+                if self.wait_for(done, due if deadline is None else deadline if due is None
+                                 else min(deadline, due)):
+                    return True
+                now = member.clock()
+                if deadline is not None and now >= deadline:
+                    return False
+                self.send(member.on_timer(now))
+        finally:
+            member.stop_join()
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """Take in messages until ``done()`` or ``deadline``; False on timeout.
@@ -207,27 +187,13 @@ class Driver:
         self._pump(time.monotonic())
 
     def _fail_data(self, error: Exception) -> None:
-        """The data plane failed here: fail the group, and ask the coordinator
-        to fail it for every rank."""
-        lost, seq = getattr(error, "lost_rank", None), getattr(error, "seq", None)
+        """The data plane failed here: the member says what follows (rule 9
+        of :mod:`zcollective._protocol._member`), waiting for news meanwhile."""
         member = self.member
-        if lost is not None:  # a closed data link may be a peer whose group failed first:
-            # rank 0's FAIL, on its way, then says why (not "lost rank 0")
-            deadline = time.monotonic() + DATA_LOSS_GRACE_S
-            while member.failure is None and time.monotonic() < deadline:
-                self._pump(deadline)
-        if member.failure is not None:  # a call kept by the failure (see Member.fail) broke
-            if member.data_jobs:
-                member.data_failed(member.data_jobs[0][0], error)
-            return
-        if seq is not None:  # only this call failed (the reduce function raised here)
-            member.data_failed(seq, error)
-        else:
-            member.fail(error)
-        replies = []
-        if member.joined:
-            replies = [_bodies.abort(error, True, lost, rank=member.rank, session=member.session,
-                                     seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
+        replies = member.data_lost(error)
+        while member.losing_data:
+            self._pump(member.next_deadline())
+            replies = member.on_timer(member.clock())
         try:
             self.send(replies)
         except CollectiveError:

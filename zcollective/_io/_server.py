@@ -48,10 +48,10 @@ from .._limits import (
     STOP_TIMEOUT_S,
 )
 from .._protocol._coordinator import HOST_PEER, Coordinator, Forming, Out, Phase, ProbeSchedule
-from .._protocol._stats import announce_stall
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
+from ._announce import announce_stall
 from ._turns import Turns
 
 log = logging.getLogger("zcollective")

@@ -131,7 +131,7 @@ class Member:
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
     old_rank: Optional[int] = None  # in a group formed from an earlier one: its rank there
-    heard: float = 0.0  # when (time.monotonic()) its last message came (see Coordinator.lost)
+    heard: float = 0.0  # when (the coordinator's clock) its last message came (see Coordinator.lost)
     last: Optional[tuple[int, str, str, float]] = None  # its last call: seq, label, call site, when
 
     newcomer: bool = False  # parked until a GROW (rule 10): the rank it claims means nothing yet
@@ -182,7 +182,7 @@ class Call:
     op: Op
     root: int
     contributions: dict[int, Message] = field(default_factory=dict)
-    arrived: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic()
+    arrived: dict[int, float] = field(default_factory=dict)  # rank -> when (the coordinator's clock)
     abandoned: Optional[dict[str, Any]] = None  # a rank gave it up: the ERROR every rank gets
     warned: int = 0  # stall warnings said of it (rule 11)
 
@@ -195,13 +195,15 @@ class Coordinator:
                  user_code: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
                  forming: Optional[Forming] = None, host_address: str = "?",
                  liveness_s: Optional[float] = None, job: Optional[str] = None,
-                 warn_after: Optional[float] = None) -> None:
+                 warn_after: Optional[float] = None, clock: Callable[[], float] = time.monotonic,
+                 entropy: Callable[[int], bytes] = os.urandom) -> None:
+        self.clock = clock  # every time this object reads or keeps (a test passes a fake one)
         self.forming = forming
         self.liveness_s = liveness_s  # the group's bound: tells a closed connection from a silent one
-        self.failed_at: Optional[float] = None  # when (time.monotonic()) it failed
+        self.failed_at: Optional[float] = None  # when (its clock) it failed
         self.job = job  # the job's name (None: unnamed): a JOIN must carry the same (rule 6)
         self.warn_after = warn_after  # a stall is named after this (rule 11); None: never
-        self.started_at = time.monotonic()  # (the join's stall is timed from here)
+        self.started_at = clock()  # (the join's stall is timed from here)
         self._join_warned = 0
         if forming is not None:
             num_replicas = len(forming.expected)  # at most; those who came, once formed
@@ -212,7 +214,7 @@ class Coordinator:
         self.user_code = user_code  # the driver's: a reduce function made callable where an
         # interrupt may stop it (rank 0's thread: _interrupts.user_code); as it is by default
         self.signer = signer
-        self._challenge_key = os.urandom(32)  # challenges are HMAC(this, peer): nothing to store
+        self._challenge_key = entropy(32)  # challenges are HMAC(this, peer): nothing to store
         self._challenged: OrderedDict[bytes, int] = OrderedDict()  # peer -> CHALLENGEs sent (LRU)
         self._ended: list[Member] = []  # members that said BYE, in that order
         self.session = session
@@ -236,7 +238,7 @@ class Coordinator:
         self.part_bytes = WIRE_PART_BYTES  # frames above this travel in parts (see _settle)
         self.mac = HMAC_SHA256  # the chunk MACs every rank can use
         self._data_ports: Optional[list[str]] = None  # by rank, when the group uses the data plane
-        self._data_key = os.urandom(_bodies.DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
+        self._data_key = entropy(_bodies.DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
         self.unanswered: set[bytes] = set()  # peers sent the last BYE that have not answered it
         self.held: dict[int, list[tuple[int, Out]]] = {}  # rank -> (seq, BYE answer) held until that
         # rank says it has taken the data of every call through seq (rule 7)
@@ -282,7 +284,7 @@ class Coordinator:
     def _handle(self, peer: bytes, msg: Message, address: str) -> list[Out]:
         member = self.members.get(peer)
         if member is not None:
-            member.heard = time.monotonic()
+            member.heard = self.clock()
         if (msg.kind is Kind.CONTRIB and member is not None and msg.rank == member.rank
                 and msg.session == self.session and self.phase is not Phase.FAILED):
             return self._on_contribution(member, msg, address)  # the common case: what follows, in one test
@@ -421,7 +423,7 @@ class Coordinator:
         who = member.describe() if member else f"rank {rank}"
         message = f"{who} was lost ({reason}); {self._in_flight()}"
         dead = member is not None and self.liveness_s is not None and (
-            time.monotonic() - member.heard < SEEN_DEAD_SHARE * self.liveness_s)
+            self.clock() - member.heard < SEEN_DEAD_SHARE * self.liveness_s)
         return self.fail("ReplicaLostError", message, lost=[rank], dead=[rank] if dead else [],
                          exclude={rank})
 
@@ -431,7 +433,7 @@ class Coordinator:
         if self.phase is Phase.FAILED:
             return []
         self.phase = Phase.FAILED
-        self.failed_at = time.monotonic()
+        self.failed_at = self.clock()
         self.failure = error_body(error, message, **extra)
         log.log(level, "zcollective coordinator: %s", message)
         skip = set(exclude)
@@ -538,7 +540,7 @@ class Coordinator:
         problem = self._join_problem(join, python, n, ops)
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
-        join.peer, join.address, join.heard = peer, address, time.monotonic()
+        join.peer, join.address, join.heard = peer, address, self.clock()
         self.members[peer] = join
         self.by_rank[join.rank] = join
         if len(self.by_rank) < self.num_replicas:
@@ -790,7 +792,7 @@ class Coordinator:
         if call is None:
             call = self.pending[seq] = Call(op, msg.root)
         call.contributions[rank] = msg
-        call.arrived[rank] = time.monotonic()
+        call.arrived[rank] = self.clock()
         member.last = (seq, LABELS[op], msg.callsite, call.arrived[rank])
         if msg.op != call.op or msg.root != call.root:
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
@@ -1023,7 +1025,7 @@ class Coordinator:
             described = _arrays(values, name)
             if described is not None and len(set(described)) > 1:
                 raise Disagree(described)
-        self.reducing = (contributions[0].seq, OPS[contributions[0].op], time.monotonic())
+        self.reducing = (contributions[0].seq, OPS[contributions[0].op], self.clock())
         fn = self.user_code(fn)
         try:
             acc = values[0]
@@ -1059,13 +1061,13 @@ class Coordinator:
         if call is not None:
             fields["op"] = describe_call(call.op, call.root)
             if missing and call.arrived:
-                fields["stall"] = self.stall_line(seq, call, time.monotonic())
+                fields["stall"] = self.stall_line(seq, call, self.clock())
         return _bodies.status(seq, state, fields, rank=member.rank, session=binding)
 
     # -- stalls (rule 11) ------------------------------------------------
 
     def next_stall(self) -> Optional[float]:
-        """When (time.monotonic()) a stall warning may next be due; None: none can."""
+        """When (its clock) a stall warning may next be due; None: none can."""
         if self.warn_after is None:
             return None
         if self.phase is Phase.JOINING:

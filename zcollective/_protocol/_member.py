@@ -4,7 +4,7 @@ returning the messages to send. Every replica, rank 0 included, has one
 arrives and sends what it returns and owes. It holds the one table of calls
 in flight and resolves their futures.
 
-Rules 1-7 (cited by number in the code): see docs/protocol.md, *Member rules*.
+Rules 1-9 (cited by number in the code): see docs/protocol.md, *Member rules*.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .._format._wire import (
     error_note,
     join_token,
 )
-from .._limits import STATUS_WAIT_S, WIRE_PART_BYTES
+from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
 from ._ops import LABELS, SPOKEN, Op
 from ._stats import CallStats, calls_log
@@ -66,18 +66,33 @@ class Call:
     op: str
     future: Any = None  # a CollectiveFuture; None for an error note
     finish: Optional[Callable[[Message], Any]] = None
-    started: float = 0.0  # time.perf_counter() when submitted
+    started: float = 0.0  # when submitted (the member's stopwatch)
     sent: int = 0  # bytes of the contribution
     callsite: str = ""
     data_job: Optional[Callable[[Message], Any]] = None  # a plan -> the data plane's Job
     described: bool = False  # its contribution describes data of its own to move (FLAG_DATA)
 
 
+@dataclass(slots=True)
+class JoinTimer:
+    """A join under way (rule 8)."""
+
+    started: float
+    due: float  # when the JOIN is sent again
+    warn_after: Optional[float]
+    warned: int = 0  # the warnings said
+
+
 class Member:
     """One replica's rules; see the module docstring."""
 
     def __init__(self, rank: int, size: int, endpoint: str, signer: Optional[Signer] = None,
-                 max_frame_bytes: Optional[int] = None) -> None:
+                 max_frame_bytes: Optional[int] = None, clock: Callable[[], float] = time.monotonic,
+                 entropy: Callable[[int], bytes] = os.urandom,
+                 stopwatch: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # when it failed, its handshakes and timers (a test passes a fake one)
+        self.stopwatch = stopwatch  # what a call took (its stats)
+        self._entropy = entropy  # its JOINs' nonces
         self.rank = rank
         self.size = size
         self.endpoint = endpoint  # what messages name as the coordinator's address
@@ -88,7 +103,7 @@ class Member:
         self.calls: dict[int, Call] = {}
         self.owed: deque[Message] = deque()  # contributions to send, in order (rule 4)
         self.failure: Optional[Exception] = None
-        self.failed_at = 0.0  # when (time.monotonic()) it failed here
+        self.failed_at = 0.0  # when (its clock) it failed here
         self.connected = False
         self.greeted = False  # a ZeroMQ handshake with the coordinator succeeded on the connection now up
         self.refused = False  # a connection attempt was refused, and no handshake ever succeeded
@@ -121,6 +136,9 @@ class Member:
         self.addresses: Optional[list[str]] = None  # every rank's host, as rank 0 sees it (WELCOME)
         self.old_ranks: Optional[list[int]] = None  # formed from an earlier group: every rank's old one
         self.old_size = 0  # ... and the size of that group
+        self._join_timer: Optional[JoinTimer] = None  # while joining (rule 8)
+        self._data_loss: Optional[tuple[Exception, float]] = None  # a data link lost, and until when
+        # the control plane may say why (rule 9)
 
     # -- join ---------------------------------------------------------------
 
@@ -128,7 +146,7 @@ class Member:
         """A JOIN with a fresh nonce (rule 1), echoing the coordinator's last
         challenge (with a secret) unless given another."""
         challenge = challenge if challenge is not None else self.challenge
-        nonce = os.urandom(16).hex()
+        nonce = self._entropy(16).hex()
         self._nonces.add(nonce)
         self._tokens.add(join_token(nonce))
         return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
@@ -138,6 +156,93 @@ class Member:
     @property
     def joined(self) -> bool:
         return self.session != 0
+
+    # -- timers (rules 8 and 9) ----------------------------------------------------
+
+    def start_join(self, warn_after: Optional[float] = None) -> list[Message]:
+        """Begin joining (rule 8): a JOIN now, and again at each of its
+        timer's deadlines. ``warn_after``: over a connection, say so when the
+        join waits this long (None: never)."""
+        now = self.clock()
+        self._join_timer = JoinTimer(now, now + JOIN_RESEND_S, warn_after)
+        return [self.join()]
+
+    def stop_join(self) -> None:
+        """The driver stopped waiting to join (done, or out of time)."""
+        self._join_timer = None
+
+    def next_deadline(self) -> Optional[float]:
+        """When (its clock) :meth:`on_timer` next has something to do; None: no timer runs."""
+        deadlines = []
+        timer = self._joining()
+        if timer is not None:
+            deadlines.append(timer.due)
+        if self._data_loss is not None:  # (once failed, at once: that FAIL said why)
+            deadlines.append(self._data_loss[1] if self.failure is None else self.failed_at)
+        return min(deadlines, default=None)
+
+    def on_timer(self, now: float) -> list[Message]:
+        """The timers due at ``now`` (rules 8 and 9); the messages to send."""
+        out: list[Message] = []
+        loss = self._data_loss
+        if loss is not None and (self.failure is not None or now >= loss[1]):
+            self._data_loss = None
+            out += self._data_failure(loss[0])
+        timer = self._joining()
+        if timer is not None and now >= timer.due:
+            self._join_stalled(timer, now)
+            timer.due = now + JOIN_RESEND_S
+            out.append(self.join())
+        return out
+
+    def _joining(self) -> Optional[JoinTimer]:
+        """The join's timer, while it runs (until welcomed or admitted)."""
+        return None if self.joined or self.admitted is not None else self._join_timer
+
+    def _join_stalled(self, timer: JoinTimer, now: float) -> None:
+        """Rule 11 of the coordinator, on a replica waiting to join: say so at
+        ``warn_after`` (and 2, 4, 8 times it)."""
+        after, warned = timer.warn_after, timer.warned
+        waited = now - timer.started
+        if after is None or warned >= MAX_STALL_WARNINGS or waited < after * (1 << warned):
+            return
+        if self.newcomer:  # (waiting for a grow() is what newcomers do, for minutes in a healthy job)
+            return
+        if self.greeted:
+            what = "for the others to join (the coordinator answers: rank 0 warns whom it waits for)"
+        else:
+            what = ("for the coordinator (rank 0), which it cannot reach there (is rank 0 running, "
+                    "and the address right?)")
+        log.warning("zcollective %s has waited %.0f s at %s %s", self.who, waited, self.endpoint, what)
+        timer.warned = warned + 1
+
+    def data_lost(self, error: Exception) -> list[Message]:
+        """The data plane failed here (rule 9); what to send now (more may
+        come from :meth:`on_timer`, while :attr:`losing_data`)."""
+        if getattr(error, "lost_rank", None) is not None and self.failure is None and self._data_loss is None:
+            self._data_loss = (error, self.clock() + DATA_LOSS_GRACE_S)
+            return []
+        return self._data_failure(error)
+
+    @property
+    def losing_data(self) -> bool:
+        """A data link was lost and the member waits for the coordinator to say why."""
+        return self._data_loss is not None
+
+    def _data_failure(self, error: Exception) -> list[Message]:
+        lost, seq = getattr(error, "lost_rank", None), getattr(error, "seq", None)
+        if self.failure is not None:  # a call kept by the failure (see fail) broke
+            if self.data_jobs:
+                self.data_failed(self.data_jobs[0][0], error)
+            return []
+        if seq is not None:  # only this call failed (the reduce function raised here)
+            self.data_failed(seq, error)
+        else:
+            self.fail(error)
+        if not self.joined:
+            return []
+        return [_bodies.abort(error, True, lost, rank=self.rank, session=self.session,
+                              seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
 
     # -- calls ----------------------------------------------------------------
 
@@ -194,7 +299,7 @@ class Member:
                 sent += size
         seq = self.next_seq
         self._owe(seq, op, root, callsite, flags, fn, segments,
-                  Call(LABELS[op], future, finish, time.perf_counter(), sent, callsite, data_job,
+                  Call(LABELS[op], future, finish, self.stopwatch(), sent, callsite, data_job,
                        bool(flags & FLAG_DATA)))
         return seq
 
@@ -440,7 +545,7 @@ class Member:
 
     def _record(self, seq: int, call: Call, received: int, outcome: str) -> None:
         """Count a call answered (see :mod:`zcollective._protocol._stats`)."""
-        waited = time.perf_counter() - call.started
+        waited = self.stopwatch() - call.started
         self.stats.record(call.op, call.sent, received, waited)
         if self.log_calls:
             calls_log.info("zcollective rank %d: seq %d %s at %s: %s, sent %d B, received %d B, "
@@ -471,7 +576,7 @@ class Member:
                 return [self.join()]
         else:
             return self._failed_handshake(event is Link.PROTOCOL_VIOLATION,
-                                          time.monotonic() if now is None else now)
+                                          self.clock() if now is None else now)
         return []
 
     def _failed_handshake(self, protocol_violation: bool, now: float) -> list[Message]:
@@ -522,7 +627,7 @@ class Member:
         if self.failure is not None:
             return []
         self.failure = error
-        self.failed_at = time.monotonic()
+        self.failed_at = self.clock()
         self.owed.clear()  # nobody will pair them now
         kept = {seq for seq, _ in self.data_jobs} if keep_data else set()
         if not kept:

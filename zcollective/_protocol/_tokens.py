@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 KEY_LABEL = b"zcollective-v1-zap-plain"  # its own key: a handshake MAC is never a message tag
 LINK_LABEL = b"zcollective-v1-data-link"  # a data port's key: bound to its group and rank
@@ -47,9 +47,10 @@ def _mac(key: bytes, domain: bytes, username: bytes) -> bytes:
     return hmac.new(key, msg, hashlib.sha256).hexdigest().encode()
 
 
-def client_credentials(secret: bytes, domain: str) -> tuple[bytes, bytes]:
+def client_credentials(secret: bytes, domain: str,
+                       entropy: Callable[[int], bytes] = os.urandom) -> tuple[bytes, bytes]:
     """A fresh single-use token (username, password) for a server in ``domain``."""
-    username = USERNAME_PREFIX + os.urandom(NONCE_BYTES).hex().encode()
+    username = USERNAME_PREFIX + entropy(NONCE_BYTES).hex().encode()
     return username, _mac(derive_key(secret), domain.encode(), username)
 
 

@@ -1,0 +1,71 @@
+"""What a process started by zcollective-run tells the launcher, in files
+the launcher named in its environment (best effort: a process started
+otherwise writes nothing). The launcher (:mod:`zcollective.run`) reads them:
+the format is its, line for line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+GROUPS_FILE_ENV = "ZCOLLECTIVE_GROUPS_FILE"  # set by zcollective-run: each process appends a line
+# there when it joins a group, and rank 0 its stats when it closes one (the launcher follows ranks)
+COORDINATOR_FILE_ENV = "ZCOLLECTIVE_COORDINATOR_FILE"  # set by zcollective-run --replace-lost: the
+# rank 0 of each group (it moves when rank 0 is lost) writes the coordinator's host:port there
+
+
+def _tell_launcher(record: dict[str, Any]) -> None:
+    """Append one JSON line to the file zcollective-run named (best effort).
+    One ``write`` of a file opened to append: the processes of a job share
+    the file, and a line is never split by another's."""
+    path = os.environ.get(GROUPS_FILE_ENV)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # no O_CREAT: the launcher's file, or none
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+    except (OSError, TypeError, ValueError):
+        pass
+
+
+def announce_group(rank: int, size: int, session: int, lineage: Optional[str], stacks: bool = False) -> None:
+    """A process started by zcollective-run, once it joined a group (the one
+    ``session`` names, formed from the group ``lineage`` names, if any): say
+    its rank and size there, for the launcher's line prefix and for it to see
+    survivors go on after a loss; ``stacks``: it writes its threads' stacks on
+    SIGUSR1 (the launcher sends that signal to no other process)."""
+    _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "lineage": lineage,
+                    "rank": rank, "size": size, "stacks": stacks})
+
+
+def write_for_launcher(stats: dict[str, Any], session: int) -> None:
+    """Rank 0, at the end of a group (``session``) started by zcollective-run:
+    leave the stats where the launcher will read them (best effort)."""
+    if session:  # (0: it closed before the group formed)
+        _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "stats": stats})
+
+
+def announce_stall(session: int, ranks: list[int], line: str) -> None:
+    """Rank 0 of a group (``session``) started by zcollective-run warned of a
+    stall naming ``ranks``: the launcher shows where their programs are."""
+    _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "stall": ranks, "line": line[:2000]})
+
+
+def announce_coordinator(address: str) -> None:
+    """Rank 0 of a group started by ``zcollective-run --replace-lost``: say
+    where the coordinator is (``host:port pid``), for newcomers the launcher
+    starts (best effort; replaced whole, so a reader never sees half)."""
+    path = os.environ.get(COORDINATOR_FILE_ENV)
+    if not path:
+        return
+    try:
+        with open(path + ".new", "w") as f:
+            f.write(f"{address} {os.getpid()}")
+        os.replace(path + ".new", path)
+    except OSError:
+        pass

@@ -1,0 +1,122 @@
+"""Which chunk a data port takes, without sockets: the data plane
+(:mod:`zcollective._io._dataplane`) hands :meth:`ChunkRules.check` each
+message that reaches its port and does what the :class:`Verdict` says.
+
+A chunk is three frames: a header (:data:`HEADER`: magic, version, kind,
+session, seq, origin rank, step, index), a tag, the payload. In order, a
+message is
+
+1. dropped (``SHAPE``) unless it has three frames and a header's length;
+2. dropped (``SESSION``) unless its magic, version and session are this
+   group's and its kind is a chunk's;
+3. with a secret, fatal (``ALTERED``) unless its tag is the MAC of header
+   and payload under the group's key: only members pass a data port's
+   handshake, so the link was altered (or the previous rank's program
+   changed an array it had passed to an ``_async`` call);
+4. dropped (``ORIGIN``) if a reduce-scatter chunk claims an origin other
+   than the previous rank (they are never forwarded);
+5. by its seq: the job's now (``NOW``: the job says whether it expects
+   it); a later call the previous rank is already in (``EARLY``: kept for
+   it), at most this rank's next seq; an ended call (``ENDED``: the rest
+   of one that failed); else dropped (``SEQ``).
+
+Drops are logged once per reason (:data:`LOGGED`); an ended call's rest only
+at debug level.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .._format._mac import ChunkMac
+from ..errors import AuthenticationError
+from ._ring import KIND_NAMES, RS
+
+HEADER = struct.Struct("<2sBBQQiii")  # magic version kind session seq origin step index
+MAGIC = b"ZD"
+VERSION = 1
+
+NOW, EARLY, ENDED = "now", "early", "ended"  # taken: by this job, a later one, none (the rest of one)
+SHAPE, SESSION, ALTERED, ORIGIN, SEQ = "shape", "session", "altered", "origin", "seq"  # refused
+LOGGED = (SHAPE, SESSION, ORIGIN, SEQ)  # a warning, once per reason (ALTERED fails the group)
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What to do with one message on a data port, and the header's fields
+    (zero when it had none to read)."""
+
+    reason: str  # NOW, EARLY or ENDED; else why it is refused
+    why: str = ""  # a refusal's words, for the log
+    kind: int = 0
+    seq: int = 0
+    origin: int = 0
+    step: int = 0
+    index: int = 0
+
+
+class ChunkRules:
+    """One rank's data port: what it takes (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+        self.prev = (rank - 1) % size
+        self.session = 0  # the group's, once welcomed (see :meth:`start`)
+        self.mac: Optional[ChunkMac] = None  # with a secret, the group's
+
+    def start(self, session: int, mac: Optional[ChunkMac]) -> None:
+        self.session, self.mac = session, mac
+
+    def header(self, kind: int, seq: int, step: int, index: int) -> bytes:
+        """The header of a chunk this rank makes."""
+        return HEADER.pack(MAGIC, VERSION, kind, self.session, seq, self.rank, step, index)
+
+    def check(self, frames: list[Any], seq: int, next_seq: int) -> Verdict:
+        """The verdict on ``frames`` (bytes or buffers) reaching this port
+        while this rank moves call ``seq``'s data, its next call being
+        ``next_seq``."""
+        if len(frames) != 3 or len(frames[0]) != HEADER.size:
+            return Verdict(SHAPE, f"dropped a message of {len(frames)} frames on the data port: "
+                                  f"not a chunk")
+        header = bytes(frames[0])
+        magic, version, kind, session, chunk_seq, origin, step, index = HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION or session != self.session or kind not in KIND_NAMES:
+            return Verdict(SESSION, f"dropped a chunk on the data port that is not of this group "
+                                    f"(session {session:#x}, kind {kind})")
+        verdict = Verdict(NOW, "", kind, chunk_seq, origin, step, index)
+        if self.mac is not None and not self.mac.verify(header, memoryview(frames[2]), bytes(frames[1])):
+            verdict.reason = ALTERED
+        elif kind == RS and origin != self.prev:
+            verdict.reason = ORIGIN
+            verdict.why = (f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
+                           f"{self.rank}'s data port")
+        elif chunk_seq == seq:
+            pass
+        elif seq < chunk_seq < next_seq:  # the previous rank is ahead: its next call
+            verdict.reason = EARLY
+        elif chunk_seq < seq:  # the rest of a call that failed (a reduce function raised)
+            verdict.reason = ENDED
+        else:
+            verdict.reason = SEQ
+            verdict.why = (f"dropped a chunk of seq {chunk_seq} on rank {self.rank}'s data port "
+                           f"(this rank is at seq {seq})")
+        return verdict
+
+    def altered(self, verdict: Verdict, op: str) -> AuthenticationError:
+        """The group's error for a chunk whose tag failed (``ALTERED``)."""
+        prev = self.prev
+        error = AuthenticationError(
+            f"seq {verdict.seq} {op}: a {KIND_NAMES[verdict.kind]} chunk on the data link from rank "
+            f"{prev} to rank {self.rank} failed authentication: was the link altered in flight, or "
+            f"did rank {prev}'s program change the array it had passed to an _async call before "
+            f"the call completed?")
+        error.lost_rank = prev  # type: ignore[attr-defined]
+        return error
+
+    def unexpected(self, verdict: Verdict) -> str:
+        """The log's words for a chunk of this job the job did not expect."""
+        return (f"dropped a {KIND_NAMES[verdict.kind]} chunk (seq {verdict.seq}, step {verdict.step}, "
+                f"index {verdict.index}) this call does not expect")
