@@ -15,7 +15,7 @@ SECRET = b"k" * 32
 def rules(rank=1, size=3, mac=None):
     """Rank ``rank`` of ``size``'s port, welcomed to SESSION."""
     r = ChunkRules(rank, size)
-    r.start(SESSION, mac)
+    r.start(SESSION, mac, rank, size)
     return r
 
 
@@ -112,3 +112,13 @@ def test_a_chunk_the_job_does_not_expect_is_named_for_the_log():
     verdict = rules().check(chunk(AG, seq=4, step=1, index=2), 4, 5)
     assert rules().unexpected(verdict) == ("dropped a allgather chunk (seq 4, step 1, index 2) this "
                                            "call does not expect")
+
+
+def test_a_port_of_a_group_formed_again_takes_chunks_by_its_new_rank():
+    """A shrink renumbers the survivors: old rank 3 of 4 is rank 2 of 3, its previous rank 1,
+    not 2 (a port that kept its old place refused the ring's chunks, and the call timed out)."""
+    r = ChunkRules(3, 4)
+    r.start(SESSION, None, 2, 3)
+    assert r.check(chunk(RS, origin=1), 4, 5).reason == _chunks.NOW
+    assert r.check(chunk(RS, origin=2), 4, 5).reason == _chunks.ORIGIN
+    assert _chunks.HEADER.unpack(r.header(RS, 4, 0, 0))[5] == 2  # the chunks it makes name it rank 2

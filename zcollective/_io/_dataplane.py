@@ -129,9 +129,9 @@ class DataPlane:
         self.endpoints = endpoints
         base = self._config.secret
         if base is not None:  # the MACs every rank of the group has
-            self._rules.start(session, ChunkMac(base, mac))
+            self._rules.start(session, ChunkMac(base, mac), self.rank, self.size)
         else:
-            self._rules.start(session, None)
+            self._rules.start(session, None, self.rank, self.size)
             assert data_key is not None  # (the member takes no data plan without one)
             base = bytes.fromhex(data_key)
         nxt = (self.rank + 1) % self.size

@@ -67,8 +67,11 @@ class ChunkRules:
         self.session = 0  # the group's, once welcomed (see :meth:`start`)
         self.mac: Optional[ChunkMac] = None  # with a secret, the group's
 
-    def start(self, session: int, mac: Optional[ChunkMac]) -> None:
+    def start(self, session: int, mac: Optional[ChunkMac], rank: int, size: int) -> None:
+        """Welcomed: the group's session and MAC, and this rank's place in it
+        (a group formed from an earlier one renumbers its ranks)."""
         self.session, self.mac = session, mac
+        self.rank, self.size, self.prev = rank, size, (rank - 1) % size
 
     def header(self, kind: int, seq: int, step: int, index: int) -> bytes:
         """The header of a chunk this rank makes."""
