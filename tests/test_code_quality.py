@@ -80,7 +80,8 @@ LAYERS = [  # lowest first: a module imports only from its own layer or lower on
     {"_format"},
     {"_protocol"},
     {"_io", "_forming"},
-    {"_elastic"},
+    {"_lifecycle"},
+    {"_calls", "_elastic"},
     {"_group"},
     {"__init__", "testing", "run", "_child"},
 ]

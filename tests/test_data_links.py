@@ -119,7 +119,7 @@ def link_fault(front, when, secret):
     if rank == front:
         _through_relay()
     zc.initialize(op_timeout=OP_TIMEOUT, secret=secret, timeout=60)
-    relay = zc._current()._data.relay if rank == front else None
+    relay = zc._current()._life.data.relay if rank == front else None
     x = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: many chunks on every link
     first = zc.allreduce(x)
     assert np.array_equal(first, 3 * x)
@@ -207,7 +207,7 @@ def idle_under_attack(markers):
     assert np.array_equal(zc.allreduce(x), np.arange(1 << 16, dtype=np.float64) * 6)
     if rank == 1:
         with open(os.path.join(markers, "port.tmp"), "w") as f:
-            f.write(zc._current()._data.endpoint)
+            f.write(zc._current()._life.data.endpoint)
         os.rename(os.path.join(markers, "port.tmp"), os.path.join(markers, "port"))
         wait_for(os.path.join(markers, "attacked"), timeout=60)  # idle, in user code
     zc.barrier()
@@ -294,7 +294,7 @@ def tried_by_strangers(markers):
     rank, group = zc.get_rank(), zc._current()
     x = np.arange(3 * SEGMENT, dtype=np.float64)
     assert np.array_equal(zc.allreduce(x * (rank + 1)), x * 6)  # the data links are made
-    member, data = group._member, group._data
+    member, data = group._life.member, group._life.data
     base = group.config.secret or bytes.fromhex(member.data_key)  # what link keys derive from
     said = {"endpoint": data.endpoint, "session": member.session, "base": base.hex(), "seq": member.next_seq}
     with open(os.path.join(markers, f"port{rank}.tmp"), "w") as f:

@@ -320,7 +320,7 @@ def signalled_mid_ring(victim, marker, sig):
 def killed_mid_ring(markers):
     add_then_die = signalled_mid_ring(2, os.path.join(markers, "dying"), signal.SIGKILL)
     zc.barrier()
-    endpoints = zc._current()._link.data.endpoints  # every data port, as the WELCOME said
+    endpoints = zc._current()._life.driver.data.endpoints  # every data port, as the WELCOME said
     start = time.monotonic()
     try:
         zc.allreduce(np.ones(KILLED_ELEMENTS, dtype=np.float32), add_then_die)
@@ -367,7 +367,7 @@ def calls_beside_a_stranger(markers):
     r = zc.get_rank()
     port = os.path.join(markers, f"port{r}")
     with open(port + ".tmp", "w") as f:
-        f.write(zc._current()._link.data.endpoint)
+        f.write(zc._current()._life.driver.data.endpoint)
     os.replace(port + ".tmp", port)
     results = []
     for k, dtype in enumerate(STRANGER_CALLS):

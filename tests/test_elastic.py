@@ -188,14 +188,14 @@ def _probe_counted_in_then_given_up(port):
     0's port, the JOIN reached it, and this survivor went on alone: a split.)"""
     import socket
 
-    from zcollective._group import Group
+    from zcollective._lifecycle import Lifecycle
 
-    original = Group._join_forming
+    original = Lifecycle._join_forming
 
     def once(self, form):
         if self.config.master_port != port + 1:
             return original(self, form)  # (old rank 0's port, refused: it died)
-        Group._join_forming = original
+        Lifecycle._join_forming = original
         deadline = time.monotonic() + 10
         while True:  # old rank 1's coordinator is up at its port (the master port + 1)
             try:
@@ -204,7 +204,7 @@ def _probe_counted_in_then_given_up(port):
             except OSError:
                 assert time.monotonic() < deadline, "old rank 1 never hosted"
                 time.sleep(0.01)
-        link = self._link
+        link = self.driver
         waiting = link.wait_for
 
         def descheduled(done, deadline):
@@ -213,7 +213,7 @@ def _probe_counted_in_then_given_up(port):
             return False
         link.wait_for = descheduled
         return original(self, form)
-    Group._join_forming = once
+    Lifecycle._join_forming = once
 
 
 def probe_given_up(markers, port):
@@ -301,7 +301,7 @@ def test_a_survivor_stopped_while_it_probes_does_not_host_a_second_group(monkeyp
     """Old rank 1 (rank 0 killed) is stopped while it probes old rank 0, longer
     than the others' bound: by then ranks 2 and 3 counted it lost and formed
     their group; it must go to theirs (and be told it was left out), never host
-    a group of its own (a split). Without processes: Group._formed is faked."""
+    a group of its own (a split). Without processes: the next Lifecycle is faked."""
     import types
 
     from zcollective import _elastic
@@ -320,18 +320,16 @@ def test_a_survivor_stopped_while_it_probes_does_not_host_a_second_group(monkeyp
             raise Unreachable("old rank 0 is gone")
         raise zc.LeftOutError("the survivors formed a group without it")
 
-    class Group(types.SimpleNamespace):  # what shrink uses of a group; it forms through the class
-        _formed = staticmethod(formed)
-
+    monkeypatch.setattr(_elastic, "Lifecycle", formed)  # how shrink forms the next session
     failure = zc.ReplicaLostError("lost the coordinator")
     failure.lost_inferred = (0,)
     member = types.SimpleNamespace(failure=failure, failed_at=time.monotonic(), session=0xABC,
                                    addresses=["h0", "h1", "h2", "h3"])
     config = Config(master_addr="h0", master_port=29500, rank=1, num_replicas=4)
-    group = Group(_member=member, config=config, _close_to_form=lambda quick: None,
-                  _coordinator=lambda: None, _reforming=None)
+    session = types.SimpleNamespace(member=member, config=config, close_to_form=lambda quick: None,
+                                    coordinator=lambda: None, reforming=None)
     with pytest.raises(zc.LeftOutError):
-        _elastic.shrink(group, timeout=10)
+        _elastic.shrink(session, timeout=10)
     assert tried == [("join", "h0"), ("join", "h2")]
 
 

@@ -466,16 +466,16 @@ def grows_and_one_is_interrupted(markers):
     """Rank 2's grow() is interrupted (a signal handler's exception) at its wait
     for the host: its group says so, shrink() tells it it was left out, and the
     others go on with the newcomer."""
-    from zcollective._group import Group
+    from zcollective._lifecycle import Lifecycle
 
     me = zc.get_rank()
     if me == 2:
-        reach = Group._reach_host
+        reach = Lifecycle._reach_host
 
         def interrupted(self, form, who):
-            Group._reach_host = reach
+            Lifecycle._reach_host = reach
             raise KeyboardInterrupt  # where a signal handler's exception surfaces
-        Group._reach_host = interrupted
+        Lifecycle._reach_host = interrupted
     zc.allreduce(1)
     wait_for(os.path.join(markers, "parked"), timeout=60)
     deadline = time.monotonic() + 30

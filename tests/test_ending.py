@@ -179,7 +179,7 @@ def victim_and_survivors(markers):
     start = time.monotonic()
     future = zc.allreduce_async(1)
     if r == 0:
-        coordinator = zc._current()._coordinator()  # served by its thread meanwhile
+        coordinator = zc._current()._life.coordinator()  # served by its thread meanwhile
         deadline = time.monotonic() + 30
         while sorted(getattr(coordinator.pending.get(1), "contributions", ())) != [0, 1]:
             assert time.monotonic() < deadline, "the survivors' parts did not both arrive"

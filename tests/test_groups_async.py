@@ -173,7 +173,7 @@ def sent_while_awaiting(port_a, port_b, markers):
             touch(os.path.join(markers, "asleep1"))
             # the loop blocked from here to the send: the task cannot take the result in
             wait_for(*(os.path.join(markers, f"first{r}") for r in (0, 2)))
-            dealer = data._link.dealer
+            dealer = data._life.driver.dealer
             arrived = bool(select.select([dealer.FD], [], [], 10)[0])  # the edge the task sleeps on
             second = data.allreduce_async(rank)
             scenario = {"arrived": arrived, "edge left": bool(select.select([dealer.FD], [], [], 0)[0]),

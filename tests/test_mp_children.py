@@ -104,13 +104,15 @@ def mark_group_ending(marker):
     """Touch ``marker`` when a group of this process begins its ending: the
     one place this file looks inside the library, to order the others'
     contributions after that point without a sleep."""
-    end = zc.Group._end
+    from zcollective._lifecycle import Lifecycle
 
-    def marked(group):
+    end = Lifecycle.end
+
+    def marked(session):
         touch(marker)
-        return end(group)
+        return end(session)
 
-    zc.Group._end = marked
+    Lifecycle.end = marked
 
 
 def rank0_leaves_early(rank, n, port, marker=None):

@@ -144,11 +144,11 @@ def ring_on_a_slow_link(markers, nbytes):
     import numpy as np
 
     r = zc.get_rank()
-    assert zc._current()._link.data is not None, "the data plane is not in use across hosts"
+    assert zc._current()._life.driver.data is not None, "the data plane is not in use across hosts"
     a = np.full(nbytes // 4, r + 1, dtype=np.float32)
     zc.barrier()
     open(os.path.join(markers, f"ring{r}"), "w").close()
-    endpoints = zc._current()._link.data.endpoints  # every data port, as the WELCOME said
+    endpoints = zc._current()._life.driver.data.endpoints  # every data port, as the WELCOME said
     start = time.monotonic()
     try:
         out = zc.allreduce(a)

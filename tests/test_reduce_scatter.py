@@ -34,7 +34,7 @@ def scatter_everything():
                                          np.maximum)[-1])
     future = zc.reduce_scatter_async([i for i in range(n)])
     out["async"] = future.result(timeout=30)
-    out["data"] = zc._current()._here.data
+    out["data"] = zc._current()._life.here.data
     out["group"] = zc._current().reduce_scatter([1] * n)
     return out
 

@@ -243,7 +243,7 @@ def test_a_stall_never_signals_a_rank_that_opted_out_of_stacks(tmp_path):
 def test_status_of_a_group_closed_to_form_the_next_one_says_so():
     group = zc.Group(size=1, env={})
     try:
-        group._close_to_form(quick=True)
+        group._life.close_to_form(quick=True)
         assert group.status()["state"] == "forming"
     finally:
         group.teardown()

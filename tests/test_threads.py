@@ -297,7 +297,7 @@ def many_threads(arrays):
     wrong = {k: v for k, v in results.items() if v[0] != v[1]}
     assert not wrong, wrong
     assert len(results) == THREADS * CALLS
-    assert zc._current()._here.data == arrays
+    assert zc._current()._life.here.data == arrays
     return zc.allgather(len(results))  # and the group goes on, from the main thread
 
 

@@ -100,8 +100,8 @@ def _async_twin(twin: Callable[..., Any], raised: str, mistakes: str) -> Callabl
 
 
 def _current() -> Group:
-    if _group is not None and _group.closed and _group._reforming is not None:
-        _group._check_usable()  # closed to form the next group, which did not finish: says so
+    if _group is not None and _group.closed and _group._life.reforming is not None:
+        _group._life.check_usable()  # closed to form the next group, which did not finish: says so
     if _group is None or _group.closed:
         raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
     return _group  # in a forked child, its operations raise CollectiveError naming the parent
@@ -109,7 +109,7 @@ def _current() -> Group:
 
 def _open_here() -> bool:
     """The default group is open and belongs to this process (not a parent we forked from)."""
-    return _group is not None and not _group.closed and _group._pid == os.getpid()
+    return _group is not None and not _group.closed and _group._life.pid == os.getpid()
 
 
 @takes_settings()
@@ -196,7 +196,7 @@ def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
         No group could be formed within ``timeout``.
     """
     global _group
-    group = _group if _group is not None and _group._reforming is not None else _current()
+    group = _group if _group is not None and _group._life.reforming is not None else _current()
     _group = group.shrink(timeout, majority=majority)  # (again after one that did not finish)
 
 

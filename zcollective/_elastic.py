@@ -1,24 +1,25 @@
 """Elastic groups, the steps each replica takes: the survivors of a loss go on
-in the same processes (:func:`shrink`), the living agree (:func:`agree`), and a
-running group admits newcomers (:func:`grow`). The rules are the coordinator's
-rules 9 (a group formed from an earlier one) and 10 (newcomers); the bounds
-are in :mod:`._limits`. The steps (who hosts, who joins whom, the majority):
-see docs/protocol.md, *Elastic groups*.
+in the same processes (:func:`shrink`) and a running group admits newcomers
+(:func:`regroup`), each step asking :class:`~zcollective._lifecycle.Lifecycle`
+for the next. The rules are the coordinator's rules 9 (a group formed
+from an earlier one) and 10 (newcomers); the bounds are in :mod:`._limits`.
+The steps (who hosts, who joins whom, the majority): see docs/protocol.md,
+*Elastic groups*.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 import socket
 import time
-from typing import Any, NamedTuple, Optional, Protocol, TypeVar
+from typing import NamedTuple, Optional
 
 from ._forming import Form, Overslept, Unreachable
 from ._io import _stops
+from ._lifecycle import Lifecycle
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
-from ._protocol._coordinator import Coordinator, Forming
-from ._protocol._member import Member, fresh, lost_rank_0
+from ._protocol._coordinator import Forming
+from ._protocol._member import fresh, lost_rank_0
 from .config import Config
 from .errors import (
     AddressError,
@@ -29,34 +30,6 @@ from .errors import (
     ProtocolError,
     ReplicaLostError,
 )
-
-G = TypeVar("G", bound="Group")
-
-
-class Group(Protocol):
-    """What these steps use of a group (:class:`zcollective.Group` is one):
-    they form the next group through its class, and never import it."""
-
-    config: Config
-    _member: Member
-    _reforming: Optional[str]
-
-    @property
-    def size(self) -> int: ...
-
-    @property
-    def old_ranks(self) -> Optional[list[int]]: ...
-
-    @classmethod
-    def _formed(cls: type[G], config: Config, form: Form) -> G: ...
-
-    def _coordinator(self) -> Optional[Coordinator]: ...
-
-    def _close_to_form(self, quick: bool) -> None: ...
-
-    def shrink(self: G, timeout: Optional[float] = None, *, majority: bool = True) -> G: ...
-
-    def allreduce(self, value: Any, reduce_fn: Any = ..., *, timeout: Any = ...) -> Any: ...
 
 
 def form_port(master_port: int, old_rank: int) -> int:
@@ -73,9 +46,9 @@ MAX_PORT = 65535
 MIN_FORM_PORT = 1024  # past the top, form ports wrap to here (below: ports only root may bind)
 
 
-def shrink(group: G, timeout: Optional[float], majority: bool = True) -> G:
-    """The survivors' new group (see the module's steps); ``group`` is closed."""
-    member, config, formed = group._member, group.config, type(group)._formed
+def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> Lifecycle:
+    """The survivors' next group (see the module's steps); ``life`` is closed."""
+    member, config, formed = life.member, life.config, Lifecycle
     old_rank, old_size = config.rank, config.num_replicas
     failure = member.failure
     if failure is not None and not isinstance(failure, ReplicaLostError):
@@ -91,10 +64,10 @@ def shrink(group: G, timeout: Optional[float], majority: bool = True) -> G:
         began = _stops.stopped(config.liveness_timeout * 2 / 3, failed_at - 2 * config.liveness_timeout)
         if began is not None:
             failed_at = min(failed_at, began)
-    coordinator = group._coordinator()
+    coordinator = life.coordinator()
     if coordinator is not None and coordinator.failed_at is not None:  # rank 0: when its coordinator
         failed_at = min(failed_at, coordinator.failed_at)  # failed, not when its program heard
-    group._close_to_form(quick=True)
+    life.close_to_form(quick=True)
     started = time.monotonic()
     allowed = 0.0  # the time its tries of the candidates so far were allowed to take
 
@@ -104,7 +77,7 @@ def shrink(group: G, timeout: Optional[float], majority: bool = True) -> G:
         # counted it lost by now, and must not find two groups
         return time.monotonic() - failed_at - allowed > HOST_WINDOW_S
 
-    if group._reforming == "grow()":  # its grow() did not finish: the grown group formed without it
+    if life.reforming == "grow()":  # its grow() did not finish: the grown group formed without it
         raise LeftOutError(f"old rank {old_rank}: its grow() did not finish here, so the others "
                            f"formed the grown group without it")
     late = is_late()
@@ -195,46 +168,25 @@ class Agreement(NamedTuple):
     lost: frozenset[int]  # the ranks (of the group agree was called on) found lost
 
 
-def agree(group: G, flag: bool, timeout: Optional[float]) -> tuple[G, Agreement]:
-    """AND of ``flag`` over the living members, and who was lost: in a failed
-    group (or one failing meanwhile) the survivors shrink first, then agree
-    among themselves. Returns the group it ends in (``group`` itself if
-    nothing was lost) and the agreement."""
-    at_call = list(range(group.size))  # each rank of the current group, as a rank of ``group``
-    current = group
-    while True:
-        if current._member.failure is None:
-            try:
-                together = current.allreduce(bool(flag), operator.and_, timeout=timeout)
-                return current, Agreement(bool(together), frozenset(set(range(group.size)) - set(at_call)))
-            except ReplicaLostError:
-                pass
-        elif not isinstance(current._member.failure, ReplicaLostError):
-            raise fresh(current._member.failure)
-        current = current.shrink(timeout)
-        at_call = [at_call[old] for old in current.old_ranks or range(current.size)]
-
-
-def regroup(group: G, newcomers: int) -> G:
-    """A grow() admitted ``newcomers``: this group closes, and its members and
-    the newcomers form the next one where it was (rule 9), rank 0 hosting."""
-    config, member = group.config, group._member
+def regroup(life: Lifecycle, newcomers: int) -> Lifecycle:
+    """A grow() admitted ``newcomers``: this group closes, and its members
+    and the newcomers form the next one where it was (rule 9), rank 0 hosting."""
+    config, member = life.config, life.member
     lineage, size = f"{member.session:x}", config.num_replicas + newcomers
-    group._close_to_form(quick=False)
+    life.close_to_form(quick=False)
     where = dataclasses.replace(config, num_replicas=size)
     if config.rank == 0:
         forming = Forming(lineage, frozenset(range(size)), size, voters=config.num_replicas)
         try:
-            return type(group)._formed(where, Form(lineage, forming))
+            return Lifecycle(where, Form(lineage, forming))
         except Overslept as exc:  # stopped while the others waited: they may have gone on
             raise LeftOutError(f"rank 0: {exc}; the others may have gone on without it") from None
     try:
-        return type(group)._formed(where, Form(lineage))
+        return Lifecycle(where, Form(lineage))
     except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 was lost as the group formed
         # again: its members go on as after any loss (the newcomers are told to start again)
-        member.failure = lost_rank_0(ReplicaLostError(
+        member.fail(lost_rank_0(ReplicaLostError(
             f"rank {config.rank}: the coordinator (rank 0) was lost while the group formed again "
-            f"after a grow(): {exc}"))
-        member.failed_at = time.monotonic()
-        group._reforming = "shrink()"  # (not a grow's that went on without it: a loss)
-        return shrink(group, None)
+            f"after a grow(): {exc}")))
+        life.reforming = "shrink()"  # (not a grow's that went on without it: a loss)
+        return shrink(life, None)

@@ -1,5 +1,5 @@
 """Every operation as one object: its code on the wire, what each rank sends
-and how its result is made (:meth:`Operation.part`), the coordinator's check,
+and how its result is made (:meth:`Operation.contribute`), the coordinator's check,
 route and data plan (:meth:`Operation.malformed`, :meth:`Operation.route`,
 :meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
 operation by name (:data:`OPERATIONS`) and builds no message; the coordinator
@@ -81,8 +81,8 @@ class Combining(Protocol):
 
 
 @dataclass
-class Part:
-    """This rank's part of one call: ``build()`` serializes what it sends
+class Contribution:
+    """This rank's contribution to one call: ``build()`` serializes what it sends
     (after the call's seq is reserved), ``finish`` makes its value from the
     RESULT, ``data_job`` the data-plane job from a plan (``FLAG_DATA``)."""
 
@@ -94,7 +94,7 @@ class Part:
 
 
 class Refused(ValueError):
-    """A part this rank cannot make (a wrong number of values): the others
+    """A contribution this rank cannot make (a wrong number of values): the others
     are told (an error note, at ``root``), so the call fails on every rank."""
 
     def __init__(self, message: str, root: int = 0) -> None:
@@ -125,9 +125,9 @@ class Operation:
     def label(self) -> str:
         return LABELS[self.code]
 
-    def part(self, here: Here, *args: Any) -> Part:
-        """This rank's part; raises ValueError or TypeError for bad arguments."""
-        return Part(0, _nothing, _none)
+    def contribute(self, here: Here, *args: Any) -> Contribution:
+        """This rank's contribution; raises ValueError or TypeError for bad arguments."""
+        return Contribution(0, _nothing, _none)
 
     def malformed(self, contributions: list[Message], root: int) -> str:
         """Why the parts cannot be combined as they came ("" if they can)."""
@@ -291,13 +291,13 @@ def _is_tensor(value: Any) -> bool:
 class Allreduce(Operation):
     code = Op.ALLREDUCE
 
-    def part(self, here: Here, value: Any, reduce_fn: Any) -> Part:
+    def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
         fn = _reducer_of(here, reduce_fn, 0)
         finish = _value(value) if here.size == 1 else _first  # nothing was combined with it
         name = _ring.reduction_name(reduce_fn)
         array = _array(value, here.data_min_bytes) if here.data and name is not None else None
         if array is None or name is None:
-            return Part(0, lambda: ([_serialize.dumps(value)], fn()), finish)
+            return Contribution(0, lambda: ([_serialize.dumps(value)], fn()), finish)
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
         tensor = _is_tensor(value)
 
@@ -305,7 +305,7 @@ class Allreduce(Operation):
             ring = _ring.RingAllreduce(here.rank, here.size, array, _ring.reducer(name, reduce_fn))
             ring.finish = _tensor_out(tensor, ring.result)
             return ring
-        return Part(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
+        return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
 
     malformed = staticmethod(_one_each)
 
@@ -322,11 +322,11 @@ class Reduce(Operation):
     rooted = True
     malformed = staticmethod(_one_each)
 
-    def part(self, here: Here, value: Any, reduce_fn: Any, root: Any) -> Part:
+    def contribute(self, here: Here, value: Any, reduce_fn: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
         fn = _reducer_of(here, reduce_fn, root)
         finish = _none if here.rank != root else _value(value) if here.size == 1 else _first
-        return Part(root, lambda: ([_serialize.dumps(value)], fn()), finish)
+        return Contribution(root, lambda: ([_serialize.dumps(value)], fn()), finish)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         result = [_serialize.dumps(at.combine(contributions, root), "reduction result")]
@@ -336,12 +336,12 @@ class Reduce(Operation):
 class ReduceScatter(Operation):
     """Rank i gets every rank's i-th value reduced in rank order with rank 0's
     function. Equal arrays (or CPU tensors) with a data plane go round the
-    ring's reduce-scatter half, this rank's part coming out of it: the parts
+    ring's reduce-scatter half, this rank's share coming out of it: the values
     are laid out one segment later, since rank r ends holding segment r + 1."""
 
     code = Op.REDUCE_SCATTER
 
-    def part(self, here: Here, values: Any, reduce_fn: Any) -> Part:
+    def contribute(self, here: Here, values: Any, reduce_fn: Any) -> Contribution:
         values = _per_rank(self.code, values, here.size)
         fn = _reducer_of(here, reduce_fn, 0)
         own = values[here.rank]
@@ -352,7 +352,7 @@ class ReduceScatter(Operation):
         if (name is None or first is None
                 or any(a is None or a.dtype != first.dtype or a.shape != first.shape for a in arrays)
                 or first.nbytes * len(arrays) < here.data_min_bytes):
-            return Part(0, lambda: ([_serialize.dumps(v) for v in values], fn()), finish)
+            return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], fn()), finish)
         n, shape = here.size, first.shape
         description = _bodies.plan(dtype=first.dtype.str, shape=[n, *shape], fn=name)
         tensor = _is_tensor(own)
@@ -363,7 +363,7 @@ class ReduceScatter(Operation):
             ring = _ring.RingAllreduce(here.rank, n, laid, _ring.reducer(name, reduce_fn), gather=False)
             ring.finish = _tensor_out(tensor, lambda: ring.result().reshape(shape))
             return ring
-        return Part(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
+        return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
 
     malformed = staticmethod(_n_each)
 
@@ -379,18 +379,18 @@ class Broadcast(Operation):
     code = Op.BROADCAST
     rooted = True
 
-    def part(self, here: Here, value: Any, root: Any) -> Part:
+    def contribute(self, here: Here, value: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
         if here.rank != root:
-            return Part(root, _nothing, _first, data_job=self._chain(here, root, None) if here.data
+            return Contribution(root, _nothing, _first, data_job=self._chain(here, root, None) if here.data
                         else None)
         if not here.data:
-            return Part(root, _sent(value), _value(value))
+            return Contribution(root, _sent(value), _value(value))
         segment = _serialize.dumps(value)
         plan = _bodies.sizes_plan(segment, here.data_min_bytes)
         if plan is None:
-            return Part(root, lambda: ([segment], None), _value(value))
-        return Part(root, lambda: ([[plan]], None), _value(value), FLAG_DATA,
+            return Contribution(root, lambda: ([segment], None), _value(value))
+        return Contribution(root, lambda: ([[plan]], None), _value(value), FLAG_DATA,
                     self._chain(here, root, segment, value))
 
     @staticmethod
@@ -425,9 +425,9 @@ class Broadcast(Operation):
 class Allgather(Operation):
     code = Op.ALLGATHER
 
-    def part(self, here: Here, value: Any) -> Part:
+    def contribute(self, here: Here, value: Any) -> Contribution:
         if not here.data:
-            return Part(0, _sent(value), _all(value, here.rank))
+            return Contribution(0, _sent(value), _all(value, here.rank))
         segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
         plan = _bodies.sizes_plan(segment, here.data_min_bytes)
         rank, size = here.rank, here.size
@@ -445,8 +445,8 @@ class Allgather(Operation):
             ring.finish = finish
             return ring
         if plan is None:
-            return Part(0, lambda: ([segment], None), _all(value, rank), data_job=job)
-        return Part(0, lambda: ([[plan]], None), _all(value, rank), FLAG_DATA, job)
+            return Contribution(0, lambda: ([segment], None), _all(value, rank), data_job=job)
+        return Contribution(0, lambda: ([[plan]], None), _all(value, rank), FLAG_DATA, job)
 
     malformed = staticmethod(_one_each)
 
@@ -477,9 +477,9 @@ class Gather(Operation):
     code = Op.GATHER
     rooted = True
 
-    def part(self, here: Here, value: Any, root: Any) -> Part:
+    def contribute(self, here: Here, value: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
-        return Part(root, _sent(value), _all(value, here.rank) if here.rank == root else _none)
+        return Contribution(root, _sent(value), _all(value, here.rank) if here.rank == root else _none)
 
     malformed = staticmethod(_one_each)
 
@@ -492,29 +492,29 @@ class Scatter(Operation):
     code = Op.SCATTER
     rooted = True
 
-    def part(self, here: Here, values: Any, root: Any) -> Part:
+    def contribute(self, here: Here, values: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
         if here.rank != root:
-            return Part(root, _nothing, _first)
+            return Contribution(root, _nothing, _first)
         values = _per_rank(self.code, values, here.size, root)
         own = values[root]
-        return Part(root, lambda: ([_serialize.dumps(v) for v in values], None), _value(own))
+        return Contribution(root, lambda: ([_serialize.dumps(v) for v in values], None), _value(own))
 
     def malformed(self, contributions: list[Message], root: int) -> str:
         sent, n = len(contributions[root].segments), len(contributions)
         return "" if sent == n else f"root {root} sent {sent} values for {n} replicas"
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        parts = contributions[root].segments  # the root keeps its own part
+        parts = contributions[root].segments  # the root keeps its own value
         return [[] if r == root else [parts[r]] for r in range(len(contributions))]
 
 
 class Alltoall(Operation):
     code = Op.ALLTOALL
 
-    def part(self, here: Here, values: Any) -> Part:
+    def contribute(self, here: Here, values: Any) -> Contribution:
         values = _per_rank(self.code, values, here.size)
-        return Part(0, lambda: ([_serialize.dumps(v) for v in values], None),
+        return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], None),
                     _all(values[here.rank], here.rank))
 
     malformed = staticmethod(_n_each)
@@ -538,8 +538,8 @@ class Shrink(Operation):
 class Grow(Operation):
     code = Op.GROW  # (rule 10)
 
-    def part(self, here: Here, *args: Any) -> Part:
-        return Part(0, _nothing, _first)
+    def contribute(self, here: Here, *args: Any) -> Contribution:
+        return Contribution(0, _nothing, _first)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         told = [_serialize.dumps(at.newcomers_waiting(), "the number of newcomers")]
@@ -555,9 +555,9 @@ SPOKEN = ",".join(o.label for _, o in sorted(OPERATIONS.items()))  # a JOIN's: a
 OPS = {int(o): o for o in Op}
 
 
-def error_part(root: int, note: list[list[Any]]) -> Part:
-    """A part that tells the others this rank's call failed here (``note``)."""
-    return Part(root, lambda: (note, None), _none, FLAG_LOCAL_ERROR)
+def error_contribution(root: int, note: list[list[Any]]) -> Contribution:
+    """A contribution that tells the others this rank's call failed here (``note``)."""
+    return Contribution(root, lambda: (note, None), _none, FLAG_LOCAL_ERROR)
 
 
 def describe_call(op: int, root: int) -> str:

@@ -1,0 +1,264 @@
+"""The call runner: a group's calls made, waited for and given up. One
+:class:`Calls` per open group; its public methods are the group's, its
+underscored ones what a :class:`~zcollective.CollectiveFuture` asks of it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
+
+from ._format._wire import error_note
+from ._future import CollectiveFuture
+from ._limits import STATUS_WAIT_S
+from ._protocol._ops import BY_NAME, LABELS, Contribution, Op, Refused, error_contribution
+from .errors import CollectiveError, CollectiveTimeoutError, from_signal
+
+if TYPE_CHECKING:
+    from ._lifecycle import Lifecycle
+
+log = logging.getLogger("zcollective")
+
+T = TypeVar("T")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<the group's op_timeout>"
+
+
+DEFAULT = _Default()  # "use the group's op_timeout"
+Timeout = Union[float, None, _Default]
+
+_process = os.getpid()  # this process's id, renewed in a forked child: no system call per call
+
+
+def _forked() -> None:
+    global _process
+    _process = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # (no fork without it)
+    os.register_at_fork(after_in_child=_forked)
+
+_ours: dict[str, bool] = {}  # file name -> is it this package's
+_basenames: dict[str, str] = {}
+
+
+def _callsite() -> str:
+    """``file.py:line`` of the user's code that called into the library.
+    On every call (mismatch reports need it), so it caches per file."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        ours = _ours.get(filename)
+        if ours is None:
+            ours = _ours[filename] = filename.startswith(_PACKAGE_DIR)
+            _basenames[filename] = os.path.basename(filename)
+        if not ours:
+            return f"{_basenames[filename]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+class Calls:
+    """The calls of one open :class:`~zcollective._lifecycle.Lifecycle`."""
+
+    def __init__(self, life: Lifecycle) -> None:
+        self.life = life
+        self.member, self.driver, self.turns = life.member, life.driver, life.turns
+        self.server, self.here, self.config = life.server, life.here, life.config
+        self.pid, self.rank = life.pid, life.config.rank
+
+    @property
+    def closed(self) -> bool:
+        return self.life.closed
+
+    def call(self, name: str, *args: Any) -> CollectiveFuture[Any]:
+        """This replica's part of the next call of operation ``name``
+        (:mod:`zcollective._protocol._ops` makes it from ``args``).
+
+        An error while building it (a value that cannot be pickled) leaves
+        the seq unused: the call never happened here. An interrupt (a signal
+        handler's exception) while building still sends a part, an error note,
+        so every replica's call at that seq ends in an error and the next call
+        pairs correctly. A part the operation refuses (a wrong number of
+        values) is told to the others, and raises ``ValueError`` here.
+        """
+        site = _callsite()
+        if self.closed or _process != self.pid:
+            self.life.check_usable()  # raises, saying which
+        operation = BY_NAME[name]
+        try:
+            part = operation.contribute(self.here, *args)
+        except Refused as exc:
+            if self.member.failure is None and not self.closed:
+                self.submit(operation.code, error_contribution(exc.root, error_note(str(exc))), site)
+            raise ValueError(f"rank {self.rank}: {exc}") from None
+        return self.submit(operation.code, part, site)
+
+    def submit(self, op: Op, part: Contribution, site: str) -> CollectiveFuture[Any]:
+        """Send :meth:`call`'s part, holding the turn."""
+        with self.turns:
+            if self.closed:  # torn down by another thread meanwhile
+                self.life.check_usable()
+            server = self.server
+            if server is not None and server.reducing_here():
+                # a call here would take the next seq while every rank waits for this reduction,
+                # so the group would fail for good
+                raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
+                                   f"collectives (it runs inside the coordinator, on rank 0)")
+            member, link = self.member, self.driver
+            assert link is not None
+            try:
+                seq = member.reserve(op, part.root, site)
+                segments, fn = part.build()
+                future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
+                member.submit(op, part.root, segments, fn, site, part.flags, future, part.finish,
+                              part.data_job)
+            except Exception:
+                member.unreserve()
+                raise
+            except BaseException as exc:
+                member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its "
+                               f"part was sent")
+                with contextlib.suppress(CollectiveError):
+                    link.flush()  # the others hear of it now, not at this replica's next call
+                raise
+            link.flush()
+            return future
+
+    def blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
+        """``future.result(timeout)`` for a call this thread has just made
+        (so :meth:`call` has checked the process)."""
+        if isinstance(timeout, _Default):
+            timeout = self.config.op_timeout
+        if not future._done:
+            try:
+                self._wait(future, timeout, checked=True)
+            except BaseException as exc:  # given up here: it fails on every rank alike
+                timed_out = isinstance(exc, CollectiveTimeoutError)
+                if (timed_out or from_signal(exc)) and self.driver is not None and not self.closed:
+                    got = self._give_up(future, exc, timed_out)
+                    if got:
+                        return future._value  # type: ignore[no-any-return]
+                raise
+        if future._error is not None:
+            raise future._error
+        return future._value  # type: ignore[no-any-return]
+
+    def _give_up(self, future: CollectiveFuture[Any], exc: BaseException, timed_out: bool) -> bool:
+        """This rank gave up waiting for ``future`` (``exc``): tell the
+        coordinator, which fails the call on every rank. True if the call had
+        completed before it heard (a timeout waits for the verdict; an
+        interrupt does not)."""
+        link, turns = self.driver, self.turns
+        assert link is not None
+        if not turns.take(time.monotonic() + STATUS_WAIT_S):  # (the holder is in a long step)
+            return False
+        try:
+            with contextlib.suppress(CollectiveError):  # (a broken link: the group failed)
+                gave_up = self.member.give_up(future.seq, exc, timed_out)
+                link.send(gave_up)
+                if gave_up and timed_out:  # the coordinator's verdict: an ERROR (failed on every
+                    # rank), or the result, when the call completed before it heard
+                    turns.wait(lambda: future._done, time.monotonic() + STATUS_WAIT_S, self._drive,
+                               _never)
+            return future._done and future._error is None
+        finally:
+            turns.give()
+
+    def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float], checked: bool = False) -> None:
+        """Until ``future`` is done or ``timeout``: then the coordinator says whom it waits for."""
+        link = self.driver
+        if link is None or self.closed:
+            return
+        if not checked:
+            self.life.check_process()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        turns = self.turns
+        warn = self.config.warn_after
+        if warn is not None and self.rank != 0 and (deadline is None or time.monotonic() + warn < deadline):
+            if self._wait_until(future, time.monotonic() + warn):  # rank 0 warns in its coordinator
+                return
+            said = self._say_stalled(future)
+            if self._wait_until(future, deadline):
+                if said:
+                    log.warning("zcollective rank %d: seq %d %s completed after %.0f s", self.rank,
+                                future.seq, future.op, time.monotonic() - said)
+                return
+        elif self._wait_until(future, deadline):
+            return
+        if not turns.take(time.monotonic() + STATUS_WAIT_S):  # the holder is in a long step
+            raise CollectiveTimeoutError(self.member.timeout_message(future.seq, timeout, None, link.busy()))
+        try:
+            message = link.timeout_message(future.seq, timeout)
+            if future._done:
+                return  # it arrived while the coordinator was asked
+            self.member.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer
+            raise CollectiveTimeoutError(message)
+        finally:
+            turns.give()
+
+    def _wait_until(self, future: CollectiveFuture[Any], deadline: Optional[float]) -> bool:
+        """Wait (leading or following) until ``future`` is done (True) or ``deadline``."""
+        return self.turns.wait(lambda: future._done, deadline, self._drive,
+                                lambda wake: future.add_done_callback(lambda _: wake()))
+
+    def _say_stalled(self, future: CollectiveFuture[Any]) -> Optional[float]:
+        """A call waited ``warn_after``: ask the coordinator whom for, and say
+        so once (rule 11 of the coordinator). When it was said, or None."""
+        link, turns = self.driver, self.turns
+        if link is None or future._done or not turns.take(time.monotonic() + STATUS_WAIT_S):
+            return None
+        try:
+            with contextlib.suppress(CollectiveError):
+                status = link.ask_status(future.seq)
+                line = (status or {}).get("stall")
+                if isinstance(line, str) and not future._done:
+                    log.warning("zcollective rank %d: %s", self.rank, line[:2000])
+                    return time.monotonic()
+            return None
+        finally:
+            turns.give()
+
+    def _drive(self, until: Callable[[], bool], deadline: Optional[float], nudged: bool) -> bool:
+        """The leading thread's wait (see :mod:`zcollective._io._turns`):
+        ``nudged``, another thread wanting the turn ends it too."""
+        link = self.driver
+        if link is None or self.closed:
+            return True  # (closed meanwhile: every call was failed)
+        link.nudged = nudged
+        try:
+            return link.wait_for(until, deadline)
+        finally:
+            link.nudged = False
+
+    def _progress(self) -> None:
+        """Take in what has arrived, if no other thread is at work in the library."""
+        if self.driver is not None and not self.closed:
+            self.life.check_process()
+            turns = self.turns
+            if not turns.try_take():
+                return  # another thread is at work in the library: it takes in what arrives
+            try:
+                if not self.closed:
+                    self.driver.progress()
+            finally:
+                turns.give()
+
+    def _fds(self) -> list[int]:
+        """The descriptors a future's awaiting event loop watches."""
+        if self.driver is None or self.closed:
+            return []
+        self.life.check_process()
+        data = self.driver.data
+        return self.driver.fds() + (data.fds() if data is not None else [])
+
+
+def _never(wake: Callable[[], None]) -> None:
+    """(A wait that holds the turn never follows.)"""

@@ -1,0 +1,457 @@
+"""One open group's lifecycle: the I/O it is composed of (a ZeroMQ context,
+rank 0's server, the member's driver, the data plane) and its life: open
+(join, wait to be admitted, or form from an earlier group), close, end at
+exit, close to form the next. :mod:`zcollective._elastic` asks a lifecycle for
+the next one; :class:`zcollective.Group` is the public face of one."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+import zmq
+
+from ._format._wire import DEFAULT_MAX_FRAMES, Signer
+from ._forming import Form, Overslept, Unreachable
+from ._future import sleeping
+from ._io import _interrupts, _sockets, _stops
+from ._io._announce import announce_coordinator, announce_group, write_for_launcher
+from ._io._dataplane import DataPlane
+from ._io._link import DirectLink, Driver, HostLink
+from ._io._replica import Replica
+from ._io._server import Server
+from ._io._turns import Turns
+from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, HOST_WINDOW_S, STATUS_WAIT_S
+from ._protocol._coordinator import Coordinator
+from ._protocol._member import Member
+from ._protocol._ops import Here
+from ._protocol._stats import calls_log
+from .config import Config
+from .errors import AddressError, CollectiveError, CollectiveTimeoutError, ForkedProcessError
+
+log = logging.getLogger("zcollective")
+
+JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
+COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
+# 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
+_open_lives: dict[int, Lifecycle] = {}  # id -> lifecycle: ended (delivered, then closed) at exit
+
+
+class Lifecycle:
+    """The I/O and life of one open group (see the module docstring)."""
+
+    @classmethod
+    def admission(cls, config: Config) -> tuple[Config, Form]:
+        """A newcomer (``config.join``) waits at the group's address until a
+        grow() admits it (rule 10); returns how it joins the group formed next."""
+        admitted = cls(config).member.admitted  # (returns once admitted, closed)
+        assert admitted is not None
+        return (dataclasses.replace(config, rank=admitted["rank"], num_replicas=admitted["size"],
+                                    join=False), Form(admitted["lineage"]))
+
+    def __init__(self, config: Config, form: Optional[Form] = None) -> None:
+        """Join the group ``config`` describes (or form one from an earlier
+        group: ``form``, where ``config`` names this replica by its old rank
+        and size, and the host; see :mod:`zcollective._elastic`)."""
+        self.config = config
+        self.turns = Turns()  # which of the program's threads uses the sockets now
+        self.pid = os.getpid()  # a forked child must never touch this process's sockets
+        self.closed = False
+        self.reforming: Optional[str] = None  # closed by shrink() or grow() to form the next group
+        self._watching = False  # this group counts in _stops' watch
+        self.ctx: Optional[zmq.Context] = None
+        self.server: Optional[Server] = None
+        self.data: Optional[DataPlane] = None
+        signer = Signer(config.secret) if config.secret is not None else None
+        self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
+                              config.max_frame_bytes)
+        self.member.job = config.job
+        if form is not None:
+            self.member.lineage = form.lineage
+        self.member.newcomer = config.join
+        if config.log == "calls":
+            self.member.log_calls = True
+            _show_calls_log()
+        self.driver: Optional[Driver] = None
+        self.here = Here(config.rank, config.num_replicas)
+        _open_lives[id(self)] = self
+        _register_atexit()
+        _interrupts.hold_signals()  # no signal handler's exception splits a message
+        if config.stacks:
+            _interrupts.stacks_on_request()  # where this rank is, when a stall names it
+        _stops.watch()  # was this process stopped? (a loss learned after a stop: see _elastic)
+        self._watching = True
+        try:
+            self.driver = self._connect(signer, form)
+            self.driver.warn_after = config.warn_after
+            self.driver.nudge = (self.turns.nudge.fd, zmq.POLLIN)
+            deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
+            if config.join:
+                self._await_admission()
+                self.close(quick=True)
+                return
+            if form is None:
+                self.driver.join(config.init_timeout)
+            else:
+                self._join_forming(form)
+            self._start_data(deadline)
+            self.here = Here(self.rank, self.size, self.data is not None, self.member.data_min_bytes,
+                               self.config.max_frame_bytes)
+            announce_group(self.rank, self.size, self.member.session, self.member.lineage,
+                           _interrupts.stacks_on())
+            if self.config.rank == 0:
+                announce_coordinator(self.coordinator_address())
+        except BaseException as exc:
+            refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
+                exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
+            if self.server is not None and self.server.gone() is None and refused and form is None:
+                # replicas still starting up should hear why, not time out (when it serves:
+                # a coordinator that could not bind has nobody to tell; forming, the survivors
+                # are told by their own tries, and this one has others to try at once)
+                _interrupts.sleep(JOIN_FAILURE_GRACE_S)
+            self.close()
+            raise
+
+    def _connect(self, signer: Optional[Signer], form: Optional[Form] = None) -> Driver:
+        """The member's link: one replica calls the coordinator directly;
+        rank 0 of more serves it (in its own thread while in the library);
+        the others reach it through a DEALER. Forming a group, its host
+        serves it."""
+        config, member = self.config, self.member
+        alone = config.num_replicas == 1 and form is None and not config.join
+        if alone and not config.port_given:  # a script run as it is: no port of its own
+            return self._direct(signer)
+        with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
+            self.ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
+        if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
+            self.server = Server(self.ctx, config, form.forming if form is not None else None, self.turns)
+            try:
+                self.server.start()
+            except AddressError as exc:
+                if not alone:
+                    raise
+                # a group of one given a port serves it, so newcomers can come; taken (a
+                # MASTER_PORT left in the environment, say), it runs alone all the same
+                log.warning("zcollective: a group of one could not listen for newcomers (%s); "
+                            "it runs alone, and grow() admits nobody", exc)
+                self.server = None
+                self.ctx.term()
+                _sockets.forget(self.ctx)
+                self.ctx = None
+                return self._direct(signer)
+            link: Driver = HostLink(member, self.server)
+        else:
+            link = Replica(self.ctx, config, member)
+            link.sleepers = sleeping
+        if config.join:  # (a newcomer waiting: no data plane until it is a member)
+            return link
+        if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
+            # bound before the JOIN, which announces it (a master on loopback: one host, no use)
+            gate = self.server.gatekeeper if self.server is not None else None
+            self.data = DataPlane(self.ctx, config, gate)
+            member.data_endpoint, member.data_min_bytes = self.data.endpoint, config.data_plane_min_bytes
+            member.data_mode = config.data_plane
+        return link
+
+    def _direct(self, signer: Optional[Signer]) -> Driver:
+        """A group of one: its member calls the coordinator in-process, no socket."""
+        session = int.from_bytes(os.urandom(8), "little") | 1
+        return DirectLink(self.member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
+                                                    user_code=_interrupts.user_code, job=self.config.job))
+
+    def _await_admission(self) -> None:
+        """A newcomer: wait until a grow() of the group admits it (rule 10 of
+        the coordinator); :attr:`Member.admitted` then says where it goes."""
+        link, member, config = self.driver, self.member, self.config
+        assert link is not None
+        member.newcomer = True
+        deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
+        if not link.send_join(lambda: member.admitted is not None, deadline):  # (parked anew each time)
+            raise CollectiveTimeoutError(
+                f"a newcomer was not admitted to the group at {config.endpoint} within "
+                f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"
+                + ("" if member.greeted or member.connected else "; the coordinator could not be "
+                   "reached there (is the address right? after rank 0's loss, "
+                   "coordinator_address() on a member says where the group is)"))
+
+    def _join_forming(self, form: Form) -> None:
+        """Join a group formed from an earlier one (rule 9 of the
+        coordinator): the host waits :attr:`Form.wait_s` for the members it
+        expects, then starts with those who came; a member gives up on a
+        host it cannot reach within :attr:`Form.reach_s` (:class:`Unreachable`).
+        Then this replica has the rank and size the WELCOME gave."""
+        link, member, server = self.driver, self.member, self.server
+        assert link is not None
+        link.send([member.join()])
+        who = f"old rank {self.config.rank}"
+        if server is not None:
+            waited = time.monotonic()
+            link.wait_for(lambda: member.joined, waited + form.wait_s)
+            if not member.joined:
+                if time.monotonic() - waited > form.wait_s + HOST_WINDOW_S:  # stopped meanwhile
+                    raise Overslept(f"{who} overslept the forming of a group at {self.config.endpoint}")
+                server.form_now()
+            if not link.wait_for(lambda: member.joined, time.monotonic() + STATUS_WAIT_S):
+                raise CollectiveTimeoutError(f"{who} could not form a group at {self.config.endpoint}")
+        else:
+            self._reach_host(form, who)
+        self.config = dataclasses.replace(self.config, rank=member.rank, num_replicas=member.size)
+        if self.data is not None:
+            self.data.rank, self.data.size = member.rank, member.size
+
+    def _reach_host(self, form: Form, who: str) -> None:
+        """A member forming a group: reach its would-be host within
+        :attr:`Form.reach_s` (a port nobody listens on is :class:`Unreachable`
+        with ``refused``: that process died), then wait for its WELCOME. A host
+        whose earlier group is still open there (its program is elsewhere) has
+        until ``reach_s`` to start forming; one that forms has the forming bound."""
+        link, member, endpoint = self.driver, self.member, self.config.endpoint
+        assert link is not None
+        reached = time.monotonic() + form.reach_s
+        if not link.wait_for(lambda: member.joined or member.greeted, reached):
+            raise Unreachable(f"{who} could not reach {endpoint} within {form.reach_s:g} s"
+                              + (" (refused: nobody listens there)" if member.refused else ""),
+                              refused=member.refused)
+        formed = time.monotonic() + form.wait_s + form.reach_s
+        if link.wait_for(lambda: member.joined or member.host_busy, formed):
+            if member.joined or link.wait_for(lambda: member.joined, reached):
+                return
+            raise Unreachable(f"{who} reached {endpoint}, but its host did not start forming a group "
+                              f"within {form.reach_s:g} s (busy in its own code, or stopped?)")
+        raise Unreachable(f"{who} reached {endpoint}, but no group was formed there within "
+                          f"{form.wait_s + form.reach_s:g} s")
+
+    def _start_data(self, deadline: Optional[float]) -> None:
+        """Joined: use the data plane if every rank has one, else let it go."""
+        data, member, link = self.data, self.member, self.driver
+        if data is None or link is None:
+            return
+        if member.data_endpoints is None:
+            self.data = None
+            data.close()
+            return
+        data.start(member.session, member.data_endpoints, member.mac, member.data_key, deadline,
+                   link.progress)
+        member.check()  # the group failed while the links were made
+        link.data = data
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank, from 0 to ``size - 1``."""
+        return self.config.rank
+
+    @property
+    def size(self) -> int:
+        """The number of replicas in the group."""
+        return self.config.num_replicas
+
+    def coordinator_address(self) -> str:
+        """``host:port`` of this group's coordinator: where newcomers go (it
+        moves when rank 0 is lost and the survivors shrink)."""
+        host = self.config.master_addr
+        return f"[{host}]:{self.config.master_port}" if ":" in host else f"{host}:{self.config.master_port}"
+
+    def coordinator(self) -> Optional[Coordinator]:
+        if self.server is not None:
+            return self.server.coordinator
+        return self.driver.coordinator if isinstance(self.driver, DirectLink) else None
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`zcollective.Group.stats`."""
+        out: dict[str, Any] = {"rank": self.rank, "size": self.size, "ops": self.member.stats.summary()}
+        coordinator = self.coordinator()
+        if coordinator is not None:
+            out["ranks"] = coordinator.lateness.summary()
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """:meth:`zcollective.Group.status`: from any thread, without the turn."""
+        now = time.perf_counter()
+        member = self.member
+        calls = [{"seq": seq, "op": call.op, "callsite": call.callsite,
+                  "waiting_s": round(now - call.started, 3)}
+                 for seq, call in sorted(list(member.calls.items())) if call.future is not None]
+        failure = member.failure
+        out: dict[str, Any] = {
+            "rank": self.config.rank, "size": self.config.num_replicas, "calls": calls,
+            "state": ("forming" if self.reforming is not None else "closed") if self.closed else (
+                "failed" if failure is not None else "running")}
+        if failure is not None:
+            out["error"] = f"{type(failure).__name__}: {failure}"
+        coordinator = self.coordinator()
+        if coordinator is not None:
+            out["ranks"] = coordinator.snapshot(time.monotonic())
+        return out
+
+    def check_usable(self) -> None:
+        if self.closed and self.reforming is not None:
+            then = ("the grown group formed without it: call shrink() to be told so (LeftOutError), "
+                    "and start this process again as a newcomer" if self.reforming == "grow()" else
+                    "call shrink() again to join the survivors' group (it raises LeftOutError if they "
+                    "went on without this replica)")
+            raise RuntimeError(
+                f"old rank {self.rank}: this zcollective group was closed for {self.reforming} to "
+                f"form the next one, which did not finish here (interrupted, or it raised): {then}")
+        if self.closed:
+            raise RuntimeError("this zcollective group was torn down; call initialize() "
+                               "(or create a new Group) first")
+        self.check_process()
+
+    def check_process(self) -> None:
+        if os.getpid() != self.pid:
+            raise ForkedProcessError(
+                f"this zcollective group belongs to process {self.pid}, the parent of this forked "
+                f"process {os.getpid()}; a child cannot use its parent's group: call "
+                f"zcollective.initialize() (or create a Group) in the child for a group of its own")
+
+    def close_to_form(self, quick: bool) -> None:
+        """Close, holding the turn, for the next group to form: ``quick``, the
+        group failed, so nothing queued is worth waiting for; else (a grow)
+        rank 0's last results and admissions leave first."""
+        with self.turns:
+            self.reforming = self.reforming or ("shrink()" if quick else "grow()")
+            if not self.closed:
+                self.member.forget_calls(lambda call, seq: self.member.failure or RuntimeError(
+                    f"seq {seq} {call.op}: the group was formed again before the call finished"))
+                self.close(quick=quick)
+
+    def close(self, ending: bool = False, hurry: bool = False, quick: bool = False) -> None:
+        """Close the sockets. ``ending``: the program is ending without
+        teardown: rank 0 first serves until its calls are delivered, and what
+        is queued gets :data:`~zcollective._limits.EXIT_LINGER_MS` to leave.
+        ``hurry``: it was interrupted while ending: rank 0 tells the others
+        the group is over and waits for nothing. ``quick``: nothing queued
+        is worth waiting for (a failed group shrinks)."""
+        self.closed = True
+        _open_lives.pop(id(self), None)
+        if self.rank == 0 and not self.config.join:  # (a newcomer waiting has no stats to say)
+            write_for_launcher(self.stats(), self.member.session)
+        self.member.forget_calls(lambda call, seq: RuntimeError(
+            f"seq {seq} {call.op}: the group was torn down before the call finished"))
+        try:
+            if self.server is not None:
+                self.server.stop(ending, hurry, 0 if quick else CLOSE_LINGER_MS)
+        finally:  # an interrupt while rank 0 waits for the others still closes everything
+            try:
+                stuck = self.server is not None and self.server.gone() is None
+                if self.data is not None:  # (ending: the next rank said it has its chunks, see
+                    # rule 7 of the coordinator; or the wait for it ran out)
+                    self.data.close(EXIT_LINGER_MS if ending else 0)
+                if self.driver is not None:
+                    self.driver.close(EXIT_LINGER_MS if ending else 0)
+                if self.ctx is not None and not stuck:
+                    # after term() libzmq holds no buffer of ours: the interpreter may free them
+                    with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
+                        self.ctx.term()
+                    _sockets.forget(self.ctx)
+            finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
+                # a wait, never halfway through a message or before the sockets are closed
+                self.turns.close()
+                if self._watching:
+                    self._watching = False
+                    _stops.unwatch()
+                if not _open_lives:
+                    _interrupts.release_signals()
+
+    def end(self) -> None:
+        """The program is ending without teardown (at exit): deliver what this
+        process produced, bounded, then close. Rule 7 of the coordinator."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        turns = self.turns
+        if not turns.take(time.monotonic() + STATUS_WAIT_S):
+            return  # a thread left running (a daemon) is busy in a step: the sockets are its
+        try:
+            if not self.closed:
+                self._end_turn()
+        finally:
+            turns.give()
+
+    def _end_turn(self) -> None:
+        """:meth:`_end`, holding the turn."""
+        interrupted: Optional[BaseException] = None
+        if self.driver is not None:
+            try:
+                self.driver.progress()  # take in a FAIL that would make a BYE pointless
+                self.driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
+                self.driver.say_bye(EXIT_LINGER_MS / 1000)
+            except Exception:
+                pass  # the group failed: nothing to announce, only to flush
+            except BaseException as exc:  # an interrupt: the BYE still goes (flagged if data is
+                # left), unwaited, so the others are told now; rank 0 then waits for nothing
+                interrupted = exc
+                bye = self.member.bye()
+                with contextlib.suppress(BaseException):
+                    if bye is not None:
+                        self.driver.send([bye])
+        self.close(ending=True, hurry=interrupted is not None)
+        if interrupted is not None:
+            raise interrupted
+
+
+def _on_loopback(config: Config) -> bool:
+    """Is the master reached over loopback (so every replica is on its host)?"""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(
+            config.master_addr, None, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        return False
+
+
+def _show_calls_log() -> None:
+    """``ZCOLLECTIVE_LOG=calls`` asks to see the lines: print them to stderr,
+    unless the program has configured logging itself."""
+    if not calls_log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        calls_log.addHandler(handler)
+    if calls_log.getEffectiveLevel() > logging.INFO:
+        calls_log.setLevel(logging.INFO)
+
+
+def _end_all() -> None:
+    for life in list(_open_lives.values()):
+        try:
+            life.end()
+        except KeyboardInterrupt:
+            log.warning("zcollective: interrupted while delivering the last results at exit; "
+                        "the others were told the group is over")
+        except BaseException:
+            log.exception("zcollective: ending a group at exit failed")
+
+
+_atexit_registered = False
+_finalizer_pid: Optional[int] = None  # the process whose multiprocessing finalizers hold _end_all
+MP_EXIT_PRIORITY = 100  # above multiprocessing's own finalizers (a queue's flush is 10): the
+# group's last results leave before multiprocessing joins or terminates anything
+
+
+def _register_atexit() -> None:
+    """Have every open group end when the process does: through ``atexit``
+    and, in a multiprocessing child, through multiprocessing's finalizers
+    (a ``fork`` or ``forkserver`` child ends with ``os._exit`` after them,
+    skipping ``atexit``; a ``spawn`` child runs both: ending twice is a no-op)."""
+    global _atexit_registered, _finalizer_pid
+    if not _atexit_registered:
+        # pyzmq registers the shutdown of its zero-copy garbage collector when that module is
+        # first imported, which may be at our first large send; import it now, so that ours,
+        # registered later, runs first (atexit runs last-in, first-out)
+        import zmq.utils.garbage  # noqa: F401
+
+        atexit.register(_end_all)
+        _atexit_registered = True
+    multiprocessing = sys.modules.get("multiprocessing")  # a child has it imported; else no cost
+    if multiprocessing is None or _finalizer_pid == os.getpid() or multiprocessing.parent_process() is None:
+        return
+    from multiprocessing import util  # a child's registry starts empty: register in each child
+
+    util.Finalize(None, _end_all, exitpriority=MP_EXIT_PRIORITY)
+    _finalizer_pid = os.getpid()
