@@ -17,7 +17,7 @@ import zcollective._format._wire
 import zcollective._protocol._member
 from zcollective._format import _serialize
 from zcollective._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
-from zcollective._future import CollectiveFuture
+from zcollective._future import CollectiveFuture, settle
 from zcollective._protocol._coordinator import Coordinator
 from zcollective._protocol._member import Link, Member
 from zcollective._protocol._ops import Op
@@ -98,6 +98,8 @@ class Pair:
         self.send(rank)
 
     def settle(self) -> None:
+        """Deliver everything in flight; then, as a group's call runner does,
+        apply what each member said its calls came to."""
         while self.in_flight:
             to, rank, frames = self.in_flight.popleft()
             if to == "coordinator":
@@ -107,6 +109,8 @@ class Pair:
                 with self.installed(rank):
                     replies = self.members[rank].receive(frames)
                 self._queue_up(rank, replies)
+        for member in self.members:
+            settle(member.outcomes)
 
     def _queue_up(self, rank: int, msgs: list[Message]) -> None:
         member = self.members[rank]

@@ -321,3 +321,39 @@ def test_every_blocking_wait_of_the_library_is_an_interrupt_surface():
     for broken in ("time.sleep(1)", "self._thread.join(5)", "lock.acquire()", "done = threading.Event()",
                    "cond.wait(1)", "zmq_poll(items, 10)", "select.select([fd], [], [], 2)"):
         assert _blocking_waits(group + "\n" + broken + "\n"), f"{broken} was not found"
+
+
+def _rules_breaches(source):
+    """What the rules must not do, found in ``source``: resolve a future (its callbacks are the
+    program's code), or read the clock or the entropy themselves (they are passed in: a
+    default argument may name them)."""
+    import ast
+
+    tree = ast.parse(source)
+    defaults = {id(d) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for d in node.args.defaults + node.args.kw_defaults if d is not None}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        resolves = node.attr in ("_set_result", "_set_exception", "_done")
+        reads = id(node) not in defaults and ast.unparse(node) in (
+            "time.monotonic", "time.perf_counter", "time.time", "os.urandom")
+        if resolves or reads:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_rules_only_decide():
+    """Issue 33: the coordinator's and the member's rules return what to send and what calls
+    came to (the call runner applies it); the clock and entropy are passed in."""
+    assert _rules_breaches("def f(clock=time.monotonic):\n    return clock()\n") == []
+    assert _rules_breaches("def f(fut):\n    fut._set_result(1)\n") == [(2, "fut._set_result")]
+    assert _rules_breaches("def f():\n    return time.monotonic()\n") == [(2, "time.monotonic")]
+    found = []
+    folder = os.path.join(ROOT, "zcollective", "_protocol")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                found += [(name, *hit) for hit in _rules_breaches(f.read())]
+    assert not found, f"rules that act instead of deciding: {found}"

@@ -22,6 +22,7 @@ from zcollective._format._wire import (
     encode,
     error_note,
 )
+from zcollective._future import settle
 from zcollective._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S
 from zcollective._protocol._coordinator import PYTHON_VERSION, Phase
 from zcollective._protocol._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Call, Link, Member
@@ -48,6 +49,24 @@ def test_members_join_then_every_operation_resolves_their_futures():
                  pair.call(1, Op.SCATTER), pair.call(2, Op.SCATTER)]
     assert [outcome(f) for f in scattered[1:]] == ["y", "z"]
     assert pair.coordinator.pending == {} and all(m.calls == {} for m in pair.members)
+
+
+def test_the_rules_say_what_a_call_came_to_and_run_none_of_the_programs_code():
+    """A RESULT taken in by the member queues an outcome: its value is unpickled and the
+    future's done-callbacks run only when the call runner applies it (settle), never inside
+    the rules (a callback that calls into the group there would find it halfway through)."""
+    pair = Pair(2).joined()
+    pair.hold(1, Kind.RESULT)
+    futures = pair.call_all(Op.ALLREDUCE, [1, 2], fn=add)
+    ran = []
+    futures[1].add_done_callback(lambda f: ran.append(f.result(0)))
+    member = pair.members[1]
+    for frames in pair.held.pop((1, Kind.RESULT)):  # taken in by the member alone
+        member.receive(frames)
+    assert [o.future for o in member.outcomes] == [futures[1]] and member.calls == {}
+    assert not ran and not futures[1]._done
+    settle(member.outcomes)
+    assert ran == [3] and not member.outcomes
 
 
 def test_a_welcome_counts_only_if_it_echoes_a_join_of_this_member():
@@ -739,7 +758,9 @@ def test_a_lost_data_link_waits_its_grace_for_rank_0_then_fails_the_group_and_te
     [abort] = member.on_timer(1000.0 + DATA_LOSS_GRACE_S)
     assert (abort.kind, abort.rank, abort.session) == (Kind.ABORT, 1, member.session)
     assert abort.body() == {"error": "ReplicaLostError", "message": str(error), "lost": 0, "plane": "data"}
-    assert member.failure is error and outcome(future).args == error.args and not member.losing_data
+    [said] = member.outcomes  # the rules say what the call came to; the runner applies it
+    assert said.future is future and said.error.args == error.args and not future._done
+    assert member.failure is error and not member.losing_data
     assert member.next_deadline() is None
 
 
@@ -767,5 +788,6 @@ def test_a_reduce_function_that_raised_fails_only_its_call_at_once_and_tells_ran
     error.seq = 0
     [abort] = member.data_lost(error)
     assert (abort.kind, abort.seq, abort.body()["lost"]) == (Kind.ABORT, 0, None)
-    assert member.failure is None and outcome(future) is error and not member.data_jobs
+    [said] = member.outcomes
+    assert member.failure is None and said.future is future and said.error is error and not member.data_jobs
     assert member.next_deadline() is None

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 from ._format._wire import error_note
-from ._future import CollectiveFuture
+from ._future import CollectiveFuture, settle
 from ._limits import STATUS_WAIT_S
 from ._protocol._ops import BY_NAME, LABELS, Contribution, Op, Refused, error_contribution
 from .errors import CollectiveError, CollectiveTimeoutError, from_signal
@@ -130,6 +130,8 @@ class Calls:
                     link.flush()  # the others hear of it now, not at this replica's next call
                 raise
             link.flush()
+            if member.outcomes:
+                settle(member.outcomes)
             return future
 
     def blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
@@ -166,9 +168,9 @@ class Calls:
                 link.send(gave_up)
                 if gave_up and timed_out:  # the coordinator's verdict: an ERROR (failed on every
                     # rank), or the result, when the call completed before it heard
-                    turns.wait(lambda: future._done, time.monotonic() + STATUS_WAIT_S, self._drive,
-                               _never)
-            return future._done and future._error is None
+                    turns.wait(lambda: self._settled(future), time.monotonic() + STATUS_WAIT_S,
+                               self._drive, _never)
+            return self._settled(future) and future._error is None
         finally:
             turns.give()
 
@@ -197,7 +199,7 @@ class Calls:
             raise CollectiveTimeoutError(self.member.timeout_message(future.seq, timeout, None, link.busy()))
         try:
             message = link.timeout_message(future.seq, timeout)
-            if future._done:
+            if self._settled(future):
                 return  # it arrived while the coordinator was asked
             self.member.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer
             raise CollectiveTimeoutError(message)
@@ -206,8 +208,15 @@ class Calls:
 
     def _wait_until(self, future: CollectiveFuture[Any], deadline: Optional[float]) -> bool:
         """Wait (leading or following) until ``future`` is done (True) or ``deadline``."""
-        return self.turns.wait(lambda: future._done, deadline, self._drive,
-                                lambda wake: future.add_done_callback(lambda _: wake()))
+        return self.turns.wait(lambda: self._settled(future), deadline, self._drive,
+                               lambda wake: future.add_done_callback(lambda _: wake()))
+
+    def _settled(self, future: CollectiveFuture[Any]) -> bool:
+        """Is ``future`` done, once what the rules said calls came to is
+        applied (by the turn's holder only: a follower just looks)?"""
+        if self.member.outcomes and self.turns.held():
+            settle(self.member.outcomes)
+        return future._done
 
     def _say_stalled(self, future: CollectiveFuture[Any]) -> Optional[float]:
         """A call waited ``warn_after``: ask the coordinator whom for, and say
@@ -219,7 +228,7 @@ class Calls:
             with contextlib.suppress(CollectiveError):
                 status = link.ask_status(future.seq)
                 line = (status or {}).get("stall")
-                if isinstance(line, str) and not future._done:
+                if isinstance(line, str) and not self._settled(future):
                     log.warning("zcollective rank %d: %s", self.rank, line[:2000])
                     return time.monotonic()
             return None
@@ -248,6 +257,7 @@ class Calls:
             try:
                 if not self.closed:
                     self.driver.progress()
+                    settle(self.member.outcomes)
             finally:
                 turns.give()
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import deque
 from collections.abc import Generator
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, TypeVar
@@ -281,6 +282,29 @@ class _AsyncWaiter:
 # One waiter per (group, event loop) while some coroutine awaits that group there;
 # only the loop's own thread touches its entries.
 _waiters: dict[tuple[_Driver, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
+
+
+def settle(outcomes: deque[Any]) -> None:
+    """Apply what the rules said calls came to (``Member.outcomes``, each
+    with ``future``, ``error`` and ``make``), in order, holding the group's
+    turn: a value is made here (unpickled: the program's code may run), and
+    done-callbacks run here (one that calls into the group applies the rest).
+    One interrupted stays queued, to be applied by the next wait."""
+    while outcomes:
+        outcome = outcomes[0]
+        future = outcome.future
+        if not future._done:
+            if outcome.error is not None:
+                future._set_exception(outcome.error)
+            else:
+                try:
+                    value = outcome.make() if outcome.make is not None else None
+                except Exception as exc:
+                    future._set_exception(exc)
+                else:
+                    future._set_result(value)
+        if outcomes and outcomes[0] is outcome:  # (a done-callback that waited applied it and more)
+            outcomes.popleft()
 
 
 def sleeping() -> bool:

@@ -21,7 +21,7 @@ import zmq
 
 from ._format._wire import DEFAULT_MAX_FRAMES, Signer
 from ._forming import Form, Overslept, Unreachable
-from ._future import sleeping
+from ._future import settle, sleeping
 from ._io import _interrupts, _sockets, _stops
 from ._io._announce import announce_coordinator, announce_group, write_for_launcher
 from ._io._dataplane import DataPlane
@@ -336,6 +336,7 @@ class Lifecycle:
             write_for_launcher(self.stats(), self.member.session)
         self.member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
+        settle(self.member.outcomes)  # (what came before, and these errors)
         try:
             if self.server is not None:
                 self.server.stop(ending, hurry, 0 if quick else CLOSE_LINGER_MS)

@@ -2,7 +2,8 @@
 returning the messages to send. Every replica, rank 0 included, has one
 :class:`Member`; its driver (:mod:`zcollective._io._link`) gives it what
 arrives and sends what it returns and owes. It holds the one table of calls
-in flight and resolves their futures.
+in flight and says what each came to (:class:`Outcome`), for the call
+runner to apply.
 
 Rules 1-9 (cited by number in the code): see docs/protocol.md, *Member rules*.
 """
@@ -59,12 +60,24 @@ class Link(enum.Enum):
 
 
 @dataclass(slots=True)
+class Outcome:
+    """What a call came to, for the call runner to apply to ``future`` (rule
+    3): ``error``, or the value ``make()`` returns (it unpickles, or finishes
+    a transfer: the program's code may run there, never in the rules)."""
+
+    future: Any
+    error: Optional[BaseException] = None
+    make: Optional[Callable[[], Any]] = None
+
+
+@dataclass(slots=True)
 class Call:
     """A call in flight: its label, and (for the caller's own calls) the
-    future to resolve and the finisher that makes its value from a RESULT."""
+    future its outcome is for and the finisher that makes its value from a
+    RESULT."""
 
     op: str
-    future: Any = None  # a CollectiveFuture; None for an error note
+    future: Any = None  # the runner's (a CollectiveFuture), never read here; None for an error note
     finish: Optional[Callable[[Message], Any]] = None
     started: float = 0.0  # when submitted (the member's stopwatch)
     sent: int = 0  # bytes of the contribution
@@ -126,6 +139,7 @@ class Member:
         self.data_mode = "auto"  # "on": use it even on one host (rank 0's is used)
         self.data_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME
         self.data_key: Optional[str] = None  # the data ports' token key (hex), from the WELCOME
+        self.outcomes: deque[Outcome] = deque()  # calls settled, for the runner to apply (rule 3)
         self.data_jobs: deque[tuple[int, Any]] = deque()  # (seq, Job) ready to move, in order
         self.part_bytes = WIRE_PART_BYTES  # frames above this are sent in parts (the WELCOME says)
         self.mac = HMAC_SHA256  # the chunk MACs of the group (the WELCOME says)
@@ -329,10 +343,8 @@ class Member:
         """This rank gives up call ``seq`` (``error`` is why): tell the coordinator, so that the
         call fails alike on every rank (rule 4 of the coordinator); nothing once the group failed
         or the call completed."""
-        call = self.calls.get(seq)
-        if self.failure is not None or not self.joined or call is None or (
-                call.future is not None and call.future._done):
-            return []
+        if self.failure is not None or not self.joined or seq not in self.calls:
+            return []  # (settled calls leave the table)
         why = (f"its call timed out ({error})" if timed_out else
                f"its call was interrupted ({type(error).__name__})")
         return [_bodies.abandon(why[:1000], timed_out, rank=self.rank, seq=seq, session=self.session)]
@@ -482,18 +494,11 @@ class Member:
             return self._start_data(msg, call)
         if error is not None and self.data_jobs:  # its data move stops where it is
             self.data_jobs = deque((s, j) for s, j in self.data_jobs if s != msg.seq)
-        future = call.future
-        if future is not None and not future._done:
+        if call.future is not None:
             self._record(msg.seq, call, _received(msg), "error" if error is not None else "done")
-            if error is not None:
-                future._set_exception(error)
-            else:
-                try:
-                    value = call.finish(msg) if call.finish is not None else None
-                except Exception as exc:
-                    future._set_exception(exc)
-                else:
-                    future._set_result(value)
+            finish = call.finish
+            self.outcomes.append(Outcome(call.future, error, None if error is not None or finish is None
+                                         else lambda: finish(msg)))
         self.calls.pop(msg.seq, None)
 
     def _start_data(self, msg: Message, call: Call) -> None:
@@ -516,30 +521,22 @@ class Member:
         self.data_jobs = deque((s, j) for s, j in self.data_jobs if s != seq)
         self.owed.extend(self._taken())
         call = self.calls.pop(seq, None)
-        if call is not None and call.future is not None and not call.future._done:
-            call.future._set_exception(error)
+        if call is not None and call.future is not None:
+            self.outcomes.append(Outcome(call.future, error))
 
     def data_done(self) -> None:
-        """The first queued job moved all its data: its call's value is ready.
-        The job leaves the queue only once its future is resolved: an
-        interrupt in between leaves both, and the next wait finishes it."""
+        """The first queued job moved all its data: its call's value is ready
+        (the job's ``finish``, made by the runner)."""
         seq, job = self.data_jobs[0]
         call = self.calls.get(seq)
         if call is None:
             self.data_jobs.popleft()
             self.owed.extend(self._taken())
             return
-        future = call.future
-        if future is not None and not future._done:
+        if call.future is not None:
             self._record(seq, call, job.received_bytes, "done")
-            try:
-                value = job.finish()
-            except Exception as exc:
-                future._set_exception(exc)
-            else:
-                future._set_result(value)
-        if self.data_jobs and self.data_jobs[0][1] is job:
-            self.data_jobs.popleft()
+            self.outcomes.append(Outcome(call.future, make=job.finish))
+        self.data_jobs.popleft()
         self.owed.extend(self._taken())
         self.calls.pop(seq, None)
 
@@ -634,9 +631,8 @@ class Member:
             self.data_jobs.clear()
         calls = self.calls
         self.calls = {seq: call for seq, call in calls.items() if seq in kept}
-        for seq, call in calls.items():
-            if seq not in kept and call.future is not None and not call.future._done:
-                call.future._set_exception(fresh(error))
+        self.outcomes.extend(Outcome(call.future, fresh(error)) for seq, call in calls.items()
+                             if seq not in kept and call.future is not None)
         if tell and self.joined:
             return [_bodies.abort(error, rank=self.rank, session=self.session)]
         return []
@@ -645,9 +641,8 @@ class Member:
         """The group closes: every call still in the table gets an error."""
         calls, self.calls = self.calls, {}
         self.data_jobs.clear()
-        for seq, call in calls.items():
-            if call.future is not None and not call.future._done:
-                call.future._set_exception(error_for(call, seq))
+        self.outcomes.extend(Outcome(call.future, error_for(call, seq)) for seq, call in calls.items()
+                             if call.future is not None)
 
     # -- wording ---------------------------------------------------------------
 
