@@ -158,23 +158,17 @@ def teardown(*, timeout: Timeout = DEFAULT) -> None:
 
 
 def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
-    """After a loss (a :class:`ReplicaLostError`), go on with the survivors in
-    this process: every survivor calls it, and they all end in one new default
-    group, ranked densely in old-rank order (:func:`get_rank` and
-    :func:`get_world_size` tell the new values); see :meth:`Group.shrink`.
-    The survivors go on only if they are more than half of the ranks not seen
-    to die, so after a partition at most one side does; ``majority=False``
-    (on every survivor) goes on with whoever came. In a group that lost
-    nobody, every rank must call it (it returns at once, nothing changed).
+    """After a loss (a :class:`ReplicaLostError`), every survivor calls it, and
+    they go on in this process in one new default group (:func:`get_rank` and
+    :func:`get_world_size` tell the new values): :meth:`Group.shrink` says
+    how, and when the survivors may not (``majority``).
 
     Raises
     ------
     RuntimeError
         Not initialized.
-    LeftOutError
-        The others formed their group without this replica.
-    CollectiveTimeoutError
-        No group could be formed within ``timeout``.
+    LeftOutError, CollectiveTimeoutError, CallMismatchError, CollectiveError
+        As :meth:`Group.shrink` raises them.
     """
     global _group
     group = _group if _group is not None and _group._life.reforming is not None else _current()
@@ -182,10 +176,8 @@ def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
 
 
 def agree(flag: bool, timeout: Optional[float] = None) -> Agreement:
-    """ULFM's agree among the living: every member gets the same AND of the
-    members' ``flag`` and the same set of ranks (of the group at the call)
-    found lost. In a failed group the survivors shrink first, as
-    :func:`shrink` does, and the default group becomes theirs. The building
+    """ULFM's agree among the living, as :meth:`Group.agree`; when the
+    survivors shrank first, the default group becomes theirs. The building
     block of "rescale now?".
 
     Raises
@@ -222,8 +214,7 @@ def grow(timeout: Timeout = DEFAULT) -> int:
 
 def status() -> dict[str, Any]:
     """What the default group is doing now, from any thread, without waiting
-    for it: this rank's calls in flight and, on rank 0, every rank's last call
-    and the calls waiting for it (see :meth:`Group.status`).
+    for it: see :meth:`Group.status`.
 
     Raises
     ------
