@@ -13,14 +13,13 @@ yourself to hold several groups at once. This module holds no logic.
 
 from __future__ import annotations
 
+import inspect
 import os
-import textwrap
-from collections.abc import Sequence
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Union
 
 from ._elastic import Agreement
 from ._future import CollectiveFuture
-from ._group import DEFAULT, Group, ReduceFn, Timeout, default_reduce_fn
+from ._group import DEFAULT, Group, Timeout, default_reduce_fn
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._protocol._ring import elementwise
 from .config import takes_settings
@@ -64,39 +63,21 @@ _ended: Optional[Group] = None  # the last default group torn down: its stats st
 
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-_ASYNC_DOC = """Start :func:`{twin}` and return at once, with a future.
-
-Futures may be collected in any order; do not mutate what was passed until
-the future is done.
-
-Returns
--------
-CollectiveFuture
-    Its ``result()`` is what :func:`{twin}` returns.
-
-Raises
-------
-{raised}
-{at_once}
-CollectiveError
-    From ``result()``, as :func:`{twin}` raises it (at once if the group has
-    already failed).
-"""
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def _async_twin(twin: Callable[..., Any], raised: str, mistakes: str) -> Callable[[F], F]:
-    """Give an ``*_async`` function the one docstring all of them share."""
-    def document(fn: F) -> F:
-        at_once = (f"At once, as :func:`{twin.__name__}` would, for a mistake found before "
-                   f"anything is sent: not initialized, {mistakes} (a value is too large when it "
-                   f"holds a buffer above ``max_frame_bytes``).")
-        fn.__doc__ = _ASYNC_DOC.format(twin=twin.__name__, raised=raised,
-                                       at_once=textwrap.fill(at_once, 84, initial_indent="    ",
-                                                             subsequent_indent="    "))
-        return fn
-    return document
+def _on_default(method: Callable[Concatenate[Group, P], R]) -> Callable[P, R]:
+    """The module function of a :class:`Group` method: the method, called on the default group
+    (same signature without ``self``, same docstring)."""
+    def on_default(*args: P.args, **kwargs: P.kwargs) -> R:
+        return method(_current(), *args, **kwargs)
+    signature = inspect.signature(method)
+    on_default.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=list(signature.parameters.values())[1:])
+    on_default.__name__ = on_default.__qualname__ = method.__name__
+    on_default.__module__, on_default.__doc__ = __name__, method.__doc__
+    return on_default
 
 
 def _current() -> Group:
@@ -177,23 +158,17 @@ def teardown(*, timeout: Timeout = DEFAULT) -> None:
 
 
 def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
-    """After a loss (a :class:`ReplicaLostError`), go on with the survivors in
-    this process: every survivor calls it, and they all end in one new default
-    group, ranked densely in old-rank order (:func:`get_rank` and
-    :func:`get_world_size` tell the new values); see :meth:`Group.shrink`.
-    The survivors go on only if they are more than half of the ranks not seen
-    to die, so after a partition at most one side does; ``majority=False``
-    (on every survivor) goes on with whoever came. In a group that lost
-    nobody, every rank must call it (it returns at once, nothing changed).
+    """After a loss (a :class:`ReplicaLostError`), every survivor calls it, and
+    they go on in this process in one new default group (:func:`get_rank` and
+    :func:`get_world_size` tell the new values): :meth:`Group.shrink` says
+    how, and when the survivors may not (``majority``).
 
     Raises
     ------
     RuntimeError
         Not initialized.
-    LeftOutError
-        The others formed their group without this replica.
-    CollectiveTimeoutError
-        No group could be formed within ``timeout``.
+    LeftOutError, CollectiveTimeoutError, CallMismatchError, CollectiveError
+        As :meth:`Group.shrink` raises them.
     """
     global _group
     group = _group if _group is not None and _group._life.reforming is not None else _current()
@@ -201,10 +176,8 @@ def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
 
 
 def agree(flag: bool, timeout: Optional[float] = None) -> Agreement:
-    """ULFM's agree among the living: every member gets the same AND of the
-    members' ``flag`` and the same set of ranks (of the group at the call)
-    found lost. In a failed group the survivors shrink first, as
-    :func:`shrink` does, and the default group becomes theirs. The building
+    """ULFM's agree among the living, as :meth:`Group.agree`; when the
+    survivors shrank first, the default group becomes theirs. The building
     block of "rescale now?".
 
     Raises
@@ -241,8 +214,7 @@ def grow(timeout: Timeout = DEFAULT) -> int:
 
 def status() -> dict[str, Any]:
     """What the default group is doing now, from any thread, without waiting
-    for it: this rank's calls in flight and, on rank 0, every rank's last call
-    and the calls waiting for it (see :meth:`Group.status`).
+    for it: see :meth:`Group.status`.
 
     Raises
     ------
@@ -329,151 +301,21 @@ def stats() -> dict[str, Any]:
     return group.stats()
 
 
-def allreduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,
-              timeout: Timeout = DEFAULT) -> Any:
-    """Every replica gets ``reduce_fn`` applied to all replicas' values in
-    rank order, ``fn(fn(fn(v0, v1), v2), v3)``, with rank 0's ``reduce_fn``.
-
-    Raises
-    ------
-    RuntimeError
-        Not initialized.
-    SerializationError
-        ``value`` or ``reduce_fn`` cannot be pickled (nothing was sent).
-    RemoteError
-        ``reduce_fn`` raised on rank 0; the group stays usable.
-    CollectiveTimeoutError, ReplicaLostError, CallMismatchError
-        See "When things go wrong" in the README.
-    """
-    return _current().allreduce(value, reduce_fn, timeout=timeout)
-
-
-@_async_twin(allreduce, 'RuntimeError, ValueError, TypeError',
-              'a value too large or that cannot be pickled, a ``reduce_fn`` that cannot be pickled')
-def allreduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn) -> CollectiveFuture[Any]:
-    return _current().allreduce_async(value, reduce_fn)
-
-
-def reduce(value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *,
-           timeout: Timeout = DEFAULT) -> Any:
-    """Like :func:`allreduce`, but only ``root`` gets the result; others get None."""
-    return _current().reduce(value, reduce_fn, root, timeout=timeout)
-
-
-@_async_twin(reduce, 'RuntimeError, ValueError, TypeError',
-              'a bad ``root``, a value too large or that cannot be pickled, '
-              'a ``reduce_fn`` that cannot be pickled')
-def reduce_async(value: Any, reduce_fn: ReduceFn = default_reduce_fn,
-                 root: int = 0) -> CollectiveFuture[Any]:
-    return _current().reduce_async(value, reduce_fn, root)
-
-
-def reduce_scatter(values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn, *,
-                   timeout: Timeout = DEFAULT) -> Any:
-    """Each replica passes one value per replica; replica i gets every
-    replica's ``values[i]`` reduced in rank order, ``fn(fn(v0[i], v1[i]), v2[i])``,
-    with rank 0's ``reduce_fn``. Equal numeric arrays (or CPU tensors) of every
-    rank go peer to peer on the data plane, as an allreduce's do.
-
-    Raises
-    ------
-    ValueError
-        ``values`` does not hold one value per replica (the others' call
-        fails with :class:`PeerError`; the group stays usable).
-    RemoteError
-        ``reduce_fn`` raised on rank 0; the group stays usable.
-    CollectiveTimeoutError, ReplicaLostError, CallMismatchError
-        See "When things go wrong" in the README.
-    """
-    return _current().reduce_scatter(values, reduce_fn, timeout=timeout)
-
-
-@_async_twin(reduce_scatter, 'RuntimeError, ValueError, TypeError',
-              '``values`` of the wrong length, a value too large or that cannot be pickled, '
-              'a ``reduce_fn`` that cannot be pickled')
-def reduce_scatter_async(values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn
-                         ) -> CollectiveFuture[Any]:
-    return _current().reduce_scatter_async(values, reduce_fn)
-
-
-def broadcast(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
-    """Every replica gets ``root``'s ``value``; the others' values are ignored."""
-    return _current().broadcast(value, root, timeout=timeout)
-
-
-@_async_twin(broadcast, 'RuntimeError, ValueError, SerializationError',
-              'a bad ``root``, a value too large or that cannot be pickled')
-def broadcast_async(value: Any, root: int = 0) -> CollectiveFuture[Any]:
-    return _current().broadcast_async(value, root)
-
-
-def allgather(value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
-    """Every replica gets the list of all replicas' values, in rank order."""
-    return _current().allgather(value, timeout=timeout)
-
-
-@_async_twin(allgather, 'RuntimeError, ValueError, SerializationError',
-              'a value too large or that cannot be pickled')
-def allgather_async(value: Any) -> CollectiveFuture[list[Any]]:
-    return _current().allgather_async(value)
-
-
-def gather(value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
-    """``root`` gets all values in rank order; the others get None."""
-    return _current().gather(value, root, timeout=timeout)
-
-
-@_async_twin(gather, 'RuntimeError, ValueError, SerializationError',
-              'a bad ``root``, a value too large or that cannot be pickled')
-def gather_async(value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
-    return _current().gather_async(value, root)
-
-
-def scatter(values: Optional[Sequence[Any]], root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
-    """Replica i gets ``values[i]`` from ``root``."""
-    return _current().scatter(values, root, timeout=timeout)
-
-
-@_async_twin(scatter, 'RuntimeError, ValueError, SerializationError',
-              'a bad ``root``, ``values`` of the wrong length (on ``root``), '
-              'a value too large or that cannot be pickled')
-def scatter_async(values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
-    return _current().scatter_async(values, root)
-
-
-def alltoall(values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
-    """Replica i gets ``[values_j[i] for j in ranks]``."""
-    return _current().alltoall(values, timeout=timeout)
-
-
-@_async_twin(alltoall, 'RuntimeError, ValueError, SerializationError',
-              '``values`` of the wrong length, a value too large or that cannot be pickled')
-def alltoall_async(values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
-    return _current().alltoall_async(values)
-
-
-def barrier(*, timeout: Timeout = DEFAULT) -> None:
-    """Return once every replica has called ``barrier``."""
-    _current().barrier(timeout=timeout)
-
-
-def barrier_async() -> CollectiveFuture[None]:
-    """Start :func:`barrier` and return at once, with a future.
-
-    Futures may be collected in any order.
-
-    Returns
-    -------
-    CollectiveFuture
-        Its ``result()`` is ``None``.
-
-    Raises
-    ------
-    RuntimeError
-        At once, as :func:`barrier` would, for a mistake found before anything is sent:
-        not initialized.
-    CollectiveError
-        From ``result()``, as :func:`barrier` raises it (at once if the group has
-        already failed).
-    """
-    return _current().barrier_async()
+allreduce = _on_default(Group.allreduce)
+allreduce_async = _on_default(Group.allreduce_async)
+reduce = _on_default(Group.reduce)
+reduce_async = _on_default(Group.reduce_async)
+reduce_scatter = _on_default(Group.reduce_scatter)
+reduce_scatter_async = _on_default(Group.reduce_scatter_async)
+broadcast = _on_default(Group.broadcast)
+broadcast_async = _on_default(Group.broadcast_async)
+allgather = _on_default(Group.allgather)
+allgather_async = _on_default(Group.allgather_async)
+gather = _on_default(Group.gather)
+gather_async = _on_default(Group.gather_async)
+scatter = _on_default(Group.scatter)
+scatter_async = _on_default(Group.scatter_async)
+alltoall = _on_default(Group.alltoall)
+alltoall_async = _on_default(Group.alltoall_async)
+barrier = _on_default(Group.barrier)
+barrier_async = _on_default(Group.barrier_async)

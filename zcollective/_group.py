@@ -7,8 +7,9 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from . import _elastic
 from ._calls import DEFAULT, Calls, Timeout
@@ -40,6 +41,39 @@ def default_reduce_fn(a: Any, b: Any) -> Any:
 
 
 _ring.register_default(default_reduce_fn)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ASYNC_DOC = """Start ``{twin}`` and return at once, with a future.
+
+Futures may be collected in any order; do not mutate what was passed until
+the future is done.
+
+Returns
+-------
+CollectiveFuture
+    Its ``result()`` is what ``{twin}`` returns.
+
+Raises
+------
+{raised}
+{at_once}
+CollectiveError
+    From ``result()``, as ``{twin}`` raises it (at once if the group has
+    already failed).
+"""
+
+
+def _async_twin(twin: str, raised: str, mistakes: str) -> Callable[[F], F]:
+    """Give an ``*_async`` method the one docstring all of them share."""
+    def document(fn: F) -> F:
+        at_once = (f"At once, as ``{twin}`` would, for a mistake found before anything is sent: "
+                   f"not initialized or torn down, {mistakes} (a value is too large when it "
+                   f"holds a buffer above ``max_frame_bytes``).")
+        fn.__doc__ = _ASYNC_DOC.format(twin=twin, raised=raised, at_once=textwrap.fill(
+            at_once, 84, initial_indent="    ", subsequent_indent="    "))
+        return fn
+    return document
 
 
 class Group:
@@ -173,61 +207,88 @@ class Group:
     def __exit__(self, *exc_info: object) -> None:
         self.teardown()
 
-    # -- operations ---------------------------------------------------------
+    # -- operations: zcollective's module functions are these, on the default group ----------
 
     def allreduce(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,
                   timeout: Timeout = DEFAULT) -> Any:
-        """Reduce every replica's ``value`` in rank order,
-        ``fn(fn(fn(v0, v1), v2), v3)``, with rank 0's ``reduce_fn``; every
-        replica gets the result. See :func:`zcollective.allreduce`."""
+        """Every replica gets ``reduce_fn`` applied to all replicas' values in
+        rank order, ``fn(fn(fn(v0, v1), v2), v3)``, with rank 0's ``reduce_fn``.
+
+        Raises
+        ------
+        RuntimeError
+            Not initialized, or torn down.
+        SerializationError
+            ``value`` or ``reduce_fn`` cannot be pickled (nothing was sent).
+        RemoteError
+            ``reduce_fn`` raised on rank 0; the group stays usable.
+        CollectiveTimeoutError, ReplicaLostError, CallMismatchError
+            See "When things go wrong" in the README.
+        """
         return self._calls.blocking(self._calls.call("allreduce", value, reduce_fn), timeout)
 
+    @_async_twin("allreduce", "RuntimeError, ValueError, TypeError",
+                 "a value too large or that cannot be pickled, a ``reduce_fn`` that cannot be pickled")
     def allreduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn
                         ) -> CollectiveFuture[Any]:
-        """Like :meth:`allreduce`, without blocking; returns a future."""
         return self._calls.call("allreduce", value, reduce_fn)
 
     def reduce(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *,
                timeout: Timeout = DEFAULT) -> Any:
-        """Like :meth:`allreduce`, but only ``root`` gets the result (with
+        """Like ``allreduce``, but only ``root`` gets the result (with
         ``root``'s ``reduce_fn``); the others get ``None``."""
         return self._calls.blocking(self._calls.call("reduce", value, reduce_fn, root), timeout)
 
+    @_async_twin("reduce", "RuntimeError, ValueError, TypeError",
+                 "a bad ``root``, a value too large or that cannot be pickled, "
+                 "a ``reduce_fn`` that cannot be pickled")
     def reduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn,
                      root: int = 0) -> CollectiveFuture[Any]:
-        """Like :meth:`reduce`, without blocking; returns a future
-        (see :func:`zcollective.reduce_async`)."""
         return self._calls.call("reduce", value, reduce_fn, root)
 
     def reduce_scatter(self, values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn, *,
                        timeout: Timeout = DEFAULT) -> Any:
         """Each replica passes one value per replica; replica i gets every
-        replica's ``values[i]`` reduced in rank order with rank 0's
-        ``reduce_fn``. See :func:`zcollective.reduce_scatter`."""
+        replica's ``values[i]`` reduced in rank order, ``fn(fn(v0[i], v1[i]), v2[i])``,
+        with rank 0's ``reduce_fn``. Equal numeric arrays (or CPU tensors) of every
+        rank go peer to peer on the data plane, as an allreduce's do.
+
+        Raises
+        ------
+        ValueError
+            ``values`` does not hold one value per replica (the others' call
+            fails with :class:`PeerError`; the group stays usable).
+        RemoteError
+            ``reduce_fn`` raised on rank 0; the group stays usable.
+        CollectiveTimeoutError, ReplicaLostError, CallMismatchError
+            See "When things go wrong" in the README.
+        """
         return self._calls.blocking(self._calls.call("reduce_scatter", values, reduce_fn), timeout)
 
+    @_async_twin("reduce_scatter", "RuntimeError, ValueError, TypeError",
+                 "``values`` of the wrong length, a value too large or that cannot be pickled, "
+                 "a ``reduce_fn`` that cannot be pickled")
     def reduce_scatter_async(self, values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn
                              ) -> CollectiveFuture[Any]:
-        """Like :meth:`reduce_scatter`, without blocking; returns a future."""
         return self._calls.call("reduce_scatter", values, reduce_fn)
 
     def broadcast(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
-        """Every replica gets ``root``'s ``value``; other values are ignored.
+        """Every replica gets ``root``'s ``value``; the others' values are ignored.
         ``root`` gets back its own object, the others an unpickled copy."""
         return self._calls.blocking(self._calls.call("broadcast", value, root), timeout)
 
+    @_async_twin("broadcast", "RuntimeError, ValueError, SerializationError",
+                 "a bad ``root``, a value too large or that cannot be pickled")
     def broadcast_async(self, value: Any, root: int = 0) -> CollectiveFuture[Any]:
-        """Like :meth:`broadcast`, without blocking; returns a future
-        (see :func:`zcollective.broadcast_async`)."""
         return self._calls.call("broadcast", value, root)
 
     def allgather(self, value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
         """Every replica gets the list of all replicas' values, in rank order."""
         return self._calls.blocking(self._calls.call("allgather", value), timeout)  # type: ignore[no-any-return]
 
+    @_async_twin("allgather", "RuntimeError, ValueError, SerializationError",
+                 "a value too large or that cannot be pickled")
     def allgather_async(self, value: Any) -> CollectiveFuture[list[Any]]:
-        """Like :meth:`allgather`, without blocking; returns a future
-        (see :func:`zcollective.allgather_async`)."""
         return self._calls.call("allgather", value)
 
     def gather(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
@@ -235,9 +296,9 @@ class Group:
         others get ``None``. Values travel only to ``root``."""
         return self._calls.blocking(self._calls.call("gather", value, root), timeout)  # type: ignore[no-any-return]
 
+    @_async_twin("gather", "RuntimeError, ValueError, SerializationError",
+                 "a bad ``root``, a value too large or that cannot be pickled")
     def gather_async(self, value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
-        """Like :meth:`gather`, without blocking; returns a future
-        (see :func:`zcollective.gather_async`)."""
         return self._calls.call("gather", value, root)
 
     def scatter(self, values: Optional[Sequence[Any]], root: int = 0, *,
@@ -247,9 +308,10 @@ class Group:
         ``root`` and :class:`PeerError` on the others."""
         return self._calls.blocking(self._calls.call("scatter", values, root), timeout)
 
+    @_async_twin("scatter", "RuntimeError, ValueError, SerializationError",
+                 "a bad ``root``, ``values`` of the wrong length (on ``root``), "
+                 "a value too large or that cannot be pickled")
     def scatter_async(self, values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
-        """Like :meth:`scatter`, without blocking; returns a future
-        (see :func:`zcollective.scatter_async`)."""
         return self._calls.call("scatter", values, root)
 
     def alltoall(self, values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
@@ -257,9 +319,9 @@ class Group:
         passes one value per replica."""
         return self._calls.blocking(self._calls.call("alltoall", values), timeout)  # type: ignore[no-any-return]
 
+    @_async_twin("alltoall", "RuntimeError, ValueError, SerializationError",
+                 "``values`` of the wrong length, a value too large or that cannot be pickled")
     def alltoall_async(self, values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
-        """Like :meth:`alltoall`, without blocking; returns a future
-        (see :func:`zcollective.alltoall_async`)."""
         return self._calls.call("alltoall", values)
 
     def barrier(self, *, timeout: Timeout = DEFAULT) -> None:
@@ -267,8 +329,24 @@ class Group:
         self._calls.blocking(self.barrier_async(), timeout)
 
     def barrier_async(self) -> CollectiveFuture[None]:
-        """Like :meth:`barrier`, without blocking; returns a future
-        (see :func:`zcollective.barrier_async`)."""
+        """Start ``barrier`` and return at once, with a future.
+
+        Futures may be collected in any order.
+
+        Returns
+        -------
+        CollectiveFuture
+            Its ``result()`` is ``None``.
+
+        Raises
+        ------
+        RuntimeError
+            At once, as ``barrier`` would, for a mistake found before anything is sent:
+            not initialized, or torn down.
+        CollectiveError
+            From ``result()``, as ``barrier`` raises it (at once if the group has
+            already failed).
+        """
         return self._calls.call("barrier")
 
     def teardown(self, *, timeout: Timeout = DEFAULT) -> None:

@@ -204,18 +204,10 @@ def _port_problem(port: int) -> Optional[str]:
     return None if 0 <= port <= 65535 else "is not a TCP port (1 to 65535)"
 
 
-def _at_least_one(n: int) -> Optional[str]:
-    return None if n >= 1 else "must be at least 1"
-
-
 def _liveness_problem(seconds: float) -> Optional[str]:
     if seconds > MAX_LIVENESS_S:  # libzmq takes heartbeat times as int milliseconds
         return f"is above the maximum of {MAX_LIVENESS_S:g} s"
     return None if seconds >= MIN_LIVENESS_S else f"is below the minimum of {MIN_LIVENESS_S} s"
-
-
-def _frame_problem(nbytes: int) -> Optional[str]:
-    return None if nbytes >= MIN_MAX_FRAME_BYTES else f"must be at least {MIN_MAX_FRAME_BYTES}"
 
 
 def _secret_problem(secret: bytes) -> Optional[str]:
@@ -230,20 +222,16 @@ def _bind_problem(addr: str) -> Optional[str]:
     return "is not an address to bind" if bad else None
 
 
-def _log_problem(value: str) -> Optional[str]:
-    return None if value in LOG_CHOICES else f"must be one of {', '.join(map(repr, LOG_CHOICES))}"
+def _at_least(low: int) -> Callable[[int], Optional[str]]:
+    problem = "must be 0 or more" if low == 0 else f"must be at least {low}"
+    return lambda n: None if n >= low else problem
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], Optional[str]]:
+    return lambda value: None if value in choices else f"must be one of {', '.join(map(repr, choices))}"
 
 
 LOG_CHOICES = ("", "calls")
-
-
-def _data_plane_problem(value: str) -> Optional[str]:
-    return None if value in DATA_PLANE_CHOICES else (
-        f"must be one of {', '.join(map(repr, DATA_PLANE_CHOICES))}")
-
-
-def _not_negative(n: int) -> Optional[str]:
-    return None if n >= 0 else "must be 0 or more"
 
 
 def _job_problem(name: str) -> Optional[str]:
@@ -324,7 +312,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("replica_rank", "Optional[int]", DEFAULT_RANK, _integer, config_field="rank",
             env=("ZCOLLECTIVE_REPLICA_RANK", "ADAPTDL_REPLICA_RANK", "RANK"),
             doc="This replica's rank, from 0 to the number of replicas minus 1."),
-    Setting("num_replicas", "Optional[int]", DEFAULT_NUM_REPLICAS, _integer, check=_at_least_one,
+    Setting("num_replicas", "Optional[int]", DEFAULT_NUM_REPLICAS, _integer, check=_at_least(1),
             env=("ZCOLLECTIVE_NUM_REPLICAS", "ADAPTDL_NUM_REPLICAS", "WORLD_SIZE"),
             doc="The number of replicas in the group, the same on every replica."),
     Setting("timeout", "Optional[float]", DEFAULT_INIT_TIMEOUT_S, _seconds_or_none,
@@ -344,7 +332,7 @@ SETTINGS: tuple[Setting, ...] = (
             doc=f"Seconds after which a silent peer is declared lost ({MIN_LIVENESS_S:g} to "
                 f"{MAX_LIVENESS_S:g})."),
     Setting("max_frame_bytes", "Optional[int]", DEFAULT_MAX_FRAME_BYTES, _integer,
-            check=_frame_problem, env=("ZCOLLECTIVE_MAX_FRAME_BYTES",),
+            check=_at_least(MIN_MAX_FRAME_BYTES), env=("ZCOLLECTIVE_MAX_FRAME_BYTES",),
             doc="Largest frame (one buffer, such as one numpy array) a peer may send, the same "
                 f"on every replica (at least {MIN_MAX_FRAME_BYTES})."),
     Setting("secret", "Union[bytes, str, None]", None, _secret_bytes, check=_secret_problem,
@@ -367,22 +355,22 @@ SETTINGS: tuple[Setting, ...] = (
                 "``None`` when nothing names it): rank 0 refuses a replica of another job, or of "
                 "none when it has one, with an error naming both. It prevents accidents, not "
                 "attacks: see docs/security.md."),
-    Setting("local_rank", "Optional[int]", None, _integer, check=_not_negative, argument=False,
+    Setting("local_rank", "Optional[int]", None, _integer, check=_at_least(0), argument=False,
             env=("ZCOLLECTIVE_LOCAL_RANK", "LOCAL_RANK"),
             doc="This replica's index among the replicas on its host (to pick a GPU, say); "
                 "``None`` when nobody said."),
-    Setting("log", "Optional[str]", None, str, check=_log_problem, argument=False,
+    Setting("log", "Optional[str]", None, str, check=_one_of(LOG_CHOICES), argument=False,
             env=("ZCOLLECTIVE_LOG",),
             doc="``calls``: log one line per call (seq, operation, call site, bytes, time "
                 "waited) on the logger ``zcollective.calls``; ``None``: no such lines."),
-    Setting("data_plane", "Optional[str]", DEFAULT_DATA_PLANE, str, check=_data_plane_problem,
+    Setting("data_plane", "Optional[str]", DEFAULT_DATA_PLANE, str, check=_one_of(DATA_PLANE_CHOICES),
             argument=False, env=("ZCOLLECTIVE_DATA_PLANE",),
             doc="``auto``: when the replicas are on more than one host, large numeric arrays "
                 "reduced elementwise, and large broadcasts, travel between replicas directly (a "
                 "ring, a chain); ``on``: also when they share one host; ``off``: every byte goes "
                 "through rank 0. Rank 0's setting decides for the group."),
     Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, _integer,
-            check=_not_negative, argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
+            check=_at_least(0), argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
             doc="Arrays (and broadcast values) smaller than this many bytes keep the star "
                 "through rank 0, where small messages are faster."),
     Setting("stacks", "Optional[bool]", True, _boolean, argument=False, env=("ZCOLLECTIVE_STACKS",),

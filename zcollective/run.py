@@ -5,26 +5,11 @@ mode or mpiexec.
     zcollective-run --nnodes 2 --node-rank 1 --nproc-per-node 2 \\
         --master-addr host0 --master-port 29457 train.py
 
-Each replica gets ``ZCOLLECTIVE_MASTER_ADDR``, ``ZCOLLECTIVE_MASTER_PORT``,
-``ZCOLLECTIVE_REPLICA_RANK``, ``ZCOLLECTIVE_NUM_REPLICAS`` and
-``ZCOLLECTIVE_LOCAL_RANK``; on a single host, also a fresh random
-``ZCOLLECTIVE_SECRET`` (unless ``ZCOLLECTIVE_SECRET`` or ``ZCOLLECTIVE_SECRET_FILE``
-is set: then the replicas use that) and, on one host, ``ZCOLLECTIVE_JOB``
-(unless set). Each line of output is prefixed with the process's current
-rank (``[2]``; it changes when the process's group does; ``[newcomer 1]`` for
-a newcomer not yet admitted).
-
-When a replica fails (exits non-zero or is killed), the others get ``--grace``
-seconds: if they go on without it in a group formed from theirs
-(``zcollective.shrink()``), the launcher keeps them; otherwise it stops them.
-``--tolerate-lost`` leaves them running however long they take;
-``--replace-lost K`` starts up to K dead replicas again as newcomers the group
-admits at its next ``grow()``. The exit status is 0 when every replica exited
-0 or was lost and the others went on without it (each loss is reported on
-stderr); otherwise that of the first failure not tolerated (128 + N for
-signal N). Ctrl-C stops every replica. When the job ends, it names the slowest
-rank of the last group (how late its contributions reached rank 0), unless
-``--no-straggler-summary``.
+What each replica is given (its ``ZCOLLECTIVE_*`` variables, a fresh secret
+and a job name on one host), its lines' rank prefix, what happens when a
+replica fails (``--grace``, ``--tolerate-lost``, ``--replace-lost``), the exit
+status and the slowest-rank line at the end: see docs/launching.md,
+*zcollective-run*, and ``zcollective-run --help``.
 
 The replicas tell the launcher their group, rank and size each time they join
 a group, and rank 0 its stats when it closes one, through the file
