@@ -361,6 +361,7 @@ class ReduceScatter(Operation):
             numpy = sys.modules["numpy"]
             laid = numpy.concatenate([arrays[(s - 1) % n].reshape(-1) for s in range(n)])
             ring = _ring.RingAllreduce(here.rank, n, laid, _ring.reducer(name, reduce_fn), gather=False)
+            ring.op = self.label  # its messages name reduce_scatter, not allreduce
             ring.finish = _tensor_out(tensor, lambda: ring.result().reshape(shape))
             return ring
         return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
