@@ -677,16 +677,16 @@ def test_every_operation_has_a_row_of_rules_and_one_without_fails_its_call_not_t
     assert [_serialize.loads(m.segments[0]) for m in out.values()] == [3, 3]
 
 
-def test_an_operation_code_nobody_knows_is_dropped_as_malformed_and_the_call_goes_on(caplog):
-    """The wire carries any op byte; which operations exist is the rules' (an op code of a
-    newer or forged peer): dropped, said, and the rank's next contribution still counts."""
-    caplog.set_level(logging.WARNING, logger="zcollective")
+def test_an_operation_code_nobody_knows_fails_the_group_naming_the_member():
+    """The wire carries any op byte; which operations exist is the rules'. A member that
+    sends a code no operation has (another release, or altered) cannot pair its calls again
+    (its seq was used): the group fails naming it, rather than dropping its calls for ever."""
     coord = joined(2)
-    assert feed(coord, peer(0), contrib(0, 0, op=77)) == []
-    assert any("77 is not a valid Op" in r.message for r in caplog.records)
-    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
-    out = results(feed(coord, peer(1), contrib(1, 0, value=2)))
-    assert [_serialize.loads(m.segments[0]) for m in out.values()] == [3, 3]
+    out = feed(coord, peer(0), contrib(0, 0, op=77))
+    assert coord.phase is Phase.FAILED and {m.kind for _, m in out} == {Kind.FAIL}
+    body = out[0][1].body()
+    assert body["error"] == "ProtocolError"
+    assert "sent seq 0 with operation code 77, which no operation has here" in body["message"]
 
 
 def test_arrays_an_elementwise_reduction_cannot_combine_are_a_mismatch_on_the_star_too():
@@ -950,6 +950,17 @@ def test_newcomers_are_parked_and_a_grow_admits_them_after_the_members_then_clos
                         b"N2": {"rank": 4, "size": 5, "lineage": f"{SESSION:x}"}}
     assert {m.rank for p, m in out if m.kind is Kind.WELCOME} == {0, 5}  # bound to each one's JOIN
     assert coord.phase is Phase.CLOSED  # members and newcomers form the next group
+
+
+def test_a_newcomer_of_another_release_is_refused_alone_and_the_group_goes_on():
+    """Found by an attack: a newcomer knowing other operations was parked, admitted at the
+    next grow, and its JOIN to the group formed next failed that whole group."""
+    coord = joined(2)
+    body = newcomer_join().body()
+    body["ops"] = "allreduce,broadcast"
+    _, error, message = refusal(feed(coord, b"N1", control(Kind.JOIN, body, rank=0)))
+    assert error == "ProtocolError" and "knows the operations allreduce,broadcast" in message
+    assert not coord.newcomers and coord.phase is Phase.RUNNING
 
 
 def test_a_grow_with_nobody_waiting_changes_nothing_and_an_ending_group_dismisses_newcomers():

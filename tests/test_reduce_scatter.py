@@ -156,6 +156,42 @@ def test_a_killed_rank_is_named_on_every_survivor(plane):
         assert elapsed < 10, report(outs, f"took {elapsed} s")
 
 
+def raising_on_rank_1():
+    r, n = zc.get_rank(), zc.get_world_size()
+
+    @zc.elementwise
+    def add_unless_rank_1(a, b):
+        if r == 1:
+            raise RuntimeError("boom on rank 1")
+        a += b
+        return a
+    try:
+        zc.reduce_scatter([np.ones(2000)] * n, add_unless_rank_1, timeout=20)
+        return "ok"
+    except zc.CollectiveError as exc:
+        return type(exc).__name__
+
+
+def test_a_reduce_function_that_raises_fails_the_call_on_every_rank_with_a_data_plane():
+    """Found by an attack: on the ring's reduce-scatter half alone, rank 0 finished before
+    rank 1's function raised, and returned a value while the others failed. A function of the
+    program's own is reduced on the star (where it runs once, on rank 0: it does not raise)."""
+    assert run_replicas(raising_on_rank_1, 3, env=PLANES["data"], timeout=60) == ["ok"] * 3
+
+
+def result_memory():
+    n = zc.get_world_size()
+    value = zc.reduce_scatter([np.ones(100_000)] * n)  # 800 KB each
+    held = value.base if value.base is not None else value
+    return value.nbytes, held.nbytes, zc._current()._life.here.data
+
+
+def test_a_data_plane_result_holds_only_its_own_share():
+    """Found by an attack: the result was a view of the ring's buffer of every share."""
+    for own, held, data in run_replicas(result_memory, 3, env=PLANES["data"], timeout=60):
+        assert data and held == own == 800_000
+
+
 # -- the rules, without sockets ------------------------------------------------
 
 

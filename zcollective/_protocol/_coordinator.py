@@ -509,7 +509,7 @@ class Coordinator:
             return self._refuse_foreign(peer, msg, join, job, newcomer, address)
         join.newcomer = bool(newcomer and lineage is None)
         if newcomer and lineage is None:  # while joining, running, or failed (its survivors form
-            return self._park(peer, msg, join, python, address)  # the next group: it comes again)
+            return self._park(peer, msg, join, python, ops, address)  # the next group: it comes again)
         if lineage == f"{self.session:x}":  # this group's members forming the next one (rule 9), early
             # at its address: once this one closes they find the next; meanwhile they know its
             # host is alive, but not (yet) forming (its program is elsewhere)
@@ -547,14 +547,20 @@ class Coordinator:
             return []
         return self._start()
 
-    def _park(self, peer: bytes, msg: Message, join: Member, python: str, address: str) -> list[Out]:
-        """Rule 10: a newcomer waits for a GROW."""
+    def _park(self, peer: bytes, msg: Message, join: Member, python: str, ops: str,
+              address: str) -> list[Out]:
+        """Rule 10: a newcomer waits for a GROW (refused alone if it could not
+        join the group formed next: it runs another Python, or release)."""
         challenge = self._challenge(peer, msg)
         if challenge is not None:
             return challenge
         if python != PYTHON_VERSION:
             return self._refuse(peer, msg, "ProtocolError", f"{join.describe()} runs Python "
                                 f"{python}, the group runs {PYTHON_VERSION}")
+        if ops != SPOKEN:
+            return self._refuse(peer, msg, "ProtocolError", f"{join.describe()} knows the operations "
+                                f"{ops}, the group knows {SPOKEN}: every replica must run the same "
+                                f"zcollective release")
         if peer not in self.newcomers and len(self.newcomers) >= MAX_NEWCOMERS:
             return self._refuse(peer, msg, "LateJoinError", f"{join.describe()}: "
                                 f"{MAX_NEWCOMERS} newcomers already wait to be admitted")
@@ -785,8 +791,10 @@ class Coordinator:
                        f"expected seq {self.next_seq[rank]} (a replay or a forgery)")
             return []
         op = OPS.get(msg.op)
-        if op is None:  # (no working replica sends it: dropped as malformed)
-            raise WireError(f"{msg.op} is not a valid Op")
+        if op is None:  # no working replica sends it; a member that does cannot pair its calls again
+            return self.fail("ProtocolError", f"{member.describe()} sent seq {seq} with operation code "
+                             f"{msg.op}, which no operation has here (another release, or altered?)",
+                             bad=[rank])
         self.next_seq[rank] += 1
         call = self.pending.get(seq)
         if call is None:

@@ -46,6 +46,7 @@ class Op(enum.IntEnum):
 
 LABELS = {o: o.name.lower() for o in Op}  # Enum.name is slow on a hot path
 NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
+RING_SAFE = frozenset({"add", "maximum", "minimum", "multiply"})  # reductions no rank's code can fail
 Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
 Build = Callable[[], tuple[list[list[Any]], Any]]  # -> (segments, reduce function or None)
 Finish = Callable[[Message], Any]  # the call's RESULT -> its value here
@@ -335,9 +336,12 @@ class Reduce(Operation):
 
 class ReduceScatter(Operation):
     """Rank i gets every rank's i-th value reduced in rank order with rank 0's
-    function. Equal arrays (or CPU tensors) with a data plane go round the
-    ring's reduce-scatter half, this rank's share coming out of it: the values
-    are laid out one segment later, since rank r ends holding segment r + 1."""
+    function. Equal arrays (or CPU tensors) with a data plane, reduced by a
+    numpy reduction (:data:`RING_SAFE`), go round the ring's reduce-scatter
+    half, this rank's share coming out of it: the values are laid out one
+    segment later, since rank r ends holding segment r + 1. A function of the
+    program's own stays on the star: without the allgather half a rank may
+    finish before another's function raised, and the call must fail alike."""
 
     code = Op.REDUCE_SCATTER
 
@@ -347,7 +351,7 @@ class ReduceScatter(Operation):
         own = values[here.rank]
         finish = _value(own) if here.size == 1 else _first
         name = _ring.reduction_name(reduce_fn)
-        arrays = [_array(v, 0) for v in values] if here.data and name is not None else []
+        arrays = [_array(v, 0) for v in values] if here.data and name in RING_SAFE else []
         first = arrays[0] if arrays else None
         if (name is None or first is None
                 or any(a is None or a.dtype != first.dtype or a.shape != first.shape for a in arrays)
@@ -362,7 +366,8 @@ class ReduceScatter(Operation):
             laid = numpy.concatenate([arrays[(s - 1) % n].reshape(-1) for s in range(n)])
             ring = _ring.RingAllreduce(here.rank, n, laid, _ring.reducer(name, reduce_fn), gather=False)
             ring.op = self.label  # its messages name reduce_scatter, not allreduce
-            ring.finish = _tensor_out(tensor, lambda: ring.result().reshape(shape))
+            ring.finish = _tensor_out(tensor, lambda: ring.result().reshape(shape).copy())  # (its own
+            # memory: a view would keep every rank's share alive)
             return ring
         return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
 
