@@ -577,7 +577,7 @@ class Coordinator:
             "LateJoinError", f"{n.describe()}: the group ended before a grow() admitted it"),
             rank=n.rank, session=join_token(n.nonce))) for n in newcomers]
 
-    def _admit(self, seq: int) -> list[Out]:
+    def admit(self, seq: int) -> list[Out]:
         """Rule 10: a GROW completed: WELCOME each newcomer in, then close."""
         newcomers, self.newcomers = list(self.newcomers.values()), {}
         if not newcomers:
@@ -815,7 +815,8 @@ class Coordinator:
         if call.warned:
             self._stall_ended(seq, call, rank)
         out = self._complete(seq, call)
-        if call.op is Op.TEARDOWN:
+        operation = OPERATIONS.get(call.op)
+        if operation is not None and operation.closes:
             self.phase = Phase.CLOSED
             return out
         return out + self._check_endings() if self._ended else out
@@ -952,7 +953,7 @@ class Coordinator:
         outs: list[Out] = [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
                                                              self.session, segments=segments))
                            for rank, segments in enumerate(routes)]
-        return outs + self._admit(seq) if call.op is Op.GROW else outs
+        return outs + operation.completed(self, seq)
 
     def _plan(self, seq: int, call: Call, contributions: list[Message]) -> list[Out]:
         """A call whose data travels on the data plane: matched here like any

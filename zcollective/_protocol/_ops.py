@@ -80,6 +80,9 @@ class Combining(Protocol):
     def newcomers_waiting(self) -> int:
         """How many newcomers a GROW admits."""
 
+    def admit(self, seq: int) -> list[Any]:
+        """Rule 10: WELCOME the newcomers into the group formed next (messages to send)."""
+
 
 @dataclass
 class Contribution:
@@ -121,6 +124,7 @@ class Operation:
 
     code = Op.NONE
     rooted = False  # called with a root (named wherever the call is described)
+    closes = False  # completing a call of it closes the group (teardown)
 
     @property
     def label(self) -> str:
@@ -142,6 +146,10 @@ class Operation:
         """A call whose data goes on the data plane: the plan every rank is
         sent; raises :class:`Disagree` or :class:`Malformed`."""
         raise Malformed("has no data plane")
+
+    def completed(self, at: Combining, seq: int) -> list[Any]:
+        """What completing call ``seq`` does besides sending its results."""
+        return []
 
 
 def _nothing() -> tuple[list[list[Any]], Any]:
@@ -535,6 +543,7 @@ class Barrier(Operation):
 
 class Teardown(Operation):
     code = Op.TEARDOWN
+    closes = True
 
 
 class Shrink(Operation):
@@ -550,6 +559,9 @@ class Grow(Operation):
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         told = [_serialize.dumps(at.newcomers_waiting(), "the number of newcomers")]
         return [told for _ in contributions]
+
+    def completed(self, at: Combining, seq: int) -> list[Any]:
+        return at.admit(seq)
 
 
 OPERATIONS: dict[int, Operation] = {o.code: o for o in (
