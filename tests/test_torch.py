@@ -218,6 +218,25 @@ def test_operations_on_tensors_between_processes():
                 in out["shapes"] and "ranks 0,2 passed a torch.float32 array of shape (3,)" in out["shapes"])
 
 
+def tensor_reduce_scatter():
+    r, n = zc.get_rank(), zc.get_world_size()
+    parts = [torch.full((1000, 100), float(10 * r + i)) for i in range(n)]  # 400 KB each
+    mine = zc.reduce_scatter(parts)
+    grads = zc.reduce_scatter([torch.ones(3, requires_grad=True) for _ in range(n)],
+                              lambda a, b: a.detach() + b.detach())  # the star: pickled as torch does
+    return (type(mine).__name__, str(mine.dtype), tuple(mine.shape), mine[0, 0].item(),
+            zc._current()._life.here.data, grads.tolist())
+
+
+@pytest.mark.parametrize("plane", ["off", "on"])
+def test_reduce_scatter_of_tensors_gives_each_rank_its_share_as_a_tensor(plane):
+    n = 3
+    env = {"ZCOLLECTIVE_DATA_PLANE": plane, "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "1024"}
+    for r, out in enumerate(run_replicas(tensor_reduce_scatter, n, env=env, timeout=90)):
+        assert out == ("Tensor", "torch.float32", (1000, 100), float(10 * sum(range(n)) + n * r),
+                       plane == "on", [float(n)] * 3)
+
+
 NO_TORCH_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
