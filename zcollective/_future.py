@@ -39,7 +39,7 @@ T = TypeVar("T")
 ASYNC_RECHECK_S = 0.5  # an awaiting coroutine re-checks liveness this often without traffic
 
 
-class _Driver(Protocol):
+class _Runner(Protocol):
     def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None: ...
     def _progress(self) -> None: ...
     def _fds(self) -> list[int]: ...
@@ -55,18 +55,18 @@ class CollectiveFuture(Generic[T]):
     ranks. Any thread may wait for it.
     """
 
-    __slots__ = ("seq", "op", "_driver", "_done", "_value", "_error", "_callbacks")
+    __slots__ = ("seq", "op", "_runner", "_done", "_value", "_error", "_callbacks")
 
-    def __init__(self, driver: Optional[_Driver], seq: int, op: str) -> None:
+    def __init__(self, runner: Optional[_Runner], seq: int, op: str) -> None:
         self.seq = seq
         self.op = op
-        self._driver = driver
+        self._runner = runner
         self._done = False
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._callbacks: list[Callable[[CollectiveFuture[T]], None]] = []
-        if driver is not None and _waiters:
-            _sent(driver)  # the group creates a future as it sends its call (before the send)
+        if runner is not None and _waiters:
+            _sent(runner)  # the group creates a future as it sends its call (before the send)
 
     def __repr__(self) -> str:
         state = "finished" if self._done else "pending"
@@ -80,7 +80,7 @@ class CollectiveFuture(Generic[T]):
         if self._callbacks:  # it (add_done_callback), or is seen here
             self._finish()
         else:  # (what _finish does when there is no callback to run)
-            self._driver = None
+            self._runner = None
 
     def _set_exception(self, error: BaseException) -> None:
         self._error = error
@@ -88,7 +88,7 @@ class CollectiveFuture(Generic[T]):
 
     def _finish(self) -> None:
         self._done = True
-        self._driver = None
+        self._runner = None
         callbacks = self._callbacks  # each taken by one pop (a thread adding one meanwhile may
         try:  # take its own back: see add_done_callback)
             fn = _take(callbacks)
@@ -114,8 +114,8 @@ class CollectiveFuture(Generic[T]):
 
     def done(self) -> bool:
         """True if the call finished (takes in what has arrived, never blocks)."""
-        if not self._done and self._driver is not None:
-            self._driver._progress()
+        if not self._done and self._runner is not None:
+            self._runner._progress()
         return self._done
 
     def running(self) -> bool:
@@ -145,16 +145,16 @@ class CollectiveFuture(Generic[T]):
         RemoteError, ReplicaLostError, CallMismatchError, CollectiveError
             The call failed.
         """
-        if not self._done and self._driver is not None:
-            self._driver._wait(self, timeout)
+        if not self._done and self._runner is not None:
+            self._runner._wait(self, timeout)
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[no-any-return]
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """Wait like :meth:`result`; return the call's exception, or None."""
-        if not self._done and self._driver is not None:
-            self._driver._wait(self, timeout)
+        if not self._done and self._runner is not None:
+            self._runner._wait(self, timeout)
         return self._error
 
     def add_done_callback(self, fn: Callable[[CollectiveFuture[T]], None]) -> None:
@@ -184,11 +184,11 @@ class CollectiveFuture(Generic[T]):
 
         loop = asyncio.get_running_loop()
         while not self.done():  # progress before sleeping: the fds only fire on news
-            driver = self._driver
-            if driver is None:
+            runner = self._runner
+            if runner is None:
                 break
             woken: asyncio.Future[None] = loop.create_future()
-            waiter = _AsyncWaiter.enter(driver, loop, woken)
+            waiter = _AsyncWaiter.enter(runner, loop, woken)
             wake = partial(_wake_on_finish, waiter, woken)
             self.add_done_callback(wake)  # (resolved meanwhile by another thread: wakes at once)
             try:
@@ -208,24 +208,24 @@ class _AsyncWaiter:
     module docstring). A waiter lives from the first sleeper's arrival to the
     last one's leaving; a later sleeper gets a new one."""
 
-    __slots__ = ("driver", "loop", "sleepers", "fds", "recheck", "kicked")
+    __slots__ = ("runner", "loop", "sleepers", "fds", "recheck", "kicked")
 
-    def __init__(self, driver: _Driver, loop: asyncio.AbstractEventLoop) -> None:
-        self.driver = driver
+    def __init__(self, runner: _Runner, loop: asyncio.AbstractEventLoop) -> None:
+        self.runner = runner
         self.loop = loop
         self.sleepers: set[asyncio.Future[None]] = set()
-        self.fds = driver._fds()
+        self.fds = runner._fds()
         self.recheck: Optional[asyncio.TimerHandle] = None
         self.kicked = False
 
     @classmethod
-    def enter(cls, driver: _Driver, loop: asyncio.AbstractEventLoop,
+    def enter(cls, runner: _Runner, loop: asyncio.AbstractEventLoop,
               sleeper: asyncio.Future[None]) -> _AsyncWaiter:
         """Add ``sleeper`` to the group's waiter, starting one if none runs."""
-        waiter = _waiters.get((driver, loop))
+        waiter = _waiters.get((runner, loop))
         if waiter is None:
-            waiter = cls(driver, loop)
-            _waiters[(driver, loop)] = waiter
+            waiter = cls(runner, loop)
+            _waiters[(runner, loop)] = waiter
             for fd in waiter.fds:
                 loop.add_reader(fd, waiter.progress)
             waiter.arm()
@@ -236,14 +236,14 @@ class _AsyncWaiter:
         """Remove ``sleeper`` (again is harmless); the last one out stops the waiter."""
         self.sleepers.discard(sleeper)
         if not self.sleepers and self.active():
-            del _waiters[(self.driver, self.loop)]
+            del _waiters[(self.runner, self.loop)]
             for fd in self.fds:
                 self.loop.remove_reader(fd)
             if self.recheck is not None:
                 self.recheck.cancel()
 
     def active(self) -> bool:
-        return _waiters.get((self.driver, self.loop)) is self
+        return _waiters.get((self.runner, self.loop)) is self
 
     def arm(self) -> None:
         # read at each arming, so a changed ASYNC_RECHECK_S takes effect
@@ -270,7 +270,7 @@ class _AsyncWaiter:
         if not self.active():
             return  # a reader or timer that fired just as the last sleeper left
         try:
-            self.driver._progress()
+            self.runner._progress()
         except Exception:
             # nobody would wake them otherwise: each sleeper makes progress itself
             # (``done()``) and meets the error in its own coroutine
@@ -281,7 +281,7 @@ class _AsyncWaiter:
 
 # One waiter per (group, event loop) while some coroutine awaits that group there;
 # only the loop's own thread touches its entries.
-_waiters: dict[tuple[_Driver, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
+_waiters: dict[tuple[_Runner, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
 
 
 def settle(outcomes: deque[Any]) -> None:
@@ -313,8 +313,8 @@ def sleeping() -> bool:
     return bool(_waiters)
 
 
-def _sent(driver: _Driver) -> None:
-    """``driver`` is about to send a call (its future is made just before the
+def _sent(runner: _Runner) -> None:
+    """``runner`` is about to send a call (its future is made just before the
     send): the waiter makes progress at the loop's next turn, after it.
     Sending makes ZeroMQ take in its pending commands, which can swallow the
     fd's edge for a reply that arrived meanwhile: the group's sleepers in this
@@ -327,7 +327,7 @@ def _sent(driver: _Driver) -> None:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return  # no loop runs in this thread: nobody in it awaits
-    waiter = _waiters.get((driver, loop))
+    waiter = _waiters.get((runner, loop))
     if waiter is not None:
         waiter.kick()
 

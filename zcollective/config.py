@@ -514,7 +514,7 @@ def _kubernetes_size(env: Mapping[str, str]) -> Origin:
 
 
 @dataclass(frozen=True)
-class Launcher:
+class LaunchedBy:
     """A program that starts the replicas of a job and tells each, in its
     environment, who it is. Its readers are asked only for the settings
     that no argument and no variable of :data:`SETTINGS` gave."""
@@ -538,22 +538,22 @@ class Launcher:
         return reader.read(env) if reader else None
 
 
-LAUNCHERS: tuple[Launcher, ...] = (
-    Launcher("Open MPI", "OMPI_COMM_WORLD_RANK", {
+LAUNCHERS: tuple[LaunchedBy, ...] = (
+    LaunchedBy("Open MPI", "OMPI_COMM_WORLD_RANK", {
         "replica_rank": _plain("OMPI_COMM_WORLD_RANK"),
         "num_replicas": _plain("OMPI_COMM_WORLD_SIZE"),
         "local_rank": _plain("OMPI_COMM_WORLD_LOCAL_RANK"),
         "master_addr": _mpi_master("Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
         "job": _job_named_by("Open MPI job", "PMIX_NAMESPACE"),
     }),
-    Launcher("MPICH / Intel MPI (Hydra)", "PMI_RANK", {
+    LaunchedBy("MPICH / Intel MPI (Hydra)", "PMI_RANK", {
         "replica_rank": _plain("PMI_RANK"),
         "num_replicas": _plain("PMI_SIZE"),
         "local_rank": _plain("MPI_LOCALRANKID"),
         "master_addr": _mpi_master("MPICH / Intel MPI (Hydra)", "PMI_SIZE", "MPI_LOCALNRANKS"),
         # (no job: Hydra names it, its KVS, only to a process that asks over PMI)
     }, defers_to=(("PMI_RANK", "SLURM_PROCID"), ("PMI_SIZE", "SLURM_NTASKS"))),
-    Launcher("Slurm", "SLURM_PROCID", {
+    LaunchedBy("Slurm", "SLURM_PROCID", {
         "replica_rank": _plain("SLURM_PROCID"),
         "num_replicas": Reader(("SLURM_NTASKS",), _slurm_size),
         "local_rank": _plain("SLURM_LOCALID"),
@@ -561,7 +561,7 @@ LAUNCHERS: tuple[Launcher, ...] = (
         "master_port": Reader(("SLURM_JOB_ID",), _slurm_port),
         "job": _job_named_by("Slurm job", "SLURM_JOB_ID"),  # its steps too (a newcomer's srun)
     }),
-    Launcher("Kubernetes Indexed Job", "JOB_COMPLETION_INDEX", {
+    LaunchedBy("Kubernetes Indexed Job", "JOB_COMPLETION_INDEX", {
         "replica_rank": _plain("JOB_COMPLETION_INDEX"),
         "num_replicas": Reader((), _kubernetes_size),
         "master_addr": Reader((), _kubernetes_master),
@@ -570,7 +570,7 @@ LAUNCHERS: tuple[Launcher, ...] = (
 )
 
 
-def launcher_of(env: Mapping[str, str]) -> Optional[Launcher]:
+def launcher_of(env: Mapping[str, str]) -> Optional[LaunchedBy]:
     """The launcher that started this process: the first of :data:`LAUNCHERS` it recognizes."""
     return next((launcher for launcher in LAUNCHERS if launcher.recognizes(env)), None)
 
@@ -601,7 +601,7 @@ def _from_env(s: Setting, env: Mapping[str, str]) -> Optional[Origin]:
 
 
 def _value(s: Setting, arg: Any, env: Mapping[str, str],
-           launcher: Optional[Launcher]) -> tuple[Any, Origin]:
+           launcher: Optional[LaunchedBy]) -> tuple[Any, Origin]:
     """The setting's value and its origin: the argument, else the environment's
     variables, else the launcher's, else the default."""
     if arg is not None or s.none_is_value:

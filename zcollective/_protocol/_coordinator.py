@@ -118,7 +118,9 @@ class Phase(enum.Enum):
 
 
 @dataclass
-class Member:
+class Joined:
+    """The coordinator's record of a replica that joined (or is parked, a newcomer)."""
+
     rank: int
     peer: bytes
     pid: int = 0
@@ -178,7 +180,7 @@ class Forming:
 
 
 @dataclass
-class Call:
+class PendingCall:
     op: Op
     root: int
     contributions: dict[int, Message] = field(default_factory=dict)
@@ -209,22 +211,22 @@ class Coordinator:
             num_replicas = len(forming.expected)  # at most; those who came, once formed
         self.host_address = host_address  # rank 0's, as the others reach it
         self.old_ranks: Optional[list[int]] = None  # formed: every new rank's old one
-        self.newcomers: dict[bytes, Member] = {}  # parked until a GROW (rule 10), by routing id
+        self.newcomers: dict[bytes, Joined] = {}  # parked until a GROW (rule 10), by routing id
         self.num_replicas = num_replicas
         self.user_code = user_code  # the driver's: a reduce function made callable where an
         # interrupt may stop it (rank 0's thread: _interrupts.user_code); as it is by default
         self.signer = signer
         self._challenge_key = entropy(32)  # challenges are HMAC(this, peer): nothing to store
         self._challenged: OrderedDict[bytes, int] = OrderedDict()  # peer -> CHALLENGEs sent (LRU)
-        self._ended: list[Member] = []  # members that said BYE, in that order
+        self._ended: list[Joined] = []  # members that said BYE, in that order
         self.session = session
         self.max_frames = max_frames
         self.max_frame_bytes = max_frame_bytes  # a frame sent in parts, joined, is no larger
         self.phase = Phase.JOINING
-        self.members: dict[bytes, Member] = {}  # by routing id
-        self.by_rank: dict[int, Member] = {}
+        self.members: dict[bytes, Joined] = {}  # by routing id
+        self.by_rank: dict[int, Joined] = {}
         self.next_seq = [0] * num_replicas
-        self.pending: dict[int, Call] = {}
+        self.pending: dict[int, PendingCall] = {}
         self.failure: Optional[dict[str, Any]] = None
         self.reducing: Optional[tuple[int, Op, float]] = None  # (seq, op, since): read by other threads
         self.interrupted: Optional[BaseException] = None  # a signal handler's, in a reduce function: to
@@ -317,7 +319,7 @@ class Coordinator:
             return []
         return handler(self, member, msg, address)
 
-    def _bound(self, member: Member, msg: Message) -> bool:
+    def _bound(self, member: Joined, msg: Message) -> bool:
         """Does ``msg`` carry its member's rank and the session? A STATUS sent
         before its WELCOME arrived (a join timing out) may carry none."""
         if msg.rank != member.rank:
@@ -325,7 +327,7 @@ class Coordinator:
         return msg.session == self.session or (
             msg.kind is Kind.STATUS and (self.phase is Phase.JOINING or msg.session == 0))
 
-    def _on_abort(self, member: Member, msg: Message, address: str) -> list[Out]:
+    def _on_abort(self, member: Joined, msg: Message, address: str) -> list[Out]:
         # only the secret's holders reach here when there is one
         error, said, ranks, data_plane, abandoned = _bodies.parse_abort(msg, self.num_replicas)
         if abandoned:
@@ -340,7 +342,7 @@ class Coordinator:
         return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
                          f"coordinator tampered with: {said}", bad=[member.rank])
 
-    def _abandon(self, member: Member, seq: int, error: str, said: str) -> list[Out]:
+    def _abandon(self, member: Joined, seq: int, error: str, said: str) -> list[Out]:
         """``member`` gave up call ``seq`` (rule 4)."""
         call = self.pending.get(seq)
         if error not in ("CollectiveTimeoutError", "PeerError"):
@@ -358,10 +360,10 @@ class Coordinator:
                                            f"every rank (the group goes on)")
         return self._error_all(seq, call.op, call.abandoned, list(call.contributions))
 
-    def _on_status(self, member: Member, msg: Message, address: str) -> list[Out]:
+    def _on_status(self, member: Joined, msg: Message, address: str) -> list[Out]:
         return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
 
-    _HANDLERS: dict[Kind, Callable[[Coordinator, Member, Message, str], list[Out]]] = {
+    _HANDLERS: dict[Kind, Callable[[Coordinator, Joined, Message, str], list[Out]]] = {
         Kind.CONTRIB: lambda self, member, msg, address: self._on_contribution(member, msg, address),
         Kind.BYE: lambda self, member, msg, address: self._on_bye(member, msg.seq, msg.flags),
         Kind.ABORT: _on_abort,
@@ -440,7 +442,7 @@ class Coordinator:
         return [self._fail_message(m) for m in self.members.values() if m.rank not in skip]
 
     def _on_auth_error(self, peer: bytes, frames: list[Any], exc: AuthError,
-                       member: Optional[Member], address: str) -> list[Out]:
+                       member: Optional[Joined], address: str) -> list[Out]:
         if member is not None:  # only a member can write on this connection: altered in flight
             return self.fail("AuthenticationError", f"a message on the connection of "
                              f"{member.describe()} at {address} failed authentication ({exc}); "
@@ -470,7 +472,7 @@ class Coordinator:
     # -- join -----------------------------------------------------------
 
     def _on_version_error(self, peer: bytes, frames: list[Any], exc: VersionError,
-                          member: Optional[Member], address: str) -> list[Out]:
+                          member: Optional[Joined], address: str) -> list[Out]:
         head = bytes(memoryview(frames[0])[:4])
         if member is None and len(head) == 4 and head[3] == Kind.JOIN and self.phase is Phase.JOINING:
             message = (f"a replica at {address} speaks zcollective protocol version "
@@ -482,7 +484,7 @@ class Coordinator:
                    f"from {address}")
         return []
 
-    def _on_join(self, peer: bytes, msg: Message, member: Optional[Member], address: str) -> list[Out]:
+    def _on_join(self, peer: bytes, msg: Message, member: Optional[Joined], address: str) -> list[Out]:
         """A JOIN from a stranger, or again from a member (it reconnected)."""
         if member is not None:
             if self.phase is Phase.RUNNING:  # a reconnect lost our WELCOME: say it again
@@ -504,7 +506,7 @@ class Coordinator:
         python, n, ops = info.pop("python"), info.pop("num_replicas"), info.pop("ops")
         lineage, newcomer = info.pop("lineage"), info.pop("newcomer")
         job = info.pop("job")
-        join = Member(peer=b"", **info)
+        join = Joined(peer=b"", **info)
         if job != self.job:  # another job's replica: refused alone, the right one may still come
             return self._refuse_foreign(peer, msg, join, job, newcomer, address)
         join.newcomer = bool(newcomer and lineage is None)
@@ -547,7 +549,7 @@ class Coordinator:
             return []
         return self._start()
 
-    def _park(self, peer: bytes, msg: Message, join: Member, python: str, ops: str,
+    def _park(self, peer: bytes, msg: Message, join: Joined, python: str, ops: str,
               address: str) -> list[Out]:
         """Rule 10: a newcomer waits for a GROW (refused alone if it could not
         join the group formed next: it runs another Python, or release)."""
@@ -642,7 +644,7 @@ class Coordinator:
             return []
         return self._start()
 
-    def _left_out(self, join: Member) -> str:
+    def _left_out(self, join: Joined) -> str:
         forming = self.forming
         assert forming is not None
         if self.old_ranks is not None:
@@ -652,7 +654,7 @@ class Coordinator:
         return (f"{join.describe()} was left out: the survivors counted it as lost (they form "
                 f"a group of old ranks {','.join(map(str, sorted(forming.expected)))})")
 
-    def _refuse_stranger(self, peer: bytes, msg: Message, join: Member, address: str,
+    def _refuse_stranger(self, peer: bytes, msg: Message, join: Joined, address: str,
                          lineage: Optional[str]) -> list[Out]:
         """A JOIN for another group: of another lineage, or forming where this
         group is not (or the other way round)."""
@@ -666,7 +668,7 @@ class Coordinator:
         self._warn(address, "late", f"refused a join: {message}")
         return self._refuse(peer, msg, "LateJoinError", message)
 
-    def _refuse_foreign(self, peer: bytes, msg: Message, join: Member, job: Optional[str],
+    def _refuse_foreign(self, peer: bytes, msg: Message, join: Joined, job: Optional[str],
                         newcomer: bool, address: str) -> list[Out]:
         """Rule 6: a JOIN of another job refuses that peer alone, naming both jobs."""
         who = f"a newcomer (pid {join.pid} on {join.host})" if newcomer else join.describe()
@@ -680,7 +682,7 @@ class Coordinator:
             self.refused[join.rank] = message  # (rank 0's join timeout says why it never came)
         return self._refuse(peer, msg, "JobMismatchError", message)
 
-    def _refuse_late(self, peer: bytes, msg: Message, join: Member, address: str,
+    def _refuse_late(self, peer: bytes, msg: Message, join: Joined, address: str,
                      lineage: Optional[str] = None) -> list[Out]:
         if self.forming is not None and lineage == self.forming.lineage and self.phase is Phase.RUNNING:
             return self._refuse(peer, msg, "LeftOutError", self._left_out(join))
@@ -694,7 +696,7 @@ class Coordinator:
         self._warn(address, "late", f"refused a join: {message}")
         return self._refuse(peer, msg, "LateJoinError", message)
 
-    def _join_problem(self, join: Member, python: str, n: int, ops: str) -> Optional[tuple[str, str]]:
+    def _join_problem(self, join: Joined, python: str, n: int, ops: str) -> Optional[tuple[str, str]]:
         """Why a proven JOIN fails the whole group (error name, text), or None."""
         who = join.describe()
         if python != PYTHON_VERSION:
@@ -731,7 +733,7 @@ class Coordinator:
         if all(ports) and (members[0].data_mode == "on" or not one_host):
             self._data_ports = cast("list[str]", ports)
 
-    def _welcome(self, member: Member) -> Message:  # rank 0's data threshold for all
+    def _welcome(self, member: Joined) -> Message:  # rank 0's data threshold for all
         addresses = [self.host_address] + [self.by_rank[r].address for r in range(1, self.num_replicas)]
         renumber, rank = None, member.rank
         if self.old_ranks is not None:  # bound to the rank its JOIN claimed: its old one
@@ -766,7 +768,7 @@ class Coordinator:
         rank, token = _claimed(join)
         return [(peer, _bodies.challenge(expected, rank=rank, session=token))]
 
-    def _binding(self, member: Member) -> int:
+    def _binding(self, member: Joined) -> int:
         """What the header of a message to ``member`` carries as its session:
         the group's once it was welcomed, else the token of its JOIN."""
         return self.session if self._welcomed else join_token(member.nonce)
@@ -777,7 +779,7 @@ class Coordinator:
 
     # -- calls ----------------------------------------------------------
 
-    def _on_contribution(self, member: Member, msg: Message, address: str) -> list[Out]:
+    def _on_contribution(self, member: Joined, msg: Message, address: str) -> list[Out]:
         rank, seq = member.rank, msg.seq
         if self.phase is not Phase.RUNNING:
             self._warn(address, "early", f"dropped seq {seq} from {member.describe()}: "
@@ -798,7 +800,7 @@ class Coordinator:
         self.next_seq[rank] += 1
         call = self.pending.get(seq)
         if call is None:
-            call = self.pending[seq] = Call(op, msg.root)
+            call = self.pending[seq] = PendingCall(op, msg.root)
         call.contributions[rank] = msg
         call.arrived[rank] = self.clock()
         member.last = (seq, LABELS[op], msg.callsite, call.arrived[rank])
@@ -823,7 +825,7 @@ class Coordinator:
 
     # -- ending without teardown ------------------------------------------
 
-    def _on_bye(self, member: Member, calls: int, flags: int = 0) -> list[Out]:
+    def _on_bye(self, member: Joined, calls: int, flags: int = 0) -> list[Out]:
         # answered, after every reply before it: all it sent has been taken, so it may close
         answer = (member.peer, Message(Kind.BYE, rank=member.rank, seq=calls, session=self._binding(member)))
         if any(out[0] == member.peer for held in self.held.values() for _, out in held):
@@ -844,7 +846,7 @@ class Coordinator:
             return farewell
         return self._check_endings() + farewell
 
-    def _hold(self, member: Member, answer: Out) -> list[Out]:
+    def _hold(self, member: Joined, answer: Out) -> list[Out]:
         """The answer to ``member``'s BYE, or, when data went peer to peer and
         the next rank still runs, the TAKEN asking it (the answer is held)."""
         nxt = self.by_rank.get((member.rank + 1) % self.num_replicas)
@@ -884,7 +886,7 @@ class Coordinator:
         return (f"{describe_call(call.op, call.root)} was in flight on "
                 f"{rank_list(call.contributions)}")
 
-    def _fail_ended(self, member: Member, context: str, level: int = logging.ERROR) -> list[Out]:
+    def _fail_ended(self, member: Joined, context: str, level: int = logging.ERROR) -> list[Out]:
         gone = {m.rank for m in self._ended}
         return self.fail("ReplicaLostError", f"{member.describe_end()}; {context}",
                          lost=[member.rank], ended=True, exclude=gone, level=level)
@@ -904,7 +906,7 @@ class Coordinator:
         return self._fail_ended(host, f"it waited {waited:g} s for its last calls, but "
                                       f"{'; '.join(waiting) or 'they did not complete'}")
 
-    def _mismatch(self, seq: int, call: Call) -> str:
+    def _mismatch(self, seq: int, call: PendingCall) -> str:
         groups: dict[tuple[str, str], list[int]] = {}
         for rank, contribution in sorted(call.contributions.items()):
             what = describe_call(contribution.op, contribution.root)
@@ -915,7 +917,7 @@ class Coordinator:
             parts.append(f"{rank_list(waiting)} had not called yet")
         return f"seq {seq}: " + "; ".join(parts)
 
-    def _complete(self, seq: int, call: Call) -> list[Out]:
+    def _complete(self, seq: int, call: PendingCall) -> list[Out]:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
         operation = OPERATIONS.get(call.op)
         if operation is None:  # no working replica sends it
@@ -955,7 +957,7 @@ class Coordinator:
                            for rank, segments in enumerate(routes)]
         return outs + operation.completed(self, seq)
 
-    def _plan(self, seq: int, call: Call, contributions: list[Message]) -> list[Out]:
+    def _plan(self, seq: int, call: PendingCall, contributions: list[Message]) -> list[Out]:
         """A call whose data travels on the data plane: matched here like any
         other, then every rank is sent the plan (:meth:`Operation.plan`) and
         moves the data itself. Ranks whose values disagree: a mismatch."""
@@ -972,7 +974,7 @@ class Coordinator:
                                                   self.session, flags=FLAG_DATA, segments=segments))
                 for rank in range(self.num_replicas)]
 
-    def _disagreement(self, seq: int, call: Call, contributions: list[Message],
+    def _disagreement(self, seq: int, call: PendingCall, contributions: list[Message],
                       described: Optional[list[str]] = None) -> str:
         """The ranks' values, grouped by what each passed and where: from
         their data plans, or as rank 0 found them (``described``)."""
@@ -993,7 +995,7 @@ class Coordinator:
         return (f"seq {seq} {call.op.label}: the ranks disagree: " + "; ".join(parts)
                 + " (this call failed; the group goes on)")
 
-    def _malformed_call(self, seq: int, call: Call,
+    def _malformed_call(self, seq: int, call: PendingCall,
                         contributions: list[Message]) -> Optional[tuple[str, str]]:
         """Why the call cannot complete as it is, as (error name, text), or
         None: a sender's own error (PeerError), or parts no working replica
@@ -1053,7 +1055,7 @@ class Coordinator:
 
     # -- status and failure ----------------------------------------------
 
-    def _status(self, seq: int, member: Member, welcomed: bool = True) -> Message:
+    def _status(self, seq: int, member: Joined, welcomed: bool = True) -> Message:
         binding = self._binding(member) if welcomed else join_token(member.nonce)
         if self.phase is Phase.JOINING:
             refused = {str(r): m for r, m in self.refused.items() if r not in self.by_rank}
@@ -1087,13 +1089,13 @@ class Coordinator:
             return None
         return min(filter(None, map(self._stall_due, self.pending.values())), default=None)
 
-    def _stall_due(self, call: Call) -> Optional[float]:
+    def _stall_due(self, call: PendingCall) -> Optional[float]:
         """When ``call``'s next stall warning is due (rule 11); None: no more."""
         if self.warn_after is None or call.warned >= MAX_STALL_WARNINGS or not call.arrived:
             return None
         return min(call.arrived.values()) + self.warn_after * (1 << call.warned)
 
-    def _missing(self, call: Call) -> list[int]:
+    def _missing(self, call: PendingCall) -> list[int]:
         """The ranks ``call`` waits for."""
         return [r for r in range(self.num_replicas) if r not in call.contributions]
 
@@ -1118,7 +1120,7 @@ class Coordinator:
                 out.append((line, self._missing(call)))
         return out
 
-    def stall_line(self, seq: int, call: Call, now: float) -> str:
+    def stall_line(self, seq: int, call: PendingCall, now: float) -> str:
         """``seq 42 allreduce at train.py:88 has waited 61 s for rank 3 ...``"""
         site = next((c.callsite for c in call.contributions.values() if c.callsite), "?")
         missing = self._missing(call)
@@ -1161,7 +1163,7 @@ class Coordinator:
         seq, op, site, at = member.last
         return f"{member.describe()}'s last call was seq {seq} {op} at {site or '?'}, {now - at:.0f} s ago"
 
-    def _stall_ended(self, seq: int, call: Call, last: int) -> None:
+    def _stall_ended(self, seq: int, call: PendingCall, last: int) -> None:
         waited = call.arrived[last] - min(call.arrived.values())
         log.warning("zcollective coordinator: seq %d %s completed after %.0f s; rank %d was last",
                     seq, describe_call(call.op, call.root), waited, last)
@@ -1181,7 +1183,7 @@ class Coordinator:
                          f"(arrived: {rank_list(call.contributions)})")
         return "in flight: " + ", ".join(parts)
 
-    def _fail_message(self, member: Member) -> Out:
+    def _fail_message(self, member: Joined) -> Out:
         assert self.failure is not None
         return member.peer, control(Kind.FAIL, self.failure, rank=member.rank,
                                     session=self._binding(member))
