@@ -3,6 +3,8 @@
     pip install -e '.[bench]'        # numpy, psutil, adaptdl==0.2.11 (--no-deps, see README)
     pip install -e '.[torch]'        # optional: the torch tensor workloads (CPU wheel: see README)
     python benchmarks/bench.py       # prints a markdown table, writes benchmarks/results/latest.json
+    python benchmarks/bench.py --backends zcollective,zcollective-star --trees before=/tmp/old,after=$PWD
+                                     # a change measured: each tree's zcollective, in the same rounds
 
 Each (backend, N, round) runs in fresh processes on loopback; rounds alternate the
 backends' order; every result is checked on every rank. Reported per workload:
@@ -197,8 +199,15 @@ def available(backend: str) -> str | None:
     return None
 
 
+TREES: dict[str, str] = {}  # --trees: name -> a checkout whose zcollective a "zcollective...@name" runs
+
+
 def run_one(backend: str, size: int, quick: bool) -> list[dict[str, Any]]:
     port = free_port()
+    backend, _, tree = backend.partition("@")
+    env = dict(os.environ)
+    if tree:  # that checkout's zcollective, first on the path
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (TREES[tree], env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"r{r}.json") for r in range(size)]
         me = os.path.abspath(__file__)
@@ -206,11 +215,11 @@ def run_one(backend: str, size: int, quick: bool) -> list[dict[str, Any]]:
         if backend == "mpi4py":
             cmd = [*MPIRUN, "-n", str(size), sys.executable, me, "--worker", backend, "--size", str(size),
                    "--port", str(port), "--out", os.path.join(tmp, "r{rank}.json"), *flags]
-            procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+            procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)]
         else:
             procs = [subprocess.Popen([sys.executable, me, "--worker", backend, "--rank", str(r),
                                        "--size", str(size), "--port", str(port), "--out", outs[r], *flags],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
                      for r in range(size)]
         logs = []
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -300,6 +309,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer iterations, for a smoke run")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "latest.json"))
+    parser.add_argument("--trees", default="", help="NAME=PATH,...: run each zcollective backend from "
+                        "each checkout, side by side (as zcollective@NAME): before=/tmp/old,after=$PWD")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
@@ -316,7 +327,11 @@ def main() -> None:
 
     sizes = [int(s) for s in args.sizes.split(",")]
     wanted = [b for b in args.backends.split(",") if b]
-    skipped = {b: why for b in wanted if (why := available(b))}
+    TREES.update(t.split("=", 1) for t in args.trees.split(",") if t)
+    if TREES:
+        wanted = [f"{b}@{name}" if b.startswith("zcollective") else b for b in wanted
+                  for name in (TREES if b.startswith("zcollective") else [""])]
+    skipped = {b: why for b in wanted if (why := available(b.partition("@")[0]))}
     order = [b for b in wanted if b not in skipped]
     runs: dict[str, dict[int, list[Any]]] = {b: {n: [] for n in sizes} for b in order}
     for rnd in range(args.rounds):

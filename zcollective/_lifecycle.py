@@ -377,7 +377,7 @@ class Lifecycle:
             turns.give()
 
     def _end_turn(self) -> None:
-        """:meth:`_end`, holding the turn."""
+        """:meth:`end`, holding the turn."""
         interrupted: Optional[BaseException] = None
         if self.driver is not None:
             try:
