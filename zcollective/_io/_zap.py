@@ -142,9 +142,9 @@ class Gatekeeper:
             self._domains = {**self._domains, name: checker}
 
     @property
-    def poll_item(self) -> tuple[zmq.Socket, int]:
-        """What to poll (level-triggered) for a request waiting."""
-        return (self._sock, zmq.POLLIN)
+    def source(self) -> zmq.Socket:
+        """What to wait on (level-triggered) for a request waiting."""
+        return self._sock
 
     def log_refusal(self, address: Optional[str], domain: str, why: str) -> None:
         """Log a peer refused at the handshake, once per address; a peer
@@ -202,12 +202,9 @@ class GateThread:
         self._thread.start()
 
     def _serve(self) -> None:
-        items = [self.gatekeeper.poll_item, (self._pipe, zmq.POLLIN)]
         try:
-            while True:
-                ready = dict(_interrupts.wait(items, -1))
-                if self._pipe in ready:
-                    return
+            waiter = _interrupts.Waiter(("zap", self.gatekeeper.source), ("stop", self._pipe))
+            while "stop" not in waiter.wait(("zap", "stop"), None):
                 self.gatekeeper.serve()
         except zmq.ZMQError:
             return  # the context is being torn down
