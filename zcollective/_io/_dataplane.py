@@ -141,16 +141,13 @@ class DataPlane:
         target = endpoints[nxt]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)
-            try:
+            with _sockets.closed_on_error(push):
                 self._setup(push)
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 _zap.secure_client(push, key, _zap.DATA_DOMAIN)  # one token: a link is made once
                 self._push_monitor = _sockets.monitor_socket(push, PUSH_EVENTS)
                 push.connect(target)
-            except BaseException:
-                push.close(linger=0)
-                raise
         self._push = push
         self._handshakes(deadline, pump, key)
 

@@ -158,8 +158,7 @@ class Driver:
 
     def progress(self) -> None:
         """Send what is owed; take in whatever has arrived, without blocking."""
-        self.flush()
-        self._pump(time.monotonic())
+        self._take_in()
         self._move_data(time.monotonic())
 
     def _move_data(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None
@@ -218,11 +217,13 @@ class Driver:
         does not answer within :data:`~zcollective._protocol.STATUS_WAIT_S`."""
         member = self.member
         self.send([member.status_query(seq)])
-        deadline = time.monotonic() + STATUS_WAIT_S
-        while seq not in member.status and member.failure is None:
-            if not self._pump(deadline):
-                break
+        self._take_in_until(lambda: seq in member.status, time.monotonic() + STATUS_WAIT_S)
         return member.status.pop(seq, None)
+
+    def _take_in_until(self, done: Callable[[], bool], deadline: float) -> None:
+        """Take in (no data moves) until ``done()``, the group failed, or ``deadline``."""
+        while not done() and self.member.failure is None and self._pump(deadline):
+            pass
 
     def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
         return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
@@ -238,10 +239,8 @@ class Driver:
         if bye is None:
             return
         self.send([bye])
-        deadline = time.monotonic() + timeout
-        while self.remote and not member.farewell and member.failure is None:
-            if not self._pump(deadline):  # (no data moves: finish_data had its time)
-                return
+        if self.remote:  # (no data moves: finish_data had its time)
+            self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
 
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""

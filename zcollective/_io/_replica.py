@@ -64,7 +64,7 @@ class Replica(Driver):
         self._offers = 0  # TCP connections made since the DEALER got its current token
         with _sockets.mapped(f"rank {config.rank} cannot make its socket"):
             self.dealer = ctx.socket(zmq.DEALER)
-            try:
+            with _sockets.closed_on_error(self.dealer):
                 self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(config.rank))
                 self.dealer.setsockopt(zmq.LINGER, 0)
                 forming = member.lineage is not None  # the host binds within milliseconds
@@ -77,9 +77,6 @@ class Replica(Driver):
                 if config.secret is not None:
                     _zap.secure_client(self.dealer, config.secret, _zap.MASTER_DOMAIN)
                 self.monitor = _sockets.monitor_socket(self.dealer, MONITOR_EVENTS)
-            except BaseException:
-                self.dealer.close(linger=0)
-                raise
         try:
             # the monitor by its file descriptor (its ZMQ_EVENTS cost two system calls a poll):
             # readable whenever an event came since its socket was last found empty, which only

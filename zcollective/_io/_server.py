@@ -410,7 +410,7 @@ class Server:
         config = self.config
         with _sockets.mapped("rank 0 cannot make the coordinator's socket"):
             router = self.ctx.socket(zmq.ROUTER)
-        try:
+        with _sockets.closed_on_error(router):
             with _sockets.mapped("rank 0 cannot set the coordinator's socket options"):
                 if self.gatekeeper is not None:
                     _zap.secure_server(router, self.gatekeeper, _zap.MASTER_DOMAIN)
@@ -419,37 +419,21 @@ class Server:
                 router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
                 _sockets.set_never_drop(router)
                 _sockets.set_heartbeats(router, config)
-        except BaseException:
-            router.close(linger=0)
-            raise
-        host = _bindable(config.bind_host)
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-            router.setsockopt(zmq.IPV6, 1)
-        try:
+            host = _bindable(config.bind_host)
+            if ":" in host and not host.startswith("["):
+                host = f"[{host}]"
+                router.setsockopt(zmq.IPV6, 1)
             _sockets.bind(router, f"tcp://{host}:{config.master_port}",
                           in_use=f"{self.host} cannot host the coordinator: port {config.master_port} on "
                                  f"{config.master_addr} is already in use by another program",
                           cannot=f"{self.host} cannot bind the coordinator to {config.endpoint}: {{reason}} "
                                  f"(master_addr must be an address of rank 0's host)",
                           retry_s=FORM_BIND_RETRY_S if self.coordinator.forming is not None else 0.0)
-        except BaseException:
-            router.close(linger=0)
-            raise
-        made: list[zmq.Socket] = [router]
-        try:
             with _sockets.mapped("rank 0 cannot watch the coordinator's connections"):
                 # DISCONNECTED, and peers refused before any ZAP request, to name at a join timeout
                 # (a mismatch of mechanisms is seen by whichever end reads the other's greeting
                 # first: when the peer closes first, this end sees no detail)
-                events = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-                monitor = _sockets.monitor_socket(router, events)
-                made.append(monitor)
-        except BaseException:
-            for sock in made:
-                sock.close(linger=0)
-            raise
+                monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED | sum(_REFUSED_EVENTS))
         if config.secret is None and not _is_loopback(host):
             log.warning(
                 "zcollective: the coordinator listens on %s:%d without a secret: anyone who can "

@@ -50,7 +50,7 @@ from typing import Optional
 import zmq
 
 from .._protocol._tokens import NOT_YET, TokenChecker, client_credentials, zap_reply
-from . import _interrupts
+from . import _interrupts, _sockets
 
 log = logging.getLogger("zcollective")
 
@@ -91,14 +91,11 @@ class Gatekeeper:
         self.refused = 0  # handshakes refused so far (for tests and stats)
         self.accepted = 0
         self._sock = ctx.socket(zmq.ROUTER)  # a ROUTER never blocks nor enters a bad state
-        try:
+        with _sockets.closed_on_error(self._sock):
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.RCVHWM, 0)  # a handshake waiting for us is never dropped
             self._sock.setsockopt(zmq.SNDHWM, 0)
             self._sock.bind(ZAP_ENDPOINT)
-        except BaseException:
-            self._sock.close(linger=0)
-            raise
         self.fd: int = self._sock.FD  # poll for POLLIN, then call serve()
 
     def serve(self) -> int:
