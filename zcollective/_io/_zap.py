@@ -9,8 +9,8 @@ Theory of operation
 Servers speak ZMTP's PLAIN mechanism and hand each handshake to a ZAP
 handler (RFC 27): libzmq sends a request on ``inproc://zeromq.zap.01`` of the
 server socket's context and waits for the answer before it accepts anything
-else from that peer. The handler is a socket that whoever polls
-:attr:`Gatekeeper.fd` answers, without a thread of its own.
+else from that peer. The handler is a socket that whoever waits on it
+(:attr:`Gatekeeper.source`) answers, without a thread of its own.
 
 A client's credentials are a single-use *token*, checked by the pure rules of
 :mod:`zcollective._protocol._tokens`.
@@ -24,8 +24,8 @@ Use (the drivers')::
 
     gate = Gatekeeper(ctx, secret)            # first: binds ctx's ZAP endpoint
     secure_server(router, gate, MASTER_DOMAIN)  # before router.bind(...)
-    ... poll gate.fd (ZMQ_FD: edge-triggered, like any socket's) and call
-    gate.serve() whenever it is readable, and once after each poll anyway;
+    ... watch gate.source in a waiter (_interrupts.Waiter) and call
+    gate.serve() whenever it is readable;
     gate.close()                               # by the thread that made it
 
     secure_client(dealer, secret, MASTER_DOMAIN)  # before each dealer.connect(...)
