@@ -105,7 +105,7 @@ class Server:
         self.wakeup = _sockets.Wakeup()
         self._stop = _sockets.Wakeup()  # readable once the background thread must end
         self.waiter = Waiter((WAKEUP, self.wakeup.fd), (NUDGE, self.turns.nudge.fd), (STOP, self._stop.fd))
-        self._park = Waiter((STOP, self._stop.fd))  # (the background thread's, without the turn)
+        self._park_waiter = Waiter((STOP, self._stop.fd))  # (the background thread's, without the turn)
 
     def start(self) -> None:
         """Bind, then start the background thread.
@@ -281,7 +281,7 @@ class Server:
         turns, coordinator = self.turns, self.coordinator
         try:
             while True:
-                if self._park.wait((STOP,), None, PARK_BUSY_S if coordinator.pending else PARK_IDLE_S):
+                if self._park_waiter.wait((STOP,), None, PARK_BUSY_S if coordinator.pending else PARK_IDLE_S):
                     return
                 if turns.wanted() or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
                     continue
