@@ -268,7 +268,7 @@ def _blocking_waits(source):
     or select with a timeout, a thread's join, any ``.wait(``, an acquire
     that may block, a waitable of ``threading``/``queue`` made, a process or
     signal waited for. Not a wait: a call of ``_interrupts`` (the surfaces),
-    a group's turn's ``wait`` (it waits through them), a poll with timeout 0,
+    a group's turn's or a ``Waiter``'s ``wait`` (they wait through them), a poll with timeout 0,
     an acquire with ``blocking=False``, a ``with`` on a lock (held for a few
     statements by its holder, never across a wait)."""
     import ast
@@ -290,7 +290,7 @@ def _blocking_waits(source):
             or name in ("zmq_poll", "poll", "select", "epoll", "kqueue") and not (
                 isinstance(timeout, ast.Constant) and timeout.value == 0)
             or name == "join" and "thread" in receiver.split(".")[-1].lower()
-            or name == "wait" and not receiver.endswith("turns")
+            or name == "wait" and not receiver.endswith(("turns", "waiter"))
             or name == "acquire" and not any(isinstance(v, ast.Constant) and v.value is False
                                              for v in [first, keywords.get("blocking")])
             or name in WAITABLES and receiver in ("threading", "queue")

@@ -1328,7 +1328,7 @@ class SteppedServer:
         deadline = time.monotonic() + PROBE_SPAN_S + 5
         while server._probes.due is not None:
             assert time.monotonic() < deadline, "the probes did not end"
-            server._step(zmq.zmq_poll(server._items, server._wait_ms(0.1)))
+            server._step(server.waiter.wait(server.SERVED, None, server._sleep_s(0.1)))
 
 
 def test_a_stranger_whose_connection_closed_cannot_take_a_replica_off():
@@ -1397,7 +1397,7 @@ def test_a_flood_of_strangers_costs_a_bounded_number_of_probe_rounds():
         deadline = time.monotonic() + 10
         while not rounds:  # the monitor also reports handshakes cut short: step until a close came
             assert time.monotonic() < deadline, "no close was reported within 10 s"
-            s.server._step(zmq.zmq_poll(s.server._items, 100))
+            s.server._step(s.server.waiter.wait(s.server.SERVED, None, 0.1))
         s.settle()
         took = time.monotonic() - start
         assert 1 in s.server.coordinator.by_rank

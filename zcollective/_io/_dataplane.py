@@ -24,7 +24,8 @@ from .._protocol import _chunks, _tokens
 from .._protocol._ring import Job
 from ..config import Config
 from ..errors import CollectiveTimeoutError, PeerError, ReplicaLostError
-from . import _interrupts, _sockets, _zap
+from . import _sockets, _zap
+from ._interrupts import DEADLINE, Waiter
 
 if TYPE_CHECKING:
     from .._protocol._member import Member
@@ -42,7 +43,7 @@ REFUSED = "its connection broke and was refused when re-made (a data link is mad
 RETRY_S = 0.05  # a data link refused before it was made is tried again this soon (the next
 # rank is inside initialize, about to take its key from the WELCOME)
 TRACKER_POLL_S = 0.001  # how often a finished job looks whether its last sends have left
-_POLLIN, _POLLOUT = zmq.POLLIN, zmq.POLLOUT
+OURS = ("chunks", "pull events", "push events")  # its sockets' names in a waiter
 
 
 def local_address(config: Config) -> str:
@@ -140,16 +141,13 @@ class DataPlane:
         target = endpoints[nxt]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)
-            try:
+            with _sockets.closed_on_error(push):
                 self._setup(push)
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 _zap.secure_client(push, key, _zap.DATA_DOMAIN)  # one token: a link is made once
                 self._push_monitor = _sockets.monitor_socket(push, PUSH_EVENTS)
                 push.connect(target)
-            except BaseException:
-                push.close(linger=0)
-                raise
         self._push = push
         self._handshakes(deadline, pump, key)
 
@@ -162,7 +160,7 @@ class DataPlane:
         out_ok = in_ok = False
         retry_at: Optional[float] = None
         refused = 0
-        items: list[Any] = [(self._push_monitor, _POLLIN), (self._pull_monitor, _POLLIN)]
+        waiter = self._watched(Waiter())
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         while not (out_ok and in_ok):
             for event, _ in _sockets.monitor_events(self._push_monitor):
@@ -190,8 +188,7 @@ class DataPlane:
                     f"rank {self.rank} joined the group but could not make its data links "
                     f"{' and '.join(missing)} in time (a firewall between the hosts? "
                     f"ZCOLLECTIVE_DATA_PLANE=off keeps every byte on the master port)")
-            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
-            _interrupts.wait(items, int(wait * 1000))
+            waiter.wait(OURS[1:], deadline, 0.05)
 
     def _connect_anew(self, target: str, key: bytes) -> None:
         """Drop the next rank's endpoint and connect again with a fresh token."""
@@ -204,6 +201,13 @@ class DataPlane:
                 pass  # libzmq already let go of it (a refused handshake ends the session)
             _zap.secure_client(push, key, _zap.DATA_DOMAIN)
             push.connect(target)
+
+    def _watched(self, waiter: Waiter) -> Waiter:
+        """``waiter``, watching this data plane's sockets too (as :data:`OURS`)."""
+        for name, sock in zip(OURS, (self._pull, self._pull_monitor, self._push_monitor), strict=True):
+            if sock is not None:
+                waiter.watch(name, sock)
+        return waiter
 
     def fds(self) -> list[int]:
         return [s.FD for s in (self._pull, self._pull_monitor, self._push_monitor) if s is not None]
@@ -221,23 +225,22 @@ class DataPlane:
 
     # -- one job ------------------------------------------------------------
 
-    def run(self, seq: int, job: Job, deadline: Optional[float], member: Member,
-            link: list[tuple[Any, Any]], pump: Callable[[], None],
+    def run(self, seq: int, job: Job, deadline: Optional[float], member: Member, waiter: Waiter,
+            link: tuple[str, ...], pump: Callable[[], None],
             fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None) -> bool:
         """Move ``job``'s chunks until it is done and its last sends have
         left (True), ``deadline`` passes or ``until()`` holds after news on
-        ``link`` (False), or the group fails (True: the caller finds
-        ``member.failure``). ``pump`` takes in what the control plane has
-        without blocking; ``fail`` fails the group for every rank."""
+        ``link`` (the names of the control connection's sources, and the
+        nudge, in the driver's ``waiter``: False), or the group fails (True:
+        the caller finds ``member.failure``). ``pump`` takes in what the
+        control plane has without blocking; ``fail`` fails the group for
+        every rank."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
         for frames in self._early.pop(seq, []):
             self._take(frames, seq, job, member, fail)
-        items: list[Any] = [(self._pull, _POLLIN), (self._pull_monitor, _POLLIN)]
-        if self._push_monitor is not None:
-            items.append((self._push_monitor, _POLLIN))
-        ours = len(items)
-        items += link
+        names = (*OURS, *link)
+        self._watched(waiter)
         while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
             if job.outbox and (self._broken is not None or not self._send(seq, job)):
                 # the link went down since it was made: a connection libzmq re-made may have
@@ -246,17 +249,14 @@ class DataPlane:
                 continue
             if job.done and self._sent():
                 return True
-            slice_s = TRACKER_POLL_S if job.done else POLL_SLICE_S
-            if deadline is not None:
-                slice_s = min(slice_s, deadline - time.monotonic())
-            ready = _interrupts.wait(items, max(0, int(slice_s * 1000)))
+            woke = waiter.wait(names, deadline, TRACKER_POLL_S if job.done else POLL_SLICE_S)
             self._drain(seq, job, member, fail)
             self._events(seq, job, fail)
-            if len(ready) and any(not _is_ours(sock, items[:ours]) for sock, _ in ready):
+            if any(name in link for name in woke):
                 pump()
                 if until is not None and until():
                     return False
-            if deadline is not None and time.monotonic() >= deadline:
+            if DEADLINE in woke:
                 return False
         return True
 
@@ -360,6 +360,3 @@ class DataPlane:
             self._warned.add(category)
             log.warning("zcollective rank %d: %s", self.rank, text)
 
-
-def _is_ours(sock: Any, items: list[tuple[Any, int]]) -> bool:
-    return any(sock is mine for mine, _ in items)

@@ -54,6 +54,53 @@ def wait(items: list[Any], timeout_ms: int) -> list[Any]:
     return zmq_poll(items, timeout_ms)  # type: ignore[no-any-return]
 
 
+DEADLINE = "deadline"  # why a Waiter woke: the caller's deadline passed
+NUDGE = "nudge"  # the name of the group's nudge (_turns), in every waiter that watches it
+
+
+class Waiter:
+    """How every wait on sockets is written: the drivers :meth:`watch` what
+    may wake them (a socket, or a file descriptor) under a name; a wait names
+    the sources it waits for, and says why it woke. The poll list of each
+    set of names is built once (until :meth:`watch` changes the sources).
+    Used by one thread at a time (a group's by the holder of its turn)."""
+
+    def __init__(self, *watched: tuple[str, Any]) -> None:
+        self._sources: dict[str, Any] = {}
+        self._fds: dict[str, int] = {}
+        self._polls: dict[tuple[str, ...], tuple[list[Any], dict[Any, str]]] = {}
+        for name, source in watched:
+            self.watch(name, source)
+
+    def watch(self, name: str, source: Any) -> None:
+        """Watch ``source`` (readable) as ``name``; the same again costs nothing."""
+        if self._sources.get(name) != source:
+            self._sources[name], self._polls = source, {}
+            self._fds[name] = source if isinstance(source, int) else source.FD  # (read by its owner)
+
+    def fds(self, names: tuple[str, ...]) -> list[int]:
+        """The file descriptors of ``names`` (an awaiting event loop watches them)."""
+        return [self._fds[name] for name in names if name in self._fds]
+
+    def wait(self, names: tuple[str, ...], deadline: Optional[float],
+             slice_s: Optional[float] = None) -> list[str]:
+        """Wait until one of ``names`` (those watched) is readable, ``deadline``
+        passes or ``slice_s`` ends (None: no bound). Why it woke: the names
+        readable, in the order given, then :data:`DEADLINE` if it has passed;
+        nothing if only the slice ended."""
+        poll = self._polls.get(names)
+        if poll is None:
+            watched = [(self._sources[name], name) for name in names if name in self._sources]
+            poll = self._polls[names] = ([(s, 1) for s, _ in watched], dict(watched))  # (1: POLLIN)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            slice_s = left if slice_s is None or left < slice_s else slice_s
+        woke = [poll[1][s] for s, _ in wait(poll[0], -1 if slice_s is None else max(0, int(slice_s * 1000)))]
+        if deadline is not None and time.monotonic() >= deadline:
+            woke.append(DEADLINE)
+        return woke
+
+
 def acquire_by(lock: Any, deadline: Optional[float]) -> bool:
     """Take an ``RLock`` another thread holds by ``deadline`` (None: no bound),
     where an interrupt may stop the wait; False if it did not come. An

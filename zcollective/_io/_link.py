@@ -19,12 +19,11 @@ from .._limits import STATUS_WAIT_S
 from .._protocol._coordinator import HOST_PEER, Coordinator
 from .._protocol._member import Member
 from ..errors import CollectiveError, CollectiveTimeoutError
+from ._interrupts import NUDGE, Waiter
 
 if TYPE_CHECKING:
     from ._dataplane import DataPlane
     from ._server import Server
-
-_POLLIN = 1  # zmq.POLLIN, for polling a plain file descriptor
 
 
 class Driver:
@@ -38,8 +37,27 @@ class Driver:
         self.data: Optional[DataPlane] = None  # the data plane, once the group has one
         self.sleepers: Callable[[], bool] = bool  # does a coroutine sleep on the fds (the group
         # sets _future.sleeping): then every progress drains the sockets (rule 3 of _future)
-        self.nudge: Optional[tuple[int, int]] = None  # the group's nudge fd, as a poll item
+        self.waiter = Waiter()  # what its waits watch: the link's sources, the nudge, the data plane's
+        self._watches()
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
+
+    def _watches(self, *names: str) -> None:
+        """The names of the link's sources in :attr:`waiter`."""
+        self._names, self._nudged_names = names, (*names, NUDGE)
+
+    def watching(self) -> tuple[str, ...]:
+        """What a wait of the link watches now: its sources, and the nudge if :attr:`nudged`."""
+        return self._nudged_names if self.nudged else self._names
+
+    @property
+    def nudge(self) -> Optional[tuple[int, int]]:
+        """The group's nudge fd (:mod:`._turns`), as a poll item: the waiter watches it."""
+        fds = self.waiter.fds((NUDGE,))
+        return (fds[0], 1) if fds else None
+
+    @nudge.setter
+    def nudge(self, item: tuple[int, int]) -> None:
+        self.waiter.watch(NUDGE, item[0])
 
     # -- to implement -----------------------------------------------------
 
@@ -55,11 +73,7 @@ class Driver:
 
     def fds(self) -> list[int]:
         """File descriptors that become readable when something may have arrived."""
-        return []
-
-    def poll_items(self) -> list[tuple[Any, Any]]:
-        """What to poll (sockets or file descriptors) for the link's messages."""
-        return [(fd, _POLLIN) for fd in self.fds()]
+        return self.waiter.fds(self._names)
 
     def busy(self) -> Optional[str]:
         """What the coordinator is stuck in, when it runs in this process."""
@@ -144,8 +158,7 @@ class Driver:
 
     def progress(self) -> None:
         """Send what is owed; take in whatever has arrived, without blocking."""
-        self.flush()
-        self._pump(time.monotonic())
+        self._take_in()
         self._move_data(time.monotonic())
 
     def _move_data(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None
@@ -158,8 +171,8 @@ class Driver:
         if not member.data_jobs or data is None:
             return None
         seq, job = member.data_jobs[0]
-        if not data.run(seq, job, deadline, member, self.poll_items(), self._take_in, self._fail_data,
-                        until):
+        if not data.run(seq, job, deadline, member, self.waiter, self.watching(), self._take_in,
+                        self._fail_data, until):
             return False
         if member.data_jobs and member.data_jobs[0][1] is job:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
@@ -204,11 +217,13 @@ class Driver:
         does not answer within :data:`~zcollective._protocol.STATUS_WAIT_S`."""
         member = self.member
         self.send([member.status_query(seq)])
-        deadline = time.monotonic() + STATUS_WAIT_S
-        while seq not in member.status and member.failure is None:
-            if not self._pump(deadline):
-                break
+        self._take_in_until(lambda: seq in member.status, time.monotonic() + STATUS_WAIT_S)
         return member.status.pop(seq, None)
+
+    def _take_in_until(self, done: Callable[[], bool], deadline: float) -> None:
+        """Take in (no data moves) until ``done()``, the group failed, or ``deadline``."""
+        while not done() and self.member.failure is None and self._pump(deadline):
+            pass
 
     def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
         return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
@@ -224,10 +239,8 @@ class Driver:
         if bye is None:
             return
         self.send([bye])
-        deadline = time.monotonic() + timeout
-        while self.remote and not member.farewell and member.failure is None:
-            if not self._pump(deadline):  # (no data moves: finish_data had its time)
-                return
+        if self.remote:  # (no data moves: finish_data had its time)
+            self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
 
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""
@@ -245,6 +258,8 @@ class HostLink(Driver):
         super().__init__(member)
         self.server = server
         self.turns = server.turns  # its holder owns the coordinator's sockets
+        self.waiter = server.waiter
+        self._watches(*server.SERVED)
         member.connected = True  # nothing between them can break
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
@@ -263,7 +278,7 @@ class HostLink(Driver):
         if not turns.take(deadline):
             return False
         try:
-            got = server.serve(deadline, self._handle, self.nudge if self.nudged else None)
+            got = server.serve(deadline, self._handle, self.nudged)
         finally:
             turns.give()
         why = server.gone()
@@ -282,17 +297,11 @@ class HostLink(Driver):
         finally:
             turns.give()
 
-    def poll_items(self) -> list[tuple[Any, Any]]:
-        return self.server.poll_items(self.nudge if self.nudged else None)
-
     def fds(self) -> list[int]:
         return self.server.fds()
 
     def busy(self) -> Optional[str]:
         return self.server.busy()
-
-
-
 
 
 class DirectLink(Driver):

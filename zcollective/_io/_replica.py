@@ -9,8 +9,7 @@ Used by one thread at a time, the holder of the group's turn (:mod:`._turns`).
 from __future__ import annotations
 
 import os
-import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -19,7 +18,8 @@ from .._limits import POLL_SLICE_S
 from .._protocol._member import Link, Member
 from ..config import Config
 from ..errors import CollectiveError
-from . import _interrupts, _sockets, _zap
+from . import _sockets, _zap
+from ._interrupts import DEADLINE, NUDGE
 from ._link import Driver
 
 MONITOR_EVENTS = (
@@ -35,6 +35,7 @@ _EVENTS: dict[int, Link] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: Link.PROTOCOL_VIOLATION,
     zmq.EVENT_CONNECT_RETRIED: Link.REFUSED,  # (also after a disconnect: the member tells them apart)
 }
+DEALER, MONITOR = "dealer", "monitor"  # its sources, as its waiter names them
 
 
 def routing_id(rank: int) -> bytes:
@@ -63,7 +64,7 @@ class Replica(Driver):
         self._offers = 0  # TCP connections made since the DEALER got its current token
         with _sockets.mapped(f"rank {config.rank} cannot make its socket"):
             self.dealer = ctx.socket(zmq.DEALER)
-            try:
+            with _sockets.closed_on_error(self.dealer):
                 self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(config.rank))
                 self.dealer.setsockopt(zmq.LINGER, 0)
                 forming = member.lineage is not None  # the host binds within milliseconds
@@ -76,17 +77,14 @@ class Replica(Driver):
                 if config.secret is not None:
                     _zap.secure_client(self.dealer, config.secret, _zap.MASTER_DOMAIN)
                 self.monitor = _sockets.monitor_socket(self.dealer, MONITOR_EVENTS)
-            except BaseException:
-                self.dealer.close(linger=0)
-                raise
         try:
             # the monitor by its file descriptor (its ZMQ_EVENTS cost two system calls a poll):
             # readable whenever an event came since its socket was last found empty, which only
             # _drain_monitor asks, reading to the end; asked once here (before the connect)
             _sockets.readable(self.monitor)
-            self._monitor_fd = self.monitor.FD
-            self._poll_items = [(self.dealer, zmq.POLLIN), (self._monitor_fd, zmq.POLLIN)]
-            self._nudged_items: Optional[list[tuple[Any, Any]]] = None  # and the nudge (_turns)
+            self.waiter.watch(DEALER, self.dealer)
+            self.waiter.watch(MONITOR, self.monitor.FD)
+            self._watches(DEALER, MONITOR)
             with _sockets.mapped(f"rank {config.rank} cannot connect to {config.endpoint}", address=True):
                 self.dealer.connect(config.endpoint)
         except BaseException:
@@ -108,29 +106,23 @@ class Replica(Driver):
             raise _sockets.library_error(exc, what) from exc
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        """One poll covers the DEALER and its monitor, so a disconnect ends a
+        """One wait covers the DEALER and its monitor, so a disconnect ends a
         wait at once."""
-        items = self.poll_items()
+        names = self.watching()
         while True:
-            remaining = POLL_SLICE_S
-            if deadline is not None:
-                remaining = min(remaining, deadline - time.monotonic())
-            ready = _interrupts.wait(items, max(0, int(remaining * 1000)))
-            if ready:
-                # first: a FAIL that came before a disconnect explains it
-                got = self._drain_dealer(ready[0][0] is self.dealer, until)
-                nudged = self.nudged and ready[-1][0] == self.nudge[0]  # type: ignore[index]
-                # (the nudge is polled last, when it is)
-                if len(ready) > 1 + nudged or ready[0][0] == self._monitor_fd:
+            woke = self.waiter.wait(names, deadline, POLL_SLICE_S)
+            if not woke or woke[0] is DEADLINE:  # nothing came: the monitor is asked anyway
+                self._drain_monitor()
+            else:  # first: a FAIL that came before a disconnect explains it
+                got = self._drain_dealer(DEALER in woke, until)
+                if MONITOR in woke:
                     self._drain_dealer()  # all of it, past ``until``: a FAIL explains a close
                     self._drain_monitor()
-                if got or nudged or self.member.failure is not None:
+                if got or NUDGE in woke:
                     return True
-                continue
-            self._drain_monitor()
             if self.member.failure is not None:
                 return True
-            if deadline is not None and time.monotonic() >= deadline:
+            if DEADLINE in woke:
                 return False
 
     def _drain_dealer(self, waiting: bool = False, until: Optional[Callable[[], bool]] = None) -> bool:
@@ -201,16 +193,6 @@ class Replica(Driver):
             _zap.secure_client(self.dealer, config.secret, _zap.MASTER_DOMAIN)
             self._offers = 0
             self.dealer.connect(endpoint)
-
-    def fds(self) -> list[int]:
-        return [self.dealer.FD, self.monitor.FD]
-
-    def poll_items(self) -> list[tuple[Any, Any]]:
-        if self.nudged and self.nudge is not None:
-            if self._nudged_items is None:
-                self._nudged_items = [*self._poll_items, self.nudge]
-            return self._nudged_items
-        return self._poll_items
 
     def close(self, linger_ms: int = 0) -> None:
         if self.member.coordinator_lost:

@@ -52,6 +52,7 @@ from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
 from ._announce import announce_stall
+from ._interrupts import DEADLINE, NUDGE, Waiter
 from ._turns import Turns
 
 log = logging.getLogger("zcollective")
@@ -65,10 +66,14 @@ PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at 
 DRAIN_BATCH = 256  # messages one step takes in before rank 0's member, if it has news, gets it
 # (a peer sending faster than the coordinator reads must not starve rank 0's own calls)
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+ROUTER, MONITOR, ZAP, STOP, WAKEUP = "router", "monitor", "zap", "stop", "wakeup"  # its waiter's names
 
 
 class Server:
     """Serves the coordinator of one group on rank 0 (see the module's rule)."""
+
+    SERVED = (ROUTER, MONITOR, ZAP)  # what the turn's holder serves (the ZAP handler: with a secret)
+    NUDGED = (*SERVED, NUDGE)  # ... and what a thread wanting the turn writes
 
     def __init__(self, ctx: zmq.Context, config: Config, forming: Optional[Forming] = None,
                  turns: Optional[Turns] = None) -> None:
@@ -86,9 +91,6 @@ class Server:
         self._away = False  # the background thread serves
         self._router: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None
-        self._items: list[Any] = []  # what an owner polls: ROUTER, monitor, ZAP handler
-        self._nudged_items: Optional[list[Any]] = None  # ... and a nudge (see poll_items)
-        self._fds: list[int] = []  # their file descriptors (read once, by the thread binding them)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self._from_host: deque[Message] = deque()  # its messages, not yet taken (see from_host)
         self._probes = ProbeSchedule()
@@ -102,6 +104,8 @@ class Server:
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
         self.wakeup = _sockets.Wakeup()
         self._stop = _sockets.Wakeup()  # readable once the background thread must end
+        self.waiter = Waiter((WAKEUP, self.wakeup.fd), (NUDGE, self.turns.nudge.fd), (STOP, self._stop.fd))
+        self._park_waiter = Waiter((STOP, self._stop.fd))  # (the background thread's, without the turn)
 
     def start(self) -> None:
         """Bind, then start the background thread.
@@ -118,19 +122,18 @@ class Server:
             self._close_pipes()
             raise
         self._watch(router, monitor)
-        if self.gatekeeper is not None:
-            self._items.append(self.gatekeeper.poll_item)
-            self._fds.append(self.gatekeeper.fd)
         self._thread.start()
 
     def _watch(self, router: zmq.Socket, monitor: zmq.Socket) -> None:
-        """Poll the ROUTER, and its monitor by its file descriptor (its
-        ZMQ_EVENTS cost a system call a poll): readable whenever an event came
-        since the monitor was last found empty, which only
+        """Watch the ROUTER, the ZAP handler, and the monitor by its file
+        descriptor (its ZMQ_EVENTS cost a system call a poll): readable
+        whenever an event came since it was last found empty, which only
         :meth:`_drain_monitor` asks, reading to the end; so once here."""
         self._router, self._monitor = router, monitor
-        self._fds = [router.FD, monitor.FD]
-        self._items = [(router, zmq.POLLIN), (self._fds[1], zmq.POLLIN)]
+        self.waiter.watch(ROUTER, router)
+        self.waiter.watch(MONITOR, monitor.FD)
+        if self.gatekeeper is not None:
+            self.waiter.watch(ZAP, self.gatekeeper.source)
         self._drain_monitor()
 
     def _close_pipes(self) -> None:
@@ -178,51 +181,48 @@ class Server:
             self._take(partial(receive, HOST_PEER, queue.popleft()))
 
     def serve(self, deadline: Optional[float], deliver: Callable[[Message], None],
-              nudge: Optional[tuple[int, int]] = None) -> bool:
+              nudged: bool = False) -> bool:
         """Rank 0's thread, holding the turn: serve until something came for its member
-        (handed to ``deliver``; True), ``nudge`` is readable (True) or
+        (handed to ``deliver``; True), the nudge is readable if ``nudged`` (True) or
         ``deadline`` (False)."""
-        items, stepped = self.poll_items(nudge), False
         self._take_from_host()
-        while True:
-            if self.to_host:
-                self.wakeup.clear()
-                while self.to_host:
-                    deliver(self.to_host.popleft())
+        got = self._serve_until(self._news, deadline, self.NUDGED if nudged else self.SERVED, POLL_SLICE_S)
+        if self.to_host:
+            self.wakeup.clear()
+            while self.to_host:
+                deliver(self.to_host.popleft())
+        return got
+
+    def _news(self) -> bool:
+        return bool(self.to_host) or self.gone() is not None
+
+    def _serve_until(self, done: Callable[[], bool], deadline: Optional[float], names: tuple[str, ...],
+                     slice_s: Optional[float] = None) -> bool:
+        """The turn's holder: serve what the waiter finds, in slices of at most
+        ``slice_s`` (never past a probe round or a stall warning due), until
+        ``done()`` or a source not served (the nudge, the stop) is readable
+        (True, at once: what else came is the next holder's), or ``deadline``
+        (False)."""
+        while not done():
+            woke = self.waiter.wait(names, deadline, self._sleep_s(slice_s))
+            if NUDGE in woke or STOP in woke:
                 return True
-            if self.gone() is not None:
-                return True
-            remaining = POLL_SLICE_S
-            if deadline is not None:
-                remaining = min(remaining, deadline - time.monotonic())
-                if stepped and remaining <= 0:
-                    return False
-            ready = _interrupts.wait(items, self._wait_ms(remaining))
-            if ready or self._probes.due is not None:
-                self._step(ready)
-                if nudge is not None and ready and ready[-1][0] == nudge[0]:
-                    return True  # (the nudge is polled last)
+            if (woke and woke[0] is not DEADLINE) or self._probes.due is not None:
+                self._step(woke)
             self._watch_stalls()
-            stepped = True
+            if DEADLINE in woke:
+                return done()
+        return True
 
     def refusals(self) -> list[str]:
         """The first peers refused at the handshake, and why."""
         return self.gatekeeper.first_refusals if self.gatekeeper is not None else self._refusals
 
-    def poll_items(self, nudge: Optional[tuple[int, int]] = None) -> list[Any]:
-        """What rank 0's thread polls for the coordinator, holding the turn (and
-        ``nudge``, last, if given: the group's :mod:`._turns`)."""
-        if nudge is None:
-            return self._items
-        if self._nudged_items is None or self._nudged_items[-1] is not nudge:
-            self._nudged_items = [*self._items, nudge]
-        return self._nudged_items
-
     def fds(self) -> list[int]:
         """File descriptors that become readable when the coordinator may have
         work: watched by an awaiting coroutine (read once, at start: only the
         owner uses the sockets)."""
-        return [self.wakeup.fd, *self._fds]
+        return self.waiter.fds((WAKEUP, *self.SERVED))
 
     def _take(self, step: Callable[[], list[Out]]) -> None:
         """Run one step of the coordinator and send what it returns; a bug
@@ -235,25 +235,20 @@ class Server:
             raise self._failed(exc) from exc
         self._send_all(outs)
 
-    def _step(self, ready: list[Any]) -> None:
+    def _step(self, woke: list[str]) -> None:
         """The owner: answer handshakes, then whatever waits on the monitor and
-        the ROUTER. ``ready`` is what the owner's poll of :attr:`_items` just
-        found: a socket it did not list is not asked again (the next poll
-        finds what came since), one it listed is read without asking again;
-        none (a probe round is due, or nothing is known): each is asked."""
-        if self.gatekeeper is not None and ready:
+        the ROUTER. ``woke`` is what the owner's wait just found readable: a
+        source it did not name is not asked again (the next wait finds what
+        came since), one it named is read without asking again; none (a
+        probe round is due, or nothing is known): each is asked."""
+        known = bool(woke) and woke[0] is not DEADLINE
+        if self.gatekeeper is not None and known:
             self.gatekeeper.serve()  # a handshake waits for it: first
-        router = monitor = not ready
-        for sock, _ in ready:
-            if sock is self._router:
-                router = True
-            elif sock == self._fds[1]:
-                monitor = True
         try:
-            if monitor:
+            if not known or MONITOR in woke:
                 self._drain_monitor()
-            if router:
-                self._drain(waiting=bool(ready))
+            if not known or ROUTER in woke:
+                self._drain(waiting=known)
             if self._probes.due is not None and time.monotonic() >= self._probes.due:
                 self._probe()
         except Exception as exc:
@@ -283,18 +278,16 @@ class Server:
     # -- the background thread ---------------------------------------------------
 
     def _run(self) -> None:
-        turns, coordinator, stop = self.turns, self.coordinator, self._stop.fd
-        park = [(stop, zmq.POLLIN)]
-        items = [*self._items, (turns.nudge.fd, zmq.POLLIN), park[0]]
+        turns, coordinator = self.turns, self.coordinator
         try:
             while True:
-                if _interrupts.wait(park, int((PARK_BUSY_S if coordinator.pending else PARK_IDLE_S) * 1000)):
+                if self._park_waiter.wait((STOP,), None, PARK_BUSY_S if coordinator.pending else PARK_IDLE_S):
                     return
                 if turns.wanted() or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
                     continue
                 turns.standby = True
                 try:
-                    if self._serve_away(items, stop):
+                    if self._serve_away():
                         return
                 finally:
                     turns.standby = False
@@ -303,19 +296,14 @@ class Server:
             if self.crashed is None:
                 self._crash(exc)
 
-    def _serve_away(self, items: list[Any], stop: int) -> bool:
+    def _serve_away(self) -> bool:
         """Holding the turn while rank 0's program is elsewhere: serve until a
         program thread nudges for it (False) or the thread must end (True)."""
         self._away = True
         try:
             self._take_from_host()
-            while not self._stopping:
-                ready = _interrupts.wait(items, self._wait_ms(None))
-                if ready and ready[-1][0] in (stop, items[-2][0]):  # (both are polled last)
-                    return ready[-1][0] == stop
-                self._step(ready)
-                self._watch_stalls()
-            return True
+            self._serve_until(lambda: self._stopping, None, (*self.NUDGED, STOP))
+            return self._stopping
         finally:
             self._away = False
 
@@ -382,12 +370,9 @@ class Server:
         coordinator = self.coordinator
         self._ending = time.monotonic()
         self._take_from_host()  # (its BYE may wait there, sent while the thread was reducing)
-        while coordinator.phase not in (Phase.CLOSED, Phase.FAILED):
-            waited = time.monotonic() - self._ending
-            if waited >= EXIT_WAIT_S:
-                self._give_up_ending()
-                return
-            self._step(_interrupts.wait(self._items, self._wait_ms(EXIT_WAIT_S - waited)))
+        if not self._serve_until(lambda: coordinator.phase in (Phase.CLOSED, Phase.FAILED),
+                                 self._ending + EXIT_WAIT_S, self.SERVED):
+            self._give_up_ending()
 
     def _give_up_ending(self) -> None:
         if self._ending is not None and self._router is not None:
@@ -425,7 +410,7 @@ class Server:
         config = self.config
         with _sockets.mapped("rank 0 cannot make the coordinator's socket"):
             router = self.ctx.socket(zmq.ROUTER)
-        try:
+        with _sockets.closed_on_error(router):
             with _sockets.mapped("rank 0 cannot set the coordinator's socket options"):
                 if self.gatekeeper is not None:
                     _zap.secure_server(router, self.gatekeeper, _zap.MASTER_DOMAIN)
@@ -434,37 +419,21 @@ class Server:
                 router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
                 _sockets.set_never_drop(router)
                 _sockets.set_heartbeats(router, config)
-        except BaseException:
-            router.close(linger=0)
-            raise
-        host = _bindable(config.bind_host)
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-            router.setsockopt(zmq.IPV6, 1)
-        try:
+            host = _bindable(config.bind_host)
+            if ":" in host and not host.startswith("["):
+                host = f"[{host}]"
+                router.setsockopt(zmq.IPV6, 1)
             _sockets.bind(router, f"tcp://{host}:{config.master_port}",
                           in_use=f"{self.host} cannot host the coordinator: port {config.master_port} on "
                                  f"{config.master_addr} is already in use by another program",
                           cannot=f"{self.host} cannot bind the coordinator to {config.endpoint}: {{reason}} "
                                  f"(master_addr must be an address of rank 0's host)",
                           retry_s=FORM_BIND_RETRY_S if self.coordinator.forming is not None else 0.0)
-        except BaseException:
-            router.close(linger=0)
-            raise
-        made: list[zmq.Socket] = [router]
-        try:
             with _sockets.mapped("rank 0 cannot watch the coordinator's connections"):
                 # DISCONNECTED, and peers refused before any ZAP request, to name at a join timeout
                 # (a mismatch of mechanisms is seen by whichever end reads the other's greeting
                 # first: when the peer closes first, this end sees no detail)
-                events = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-                monitor = _sockets.monitor_socket(router, events)
-                made.append(monitor)
-        except BaseException:
-            for sock in made:
-                sock.close(linger=0)
-            raise
+                monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED | sum(_REFUSED_EVENTS))
         if config.secret is None and not _is_loopback(host):
             log.warning(
                 "zcollective: the coordinator listens on %s:%d without a secret: anyone who can "
@@ -483,12 +452,7 @@ class Server:
         own code answers when it next enters the library or ends."""
         coordinator = self.coordinator
         self._send_all(coordinator.last_byes())
-        deadline = time.monotonic() + timeout
-        while coordinator.waiting():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._step(_interrupts.wait(self._items, self._wait_ms(remaining)))
+        self._serve_until(lambda: not coordinator.waiting(), time.monotonic() + timeout, self.SERVED)
 
     def _crash(self, exc: BaseException) -> None:
         """A bug in the coordinator: tell every replica rather than leave them
@@ -536,21 +500,21 @@ class Server:
         """Rule 11 of the coordinator: say who a stalled call waits for (and
         have the launcher show where they are)."""
         now = time.monotonic()
-        if self._stall_due is None or now < self._stall_due:  # (as the last poll's wait found it)
+        if self._stall_due is None or now < self._stall_due:  # (as the last wait's bound found it)
             return
         for line, ranks in self.coordinator.stalls(now):
             log.warning("%s", line)
             announce_stall(self.session, ranks, line)
 
-    def _wait_ms(self, limit_s: Optional[float]) -> int:
-        """How long a poll may sleep: ``limit_s`` (None: for ever, -1), but
-        not past the next probe round, nor the next stall warning due."""
+    def _sleep_s(self, limit_s: Optional[float]) -> Optional[float]:
+        """How long a wait may sleep: ``limit_s`` (None: for ever), but not
+        past the next probe round, nor the next stall warning due."""
         now = time.monotonic()
         limit_s = self._probes.limit(limit_s, now)
         stall = self._stall_due = self.coordinator.next_stall()
         if stall is not None:
             limit_s = max(0.0, stall - now) if limit_s is None else max(0.0, min(limit_s, stall - now))
-        return -1 if limit_s is None else max(0, int(limit_s * 1000))
+        return limit_s
 
     def _drain(self, waiting: bool = False, batch: Optional[int] = DRAIN_BATCH) -> None:
         """Handle every message waiting on the ROUTER (``waiting``: a poll just

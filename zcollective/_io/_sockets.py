@@ -73,6 +73,16 @@ def mapped(what: str, address: bool = False) -> Iterator[None]:
         raise library_error(exc, what) from exc
 
 
+@contextlib.contextmanager
+def closed_on_error(sock: zmq.Socket) -> Iterator[None]:
+    """Close ``sock`` at once if the block (its setting up) raises."""
+    try:
+        yield
+    except BaseException:
+        sock.close(linger=0)
+        raise
+
+
 def library_error(exc: zmq.ZMQError, what: str) -> CollectiveError:
     """The library error for ``exc`` (see :func:`mapped`), for a hot path
     that catches ``ZMQError`` itself rather than enter a context manager."""
@@ -239,15 +249,6 @@ def send_to(router: zmq.Socket, frames: list[Any]) -> bool:
     return True
 
 
-def notify(pipe: zmq.Socket, command: bytes) -> None:
-    """Send ``command`` on a PAIR pipe without blocking; dropped if nobody
-    reads the other end any more."""
-    try:
-        pipe.send(command, zmq.NOBLOCK)
-    except zmq.ZMQError:
-        pass
-
-
 def peer_address(frame: Any) -> str:
     """The peer address a received frame came in on (libzmq's metadata)."""
     try:
@@ -320,13 +321,10 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
     endpoint = f"inproc://zcollective-monitor-{id(sock):x}-{os.urandom(4).hex()}"
     sock.monitor(endpoint, events)
     pair = sock.context.socket(zmq.PAIR)
-    try:
+    with closed_on_error(pair):
         pair.setsockopt(zmq.RCVHWM, 0)
         pair.setsockopt(zmq.LINGER, 0)
         pair.connect(endpoint)
-    except BaseException:
-        pair.close(linger=0)
-        raise
     return pair
 
 

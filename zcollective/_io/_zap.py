@@ -9,8 +9,8 @@ Theory of operation
 Servers speak ZMTP's PLAIN mechanism and hand each handshake to a ZAP
 handler (RFC 27): libzmq sends a request on ``inproc://zeromq.zap.01`` of the
 server socket's context and waits for the answer before it accepts anything
-else from that peer. The handler is a socket that whoever polls
-:attr:`Gatekeeper.fd` answers, without a thread of its own.
+else from that peer. The handler is a socket that whoever waits on it
+(:attr:`Gatekeeper.source`) answers, without a thread of its own.
 
 A client's credentials are a single-use *token*, checked by the pure rules of
 :mod:`zcollective._protocol._tokens`.
@@ -24,8 +24,8 @@ Use (the drivers')::
 
     gate = Gatekeeper(ctx, secret)            # first: binds ctx's ZAP endpoint
     secure_server(router, gate, MASTER_DOMAIN)  # before router.bind(...)
-    ... poll gate.fd (ZMQ_FD: edge-triggered, like any socket's) and call
-    gate.serve() whenever it is readable, and once after each poll anyway;
+    ... watch gate.source in a waiter (_interrupts.Waiter) and call
+    gate.serve() whenever it is readable;
     gate.close()                               # by the thread that made it
 
     secure_client(dealer, secret, MASTER_DOMAIN)  # before each dealer.connect(...)
@@ -50,7 +50,7 @@ from typing import Optional
 import zmq
 
 from .._protocol._tokens import NOT_YET, TokenChecker, client_credentials, zap_reply
-from . import _interrupts
+from . import _interrupts, _sockets
 
 log = logging.getLogger("zcollective")
 
@@ -91,14 +91,11 @@ class Gatekeeper:
         self.refused = 0  # handshakes refused so far (for tests and stats)
         self.accepted = 0
         self._sock = ctx.socket(zmq.ROUTER)  # a ROUTER never blocks nor enters a bad state
-        try:
+        with _sockets.closed_on_error(self._sock):
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.RCVHWM, 0)  # a handshake waiting for us is never dropped
             self._sock.setsockopt(zmq.SNDHWM, 0)
             self._sock.bind(ZAP_ENDPOINT)
-        except BaseException:
-            self._sock.close(linger=0)
-            raise
         self.fd: int = self._sock.FD  # poll for POLLIN, then call serve()
 
     def serve(self) -> int:
@@ -142,9 +139,9 @@ class Gatekeeper:
             self._domains = {**self._domains, name: checker}
 
     @property
-    def poll_item(self) -> tuple[zmq.Socket, int]:
-        """What to poll (level-triggered) for a request waiting."""
-        return (self._sock, zmq.POLLIN)
+    def source(self) -> zmq.Socket:
+        """What to wait on (level-triggered) for a request waiting."""
+        return self._sock
 
     def log_refusal(self, address: Optional[str], domain: str, why: str) -> None:
         """Log a peer refused at the handshake, once per address; a peer
@@ -202,12 +199,9 @@ class GateThread:
         self._thread.start()
 
     def _serve(self) -> None:
-        items = [self.gatekeeper.poll_item, (self._pipe, zmq.POLLIN)]
         try:
-            while True:
-                ready = dict(_interrupts.wait(items, -1))
-                if self._pipe in ready:
-                    return
+            waiter = _interrupts.Waiter(("zap", self.gatekeeper.source), ("stop", self._pipe))
+            while "stop" not in waiter.wait(("zap", "stop"), None):
                 self.gatekeeper.serve()
         except zmq.ZMQError:
             return  # the context is being torn down
