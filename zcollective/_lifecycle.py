@@ -25,6 +25,7 @@ from ._future import settle, sleeping
 from ._io import _interrupts, _sockets, _stops
 from ._io._announce import announce_coordinator, announce_group, write_for_launcher
 from ._io._dataplane import DataPlane
+from ._io._interrupts import NUDGE
 from ._io._link import DirectLink, Driver, HostLink
 from ._io._replica import Replica
 from ._io._server import Server
@@ -92,7 +93,7 @@ class Lifecycle:
         try:
             self.driver = self._connect(signer, form)
             self.driver.warn_after = config.warn_after
-            self.driver.nudge = (self.turns.nudge.fd, zmq.POLLIN)
+            self.driver.waiter.watch(NUDGE, self.turns.nudge.fd)  # a thread wanting the turn wakes a wait
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
             if config.join:
                 self._await_admission()

@@ -49,16 +49,6 @@ class Driver:
         """What a wait of the link watches now: its sources, and the nudge if :attr:`nudged`."""
         return self._nudged_names if self.nudged else self._names
 
-    @property
-    def nudge(self) -> Optional[tuple[int, int]]:
-        """The group's nudge fd (:mod:`._turns`), as a poll item: the waiter watches it."""
-        fds = self.waiter.fds((NUDGE,))
-        return (fds[0], 1) if fds else None
-
-    @nudge.setter
-    def nudge(self, item: tuple[int, int]) -> None:
-        self.waiter.watch(NUDGE, item[0])
-
     # -- to implement -----------------------------------------------------
 
     def _send(self, msg: Message) -> None:
