@@ -75,7 +75,7 @@ def test_the_docs_cite_no_file_outside_the_repository():
 
 
 LAYERS = [  # lowest first: a module imports only from its own layer or lower ones, and no circle
-    {"errors", "_limits", "_hostlist", "_future"},
+    {"errors", "_limits", "_hostlist", "_future", "_announce"},
     {"config"},
     {"_format"},
     {"_protocol"},
@@ -357,3 +357,14 @@ def test_the_rules_only_decide():
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 found += [(name, *hit) for hit in _rules_breaches(f.read())]
     assert not found, f"rules that act instead of deciding: {found}"
+
+
+def test_the_drivers_stay_smaller_than_the_rules_and_the_format_they_drive():
+    """Issue 33's bound: _io/ (sockets, threads, signals) at most 0.6 of _protocol/ and _format/
+    together: a decision written in a driver belongs in the rules (with a test without sockets)."""
+    def lines(folder):
+        path = os.path.join(ROOT, "zcollective", folder)
+        return sum(sum(1 for _ in open(os.path.join(path, f), encoding="utf-8"))
+                   for f in os.listdir(path) if f.endswith(".py"))
+    drivers, rules = lines("_io"), lines("_protocol") + lines("_format")
+    assert drivers <= 0.6 * rules, f"_io/ has {drivers} lines, more than 0.6 x {rules}: move the rules out"

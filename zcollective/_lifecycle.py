@@ -19,11 +19,11 @@ from typing import Any, Optional
 
 import zmq
 
+from ._announce import announce_coordinator, announce_group, write_for_launcher
 from ._format._wire import DEFAULT_MAX_FRAMES, Signer
 from ._forming import Form, Overslept, Unreachable
 from ._future import settle, sleeping
 from ._io import _interrupts, _sockets, _stops
-from ._io._announce import announce_coordinator, announce_group, write_for_launcher
 from ._io._dataplane import DataPlane
 from ._io._interrupts import NUDGE
 from ._io._link import DirectLink, Driver, HostLink

@@ -13,9 +13,9 @@ status and the slowest-rank line at the end: see docs/launching.md,
 
 The replicas tell the launcher their group, rank and size each time they join
 a group, and rank 0 its stats when it closes one, through the file
-:data:`~zcollective._io._announce.GROUPS_FILE_ENV` names (see
+:data:`~zcollective._announce.GROUPS_FILE_ENV` names (see
 :class:`Groups`); rank 0 of each group says where its coordinator is in the
-file :data:`~zcollective._io._announce.COORDINATOR_FILE_ENV` names.
+file :data:`~zcollective._announce.COORDINATOR_FILE_ENV` names.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, NamedTuple, Optional
 
 from . import __version__
-from ._io._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV
+from ._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV
 from ._io._interrupts import STACKS_SIGNAL
 from ._protocol._stats import slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, JOB_ENV, SECRET_ENV, SECRET_FILE_ENV
@@ -122,7 +122,7 @@ class Joined(NamedTuple):
 
 class Groups:
     """What the replicas said in the groups file (see
-    :func:`zcollective._io._announce.announce_group`): each process's
+    :func:`zcollective._announce.announce_group`): each process's
     current group, the group each group was formed from, and the stats each
     group's rank 0 left when it closed it. Read as it grows, from the pumps
     and the main loop alike."""

@@ -1,27 +1,10 @@
-"""Rank 0's coordinator: its ROUTER socket, served by whichever thread owns it.
-
-A thin driver: it receives frames, feeds them to the pure
-:class:`~zcollective._protocol._coordinator.Coordinator`, and sends what it returns.
-
-The ROUTER, its monitor, the ZAP handler's socket and the coordinator belong
-to the holder of the group's turn (:mod:`zcollective._io._turns`; the rule:
-see docs/protocol.md, Concurrency). Rank 0's program thread, holding it inside
-the library, receives, matches, reduces and sends itself, and hands its
-member's results over as plain function calls: no thread hop on the hot path.
-The server's background thread takes the turn only while the program has
-been elsewhere for :data:`AWAY_S`, and gives it back when a program thread
-nudges; what it produced for rank 0's member meanwhile waits in
-:attr:`Server.to_host`, signalled on :attr:`Server.wakeup` (which an awaiting
-coroutine watches).
-
-With a secret the owner also answers each handshake (the context's ZAP
-handler, :class:`~zcollective._io._zap.Gatekeeper`, made before the ROUTER binds):
-a peer that cannot prove the secret is refused before libzmq takes in a
-message from it.
-
-The monitor says only that *a* connection closed: the owner then sends
-PROBEs to each member whose loss would matter, as often as the coordinator's
-:class:`~zcollective._protocol._coordinator.ProbeSchedule` says (rule 8).
+"""Rank 0's coordinator: its ROUTER socket, served by whichever thread holds
+the group's turn. A thin driver: it receives frames, feeds them to the pure
+:class:`~zcollective._protocol._coordinator.Coordinator`, and sends what it
+returns; rank 0's program thread does so itself inside the library (no
+thread hop on the hot path), its background thread only while the program
+has been elsewhere for :data:`AWAY_S`. What it does and when: see
+docs/protocol.md, *Drivers* and *Concurrency*.
 """
 
 from __future__ import annotations
@@ -38,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from .._announce import announce_stall
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
 from .._limits import (
     CLOSE_LINGER_MS,
@@ -51,7 +35,6 @@ from .._protocol._coordinator import HOST_PEER, Coordinator, Forming, Out, Phase
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
-from ._announce import announce_stall
 from ._interrupts import DEADLINE, NUDGE, Waiter
 from ._turns import Turns
 

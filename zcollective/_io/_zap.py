@@ -1,43 +1,16 @@
 """Authentication at the ZeroMQ handshake: with a secret, a peer that cannot
 prove it knows the secret is refused before libzmq takes in a single message
-from it, so no stranger can make a process buffer messages (an endless
-multipart message, say). This module knows nothing of the protocol above
-ZeroMQ, of ranks, or of threads.
-
-Theory of operation
--------------------
-Servers speak ZMTP's PLAIN mechanism and hand each handshake to a ZAP
-handler (RFC 27): libzmq sends a request on ``inproc://zeromq.zap.01`` of the
-server socket's context and waits for the answer before it accepts anything
-else from that peer. The handler is a socket that whoever waits on it
-(:attr:`Gatekeeper.source`) answers, without a thread of its own.
-
-A client's credentials are a single-use *token*, checked by the pure rules of
-:mod:`zcollective._protocol._tokens`.
-
-A client's credentials are copied by libzmq at ``connect``: a connection
-libzmq re-makes (after a disconnect) offers the spent token again and is
-refused. A TCP connect that fails (the server not bound yet) sends no
-credentials and spends nothing.
+from it. Knows nothing of the protocol above ZeroMQ, of ranks, or of threads;
+a client's token is checked by :mod:`zcollective._protocol._tokens`. How
+handshakes go: see docs/protocol.md, *Drivers*.
 
 Use (the drivers')::
 
     gate = Gatekeeper(ctx, secret)            # first: binds ctx's ZAP endpoint
     secure_server(router, gate, MASTER_DOMAIN)  # before router.bind(...)
-    ... watch gate.source in a waiter (_interrupts.Waiter) and call
-    gate.serve() whenever it is readable;
+    ... watch gate.source in a waiter (_interrupts.Waiter), gate.serve() when readable
     gate.close()                               # by the thread that made it
-
     secure_client(dealer, secret, MASTER_DOMAIN)  # before each dealer.connect(...)
-
-One :class:`Gatekeeper` per context (libzmq allows one ZAP handler per
-context); every PLAIN server socket of that context is answered by it,
-whatever its domain. Without a secret the master port keeps the NULL
-mechanism (libzmq makes no ZAP request); data ports still check tokens, under
-a random key the coordinator hands every member in the WELCOME (a stranger
-off the path cannot know it; one on the path can read it).
-
-A refused peer is logged once per address (at most :data:`MAX_LOGGED_ADDRESSES`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 rank's contributions arrive. Always on, so it is cheap: a counter or two and
 one float kept per call; percentiles are computed only when asked for, over
 the last :data:`SAMPLES` calls. Knows nothing of sockets or files (what the
-launcher is told is written by :mod:`zcollective._io._announce`).
+launcher is told is written by :mod:`zcollective._announce`).
 """
 
 from __future__ import annotations
