@@ -30,7 +30,7 @@ WARMUP = 20
 def simulate(ranks: list[int], n: int, port: int, iters: int) -> None:
     from zcollective._format import _serialize
     from zcollective._format._wire import Kind, Message, control, decode, encode
-    from zcollective._io._replica import routing_id
+    from zcollective._io._dealer import routing_id
     from zcollective._protocol._coordinator import PYTHON_VERSION
     from zcollective._protocol._ops import Op
 

@@ -19,7 +19,7 @@ from zcollective._format import _serialize
 from zcollective._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
 from zcollective._future import CollectiveFuture, settle
 from zcollective._protocol._coordinator import Coordinator
-from zcollective._protocol._member import Link, Member
+from zcollective._protocol._member import ConnectionEvent, Member
 from zcollective._protocol._ops import Op
 
 SESSION = 0x5E55_10
@@ -153,8 +153,8 @@ class Pair:
     def join(self, *ranks: int) -> None:
         """Each of ``ranks`` (default: all) connects and sends its JOIN."""
         for rank in ranks or range(self.n):
-            self.connection(rank, Link.CONNECTED)
-            self.connection(rank, Link.HANDSHAKE_SUCCEEDED)
+            self.connection(rank, ConnectionEvent.CONNECTED)
+            self.connection(rank, ConnectionEvent.HANDSHAKE_SUCCEEDED)
             with self.installed(rank):
                 join = self.members[rank].join()
             self.send(rank, join)
@@ -185,7 +185,7 @@ class Pair:
         """Every rank makes the same call, with ``values[rank]``."""
         return [self.call(r, op, NOTHING if values is None else values[r], **kwargs) for r in range(self.n)]
 
-    def connection(self, rank: int, event: Link, now: Optional[float] = None) -> None:
+    def connection(self, rank: int, event: ConnectionEvent, now: Optional[float] = None) -> None:
         """``rank``'s driver saw ``event``; what the member answers is sent."""
         self.send(rank, *self.members[rank].connection(event, now))
 

@@ -15,7 +15,7 @@ from conftest import interrupted_at_line, touch, wait_for
 from zcollective._format import _serialize
 from zcollective._format._wire import Kind, Message, decode, encode
 from zcollective._future import CollectiveFuture, settle
-from zcollective._io._replica import Replica
+from zcollective._io._dealer import DealerDriver
 from zcollective._protocol._member import Member
 from zcollective._protocol._ops import Op
 from zcollective.config import resolve
@@ -139,7 +139,7 @@ def test_a_callback_raising_keyboard_interrupt_does_not_starve_the_others():
 # -- a replica's reply path: a hand-driven ROUTER plays the coordinator, in this process -----------
 
 class _Coordinator:
-    """A ROUTER on loopback, and a real Replica driver (rank 1 of 2) joined to it."""
+    """A ROUTER on loopback, and a real DealerDriver driver (rank 1 of 2) joined to it."""
 
     def __init__(self):
         self.ctx = zmq.Context()
@@ -149,7 +149,7 @@ class _Coordinator:
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         config = resolve("127.0.0.1", port, 1, 2, env={})
         self.member = Member(1, 2, config.endpoint)
-        self.replica = Replica(self.ctx, config, self.member)
+        self.replica = DealerDriver(self.ctx, config, self.member)
         self.replica.send([self.member.join()])
         self.peer, join = self.receive()
         self.session = 0x5E55_11

@@ -25,7 +25,7 @@ from zcollective._format._wire import (
 from zcollective._future import settle
 from zcollective._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S
 from zcollective._protocol._coordinator import PYTHON_VERSION, Phase
-from zcollective._protocol._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Call, Link, Member
+from zcollective._protocol._member import FOREIGN_PEER_S, FOREIGN_PEER_TRIES, Call, ConnectionEvent, Member
 from zcollective._protocol._ops import Op
 
 SECRET = b"0123456789abcdef-the-job-secret"
@@ -82,12 +82,12 @@ def test_a_member_whose_join_was_lost_with_its_connection_joins_again():
     pair = Pair(2)
     pair.join(0)
     pair.members[1].join()  # the JOIN goes down with the connection: the coordinator never sees it
-    pair.connection(1, Link.DISCONNECTED)
+    pair.connection(1, ConnectionEvent.DISCONNECTED)
     assert pair.failure(1) is None and not pair.members[1].joined
-    pair.connection(1, Link.HANDSHAKE_SUCCEEDED)  # reconnected: the member joins again
+    pair.connection(1, ConnectionEvent.HANDSHAKE_SUCCEEDED)  # reconnected: the member joins again
     assert [m.joined for m in pair.members] == [True, True]
     assert len(pair.sent("up", Kind.JOIN, rank=1)) == 1
-    pair.connection(1, Link.HANDSHAKE_SUCCEEDED)  # joined: a later handshake sends nothing
+    pair.connection(1, ConnectionEvent.HANDSHAKE_SUCCEEDED)  # joined: a later handshake sends nothing
     assert len(pair.sent("up", Kind.JOIN, rank=1)) == 1
 
 
@@ -95,8 +95,8 @@ def test_a_join_that_arrives_late_after_a_reconnect_is_welcomed_again_harmlessly
     pair = Pair(2)
     pair.join(0)
     first = pair.members[1].join()
-    pair.connection(1, Link.DISCONNECTED)
-    pair.connection(1, Link.HANDSHAKE_SUCCEEDED)
+    pair.connection(1, ConnectionEvent.DISCONNECTED)
+    pair.connection(1, ConnectionEvent.HANDSHAKE_SUCCEEDED)
     pair.post(1, first)  # the first JOIN was only delayed
     assert [m.joined for m in pair.members] == [True, True]
     assert [outcome(f) for f in pair.call_all(Op.ALLREDUCE, [1, 2], fn=add)] == [3, 3]
@@ -105,7 +105,7 @@ def test_a_join_that_arrives_late_after_a_reconnect_is_welcomed_again_harmlessly
 def test_losing_the_coordinator_after_the_welcome_fails_the_group_naming_calls_in_flight():
     pair = Pair(2).joined()
     future = pair.call(1, Op.ALLREDUCE, 1)
-    pair.connection(1, Link.DISCONNECTED)
+    pair.connection(1, ConnectionEvent.DISCONNECTED)
     error = outcome(future)
     assert isinstance(error, zc.ReplicaLostError)
     assert str(error) == (f"rank 1 lost the coordinator (rank 0) at {ENDPOINT}: connection closed or "
@@ -546,7 +546,7 @@ def test_bye_is_sent_only_by_a_member_of_a_running_group():
     member = Member(1, 2, ENDPOINT)
     assert member.bye() is None  # never joined: nobody to tell
     pair = Pair(2).joined()
-    pair.connection(1, Link.DISCONNECTED)
+    pair.connection(1, ConnectionEvent.DISCONNECTED)
     assert pair.members[1].bye() is None  # failed: nobody listens
 
 
@@ -555,8 +555,8 @@ def test_bye_is_sent_only_by_a_member_of_a_running_group():
 
 def test_a_protocol_violation_in_the_handshake_is_a_foreign_program_at_once():
     member = Member(1, 2, ENDPOINT)
-    member.connection(Link.CONNECTED)
-    member.connection(Link.PROTOCOL_VIOLATION)
+    member.connection(ConnectionEvent.CONNECTED)
+    member.connection(ConnectionEvent.PROTOCOL_VIOLATION)
     assert type(member.failure) is zc.ProtocolError
     assert str(member.failure) == (f"rank 1: the program listening at {ENDPOINT} is not a zcollective "
                                    f"coordinator (1 ZeroMQ handshakes failed); is the master port used "
@@ -567,13 +567,13 @@ def test_failed_handshakes_mean_a_foreign_program_only_after_three_over_five_sec
     member = Member(1, 2, ENDPOINT)
     assert (FOREIGN_PEER_TRIES, FOREIGN_PEER_S) == (3, 5.0)
     for now in (100.0, 101.0, 102.0, 104.9):  # a proxy, or a coordinator still starting
-        member.connection(Link.HANDSHAKE_FAILED, now=now)
+        member.connection(ConnectionEvent.HANDSHAKE_FAILED, now=now)
     assert member.failure is None
-    member.connection(Link.HANDSHAKE_SUCCEEDED)  # a good handshake starts the count again
+    member.connection(ConnectionEvent.HANDSHAKE_SUCCEEDED)  # a good handshake starts the count again
     for now in (200.0, 205.0):
-        member.connection(Link.HANDSHAKE_FAILED, now=now)
+        member.connection(ConnectionEvent.HANDSHAKE_FAILED, now=now)
     assert member.failure is None  # 5 s, but only two tries
-    member.connection(Link.HANDSHAKE_FAILED, now=205.1)
+    member.connection(ConnectionEvent.HANDSHAKE_FAILED, now=205.1)
     assert type(member.failure) is zc.ProtocolError
     assert "(3 ZeroMQ handshakes failed)" in str(member.failure)
 
@@ -581,8 +581,8 @@ def test_failed_handshakes_mean_a_foreign_program_only_after_three_over_five_sec
 def test_failed_handshakes_after_the_welcome_are_not_a_foreign_program():
     pair = Pair(2).joined()
     for now in (0.0, 10.0, 20.0):
-        pair.connection(1, Link.HANDSHAKE_FAILED, now=now)
-    pair.connection(1, Link.PROTOCOL_VIOLATION, now=30.0)
+        pair.connection(1, ConnectionEvent.HANDSHAKE_FAILED, now=now)
+    pair.connection(1, ConnectionEvent.PROTOCOL_VIOLATION, now=30.0)
     assert pair.failure(1) is None
 
 
@@ -695,8 +695,8 @@ def test_a_join_is_sent_again_at_its_timer_until_the_welcome():
     pair.join(0)
     member = pair.members[1]
     member.clock = clock
-    pair.connection(1, Link.CONNECTED)
-    pair.connection(1, Link.HANDSHAKE_SUCCEEDED)
+    pair.connection(1, ConnectionEvent.CONNECTED)
+    pair.connection(1, ConnectionEvent.HANDSHAKE_SUCCEEDED)
     [first] = member.start_join()  # lost (a connection made twice): the coordinator never sees it
     assert first.kind is Kind.JOIN and member.next_deadline() == 1000.0 + JOIN_RESEND_S
     assert member.on_timer(1000.0 + JOIN_RESEND_S - 0.01) == []

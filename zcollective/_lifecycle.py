@@ -25,9 +25,9 @@ from ._forming import Form, Overslept, Unreachable
 from ._future import settle, sleeping
 from ._io import _interrupts, _sockets, _stops
 from ._io._dataplane import DataPlane
+from ._io._dealer import DealerDriver
+from ._io._driver import DirectDriver, Driver, HostDriver
 from ._io._interrupts import NUDGE
-from ._io._link import DirectLink, Driver, HostLink
-from ._io._replica import Replica
 from ._io._server import Server
 from ._io._turns import Turns
 from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, HOST_WINDOW_S, STATUS_WAIT_S
@@ -148,9 +148,9 @@ class Lifecycle:
                 _sockets.forget(self.ctx)
                 self.ctx = None
                 return self._direct(signer)
-            link: Driver = HostLink(member, self.server)
+            link: Driver = HostDriver(member, self.server)
         else:
-            link = Replica(self.ctx, config, member)
+            link = DealerDriver(self.ctx, config, member)
             link.sleepers = sleeping
         if config.join:  # (a newcomer waiting: no data plane until it is a member)
             return link
@@ -165,7 +165,7 @@ class Lifecycle:
     def _direct(self, signer: Optional[Signer]) -> Driver:
         """A group of one: its member calls the coordinator in-process, no socket."""
         session = int.from_bytes(os.urandom(8), "little") | 1
-        return DirectLink(self.member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
+        return DirectDriver(self.member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
                                                     user_code=_interrupts.user_code, job=self.config.job))
 
     def _await_admission(self) -> None:
@@ -263,7 +263,7 @@ class Lifecycle:
     def coordinator(self) -> Optional[Coordinator]:
         if self.server is not None:
             return self.server.coordinator
-        return self.driver.coordinator if isinstance(self.driver, DirectLink) else None
+        return self.driver.coordinator if isinstance(self.driver, DirectDriver) else None
 
     def stats(self) -> dict[str, Any]:
         """:meth:`zcollective.Group.stats`."""

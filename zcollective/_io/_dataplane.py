@@ -226,11 +226,11 @@ class DataPlane:
     # -- one job ------------------------------------------------------------
 
     def run(self, seq: int, job: Job, deadline: Optional[float], member: Member, waiter: Waiter,
-            link: tuple[str, ...], pump: Callable[[], None],
+            control: tuple[str, ...], pump: Callable[[], None],
             fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None) -> bool:
         """Move ``job``'s chunks until it is done and its last sends have
         left (True), ``deadline`` passes or ``until()`` holds after news on
-        ``link`` (the names of the control connection's sources, and the
+        ``control`` (the names of the control connection's sources, and the
         nudge, in the driver's ``waiter``: False), or the group fails (True:
         the caller finds ``member.failure``). ``pump`` takes in what the
         control plane has without blocking; ``fail`` fails the group for
@@ -239,7 +239,7 @@ class DataPlane:
             del self._early[stale]
         for frames in self._early.pop(seq, []):
             self._take(frames, seq, job, member, fail)
-        names = (*OURS, *link)
+        names = (*OURS, *control)
         self._watched(waiter)
         while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
             if job.outbox and (self._broken is not None or not self._send(seq, job)):
@@ -252,7 +252,7 @@ class DataPlane:
             woke = waiter.wait(names, deadline, TRACKER_POLL_S if job.done else POLL_SLICE_S)
             self._drain(seq, job, member, fail)
             self._events(seq, job, fail)
-            if any(name in link for name in woke):
+            if any(name in control for name in woke):
                 pump()
                 if until is not None and until():
                     return False

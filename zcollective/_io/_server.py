@@ -31,7 +31,7 @@ from .._limits import (
     POLL_SLICE_S,
     STOP_TIMEOUT_S,
 )
-from .._protocol._coordinator import HOST_PEER, Coordinator, Forming, Out, Phase, ProbeSchedule
+from .._protocol._coordinator import HOST_PEER, Coordinator, Forming, Outgoing, Phase, ProbeSchedule
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
@@ -207,7 +207,7 @@ class Server:
         owner uses the sockets)."""
         return self.waiter.fds((WAKEUP, *self.SERVED))
 
-    def _take(self, step: Callable[[], list[Out]]) -> None:
+    def _take(self, step: Callable[[], list[Outgoing]]) -> None:
         """Run one step of the coordinator and send what it returns; a bug
         fails the group for everyone."""
         if self._router is None or self.coordinator.phase is Phase.CLOSED or self.crashed:
@@ -525,7 +525,7 @@ class Server:
                 address = member.address
             self._send_all(coordinator.receive(peer, frames[1:], address))
 
-    def _send_all(self, outs: list[Out]) -> None:
+    def _send_all(self, outs: list[Outgoing]) -> None:
         """Send what the coordinator returned: rank 0's part to its queue, the
         others' on the ROUTER."""
         if not outs and self.coordinator.interrupted is None:

@@ -1,6 +1,6 @@
 """The coordinator's rules: a pure object fed messages and peer events,
 returning the messages to send. Rank 0 hosts it; a driver
-(:mod:`zcollective._io._server`, or :class:`~zcollective._io._link.DirectLink`
+(:mod:`zcollective._io._server`, or :class:`~zcollective._io._driver.DirectDriver`
 for a group of one) feeds it and sends what it returns, so every rule is
 tested without a network.
 
@@ -57,7 +57,7 @@ MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); pa
 MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
 # rank 0 hold at most about 1.2 MiB of answers
 
-Out = tuple[bytes, Message]
+Outgoing = tuple[bytes, Message]
 GONE = "connection closed or heartbeats unanswered"  # ZeroMQ does not say which: a process that
 # ended or was killed, and one stopped (SIGSTOP) or cut off past the liveness bound, look alike
 SEEN_DEAD_SHARE = 0.5  # a connection gone within this share of the liveness bound after the peer's
@@ -242,12 +242,12 @@ class Coordinator:
         self._data_ports: Optional[list[str]] = None  # by rank, when the group uses the data plane
         self._data_key = entropy(_bodies.DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
         self.unanswered: set[bytes] = set()  # peers sent the last BYE that have not answered it
-        self.held: dict[int, list[tuple[int, Out]]] = {}  # rank -> (seq, BYE answer) held until that
+        self.held: dict[int, list[tuple[int, Outgoing]]] = {}  # rank -> (seq, BYE answer) held until that
         # rank says it has taken the data of every call through seq (rule 7)
 
     # -- entry points -------------------------------------------------
 
-    def receive(self, peer: bytes, frames: list[Any], address: str = "?") -> list[Out]:
+    def receive(self, peer: bytes, frames: list[Any], address: str = "?") -> list[Outgoing]:
         """Handle one message from ``peer``; return what to send to whom.
         Input that does not parse is dropped and logged: it never raises."""
         try:
@@ -257,7 +257,7 @@ class Coordinator:
             return []
 
     def receive_message(self, peer: bytes, msg: Message,
-                        address: str = "rank 0's own process") -> list[Out]:
+                        address: str = "rank 0's own process") -> list[Outgoing]:
         """Handle one decoded message: from the member in this process, which
         needs no decoding (nor authentication); as :meth:`receive`."""
         try:
@@ -266,7 +266,7 @@ class Coordinator:
             self._warn(address, "malformed", f"dropped a malformed message from {address}: {exc}")
             return []
 
-    def _receive(self, peer: bytes, frames: list[Any], address: str) -> list[Out]:
+    def _receive(self, peer: bytes, frames: list[Any], address: str) -> list[Outgoing]:
         if peer in self._answered and self.phase is not Phase.JOINING and peer not in self.members:
             return []  # refused once the group ran: nothing it sends is read again (a flood of
             # large JOINs cost rank 0 a parse each)
@@ -283,7 +283,7 @@ class Coordinator:
             return []
         return self._handle(peer, msg, address)
 
-    def _handle(self, peer: bytes, msg: Message, address: str) -> list[Out]:
+    def _handle(self, peer: bytes, msg: Message, address: str) -> list[Outgoing]:
         member = self.members.get(peer)
         if member is not None:
             member.heard = self.clock()
@@ -327,7 +327,7 @@ class Coordinator:
         return msg.session == self.session or (
             msg.kind is Kind.STATUS and (self.phase is Phase.JOINING or msg.session == 0))
 
-    def _on_abort(self, member: Joined, msg: Message, address: str) -> list[Out]:
+    def _on_abort(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
         # only the secret's holders reach here when there is one
         error, said, ranks, data_plane, abandoned = _bodies.parse_abort(msg, self.num_replicas)
         if abandoned:
@@ -342,7 +342,7 @@ class Coordinator:
         return self.fail("AuthenticationError", f"{member.describe()} found its link to the "
                          f"coordinator tampered with: {said}", bad=[member.rank])
 
-    def _abandon(self, member: Joined, seq: int, error: str, said: str) -> list[Out]:
+    def _abandon(self, member: Joined, seq: int, error: str, said: str) -> list[Outgoing]:
         """``member`` gave up call ``seq`` (rule 4)."""
         call = self.pending.get(seq)
         if error not in ("CollectiveTimeoutError", "PeerError"):
@@ -360,17 +360,17 @@ class Coordinator:
                                            f"every rank (the group goes on)")
         return self._error_all(seq, call.op, call.abandoned, list(call.contributions))
 
-    def _on_status(self, member: Joined, msg: Message, address: str) -> list[Out]:
+    def _on_status(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
         return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
 
-    _HANDLERS: dict[Kind, Callable[[Coordinator, Joined, Message, str], list[Out]]] = {
+    _HANDLERS: dict[Kind, Callable[[Coordinator, Joined, Message, str], list[Outgoing]]] = {
         Kind.CONTRIB: lambda self, member, msg, address: self._on_contribution(member, msg, address),
         Kind.BYE: lambda self, member, msg, address: self._on_bye(member, msg.seq, msg.flags),
         Kind.ABORT: _on_abort,
         Kind.STATUS: _on_status,
     }
 
-    def probes(self) -> list[Out]:
+    def probes(self) -> list[Outgoing]:
         """A connection closed, whose is not known: a PROBE for each peer
         whose loss would matter (rule 8). Never rank 0, which hosts this."""
         if self.phase in (Phase.JOINING, Phase.RUNNING):
@@ -381,7 +381,7 @@ class Coordinator:
         return probes + [(n.peer, Message(Kind.PROBE, rank=n.rank, session=join_token(n.nonce)))
                          for n in self.newcomers.values()]  # one that timed out or died is dropped
 
-    def gone(self, peer: bytes, reason: str = GONE) -> list[Out]:
+    def gone(self, peer: bytes, reason: str = GONE) -> list[Outgoing]:
         """A send to ``peer`` failed: its connection is gone (rule 8). A
         member is lost while the group runs; before it starts, the rank's
         slot opens again."""
@@ -405,7 +405,7 @@ class Coordinator:
         rank's TAKEN, is still to come (rule 7)."""
         return bool(self.unanswered) or any(self.held.values())
 
-    def last_byes(self) -> list[Out]:
+    def last_byes(self) -> list[Outgoing]:
         """Rank 0's program ends and the group is over: a last BYE to every
         member still running, each to be answered (rule 7)."""
         if not self._welcomed:
@@ -415,7 +415,7 @@ class Coordinator:
         return [(m.peer, Message(Kind.BYE, rank=m.rank, session=self.session, flags=FLAG_LAST))
                 for m in running]
 
-    def lost(self, rank: int, reason: str) -> list[Out]:
+    def lost(self, rank: int, reason: str) -> list[Outgoing]:
         """Rank ``rank`` is gone: fail the group and tell every other member."""
         if self.phase in (Phase.CLOSED, Phase.FAILED):
             return []
@@ -430,7 +430,7 @@ class Coordinator:
                          exclude={rank})
 
     def fail(self, error: str, message: str, exclude: Iterable[int] = (), level: int = logging.ERROR,
-             **extra: Any) -> list[Out]:
+             **extra: Any) -> list[Outgoing]:
         """Enter FAILED for good and tell every member (but ``exclude``)."""
         if self.phase is Phase.FAILED:
             return []
@@ -442,7 +442,7 @@ class Coordinator:
         return [self._fail_message(m) for m in self.members.values() if m.rank not in skip]
 
     def _on_auth_error(self, peer: bytes, frames: list[Any], exc: AuthError,
-                       member: Optional[Joined], address: str) -> list[Out]:
+                       member: Optional[Joined], address: str) -> list[Outgoing]:
         if member is not None:  # only a member can write on this connection: altered in flight
             return self.fail("AuthenticationError", f"a message on the connection of "
                              f"{member.describe()} at {address} failed authentication ({exc}); "
@@ -457,7 +457,7 @@ class Coordinator:
                                 "carry the job's secret (set the same ZCOLLECTIVE_SECRET everywhere)")
         return []
 
-    def _refuse(self, peer: bytes, join: Any, error: str, message: str) -> list[Out]:
+    def _refuse(self, peer: bytes, join: Any, error: str, message: str) -> list[Outgoing]:
         """One REJECT for a peer that is not a member: never a second, and none
         past :data:`MAX_ANSWERED_PEERS` peers, so refusals cost rank 0 nothing.
         ``join`` (a JOIN's frames or Message) names the rank and nonce the
@@ -472,7 +472,7 @@ class Coordinator:
     # -- join -----------------------------------------------------------
 
     def _on_version_error(self, peer: bytes, frames: list[Any], exc: VersionError,
-                          member: Optional[Joined], address: str) -> list[Out]:
+                          member: Optional[Joined], address: str) -> list[Outgoing]:
         head = bytes(memoryview(frames[0])[:4])
         if member is None and len(head) == 4 and head[3] == Kind.JOIN and self.phase is Phase.JOINING:
             message = (f"a replica at {address} speaks zcollective protocol version "
@@ -484,7 +484,7 @@ class Coordinator:
                    f"from {address}")
         return []
 
-    def _on_join(self, peer: bytes, msg: Message, member: Optional[Joined], address: str) -> list[Out]:
+    def _on_join(self, peer: bytes, msg: Message, member: Optional[Joined], address: str) -> list[Outgoing]:
         """A JOIN from a stranger, or again from a member (it reconnected)."""
         if member is not None:
             if self.phase is Phase.RUNNING:  # a reconnect lost our WELCOME: say it again
@@ -550,7 +550,7 @@ class Coordinator:
         return self._start()
 
     def _park(self, peer: bytes, msg: Message, join: Joined, python: str, ops: str,
-              address: str) -> list[Out]:
+              address: str) -> list[Outgoing]:
         """Rule 10: a newcomer waits for a GROW (refused alone if it could not
         join the group formed next: it runs another Python, or release)."""
         challenge = self._challenge(peer, msg)
@@ -571,7 +571,7 @@ class Coordinator:
         log.info("zcollective coordinator: %s waits to be admitted (grow)", join.describe())
         return []
 
-    def dismiss_newcomers(self) -> list[Out]:
+    def dismiss_newcomers(self) -> list[Outgoing]:
         """The group ends for good (not to form again): every newcomer still
         parked is told so, rather than left waiting (rule 10)."""
         newcomers, self.newcomers = list(self.newcomers.values()), {}
@@ -579,7 +579,7 @@ class Coordinator:
             "LateJoinError", f"{n.describe()}: the group ended before a grow() admitted it"),
             rank=n.rank, session=join_token(n.nonce))) for n in newcomers]
 
-    def admit(self, seq: int) -> list[Out]:
+    def admit(self, seq: int) -> list[Outgoing]:
         """Rule 10: a GROW completed: WELCOME each newcomer in, then close."""
         newcomers, self.newcomers = list(self.newcomers.values()), {}
         if not newcomers:
@@ -593,7 +593,7 @@ class Coordinator:
             "rank": self.num_replicas + i, "size": size, "lineage": lineage},
             rank=n.rank, session=join_token(n.nonce))) for i, n in enumerate(newcomers)]
 
-    def _start(self) -> list[Out]:
+    def _start(self) -> list[Outgoing]:
         """Every member joined (or, forming, the bound passed): WELCOME them."""
         if self.forming is not None:
             if not self.forming.quorate(self.by_rank):
@@ -619,7 +619,7 @@ class Coordinator:
         self.next_seq = [0] * self.num_replicas
         self.lateness = Lateness(self.num_replicas)
 
-    def _no_quorum(self) -> list[Out]:
+    def _no_quorum(self) -> list[Outgoing]:
         """Rule 9: too few came to form the group: each is told it is left out."""
         forming = self.forming
         assert forming is not None
@@ -636,7 +636,7 @@ class Coordinator:
         self.fail("LeftOutError", message, level=logging.WARNING)
         return outs
 
-    def form_now(self) -> list[Out]:
+    def form_now(self) -> list[Outgoing]:
         """The forming bound passed (the driver's clock): start with the members
         that came, if the host's own member is among them."""
         forming = self.forming
@@ -655,7 +655,7 @@ class Coordinator:
                 f"a group of old ranks {','.join(map(str, sorted(forming.expected)))})")
 
     def _refuse_stranger(self, peer: bytes, msg: Message, join: Joined, address: str,
-                         lineage: Optional[str]) -> list[Out]:
+                         lineage: Optional[str]) -> list[Outgoing]:
         """A JOIN for another group: of another lineage, or forming where this
         group is not (or the other way round)."""
         if lineage is None:
@@ -669,7 +669,7 @@ class Coordinator:
         return self._refuse(peer, msg, "LateJoinError", message)
 
     def _refuse_foreign(self, peer: bytes, msg: Message, join: Joined, job: Optional[str],
-                        newcomer: bool, address: str) -> list[Out]:
+                        newcomer: bool, address: str) -> list[Outgoing]:
         """Rule 6: a JOIN of another job refuses that peer alone, naming both jobs."""
         who = f"a newcomer (pid {join.pid} on {join.host})" if newcomer else join.describe()
         fix = (f"set ZCOLLECTIVE_JOB={self.job!r} on it" if self.job is not None else
@@ -683,7 +683,7 @@ class Coordinator:
         return self._refuse(peer, msg, "JobMismatchError", message)
 
     def _refuse_late(self, peer: bytes, msg: Message, join: Joined, address: str,
-                     lineage: Optional[str] = None) -> list[Out]:
+                     lineage: Optional[str] = None) -> list[Outgoing]:
         if self.forming is not None and lineage == self.forming.lineage and self.phase is Phase.RUNNING:
             return self._refuse(peer, msg, "LeftOutError", self._left_out(join))
         if self.phase is Phase.FAILED:
@@ -742,7 +742,7 @@ class Coordinator:
                                self.by_rank[0].data_min, self._data_key, addresses, renumber, rank=rank,
                                session=self.session)
 
-    def _challenge(self, peer: bytes, join: Message) -> Optional[list[Out]]:
+    def _challenge(self, peer: bytes, join: Message) -> Optional[list[Outgoing]]:
         """With a secret, a JOIN is fresh only if it echoes the challenge this
         coordinator gives its peer (an HMAC of the peer's routing id under a key
         of this coordinator alone): None for such a JOIN, else the CHALLENGE
@@ -779,7 +779,7 @@ class Coordinator:
 
     # -- calls ----------------------------------------------------------
 
-    def _on_contribution(self, member: Joined, msg: Message, address: str) -> list[Out]:
+    def _on_contribution(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
         rank, seq = member.rank, msg.seq
         if self.phase is not Phase.RUNNING:
             self._warn(address, "early", f"dropped seq {seq} from {member.describe()}: "
@@ -825,7 +825,7 @@ class Coordinator:
 
     # -- ending without teardown ------------------------------------------
 
-    def _on_bye(self, member: Joined, calls: int, flags: int = 0) -> list[Out]:
+    def _on_bye(self, member: Joined, calls: int, flags: int = 0) -> list[Outgoing]:
         # answered, after every reply before it: all it sent has been taken, so it may close
         answer = (member.peer, Message(Kind.BYE, rank=member.rank, seq=calls, session=self._binding(member)))
         if any(out[0] == member.peer for held in self.held.values() for _, out in held):
@@ -846,7 +846,7 @@ class Coordinator:
             return farewell
         return self._check_endings() + farewell
 
-    def _hold(self, member: Joined, answer: Out) -> list[Out]:
+    def _hold(self, member: Joined, answer: Outgoing) -> list[Outgoing]:
         """The answer to ``member``'s BYE, or, when data went peer to peer and
         the next rank still runs, the TAKEN asking it (the answer is held)."""
         nxt = self.by_rank.get((member.rank + 1) % self.num_replicas)
@@ -856,7 +856,7 @@ class Coordinator:
         self.held.setdefault(nxt.rank, []).append((seq, answer))
         return [(nxt.peer, Message(Kind.TAKEN, rank=nxt.rank, seq=seq, session=self.session))]
 
-    def _release(self, rank: int, seq: Optional[int] = None) -> list[Out]:
+    def _release(self, rank: int, seq: Optional[int] = None) -> list[Outgoing]:
         """The BYE answers held for ``rank``'s data through ``seq`` (None: all)."""
         held = self.held.get(rank)
         if not held:
@@ -864,7 +864,7 @@ class Coordinator:
         self.held[rank] = [(s, out) for s, out in held if seq is not None and s > seq]
         return [out for s, out in held if seq is None or s <= seq]
 
-    def _check_endings(self) -> list[Out]:
+    def _check_endings(self) -> list[Outgoing]:
         """Fail the group if a pending call needs a rank that ended (rule 7),
         or if rank 0 ended and every call it made is complete."""
         ended = self._ended  # kept by _on_bye: no scan of every member on every contribution
@@ -886,12 +886,12 @@ class Coordinator:
         return (f"{describe_call(call.op, call.root)} was in flight on "
                 f"{rank_list(call.contributions)}")
 
-    def _fail_ended(self, member: Joined, context: str, level: int = logging.ERROR) -> list[Out]:
+    def _fail_ended(self, member: Joined, context: str, level: int = logging.ERROR) -> list[Outgoing]:
         gone = {m.rank for m in self._ended}
         return self.fail("ReplicaLostError", f"{member.describe_end()}; {context}",
                          lost=[member.rank], ended=True, exclude=gone, level=level)
 
-    def give_up_ending(self, waited: float) -> list[Out]:
+    def give_up_ending(self, waited: float) -> list[Outgoing]:
         """Rank 0's program ended and waited ``waited`` seconds for the
         others to reach its last calls: tell them the group is over."""
         host = self.by_rank.get(0)
@@ -917,7 +917,7 @@ class Coordinator:
             parts.append(f"{rank_list(waiting)} had not called yet")
         return f"seq {seq}: " + "; ".join(parts)
 
-    def _complete(self, seq: int, call: PendingCall) -> list[Out]:
+    def _complete(self, seq: int, call: PendingCall) -> list[Outgoing]:
         contributions = [call.contributions[r] for r in range(self.num_replicas)]
         operation = OPERATIONS.get(call.op)
         if operation is None:  # no working replica sends it
@@ -952,12 +952,12 @@ class Coordinator:
                 f"seq {seq} {call.op.label}: the reduction raised on the coordinator (rank 0)", exc))
         # a header of its own for each rank; ranks given one payload share its frames,
         # which the driver hashes once
-        outs: list[Out] = [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
+        outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
                                                              self.session, segments=segments))
                            for rank, segments in enumerate(routes)]
         return outs + operation.completed(self, seq)
 
-    def _plan(self, seq: int, call: PendingCall, contributions: list[Message]) -> list[Out]:
+    def _plan(self, seq: int, call: PendingCall, contributions: list[Message]) -> list[Outgoing]:
         """A call whose data travels on the data plane: matched here like any
         other, then every rank is sent the plan (:meth:`Operation.plan`) and
         moves the data itself. Ranks whose values disagree: a mismatch."""
@@ -1047,7 +1047,7 @@ class Coordinator:
         return acc
 
     def _error_all(self, seq: int, op: Op, body: dict[str, Any],
-                   ranks: Optional[list[int]] = None) -> list[Out]:
+                   ranks: Optional[list[int]] = None) -> list[Outgoing]:
         """An ERROR of call ``seq`` to every rank (or to ``ranks``)."""
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
         return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r))
@@ -1183,7 +1183,7 @@ class Coordinator:
                          f"(arrived: {rank_list(call.contributions)})")
         return "in flight: " + ", ".join(parts)
 
-    def _fail_message(self, member: Joined) -> Out:
+    def _fail_message(self, member: Joined) -> Outgoing:
         assert self.failure is not None
         return member.peer, control(Kind.FAIL, self.failure, rank=member.rank,
                                     session=self._binding(member))

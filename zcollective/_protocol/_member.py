@@ -1,6 +1,6 @@
 """One replica's rules: a pure object fed messages and connection events,
 returning the messages to send. Every replica, rank 0 included, has one
-:class:`Member`; its driver (:mod:`zcollective._io._link`) gives it what
+:class:`Member`; its driver (:mod:`zcollective._io._driver`) gives it what
 arrives and sends what it returns and owes. It holds the one table of calls
 in flight and says what each came to (:class:`Outcome`), for the call
 runner to apply.
@@ -48,7 +48,7 @@ FOREIGN_PEER_S = 5.0  # handshakes failing this long (and never succeeding) mean
 FOREIGN_PEER_TRIES = 3  # ... over at least this many connections
 
 
-class Link(enum.Enum):
+class ConnectionEvent(enum.Enum):
     """What a driver saw of its connection to the coordinator."""
 
     CONNECTED = "connected"  # a TCP connection was made (not yet a ZeroMQ handshake)
@@ -549,13 +549,13 @@ class Member:
                            "waited %.3f ms", self.rank, seq, call.op, call.callsite or "?",
                            outcome, call.sent, received, waited * 1000)
 
-    def connection(self, event: Link, now: Optional[float] = None) -> list[Message]:
+    def connection(self, event: ConnectionEvent, now: Optional[float] = None) -> list[Message]:
         """Handle what the driver saw of its connection; return what to send."""
-        if event is Link.CONNECTED:
+        if event is ConnectionEvent.CONNECTED:
             self.connected = True
-        elif event is Link.REFUSED:  # (a connection the kernel took for a process being killed is
+        elif event is ConnectionEvent.REFUSED:  # (a connection the kernel took for a process being killed is
             self.refused = not self.shook  # no sign of life; a handshake is)
-        elif event is Link.DISCONNECTED:
+        elif event is ConnectionEvent.DISCONNECTED:
             self.greeted = False
             if not self.joined:
                 self._rejoin = True  # the JOIN may have gone down with that connection
@@ -564,7 +564,7 @@ class Member:
             return self.fail(lost_rank_0(ReplicaLostError(
                 f"{self.who} lost the coordinator (rank 0) at {self.endpoint}: connection "
                 f"closed or heartbeats unanswered; {self.describe_in_flight()}")))
-        elif event is Link.HANDSHAKE_SUCCEEDED:
+        elif event is ConnectionEvent.HANDSHAKE_SUCCEEDED:
             self.greeted = self.shook = True
             self.refused = False
             self._failed_handshakes.clear()
@@ -572,7 +572,7 @@ class Member:
                 self._rejoin = False
                 return [self.join()]
         else:
-            return self._failed_handshake(event is Link.PROTOCOL_VIOLATION,
+            return self._failed_handshake(event is ConnectionEvent.PROTOCOL_VIOLATION,
                                           self.clock() if now is None else now)
         return []
 

@@ -93,7 +93,7 @@ def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any
 
 
 @dataclass
-class Out:
+class Chunk:
     """A chunk to send to the next rank. ``origin``: for a forwarded chunk,
     the rank whose header and tag travel with it (``frames``, as received);
     None: made here, to be given a header and a tag by the sender."""
@@ -133,7 +133,7 @@ class Job:
         self.size = size
         self.prev = (rank - 1) % size
         self.next = (rank + 1) % size
-        self.outbox: list[Out] = []
+        self.outbox: list[Chunk] = []
         self.expected = 0  # chunks to receive in all
         self.received = 0
         self.received_bytes = 0
@@ -190,7 +190,7 @@ class RingAllreduce(Job):
         self.to_send = sum(len(self._segments[(rank - t) % n])
                            + (len(self._segments[(rank + 1 - t) % n]) if gather else 0) for t in range(n - 1))
         for j, (s, e) in enumerate(self._segments[rank]):  # step 0: this rank's own segment
-            self.outbox.append(Out(RS, 0, j, self._input[s:e]))
+            self.outbox.append(Chunk(RS, 0, j, self._input[s:e]))
         if n == 1:
             self._out[...] = self._input
 
@@ -223,13 +223,13 @@ class RingAllreduce(Job):
         if kind == RS:
             self._reduce(dst, incoming, self._input[s:e])
             if step < n - 2:
-                self.outbox.append(Out(RS, step + 1, index, dst))
+                self.outbox.append(Chunk(RS, step + 1, index, dst))
             elif self._gather:  # reduced over every rank: it starts round the ring
-                self.outbox.append(Out(AG, segment, index, dst))
+                self.outbox.append(Chunk(AG, segment, index, dst))
         else:
             dst[...] = incoming
             if (rank - segment) % n < n - 2:  # the next rank has not had it yet
-                self.outbox.append(Out(AG, segment, index, payload, frames))
+                self.outbox.append(Chunk(AG, segment, index, payload, frames))
         return True
 
     def result(self) -> Any:
@@ -262,7 +262,7 @@ class ChainBroadcast(Job):
             for f, frame in enumerate(frames):
                 view = memoryview(frame).cast("B")
                 for j, (s, e) in enumerate(self._chunks[f]):
-                    self.outbox.append(Out(BC, f, j, view[s:e]))
+                    self.outbox.append(Chunk(BC, f, j, view[s:e]))
         else:
             self._frames = [bytearray(n) for n in sizes]
             self.expected = sum(len(c) for c in self._chunks)
@@ -284,7 +284,7 @@ class ChainBroadcast(Job):
         self.received_bytes += e - s
         memoryview(self._frames[step])[s:e] = view.cast("B")
         if not self._last:
-            self.outbox.append(Out(BC, step, index, payload, frames))
+            self.outbox.append(Chunk(BC, step, index, payload, frames))
         return True
 
     def result(self) -> list[Any]:
@@ -316,7 +316,7 @@ class RingAllgather(Job):
                 for f, frame in enumerate(own):
                     view = memoryview(frame).cast("B")
                     for j, (s, e) in enumerate(per_frame[f]):
-                        self.outbox.append(Out(GA, f, j, view[s:e]))
+                        self.outbox.append(Chunk(GA, f, j, view[s:e]))
                 self.to_send += count
                 continue
             self._frames[owner] = [bytearray(n) for n in sizes[owner] or []]
@@ -345,7 +345,7 @@ class RingAllgather(Job):
         assert target is not None
         memoryview(target[step])[s:e] = view.cast("B")
         if self.next != origin:
-            self.outbox.append(Out(GA, step, index, payload, frames))
+            self.outbox.append(Chunk(GA, step, index, payload, frames))
         return True
 
     def result(self) -> list[Optional[list[Any]]]:

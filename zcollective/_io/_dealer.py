@@ -15,25 +15,25 @@ import zmq
 
 from .._format._wire import Message, encode
 from .._limits import POLL_SLICE_S
-from .._protocol._member import Link, Member
+from .._protocol._member import ConnectionEvent, Member
 from ..config import Config
 from ..errors import CollectiveError
 from . import _sockets, _zap
+from ._driver import Driver
 from ._interrupts import DEADLINE, NUDGE
-from ._link import Driver
 
 MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_CONNECT_RETRIED
 )
-_EVENTS: dict[int, Link] = {
-    zmq.EVENT_CONNECTED: Link.CONNECTED,
-    zmq.EVENT_DISCONNECTED: Link.DISCONNECTED,
-    zmq.EVENT_HANDSHAKE_SUCCEEDED: Link.HANDSHAKE_SUCCEEDED,
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: Link.HANDSHAKE_FAILED,
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: Link.PROTOCOL_VIOLATION,
-    zmq.EVENT_CONNECT_RETRIED: Link.REFUSED,  # (also after a disconnect: the member tells them apart)
+_EVENTS: dict[int, ConnectionEvent] = {
+    zmq.EVENT_CONNECTED: ConnectionEvent.CONNECTED,
+    zmq.EVENT_DISCONNECTED: ConnectionEvent.DISCONNECTED,
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: ConnectionEvent.HANDSHAKE_SUCCEEDED,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: ConnectionEvent.HANDSHAKE_FAILED,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: ConnectionEvent.PROTOCOL_VIOLATION,
+    zmq.EVENT_CONNECT_RETRIED: ConnectionEvent.REFUSED,  # (also after a disconnect: the member tells)
 }
 DEALER, MONITOR = "dealer", "monitor"  # its sources, as its waiter names them
 
@@ -45,7 +45,7 @@ def routing_id(rank: int) -> bytes:
     return b"R" + rank.to_bytes(4, "big") + os.urandom(8)
 
 
-class Replica(Driver):
+class DealerDriver(Driver):
     """A member's DEALER connected to the coordinator at ``config.endpoint``.
 
     With a secret the DEALER proves it at the ZeroMQ handshake with a
@@ -98,7 +98,7 @@ class Replica(Driver):
         except zmq.Again:
             # libzmq dropped the pipe to the coordinator (a re-made connection was refused): a
             # lost connection once joined; before, the member joins again on the next handshake
-            self._answer(member.connection(Link.DISCONNECTED))
+            self._answer(member.connection(ConnectionEvent.DISCONNECTED))
             member.check()
         except zmq.ZMQError as exc:
             what = (f"rank {member.rank} could not send {msg.kind.name} seq {msg.seq} to the "

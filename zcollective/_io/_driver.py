@@ -2,9 +2,9 @@
 the coordinator and the replies come back. :class:`Driver` holds what every
 driver does the same way (send what the member owes, wait for a condition,
 ask the coordinator for the status of a late call); a subclass says how one
-message is sent and how to wait for the next: :class:`HostLink` (rank 0,
-beside its :class:`~zcollective._io._server.Server`), :class:`DirectLink` (a
-group of one) and :class:`~zcollective._io._replica.Replica` (a DEALER, ranks 1
+message is sent and how to wait for the next: :class:`HostDriver` (rank 0,
+beside its :class:`~zcollective._io._server.Server`), :class:`DirectDriver` (a
+group of one) and :class:`~zcollective._io._dealer.DealerDriver` (a DEALER, ranks 1
 and up). See docs/protocol.md, *Topology* and *Drivers*.
 """
 
@@ -239,7 +239,7 @@ class Driver:
             self.send(replies)
 
 
-class HostLink(Driver):
+class HostDriver(Driver):
     """Rank 0's member, beside the coordinator (:class:`Server`): rank 0's
     thread owns the coordinator's sockets while it waits here, and serves
     them itself."""
@@ -294,7 +294,7 @@ class HostLink(Driver):
         return self.server.busy()
 
 
-class DirectLink(Driver):
+class DirectDriver(Driver):
     """A group of one: the coordinator runs in the caller's thread."""
 
     def __init__(self, member: Member, coordinator: Coordinator) -> None:
