@@ -74,10 +74,6 @@ class Calls:
         self.server, self.here, self.config = life.server, life.here, life.config
         self.pid, self.rank = life.pid, life.config.rank
 
-    @property
-    def closed(self) -> bool:
-        return self.life.closed
-
     def call(self, name: str, *args: Any) -> CollectiveFuture[Any]:
         """This replica's part of the next call of operation ``name``
         (:mod:`zcollective._protocol._ops` makes it from ``args``).
@@ -90,13 +86,13 @@ class Calls:
         values) is told to the others, and raises ``ValueError`` here.
         """
         site = _callsite()
-        if self.closed or _process != self.pid:
+        if self.life.closed or _process != self.pid:
             self.life.check_usable()  # raises, saying which
         operation = BY_NAME[name]
         try:
             part = operation.contribute(self.here, *args)
         except Refused as exc:
-            if self.member.failure is None and not self.closed:
+            if self.member.failure is None and not self.life.closed:
                 self.submit(operation.code, error_contribution(exc.root, error_note(str(exc))), site)
             raise ValueError(f"rank {self.rank}: {exc}") from None
         return self.submit(operation.code, part, site)
@@ -104,7 +100,7 @@ class Calls:
     def submit(self, op: Op, part: Contribution, site: str) -> CollectiveFuture[Any]:
         """Send :meth:`call`'s part, holding the turn."""
         with self.turns:
-            if self.closed:  # torn down by another thread meanwhile
+            if self.life.closed:  # torn down by another thread meanwhile
                 self.life.check_usable()
             server = self.server
             if server is not None and server.reducing_here():
@@ -144,7 +140,7 @@ class Calls:
                 self._wait(future, timeout, checked=True)
             except BaseException as exc:  # given up here: it fails on every rank alike
                 timed_out = isinstance(exc, CollectiveTimeoutError)
-                if (timed_out or from_signal(exc)) and self.driver is not None and not self.closed:
+                if (timed_out or from_signal(exc)) and self.driver is not None and not self.life.closed:
                     got = self._give_up(future, exc, timed_out)
                     if got:
                         return future._value  # type: ignore[no-any-return]
@@ -177,7 +173,7 @@ class Calls:
     def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float], checked: bool = False) -> None:
         """Until ``future`` is done or ``timeout``: then the coordinator says whom it waits for."""
         link = self.driver
-        if link is None or self.closed:
+        if link is None or self.life.closed:
             return
         if not checked:
             self.life.check_process()
@@ -208,7 +204,13 @@ class Calls:
 
     def _wait_until(self, future: CollectiveFuture[Any], deadline: Optional[float]) -> bool:
         """Wait (leading or following) until ``future`` is done (True) or ``deadline``."""
-        return self.turns.wait(lambda: self._settled(future), deadline, self._drive,
+        outcomes, held = self.member.outcomes, self.turns.held
+
+        def settled() -> bool:  # (as _settled, without its lookups: asked after every step)
+            if outcomes and held():
+                settle(outcomes)
+            return future._done
+        return self.turns.wait(settled, deadline, self._drive,
                                lambda wake: future.add_done_callback(lambda _: wake()))
 
     def _settled(self, future: CollectiveFuture[Any]) -> bool:
@@ -239,7 +241,7 @@ class Calls:
         """The leading thread's wait (see :mod:`zcollective._io._turns`):
         ``nudged``, another thread wanting the turn ends it too."""
         link = self.driver
-        if link is None or self.closed:
+        if link is None or self.life.closed:
             return True  # (closed meanwhile: every call was failed)
         link.nudged = nudged
         try:
@@ -249,13 +251,13 @@ class Calls:
 
     def _progress(self) -> None:
         """Take in what has arrived, if no other thread is at work in the library."""
-        if self.driver is not None and not self.closed:
+        if self.driver is not None and not self.life.closed:
             self.life.check_process()
             turns = self.turns
             if not turns.try_take():
                 return  # another thread is at work in the library: it takes in what arrives
             try:
-                if not self.closed:
+                if not self.life.closed:
                     self.driver.progress()
                     settle(self.member.outcomes)
             finally:
@@ -263,7 +265,7 @@ class Calls:
 
     def _fds(self) -> list[int]:
         """The descriptors a future's awaiting event loop watches."""
-        if self.driver is None or self.closed:
+        if self.driver is None or self.life.closed:
             return []
         self.life.check_process()
         data = self.driver.data

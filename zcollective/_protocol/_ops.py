@@ -303,8 +303,8 @@ class Allreduce(Operation):
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
         fn = _reducer_of(here, reduce_fn, 0)
         finish = _value(value) if here.size == 1 else _first  # nothing was combined with it
-        name = _ring.reduction_name(reduce_fn)
-        array = _array(value, here.data_min_bytes) if here.data and name is not None else None
+        name = _ring.reduction_name(reduce_fn) if here.data else None
+        array = _array(value, here.data_min_bytes) if name is not None else None
         if array is None or name is None:
             return Contribution(0, lambda: ([_serialize.dumps(value)], fn()), finish)
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
