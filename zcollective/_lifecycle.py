@@ -104,9 +104,10 @@ class Lifecycle:
             else:
                 self._join_forming(form)
             self._start_data(deadline)
-            self.here = Here(self.rank, self.size, self.data is not None, self.member.data_min_bytes,
-                               self.config.max_frame_bytes)
-            announce_group(self.rank, self.size, self.member.session, self.member.lineage,
+            config, member = self.config, self.member
+            self.here = Here(config.rank, config.num_replicas, self.data is not None, member.data_min_bytes,
+                             config.max_frame_bytes)
+            announce_group(config.rank, config.num_replicas, member.session, member.lineage,
                            _interrupts.stacks_on())
             if self.config.rank == 0:
                 announce_coordinator(self.coordinator_address())
@@ -244,16 +245,6 @@ class Lifecycle:
         member.check()  # the group failed while the links were made
         link.data = data
 
-    @property
-    def rank(self) -> int:
-        """This replica's rank, from 0 to ``size - 1``."""
-        return self.config.rank
-
-    @property
-    def size(self) -> int:
-        """The number of replicas in the group."""
-        return self.config.num_replicas
-
     def coordinator_address(self) -> str:
         """``host:port`` of this group's coordinator: where newcomers go (it
         moves when rank 0 is lost and the survivors shrink)."""
@@ -267,7 +258,9 @@ class Lifecycle:
 
     def stats(self) -> dict[str, Any]:
         """:meth:`zcollective.Group.stats`."""
-        out: dict[str, Any] = {"rank": self.rank, "size": self.size, "ops": self.member.stats.summary()}
+        config = self.config
+        out: dict[str, Any] = {"rank": config.rank, "size": config.num_replicas,
+                               "ops": self.member.stats.summary()}
         coordinator = self.coordinator()
         if coordinator is not None:
             out["ranks"] = coordinator.lateness.summary()
@@ -299,7 +292,7 @@ class Lifecycle:
                     "call shrink() again to join the survivors' group (it raises LeftOutError if they "
                     "went on without this replica)")
             raise RuntimeError(
-                f"old rank {self.rank}: this zcollective group was closed for {self.reforming} to "
+                f"old rank {self.config.rank}: this zcollective group was closed for {self.reforming} to "
                 f"form the next one, which did not finish here (interrupted, or it raised): {then}")
         if self.closed:
             raise RuntimeError("this zcollective group was torn down; call initialize() "
@@ -333,7 +326,7 @@ class Lifecycle:
         is worth waiting for (a failed group shrinks)."""
         self.closed = True
         _open_lives.pop(id(self), None)
-        if self.rank == 0 and not self.config.join:  # (a newcomer waiting has no stats to say)
+        if self.config.rank == 0 and not self.config.join:  # (a newcomer waiting has no stats to say)
             write_for_launcher(self.stats(), self.member.session)
         self.member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
@@ -351,7 +344,7 @@ class Lifecycle:
                     self.driver.close(EXIT_LINGER_MS if ending else 0)
                 if self.ctx is not None and not stuck:
                     # after term() libzmq holds no buffer of ours: the interpreter may free them
-                    with _sockets.mapped(f"rank {self.rank} could not close ZeroMQ"):
+                    with _sockets.mapped(f"rank {self.config.rank} could not close ZeroMQ"):
                         self.ctx.term()
                     _sockets.forget(self.ctx)
             finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
