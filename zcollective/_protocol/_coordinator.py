@@ -987,7 +987,7 @@ class Coordinator:
             elif c.flags & FLAG_DATA:
                 try:
                     dtype, shape, fn = _bodies.parse_array_plan(c)
-                    what = _array(dtype, shape, fn)
+                    what = OPERATIONS[call.op].described(dtype, shape, fn)
                 except WireError:
                     what = "a malformed array description"
             groups.setdefault((_bodies.printable(what[:300]), c.callsite or "?"), []).append(rank)

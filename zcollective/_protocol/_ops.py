@@ -151,6 +151,10 @@ class Operation:
         """What completing call ``seq`` does besides sending its results."""
         return []
 
+    def described(self, dtype: str, shape: tuple[int, ...], fn: str) -> str:
+        """What a rank passed, as a mismatch names it, from its array plan."""
+        return f"a {dtype} array of shape {shape} reduced with {fn}"
+
 
 def _nothing() -> tuple[list[list[Any]], Any]:
     return [], None
@@ -380,6 +384,9 @@ class ReduceScatter(Operation):
         return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
 
     malformed = staticmethod(_n_each)
+
+    def described(self, dtype: str, shape: tuple[int, ...], fn: str) -> str:
+        return f"{shape[0]} values, each a {dtype} array of shape {shape[1:]} reduced with {fn}"
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         return [[_serialize.dumps(at.combine(contributions, root, i), "reduction result")]
