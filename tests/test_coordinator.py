@@ -413,11 +413,19 @@ def test_rank_zero_ending_first_completes_its_calls_then_tells_the_rest():
 
 
 def test_rank_zero_gives_up_waiting_with_the_ranks_it_waited_for():
-    coord = joined(3)
+    """Rule 7's bound is the coordinator's timer: EXIT_WAIT_S after rank 0's ending began."""
+    from zcollective._limits import EXIT_WAIT_S
+
+    coord, clock = joined(3), FakeClock()
+    coord.clock = clock
     feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
     feed(coord, peer(1), contrib(1, 0, value=1))
     feed(coord, peer(0), bye(0, 1))
-    out = coord.give_up_ending(30)
+    assert coord.ending_due() is None and coord.give_up_ending() == []  # (not ending yet)
+    coord.start_ending()
+    assert coord.ending_due() == clock.now + EXIT_WAIT_S
+    clock.now += 30
+    out = coord.give_up_ending()
     assert coord.phase is Phase.FAILED and {p for p, _ in out} == {peer(1), peer(2)}
     message = decode(encode(out[0][1])).body()["message"]
     assert "it waited 30 s for its last calls, but seq 0 allreduce was in flight on ranks 0,1" in message
@@ -427,7 +435,9 @@ def test_rank_zero_interrupted_before_its_bye_still_tells_the_rest_it_ended():
     """Its exit was interrupted before its BYE went (attack review round 3)."""
     coord = joined(3)
     feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a + b))
-    out = coord.give_up_ending(0)
+    coord.start_ending()
+    out = coord.give_up_ending()
+    assert coord.ending_due() is None  # (the group is over)
     assert coord.phase is Phase.FAILED and {p for p, _ in out} == {peer(1), peer(2)}
     message = decode(encode(out[0][1])).body()["message"]
     assert message.startswith("rank 0 ended its program (without teardown) after seq 0")

@@ -26,7 +26,6 @@ from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
 from .._limits import (
     CLOSE_LINGER_MS,
     EXIT_LINGER_MS,
-    EXIT_WAIT_S,
     FORM_BIND_RETRY_S,
     POLL_SLICE_S,
     STOP_TIMEOUT_S,
@@ -81,7 +80,6 @@ class Server:
         self._refusals: list[str] = []  # peers refused at the handshake without a secret here
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
         # socket of rank 0's context uses it too)
-        self._ending: Optional[float] = None  # when rank 0's program said it was ending
         self._handover = True  # ROUTER_HANDOVER is on (while joining only)
         self._stopped = self._stopping = False
         self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
@@ -299,7 +297,7 @@ class Server:
 
         ``ending``: rank 0's program is ending (its member has sent BYE): it
         serves on until every call it made is complete and its results are on
-        their way (at most :data:`EXIT_WAIT_S`), then what is queued gets
+        their way (at most :data:`~zcollective._limits.EXIT_WAIT_S`), then what is queued gets
         :data:`~zcollective._limits.EXIT_LINGER_MS` to leave. An interrupt
         meanwhile tells the others the group is over, and closes at once;
         so does ``hurry`` (the program was interrupted while ending).
@@ -318,7 +316,7 @@ class Server:
                 self._stopped = True
                 try:
                     if ending and self.crashed is None:
-                        self._ending = time.monotonic()
+                        self.coordinator.start_ending()
                         self._give_up_ending()
                 finally:
                     self._close(0 if ending else CLOSE_LINGER_MS)
@@ -334,7 +332,7 @@ class Server:
         try:
             if ending and self.crashed is None:
                 if hurry:  # interrupted while ending: its BYE may not have gone
-                    self._ending = time.monotonic()
+                    self.coordinator.start_ending()
                     self._give_up_ending()
                 else:
                     linger = EXIT_LINGER_MS
@@ -348,19 +346,20 @@ class Server:
             self._close(linger)
 
     def _serve_ending(self) -> None:
-        """Rank 0's program is ending: serve until the group is over, or
-        :data:`EXIT_WAIT_S` (then the others are told it is)."""
+        """Rank 0's program is ending: serve until the group is over, or until
+        the coordinator's ending is due (rule 7; then the others are told)."""
         coordinator = self.coordinator
-        self._ending = time.monotonic()
+        coordinator.start_ending()
         self._take_from_host()  # (its BYE may wait there, sent while the thread was reducing)
-        if not self._serve_until(lambda: coordinator.phase in (Phase.CLOSED, Phase.FAILED),
-                                 self._ending + EXIT_WAIT_S, self.SERVED):
+        due = coordinator.ending_due()
+        if due is not None and not self._serve_until(lambda: coordinator.ending_due() is None, due,
+                                                     self.SERVED):
             self._give_up_ending()
 
     def _give_up_ending(self) -> None:
-        if self._ending is not None and self._router is not None:
+        if self._router is not None:
             try:
-                self._send_all(self.coordinator.give_up_ending(time.monotonic() - self._ending))
+                self._send_all(self.coordinator.give_up_ending())
             except Exception:
                 pass  # nothing more can be said: the sockets close now
 

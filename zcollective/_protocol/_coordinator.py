@@ -42,7 +42,7 @@ from .._format._wire import (
     decode,
     join_token,
 )
-from .._limits import LOCAL_PART_BYTES, MAX_STALL_WARNINGS, WIRE_PART_BYTES
+from .._limits import EXIT_WAIT_S, LOCAL_PART_BYTES, MAX_STALL_WARNINGS, WIRE_PART_BYTES
 from ..errors import SerializationError, from_signal
 from . import _ring
 from ._ops import LABELS, OPERATIONS, OPS, SPOKEN, Disagree, Malformed, Op, describe_call, rank_list
@@ -200,6 +200,7 @@ class Coordinator:
                  warn_after: Optional[float] = None, clock: Callable[[], float] = time.monotonic,
                  entropy: Callable[[int], bytes] = os.urandom) -> None:
         self.clock = clock  # every time this object reads or keeps (a test passes a fake one)
+        self.ending_since: Optional[float] = None  # rank 0's program said it was ending (rule 7)
         self.forming = forming
         self.liveness_s = liveness_s  # the group's bound: tells a closed connection from a silent one
         self.failed_at: Optional[float] = None  # when (its clock) it failed
@@ -891,12 +892,26 @@ class Coordinator:
         return self.fail("ReplicaLostError", f"{member.describe_end()}; {context}",
                          lost=[member.rank], ended=True, exclude=gone, level=level)
 
-    def give_up_ending(self, waited: float) -> list[Outgoing]:
-        """Rank 0's program ended and waited ``waited`` seconds for the
-        others to reach its last calls: tell them the group is over."""
+    def start_ending(self) -> None:
+        """Rule 7: rank 0's program is ending; its last calls get
+        :data:`EXIT_WAIT_S` to complete (:meth:`ending_due`)."""
+        if self.ending_since is None:
+            self.ending_since = self.clock()
+
+    def ending_due(self) -> Optional[float]:
+        """When rank 0 stops waiting for its last calls (then
+        :meth:`give_up_ending`); None once the group is over, or not ending."""
+        if self.ending_since is None or self.phase in (Phase.CLOSED, Phase.FAILED):
+            return None
+        return self.ending_since + EXIT_WAIT_S
+
+    def give_up_ending(self) -> list[Outgoing]:
+        """Rank 0's program ended and waited for the others to reach its
+        last calls (or was interrupted): tell them the group is over."""
         host = self.by_rank.get(0)
-        if self.phase is not Phase.RUNNING or host is None:
+        if self.phase is not Phase.RUNNING or host is None or self.ending_since is None:
             return []
+        waited = round(self.clock() - self.ending_since, 1)
         if host.ended is None:  # interrupted before its BYE went: it ends now, after its calls
             host.ended = self.next_seq[0]
             self._ended.append(host)
