@@ -557,3 +557,37 @@ def test_a_coroutine_whose_call_another_thread_resolves_as_it_goes_to_sleep_wake
     async def main():
         return await asyncio.wait_for(future, WAIT_S / 2)
     assert asyncio.run(main()) == 42
+
+
+def slow_reduction_then_a_call_with_a_timeout():
+    """Rank 0's program calls (timeout 0.5 s) while its server thread runs a 3 s reduce
+    function (its program was away): found by an attack, the call waited the whole reduce
+    function. Now it times out, naming the reduce function, and an error note takes its place
+    once the turn is free, so the other rank's call at that seq fails too and the next pair."""
+    import time
+
+    def slow(a, b):
+        time.sleep(3)
+        return a + b
+
+    r = zc.get_rank()
+    first = zc.allreduce_async(r, slow)
+    time.sleep(0.3)  # rank 0's program is away: its server thread takes the turn and reduces
+    started = time.monotonic()
+    try:
+        zc.allreduce(1, timeout=0.5)
+        said = None
+    except zc.CollectiveError as exc:
+        said = (type(exc).__name__, str(exc))
+    took = time.monotonic() - started
+    return said, took, first.result(timeout=30), zc.allreduce(10 + r, timeout=30)
+
+
+def test_a_rank_0_call_waits_for_the_server_threads_reduction_no_longer_than_its_timeout():
+    (said0, took0, first0, next0), (said1, _, first1, next1) = run_replicas(
+        slow_reduction_then_a_call_with_a_timeout, 2, timeout=60)
+    assert said0[0] == "CollectiveTimeoutError" and took0 < 2.0, (said0, took0)
+    assert "seq 1 allreduce timed out before it could be made" in said0[1]
+    assert "reduce function of seq 0 allreduce has been running" in said0[1]
+    assert said1 is not None and said1[0] in ("CollectiveTimeoutError", "PeerError"), said1
+    assert first0 == first1 == 1 and next0 == next1 == 21  # the calls pair up again

@@ -73,8 +73,16 @@ class Calls:
         self.member, self.driver, self.turns = life.member, life.driver, life.turns
         self.server, self.here, self.config = life.server, life.here, life.config
         self.pid, self.rank = life.pid, life.config.rank
+        self._unsent: list[tuple[Op, int, str, str]] = []  # calls that timed out before they were made
 
-    def call(self, name: str, *args: Any) -> CollectiveFuture[Any]:
+    def run(self, name: str, timeout: Timeout, *args: Any) -> Any:
+        """A blocking call of operation ``name``: made, then waited for, within ``timeout``."""
+        if isinstance(timeout, _Default):
+            timeout = self.config.op_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self.blocking(self.call(name, *args, deadline=deadline), timeout)
+
+    def call(self, name: str, *args: Any, deadline: Optional[float] = None) -> CollectiveFuture[Any]:
         """This replica's part of the next call of operation ``name``
         (:mod:`zcollective._protocol._ops` makes it from ``args``).
 
@@ -83,7 +91,10 @@ class Calls:
         handler's exception) while building still sends a part, an error note,
         so every replica's call at that seq ends in an error and the next call
         pairs correctly. A part the operation refuses (a wrong number of
-        values) is told to the others, and raises ``ValueError`` here.
+        values) is told to the others, and raises ``ValueError`` here. A call
+        that cannot have the turn by ``deadline`` (rank 0's server thread runs
+        a slow reduce function) raises :class:`CollectiveTimeoutError`, and an
+        error note goes in its place once the turn is free.
         """
         site = _callsite()
         if self.life.closed or _process != self.pid:
@@ -95,11 +106,21 @@ class Calls:
             if self.member.failure is None and not self.life.closed:
                 self.submit(operation.code, error_contribution(exc.root, error_note(str(exc))), site)
             raise ValueError(f"rank {self.rank}: {exc}") from None
-        return self.submit(operation.code, part, site)
+        return self.submit(operation.code, part, site, deadline)
 
-    def submit(self, op: Op, part: Contribution, site: str) -> CollectiveFuture[Any]:
-        """Send :meth:`call`'s part, holding the turn."""
-        with self.turns:
+    def submit(self, op: Op, part: Contribution, site: str,
+               deadline: Optional[float] = None) -> CollectiveFuture[Any]:
+        """Send :meth:`call`'s part, holding the turn (taken by ``deadline``)."""
+        turns = self.turns
+        if not turns.take(deadline):
+            busy = (self.driver.busy() if self.driver is not None else None) or "another thread holds it"
+            why = (f"rank {self.rank}: seq {self.member.next_seq + len(self._unsent)} {LABELS[op]} timed "
+                   f"out before it could be made ({busy}); an error note goes in its place, so the "
+                   f"others' call fails too")
+            self._unsent.append((op, part.root, site, why))
+            raise CollectiveTimeoutError(why)
+        try:
+            self._note_unsent()
             if self.life.closed:  # torn down by another thread meanwhile
                 self.life.check_usable()
             server = self.server
@@ -129,6 +150,21 @@ class Calls:
             if member.outcomes:
                 settle(member.outcomes)
             return future
+        finally:
+            turns.give()
+
+    def _note_unsent(self) -> None:
+        """Holding the turn: an error note for each call that timed out
+        before it could be made, in its place (so the calls pair up again)."""
+        member = self.member
+        while self._unsent:
+            op, root, site, why = self._unsent.pop(0)
+            if member.failure is None and not self.life.closed:
+                member.reserve(op, root, site)
+                member.abandon(why)
+        if member.owed and self.driver is not None:
+            with contextlib.suppress(CollectiveError):
+                self.driver.flush()
 
     def blocking(self, future: CollectiveFuture[T], timeout: Timeout) -> T:
         """``future.result(timeout)`` for a call this thread has just made
@@ -243,6 +279,8 @@ class Calls:
         link = self.driver
         if link is None or self.life.closed:
             return True  # (closed meanwhile: every call was failed)
+        if self._unsent:
+            self._note_unsent()
         link.nudged = nudged
         try:
             return link.wait_for(until, deadline)

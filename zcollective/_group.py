@@ -225,7 +225,7 @@ class Group:
         CollectiveTimeoutError, ReplicaLostError, CallMismatchError
             See "When things go wrong" in the README.
         """
-        return self._calls.blocking(self._calls.call("allreduce", value, reduce_fn), timeout)
+        return self._calls.run("allreduce", timeout, value, reduce_fn)
 
     @_async_twin("allreduce", "RuntimeError, ValueError, TypeError",
                  "a value too large or that cannot be pickled, a ``reduce_fn`` that cannot be pickled")
@@ -237,7 +237,7 @@ class Group:
                timeout: Timeout = DEFAULT) -> Any:
         """Like ``allreduce``, but only ``root`` gets the result (with
         ``root``'s ``reduce_fn``); the others get ``None``."""
-        return self._calls.blocking(self._calls.call("reduce", value, reduce_fn, root), timeout)
+        return self._calls.run("reduce", timeout, value, reduce_fn, root)
 
     @_async_twin("reduce", "RuntimeError, ValueError, TypeError",
                  "a bad ``root``, a value too large or that cannot be pickled, "
@@ -263,7 +263,7 @@ class Group:
         CollectiveTimeoutError, ReplicaLostError, CallMismatchError
             See "When things go wrong" in the README.
         """
-        return self._calls.blocking(self._calls.call("reduce_scatter", values, reduce_fn), timeout)
+        return self._calls.run("reduce_scatter", timeout, values, reduce_fn)
 
     @_async_twin("reduce_scatter", "RuntimeError, ValueError, TypeError",
                  "``values`` of the wrong length, a value too large or that cannot be pickled, "
@@ -275,7 +275,7 @@ class Group:
     def broadcast(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Any:
         """Every replica gets ``root``'s ``value``; the others' values are ignored.
         ``root`` gets back its own object, the others an unpickled copy."""
-        return self._calls.blocking(self._calls.call("broadcast", value, root), timeout)
+        return self._calls.run("broadcast", timeout, value, root)
 
     @_async_twin("broadcast", "RuntimeError, ValueError, SerializationError",
                  "a bad ``root``, a value too large or that cannot be pickled")
@@ -284,7 +284,7 @@ class Group:
 
     def allgather(self, value: Any, *, timeout: Timeout = DEFAULT) -> list[Any]:
         """Every replica gets the list of all replicas' values, in rank order."""
-        return self._calls.blocking(self._calls.call("allgather", value), timeout)  # type: ignore[no-any-return]
+        return self._calls.run("allgather", timeout, value)  # type: ignore[no-any-return]
 
     @_async_twin("allgather", "RuntimeError, ValueError, SerializationError",
                  "a value too large or that cannot be pickled")
@@ -294,7 +294,7 @@ class Group:
     def gather(self, value: Any, root: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[list[Any]]:
         """``root`` gets the list of all replicas' values in rank order; the
         others get ``None``. Values travel only to ``root``."""
-        return self._calls.blocking(self._calls.call("gather", value, root), timeout)  # type: ignore[no-any-return]
+        return self._calls.run("gather", timeout, value, root)  # type: ignore[no-any-return]
 
     @_async_twin("gather", "RuntimeError, ValueError, SerializationError",
                  "a bad ``root``, a value too large or that cannot be pickled")
@@ -306,7 +306,7 @@ class Group:
         """Replica i gets ``values[i]`` of ``root`` (``values`` is ignored
         elsewhere). A ``values`` of the wrong length raises ``ValueError`` on
         ``root`` and :class:`PeerError` on the others."""
-        return self._calls.blocking(self._calls.call("scatter", values, root), timeout)
+        return self._calls.run("scatter", timeout, values, root)
 
     @_async_twin("scatter", "RuntimeError, ValueError, SerializationError",
                  "a bad ``root``, ``values`` of the wrong length (on ``root``), "
@@ -317,7 +317,7 @@ class Group:
     def alltoall(self, values: Sequence[Any], *, timeout: Timeout = DEFAULT) -> list[Any]:
         """Replica i gets ``[values_j[i] for j in ranks]``: each replica
         passes one value per replica."""
-        return self._calls.blocking(self._calls.call("alltoall", values), timeout)  # type: ignore[no-any-return]
+        return self._calls.run("alltoall", timeout, values)  # type: ignore[no-any-return]
 
     @_async_twin("alltoall", "RuntimeError, ValueError, SerializationError",
                  "``values`` of the wrong length, a value too large or that cannot be pickled")
@@ -326,7 +326,7 @@ class Group:
 
     def barrier(self, *, timeout: Timeout = DEFAULT) -> None:
         """Return once every replica has called ``barrier``."""
-        self._calls.blocking(self.barrier_async(), timeout)
+        self._calls.run("barrier", timeout)
 
     def barrier_async(self) -> CollectiveFuture[None]:
         """Start ``barrier`` and return at once, with a future.
@@ -443,7 +443,7 @@ class Group:
         CollectiveError
             As for any collective call (the group goes on, unchanged).
         """
-        count = self._calls.blocking(self._calls.call("grow"), timeout)
+        count = self._calls.run("grow", timeout)
         if not count:
             return self
         grown = Group._of(_elastic.regroup(self._life, count))
