@@ -12,7 +12,6 @@ rule and the reasons: see docs/protocol.md, Concurrency.
 from __future__ import annotations
 
 import faulthandler
-import os
 import signal
 import sys
 import threading
@@ -34,11 +33,11 @@ DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in (
 RESEND_FIRST_S = 0.001  # a deferred signal comes again this soon: most library steps are shorter
 RESEND_MAX_S = 0.05  # ... backing off to this, within a long step (pickling a large value)
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
-_NOT_LIBRARY = {os.path.join(_HERE, name) for name in ("run.py", "testing.py", "_child.py", "__main__.py")}
+_PACKAGE = __name__.split(".")[0]  # the library's code is its package's modules (by name, not path)
+_NOT_LIBRARY = {f"{_PACKAGE}.{name}" for name in ("run", "testing", "_child", "__main__")}
 # (the launcher and the test helpers run programs: their code is not the library at work)
 _SURFACES: set[CodeType] = set()
-_library_files: dict[str, bool] = {}
+_library_modules: dict[str, bool] = {}
 _MAIN_THREAD = threading.main_thread().ident
 
 
@@ -202,14 +201,16 @@ def user_code(fn: Callable[..., T]) -> Callable[..., T]:
 
 def library_code(fn: Any) -> bool:
     """Is ``fn`` the library's own (or built in): no surface needed to call it?"""
-    code = getattr(fn, "__code__", None)
-    return code is None or _is_library(code.co_filename)
+    return getattr(fn, "__code__", None) is None or _is_library(getattr(fn, "__module__", None))
 
 
-def _is_library(name: str) -> bool:
-    mine = _library_files.get(name)
+def _is_library(module: Optional[str]) -> bool:
+    """Is ``module`` (a name) one of the library's, at work (not its launcher or test helpers)?"""
+    mine = _library_modules.get(module or "")
     if mine is None:
-        mine = _library_files[name] = name.startswith(_HERE) and name not in _NOT_LIBRARY
+        name = module or ""
+        mine = _library_modules[name] = (name == _PACKAGE or name.startswith(_PACKAGE + ".")) and (
+            name not in _NOT_LIBRARY)
     return mine
 
 
@@ -221,7 +222,7 @@ def deferred(frame: Optional[FrameType]) -> bool:
         code = frame.f_code
         if code in _SURFACES:
             return False
-        if _is_library(code.co_filename):
+        if _is_library(frame.f_globals.get("__name__")):
             return True
         frame = frame.f_back
     return False
