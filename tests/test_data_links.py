@@ -345,8 +345,8 @@ def test_a_data_port_admits_only_its_own_link_key_and_drops_another_groups_chunk
             session, base = ports[0]["session"], bytes.fromhex(ports[0]["base"])
             domain = _zap.DATA_DOMAIN
             for r, port in enumerate(ports):
-                offers = {f"rank {q}'s key": _tokens.link_key(base, session, q) for q in range(3)}
-                offers["another group's key"] = _tokens.link_key(base, session ^ 1, r)
+                offers = {f"rank {q}'s key": _tokens.port_key(base, session, q) for q in range(3)}
+                offers["another group's key"] = _tokens.port_key(base, session ^ 1, r)
                 offers["the base key itself"] = base
                 offers["a stranger's key"] = os.urandom(32)
                 for what, key in offers.items():

@@ -1221,7 +1221,7 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
     """Rank 0's own member has a routing id no DEALER is given; libzmq lets a
     peer announce it anyway, so the server drops it: a JOIN under that name
     for rank 0, sent while the group joins, takes nobody's place."""
-    from zcollective._protocol._coordinator import HOST_PEER
+    from zcollective._protocol._coordinator import RANK0_PEER
 
     port = free_port()
     done = {}
@@ -1235,7 +1235,7 @@ def test_a_peer_using_rank_0s_in_process_name_is_dropped():
 
     ctx = zmq.Context()
     impostor = ctx.socket(zmq.DEALER)
-    impostor.setsockopt(zmq.ROUTING_ID, HOST_PEER)
+    impostor.setsockopt(zmq.ROUTING_ID, RANK0_PEER)
     impostor.setsockopt(zmq.LINGER, 0)
     try:
         zero = threading.Thread(target=rank, args=(0,))

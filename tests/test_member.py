@@ -651,7 +651,7 @@ def test_a_taken_is_answered_once_no_data_through_its_seq_is_left():
     job is done (the driver flushes it), at once if none is left."""
     pair = Pair(2).joined()
     member = pair.members[1]
-    member.data_jobs.append((0, "a job of seq 0"))
+    member.transfers.append((0, "a job of seq 0"))
     ask = Message(Kind.TAKEN, rank=1, seq=0, session=member.session)
     assert member.receive(encode(ask)) == []
     member.data_done()
@@ -670,12 +670,12 @@ def test_a_bye_says_when_data_to_move_is_left():
     pair = Pair(2).joined()
     member = pair.members[1]
     assert not member.bye().flags & FLAG_DATA
-    member.calls[0] = Call("broadcast", data_job=lambda plan: None)
+    member.calls[0] = Call("broadcast", transfer=lambda plan: None)
     assert not member.bye().flags & FLAG_DATA
-    member.calls[0] = Call("allreduce", data_job=lambda plan: None, described=True)
+    member.calls[0] = Call("allreduce", transfer=lambda plan: None, described=True)
     assert member.bye().flags & FLAG_DATA
-    member.calls[0] = Call("broadcast", data_job=lambda plan: None)
-    member.data_jobs.append((0, "its job"))
+    member.calls[0] = Call("broadcast", transfer=lambda plan: None)
+    member.transfers.append((0, "its job"))
     assert member.bye().flags & FLAG_DATA
 
 
@@ -769,25 +769,25 @@ def test_a_failure_within_the_grace_says_why_and_no_abort_is_sent():
     member = pair.members[1]
     member.clock = clock
     member.calls[0] = Call("allreduce")
-    member.data_jobs.append((0, "its job"))
+    member.transfers.append((0, "its job"))
     assert member.data_lost(lost_link()) == []
     clock.now += 0.1
     why = zc.ReplicaLostError("rank 0's program ended")  # rank 0's FAIL came meanwhile
     member.fail(why, keep_data=True)
     assert member.next_deadline() <= clock.now  # due at once
     assert member.on_timer(clock.now) == []
-    assert member.failure is why and not member.data_jobs and not member.losing_data
+    assert member.failure is why and not member.transfers and not member.losing_data
 
 
 def test_a_reduce_function_that_raised_fails_only_its_call_at_once_and_tells_rank_0():
     pair = Pair(2).joined()
     member = pair.members[1]
     future = pair.call(1, Op.ALLREDUCE, 1, send=False)
-    member.data_jobs.append((0, "its job"))
+    member.transfers.append((0, "its job"))
     error = zc.PeerError("seq 0 allreduce: the reduce function raised on rank 1")
     error.seq = 0
     [abort] = member.data_lost(error)
     assert (abort.kind, abort.seq, abort.body()["lost"]) == (Kind.ABORT, 0, None)
     [said] = member.outcomes
-    assert member.failure is None and said.future is future and said.error is error and not member.data_jobs
+    assert member.failure is None and said.future is future and said.error is error and not member.transfers
     assert member.next_deadline() is None

@@ -744,18 +744,18 @@ def test_a_data_token_opens_only_the_port_and_group_it_was_made_for():
     same secret: each port checks tokens under its own link key."""
     wrong_mac = "credentials failed authentication (another secret, or another port's token)"
     domain = _zap.DATA_DOMAIN.encode()
-    username, password = _tokens.client_credentials(_tokens.link_key(SECRET, 7, 1), _zap.DATA_DOMAIN)
+    username, password = _tokens.client_credentials(_tokens.port_key(SECRET, 7, 1), _zap.DATA_DOMAIN)
     for session, rank in ((7, 2), (8, 1)):
-        other = _tokens.TokenChecker(_tokens.link_key(SECRET, session, rank))
+        other = _tokens.TokenChecker(_tokens.port_key(SECRET, session, rank))
         assert other.check(domain, username, password) == wrong_mac
-    assert _tokens.TokenChecker(_tokens.link_key(SECRET, 7, 1)).check(domain, username, password) is None
-    assert len({_tokens.link_key(b, s, r) for b in (SECRET, OTHER) for s in (7, 8) for r in (1, 2)}) == 8
+    assert _tokens.TokenChecker(_tokens.port_key(SECRET, 7, 1)).check(domain, username, password) is None
+    assert len({_tokens.port_key(b, s, r) for b in (SECRET, OTHER) for s in (7, 8) for r in (1, 2)}) == 8
 
 
 def test_a_data_domain_refuses_every_token_until_it_has_its_key_and_says_nothing_of_early_ones(caplog):
     gate = Gate(domain=_zap.DATA_DOMAIN)
     try:
-        key = _tokens.link_key(SECRET, 7, 1)
+        key = _tokens.port_key(SECRET, 7, 1)
         gate.gate.rekey(None, _zap.DATA_DOMAIN)  # a data port before its WELCOME
         _, monitor = gate.client(secret=key, domain=_zap.DATA_DOMAIN)
         assert gate.outcome(monitor)[0] == "HANDSHAKE_FAILED_AUTH"
@@ -775,7 +775,7 @@ def test_a_token_refused_before_the_key_is_spent_all_the_same():
     had no key yet, could be copied and replayed once it has one."""
     gate = Gate(domain=_zap.DATA_DOMAIN)
     try:
-        key = _tokens.link_key(SECRET, 7, 1)
+        key = _tokens.port_key(SECRET, 7, 1)
         gate.gate.rekey(None, _zap.DATA_DOMAIN)
         early = _tokens.client_credentials(key, _zap.DATA_DOMAIN)
         _, monitor = gate.client(credentials=early)

@@ -136,7 +136,7 @@ class Calls:
                 segments, fn = part.build()
                 future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
                 member.submit(op, part.root, segments, fn, site, part.flags, future, part.finish,
-                              part.data_job)
+                              part.transfer)
             except Exception:
                 member.unreserve()
                 raise

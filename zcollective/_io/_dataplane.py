@@ -1,6 +1,6 @@
 """The data plane's sockets: each replica binds one PULL socket (its data
 port) and connects one PUSH to the next rank's. It moves the chunks of a
-:class:`~zcollective._protocol._ring.Job` and nothing else: which calls go
+:class:`~zcollective._protocol._ring.Transfer` and nothing else: which calls go
 this way is decided by the coordinator, which matched the call first.
 
 The chunk format, its tag, liveness and faults: see docs/protocol.md,
@@ -21,7 +21,7 @@ import zmq
 from .._format._mac import ChunkMac
 from .._limits import CHUNK_BYTES, HANDSHAKE_MIN_MS, POLL_SLICE_S
 from .._protocol import _chunks, _tokens
-from .._protocol._ring import Job
+from .._protocol._ring import Transfer
 from ..config import Config
 from ..errors import CollectiveTimeoutError, PeerError, ReplicaLostError
 from . import _sockets, _zap
@@ -136,8 +136,8 @@ class DataPlane:
             assert data_key is not None  # (the member takes no data plan without one)
             base = bytes.fromhex(data_key)
         nxt = (self.rank + 1) % self.size
-        self._gatekeeper.rekey(_tokens.link_key(base, session, self.rank), _zap.DATA_DOMAIN)
-        key = _tokens.link_key(base, session, nxt)  # the next rank's port accepts only its own
+        self._gatekeeper.rekey(_tokens.port_key(base, session, self.rank), _zap.DATA_DOMAIN)
+        key = _tokens.port_key(base, session, nxt)  # the next rank's port accepts only its own
         target = endpoints[nxt]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)
@@ -225,7 +225,7 @@ class DataPlane:
 
     # -- one job ------------------------------------------------------------
 
-    def run(self, seq: int, job: Job, deadline: Optional[float], member: Member, waiter: Waiter,
+    def run(self, seq: int, job: Transfer, deadline: Optional[float], member: Member, waiter: Waiter,
             control: tuple[str, ...], pump: Callable[[], None],
             fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None) -> bool:
         """Move ``job``'s chunks until it is done and its last sends have
@@ -241,7 +241,7 @@ class DataPlane:
             self._take(frames, seq, job, member, fail)
         names = (*OURS, *control)
         self._watched(waiter)
-        while member.data_jobs and member.data_jobs[0][1] is job:  # (a failure empties it, or keeps it)
+        while member.transfers and member.transfers[0][1] is job:  # (a failure empties it, or keeps it)
             if job.outbox and (self._broken is not None or not self._send(seq, job)):
                 # the link went down since it was made: a connection libzmq re-made may have
                 # lost chunks, or was refused (a spent token) and left no pipe; it is lost
@@ -267,7 +267,7 @@ class DataPlane:
             trackers.popleft()
         return not trackers
 
-    def _send(self, seq: int, job: Job) -> bool:
+    def _send(self, seq: int, job: Transfer) -> bool:
         """Send the job's outbox without blocking; False if libzmq has no pipe
         to the next rank (see :data:`zcollective._io._sockets._NOBLOCK`)."""
         push, rules = self._push, self._rules
@@ -292,16 +292,16 @@ class DataPlane:
         outbox.clear()
         return True
 
-    def _drain(self, seq: int, job: Job, member: Member, fail: Callable[[Exception], None]) -> bool:
+    def _drain(self, seq: int, job: Transfer, member: Member, fail: Callable[[Exception], None]) -> bool:
         """Take every chunk waiting; is ``job`` still going?"""
         pull = self._pull
         while _sockets.readable(pull):
             self._take(_sockets.recv_message(pull), seq, job, member, fail)
-            if not (member.data_jobs and member.data_jobs[0][1] is job):
+            if not (member.transfers and member.transfers[0][1] is job):
                 return False
         return True
 
-    def _take(self, frames: list[Any], seq: int, job: Job, member: Member,
+    def _take(self, frames: list[Any], seq: int, job: Transfer, member: Member,
               fail: Callable[[Exception], None]) -> None:
         """Give one chunk to ``job``, keep it for a later job, or drop it, as
         the rules say (:mod:`zcollective._protocol._chunks`)."""
@@ -328,7 +328,7 @@ class DataPlane:
         else:
             self._warn(reason, verdict.why)
 
-    def _events(self, seq: int, job: Job, fail: Callable[[Exception], None]) -> None:
+    def _events(self, seq: int, job: Transfer, fail: Callable[[Exception], None]) -> None:
         """The monitors: the link to the next rank closed or silent fails the
         group (the previous rank's loss is told by the coordinator, or by it)."""
         push_monitor, pull_monitor = self._push_monitor, self._pull_monitor
@@ -345,7 +345,7 @@ class DataPlane:
             pass
         return None
 
-    def _lost(self, seq: int, job: Job, why: str) -> ReplicaLostError:
+    def _lost(self, seq: int, job: Transfer, why: str) -> ReplicaLostError:
         """The link to the next rank is lost (the only one this rank can tell)."""
         self._broken = self._broken or why  # nothing more goes that way, not even at exit
         nxt = (self.rank + 1) % self.size

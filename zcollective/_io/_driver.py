@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, owned
 from .._limits import STATUS_WAIT_S
-from .._protocol._coordinator import HOST_PEER, Coordinator
+from .._protocol._coordinator import RANK0_PEER, Coordinator
 from .._protocol._member import Member
 from ..errors import CollectiveError, CollectiveTimeoutError
 from ._interrupts import NUDGE, Waiter
@@ -137,7 +137,7 @@ class Driver:
             self.flush()
         while not done():
             # (a call kept by a failure too: see Member.fail)
-            moved = self._move_data(deadline, done if self.nudged else None) if member.data_jobs else None
+            moved = self._move_data(deadline, done if self.nudged else None) if member.transfers else None
             if moved:
                 continue
             if member.failure is not None:
@@ -158,13 +158,13 @@ class Driver:
         first, or ``until()`` held after news (it goes on at the next wait),
         None if there is none."""
         member, data = self.member, self.data
-        if not member.data_jobs or data is None:
+        if not member.transfers or data is None:
             return None
-        seq, job = member.data_jobs[0]
+        seq, job = member.transfers[0]
         if not data.run(seq, job, deadline, member, self.waiter, self.watching(), self._take_in,
                         self._fail_data, until):
             return False
-        if member.data_jobs and member.data_jobs[0][1] is job:
+        if member.transfers and member.transfers[0][1] is job:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
         if member.owed:  # a TAKEN its data owed (rule 7 of the member)
             self.flush()
@@ -176,8 +176,8 @@ class Driver:
         at most ``timeout`` seconds."""
         member = self.member
         deadline = time.monotonic() + timeout
-        while any(c.data_job is not None for c in member.calls.values()) and (
-                member.failure is None or member.data_jobs):
+        while any(c.transfer is not None for c in member.calls.values()) and (
+                member.failure is None or member.transfers):
             if time.monotonic() >= deadline:
                 return
             self.flush()
@@ -305,7 +305,7 @@ class DirectDriver(Driver):
 
     def _send(self, msg: Message) -> None:
         coordinator = self.coordinator
-        self._inbox.extend(out for _, out in coordinator.receive_message(HOST_PEER, msg))
+        self._inbox.extend(out for _, out in coordinator.receive_message(RANK0_PEER, msg))
         if coordinator.interrupted is not None:  # in the reduce function: its error is queued
             interrupted, coordinator.interrupted = coordinator.interrupted, None
             raise interrupted

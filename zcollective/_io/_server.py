@@ -30,7 +30,7 @@ from .._limits import (
     POLL_SLICE_S,
     STOP_TIMEOUT_S,
 )
-from .._protocol._coordinator import HOST_PEER, Coordinator, Forming, Outgoing, Phase, ProbeSchedule
+from .._protocol._coordinator import RANK0_PEER, Coordinator, Forming, Outgoing, Phase, ProbeSchedule
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
@@ -159,7 +159,7 @@ class Server:
         """The owner: what rank 0's member sent, in order."""
         queue, receive = self._from_host, self.coordinator.receive_message
         while queue:
-            self._take(partial(receive, HOST_PEER, queue.popleft()))
+            self._take(partial(receive, RANK0_PEER, queue.popleft()))
 
     def serve(self, deadline: Optional[float], deliver: Callable[[Message], None],
               nudged: bool = False) -> bool:
@@ -515,7 +515,7 @@ class Server:
             taken += 1
             frames = _sockets.recv_message(router)
             peer = frames[0].bytes
-            if len(frames) < 2 or peer == HOST_PEER:  # that name is rank 0's own member's alone
+            if len(frames) < 2 or peer == RANK0_PEER:  # that name is rank 0's own member's alone
                 continue
             member = coordinator.members.get(peer)
             if member is None or coordinator.phase is Phase.JOINING:
@@ -533,7 +533,7 @@ class Server:
         cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
         router = self._router
         for peer, msg in outs:
-            if peer == HOST_PEER:
+            if peer == RANK0_PEER:
                 self.to_host.append(owned(msg))
                 if self._away:  # rank 0's thread is elsewhere: an awaiting coroutine watches this
                     self.wakeup.set()

@@ -43,7 +43,7 @@ class Gatekeeper:
     answered by :meth:`serve` from the thread that made it. Tokens are
     checked under ``secret``; with None, every one is refused until
     :meth:`rekey` gives the key. A domain can have a key of its own (a data
-    port: its link key, see :func:`link_key`); :meth:`rekey` with None
+    port: its link key, see :func:`port_key`); :meth:`rekey` with None
     refuses every token for that domain until it is given one.
 
     Raises

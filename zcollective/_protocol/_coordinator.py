@@ -64,7 +64,7 @@ SEEN_DEAD_SHARE = 0.5  # a connection gone within this share of the liveness bou
 # last message was closed, not timed out (heartbeats take 2/3 of it): the process died (rule 8)
 MUTATED = ("or did its program change a buffer (an array) it had passed to an _async call before "
            "the call completed (large buffers are sent without a copy)")  # the usual cause, by far
-HOST_PEER = b"\x00L0"  # its name for the member in its own process; no DEALER of ours has it
+RANK0_PEER = b"\x00L0"  # its name for the member in its own process; no DEALER of ours has it
 # (theirs start with b"R"), and the server drops any peer announcing it
 
 

@@ -82,7 +82,7 @@ class Call:
     started: float = 0.0  # when submitted (the member's stopwatch)
     sent: int = 0  # bytes of the contribution
     callsite: str = ""
-    data_job: Optional[Callable[[Message], Any]] = None  # a plan -> the data plane's Job
+    transfer: Optional[Callable[[Message], Any]] = None  # a plan -> the data plane's Transfer
     described: bool = False  # its contribution describes data of its own to move (FLAG_DATA)
 
 
@@ -140,7 +140,7 @@ class Member:
         self.data_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME
         self.data_key: Optional[str] = None  # the data ports' token key (hex), from the WELCOME
         self.outcomes: deque[Outcome] = deque()  # calls settled, for the runner to apply (rule 3)
-        self.data_jobs: deque[tuple[int, Any]] = deque()  # (seq, Job) ready to move, in order
+        self.transfers: deque[tuple[int, Any]] = deque()  # (seq, Transfer) ready to move, in order
         self.part_bytes = WIRE_PART_BYTES  # frames above this are sent in parts (the WELCOME says)
         self.mac = HMAC_SHA256  # the chunk MACs of the group (the WELCOME says)
         self.lineage: Optional[str] = None  # joining a group formed from an earlier one: its session
@@ -246,8 +246,8 @@ class Member:
     def _data_failure(self, error: Exception) -> list[Message]:
         lost, seq = getattr(error, "lost_rank", None), getattr(error, "seq", None)
         if self.failure is not None:  # a call kept by the failure (see fail) broke
-            if self.data_jobs:
-                self.data_failed(self.data_jobs[0][0], error)
+            if self.transfers:
+                self.data_failed(self.transfers[0][0], error)
             return []
         if seq is not None:  # only this call failed (the reduce function raised here)
             self.data_failed(seq, error)
@@ -289,7 +289,7 @@ class Member:
     def submit(self, op: Op, root: int, segments: list[list[Any]], fn: Any = None,
                callsite: str = "", flags: int = 0, future: Any = None,
                finish: Optional[Callable[[Message], Any]] = None,
-               data_job: Optional[Callable[[Message], Any]] = None) -> int:
+               transfer: Optional[Callable[[Message], Any]] = None) -> int:
         """Owe this rank's contribution to the next call (rule 4); return its seq.
 
         Raises
@@ -313,7 +313,7 @@ class Member:
                 sent += size
         seq = self.next_seq
         self._owe(seq, op, root, callsite, flags, fn, segments,
-                  Call(LABELS[op], future, finish, self.stopwatch(), sent, callsite, data_job,
+                  Call(LABELS[op], future, finish, self.stopwatch(), sent, callsite, transfer,
                        bool(flags & FLAG_DATA)))
         return seq
 
@@ -334,7 +334,7 @@ class Member:
         # (finish_data ran out) a plan came and its data is not moved, or this rank described data
         # of its own; a call whose plan did not come may need no data plane at all (a small
         # broadcast or allgather): the coordinator fails it if it goes peer to peer after all
-        unsent = bool(self.data_jobs) or any(c.described and c.data_job is not None
+        unsent = bool(self.transfers) or any(c.described and c.transfer is not None
                                              for c in self.calls.values())
         return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session,
                        flags=FLAG_DATA if unsent else 0)
@@ -444,7 +444,7 @@ class Member:
         """The answer to a TAKEN once no data job through its seq is left
         here (rule 7); none until then."""
         asked = self._asked
-        if asked is None or any(seq <= asked for seq, _ in self.data_jobs):
+        if asked is None or any(seq <= asked for seq, _ in self.transfers):
             return []
         self._asked = None
         return [Message(Kind.TAKEN, rank=self.rank, seq=asked, session=self.session)]
@@ -492,8 +492,8 @@ class Member:
             return
         if msg.flags & FLAG_DATA and error is None:
             return self._start_data(msg, call)
-        if error is not None and self.data_jobs:  # its data move stops where it is
-            self.data_jobs = deque((s, j) for s, j in self.data_jobs if s != msg.seq)
+        if error is not None and self.transfers:  # its data move stops where it is
+            self.transfers = deque((s, j) for s, j in self.transfers if s != msg.seq)
         if call.future is not None:
             self._record(msg.seq, call, _received(msg), "error" if error is not None else "done")
             finish = call.finish
@@ -505,20 +505,20 @@ class Member:
         """The coordinator matched a call whose data travels peer to peer: its
         job joins the queue the driver moves (the call stays in the table
         until the job is done). Handled twice, it is queued once."""
-        if call.data_job is None or any(seq == msg.seq for seq, _ in self.data_jobs):
+        if call.transfer is None or any(seq == msg.seq for seq, _ in self.transfers):
             return
         try:
-            job = call.data_job(msg)
+            job = call.transfer(msg)
         except (WireError, ValueError, KeyError, TypeError) as exc:
             self.fail(ProtocolError(f"seq {msg.seq} {call.op}: rank {self.rank} got a data plan "
                                     f"it cannot follow from the coordinator: {exc}"), tell=True)
             return
-        self.data_jobs.append((msg.seq, job))
+        self.transfers.append((msg.seq, job))
 
     def data_failed(self, seq: int, error: Exception) -> None:
         """Call ``seq``'s data move failed here (not the group): its job
         stops, its future gets ``error``; the others hear it from rank 0."""
-        self.data_jobs = deque((s, j) for s, j in self.data_jobs if s != seq)
+        self.transfers = deque((s, j) for s, j in self.transfers if s != seq)
         self.owed.extend(self._taken())
         call = self.calls.pop(seq, None)
         if call is not None and call.future is not None:
@@ -527,16 +527,16 @@ class Member:
     def data_done(self) -> None:
         """The first queued job moved all its data: its call's value is ready
         (the job's ``finish``, made by the runner)."""
-        seq, job = self.data_jobs[0]
+        seq, job = self.transfers[0]
         call = self.calls.get(seq)
         if call is None:
-            self.data_jobs.popleft()
+            self.transfers.popleft()
             self.owed.extend(self._taken())
             return
         if call.future is not None:
             self._record(seq, call, job.received_bytes, "done")
             self.outcomes.append(Outcome(call.future, make=job.finish))
-        self.data_jobs.popleft()
+        self.transfers.popleft()
         self.owed.extend(self._taken())
         self.calls.pop(seq, None)
 
@@ -626,9 +626,9 @@ class Member:
         self.failure = error
         self.failed_at = self.clock()
         self.owed.clear()  # nobody will pair them now
-        kept = {seq for seq, _ in self.data_jobs} if keep_data else set()
+        kept = {seq for seq, _ in self.transfers} if keep_data else set()
         if not kept:
-            self.data_jobs.clear()
+            self.transfers.clear()
         calls = self.calls
         self.calls = {seq: call for seq, call in calls.items() if seq in kept}
         self.outcomes.extend(Outcome(call.future, fresh(error)) for seq, call in calls.items()
@@ -640,7 +640,7 @@ class Member:
     def forget_calls(self, error_for: Callable[[Call, int], BaseException]) -> None:
         """The group closes: every call still in the table gets an error."""
         calls, self.calls = self.calls, {}
-        self.data_jobs.clear()
+        self.transfers.clear()
         self.outcomes.extend(Outcome(call.future, error_for(call, seq)) for seq, call in calls.items()
                              if call.future is not None)
 
@@ -667,11 +667,11 @@ class Member:
             missing = ",".join(map(str, status["missing"]))
             arrived = ",".join(map(str, status.get("arrived", []))) or "none"
             return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
-        job = next((j for s, j in self.data_jobs if s == seq), None)
+        job = next((j for s, j in self.transfers if s == seq), None)
         if job is not None:
             return (f"{base}: every rank arrived and its data moves peer to peer; "
-                    f"{job.progress()}" + ("" if self.data_jobs[0][1] is job else
-                                           f" (after seq {self.data_jobs[0][0]}'s)"))
+                    f"{job.progress()}" + ("" if self.transfers[0][1] is job else
+                                           f" (after seq {self.transfers[0][0]}'s)"))
         if status.get("state") == "done":
             return (f"{base}: every rank arrived and the coordinator (rank 0) sent the result, "
                     f"which had not arrived here yet")

@@ -88,13 +88,13 @@ class Combining(Protocol):
 class Contribution:
     """This rank's contribution to one call: ``build()`` serializes what it sends
     (after the call's seq is reserved), ``finish`` makes its value from the
-    RESULT, ``data_job`` the data-plane job from a plan (``FLAG_DATA``)."""
+    RESULT, ``transfer`` the data-plane job from a plan (``FLAG_DATA``)."""
 
     root: int
     build: Build
     finish: Finish
     flags: int = 0
-    data_job: Optional[Callable[[Message], _ring.Job]] = None
+    transfer: Optional[Callable[[Message], _ring.Transfer]] = None
 
 
 class Refused(ValueError):
@@ -314,7 +314,7 @@ class Allreduce(Operation):
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
         tensor = _is_tensor(value)
 
-        def job(msg: Message) -> _ring.Job:
+        def job(msg: Message) -> _ring.Transfer:
             ring = _ring.RingAllreduce(here.rank, here.size, array, _ring.reducer(name, reduce_fn))
             ring.finish = _tensor_out(tensor, ring.result)
             return ring
@@ -373,7 +373,7 @@ class ReduceScatter(Operation):
         description = _bodies.plan(dtype=first.dtype.str, shape=[n, *shape], fn=name)
         tensor = _is_tensor(own)
 
-        def job(msg: Message) -> _ring.Job:
+        def job(msg: Message) -> _ring.Transfer:
             numpy = sys.modules["numpy"]
             laid = numpy.concatenate([arrays[(s - 1) % n].reshape(-1) for s in range(n)])
             ring = _ring.RingAllreduce(here.rank, n, laid, _ring.reducer(name, reduce_fn), gather=False)
@@ -403,7 +403,7 @@ class Broadcast(Operation):
     def contribute(self, here: Here, value: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
         if here.rank != root:
-            return Contribution(root, _nothing, _first, data_job=self._chain(here, root, None) if here.data
+            return Contribution(root, _nothing, _first, transfer=self._chain(here, root, None) if here.data
                         else None)
         if not here.data:
             return Contribution(root, _sent(value), _value(value))
@@ -416,10 +416,10 @@ class Broadcast(Operation):
 
     @staticmethod
     def _chain(here: Here, root: int, segment: Optional[list[Any]], value: Any = None
-               ) -> Callable[[Message], _ring.Job]:
+               ) -> Callable[[Message], _ring.Transfer]:
         """The job of a broadcast whose value goes down the chain (the root's
         plan says the sizes of its frames)."""
-        def job(msg: Message) -> _ring.Job:
+        def job(msg: Message) -> _ring.Transfer:
             sizes = _bodies.parse_sizes(msg, here.max_frame_bytes)
             chain = _ring.ChainBroadcast(here.rank, here.size, root, sizes, segment)
             chain.finish = (lambda: value) if segment is not None else (
@@ -453,7 +453,7 @@ class Allgather(Operation):
         plan = _bodies.sizes_plan(segment, here.data_min_bytes)
         rank, size = here.rank, here.size
 
-        def job(msg: Message) -> _ring.Job:
+        def job(msg: Message) -> _ring.Transfer:
             told = _bodies.parse_gather_plan(msg, size)
             ring = _ring.RingAllgather(rank, size, told, segment if told[rank] is not None else None)
             inline = iter(msg.segments[1:])
@@ -466,7 +466,7 @@ class Allgather(Operation):
             ring.finish = finish
             return ring
         if plan is None:
-            return Contribution(0, lambda: ([segment], None), _all(value, rank), data_job=job)
+            return Contribution(0, lambda: ([segment], None), _all(value, rank), transfer=job)
         return Contribution(0, lambda: ([[plan]], None), _all(value, rank), FLAG_DATA, job)
 
     malformed = staticmethod(_one_each)

@@ -120,7 +120,7 @@ def _chunks(start: int, end: int, per: int) -> list[tuple[int, int]]:
     return [(s, min(s + per, end)) for s in range(start, end, per)] or [(start, end)]
 
 
-class Job:
+class Transfer:
     """One call's transfer at one rank: chunks to send (:attr:`outbox`) and
     the chunks it expects; fed what arrives with :meth:`receive`."""
 
@@ -160,7 +160,7 @@ class Job:
                 f"({self.received_bytes} of {self.total_bytes} bytes) from rank {self.prev}")
 
 
-class RingAllreduce(Job):
+class RingAllreduce(Transfer):
     """The ring allreduce of a contiguous numeric array (see the module docstring)."""
 
     kind_name = "ring allreduce"
@@ -239,7 +239,7 @@ class RingAllreduce(Job):
         return self._out.reshape(self._shape)
 
 
-class ChainBroadcast(Job):
+class ChainBroadcast(Transfer):
     """The root's serialized value (frames of known sizes) down the chain."""
 
     kind_name = "chain broadcast"
@@ -292,7 +292,7 @@ class ChainBroadcast(Job):
         return self._frames
 
 
-class RingAllgather(Job):
+class RingAllgather(Transfer):
     """Each rank's serialized value once round the ring. ``sizes[r]``: the
     lengths of rank r's frames, or None if its value came with the plan."""
 
