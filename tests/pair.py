@@ -28,6 +28,16 @@ LIST_OPS = (Op.ALLGATHER, Op.GATHER, Op.ALLTOALL)
 NOTHING = object()  # a call that sends no value (barrier; scatter and broadcast off the root)
 
 
+class FakeClock:
+    """A clock a test moves by hand (the coordinator's and member's ``clock``)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def peer(rank: int) -> bytes:
     return b"R%d" % rank
 

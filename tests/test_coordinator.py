@@ -3,6 +3,7 @@
 import logging
 
 import pytest
+from pair import FakeClock
 
 from zcollective._format import _serialize
 from zcollective._format._wire import (
@@ -880,16 +881,6 @@ def test_a_connection_gone_soon_after_a_message_was_seen_to_die_and_a_silent_one
     died = [m.body() for _, m in coord.lost(1, "test")]
     assert died and all(b["dead"] == [1] for b in died)
 
-
-
-class FakeClock:
-    """A clock a test moves by hand (the coordinator's and member's ``clock``)."""
-
-    def __init__(self, now=1000.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
 
 
 def test_stall_warnings_follow_the_coordinators_clock_at_the_bound_then_twice_it():

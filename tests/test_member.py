@@ -8,7 +8,7 @@ import os
 import socket
 
 import pytest
-from pair import ENDPOINT, SESSION, Pair, outcome
+from pair import ENDPOINT, SESSION, FakeClock, Pair, outcome
 
 import zcollective as zc
 from zcollective._format import _serialize
@@ -680,14 +680,6 @@ def test_a_bye_says_when_data_to_move_is_left():
 
 
 # -- timers (rules 8 and 9): the driver asks when, and sends what on_timer returns ----------------
-
-
-class FakeClock:
-    def __init__(self, now=1000.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
 
 
 def test_a_join_is_sent_again_at_its_timer_until_the_welcome():
