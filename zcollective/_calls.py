@@ -120,7 +120,8 @@ class Calls:
             self._unsent.append((op, part.root, site, why))
             raise CollectiveTimeoutError(why)
         try:
-            self._note_unsent()
+            if self._unsent:
+                self._note_unsent()
             if self.life.closed:  # torn down by another thread meanwhile
                 self.life.check_usable()
             server = self.server
@@ -200,9 +201,9 @@ class Calls:
                 link.send(gave_up)
                 if gave_up and timed_out:  # the coordinator's verdict: an ERROR (failed on every
                     # rank), or the result, when the call completed before it heard
-                    turns.wait(lambda: self._settled(future), time.monotonic() + STATUS_WAIT_S,
+                    turns.wait(self._settled(future), time.monotonic() + STATUS_WAIT_S,
                                self._drive, _never)
-            return self._settled(future) and future._error is None
+            return self._settled(future)() and future._error is None
         finally:
             turns.give()
 
@@ -231,7 +232,7 @@ class Calls:
             raise CollectiveTimeoutError(self.member.timeout_message(future.seq, timeout, None, link.busy()))
         try:
             message = link.timeout_message(future.seq, timeout)
-            if self._settled(future):
+            if self._settled(future)():
                 return  # it arrived while the coordinator was asked
             self.member.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer
             raise CollectiveTimeoutError(message)
@@ -240,21 +241,20 @@ class Calls:
 
     def _wait_until(self, future: CollectiveFuture[Any], deadline: Optional[float]) -> bool:
         """Wait (leading or following) until ``future`` is done (True) or ``deadline``."""
+        return self.turns.wait(self._settled(future), deadline, self._drive,
+                               lambda wake: future.add_done_callback(lambda _: wake()))
+
+    def _settled(self, future: CollectiveFuture[Any]) -> Callable[[], bool]:
+        """A wait's predicate: is ``future`` done, once what the rules said
+        calls came to is applied (by the turn's holder only: a follower just
+        looks)? Asked after every step, so it looks its objects up once."""
         outcomes, held = self.member.outcomes, self.turns.held
 
-        def settled() -> bool:  # (as _settled, without its lookups: asked after every step)
+        def settled() -> bool:
             if outcomes and held():
                 settle(outcomes)
             return future._done
-        return self.turns.wait(settled, deadline, self._drive,
-                               lambda wake: future.add_done_callback(lambda _: wake()))
-
-    def _settled(self, future: CollectiveFuture[Any]) -> bool:
-        """Is ``future`` done, once what the rules said calls came to is
-        applied (by the turn's holder only: a follower just looks)?"""
-        if self.member.outcomes and self.turns.held():
-            settle(self.member.outcomes)
-        return future._done
+        return settled
 
     def _say_stalled(self, future: CollectiveFuture[Any]) -> Optional[float]:
         """A call waited ``warn_after``: ask the coordinator whom for, and say
@@ -266,7 +266,7 @@ class Calls:
             with contextlib.suppress(CollectiveError):
                 status = link.ask_status(future.seq)
                 line = (status or {}).get("stall")
-                if isinstance(line, str) and not self._settled(future):
+                if isinstance(line, str) and not self._settled(future)():
                     log.warning("zcollective rank %d: %s", self.rank, line[:2000])
                     return time.monotonic()
             return None

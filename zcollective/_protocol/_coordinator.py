@@ -1032,9 +1032,9 @@ class Coordinator:
     def newcomers_waiting(self) -> int:
         return len(self.newcomers)
 
-    def combine(self, contributions: list[Message], root: int, index: int = 0) -> Any:
-        """Every rank's ``index``-th value reduced in rank order with
-        ``root``'s function (an operation's route asks)."""
+    def combine(self, contributions: list[Message], root: int, count: int = 1) -> list[Any]:
+        """Every rank's first ``count`` values, each index reduced in rank
+        order with ``root``'s function (unpickled once; an operation's route asks)."""
         fn_frame = contributions[root].fn
         if fn_frame is None:
             raise ValueError(f"rank {root} sent no reduce function")
@@ -1042,17 +1042,23 @@ class Coordinator:
             fn = fn_frame  # rank 0's own, from its own process: as it is
             if not callable(fn):
                 fn = _serialize.loads([fn_frame], f"reduce function of rank {root}")
+        except SerializationError as exc:
+            raise _Unreadable(str(exc)) from exc
+        name, run = _ring.reduction_name(fn), self.user_code(fn)
+        return [self._reduce_index(contributions, index, name, run) for index in range(count)]
+
+    def _reduce_index(self, contributions: list[Message], index: int, name: Optional[str],
+                      fn: Callable[[Any, Any], Any]) -> Any:
+        try:
             values = [_serialize.loads(c.segments[index], f"value of rank {r}")
                       for r, c in enumerate(contributions)]
         except SerializationError as exc:
             raise _Unreadable(str(exc)) from exc
-        name = _ring.reduction_name(fn)
         if name is not None:  # elementwise: arrays must agree, as on the data plane (no broadcasting)
             described = _arrays(values, name)
             if described is not None and len(set(described)) > 1:
                 raise Disagree(described)
         self.reducing = (contributions[0].seq, OPS[contributions[0].op], self.clock())
-        fn = self.user_code(fn)
         try:
             acc = values[0]
             for value in values[1:]:

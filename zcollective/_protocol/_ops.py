@@ -74,8 +74,8 @@ class Combining(Protocol):
 
     num_replicas: int
 
-    def combine(self, contributions: list[Message], root: int, index: int = 0) -> Any:
-        """Every rank's ``index``-th value reduced in rank order with ``root``'s function."""
+    def combine(self, contributions: list[Message], root: int, count: int = 1) -> list[Any]:
+        """Every rank's first ``count`` values, each index reduced in rank order with ``root``'s function."""
 
     def newcomers_waiting(self) -> int:
         """How many newcomers a GROW admits."""
@@ -323,7 +323,7 @@ class Allreduce(Operation):
     malformed = staticmethod(_one_each)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        result = [_serialize.dumps(at.combine(contributions, root), "reduction result")]
+        result = [_serialize.dumps(at.combine(contributions, root)[0], "reduction result")]
         return [result for _ in contributions]
 
     def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
@@ -342,7 +342,7 @@ class Reduce(Operation):
         return Contribution(root, lambda: ([_serialize.dumps(value)], fn()), finish)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        result = [_serialize.dumps(at.combine(contributions, root), "reduction result")]
+        result = [_serialize.dumps(at.combine(contributions, root)[0], "reduction result")]
         return [result if r == root else [] for r in range(len(contributions))]
 
 
@@ -389,8 +389,8 @@ class ReduceScatter(Operation):
         return f"{shape[0]} values, each a {dtype} array of shape {shape[1:]} reduced with {fn}"
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        return [[_serialize.dumps(at.combine(contributions, root, i), "reduction result")]
-                for i in range(len(contributions))]
+        return [[_serialize.dumps(value, "reduction result")]
+                for value in at.combine(contributions, root, len(contributions))]
 
     def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
         return _agreed(contributions)
@@ -403,8 +403,8 @@ class Broadcast(Operation):
     def contribute(self, here: Here, value: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
         if here.rank != root:
-            return Contribution(root, _nothing, _first, transfer=self._chain(here, root, None) if here.data
-                        else None)
+            chain = self._chain(here, root, None) if here.data else None
+            return Contribution(root, _nothing, _first, transfer=chain)
         if not here.data:
             return Contribution(root, _sent(value), _value(value))
         segment = _serialize.dumps(value)
