@@ -7,14 +7,10 @@ takes the settings (``resolve``, ``zcollective.initialize``,
 ``zcollective.Group``) to the rows and writes their "Parameters" section; a
 test holds the README's configuration table to them.
 
-Precedence, setting by setting: an explicit argument; else the first
-environment variable set (``ZCOLLECTIVE_*``, then adaptdl's ``ADAPTDL_*``,
-then torchrun's names, ``MASTER_PORT`` plus 1 where torchrun's agent holds
-it); else what the launcher that started this process
-says (:data:`LAUNCHERS`: Open MPI, MPICH/Intel MPI, Slurm, a Kubernetes
-Indexed Job -- only the first one recognized is read); else the default.
-Every malformed value is a ``ValueError`` that names the argument or
-variable it came from, and its value. This module knows nothing of sockets.
+Precedence (argument, environment, the launcher of :data:`LAUNCHERS`, default):
+see docs/launching.md. Every malformed value is a ``ValueError`` that names
+the argument or variable it came from, and its value. This module knows
+nothing of sockets.
 """
 
 from __future__ import annotations
@@ -63,6 +59,8 @@ JOB_ENV = "ZCOLLECTIVE_JOB"
 JOB_NAMERS = {"ADAPTDL_JOB_ID": "adaptdl job", "TORCHELASTIC_RUN_ID": "torchrun run"}  # variables
 # that name the job -> what their value is called, so an error says whose name it is
 TORCHRUN_UNNAMED_RUN = "none"  # torchrun's default --rdzv-id: every run not --standalone has it
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -122,6 +120,14 @@ def _variable(env: Mapping[str, str], name: str, secret: bool = False) -> Option
         return None
     source = f"environment variable {name}"
     return Origin(raw, source, source if secret else f"{source}={raw!r}")
+
+
+def _converted(found: Origin, convert: Callable[[Any], T]) -> T:
+    """``convert(found.raw)``; its ValueError quotes where the value came from."""
+    try:
+        return convert(found.raw)
+    except ValueError as exc:
+        raise ValueError(f"{found.shown} {exc}") from None
 
 
 # -- conversions: raw value -> value, or ValueError(what is wrong) -----------
@@ -250,10 +256,7 @@ def _beside_torchrun_agent(found: Origin, env: Mapping[str, str]) -> Origin:
     (its workers' torch.distributed stores connect there): the coordinator takes the next port."""
     if found.source != "environment variable MASTER_PORT" or env.get(TORCHRUN_AGENT_STORE) != "True":
         return found
-    try:
-        port = _integer(found.raw) + 1
-    except ValueError as exc:
-        raise ValueError(f"{found.shown} {exc}") from None
+    port = _converted(found, _integer) + 1
     return Origin(port, "environment variable MASTER_PORT, plus 1",
                   f"{found.shown} plus 1 ({TORCHRUN_AGENT_STORE}='True': torchrun's agent listens "
                   f"on MASTER_PORT itself), {port},")
@@ -267,7 +270,7 @@ def _named_job(found: Origin, env: Mapping[str, str]) -> Optional[Origin]:
         return found
     if kind == JOB_NAMERS["TORCHELASTIC_RUN_ID"] and found.raw == TORCHRUN_UNNAMED_RUN:
         return None
-    return Origin(f"{kind} {found.raw}", found.source, found.shown)
+    return found._replace(raw=f"{kind} {found.raw}")
 
 
 @dataclass(frozen=True)
@@ -381,17 +384,11 @@ SETTINGS: tuple[Setting, ...] = (
 
 ARGUMENTS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.argument)
 
-ENV_NAMES: dict[str, tuple[str, ...]] = {s.field_name: s.env for s in SETTINGS if s.env}
-
 
 # -- launchers: programs that start the replicas and tell each who it is -----
 #
-# A launcher started inside another's allocation (mpirun in an sbatch script,
-# mpiexec under srun, anything in a pod) also sees the outer one's variables,
-# which describe its own daemons, not this process: the inner one -- the first
-# in LAUNCHERS -- is read, and only it, so no setting mixes two launchers.
-
-Read = Callable[[Mapping[str, str]], Optional[Origin]]
+# Only the first in LAUNCHERS recognized is read (an inner launcher also sees the
+# outer one's variables): see the README, *Launchers*.
 
 
 @dataclass(frozen=True)
@@ -399,7 +396,8 @@ class Reader:
     """How one launcher gives one setting."""
 
     variables: tuple[str, ...]  # what it reads, in the order the README names them
-    read: Read  # env -> the value's origin; None: the launcher does not say (the default holds)
+    read: Callable[[Mapping[str, str]], Optional[Origin]]  # env -> the value's origin; None: the
+    # launcher does not say (the default holds)
 
 
 def _plain(name: str) -> Reader:
@@ -408,12 +406,7 @@ def _plain(name: str) -> Reader:
 
 def _count(env: Mapping[str, str], name: str) -> Optional[int]:
     found = _variable(env, name)
-    if found is None:
-        return None
-    try:
-        return _integer(found.raw)
-    except ValueError as exc:
-        raise ValueError(f"{found.shown} {exc}") from None
+    return None if found is None else _converted(found, _integer)
 
 
 def _mpi_master(launcher: str, size_env: str, local_size_env: str) -> Reader:
@@ -476,12 +469,6 @@ def _pod_job(env: Mapping[str, str]) -> str:
     return host[:-len(index) - 1] if index and host.endswith(f"-{index}") else ""
 
 
-def _pod_job_hint(env: Mapping[str, str]) -> str:
-    """'(HOSTNAME='train-2' makes it 'train-0.<service>')' when the pod's name says its Job's."""
-    job = _pod_job(env)
-    return f" (HOSTNAME={env['HOSTNAME']!r} makes it {job + '-0.<service>'!r})" if job else ""
-
-
 def _kubernetes_job(env: Mapping[str, str]) -> Optional[Origin]:
     job = _pod_job(env)
     return Origin(f"Kubernetes Job {job}", "environment variable HOSTNAME",
@@ -493,16 +480,18 @@ def _job_named_by(kind: str, name: str) -> Reader:
 
     def read(env: Mapping[str, str]) -> Optional[Origin]:
         found = _variable(env, name)
-        return None if found is None else Origin(f"{kind} {found.raw}", found.source, found.shown)
+        return None if found is None else found._replace(raw=f"{kind} {found.raw}")
 
     return Reader((name,), read)
 
 
 def _kubernetes_master(env: Mapping[str, str]) -> Origin:
+    job = _pod_job(env)
+    hint = f" (HOSTNAME={env['HOSTNAME']!r} makes it {job + '-0.<service>'!r})" if job else ""
     raise ValueError(
         f"Kubernetes gives this pod JOB_COMPLETION_INDEX={env.get('JOB_COMPLETION_INDEX')!r} but does "
         f"not say where rank 0 is: set ZCOLLECTIVE_MASTER_ADDR in the Job's manifest to rank 0's "
-        f"pod, '<job>-0.<service>'{_pod_job_hint(env)}, with a headless Service <service> "
+        f"pod, '<job>-0.<service>'{hint}, with a headless Service <service> "
         f"(see docs/launching.md)")
 
 
@@ -532,10 +521,6 @@ class LaunchedBy:
         agree = all(env.get(ours, "").strip() == env.get(theirs, "").strip()
                     for ours, theirs in self.defers_to)
         return not (self.defers_to and agree)
-
-    def find(self, setting: str, env: Mapping[str, str]) -> Optional[Origin]:
-        reader = self.readers.get(setting)
-        return reader.read(env) if reader else None
 
 
 LAUNCHERS: tuple[LaunchedBy, ...] = (
@@ -602,8 +587,7 @@ def _from_env(s: Setting, env: Mapping[str, str]) -> Optional[Origin]:
 
 def _value(s: Setting, arg: Any, env: Mapping[str, str],
            launcher: Optional[LaunchedBy]) -> tuple[Any, Origin]:
-    """The setting's value and its origin: the argument, else the environment's
-    variables, else the launcher's, else the default."""
+    """The setting's value and its origin, found in the order of precedence."""
     if arg is not None or s.none_is_value:
         source = f"argument {s.name}"
         found: Optional[Origin] = Origin(arg, source, source if s.secret else f"{source}={arg!r}")
@@ -611,19 +595,15 @@ def _value(s: Setting, arg: Any, env: Mapping[str, str],
         found = _from_env(s, env)
         if found is not None and s.adjust is not None:
             found = s.adjust(found, env)
-        if found is None and launcher is not None:
-            found = launcher.find(s.name, env)
+        if found is None and launcher is not None and s.name in launcher.readers:
+            found = launcher.readers[s.name].read(env)
     if found is None:
         return s.default, Origin(s.default, "the default", "the default")
-    origin = found
-    try:
-        value = s.convert(origin.raw)
-    except ValueError as exc:
-        raise ValueError(f"{origin.shown} {exc}") from None
+    value = _converted(found, s.convert)
     problem = s.check(value) if s.check else None
     if problem:
-        raise ValueError(f"{origin.shown} {problem}")
-    return value, origin
+        raise ValueError(f"{found.shown} {problem}")
+    return value, found
 
 
 def _rank_in_range(c: Config, origins: Mapping[str, Origin]) -> None:
@@ -657,12 +637,8 @@ def _alone_by_omission(c: Config, origins: Mapping[str, Origin]) -> None:
                 " and ".join(given))
 
 
-CROSS_CHECKS = (_rank_in_range, _port_zero_only_alone, _alone_by_omission)
-
-
 # -- signatures --------------------------------------------------------------
 
-F = TypeVar("F", bound=Callable[..., Any])
 _ENV_DOC = ("env : Mapping[str, str], optional\n"
            "    The environment to read instead of ``os.environ``.")
 
@@ -710,13 +686,10 @@ def _check_signature(func: Callable[..., Any], named: list[tuple[str, Setting]])
 
 
 def takes_settings(**renamed: str) -> Callable[[F], F]:
-    """Decorate a function that takes every setting, under the names
-    ``renamed`` gives (setting name -> argument name) or its own.
-
-    Checks, at import, that its arguments besides ``self`` and ``env`` are
-    exactly the settings of :data:`SETTINGS` that are arguments (in order,
-    with their annotations and defaults), and puts their "Parameters" section into its docstring,
-    before "Raises".
+    """Decorate a function that takes every setting of :data:`ARGUMENTS`, in order, with their
+    annotations and defaults (besides ``self`` and ``env``), under the names ``renamed`` gives
+    (setting name -> argument name) or its own: checked at import; their "Parameters" section
+    goes into its docstring, before "Raises".
 
     Raises
     ------
@@ -742,24 +715,16 @@ def takes_settings(**renamed: str) -> Callable[[F], F]:
 POSITIONAL_ARGUMENTS = 4  # master_addr, master_port, rank, size: adaptdl's order; the rest by name
 
 
-def _resolve_signature() -> inspect.Signature:
-    """``resolve``'s signature, made from :data:`ARGUMENTS` (the public
+def _signed(func: F) -> F:
+    """Give ``resolve`` its signature, made from :data:`ARGUMENTS` (the public
     functions spell theirs out, for readers and type checkers, and are held
     to the same table by :func:`takes_settings`)."""
     by_position, by_name = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter(s.name, by_position if i < POSITIONAL_ARGUMENTS else by_name,
                                 default=s.signature_default, annotation=s.annotation)
               for i, s in enumerate(ARGUMENTS)]
-    params.append(inspect.Parameter("env", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                    annotation="Optional[Mapping[str, str]]"))
-    return inspect.Signature(params, return_annotation="Config")
-
-
-_RESOLVE_SIGNATURE = _resolve_signature()
-
-
-def _signed(func: F) -> F:
-    func.__signature__ = _RESOLVE_SIGNATURE  # type: ignore[attr-defined]
+    params.append(inspect.Parameter("env", by_name, default=None, annotation="Optional[Mapping[str, str]]"))
+    func.__signature__ = inspect.Signature(params, return_annotation="Config")  # type: ignore[attr-defined]
     return func
 
 
@@ -776,7 +741,7 @@ def resolve(*args: Any, **kwargs: Any) -> Config:
         or environment variable it came from.
     """
     try:
-        bound = _RESOLVE_SIGNATURE.bind(*args, **kwargs)
+        bound = inspect.signature(resolve).bind(*args, **kwargs)
     except TypeError as exc:  # as Python words it for a function of its own
         raise TypeError(f"resolve() {exc}") from None
     bound.apply_defaults()
@@ -789,6 +754,6 @@ def resolve(*args: Any, **kwargs: Any) -> Config:
     for s in SETTINGS:
         values[s.field_name], origins[s.name] = _value(s, given.get(s.name), env, launcher)
     config = Config(**values, port_given=origins["master_port"].source != "the default")
-    for check in CROSS_CHECKS:
+    for check in (_rank_in_range, _port_zero_only_alone, _alone_by_omission):
         check(config, origins)
     return config
