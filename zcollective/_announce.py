@@ -16,13 +16,14 @@ COORDINATOR_FILE_ENV = "ZCOLLECTIVE_COORDINATOR_FILE"  # set by zcollective-run 
 # rank 0 of each group (it moves when rank 0 is lost) writes the coordinator's host:port there
 
 
-def _tell_launcher(record: dict[str, Any]) -> None:
-    """Append one JSON line to the file zcollective-run named (best effort).
-    One ``write`` of a file opened to append: the processes of a job share
-    the file, and a line is never split by another's."""
+def _tell_launcher(session: int, **fields: Any) -> None:
+    """Append one JSON line about this process and the group ``session`` names to the file
+    zcollective-run named (best effort). One ``write`` of a file opened to append: the
+    processes of a job share the file, and a line is never split by another's."""
     path = os.environ.get(GROUPS_FILE_ENV)
     if not path:
         return
+    record = {"pid": os.getpid(), "group": f"{session:x}", **fields}
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # no O_CREAT: the launcher's file, or none
         try:
@@ -34,26 +35,21 @@ def _tell_launcher(record: dict[str, Any]) -> None:
 
 
 def announce_group(rank: int, size: int, session: int, lineage: Optional[str], stacks: bool = False) -> None:
-    """A process started by zcollective-run, once it joined a group (the one
-    ``session`` names, formed from the group ``lineage`` names, if any): say
-    its rank and size there, for the launcher's line prefix and for it to see
-    survivors go on after a loss; ``stacks``: it writes its threads' stacks on
-    SIGUSR1 (the launcher sends that signal to no other process)."""
-    _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "lineage": lineage,
-                    "rank": rank, "size": size, "stacks": stacks})
+    """Joined the group ``session`` (formed from ``lineage``, if any): its rank and size
+    there, for the launcher's line prefix and to see survivors go on after a loss;
+    ``stacks``: it writes its threads' stacks on SIGUSR1 (the launcher signals no other)."""
+    _tell_launcher(session, lineage=lineage, rank=rank, size=size, stacks=stacks)
 
 
 def write_for_launcher(stats: dict[str, Any], session: int) -> None:
-    """Rank 0, at the end of a group (``session``) started by zcollective-run:
-    leave the stats where the launcher will read them (best effort)."""
+    """Rank 0, at the end of a group: leave its stats for the launcher's slowest-rank line."""
     if session:  # (0: it closed before the group formed)
-        _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "stats": stats})
+        _tell_launcher(session, stats=stats)
 
 
 def announce_stall(session: int, ranks: list[int], line: str) -> None:
-    """Rank 0 of a group (``session``) started by zcollective-run warned of a
-    stall naming ``ranks``: the launcher shows where their programs are."""
-    _tell_launcher({"pid": os.getpid(), "group": f"{session:x}", "stall": ranks, "line": line[:2000]})
+    """Rank 0 warned of a stall naming ``ranks``: the launcher shows where their programs are."""
+    _tell_launcher(session, stall=ranks, line=line[:2000])
 
 
 def announce_coordinator(address: str) -> None:

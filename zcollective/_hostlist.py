@@ -1,8 +1,7 @@
 """Slurm's compressed host lists (``gpu[01-04,07],cpu3``) to host names.
 
-Slurm hands a job its nodes in this form (``SLURM_JOB_NODELIST``,
-``SLURM_STEP_NODELIST``); :mod:`zcollective.config` needs the first host, to
-find rank 0. The grammar, as Slurm's ``hostlist.c`` reads it:
+:mod:`zcollective.config` needs the first host of ``SLURM_STEP_NODELIST`` (or
+``SLURM_JOB_NODELIST``), to find rank 0. The grammar, as Slurm's ``hostlist.c`` reads it:
 
 - hosts are separated by commas, spaces or tabs, except inside brackets;
 - a host is literal text with any number of bracket groups: ``a[1-3]``,
@@ -127,38 +126,12 @@ def _names(parts: Sequence[Part], prefix: str = "") -> Iterator[str]:
         yield from _names(parts[1:], prefix + choice)
 
 
-def hosts(hostlist: str) -> Iterator[str]:
-    """The host names of a Slurm host list, in Slurm's order.
-
-    The whole list is checked before the first name is given; names are
-    made as they are asked for.
-
-    Raises
-    ------
-    ValueError
-        ``hostlist`` is not a host list; the message says what is wrong where.
-    """
-    for parts in _parse(hostlist):
-        yield from _names(parts)
-
-
 def expand(hostlist: str) -> list[str]:
-    """Every host name of a Slurm host list: ``"a[1-2],b"`` -> ``["a1", "a2", "b"]``.
-
-    Raises
-    ------
-    ValueError
-        ``hostlist`` is not a host list; the message says what is wrong where.
-    """
-    return list(hosts(hostlist))
+    """Every host name of a Slurm host list: ``"a[1-2],b"`` -> ``["a1", "a2", "b"]``."""
+    return [name for parts in _parse(hostlist) for name in _names(parts)]
 
 
 def first_host(hostlist: str) -> str:
-    """The first host name of a Slurm host list (Slurm's task 0 runs there).
-
-    Raises
-    ------
-    ValueError
-        ``hostlist`` is not a host list; the message says what is wrong where.
-    """
-    return next(hosts(hostlist))
+    """The first host name of a Slurm host list (Slurm's task 0 runs there), once the whole
+    list is checked; the others are never made."""
+    return next(_names(_parse(hostlist)[0]))
