@@ -5,17 +5,11 @@ mode or mpiexec.
     zcollective-run --nnodes 2 --node-rank 1 --nproc-per-node 2 \\
         --master-addr host0 --master-port 29457 train.py
 
-What each replica is given (its ``ZCOLLECTIVE_*`` variables, a fresh secret
-and a job name on one host), its lines' rank prefix, what happens when a
-replica fails (``--grace``, ``--tolerate-lost``, ``--replace-lost``), the exit
-status and the slowest-rank line at the end: see docs/launching.md,
-*zcollective-run*, and ``zcollective-run --help``.
-
-The replicas tell the launcher their group, rank and size each time they join
-a group, and rank 0 its stats when it closes one, through the file
-:data:`~zcollective._announce.GROUPS_FILE_ENV` names (see
-:class:`Groups`); rank 0 of each group says where its coordinator is in the
-file :data:`~zcollective._announce.COORDINATOR_FILE_ENV` names.
+What each replica is given, its lines' rank prefix, what happens when a
+replica fails, the exit status and the slowest-rank line at the end: see
+docs/launching.md, *zcollective-run*, and ``zcollective-run --help``. The
+replicas tell the launcher their groups in the files :mod:`zcollective._announce`
+writes (read by :class:`Groups`).
 """
 
 from __future__ import annotations
@@ -47,7 +41,7 @@ COORDINATOR_MOVE_S = 10.0  # --replace-lost: rank 0 died; the survivors' new one
 POLL_S = 0.05  # how often the launcher looks at its replicas: a stop is late by at most this
 READ_BYTES = 1 << 16  # the groups file is read in chunks of this size
 MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
-STOP_NEWCOMER_S = 5.0  # a newcomer the job no longer needs has this long to end on SIGTERM
+STOP_NEWCOMER_S = 5.0  # a newcomer killed to start it again at a moved coordinator ends within this
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -265,11 +259,6 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _status(code: int) -> int:
-    """The launcher's exit status for a replica's return code (a shell's: 128 + N for signal N)."""
-    return code if code > 0 else 128 - code
-
-
 def _temp_file(prefix: str, text: str = "") -> str:
     """A new file only this user can read, holding ``text``."""
     fd, path = tempfile.mkstemp(prefix=prefix)
@@ -285,7 +274,6 @@ class Launcher:
         self.replicas: list[Replica] = []
         self.losses: list[Loss] = []
         self.replaced = 0  # replicas started again as newcomers (--replace-lost)
-        self.interrupted = False
         self.secret: Optional[str] = None
         self.secret_file: Optional[str] = None  # the launcher's secret, for newcomers by hand
         if ns.nnodes == 1 and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
@@ -301,10 +289,6 @@ class Launcher:
         self.job = os.environ.get(JOB_ENV) or (  # one host: this launch names its job, unless the
             f"zcollective-run {os.getpid()}" if ns.nnodes == 1 else None)  # user did
         self.where: Optional[str] = None  # the coordinator's address last seen (see redirect_newcomers)
-
-    def files(self) -> list[str]:
-        """The launcher's files, removed when it ends."""
-        return [p for p in (self.groups_file, self.coordinator_file, self.secret_file) if p is not None]
 
     def env_for(self, rank: int, local_rank: int, port: int, size: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -449,11 +433,10 @@ class Launcher:
         group's coordinator (it moves when rank 0 is lost), while others run."""
         if self.replaced >= self.ns.replace_lost or self.coordinator_file is None or not self.running():
             return False
-        who = self.name(replica)
         where = self.coordinator(replica.proc.pid)
         env = self.newcomer_env(replica, where)
         self.replaced += 1
-        self.message(f"{who} {_describe(code)}; starting a newcomer in its place at "
+        self.message(f"{self.name(replica)} {_describe(code)}; starting a newcomer in its place at "
                      f"{where or 'the master address'} ({self.replaced} of {self.ns.replace_lost})")
         self.spawn(replica.slot, replica.local_rank, env, newcomer=self.replaced)
         return True
@@ -467,10 +450,8 @@ class Launcher:
 
     def signal_all(self, sig: int) -> None:
         for replica in self.running():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(replica.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def stop(self, sig: int) -> None:
         """Send ``sig`` to every replica still running, SIGKILL after a bound."""
@@ -584,7 +565,7 @@ class Launcher:
         if not moved:
             return
         for replica in self.running():
-            if replica.newcomer and replica.at != where and self.groups.current(replica.proc.pid) is None:
+            if replica.at != where and self.waiting_newcomer(replica):
                 replica.ended = True  # (not a loss: this launcher ends it)
                 with contextlib.suppress(OSError):
                     os.killpg(replica.proc.pid, signal.SIGKILL)
@@ -604,15 +585,7 @@ class Launcher:
         for replica in newcomers:
             self.message(f"the job ended before a grow() admitted {self.name(replica)}: stopping it")
             replica.ended = True
-            with contextlib.suppress(OSError):
-                os.killpg(replica.proc.pid, signal.SIGTERM)
-        for replica in newcomers:
-            try:
-                replica.proc.wait(timeout=STOP_NEWCOMER_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(OSError):
-                    os.killpg(replica.proc.pid, signal.SIGKILL)
-                replica.proc.wait(timeout=STOP_NEWCOMER_S)
+        self.stop(signal.SIGTERM)
 
     def show_stalled(self) -> None:
         """A stall warning named ranks: show where their programs are (their
@@ -648,8 +621,8 @@ class Launcher:
         """0 when every loss was tolerated (saying which there were); else the
         status of the first that was not."""
         for loss in self.losses:
-            if not loss.tolerated:
-                return _status(loss.code)
+            if not loss.tolerated:  # a shell's status: 128 + N for signal N
+                return loss.code if loss.code > 0 else 128 - loss.code
         if self.losses:
             lost = "; ".join(f"{loss.who} {_describe(loss.code)}" for loss in self.losses)
             self.message(f"the job went on without {len(self.losses)} lost replica"
@@ -678,9 +651,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
     finally:
         launcher.groups.close()
-        for path in launcher.files():
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        for path in (launcher.groups_file, launcher.coordinator_file, launcher.secret_file):
+            if path is not None:  # the launcher's files, removed when it ends
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 if __name__ == "__main__":
