@@ -37,12 +37,10 @@ def heartbeats(liveness_s: float) -> tuple[int, int, int]:
 
 # -- what travels in one piece: well within the smallest L on a slow link ------------------------
 
-# libzmq cancels a connection's heartbeat timeout only when a whole frame has arrived, so a
-# frame above WIRE_PART_BYTES travels as parts, each of which must arrive within the smallest
-# timeout (L = 1 s: a PING unanswered for 667 ms) even on a link shared by many connections:
-# 256 KiB take 0.33 s at 0.8 MB/s (100 Mbit/s shared by 16). On loopback the part size hardly
-# matters (256 KiB to 4 MiB cost the same); what splitting costs is the receiver's one copy to
-# join the parts: 4-6 ms of CPU per 16 MiB here (~3-4 GB/s), plus ~5 us per part sent.
+# A frame above WIRE_PART_BYTES travels as parts (see docs/protocol.md, *Frames*), each within the
+# smallest heartbeat timeout (L = 1 s: 667 ms) even on a link shared by many connections: 256 KiB
+# take 0.33 s at 0.8 MB/s (100 Mbit/s shared by 16). On loopback 256 KiB to 4 MiB parts cost the
+# same: the receiver's one copy to join them, 4-6 ms of CPU per 16 MiB (~3-4 GB/s), plus ~5 us a part.
 SLOW_LINK_BYTES_S = 0.8e6  # the slowest link a part must cross within the smallest timeout
 WIRE_PART_BYTES = 1 << 18
 LOCAL_PART_BYTES = 1 << 26  # a group on one host: 64 MiB cross loopback in tens of ms, far inside

@@ -206,16 +206,16 @@ class Replicas:
         module = getattr(fn, "__module__", None)
         requests, prefixes = [], []
         for rank in range(n):
-            child_env = dict(os.environ)
-            child_env.update({
+            child_env = {
+                **os.environ,
                 "ZCOLLECTIVE_MASTER_ADDR": "127.0.0.1",
                 "ZCOLLECTIVE_MASTER_PORT": str(self.port),
                 "ZCOLLECTIVE_REPLICA_RANK": str(rank),
                 "ZCOLLECTIVE_NUM_REPLICAS": str(n),
                 "PYTHONUNBUFFERED": "1",
-            })
-            child_env.update(env or {})
-            child_env.update((rank_env or {}).get(rank, {}))
+                **(env or {}),
+                **(rank_env or {}).get(rank, {}),
+            }
             output = os.path.join(self._dir.name, f"out{rank}.txt")
             out = open(output, "w+b")  # noqa: SIM115 (closed in wait)
             self._outs.append(out)
@@ -233,11 +233,8 @@ class Replicas:
         """Wait for every replica (killing those still running at ``timeout``)
         and collect what each returned, raised and printed."""
         deadline = time.monotonic() + timeout
-        for rank, proc in enumerate(self.procs):
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.outcomes[rank].timed_out = True
+        for rank in range(self.n):
+            self.outcomes[rank].timed_out = not self.join([rank], deadline - time.monotonic())
         if any(o.timed_out for o in self.outcomes) and hasattr(signal, "SIGUSR2"):
             for proc in self.procs:  # each overrunning replica writes its threads' stacks
                 if proc.poll() is None:  # to its output (zcollective._child registered it)
@@ -285,8 +282,7 @@ class Replicas:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if any(p.poll() is None for p in self.procs):
-            self.kill_all()
+        self.kill_all()
         for out in self._outs:
             if not out.closed:
                 out.close()
