@@ -189,11 +189,6 @@ class Groups:
                     parent = self.lineage.get(parent)
         return None
 
-    def last(self) -> Optional[str]:
-        """The group formed last, or None."""
-        with self.lock:
-            return self.formed[-1] if self.formed else None
-
     def close(self) -> None:
         os.close(self.fd)
 
@@ -267,6 +262,14 @@ def _temp_file(prefix: str, text: str = "") -> str:
     return path
 
 
+def _joining(where: str) -> dict[str, str]:
+    """A newcomer's variables: wait at the coordinator at ``where`` (``host:port``; else, as
+    for an empty ``where``, at the master address)."""
+    host, _, port = where.rpartition(":")
+    at = {"ZCOLLECTIVE_MASTER_ADDR": host.strip("[]"), "ZCOLLECTIVE_MASTER_PORT": port}
+    return {"ZCOLLECTIVE_JOIN": "1", **(at if host and port.isdigit() else {})}
+
+
 class Launcher:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
@@ -310,14 +313,8 @@ class Launcher:
         return env
 
     def newcomer_env(self, replica: Replica, where: str) -> dict[str, str]:
-        """The environment of a newcomer in ``replica``'s slot, waiting at the
-        coordinator at ``where`` (``host:port``; empty: the master address)."""
-        env = self.env_for(replica.slot, replica.local_rank, self.port, self.size)
-        host, _, port = where.rpartition(":")
-        if host and port.isdigit():
-            env.update(ZCOLLECTIVE_MASTER_ADDR=host.strip("[]"), ZCOLLECTIVE_MASTER_PORT=port)
-        env["ZCOLLECTIVE_JOIN"] = "1"
-        return env
+        """The environment of a newcomer in ``replica``'s slot, waiting at ``where``."""
+        return {**self.env_for(replica.slot, replica.local_rank, self.port, self.size), **_joining(where)}
 
     def name(self, replica: Replica) -> str:
         """A replica as the messages name it: its current rank, and how it started if that differs."""
@@ -342,9 +339,9 @@ class Launcher:
         if not self.ns.straggler_summary:
             return
         self.groups.refresh()
-        last = self.groups.last()
-        if last is None:
+        if not self.groups.formed:
             return
+        last = self.groups.formed[-1]
         ranks = dict(self.groups.stats.get(last, {}).get("ranks") or {})
         for loss in self.losses:
             if loss.group == last and loss.rank is not None:
@@ -411,13 +408,11 @@ class Launcher:
     def tell_newcomers(self, where: str) -> None:
         """Say how a newcomer started by hand joins the group at ``where``
         (``host:port``): once at the start, again when the coordinator moves."""
-        host, _, port = where.rpartition(":")
-        if not host or not port.isdigit() or where == self.told:
+        env = _joining(where)
+        if "ZCOLLECTIVE_MASTER_PORT" not in env or where == self.told:
             return
         moved = self.told is not None
         self.told = where
-        env = {"ZCOLLECTIVE_JOIN": "1", "ZCOLLECTIVE_MASTER_ADDR": host.strip("[]"),
-               "ZCOLLECTIVE_MASTER_PORT": port}
         if self.secret_file is not None:
             env[SECRET_FILE_ENV] = self.secret_file
         if self.job is not None and JOB_ENV not in os.environ:  # (exported: the newcomer has it)
@@ -501,19 +496,19 @@ class Launcher:
     def report(self, loss: Loss, replica: Replica, never_admitted: bool) -> None:
         """Say what happened to the replica ``loss`` is, and what happens now."""
         said = replica.said.decode("utf-8", "replace")[:300] if loss.code > 0 else ""  # (a kill: no word)
-        said = f" ({said})" if said else ""
+        what = f"{loss.who} {_describe(loss.code)}" + (f" ({said})" if said else "")
         earlier = self.pending(loss.group)
         if never_admitted:  # no group needed it
             loss.tolerated = True
-            self.message(f"{loss.who} {_describe(loss.code)}{said} before it was admitted")
+            self.message(f"{what} before it was admitted")
         elif earlier is not None:  # likely a consequence of the loss said already
             loss.deadline = earlier.deadline
         elif self.ns.tolerate_lost:
-            self.message(f"{loss.who} {_describe(loss.code)}{said}; the others may go on without it")
+            self.message(f"{what}; the others may go on without it")
         else:
             loss.deadline = time.monotonic() + self.ns.grace
-            self.message(f"{loss.who} {_describe(loss.code)}{said}; stopping the others in "
-                         f"{self.ns.grace:g} s unless they go on without it (zcollective.shrink())")
+            self.message(f"{what}; stopping the others in {self.ns.grace:g} s unless they go on "
+                         f"without it (zcollective.shrink())")
 
     def settle(self) -> None:
         """Mark the losses the others went on without, and say so."""
