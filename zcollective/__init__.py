@@ -17,9 +17,10 @@ import inspect
 import os
 from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Union
 
+from ._calls import DEFAULT, Timeout
 from ._elastic import Agreement
 from ._future import CollectiveFuture
-from ._group import DEFAULT, Group, Timeout, default_reduce_fn
+from ._group import Group, default_reduce_fn
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._protocol._ring import elementwise
 from .config import takes_settings

@@ -335,7 +335,7 @@ def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
     """This thread's running event loop, or None (asyncio never imported: none runs)."""
     asyncio = sys.modules.get("asyncio")
     try:
-        return None if asyncio is None else asyncio.get_running_loop()  # type: ignore[no-any-return]
+        return None if asyncio is None else asyncio.get_running_loop()
     except RuntimeError:
         return None
 

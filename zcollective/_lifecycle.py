@@ -68,7 +68,7 @@ class Lifecycle:
         self.closed = False
         self.reforming: Optional[str] = None  # closed by shrink() or grow() to form the next group
         self._watching = False  # this group counts in _stops' watch
-        self.ctx: Optional[zmq.Context] = None
+        self.ctx: Optional[zmq.Context[Any]] = None
         self.server: Optional[Server] = None
         self.data: Optional[DataPlane] = None
         signer = Signer(config.secret) if config.secret is not None else None
