@@ -8,6 +8,7 @@ docs/protocol.md, *The data plane* (Schedules).
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -43,7 +44,7 @@ def reduction_name(fn: Any) -> Optional[str]:
         return name
     if getattr(fn, "__zcollective_elementwise__", False):
         return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-    numpy = _numpy()
+    numpy = sys.modules.get("numpy")  # (not imported: fn is none of its functions)
     if numpy is not None:
         for ufunc, label in ((numpy.add, "add"), (numpy.maximum, "maximum"),
                              (numpy.minimum, "minimum"), (numpy.multiply, "multiply")):
@@ -67,11 +68,6 @@ _KNOWN: dict[Any, str] = {operator.add: "add", operator.iadd: "add", operator.mu
 def register_default(fn: Callable[[Any, Any], Any]) -> None:
     """The group's default reduce function (``a += b``) is ``add`` here."""
     _KNOWN[fn] = "add"
-
-
-def _numpy() -> Any:
-    import sys
-    return sys.modules.get("numpy")
 
 
 def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], None]:
