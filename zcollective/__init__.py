@@ -17,9 +17,10 @@ import inspect
 import os
 from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Union
 
+from ._calls import DEFAULT, Timeout
 from ._elastic import Agreement
 from ._future import CollectiveFuture
-from ._group import DEFAULT, Group, Timeout, default_reduce_fn
+from ._group import Group, default_reduce_fn
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._protocol._ring import elementwise
 from .config import takes_settings
@@ -62,7 +63,6 @@ _group: Optional[Group] = None
 _ended: Optional[Group] = None  # the last default group torn down: its stats stay readable
 
 
-
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -86,11 +86,6 @@ def _current() -> Group:
     if _group is None or _group.closed:
         raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
     return _group  # in a forked child, its operations raise CollectiveError naming the parent
-
-
-def _open_here() -> bool:
-    """The default group is open and belongs to this process (not a parent we forked from)."""
-    return _group is not None and not _group.closed and _group._life.pid == os.getpid()
 
 
 @takes_settings()
@@ -129,7 +124,7 @@ def initialize(
         As for :class:`Group`.
     """
     global _group
-    if _open_here():
+    if is_initialized():
         raise RuntimeError("zcollective is already initialized: call teardown() first")
     _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
                    op_timeout=op_timeout, warn_after=warn_after, liveness_timeout=liveness_timeout,
@@ -214,13 +209,7 @@ def grow(timeout: Timeout = DEFAULT) -> int:
 
 def status() -> dict[str, Any]:
     """What the default group is doing now, from any thread, without waiting
-    for it: see :meth:`Group.status`.
-
-    Raises
-    ------
-    RuntimeError
-        Not initialized.
-    """
+    for it: see :meth:`Group.status`. Raises ``RuntimeError`` if not initialized."""
     group = _group
     if group is None:
         raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
@@ -229,45 +218,29 @@ def status() -> dict[str, Any]:
 
 def lost_ranks() -> list[int]:
     """After :func:`shrink` (or an :func:`agree` that shrank): the ranks of the
-    group before that are not in this one; ``[]`` otherwise.
-
-    Raises
-    ------
-    RuntimeError
-        Not initialized.
-    """
+    group before that are not in this one; ``[]`` otherwise. Raises
+    ``RuntimeError`` if not initialized."""
     return _current().lost_ranks
 
 
 def old_ranks() -> Optional[list[int]]:
     """After :func:`shrink`: each rank's rank in the group before, by new rank
     (``old_ranks()[get_rank()]`` is this replica's); None if the default
-    group was not formed by a shrink.
-
-    Raises
-    ------
-    RuntimeError
-        Not initialized.
-    """
+    group was not formed by a shrink. Raises ``RuntimeError`` if not initialized."""
     return _current().old_ranks
 
 
 def coordinator_address() -> str:
     """``host:port`` of the default group's coordinator: where a launcher
     sends newcomers (after rank 0's loss and a shrink, another host's).
-
-    Raises
-    ------
-    RuntimeError
-        Not initialized.
-    """
+    Raises ``RuntimeError`` if not initialized."""
     return _current().coordinator_address()
 
 
 def is_initialized() -> bool:
     """True between :func:`initialize` and :func:`teardown` (False in a forked
     child until it initializes a group of its own)."""
-    return _open_here()
+    return _group is not None and not _group.closed and _group._life.pid == os.getpid()
 
 
 def get_rank() -> int:
@@ -289,12 +262,7 @@ def get_local_rank() -> Optional[int]:
 def stats() -> dict[str, Any]:
     """Who is slow: call statistics of the default group (see
     :meth:`Group.stats`); after :func:`teardown`, those of the group it closed.
-
-    Raises
-    ------
-    RuntimeError
-        No group was ever initialized.
-    """
+    Raises ``RuntimeError`` if no group was ever initialized."""
     group = _group if _group is not None else _ended
     if group is None:
         raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")

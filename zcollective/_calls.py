@@ -83,19 +83,11 @@ class Calls:
         return self.blocking(self.call(name, *args, deadline=deadline), timeout)
 
     def call(self, name: str, *args: Any, deadline: Optional[float] = None) -> CollectiveFuture[Any]:
-        """This replica's part of the next call of operation ``name``
-        (:mod:`zcollective._protocol._ops` makes it from ``args``).
-
-        An error while building it (a value that cannot be pickled) leaves
-        the seq unused: the call never happened here. An interrupt (a signal
-        handler's exception) while building still sends a part, an error note,
-        so every replica's call at that seq ends in an error and the next call
-        pairs correctly. A part the operation refuses (a wrong number of
-        values) is told to the others, and raises ``ValueError`` here. A call
-        that cannot have the turn by ``deadline`` (rank 0's server thread runs
-        a slow reduce function) raises :class:`CollectiveTimeoutError`, and an
-        error note goes in its place once the turn is free.
-        """
+        """This replica's part of the next call of operation ``name``, made from ``args`` by
+        :mod:`zcollective._protocol._ops`. An error while building it leaves the seq unused; an
+        interrupt, a part the operation refuses (``ValueError`` here) or a turn not had by
+        ``deadline`` (:class:`CollectiveTimeoutError`) owes an error note in its place, so the
+        others' call fails too and the next one pairs up: see docs/protocol.md, *Calls*."""
         site = _callsite()
         if self.life.closed or _process != self.pid:
             self.life.check_usable()  # raises, saying which
@@ -177,10 +169,9 @@ class Calls:
                 self._wait(future, timeout, checked=True)
             except BaseException as exc:  # given up here: it fails on every rank alike
                 timed_out = isinstance(exc, CollectiveTimeoutError)
-                if (timed_out or from_signal(exc)) and self.driver is not None and not self.life.closed:
-                    got = self._give_up(future, exc, timed_out)
-                    if got:
-                        return future._value  # type: ignore[no-any-return]
+                if ((timed_out or from_signal(exc)) and self.driver is not None and not self.life.closed
+                        and self._give_up(future, exc, timed_out)):
+                    return future._value  # type: ignore[no-any-return]
                 raise
         if future._error is not None:
             raise future._error
@@ -202,7 +193,7 @@ class Calls:
                 if gave_up and timed_out:  # the coordinator's verdict: an ERROR (failed on every
                     # rank), or the result, when the call completed before it heard
                     turns.wait(self._settled(future), time.monotonic() + STATUS_WAIT_S,
-                               self._drive, _never)
+                               self._drive, lambda wake: None)  # (holding the turn: it never follows)
             return self._settled(future)() and future._error is None
         finally:
             turns.give()
@@ -216,17 +207,15 @@ class Calls:
             self.life.check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         turns = self.turns
-        warn = self.config.warn_after
+        warn, said = self.config.warn_after, None
         if warn is not None and self.rank != 0 and (deadline is None or time.monotonic() + warn < deadline):
             if self._wait_until(future, time.monotonic() + warn):  # rank 0 warns in its coordinator
                 return
             said = self._say_stalled(future)
-            if self._wait_until(future, deadline):
-                if said:
-                    log.warning("zcollective rank %d: seq %d %s completed after %.0f s", self.rank,
-                                future.seq, future.op, time.monotonic() - said)
-                return
-        elif self._wait_until(future, deadline):
+        if self._wait_until(future, deadline):
+            if said:
+                log.warning("zcollective rank %d: seq %d %s completed after %.0f s", self.rank,
+                            future.seq, future.op, time.monotonic() - said)
             return
         if not turns.take(time.monotonic() + STATUS_WAIT_S):  # the holder is in a long step
             raise CollectiveTimeoutError(self.member.timeout_message(future.seq, timeout, None, link.busy()))
@@ -308,7 +297,3 @@ class Calls:
         self.life.check_process()
         data = self.driver.data
         return self.driver.fds() + (data.fds() if data is not None else [])
-
-
-def _never(wake: Callable[[], None]) -> None:
-    """(A wait that holds the turn never follows.)"""

@@ -48,7 +48,7 @@ MIN_FORM_PORT = 1024  # past the top, form ports wrap to here (below: ports only
 
 def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> Lifecycle:
     """The survivors' next group (see the module's steps); ``life`` is closed."""
-    member, config, formed = life.member, life.config, Lifecycle
+    member, config = life.member, life.config
     old_rank, old_size = config.rank, config.num_replicas
     failure = member.failure
     if failure is not None and not isinstance(failure, ReplicaLostError):
@@ -68,7 +68,7 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
     if coordinator is not None and coordinator.failed_at is not None:  # rank 0: when its coordinator
         failed_at = min(failed_at, coordinator.failed_at)  # failed, not when its program heard
     life.close_to_form(quick=True)
-    started = time.monotonic()
+    deadline = None if timeout is None else time.monotonic() + timeout
     allowed = 0.0  # the time its tries of the candidates so far were allowed to take
 
     def is_late() -> bool:
@@ -81,7 +81,6 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
         raise LeftOutError(f"old rank {old_rank}: its grow() did not finish here, so the others "
                            f"formed the grown group without it")
     late = is_late()
-    deadline = None if timeout is None else started + timeout
     candidates = [r for r in range(old_size) if r not in lost]
     tried: list[str] = []
     reach_more = 0.0  # it could not host (its port another program's): a later candidate may be
@@ -109,7 +108,7 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
             expected = frozenset(r for r in candidates if r not in dead)
             forming = Forming(lineage, expected, old_size, frozenset(dead), majority, host=old_rank)
             try:
-                return formed(at(candidate), Form(lineage, forming))
+                return Lifecycle(at(candidate), Form(lineage, forming))
             except Overslept as exc:  # stopped while it waited for them: as too late to host
                 tried.append(f"old rank {candidate}: {exc}")
                 late = True
@@ -121,7 +120,7 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
         reach_s = (FORM_PROBE_S if candidate in inferred else FORM_REACH_S) + reach_more
         allowed += reach_s
         try:
-            return formed(at(candidate), Form(lineage, reach_s=reach_s))
+            return Lifecycle(at(candidate), Form(lineage, reach_s=reach_s))
         except LeftOutError:
             raise
         except (Unreachable, LateJoinError, AuthenticationError, ProtocolError) as exc:

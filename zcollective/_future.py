@@ -91,18 +91,15 @@ class CollectiveFuture(Generic[T]):
         self._runner = None
         callbacks = self._callbacks  # each taken by one pop (a thread adding one meanwhile may
         try:  # take its own back: see add_done_callback)
-            fn = _take(callbacks)
-            while fn is not None:
+            while (fn := _take(callbacks)) is not None:
                 self._run_callback(fn)
-                fn = _take(callbacks)
         finally:  # one raised KeyboardInterrupt (or SystemExit): the others still run, and each
-            fn = _take(callbacks)  # awaiting coroutine is woken; the first such error goes on
-            while fn is not None:
+            # awaiting coroutine is woken; the first such error goes on
+            while (fn := _take(callbacks)) is not None:
                 try:
                     self._run_callback(fn)
                 except BaseException:  # noqa: B036 (the first one is already on its way)
                     log.exception("zcollective: a done-callback of %r raised", self)
-                fn = _take(callbacks)
 
     def _run_callback(self, fn: Callable[[CollectiveFuture[T]], None]) -> None:
         try:
@@ -204,9 +201,7 @@ class CollectiveFuture(Generic[T]):
 
 class _AsyncWaiter:
     """The one reader on a group's fds in one event loop, shared by every
-    coroutine of that loop awaiting a future of that group (rules in the
-    module docstring). A waiter lives from the first sleeper's arrival to the
-    last one's leaving; a later sleeper gets a new one."""
+    coroutine of that loop awaiting a future of that group (see the module docstring)."""
 
     __slots__ = ("runner", "loop", "sleepers", "fds", "recheck", "kicked")
 
@@ -314,28 +309,18 @@ def sleeping() -> bool:
 
 
 def _sent(runner: _Runner) -> None:
-    """``runner`` is about to send a call (its future is made just before the
-    send): the waiter makes progress at the loop's next turn, after it.
-    Sending makes ZeroMQ take in its pending commands, which can swallow the
-    fd's edge for a reply that arrived meanwhile: the group's sleepers in this
-    loop would not hear of it. (Who touches the sockets when: see
-    docs/protocol.md, Concurrency.)"""
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
-        return  # asyncio was never imported: no loop runs, nobody awaits
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return  # no loop runs in this thread: nobody in it awaits
-    waiter = _waiters.get((runner, loop))
-    if waiter is not None:
+    """``runner`` is about to send a call: its waiter in this thread's loop, if any, makes
+    progress at the loop's next turn, after the send (which makes ZeroMQ take in its pending
+    commands, swallowing the fd's edge of a reply that arrived meanwhile: rule 2)."""
+    loop = _running_loop()
+    if loop is not None and (waiter := _waiters.get((runner, loop))) is not None:
         waiter.kick()
 
 
 def _wake_on_finish(waiter: _AsyncWaiter, sleeper: asyncio.Future[None],
                     future: CollectiveFuture[Any]) -> None:
     loop = waiter.loop
-    if not _in_loop(loop):  # another thread took the result in: the loop's own thread wakes it
+    if _running_loop() is not loop:  # another thread took the result in: the loop's own thread wakes it
         try:
             loop.call_soon_threadsafe(_wake_on_finish, waiter, sleeper, future)
         except RuntimeError:
@@ -346,12 +331,13 @@ def _wake_on_finish(waiter: _AsyncWaiter, sleeper: asyncio.Future[None],
     waiter.leave(sleeper)
 
 
-def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    asyncio = sys.modules["asyncio"]  # (a loop exists: asyncio is imported)
+def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
+    """This thread's running event loop, or None (asyncio never imported: none runs)."""
+    asyncio = sys.modules.get("asyncio")
     try:
-        return asyncio.get_running_loop() is loop  # type: ignore[no-any-return]
+        return None if asyncio is None else asyncio.get_running_loop()
     except RuntimeError:
-        return False
+        return None
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
@@ -365,10 +351,3 @@ def _take(callbacks: list[Any]) -> Any:
         return callbacks.pop(0)
     except IndexError:
         return None
-
-
-def completed(seq: int, op: str, value: Any) -> CollectiveFuture[Any]:
-    """A future that is already resolved (single-replica groups)."""
-    future: CollectiveFuture[Any] = CollectiveFuture(None, seq, op)
-    future._set_result(value)
-    return future

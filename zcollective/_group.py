@@ -17,9 +17,7 @@ from ._elastic import Agreement
 from ._forming import Unreachable
 from ._future import CollectiveFuture
 from ._lifecycle import Lifecycle
-from ._limits import (
-    DEFAULT_INIT_TIMEOUT_S,
-)
+from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._protocol import _ring
 from ._protocol._member import fresh
 from .config import Config, resolve, takes_settings
@@ -46,8 +44,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _ASYNC_DOC = """Start ``{twin}`` and return at once, with a future.
 
-Futures may be collected in any order; do not mutate what was passed until
-the future is done.
+Futures may be collected in any order{passed}.
 
 Returns
 -------
@@ -62,16 +59,24 @@ CollectiveError
     From ``result()``, as ``{twin}`` raises it (at once if the group has
     already failed).
 """
+_ROOT, _LENGTH = "a bad ``root``", "``values`` of the wrong length"
+_VALUE, _FN = "a value too large or that cannot be pickled", "a ``reduce_fn`` that cannot be pickled"
 
 
-def _async_twin(twin: str, raised: str, mistakes: str) -> Callable[[F], F]:
-    """Give an ``*_async`` method the one docstring all of them share."""
+def _async_twin(twin: str, *mistakes: str) -> Callable[[F], F]:
+    """Give an ``*_async`` method the one docstring all of them share; ``mistakes``: what
+    its arguments may get wrong, found before anything is sent."""
+    at_once = ", ".join(["not initialized or torn down", *mistakes])
+    if _VALUE in mistakes:
+        at_once += " (a value is too large when it holds a buffer above ``max_frame_bytes``)"
+    raised = "RuntimeError, ValueError, " + ("TypeError" if _FN in mistakes else "SerializationError")
+
     def document(fn: F) -> F:
-        at_once = (f"At once, as ``{twin}`` would, for a mistake found before anything is sent: "
-                   f"not initialized or torn down, {mistakes} (a value is too large when it "
-                   f"holds a buffer above ``max_frame_bytes``).")
-        fn.__doc__ = _ASYNC_DOC.format(twin=twin, raised=raised, at_once=textwrap.fill(
-            at_once, 84, initial_indent="    ", subsequent_indent="    "))
+        fn.__doc__ = _ASYNC_DOC.format(
+            twin=twin, passed="; do not mutate what was passed until\nthe future is done" if mistakes else "",
+            raised=raised if mistakes else "RuntimeError", at_once=textwrap.fill(
+                f"At once, as ``{twin}`` would, for a mistake found before anything is sent: {at_once}.",
+                84, initial_indent="    ", subsequent_indent="    "))
         return fn
     return document
 
@@ -227,8 +232,7 @@ class Group:
         """
         return self._calls.run("allreduce", timeout, value, reduce_fn)
 
-    @_async_twin("allreduce", "RuntimeError, ValueError, TypeError",
-                 "a value too large or that cannot be pickled, a ``reduce_fn`` that cannot be pickled")
+    @_async_twin("allreduce", _VALUE, _FN)
     def allreduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn
                         ) -> CollectiveFuture[Any]:
         return self._calls.call("allreduce", value, reduce_fn)
@@ -239,9 +243,7 @@ class Group:
         ``root``'s ``reduce_fn``); the others get ``None``."""
         return self._calls.run("reduce", timeout, value, reduce_fn, root)
 
-    @_async_twin("reduce", "RuntimeError, ValueError, TypeError",
-                 "a bad ``root``, a value too large or that cannot be pickled, "
-                 "a ``reduce_fn`` that cannot be pickled")
+    @_async_twin("reduce", _ROOT, _VALUE, _FN)
     def reduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn,
                      root: int = 0) -> CollectiveFuture[Any]:
         return self._calls.call("reduce", value, reduce_fn, root)
@@ -265,9 +267,7 @@ class Group:
         """
         return self._calls.run("reduce_scatter", timeout, values, reduce_fn)
 
-    @_async_twin("reduce_scatter", "RuntimeError, ValueError, TypeError",
-                 "``values`` of the wrong length, a value too large or that cannot be pickled, "
-                 "a ``reduce_fn`` that cannot be pickled")
+    @_async_twin("reduce_scatter", _LENGTH, _VALUE, _FN)
     def reduce_scatter_async(self, values: Sequence[Any], reduce_fn: ReduceFn = default_reduce_fn
                              ) -> CollectiveFuture[Any]:
         return self._calls.call("reduce_scatter", values, reduce_fn)
@@ -277,8 +277,7 @@ class Group:
         ``root`` gets back its own object, the others an unpickled copy."""
         return self._calls.run("broadcast", timeout, value, root)
 
-    @_async_twin("broadcast", "RuntimeError, ValueError, SerializationError",
-                 "a bad ``root``, a value too large or that cannot be pickled")
+    @_async_twin("broadcast", _ROOT, _VALUE)
     def broadcast_async(self, value: Any, root: int = 0) -> CollectiveFuture[Any]:
         return self._calls.call("broadcast", value, root)
 
@@ -286,8 +285,7 @@ class Group:
         """Every replica gets the list of all replicas' values, in rank order."""
         return self._calls.run("allgather", timeout, value)  # type: ignore[no-any-return]
 
-    @_async_twin("allgather", "RuntimeError, ValueError, SerializationError",
-                 "a value too large or that cannot be pickled")
+    @_async_twin("allgather", _VALUE)
     def allgather_async(self, value: Any) -> CollectiveFuture[list[Any]]:
         return self._calls.call("allgather", value)
 
@@ -296,8 +294,7 @@ class Group:
         others get ``None``. Values travel only to ``root``."""
         return self._calls.run("gather", timeout, value, root)  # type: ignore[no-any-return]
 
-    @_async_twin("gather", "RuntimeError, ValueError, SerializationError",
-                 "a bad ``root``, a value too large or that cannot be pickled")
+    @_async_twin("gather", _ROOT, _VALUE)
     def gather_async(self, value: Any, root: int = 0) -> CollectiveFuture[Optional[list[Any]]]:
         return self._calls.call("gather", value, root)
 
@@ -308,9 +305,7 @@ class Group:
         ``root`` and :class:`PeerError` on the others."""
         return self._calls.run("scatter", timeout, values, root)
 
-    @_async_twin("scatter", "RuntimeError, ValueError, SerializationError",
-                 "a bad ``root``, ``values`` of the wrong length (on ``root``), "
-                 "a value too large or that cannot be pickled")
+    @_async_twin("scatter", _ROOT, _LENGTH + " (on ``root``)", _VALUE)
     def scatter_async(self, values: Optional[Sequence[Any]], root: int = 0) -> CollectiveFuture[Any]:
         return self._calls.call("scatter", values, root)
 
@@ -319,8 +314,7 @@ class Group:
         passes one value per replica."""
         return self._calls.run("alltoall", timeout, values)  # type: ignore[no-any-return]
 
-    @_async_twin("alltoall", "RuntimeError, ValueError, SerializationError",
-                 "``values`` of the wrong length, a value too large or that cannot be pickled")
+    @_async_twin("alltoall", _LENGTH, _VALUE)
     def alltoall_async(self, values: Sequence[Any]) -> CollectiveFuture[list[Any]]:
         return self._calls.call("alltoall", values)
 
@@ -328,25 +322,8 @@ class Group:
         """Return once every replica has called ``barrier``."""
         self._calls.run("barrier", timeout)
 
+    @_async_twin("barrier")
     def barrier_async(self) -> CollectiveFuture[None]:
-        """Start ``barrier`` and return at once, with a future.
-
-        Futures may be collected in any order.
-
-        Returns
-        -------
-        CollectiveFuture
-            Its ``result()`` is ``None``.
-
-        Raises
-        ------
-        RuntimeError
-            At once, as ``barrier`` would, for a mistake found before anything is sent:
-            not initialized, or torn down.
-        CollectiveError
-            From ``result()``, as ``barrier`` raises it (at once if the group has
-            already failed).
-        """
         return self._calls.call("barrier")
 
     def teardown(self, *, timeout: Timeout = DEFAULT) -> None:
@@ -359,33 +336,29 @@ class Group:
             Not every replica called ``teardown`` within ``timeout``; the
             group is closed all the same.
         """
-        if self._life.closed:
+        life = self._life
+        if life.closed:
             return
-        if os.getpid() != self._life.pid:  # a forked child: the sockets are the parent's
-            self._life.closed = True
+        if os.getpid() != life.pid:  # a forked child: the sockets are the parent's
+            life.closed = True
             return
-        with self._life.turns:
-            self._teardown(timeout)
-
-    def _teardown(self, timeout: Timeout) -> None:
-        """:meth:`teardown`, holding the turn."""
-        if self._life.closed:
-            return  # (by another thread, meanwhile)
-        try:
-            failure: Optional[BaseException] = self._life.member.failure
-            if self._life.driver is not None and failure is None:
-                future = self._calls.call("teardown")
-                try:
-                    self._calls.blocking(future, timeout)
-                except CollectiveTimeoutError:
-                    raise
-                except Exception as exc:  # a failed group closes anyway
-                    failure = exc
-            if failure is not None:  # cleanup, often in a `finally`: said, never raised over
-                log.warning("zcollective rank %d: teardown closed a group that was already over: %s",
-                            self.rank, failure)  # the exception in flight
-        finally:
-            self._life.close()
+        with life.turns:
+            if life.closed:
+                return  # (by another thread, meanwhile)
+            try:
+                failure: Optional[BaseException] = life.member.failure
+                if life.driver is not None and failure is None:
+                    try:
+                        self._calls.blocking(self._calls.call("teardown"), timeout)
+                    except CollectiveTimeoutError:
+                        raise
+                    except Exception as exc:  # a failed group closes anyway
+                        failure = exc
+                if failure is not None:  # cleanup, often in a `finally`: said, never raised over
+                    log.warning("zcollective rank %d: teardown closed a group that was already over: %s",
+                                self.rank, failure)  # the exception in flight
+            finally:
+                life.close()
 
     # -- elastic groups ---------------------------------------------------------
 

@@ -68,7 +68,7 @@ class Lifecycle:
         self.closed = False
         self.reforming: Optional[str] = None  # closed by shrink() or grow() to form the next group
         self._watching = False  # this group counts in _stops' watch
-        self.ctx: Optional[zmq.Context] = None
+        self.ctx: Optional[zmq.Context[Any]] = None
         self.server: Optional[Server] = None
         self.data: Optional[DataPlane] = None
         signer = Signer(config.secret) if config.secret is not None else None
@@ -96,7 +96,7 @@ class Lifecycle:
             self.driver.waiter.watch(NUDGE, self.turns.nudge.fd)  # a thread wanting the turn wakes a wait
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
             if config.join:
-                self._await_admission()
+                self._await_admission(deadline)
                 self.close(quick=True)
                 return
             if form is None:
@@ -169,13 +169,11 @@ class Lifecycle:
         return DirectDriver(self.member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
                                                     user_code=_interrupts.user_code, job=self.config.job))
 
-    def _await_admission(self) -> None:
+    def _await_admission(self, deadline: Optional[float]) -> None:
         """A newcomer: wait until a grow() of the group admits it (rule 10 of
         the coordinator); :attr:`Member.admitted` then says where it goes."""
         link, member, config = self.driver, self.member, self.config
         assert link is not None
-        member.newcomer = True
-        deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
         if not link.send_join(lambda: member.admitted is not None, deadline):  # (parked anew each time)
             raise CollectiveTimeoutError(
                 f"a newcomer was not admitted to the group at {config.endpoint} within "
@@ -246,8 +244,7 @@ class Lifecycle:
         link.data = data
 
     def coordinator_address(self) -> str:
-        """``host:port`` of this group's coordinator: where newcomers go (it
-        moves when rank 0 is lost and the survivors shrink)."""
+        """:meth:`zcollective.Group.coordinator_address`."""
         host = self.config.master_addr
         return f"[{host}]:{self.config.master_port}" if ":" in host else f"{host}:{self.config.master_port}"
 
@@ -361,35 +358,32 @@ class Lifecycle:
         process produced, bounded, then close. Rule 7 of the coordinator."""
         if self.closed or os.getpid() != self.pid:
             return
-        turns = self.turns
+        turns, driver = self.turns, self.driver
         if not turns.take(time.monotonic() + STATUS_WAIT_S):
             return  # a thread left running (a daemon) is busy in a step: the sockets are its
         try:
-            if not self.closed:
-                self._end_turn()
+            if self.closed:
+                return
+            interrupted: Optional[BaseException] = None
+            if driver is not None:
+                try:
+                    driver.progress()  # take in a FAIL that would make a BYE pointless
+                    driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
+                    driver.say_bye(EXIT_LINGER_MS / 1000)
+                except Exception:
+                    pass  # the group failed: nothing to announce, only to flush
+                except BaseException as exc:  # an interrupt: the BYE still goes (flagged if data
+                    # is left), unwaited, so the others are told now; rank 0 then waits for nothing
+                    interrupted = exc
+                    bye = self.member.bye()
+                    with contextlib.suppress(BaseException):
+                        if bye is not None:
+                            driver.send([bye])
+            self.close(ending=True, hurry=interrupted is not None)
+            if interrupted is not None:
+                raise interrupted
         finally:
             turns.give()
-
-    def _end_turn(self) -> None:
-        """:meth:`end`, holding the turn."""
-        interrupted: Optional[BaseException] = None
-        if self.driver is not None:
-            try:
-                self.driver.progress()  # take in a FAIL that would make a BYE pointless
-                self.driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
-                self.driver.say_bye(EXIT_LINGER_MS / 1000)
-            except Exception:
-                pass  # the group failed: nothing to announce, only to flush
-            except BaseException as exc:  # an interrupt: the BYE still goes (flagged if data is
-                # left), unwaited, so the others are told now; rank 0 then waits for nothing
-                interrupted = exc
-                bye = self.member.bye()
-                with contextlib.suppress(BaseException):
-                    if bye is not None:
-                        self.driver.send([bye])
-        self.close(ending=True, hurry=interrupted is not None)
-        if interrupted is not None:
-            raise interrupted
 
 
 def _on_loopback(config: Config) -> bool:

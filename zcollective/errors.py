@@ -55,7 +55,8 @@ class RemoteError(CollectiveError):
         self.remote_message = remote_message
         self.remote_traceback = remote_traceback
 
-    def __reduce__(self):  # keep the attributes through copy and pickle
+    def __reduce__(self) -> tuple[type[RemoteError], tuple[str, str, str, str]]:
+        # keep the attributes through copy and pickle
         return (
             type(self),
             (str(self), self.remote_type, self.remote_message, self.remote_traceback),

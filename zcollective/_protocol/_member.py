@@ -527,18 +527,12 @@ class Member:
     def data_done(self) -> None:
         """The first queued job moved all its data: its call's value is ready
         (the job's ``finish``, made by the runner)."""
-        seq, job = self.transfers[0]
-        call = self.calls.get(seq)
-        if call is None:
-            self.transfers.popleft()
-            self.owed.extend(self._taken())
-            return
-        if call.future is not None:
+        seq, job = self.transfers.popleft()
+        call = self.calls.pop(seq, None)
+        if call is not None and call.future is not None:
             self._record(seq, call, job.received_bytes, "done")
             self.outcomes.append(Outcome(call.future, make=job.finish))
-        self.transfers.popleft()
         self.owed.extend(self._taken())
-        self.calls.pop(seq, None)
 
     def _record(self, seq: int, call: Call, received: int, outcome: str) -> None:
         """Count a call answered (see :mod:`zcollective._protocol._stats`)."""

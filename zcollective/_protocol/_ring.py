@@ -8,6 +8,7 @@ docs/protocol.md, *The data plane* (Schedules).
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -17,6 +18,7 @@ from .._limits import CHUNK_BYTES, CHUNKS_PER_PART, MIN_CHUNK_BYTES
 def chunk_size(nbytes: int, parts: int) -> int:
     """The chunk size for ``nbytes`` moved as ``parts`` parts (ring segments, chain hops)."""
     return max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, nbytes // (max(1, parts) * CHUNKS_PER_PART)))
+
 
 RS, AG, BC, GA = 1, 2, 3, 4  # chunk kinds: reduce-scatter, allgather, broadcast, gathered value
 KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast", GA: "allgather value"}
@@ -42,7 +44,7 @@ def reduction_name(fn: Any) -> Optional[str]:
         return name
     if getattr(fn, "__zcollective_elementwise__", False):
         return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-    numpy = _numpy()
+    numpy = sys.modules.get("numpy")  # (not imported: fn is none of its functions)
     if numpy is not None:
         for ufunc, label in ((numpy.add, "add"), (numpy.maximum, "maximum"),
                              (numpy.minimum, "minimum"), (numpy.multiply, "multiply")):
@@ -66,11 +68,6 @@ _KNOWN: dict[Any, str] = {operator.add: "add", operator.iadd: "add", operator.mu
 def register_default(fn: Callable[[Any, Any], Any]) -> None:
     """The group's default reduce function (``a += b``) is ``add`` here."""
     _KNOWN[fn] = "add"
-
-
-def _numpy() -> Any:
-    import sys
-    return sys.modules.get("numpy")
 
 
 def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], None]:
@@ -140,6 +137,7 @@ class Transfer:
         self.total_bytes = 0  # what this rank receives in all
         self.to_send = 0  # chunks this rank sends in all
         self.sent = 0  # ... of which handed to the socket (counted by the data plane)
+        self._seen: set[tuple[int, ...]] = set()  # the chunks taken
 
     @property
     def done(self) -> bool:
@@ -158,6 +156,22 @@ class Transfer:
     def progress(self) -> str:
         return (f"{self.kind_name}: received {self.received} of {self.expected} chunks "
                 f"({self.received_bytes} of {self.total_bytes} bytes) from rank {self.prev}")
+
+    def _copy_in(self, key: tuple[int, ...], per_frame: list[list[tuple[int, int]]], into: list[Any],
+                 step: int, index: int, payload: Any) -> bool:
+        """Take chunk ``per_frame[step][index]`` of a frame into ``into[step]``; False if it is
+        out of range, of the wrong size, or taken before (``key``)."""
+        if not 0 <= step < len(per_frame) or not 0 <= index < len(per_frame[step]) or key in self._seen:
+            return False
+        s, e = per_frame[step][index]
+        view = memoryview(payload)
+        if view.nbytes != e - s:
+            return False
+        self._seen.add(key)
+        self.received += 1
+        self.received_bytes += e - s
+        memoryview(into[step])[s:e] = view.cast("B")
+        return True
 
 
 class RingAllreduce(Transfer):
@@ -180,7 +194,6 @@ class RingAllreduce(Transfer):
         itemsize = max(1, array.itemsize)
         per = max(1, (chunk_bytes or chunk_size(array.nbytes, size)) // itemsize)
         self._segments = [_chunks(s, e, per) for s, e in _bounds(self._input.size, size)]
-        self._seen: set[tuple[int, int, int]] = set()
         n = size
         for t in range(n - 1):  # what arrives: reduce-scatter then allgather, one segment a step
             for segment in ((rank - t - 1) % n, (rank - t) % n)[:2 if gather else 1]:
@@ -253,7 +266,6 @@ class ChainBroadcast(Transfer):
         self._position = (rank - root) % size  # 0 at the root
         self._last = self._position == size - 1
         self._chunks = [_chunks(0, n, chunk_bytes) for n in sizes]
-        self._seen: set[tuple[int, int]] = set()
         if not self._last:
             self.to_send = sum(len(c) for c in self._chunks)
         if self._position == 0:
@@ -270,19 +282,9 @@ class ChainBroadcast(Transfer):
 
     def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any],
                 origin: int = -1) -> bool:
-        if kind != BC or not 0 <= step < len(self._chunks) or self._position == 0:
+        if kind != BC or self._position == 0 or not self._copy_in(
+                (step, index), self._chunks, self._frames, step, index, payload):
             return False
-        chunks = self._chunks[step]
-        if not 0 <= index < len(chunks) or (step, index) in self._seen:
-            return False
-        s, e = chunks[index]
-        view = memoryview(payload)
-        if view.nbytes != e - s:
-            return False
-        self._seen.add((step, index))
-        self.received += 1
-        self.received_bytes += e - s
-        memoryview(self._frames[step])[s:e] = view.cast("B")
         if not self._last:
             self.outbox.append(Chunk(BC, step, index, payload, frames))
         return True
@@ -305,7 +307,6 @@ class RingAllgather(Transfer):
         chunk_bytes = chunk_bytes or chunk_size(sum(sum(s) for s in sizes if s), size)
         self._chunks = [None if s is None else [_chunks(0, n, chunk_bytes) for n in s] for s in sizes]
         self._frames: list[Optional[list[Any]]] = [None] * size
-        self._seen: set[tuple[int, int, int]] = set()
         for owner, per_frame in enumerate(self._chunks):
             if per_frame is None:
                 continue
@@ -329,21 +330,10 @@ class RingAllgather(Transfer):
                 origin: int = -1) -> bool:
         if kind != GA or not 0 <= origin < self.size or origin == self.rank:
             return False
-        per_frame = self._chunks[origin]
-        if per_frame is None or not 0 <= step < len(per_frame) or not 0 <= index < len(per_frame[step]):
+        per_frame, into = self._chunks[origin], self._frames[origin]
+        if per_frame is None or into is None or not self._copy_in(
+                (origin, step, index), per_frame, into, step, index, payload):
             return False
-        if (origin, step, index) in self._seen:
-            return False
-        s, e = per_frame[step][index]
-        view = memoryview(payload)
-        if view.nbytes != e - s:
-            return False
-        self._seen.add((origin, step, index))
-        self.received += 1
-        self.received_bytes += e - s
-        target = self._frames[origin]
-        assert target is not None
-        memoryview(target[step])[s:e] = view.cast("B")
         if self.next != origin:
             self.outbox.append(Chunk(GA, step, index, payload, frames))
         return True

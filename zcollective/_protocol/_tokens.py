@@ -1,15 +1,9 @@
 """Handshake tokens, without sockets: who may connect to a port.
 
-A client's credentials are a single-use *token*: the username is a fresh
-random nonce, the password ``HMAC-SHA256(key, domain, username)`` (hex),
-under a key derived from the secret with a label of its own. The handler
-accepts a token whose MAC is right for its socket's ZAP domain and whose
-nonce it has never accepted before: an eavesdropper who copies a token off
-the wire (PLAIN is cleartext) cannot use it once the handshake it was made
-for has consumed it. Only tokens with a right MAC enter the set of used
-nonces, so strangers cannot grow it. Nothing is encrypted and nothing is
-computed per byte: after the handshake a connection costs what a NULL one
-does (HMAC tags on each message stay, above, as a second defence).
+A client's credentials are a single-use *token*: a fresh random nonce, and its
+HMAC under a key derived from the secret. A handler accepts a token whose MAC
+is right for its socket's ZAP domain and whose nonce it never accepted before.
+Why, and what it stops: docs/security.md, "With a secret" (At the ZeroMQ handshake).
 """
 
 from __future__ import annotations
