@@ -15,7 +15,7 @@ import time
 import timeit
 
 from zcollective._format._wire import Kind, Message
-from zcollective._group import _callsite
+from zcollective._calls import _callsite
 from zcollective._protocol._ops import Op
 from zcollective._protocol._stats import CallStats, Lateness
 
