@@ -1,16 +1,14 @@
 """Where an interrupt may surface, and every blocking wait of the library.
 
 While a group is open the handlers of :data:`DEFERRED_SIGNALS` are wrapped
-(:func:`hold_signals`): a wrapped handler runs at once only where the
-interrupted code is not the library's, or is one of its *surfaces* (marked
-:func:`surface`: the waits here, and :func:`call_user`, a reduce function);
-anywhere else in the library the signal is deferred, sent again a moment later.
-Which it is depends on the stack alone, read only when a signal comes. The
-rule and the reasons: see docs/protocol.md, Concurrency.
+(:func:`hold_signals`) to run at once only outside the library or in one of
+its *surfaces* (:func:`surface`: the waits here, and :func:`call_user`), and
+be deferred anywhere else. See docs/protocol.md, *Concurrency*.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import signal
 import sys
@@ -58,11 +56,9 @@ NUDGE = "nudge"  # the name of the group's nudge (_turns), in every waiter that 
 
 
 class Waiter:
-    """How every wait on sockets is written: the drivers :meth:`watch` what
-    may wake them (a socket, or a file descriptor) under a name; a wait names
-    the sources it waits for, and says why it woke. The poll list of each
-    set of names is built once (until :meth:`watch` changes the sources).
-    Used by one thread at a time (a group's by the holder of its turn)."""
+    """How every wait on sockets is written (see docs/protocol.md, *Drivers*):
+    sources watched under names, waits for some of them that say why they
+    woke. Used by one thread at a time (a group's by the holder of its turn)."""
 
     def __init__(self, *watched: tuple[str, Any]) -> None:
         self._sources: dict[str, Any] = {}
@@ -108,10 +104,8 @@ def acquire_by(lock: Any, deadline: Optional[float]) -> bool:
     try:
         return wait_lock(lock, timeout)
     except BaseException:
-        try:  # (the interrupt came just after it was taken: only its owner may release it)
+        with contextlib.suppress(RuntimeError):  # (taken just before: only its owner may release it)
             lock.release()
-        except RuntimeError:
-            pass
         raise
 
 
@@ -163,13 +157,9 @@ class Condition:
 
 def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
     """Wait on ``condition`` (whose lock the caller holds) for another thread's
-    news, at most ``timeout`` s; True if notified.
-
-    ``threading.Condition.wait`` is no surface: an interrupt while it takes
-    the lock back (notified while another thread holds it) would leave it
-    without the lock, and the caller's ``with`` would release the other
-    thread's. Only the sleep is (:func:`wait_lock`); taking the lock back is
-    the library's (deferred)."""
+    news, at most ``timeout`` s; True if notified. Only the sleep is a surface
+    (:func:`wait_lock`): an interrupt while the lock is taken back would leave
+    the caller's ``with`` to release another thread's hold."""
     sleeper = _allocate_lock()
     sleeper.acquire()
     condition._sleepers.append(sleeper)
@@ -181,10 +171,8 @@ def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
     finally:
         condition.lock.acquire()
         if not got:
-            try:
+            with contextlib.suppress(ValueError):  # (else notified meanwhile)
                 condition._sleepers.remove(sleeper)
-            except ValueError:
-                pass  # notified meanwhile
 
 
 @surface
