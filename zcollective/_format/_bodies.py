@@ -185,12 +185,10 @@ def parse_error(msg: Message) -> tuple[Exception, bool]:
                                        str(body.get("remote_traceback", "")))
     else:
         error = WIRE_ERRORS.get(name, CollectiveError)(message)
-    lost = body.get("lost")
-    if isinstance(lost, list) and all(type(r) is int for r in lost[:4096]):
-        error.lost_ranks = tuple(lost[:4096])  # type: ignore[attr-defined]  # (shrink's lead)
-    dead = body.get("dead")
-    if isinstance(dead, list) and all(type(r) is int for r in dead[:4096]):
-        error.dead_ranks = tuple(dead[:4096])  # type: ignore[attr-defined]  # (shrink's majority)
+    for key, attr in (("lost", "lost_ranks"), ("dead", "dead_ranks")):  # shrink's lead, and its majority
+        ranks = body.get(key)
+        if isinstance(ranks, list) and all(type(r) is int for r in ranks[:4096]):
+            setattr(error, attr, tuple(ranks[:4096]))
     return error, body.get("ended") is True
 
 
