@@ -6,6 +6,7 @@ wait for the next. See docs/protocol.md, *Topology* and *Drivers*.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -182,10 +183,8 @@ class Driver:
         while member.losing_data:
             self._pump(member.next_deadline())
             replies = member.on_timer(member.clock())
-        try:
+        with contextlib.suppress(CollectiveError):  # the link to rank 0 broke too, which tells it
             self.send(replies)
-        except CollectiveError:
-            pass  # the link to rank 0 broke too: it learns of the loss from that
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         """The coordinator's view of call ``seq`` (who arrived), or None if it

@@ -79,10 +79,8 @@ class Waiter:
 
     def wait(self, names: tuple[str, ...], deadline: Optional[float],
              slice_s: Optional[float] = None) -> list[str]:
-        """Wait until one of ``names`` (those watched) is readable, ``deadline``
-        passes or ``slice_s`` ends (None: no bound). Why it woke: the names
-        readable, in the order given, then :data:`DEADLINE` if it has passed;
-        nothing if only the slice ended."""
+        """Wait until one of ``names`` is readable, ``deadline`` passes or
+        ``slice_s`` ends (None: no bound); why it woke, as the class says."""
         poll = self._polls.get(names)
         if poll is None:
             watched = [(self._sources[name], name) for name in names if name in self._sources]
@@ -184,12 +182,8 @@ def call_user(fn: Callable[..., T], *args: Any) -> T:
 def user_code(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` made callable where an interrupt may stop it: through
     :func:`call_user` unless it is the library's own (or built in)."""
-    return fn if library_code(fn) else partial(call_user, fn)
-
-
-def library_code(fn: Any) -> bool:
-    """Is ``fn`` the library's own (or built in): no surface needed to call it?"""
-    return getattr(fn, "__code__", None) is None or _is_library(getattr(fn, "__module__", None))
+    mine = getattr(fn, "__code__", None) is None or _is_library(getattr(fn, "__module__", None))
+    return fn if mine else partial(call_user, fn)
 
 
 def _is_library(module: Optional[str]) -> bool:
@@ -207,8 +201,7 @@ def deferred(frame: Optional[FrameType]) -> bool:
     that is a surface or the library's decides; others' (numpy, pickle,
     the program's) are looked through."""
     while frame is not None:
-        code = frame.f_code
-        if code in _SURFACES:
+        if frame.f_code in _SURFACES:
             return False
         if _is_library(frame.f_globals.get("__name__")):
             return True
@@ -287,11 +280,9 @@ def stacks_on_request() -> None:
     signal itself; once per process."""
     if _stacks_on or signal.getsignal(STACKS_SIGNAL) is not signal.SIG_DFL:
         return
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # (no usable stderr)
         faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
         _stacks_on.append(True)
-    except (ValueError, OSError, AttributeError, RuntimeError):
-        pass  # no usable stderr (a closed one, or none at all): nowhere to write them
 
 
 def stacks_on() -> bool:

@@ -247,22 +247,15 @@ def close_monitored(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> No
     sock.close(linger=linger_ms)
 
 
-def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
-    """Send a multipart message; large frames go without a copy unless ``copy``.
-    Never blocks: ``zmq.Again`` (nothing sent) means libzmq has no pipe to
-    the peer any more (see :data:`_NOBLOCK`); callers call that link lost.
-    (No signal handler's exception splits it: :mod:`zcollective._io._interrupts`.)"""
+def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
+    """Send a multipart message; large frames go without a copy. Never blocks:
+    ``zmq.Again`` (nothing sent) means libzmq has no pipe to the peer any
+    more (see :data:`_NOBLOCK`); callers call that link lost. (No signal
+    handler's exception splits it: :mod:`zcollective._io._interrupts`.)"""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        more = _SNDMORE if i < last else 0
-        if type(frame) is bytes and len(frame) < ZERO_COPY_MIN_BYTES:  # a small call's frames
-            _send(sock, frame, more | _NOBLOCK, True)
-            continue
-        if copy and isinstance(frame, zmq.Frame):
-            # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
-            frame = frame.buffer
-        size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
-        _send(sock, frame, more | _NOBLOCK, copy or size < ZERO_COPY_MIN_BYTES)
+        size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+        _send(sock, frame, (_SNDMORE if i < last else 0) | _NOBLOCK, size < ZERO_COPY_MIN_BYTES)
 
 
 def recv_message(sock: zmq.Socket) -> list[Any]:
