@@ -119,11 +119,10 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
     renumber = body.get("renumber")
     if isinstance(renumber, dict):
         n, rank, old = body.get("num_replicas"), renumber.get("rank"), renumber.get("old")
-        if (type(n) is int and type(rank) is int and 0 <= rank < n and isinstance(old, list)
+        if not (type(n) is int and type(rank) is int and 0 <= rank < n and isinstance(old, list)
                 and len(old) == n and all(type(r) is int for r in old)):
-            num_replicas, renumber = n, {"rank": rank, "old": old}
-        else:
             raise WireError("a WELCOME's renumbering must give a rank and every rank's old one")
+        num_replicas, renumber = n, {"rank": rank, "old": old}
     else:
         renumber = None
     admitted = body.get("admitted")

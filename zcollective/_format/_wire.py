@@ -256,16 +256,11 @@ def encode(msg: Message, signer: Optional[Signer] = None,
            cache: Optional[dict[tuple[int, int, str], Any]] = None,
            part_bytes: int = WIRE_PART_BYTES) -> list[Any]:
     """The frames of ``msg``, tagged when there is a ``signer``; buffers of
-    segments are passed through uncopied, those above ``part_bytes``
-    as slices (parts: :data:`WIRE_PART_BYTES` across hosts,
-    :data:`LOCAL_PART_BYTES` in a group on one host).
-
-    ``cache`` keeps, by the identity of ``msg.segments`` and ``msg.fn`` (and
-    the call site), what follows the fixed header and the payload's MAC, so
-    messages that share one payload (one result for N ranks, each with a
-    header of its own) build and hash it once; the caller keeps them alive
-    while the cache is in use.
-    """
+    segments are passed through uncopied, those above ``part_bytes`` as
+    slices (see docs/protocol.md, *Frames*). ``cache`` keeps, by the identity
+    of ``msg.segments`` and ``msg.fn`` (and the call site), a payload built and
+    hashed once for the messages that share it (one result for N ranks); the
+    caller keeps them alive while the cache is in use."""
     if cache is None:
         suffix, tail, mac, parts = _payload(msg, signer, part_bytes)
     else:
@@ -336,14 +331,8 @@ def join_parts(frames: Sequence[Any], table: Sequence[tuple[int, int, int]],
                max_frame_bytes: Optional[int] = None) -> list[Any]:
     """The frames after the header with each split frame's parts joined back
     into one buffer (one copy, only of split frames), as the parts ``table``
-    says. Every row is checked against the frames before anything is copied.
-
-    Raises
-    ------
-    WireError
-        The table does not match the frames, or a joined frame would exceed
-        ``max_frame_bytes``.
-    """
+    says; WireError, before anything is copied, if a row does not match the
+    frames or a joined frame would exceed ``max_frame_bytes``."""
     out: list[Any] = []
     pos = 0  # in frames
     nxt = 0  # the index of the next frame of the message
@@ -477,10 +466,8 @@ def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
 
 
 def owned(msg: Message) -> Message:
-    """``msg`` with every buffer its own copy. What crosses between rank 0's
-    member and the coordinator in one process is copied, as a socket would:
-    so a reduction never runs in place in the user's input, and mutating a
-    result never changes buffers still being sent to other ranks."""
+    """``msg`` with every buffer its own copy, as a socket would copy it between
+    rank 0's member and the coordinator (why: see docs/protocol.md, *Drivers*)."""
     segments = msg.segments
     if not segments or (len(segments) == 1 and len(segments[0]) == 1 and type(segments[0][0]) is bytes):
         return msg  # (a small call's: one immutable frame, nothing to copy)
