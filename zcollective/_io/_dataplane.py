@@ -135,10 +135,8 @@ class DataPlane:
         self._handshakes(deadline, pump, key)
 
     def _handshakes(self, deadline: Optional[float], pump: Callable[[], None], key: bytes) -> None:
-        """Wait until both links made their handshake. Until then nothing was
-        sent on them, so a refused or broken attempt is made again with a
-        fresh token: the next rank refuses every token until its WELCOME gave
-        it the key, and a connection reset meanwhile spends the token."""
+        """Wait until both links made their handshake; until then nothing was sent on them,
+        so a refused or broken attempt is made again (see docs/protocol.md, *The data plane*)."""
         assert self._push_monitor is not None
         out_ok = in_ok = False
         retry_at: Optional[float] = None
@@ -302,9 +300,8 @@ class DataPlane:
     def _events(self, seq: int, job: Transfer, fail: Callable[[Exception], None]) -> None:
         """The monitors: the link to the next rank closed or silent fails the
         group (the previous rank's loss is told by the coordinator, or by it)."""
-        push_monitor, pull_monitor = self._push_monitor, self._pull_monitor
-        if push_monitor is not None:
-            for event, _ in _sockets.monitor_events(push_monitor):
+        if self._push_monitor is not None:
+            for event, _ in _sockets.monitor_events(self._push_monitor):
                 if event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     why = CLOSED if event == zmq.EVENT_DISCONNECTED else REFUSED
                     if job.sent < job.to_send or not self._sent():
@@ -312,7 +309,7 @@ class DataPlane:
                     # it had all this rank sends it (and may have ended its program): not a loss
                     # now; a later call that needs the link finds it lost (a link is made once)
                     self._broken = self._broken or (BROKEN if why is CLOSED else why)
-        for _ in _sockets.monitor_events(pull_monitor):  # (handshakes only: no peer named)
+        for _ in _sockets.monitor_events(self._pull_monitor):  # (handshakes only: no peer named)
             pass
         return None
 
