@@ -119,11 +119,10 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
     renumber = body.get("renumber")
     if isinstance(renumber, dict):
         n, rank, old = body.get("num_replicas"), renumber.get("rank"), renumber.get("old")
-        if (type(n) is int and type(rank) is int and 0 <= rank < n and isinstance(old, list)
+        if not (type(n) is int and type(rank) is int and 0 <= rank < n and isinstance(old, list)
                 and len(old) == n and all(type(r) is int for r in old)):
-            num_replicas, renumber = n, {"rank": rank, "old": old}
-        else:
             raise WireError("a WELCOME's renumbering must give a rank and every rank's old one")
+        num_replicas, renumber = n, {"rank": rank, "old": old}
     else:
         renumber = None
     admitted = body.get("admitted")
@@ -185,12 +184,10 @@ def parse_error(msg: Message) -> tuple[Exception, bool]:
                                        str(body.get("remote_traceback", "")))
     else:
         error = WIRE_ERRORS.get(name, CollectiveError)(message)
-    lost = body.get("lost")
-    if isinstance(lost, list) and all(type(r) is int for r in lost[:4096]):
-        error.lost_ranks = tuple(lost[:4096])  # type: ignore[attr-defined]  # (shrink's lead)
-    dead = body.get("dead")
-    if isinstance(dead, list) and all(type(r) is int for r in dead[:4096]):
-        error.dead_ranks = tuple(dead[:4096])  # type: ignore[attr-defined]  # (shrink's majority)
+    for key, attr in (("lost", "lost_ranks"), ("dead", "dead_ranks")):  # shrink's lead, and its majority
+        ranks = body.get(key)
+        if isinstance(ranks, list) and all(type(r) is int for r in ranks[:4096]):
+            setattr(error, attr, tuple(ranks[:4096]))
     return error, body.get("ended") is True
 
 

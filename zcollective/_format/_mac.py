@@ -71,21 +71,9 @@ def available_backends() -> tuple[str, ...]:
 
 
 class ChunkMac:
-    """Tags chunks of bytes, each bound to a unique context.
-
-    Parameters
-    ----------
-    secret
-        The group's secret.
-    backend
-        ``"poly1305"`` or ``"hmac-sha256"``; by default the fastest available.
-
-    Raises
-    ------
-    ValueError
-        An unknown backend, or ``"poly1305"`` without the ``cryptography``
-        package.
-    """
+    """Tags chunks of bytes, each bound to a unique context, under the group's
+    ``secret`` with ``backend`` (by default the fastest available): ValueError
+    for an unknown one, or ``"poly1305"`` without the ``cryptography`` package."""
 
     TAG_BYTES = 16  # Poly1305's tag; HMAC-SHA256 is cut to the same length
 

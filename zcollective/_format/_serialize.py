@@ -29,14 +29,8 @@ _by_reference: dict[Any, bytes] = {}
 
 
 def dumps(value: Any, what: str = "value") -> list[Any]:
-    """Serialize ``value`` to a segment ``[pickle, buffer...]``.
-
-    Raises
-    ------
-    SerializationError
-        ``value`` (or something inside it) cannot be pickled; the message
-        names its type.
-    """
+    """Serialize ``value`` to a segment ``[pickle, buffer...]``; raise
+    SerializationError naming its type if it (or something in it) cannot be pickled."""
     if type(value) in PLAIN_TYPES:
         return [pickle.dumps(value, PROTOCOL)]
     buffers: list[Any] = []
@@ -86,13 +80,9 @@ def dumps_function(fn: Any) -> bytes:
 
 def as_is(fn: Any) -> bool:
     """May rank 0 hand ``fn`` to the coordinator in its own process as it is,
-    rather than a pickle made at the call? Only when the two cannot differ: a
-    function that pickles by reference (importable: the pickle names this very
-    object), or one with no state of its own — no closure, defaults,
-    attributes, nor any global, builtin or attribute name in its code — so
-    nothing the program does between the call and the reduction changes what
-    it computes. Anything else keeps the pickle's snapshot (a lambda made in a
-    loop computes with the loop's value at its call)."""
+    rather than a pickle made at the call? Only when the two cannot differ
+    (see docs/protocol.md, *Frames*): anything else keeps the pickle's
+    snapshot (a lambda made in a loop computes with the loop's value at its call)."""
     try:
         if fn in _by_reference:
             return True
@@ -115,14 +105,8 @@ def _stateless(code: types.CodeType) -> bool:
 
 
 def loads(segment: list[Any], what: str = "value") -> Any:
-    """Rebuild a value from a segment; buffers are used in place, not copied.
-
-    Raises
-    ------
-    SerializationError
-        The pickle could not be loaded (for instance a class that does not
-        exist on this replica).
-    """
+    """Rebuild a value from a segment, its buffers used in place; raise
+    SerializationError if it cannot be loaded (a class this replica lacks)."""
     try:
         return pickle.loads(segment[0], buffers=segment[1:])
     except Exception as exc:

@@ -96,30 +96,17 @@ class AuthError(WireError):
 
 
 class Signer:
-    """HMAC-SHA256 over every frame, keyed from the job's secret.
-
-    Each frame is fed with its length first, so frame boundaries are
-    authenticated too: the frames after the header first, then the header.
-    The header (inside the tag) carries the session, the sequence number
-    and, from the coordinator, the recipient's rank, which the receivers
-    check, so a replayed message, or one moved to another rank, is refused.
-    Feeding the header last lets one payload be hashed once and bound to
-    each recipient with a header of its own (:meth:`payload`, :meth:`bind`).
-
-    With ``fast`` (and the ``cryptography`` package), a payload holding a
-    frame of :data:`FAST_MAC_MIN_BYTES` or more is tagged at memory speed: a
-    fresh random 16-byte nonce, each such frame replaced in the HMAC's input
-    by its :class:`~zcollective._format._mac.ChunkMac` tag (Poly1305 under a one-time
-    key derived from the nonce and the frame's index), and the HMAC, under a
-    key of its own, over the nonce, the frames' lengths, the small frames,
-    the chunk tags and the header. The tag frame is the nonce then that HMAC
-    (:data:`FAST_TAG_BYTES`). Secure because the HMAC covers everything but
-    the large frames' bytes, and a different frame with the same Poly1305 tag
-    under a secret one-time key (never revealed: the chunk tags are not sent)
-    is found with probability below 2^-75 per try, even for a frame of
-    2 GiB (and a failed try fails the group). Its
-    receiver must have ``cryptography``: a group turns ``fast`` on only when
-    every rank has it. Either tag is verified, whatever ``fast`` says.
+    """HMAC-SHA256 over every frame and its length, keyed from the job's secret:
+    the frames after the header first, then the header, so one payload is
+    hashed once and bound to each recipient's header (:meth:`payload`,
+    :meth:`bind`). With ``fast`` (every rank has ``cryptography``), a payload
+    holding a frame of :data:`FAST_MAC_MIN_BYTES` or more gets the fast tag
+    instead; either tag is verified, whatever ``fast`` says. Both tags: see
+    docs/protocol.md, *Frames*. The fast tag is secure because the HMAC
+    covers everything but the large frames' bytes, and a different frame with
+    the same Poly1305 tag under a secret one-time key (never revealed: the
+    chunk tags are not sent) is found with probability below 2^-75 per try,
+    even for a frame of 2 GiB (and a failed try fails the group).
     """
 
     def __init__(self, secret: bytes, fast: bool = False) -> None:
@@ -139,6 +126,9 @@ class Signer:
             sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
             if sizes and max(sizes) >= FAST_MAC_MIN_BYTES:
                 return self._fast_payload(os.urandom(NONCE_BYTES), frames, sizes, self._chunks)
+        return self._plain_payload(frames)
+
+    def _plain_payload(self, frames: Sequence[Any]) -> tuple[bytes, Any]:
         h = self._base.copy()
         for frame in frames:
             view = memoryview(frame)
@@ -185,12 +175,7 @@ class Signer:
         body = frames[:-1]
         got = bytes(memoryview(frames[-1]))
         if size == TAG_BYTES:
-            h = self._base.copy()
-            for frame in body[1:]:
-                view = memoryview(frame)
-                h.update(view.nbytes.to_bytes(8, "little"))
-                h.update(view)
-            want = self.bind((b"", h), body[0])
+            want = self.bind(self._plain_payload(body[1:]), body[0])
         elif self._chunks is None:
             raise AuthError("tag made with Poly1305, which needs the cryptography package here "
                             "(pip install zcollective[fast-auth])")
@@ -271,16 +256,11 @@ def encode(msg: Message, signer: Optional[Signer] = None,
            cache: Optional[dict[tuple[int, int, str], Any]] = None,
            part_bytes: int = WIRE_PART_BYTES) -> list[Any]:
     """The frames of ``msg``, tagged when there is a ``signer``; buffers of
-    segments are passed through uncopied, those above ``part_bytes``
-    as slices (parts: :data:`WIRE_PART_BYTES` across hosts,
-    :data:`LOCAL_PART_BYTES` in a group on one host).
-
-    ``cache`` keeps, by the identity of ``msg.segments`` and ``msg.fn`` (and
-    the call site), what follows the fixed header and the payload's MAC, so
-    messages that share one payload (one result for N ranks, each with a
-    header of its own) build and hash it once; the caller keeps them alive
-    while the cache is in use.
-    """
+    segments are passed through uncopied, those above ``part_bytes`` as
+    slices (see docs/protocol.md, *Frames*). ``cache`` keeps, by the identity
+    of ``msg.segments`` and ``msg.fn`` (and the call site), a payload built and
+    hashed once for the messages that share it (one result for N ranks); the
+    caller keeps them alive while the cache is in use."""
     if cache is None:
         suffix, tail, mac, parts = _payload(msg, signer, part_bytes)
     else:
@@ -351,14 +331,8 @@ def join_parts(frames: Sequence[Any], table: Sequence[tuple[int, int, int]],
                max_frame_bytes: Optional[int] = None) -> list[Any]:
     """The frames after the header with each split frame's parts joined back
     into one buffer (one copy, only of split frames), as the parts ``table``
-    says. Every row is checked against the frames before anything is copied.
-
-    Raises
-    ------
-    WireError
-        The table does not match the frames, or a joined frame would exceed
-        ``max_frame_bytes``.
-    """
+    says; WireError, before anything is copied, if a row does not match the
+    frames or a joined frame would exceed ``max_frame_bytes``."""
     out: list[Any] = []
     pos = 0  # in frames
     nxt = 0  # the index of the next frame of the message
@@ -384,13 +358,8 @@ def join_parts(frames: Sequence[Any], table: Sequence[tuple[int, int, int]],
 
 def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
            signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None) -> Message:
-    """Parse frames into a :class:`Message`, validating shape before unpacking.
-
-    With a ``signer``, the tag is verified before anything else is looked
-    at. Without one, a tag is stripped unverified and ``FLAG_AUTH`` stays in
-    ``flags``, so the receiver can tell that its peer uses a secret. Frames
-    sent as parts are joined (their size checked against
-    ``max_frame_bytes`` first).
+    """Parse frames into a :class:`Message`, validating shape before unpacking
+    (what is checked, in which order: see docs/protocol.md, *Frames*).
 
     Raises
     ------
@@ -399,9 +368,7 @@ def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
     VersionError
         The header is of another protocol version.
     WireError
-        Anything else malformed: wrong magic, short header, unknown kind or
-        operation, a layout that does not match the frame count, a parts
-        table that does not match the frames.
+        Anything else malformed.
     """
     if not frames:
         raise WireError("empty message")
@@ -477,14 +444,10 @@ _NOT_SIMPLE = FLAG_FN | FLAG_PARTS
 
 
 def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
-    """:func:`decode`'s answer for the common shape, or None to take the
-    whole way: a header of one segment and maybe a call site, no reduce
-    function, no parts, and the authentication flag as expected (set when
-    ``signed``: the tag was verified and stripped). It accepts only what
-    :func:`_decode_whole` accepts, and builds the same :class:`Message`,
-    with one check of each field instead of each rule in turn
-    (``tests/test_wire.py`` compares them). The frame count bound and the
-    tag are checked before it is called."""
+    """:func:`decode`'s answer for the common shape (one segment, no reduce
+    function, no parts, ``FLAG_AUTH`` set when ``signed``), or None to take
+    the whole way: it accepts only what :func:`_decode_whole` accepts, into
+    the same :class:`Message` (``tests/test_wire.py`` compares them)."""
     head = memoryview(frames[0])
     size = head.nbytes
     if not _HEADER_ONE_SEGMENT.size <= size <= _SIMPLE_MAX_BYTES:
@@ -503,10 +466,8 @@ def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
 
 
 def owned(msg: Message) -> Message:
-    """``msg`` with every buffer its own copy. What crosses between rank 0's
-    member and the coordinator in one process is copied, as a socket would:
-    so a reduction never runs in place in the user's input, and mutating a
-    result never changes buffers still being sent to other ranks."""
+    """``msg`` with every buffer its own copy, as a socket would copy it between
+    rank 0's member and the coordinator (why: see docs/protocol.md, *Drivers*)."""
     segments = msg.segments
     if not segments or (len(segments) == 1 and len(segments[0]) == 1 and type(segments[0][0]) is bytes):
         return msg  # (a small call's: one immutable frame, nothing to copy)

@@ -1,11 +1,7 @@
 """The data plane's sockets: each replica binds one PULL socket (its data
-port) and connects one PUSH to the next rank's. It moves the chunks of a
-:class:`~zcollective._protocol._ring.Transfer` and nothing else: which calls go
-this way is decided by the coordinator, which matched the call first.
-
-The chunk format, its tag, liveness and faults: see docs/protocol.md,
-*The data plane*; which chunk a port takes is decided by
-:class:`~zcollective._protocol._chunks.ChunkRules`.
+port) and connects one PUSH to the next rank's, to move the chunks of a
+:class:`~zcollective._protocol._ring.Transfer` (of a call the coordinator
+matched). See docs/protocol.md, *The data plane*.
 """
 
 from __future__ import annotations
@@ -63,11 +59,8 @@ class DataPlane:
 
     def __init__(self, ctx: zmq.Context, config: Config,
                  gatekeeper: Optional[_zap.Gatekeeper] = None) -> None:
-        """Bind the data port. Its handshakes are answered by ``gatekeeper``
-        (with a secret, rank 0's coordinator serves its own) or, if
-        None, by a gatekeeper of this data plane's, answered at once by a
-        thread of its own; none is accepted until :meth:`start` gives the
-        port's link key."""
+        """Bind the data port, whose handshakes ``gatekeeper`` answers (rank 0's, with a
+        secret), else a :class:`~._zap.GateThread` of its own; none passes before :meth:`start`."""
         self.rank = config.rank
         self.size = config.num_replicas
         self._config = config
@@ -81,8 +74,7 @@ class DataPlane:
         self._trackers: deque[Any] = deque()
         self._warned: set[str] = set()
         self._gate: Optional[_zap.GateThread] = None  # ours (not rank 0's coordinator's)
-        what = f"rank {self.rank} cannot open its data port"
-        with _sockets.mapped(what, address=True):
+        with _sockets.mapped(f"rank {self.rank} cannot open its data port", address=True):
             if gatekeeper is None:
                 self._gate = _zap.GateThread(ctx)
                 gatekeeper = self._gate.gatekeeper
@@ -116,23 +108,15 @@ class DataPlane:
 
     def start(self, session: int, endpoints: list[str], mac: str, data_key: Optional[str],
               deadline: Optional[float], pump: Callable[[], None]) -> None:
-        """The group is welcomed: connect to the next rank's data port and
-        wait (every rank is inside ``initialize`` now, to answer) until both
-        data links have made their handshake, so none is left waiting on a
-        replica busy in its own code. Tokens are made under the secret, or
-        without one under ``data_key`` (hex, from the WELCOME).
-
-        Raises
-        ------
-        CollectiveTimeoutError
-            A data link was not made by ``deadline``; names the ports.
-        """
+        """The group is welcomed: connect to the next rank's data port and wait
+        until both data links have made their handshake (every rank is inside
+        ``initialize`` now, to answer), or raise :class:`CollectiveTimeoutError`
+        naming them at ``deadline``. Tokens are made under the secret, or
+        without one under ``data_key`` (hex, from the WELCOME)."""
         self.endpoints = endpoints
-        base = self._config.secret
-        if base is not None:  # the MACs every rank of the group has
-            self._rules.start(session, ChunkMac(base, mac), self.rank, self.size)
-        else:
-            self._rules.start(session, None, self.rank, self.size)
+        base = self._config.secret  # with one, chunks carry the MAC every rank of the group has
+        self._rules.start(session, None if base is None else ChunkMac(base, mac), self.rank, self.size)
+        if base is None:
             assert data_key is not None  # (the member takes no data plan without one)
             base = bytes.fromhex(data_key)
         nxt = (self.rank + 1) % self.size
@@ -145,18 +129,15 @@ class DataPlane:
                 self._setup(push)
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
-                _zap.secure_client(push, key, _zap.DATA_DOMAIN)  # one token: a link is made once
                 self._push_monitor = _sockets.monitor_socket(push, PUSH_EVENTS)
-                push.connect(target)
         self._push = push
+        self._connect(key)  # one token: a link is made once
         self._handshakes(deadline, pump, key)
 
     def _handshakes(self, deadline: Optional[float], pump: Callable[[], None], key: bytes) -> None:
-        """Wait until both links made their handshake. Until then nothing was
-        sent on them, so a refused or broken attempt is made again with a
-        fresh token: the next rank refuses every token until its WELCOME gave
-        it the key, and a connection reset meanwhile spends the token."""
-        assert self._push_monitor is not None and self._push is not None
+        """Wait until both links made their handshake; until then nothing was sent on them,
+        so a refused or broken attempt is made again (see docs/protocol.md, *The data plane*)."""
+        assert self._push_monitor is not None
         out_ok = in_ok = False
         retry_at: Optional[float] = None
         refused = 0
@@ -175,7 +156,7 @@ class DataPlane:
                 break
             if retry_at is not None and time.monotonic() >= retry_at:
                 retry_at = None
-                self._connect_anew(self.endpoints[nxt], key)
+                self._connect(key)
             pump()
             if deadline is not None and time.monotonic() >= deadline:
                 missing = [f"to rank {nxt} at {self.endpoints[nxt]}"] if not out_ok else []
@@ -190,17 +171,12 @@ class DataPlane:
                     f"ZCOLLECTIVE_DATA_PLANE=off keeps every byte on the master port)")
             waiter.wait(OURS[1:], deadline, 0.05)
 
-    def _connect_anew(self, target: str, key: bytes) -> None:
-        """Drop the next rank's endpoint and connect again with a fresh token."""
-        push = self._push
-        assert push is not None
+    def _connect(self, key: bytes) -> None:
+        """Connect to the next rank's data port with a fresh token."""
+        assert self._push is not None
+        target = self.endpoints[(self.rank + 1) % self.size]
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
-            try:
-                push.disconnect(target)
-            except zmq.ZMQError:
-                pass  # libzmq already let go of it (a refused handshake ends the session)
-            _zap.secure_client(push, key, _zap.DATA_DOMAIN)
-            push.connect(target)
+            _zap.connect_with_token(self._push, target, key, _zap.DATA_DOMAIN)
 
     def _watched(self, waiter: Waiter) -> Waiter:
         """``waiter``, watching this data plane's sockets too (as :data:`OURS`)."""
@@ -228,13 +204,10 @@ class DataPlane:
     def run(self, seq: int, job: Transfer, deadline: Optional[float], member: Member, waiter: Waiter,
             control: tuple[str, ...], pump: Callable[[], None],
             fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None) -> bool:
-        """Move ``job``'s chunks until it is done and its last sends have
-        left (True), ``deadline`` passes or ``until()`` holds after news on
-        ``control`` (the names of the control connection's sources, and the
-        nudge, in the driver's ``waiter``: False), or the group fails (True:
-        the caller finds ``member.failure``). ``pump`` takes in what the
-        control plane has without blocking; ``fail`` fails the group for
-        every rank."""
+        """Move ``job``'s chunks until it is done and its last sends have left, or the
+        group fails (True: the caller finds ``member.failure``), or until ``deadline``,
+        or ``until()`` after news on ``control`` (of ``waiter``'s names: False). ``pump``
+        takes in the control plane's news; ``fail`` fails the group for every rank."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
         for frames in self._early.pop(seq, []):
@@ -277,29 +250,25 @@ class DataPlane:
             for out in outbox:
                 if out.frames is not None:  # forwarded as it came: header, tag, payload
                     push.send_multipart(out.frames, zmq.NOBLOCK, copy=False)
-                    job.sent += 1
-                    continue
-                header = rules.header(out.kind, seq, out.step, out.index)
-                payload = memoryview(out.payload).cast("B")
-                tag = rules.mac.tag(header, payload) if rules.mac is not None else b""
-                tracker = push.send_multipart([header, tag, payload], zmq.NOBLOCK, copy=False,
-                                              track=True)
+                else:
+                    header = rules.header(out.kind, seq, out.step, out.index)
+                    payload = memoryview(out.payload).cast("B")
+                    tag = rules.mac.tag(header, payload) if rules.mac is not None else b""
+                    tracker = push.send_multipart([header, tag, payload], zmq.NOBLOCK, copy=False,
+                                                  track=True)
+                    if tracker is not None and not tracker.done:
+                        self._trackers.append(tracker)
                 job.sent += 1
-                if tracker is not None and not tracker.done:
-                    self._trackers.append(tracker)
         except zmq.Again:
             return False
         outbox.clear()
         return True
 
-    def _drain(self, seq: int, job: Transfer, member: Member, fail: Callable[[Exception], None]) -> bool:
-        """Take every chunk waiting; is ``job`` still going?"""
+    def _drain(self, seq: int, job: Transfer, member: Member, fail: Callable[[Exception], None]) -> None:
+        """Take every chunk waiting while ``job`` goes on."""
         pull = self._pull
-        while _sockets.readable(pull):
+        while member.transfers and member.transfers[0][1] is job and _sockets.readable(pull):
             self._take(_sockets.recv_message(pull), seq, job, member, fail)
-            if not (member.transfers and member.transfers[0][1] is job):
-                return False
-        return True
 
     def _take(self, frames: list[Any], seq: int, job: Transfer, member: Member,
               fail: Callable[[Exception], None]) -> None:
@@ -331,9 +300,8 @@ class DataPlane:
     def _events(self, seq: int, job: Transfer, fail: Callable[[Exception], None]) -> None:
         """The monitors: the link to the next rank closed or silent fails the
         group (the previous rank's loss is told by the coordinator, or by it)."""
-        push_monitor, pull_monitor = self._push_monitor, self._pull_monitor
-        if push_monitor is not None:
-            for event, _ in _sockets.monitor_events(push_monitor):
+        if self._push_monitor is not None:
+            for event, _ in _sockets.monitor_events(self._push_monitor):
                 if event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     why = CLOSED if event == zmq.EVENT_DISCONNECTED else REFUSED
                     if job.sent < job.to_send or not self._sent():
@@ -341,7 +309,7 @@ class DataPlane:
                     # it had all this rank sends it (and may have ended its program): not a loss
                     # now; a later call that needs the link finds it lost (a link is made once)
                     self._broken = self._broken or (BROKEN if why is CLOSED else why)
-        for _ in _sockets.monitor_events(pull_monitor):  # (handshakes only: no peer named)
+        for _ in _sockets.monitor_events(self._pull_monitor):  # (handshakes only: no peer named)
             pass
         return None
 

@@ -1,9 +1,6 @@
-"""The DEALER driver of a replica's member (ranks 1 and up).
-
-A thin driver, as :mod:`zcollective._io._server` is for the coordinator: it
-sends what the :class:`~zcollective._protocol._member.Member` owes and answers, and
-hands it every message and connection event. The rules are the member's.
-Used by one thread at a time, the holder of the group's turn (:mod:`._turns`).
+"""The DEALER driver of a replica's member (ranks 1 and up), a thin one: it sends what the
+:class:`~zcollective._protocol._member.Member` owes and answers, and hands it every message and
+connection event. Used by the holder of the group's turn (:mod:`._turns`).
 """
 
 from __future__ import annotations
@@ -22,11 +19,6 @@ from . import _sockets, _zap
 from ._driver import Driver
 from ._interrupts import DEADLINE, NUDGE
 
-MONITOR_EVENTS = (
-    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_CONNECT_RETRIED
-)
 _EVENTS: dict[int, ConnectionEvent] = {
     zmq.EVENT_CONNECTED: ConnectionEvent.CONNECTED,
     zmq.EVENT_DISCONNECTED: ConnectionEvent.DISCONNECTED,
@@ -35,26 +27,20 @@ _EVENTS: dict[int, ConnectionEvent] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: ConnectionEvent.PROTOCOL_VIOLATION,
     zmq.EVENT_CONNECT_RETRIED: ConnectionEvent.REFUSED,  # (also after a disconnect: the member tells)
 }
+MONITOR_EVENTS = sum(_EVENTS) | zmq.EVENT_HANDSHAKE_FAILED_AUTH  # (one bit each; AUTH: handshake_refusal)
 DEALER, MONITOR = "dealer", "monitor"  # its sources, as its waiter names them
 
 
 def routing_id(rank: int) -> bytes:
-    """The rank, then random bytes: a second process claiming the same rank
-    reaches the coordinator (which reports it) instead of being silently
-    refused by libzmq for reusing a routing id."""
+    """``b"R"``, the rank, then random bytes (why: see docs/protocol.md, *Topology*)."""
     return b"R" + rank.to_bytes(4, "big") + os.urandom(8)
 
 
 class DealerDriver(Driver):
-    """A member's DEALER connected to the coordinator at ``config.endpoint``.
-
-    With a secret the DEALER proves it at the ZeroMQ handshake with a
-    single-use token (:mod:`zcollective._io._zap`). libzmq re-makes a lost
-    connection with the token it was given at ``connect``, which the
-    coordinator refuses as spent: before the WELCOME (when the member joins
-    again on a new connection) the DEALER then connects anew with a fresh
-    token. A token refused on its first offer means another secret.
-    """
+    """A member's DEALER connected to the coordinator at ``config.endpoint``;
+    with a secret, it offers a single-use token at each handshake (see
+    docs/protocol.md, *Drivers*): a token refused on its first offer means
+    another secret, one refused on a connection libzmq re-made was spent."""
 
     remote = True
 
@@ -78,9 +64,8 @@ class DealerDriver(Driver):
                     _zap.secure_client(self.dealer, config.secret, _zap.MASTER_DOMAIN)
                 self.monitor = _sockets.monitor_socket(self.dealer, MONITOR_EVENTS)
         try:
-            # the monitor by its file descriptor (its ZMQ_EVENTS cost two system calls a poll):
-            # readable whenever an event came since its socket was last found empty, which only
-            # _drain_monitor asks, reading to the end; asked once here (before the connect)
+            # the monitor by its file descriptor, asked once before the connect (only _drain_monitor
+            # asks it again, reading to the end: see docs/protocol.md, *Drivers*)
             _sockets.readable(self.monitor)
             self.waiter.watch(DEALER, self.dealer)
             self.waiter.watch(MONITOR, self.monitor.FD)
@@ -126,17 +111,11 @@ class DealerDriver(Driver):
                 return False
 
     def _drain_dealer(self, waiting: bool = False, until: Optional[Callable[[], bool]] = None) -> bool:
-        """Handle every message waiting; True if there was one. A done-callback
-        that calls into the group re-enters here and goes on with the rest.
-
-        ``waiting``: a poll just found a message waiting, so the first needs
-        no second poll. ``until``: a wait's condition; once it holds and no
-        other call is in flight, what else came (if anything: a FAIL, a late
-        STATUS_REPLY) stays queued for the next wait, whose poll sees it at
-        once; asking costs a poll per call. (With calls in flight the drain
-        goes on: their replies are likely there, and a coroutine awaiting one
-        sleeps on the socket's fd, which would not fire again for a message
-        already queued: rule 3 of :mod:`zcollective._future`.)"""
+        """Handle every message waiting (``waiting``: a poll just found one); True if there
+        was one. Once ``until()`` holds and no other call is in flight, the rest
+        stays queued for the next wait (see docs/protocol.md, *Drivers*; and rule 3
+        of :mod:`zcollective._future`). A done-callback that calls into the group
+        re-enters here and goes on with the rest."""
         dealer, member = self.dealer, self.member
         got = False
         while waiting or _sockets.readable(dealer):
@@ -168,15 +147,12 @@ class DealerDriver(Driver):
                 if not member.joined and member.failure is None:
                     self._renew_token()
                 continue  # once joined, the lost connection already failed the group
-            refusal = _sockets.handshake_refusal(kind, value, f"rank {member.rank}",
-                                                 f"the coordinator at {member.endpoint}", "rank 0",
+            refusal = _sockets.handshake_refusal(kind, value, member.rank, member.endpoint,
                                                  config.secret is not None)
             if refusal is not None:
                 self._answer(member.fail(refusal))
-                continue
-            event = _EVENTS.get(kind)
-            if event is not None:
-                self._answer(member.connection(event))
+            elif kind in _EVENTS:
+                self._answer(member.connection(_EVENTS[kind]))
 
     def _renew_token(self) -> None:
         """Connect anew with a fresh token (libzmq stopped trying with the
@@ -184,15 +160,9 @@ class DealerDriver(Driver):
         member joins again once the new handshake succeeds."""
         config = self._config
         assert config.secret is not None
-        endpoint = config.endpoint
-        with _sockets.mapped(f"rank {config.rank} cannot connect to {endpoint}", address=True):
-            try:
-                self.dealer.disconnect(endpoint)
-            except zmq.ZMQError:
-                pass  # libzmq already let go of that endpoint
-            _zap.secure_client(self.dealer, config.secret, _zap.MASTER_DOMAIN)
-            self._offers = 0
-            self.dealer.connect(endpoint)
+        self._offers = 0
+        with _sockets.mapped(f"rank {config.rank} cannot connect to {config.endpoint}", address=True):
+            _zap.connect_with_token(self.dealer, config.endpoint, config.secret, _zap.MASTER_DOMAIN)
 
     def close(self, linger_ms: int = 0) -> None:
         if self.member.coordinator_lost:

@@ -1,15 +1,12 @@
 """Drivers of a :class:`~zcollective._protocol._member.Member`: how its messages reach
 the coordinator and the replies come back. :class:`Driver` holds what every
-driver does the same way (send what the member owes, wait for a condition,
-ask the coordinator for the status of a late call); a subclass says how one
-message is sent and how to wait for the next: :class:`HostDriver` (rank 0,
-beside its :class:`~zcollective._io._server.Server`), :class:`DirectDriver` (a
-group of one) and :class:`~zcollective._io._dealer.DealerDriver` (a DEALER, ranks 1
-and up). See docs/protocol.md, *Topology* and *Drivers*.
+driver does the same way; a subclass says how one message is sent and how to
+wait for the next. See docs/protocol.md, *Topology* and *Drivers*.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -90,15 +87,9 @@ class Driver:
                 owed.popleft()
 
     def join(self, timeout: Optional[float]) -> None:
-        """Send JOIN and wait for every replica to have joined.
-
-        Raises
-        ------
-        CollectiveTimeoutError
-            The group was not complete in time; names who was missing.
-        ProtocolError, ValueError, AuthenticationError, CollectiveError
-            The coordinator refused the join; the message says why.
-        """
+        """Send JOIN and wait for every replica to have joined; raise
+        :class:`CollectiveTimeoutError` naming who was missing, or the error of
+        the coordinator's refusal."""
         member = self.member
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.send_join(lambda: member.joined, deadline):
@@ -125,13 +116,8 @@ class Driver:
             member.stop_join()
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """Take in messages until ``done()`` or ``deadline``; False on timeout.
-
-        Raises
-        ------
-        ReplicaLostError, CallMismatchError, CollectiveError
-            The group failed (sticky).
-        """
+        """Take in messages until ``done()`` or ``deadline`` (False); raise the
+        group's failure (sticky)."""
         member = self.member
         if member.owed:
             self.flush()
@@ -197,14 +183,12 @@ class Driver:
         while member.losing_data:
             self._pump(member.next_deadline())
             replies = member.on_timer(member.clock())
-        try:
+        with contextlib.suppress(CollectiveError):  # the link to rank 0 broke too, which tells it
             self.send(replies)
-        except CollectiveError:
-            pass  # the link to rank 0 broke too: it learns of the loss from that
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         """The coordinator's view of call ``seq`` (who arrived), or None if it
-        does not answer within :data:`~zcollective._protocol.STATUS_WAIT_S`."""
+        does not answer within :data:`~zcollective._limits.STATUS_WAIT_S`."""
         member = self.member
         self.send([member.status_query(seq)])
         self._take_in_until(lambda: seq in member.status, time.monotonic() + STATUS_WAIT_S)
@@ -220,10 +204,8 @@ class Driver:
 
     def say_bye(self, timeout: float) -> None:
         """Tell the coordinator this program is ending (if there is a group to
-        tell). Over a connection, wait at most ``timeout`` s for its answer:
-        closing before the peer has acknowledged every byte sent can lose
-        them (a close with unread data, such as a heartbeat, resets the
-        connection, and the kernel drops what it had not yet sent)."""
+        tell); over a connection, wait at most ``timeout`` s for its answer (see
+        docs/protocol.md, *Ending without teardown*)."""
         member = self.member
         bye = member.bye()
         if bye is None:

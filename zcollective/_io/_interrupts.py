@@ -1,16 +1,14 @@
 """Where an interrupt may surface, and every blocking wait of the library.
 
 While a group is open the handlers of :data:`DEFERRED_SIGNALS` are wrapped
-(:func:`hold_signals`): a wrapped handler runs at once only where the
-interrupted code is not the library's, or is one of its *surfaces* (marked
-:func:`surface`: the waits here, and :func:`call_user`, a reduce function);
-anywhere else in the library the signal is deferred, sent again a moment later.
-Which it is depends on the stack alone, read only when a signal comes. The
-rule and the reasons: see docs/protocol.md, Concurrency.
+(:func:`hold_signals`) to run at once only outside the library or in one of
+its *surfaces* (:func:`surface`: the waits here, and :func:`call_user`), and
+be deferred anywhere else. See docs/protocol.md, *Concurrency*.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import signal
 import sys
@@ -58,11 +56,9 @@ NUDGE = "nudge"  # the name of the group's nudge (_turns), in every waiter that 
 
 
 class Waiter:
-    """How every wait on sockets is written: the drivers :meth:`watch` what
-    may wake them (a socket, or a file descriptor) under a name; a wait names
-    the sources it waits for, and says why it woke. The poll list of each
-    set of names is built once (until :meth:`watch` changes the sources).
-    Used by one thread at a time (a group's by the holder of its turn)."""
+    """How every wait on sockets is written (see docs/protocol.md, *Drivers*):
+    sources watched under names, waits for some of them that say why they
+    woke. Used by one thread at a time (a group's by the holder of its turn)."""
 
     def __init__(self, *watched: tuple[str, Any]) -> None:
         self._sources: dict[str, Any] = {}
@@ -83,10 +79,8 @@ class Waiter:
 
     def wait(self, names: tuple[str, ...], deadline: Optional[float],
              slice_s: Optional[float] = None) -> list[str]:
-        """Wait until one of ``names`` (those watched) is readable, ``deadline``
-        passes or ``slice_s`` ends (None: no bound). Why it woke: the names
-        readable, in the order given, then :data:`DEADLINE` if it has passed;
-        nothing if only the slice ended."""
+        """Wait until one of ``names`` is readable, ``deadline`` passes or
+        ``slice_s`` ends (None: no bound); why it woke, as the class says."""
         poll = self._polls.get(names)
         if poll is None:
             watched = [(self._sources[name], name) for name in names if name in self._sources]
@@ -108,10 +102,8 @@ def acquire_by(lock: Any, deadline: Optional[float]) -> bool:
     try:
         return wait_lock(lock, timeout)
     except BaseException:
-        try:  # (the interrupt came just after it was taken: only its owner may release it)
+        with contextlib.suppress(RuntimeError):  # (taken just before: only its owner may release it)
             lock.release()
-        except RuntimeError:
-            pass
         raise
 
 
@@ -163,13 +155,9 @@ class Condition:
 
 def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
     """Wait on ``condition`` (whose lock the caller holds) for another thread's
-    news, at most ``timeout`` s; True if notified.
-
-    ``threading.Condition.wait`` is no surface: an interrupt while it takes
-    the lock back (notified while another thread holds it) would leave it
-    without the lock, and the caller's ``with`` would release the other
-    thread's. Only the sleep is (:func:`wait_lock`); taking the lock back is
-    the library's (deferred)."""
+    news, at most ``timeout`` s; True if notified. Only the sleep is a surface
+    (:func:`wait_lock`): an interrupt while the lock is taken back would leave
+    the caller's ``with`` to release another thread's hold."""
     sleeper = _allocate_lock()
     sleeper.acquire()
     condition._sleepers.append(sleeper)
@@ -181,10 +169,8 @@ def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
     finally:
         condition.lock.acquire()
         if not got:
-            try:
+            with contextlib.suppress(ValueError):  # (else notified meanwhile)
                 condition._sleepers.remove(sleeper)
-            except ValueError:
-                pass  # notified meanwhile
 
 
 @surface
@@ -196,12 +182,8 @@ def call_user(fn: Callable[..., T], *args: Any) -> T:
 def user_code(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` made callable where an interrupt may stop it: through
     :func:`call_user` unless it is the library's own (or built in)."""
-    return fn if library_code(fn) else partial(call_user, fn)
-
-
-def library_code(fn: Any) -> bool:
-    """Is ``fn`` the library's own (or built in): no surface needed to call it?"""
-    return getattr(fn, "__code__", None) is None or _is_library(getattr(fn, "__module__", None))
+    mine = getattr(fn, "__code__", None) is None or _is_library(getattr(fn, "__module__", None))
+    return fn if mine else partial(call_user, fn)
 
 
 def _is_library(module: Optional[str]) -> bool:
@@ -219,8 +201,7 @@ def deferred(frame: Optional[FrameType]) -> bool:
     that is a surface or the library's decides; others' (numpy, pickle,
     the program's) are looked through."""
     while frame is not None:
-        code = frame.f_code
-        if code in _SURFACES:
+        if frame.f_code in _SURFACES:
             return False
         if _is_library(frame.f_globals.get("__name__")):
             return True
@@ -299,11 +280,9 @@ def stacks_on_request() -> None:
     signal itself; once per process."""
     if _stacks_on or signal.getsignal(STACKS_SIGNAL) is not signal.SIG_DFL:
         return
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # (no usable stderr)
         faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
         _stacks_on.append(True)
-    except (ValueError, OSError, AttributeError, RuntimeError):
-        pass  # no usable stderr (a closed one, or none at all): nowhere to write them
 
 
 def stacks_on() -> bool:

@@ -26,9 +26,7 @@ from . import _interrupts
 ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
 # a zero-copy frame (whose release needs pyzmq's gc thread)
 _SNDMORE = int(zmq.SNDMORE)
-_NOBLOCK = int(zmq.NOBLOCK)  # every send: with no high-water mark, a send fails only when
-# libzmq has no pipe for it (one it dropped after a refused re-handshake), and then it would
-# block for ever, past every deadline and interrupt: EAGAIN says that link is gone for good
+_NOBLOCK = int(zmq.NOBLOCK)  # every send: EAGAIN says that link is gone (docs/protocol.md, *Drivers*)
 _POLLIN = int(zmq.POLLIN)
 _MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event id, value
 # (libzmq's layout; zmq.utils.monitor parses the same, but importing it imports asyncio: 60 ms)
@@ -40,6 +38,7 @@ RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hamm
 FORM_RECONNECT_IVL_MS = 10  # a survivor reaching the host of a formed group: it binds within
 FORM_RECONNECT_IVL_MAX_MS = 100  # milliseconds of the loss, and every one counts (issue 23)
 BIND_RETRY_STEP_S = 0.005  # a port held by a process that is being killed: tried again this often
+_ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EPROTONOSUPPORT}  # an unusable address
 
 
 def set_heartbeats(sock: zmq.Socket, config: Config) -> None:
@@ -61,16 +60,11 @@ def set_never_drop(sock: zmq.Socket) -> None:
 
 @contextlib.contextmanager
 def mapped(what: str, address: bool = False) -> Iterator[None]:
-    """Translate a ZeroMQ error into a library error naming ``what``: an
-    address that cannot be used is an :class:`AddressError`, anything else
-    (no file descriptors left, a context being torn down) a
-    :class:`CollectiveError`."""
+    """Translate a ZeroMQ error into :func:`library_error`'s."""
     try:
         yield
     except zmq.ZMQError as exc:
-        if address and exc.errno == zmq.EINVAL:  # connect or bind: the endpoint is malformed
-            raise AddressError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
-        raise library_error(exc, what) from exc
+        raise library_error(exc, what, address) from exc
 
 
 @contextlib.contextmanager
@@ -83,14 +77,12 @@ def closed_on_error(sock: zmq.Socket) -> Iterator[None]:
         raise
 
 
-def library_error(exc: zmq.ZMQError, what: str) -> CollectiveError:
-    """The library error for ``exc`` (see :func:`mapped`), for a hot path
-    that catches ``ZMQError`` itself rather than enter a context manager."""
-    cls = AddressError if exc.errno in _ADDRESS_ERRNOS else CollectiveError
-    return cls(f"{what}: {exc.strerror} (errno {exc.errno})")
-
-
-_ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EPROTONOSUPPORT}
+def library_error(exc: zmq.ZMQError, what: str, address: bool = False) -> CollectiveError:
+    """The library error for ``exc``, naming ``what``: an unusable address (with ``address``,
+    a connect's or bind's: a malformed one too) is an :class:`AddressError`, anything
+    else (no file descriptors left, a context being torn down) a :class:`CollectiveError`."""
+    unusable = exc.errno in _ADDRESS_ERRNOS or address and exc.errno == zmq.EINVAL
+    return (AddressError if unusable else CollectiveError)(f"{what}: {exc.strerror} (errno {exc.errno})")
 
 
 LISTEN_BACKLOG = 100  # libzmq's own default (ZMQ_BACKLOG): a whole job may connect at once
@@ -116,16 +108,11 @@ def _listens_at(fd: int, family: int, port: int) -> bool:
     """Is ``fd`` (still) a listening TCP socket on ``port``? (Its number may
     have been reused since libzmq closed it.)"""
     try:
-        sock = socket.socket(family, socket.SOCK_STREAM, fileno=os.dup(fd))
+        with socket.socket(family, socket.SOCK_STREAM, fileno=os.dup(fd)) as sock:  # (a duplicate)
+            return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)) and (
+                sock.getsockname()[1] == port)
     except OSError:
         return False
-    try:
-        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)) and (
-            sock.getsockname()[1] == port)
-    except OSError:
-        return False
-    finally:
-        sock.close()  # (the duplicate)
 
 
 if hasattr(os, "register_at_fork"):  # (no fork without it)
@@ -136,13 +123,9 @@ if hasattr(os, "register_at_fork"):  # (no fork without it)
 def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> None:
     """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the
     port is taken (for ``retry_s``: a process that was killed holding it may
-    still be closing its files), else ``cannot`` with libzmq's reason.
-
-    A TCP port is listened on through a descriptor made here and handed to
-    libzmq (``ZMQ_USE_FD``), so that a forked child closes its copy at once
-    (:func:`_close_in_child`; the record outlives the socket's close, which
-    libzmq makes later in its own thread). An address Python cannot bind
-    (an interface name) libzmq binds itself: a forked child then holds it."""
+    still be closing its files), else ``cannot`` with libzmq's reason. A TCP
+    port is listened on through a descriptor made here (``ZMQ_USE_FD``), so
+    that a forked child closes its copy at once (:func:`_close_in_child`)."""
     deadline = time.monotonic() + retry_s
     while True:
         try:
@@ -205,13 +188,12 @@ MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)  # one side
 # (has a secret), the other NULL: reported by libzmq on both ends of the handshake
 
 
-def handshake_refusal(event: int, value: int, who: str, peer: str, holder: str,
+def handshake_refusal(event: int, value: int, rank: int, endpoint: str,
                       secret: bool) -> Optional[AuthenticationError]:
-    """The error for a ZeroMQ handshake that failed over the secret, from a
-    socket monitor's event: ``who`` (say ``rank 1``) could not connect to
-    ``peer`` (``the coordinator at tcp://...``), whose process is
-    ``holder`` (``rank 0``); ``secret``: ``who`` has one. None for any other
-    event, and for protocol errors that are not about the secret."""
+    """The error for rank ``rank``'s handshake with the coordinator at ``endpoint``
+    (``secret``: the rank has one) that failed over the secret, from a socket
+    monitor's event; None for any other event."""
+    who, peer, holder = f"rank {rank}", f"the coordinator at {endpoint}", "rank 0"
     advice = "set the same ZCOLLECTIVE_SECRET everywhere"
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return AuthenticationError(
@@ -259,30 +241,21 @@ def peer_address(frame: Any) -> str:
 
 def close_monitored(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> None:
     """Close a socket and its monitor; what is queued gets ``linger_ms`` to leave."""
-    try:
+    with contextlib.suppress(zmq.ZMQError):  # never enabled, or already off
         sock.disable_monitor()
-    except zmq.ZMQError:
-        pass  # never enabled, or already off
     monitor.close(linger=0)
     sock.close(linger=linger_ms)
 
 
-def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
-    """Send a multipart message; large frames go without a copy unless ``copy``.
-    Never blocks: ``zmq.Again`` (nothing sent) means libzmq has no pipe to
-    the peer any more (see :data:`_NOBLOCK`); callers call that link lost.
-    (No signal handler's exception splits it: :mod:`zcollective._io._interrupts`.)"""
+def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
+    """Send a multipart message; large frames go without a copy. Never blocks:
+    ``zmq.Again`` (nothing sent) means libzmq has no pipe to the peer any
+    more (see :data:`_NOBLOCK`); callers call that link lost. (No signal
+    handler's exception splits it: :mod:`zcollective._io._interrupts`.)"""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        more = _SNDMORE if i < last else 0
-        if type(frame) is bytes and len(frame) < ZERO_COPY_MIN_BYTES:  # a small call's frames
-            _send(sock, frame, more | _NOBLOCK, True)
-            continue
-        if copy and isinstance(frame, zmq.Frame):
-            # pyzmq sends a Frame by reference whatever `copy` says: copy its bytes
-            frame = frame.buffer
-        size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
-        _send(sock, frame, more | _NOBLOCK, copy or size < ZERO_COPY_MIN_BYTES)
+        size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+        _send(sock, frame, (_SNDMORE if i < last else 0) | _NOBLOCK, size < ZERO_COPY_MIN_BYTES)
 
 
 def recv_message(sock: zmq.Socket) -> list[Any]:
@@ -308,16 +281,11 @@ def readable(sock: zmq.Socket) -> bool:
 
 
 def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
-    """A PAIR receiving ``sock``'s monitor events through a pipe with no bound.
-
-    libzmq's I/O threads *block* when a monitor pipe is full (its default
-    bound is 2,000 events). A stranger opening and closing connections while
-    the thread that reads the monitor is busy (a long reduce function) would
-    then stop heartbeats, accepts and sends alike. An inproc pipe is unbounded
-    when the receiving end's RCVHWM is 0; what it can hold is bounded by the
-    connections a peer can open while the reader is busy (one event of about
-    100 bytes each).
-    """
+    """A PAIR receiving ``sock``'s monitor events through a pipe with no bound
+    (its RCVHWM 0): libzmq's I/O threads *block* when a monitor pipe is full
+    (2,000 events by default), so a stranger opening and closing connections
+    while the reader is busy (a long reduce function) would stop heartbeats,
+    accepts and sends alike."""
     endpoint = f"inproc://zcollective-monitor-{id(sock):x}-{os.urandom(4).hex()}"
     sock.monitor(endpoint, events)
     pair = sock.context.socket(zmq.PAIR)
@@ -350,10 +318,8 @@ class Wakeup:
     def set(self) -> None:
         if not self._open:
             return  # (its numbers may be another file's now)
-        try:
+        with contextlib.suppress(OSError):  # full (it is readable anyway) or closed (nobody waits)
             os.write(self._write, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # full (it is readable anyway) or closed (nobody waits any more)
         # after the write: a clear() in between skips the read and leaves one spurious wake;
         # before it, a clear() could reset the flag with the byte still to come, for good
         self._set = True
@@ -362,15 +328,11 @@ class Wakeup:
         if not self._set or not self._open:
             return  # nothing written since the last clear: spare the system call
         self._set = False
-        try:
+        with contextlib.suppress(OSError):
             os.read(self.fd, 4096)
-        except (BlockingIOError, OSError):
-            pass
 
     def close(self) -> None:
         fds, self._open = (self.fd, self._write) if self._open else (), False  # once: the numbers
         for fd in fds:  # may be another file's afterwards
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass

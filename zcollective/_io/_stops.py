@@ -1,11 +1,7 @@
 """Whether this process was stopped (SIGSTOP, a paused VM or container, a
 debugger) while its program was anywhere, in the library or not: a daemon
 thread wakes every :data:`WATCH_S` and notes a wake-up that came much later.
-
-A replica stopped past its peers' liveness bound is dropped by them; when it
-resumes, the loss it then learns is as old as the stop, and it must not host
-the survivors' group (they may have gone on without it: see ``_elastic``).
-The rules only read the stops noted here; nothing else depends on the thread.
+Why it matters: see docs/protocol.md, *Stops*.
 """
 
 from __future__ import annotations

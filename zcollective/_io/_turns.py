@@ -1,9 +1,6 @@
 """Which thread uses a group's sockets: the holder of the group's *turn*
-(:class:`Turns`). Senders take it for their send; one waiting thread leads
-(holds it and polls, watching :attr:`Turns.nudge`), the others follow; a
-thread wanting it nudges the holder, which lets go at its next poll; rank 0's
-server thread takes it while the program is away and gives way to any program
-thread. The rule and the reasons: see docs/protocol.md, Concurrency.
+(:class:`Turns`). One waiting thread leads (holds it and polls), the others
+follow; a thread wanting it nudges the holder. See docs/protocol.md, *Concurrency*.
 """
 
 from __future__ import annotations

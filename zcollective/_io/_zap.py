@@ -10,15 +10,16 @@ Use (the drivers')::
     secure_server(router, gate, MASTER_DOMAIN)  # before router.bind(...)
     ... watch gate.source in a waiter (_interrupts.Waiter), gate.serve() when readable
     gate.close()                               # by the thread that made it
-    secure_client(dealer, secret, MASTER_DOMAIN)  # before each dealer.connect(...)
+    secure_client(dealer, secret, MASTER_DOMAIN)  # before each dealer.connect(...), or
+    connect_with_token(dealer, endpoint, secret, MASTER_DOMAIN)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import zmq
 
@@ -27,7 +28,8 @@ from . import _interrupts, _sockets
 
 log = logging.getLogger("zcollective")
 
-__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "Gatekeeper", "GateThread", "secure_client", "secure_server"]
+__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "Gatekeeper", "GateThread", "connect_with_token", "secure_client",
+           "secure_server"]
 
 MASTER_DOMAIN = "zcollective-master"  # the coordinator's ROUTER
 DATA_DOMAIN = "zcollective-data"  # a replica's data socket
@@ -41,17 +43,9 @@ MAX_LOGGED_ADDRESSES = 1024  # refused addresses remembered for logging once; pa
 class Gatekeeper:
     """The ZAP handler of one context: a socket bound at the ZAP endpoint,
     answered by :meth:`serve` from the thread that made it. Tokens are
-    checked under ``secret``; with None, every one is refused until
-    :meth:`rekey` gives the key. A domain can have a key of its own (a data
-    port: its link key, see :func:`port_key`); :meth:`rekey` with None
-    refuses every token for that domain until it is given one.
-
-    Raises
-    ------
-    zmq.ZMQError
-        The context already has a ZAP handler (``EADDRINUSE``), or is closed;
-        callers translate it (see :mod:`zcollective._io._sockets`).
-    """
+    checked under ``secret`` (None: every one is refused), or a domain's own
+    key (:meth:`rekey`). Raises ``zmq.ZMQError`` (callers translate it) if
+    the context already has a ZAP handler (``EADDRINUSE``), or is closed."""
 
     def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
         self.first_refusals: list[str] = []  # "a peer at <address>: <why>", at most FIRST_REFUSALS
@@ -66,8 +60,7 @@ class Gatekeeper:
         self._sock = ctx.socket(zmq.ROUTER)  # a ROUTER never blocks nor enters a bad state
         with _sockets.closed_on_error(self._sock):
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.RCVHWM, 0)  # a handshake waiting for us is never dropped
-            self._sock.setsockopt(zmq.SNDHWM, 0)
+            _sockets.set_never_drop(self._sock)  # a handshake waiting for us is never dropped
             self._sock.bind(ZAP_ENDPOINT)
         self.fd: int = self._sock.FD  # poll for POLLIN, then call serve()
 
@@ -90,10 +83,8 @@ class Gatekeeper:
                     early = self._early.setdefault(domain, set())  # copy must not pass once keyed)
                     if len(early) < MAX_EARLY_NONCES:
                         early.add(frames[8])
-            try:
+            with contextlib.suppress(zmq.ZMQError):  # (else the handshake that asked is gone)
                 sock.send_multipart([frames[0], b"", *reply], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # the handshake that asked is gone
             if why is None:
                 self.accepted += 1
             elif why is not NOT_YET:
@@ -141,29 +132,16 @@ class Gatekeeper:
 
 
 class GateThread:
-    """A :class:`Gatekeeper` answered by a daemon thread of its own, at once:
-    a replica idle in user code must not let strangers' handshakes queue up
-    unanswered (each holds memory in libzmq until answered). Its gatekeeper
-    has no key until :meth:`Gatekeeper.rekey` (safe from any thread) gives
-    one. The thread owns the gatekeeper's socket from its start (the one
-    hand-over) to :meth:`close`.
-
-    Raises
-    ------
-    zmq.ZMQError
-        As :class:`Gatekeeper`; callers translate it.
-    """
+    """A :class:`Gatekeeper` (with no key until its :meth:`~Gatekeeper.rekey`)
+    answered at once by a daemon thread of its own, which owns its socket
+    until :meth:`close`: a replica idle in user code must not let strangers'
+    handshakes queue up unanswered (each holds memory in libzmq until then).
+    Raises as :class:`Gatekeeper`."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.gatekeeper = Gatekeeper(ctx, None)
-        self._endpoint = f"inproc://zcollective-gate-{os.urandom(8).hex()}"
         try:
-            self._stop = ctx.socket(zmq.PAIR)  # the caller's end: one command, stop
-            self._stop.setsockopt(zmq.LINGER, 0)
-            self._stop.bind(self._endpoint)
-            self._pipe = ctx.socket(zmq.PAIR)  # the thread's end, made here, used only there
-            self._pipe.setsockopt(zmq.LINGER, 0)
-            self._pipe.connect(self._endpoint)
+            self._stop = _sockets.Wakeup()  # readable once the thread must end
         except BaseException:
             self.gatekeeper.close()
             raise
@@ -173,7 +151,7 @@ class GateThread:
 
     def _serve(self) -> None:
         try:
-            waiter = _interrupts.Waiter(("zap", self.gatekeeper.source), ("stop", self._pipe))
+            waiter = _interrupts.Waiter(("zap", self.gatekeeper.source), ("stop", self._stop.fd))
             while "stop" not in waiter.wait(("zap", "stop"), None):
                 self.gatekeeper.serve()
         except zmq.ZMQError:
@@ -184,29 +162,20 @@ class GateThread:
                           "now fail (a bug in zcollective: please report it)")
         finally:
             self.gatekeeper.close()
-            self._pipe.close(linger=0)
 
     def close(self) -> None:
-        """Stop the thread (it closes its sockets), then close the caller's end."""
-        try:
-            self._stop.send(b"stop", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        if not _interrupts.finish(self._thread, GATE_JOIN_S):
+        """Stop the thread (it closes the gatekeeper), then close the pipe."""
+        self._stop.set()
+        if _interrupts.finish(self._thread, GATE_JOIN_S):
+            self._stop.close()
+        else:  # (the pipe is left open to it)
             log.warning("zcollective: the gatekeeper thread did not stop within %g s", GATE_JOIN_S)
-        self._stop.close(linger=0)
 
 
 def secure_server(sock: zmq.Socket, gatekeeper: Gatekeeper, domain: str) -> None:
     """Make ``sock`` (before it binds) accept only peers holding a token for
-    ``domain``, checked by ``gatekeeper``, which must serve ``sock``'s context.
-
-    Raises
-    ------
-    ValueError
-        ``gatekeeper`` belongs to another context (its requests would never
-        reach it: every handshake would fail).
-    """
+    ``domain``, checked by ``gatekeeper``: ValueError unless it serves
+    ``sock``'s context (its requests would never reach it otherwise)."""
     if sock.context.underlying != gatekeeper.ctx.underlying:
         raise ValueError("the gatekeeper serves another ZeroMQ context than this socket's")
     sock.setsockopt(zmq.PLAIN_SERVER, 1)
@@ -220,3 +189,11 @@ def secure_client(sock: zmq.Socket, secret: bytes, domain: str) -> None:
     sock.setsockopt(zmq.PLAIN_USERNAME, username)
     sock.setsockopt(zmq.PLAIN_PASSWORD, password)
 
+
+def connect_with_token(sock: zmq.Socket[Any], endpoint: str, secret: bytes, domain: str) -> None:
+    """Connect ``sock`` to ``endpoint`` with a fresh token, dropping its connection
+    there if any (libzmq would make it again with the spent token)."""
+    with contextlib.suppress(zmq.ZMQError):  # none, or libzmq let go of it (a refused handshake)
+        sock.disconnect(endpoint)
+    secure_client(sock, secret, domain)
+    sock.connect(endpoint)
