@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 import timeit
 
-from zcollective._format._wire import Kind, Message
 from zcollective._calls import _callsite
+from zcollective._format._wire import Kind, Message
 from zcollective._protocol._ops import Op
 from zcollective._protocol._stats import CallStats, Lateness
 
