@@ -30,7 +30,8 @@ from .._limits import (
     POLL_SLICE_S,
     STOP_TIMEOUT_S,
 )
-from .._protocol._coordinator import RANK0_PEER, Coordinator, Forming, Outgoing, Phase, ProbeSchedule
+from .._protocol._coordinator import RANK0_PEER, Coordinator, Forming, Phase, ProbeSchedule
+from .._protocol._ops import Step, applied
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
@@ -205,16 +206,15 @@ class Server:
         owner uses the sockets)."""
         return self.waiter.fds((WAKEUP, *self.SERVED))
 
-    def _take(self, step: Callable[[], list[Outgoing]]) -> None:
+    def _take(self, step: Callable[[], Step]) -> None:
         """Run one step of the coordinator and send what it returns; a bug
         fails the group for everyone."""
         if self._router is None or self.coordinator.phase is Phase.CLOSED or self.crashed:
             return
         try:
-            outs = step()
+            self._send_all(step())  # (a reduction asked for runs there)
         except Exception as exc:
             raise self._failed(exc) from exc
-        self._send_all(outs)
 
     def _step(self, woke: list[str]) -> None:
         """The owner: answer handshakes, then whatever waits on the monitor and
@@ -524,15 +524,15 @@ class Server:
                 address = member.address
             self._send_all(coordinator.receive(peer, frames[1:], address))
 
-    def _send_all(self, outs: list[Outgoing]) -> None:
+    def _send_all(self, outs: Step) -> None:
         """Send what the coordinator returned: rank 0's part to its queue, the
-        others' on the ROUTER."""
+        others' on the ROUTER; a reduction it asks for runs where it stands."""
         if not outs and self.coordinator.interrupted is None:
             return  # (most contributions complete no call)
         gone: list[bytes] = []
         cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
         router = self._router
-        for peer, msg in outs:
+        for peer, msg in applied(outs, self.coordinator):
             if peer == RANK0_PEER:
                 self.to_host.append(owned(msg))
                 if self._away:  # rank 0's thread is elsewhere: an awaiting coroutine watches this
