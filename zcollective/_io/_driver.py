@@ -312,9 +312,7 @@ class DirectDriver(Driver):
             raise interrupted
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        got = False
-        inbox = self._inbox
+        inbox, got = self._inbox, bool(self._inbox)
         while inbox:
-            got = True
             self._handle(inbox.popleft())
         return got  # nothing else can ever arrive

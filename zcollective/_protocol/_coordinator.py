@@ -138,9 +138,8 @@ class Joined:
     newcomer: bool = False  # parked until a GROW (rule 10): the rank it claims means nothing yet
 
     def describe(self) -> str:
-        if self.newcomer:
-            return f"newcomer (pid {self.pid} on {self.host})"
-        return f"rank {self.rank} (pid {self.pid} on {self.host})"
+        who = "newcomer" if self.newcomer else f"rank {self.rank}"
+        return f"{who} (pid {self.pid} on {self.host})"
 
     def describe_end(self) -> str:
         assert self.ended is not None
@@ -318,12 +317,14 @@ class Coordinator:
             return self._release(member.rank, msg.seq)
         if self.phase is Phase.FAILED:
             return [self._fail_message(member)]
-        handler = self._HANDLERS.get(msg.kind)
-        if handler is None:
-            self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} "
-                       f"from {member.describe()}")
-            return []
-        return handler(self, member, msg, address)
+        if msg.kind is Kind.BYE:
+            return self._on_bye(member, msg.seq, msg.flags)
+        if msg.kind is Kind.ABORT:
+            return self._on_abort(member, msg)
+        if msg.kind is Kind.STATUS:
+            return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
+        self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} from {member.describe()}")
+        return []
 
     def _bound(self, member: Joined, msg: Message) -> bool:
         """Does ``msg`` carry its member's rank and the session? A STATUS sent
@@ -333,7 +334,7 @@ class Coordinator:
         return msg.session == self.session or (
             msg.kind is Kind.STATUS and (self.phase is Phase.JOINING or msg.session == 0))
 
-    def _on_abort(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
+    def _on_abort(self, member: Joined, msg: Message) -> list[Outgoing]:
         # only the secret's holders reach here when there is one
         error, said, ranks, data_plane, abandoned = _bodies.parse_abort(msg, self.num_replicas)
         if abandoned:
@@ -365,16 +366,6 @@ class Coordinator:
                                            f"{member.describe()} gave it up ({said}), so it failed on "
                                            f"every rank (the group goes on)")
         return self._error_all(seq, call.op, call.abandoned, list(call.contributions))
-
-    def _on_status(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
-        return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
-
-    _HANDLERS: dict[Kind, Callable[[Coordinator, Joined, Message, str], _ops.Step]] = {
-        Kind.CONTRIB: lambda self, member, msg, address: self._on_contribution(member, msg, address),
-        Kind.BYE: lambda self, member, msg, address: self._on_bye(member, msg.seq, msg.flags),
-        Kind.ABORT: _on_abort,
-        Kind.STATUS: _on_status,
-    }
 
     def probes(self) -> list[Outgoing]:
         """A connection closed, whose is not known: a PROBE for each peer
@@ -731,7 +722,7 @@ class Coordinator:
         members = [self.by_rank[r] for r in range(self.num_replicas)]
         ports = [m.data for m in members]
         one_host = (all(ports) and len({_host_of(p) for p in ports}) == 1) or all(
-            _is_loopback(m.address) for m in members[1:])
+            is_loopback(m.address) for m in members[1:])
         self.part_bytes = LOCAL_PART_BYTES if one_host else WIRE_PART_BYTES
         self.mac = POLY1305 if all(POLY1305 in m.macs for m in members) else HMAC_SHA256
         if self.signer is not None and self.mac == POLY1305:
@@ -1051,9 +1042,6 @@ class Coordinator:
         parts = [f"{rank_list(ranks)} passed {what} at {site}" for (what, site), ranks in groups.items()]
         return "the ranks disagree: " + "; ".join(parts) + " (this call failed; the group goes on)"
 
-    def newcomers_waiting(self) -> int:
-        return len(self.newcomers)
-
     def _error_all(self, seq: int, op: Op, body: dict[str, Any],
                    ranks: Optional[list[int]] = None) -> list[Outgoing]:
         """An ERROR of call ``seq`` to every rank (or to ``ranks``)."""
@@ -1070,10 +1058,8 @@ class Coordinator:
             return _bodies.status(seq, "joining", {"missing": self.missing_joins(), "arrived": sorted(
                 self.by_rank), "refused": refused}, rank=member.rank, session=binding)
         call = self.pending.get(seq)
-        if call is not None:
-            arrived = sorted(call.contributions)
-        else:
-            arrived = [r for r in range(self.num_replicas) if self.next_seq[r] > seq]
+        arrived = sorted(call.contributions) if call is not None else [
+            r for r in range(self.num_replicas) if self.next_seq[r] > seq]
         missing = [r for r in range(self.num_replicas) if r not in arrived]
         state = "pending" if missing else ("done" if call is None else "computing")
         fields: dict[str, Any] = {"arrived": arrived, "missing": missing}
@@ -1184,12 +1170,9 @@ class Coordinator:
             if moving is not None and moving[0] == min(self.next_seq) - 1:
                 return f"seq {moving[0]} {moving[1].label} was matched; its data moves peer to peer"
             return f"no call was in flight (next seq {min(self.next_seq)})"
-        parts = []
-        for seq in sorted(self.pending)[:3]:
-            call = self.pending[seq]
-            parts.append(f"seq {seq} {describe_call(call.op, call.root)} "
-                         f"(arrived: {rank_list(call.contributions)})")
-        return "in flight: " + ", ".join(parts)
+        return "in flight: " + ", ".join(f"seq {seq} {describe_call(call.op, call.root)} (arrived: "
+                                         f"{rank_list(call.contributions)})"
+                                         for seq, call in sorted(self.pending.items())[:3])
 
     def _fail_message(self, member: Joined) -> Outgoing:
         assert self.failure is not None
@@ -1205,9 +1188,10 @@ class Coordinator:
         log.warning("zcollective coordinator: %s", text)
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Is ``address`` (a peer's; a host to bind, bracketed or ``*``) a loopback one?"""
     try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+        return ipaddress.ip_address(address.strip("[]").split("%")[0]).is_loopback
     except ValueError:
         return False
 

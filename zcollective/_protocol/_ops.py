@@ -77,9 +77,7 @@ class Combining(Protocol):
     """What an operation asks of the coordinator, and what :func:`applied` hands back to it."""
 
     user_code: UserCode  # the driver's wrapper of a reduce function (rank 0's: _interrupts.user_code)
-
-    def newcomers_waiting(self) -> int:
-        """How many newcomers a GROW admits."""
+    newcomers: dict[bytes, Any]  # those a GROW admits (rule 10)
 
     def admit(self, seq: int) -> list[Any]:
         """Rule 10: WELCOME the newcomers into the group formed next (messages to send)."""
@@ -651,7 +649,7 @@ class Grow(Operation):
         return Contribution(0, _nothing, _first)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        told = [_serialize.dumps(at.newcomers_waiting(), "the number of newcomers")]
+        told = [_serialize.dumps(len(at.newcomers), "the number of newcomers")]
         return [told for _ in contributions]
 
     def completed(self, at: Combining, seq: int) -> list[Any]:
