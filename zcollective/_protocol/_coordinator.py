@@ -813,13 +813,14 @@ class Coordinator:
         self.lateness.record(call.arrived)
         if call.warned:
             self._stall_ended(seq, call, rank)
-        out = self._problem(seq, call)
+        contributions = call.ranked()
+        out = self._problem(seq, call, contributions)
         if out is None:
             operation = OPERATIONS[call.op]
             if isinstance(operation, _ops.Reducing):  # the driver runs it, hands it back: combined()
                 self.combining[seq], self.reducing = call, (seq, call.op, self.clock())
-                return [operation.combine(seq, call.ranked(), call.root)]
-            out = self._results(seq, call, operation.route(self, call.ranked(), call.root))
+                return [operation.combine(seq, contributions, call.root)]
+            out = self._results(seq, call, operation.route(self, contributions, call.root))
         return self._then(call, out)
 
     def _then(self, call: PendingCall, out: list[Outgoing]) -> list[Outgoing]:
@@ -836,8 +837,8 @@ class Coordinator:
         call, operation = self._handed_back(asked), OPERATIONS[asked.op]
         if call is None or not isinstance(operation, _ops.Reducing):
             return []
-        routes = operation.route_combined(call.ranked(), call.root, results)
-        return self._then(call, self._results(asked.seq, call, routes))
+        out = self._results(asked.seq, call, operation.route_combined(self.num_replicas, call.root, results))
+        return out + self._check_endings() if self._ended else out  # (a reduction never closes the group)
 
     def combine_failed(self, asked: _ops.Combine, exc: BaseException) -> list[Outgoing]:
         """The reduction ``asked`` raised ``exc``: an ERROR to every rank; as :meth:`combined`."""
@@ -957,14 +958,14 @@ class Coordinator:
             parts.append(f"{rank_list(waiting)} had not called yet")
         return f"seq {seq}: " + "; ".join(parts)
 
-    def _problem(self, seq: int, call: PendingCall) -> Optional[list[Outgoing]]:
+    def _problem(self, seq: int, call: PendingCall, contributions: list[Message]) -> Optional[list[Outgoing]]:
         """What a complete call is answered with instead of its route, if
         anything: an ERROR (no rules; a sender's own error, PeerError; parts no
         working replica sends, ProtocolError), a plan, a failure."""
         if call.op not in OPERATIONS:  # no working replica sends it
             return self._error_all(seq, call.op, error_body(
                 "ProtocolError", f"seq {seq}: operation {call.op.label!r} has no rules"))
-        contributions, flags = call.ranked(), 0  # (any rank's flags)
+        flags = 0  # any rank's
         for c in contributions:
             flags |= c.flags
         if flags & FLAG_DATA and not flags & FLAG_LOCAL_ERROR:

@@ -173,10 +173,9 @@ def applied(step: Step, at: Combining) -> Iterator[Outgoing]:
         try:
             results = out.run(at.user_code)
         except BaseException as exc:  # SystemExit from a reduce function too: it is the user's error
-            answer = at.combine_failed(out, exc)
+            yield from at.combine_failed(out, exc)
         else:
-            answer = at.combined(out, results)
-        yield from answer
+            yield from at.combined(out, results)
 
 
 def _unpickled(segment: list[Any], what: str) -> Any:
@@ -187,9 +186,8 @@ def _unpickled(segment: list[Any], what: str) -> Any:
 
 
 def _described_arrays(values: list[Any], fn: str) -> Optional[list[str]]:
-    """Each value described as a data plan describes an array, when all are
-    arrays (numpy's, torch's) and not all scalars; else None (left to the
-    reduce function)."""
+    """Each value described as a data plan describes an array, when all are arrays
+    (numpy's, torch's) and not all scalars; else None (left to the reduce function)."""
     try:  # (getattr, not `is None` tests: numpy's dtype equals None, which means float64 to it)
         described = [f"a {getattr(v.dtype, 'str', v.dtype)} array of shape {tuple(int(n) for n in v.shape)} "
                      f"reduced with {fn}" for v in values]
@@ -387,14 +385,14 @@ class Reducing(Operation):
     each = False  # each rank's every value is reduced by index (reduce_scatter), not its one value
 
     def combine(self, seq: int, contributions: list[Message], root: int) -> Combine:
-        count, values = len(contributions) if self.each else 1, tuple(c.segments for c in contributions)
+        count, values = len(contributions) if self.each else 1, tuple([c.segments for c in contributions])
         return Combine(seq, self.code, root, count, contributions[root].fn, values)
 
-    def route_combined(self, contributions: list[Message], root: int, results: list[list[Any]]) -> Routes:
-        """The segments each rank receives, given the reduction's ``results``."""
+    def route_combined(self, size: int, root: int, results: list[list[Any]]) -> Routes:
+        """The segments each rank of ``size`` receives, given the reduction's ``results``."""
         if self.each:  # rank i: index i's
             return [[result] for result in results]
-        return [results if r == root or not self.rooted else [] for r in range(len(contributions))]
+        return [results if r == root or not self.rooted else [] for r in range(size)]
 
 
 class Allreduce(Reducing):
