@@ -1,7 +1,7 @@
 """The coordinator's rules: a pure object fed messages and peer events,
-returning the messages to send. Rank 0 hosts it; a driver
+returning the messages to send and the reductions to run. Rank 0 hosts it; a driver
 (:mod:`zcollective._io._server`, or :class:`~zcollective._io._driver.DirectDriver`
-for a group of one) feeds it and sends what it returns, so every rule is
+for a group of one) feeds it and applies what it returns (:func:`._ops.applied`), so every rule is
 tested without a network.
 
 Rules 1-11 (cited by number in the code): see docs/protocol.md,

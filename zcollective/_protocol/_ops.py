@@ -1,7 +1,7 @@
 """Every operation as one object: its code on the wire, what each rank sends
 and how its result is made (:meth:`Operation.contribute`), the coordinator's check,
-route and data plan (:meth:`Operation.malformed`, :meth:`Operation.route`,
-:meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
+route (a reduction's: :class:`Reducing`, :class:`Combine`) and data plan (:meth:`Operation.malformed`,
+:meth:`Operation.route`, :meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
 operation by name (:data:`OPERATIONS`) and builds no message; the coordinator
 looks the operation of a call up by its code. A new operation is a class
 here, a ``Group`` method and a module function (docs/protocol.md,
@@ -188,7 +188,7 @@ def _unpickled(segment: list[Any], what: str) -> Any:
 def _described_arrays(values: list[Any], fn: str) -> Optional[list[str]]:
     """Each value described as a data plan describes an array, when all are arrays
     (numpy's, torch's) and not all scalars; else None (left to the reduce function)."""
-    try:  # (getattr, not `is None` tests: numpy's dtype equals None, which means float64 to it)
+    try:  # (attributes read, not a `None in` test: numpy's dtype equals None, meaning float64 to it)
         described = [f"a {getattr(v.dtype, 'str', v.dtype)} array of shape {tuple(int(n) for n in v.shape)} "
                      f"reduced with {fn}" for v in values]
     except (AttributeError, TypeError):  # not arrays (a shape of something else than numbers)
