@@ -20,7 +20,7 @@ from zcollective._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encod
 from zcollective._future import CollectiveFuture, settle
 from zcollective._protocol._coordinator import Coordinator
 from zcollective._protocol._member import ConnectionEvent, Member
-from zcollective._protocol._ops import Op
+from zcollective._protocol._ops import Op, applied
 
 SESSION = 0x5E55_10
 ENDPOINT = "tcp://10.0.0.1:29500"
@@ -113,7 +113,8 @@ class Pair:
         while self.in_flight:
             to, rank, frames = self.in_flight.popleft()
             if to == "coordinator":
-                for out_peer, out in self.coordinator.receive(peer(rank), frames, address(rank)):
+                step = self.coordinator.receive(peer(rank), frames, address(rank))
+                for out_peer, out in applied(step, self.coordinator):  # a reduction runs as a driver runs it
                     self._queue_down(_rank_of(out_peer), out)
             else:
                 with self.installed(rank):

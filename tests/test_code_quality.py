@@ -323,10 +323,12 @@ def test_every_blocking_wait_of_the_library_is_an_interrupt_surface():
         assert _blocking_waits(group + "\n" + broken + "\n"), f"{broken} was not found"
 
 
-def _rules_breaches(source):
+def _rules_breaches(source, coordinator=False):
     """What the rules must not do, found in ``source``: resolve a future (its callbacks are the
     program's code), or read the clock or the entropy themselves (they are passed in: a
-    default argument may name them)."""
+    default argument may name them); the ``coordinator``'s, nor unpickle a value (``loads``) or
+    call a reduce function (``user_code``): it asks for a reduction (``_ops.Combine``), which
+    its driver runs."""
     import ast
 
     tree = ast.parse(source)
@@ -334,6 +336,10 @@ def _rules_breaches(source):
                 for d in node.args.defaults + node.args.kw_defaults if d is not None}
     found = []
     for node in ast.walk(tree):
+        if coordinator and isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("loads", "user_code"):
+                found.append((node.lineno, ast.unparse(node.func)))
         if not isinstance(node, ast.Attribute):
             continue
         resolves = node.attr in ("_set_result", "_set_exception", "_done")
@@ -346,16 +352,21 @@ def _rules_breaches(source):
 
 def test_the_rules_only_decide():
     """Issue 33: the coordinator's and the member's rules return what to send and what calls
-    came to (the call runner applies it); the clock and entropy are passed in."""
+    came to (the call runner applies it), and the reductions to run (the driver runs them); the
+    clock and entropy are passed in."""
     assert _rules_breaches("def f(clock=time.monotonic):\n    return clock()\n") == []
     assert _rules_breaches("def f(fut):\n    fut._set_result(1)\n") == [(2, "fut._set_result")]
     assert _rules_breaches("def f():\n    return time.monotonic()\n") == [(2, "time.monotonic")]
+    unpickles = "v = _serialize.loads(seg)\nr = self.user_code(fn)(v, v)\nw = loads(seg)\n"
+    assert _rules_breaches(unpickles) == []  # (a member's finisher unpickles)
+    assert sorted(_rules_breaches(unpickles, coordinator=True)) == [
+        (1, "_serialize.loads"), (2, "self.user_code"), (3, "loads")]
     found = []
     folder = os.path.join(ROOT, "zcollective", "_protocol")
     for name in sorted(os.listdir(folder)):
         if name.endswith(".py"):
             with open(os.path.join(folder, name), encoding="utf-8") as f:
-                found += [(name, *hit) for hit in _rules_breaches(f.read())]
+                found += [(name, *hit) for hit in _rules_breaches(f.read(), name == "_coordinator.py")]
     assert not found, f"rules that act instead of deciding: {found}"
 
 

@@ -19,7 +19,7 @@ from zcollective._format._wire import (
     join_token,
 )
 from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
-from zcollective._protocol._ops import SPOKEN, Op
+from zcollective._protocol._ops import SPOKEN, Combine, Disagree, Op, Unreadable, applied
 
 SESSION = 0x5E55
 
@@ -35,8 +35,9 @@ def join_msg(rank, n, python=PYTHON_VERSION, ops=SPOKEN):
 
 
 def feed(coord, who, msg):
-    """Send msg as frames, as the driver would; decode what comes back."""
-    out = coord.receive(who, encode(msg), address="10.0.0.9")
+    """Send msg as frames, as the driver would (running a reduction asked for);
+    decode what comes back."""
+    out = applied(coord.receive(who, encode(msg), address="10.0.0.9"), coord)
     return [(p, decode(encode(m))) for p, m in out]
 
 
@@ -987,3 +988,94 @@ def test_parked_newcomers_are_probed_so_one_that_died_or_gave_up_is_dropped():
     for r in range(3):
         out = feed(coord, peer(r), contrib(r, 0, op=Op.GROW, segments=[]))
     assert _serialize.loads(out[0][1].segments[0]) == 1  # only the living one is counted
+
+
+# -- a reduction is asked for, run by the driver, handed back (issue 33) --------------------------
+
+
+def asked_for(coord, n, op=Op.ALLREDUCE, fn=lambda a, b: a + b, root=0, seq=0):
+    """Every rank contributes rank + 1 to ``seq`` (reduce_scatter: n values each); the last
+    one's step is the coordinator's :class:`Combine`, not yet run."""
+    for r in range(n):
+        values = [r + 1] * n if op is Op.REDUCE_SCATTER else [r + 1]
+        step = coord.receive(peer(r), encode(contrib(r, seq, op, fn=fn if r == root else None, root=root,
+                                                     segments=[_serialize.dumps(v) for v in values])))
+    return step
+
+
+def test_the_coordinator_asks_for_the_reduction_and_sends_the_results_once_handed_back():
+    coord = joined(3)
+    step = asked_for(coord, 3)
+    assert len(step) == 1 and isinstance(step[0], Combine)  # nothing ran: no value was unpickled
+    asked = step[0]
+    assert (asked.seq, asked.op, asked.root, asked.count, len(asked.values)) == (0, Op.ALLREDUCE, 0, 1, 3)
+    assert coord.reducing is not None and coord.reducing[:2] == (0, Op.ALLREDUCE)  # stall reports say so
+    results = asked.run(coord.user_code)  # as the driver runs it: each index's result, pickled
+    out = coord.combined(asked, results)
+    assert coord.reducing is None
+    assert [(p, m.kind, _serialize.loads(m.segments[0])) for p, m in out] == [
+        (peer(r), Kind.RESULT, 6) for r in range(3)]
+    assert out[0][1].segments is out[2][1].segments  # one payload, hashed once
+    assert coord.combined(asked, results) == []  # handed back twice: the call is no longer waiting
+
+
+def test_a_reduce_scatter_asks_for_every_index_and_a_reduce_answers_its_root_alone():
+    coord = joined(3)
+    asked = asked_for(coord, 3, Op.REDUCE_SCATTER)[0]
+    assert asked.count == 3 and [_serialize.loads(r) for r in asked.run(coord.user_code)] == [6, 6, 6]
+    out = coord.combined(asked, [_serialize.dumps(v) for v in "abc"])
+    assert [_serialize.loads(m.segments[0]) for _, m in out] == ["a", "b", "c"]
+    asked = asked_for(coord, 3, Op.REDUCE, root=2, seq=1)[0]
+    assert (asked.seq, asked.root) == (1, 2)
+    out = coord.combined(asked, [_serialize.dumps(7)])
+    assert [len(m.segments) for _, m in out] == [0, 0, 1] and _serialize.loads(out[2][1].segments[0]) == 7
+
+
+@pytest.mark.parametrize("exc, error, text", [
+    (ZeroDivisionError("boom"), "RemoteError",
+     "seq 0 allreduce: the reduction raised on the coordinator (rank 0): ZeroDivisionError: boom"),
+    (Unreadable("cannot deserialize the value of rank 1: bad"), "SerializationError",
+     "seq 0 allreduce: the coordinator (rank 0) cannot deserialize the value of rank 1: bad"),
+    (Disagree(["a", "a", "b"]), "CallMismatchError",
+     "seq 0 allreduce: the ranks disagree: ranks 0,1 passed a at t.py:1; rank 2 passed b at t.py:1 "
+     "(this call failed; the group goes on)"),
+])
+def test_a_reduction_that_failed_is_an_error_for_every_rank_and_the_group_goes_on(exc, error, text):
+    coord = joined(3)
+    asked = asked_for(coord, 3)[0]
+    out = coord.combine_failed(asked, exc)
+    assert [p for p, _ in out] == [peer(r) for r in range(3)]
+    assert all(m.kind is Kind.ERROR and m.body()["error"] == error and m.body()["message"] == text
+               for _, m in out), [m.body() for _, m in out]
+    assert coord.phase is Phase.RUNNING and coord.reducing is None and coord.interrupted is None
+
+
+def test_a_signal_in_the_reduce_function_tells_every_rank_then_is_raised_on_rank_0():
+    from zcollective.errors import SIGNAL_ATTR
+    coord = joined(2)
+
+    def interrupted(a, b):
+        exc = KeyboardInterrupt()
+        setattr(exc, SIGNAL_ATTR, 2)  # as a wrapped signal handler marks it
+        raise exc
+    step = asked_for(coord, 2, fn=interrupted)
+    out = list(applied(step, coord))  # as a driver: run where it stands, the ERRORs in its place
+    assert [m.body()["remote_type"] for _, m in out] == ["KeyboardInterrupt"] * 2
+    assert isinstance(coord.interrupted, KeyboardInterrupt)  # the driver raises it once they are sent
+
+
+def test_a_reduction_handed_back_after_a_loss_sends_nothing():
+    coord = joined(3)
+    asked = asked_for(coord, 3)[0]
+    told = coord.gone(peer(2))  # (a pure test can interleave; a driver runs the reduction first)
+    assert [m.kind for _, m in told] == [Kind.FAIL, Kind.FAIL] and coord.phase is Phase.FAILED
+    assert coord.combined(asked, asked.run(coord.user_code)) == [] and coord.reducing is None
+    assert coord.combine_failed(asked, ZeroDivisionError()) == []
+
+
+def test_a_result_that_does_not_pickle_is_the_reductions_error_on_every_rank():
+    coord = joined(2)
+    step = asked_for(coord, 2, fn=lambda a, b: __import__("threading").Lock())
+    out = list(applied(step, coord))  # pickling the result is the driver's part too (user code may run)
+    assert [m.body()["error"] for _, m in out] == ["RemoteError"] * 2
+    assert out[0][1].body()["message"].startswith("seq 0 allreduce: the reduction raised on the coordinator")

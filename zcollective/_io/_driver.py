@@ -15,6 +15,7 @@ from .._format._wire import Kind, Message, owned
 from .._limits import STATUS_WAIT_S
 from .._protocol._coordinator import RANK0_PEER, Coordinator
 from .._protocol._member import Member
+from .._protocol._ops import applied
 from ..errors import CollectiveError, CollectiveTimeoutError
 from ._interrupts import NUDGE, Waiter
 
@@ -286,16 +287,14 @@ class DirectDriver(Driver):
         member.connected = True
 
     def _send(self, msg: Message) -> None:
-        coordinator = self.coordinator
-        self._inbox.extend(out for _, out in coordinator.receive_message(RANK0_PEER, msg))
-        if coordinator.interrupted is not None:  # in the reduce function: its error is queued
-            interrupted, coordinator.interrupted = coordinator.interrupted, None
+        at = self.coordinator
+        self._inbox.extend(out for _, out in applied(at.receive_message(RANK0_PEER, msg), at))
+        if at.interrupted is not None:  # in the reduce function: its error is queued
+            interrupted, at.interrupted = at.interrupted, None
             raise interrupted
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        got = False
-        inbox = self._inbox
+        inbox, got = self._inbox, bool(self._inbox)
         while inbox:
-            got = True
             self._handle(inbox.popleft())
         return got  # nothing else can ever arrive

@@ -23,14 +23,9 @@ import zmq
 
 from .._announce import announce_stall
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
-from .._limits import (
-    CLOSE_LINGER_MS,
-    EXIT_LINGER_MS,
-    FORM_BIND_RETRY_S,
-    POLL_SLICE_S,
-    STOP_TIMEOUT_S,
-)
-from .._protocol._coordinator import RANK0_PEER, Coordinator, Forming, Outgoing, Phase, ProbeSchedule
+from .._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, FORM_BIND_RETRY_S, POLL_SLICE_S, STOP_TIMEOUT_S
+from .._protocol._coordinator import RANK0_PEER, Coordinator, Forming, Phase, ProbeSchedule, is_loopback
+from .._protocol._ops import Step, applied
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
@@ -123,15 +118,18 @@ class Server:
 
     def gone(self) -> Optional[str]:
         """Why the coordinator is no longer served, or None if it is."""
-        if self.crashed is not None:
-            return self.crashed
-        return "it stopped" if self._stopped else None
+        return self.crashed or ("it stopped" if self._stopped else None)
 
     # -- rank 0's member --------------------------------------------------------
 
-    def _take_briefly(self) -> bool:
-        """Take the turn (nested takes count), waiting at most :data:`HOLD_TRY_S`."""
-        return self.turns.try_take() or self.turns.take(time.monotonic() + HOLD_TRY_S)
+    def _briefly(self, step: Callable[[], None]) -> None:
+        """Take the turn (nested takes count), waiting at most :data:`HOLD_TRY_S`,
+        for ``step``; else leave it to whichever owner comes next."""
+        if self.turns.try_take() or self.turns.take(time.monotonic() + HOLD_TRY_S):
+            try:
+                step()
+            finally:
+                self.turns.give()
 
     def from_host(self, msg: Message) -> None:
         """Rank 0's member sends ``msg``: taken by the coordinator now, in this
@@ -139,21 +137,11 @@ class Server:
         thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
         function), by whichever owner comes next: sending never blocks."""
         self._from_host.append(msg)
-        if not self._take_briefly():
-            return
-        try:
-            self._take_from_host()
-        finally:
-            self.turns.give()
+        self._briefly(self._take_from_host)
 
     def form_now(self) -> None:
         """Rank 0's thread: the forming bound passed; start with those who came."""
-        if not self._take_briefly():
-            return
-        try:
-            self._take(self.coordinator.form_now)
-        finally:
-            self.turns.give()
+        self._briefly(partial(self._take, self.coordinator.form_now))
 
     def _take_from_host(self) -> None:
         """The owner: what rank 0's member sent, in order."""
@@ -205,16 +193,15 @@ class Server:
         owner uses the sockets)."""
         return self.waiter.fds((WAKEUP, *self.SERVED))
 
-    def _take(self, step: Callable[[], list[Outgoing]]) -> None:
+    def _take(self, step: Callable[[], Step]) -> None:
         """Run one step of the coordinator and send what it returns; a bug
         fails the group for everyone."""
         if self._router is None or self.coordinator.phase is Phase.CLOSED or self.crashed:
             return
         try:
-            outs = step()
+            self._send_all(step())  # (a reduction asked for runs there)
         except Exception as exc:
             raise self._failed(exc) from exc
-        self._send_all(outs)
 
     def _step(self, woke: list[str]) -> None:
         """The owner: answer handshakes, then whatever waits on the monitor and
@@ -316,7 +303,6 @@ class Server:
                 self._stopped = True
                 try:
                     if ending and self.crashed is None:
-                        self.coordinator.start_ending()
                         self._give_up_ending()
                 finally:
                     self._close(0 if ending else CLOSE_LINGER_MS)
@@ -332,7 +318,6 @@ class Server:
         try:
             if ending and self.crashed is None:
                 if hurry:  # interrupted while ending: its BYE may not have gone
-                    self.coordinator.start_ending()
                     self._give_up_ending()
                 else:
                     linger = EXIT_LINGER_MS
@@ -357,6 +342,8 @@ class Server:
             self._give_up_ending()
 
     def _give_up_ending(self) -> None:
+        """Rank 0's program is ending and waits no more: the others are told (rule 7)."""
+        self.coordinator.start_ending()
         if self._router is not None:
             try:
                 self._send_all(self.coordinator.give_up_ending())
@@ -416,7 +403,7 @@ class Server:
                 # (a mismatch of mechanisms is seen by whichever end reads the other's greeting
                 # first: when the peer closes first, this end sees no detail)
                 monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED | sum(_REFUSED_EVENTS))
-        if config.secret is None and not _is_loopback(host):
+        if config.secret is None and not is_loopback(host):
             log.warning(
                 "zcollective: the coordinator listens on %s:%d without a secret: anyone who can "
                 "reach this port can run code in every replica (pickles are code). Set "
@@ -453,10 +440,9 @@ class Server:
         find out), a stranger refused."""
         if self._monitor is None:
             return
-        closed = False
         for kind, value in _sockets.monitor_events(self._monitor):
             if kind == zmq.EVENT_DISCONNECTED:
-                closed = True
+                self._probes.closed(time.monotonic())
             elif kind in _REFUSED_EVENTS and self.gatekeeper is not None:
                 # a peer without credentials: libzmq refused it before asking the gatekeeper
                 self.gatekeeper.log_refusal(None, _zap.MASTER_DOMAIN,
@@ -469,8 +455,6 @@ class Server:
                        else "a peer closed its connection during the handshake (a secret on one side only?)")
                 if why not in self._refusals and len(self._refusals) < _zap.FIRST_REFUSALS:
                     self._refusals.append(why)
-        if closed:
-            self._probes.closed(time.monotonic())
 
     def _probe(self) -> None:
         """One round of probes, when the schedule says."""
@@ -518,21 +502,19 @@ class Server:
             if len(frames) < 2 or peer == RANK0_PEER:  # that name is rank 0's own member's alone
                 continue
             member = coordinator.members.get(peer)
-            if member is None or coordinator.phase is Phase.JOINING:
-                address = _sockets.peer_address(frames[1])
-            else:  # a running member; the address is only for (rare) warnings
-                address = member.address
+            address = (member.address if member is not None and coordinator.phase is not Phase.JOINING
+                       else _sockets.peer_address(frames[1]))  # (a running member's: only for rare warnings)
             self._send_all(coordinator.receive(peer, frames[1:], address))
 
-    def _send_all(self, outs: list[Outgoing]) -> None:
+    def _send_all(self, outs: Step) -> None:
         """Send what the coordinator returned: rank 0's part to its queue, the
-        others' on the ROUTER."""
+        others' on the ROUTER; a reduction it asks for runs where it stands."""
         if not outs and self.coordinator.interrupted is None:
             return  # (most contributions complete no call)
         gone: list[bytes] = []
         cache: dict[tuple[int, int, str], Any] = {}  # one payload to many ranks: built, hashed once
         router = self._router
-        for peer, msg in outs:
+        for peer, msg in applied(outs, self.coordinator):
             if peer == RANK0_PEER:
                 self.to_host.append(owned(msg))
                 if self._away:  # rank 0's thread is elsewhere: an awaiting coroutine watches this
@@ -577,13 +559,3 @@ def _bindable(host: str) -> str:
         return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError:
         return host  # let bind report it
-
-
-def _is_loopback(host: str) -> bool:
-    """Is ``host`` (as returned by :func:`_bindable`) a loopback address?"""
-    if host == "*":
-        return False
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -1,7 +1,7 @@
 """The coordinator's rules: a pure object fed messages and peer events,
-returning the messages to send. Rank 0 hosts it; a driver
+returning the messages to send and the reductions to run. Rank 0 hosts it; a driver
 (:mod:`zcollective._io._server`, or :class:`~zcollective._io._driver.DirectDriver`
-for a group of one) feeds it and sends what it returns, so every rule is
+for a group of one) feeds it and applies what it returns (:func:`._ops.applied`), so every rule is
 tested without a network.
 
 Rules 1-11 (cited by number in the code): see docs/protocol.md,
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
-from .._format import _bodies, _serialize
+from .._format import _bodies
 from .._format._bodies import NOT_FORMING, PYTHON_VERSION, error_body
 from .._format._mac import HMAC_SHA256, POLY1305
 from .._format._wire import (
@@ -43,9 +43,9 @@ from .._format._wire import (
     join_token,
 )
 from .._limits import EXIT_WAIT_S, LOCAL_PART_BYTES, MAX_STALL_WARNINGS, WIRE_PART_BYTES
-from ..errors import SerializationError, from_signal
-from . import _ring
-from ._ops import LABELS, OPERATIONS, OPS, SPOKEN, Disagree, Malformed, Op, describe_call, rank_list
+from ..errors import from_signal
+from . import _ops
+from ._ops import LABELS, OPERATIONS, OPS, SPOKEN, Disagree, Malformed, Op, Outgoing, describe_call, rank_list
 from ._stats import Lateness
 
 log = logging.getLogger("zcollective")
@@ -57,7 +57,6 @@ MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); pa
 MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
 # rank 0 hold at most about 1.2 MiB of answers
 
-Outgoing = tuple[bytes, Message]
 GONE = "connection closed or heartbeats unanswered"  # ZeroMQ does not say which: a process that
 # ended or was killed, and one stopped (SIGSTOP) or cut off past the liveness bound, look alike
 SEEN_DEAD_SHARE = 0.5  # a connection gone within this share of the liveness bound after the peer's
@@ -139,9 +138,8 @@ class Joined:
     newcomer: bool = False  # parked until a GROW (rule 10): the rank it claims means nothing yet
 
     def describe(self) -> str:
-        if self.newcomer:
-            return f"newcomer (pid {self.pid} on {self.host})"
-        return f"rank {self.rank} (pid {self.pid} on {self.host})"
+        who = "newcomer" if self.newcomer else f"rank {self.rank}"
+        return f"{who} (pid {self.pid} on {self.host})"
 
     def describe_end(self) -> str:
         assert self.ended is not None
@@ -188,13 +186,17 @@ class PendingCall:
     abandoned: Optional[dict[str, Any]] = None  # a rank gave it up: the ERROR every rank gets
     warned: int = 0  # stall warnings said of it (rule 11)
 
+    def ranked(self) -> list[Message]:
+        """Every rank's contribution, in rank order (once all came)."""
+        return [self.contributions[r] for r in range(len(self.contributions))]
+
 
 class Coordinator:
     """Per-group collective state; see the module docstring for the rules."""
 
     def __init__(self, num_replicas: int, session: int, max_frames: int,
                  signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None,
-                 user_code: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
+                 user_code: _ops.UserCode = lambda fn: fn,
                  forming: Optional[Forming] = None, host_address: str = "?",
                  liveness_s: Optional[float] = None, job: Optional[str] = None,
                  warn_after: Optional[float] = None, clock: Callable[[], float] = time.monotonic,
@@ -214,8 +216,7 @@ class Coordinator:
         self.old_ranks: Optional[list[int]] = None  # formed: every new rank's old one
         self.newcomers: dict[bytes, Joined] = {}  # parked until a GROW (rule 10), by routing id
         self.num_replicas = num_replicas
-        self.user_code = user_code  # the driver's: a reduce function made callable where an
-        # interrupt may stop it (rank 0's thread: _interrupts.user_code); as it is by default
+        self.user_code = user_code  # how the driver calls a reduce function it runs (_ops.applied)
         self.signer = signer
         self._challenge_key = entropy(32)  # challenges are HMAC(this, peer): nothing to store
         self._challenged: OrderedDict[bytes, int] = OrderedDict()  # peer -> CHALLENGEs sent (LRU)
@@ -228,8 +229,10 @@ class Coordinator:
         self.by_rank: dict[int, Joined] = {}
         self.next_seq = [0] * num_replicas
         self.pending: dict[int, PendingCall] = {}
+        self.combining: dict[int, PendingCall] = {}  # calls complete here whose reduction was asked for
         self.failure: Optional[dict[str, Any]] = None
-        self.reducing: Optional[tuple[int, Op, float]] = None  # (seq, op, since): read by other threads
+        self.reducing: Optional[tuple[int, Op, float]] = None  # (seq, op, since): a reduction was asked
+        # for and is not handed back yet, so the driver runs the reduce function (read by other threads)
         self.interrupted: Optional[BaseException] = None  # a signal handler's, in a reduce function: to
         # raise once its call's errors are sent
         self._warned: set[tuple[str, str]] = set()
@@ -248,8 +251,9 @@ class Coordinator:
 
     # -- entry points -------------------------------------------------
 
-    def receive(self, peer: bytes, frames: list[Any], address: str = "?") -> list[Outgoing]:
-        """Handle one message from ``peer``; return what to send to whom.
+    def receive(self, peer: bytes, frames: list[Any], address: str = "?") -> _ops.Step:
+        """Handle one message from ``peer``; return what to send to whom, and
+        the reduction to run where it stands (:func:`~._ops.applied`).
         Input that does not parse is dropped and logged: it never raises."""
         try:
             return self._receive(peer, frames, address)
@@ -258,7 +262,7 @@ class Coordinator:
             return []
 
     def receive_message(self, peer: bytes, msg: Message,
-                        address: str = "rank 0's own process") -> list[Outgoing]:
+                        address: str = "rank 0's own process") -> _ops.Step:
         """Handle one decoded message: from the member in this process, which
         needs no decoding (nor authentication); as :meth:`receive`."""
         try:
@@ -267,7 +271,7 @@ class Coordinator:
             self._warn(address, "malformed", f"dropped a malformed message from {address}: {exc}")
             return []
 
-    def _receive(self, peer: bytes, frames: list[Any], address: str) -> list[Outgoing]:
+    def _receive(self, peer: bytes, frames: list[Any], address: str) -> _ops.Step:
         if peer in self._answered and self.phase is not Phase.JOINING and peer not in self.members:
             return []  # refused once the group ran: nothing it sends is read again (a flood of
             # large JOINs cost rank 0 a parse each)
@@ -284,7 +288,7 @@ class Coordinator:
             return []
         return self._handle(peer, msg, address)
 
-    def _handle(self, peer: bytes, msg: Message, address: str) -> list[Outgoing]:
+    def _handle(self, peer: bytes, msg: Message, address: str) -> _ops.Step:
         member = self.members.get(peer)
         if member is not None:
             member.heard = self.clock()
@@ -313,12 +317,14 @@ class Coordinator:
             return self._release(member.rank, msg.seq)
         if self.phase is Phase.FAILED:
             return [self._fail_message(member)]
-        handler = self._HANDLERS.get(msg.kind)
-        if handler is None:
-            self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} "
-                       f"from {member.describe()}")
-            return []
-        return handler(self, member, msg, address)
+        if msg.kind is Kind.BYE:
+            return self._on_bye(member, msg.seq, msg.flags)
+        if msg.kind is Kind.ABORT:
+            return self._on_abort(member, msg)
+        if msg.kind is Kind.STATUS:
+            return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
+        self._warn(address, "unexpected", f"dropped an unexpected {msg.kind.name} from {member.describe()}")
+        return []
 
     def _bound(self, member: Joined, msg: Message) -> bool:
         """Does ``msg`` carry its member's rank and the session? A STATUS sent
@@ -328,7 +334,7 @@ class Coordinator:
         return msg.session == self.session or (
             msg.kind is Kind.STATUS and (self.phase is Phase.JOINING or msg.session == 0))
 
-    def _on_abort(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
+    def _on_abort(self, member: Joined, msg: Message) -> list[Outgoing]:
         # only the secret's holders reach here when there is one
         error, said, ranks, data_plane, abandoned = _bodies.parse_abort(msg, self.num_replicas)
         if abandoned:
@@ -360,16 +366,6 @@ class Coordinator:
                                            f"{member.describe()} gave it up ({said}), so it failed on "
                                            f"every rank (the group goes on)")
         return self._error_all(seq, call.op, call.abandoned, list(call.contributions))
-
-    def _on_status(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
-        return [(member.peer, self._status(msg.seq, member, welcomed=msg.session != 0))]
-
-    _HANDLERS: dict[Kind, Callable[[Coordinator, Joined, Message, str], list[Outgoing]]] = {
-        Kind.CONTRIB: lambda self, member, msg, address: self._on_contribution(member, msg, address),
-        Kind.BYE: lambda self, member, msg, address: self._on_bye(member, msg.seq, msg.flags),
-        Kind.ABORT: _on_abort,
-        Kind.STATUS: _on_status,
-    }
 
     def probes(self) -> list[Outgoing]:
         """A connection closed, whose is not known: a PROBE for each peer
@@ -726,7 +722,7 @@ class Coordinator:
         members = [self.by_rank[r] for r in range(self.num_replicas)]
         ports = [m.data for m in members]
         one_host = (all(ports) and len({_host_of(p) for p in ports}) == 1) or all(
-            _is_loopback(m.address) for m in members[1:])
+            is_loopback(m.address) for m in members[1:])
         self.part_bytes = LOCAL_PART_BYTES if one_host else WIRE_PART_BYTES
         self.mac = POLY1305 if all(POLY1305 in m.macs for m in members) else HMAC_SHA256
         if self.signer is not None and self.mac == POLY1305:
@@ -780,7 +776,7 @@ class Coordinator:
 
     # -- calls ----------------------------------------------------------
 
-    def _on_contribution(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
+    def _on_contribution(self, member: Joined, msg: Message, address: str) -> _ops.Step:
         rank, seq = member.rank, msg.seq
         if self.phase is not Phase.RUNNING:
             self._warn(address, "early", f"dropped seq {seq} from {member.describe()}: "
@@ -817,12 +813,42 @@ class Coordinator:
         self.lateness.record(call.arrived)
         if call.warned:
             self._stall_ended(seq, call, rank)
-        out = self._complete(seq, call)
+        contributions = call.ranked()
+        out = self._problem(seq, call, contributions)
+        if out is None:
+            operation = OPERATIONS[call.op]
+            if isinstance(operation, _ops.Reducing):  # the driver runs it, hands it back: combined()
+                self.combining[seq], self.reducing = call, (seq, call.op, self.clock())
+                return [operation.combine(seq, contributions, call.root)]
+            out = self._results(seq, call, operation.route(self, contributions, call.root))
+        return self._then(call, out)
+
+    def _then(self, call: PendingCall, out: list[Outgoing]) -> list[Outgoing]:
+        """``out``, a completed call's answer, then: a teardown closes the group; an ended rank fails it."""
         operation = OPERATIONS.get(call.op)
         if operation is not None and operation.closes:
             self.phase = Phase.CLOSED
             return out
         return out + self._check_endings() if self._ended else out
+
+    def combined(self, asked: _ops.Combine, results: list[list[Any]]) -> list[Outgoing]:
+        """The driver ran the reduction ``asked`` (rule 4): the RESULTs, given its
+        ``results``; none if the call no longer waits for it (the group failed meanwhile)."""
+        call, operation = self._handed_back(asked), OPERATIONS[asked.op]
+        if call is None or not isinstance(operation, _ops.Reducing):
+            return []
+        out = self._results(asked.seq, call, operation.route_combined(self.num_replicas, call.root, results))
+        return out + self._check_endings() if self._ended else out  # (a reduction never closes the group)
+
+    def combine_failed(self, asked: _ops.Combine, exc: BaseException) -> list[Outgoing]:
+        """The reduction ``asked`` raised ``exc``: an ERROR to every rank; as :meth:`combined`."""
+        call = self._handed_back(asked)
+        return [] if call is None else self._then(call, self._call_failed(asked.seq, call, exc))
+
+    def _handed_back(self, asked: _ops.Combine) -> Optional[PendingCall]:
+        """The call whose reduction ``asked`` was, if it still waits for it."""
+        self.reducing, call = None, self.combining.pop(asked.seq, None)
+        return call if self.phase is Phase.RUNNING else None
 
     # -- ending without teardown ------------------------------------------
 
@@ -932,10 +958,11 @@ class Coordinator:
             parts.append(f"{rank_list(waiting)} had not called yet")
         return f"seq {seq}: " + "; ".join(parts)
 
-    def _complete(self, seq: int, call: PendingCall) -> list[Outgoing]:
-        contributions = [call.contributions[r] for r in range(self.num_replicas)]
-        operation = OPERATIONS.get(call.op)
-        if operation is None:  # no working replica sends it
+    def _problem(self, seq: int, call: PendingCall, contributions: list[Message]) -> Optional[list[Outgoing]]:
+        """What a complete call is answered with instead of its route, if
+        anything: an ERROR (no rules; a sender's own error, PeerError; parts no
+        working replica sends, ProtocolError), a plan, a failure."""
+        if call.op not in OPERATIONS:  # no working replica sends it
             return self._error_all(seq, call.op, error_body(
                 "ProtocolError", f"seq {seq}: operation {call.op.label!r} has no rules"))
         flags = 0  # any rank's
@@ -948,53 +975,60 @@ class Coordinator:
                                  f"seq {seq} {call.op.label} came, whose data goes peer to peer; "
                                  f"that call cannot complete", lost=[member.rank],
                                  exclude={m.rank for m in self._ended})
-            return self._plan(seq, call, contributions)
-        problem = self._malformed_call(seq, call, contributions)
-        if problem is not None:
-            return self._error_all(seq, call.op, error_body(*problem))
-        try:
-            routes = operation.route(self, contributions, call.root)
-        except _Unreadable as exc:  # the reduce function never ran: not a RemoteError
-            return self._error_all(seq, call.op, error_body(
-                "SerializationError", f"seq {seq} {call.op.label}: the coordinator (rank 0) {exc}"))
-        except Disagree as exc:  # nor here: arrays the data plane would have refused too
-            return self._error_all(seq, call.op, error_body(
-                "CallMismatchError", self._disagreement(seq, call, contributions, exc.described)))
-        except BaseException as exc:  # SystemExit from a reduce_fn too: it is the user's error
-            if from_signal(exc):  # a signal handler's, on rank 0's thread: everyone hears of it,
-                self.interrupted = exc  # then the driver raises it there
-            return self._error_all(seq, call.op, _bodies.remote_error_body(
-                f"seq {seq} {call.op.label}: the reduction raised on the coordinator (rank 0)", exc))
-        # a header of its own for each rank; ranks given one payload share its frames,
-        # which the driver hashes once
-        outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
-                                                             self.session, segments=segments))
-                           for rank, segments in enumerate(routes)]
-        return outs + operation.completed(self, seq)
+            return self._plan(seq, call)
+        for rank, c in enumerate(contributions):
+            if c.flags & FLAG_LOCAL_ERROR:
+                try:
+                    said = c.body().get("message", "?")
+                except WireError:  # a sender's error note that is not JSON: still its error
+                    said = "?"
+                return self._error_all(seq, call.op, error_body(
+                    "PeerError", f"seq {seq} {call.op.label}: rank {rank} failed: {said}"))
+        n, root = self.num_replicas, call.root
+        why = (f"root {root} is not a rank of this group of {n} replicas" if not 0 <= root < n  # (replicas
+               else OPERATIONS[call.op].malformed(contributions, root))  # check it: a broken or altered one)
+        return self._call_failed(seq, call, Malformed(why)) if why else None
 
-    def _plan(self, seq: int, call: PendingCall, contributions: list[Message]) -> list[Outgoing]:
+    def _results(self, seq: int, call: PendingCall, routes: list[list[list[Any]]],
+                 flags: int = 0) -> list[Outgoing]:
+        """Call ``seq``'s RESULTs: a header of its own for each rank; ranks
+        given one payload share its frames, which the driver hashes once."""
+        outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(
+            Kind.RESULT, call.op, rank, call.root, seq, self.session, flags=flags, segments=segments))
+            for rank, segments in enumerate(routes)]
+        return outs + OPERATIONS[call.op].completed(self, seq)
+
+    def _plan(self, seq: int, call: PendingCall) -> list[Outgoing]:
         """A call whose data travels on the data plane: matched here like any
         other, then every rank is sent the plan (:meth:`Operation.plan`) and
         moves the data itself. Ranks whose values disagree: a mismatch."""
         try:
-            segments = OPERATIONS[call.op].plan(contributions, call.root)
-        except Disagree:  # the call matched; only its values disagree
-            return self._error_all(seq, call.op, error_body(
-                "CallMismatchError", self._disagreement(seq, call, contributions)))
-        except Malformed as exc:
-            return self._error_all(seq, call.op, error_body("ProtocolError",
-                                                            f"seq {seq} {call.op.label}: {exc}"))
+            segments = OPERATIONS[call.op].plan(call.ranked(), call.root)
+        except (Disagree, Malformed) as exc:
+            return self._call_failed(seq, call, exc)
         self._moving = (seq, call.op)
-        return [(self.by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq,
-                                                  self.session, flags=FLAG_DATA, segments=segments))
-                for rank in range(self.num_replicas)]
+        return self._results(seq, call, [segments] * self.num_replicas, FLAG_DATA)
 
-    def _disagreement(self, seq: int, call: PendingCall, contributions: list[Message],
-                      described: Optional[list[str]] = None) -> str:
+    def _call_failed(self, seq: int, call: PendingCall, exc: BaseException) -> list[Outgoing]:
+        """Call ``seq`` failed here (``exc``): an ERROR to every rank, the group goes on."""
+        head = f"seq {seq} {call.op.label}: "
+        if isinstance(exc, Malformed):  # parts no working replica sends
+            body = error_body("ProtocolError", f"{head}{exc}")
+        elif isinstance(exc, _ops.Unreadable):  # the reduce function never ran: not a RemoteError
+            body = error_body("SerializationError", f"{head}the coordinator (rank 0) {exc}")
+        elif isinstance(exc, Disagree):  # nor here: arrays the data plane would have refused too
+            body = error_body("CallMismatchError", head + self._disagreement(call, exc.described))
+        else:  # the reduce function raised (SystemExit too: the user's error)
+            if from_signal(exc):  # a signal handler's, on rank 0's thread: everyone hears of it,
+                self.interrupted = exc  # then the driver raises it there
+            body = _bodies.remote_error_body(f"{head}the reduction raised on the coordinator (rank 0)", exc)
+        return self._error_all(seq, call.op, body)
+
+    def _disagreement(self, call: PendingCall, described: Optional[list[str]] = None) -> str:
         """The ranks' values, grouped by what each passed and where: from
         their data plans, or as rank 0 found them (``described``)."""
         groups: dict[tuple[str, str], list[int]] = {}
-        for rank, c in enumerate(contributions):
+        for rank, c in enumerate(call.ranked()):
             what = ("a value that does not go peer to peer (not a numeric array that large, "
                     "reduced elementwise)")
             if described is not None:
@@ -1007,65 +1041,7 @@ class Coordinator:
                     what = "a malformed array description"
             groups.setdefault((_bodies.printable(what[:300]), c.callsite or "?"), []).append(rank)
         parts = [f"{rank_list(ranks)} passed {what} at {site}" for (what, site), ranks in groups.items()]
-        return (f"seq {seq} {call.op.label}: the ranks disagree: " + "; ".join(parts)
-                + " (this call failed; the group goes on)")
-
-    def _malformed_call(self, seq: int, call: PendingCall,
-                        contributions: list[Message]) -> Optional[tuple[str, str]]:
-        """Why the call cannot complete as it is, as (error name, text), or
-        None: a sender's own error (PeerError), or parts no working replica
-        sends (ProtocolError: a wrong root or number of values)."""
-        for rank, c in enumerate(contributions):
-            if c.flags & FLAG_LOCAL_ERROR:
-                try:
-                    said = c.body().get("message", "?")
-                except WireError:  # a sender's error note that is not JSON: still its error
-                    said = "?"
-                return "PeerError", f"seq {seq} {call.op.label}: rank {rank} failed: {said}"
-        n, root = self.num_replicas, call.root
-        if not 0 <= root < n:  # replicas check it: only a broken or altered one sends this
-            why = f"root {root} is not a rank of this group of {n} replicas"
-        else:
-            why = OPERATIONS[call.op].malformed(contributions, root)
-        return ("ProtocolError", f"seq {seq} {call.op.label}: {why}") if why else None
-
-    def newcomers_waiting(self) -> int:
-        return len(self.newcomers)
-
-    def combine(self, contributions: list[Message], root: int, count: int = 1) -> list[Any]:
-        """Every rank's first ``count`` values, each index reduced in rank
-        order with ``root``'s function (unpickled once; an operation's route asks)."""
-        fn_frame = contributions[root].fn
-        if fn_frame is None:
-            raise ValueError(f"rank {root} sent no reduce function")
-        try:
-            fn = fn_frame  # rank 0's own, from its own process: as it is
-            if not callable(fn):
-                fn = _serialize.loads([fn_frame], f"reduce function of rank {root}")
-        except SerializationError as exc:
-            raise _Unreadable(str(exc)) from exc
-        name, run = _ring.reduction_name(fn), self.user_code(fn)
-        return [self._reduce_index(contributions, index, name, run) for index in range(count)]
-
-    def _reduce_index(self, contributions: list[Message], index: int, name: Optional[str],
-                      fn: Callable[[Any, Any], Any]) -> Any:
-        try:
-            values = [_serialize.loads(c.segments[index], f"value of rank {r}")
-                      for r, c in enumerate(contributions)]
-        except SerializationError as exc:
-            raise _Unreadable(str(exc)) from exc
-        if name is not None:  # elementwise: arrays must agree, as on the data plane (no broadcasting)
-            described = _arrays(values, name)
-            if described is not None and len(set(described)) > 1:
-                raise Disagree(described)
-        self.reducing = (contributions[0].seq, OPS[contributions[0].op], self.clock())
-        try:
-            acc = values[0]
-            for value in values[1:]:
-                acc = fn(acc, value)
-        finally:
-            self.reducing = None
-        return acc
+        return "the ranks disagree: " + "; ".join(parts) + " (this call failed; the group goes on)"
 
     def _error_all(self, seq: int, op: Op, body: dict[str, Any],
                    ranks: Optional[list[int]] = None) -> list[Outgoing]:
@@ -1083,10 +1059,8 @@ class Coordinator:
             return _bodies.status(seq, "joining", {"missing": self.missing_joins(), "arrived": sorted(
                 self.by_rank), "refused": refused}, rank=member.rank, session=binding)
         call = self.pending.get(seq)
-        if call is not None:
-            arrived = sorted(call.contributions)
-        else:
-            arrived = [r for r in range(self.num_replicas) if self.next_seq[r] > seq]
+        arrived = sorted(call.contributions) if call is not None else [
+            r for r in range(self.num_replicas) if self.next_seq[r] > seq]
         missing = [r for r in range(self.num_replicas) if r not in arrived]
         state = "pending" if missing else ("done" if call is None else "computing")
         fields: dict[str, Any] = {"arrived": arrived, "missing": missing}
@@ -1197,12 +1171,9 @@ class Coordinator:
             if moving is not None and moving[0] == min(self.next_seq) - 1:
                 return f"seq {moving[0]} {moving[1].label} was matched; its data moves peer to peer"
             return f"no call was in flight (next seq {min(self.next_seq)})"
-        parts = []
-        for seq in sorted(self.pending)[:3]:
-            call = self.pending[seq]
-            parts.append(f"seq {seq} {describe_call(call.op, call.root)} "
-                         f"(arrived: {rank_list(call.contributions)})")
-        return "in flight: " + ", ".join(parts)
+        return "in flight: " + ", ".join(f"seq {seq} {describe_call(call.op, call.root)} (arrived: "
+                                         f"{rank_list(call.contributions)})"
+                                         for seq, call in sorted(self.pending.items())[:3])
 
     def _fail_message(self, member: Joined) -> Outgoing:
         assert self.failure is not None
@@ -1218,36 +1189,10 @@ class Coordinator:
         log.warning("zcollective coordinator: %s", text)
 
 
-def _array(dtype: Any, shape: tuple[int, ...], fn: str) -> str:
-    """An array as a mismatch names it, from a data plan or as rank 0 found it."""
-    return f"a {dtype} array of shape {shape} reduced with {fn}"
-
-
-def _arrays(values: list[Any], fn: str) -> Optional[list[str]]:
-    """Each value described as the data plane's plans describe arrays (dtype,
-    shape, reduction), when all are arrays (numpy's, torch's) and not all
-    scalars; else None (left to the reduce function)."""
-    shapes: list[Any] = [getattr(v, "shape", None) for v in values]
-    dtypes: list[Any] = [getattr(v, "dtype", None) for v in values]
-    if any(s is None or d is None for s, d in zip(shapes, dtypes, strict=True)):  # (not `in`:
-        return None  # numpy's dtype equals None, which means float64 to it)
+def is_loopback(address: str) -> bool:
+    """Is ``address`` (a peer's; a host to bind, bracketed or ``*``) a loopback one?"""
     try:
-        if not any(len(s) for s in shapes):
-            return None
-        return [_array(getattr(d, "str", d), tuple(int(n) for n in s), fn)
-                for s, d in zip(shapes, dtypes, strict=True)]
-    except TypeError:  # a shape of something else than numbers: not an array
-        return None
-
-
-class _Unreadable(Exception):
-    """A contribution rank 0 cannot unpickle (its sender's fault, not the
-    reduce function's): its text names the rank."""
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+        return ipaddress.ip_address(address.strip("[]").split("%")[0]).is_loopback
     except ValueError:
         return False
 

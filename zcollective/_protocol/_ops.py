@@ -1,7 +1,7 @@
 """Every operation as one object: its code on the wire, what each rank sends
 and how its result is made (:meth:`Operation.contribute`), the coordinator's check,
-route and data plan (:meth:`Operation.malformed`, :meth:`Operation.route`,
-:meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
+route (a reduction's: :class:`Reducing`, :class:`Combine`) and data plan (:meth:`Operation.malformed`,
+:meth:`Operation.route`, :meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
 operation by name (:data:`OPERATIONS`) and builds no message; the coordinator
 looks the operation of a call up by its code. A new operation is a class
 here, a ``Group`` method and a module function (docs/protocol.md,
@@ -11,14 +11,16 @@ here, a ``Group`` method and a module function (docs/protocol.md,
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Union
 
 from .._format import _bodies, _serialize
 from .._format._wire import FLAG_DATA, FLAG_LOCAL_ERROR, Message, WireError
+from ..errors import SerializationError
 from . import _ring
 
 
@@ -50,6 +52,8 @@ RING_SAFE = frozenset({"add", "maximum", "minimum", "multiply"})  # reductions n
 Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
 Build = Callable[[], tuple[list[list[Any]], Any]]  # -> (segments, reduce function or None)
 Finish = Callable[[Message], Any]  # the call's RESULT -> its value here
+Outgoing = tuple[bytes, Message]  # a message the coordinator sends, and to whom
+UserCode = Callable[[Callable[..., Any]], Callable[..., Any]]  # a reduce function -> how it is called
 
 
 def label(op: int) -> str:
@@ -70,18 +74,19 @@ class Here:
 
 
 class Combining(Protocol):
-    """What an operation's route asks of the coordinator."""
+    """What an operation asks of the coordinator, and what :func:`applied` hands back to it."""
 
-    num_replicas: int
-
-    def combine(self, contributions: list[Message], root: int, count: int = 1) -> list[Any]:
-        """Every rank's first ``count`` values, each index reduced in rank order with ``root``'s function."""
-
-    def newcomers_waiting(self) -> int:
-        """How many newcomers a GROW admits."""
+    user_code: UserCode  # the driver's wrapper of a reduce function (rank 0's: _interrupts.user_code)
+    newcomers: dict[bytes, Any]  # those a GROW admits (rule 10)
 
     def admit(self, seq: int) -> list[Any]:
         """Rule 10: WELCOME the newcomers into the group formed next (messages to send)."""
+
+    def combined(self, asked: Combine, results: list[list[Any]]) -> list[Outgoing]:
+        """``asked`` ran: the RESULTs to send (none if the call is no longer waiting for it)."""
+
+    def combine_failed(self, asked: Combine, exc: BaseException) -> list[Outgoing]:
+        """``asked`` raised ``exc``: the ERRORs to send (likewise)."""
 
 
 @dataclass
@@ -117,6 +122,78 @@ class Disagree(Exception):
 
 class Malformed(Exception):
     """Parts no working replica sends (a ProtocolError): the text says why."""
+
+
+class Unreadable(Exception):
+    """A value or function rank 0 cannot unpickle (its sender's fault): the text names the rank."""
+
+
+@dataclass(frozen=True)
+class Combine:
+    """The coordinator's outcome once every rank contributed to a reducing call:
+    reduce every rank's first ``count`` values, each index in rank order, with
+    the root's function ``fn`` (rank 0's own, as it is). The driver runs it
+    (:func:`applied`) and hands back the results or what was raised."""
+
+    seq: int
+    op: Op
+    root: int
+    count: int
+    fn: Any
+    values: tuple[list[list[Any]], ...]  # each rank's segments, in rank order
+
+    def run(self, user_code: UserCode) -> list[list[Any]]:
+        """Each index's result, pickled (the user's code: a function, a result's
+        pickling); raises :class:`Unreadable` (nothing ran), :class:`Disagree`
+        (arrays that differ) or what the user's code raised."""
+        if self.fn is None:
+            raise ValueError(f"rank {self.root} sent no reduce function")
+        fn = self.fn if callable(self.fn) else _unpickled([self.fn], f"reduce function of rank {self.root}")
+        name, call, out = _ring.reduction_name(fn), user_code(fn), []
+        for index in range(self.count):
+            values = [_unpickled(v[index], f"value of rank {r}") for r, v in enumerate(self.values)]
+            described = _described_arrays(values, name) if name is not None else None
+            if described is not None and len(set(described)) > 1:  # elementwise: arrays must agree,
+                raise Disagree(described)  # as on the data plane (no broadcasting)
+            out.append(_serialize.dumps(functools.reduce(call, values), "reduction result"))
+        return out
+
+
+Step = Sequence[Union[Outgoing, Combine]]  # what one step of the coordinator returns, in order
+
+
+def applied(step: Step, at: Combining) -> Iterator[Outgoing]:
+    """What a driver sends of ``step``, in order: a :class:`Combine` runs where
+    it stands, in the driver's thread, before anything else is taken in, and
+    what the coordinator then answers takes its place."""
+    for out in step:
+        if not isinstance(out, Combine):
+            yield out
+            continue
+        try:
+            results = out.run(at.user_code)
+        except BaseException as exc:  # SystemExit from a reduce function too: it is the user's error
+            yield from at.combine_failed(out, exc)
+        else:
+            yield from at.combined(out, results)
+
+
+def _unpickled(segment: list[Any], what: str) -> Any:
+    try:
+        return _serialize.loads(segment, what)
+    except SerializationError as exc:
+        raise Unreadable(str(exc)) from exc
+
+
+def _described_arrays(values: list[Any], fn: str) -> Optional[list[str]]:
+    """Each value described as a data plan describes an array, when all are arrays
+    (numpy's, torch's) and not all scalars; else None (left to the reduce function)."""
+    try:  # (attributes read, not a `None in` test: numpy's dtype equals None, meaning float64 to it)
+        described = [f"a {getattr(v.dtype, 'str', v.dtype)} array of shape {tuple(int(n) for n in v.shape)} "
+                     f"reduced with {fn}" for v in values]
+    except (AttributeError, TypeError):  # not arrays (a shape of something else than numbers)
+        return None
+    return described if any(len(v.shape) for v in values) else None
 
 
 class Operation:
@@ -301,7 +378,24 @@ def _is_tensor(value: Any) -> bool:
 # -- the operations ------------------------------------------------------------
 
 
-class Allreduce(Operation):
+class Reducing(Operation):
+    """An operation whose completed call asks for a reduction (:meth:`combine`),
+    then routes its results: to the root alone, if it has one, else to all."""
+
+    each = False  # each rank's every value is reduced by index (reduce_scatter), not its one value
+
+    def combine(self, seq: int, contributions: list[Message], root: int) -> Combine:
+        count, values = len(contributions) if self.each else 1, tuple([c.segments for c in contributions])
+        return Combine(seq, self.code, root, count, contributions[root].fn, values)
+
+    def route_combined(self, size: int, root: int, results: list[list[Any]]) -> Routes:
+        """The segments each rank of ``size`` receives, given the reduction's ``results``."""
+        if self.each:  # rank i: index i's
+            return [[result] for result in results]
+        return [results if r == root or not self.rooted else [] for r in range(size)]
+
+
+class Allreduce(Reducing):
     code = Op.ALLREDUCE
 
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
@@ -322,15 +416,11 @@ class Allreduce(Operation):
 
     malformed = staticmethod(_one_each)
 
-    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        result = [_serialize.dumps(at.combine(contributions, root)[0], "reduction result")]
-        return [result for _ in contributions]
-
     def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
         return _agreed(contributions)
 
 
-class Reduce(Operation):
+class Reduce(Reducing):
     code = Op.REDUCE
     rooted = True
     malformed = staticmethod(_one_each)
@@ -341,12 +431,8 @@ class Reduce(Operation):
         finish = _none if here.rank != root else _value(value) if here.size == 1 else _first
         return Contribution(root, lambda: ([_serialize.dumps(value)], fn()), finish)
 
-    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        result = [_serialize.dumps(at.combine(contributions, root)[0], "reduction result")]
-        return [result if r == root else [] for r in range(len(contributions))]
 
-
-class ReduceScatter(Operation):
+class ReduceScatter(Reducing):
     """Rank i gets every rank's i-th value reduced in rank order with rank 0's
     function. Equal arrays (or CPU tensors) with a data plane, reduced by a
     numpy reduction (:data:`RING_SAFE`), go round the ring's reduce-scatter
@@ -356,6 +442,7 @@ class ReduceScatter(Operation):
     finish before another's function raised, and the call must fail alike."""
 
     code = Op.REDUCE_SCATTER
+    each = True
 
     def contribute(self, here: Here, values: Any, reduce_fn: Any) -> Contribution:
         values = _per_rank(self.code, values, here.size)
@@ -387,10 +474,6 @@ class ReduceScatter(Operation):
 
     def described(self, dtype: str, shape: tuple[int, ...], fn: str) -> str:
         return f"{shape[0]} values, each a {dtype} array of shape {shape[1:]} reduced with {fn}"
-
-    def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        return [[_serialize.dumps(value, "reduction result")]
-                for value in at.combine(contributions, root, len(contributions))]
 
     def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
         return _agreed(contributions)
@@ -564,7 +647,7 @@ class Grow(Operation):
         return Contribution(0, _nothing, _first)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
-        told = [_serialize.dumps(at.newcomers_waiting(), "the number of newcomers")]
+        told = [_serialize.dumps(len(at.newcomers), "the number of newcomers")]
         return [told for _ in contributions]
 
     def completed(self, at: Combining, seq: int) -> list[Any]:
