@@ -2,13 +2,17 @@
 order of each pair's messages, the window a sender may fill at a receiver and the credit that
 frees it."""
 
+from collections import deque
+
 import pytest
 
+from zcollective._format._wire import Kind, Message
 from zcollective._protocol._p2p import (
     ANY_SOURCE,
     ANY_TAG,
     MAX_TAG,
     Credit,
+    Mail,
     Mailbox,
     OutOfOrder,
     Receive,
@@ -111,3 +115,69 @@ def test_tags_and_ranks_are_checked():
         check_rank(4, 4, "dest")
     with pytest.raises(ValueError):
         check_rank(ANY_SOURCE, 4, "dest")
+
+
+# -- Mail: the messages the rules send, and what calls came to ----------------------------------
+
+
+def _mail(rank, size=2, window=WINDOW):
+    return Mail(rank, size, window, session=7, outcomes=deque())
+
+
+def _send_msg(source, tag, seq, payload=b"\x80\x05K\x01.", session=7):
+    return Message(Kind.SEND, 0, source, tag, seq, session, segments=[[payload]])
+
+
+def test_a_send_short_of_credit_waits_asks_once_and_goes_when_credited():
+    mail = _mail(0)
+    big = [bytes(600)]
+    mail.send(1, 0, big, "first")
+    mail.send(1, 0, big, "second")  # 1,200 bytes > the window: waits, unsent
+    kinds = [(to, m.kind, h) for to, m, h in mail.out]
+    assert kinds == [(1, Kind.SEND, "first"), (1, Kind.ASK, None)]
+    mail.out.clear()
+    mail.send(1, 0, [b"x"], "third")  # behind the waiting one, in order, and no second ASK
+    assert mail.out == []
+    mail.take(Message(Kind.CREDIT, 0, 1, 0, 0, 7))  # rank 1 received message 0
+    assert [(m.kind, m.seq, h) for _, m, h in mail.out] == [(Kind.SEND, 1, "second"), (Kind.SEND, 2, "third")]
+
+
+def test_a_receiver_asked_for_credit_sends_it_once_its_program_receives():
+    mail = _mail(1)
+    mail.take(_send_msg(0, 0, 0))
+    mail.take(Message(Kind.ASK, 0, 0, 0, 0, 7))
+    assert mail.out == []  # nothing received yet
+    mail.receive(0, 0, "r")
+    assert [(to, m.kind, m.seq) for to, m, _ in mail.out] == [(0, Kind.CREDIT, 0)]
+    assert mail.outcomes[0].future == "r" and mail.outcomes[0].make() == 1
+
+
+def test_messages_of_another_group_or_out_of_order_are_dropped():
+    mail = _mail(1)
+    mail.take(_send_msg(0, 0, 0, session=8))  # an earlier group's, on a reused port
+    mail.take(_send_msg(0, 0, 1))  # skips message 0
+    assert not mail.box.arrived and mail.dropped == 1
+
+
+def test_after_a_failure_what_came_is_still_received_and_the_rest_fails():
+    mail = _mail(1)
+    mail.take(_send_msg(0, 3, 0))
+    mail.receive(0, 9, "waiting")
+    mail.fail(RuntimeError("rank 0 was lost"))
+    assert [(o.future, type(o.error)) for o in mail.outcomes] == [("waiting", RuntimeError)]
+    mail.outcomes.clear()
+    mail.take(_send_msg(0, 4, 1))  # came after the failure was heard: still received
+    mail.receive(0, 3, "came before")
+    mail.receive(0, 4, "came after")
+    mail.receive(0, 5, "never came")
+    assert [(o.future, o.error is None) for o in mail.outcomes] == [
+        ("came before", True), ("came after", True), ("never came", False)]
+
+
+def test_a_receive_given_up_before_its_outcome_applies_puts_its_message_back():
+    mail = _mail(1)
+    mail.take(_send_msg(0, 0, 0))
+    mail.receive(0, 0, "given up")
+    assert mail.withdraw("given up") and not mail.outcomes
+    mail.receive(0, 0, "next")
+    assert mail.outcomes[0].future == "next" and mail.outcomes[0].status.source == 0
