@@ -134,6 +134,7 @@ def killed_while_waiting(ready):
     if r == 2:
         time.sleep(60)  # killed by the test
     start = time.monotonic()
+    pending = zc.recv_async(2, tag=99)  # never sent: ended by the loss too, with the same error
     try:
         if r == 0:
             zc.recv(2, timeout=30)  # from the rank that dies
@@ -142,7 +143,8 @@ def killed_while_waiting(ready):
                 zc.send(np.ones(1 << 18), 2, timeout=30)
         return "no error"
     except zc.CollectiveError as exc:
-        return type(exc).__name__, str(exc), round(time.monotonic() - start, 1)
+        ended = pending.done() and type(pending.exception(timeout=0)).__name__
+        return type(exc).__name__, str(exc), round(time.monotonic() - start, 1), ended
 
 
 def test_a_rank_killed_while_a_recv_and_a_send_wait_for_it_ends_both_naming_it(tmp_path):
@@ -159,9 +161,10 @@ def test_a_rank_killed_while_a_recv_and_a_send_wait_for_it_ends_both_naming_it(t
         outs = reps.wait(60)
     assert outs[2].returncode == -signal.SIGKILL, report(outs, "not killed")
     for r in (0, 1):
-        kind, message, took = outs[r].value
+        kind, message, took, pending = outs[r].value
         assert kind == "ReplicaLostError" and message.startswith("rank 2 (pid"), report(outs, message)
         assert took < 10, report(outs, f"took {took} s")
+        assert pending == "ReplicaLostError", report(outs, f"the pending recv_async: {pending}")
 
 
 def hold_the_mailbox(address_file, done_file):
