@@ -281,10 +281,10 @@ class Mail:
         after the group failed: what came before is still received), else
         posted to wait for one."""
         if self.failure is not None:
-            for i, came in enumerate(self.box.arrived):
-                if Receive(source, tag, None).matches(came.source, came.tag):
+            for i, here in enumerate(self.box.arrived):
+                if Receive(source, tag, None).matches(here.source, here.tag):
                     del self.box.arrived[i]
-                    self._received(handle, came)
+                    self._received(handle, here)
                     return
             self.outcomes.append(Outcome(handle, fresh(self.failure)))
             return
