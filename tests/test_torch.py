@@ -258,3 +258,22 @@ def test_torch_is_not_imported_unless_a_tensor_is_sent():
                           timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split("\n")[0] == "[(2.0, False), (2.0, False)] False"
+
+
+def tensors_point_to_point():
+    r = zc.get_rank()
+    if r == 0:
+        sent = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: out of band
+        zc.send(sent, 1, tag=3)
+        sent += 1  # send returned: the tensor is ours to change again
+        return zc.recv(1, 4)
+    got = zc.recv(0, 3)
+    ok = type(got) is torch.Tensor and got.dtype == torch.float32 and float(got[-1]) == (1 << 18) - 1
+    got += 1  # writable, in place
+    zc.send(torch.tensor([float(got[-1]), float(ok)]), 0, tag=4)
+    return None
+
+
+def test_tensors_go_point_to_point_and_arrive_writable():
+    received = run_replicas(tensors_point_to_point, 2)[0]
+    assert received.tolist() == [float(1 << 18), 1.0]
