@@ -181,3 +181,15 @@ def test_a_receive_given_up_before_its_outcome_applies_puts_its_message_back():
     assert mail.withdraw("given up") and not mail.outcomes
     mail.receive(0, 0, "next")
     assert mail.outcomes[0].future == "next" and mail.outcomes[0].status.source == 0
+
+
+def test_a_send_to_oneself_that_waited_for_the_window_goes_once_the_first_is_received():
+    """Found by an attack: receiving the message that filled the window credited it, but nothing
+    sent the one waiting, so the second receive timed out."""
+    mail = _mail(0, size=1)
+    mail.send(0, 1, [bytes(1500)], "first")  # over the window, allowed: nothing held
+    mail.send(0, 1, [bytes(10)], "second")  # waits
+    assert [o.future for o in mail.outcomes] == ["first"]
+    mail.receive(0, 1, "r1")
+    mail.receive(0, 1, "r2")
+    assert [o.future for o in mail.outcomes] == ["first", "r1", "second", "r2"]

@@ -359,6 +359,8 @@ class Mail:
                                                                           f"{came.source}"),
                                      status=Status(came.source, came.tag, came.nbytes),
                                      undo=lambda: self.box.arrived.appendleft(came)))
+        if came.source == self.rank and self.waiting[self.rank]:  # its own credit: a send to itself
+            self._flush(self.rank)  # that waited for the window goes now
 
     def _credit(self, credits: list[Credit]) -> None:
         self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
