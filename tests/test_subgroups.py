@@ -238,3 +238,26 @@ def test_argument_problems_are_found_before_anything_is_formed():
     assert _subgroups._problem(None, 0, [], 4).startswith("ranks must list each rank once")
     assert _subgroups._problem(None, 0, "ab", 4).startswith("ranks must be a sequence of ints")
     assert _subgroups._problem("host-a", np.int64(3), range(4), 4) is None
+
+
+def die_between_rounds_and_join():
+    r = zc.get_rank()
+    if r == 2:  # it dies after the parent's second round, before it joins the sub-group
+        _subgroups._opened = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        zc.split(0, timeout=5)
+        return "formed"
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc), round(time.monotonic() - start, 1)
+
+
+def test_a_member_that_dies_before_it_joins_fails_split_naming_it_within_its_timeout():
+    """Found by an attack: the others waited in split for the parent's join timeout (300 s)."""
+    with Replicas(die_between_rounds_and_join, 3, env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}) as reps:
+        outs = reps.wait(60)
+    assert outs[2].returncode == -signal.SIGKILL, report(outs, "it did not die")
+    for r in (0, 1):
+        kind, message, took = outs[r].value
+        assert kind == "ReplicaLostError" and message.startswith("rank 2 (pid"), report(outs, message)
+        assert took < 15, report(outs, f"took {took} s")

@@ -21,10 +21,13 @@ from ._calls import Calls, Timeout
 from ._io._dataplane import local_address
 from ._lifecycle import Lifecycle
 from ._protocol._ops import rank_list
+from ._protocol._outcomes import fresh
 from .config import Config
-from .errors import AddressError, CallMismatchError
+from .errors import AddressError, CallMismatchError, CollectiveTimeoutError
 
 NONCE_BYTES = 16  # names a sub-group (its job) and, under a secret, makes its own secret
+JOIN_LIVENESS = 3  # a sub-group's members join within this many liveness bounds (every one of them
+# was alive at the second round: one that is not joins never), unless split's timeout says otherwise
 
 
 def split(calls: Calls, color: Any, key: Any, timeout: Timeout,
@@ -45,14 +48,14 @@ def split(calls: Calls, color: Any, key: Any, timeout: Timeout,
     if not members:
         return None
     if len(members) == 1:  # a group of one: no port, no coordinator to reach
-        return _opened(_config(config, members, 0, "", 0, os.urandom(NONCE_BYTES)), members)
+        return _opened(calls, _config(config, members, 0, "", 0, os.urandom(NONCE_BYTES), timeout), members)
     address, nonce = told[members[0]]
     if address is None:
         raise AddressError(f"{what}: rank {members[0]}, rank 0 of the new group of ranks "
                            f"{','.join(map(str, members))}, could not open it: {nonce}")
     host, _, port = address.rpartition(":")
-    return _opened(_config(config, members, members.index(config.rank), host.strip("[]"), int(port), nonce),
-                   members)
+    return _opened(calls, _config(config, members, members.index(config.rank), host.strip("[]"), int(port),
+                                  nonce, timeout), members)
 
 
 def _host(calls: Calls, config: Config, members: list[int], timeout: Timeout) -> Lifecycle:
@@ -68,28 +71,39 @@ def _host(calls: Calls, config: Config, members: list[int], timeout: Timeout) ->
         calls.run("split", timeout, (address, nonce))
     here = local_address(config).strip("[]")  # the interface this host reaches the group's rank 0 by
     try:
-        return _opened(_config(config, members, 0, here, 0, nonce), members, publish)
+        return _opened(calls, _config(config, members, 0, here, 0, nonce, timeout), members, publish)
     except BaseException as exc:
         if not published:
             calls.run("split", timeout, (None, f"{type(exc).__name__}: {exc}"))
         raise
 
 
-def _opened(config: Config, members: list[int], publish: Any = None) -> Lifecycle:
-    life = Lifecycle(config, nested=True, publish=publish)
+def _opened(calls: Calls, config: Config, members: list[int], publish: Any = None) -> Lifecycle:
+    """Join the sub-group. One that does not form in time: if the parent failed meanwhile (a
+    member died after the second round), its error, which names the rank, else the timeout."""
+    try:
+        life = Lifecycle(config, nested=True, publish=publish)
+    except CollectiveTimeoutError:
+        calls._progress()  # (a FAIL of the parent's, waiting to be taken in)
+        if calls.member.failure is not None:
+            raise fresh(calls.member.failure) from None
+        raise
     life.parent_ranks = members
     return life
 
 
-def _config(parent: Config, members: list[int], rank: int, host: str, port: int, nonce: bytes) -> Config:
+def _config(parent: Config, members: list[int], rank: int, host: str, port: int, nonce: bytes,
+            timeout: Timeout) -> Config:
     """The sub-group's configuration: the parent's, at its own address, with a
-    job name of its own and, under a secret, a secret of its own."""
+    job name of its own, under a secret a secret of its own, and a bound on its
+    join (``timeout``, else :data:`JOIN_LIVENESS` liveness bounds)."""
     secret = None if parent.secret is None else hmac.new(
         parent.secret, b"zcollective sub-group " + nonce, hashlib.sha256).digest()
+    bound = timeout if isinstance(timeout, (int, float)) else JOIN_LIVENESS * parent.liveness_timeout
     return dataclasses.replace(
         parent, master_addr=host or parent.master_addr, master_port=port, rank=rank,
         num_replicas=len(members), secret=secret, bind_addr=None, join=False, port_given=len(members) > 1,
-        job=f"{parent.job or 'group'}/sub-{nonce.hex()[:12]}")
+        job=f"{parent.job or 'group'}/sub-{nonce.hex()[:12]}", init_timeout=bound)
 
 
 def _problem(color: Any, key: Any, ranks: Optional[Sequence[Any]], size: int) -> Optional[str]:
