@@ -6,7 +6,9 @@ mailbox port."""
 
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -249,3 +251,51 @@ def test_a_group_of_one_sends_to_itself():
             group.recv(timeout=0.1)
         with pytest.raises(ValueError, match="dest=1 is not a rank of this group of 1 replicas"):
             group.send(1, 1)
+
+
+def link_reset(address_file, reset_file):
+    r = zc.get_rank()
+    if r == 0:
+        with open(address_file + ".tmp", "w") as f:
+            f.write(zc._current()._life.mail.endpoint)
+        os.rename(address_file + ".tmp", address_file)
+    else:
+        zc.send("before", 0)  # the link from rank 1 to rank 0 is made
+    if r == 0:
+        zc.recv(1, timeout=30)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(reset_file) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    start = time.monotonic()
+    try:
+        if r == 1:
+            zc.send("after", 0)
+            zc.barrier(timeout=30)
+        else:
+            zc.recv(1, timeout=30)
+        return "no error"
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc), round(time.monotonic() - start, 1)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None or os.geteuid() != 0, reason="needs ss -K, as root")
+@pytest.mark.parametrize("secret", sorted(SECRETS))
+def test_a_mailbox_link_reset_fails_the_group_naming_it_instead_of_losing_messages(secret, tmp_path):
+    """Found by an attack: libzmq made the connection again with its spent token, which the
+    mailbox refused, and every later message was lost without a word."""
+    address_file, reset_file = str(tmp_path / "address"), str(tmp_path / "reset")
+    with Replicas(link_reset, 2, address_file, reset_file, env=SECRETS[secret]) as reps:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(address_file) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # the first message went
+        with open(address_file) as f:
+            port = f.read().rsplit(":", 1)[1]
+        subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True,
+                       check=False, timeout=10)
+        open(reset_file, "w").close()
+        outs = reps.wait(60)
+    for out in outs:
+        kind, message, took = out.value
+        assert kind == "ReplicaLostError" and "mailbox link to rank 0 broke" in message, report(outs, message)
+        assert took < 10, report(outs, f"took {took} s")

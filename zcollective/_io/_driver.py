@@ -42,6 +42,7 @@ class Driver:
         self._watches()
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
         self.mail: Optional[MailSockets] = None  # the mailbox's sockets (point to point), once joined
+        self.mail_names: tuple[str, ...] = ()
         self._tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
 
     def _watches(self, *names: str) -> None:
@@ -56,6 +57,7 @@ class Driver:
         """The group is formed: its waits watch the mailbox too."""
         self.mail = mail
         self.waiter.watch(MAIL, mail.source)
+        self.mail_names = (MAIL,)  # the mailbox, then each link's monitor
         self._watches(*self._names, MAIL)
 
     def mail_io(self, take: bool = True) -> None:
@@ -87,6 +89,15 @@ class Driver:
             left = [(t, h) for t, h in self._tracked if not t.done]
             member.outcomes.extend(Outcome(h) for t, h in self._tracked if t.done)
             self._tracked = left
+        if sockets is not None and len(self.mail_names) != 1 + len(sockets._monitors):  # a new link: its
+            links = sockets.links()  # refusal ends a wait too
+            for name, monitor in links.items():
+                self.waiter.watch(name, monitor)
+            self._watches(*(n for n in self._names if n not in self.mail_names), MAIL, *links)
+            self.mail_names = (MAIL, *links)
+        broken = sockets.broken() if sockets is not None and take else None
+        if broken is not None or rules.gap is not None:
+            self._fail_data(rules.link_broke(broken))
 
     # -- to implement -----------------------------------------------------
 
@@ -302,7 +313,7 @@ class HostDriver(Driver):
         if not turns.take(deadline):
             return False
         try:
-            got = server.serve(deadline, self._handle, self.nudged, (MAIL,) if self.mail is not None else ())
+            got = server.serve(deadline, self._handle, self.nudged, self.mail_names)
         finally:
             turns.give()
         why = server.gone()

@@ -16,12 +16,17 @@ from .._limits import HANDSHAKE_MIN_MS
 from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
-from ._dataplane import TRACKER_POLL_S, local_address
+from ._dataplane import HANDSHAKE_FAILED, TRACKER_POLL_S, local_address
 
-__all__ = ["MAIL", "TRACKER_POLL_S", "MailSockets"]
+__all__ = ["MAIL", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
-MAIL = "mail"  # its socket's name in a waiter
+MAIL = "mail"  # its socket's name in a waiter; a link's monitor is "mail <rank>"
 TAKE_BATCH = 256  # messages taken in one go (then the owner looks at its other sockets)
+
+
+def mail_woke(woke: list[str]) -> bool:
+    """Did a wait wake for the mailbox (a message, or a link's handshake refused)?"""
+    return any(name.startswith(MAIL) for name in woke)
 
 
 class MailSockets:
@@ -35,6 +40,7 @@ class MailSockets:
         self.rank, self._ctx, self._config = config.rank, ctx, config
         self._gate: Optional[_zap.GateThread] = None
         self._pushes: dict[int, zmq.Socket] = {}
+        self._monitors: dict[int, zmq.Socket] = {}  # each PUSH's handshake failures
         self._endpoints: list[str] = []
         self._key = b""
         with _sockets.mapped(f"rank {self.rank} cannot open its mailbox port", address=True):
@@ -98,9 +104,27 @@ class MailSockets:
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 _zap.secure_client(push, key, _zap.MAIL_DOMAIN)
+                self._monitors[dest] = _sockets.monitor_socket(push, sum(HANDSHAKE_FAILED))
                 push.connect(target)
         self._pushes[dest] = push
         return push
+
+    def links(self) -> dict[str, zmq.Socket]:
+        """The links' monitors, by their names in a waiter."""
+        return {f"{MAIL} {dest}": monitor for dest, monitor in self._monitors.items()}
+
+    def broken(self) -> Optional[int]:
+        """A rank whose mailbox refused this rank's connection (none: None).
+        A link is made once, with a single-use token: one that libzmq makes
+        again after it broke (a reset) is refused, and what was queued on it
+        never arrives."""
+        monitors = self._monitors
+        if not monitors:
+            return None
+        for dest in [d for d, m in monitors.items() if _sockets.readable(m)]:
+            if any(True for _ in _sockets.monitor_events(monitors[dest])):
+                return dest
+        return None
 
     def take(self) -> list[list[Any]]:
         """The messages waiting (at most :data:`TAKE_BATCH`), without blocking."""
@@ -113,6 +137,8 @@ class MailSockets:
     def close(self, linger_ms: int = 0) -> None:
         for push in self._pushes.values():
             push.close(linger=linger_ms)
+        for monitor in self._monitors.values():
+            monitor.close(linger=0)
         self._pull.close(linger=0)
         if self._gate is not None:
             self._gate.close()

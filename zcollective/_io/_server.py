@@ -30,7 +30,7 @@ from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
 from ._interrupts import DEADLINE, NUDGE, Waiter
-from ._mailbox import MAIL
+from ._mailbox import mail_woke
 from ._turns import Turns
 
 log = logging.getLogger("zcollective")
@@ -177,7 +177,7 @@ class Server:
         (False)."""
         while not done():
             woke = self.waiter.wait(names, deadline, self._sleep_s(slice_s))
-            if NUDGE in woke or STOP in woke or MAIL in woke:
+            if NUDGE in woke or STOP in woke or mail_woke(woke):
                 return True
             if (woke and woke[0] is not DEADLINE) or self._probes.due is not None:
                 self._step(woke)

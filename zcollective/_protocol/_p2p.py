@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from .._format import _serialize
 from .._format._wire import Kind, Message, owned
+from ..errors import ReplicaLostError
 from ._outcomes import Outcome, fresh
 
 ANY_SOURCE = -1
@@ -253,6 +254,7 @@ class Mail:
         self.probes: list[Receive] = []
         self.failure: Optional[BaseException] = None
         self.dropped = 0  # messages out of their pair's order (replayed or altered): dropped, logged
+        self.gap: Optional[str] = None  # a message of a pair never came: later ones did
 
     def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
         """Send when the window allows (the handle is then done), in order."""
@@ -342,7 +344,9 @@ class Mail:
         elif msg.kind is Kind.SEND and len(msg.segments) == 1:
             try:
                 done, credits = self.box.arrive(source, msg.root, msg.seq, nbytes(msg.segments[0]), msg)
-            except OutOfOrder:
+            except OutOfOrder as exc:
+                if msg.seq > self.box.peers[source].next_in and self.gap is None:  # (below: a replay)
+                    self.gap = f"messages from rank {source} went missing: {exc}"
                 self.dropped += 1
                 return
             for probe in [p for p in self.probes if p.matches(source, msg.root)]:
@@ -365,6 +369,21 @@ class Mail:
     def _credit(self, credits: list[Credit]) -> None:
         self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
                         for c in credits)
+
+    def link_broke(self, dest: Optional[int]) -> ReplicaLostError:
+        """The error that fails the group when a mailbox link broke: this
+        rank's to ``dest`` (refused when made again), or one whose messages
+        to this rank went missing (:attr:`gap`)."""
+        if dest is not None:
+            why = (f"rank {self.rank}: its mailbox link to rank {dest} broke and could not be made again "
+                   f"(a reset connection?): messages on it may be lost, so the group fails")
+        else:
+            why = (f"rank {self.rank}: {self.gap}: a mailbox link broke (a reset connection?), so the "
+                   f"group fails")
+        self.gap = None
+        error = ReplicaLostError(why)
+        error.lost_rank = dest  # type: ignore[attr-defined]
+        return error
 
     def fail(self, error: BaseException) -> None:
         """The group failed: every receive, probe and send waiting gets ``error``."""
