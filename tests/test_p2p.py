@@ -100,8 +100,8 @@ def window_full():
     if r == 0:
         sent, waited = 0, None
         try:
-            for _ in range(10):
-                zc.send(big, 1, timeout=2)
+            for i in range(10):  # four fit (a generous timeout: a loaded machine copies slowly),
+                zc.send(big, 1, timeout=30 if i < 4 else 2)  # the fifth waits for credit
                 sent += 1
         except zc.CollectiveTimeoutError as exc:
             waited = str(exc)
