@@ -37,6 +37,8 @@ def split(calls: Calls, color: Any, key: Any, timeout: Timeout,
     rank must pass alike. A mistake in any rank's arguments fails the call
     alike on every rank, after the first round (so nobody waits for it)."""
     config = calls.config
+    if ranks is not None and not isinstance(ranks, Sequence):
+        ranks = list(ranks)  # (a generator: read once, here)
     said = (color, key, ranks, _problem(color, key, ranks, config.num_replicas))
     everyone: list[tuple[Any, Any, Any, Optional[str]]] = calls.run("split", timeout, said)
     what = "subgroup" if ranks is not None else "split"
@@ -118,6 +120,8 @@ def _problem(color: Any, key: Any, ranks: Optional[Sequence[Any]], size: int) ->
         hash(color)
     except TypeError:
         return f"color must be hashable (an int, a string, ...), not {type(color).__name__}"
+    if color != color:  # (NaN: no rank's color would ever be its own)
+        return f"color must equal itself, not {color!r}"
     if ranks is None:
         return None
     try:

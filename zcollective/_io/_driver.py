@@ -60,6 +60,14 @@ class Driver:
         self.mail_names = (MAIL,)  # the mailbox, then each link's monitor
         self._watches(*self._names, MAIL)
 
+    def _soon(self) -> Optional[float]:
+        """When the mailbox has something to do without news: a tracked buffer to
+        look at again, a refused link to make again."""
+        retry = self.mail.next_retry() if self.mail is not None else None
+        if self._tracked:
+            return time.monotonic() + TRACKER_POLL_S
+        return retry
+
     def mail_io(self, take: bool = True) -> None:
         """Point to point: take in what came to the mailbox (if ``take``),
         send what the rules owe (a send is done once libzmq no longer reads
@@ -76,11 +84,17 @@ class Driver:
                     rules.dropped += 1
                     continue
                 rules.take(msg)
-        out = rules.out
+        out, went = rules.out, []
         while out and sockets is not None:
             dest, msg, handle = out.pop(0)
             borrowed = handle is not None and any(type(f) is not bytes for f in msg.segments[0])
-            tracker = sockets.send(dest, encode(msg, member.signer, part_bytes=member.part_bytes), borrowed)
+            frames = encode(msg, member.signer, part_bytes=member.part_bytes)
+            went += sockets.send(dest, frames, borrowed, handle)
+        broken = None
+        if sockets is not None:
+            made, broken = sockets.progress(time.monotonic())
+            went += made
+        for tracker, handle in went:
             if tracker is not None and not tracker.done:
                 self._tracked.append((tracker, handle))
             elif handle is not None:
@@ -95,7 +109,6 @@ class Driver:
                 self.waiter.watch(name, monitor)
             self._watches(*(n for n in self._names if n not in self.mail_names), MAIL, *links)
             self.mail_names = (MAIL, *links)
-        broken = sockets.broken() if sockets is not None and take else None
         if broken is not None or rules.gap is not None:
             self._fail_data(rules.link_broke(broken))
 
@@ -186,9 +199,9 @@ class Driver:
             if member.failure is not None:
                 member.check()
             until = deadline
-            if self._tracked:  # nothing wakes a wait when libzmq lets go of a buffer: look soon
-                until = time.monotonic() + TRACKER_POLL_S if deadline is None else min(
-                    deadline, time.monotonic() + TRACKER_POLL_S)
+            soon = self._soon()
+            if soon is not None:  # nothing wakes a wait when libzmq lets go of a buffer, nor when
+                until = soon if deadline is None else min(deadline, soon)  # a link is due again
             if moved is False or (not self._pump(until, done) and until == deadline):
                 return done()
         return True

@@ -16,7 +16,7 @@ from .._limits import HANDSHAKE_MIN_MS
 from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
-from ._dataplane import HANDSHAKE_FAILED, TRACKER_POLL_S, local_address
+from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, local_address
 
 __all__ = ["MAIL", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
@@ -40,7 +40,11 @@ class MailSockets:
         self.rank, self._ctx, self._config = config.rank, ctx, config
         self._gate: Optional[_zap.GateThread] = None
         self._pushes: dict[int, zmq.Socket] = {}
-        self._monitors: dict[int, zmq.Socket] = {}  # each PUSH's handshake failures
+        self._monitors: dict[int, zmq.Socket] = {}  # each PUSH's handshakes
+        self._made: set[int] = set()  # links whose handshake succeeded
+        self._held: dict[int, list[tuple[list[Any], bool, Any]]] = {}  # what waits for its link
+        self._retry: dict[int, float] = {}  # links refused before they were made: when to try again
+        self._broken: Optional[int] = None  # a link found broken while sending
         self._endpoints: list[str] = []
         self._key = b""
         with _sockets.mapped(f"rank {self.rank} cannot open its mailbox port", address=True):
@@ -84,14 +88,62 @@ class MailSockets:
         key = _tokens.port_key(base, session, self.rank, _tokens.MAIL_LABEL)
         self.gatekeeper.rekey(key, _zap.MAIL_DOMAIN)
 
-    def send(self, dest: int, frames: list[Any], track: bool = False) -> Any:
-        """Queue ``frames`` for ``dest`` (never blocks: its window bounds what
-        is queued); ``track``: a tracker of the last frame (libzmq writes a
-        message's frames in order: once it lets go of the last, it let go of all)."""
-        push = self._pushes.get(dest)
-        if push is None:
-            push = self._connect(dest)
-        return push.send_multipart(frames, copy=False, track=track)
+    def send(self, dest: int, frames: list[Any], track: bool, handle: Any) -> list[tuple[Any, Any]]:
+        """Send ``frames`` to ``dest`` (never blocks: its window bounds what is
+        queued), or keep them until its link is made; what went: (a tracker of
+        its last frame if ``track``, else None; ``handle``), in order. (libzmq
+        writes a message's frames in order: once it lets go of the last, it let
+        go of all.)"""
+        if dest not in self._pushes:
+            self._connect(dest)
+        if dest not in self._made:  # nothing goes before the handshake: a refused one is made
+            self._held.setdefault(dest, []).append((frames, track, handle))  # again, with nothing
+            return []  # queued on it to lose
+        return [(self._send(dest, frames, track), handle)]
+
+    def _send(self, dest: int, frames: list[Any], track: bool) -> Any:
+        """Send without ever blocking: libzmq with no pipe to ``dest`` any more
+        (its link broke) takes nothing, and that link is broken."""
+        try:
+            return self._pushes[dest].send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
+        except zmq.Again:
+            self._broken = dest
+            return None
+
+    def progress(self, now: float) -> tuple[list[tuple[Any, Any]], Optional[int]]:
+        """What each link's monitor says: a link made sends what waited for it
+        (returned as :meth:`send` returns it); one refused before it was made
+        (the other rank had not yet taken its WELCOME's key) is made again with
+        a fresh token a moment later; one refused after (libzmq made it again
+        after a reset, with its spent token) is broken: that rank is returned."""
+        went: list[tuple[Any, Any]] = []
+        broken, self._broken = self._broken, None
+        for dest, monitor in self._monitors.items():
+            if not _sockets.readable(monitor):
+                continue
+            for event, _ in _sockets.monitor_events(monitor):
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and dest not in self._made:
+                    self._made.add(dest)
+                    went += [(self._send(dest, frames, track), handle)
+                             for frames, track, handle in self._held.pop(dest, [])]
+                elif event in HANDSHAKE_FAILED:
+                    if dest in self._made:
+                        broken = dest
+                    else:
+                        self._retry.setdefault(dest, now + RETRY_S)
+        for dest, due in list(self._retry.items()):
+            if now >= due:
+                del self._retry[dest]
+                key = _tokens.port_key(self._base, self._session, dest, _tokens.MAIL_LABEL)
+                target = self._endpoints[dest]
+                with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
+                                     address=True):
+                    _zap.connect_with_token(self._pushes[dest], target, key, _zap.MAIL_DOMAIN)
+        return went, broken
+
+    def next_retry(self) -> Optional[float]:
+        """When a refused link is next made again (None: none is)."""
+        return min(self._retry.values(), default=None)
 
     def _connect(self, dest: int) -> zmq.Socket:
         target = self._endpoints[dest]
@@ -104,7 +156,8 @@ class MailSockets:
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 _zap.secure_client(push, key, _zap.MAIL_DOMAIN)
-                self._monitors[dest] = _sockets.monitor_socket(push, sum(HANDSHAKE_FAILED))
+                self._monitors[dest] = _sockets.monitor_socket(
+                    push, zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(HANDSHAKE_FAILED))
                 push.connect(target)
         self._pushes[dest] = push
         return push
@@ -112,19 +165,6 @@ class MailSockets:
     def links(self) -> dict[str, zmq.Socket]:
         """The links' monitors, by their names in a waiter."""
         return {f"{MAIL} {dest}": monitor for dest, monitor in self._monitors.items()}
-
-    def broken(self) -> Optional[int]:
-        """A rank whose mailbox refused this rank's connection (none: None).
-        A link is made once, with a single-use token: one that libzmq makes
-        again after it broke (a reset) is refused, and what was queued on it
-        never arrives."""
-        monitors = self._monitors
-        if not monitors:
-            return None
-        for dest in [d for d, m in monitors.items() if _sockets.readable(m)]:
-            if any(True for _ in _sockets.monitor_events(monitors[dest])):
-                return dest
-        return None
 
     def take(self) -> list[list[Any]]:
         """The messages waiting (at most :data:`TAKE_BATCH`), without blocking."""

@@ -16,6 +16,7 @@ sender asks (a sender that waits for credit asks once).
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -91,19 +92,27 @@ class OutOfOrder(ValueError):
     """A message whose number is not the next of its pair: a replay, or altered."""
 
 
+def _index(value: Any) -> Optional[int]:
+    """``value`` as an int: any integer type (``numpy.int64``, anything with ``__index__``) but bool."""
+    try:
+        return None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_tag(tag: Any, receiving: bool) -> int:
     """A tag as an int: 0 to :data:`MAX_TAG`, or :data:`ANY_TAG` to receive."""
-    if isinstance(tag, int) and not isinstance(tag, bool) and (
-            0 <= tag <= MAX_TAG or (receiving and tag == ANY_TAG)):
-        return tag
+    index = _index(tag)
+    if index is not None and (0 <= index <= MAX_TAG or (receiving and index == ANY_TAG)):
+        return index
     anything = " or ANY_TAG" if receiving else ""
     raise ValueError(f"tag={tag!r} is not an int from 0 to {MAX_TAG}{anything}")
 
 
 def check_rank(rank: Any, size: int, what: str, any_source: bool = False) -> int:
-    if isinstance(rank, int) and not isinstance(rank, bool) and (
-            0 <= rank < size or (any_source and rank == ANY_SOURCE)):
-        return rank
+    index = _index(rank)
+    if index is not None and (0 <= index < size or (any_source and index == ANY_SOURCE)):
+        return index
     anything = " or ANY_SOURCE" if any_source else ""
     raise ValueError(f"{what}={rank!r} is not a rank of this group of {size} replicas{anything}")
 
@@ -359,7 +368,7 @@ class Mail:
 
     def _received(self, handle: Any, came: Arrived) -> None:
         segment = came.message.segments[0]
-        self.outcomes.append(Outcome(handle, None, lambda: _serialize.loads(segment, f"a message from rank "
+        self.outcomes.append(Outcome(handle, None, lambda: _serialize.loads(segment, f"message from rank "
                                                                           f"{came.source}"),
                                      status=Status(came.source, came.tag, came.nbytes),
                                      undo=lambda: self.box.arrived.appendleft(came)))
