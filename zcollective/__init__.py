@@ -50,7 +50,7 @@ __all__ = [
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
     "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement", "grow",
-    "coordinator_address", "lost_ranks", "old_ranks", "status",
+    "coordinator_address", "lost_ranks", "old_ranks", "status", "split", "subgroup", "dup",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
@@ -287,3 +287,6 @@ alltoall = _on_default(Group.alltoall)
 alltoall_async = _on_default(Group.alltoall_async)
 barrier = _on_default(Group.barrier)
 barrier_async = _on_default(Group.barrier_async)
+split = _on_default(Group.split)
+subgroup = _on_default(Group.subgroup)
+dup = _on_default(Group.dup)

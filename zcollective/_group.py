@@ -11,7 +11,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from . import _elastic
+from . import _elastic, _subgroups
 from ._calls import DEFAULT, Calls, Timeout
 from ._elastic import Agreement
 from ._forming import Unreachable
@@ -359,6 +359,63 @@ class Group:
                                 self.rank, failure)  # the exception in flight
             finally:
                 life.close()
+
+    # -- sub-groups -------------------------------------------------------------
+
+    def split(self, color: Any, key: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[Group]:
+        """A collective call: every rank with the same ``color`` (any hashable
+        value: an int, a host name) ends in one new group, ranked by ``key``
+        then by rank here; ``color=None`` takes part and gets ``None``.
+
+        A sub-group is a whole group in the same processes: every operation,
+        its own sequence (its calls and this group's interleave freely, from
+        any thread), its own coordinator (its rank 0) on a port the system
+        chooses, the data plane, the secret (one of its own, made from this
+        group's), timeouts. A lost process fails the groups it is in, and only
+        those. :attr:`parent_ranks` says who is who. Close it with
+        :meth:`teardown` (or let the program end).
+
+        Raises
+        ------
+        ValueError
+            A rank passed a key that is not an int or a color that is not
+            hashable: raised on every rank alike; the group goes on.
+        AddressError
+            The new group's rank 0 could not listen (on its members too).
+        CollectiveError
+            As for any collective call.
+        """
+        life = _subgroups.split(self._calls, color, key, timeout)
+        return None if life is None else Group._of(life)
+
+    def subgroup(self, ranks: Sequence[int], *, timeout: Timeout = DEFAULT) -> Optional[Group]:
+        """A collective call: the ranks listed form a new group, ranked in the
+        list's order; every rank calls it with the same list, and those not in
+        it get ``None``. Otherwise as :meth:`split`.
+
+        Raises
+        ------
+        CallMismatchError
+            The ranks passed different lists (on every rank; the group goes on).
+        ValueError
+            The list names a rank twice, none, or one outside the group.
+        """
+        life = _subgroups.split(self._calls, None, 0, timeout, ranks)
+        return None if life is None else Group._of(life)
+
+    def dup(self, *, timeout: Timeout = DEFAULT) -> Group:
+        """A collective call: a new group of the same ranks, in the same
+        order, whose calls never mix with this one's (a library's own
+        group, say). As :meth:`split`."""
+        dup = self.subgroup(range(self.size), timeout=timeout)
+        assert dup is not None
+        return dup
+
+    @property
+    def parent_ranks(self) -> Optional[list[int]]:
+        """A sub-group's: the rank, in the group it came from, of each of its
+        ranks (``parent_ranks[i]`` was rank i's); None for any other group."""
+        return self._life.parent_ranks
 
     # -- elastic groups ---------------------------------------------------------
 

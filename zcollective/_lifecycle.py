@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
@@ -58,11 +58,17 @@ class Lifecycle:
         return (dataclasses.replace(config, rank=admitted["rank"], num_replicas=admitted["size"],
                                     join=False), Form(admitted["lineage"]))
 
-    def __init__(self, config: Config, form: Optional[Form] = None) -> None:
+    def __init__(self, config: Config, form: Optional[Form] = None, *, nested: bool = False,
+                 publish: Optional[Callable[[str], None]] = None) -> None:
         """Join the group ``config`` describes (or form one from an earlier
         group: ``form``, where ``config`` names this replica by its old rank
-        and size, and the host; see :mod:`zcollective._elastic`)."""
+        and size, and the host; see :mod:`zcollective._elastic`). ``nested``:
+        a sub-group (:mod:`zcollective._subgroups`), which tells the launcher
+        nothing; its rank 0 binds a port of the system's choosing and
+        ``publish`` says where, before it waits for the others."""
         self.config = config
+        self.nested = nested
+        self.parent_ranks: Optional[list[int]] = None  # a sub-group's members' ranks in its parent
         self.turns = Turns()  # which of the program's threads uses the sockets now
         self.pid = os.getpid()  # a forked child must never touch this process's sockets
         self.closed = False
@@ -92,6 +98,10 @@ class Lifecycle:
         self._watching = True
         try:
             self.driver = self._connect(signer, form)
+            if self.server is not None and not config.master_port:  # (a sub-group's)
+                self.config = config = dataclasses.replace(config, master_port=self.server.port)
+            if publish is not None:
+                publish(self.coordinator_address())
             self.driver.warn_after = config.warn_after
             self.driver.waiter.watch(NUDGE, self.turns.nudge.fd)  # a thread wanting the turn wakes a wait
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
@@ -107,10 +117,11 @@ class Lifecycle:
             config, member = self.config, self.member
             self.here = Here(config.rank, config.num_replicas, self.data is not None, member.data_min_bytes,
                              config.max_frame_bytes)
-            announce_group(config.rank, config.num_replicas, member.session, member.lineage,
-                           _interrupts.stacks_on())
-            if self.config.rank == 0:
-                announce_coordinator(self.coordinator_address())
+            if not nested:
+                announce_group(config.rank, config.num_replicas, member.session, member.lineage,
+                               _interrupts.stacks_on())
+                if self.config.rank == 0:
+                    announce_coordinator(self.coordinator_address())
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
@@ -323,7 +334,8 @@ class Lifecycle:
         is worth waiting for (a failed group shrinks)."""
         self.closed = True
         _open_lives.pop(id(self), None)
-        if self.config.rank == 0 and not self.config.join:  # (a newcomer waiting has no stats to say)
+        if self.config.rank == 0 and not self.config.join and not self.nested:  # (a newcomer waiting
+            # has no stats to say; a sub-group's are not the job's)
             write_for_launcher(self.stats(), self.member.session)
         self.member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
@@ -407,7 +419,7 @@ def _show_calls_log() -> None:
 
 
 def _end_all() -> None:
-    for life in list(_open_lives.values()):
+    for life in reversed(list(_open_lives.values())):  # sub-groups before the groups they came from
         try:
             life.end()
         except KeyboardInterrupt:

@@ -68,6 +68,7 @@ class Server:
                                        forming, config.master_addr, config.liveness_timeout,
                                        config.job, config.warn_after)
         self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
+        self.port = config.master_port  # bound (0: the system chose, a sub-group's)
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self.turns = turns if turns is not None else Turns()  # its holder owns the sockets
         self._away = False  # the background thread serves
@@ -411,6 +412,7 @@ class Server:
                           cannot=f"{self.host} cannot bind the coordinator to {config.endpoint}: {{reason}} "
                                  f"(master_addr must be an address of rank 0's host)",
                           retry_s=FORM_BIND_RETRY_S if self.coordinator.forming is not None else 0.0)
+            self.port = int(router.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2])
             with _sockets.mapped("rank 0 cannot watch the coordinator's connections"):
                 # DISCONNECTED, and peers refused before any ZAP request, to name at a join timeout
                 # (a mismatch of mechanisms is seen by whichever end reads the other's greeting

@@ -38,6 +38,7 @@ class Op(enum.IntEnum):
     GROW = 10  # members admit the newcomers waiting (rule 10 of the coordinator)
     SHRINK = 11  # shrink() in a group that had not failed: a collective call like any other
     REDUCE_SCATTER = 12
+    SPLIT = 13  # split(), subgroup(), dup(): each of their two rounds (never on the data plane)
 
     @property
     def label(self) -> str:
@@ -571,9 +572,20 @@ class Grow(Operation):
         return at.admit(seq)
 
 
+class Split(Allgather):
+    """A round of split(), subgroup() or dup(): an allgather on the star (a
+    call of its own, so a rank splitting while another gathers is a mismatch;
+    :mod:`zcollective._subgroups` makes two rounds)."""
+
+    code = Op.SPLIT
+
+    def contribute(self, here: Here, value: Any) -> Contribution:
+        return Contribution(0, _sent(value), _all(value, here.rank))
+
+
 OPERATIONS: dict[int, Operation] = {o.code: o for o in (
     Allreduce(), Reduce(), ReduceScatter(), Broadcast(), Allgather(), Gather(), Scatter(), Alltoall(),
-    Barrier(), Teardown(), Grow(), Shrink())}
+    Barrier(), Teardown(), Grow(), Shrink(), Split())}
 BY_NAME = {o.label: o for o in OPERATIONS.values()}
 SPOKEN = ",".join(o.label for _, o in sorted(OPERATIONS.items()))  # a JOIN's: a group's ranks know
 # the same operations (a replica of another release whose protocol version matches may not)
