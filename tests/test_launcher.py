@@ -264,6 +264,8 @@ def _example_lines():
         "gather.py": {0: [f"rank 0: metrics of all ranks {metrics}; mean accuracy "
                           f"{sum(m['accuracy'] for m in metrics) / n:.3f}"]},
         "reduce.py": {0: [f"rank 0: most common words {words.most_common(3)}"]},
+        "per_host_groups.py": _every_rank(f"rank {{r}}: rank {{r}} of {n} on its host, one of 1 hosts, "
+                                          f"total {[n * (n + 1) // 2] * 3}"),
         "scatter.py": {r: [f"rank {r}: my files {files[r::n]}"] for r in range(n)},
         "train_linear_regression.py": _linear_regression_lines(),
     }

@@ -61,9 +61,8 @@ def nested_and_interleaved():
     loop(reversed_, "nested")  # and the main thread on a third
     for t in threads:
         t.join(60)
-    out["threads"] = {k: v == [i * len(g) for i in range(100)] for k, v, g in
-                      (("sub", sums.get("sub"), parity.parent_ranks), ("parent", sums.get("parent"), range(n)),
-                       ("nested", sums.get("nested"), reversed_.parent_ranks))}
+    sizes = {"sub": parity.size, "parent": n, "nested": reversed_.size}
+    out["threads"] = {k: sums.get(k) == [i * size for i in range(100)] for k, size in sizes.items()}
     listed = zc.subgroup([3, 1])
     out["subgroup"] = None if listed is None else (listed.rank, listed.allgather(r))
     out["none"] = zc.split(None if r == 0 else "rest")
@@ -207,14 +206,16 @@ def test_a_stranger_cannot_join_a_sub_group(secret, tmp_path):
                 break
             time.sleep(0.02)
         assert os.path.exists(address_file), report(reps.wait(10), "no sub-group was formed")
-        host, _, port = open(address_file).read().rpartition(":")
+        with open(address_file) as f:
+            host, _, port = f.read().rpartition(":")
         with pytest.raises(zc.CollectiveError) as refused:  # even one that knows the parent's secret
             zc.Group(host, int(port), 1, 2, timeout=10, secret=secret)
         open(done_file, "w").close()
         outs = reps.wait(60)
     assert [o.value for o in outs] == [1, 1], report(outs, "the sub-group did not go on")
     # under a secret the sub-group's own (made from it with a nonce) keeps the parent's holders out
-    assert isinstance(refused.value, zc.LateJoinError if secret is None else zc.AuthenticationError), refused.value
+    kind = zc.LateJoinError if secret is None else zc.AuthenticationError
+    assert isinstance(refused.value, kind), refused.value
 
 
 # -- who goes where, without sockets ----------------------------------------------
