@@ -207,3 +207,36 @@ def test_a_data_link_cut_mid_ring_is_named_on_every_other_rank(slow_hosts, tmp_p
         forms = ring_loss_forms(o.rank, 2, 1, "allreduce", pids, socket.gethostname(), endpoints, jobs)
         assert any(f.fullmatch(message) for f in forms), report(outs, f"rank {o.rank}: {message}")
     assert detected < BOUND, report(outs, f"detected {detected:.1f} s after the cut")
+
+
+def per_host(master):
+    """Split by host (each namespace has its own address), a reduction on each host, one rank per
+    host across hosts; a sub-group across hosts on the data plane."""
+    r = zc.get_rank()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((master, 1))
+        here = probe.getsockname()[0]  # this host's address
+    host = zc.split(here)
+    local = host.allreduce(r)
+    leaders = zc.split(0 if host.rank == 0 else None)
+    total = leaders.allreduce(local) if leaders is not None else None
+    total = host.broadcast(total)
+    odd = zc.split(r % 2)  # ranks 0,2 and 1,3: each across both hosts
+    array = odd.allreduce(np.full(1 << 20, r, np.float32))  # 4 MiB: peer to peer
+    return here, host.parent_ranks, total, leaders and leaders.parent_ranks, float(array[0]), odd._life.here.data
+
+
+def test_split_by_host_across_namespaced_hosts():
+    with hosts_or_skip(2) as hosts:
+        master = hosts.addresses[0]
+        env = {"ZCOLLECTIVE_MASTER_ADDR": master}
+        prefix = {0: hosts.prefix(0), 1: hosts.prefix(0), 2: hosts.prefix(1), 3: hosts.prefix(1)}
+        with Replicas(per_host, 4, master, env=env, rank_prefix=prefix, port=29461) as reps:
+            outs = reps.wait(90)
+    assert all(o.error is None for o in outs), report(outs, "a rank failed")
+    for r, out in enumerate(outs):
+        here, members, total, leaders, array, data = out.value
+        assert here == hosts.addresses[r // 2], report(outs, "a rank on the wrong host")
+        assert members == [2 * (r // 2), 2 * (r // 2) + 1] and total == 6
+        assert leaders == ([0, 2] if r % 2 == 0 else None)  # one rank per host
+        assert array == (2.0 if r % 2 == 0 else 4.0) and data, report(outs, f"rank {r}")
