@@ -1,0 +1,216 @@
+"""Point-to-point messages, the rules without sockets: which message a
+receive takes (MPI's matching), in what order, and how much a sender may have
+unreceived at a receiver (its window). See docs/protocol.md, *Point to point*.
+
+Matching: a message from one rank with one tag is received in the order it
+was sent (each pair's messages carry consecutive numbers, checked here); a
+receive for ``ANY_SOURCE`` or ``ANY_TAG`` takes the earliest arrived that
+matches; an arriving message goes to the earliest posted receive it matches.
+
+Windows: a sender may have at most ``window`` bytes sent to one rank and not
+yet received by that rank's program, or one message of any size when it has
+none. The receiver credits what its program took back to the sender
+(:class:`Credit`), when a quarter of the window is due or at once when the
+sender asks (a sender that waits for credit asks once).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ANY_SOURCE = -1
+ANY_TAG = -1
+MAX_TAG = (1 << 31) - 1  # a tag travels in the header's int32
+CREDIT_SHARE = 4  # the receiver credits once this fraction of the window (1/4) was taken
+
+
+@dataclass
+class Status:
+    """Where a received message came from: its ``source`` rank, its ``tag``
+    and ``nbytes``, its size as it travelled."""
+
+    source: int = ANY_SOURCE
+    tag: int = ANY_TAG
+    nbytes: int = 0
+
+
+@dataclass
+class Arrived:
+    """A message taken in, not yet received by the program."""
+
+    source: int
+    tag: int
+    seq: int
+    nbytes: int
+    message: Any  # what the driver decoded (its segments make the value)
+
+
+@dataclass(eq=False)
+class Receive:
+    """A receive the program posted (``handle``: what the driver resolves)."""
+
+    source: int
+    tag: int
+    handle: Any
+
+    def matches(self, source: int, tag: int) -> bool:
+        return self.source in (ANY_SOURCE, source) and self.tag in (ANY_TAG, tag)
+
+
+@dataclass
+class Credit:
+    """Tell ``to`` that this rank's program received its messages up to ``seq``."""
+
+    to: int
+    seq: int
+
+
+@dataclass
+class _Peer:
+    """What one rank knows of its exchanges with one other rank (or itself)."""
+
+    next_out: int = 0  # the seq of the next message sent to it
+    unreceived: deque[tuple[int, int]] = field(default_factory=deque)  # (seq, nbytes) it holds
+    held: int = 0  # their bytes
+    asked: bool = False  # this rank waits for credit from it and asked for it
+    next_in: int = 0  # the seq of the next message expected from it
+    taken: int = -1  # the last of its messages this rank's program received ...
+    credited: int = -1  # ... and the last it was told of
+    taken_bytes: int = 0  # bytes received since then
+    owed: bool = False  # it asked for credit: send it as soon as there is any
+
+
+class OutOfOrder(ValueError):
+    """A message whose number is not the next of its pair: a replay, or altered."""
+
+
+def check_tag(tag: Any, receiving: bool) -> int:
+    """A tag as an int: 0 to :data:`MAX_TAG`, or :data:`ANY_TAG` to receive."""
+    if isinstance(tag, int) and not isinstance(tag, bool) and (
+            0 <= tag <= MAX_TAG or (receiving and tag == ANY_TAG)):
+        return tag
+    anything = " or ANY_TAG" if receiving else ""
+    raise ValueError(f"tag={tag!r} is not an int from 0 to {MAX_TAG}{anything}")
+
+
+def check_rank(rank: Any, size: int, what: str, any_source: bool = False) -> int:
+    if isinstance(rank, int) and not isinstance(rank, bool) and (
+            0 <= rank < size or (any_source and rank == ANY_SOURCE)):
+        return rank
+    anything = " or ANY_SOURCE" if any_source else ""
+    raise ValueError(f"{what}={rank!r} is not a rank of this group of {size} replicas{anything}")
+
+
+class Mailbox:
+    """One rank's point-to-point rules (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, window: int) -> None:
+        self.rank = rank
+        self.window = window
+        self.peers = [_Peer() for _ in range(size)]
+        self.arrived: deque[Arrived] = deque()  # in arrival order
+        self.posted: list[Receive] = []  # in posting order
+
+    # -- sending --------------------------------------------------------------
+
+    def may_send(self, dest: int, nbytes: int) -> bool:
+        peer = self.peers[dest]
+        return peer.held == 0 or peer.held + nbytes <= self.window
+
+    def send(self, dest: int, nbytes: int) -> int:
+        """A message of ``nbytes`` goes to ``dest`` (:meth:`may_send` said so): its seq."""
+        peer = self.peers[dest]
+        seq = peer.next_out
+        peer.next_out += 1
+        peer.unreceived.append((seq, nbytes))
+        peer.held += nbytes
+        return seq
+
+    def ask(self, dest: int) -> bool:
+        """This rank waits for credit from ``dest``: should it ask (once)?"""
+        peer = self.peers[dest]
+        if peer.asked:
+            return False
+        peer.asked = True
+        return True
+
+    def credited(self, source: int, seq: int) -> None:
+        """``source`` received this rank's messages up to ``seq``."""
+        peer = self.peers[source]
+        while peer.unreceived and peer.unreceived[0][0] <= seq:
+            peer.held -= peer.unreceived.popleft()[1]
+        peer.asked = False
+
+    # -- receiving ------------------------------------------------------------
+
+    def arrive(self, source: int, tag: int, seq: int, nbytes: int, message: Any
+               ) -> tuple[Optional[tuple[Receive, Arrived]], list[Credit]]:
+        """A message came: the posted receive it completes, if any (with the
+        credit that is then due); else it waits in :attr:`arrived`."""
+        peer = self.peers[source]
+        if seq != peer.next_in:
+            raise OutOfOrder(f"message {seq} from rank {source}, where {peer.next_in} was next")
+        peer.next_in += 1
+        came = Arrived(source, tag, seq, nbytes, message)
+        for i, receive in enumerate(self.posted):
+            if receive.matches(source, tag):
+                del self.posted[i]
+                return (receive, came), self._taken(came)
+        self.arrived.append(came)
+        return None, []
+
+    def post(self, receive: Receive) -> tuple[Optional[Arrived], list[Credit]]:
+        """The program receives: the earliest arrived message that matches
+        (and the credit then due), or None (it is posted, to wait)."""
+        for i, came in enumerate(self.arrived):
+            if receive.matches(came.source, came.tag):
+                del self.arrived[i]
+                return came, self._taken(came)
+        self.posted.append(receive)
+        return None, []
+
+    def withdraw(self, receive: Receive) -> bool:
+        """Take back a posted receive (timed out, interrupted): was it still posted?"""
+        for i, posted in enumerate(self.posted):
+            if posted is receive:
+                del self.posted[i]
+                return True
+        return False
+
+    def probe(self, source: int, tag: int) -> Optional[Status]:
+        """The earliest arrived message a receive for ``(source, tag)`` would take."""
+        wanted = Receive(source, tag, None)
+        for came in self.arrived:
+            if wanted.matches(came.source, came.tag):
+                return Status(came.source, came.tag, came.nbytes)
+        return None
+
+    def asked(self, source: int) -> list[Credit]:
+        """``source`` waits for credit: now, if any is due, else at the next take."""
+        peer = self.peers[source]
+        if peer.taken > peer.credited:
+            return [self._credit(source, peer)]
+        peer.owed = True
+        return []
+
+    def _taken(self, came: Arrived) -> list[Credit]:
+        peer = self.peers[came.source]
+        peer.taken = came.seq
+        peer.taken_bytes += came.nbytes
+        if came.source == self.rank:  # its own: credited at once, nothing travels
+            self.credited(self.rank, came.seq)
+            peer.credited, peer.taken_bytes = came.seq, 0
+            return []
+        if peer.owed or peer.taken_bytes * CREDIT_SHARE >= self.window:
+            return [self._credit(came.source, peer)]
+        return []
+
+    def _credit(self, source: int, peer: _Peer) -> Credit:
+        peer.credited, peer.taken_bytes, peer.owed = peer.taken, 0, False
+        return Credit(source, peer.taken)
+
+    def held_from(self, source: int) -> int:
+        """Bytes of ``source``'s messages taken in and not yet received."""
+        return sum(c.nbytes for c in self.arrived if c.source == source)
