@@ -23,6 +23,7 @@ from ._future import CollectiveFuture
 from ._group import Group, default_reduce_fn
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._protocol._ring import elementwise
+from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
 from .config import takes_settings
 from .errors import (
     AddressError,
@@ -51,6 +52,7 @@ __all__ = [
     "gather", "gather_async", "scatter", "scatter_async",
     "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement", "grow",
     "coordinator_address", "lost_ranks", "old_ranks", "status", "split", "subgroup", "dup",
+    "send", "send_async", "recv", "recv_async", "sendrecv", "probe", "iprobe", "ANY_SOURCE", "ANY_TAG", "Status",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
@@ -290,3 +292,10 @@ barrier_async = _on_default(Group.barrier_async)
 split = _on_default(Group.split)
 subgroup = _on_default(Group.subgroup)
 dup = _on_default(Group.dup)
+send = _on_default(Group.send)
+send_async = _on_default(Group.send_async)
+recv = _on_default(Group.recv)
+recv_async = _on_default(Group.recv_async)
+sendrecv = _on_default(Group.sendrecv)
+probe = _on_default(Group.probe)
+iprobe = _on_default(Group.iprobe)

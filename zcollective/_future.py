@@ -55,11 +55,12 @@ class CollectiveFuture(Generic[T]):
     ranks. Any thread may wait for it.
     """
 
-    __slots__ = ("seq", "op", "_runner", "_done", "_value", "_error", "_callbacks")
+    __slots__ = ("seq", "op", "status", "_runner", "_done", "_value", "_error", "_callbacks")
 
     def __init__(self, runner: Optional[_Runner], seq: int, op: str) -> None:
         self.seq = seq
         self.op = op
+        self.status: Any = None  # a receive's: where its message came from (a Status)
         self._runner = runner
         self._done = False
         self._value: Any = None
@@ -289,6 +290,8 @@ def settle(outcomes: deque[Any]) -> None:
         outcome = outcomes[0]
         future = outcome.future
         if not future._done:
+            if outcome.status is not None:
+                future.status = outcome.status
             if outcome.error is not None:
                 future._set_exception(outcome.error)
             else:

@@ -8,15 +8,18 @@ import logging
 import operator
 import os
 import textwrap
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from . import _elastic, _subgroups
-from ._calls import DEFAULT, Calls, Timeout
+from ._calls import DEFAULT, Calls, Timeout, _Default
 from ._elastic import Agreement
 from ._forming import Unreachable
 from ._future import CollectiveFuture
 from ._lifecycle import Lifecycle
+from ._point import PointToPoint
+from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._protocol import _ring
 from ._protocol._member import fresh
@@ -146,12 +149,14 @@ class Group:
         else:
             life = Lifecycle(config)
         self._life, self._calls = life, Calls(life)
+        self._point = PointToPoint(self._calls)
 
     @classmethod
     def _of(cls, life: Lifecycle) -> Group:
         """The group of an open life (one :mod:`zcollective._elastic` formed)."""
         group = cls.__new__(cls)
         group._life, group._calls = life, Calls(life)
+        group._point = PointToPoint(group._calls)
         return group
 
     # -- properties ---------------------------------------------------------
@@ -360,6 +365,85 @@ class Group:
             finally:
                 life.close()
 
+    # -- point to point ---------------------------------------------------------
+
+    def send(self, value: Any, dest: int, tag: int = 0, *, timeout: Timeout = DEFAULT) -> None:
+        """Send ``value`` to rank ``dest``, to be received with a matching
+        :meth:`recv` there; ``tag`` (0 to 2**31 - 1) tells messages apart.
+        Returns once it is on its way and its buffers may be reused: at once,
+        unless ``dest`` holds ``mail_window_bytes`` of this rank's messages
+        not yet received, when it waits for them to be (see the README,
+        *Point to point*). Sending to oneself works. The value goes straight
+        to ``dest``, not through rank 0; arrays and tensors without a copy.
+
+        Raises
+        ------
+        ValueError
+            ``dest`` is not a rank of the group, or ``tag`` not a valid tag.
+        SerializationError
+            ``value`` cannot be pickled (nothing was sent).
+        CollectiveTimeoutError
+            ``dest``'s window stayed full for ``timeout``: nothing was sent.
+        ReplicaLostError, CollectiveError
+            The group failed (a rank was lost, ...).
+        """
+        self._point.wait(self._point.send(value, dest, tag, _deadline(self, timeout)), timeout)
+
+    def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
+        """:meth:`send`, returning at once a future done when :meth:`send` would
+        return; do not change ``value`` until it is."""
+        return self._point.send(value, dest, tag)
+
+    def recv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
+             status: Optional[Status] = None) -> Any:
+        """The next message from ``source`` with ``tag`` (either may be
+        ``ANY_SOURCE``/``ANY_TAG``): messages from one rank with one tag come
+        in the order sent; with ``ANY_SOURCE``, the earliest arrived. A
+        :class:`Status` passed as ``status`` is filled with where it came from.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            No matching message came within ``timeout`` (says what did come).
+        ReplicaLostError, CollectiveError
+            The group failed (a rank was lost, ...).
+        """
+        future = self._point.receive(source, tag, _deadline(self, timeout))
+        value = self._point.wait(future, timeout)
+        if status is not None:
+            status.source, status.tag, status.nbytes = future.status.source, future.status.tag, future.status.nbytes
+        return value
+
+    def recv_async(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> CollectiveFuture[Any]:
+        """:meth:`recv`, returning at once a future of the value; its ``status``
+        says where the message came from, once done."""
+        return self._point.receive(source, tag)
+
+    def sendrecv(self, value: Any, dest: int, source: int = ANY_SOURCE, sendtag: int = 0,
+                 recvtag: int = ANY_TAG, *, timeout: Timeout = DEFAULT, status: Optional[Status] = None) -> Any:
+        """Send ``value`` to ``dest`` and receive from ``source`` at once (a
+        ring of ranks each sending to the next never deadlocks): what
+        :meth:`recv` returns."""
+        deadline = _deadline(self, timeout)
+        received = self._point.receive(source, recvtag, deadline)
+        sent = self._point.send(value, dest, sendtag, deadline)
+        value = self._point.wait(received, timeout)
+        self._point.wait(sent, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if status is not None:
+            status.source, status.tag, status.nbytes = (received.status.source, received.status.tag,
+                                                        received.status.nbytes)
+        return value
+
+    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
+        """Wait for a message :meth:`recv` with these arguments would take,
+        and say where it came from, without receiving it."""
+        result: Status = self._point.wait(self._point.probe(source, tag, _deadline(self, timeout)), timeout)
+        return result
+
+    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
+        """:meth:`probe` without waiting: None if no such message is here yet."""
+        return self._point.iprobe(source, tag)
+
     # -- sub-groups -------------------------------------------------------------
 
     def split(self, color: Any, key: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[Group]:
@@ -529,3 +613,9 @@ class Group:
         that are not in this one."""
         old = self._life.member.old_ranks
         return [] if old is None else sorted(set(range(self._life.member.old_size)) - set(old))
+
+
+def _deadline(group: Group, timeout: Timeout) -> Optional[float]:
+    if isinstance(timeout, _Default):
+        timeout = group.config.op_timeout
+    return None if timeout is None else time.monotonic() + timeout

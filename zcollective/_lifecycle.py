@@ -27,6 +27,7 @@ from ._io import _interrupts, _sockets, _stops
 from ._io._dataplane import DataPlane
 from ._io._dealer import DealerDriver
 from ._io._driver import DirectDriver, Driver, HostDriver
+from ._io._mailbox import MailSockets
 from ._io._interrupts import NUDGE
 from ._io._server import Server
 from ._io._turns import Turns
@@ -77,6 +78,7 @@ class Lifecycle:
         self.ctx: Optional[zmq.Context[Any]] = None
         self.server: Optional[Server] = None
         self.data: Optional[DataPlane] = None
+        self.mail: Optional[MailSockets] = None  # its mailbox (point to point)
         signer = Signer(config.secret) if config.secret is not None else None
         self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
@@ -166,10 +168,12 @@ class Lifecycle:
             link.sleepers = sleeping
         if config.join:  # (a newcomer waiting: no data plane until it is a member)
             return link
+        gate = self.server.gatekeeper if self.server is not None else None  # the context's one
+        self.mail = MailSockets(self.ctx, config, gate)  # bound before the JOIN, which names it
+        member.mail_endpoint, member.mail_window = self.mail.endpoint, config.mail_window_bytes
         if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
             # bound before the JOIN, which announces it (a master on loopback: one host, no use)
-            gate = self.server.gatekeeper if self.server is not None else None
-            self.data = DataPlane(self.ctx, config, gate)
+            self.data = DataPlane(self.ctx, config, self.mail.gatekeeper)
             member.data_endpoint, member.data_min_bytes = self.data.endpoint, config.data_plane_min_bytes
             member.data_mode = config.data_plane
         return link
@@ -241,8 +245,17 @@ class Lifecycle:
                           f"{form.wait_s + form.reach_s:g} s")
 
     def _start_data(self, deadline: Optional[float]) -> None:
-        """Joined: use the data plane if every rank has one, else let it go."""
+        """Joined: open the mailbox to the group's ranks; use the data plane if
+        every rank has one, else let it go."""
         data, member, link = self.data, self.member, self.driver
+        if self.mail is not None and link is not None:
+            if member.mail_endpoints is None:  # (a newcomer of an older release: no point to point)
+                self.mail.close()
+                self.mail = None
+            else:
+                base = self.config.secret or bytes.fromhex(member.mail_key or "")
+                self.mail.start(member.session, member.mail_endpoints, base)
+                link.attach_mail(self.mail)
         if data is None or link is None:
             return
         if member.data_endpoints is None:
@@ -346,6 +359,8 @@ class Lifecycle:
         finally:  # an interrupt while rank 0 waits for the others still closes everything
             try:
                 stuck = self.server is not None and self.server.gone() is None
+                if self.mail is not None:
+                    self.mail.close(EXIT_LINGER_MS if ending else 0)
                 if self.data is not None:  # (ending: the next rank said it has its chunks, see
                     # rule 7 of the coordinator; or the wait for it ran out)
                     self.data.close(EXIT_LINGER_MS if ending else 0)

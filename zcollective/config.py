@@ -49,6 +49,7 @@ DEFAULT_DATA_PLANE = "auto"  # large arrays peer to peer when the group spans ho
 # 2 cores the star was faster at N = 4 and 8: benchmarks/README.md); "on": also on one host; "off": never
 DATA_PLANE_CHOICES = ("auto", "on", "off")
 DEFAULT_DATA_PLANE_MIN_BYTES = 1 << 20  # below this an array keeps the star (benchmarks/README.md)
+DEFAULT_MAIL_WINDOW_BYTES = 64 << 20  # what one sender may leave unreceived at one receiver
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
 ALL_INTERFACES = ("*", "0.0.0.0", "::")
 LOOPBACK = "127.0.0.1"  # MPI ranks all on one host find rank 0 here
@@ -84,6 +85,7 @@ class Config:
     log: Optional[str] = None  # "calls": one line per call on the logger zcollective.calls
     data_plane: str = DEFAULT_DATA_PLANE  # "auto": large arrays peer to peer; "off": star only
     data_plane_min_bytes: int = DEFAULT_DATA_PLANE_MIN_BYTES  # smaller arrays keep the star
+    mail_window_bytes: int = DEFAULT_MAIL_WINDOW_BYTES  # point to point: see the Setting
     port_given: bool = False  # master_port came from an argument, the environment or a launcher:
     # a group of one then serves its coordinator there, so newcomers can come (grow)
     job: Optional[str] = None  # the job's name, which its JOIN carries; None: nothing names it
@@ -376,6 +378,11 @@ SETTINGS: tuple[Setting, ...] = (
             check=_at_least(0), argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
             doc="Arrays (and broadcast values) smaller than this many bytes keep the star "
                 "through rank 0, where small messages are faster."),
+    Setting("mail_window_bytes", "Optional[int]", DEFAULT_MAIL_WINDOW_BYTES, _integer,
+            check=_at_least(1), argument=False, env=("ZCOLLECTIVE_MAIL_WINDOW_BYTES",),
+            doc="Point to point: the most bytes one rank's messages may occupy at another rank "
+                "before that rank's program receives them (or one message, if larger); a "
+                "sender beyond it waits. A receiver holds at most this much from each sender."),
     Setting("stacks", "Optional[bool]", True, _boolean, argument=False, env=("ZCOLLECTIVE_STACKS",),
             doc="``1``: on SIGUSR1 (zcollective-run sends it to the ranks a stall names, and to "
                 "every rank when it gets one itself), write every thread's stack to stderr, "

@@ -29,7 +29,8 @@ DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is
 
 def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optional[str],
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
-         newcomer: bool = False, job: Optional[str] = None, ops: str = "") -> Message:
+         newcomer: bool = False, job: Optional[str] = None, ops: str = "", mail: Optional[str] = None
+         ) -> Message:
     """JOIN: who this replica is and what it runs (``ops``: the operations it
     knows, by name); its answers are bound to ``nonce``.
     ``lineage``: it joins a group the members of an earlier one form (its session, in
@@ -49,6 +50,8 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
     body["macs"] = list(available_backends())
     if data is not None:
         body.update(data=data, data_min=data_min, data_mode=data_mode)
+    if mail is not None:  # its mailbox port (point to point)
+        body["mail"] = mail
     return control(Kind.JOIN, body, rank=rank)
 
 
@@ -67,13 +70,16 @@ def parse_join(msg: Message) -> dict[str, Any]:
     if not (isinstance(data, str) and data.startswith("tcp://") and len(data) <= MAX_ENDPOINT_CHARS
             and type(data_min) is int):
         data, data_min = None, 0  # no data port: the group keeps the star
+    mail = body.get("mail")
+    if not (isinstance(mail, str) and mail.startswith("tcp://") and len(mail) <= MAX_ENDPOINT_CHARS):
+        mail = None  # no mailbox: the group has no point to point
     lineage = body.get("lineage")
     return {"rank": rank, "num_replicas": n, "python": python, "ops": printable(str(body.get("ops"))[:1024]),
             "pid": pid, "nonce": join_nonce(msg),
             "lineage": lineage[:64] if isinstance(lineage, str) else None,
             "newcomer": body.get("newcomer") is True, "job": None if job is None else printable(job),
             "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,
-            "data_mode": "on" if body.get("data_mode") == "on" else "auto",
+            "data_mode": "on" if body.get("data_mode") == "on" else "auto", "mail": mail,
             "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else ()}
 
 
@@ -96,7 +102,8 @@ def challenge_of(msg: Message) -> Optional[str]:
 def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[str],
             data: Optional[list[str]], data_min: int, data_key: Optional[str],
             addresses: Optional[list[str]] = None, renumber: Optional[dict[str, Any]] = None,
-            admitted: Optional[dict[str, Any]] = None, **header: Any) -> Message:
+            admitted: Optional[dict[str, Any]] = None, mail: Optional[list[str]] = None,
+            **header: Any) -> Message:
     """WELCOME: the JOIN it answers, how the group frames and signs, its data ports,
     every rank's address as rank 0 sees it, and, in a group formed from an earlier
     one, ``renumber``: this member's new ``rank`` and every new rank's ``old`` one."""
@@ -105,6 +112,8 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
         body.update(data=data, data_min=data_min, data_key=data_key)
     if addresses is not None:
         body["addresses"] = addresses
+    if mail is not None:  # every rank's mailbox, whose tokens are made under the data key too
+        body.update(mail=mail, data_key=data_key)
     if renumber is not None:
         body["renumber"] = renumber
     if admitted is not None:  # a newcomer: its rank and size in the group formed next, the lineage
@@ -139,14 +148,17 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
             and all(isinstance(a, str) and len(a) <= MAX_ENDPOINT_CHARS for a in addresses)):
         addresses = None
     nonce, parts, mac, data = body.get("nonce"), body.get("parts"), body.get("mac"), body.get("data")
-    least, key = body.get("data_min"), body.get("data_key")
+    least, key, mail = body.get("data_min"), body.get("data_key"), body.get("mail")
     whole = (isinstance(data, list) and len(data) == num_replicas and all(isinstance(e, str) for e in data)
              and type(least) is int and is_data_key(key))
+    mail_whole = (isinstance(mail, list) and len(mail) == num_replicas and is_data_key(key)
+                  and all(isinstance(e, str) and len(e) <= MAX_ENDPOINT_CHARS for e in mail))
     return {"nonce": nonce if isinstance(nonce, str) else None,
             "parts": parts if type(parts) is int and parts >= WIRE_PART_BYTES else None,
             "mac": mac if mac in available_backends() else None, "data": data if whole else None,
             "data_min": least if whole else 0, "data_key": key if whole else None,
-            "renumber": renumber, "addresses": addresses, "admitted": admitted}
+            "renumber": renumber, "addresses": addresses, "admitted": admitted,
+            "mail": mail if mail_whole else None, "mail_key": key if mail_whole else None}
 
 
 def is_data_key(key: Any) -> bool:

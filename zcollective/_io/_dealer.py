@@ -18,6 +18,7 @@ from ..errors import CollectiveError
 from . import _sockets, _zap
 from ._driver import Driver
 from ._interrupts import DEADLINE, NUDGE
+from ._mailbox import MAIL
 
 _EVENTS: dict[int, ConnectionEvent] = {
     zmq.EVENT_CONNECTED: ConnectionEvent.CONNECTED,
@@ -103,7 +104,7 @@ class DealerDriver(Driver):
                 if MONITOR in woke:
                     self._drain_dealer()  # all of it, past ``until``: a FAIL explains a close
                     self._drain_monitor()
-                if got or NUDGE in woke:
+                if got or NUDGE in woke or MAIL in woke:
                     return True
             if self.member.failure is not None:
                 return True

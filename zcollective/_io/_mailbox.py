@@ -16,8 +16,11 @@ from .._limits import HANDSHAKE_MIN_MS
 from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
-from ._dataplane import local_address
+from ._dataplane import TRACKER_POLL_S, local_address
 
+__all__ = ["MAIL", "TRACKER_POLL_S", "MailSockets"]
+
+MAIL = "mail"  # its socket's name in a waiter
 TAKE_BATCH = 256  # messages taken in one go (then the owner looks at its other sockets)
 
 
@@ -74,12 +77,14 @@ class MailSockets:
         self._endpoints, self._session, self._base = endpoints, session, base
         self.gatekeeper.rekey(_tokens.port_key(base, session, self.rank, _tokens.MAIL_LABEL), _zap.MAIL_DOMAIN)
 
-    def send(self, dest: int, frames: list[Any]) -> None:
-        """Queue ``frames`` for ``dest`` (never blocks: its window bounds what is queued)."""
+    def send(self, dest: int, frames: list[Any], track: bool = False) -> Any:
+        """Queue ``frames`` for ``dest`` (never blocks: its window bounds what
+        is queued); ``track``: a tracker of the last frame (libzmq writes a
+        message's frames in order: once it lets go of the last, it let go of all)."""
         push = self._pushes.get(dest)
         if push is None:
             push = self._connect(dest)
-        push.send_multipart(frames, copy=False)
+        return push.send_multipart(frames, copy=False, track=track)
 
     def _connect(self, dest: int) -> zmq.Socket:
         target = self._endpoints[dest]

@@ -36,6 +36,7 @@ from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
 from ._interrupts import DEADLINE, NUDGE, Waiter
 from ._turns import Turns
+from ._mailbox import MAIL
 
 log = logging.getLogger("zcollective")
 
@@ -163,12 +164,13 @@ class Server:
             self._take(partial(receive, RANK0_PEER, queue.popleft()))
 
     def serve(self, deadline: Optional[float], deliver: Callable[[Message], None],
-              nudged: bool = False) -> bool:
+              nudged: bool = False, also: tuple[str, ...] = ()) -> bool:
         """Rank 0's thread, holding the turn: serve until something came for its member
-        (handed to ``deliver``; True), the nudge is readable if ``nudged`` (True) or
-        ``deadline`` (False)."""
+        (handed to ``deliver``; True), the nudge is readable if ``nudged``, or a source of
+        ``also`` (its member's mailbox; True), or ``deadline`` (False)."""
         self._take_from_host()
-        got = self._serve_until(self._news, deadline, self.NUDGED if nudged else self.SERVED, POLL_SLICE_S)
+        got = self._serve_until(self._news, deadline, (*(self.NUDGED if nudged else self.SERVED), *also),
+                                POLL_SLICE_S)
         if self.to_host:
             self.wakeup.clear()
             while self.to_host:
@@ -187,7 +189,7 @@ class Server:
         (False)."""
         while not done():
             woke = self.waiter.wait(names, deadline, self._sleep_s(slice_s))
-            if NUDGE in woke or STOP in woke:
+            if NUDGE in woke or STOP in woke or MAIL in woke:
                 return True
             if (woke and woke[0] is not DEADLINE) or self._probes.due is not None:
                 self._step(woke)

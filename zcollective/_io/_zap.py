@@ -28,11 +28,12 @@ from . import _interrupts, _sockets
 
 log = logging.getLogger("zcollective")
 
-__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "Gatekeeper", "GateThread", "connect_with_token", "secure_client",
-           "secure_server"]
+__all__ = ["MASTER_DOMAIN", "DATA_DOMAIN", "MAIL_DOMAIN", "Gatekeeper", "GateThread", "connect_with_token",
+           "secure_client", "secure_server"]
 
 MASTER_DOMAIN = "zcollective-master"  # the coordinator's ROUTER
 DATA_DOMAIN = "zcollective-data"  # a replica's data socket
+MAIL_DOMAIN = "zcollective-mail"  # a replica's mailbox (point to point)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
 MAX_EARLY_NONCES = 1 << 16  # tokens offered before a port's key, remembered as spent (~4 MiB)
 GATE_JOIN_S = 5.0  # a gate thread stops within one poll; more means something is badly wrong

@@ -131,6 +131,7 @@ class Joined:
     data: Optional[str] = None  # its data port's endpoint, if it has one
     data_min: int = 0  # the smallest array it would send peer to peer (rank 0's is used)
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
+    mail: Optional[str] = None  # its mailbox's endpoint (point to point), if it has one
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
     old_rank: Optional[int] = None  # in a group formed from an earlier one: its rank there
     heard: float = 0.0  # when (the coordinator's clock) its last message came (see Coordinator.lost)
@@ -739,9 +740,10 @@ class Coordinator:
         renumber, rank = None, member.rank
         if self.old_ranks is not None:  # bound to the rank its JOIN claimed: its old one
             renumber, rank = {"rank": member.rank, "old": self.old_ranks}, cast(int, member.old_rank)
+        mail = [self.by_rank[r].mail for r in range(self.num_replicas)]
         return _bodies.welcome(self.num_replicas, member.nonce, self.part_bytes, self.mac, self._data_ports,
                                self.by_rank[0].data_min, self._data_key, addresses, renumber, rank=rank,
-                               session=self.session)
+                               session=self.session, mail=cast("list[str]", mail) if all(mail) else None)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Outgoing]]:
         """With a secret, a JOIN is fresh only if it echoes the challenge this

@@ -40,6 +40,8 @@ from .._format._wire import (
 from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
 from ._ops import LABELS, SPOKEN, Op
+from ._outcomes import Outcome, fresh
+from ._p2p import Mail
 from ._stats import CallStats, calls_log
 
 log = logging.getLogger("zcollective")
@@ -57,17 +59,6 @@ class ConnectionEvent(enum.Enum):
     PROTOCOL_VIOLATION = "protocol violation"  # a handshake no ZeroMQ peer would send
     DISCONNECTED = "disconnected"  # closed, or heartbeats unanswered
     REFUSED = "refused"  # a connection attempt failed at once (nobody listens: its process died)
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What a call came to, for the call runner to apply to ``future`` (rule
-    3): ``error``, or the value ``make()`` returns (it unpickles, or finishes
-    a transfer: the program's code may run there, never in the rules)."""
-
-    future: Any
-    error: Optional[BaseException] = None
-    make: Optional[Callable[[], Any]] = None
 
 
 @dataclass(slots=True)
@@ -139,6 +130,11 @@ class Member:
         self.data_mode = "auto"  # "on": use it even on one host (rank 0's is used)
         self.data_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME
         self.data_key: Optional[str] = None  # the data ports' token key (hex), from the WELCOME
+        self.mail_endpoint: Optional[str] = None  # this replica's mailbox (point to point), if any
+        self.mail_window = 0  # what a sender may leave unreceived here (its Config's)
+        self.mail_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME ...
+        self.mail_key: Optional[str] = None  # ... and their tokens' key (hex)
+        self.mail: Optional[Mail] = None  # its point-to-point rules, once welcomed
         self.outcomes: deque[Outcome] = deque()  # calls settled, for the runner to apply (rule 3)
         self.transfers: deque[tuple[int, Any]] = deque()  # (seq, Transfer) ready to move, in order
         self.part_bytes = WIRE_PART_BYTES  # frames above this are sent in parts (the WELCOME says)
@@ -165,7 +161,7 @@ class Member:
         self._tokens.add(join_token(nonce))
         return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
                             self.data_min_bytes, self.data_mode, self.lineage, self.newcomer, self.job,
-                            SPOKEN)
+                            SPOKEN, self.mail_endpoint)
 
     @property
     def joined(self) -> bool:
@@ -419,6 +415,9 @@ class Member:
                 self.addresses = welcome["addresses"]
                 self._data_plan(welcome)
                 self.session = msg.session
+                if (self.mail_endpoint is not None and welcome["mail"] is not None) or self.size == 1:
+                    self.mail_endpoints, self.mail_key = welcome["mail"], welcome["mail_key"]
+                    self.mail = Mail(self.rank, self.size, self.mail_window, self.session, self.outcomes)
         elif kind is Kind.REJECT and self.lineage is not None and not self.joined and (
                 msg.body().get("error") == NOT_FORMING):  # its host is alive: it may form soon
             self.host_busy = True
@@ -627,6 +626,8 @@ class Member:
         self.calls = {seq: call for seq, call in calls.items() if seq in kept}
         self.outcomes.extend(Outcome(call.future, fresh(error)) for seq, call in calls.items()
                              if seq not in kept and call.future is not None)
+        if self.mail is not None:
+            self.mail.fail(error)
         if tell and self.joined:
             return [_bodies.abort(error, rank=self.rank, session=self.session)]
         return []
@@ -637,6 +638,8 @@ class Member:
         self.transfers.clear()
         self.outcomes.extend(Outcome(call.future, error_for(call, seq)) for seq, call in calls.items()
                              if call.future is not None)
+        if self.mail is not None:
+            self.mail.fail(RuntimeError("the group was closed before the point-to-point call finished"))
 
     # -- wording ---------------------------------------------------------------
 
@@ -699,17 +702,6 @@ def _received(msg: Message) -> int:
         for f in segment:
             received += len(f) if type(f) is bytes else memoryview(f).nbytes
     return received
-
-
-def fresh(error: Exception) -> Exception:
-    """A new instance of a sticky error, so each raise has its own traceback."""
-    try:
-        new = type(error).__new__(type(error))
-        new.__dict__.update(error.__dict__)
-        new.args = error.args
-        return new
-    except Exception:
-        return error
 
 
 def lost_rank_0(error: Exception) -> Exception:

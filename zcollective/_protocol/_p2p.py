@@ -20,6 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .._format import _serialize
+from .._format._wire import Kind, Message, owned
+from ._outcomes import Outcome, fresh
+
 ANY_SOURCE = -1
 ANY_TAG = -1
 MAX_TAG = (1 << 31) - 1  # a tag travels in the header's int32
@@ -214,3 +218,145 @@ class Mailbox:
     def held_from(self, source: int) -> int:
         """Bytes of ``source``'s messages taken in and not yet received."""
         return sum(c.nbytes for c in self.arrived if c.source == source)
+
+
+def nbytes(segment: list[Any]) -> int:
+    """A segment's size as it travels."""
+    return sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in segment)
+
+
+@dataclass(eq=False)
+class _Sending:
+    dest: int
+    tag: int
+    segment: list[Any]
+    size: int
+    handle: Any
+
+
+class Mail:
+    """One rank's point-to-point exchanges in a group: :class:`Mailbox`'s
+    rules, the messages they send (:attr:`out`, for the driver to send on the
+    mailbox sockets) and what calls came to (appended to
+    ``outcomes``, which the call runner applies)."""
+
+    def __init__(self, rank: int, size: int, window: int, session: int, outcomes: deque[Any]) -> None:
+        self.rank, self.size, self.session = rank, size, session
+        self.box = Mailbox(rank, size, window)
+        self.outcomes = outcomes
+        self.out: list[tuple[int, Message, Any]] = []  # (to, message, the send's handle or None)
+        self.waiting: list[deque[_Sending]] = [deque() for _ in range(size)]  # sends short of credit
+        self.probes: list[Receive] = []
+        self.failure: Optional[BaseException] = None
+        self.dropped = 0  # messages out of their pair's order (replayed or altered): dropped, logged
+
+    def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
+        """Send when the window allows (the handle is then done), in order."""
+        if self.failure is not None:
+            self.outcomes.append(Outcome(handle, fresh(self.failure)))
+            return
+        self.waiting[dest].append(_Sending(dest, tag, segment, nbytes(segment), handle))
+        self._flush(dest)
+
+    def _flush(self, dest: int) -> None:
+        queue, box = self.waiting[dest], self.box
+        while queue and box.may_send(dest, queue[0].size):
+            s = queue.popleft()
+            msg = Message(Kind.SEND, 0, self.rank, s.tag, box.send(dest, s.size), self.session,
+                          segments=[s.segment])
+            if dest == self.rank:
+                self.outcomes.append(Outcome(s.handle))
+                self.take(owned(msg))  # its own buffers, as a socket would give them
+            else:  # done once sent (the driver says when its buffers are free again)
+                self.out.append((dest, msg, s.handle))
+        if queue and dest != self.rank and box.ask(dest):
+            self.out.append((dest, Message(Kind.ASK, 0, self.rank, 0, 0, self.session), None))
+
+    def receive(self, source: int, tag: int, handle: Any) -> None:
+        if self.failure is not None:
+            self.outcomes.append(Outcome(handle, fresh(self.failure)))
+            return
+        came, credits = self.box.post(Receive(source, tag, handle))
+        if came is not None:
+            self._received(handle, came)
+        self._credit(credits)
+
+    def probe(self, source: int, tag: int, handle: Any) -> None:
+        """A blocking probe: ``handle`` is done with the :class:`Status` of
+        the first matching message, which stays to be received."""
+        if self.failure is not None:
+            self.outcomes.append(Outcome(handle, fresh(self.failure)))
+            return
+        status = self.box.probe(source, tag)
+        if status is not None:
+            self.outcomes.append(Outcome(handle, None, lambda: status))
+        else:
+            self.probes.append(Receive(source, tag, handle))
+
+    def withdraw(self, handle: Any) -> bool:
+        """Take back a receive, probe or send not yet done (timed out,
+        interrupted): True if it was still waiting. A receive whose message
+        came but is not yet applied puts it back, first to be received."""
+        for outcome in self.outcomes:
+            if outcome.future is handle and outcome.undo is not None:
+                self.outcomes.remove(outcome)
+                outcome.undo()
+                return True
+        for receive in [*self.box.posted, *self.probes]:
+            if receive.handle is handle:
+                if not self.box.withdraw(receive):
+                    self.probes.remove(receive)
+                return True
+        for queue in self.waiting:
+            for s in queue:
+                if s.handle is handle:
+                    queue.remove(s)
+                    return True
+        return False
+
+    def take(self, msg: Message) -> None:
+        """A message from another rank's mailbox (or this rank's own SEND)."""
+        if msg.session != self.session or not 0 <= msg.rank < self.size or self.failure is not None:
+            return  # (an earlier group's, on a reused port; or this group is over)
+        source = msg.rank
+        if msg.kind is Kind.CREDIT:
+            self.box.credited(source, msg.seq)
+            self._flush(source)
+        elif msg.kind is Kind.ASK:
+            self._credit(self.box.asked(source))
+        elif msg.kind is Kind.SEND and len(msg.segments) == 1:
+            try:
+                done, credits = self.box.arrive(source, msg.root, msg.seq, nbytes(msg.segments[0]), msg)
+            except OutOfOrder:
+                self.dropped += 1
+                return
+            for probe in [p for p in self.probes if p.matches(source, msg.root)]:
+                self.probes.remove(probe)
+                status = Status(source, msg.root, nbytes(msg.segments[0]))
+                self.outcomes.append(Outcome(probe.handle, None, lambda status=status: status))
+            if done is not None:
+                self._received(done[0].handle, done[1])
+            self._credit(credits)
+
+    def _received(self, handle: Any, came: Arrived) -> None:
+        segment = came.message.segments[0]
+        self.outcomes.append(Outcome(handle, None, lambda: _serialize.loads(segment, f"a message from rank "
+                                                                          f"{came.source}"),
+                                     status=Status(came.source, came.tag, came.nbytes),
+                                     undo=lambda: self.box.arrived.appendleft(came)))
+
+    def _credit(self, credits: list[Credit]) -> None:
+        self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None) for c in credits)
+
+    def fail(self, error: BaseException) -> None:
+        """The group failed: every receive, probe and send waiting gets ``error``."""
+        if self.failure is not None:
+            return
+        self.failure = error
+        handles = [r.handle for r in (*self.box.posted, *self.probes)]
+        handles += [s.handle for queue in self.waiting for s in queue]
+        self.box.posted.clear()
+        self.probes.clear()
+        for queue in self.waiting:
+            queue.clear()
+        self.outcomes.extend(Outcome(h, fresh(error)) for h in handles)

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 KEY_LABEL = b"zcollective-v1-zap-plain"  # its own key: a handshake MAC is never a message tag
 PORT_LABEL = b"zcollective-v1-data-link"  # a data port's key: bound to its group and rank
+MAIL_LABEL = b"zcollective-v1-mailbox"  # a mailbox port's: apart from its data port's
 USERNAME_PREFIX = b"zc1."  # the token format's version
 NONCE_BYTES = 16  # random enough never to repeat, short enough for PLAIN's 255-byte fields
 NOT_YET = "no key yet (the group is not formed)"  # a member early for its link: not logged
@@ -23,11 +24,11 @@ _PASSWORD_LEN = 2 * hashlib.sha256().digest_size
 _HEX = frozenset(b"0123456789abcdef")
 
 
-def port_key(base: bytes, session: int, rank: int) -> bytes:
+def port_key(base: bytes, session: int, rank: int, label: bytes = PORT_LABEL) -> bytes:
     """The key of the tokens for rank ``rank``'s data port in group
     ``session``: a token copied off one data link opens no other port, and
     none of a later group under the same secret (or data key)."""
-    return hmac.new(base, PORT_LABEL + session.to_bytes(8, "little") + rank.to_bytes(4, "little"),
+    return hmac.new(base, label + session.to_bytes(8, "little") + rank.to_bytes(4, "little"),
                     hashlib.sha256).digest()
 
 
