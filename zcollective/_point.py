@@ -71,8 +71,8 @@ class PointToPoint:
         try:
             future: CollectiveFuture[Any] = CollectiveFuture(calls, -1, what)
             act(mail, future)
-            if calls.driver is not None and not calls.life.closed:
-                calls.driver.mail_io()  # sent now, not at the next wait
+            if (mail.out or calls.driver._tracked) and calls.driver is not None and not calls.life.closed:
+                calls.driver.mail_io(take=False)  # sent now, not at the next wait
             settle(calls.member.outcomes)
             return future
         finally:

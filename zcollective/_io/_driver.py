@@ -57,14 +57,15 @@ class Driver:
         self.waiter.watch(MAIL, mail.source)
         self._watches(*self._names, MAIL)
 
-    def mail_io(self) -> None:
-        """Point to point: take in what came to the mailbox, send what the
-        rules owe (a send is done once libzmq no longer reads its buffers)."""
+    def mail_io(self, take: bool = True) -> None:
+        """Point to point: take in what came to the mailbox (if ``take``),
+        send what the rules owe (a send is done once libzmq no longer reads
+        its buffers)."""
         member, sockets = self.member, self.mail
         rules = member.mail
         if rules is None:
             return
-        if sockets is not None:
+        if sockets is not None and take:
             for frames in sockets.take():
                 try:
                     msg = decode(frames, signer=member.signer, max_frame_bytes=member.max_frame_bytes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import signal
 import sys
 import threading
@@ -88,7 +89,8 @@ class Waiter:
         if deadline is not None:
             left = deadline - time.monotonic()
             slice_s = left if slice_s is None or left < slice_s else slice_s
-        woke = [poll[1][s] for s, _ in wait(poll[0], -1 if slice_s is None else max(0, int(slice_s * 1000)))]
+        # (rounded up: a wait of less than a millisecond sleeps one, instead of spinning until then)
+        woke = [poll[1][s] for s, _ in wait(poll[0], -1 if slice_s is None else max(0, math.ceil(slice_s * 1000)))]
         if deadline is not None and time.monotonic() >= deadline:
             woke.append(DEADLINE)
         return woke

@@ -103,13 +103,10 @@ class MailSockets:
 
     def take(self) -> list[list[Any]]:
         """The messages waiting (at most :data:`TAKE_BATCH`), without blocking."""
-        taken = []
+        taken: list[list[Any]] = []
         pull = self._pull
-        for _ in range(TAKE_BATCH):
-            try:
-                taken.append(pull.recv_multipart(zmq.NOBLOCK, copy=False))
-            except zmq.Again:
-                break
+        while len(taken) < TAKE_BATCH and _sockets.readable(pull):
+            taken.append(_sockets.recv_message(pull))
         return taken
 
     def close(self, linger_ms: int = 0) -> None:
