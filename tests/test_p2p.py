@@ -1,0 +1,248 @@
+"""Point-to-point objects (issue 34) between real processes, with and without a secret: tags,
+ANY_SOURCE and ANY_TAG, sends to oneself, each pair's order under 1,000 messages, probe and
+iprobe, a sendrecv ring, arrays without copies, a window that bounds what a receiver holds and
+makes a sender wait, a rank killed while a recv and a send wait for it, and a stranger at a
+mailbox port."""
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import zcollective as zc
+from zcollective.testing import Replicas, report, run_replicas
+
+np = pytest.importorskip("numpy")
+
+SECRETS = {"no secret": {}, "secret": {"ZCOLLECTIVE_SECRET": "the point-to-point tests' secret"}}
+
+
+def exchanges():
+    r, n = zc.get_rank(), zc.get_world_size()
+    out = {}
+    # tags and wildcards: rank 1 sends rank 0 three messages, rank 2 one
+    if r == 1:
+        for tag, value in ((7, "a"), (3, "b"), (7, "c")):
+            zc.send(value, 0, tag=tag)
+    if r == 2:
+        zc.send({"from": 2}, 0, tag=3)
+    if r == 0:
+        status = zc.Status()
+        out["by tag"] = zc.recv(1, 3, status=status), (status.source, status.tag)
+        out["in order"] = [zc.recv(1, 7), zc.recv(1, zc.ANY_TAG)]
+        out["any source"] = zc.recv(zc.ANY_SOURCE, 3)
+    zc.barrier()
+    # to oneself, and probes
+    zc.send(("me", r), r, tag=1)
+    probed = zc.probe(zc.ANY_SOURCE, zc.ANY_TAG)
+    out["probe"] = (probed.source, probed.tag, zc.iprobe(r, 2) is None)
+    out["self"] = zc.recv(r, 1)
+    out["iprobe empty"] = zc.iprobe(r) is None  # (others may have sent already)
+    # 1,000 messages from every other rank to rank 0, received with ANY_SOURCE: each pair in order
+    if r == 0:
+        got = {s: [] for s in range(1, n)}
+        for _ in range(1000 * (n - 1)):
+            status = zc.Status()
+            got[status.source if (v := zc.recv(status=status)) is not None else -1].append(v)
+        out["order"] = all(got[s] == list(range(1000)) for s in range(1, n))
+    else:
+        for i in range(1000):
+            zc.send(i, 0, tag=i % 5)
+    zc.barrier()  # (else the ring's message from rank n-1 could be one of the 1,000 received)
+    # a ring: everyone sends right and receives from the left at once
+    out["ring"] = zc.sendrecv(r, (r + 1) % n, (r - 1) % n)
+    # arrays: no copy on the way (the received array is writable and owns no extra copy)
+    if r == 0:
+        zc.send(np.arange(1 << 20, dtype=np.float64), 1, tag=9)  # 8 MiB
+    elif r == 1:
+        array = zc.recv(0, 9)
+        array += 1
+        out["array"] = (float(array[-1]), array.flags.writeable)
+    # futures: recv_async before the send, its status once done
+    if r == 0:
+        future = zc.recv_async(2)
+        zc.barrier()
+        out["future"] = (future.result(timeout=30), future.status.source, future.status.tag)
+    else:
+        zc.barrier()
+        if r == 2:
+            zc.send_async("late", 0, tag=4).result(timeout=30)
+    zc.barrier()
+    return out
+
+
+@pytest.mark.parametrize("secret", sorted(SECRETS))
+def test_messages_match_as_in_mpi(secret):
+    n = 3
+    outs = run_replicas(exchanges, n, env=SECRETS[secret], timeout=120)
+    zero = outs[0]
+    assert zero["by tag"] == ("b", (1, 3))
+    assert zero["in order"] == ["a", "c"]
+    assert zero["any source"] == {"from": 2}
+    assert zero["order"] is True
+    assert zero["future"] == ("late", 2, 4)
+    assert outs[1]["array"] == (float(1 << 20), True)
+    for r, out in enumerate(outs):
+        assert out["probe"] == (r, 1, True)
+        assert out["self"] == ("me", r)
+        assert out["iprobe empty"] is True
+        assert out["ring"] == (r - 1) % n
+
+
+def window_full():
+    r = zc.get_rank()
+    big = np.ones(300_000)  # 2.4 MB each
+    if r == 0:
+        sent, waited = 0, None
+        try:
+            for _ in range(10):
+                zc.send(big, 1, timeout=2)
+                sent += 1
+        except zc.CollectiveTimeoutError as exc:
+            waited = str(exc)
+        zc.barrier()  # rank 1 receives now
+        zc.send("after", 1, timeout=30)
+        return sent, waited
+    time.sleep(0.5)
+    held = zc._current()._life.member.mail.box  # what rank 1 holds, not yet received
+    zc._current()._calls._progress()
+    holding = sum(c.nbytes for c in held.arrived)
+    zc.barrier()
+    received = [zc.recv(0) for _ in range(4)]
+    return holding, len(received), zc.recv(0, timeout=30)
+
+
+def test_a_receiver_holds_at_most_its_window_and_a_sender_beyond_it_waits_then_times_out():
+    env = {"ZCOLLECTIVE_MAIL_WINDOW_BYTES": str(10 << 20)}  # 10 MiB: four messages of 2.4 MB
+    outs = run_replicas(window_full, 2, env=env, timeout=60)
+    sent, waited = outs[0]
+    assert sent == 4, outs
+    assert waited.startswith("rank 0: send(dest=1, tag=0) timed out after 2 s: rank 1 has not yet "
+                             "received the 9600"), waited
+    holding, received, after = outs[1]
+    assert holding <= 10 << 20 and received == 4 and after == "after"
+
+
+def killed_while_waiting(ready):
+    r = zc.get_rank()
+    zc.barrier()
+    if r == 0:
+        open(ready, "w").close()
+    if r == 2:
+        time.sleep(60)  # killed by the test
+    start = time.monotonic()
+    try:
+        if r == 0:
+            zc.recv(2, timeout=30)  # from the rank that dies
+        else:  # a send to it, waiting: its window is full
+            for _ in range(100):
+                zc.send(np.ones(1 << 18), 2, timeout=30)
+        return "no error"
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc), round(time.monotonic() - start, 1)
+
+
+def test_a_rank_killed_while_a_recv_and_a_send_wait_for_it_ends_both_naming_it(tmp_path):
+    ready = str(tmp_path / "ready")
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2", "ZCOLLECTIVE_MAIL_WINDOW_BYTES": str(1 << 20)}
+    with Replicas(killed_while_waiting, 3, ready, env=env) as reps:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready) and time.monotonic() < deadline:
+            if any(p.poll() is not None for p in reps.procs):
+                break
+            time.sleep(0.02)
+        time.sleep(0.5)
+        reps.kill(2)
+        outs = reps.wait(60)
+    assert outs[2].returncode == -signal.SIGKILL, report(outs, "not killed")
+    for r in (0, 1):
+        kind, message, took = outs[r].value
+        assert kind == "ReplicaLostError" and message.startswith("rank 2 (pid"), report(outs, message)
+        assert took < 10, report(outs, f"took {took} s")
+
+
+def hold_the_mailbox(address_file, done_file):
+    r = zc.get_rank()
+    if r == 0:
+        with open(address_file + ".tmp", "w") as f:
+            f.write(zc._current()._life.member.mail_endpoints[1])
+        os.rename(address_file + ".tmp", address_file)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done_file) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        zc.send("from rank 0", 1, tag=1)
+        return None
+    status = zc.Status()
+    value = zc.recv(status=status, timeout=60)  # the first message it takes: rank 0's, never a stranger's
+    return value, status.source, zc._current()._life.mail.gatekeeper.refused
+
+
+@pytest.mark.parametrize("secret", sorted(SECRETS))
+def test_a_stranger_cannot_put_a_message_in_a_mailbox(secret, tmp_path):
+    import zmq
+
+    from zcollective._format._wire import Kind, Message, encode
+
+    address_file, done_file = str(tmp_path / "address"), str(tmp_path / "done")
+    with Replicas(hold_the_mailbox, 2, address_file, done_file, env=SECRETS[secret]) as reps:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(address_file) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with open(address_file) as f:
+            target = f.read()
+        ctx = zmq.Context()
+        try:  # one without credentials, one with a made-up token: both refused at the handshake
+            forged = Message(Kind.SEND, 0, 0, 1, 0, 0, segments=[[b"\x80\x05K\x2a."]])  # pickle of 42
+            for token in (None, (b"zc1." + b"ab" * 16, b"cd" * 32)):
+                push = ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 0)
+                if token is not None:
+                    push.setsockopt(zmq.PLAIN_USERNAME, token[0])
+                    push.setsockopt(zmq.PLAIN_PASSWORD, token[1])
+                push.connect(target)
+                for _ in range(5):
+                    with contextlib.suppress(zmq.Again):  # (never connected: nothing can be sent)
+                        push.send_multipart(encode(forged), zmq.NOBLOCK)
+            time.sleep(1.0)
+        finally:
+            ctx.destroy(linger=0)
+        open(done_file, "w").close()
+        outs = reps.wait(60)
+    value, source, refused = outs[1].value
+    assert (value, source) == ("from rank 0", 0), report(outs, "a stranger's message was received")
+    assert refused >= 1, report(outs, "the stranger's handshake was not refused")
+
+
+def threads_and_collectives():
+    """Receives in a thread while the main thread runs collectives."""
+    r, n = zc.get_rank(), zc.get_world_size()
+    got = []
+    if r == 0:
+        t = threading.Thread(target=lambda: got.extend(zc.recv(1, 5) for _ in range(50)))
+        t.start()
+        sums = [zc.allreduce(i) for i in range(50)]
+        t.join(60)
+        return got == list(range(50)), sums == [i * n for i in range(50)]
+    if r == 1:
+        for i in range(50):
+            zc.send(i, 0, tag=5)
+    return True, [zc.allreduce(i) for i in range(50)] == [i * n for i in range(50)]
+
+
+def test_receives_in_a_thread_while_collectives_go_on():
+    for out in run_replicas(threads_and_collectives, 3, timeout=60):
+        assert out == (True, True)
+
+
+def test_a_group_of_one_sends_to_itself():
+    with zc.Group(rank=0, size=1) as group:
+        group.send({"x": 1}, 0, tag=2)
+        assert group.iprobe(tag=2).tag == 2
+        assert group.recv(tag=2) == {"x": 1}
+        with pytest.raises(zc.CollectiveTimeoutError, match="no matching message came"):
+            group.recv(timeout=0.1)
+        with pytest.raises(ValueError, match="dest=1 is not a rank of this group of 1 replicas"):
+            group.send(1, 1)
