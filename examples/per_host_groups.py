@@ -22,11 +22,17 @@ where = f"host {rank % args.hosts}" if args.hosts else socket.gethostname()
 host = zcollective.split(where)  # the ranks on this host, as one group (every rank calls split)
 leaders = zcollective.split(0 if host.rank == 0 else None)  # one rank per host (None on the others)
 
+
+
+def add(a, b):
+    return [x + y for x, y in zip(a, b, strict=True)]
+
+
 value = [rank + 1] * 3  # say, this rank's gradients
-local = host.reduce(value, lambda a, b: [x + y for x, y in zip(a, b)])  # on the host's rank 0
+local = host.reduce(value, add)  # on the host's rank 0
 total = None
 if leaders is not None:  # across hosts, between the hosts' ranks 0
-    total = leaders.allreduce(local, lambda a, b: [x + y for x, y in zip(a, b)])
+    total = leaders.allreduce(local, add)
 total, hosts = host.broadcast((total, leaders and leaders.size))  # back to every rank of the host
 
 print(f"rank {rank}: rank {host.rank} of {host.size} on its host, one of {hosts} hosts, total {total}")

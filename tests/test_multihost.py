@@ -223,7 +223,8 @@ def per_host(master):
     total = host.broadcast(total)
     odd = zc.split(r % 2)  # ranks 0,2 and 1,3: each across both hosts
     array = odd.allreduce(np.full(1 << 20, r, np.float32))  # 4 MiB: peer to peer
-    return here, host.parent_ranks, total, leaders and leaders.parent_ranks, float(array[0]), odd._life.here.data
+    leaders = leaders and leaders.parent_ranks
+    return here, host.parent_ranks, total, leaders, float(array[0]), odd._life.here.data
 
 
 def test_split_by_host_across_namespaced_hosts():

@@ -22,8 +22,8 @@ from ._elastic import Agreement
 from ._future import CollectiveFuture
 from ._group import Group, default_reduce_fn
 from ._limits import DEFAULT_INIT_TIMEOUT_S
-from ._protocol._ring import elementwise
 from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
+from ._protocol._ring import elementwise
 from .config import takes_settings
 from .errors import (
     AddressError,
@@ -52,7 +52,8 @@ __all__ = [
     "gather", "gather_async", "scatter", "scatter_async",
     "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement", "grow",
     "coordinator_address", "lost_ranks", "old_ranks", "status", "split", "subgroup", "dup",
-    "send", "send_async", "recv", "recv_async", "sendrecv", "probe", "iprobe", "ANY_SOURCE", "ANY_TAG", "Status",
+    "send", "send_async", "recv", "recv_async", "sendrecv", "probe", "iprobe",
+    "ANY_SOURCE", "ANY_TAG", "Status",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",

@@ -18,11 +18,11 @@ from ._elastic import Agreement
 from ._forming import Unreachable
 from ._future import CollectiveFuture
 from ._lifecycle import Lifecycle
-from ._point import PointToPoint
-from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
 from ._limits import DEFAULT_INIT_TIMEOUT_S
+from ._point import PointToPoint
 from ._protocol import _ring
 from ._protocol._member import fresh
+from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
 from .config import Config, resolve, takes_settings
 from .errors import (
     CollectiveTimeoutError,
@@ -387,7 +387,7 @@ class Group:
         ReplicaLostError, CollectiveError
             The group failed (a rank was lost, ...).
         """
-        self._point.wait(self._point.send(value, dest, tag, _deadline(self, timeout)), timeout)
+        self._point.result(self._point.send(value, dest, tag, _deadline(self, timeout)), timeout)
 
     def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
         """:meth:`send`, returning at once a future done when :meth:`send` would
@@ -409,9 +409,8 @@ class Group:
             The group failed (a rank was lost, ...).
         """
         future = self._point.receive(source, tag, _deadline(self, timeout))
-        value = self._point.wait(future, timeout)
-        if status is not None:
-            status.source, status.tag, status.nbytes = future.status.source, future.status.tag, future.status.nbytes
+        value = self._point.result(future, timeout)
+        _tell(status, future)
         return value
 
     def recv_async(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> CollectiveFuture[Any]:
@@ -420,24 +419,23 @@ class Group:
         return self._point.receive(source, tag)
 
     def sendrecv(self, value: Any, dest: int, source: int = ANY_SOURCE, sendtag: int = 0,
-                 recvtag: int = ANY_TAG, *, timeout: Timeout = DEFAULT, status: Optional[Status] = None) -> Any:
+                 recvtag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
+                 status: Optional[Status] = None) -> Any:
         """Send ``value`` to ``dest`` and receive from ``source`` at once (a
         ring of ranks each sending to the next never deadlocks): what
         :meth:`recv` returns."""
         deadline = _deadline(self, timeout)
         received = self._point.receive(source, recvtag, deadline)
         sent = self._point.send(value, dest, sendtag, deadline)
-        value = self._point.wait(received, timeout)
-        self._point.wait(sent, None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if status is not None:
-            status.source, status.tag, status.nbytes = (received.status.source, received.status.tag,
-                                                        received.status.nbytes)
+        value = self._point.result(received, timeout)
+        self._point.result(sent, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        _tell(status, received)
         return value
 
     def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
         """Wait for a message :meth:`recv` with these arguments would take,
         and say where it came from, without receiving it."""
-        result: Status = self._point.wait(self._point.probe(source, tag, _deadline(self, timeout)), timeout)
+        result: Status = self._point.result(self._point.probe(source, tag, _deadline(self, timeout)), timeout)
         return result
 
     def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
@@ -619,3 +617,10 @@ def _deadline(group: Group, timeout: Timeout) -> Optional[float]:
     if isinstance(timeout, _Default):
         timeout = group.config.op_timeout
     return None if timeout is None else time.monotonic() + timeout
+
+
+def _tell(status: Optional[Status], received: CollectiveFuture[Any]) -> None:
+    """Fill a caller's ``status`` with where a received message came from."""
+    if status is not None:
+        came = received.status
+        status.source, status.tag, status.nbytes = came.source, came.tag, came.nbytes

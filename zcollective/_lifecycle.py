@@ -27,8 +27,8 @@ from ._io import _interrupts, _sockets, _stops
 from ._io._dataplane import DataPlane
 from ._io._dealer import DealerDriver
 from ._io._driver import DirectDriver, Driver, HostDriver
-from ._io._mailbox import MailSockets
 from ._io._interrupts import NUDGE
+from ._io._mailbox import MailSockets
 from ._io._server import Server
 from ._io._turns import Turns
 from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, HOST_WINDOW_S, STATUS_WAIT_S

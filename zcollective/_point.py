@@ -21,7 +21,8 @@ class PointToPoint:
         self.calls = calls
         self.rank, self.size = calls.rank, calls.config.num_replicas
 
-    def send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None) -> CollectiveFuture[None]:
+    def send(self, value: Any, dest: Any, tag: Any,
+             deadline: Optional[float] = None) -> CollectiveFuture[None]:
         dest, tag = check_rank(dest, self.size, "dest"), check_tag(tag, False)
         segment = _serialize.dumps(value)  # (a value that cannot travel: nothing is sent)
         what = f"send(dest={dest}, tag={tag})"
@@ -71,14 +72,15 @@ class PointToPoint:
         try:
             future: CollectiveFuture[Any] = CollectiveFuture(calls, -1, what)
             act(mail, future)
-            if (mail.out or calls.driver._tracked) and calls.driver is not None and not calls.life.closed:
-                calls.driver.mail_io(take=False)  # sent now, not at the next wait
+            driver = calls.driver
+            if driver is not None and (mail.out or driver._tracked) and not calls.life.closed:
+                driver.mail_io(take=False)  # sent now, not at the next wait
             settle(calls.member.outcomes)
             return future
         finally:
             calls.turns.give()
 
-    def wait(self, future: CollectiveFuture[Any], timeout: Timeout) -> Any:
+    def result(self, future: CollectiveFuture[Any], timeout: Timeout) -> Any:
         """``future.result()`` within ``timeout``, for a call this thread has
         just made; a timeout or an interrupt takes it back (a message it had
         received goes back, first to be received), then raises."""
@@ -123,11 +125,11 @@ class PointToPoint:
             return (f"{said}: rank {dest} has not yet received the {held} bytes this rank sent it "
                     f"before, which fill its window ({mail.box.window} bytes: "
                     f"ZCOLLECTIVE_MAIL_WINDOW_BYTES)")
-        waiting = {}
+        waiting: dict[tuple[int, int], int] = {}
         for came in mail.box.arrived:
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
-        held = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
-        return f"{said}: no matching message came" + (f" (unreceived here: {held})" if held else "")
+        unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
+        return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
 
 
 def _source(source: int) -> str:

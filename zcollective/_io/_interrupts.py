@@ -89,8 +89,8 @@ class Waiter:
         if deadline is not None:
             left = deadline - time.monotonic()
             slice_s = left if slice_s is None or left < slice_s else slice_s
-        # (rounded up: a wait of less than a millisecond sleeps one, instead of spinning until then)
-        woke = [poll[1][s] for s, _ in wait(poll[0], -1 if slice_s is None else max(0, math.ceil(slice_s * 1000)))]
+        timeout_ms = -1 if slice_s is None else max(0, math.ceil(slice_s * 1000))  # (up: a wait of
+        woke = [poll[1][s] for s, _ in wait(poll[0], timeout_ms)]  # under a millisecond never spins)
         if deadline is not None and time.monotonic() >= deadline:
             woke.append(DEADLINE)
         return woke

@@ -75,7 +75,8 @@ class MailSockets:
         key (``base``: the secret, or the WELCOME's key); ``endpoints``: every
         rank's mailbox."""
         self._endpoints, self._session, self._base = endpoints, session, base
-        self.gatekeeper.rekey(_tokens.port_key(base, session, self.rank, _tokens.MAIL_LABEL), _zap.MAIL_DOMAIN)
+        key = _tokens.port_key(base, session, self.rank, _tokens.MAIL_LABEL)
+        self.gatekeeper.rekey(key, _zap.MAIL_DOMAIN)
 
     def send(self, dest: int, frames: list[Any], track: bool = False) -> Any:
         """Queue ``frames`` for ``dest`` (never blocks: its window bounds what

@@ -35,8 +35,8 @@ from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
 from ._interrupts import DEADLINE, NUDGE, Waiter
-from ._turns import Turns
 from ._mailbox import MAIL
+from ._turns import Turns
 
 log = logging.getLogger("zcollective")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .._format import _serialize
 from .._format._wire import Kind, Message, owned
@@ -220,6 +220,10 @@ class Mailbox:
         return sum(c.nbytes for c in self.arrived if c.source == source)
 
 
+def _value(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
 def nbytes(segment: list[Any]) -> int:
     """A segment's size as it travels."""
     return sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in segment)
@@ -289,7 +293,7 @@ class Mail:
             return
         status = self.box.probe(source, tag)
         if status is not None:
-            self.outcomes.append(Outcome(handle, None, lambda: status))
+            self.outcomes.append(Outcome(handle, None, _value(status)))
         else:
             self.probes.append(Receive(source, tag, handle))
 
@@ -333,7 +337,7 @@ class Mail:
             for probe in [p for p in self.probes if p.matches(source, msg.root)]:
                 self.probes.remove(probe)
                 status = Status(source, msg.root, nbytes(msg.segments[0]))
-                self.outcomes.append(Outcome(probe.handle, None, lambda status=status: status))
+                self.outcomes.append(Outcome(probe.handle, None, _value(status)))
             if done is not None:
                 self._received(done[0].handle, done[1])
             self._credit(credits)
@@ -346,7 +350,8 @@ class Mail:
                                      undo=lambda: self.box.arrived.appendleft(came)))
 
     def _credit(self, credits: list[Credit]) -> None:
-        self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None) for c in credits)
+        self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
+                        for c in credits)
 
     def fail(self, error: BaseException) -> None:
         """The group failed: every receive, probe and send waiting gets ``error``."""
