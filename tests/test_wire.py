@@ -446,8 +446,12 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
                     "nonce": "ab" * 16,
                     "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
                     "data_mode": "on", "macs": _mac.available_backends(), "lineage": None,
-                    "newcomer": False, "job": None}
+                    "newcomer": False, "job": None, "mail": None}
     assert _bodies.challenge_of(msg) == "c" * 32
+    mailing = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto", mail="tcp://10.0.0.3:4001")
+    assert _bodies.parse_join(_through_the_wire(mailing))["mail"] == "tcp://10.0.0.3:4001"
+    not_tcp = control(Kind.JOIN, {"rank": 1, "num_replicas": 2, "python": "3.11", "mail": "ipc:///x"})
+    assert _bodies.parse_join(not_tcp)["mail"] is None
     bare = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto")
     assert b'"data' not in bytes(bare.segments[0][0]) and b'"challenge' not in bytes(bare.segments[0][0])
     assert _bodies.parse_join(bare)["data"] is None and _bodies.challenge_of(bare) is None
@@ -496,8 +500,14 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     msg = _bodies.welcome(3, "ab" * 16, 1 << 20, "hmac-sha256", ports, 1 << 16, key, rank=1, session=5)
     assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
         "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
-        "data_key": key, "renumber": None, "addresses": None, "admitted": None}
+        "data_key": key, "renumber": None, "addresses": None, "admitted": None, "mail": None,
+        "mail_key": None}
     assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
+    boxes = ["tcp://a:7", "tcp://b:8", "tcp://c:9"]
+    mailing = _bodies.welcome(3, "ab" * 16, None, None, None, 0, key, mail=boxes, rank=1, session=5)
+    read = _bodies.parse_welcome(_through_the_wire(mailing), 3)
+    assert (read["mail"], read["mail_key"], read["data"]) == (boxes, key, None)
+    assert _bodies.parse_welcome(mailing, 2)["mail"] is None  # not one mailbox per rank
     for broken in ({"data_key": "xy"}, {"data_min": "1"}, {"data": "tcp://a:1"}, {"data_key": " " * 64}):
         body = {"num_replicas": 1, "nonce": "n", "parts": 10, "mac": 1, "data": ["tcp://a:1"],
                 "data_min": 1, "data_key": key, **broken}
