@@ -9,7 +9,7 @@ samples as an undisturbed run.
 ``--kill R@S``: the replica launched as rank R kills itself (SIGKILL) at step S.
 The survivors shrink and go on at once; ``--replace-lost`` has the launcher
 start a newcomer in each dead one's place, which the group admits at its next
-epoch boundary (``grow``), handing it the training state.
+epoch boundary (``grow``); rank 0 then sends it the training state (``send``).
 
 Every step trains on one global batch of BATCH samples, split among the
 replicas alive at that step (rank r takes every size-th sample from r). A step
@@ -31,6 +31,7 @@ BATCH = 64
 STEP_S = 0.02  # each step's computation, as the real one would take (newcomers start meanwhile)
 EPOCH_STEPS = 10  # newcomers are admitted at each epoch's end
 LEARNING_RATE = 0.1
+STATE_TAG = 1  # the training state, sent to a newcomer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
@@ -51,7 +52,7 @@ except zcollective.LateJoinError as exc:  # the training ended first: nothing le
     print(f"newcomer: {exc}")
     raise SystemExit(0) from None
 if newcomer:
-    state = zcollective.broadcast(None)  # the members broadcast it right after their grow()
+    state = zcollective.recv(0, STATE_TAG)  # rank 0 sends it to each newcomer after the grow()
 else:
     state = {"step": 0, "seen": 0, "weights": np.random.default_rng(42).normal(size=5)}
 
@@ -69,8 +70,11 @@ while state["step"] < STEPS:
         seen = zcollective.allreduce(len(mine))
         state = {"step": step + 1, "seen": state["seen"] + seen,
                  "weights": state["weights"] - LEARNING_RATE * grad / BATCH}
-        if state["step"] % EPOCH_STEPS == 0 and zcollective.grow():  # newcomers waiting: admitted
-            state = zcollective.broadcast(state)  # ... and given the state
+        admitted = zcollective.grow() if state["step"] % EPOCH_STEPS == 0 else 0  # newcomers waiting
+        if admitted and zcollective.get_rank() == 0:  # ... are given the state, by rank 0 alone (the
+            size = zcollective.get_world_size()  # members have it): newcomers rank after the members
+            for newcomer_rank in range(size - admitted, size):
+                zcollective.send(state, newcomer_rank, tag=STATE_TAG)
     except zcollective.ReplicaLostError as exc:
         zcollective.shrink()  # the survivors go on, in these processes
         # a result rank 0 sent some ranks only as it died: take the new rank 0's state everywhere

@@ -240,6 +240,13 @@ def _linear_regression_lines():
     return _every_rank(*lines)
 
 
+def _through_stages(item, n):
+    """examples/pipeline.py: each stage adds its rank and doubles."""
+    for stage in range(n):
+        item = (item + stage) * 2
+    return item
+
+
 def _example_lines():
     """What each example must print with 3 replicas (rank -> lines), computed
     here from what it does; None for those checked otherwise."""
@@ -264,6 +271,8 @@ def _example_lines():
         "gather.py": {0: [f"rank 0: metrics of all ranks {metrics}; mean accuracy "
                           f"{sum(m['accuracy'] for m in metrics) / n:.3f}"]},
         "reduce.py": {0: [f"rank 0: most common words {words.most_common(3)}"]},
+        "pipeline.py": {n - 1: [f"rank {n - 1}: the pipeline of {n} stages made "
+                                f"{[_through_stages(i, n) for i in range(5)]}"]},
         "per_host_groups.py": _every_rank(f"rank {{r}}: rank {{r}} of {n} on its host, one of 1 hosts, "
                                           f"total {[n * (n + 1) // 2] * 3}"),
         "scatter.py": {r: [f"rank {r}: my files {files[r::n]}"] for r in range(n)},

@@ -70,6 +70,8 @@ class PointToPoint:
             raise CollectiveTimeoutError(f"rank {self.rank}: {what} timed out before it could be made "
                                          f"(another thread held the group)")
         try:
+            if mail.failure is not None and calls.driver is not None and not calls.life.closed:
+                calls.driver.mail_io()  # the group is over: what came before it is still received
             future: CollectiveFuture[Any] = CollectiveFuture(calls, -1, what)
             act(mail, future)
             driver = calls.driver

@@ -277,7 +277,15 @@ class Mail:
             self.out.append((dest, Message(Kind.ASK, 0, self.rank, 0, 0, self.session), None))
 
     def receive(self, source: int, tag: int, handle: Any) -> None:
+        """A receive: done at once with a message here that matches (even
+        after the group failed: what came before is still received), else
+        posted to wait for one."""
         if self.failure is not None:
+            for i, came in enumerate(self.box.arrived):
+                if Receive(source, tag, None).matches(came.source, came.tag):
+                    del self.box.arrived[i]
+                    self._received(handle, came)
+                    return
             self.outcomes.append(Outcome(handle, fresh(self.failure)))
             return
         came, credits = self.box.post(Receive(source, tag, handle))
@@ -319,9 +327,12 @@ class Mail:
         return False
 
     def take(self, msg: Message) -> None:
-        """A message from another rank's mailbox (or this rank's own SEND)."""
-        if msg.session != self.session or not 0 <= msg.rank < self.size or self.failure is not None:
-            return  # (an earlier group's, on a reused port; or this group is over)
+        """A message from another rank's mailbox (or this rank's own SEND);
+        once the group failed, still a SEND, to be received."""
+        if msg.session != self.session or not 0 <= msg.rank < self.size:
+            return  # (an earlier group's, on a reused port)
+        if self.failure is not None and msg.kind is not Kind.SEND:
+            return
         source = msg.rank
         if msg.kind is Kind.CREDIT:
             self.box.credited(source, msg.seq)
