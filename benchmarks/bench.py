@@ -205,7 +205,8 @@ def run_p2p_worker(backend: str, rank: int, size: int, port: int, out: str, quic
         timing; rank 1 echoes (its times are its turns: receive, check, send)."""
         if only not in name:
             return
-        iters = P2P_WORKLOADS[name][1 if quick else 0]
+        full, short, _ = P2P_WORKLOADS[name]
+        iters = short if quick else full
         times, spent = [], 0.0
         for i in range(P2P_WARMUP + iters):
             c0, t0 = time.process_time(), time.perf_counter()
@@ -293,6 +294,7 @@ def run_subgroup_worker(setup: str, rank: int, size: int, port: int, port2: int,
         allreduces(zc, "allreduce int, all 8")
         splits()
         sub = zc.split(rank < 4)
+        assert sub is not None
         allreduces(sub, "allreduce int")  # both halves at once: every rank is in one
         sub.teardown()
         zc.teardown()
