@@ -1,6 +1,8 @@
 """The backends the benchmark compares, each behind one small interface:
 ``allreduce(value, fn)``, ``allreduce_async(value, fn) -> object with .result()``,
-``broadcast(value)``, ``close()``. Each worker process builds one."""
+``broadcast(value)``, ``close()``; and for point to point (``bench.py --p2p``),
+``send(value, dest)`` and ``recv(source)``, with ``PairFloor`` as their floor.
+Each worker process builds one."""
 
 from __future__ import annotations
 
@@ -33,8 +35,42 @@ class ZCollective:
         self.allreduce_async = zcollective.allreduce_async
         self.broadcast = zcollective.broadcast
 
+    def send(self, value: Any, dest: int) -> None:
+        self.zc.send(value, dest, 0)
+
+    def recv(self, source: int) -> Any:
+        return self.zc.recv(source, 0)
+
     def close(self) -> None:
         self.zc.teardown()
+
+
+class PairFloor:
+    """The point-to-point floor: two bare PAIR sockets over TCP (rank 0 binds),
+    pickle protocol 5 with out-of-band buffers sent without a copy, no checks:
+    a small object is ``pickle.dumps(obj, protocol=5)``, an array a short
+    pickle and its bytes as a frame of their own."""
+
+    def __init__(self, rank: int, size: int, port: int) -> None:
+        if size != 2:
+            raise ValueError("the PAIR floor joins exactly two ranks")
+        self.ctx = zmq.Context()
+        self.pair = self.ctx.socket(zmq.PAIR)
+        if rank == 0:
+            self.pair.bind(f"tcp://127.0.0.1:{port}")
+        else:
+            self.pair.connect(f"tcp://127.0.0.1:{port}")
+
+    def send(self, value: Any, dest: int) -> None:
+        self.pair.send_multipart(dumps(value), copy=False)
+
+    def recv(self, source: int) -> Any:
+        frames = self.pair.recv_multipart(copy=False)
+        return pickle.loads(frames[0], buffers=frames[1:])
+
+    def close(self) -> None:
+        self.pair.close(linger=1000)
+        self.ctx.term()
 
 
 class Floor:
@@ -187,6 +223,12 @@ class MPI4Py:
 
     def broadcast(self, value: Any) -> Any:
         return self.comm.bcast(value, root=0)
+
+    def send(self, value: Any, dest: int) -> None:
+        self.comm.send(value, dest=dest, tag=0)
+
+    def recv(self, source: int) -> Any:
+        return self.comm.recv(source=source, tag=0)
 
     def close(self) -> None:
         self.comm.Barrier()

@@ -5,6 +5,8 @@
     python benchmarks/bench.py       # prints a markdown table, writes benchmarks/results/latest.json
     python benchmarks/bench.py --backends zcollective,zcollective-star --trees before=/tmp/old,after=$PWD
                                      # a change measured: each tree's zcollective, in the same rounds
+    python benchmarks/bench.py --p2p        # ping-pong between 2 ranks: zcollective, mpi4py, a PAIR floor
+    python benchmarks/bench.py --subgroups  # split, allreduce on a sub-group of 4 in 8 against groups of 4
 
 Each (backend, N, round) runs in fresh processes on loopback; rounds alternate the
 backends' order; every result is checked on every rank. Reported per workload:
@@ -61,6 +63,26 @@ WORKLOADS: dict[str, tuple[int, int, int | None]] = {
 }
 TENSOR_WORKLOADS = ("allreduce torch float32 1 MiB", "allreduce torch float32 16 MiB")
 WARMUP = 5
+
+# --p2p: one round trip = rank 0 sends, rank 1 receives and sends it back, rank 0 receives.
+P2P_BACKENDS = ["zcollective", "zcollective+secret", "mpi4py", "floor"]
+# name -> (round trips, quick round trips, array bytes or None)
+P2P_WORKLOADS: dict[str, tuple[int, int, int | None]] = {
+    "ping-pong small dict": (1000, 200, None),
+    "ping-pong float32 16 MiB": (40, 10, 16 << 20),
+}
+P2P_WARMUP = 20
+
+# --subgroups: a setup's "backend" name -> its number of processes
+SUBGROUP_SETUPS = {"sub-group of 4 in 8": 8, "two groups of 4 in 8": 8, "group of 4": 4}
+# name -> (iterations, quick iterations)
+SUBGROUP_WORKLOADS: dict[str, tuple[int, int]] = {
+    "split(rank < 4)": (15, 5),
+    "sub-group teardown": (15, 5),
+    "allreduce int": (400, 100),
+    "allreduce int, all 8": (400, 100),
+}
+SUBGROUP_WARMUP = 20  # allreduces; splits warm up with 2
 
 
 def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: bool) -> None:
@@ -158,6 +180,128 @@ def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: b
                    "rss_before_16mib": rss_before}, f)
 
 
+def run_p2p_worker(backend: str, rank: int, size: int, port: int, out: str, quick: bool,
+                   only: str = "") -> None:
+    import backends
+    import numpy as np
+
+    if backend == "floor":
+        impl: Any = backends.PairFloor(rank, size, port)
+    elif backend.startswith("zcollective"):
+        impl = backends.ZCollective(rank, size, port, SECRET if backend.endswith("secret") else None)
+        # A send right after initialize can be lost (a handshake with a mailbox its owner has not
+        # yet keyed is refused, and libzmq drops what was queued): every rank keyed it after this.
+        impl.zc.barrier()
+    elif backend == "mpi4py":
+        impl = backends.MPI4Py(rank, size, port)
+    else:
+        raise SystemExit(f"unknown backend {backend}")
+    results: dict[str, Any] = {}
+    cpu: dict[str, float] = {}
+
+    def timed(name: str, make: Callable[[int], Any], echoed: Callable[[int, Any], bool],
+              intact: Callable[[Any, Any], bool]) -> None:
+        """Rank 0 times each round trip and checks what came back outside the
+        timing; rank 1 echoes (its times are its turns: receive, check, send)."""
+        if only not in name:
+            return
+        full, short, _ = P2P_WORKLOADS[name]
+        iters = short if quick else full
+        times, spent = [], 0.0
+        for i in range(P2P_WARMUP + iters):
+            c0, t0 = time.process_time(), time.perf_counter()
+            if rank == 0:
+                value = make(i)
+                t0 = time.perf_counter()
+                impl.send(value, 1)
+                back = impl.recv(1)
+            else:
+                got = impl.recv(0)
+                assert echoed(i, got), f"{name}: rank 1 got {got!r:.200}"
+                impl.send(got, 0)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if rank == 0:
+                assert intact(value, back), f"{name}: came back changed: {back!r:.200}"
+            if i >= P2P_WARMUP:
+                times.append(dt)
+                spent += dc
+        results[name] = times
+        cpu[name] = spent / iters  # this process's CPU, all threads, per round trip
+
+    def small(i: int) -> dict[str, Any]:
+        return {"step": i, "lr": 0.1, "name": "run-7"}
+
+    timed("ping-pong small dict", small, lambda i, got: got == small(i), lambda v, back: back == v)
+    n = (16 << 20) // 4
+    base = np.arange(n, dtype=np.float32)  # exact up to 2**24: any misplaced element shows
+    timed("ping-pong float32 16 MiB", lambda i: base,
+          lambda i, got: got.shape == (n,) and got[0] == 0 and got[-1] == n - 1,
+          lambda v, back: back is not v and back.dtype == v.dtype and np.array_equal(back, v))
+    impl.close()
+    with open(out, "w") as f:
+        json.dump({"rank": rank, "times": results, "cpu_s": cpu}, f)
+
+
+def run_subgroup_worker(setup: str, rank: int, size: int, port: int, port2: int, out: str,
+                        quick: bool) -> None:
+    import zcollective as zc
+
+    results: dict[str, Any] = {}
+
+    def iters(name: str) -> int:
+        return SUBGROUP_WORKLOADS[name][1 if quick else 0]
+
+    def allreduces(group: Any, name: str) -> None:
+        """``allreduce(rank + 1)`` on ``group`` (a Group, or the module for the default group)."""
+        me, n = (group.get_rank(), group.get_world_size()) if group is zc else (group.rank, group.size)
+        tri = n * (n + 1) // 2
+        for _ in range(SUBGROUP_WARMUP):
+            group.allreduce(me + 1, add)
+        times = []
+        for _ in range(iters(name)):
+            t0 = time.perf_counter()
+            assert group.allreduce(me + 1, add) == tri
+            times.append(time.perf_counter() - t0)
+        results[name] = times
+
+    def splits() -> None:
+        """``split(rank < 4)``, each torn down: two groups of 4 in 8, one of 4 in 4."""
+        made, ended = [], []
+        for i in range(2 + iters("split(rank < 4)")):
+            zc.barrier()
+            t0 = time.perf_counter()
+            sub = zc.split(rank < 4)
+            t1 = time.perf_counter()
+            assert sub is not None and sub.size == 4 and sub.rank == rank % 4
+            assert sub.parent_ranks == [r + 4 * (rank >= 4) for r in range(4)]
+            sub.teardown()
+            if i >= 2:
+                made.append(t1 - t0)
+                ended.append(time.perf_counter() - t1)
+        results["split(rank < 4)"], results["sub-group teardown"] = made, ended
+
+    if setup == "two groups of 4 in 8":  # the control: 8 processes, two plain groups at once
+        group = zc.Group("127.0.0.1", port if rank < 4 else port2, rank % 4, 4, timeout=120)
+        allreduces(group, "allreduce int")
+        group.teardown()
+    elif setup == "group of 4":
+        zc.initialize("127.0.0.1", port, rank, size, timeout=120)
+        allreduces(zc, "allreduce int")
+        splits()  # (one color: the split of a group of 4, for scale)
+        zc.teardown()
+    else:
+        zc.initialize("127.0.0.1", port, rank, size, timeout=120)
+        allreduces(zc, "allreduce int, all 8")
+        splits()
+        sub = zc.split(rank < 4)
+        assert sub is not None
+        allreduces(sub, "allreduce int")  # both halves at once: every rank is in one
+        sub.teardown()
+        zc.teardown()
+    with open(out, "w") as f:
+        json.dump({"rank": rank, "times": results}, f)
+
+
 def peak_rss() -> int:
     """This process's peak resident set (VmHWM; ru_maxrss survives exec and
     would report the parent's)."""
@@ -202,7 +346,8 @@ def available(backend: str) -> str | None:
 TREES: dict[str, str] = {}  # --trees: name -> a checkout whose zcollective a "zcollective...@name" runs
 
 
-def run_one(backend: str, size: int, quick: bool) -> list[dict[str, Any]]:
+def run_one(backend: str, size: int, quick: bool, mode: str = "collectives",
+            only: str = "") -> list[dict[str, Any]]:
     port = free_port()
     backend, _, tree = backend.partition("@")
     env = dict(os.environ)
@@ -211,7 +356,7 @@ def run_one(backend: str, size: int, quick: bool) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"r{r}.json") for r in range(size)]
         me = os.path.abspath(__file__)
-        flags = ["--quick"] if quick else []
+        flags = ["--mode", mode, "--port2", str(free_port()), "--only", only, *(["--quick"] if quick else [])]
         if backend == "mpi4py":
             cmd = [*MPIRUN, "-n", str(size), sys.executable, me, "--worker", backend, "--size", str(size),
                    "--port", str(port), "--out", os.path.join(tmp, "r{rank}.json"), *flags]
@@ -263,6 +408,66 @@ def summarize(runs: list[list[dict[str, Any]]], size: int) -> dict[str, Any]:
     return summary
 
 
+def summarize_times(runs: list[list[dict[str, Any]]], ranks: slice = slice(None)) -> dict[str, Any]:
+    """Per workload: the median over rounds of the slowest rank's median and
+    p90 (among ``ranks``); CPU per operation where the workers measured it."""
+    summary: dict[str, Any] = {}
+    for name in runs[0][0]["times"]:
+        medians, p90s = [], []
+        for round_ranks in runs:
+            per_rank = [sorted(r["times"][name]) for r in round_ranks[ranks]]
+            medians.append(max(statistics.median(t) for t in per_rank))
+            p90s.append(max(t[int(0.9 * (len(t) - 1))] for t in per_rank))
+        entry: dict[str, Any] = {"median_s": statistics.median(medians), "p90_s": statistics.median(p90s),
+                                 "rounds_median_s": medians}
+        if "cpu_s" in runs[0][0]:
+            entry["cpu_s_per_rank"] = [statistics.median(rr[r]["cpu_s"][name] for rr in runs)
+                                       for r in range(len(runs[0]))]
+        summary[name] = entry
+    return summary
+
+
+def p2p_table(results: dict[str, dict[str, Any]]) -> str:
+    ran = list(results)
+    lines = ["| workload (N = 2) | " + " | ".join(ran) + " |", "|---|" + "---|" * len(ran)]
+    for name, (_, _, nbytes) in P2P_WORKLOADS.items():
+        if name not in results[ran[0]]:
+            continue  # left out by --only
+        floor = results.get("floor", {}).get(name)
+        cells = []
+        for b in ran:
+            e = results[b][name]
+            cell = f"{fmt_time(e['median_s'])} (p90 {fmt_time(e['p90_s'])})"
+            if nbytes:
+                cell += f", {2 * nbytes / e['median_s'] / 1e9:.2f} GB/s"
+            if floor and b != "floor":
+                cell += f" · {e['median_s'] / floor['median_s']:.2f}×"
+            cells.append(cell)
+        lines.append(f"| {name}: round trip | " + " | ".join(cells) + " |")
+        cpu = [" / ".join(f"{c * 1e6:,.0f}" for c in results[b][name]["cpu_s_per_rank"]) for b in ran]
+        lines.append(f"| {name}: CPU µs per round trip, rank 0 / rank 1 | " + " | ".join(cpu) + " |")
+    return "\n".join(lines)
+
+
+def subgroup_table(results: dict[str, dict[str, Any]]) -> str:
+    ran = list(results)
+    lines = ["| setup | processes | " + " | ".join(SUBGROUP_WORKLOADS) + " |",
+             "|---|---|" + "---|" * len(SUBGROUP_WORKLOADS)]
+    for setup in ran:
+        cells = []
+        for name in SUBGROUP_WORKLOADS:
+            e = results[setup].get(name)
+            if e is None:
+                cells.append("—")
+                continue
+            cell = f"{fmt_time(e['median_s'])} (p90 {fmt_time(e['p90_s'])})"
+            for other in ran[ran.index(setup) + 1:] if name == "allreduce int" else ():
+                cell += f" · {e['median_s'] / results[other][name]['median_s']:.2f}× {other}"
+            cells.append(cell)
+        lines.append(f"| {setup} | {SUBGROUP_SETUPS[setup]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def fmt_time(seconds: float) -> str:
     us = seconds * 1e6
     return f"{us:,.0f} µs" if us < 10_000 else f"{us / 1000:,.1f} ms"
@@ -304,17 +509,27 @@ def table(results: dict[str, dict[int, dict[str, Any]]], sizes: list[int], backe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default=",".join(ALL_BACKENDS))
+    parser.add_argument("--backends", help=f"default: {','.join(ALL_BACKENDS)} "
+                        f"(--p2p: {','.join(P2P_BACKENDS)})")
     parser.add_argument("--sizes", default="2,4,8")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer iterations, for a smoke run")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "latest.json"))
+    parser.add_argument("--p2p", action="store_true", help="point to point instead: a ping-pong at N=2 of "
+                        "zcollective (with and without a secret), mpi4py and a bare PAIR floor")
+    parser.add_argument("--subgroups", action="store_true", help="sub-groups instead: split and allreduce "
+                        "on a sub-group of 4 in 8 processes, against a group of 4 and two groups of 4 in 8")
+    parser.add_argument("--only", default="", help="--p2p: only the workloads whose name has this "
+                        "(small, 16 MiB)")
+    parser.add_argument("--out", help="JSON written (default: results/latest.json, results/p2p.json or "
+                        "results/subgroups.json)")
     parser.add_argument("--trees", default="", help="NAME=PATH,...: run each zcollective backend from "
                         "each checkout, side by side (as zcollective@NAME): before=/tmp/old,after=$PWD")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port2", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="collectives", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         rank, size = args.rank, args.size
@@ -322,11 +537,21 @@ def main() -> None:
             import backends
 
             rank, size = backends.rank_from_mpi()
-        run_worker(args.worker, rank, size, args.port, args.out.format(rank=rank), args.quick)
+        out = args.out.format(rank=rank)
+        if args.mode == "p2p":
+            run_p2p_worker(args.worker, rank, size, args.port, out, args.quick, args.only)
+        elif args.mode == "subgroups":
+            run_subgroup_worker(args.worker, rank, size, args.port, args.port2, out, args.quick)
+        else:
+            run_worker(args.worker, rank, size, args.port, out, args.quick)
         return
+    if args.p2p or args.subgroups:
+        run_p2p_or_subgroups(args)
+        return
+    args.out = args.out or os.path.join(HERE, "results", "latest.json")
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    wanted = [b for b in args.backends.split(",") if b]
+    wanted = [b for b in (args.backends or ",".join(ALL_BACKENDS)).split(",") if b]
     TREES.update(t.split("=", 1) for t in args.trees.split(",") if t)
     if TREES:
         wanted = [f"{b}@{name}" if b.startswith("zcollective") else b for b in wanted
@@ -348,17 +573,55 @@ def main() -> None:
     print(text)
     for note in notes:
         print(note)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(),
-                   "cpus": os.cpu_count(), "python": platform.python_version(),
-                   "command": " ".join(sys.argv), "rounds": args.rounds, "quick": args.quick,
-                   "skipped": skipped, "results": results, "table": text}, f, indent=1)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_json(args.out, args, skipped=skipped, results=results, table=text)
     from plot import draw  # this folder is on sys.path: bench.py runs as a script
 
     for png in draw(args.out) or ["no pictures: matplotlib is not installed"]:
         print(f"wrote {png}" if png.endswith(".png") else png, file=sys.stderr)
+
+
+def run_p2p_or_subgroups(args: argparse.Namespace) -> None:
+    """--p2p or --subgroups: rounds of fresh processes, alternating the order."""
+    mode = "p2p" if args.p2p else "subgroups"
+    load = os.getloadavg()
+    if args.p2p:
+        wanted = [b for b in (args.backends or ",".join(P2P_BACKENDS)).split(",") if b]
+        if unknown := set(wanted) - set(P2P_BACKENDS):
+            raise SystemExit(f"--p2p runs {', '.join(P2P_BACKENDS)}; not {', '.join(sorted(unknown))}")
+        sizes = {b: 2 for b in wanted}
+    else:
+        sizes = dict(SUBGROUP_SETUPS)
+        wanted = list(sizes)
+    skipped = {b: why for b in wanted if (why := available(b))}
+    order = [b for b in wanted if b not in skipped]
+    runs: dict[str, list[Any]] = {b: [] for b in order}
+    for rnd in range(args.rounds):
+        shift = rnd % len(order)
+        for b in order[shift:] + order[:shift]:
+            print(f"round {rnd + 1}/{args.rounds}: {b} N={sizes[b]}", file=sys.stderr, flush=True)
+            runs[b].append(run_one(b, sizes[b], args.quick, mode, args.only))
+    if args.p2p:  # rank 0 times the round trips
+        results = {b: summarize_times(runs[b], slice(0, 1)) for b in order}
+        text = p2p_table(results)
+    else:
+        results = {b: summarize_times(runs[b]) for b in order}
+        text = subgroup_table(results)
+    print(text)
+    for b, why in skipped.items():
+        print(f"- {b}: skipped, {why}")
+    write_json(args.out or os.path.join(HERE, "results", f"{mode}.json"), args, load_before=load,
+               load_after=os.getloadavg(), skipped=skipped, results=results, table=text)
+
+
+def write_json(path: str, args: argparse.Namespace, **fields: Any) -> None:
+    """A run's results, with what it ran on and how it was called."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(),
+                   "cpus": os.cpu_count(), "python": platform.python_version(),
+                   "command": " ".join(sys.argv), "rounds": args.rounds, "quick": args.quick,
+                   **fields}, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
