@@ -189,9 +189,6 @@ def run_p2p_worker(backend: str, rank: int, size: int, port: int, out: str, quic
         impl: Any = backends.PairFloor(rank, size, port)
     elif backend.startswith("zcollective"):
         impl = backends.ZCollective(rank, size, port, SECRET if backend.endswith("secret") else None)
-        # A send right after initialize can be lost (a handshake with a mailbox its owner has not
-        # yet keyed is refused, and libzmq drops what was queued): every rank keyed it after this.
-        impl.zc.barrier()
     elif backend == "mpi4py":
         impl = backends.MPI4Py(rank, size, port)
     else:
