@@ -91,9 +91,7 @@ class MailSockets:
     def send(self, dest: int, frames: list[Any], track: bool, handle: Any) -> list[tuple[Any, Any]]:
         """Send ``frames`` to ``dest`` (never blocks: its window bounds what is
         queued), or keep them until its link is made; what went: (a tracker of
-        its last frame if ``track``, else None; ``handle``), in order. (libzmq
-        writes a message's frames in order: once it lets go of the last, it let
-        go of all.)"""
+        its buffers if ``track``, else None; ``handle``), in order."""
         if dest not in self._pushes:
             self._connect(dest)
         if dest not in self._made:  # nothing goes before the handshake: a refused one is made
@@ -105,7 +103,7 @@ class MailSockets:
         """Send without ever blocking: libzmq with no pipe to ``dest`` any more
         (its link broke) takes nothing, and that link is broken."""
         try:
-            return self._pushes[dest].send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
+            return _sockets.send_frames(self._pushes[dest], frames, track)
         except zmq.Again:
             self._broken = dest
             return None

@@ -247,15 +247,23 @@ def close_monitored(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> No
     sock.close(linger=linger_ms)
 
 
-def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
+def send_frames(sock: zmq.Socket, frames: list[Any], track: bool = False) -> Any:
     """Send a multipart message; large frames go without a copy. Never blocks:
     ``zmq.Again`` (nothing sent) means libzmq has no pipe to the peer any
     more (see :data:`_NOBLOCK`); callers call that link lost. (No signal
-    handler's exception splits it: :mod:`zcollective._io._interrupts`.)"""
-    last = len(frames) - 1
+    handler's exception splits it: :mod:`zcollective._io._interrupts`.)
+    ``track``: a tracker of the last frame sent without a copy (None if none
+    was): libzmq writes a message's frames in order, so once it lets go of
+    that one it let go of all of them."""
+    last, tracker = len(frames) - 1, None
     for i, frame in enumerate(frames):
         size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
-        _send(sock, frame, (_SNDMORE if i < last else 0) | _NOBLOCK, size < ZERO_COPY_MIN_BYTES)
+        flags, copy = (_SNDMORE if i < last else 0) | _NOBLOCK, size < ZERO_COPY_MIN_BYTES
+        if track and not copy:
+            tracker = _send(sock, frame, flags, False, True)
+        else:
+            _send(sock, frame, flags, copy)
+    return tracker
 
 
 def recv_message(sock: zmq.Socket) -> list[Any]:
