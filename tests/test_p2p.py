@@ -291,8 +291,10 @@ def test_a_mailbox_link_reset_fails_the_group_naming_it_instead_of_losing_messag
         time.sleep(0.5)  # the first message went
         with open(address_file) as f:
             port = f.read().rsplit(":", 1)[1]
-        subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True,
-                       check=False, timeout=10)
+        killed = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+                                capture_output=True, text=True, check=False, timeout=10)
+        if "ESTAB" not in killed.stdout:  # a kernel without socket destroy (CONFIG_INET_DIAG_DESTROY)
+            pytest.skip(f"ss -K closed no connection here: {killed.stderr.strip()[:200]}")
         open(reset_file, "w").close()
         outs = reps.wait(60)
     for out in outs:
