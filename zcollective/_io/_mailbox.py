@@ -22,6 +22,7 @@ __all__ = ["MAIL", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
 MAIL = "mail"  # its socket's name in a waiter; a link's monitor is "mail <rank>"
 TAKE_BATCH = 256  # messages taken in one go (then the owner looks at its other sockets)
+LOOK_S = 0.01  # once every link is made, their monitors are read at most this often
 
 
 def mail_woke(woke: list[str]) -> bool:
@@ -45,6 +46,7 @@ class MailSockets:
         self._held: dict[int, list[tuple[list[Any], bool, Any]]] = {}  # what waits for its link
         self._retry: dict[int, float] = {}  # links refused before they were made: when to try again
         self._broken: Optional[int] = None  # a link found broken while sending
+        self._next_look = 0.0  # when the links' monitors are next read, once every link is made
         self._endpoints: list[str] = []
         self._key = b""
         with _sockets.mapped(f"rank {self.rank} cannot open its mailbox port", address=True):
@@ -116,6 +118,9 @@ class MailSockets:
         after a reset, with its spent token) is broken: that rank is returned."""
         went: list[tuple[Any, Any]] = []
         broken, self._broken = self._broken, None
+        if not self._held and not self._retry and broken is None and now < self._next_look:
+            return went, None  # every link made: a refusal can wait a moment (a wait wakes for it)
+        self._next_look = now + LOOK_S
         for dest, monitor in self._monitors.items():
             if not _sockets.readable(monitor):
                 continue
