@@ -53,6 +53,33 @@ def local_address(config: Config) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def set_peer_options(sock: zmq.Socket, config: Config, max_message_bytes: int) -> None:
+    """The options of a socket between two replicas (a data port's or a mailbox's, either end)."""
+    sock.setsockopt(zmq.LINGER, 0)
+    # a handshake takes a few round trips: one unfinished within the liveness bound is
+    # dropped, so a stranger cannot hold a connection (an fd, a half-read HELLO) for long
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(HANDSHAKE_MIN_MS, int(config.liveness_timeout * 1000)))
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # no frame of ours is larger: a stranger's
+    _sockets.set_never_drop(sock)  # cannot make this process allocate more
+    _sockets.set_heartbeats(sock, config)
+
+
+def bind_peer_port(ctx: zmq.Context, config: Config, gatekeeper: _zap.Gatekeeper, domain: str,
+                   max_message_bytes: int) -> tuple[zmq.Socket, str]:
+    """A PULL bound on the interface this host reaches the master by, on a port the system
+    chooses, that admits only peers whose token ``gatekeeper`` takes for ``domain`` (strangers
+    are refused at the handshake, before libzmq takes in a byte of theirs); and its endpoint."""
+    pull = ctx.socket(zmq.PULL)
+    with _sockets.closed_on_error(pull):
+        set_peer_options(pull, config, max_message_bytes)
+        _zap.secure_server(pull, gatekeeper, domain)
+        host = local_address(config)
+        if host.startswith("["):
+            pull.setsockopt(zmq.IPV6, 1)
+        pull.bind(f"tcp://{host}:*")
+        return pull, pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
 class DataPlane:
     """One replica's data sockets (see the module docstring). Used only by
     the thread that owns the group."""
@@ -80,31 +107,15 @@ class DataPlane:
                 gatekeeper = self._gate.gatekeeper
             gatekeeper.rekey(None, _zap.DATA_DOMAIN)  # no token opens it before the WELCOME
             self._gatekeeper = gatekeeper
-            self._pull = ctx.socket(zmq.PULL)
             try:
-                self._setup(self._pull)
-                # strangers are refused at the handshake, before libzmq takes in a byte of theirs
-                _zap.secure_server(self._pull, gatekeeper, _zap.DATA_DOMAIN)
-                host = local_address(config)
-                if host.startswith("["):
-                    self._pull.setsockopt(zmq.IPV6, 1)
-                self._pull.bind(f"tcp://{host}:*")
-                self.endpoint = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
-                self._pull_monitor = _sockets.monitor_socket(self._pull, PULL_EVENTS)
+                self._pull, self.endpoint = bind_peer_port(ctx, config, gatekeeper, _zap.DATA_DOMAIN,
+                                                           CHUNK_BYTES)
+                with _sockets.closed_on_error(self._pull):
+                    self._pull_monitor = _sockets.monitor_socket(self._pull, PULL_EVENTS)
             except BaseException:
-                self._pull.close(linger=0)
                 if self._gate is not None:
                     self._gate.close()
                 raise
-
-    def _setup(self, sock: zmq.Socket) -> None:
-        sock.setsockopt(zmq.LINGER, 0)
-        # a handshake takes a few round trips: one unfinished within the liveness bound is
-        # dropped, so a stranger cannot hold a connection (an fd, a half-read HELLO) for long
-        sock.setsockopt(zmq.HANDSHAKE_IVL, max(HANDSHAKE_MIN_MS, int(self._config.liveness_timeout * 1000)))
-        sock.setsockopt(zmq.MAXMSGSIZE, CHUNK_BYTES)  # no frame of ours is larger: a stranger's
-        _sockets.set_never_drop(sock)  # cannot make this process allocate more
-        _sockets.set_heartbeats(sock, self._config)
 
     def start(self, session: int, endpoints: list[str], mac: str, data_key: Optional[str],
               deadline: Optional[float], pump: Callable[[], None]) -> None:
@@ -126,7 +137,7 @@ class DataPlane:
         with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
             push = self._ctx.socket(zmq.PUSH)
             with _sockets.closed_on_error(push):
-                self._setup(push)
+                set_peer_options(push, self._config, CHUNK_BYTES)
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 self._push_monitor = _sockets.monitor_socket(push, PUSH_EVENTS)

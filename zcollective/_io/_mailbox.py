@@ -12,11 +12,10 @@ from typing import Any, Optional
 
 import zmq
 
-from .._limits import HANDSHAKE_MIN_MS
 from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
-from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, local_address
+from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, bind_peer_port, set_peer_options
 
 __all__ = ["MAIL", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
@@ -48,24 +47,17 @@ class MailSockets:
         self._broken: Optional[int] = None  # a link found broken while sending
         self._next_look = 0.0  # when the links' monitors are next read, once every link is made
         self._endpoints: list[str] = []
-        self._key = b""
+        self._session, self._base = 0, b""  # the group's, from start()
         with _sockets.mapped(f"rank {self.rank} cannot open its mailbox port", address=True):
             if gatekeeper is None:
                 self._gate = _zap.GateThread(ctx)
                 gatekeeper = self._gate.gatekeeper
             gatekeeper.rekey(None, _zap.MAIL_DOMAIN)  # no token opens it before the WELCOME
             self.gatekeeper = gatekeeper
-            self._pull = ctx.socket(zmq.PULL)
             try:
-                self._setup(self._pull)
-                _zap.secure_server(self._pull, gatekeeper, _zap.MAIL_DOMAIN)
-                host = local_address(config)
-                if host.startswith("["):
-                    self._pull.setsockopt(zmq.IPV6, 1)
-                self._pull.bind(f"tcp://{host}:*")
-                self.endpoint: str = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+                self._pull, self.endpoint = bind_peer_port(ctx, config, gatekeeper, _zap.MAIL_DOMAIN,
+                                                           config.max_frame_bytes)
             except BaseException:
-                self._pull.close(linger=0)
                 if self._gate is not None:
                     self._gate.close()
                 raise
@@ -75,20 +67,16 @@ class MailSockets:
         """What a waiter watches for a message waiting."""
         return self._pull
 
-    def _setup(self, sock: zmq.Socket) -> None:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, max(HANDSHAKE_MIN_MS, int(self._config.liveness_timeout * 1000)))
-        sock.setsockopt(zmq.MAXMSGSIZE, self._config.max_frame_bytes)
-        _sockets.set_never_drop(sock)  # the senders' windows bound what is queued
-        _sockets.set_heartbeats(sock, self._config)
-
     def start(self, session: int, endpoints: list[str], base: bytes) -> None:
         """The group is welcomed: this port accepts the tokens of its group's
         key (``base``: the secret, or the WELCOME's key); ``endpoints``: every
         rank's mailbox."""
         self._endpoints, self._session, self._base = endpoints, session, base
-        key = _tokens.port_key(base, session, self.rank, _tokens.MAIL_LABEL)
-        self.gatekeeper.rekey(key, _zap.MAIL_DOMAIN)
+        self.gatekeeper.rekey(self._key(self.rank), _zap.MAIL_DOMAIN)
+
+    def _key(self, rank: int) -> bytes:
+        """The key of rank ``rank``'s mailbox tokens in this group."""
+        return _tokens.port_key(self._base, self._session, rank, _tokens.MAIL_LABEL)
 
     def send(self, dest: int, frames: list[Any], track: bool, handle: Any) -> list[tuple[Any, Any]]:
         """Send ``frames`` to ``dest`` (never blocks: its window bounds what is
@@ -137,8 +125,7 @@ class MailSockets:
         for dest, due in list(self._retry.items()):
             if now >= due:
                 del self._retry[dest]
-                key = _tokens.port_key(self._base, self._session, dest, _tokens.MAIL_LABEL)
-                target = self._endpoints[dest]
+                key, target = self._key(dest), self._endpoints[dest]
                 with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
                                      address=True):
                     _zap.connect_with_token(self._pushes[dest], target, key, _zap.MAIL_DOMAIN)
@@ -150,12 +137,13 @@ class MailSockets:
 
     def _connect(self, dest: int) -> zmq.Socket:
         target = self._endpoints[dest]
-        key = _tokens.port_key(self._base, self._session, dest, _tokens.MAIL_LABEL)
+        key = self._key(dest)
         with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
                              address=True):
             push = self._ctx.socket(zmq.PUSH)
             with _sockets.closed_on_error(push):
-                self._setup(push)
+                set_peer_options(push, self._config, self._config.max_frame_bytes)  # (windows bound
+                # what is queued)
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 _zap.secure_client(push, key, _zap.MAIL_DOMAIN)

@@ -262,7 +262,7 @@ class Mail:
         self.waiting: list[deque[_Sending]] = [deque() for _ in range(size)]  # sends short of credit
         self.probes: list[Receive] = []
         self.failure: Optional[BaseException] = None
-        self.dropped = 0  # messages out of their pair's order (replayed or altered): dropped, logged
+        self.dropped = 0  # messages out of their pair's order (a replay, or malformed): dropped, counted
         self.gap: Optional[str] = None  # a message of a pair never came: later ones did
 
     def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
