@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from conftest import touch, wait_for
 
 import zcollective as zc
 from zcollective.testing import Replicas, report, run_replicas
@@ -132,7 +133,7 @@ def killed_while_waiting(ready):
     r = zc.get_rank()
     zc.barrier()
     if r == 0:
-        open(ready, "w").close()
+        touch(ready)
     if r == 2:
         time.sleep(60)  # killed by the test
     start = time.monotonic()
@@ -153,11 +154,7 @@ def test_a_rank_killed_while_a_recv_and_a_send_wait_for_it_ends_both_naming_it(t
     ready = str(tmp_path / "ready")
     env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2", "ZCOLLECTIVE_MAIL_WINDOW_BYTES": str(1 << 20)}
     with Replicas(killed_while_waiting, 3, ready, env=env) as reps:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(ready) and time.monotonic() < deadline:
-            if any(p.poll() is not None for p in reps.procs):
-                break
-            time.sleep(0.02)
+        wait_for(ready, timeout=60, watch=reps)
         time.sleep(0.5)
         reps.kill(2)
         outs = reps.wait(60)
@@ -175,9 +172,7 @@ def hold_the_mailbox(address_file, done_file):
         with open(address_file + ".tmp", "w") as f:
             f.write(zc._current()._life.member.mail_endpoints[1])
         os.rename(address_file + ".tmp", address_file)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(done_file) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(done_file, timeout=60)
         zc.send("from rank 0", 1, tag=1)
         return None
     status = zc.Status()
@@ -193,9 +188,7 @@ def test_a_stranger_cannot_put_a_message_in_a_mailbox(secret, tmp_path):
 
     address_file, done_file = str(tmp_path / "address"), str(tmp_path / "done")
     with Replicas(hold_the_mailbox, 2, address_file, done_file, env=SECRETS[secret]) as reps:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(address_file) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(address_file, timeout=60, watch=reps)
         with open(address_file) as f:
             target = f.read()
         ctx = zmq.Context()
@@ -214,7 +207,7 @@ def test_a_stranger_cannot_put_a_message_in_a_mailbox(secret, tmp_path):
             time.sleep(1.0)
         finally:
             ctx.destroy(linger=0)
-        open(done_file, "w").close()
+        touch(done_file)
         outs = reps.wait(60)
     value, source, refused = outs[1].value
     assert (value, source) == ("from rank 0", 0), report(outs, "a stranger's message was received")
@@ -263,9 +256,7 @@ def link_reset(address_file, reset_file):
         zc.send("before", 0)  # the link from rank 1 to rank 0 is made
     if r == 0:
         zc.recv(1, timeout=30)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(reset_file) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(reset_file, timeout=30)
     start = time.monotonic()
     try:
         if r == 1:
@@ -285,9 +276,7 @@ def test_a_mailbox_link_reset_fails_the_group_naming_it_instead_of_losing_messag
     mailbox refused, and every later message was lost without a word."""
     address_file, reset_file = str(tmp_path / "address"), str(tmp_path / "reset")
     with Replicas(link_reset, 2, address_file, reset_file, env=SECRETS[secret]) as reps:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(address_file) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(address_file, timeout=60, watch=reps)
         time.sleep(0.5)  # the first message went
         with open(address_file) as f:
             port = f.read().rsplit(":", 1)[1]
@@ -295,7 +284,7 @@ def test_a_mailbox_link_reset_fails_the_group_naming_it_instead_of_losing_messag
                                 capture_output=True, text=True, check=False, timeout=10)
         if "ESTAB" not in killed.stdout:  # a kernel without socket destroy (CONFIG_INET_DIAG_DESTROY)
             pytest.skip(f"ss -K closed no connection here: {killed.stderr.strip()[:200]}")
-        open(reset_file, "w").close()
+        touch(reset_file)
         outs = reps.wait(60)
     for out in outs:
         kind, message, took = out.value

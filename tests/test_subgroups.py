@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import touch, wait_for
 from test_ops import every_operation, expected
 
 import zcollective as zc
@@ -136,7 +137,7 @@ def lose_one(victim, ready):
     parity.barrier()
     zc.barrier()
     if r == 0:
-        open(ready, "w").close()
+        touch(ready)
     if r == victim:
         time.sleep(60)  # killed by the test
     out = {}
@@ -160,11 +161,7 @@ def test_a_killed_rank_fails_only_the_groups_it_was_in(victim, tmp_path):
     ready = str(tmp_path / "ready")
     env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}
     with Replicas(lose_one, 4, victim, ready, env=env) as reps:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(ready) and time.monotonic() < deadline:
-            if any(p.poll() is not None for p in reps.procs):
-                break
-            time.sleep(0.02)
+        wait_for(ready, timeout=60, watch=reps)
         time.sleep(0.3)
         reps.kill(victim)
         outs = reps.wait(90)
@@ -189,9 +186,7 @@ def hold_the_door(address_file, done_file):
         with open(address_file + ".tmp", "w") as f:
             f.write(parity.coordinator_address())
         os.rename(address_file + ".tmp", address_file)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(done_file) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(done_file, timeout=60)
     return parity.allreduce(r)
 
 
@@ -200,17 +195,12 @@ def test_a_stranger_cannot_join_a_sub_group(secret, tmp_path):
     address_file, done_file = str(tmp_path / "address"), str(tmp_path / "done")
     env = {} if secret is None else {"ZCOLLECTIVE_SECRET": secret}
     with Replicas(hold_the_door, 2, address_file, done_file, env=env) as reps:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(address_file) and time.monotonic() < deadline:
-            if any(p.poll() is not None for p in reps.procs):
-                break
-            time.sleep(0.02)
-        assert os.path.exists(address_file), report(reps.wait(10), "no sub-group was formed")
+        wait_for(address_file, timeout=60, watch=reps)
         with open(address_file) as f:
             host, _, port = f.read().rpartition(":")
         with pytest.raises(zc.CollectiveError) as refused:  # even one that knows the parent's secret
             zc.Group(host, int(port), 1, 2, timeout=10, secret=secret)
-        open(done_file, "w").close()
+        touch(done_file)
         outs = reps.wait(60)
     assert [o.value for o in outs] == [1, 1], report(outs, "the sub-group did not go on")
     # under a secret the sub-group's own (made from it with a nonce) keeps the parent's holders out
