@@ -97,6 +97,7 @@ class DealerDriver(Driver):
         names = self.watching()
         while True:
             woke = self.waiter.wait(names, deadline, POLL_SLICE_S)
+            self.mail_ready |= mail_woke(woke)
             if not woke or woke[0] is DEADLINE:  # nothing came: the monitor is asked anyway
                 self._drain_monitor()
             else:  # first: a FAIL that came before a disconnect explains it

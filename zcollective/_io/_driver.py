@@ -43,6 +43,7 @@ class Driver:
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
         self.mail: Optional[MailSockets] = None  # the mailbox's sockets (point to point), once joined
         self.mail_names: tuple[str, ...] = ()
+        self.mail_ready = False  # a wait woke for the mailbox: take in (else a wait only looks at it)
         self._tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
 
     def _watches(self, *names: str) -> None:
@@ -188,7 +189,8 @@ class Driver:
         if member.owed:
             self.flush()
         while not done():
-            if member.mail is not None:
+            if member.mail is not None and (self.mail_ready or member.mail.out or self._soon() is not None):
+                self.mail_ready = False  # (a wait wakes at once while a message waits: it is level)
                 self.mail_io()
                 if done():
                     return True
@@ -327,6 +329,8 @@ class HostDriver(Driver):
             return False
         try:
             got = server.serve(deadline, self._handle, self.nudged, self.mail_names)
+            self.mail_ready |= server.mail_woke
+            server.mail_woke = False
         finally:
             turns.give()
         why = server.gone()
