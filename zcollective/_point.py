@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 from ._calls import Calls, Timeout, _Default
 from ._format import _serialize
 from ._future import CollectiveFuture, settle
+from ._limits import STATUS_WAIT_S
 from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Mail, Status, check_rank, check_tag
 from .errors import CollectiveTimeoutError
 
@@ -105,7 +106,7 @@ class PointToPoint:
         """Take ``future``'s call back; False if it was taken back (the caller
         raises), True if it finished meanwhile (its outcome stands)."""
         calls, mail = self.calls, self.calls.member.mail
-        if mail is None or not calls.turns.take(time.monotonic() + 1.0):
+        if mail is None or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
             return False
         try:
             if mail.withdraw(future):
@@ -121,14 +122,14 @@ class PointToPoint:
         said = f"rank {self.rank}: {future.op} timed out after {timeout:g} s"
         if mail is None:
             return said
-        if future.op.startswith("send"):
-            dest = int(future.op.split("dest=")[1].split(",")[0])
+        dest = mail.waiting_for(future)
+        if dest is not None:  # a send short of credit
             held = mail.box.peers[dest].held
             return (f"{said}: rank {dest} has not yet received the {held} bytes this rank sent it "
                     f"before, which fill its window ({mail.box.window} bytes: "
                     f"ZCOLLECTIVE_MAIL_WINDOW_BYTES)")
         waiting: dict[tuple[int, int], int] = {}
-        for came in mail.box.arrived:
+        for came in list(mail.box.arrived):  # (a snapshot: another thread may hold the turn)
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
         unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
         return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))

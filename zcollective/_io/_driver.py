@@ -104,7 +104,7 @@ class Driver:
             left = [(t, h) for t, h in self._tracked if not t.done]
             member.outcomes.extend(Outcome(h) for t, h in self._tracked if t.done)
             self._tracked = left
-        if sockets is not None and len(self.mail_names) != 1 + len(sockets._monitors):  # a new link: its
+        if sockets is not None and len(self.mail_names) != 1 + sockets.link_count():  # a new link: its
             links = sockets.links()  # refusal ends a wait too
             for name, monitor in links.items():
                 self.waiter.watch(name, monitor)

@@ -153,6 +153,9 @@ class MailSockets:
         self._pushes[dest] = push
         return push
 
+    def link_count(self) -> int:
+        return len(self._monitors)
+
     def links(self) -> dict[str, zmq.Socket]:
         """The links' monitors, by their names in a waiter."""
         return {f"{MAIL} {dest}": monitor for dest, monitor in self._monitors.items()}

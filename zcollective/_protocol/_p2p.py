@@ -316,6 +316,13 @@ class Mail:
         else:
             self.probes.append(Receive(source, tag, handle))
 
+    def waiting_for(self, handle: Any) -> Optional[int]:
+        """The rank a send waiting for credit goes to (None: ``handle`` is no such send)."""
+        for dest, queue in enumerate(self.waiting):
+            if any(s.handle is handle for s in queue):
+                return dest
+        return None
+
     def withdraw(self, handle: Any) -> bool:
         """Take back a receive, probe or send not yet done (timed out,
         interrupted): True if it was still waiting. A receive whose message
