@@ -28,10 +28,11 @@ WARMUP = 20
 
 
 def simulate(ranks: list[int], n: int, port: int, iters: int) -> None:
-    from zcollective._format import _serialize
-    from zcollective._format._wire import Kind, Message, control, decode, encode
+    from zcollective._format import _bodies, _serialize
+    from zcollective._format._wire import Kind, Message, decode, encode
     from zcollective._io._dealer import routing_id
     from zcollective._protocol._coordinator import PYTHON_VERSION
+    from zcollective._protocol._member import SPOKEN
     from zcollective._protocol._ops import Op
 
     ctx = zmq.Context()
@@ -41,10 +42,8 @@ def simulate(ranks: list[int], n: int, port: int, iters: int) -> None:
         d.setsockopt(zmq.ROUTING_ID, routing_id(rank))
         d.setsockopt(zmq.LINGER, 1000)
         d.connect(f"tcp://127.0.0.1:{port}")
-        nonce = os.urandom(8).hex()
-        d.send_multipart(encode(control(Kind.JOIN, {
-            "rank": rank, "num_replicas": n, "python": PYTHON_VERSION, "pid": os.getpid(),
-            "host": "sim", "nonce": nonce}, rank=rank)))
+        join = _bodies.join(rank, n, PYTHON_VERSION, os.urandom(8).hex(), None, None, 0, "off", ops=SPOKEN)
+        d.send_multipart(encode(join))  # the library's own JOIN: the simulation cannot drift from it
         dealers.append((rank, d))
     session = 0
     for _, d in dealers:
