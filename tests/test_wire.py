@@ -130,6 +130,22 @@ def test_serialize_round_trips_lambdas_and_large_buffers():
     assert value["f"](1) == 2 and (value["a"] == arr).all()
 
 
+def test_small_containers_of_builtins_take_the_plain_pickler_and_anything_else_cloudpickle(monkeypatch):
+    import cloudpickle
+
+    class Mine(dict):
+        pass
+
+    clouded = []
+    real = cloudpickle.dumps
+    monkeypatch.setattr(cloudpickle, "dumps", lambda *a, **k: clouded.append(a[0]) or real(*a, **k))
+    plain = [{"step": 1, "lr": 0.1, "name": "run-7"}, [1, (2.0, None), {"a": b"x"}], ((1, 2), {(3, 4): True})]
+    other = [{"f": len}, [Mine()], {1: {2: [3, {lambda: 0}]}}, list(range(_serialize.PLAIN_MAX_ITEMS + 1))]
+    for value in plain + other:
+        assert _serialize.loads(_serialize.dumps(value)) == value or value is other[2]
+    assert clouded == other  # (a long list too: looking through it would cost more than it saves)
+
+
 def test_unserializable_value_names_its_type():
     import threading
 
