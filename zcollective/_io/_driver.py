@@ -19,7 +19,7 @@ from .._protocol._ops import applied
 from .._protocol._outcomes import Outcome
 from ..errors import CollectiveError, CollectiveTimeoutError
 from ._interrupts import NUDGE, Waiter
-from ._mailbox import MAIL, TRACKER_POLL_S
+from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
 if TYPE_CHECKING:
     from ._dataplane import DataPlane
@@ -43,7 +43,8 @@ class Driver:
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
         self.mail: Optional[MailSockets] = None  # the mailbox's sockets (point to point), once joined
         self.mail_names: tuple[str, ...] = ()
-        self.mail_ready = False  # a wait woke for the mailbox: take in (else a wait only looks at it)
+        self.mail_ready = 0  # what a wait woke for of the mailbox's (MESSAGE, LINK: see _mailbox.mail_woke):
+        # take in, look at the links (else a wait only looks at it)
         self._tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
 
     def _watches(self, *names: str) -> None:
@@ -64,27 +65,31 @@ class Driver:
     def _soon(self) -> Optional[float]:
         """When the mailbox has something to do without news: a tracked buffer to
         look at again, a refused link to make again."""
-        retry = self.mail.next_retry() if self.mail is not None else None
         if self._tracked:
             return time.monotonic() + TRACKER_POLL_S
-        return retry
+        return self.mail.next_retry() if self.mail is not None else None
 
-    def mail_io(self, take: bool = True) -> None:
-        """Point to point: take in what came to the mailbox (if ``take``),
-        send what the rules owe (a send is done once libzmq no longer reads
-        its buffers)."""
+    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> None:
+        """Point to point: take in what came to the mailbox (if ``take``;
+        ``ready``: what a wait woke for, see :attr:`mail_ready`), send what the
+        rules owe (a send is done once libzmq no longer reads its buffers).
+        Once ``enough()`` holds (a waited-for call is done) the rest stays for
+        the next wait, unless a coroutine sleeps on the descriptors (rule 3
+        of :mod:`zcollective._future`)."""
         member, sockets = self.member, self.mail
         rules = member.mail
         if rules is None:
             return
         if sockets is not None and take:
-            for frames in sockets.take():
+            for frames in sockets.take(bool(ready & MESSAGE)):
                 try:
                     msg = decode(frames, signer=member.signer, max_frame_bytes=member.max_frame_bytes)
                 except WireError:  # (admitted by the handshake: a bug, or a peer of another release)
                     rules.dropped += 1
                     continue
                 rules.take(msg)
+                if enough is not None and member.outcomes and enough() and not self.sleepers():
+                    break
         out, went = rules.out, []
         while out and sockets is not None:
             dest, msg, handle = out.pop(0)
@@ -93,7 +98,7 @@ class Driver:
             went += sockets.send(dest, frames, borrowed, handle)
         broken = None
         if sockets is not None:
-            made, broken = sockets.progress(time.monotonic())
+            made, broken = sockets.progress(time.monotonic(), bool(ready & LINK))
             went += made
         for tracker, handle in went:
             if tracker is not None and not tracker.done:
@@ -190,8 +195,8 @@ class Driver:
             self.flush()
         while not done():
             if member.mail is not None and (self.mail_ready or member.mail.out or self._soon() is not None):
-                self.mail_ready = False  # (a wait wakes at once while a message waits: it is level)
-                self.mail_io()
+                ready, self.mail_ready = self.mail_ready, 0  # (a wait wakes at once while a message
+                self.mail_io(ready=ready, enough=done)  # waits: the PULL is polled as a socket, level)
                 if done():
                     return True
             # (a call kept by a failure too: see Member.fail)
@@ -330,7 +335,7 @@ class HostDriver(Driver):
         try:
             got = server.serve(deadline, self._handle, self.nudged, self.mail_names)
             self.mail_ready |= server.mail_woke
-            server.mail_woke = False
+            server.mail_woke = 0
         finally:
             turns.give()
         why = server.gone()

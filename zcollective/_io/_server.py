@@ -65,7 +65,7 @@ class Server:
                                        config.job, config.warn_after)
         self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
         self.port = config.master_port  # bound (0: the system chose, a sub-group's)
-        self.mail_woke = False  # a wait of the turn's holder ended for its member's mailbox
+        self.mail_woke = 0  # a wait of the turn's holder ended for its member's mailbox (_mailbox.mail_woke)
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self.turns = turns if turns is not None else Turns()  # its holder owns the sockets
         self._away = False  # the background thread serves
@@ -180,8 +180,9 @@ class Server:
             woke = self.waiter.wait(names, deadline, self._sleep_s(slice_s))
             if NUDGE in woke or STOP in woke:
                 return True
-            if mail_woke(woke):  # its member's mailbox (the holder takes it in)
-                self.mail_woke = True
+            mail = mail_woke(woke)
+            if mail:  # its member's mailbox (the holder takes it in)
+                self.mail_woke = mail
                 return True
             if (woke and woke[0] is not DEADLINE) or self._probes.due is not None:
                 self._step(woke)
