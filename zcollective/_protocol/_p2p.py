@@ -102,6 +102,8 @@ def _index(value: Any) -> Optional[int]:
 
 def check_tag(tag: Any, receiving: bool) -> int:
     """A tag as an int: 0 to :data:`MAX_TAG`, or :data:`ANY_TAG` to receive."""
+    if type(tag) is int and 0 <= tag <= MAX_TAG:  # (the usual case, without a call)
+        return tag
     index = _index(tag)
     if index is not None and (0 <= index <= MAX_TAG or (receiving and index == ANY_TAG)):
         return index
@@ -110,6 +112,8 @@ def check_tag(tag: Any, receiving: bool) -> int:
 
 
 def check_rank(rank: Any, size: int, what: str, any_source: bool = False) -> int:
+    if type(rank) is int and 0 <= rank < size:  # (the usual case, without a call)
+        return rank
     index = _index(rank)
     if index is not None and (0 <= index < size or (any_source and index == ANY_SOURCE)):
         return index
@@ -236,6 +240,8 @@ def _value(value: Any) -> Callable[[], Any]:
 
 def nbytes(segment: list[Any]) -> int:
     """A segment's size as it travels."""
+    if len(segment) == 1 and type(segment[0]) is bytes:  # (a small value's)
+        return len(segment[0])
     return sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in segment)
 
 
@@ -383,8 +389,9 @@ class Mail:
             self._flush(self.rank)  # that waited for the window goes now
 
     def _credit(self, credits: list[Credit]) -> None:
-        self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
-                        for c in credits)
+        if credits:
+            self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
+                            for c in credits)
 
     def link_broke(self, dest: Optional[int]) -> ReplicaLostError:
         """The error that fails the group when a mailbox link broke: this
