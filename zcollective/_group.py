@@ -354,6 +354,9 @@ class Group:
                 failure: Optional[BaseException] = life.member.failure
                 if life.driver is not None and failure is None:
                     try:
+                        final = life.member.final(teardown=True)  # the others' receives from this
+                        if final is not None:  # rank end once what it sent was taken in
+                            life.driver.send([final])
                         self._calls.blocking(self._calls.call("teardown"), timeout)
                     except CollectiveTimeoutError:
                         raise

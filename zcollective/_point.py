@@ -12,7 +12,7 @@ from ._calls import Calls, Timeout, _Default
 from ._format import _serialize
 from ._future import CollectiveFuture, settle
 from ._limits import STATUS_WAIT_S
-from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Mail, Status, check_rank, check_tag
+from ._protocol._p2p import Mail, Status, check_rank, check_tag, describe
 from .errors import CollectiveTimeoutError
 
 
@@ -33,13 +33,13 @@ class PointToPoint:
     def receive(self, source: Any, tag: Any, deadline: Optional[float] = None,
                 lead: bool = False) -> CollectiveFuture[Any]:
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
-        what = f"recv(source={_source(source)}, tag={_tag(tag)})"
+        what = describe("recv", source, tag)
         return self._make(what, lambda mail, f: mail.receive(source, tag, f), deadline, lead)
 
     def probe(self, source: Any, tag: Any, deadline: Optional[float] = None,
               lead: bool = False) -> CollectiveFuture[Status]:
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
-        what = f"probe(source={_source(source)}, tag={_tag(tag)})"
+        what = describe("probe", source, tag)
         return self._make(what, lambda mail, f: mail.probe(source, tag, f), deadline, lead)
 
     def iprobe(self, source: Any, tag: Any) -> Optional[Status]:
@@ -157,12 +157,3 @@ class PointToPoint:
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
         unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
         return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
-
-
-def _source(source: int) -> str:
-    return "ANY_SOURCE" if source == ANY_SOURCE else str(source)
-
-
-def _tag(tag: int) -> str:
-    return "ANY_TAG" if tag == ANY_TAG else str(tag)
-

@@ -293,7 +293,8 @@ class Driver:
         bye = member.bye()
         if bye is None:
             return
-        self.send([bye])
+        final = member.final(teardown=False)  # (before the BYE: the others hear of it first)
+        self.send([bye] if final is None else [final, bye])
         if self.remote:  # (no data moves: finish_data had its time)
             self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
 
