@@ -382,3 +382,36 @@ def test_a_recv_from_a_rank_that_ended_fails_once_all_it_sent_was_received(how, 
         kind, message = out["send to it"]
         assert kind == "ReplicaLostError" and message.startswith(
             f"rank {r}: send(dest=2, tag=0) cannot go: rank 2 {ended}"), report(outs, message)
+
+
+def interrupted_then_received(markers):
+    r = zc.get_rank()
+    given_up = os.path.join(markers, "given up")
+    if r == 1:
+        wait_for(given_up)
+        zc.send("after", 0, tag=4)
+        zc.barrier()
+        return None
+    out = {}
+    try:
+        zc.recv(1, 4, timeout=0.3)  # nothing yet: taken back at its timeout
+    except zc.CollectiveTimeoutError as exc:
+        out["timeout"] = str(exc)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        zc.recv(1, 4, timeout=60)  # a Ctrl-C while it waits: taken back too
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    timer.join()
+    touch(given_up)
+    out["next"] = zc.recv(1, 4, timeout=60)  # the message goes to the next recv, not a taken-back one
+    zc.barrier()
+    return out
+
+
+def test_a_recv_that_timed_out_or_was_interrupted_is_taken_back(tmp_path):
+    zero = run_replicas(interrupted_then_received, 2, str(tmp_path), timeout=60)[0]
+    assert zero["timeout"].startswith("rank 0: recv(source=1, tag=4) timed out after 0.3 s: no matching "
+                                      "message came"), zero
+    assert zero == {"timeout": zero["timeout"], "interrupted": True, "next": "after"}

@@ -100,9 +100,11 @@ class PointToPoint:
         which then nudges this wait), saving the turn's give and take; what is
         left of the wait, :meth:`result`'s. A timeout or an interrupt takes the
         call back as :meth:`result` does."""
-        calls, turns = self.calls, self.calls.turns
+        calls, turns, driver = self.calls, self.calls.turns, self.calls.driver
         settled = calls._settled(future)
         try:
+            if driver is not None and not calls.life.closed and driver.wait_mail(settled, deadline):
+                return
             calls._drive(lambda: settled() or turns.wanted(), deadline, True)
         except BaseException:
             if not self._withdraw(future):

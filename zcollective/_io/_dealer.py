@@ -113,6 +113,9 @@ class DealerDriver(Driver):
             if DEADLINE in woke:
                 return False
 
+    def slice_s(self) -> Optional[float]:
+        return POLL_SLICE_S
+
     def _drain_dealer(self, waiting: bool = False, until: Optional[Callable[[], bool]] = None) -> bool:
         """Handle every message waiting (``waiting``: a poll just found one); True if there
         was one. Once ``until()`` holds and no other call is in flight, the rest

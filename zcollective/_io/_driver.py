@@ -12,7 +12,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
-from .._limits import STATUS_WAIT_S
+from .._limits import POLL_SLICE_S, STATUS_WAIT_S
 from .._protocol._coordinator import RANK0_PEER, Coordinator
 from .._protocol._member import Member
 from .._protocol._ops import applied
@@ -130,6 +130,11 @@ class Driver:
         False on timeout."""
         raise NotImplementedError
 
+    def slice_s(self) -> Optional[float]:
+        """How long :meth:`wait_mail`'s poll may sleep (0: a duty of the
+        driver's own is due: none of it here); None: it has no such poll."""
+        return None
+
     def fds(self) -> list[int]:
         """File descriptors that become readable when something may have arrived."""
         return self.waiter.fds(self._names)
@@ -212,6 +217,26 @@ class Driver:
             if moved is False or (not self._pump(until, done) and until == deadline):
                 return done()
         return True
+
+    def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+        """A point-to-point call's wait, by the turn's holder, at its cheapest:
+        one poll of what :meth:`wait_for` watches (the nudge too), and, if the
+        mailbox alone woke it, what came taken in; True once ``done()``.
+        False, having taken nothing else, when something else woke it (every
+        source stays readable: :meth:`wait_for`'s poll finds it at once),
+        nothing came within :meth:`slice_s`, or anything else is due."""
+        member, sockets = self.member, self.mail
+        if (sockets is None or member.transfers or member.owed or member.failure is not None
+                or self._tracked or sockets.next_retry() is not None):
+            return False
+        slice_s = self.slice_s()
+        if slice_s is None or slice_s <= 0:
+            return False
+        woke = self.waiter.wait(self._nudged_names, deadline, slice_s)
+        if len(woke) != 1 or woke[0] != MAIL:
+            return False
+        self.mail_io(ready=MESSAGE, enough=done)
+        return done()
 
     def progress(self) -> None:
         """Send what is owed; take in whatever has arrived, without blocking."""
@@ -354,6 +379,12 @@ class HostDriver(Driver):
             return super().wait_for(done, deadline)
         finally:
             turns.give()
+
+    def slice_s(self) -> Optional[float]:
+        server = self.server
+        if server.to_host or server.has_from_host():
+            return 0.0
+        return server.sleep_s(POLL_SLICE_S)
 
     def fds(self) -> list[int]:
         return self.server.fds()

@@ -146,6 +146,10 @@ class Server:
         """Rank 0's thread: the forming bound passed; start with those who came."""
         self._briefly(partial(self._take, self.coordinator.form_now))
 
+    def has_from_host(self) -> bool:
+        """Has rank 0's member sent something the coordinator has not yet taken?"""
+        return bool(self._from_host)
+
     def _take_from_host(self) -> None:
         """The owner: what rank 0's member sent, in order."""
         queue, receive = self._from_host, self.coordinator.receive_message
@@ -177,7 +181,7 @@ class Server:
         (True, at once: what else came is the next holder's), or ``deadline``
         (False)."""
         while not done():
-            woke = self.waiter.wait(names, deadline, self._sleep_s(slice_s))
+            woke = self.waiter.wait(names, deadline, self.sleep_s(slice_s))
             if NUDGE in woke or STOP in woke:
                 return True
             mail = mail_woke(woke)
@@ -481,7 +485,7 @@ class Server:
             log.warning("%s", line)
             announce_stall(self.session, ranks, line)
 
-    def _sleep_s(self, limit_s: Optional[float]) -> Optional[float]:
+    def sleep_s(self, limit_s: Optional[float]) -> Optional[float]:
         """How long a wait may sleep: ``limit_s`` (None: for ever), but not
         past the next probe round, nor the next stall warning due."""
         now = time.monotonic()
