@@ -93,7 +93,9 @@ class Driver:
         out, went = rules.out, []
         while out and sockets is not None:
             dest, msg, handle = out.pop(0)
-            borrowed = handle is not None and any(type(f) is not bytes for f in msg.segments[0])
+            segment = msg.segments[0] if msg.segments else []
+            borrowed = handle is not None and not (len(segment) == 1 and type(segment[0]) is bytes) and any(
+                type(f) is not bytes for f in segment)
             frames = encode(msg, member.signer, part_bytes=member.part_bytes)
             went += sockets.send(dest, frames, borrowed, handle)
         broken = None

@@ -265,8 +265,12 @@ def _value(value: Any) -> Callable[[], Any]:
 
 def nbytes(segment: list[Any]) -> int:
     """A segment's size as it travels."""
-    if len(segment) == 1 and type(segment[0]) is bytes:  # (a small value's)
-        return len(segment[0])
+    if len(segment) == 1:  # (a small value's: as sent, or as it came, inline)
+        kind = type(segment[0])
+        if kind is bytes:
+            return len(segment[0])
+        if kind is memoryview:
+            return segment[0].nbytes  # type: ignore[no-any-return]
     return sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in segment)
 
 
@@ -339,7 +343,8 @@ class Mail:
             self._received(handle, came)
         elif self.ended_how:
             self._hopeless()
-        self._credit(credits)
+        if credits:
+            self._credit(credits)
 
     def probe(self, source: int, tag: int, handle: Any) -> None:
         """A blocking probe: ``handle`` is done with the :class:`Status` of
@@ -412,7 +417,8 @@ class Mail:
                 self._received(done[0].handle, done[1])
             elif source in self.ended_how:  # perhaps its last
                 self._hopeless()
-            self._credit(credits)
+            if credits:
+                self._credit(credits)
 
     def _received(self, handle: Any, came: Arrived) -> None:
         segment = came.message.segments[0]
