@@ -1079,3 +1079,18 @@ def test_a_result_that_does_not_pickle_is_the_reductions_error_on_every_rank():
     out = list(applied(step, coord))  # pickling the result is the driver's part too (user code may run)
     assert [m.body()["error"] for _, m in out] == ["RemoteError"] * 2
     assert out[0][1].body()["message"].startswith("seq 0 allreduce: the reduction raised on the coordinator")
+
+
+def test_a_rank_that_sends_no_more_is_announced_to_every_other_running_rank_with_its_count():
+    """Rule 12: FINAL goes on, with how many messages the rank sent each one; the group goes on."""
+    from zcollective._format import _bodies
+
+    coord = joined(4)
+    assert feed(coord, peer(3), Message(Kind.BYE, rank=3, seq=0, session=SESSION))  # rank 3 ended before
+    out = feed(coord, peer(1), _bodies.final([5, 0, 7, 2], True, rank=1, session=SESSION))
+    told = {p: (m.kind, m.rank, m.root, m.seq, _bodies.parse_ended(m)) for p, m in out}
+    who = "rank 1 called teardown (pid 101 on h)"
+    assert told == {peer(0): (Kind.FINAL, 0, 1, 5, who), peer(2): (Kind.FINAL, 2, 1, 7, who)}
+    assert coord.phase is Phase.RUNNING
+    bad = control(Kind.FINAL, {"sent": [1, 2]}, rank=2, session=SESSION)  # not one count per rank
+    assert feed(coord, peer(2), bad) == [] and coord.phase is Phase.RUNNING

@@ -1331,7 +1331,7 @@ class SteppedServer:
         deadline = time.monotonic() + PROBE_SPAN_S + 5
         while server._probes.due is not None:
             assert time.monotonic() < deadline, "the probes did not end"
-            server._step(server.waiter.wait(server.SERVED, None, server._sleep_s(0.1)))
+            server._step(server.waiter.wait(server.SERVED, None, server.sleep_s(0.1)))
 
 
 def test_a_stranger_whose_connection_closed_cannot_take_a_replica_off():

@@ -311,3 +311,107 @@ def right_after_initialize(slow_rank):
 def test_a_message_sent_at_once_after_initialize_reaches_a_rank_still_opening_its_mailbox(secret):
     outs = run_replicas(right_after_initialize, 3, 1, initialize=False, env=SECRETS[secret], timeout=60)
     assert outs == [((r - 1) % 3, -((r - 1) % 3)) for r in range(3)]
+
+
+def _outcome(call):
+    """What ``call()`` came to: its value, or its error's type and text."""
+    try:
+        return call()
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc)
+
+
+def recv_from_a_rank_that_ended(how, markers):
+    """Rank 2 sends rank 0 two messages, then ends (``how``: teardown, or its program ends
+    without it) while rank 0 waits for a third that never comes; rank 1 still runs."""
+    zc.initialize()
+    r = zc.get_rank()
+    posted, waiting_any, zero_done = (os.path.join(markers, name) for name in ("posted", "any", "0 done"))
+    if r == 2:
+        zc.send("a", 0, tag=1)
+        zc.send("b", 0, tag=1)
+        wait_for(posted)
+        if how == "teardown":
+            zc.teardown()
+        return "ended"  # (exit: the program ends, and with it the group, without teardown)
+    out = {}
+    if r == 0:
+        pending = zc.recv_async(2, tag=9)  # posted before rank 2 ends; never sent
+        touch(posted)
+        out["pending"] = _outcome(lambda: pending.result(timeout=120))
+        out["sent before"] = [zc.recv(2, 1, timeout=120), zc.recv(2, timeout=120)]
+        out["after"] = _outcome(lambda: zc.recv(2, timeout=120))
+        anyone = zc.recv_async(zc.ANY_SOURCE, 3)  # rank 1 can still send
+        touch(waiting_any)
+        out["any source"] = _outcome(lambda: anyone.result(timeout=120))
+        out["send to it"] = _outcome(lambda: zc.send("x", 2, timeout=120))
+        touch(zero_done)
+    else:
+        out["recv"] = _outcome(lambda: zc.recv(2, timeout=120))  # it sent rank 1 nothing
+        out["send to it"] = _outcome(lambda: zc.send("x", 2, timeout=120))  # (told, as the recv says)
+        wait_for(waiting_any)
+        zc.send("from 1", 0, tag=3)
+        wait_for(zero_done)  # (after an exit, teardown fails the group: rank 0 is done first)
+    zc.teardown()
+    return out
+
+
+@pytest.mark.parametrize("how", ["teardown", "exit"])
+@pytest.mark.parametrize("secret", sorted(SECRETS))
+def test_a_recv_from_a_rank_that_ended_fails_once_all_it_sent_was_received(how, secret, tmp_path):
+    """Its messages sent before the end are still received, in order; a recv that only it could
+    answer, pending at its end or called after, fails naming it (not at its timeout, 120 s, past
+    the test's bound); ANY_SOURCE still receives from a rank that runs; a send to it fails."""
+    with Replicas(recv_from_a_rank_that_ended, 3, how, str(tmp_path), initialize=False,
+                  env=SECRETS[secret]) as reps:
+        outs = reps.wait(60)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    zero, one = outs[0].value, outs[1].value
+    ended = ("called teardown" if how == "teardown" else "ended its program (without teardown)")
+    for key, call in (("pending", "recv(source=2, tag=9)"), ("after", "recv(source=2, tag=ANY_TAG)")):
+        kind, message = zero[key]
+        assert kind == "ReplicaLostError" and message.startswith(
+            f"rank 0: {call} cannot complete: rank 2 {ended} (pid "), report(outs, f"{key}: {message}")
+        assert "after sending this rank 2 message(s), all taken in" in message, report(outs, message)
+    assert zero["sent before"] == ["a", "b"], report(outs, "messages sent before the end")
+    assert zero["any source"] == "from 1", report(outs, "ANY_SOURCE with a rank still sending")
+    kind, message = one["recv"]
+    assert kind == "ReplicaLostError" and message.startswith(
+        f"rank 1: recv(source=2, tag=ANY_TAG) cannot complete: rank 2 {ended}"), report(outs, message)
+    for r, out in ((0, zero), (1, one)):
+        kind, message = out["send to it"]
+        assert kind == "ReplicaLostError" and message.startswith(
+            f"rank {r}: send(dest=2, tag=0) cannot go: rank 2 {ended}"), report(outs, message)
+
+
+def interrupted_then_received(markers):
+    r = zc.get_rank()
+    given_up = os.path.join(markers, "given up")
+    if r == 1:
+        wait_for(given_up)
+        zc.send("after", 0, tag=4)
+        zc.barrier()
+        return None
+    out = {}
+    try:
+        zc.recv(1, 4, timeout=0.3)  # nothing yet: taken back at its timeout
+    except zc.CollectiveTimeoutError as exc:
+        out["timeout"] = str(exc)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        zc.recv(1, 4, timeout=60)  # a Ctrl-C while it waits: taken back too
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    timer.join()
+    touch(given_up)
+    out["next"] = zc.recv(1, 4, timeout=60)  # the message goes to the next recv, not a taken-back one
+    zc.barrier()
+    return out
+
+
+def test_a_recv_that_timed_out_or_was_interrupted_is_taken_back(tmp_path):
+    zero = run_replicas(interrupted_then_received, 2, str(tmp_path), timeout=60)[0]
+    assert zero["timeout"].startswith("rank 0: recv(source=1, tag=4) timed out after 0.3 s: no matching "
+                                      "message came"), zero
+    assert zero == {"timeout": zero["timeout"], "interrupted": True, "next": "after"}

@@ -193,3 +193,89 @@ def test_a_send_to_oneself_that_waited_for_the_window_goes_once_the_first_is_rec
     mail.receive(0, 1, "r1")
     mail.receive(0, 1, "r2")
     assert [o.future for o in mail.outcomes] == ["first", "r1", "second", "r2"]
+
+
+# -- ends: a rank that sends no more (FINAL, through the coordinator) ---------------------------
+
+ENDED = "rank 0 called teardown (pid 7 on h)"
+
+
+def _failed(mail):
+    """(future, error text) of each outcome that is an error; the outcomes cleared."""
+    out = [(o.future, str(o.error)) for o in mail.outcomes if o.error is not None]
+    mail.outcomes.clear()
+    return out
+
+
+def test_a_receive_from_a_rank_that_ended_fails_only_once_all_it_sent_was_taken_in():
+    mail = _mail(1, size=3)
+    mail.take(_send_msg(0, 3, 0))
+    mail.receive(0, 5, "pending")  # tag 5 never comes
+    mail.ended(0, 2, ENDED)  # it sent two: the second is still on its way
+    assert _failed(mail) == [] and mail.box.posted
+    mail.take(_send_msg(0, 4, 1))  # the last one: no match for the pending receive
+    assert _failed(mail) == [("pending", "rank 1: recv(source=0, tag=5) cannot complete: rank 0 called "
+                              "teardown (pid 7 on h), after sending this rank 2 message(s), all taken "
+                              "in; none here matches")]
+    mail.receive(0, 3, "sent before")
+    mail.receive(0, 4, "sent last")
+    mail.receive(0, ANY_TAG, "after")
+    mail.probe(0, ANY_TAG, "probe after")
+    assert [(o.future, o.error is None) for o in mail.outcomes] == [
+        ("sent before", True), ("sent last", True), ("after", False), ("probe after", False)]
+
+
+def test_a_pending_receive_whose_message_came_before_the_end_is_not_failed():
+    mail = _mail(1)
+    mail.receive(0, 1, "r")
+    mail.take(_send_msg(0, 1, 0))
+    mail.ended(0, 1, ENDED)
+    assert [(o.future, o.error) for o in mail.outcomes] == [("r", None)]
+
+
+def test_any_source_fails_only_when_no_other_rank_can_send():
+    mail = _mail(1, size=3)
+    mail.receive(ANY_SOURCE, ANY_TAG, "anyone")
+    mail.receive(ANY_SOURCE, 9, "tag 9")
+    mail.ended(0, 0, ENDED)
+    assert _failed(mail) == []  # rank 2 still runs
+    mail.take(_send_msg(2, 4, 0))
+    assert [o.future for o in mail.outcomes] == ["anyone"]
+    mail.outcomes.clear()
+    mail.ended(2, 1, "rank 2 ended its program (without teardown) (pid 8 on h)")
+    (future, text), = _failed(mail)
+    assert future == "tag 9" and text.startswith(
+        "rank 1: recv(source=ANY_SOURCE, tag=9) cannot complete: no other rank can send any more "
+        "(rank 0 called teardown (pid 7 on h); rank 2 ended its program")
+
+
+def test_a_send_to_a_rank_that_ended_fails_and_so_does_one_waiting_for_its_credit():
+    mail = _mail(0)
+    mail.send(1, 0, [bytes(WINDOW)], "fills the window")  # handed to the driver: done once sent
+    mail.send(1, 0, [b"x"], "waits for credit")
+    mail.ended(1, 0, "rank 1 called teardown (pid 8 on h)")
+    mail.send(1, 2, [b"y"], "after")
+    assert _failed(mail) == [
+        ("waits for credit", "rank 0: send(dest=1, tag=0) cannot go: rank 1 called teardown (pid 8 on h): "
+                             "its program receives nothing more"),
+        ("after", "rank 0: send(dest=1, tag=2) cannot go: rank 1 called teardown (pid 8 on h): its "
+                  "program receives nothing more")]
+    assert [h for _, m, h in mail.out if m.kind is Kind.SEND] == ["fills the window"]
+
+
+def test_a_rank_that_stops_sending_counts_what_it_sent_and_fails_what_waits_for_credit():
+    mail = _mail(0, size=3)
+    mail.send(1, 0, [bytes(WINDOW)], "a")
+    mail.send(1, 0, [b"x"], "waiting")
+    mail.send(2, 0, [b"y"], "b")
+    assert mail.final() == [0, 1, 1]
+    (future, text), = _failed(mail)
+    assert future == "waiting" and "waited for rank 1's window when this rank stopped sending" in text
+
+
+def test_a_rank_told_of_its_own_end_ignores_it_and_its_sends_to_itself_go_on():
+    mail = _mail(0)
+    mail.ended(0, 0, ENDED)
+    mail.send(0, 1, [b"\x80\x05K\x01."], "to itself")
+    mail.receive(0, 1, "from itself")
+    assert [(o.future, o.error) for o in mail.outcomes] == [("to itself", None), ("from itself", None)]

@@ -130,6 +130,22 @@ def test_serialize_round_trips_lambdas_and_large_buffers():
     assert value["f"](1) == 2 and (value["a"] == arr).all()
 
 
+def test_small_containers_of_builtins_take_the_plain_pickler_and_anything_else_cloudpickle(monkeypatch):
+    import cloudpickle
+
+    class Mine(dict):
+        pass
+
+    clouded = []
+    real = cloudpickle.dumps
+    monkeypatch.setattr(cloudpickle, "dumps", lambda *a, **k: clouded.append(a[0]) or real(*a, **k))
+    plain = [{"step": 1, "lr": 0.1, "name": "run-7"}, [1, (2.0, None), {"a": b"x"}], ((1, 2), {(3, 4): True})]
+    other = [{"f": len}, [Mine()], {1: {2: [3, {lambda: 0}]}}, list(range(_serialize.PLAIN_MAX_ITEMS + 1))]
+    for value in plain + other:
+        assert _serialize.loads(_serialize.dumps(value)) == value or value is other[2]
+    assert clouded == other  # (a long list too: looking through it would cost more than it saves)
+
+
 def test_unserializable_value_names_its_type():
     import threading
 
@@ -623,3 +639,30 @@ def test_the_bounds_keep_the_relations_written_beside_them():
     for liveness in (lim.MIN_LIVENESS_S, lim.DEFAULT_LIVENESS_S, lim.MAX_LIVENESS_S):
         ivl, timeout, ttl = lim.heartbeats(liveness)
         assert ivl >= lim.HEARTBEAT_MIN_IVL_MS and ivl + timeout == ttl == int(liveness * 1000)
+
+
+def test_a_small_point_to_point_value_travels_in_the_header_frame_signed_or_not():
+    """FLAG_INLINE: one frame (each frame costs a libzmq call at both ends); the shortcut and
+    the whole way agree; anything else of that flag is refused or left to the whole way."""
+    signer = Signer(b"k" * 32)
+    value = _serialize.dumps({"step": 1})[0]
+    msg = Message(Kind.SEND, 0, rank=1, root=7, seq=3, session=77, segments=[[value]])
+    plain = encode(msg)
+    assert len(plain) == 1 and plain[0][5] & _wire.FLAG_INLINE
+    for frames, signed in ((plain, False), (signer.verify(encode(msg, signer)), True)):
+        fast = _wire._decode_simple(frames, signed)
+        whole = _wire._decode_whole(frames, _wire.DEFAULT_MAX_FRAMES, signed, None)
+        assert fast == whole and bytes(fast.segments[0][0]) == value and fast.root == 7
+    assert len(encode(msg, signer)) == 2 and decode(encode(msg, signer), signer=signer) == whole
+    big = Message(Kind.SEND, 0, 1, 7, 3, 77, segments=[[bytes(_wire.INLINE_MAX_BYTES + 1)]])
+    assert len(encode(big)) == 2  # a larger value keeps its own frame, as every other kind does
+    assert len(encode(Message(Kind.RESULT, Op.ALLREDUCE, segments=[[value]]))) == 2
+    for frames in ([plain[0], b"more"], [plain[0][:HEADER.size + 4]]):  # a frame too many; none inline
+        assert _wire._decode_simple(frames, False) is None
+        with pytest.raises(WireError, match="inline frame"):
+            decode(frames)
+    control_kind = bytearray(plain[0])
+    control_kind[3] = Kind.FAIL
+    assert _wire._decode_simple([bytes(control_kind)], False) is None
+    with pytest.raises(WireError, match="may carry an inline frame"):
+        decode([bytes(control_kind)])

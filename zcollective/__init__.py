@@ -84,11 +84,12 @@ def _on_default(method: Callable[Concatenate[Group, P], R]) -> Callable[P, R]:
 
 
 def _current() -> Group:
-    if _group is not None and _group.closed and _group._life.reforming is not None:
-        _group._life.check_usable()  # closed to form the next group, which did not finish: says so
-    if _group is None or _group.closed:
+    group = _group
+    if group is None or group._life.closed:
+        if group is not None and group._life.reforming is not None:
+            group._life.check_usable()  # closed to form the next group, which did not finish: says so
         raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
-    return _group  # in a forked child, its operations raise CollectiveError naming the parent
+    return group  # in a forked child, its operations raise CollectiveError naming the parent
 
 
 @takes_settings()

@@ -354,6 +354,9 @@ class Group:
                 failure: Optional[BaseException] = life.member.failure
                 if life.driver is not None and failure is None:
                     try:
+                        final = life.member.final(teardown=True)  # the others' receives from this
+                        if final is not None:  # rank end once what it sent was taken in
+                            life.driver.send([final])
                         self._calls.blocking(self._calls.call("teardown"), timeout)
                     except CollectiveTimeoutError:
                         raise
@@ -387,7 +390,8 @@ class Group:
         ReplicaLostError, CollectiveError
             The group failed (a rank was lost, ...).
         """
-        self._point.result(self._point.send(value, dest, tag, _deadline(self, timeout)), timeout)
+        deadline = _deadline(self, timeout)
+        self._point.result(self._point.send(value, dest, tag, deadline, lead=True), timeout, deadline)
 
     def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
         """:meth:`send`, returning at once a future done when :meth:`send` would
@@ -408,8 +412,9 @@ class Group:
         ReplicaLostError, CollectiveError
             The group failed (a rank was lost, ...).
         """
-        future = self._point.receive(source, tag, _deadline(self, timeout))
-        value = self._point.result(future, timeout)
+        deadline = _deadline(self, timeout)
+        future = self._point.receive(source, tag, deadline, lead=True)
+        value = self._point.result(future, timeout, deadline)
         _tell(status, future)
         return value
 
@@ -427,15 +432,17 @@ class Group:
         deadline = _deadline(self, timeout)
         received = self._point.receive(source, recvtag, deadline)
         sent = self._point.send(value, dest, sendtag, deadline)
-        value = self._point.result(received, timeout)
-        self._point.result(sent, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        value = self._point.result(received, timeout, deadline)
+        self._point.result(sent, timeout, deadline)
         _tell(status, received)
         return value
 
     def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
         """Wait for a message :meth:`recv` with these arguments would take,
         and say where it came from, without receiving it."""
-        result: Status = self._point.result(self._point.probe(source, tag, _deadline(self, timeout)), timeout)
+        deadline = _deadline(self, timeout)
+        result: Status = self._point.result(self._point.probe(source, tag, deadline, lead=True), timeout,
+                                            deadline)
         return result
 
     def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
@@ -615,7 +622,7 @@ class Group:
 
 def _deadline(group: Group, timeout: Timeout) -> Optional[float]:
     if isinstance(timeout, _Default):
-        timeout = group.config.op_timeout
+        timeout = group._life.config.op_timeout
     return None if timeout is None else time.monotonic() + timeout
 
 

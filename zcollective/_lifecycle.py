@@ -405,7 +405,8 @@ class Lifecycle:
                     bye = self.member.bye()
                     with contextlib.suppress(BaseException):
                         if bye is not None:
-                            driver.send([bye])
+                            final = self.member.final(teardown=False)
+                            driver.send([bye] if final is None else [final, bye])
             self.close(ending=True, hurry=interrupted is not None)
             if interrupted is not None:
                 raise interrupted

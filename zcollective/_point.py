@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+from . import _calls
 from ._calls import Calls, Timeout, _Default
 from ._format import _serialize
 from ._future import CollectiveFuture, settle
 from ._limits import STATUS_WAIT_S
-from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Mail, Status, check_rank, check_tag
+from ._protocol._p2p import Mail, Status, check_rank, check_tag, describe
 from .errors import CollectiveTimeoutError
 
 
@@ -22,22 +23,24 @@ class PointToPoint:
         self.calls = calls
         self.rank, self.size = calls.rank, calls.config.num_replicas
 
-    def send(self, value: Any, dest: Any, tag: Any,
-             deadline: Optional[float] = None) -> CollectiveFuture[None]:
+    def send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
+             lead: bool = False) -> CollectiveFuture[None]:
         dest, tag = check_rank(dest, self.size, "dest"), check_tag(tag, False)
         segment = _serialize.dumps(value)  # (a value that cannot travel: nothing is sent)
         what = f"send(dest={dest}, tag={tag})"
-        return self._make(what, lambda mail, f: mail.send(dest, tag, segment, f), deadline)
+        return self._make(what, lambda mail, f: mail.send(dest, tag, segment, f), deadline, lead)
 
-    def receive(self, source: Any, tag: Any, deadline: Optional[float] = None) -> CollectiveFuture[Any]:
+    def receive(self, source: Any, tag: Any, deadline: Optional[float] = None,
+                lead: bool = False) -> CollectiveFuture[Any]:
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
-        what = f"recv(source={_source(source)}, tag={_tag(tag)})"
-        return self._make(what, lambda mail, f: mail.receive(source, tag, f), deadline)
+        what = describe("recv", source, tag)
+        return self._make(what, lambda mail, f: mail.receive(source, tag, f), deadline, lead)
 
-    def probe(self, source: Any, tag: Any, deadline: Optional[float] = None) -> CollectiveFuture[Status]:
+    def probe(self, source: Any, tag: Any, deadline: Optional[float] = None,
+              lead: bool = False) -> CollectiveFuture[Status]:
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
-        what = f"probe(source={_source(source)}, tag={_tag(tag)})"
-        return self._make(what, lambda mail, f: mail.probe(source, tag, f), deadline)
+        what = describe("probe", source, tag)
+        return self._make(what, lambda mail, f: mail.probe(source, tag, f), deadline, lead)
 
     def iprobe(self, source: Any, tag: Any) -> Optional[Status]:
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
@@ -53,47 +56,70 @@ class PointToPoint:
 
     def _mail(self) -> Mail:
         calls = self.calls
-        if calls.life.closed:
+        if calls.life.closed or _calls._process != calls.pid:
             calls.life.check_usable()  # raises, saying which
-        calls.life.check_process()
         mail = calls.member.mail
         if mail is None:
             raise RuntimeError(f"rank {self.rank}: this group has no mailbox (a replica of an older "
                                f"release joined it?): point-to-point calls need one on every rank")
         return mail
 
-    def _make(self, what: str, act: Callable[[Mail, Any], None],
-              deadline: Optional[float]) -> CollectiveFuture[Any]:
-        """Hand ``act`` the rules and a new future, holding the turn (taken by ``deadline``)."""
+    def _make(self, what: str, act: Callable[[Mail, Any], None], deadline: Optional[float],
+              lead: bool = False) -> CollectiveFuture[Any]:
+        """Hand ``act`` the rules and a new future, holding the turn (taken by
+        ``deadline``); ``lead``: a call the caller waits for at once, whose
+        wait starts here, without letting go of the turn, if no other thread
+        waits in the group (see :meth:`_lead`)."""
         calls = self.calls
         mail = self._mail()
-        if not calls.turns.take(deadline):
+        turns = calls.turns
+        if not turns.take(deadline):
             raise CollectiveTimeoutError(f"rank {self.rank}: {what} timed out before it could be made "
                                          f"(another thread held the group)")
         try:
-            if mail.failure is not None and calls.driver is not None and not calls.life.closed:
-                calls.driver.mail_io()  # the group is over: what came before it is still received
+            driver = calls.driver
+            if mail.failure is not None and driver is not None and not calls.life.closed:
+                driver.mail_io()  # the group is over: what came before it is still received
             future: CollectiveFuture[Any] = CollectiveFuture(calls, -1, what)
             act(mail, future)
-            driver = calls.driver
             if driver is not None and (mail.out or driver._tracked) and not calls.life.closed:
                 driver.mail_io(take=False)  # sent now, not at the next wait
-            settle(calls.member.outcomes)
+            outcomes = calls.member.outcomes
+            if outcomes:
+                settle(outcomes)
+            if lead and not future._done and turns.alone():
+                self._lead(future, deadline)
             return future
         finally:
-            calls.turns.give()
+            turns.give()
 
-    def result(self, future: CollectiveFuture[Any], timeout: Timeout) -> Any:
-        """``future.result()`` within ``timeout``, for a call this thread has
-        just made; a timeout or an interrupt takes it back (a message it had
-        received goes back, first to be received), then raises."""
-        calls = self.calls
-        if isinstance(timeout, _Default):
-            timeout = calls.config.op_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _lead(self, future: CollectiveFuture[Any], deadline: Optional[float]) -> None:
+        """Holding the turn, with no other thread waiting in the group: wait
+        for ``future`` as :class:`~zcollective._io._turns.Turns` leads a wait
+        (until it is done, ``deadline``, or another thread wants the turn,
+        which then nudges this wait), saving the turn's give and take; what is
+        left of the wait, :meth:`result`'s. A timeout or an interrupt takes the
+        call back as :meth:`result` does."""
+        calls, turns, driver = self.calls, self.calls.turns, self.calls.driver
+        settled = calls._settled(future)
+        try:
+            if driver is not None and not calls.life.closed and driver.wait_mail(settled, deadline):
+                return
+            calls._drive(lambda: settled() or turns.wanted(), deadline, True)
+        except BaseException:
+            if not self._withdraw(future):
+                raise
+
+    def result(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
+        """``future.result()`` by ``deadline`` (``timeout`` from the call's
+        start, for the message), for a call this thread has just made; a
+        timeout or an interrupt takes it back (a message it had received goes
+        back, first to be received), then raises."""
         if not future._done:
             try:
-                if not calls._wait_until(future, deadline) and not future._done:
+                if not self.calls._wait_until(future, deadline) and not future._done:
+                    if isinstance(timeout, _Default):
+                        timeout = self.calls.config.op_timeout
                     raise CollectiveTimeoutError(self._late(future, timeout))
             except BaseException:
                 if not self._withdraw(future):
@@ -133,12 +159,3 @@ class PointToPoint:
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
         unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
         return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
-
-
-def _source(source: int) -> str:
-    return "ANY_SOURCE" if source == ANY_SOURCE else str(source)
-
-
-def _tag(tag: int) -> str:
-    return "ANY_TAG" if tag == ANY_TAG else str(tag)
-

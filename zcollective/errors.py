@@ -71,7 +71,10 @@ class ReplicaLostError(CollectiveError):
     when the message says "was lost"; due to *another replica's program* when
     it says "ended its program (without teardown)". The group is failed for
     good: every later call raises this at once; call
-    :func:`zcollective.teardown` and start a new group.
+    :func:`zcollective.teardown` and start a new group. Except a
+    point-to-point call that only a rank that sends no more could have
+    answered ("cannot complete", "cannot go": it called teardown or its
+    program ended): that call fails, and the group goes on.
     """
 
 

@@ -203,6 +203,34 @@ def parse_error(msg: Message) -> tuple[Exception, bool]:
     return error, body.get("ended") is True
 
 
+MAX_ENDED_CHARS = 1000  # how a rank ended, as FINAL forwards it ("rank 2 (pid 7 on host) called teardown")
+
+
+def final(sent: list[int], teardown: bool, **header: Any) -> Message:
+    """FINAL to the coordinator: this rank sends no more point-to-point
+    messages, having sent ``sent[r]`` to rank r; ``teardown``, or its program ends."""
+    return control(Kind.FINAL, {"sent": sent, "how": "teardown" if teardown else "exit"}, **header)
+
+
+def parse_final(msg: Message, num_replicas: int) -> tuple[list[int], bool]:
+    """A member's FINAL: how many it sent each rank, and whether it called teardown."""
+    body = msg.body(max(_wire.MAX_JSON_BYTES, 24 * num_replicas))  # (a count is at most 19 digits)
+    sent = body.get("sent")
+    if not (isinstance(sent, list) and len(sent) == num_replicas
+            and all(type(n) is int and 0 <= n < 1 << 63 for n in sent)):
+        raise WireError("FINAL must count the messages sent to each rank")
+    return sent, body.get("how") == "teardown"
+
+
+def ended(who: str, **header: Any) -> Message:
+    """FINAL to member ``rank``: rank ``root`` sent it its last (``seq`` of them); ``who``: how it ended."""
+    return control(Kind.FINAL, {"ended": cap(who, MAX_ENDED_CHARS)}, **header)
+
+
+def parse_ended(msg: Message) -> str:
+    return cap(printable(str(msg.body().get("ended", "?"))), MAX_ENDED_CHARS)
+
+
 def abort(error: BaseException, data_plane: bool = False, lost: Optional[int] = None,
           **header: Any) -> Message:
     """ABORT: a replica found the group broken (on its data plane: ``lost`` is the far end)."""

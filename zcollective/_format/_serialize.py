@@ -24,6 +24,9 @@ INBAND_MAX_BYTES = 1 << 16  # smaller buffers cost less to copy than a frame of 
 # Builtin scalars pickle identically with the standard pickler, ten times faster
 # than constructing a CloudPickler; anything else may hold a function or class.
 PLAIN_TYPES = frozenset({int, float, bool, str, bytes, type(None), complex})
+CONTAINER_TYPES = (dict, list, tuple)  # ... and these of them (exactly these types, not subclasses)
+PLAIN_MAX_ITEMS = 64  # a container looked through item by item: small ones (a larger one's walk
+# would cost more than the CloudPickler it saves)
 MAX_CACHED_FUNCTIONS = 256  # importable reduce functions whose pickles are kept
 _by_reference: dict[Any, bytes] = {}
 
@@ -31,7 +34,7 @@ _by_reference: dict[Any, bytes] = {}
 def dumps(value: Any, what: str = "value") -> list[Any]:
     """Serialize ``value`` to a segment ``[pickle, buffer...]``; raise
     SerializationError naming its type if it (or something in it) cannot be pickled."""
-    if type(value) in PLAIN_TYPES:
+    if type(value) in PLAIN_TYPES or (type(value) in CONTAINER_TYPES and _plain(value, [PLAIN_MAX_ITEMS])):
         return [pickle.dumps(value, PROTOCOL)]
     buffers: list[Any] = []
 
@@ -50,6 +53,25 @@ def dumps(value: Any, what: str = "value") -> list[Any]:
             f"{type(value).__qualname__}: {type(exc).__name__}: {exc}"
         ) from exc
     return [stream, *buffers]
+
+
+def _plain(value: Any, budget: list[int]) -> bool:
+    """Is ``value`` :data:`PLAIN_TYPES` all the way down, through at most
+    ``budget[0]`` items of dicts, lists and tuples (spent as it goes)?"""
+    kind = type(value)
+    if kind in PLAIN_TYPES:
+        return True
+    if kind is dict:
+        budget[0] -= 2 * len(value)
+        return budget[0] >= 0 and _all_plain(value.keys(), budget) and _all_plain(value.values(), budget)
+    if kind is list or kind is tuple:
+        budget[0] -= len(value)
+        return budget[0] >= 0 and _all_plain(value, budget)
+    return False
+
+
+def _all_plain(items: Any, budget: list[int]) -> bool:
+    return PLAIN_TYPES.issuperset(map(type, items)) or all(_plain(x, budget) for x in items)
 
 
 def dumps_function(fn: Any) -> bytes:

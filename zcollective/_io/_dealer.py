@@ -97,20 +97,24 @@ class DealerDriver(Driver):
         names = self.watching()
         while True:
             woke = self.waiter.wait(names, deadline, POLL_SLICE_S)
-            self.mail_ready |= mail_woke(woke)
+            mail = mail_woke(woke)
+            self.mail_ready |= mail
             if not woke or woke[0] is DEADLINE:  # nothing came: the monitor is asked anyway
                 self._drain_monitor()
             else:  # first: a FAIL that came before a disconnect explains it
-                got = self._drain_dealer(DEALER in woke, until)
-                if MONITOR in woke:
+                got = DEALER in woke and self._drain_dealer(True, until)  # (not asked again if the
+                if MONITOR in woke:  # poll did not find it: the next wait does)
                     self._drain_dealer()  # all of it, past ``until``: a FAIL explains a close
                     self._drain_monitor()
-                if got or NUDGE in woke or mail_woke(woke):
+                if got or NUDGE in woke or mail:
                     return True
             if self.member.failure is not None:
                 return True
             if DEADLINE in woke:
                 return False
+
+    def slice_s(self) -> Optional[float]:
+        return POLL_SLICE_S
 
     def _drain_dealer(self, waiting: bool = False, until: Optional[Callable[[], bool]] = None) -> bool:
         """Handle every message waiting (``waiting``: a poll just found one); True if there

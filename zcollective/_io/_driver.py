@@ -12,14 +12,14 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
-from .._limits import STATUS_WAIT_S
+from .._limits import POLL_SLICE_S, STATUS_WAIT_S
 from .._protocol._coordinator import RANK0_PEER, Coordinator
 from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import Outcome
 from ..errors import CollectiveError, CollectiveTimeoutError
 from ._interrupts import NUDGE, Waiter
-from ._mailbox import MAIL, TRACKER_POLL_S
+from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
 if TYPE_CHECKING:
     from ._dataplane import DataPlane
@@ -43,7 +43,8 @@ class Driver:
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
         self.mail: Optional[MailSockets] = None  # the mailbox's sockets (point to point), once joined
         self.mail_names: tuple[str, ...] = ()
-        self.mail_ready = False  # a wait woke for the mailbox: take in (else a wait only looks at it)
+        self.mail_ready = 0  # what a wait woke for of the mailbox's (MESSAGE, LINK: see _mailbox.mail_woke):
+        # take in, look at the links (else a wait only looks at it)
         self._tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
 
     def _watches(self, *names: str) -> None:
@@ -64,36 +65,42 @@ class Driver:
     def _soon(self) -> Optional[float]:
         """When the mailbox has something to do without news: a tracked buffer to
         look at again, a refused link to make again."""
-        retry = self.mail.next_retry() if self.mail is not None else None
         if self._tracked:
             return time.monotonic() + TRACKER_POLL_S
-        return retry
+        return self.mail.next_retry() if self.mail is not None else None
 
-    def mail_io(self, take: bool = True) -> None:
-        """Point to point: take in what came to the mailbox (if ``take``),
-        send what the rules owe (a send is done once libzmq no longer reads
-        its buffers)."""
+    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> None:
+        """Point to point: take in what came to the mailbox (if ``take``;
+        ``ready``: what a wait woke for, see :attr:`mail_ready`), send what the
+        rules owe (a send is done once libzmq no longer reads its buffers).
+        Once ``enough()`` holds (a waited-for call is done) the rest stays for
+        the next wait, unless a coroutine sleeps on the descriptors (rule 3
+        of :mod:`zcollective._future`)."""
         member, sockets = self.member, self.mail
         rules = member.mail
         if rules is None:
             return
         if sockets is not None and take:
-            for frames in sockets.take():
+            for frames in sockets.take(bool(ready & MESSAGE)):
                 try:
                     msg = decode(frames, signer=member.signer, max_frame_bytes=member.max_frame_bytes)
                 except WireError:  # (admitted by the handshake: a bug, or a peer of another release)
                     rules.dropped += 1
                     continue
                 rules.take(msg)
+                if enough is not None and member.outcomes and enough() and not self.sleepers():
+                    break
         out, went = rules.out, []
         while out and sockets is not None:
             dest, msg, handle = out.pop(0)
-            borrowed = handle is not None and any(type(f) is not bytes for f in msg.segments[0])
+            segment = msg.segments[0] if msg.segments else []
+            borrowed = handle is not None and not (len(segment) == 1 and type(segment[0]) is bytes) and any(
+                type(f) is not bytes for f in segment)
             frames = encode(msg, member.signer, part_bytes=member.part_bytes)
             went += sockets.send(dest, frames, borrowed, handle)
         broken = None
         if sockets is not None:
-            made, broken = sockets.progress(time.monotonic())
+            made, broken = sockets.progress(time.monotonic(), bool(ready & LINK))
             went += made
         for tracker, handle in went:
             if tracker is not None and not tracker.done:
@@ -124,6 +131,11 @@ class Driver:
         member (or, once ``until()`` holds, as much as a driver chooses).
         False on timeout."""
         raise NotImplementedError
+
+    def slice_s(self) -> Optional[float]:
+        """How long :meth:`wait_mail`'s poll may sleep (0: a duty of the
+        driver's own is due: none of it here); None: it has no such poll."""
+        return None
 
     def fds(self) -> list[int]:
         """File descriptors that become readable when something may have arrived."""
@@ -190,8 +202,8 @@ class Driver:
             self.flush()
         while not done():
             if member.mail is not None and (self.mail_ready or member.mail.out or self._soon() is not None):
-                self.mail_ready = False  # (a wait wakes at once while a message waits: it is level)
-                self.mail_io()
+                ready, self.mail_ready = self.mail_ready, 0  # (a wait wakes at once while a message
+                self.mail_io(ready=ready, enough=done)  # waits: the PULL is polled as a socket, level)
                 if done():
                     return True
             # (a call kept by a failure too: see Member.fail)
@@ -207,6 +219,26 @@ class Driver:
             if moved is False or (not self._pump(until, done) and until == deadline):
                 return done()
         return True
+
+    def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+        """A point-to-point call's wait, by the turn's holder, at its cheapest:
+        one poll of what :meth:`wait_for` watches (the nudge too), and, if the
+        mailbox alone woke it, what came taken in; True once ``done()``.
+        False, having taken nothing else, when something else woke it (every
+        source stays readable: :meth:`wait_for`'s poll finds it at once),
+        nothing came within :meth:`slice_s`, or anything else is due."""
+        member, sockets = self.member, self.mail
+        if (sockets is None or member.transfers or member.owed or member.failure is not None
+                or self._tracked or sockets.next_retry() is not None):
+            return False
+        slice_s = self.slice_s()
+        if slice_s is None or slice_s <= 0:
+            return False
+        woke = self.waiter.wait(self._nudged_names, deadline, slice_s)
+        if len(woke) != 1 or woke[0] != MAIL:
+            return False
+        self.mail_io(ready=MESSAGE, enough=done)
+        return done()
 
     def progress(self) -> None:
         """Send what is owed; take in whatever has arrived, without blocking."""
@@ -288,7 +320,8 @@ class Driver:
         bye = member.bye()
         if bye is None:
             return
-        self.send([bye])
+        final = member.final(teardown=False)  # (before the BYE: the others hear of it first)
+        self.send([bye] if final is None else [final, bye])
         if self.remote:  # (no data moves: finish_data had its time)
             self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
 
@@ -330,7 +363,7 @@ class HostDriver(Driver):
         try:
             got = server.serve(deadline, self._handle, self.nudged, self.mail_names)
             self.mail_ready |= server.mail_woke
-            server.mail_woke = False
+            server.mail_woke = 0
         finally:
             turns.give()
         why = server.gone()
@@ -348,6 +381,12 @@ class HostDriver(Driver):
             return super().wait_for(done, deadline)
         finally:
             turns.give()
+
+    def slice_s(self) -> Optional[float]:
+        server = self.server
+        if server.to_host or server.has_from_host():
+            return 0.0
+        return server.sleep_s(POLL_SLICE_S)
 
     def fds(self) -> list[int]:
         return self.server.fds()

@@ -8,6 +8,7 @@ which receive takes it is decided by :mod:`zcollective._protocol._p2p`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import zmq
@@ -17,16 +18,22 @@ from ..config import Config
 from . import _sockets, _zap
 from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, bind_peer_port, set_peer_options
 
-__all__ = ["MAIL", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
+__all__ = ["MAIL", "MESSAGE", "LINK", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
 MAIL = "mail"  # its socket's name in a waiter; a link's monitor is "mail <rank>"
+MESSAGE, LINK = 1, 2  # what a wait woke for (mail_woke): a message waits; a link's monitor has news
 TAKE_BATCH = 256  # messages taken in one go (then the owner looks at its other sockets)
-LOOK_S = 0.01  # once every link is made, their monitors are read at most this often
+LOOK_S = 0.01  # once every link is made, their monitors are read at most this often (unless one woke a wait)
 
 
-def mail_woke(woke: list[str]) -> bool:
-    """Did a wait wake for the mailbox (a message, or a link's handshake refused)?"""
-    return any(name.startswith(MAIL) for name in woke)
+def mail_woke(woke: list[str]) -> int:
+    """What a wait woke for of the mailbox's: :data:`MESSAGE`, :data:`LINK` (a
+    link's handshake, or its refusal), both, or 0."""
+    found = 0
+    for name in woke:
+        if name.startswith(MAIL):
+            found |= MESSAGE if name == MAIL else LINK
+    return found
 
 
 class MailSockets:
@@ -98,20 +105,21 @@ class MailSockets:
             self._broken = dest
             return None
 
-    def progress(self, now: float) -> tuple[list[tuple[Any, Any]], Optional[int]]:
-        """What each link's monitor says: a link made sends what waited for it
-        (returned as :meth:`send` returns it); one refused before it was made
-        (the other rank had not yet taken its WELCOME's key) is made again with
-        a fresh token a moment later; one refused after (libzmq made it again
-        after a reset, with its spent token) is broken: that rank is returned."""
+    def progress(self, now: float, look: bool = False) -> tuple[list[tuple[Any, Any]], Optional[int]]:
+        """What each link's monitor says (``look``: a wait woke for one): a
+        link made sends what waited for it (returned as :meth:`send` returns
+        it); one refused before it was made (the other rank had not yet taken
+        its WELCOME's key) is made again with a fresh token a moment later; one
+        refused after (libzmq made it again after a reset, with its spent
+        token) is broken: that rank is returned."""
         went: list[tuple[Any, Any]] = []
         broken, self._broken = self._broken, None
-        if not self._held and not self._retry and broken is None and now < self._next_look:
+        if not look and not self._held and not self._retry and broken is None and now < self._next_look:
             return went, None  # every link made: a refusal can wait a moment (a wait wakes for it)
         self._next_look = now + LOOK_S
         for dest, monitor in self._monitors.items():
-            if not _sockets.readable(monitor):
-                continue
+            if not _sockets.readable(monitor):  # (each look reads a monitor to the end: a wait
+                continue  # watches its file descriptor, which only news sets again)
             for event, _ in _sockets.monitor_events(monitor):
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and dest not in self._made:
                     self._made.add(dest)
@@ -133,7 +141,7 @@ class MailSockets:
 
     def next_retry(self) -> Optional[float]:
         """When a refused link is next made again (None: none is)."""
-        return min(self._retry.values(), default=None)
+        return min(self._retry.values()) if self._retry else None
 
     def _connect(self, dest: int) -> zmq.Socket:
         target = self._endpoints[dest]
@@ -147,26 +155,33 @@ class MailSockets:
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 _zap.secure_client(push, key, _zap.MAIL_DOMAIN)
-                self._monitors[dest] = _sockets.monitor_socket(
+                monitor = self._monitors[dest] = _sockets.monitor_socket(
                     push, zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(HANDSHAKE_FAILED))
-                push.connect(target)
+                _sockets.readable(monitor)  # asked once before the connect: its descriptor is then
+                push.connect(target)  # set by news only (a wait watches it: no poll of its own)
         self._pushes[dest] = push
         return push
 
     def link_count(self) -> int:
         return len(self._monitors)
 
-    def links(self) -> dict[str, zmq.Socket]:
-        """The links' monitors, by their names in a waiter."""
-        return {f"{MAIL} {dest}": monitor for dest, monitor in self._monitors.items()}
+    def links(self) -> dict[str, int]:
+        """The file descriptors of the links' monitors, by their names in a waiter."""
+        return {f"{MAIL} {dest}": monitor.FD for dest, monitor in self._monitors.items()}
 
-    def take(self) -> list[list[Any]]:
-        """The messages waiting (at most :data:`TAKE_BATCH`), without blocking."""
-        taken: list[list[Any]] = []
+    def take(self, waiting: bool = False) -> Iterator[list[Any]]:
+        """The messages waiting (at most :data:`TAKE_BATCH`), without blocking
+        (``waiting``: a poll found one, so the first needs no second poll)."""
         pull = self._pull
-        while len(taken) < TAKE_BATCH and _sockets.readable(pull):
-            taken.append(_sockets.recv_message(pull))
-        return taken
+        for _ in range(TAKE_BATCH):
+            if not (waiting or _sockets.readable(pull)):
+                return
+            waiting = False
+            try:
+                frames = _sockets.recv_message(pull)
+            except zmq.Again:  # (taken meanwhile, by a look that did not know of that poll)
+                return
+            yield frames
 
     def close(self, linger_ms: int = 0) -> None:
         for push in self._pushes.values():

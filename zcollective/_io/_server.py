@@ -65,7 +65,7 @@ class Server:
                                        config.job, config.warn_after)
         self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
         self.port = config.master_port  # bound (0: the system chose, a sub-group's)
-        self.mail_woke = False  # a wait of the turn's holder ended for its member's mailbox
+        self.mail_woke = 0  # a wait of the turn's holder ended for its member's mailbox (_mailbox.mail_woke)
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self.turns = turns if turns is not None else Turns()  # its holder owns the sockets
         self._away = False  # the background thread serves
@@ -146,6 +146,10 @@ class Server:
         """Rank 0's thread: the forming bound passed; start with those who came."""
         self._briefly(partial(self._take, self.coordinator.form_now))
 
+    def has_from_host(self) -> bool:
+        """Has rank 0's member sent something the coordinator has not yet taken?"""
+        return bool(self._from_host)
+
     def _take_from_host(self) -> None:
         """The owner: what rank 0's member sent, in order."""
         queue, receive = self._from_host, self.coordinator.receive_message
@@ -177,11 +181,12 @@ class Server:
         (True, at once: what else came is the next holder's), or ``deadline``
         (False)."""
         while not done():
-            woke = self.waiter.wait(names, deadline, self._sleep_s(slice_s))
+            woke = self.waiter.wait(names, deadline, self.sleep_s(slice_s))
             if NUDGE in woke or STOP in woke:
                 return True
-            if mail_woke(woke):  # its member's mailbox (the holder takes it in)
-                self.mail_woke = True
+            mail = mail_woke(woke)
+            if mail:  # its member's mailbox (the holder takes it in)
+                self.mail_woke = mail
                 return True
             if (woke and woke[0] is not DEADLINE) or self._probes.due is not None:
                 self._step(woke)
@@ -480,7 +485,7 @@ class Server:
             log.warning("%s", line)
             announce_stall(self.session, ranks, line)
 
-    def _sleep_s(self, limit_s: Optional[float]) -> Optional[float]:
+    def sleep_s(self, limit_s: Optional[float]) -> Optional[float]:
         """How long a wait may sleep: ``limit_s`` (None: for ever), but not
         past the next probe round, nor the next stall warning due."""
         now = time.monotonic()

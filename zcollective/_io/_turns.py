@@ -39,6 +39,12 @@ class Turns:
         """Does another thread wait for the turn (read by the leader's wait)?"""
         return self._wanting > 0
 
+    def alone(self) -> bool:
+        """Held by this thread, once, and no other thread leads a wait or wants
+        the turn: this thread may lead a wait without letting go first (read
+        without the mutex: a thread that comes meanwhile nudges it)."""
+        return self._depth == 1 and self._leader is None and not self._wanting
+
     def take(self, deadline: Optional[float] = None) -> bool:
         """Take the turn (nested takes count), nudging its holder; False if
         the holder, busy in a step that is not a wait (pickling, a reduce

@@ -4,7 +4,7 @@ returning the messages to send and the reductions to run. Rank 0 hosts it; a dri
 for a group of one) feeds it and applies what it returns (:func:`._ops.applied`), so every rule is
 tested without a network.
 
-Rules 1-11 (cited by number in the code): see docs/protocol.md,
+Rules 1-12 (cited by number in the code): see docs/protocol.md,
 *Coordinator rules*.
 """
 
@@ -320,6 +320,8 @@ class Coordinator:
             return [self._fail_message(member)]
         if msg.kind is Kind.BYE:
             return self._on_bye(member, msg.seq, msg.flags)
+        if msg.kind is Kind.FINAL:
+            return self._on_final(member, msg)
         if msg.kind is Kind.ABORT:
             return self._on_abort(member, msg)
         if msg.kind is Kind.STATUS:
@@ -874,6 +876,18 @@ class Coordinator:
             self.phase = Phase.CLOSED  # everyone is done: nothing can be waiting
             return farewell
         return self._check_endings() + farewell
+
+    def _on_final(self, member: Joined, msg: Message) -> list[Outgoing]:
+        """Rule 12: ``member`` sends no more point-to-point messages; every
+        other member still running is told how many it sent that member."""
+        sent, teardown = _bodies.parse_final(msg, self.num_replicas)
+        if self.phase is not Phase.RUNNING:
+            return []
+        how = "called teardown" if teardown else "ended its program (without teardown)"
+        who = f"rank {member.rank} {how} (pid {member.pid} on {member.host})"
+        return [(m.peer, _bodies.ended(who, rank=m.rank, root=member.rank, seq=sent[m.rank],
+                                       session=self._binding(m)))
+                for m in self.members.values() if m is not member and m.ended is None and not m.newcomer]
 
     def _hold(self, member: Joined, answer: Outgoing) -> list[Outgoing]:
         """The answer to ``member``'s BYE, or, when data went peer to peer and

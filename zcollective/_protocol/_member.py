@@ -335,6 +335,13 @@ class Member:
         return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session,
                        flags=FLAG_DATA if unsent else 0)
 
+    def final(self, teardown: bool) -> Optional[Message]:
+        """FINAL: this rank sends no more point-to-point messages (``teardown``,
+        or its program ends); None when there is nobody to tell."""
+        if self.failure is not None or not self.joined or self.mail is None or self.size == 1:
+            return None
+        return _bodies.final(self.mail.final(), teardown, rank=self.rank, session=self.session)
+
     def give_up(self, seq: int, error: BaseException, timed_out: bool) -> list[Message]:
         """This rank gives up call ``seq`` (``error`` is why): tell the coordinator, so that the
         call fails alike on every rank (rule 4 of the coordinator); nothing once the group failed
@@ -437,6 +444,8 @@ class Member:
                 return [self.join()]
         elif kind is Kind.TAKEN:
             self._asked = max(msg.seq, self._asked or 0)
+        elif kind is Kind.FINAL and self.mail is not None and 0 <= msg.root < self.size:
+            self.mail.ended(msg.root, msg.seq, _bodies.parse_ended(msg))  # (its own: ignored)
         return self._taken() if self._asked is not None else []
 
     def _taken(self) -> list[Message]:

@@ -7,6 +7,12 @@ was sent (each pair's messages carry consecutive numbers, checked here); a
 receive for ``ANY_SOURCE`` or ``ANY_TAG`` takes the earliest arrived that
 matches; an arriving message goes to the earliest posted receive it matches.
 
+Ends: a rank that sends no more (teardown, or its program ends) says how
+many messages it sent each rank (through the coordinator: FINAL). Once a
+rank has taken in that many from it, a receive or probe that only it could
+answer (``ANY_SOURCE``: only ranks that ended) fails, and so does a send to
+it: its program receives nothing more.
+
 Windows: a sender may have at most ``window`` bytes sent to one rank and not
 yet received by that rank's program, or one message of any size when it has
 none. The receiver credits what its program took back to the sender
@@ -86,6 +92,7 @@ class _Peer:
     credited: int = -1  # ... and the last it was told of
     taken_bytes: int = 0  # bytes received since then
     owed: bool = False  # it asked for credit: send it as soon as there is any
+    last: Optional[int] = None  # it sends no more: how many it sent (FINAL)
 
 
 class OutOfOrder(ValueError):
@@ -102,6 +109,8 @@ def _index(value: Any) -> Optional[int]:
 
 def check_tag(tag: Any, receiving: bool) -> int:
     """A tag as an int: 0 to :data:`MAX_TAG`, or :data:`ANY_TAG` to receive."""
+    if type(tag) is int and 0 <= tag <= MAX_TAG:  # (the usual case, without a call)
+        return tag
     index = _index(tag)
     if index is not None and (0 <= index <= MAX_TAG or (receiving and index == ANY_TAG)):
         return index
@@ -110,6 +119,8 @@ def check_tag(tag: Any, receiving: bool) -> int:
 
 
 def check_rank(rank: Any, size: int, what: str, any_source: bool = False) -> int:
+    if type(rank) is int and 0 <= rank < size:  # (the usual case, without a call)
+        return rank
     index = _index(rank)
     if index is not None and (0 <= index < size or (any_source and index == ANY_SOURCE)):
         return index
@@ -225,9 +236,27 @@ class Mailbox:
         peer.credited, peer.taken_bytes, peer.owed = peer.taken, 0, False
         return Credit(source, peer.taken)
 
+    def ended(self, source: int, count: int) -> None:
+        """``source`` sends no more, having sent this rank ``count`` messages."""
+        self.peers[source].last = count
+
+    def drained(self, source: int) -> bool:
+        """Can no message from ``source`` (``ANY_SOURCE``: any other rank) come
+        any more? Each has ended, and all it sent here was taken in."""
+        if source != ANY_SOURCE:
+            peer = self.peers[source]
+            return source != self.rank and peer.last is not None and peer.next_in >= peer.last
+        return all(self.drained(r) for r in range(len(self.peers)) if r != self.rank)
+
     def held_from(self, source: int) -> int:
         """Bytes of ``source``'s messages taken in and not yet received."""
         return sum(c.nbytes for c in self.arrived if c.source == source)
+
+
+def describe(call: str, source: int, tag: int) -> str:
+    """A receive's or probe's name in messages: ``recv(source=ANY_SOURCE, tag=3)``."""
+    return (f"{call}(source={'ANY_SOURCE' if source == ANY_SOURCE else source}, "
+            f"tag={'ANY_TAG' if tag == ANY_TAG else tag})")
 
 
 def _value(value: Any) -> Callable[[], Any]:
@@ -236,6 +265,12 @@ def _value(value: Any) -> Callable[[], Any]:
 
 def nbytes(segment: list[Any]) -> int:
     """A segment's size as it travels."""
+    if len(segment) == 1:  # (a small value's: as sent, or as it came, inline)
+        kind = type(segment[0])
+        if kind is bytes:
+            return len(segment[0])
+        if kind is memoryview:
+            return segment[0].nbytes  # type: ignore[no-any-return]
     return sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in segment)
 
 
@@ -264,11 +299,15 @@ class Mail:
         self.failure: Optional[BaseException] = None
         self.dropped = 0  # messages out of their pair's order (a replay, or malformed): dropped, counted
         self.gap: Optional[str] = None  # a message of a pair never came: later ones did
+        self.ended_how: dict[int, str] = {}  # ranks that send no more: how each ended (FINAL)
 
     def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
         """Send when the window allows (the handle is then done), in order."""
         if self.failure is not None:
             self.outcomes.append(Outcome(handle, fresh(self.failure)))
+            return
+        if dest in self.ended_how:
+            self.outcomes.append(Outcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
             return
         self.waiting[dest].append(_Sending(dest, tag, segment, nbytes(segment), handle))
         self._flush(dest)
@@ -302,7 +341,10 @@ class Mail:
         came, credits = self.box.post(Receive(source, tag, handle))
         if came is not None:
             self._received(handle, came)
-        self._credit(credits)
+        elif self.ended_how:
+            self._hopeless()
+        if credits:
+            self._credit(credits)
 
     def probe(self, source: int, tag: int, handle: Any) -> None:
         """A blocking probe: ``handle`` is done with the :class:`Status` of
@@ -315,6 +357,8 @@ class Mail:
             self.outcomes.append(Outcome(handle, None, _value(status)))
         else:
             self.probes.append(Receive(source, tag, handle))
+            if self.ended_how:
+                self._hopeless()
 
     def waiting_for(self, handle: Any) -> Optional[int]:
         """The rank a send waiting for credit goes to (None: ``handle`` is no such send)."""
@@ -371,7 +415,10 @@ class Mail:
                 self.outcomes.append(Outcome(probe.handle, None, _value(status)))
             if done is not None:
                 self._received(done[0].handle, done[1])
-            self._credit(credits)
+            elif source in self.ended_how:  # perhaps its last
+                self._hopeless()
+            if credits:
+                self._credit(credits)
 
     def _received(self, handle: Any, came: Arrived) -> None:
         segment = came.message.segments[0]
@@ -383,8 +430,63 @@ class Mail:
             self._flush(self.rank)  # that waited for the window goes now
 
     def _credit(self, credits: list[Credit]) -> None:
-        self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
-                        for c in credits)
+        if credits:
+            self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
+                            for c in credits)
+
+    def final(self) -> list[int]:
+        """This rank sends no more (teardown, or its program ends): how many
+        messages it sent each rank. Sends still waiting for credit never go: they fail."""
+        for queue in self.waiting:
+            while queue:
+                s = queue.popleft()
+                error = RuntimeError(f"rank {self.rank}: send(dest={s.dest}, tag={s.tag}) waited for "
+                                     f"rank {s.dest}'s window when this rank stopped sending "
+                                     f"(teardown, or its program ended): it was not sent")
+                self.outcomes.append(Outcome(s.handle, error))
+        return [peer.next_out for peer in self.box.peers]
+
+    def ended(self, source: int, count: int, how: str) -> None:
+        """Rank ``source`` sends no more (``how``: who it is, how it ended),
+        having sent this rank ``count`` messages: a send to it fails, and a
+        receive or probe only it could answer, once all it sent was taken in."""
+        if source == self.rank or source in self.ended_how:
+            return
+        self.box.ended(source, count)
+        self.ended_how[source] = how
+        queue = self.waiting[source]
+        while queue:
+            s = queue.popleft()
+            self.outcomes.append(Outcome(s.handle, self._gone(f"send(dest={source}, tag={s.tag})", source)))
+        self._hopeless()
+
+    def _hopeless(self) -> None:
+        """Fail every posted receive and probe that no message can answer any more."""
+        for call, waiting in (("recv", self.box.posted), ("probe", self.probes)):
+            for receive in [r for r in waiting if self.box.drained(r.source)]:
+                waiting.remove(receive)
+                self.outcomes.append(Outcome(receive.handle, self._gone(
+                    describe(call, receive.source, receive.tag), receive.source)))
+
+    def _gone(self, what: str, rank: int) -> ReplicaLostError:
+        """The error of a call that needs rank ``rank`` (``ANY_SOURCE``: any
+        other), which sends no more (and, a receive: all it sent was taken in)."""
+        if rank == ANY_SOURCE:
+            whys = "; ".join(self.ended_how[r] for r in sorted(self.ended_how))
+            error = ReplicaLostError(f"rank {self.rank}: {what} cannot complete: no other rank can send "
+                                     f"any more ({whys}), and no message here matches")
+            error.lost_ranks = tuple(sorted(self.ended_how))  # type: ignore[attr-defined]
+            return error
+        how = self.ended_how[rank]
+        if what.startswith("send"):
+            error = ReplicaLostError(f"rank {self.rank}: {what} cannot go: {how}: its program receives "
+                                     f"nothing more")
+        else:
+            count = self.box.peers[rank].last
+            error = ReplicaLostError(f"rank {self.rank}: {what} cannot complete: {how}, after sending "
+                                     f"this rank {count} message(s), all taken in; none here matches")
+        error.lost_ranks = (rank,)  # type: ignore[attr-defined]
+        return error
 
     def link_broke(self, dest: Optional[int]) -> ReplicaLostError:
         """The error that fails the group when a mailbox link broke: this
