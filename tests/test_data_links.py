@@ -57,6 +57,7 @@ class LinkRelay(Relay):
         self.armed = None  # (byte count, "reset" | "alter")
         self.done = False
         self.ended = 0  # directions of connections that ended (two per connection)
+        self.at_reset = (0, 0)  # connections made and ended when reset() reset them
         super().__init__(upstream)
 
     def _carry(self, *args):
@@ -68,7 +69,10 @@ class LinkRelay(Relay):
         the data port had time to refuse its handshake (a spent token) and
         close it: rank 0's coordinator thread answers at once; another rank,
         or rank 0 without a secret, only once it moves data again."""
-        for until, done in ((REMADE_S, lambda: self.connections >= 2), (ANSWER_S, lambda: self.ended >= 4)):
+        made, ended = self.at_reset  # (counted from the reset: once, under the full suite's load,
+        # the relay had seen two connections before it, so "2 in all" came at once)
+        for until, done in ((REMADE_S, lambda: self.connections >= made + 1),
+                            (ANSWER_S, lambda: self.ended >= ended + 4)):
             deadline = time.monotonic() + until
             while time.monotonic() < deadline and not done():
                 time.sleep(0.01)
@@ -93,6 +97,7 @@ class LinkRelay(Relay):
         return carry
 
     def reset(self):
+        self.at_reset = (self.connections, self.ended)
         for s in list(self._sockets):
             try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -125,7 +130,7 @@ def link_fault(front, when, secret):
     assert np.array_equal(first, 3 * x)
     if when == "at rest":
         if relay is not None:
-            assert relay.connections == 1  # the link was made once (before libzmq re-makes it)
+            assert relay.connections >= 1  # the link was made (more than once under load, at times)
             relay.reset()
             relay.settled()
         zc.barrier()  # (the control plane only)
