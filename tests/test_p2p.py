@@ -235,6 +235,38 @@ def test_receives_in_a_thread_while_collectives_go_on():
         assert out == (True, True)
 
 
+def moved_between_mailboxes():
+    """Rank 0's mailbox sockets copy what they send rank 1 onto the link to rank 2 first, as a
+    path attacker copying bytes between two links would; rank 2 then receives from rank 0."""
+    r = zc.get_rank()
+    if r == 0:
+        from zcollective._io._mailbox import MailSockets
+
+        original = MailSockets.send
+
+        def send(self, dest, frames, track, handle):
+            if dest == 1:
+                original(self, 2, [bytes(memoryview(f)) for f in frames], False, None)
+            return original(self, dest, frames, track, handle)
+
+        MailSockets.send = send
+        zc.send({"to": 1, "amount": 100}, 1)
+        zc.send({"to": 2, "amount": 1}, 2)
+    got = zc.recv(0, timeout=30) if r else None
+    zc.barrier()
+    return got, zc.iprobe(0) is None if r else True
+
+
+@pytest.mark.parametrize("secret", ["secret"])
+def test_a_message_moved_to_another_ranks_mailbox_is_not_taken_as_the_senders(secret):
+    """Each mailbox has its own key (derived from the secret and its rank): a copy of rank 0's
+    message to rank 1 put in rank 2's mailbox does not verify there, so rank 2 receives what rank 0
+    sent it (without a secret no tag binds anything: docs/security.md)."""
+    outs = run_replicas(moved_between_mailboxes, 3, timeout=60, env=SECRETS[secret])
+    assert outs[1] == ({"to": 1, "amount": 100}, True), outs
+    assert outs[2] == ({"to": 2, "amount": 1}, True), outs
+
+
 def test_a_group_of_one_sends_to_itself():
     with zc.Group(rank=0, size=1) as group:
         group.send({"x": 1}, 0, tag=2)
@@ -382,6 +414,40 @@ def test_a_recv_from_a_rank_that_ended_fails_once_all_it_sent_was_received(how, 
         kind, message = out["send to it"]
         assert kind == "ReplicaLostError" and message.startswith(
             f"rank {r}: send(dest=2, tag=0) cannot go: rank 2 {ended}"), report(outs, message)
+
+
+def sent_as_the_program_ends(how, markers):
+    """Rank 1's first message to rank 2 is sent asynchronously while rank 2 is busy in its own
+    code, then rank 1 ends (``how``) at once; rank 2 receives it, then learns rank 1 sends no
+    more. Rank 0 waits in its own code until rank 2 is done (its end would end the group)."""
+    zc.initialize()
+    r, done = zc.get_rank(), os.path.join(markers, "done")
+    if r == 1:
+        zc.send_async("x", 2, tag=1)
+        if how == "teardown":
+            zc.teardown()
+        return "ended"
+    if r == 2:
+        time.sleep(2.0)
+        got = _outcome(lambda: zc.recv(1, tag=1, timeout=30))
+        start = time.monotonic()
+        after = _outcome(lambda: zc.recv(1, timeout=30))
+        touch(done)
+        return got, after[0], time.monotonic() - start
+    wait_for(done, timeout=40)
+    return None
+
+
+@pytest.mark.parametrize("how", ["teardown", "exit"])
+def test_a_message_waiting_for_its_link_when_its_sender_ends_is_delivered(how, tmp_path):
+    """A message still waiting for its link's handshake when its rank ends goes before that
+    rank's FINAL (which counts it): it is received, and the next recv fails at once, not at its
+    timeout (30 s here: the test's bound is shorter)."""
+    with Replicas(sent_as_the_program_ends, 3, how, str(tmp_path), initialize=False) as reps:
+        outs = reps.wait(25)
+    assert outs[2].ok, report(outs, "rank 2 failed")
+    got, after, took = outs[2].value
+    assert got == "x" and after == "ReplicaLostError" and took < 10, report(outs, str(outs[2].value))
 
 
 def interrupted_then_received(markers):

@@ -661,8 +661,13 @@ def test_a_small_point_to_point_value_travels_in_the_header_frame_signed_or_not(
         assert _wire._decode_simple(frames, False) is None
         with pytest.raises(WireError, match="inline frame"):
             decode(frames)
-    control_kind = bytearray(plain[0])
-    control_kind[3] = Kind.FAIL
-    assert _wire._decode_simple([bytes(control_kind)], False) is None
-    with pytest.raises(WireError, match="may carry an inline frame"):
-        decode([bytes(control_kind)])
+    for other in (Kind.FAIL, Kind.RESULT, Kind.CONTRIB, Kind.CREDIT):  # SEND alone goes inline
+        other_kind = bytearray(plain[0])
+        other_kind[3] = other
+        assert _wire._decode_simple([bytes(other_kind)], False) is None
+        with pytest.raises(WireError, match="may carry an inline frame"):
+            decode([bytes(other_kind)])
+    oversized = plain[0] + bytes(_wire.INLINE_MAX_BYTES)  # more than INLINE_MAX_BYTES after the layout
+    assert _wire._decode_simple([oversized], False) is None
+    with pytest.raises(WireError, match="at most"):
+        decode([oversized])

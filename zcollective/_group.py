@@ -18,7 +18,7 @@ from ._elastic import Agreement
 from ._forming import Unreachable
 from ._future import CollectiveFuture
 from ._lifecycle import Lifecycle
-from ._limits import DEFAULT_INIT_TIMEOUT_S
+from ._limits import DEFAULT_INIT_TIMEOUT_S, HELD_AT_TEARDOWN_S
 from ._point import PointToPoint
 from ._protocol import _ring
 from ._protocol._member import fresh
@@ -354,7 +354,8 @@ class Group:
                 failure: Optional[BaseException] = life.member.failure
                 if life.driver is not None and failure is None:
                     try:
-                        final = life.member.final(teardown=True)  # the others' receives from this
+                        final = life.driver.final(True, time.monotonic() + HELD_AT_TEARDOWN_S)  # the
+                        # others' receives from this
                         if final is not None:  # rank end once what it sent was taken in
                             life.driver.send([final])
                         self._calls.blocking(self._calls.call("teardown"), timeout)

@@ -405,7 +405,9 @@ class Lifecycle:
                     bye = self.member.bye()
                     with contextlib.suppress(BaseException):
                         if bye is not None:
-                            final = self.member.final(teardown=False)
+                            final = self.member.final(teardown=False, unsent=(
+                                self.mail.drop_held() if self.mail is not None else None))  # (interrupted:
+                            # no wait for a link)
                             driver.send([bye] if final is None else [final, bye])
             self.close(ending=True, hurry=interrupted is not None)
             if interrupted is not None:

@@ -63,6 +63,8 @@ JOIN_RESEND_S = 1.0  # a member not yet welcomed sends its JOIN again this often
 # connection made twice, or its WELCOME, would leave it waiting out its join timeout)
 STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
 DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take to say why
+HELD_AT_TEARDOWN_S = 1.0  # teardown: how long point-to-point messages may wait for their link's
+# handshake before its FINAL (those still waiting are not sent, and not counted)
 CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown
 EXIT_LINGER_MS = 5000  # a program ending without teardown: time for what it produced to leave
 # (results, contributions, notices) and for rank 0's last BYEs to be answered; a peer that

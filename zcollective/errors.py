@@ -74,7 +74,9 @@ class ReplicaLostError(CollectiveError):
     :func:`zcollective.teardown` and start a new group. Except a
     point-to-point call that only a rank that sends no more could have
     answered ("cannot complete", "cannot go": it called teardown or its
-    program ended): that call fails, and the group goes on.
+    program ended): that call fails, and the group goes on. A receive from
+    ``ANY_SOURCE`` fails so once every other rank sends no more, even if a
+    thread of its own rank would send it a message later.
     """
 
 

@@ -50,6 +50,7 @@ PART = struct.Struct("<IIQ")  # a parts-table row: frame index after the header,
 TAG_BYTES = 32
 KEY_LABEL = b"zcollective-v1-hmac-sha256"  # binds derived keys to this protocol
 FAST_KEY_LABEL = b"zcollective-v3-fast-tag"  # the fast tag's keys: apart from every other key
+MAILBOX_KEY_LABEL = b"zcollective-v11-mailbox-of-rank-"  # and the rank: each mailbox's own key
 NONCE_BYTES = 16  # random per payload: 2^64 payloads before two are likely to share one
 FAST_TAG_BYTES = NONCE_BYTES + 32  # the nonce, then HMAC-SHA256
 # Frames from this size are tagged by Poly1305 in a fast tag: HMAC-SHA256 costs
@@ -121,6 +122,8 @@ class Signer:
     """
 
     def __init__(self, secret: bytes, fast: bool = False) -> None:
+        self._secret = secret
+        self._to: dict[tuple[int, bool], Signer] = {}  # (rank, fast) -> the signer of its mailbox
         key = hmac.new(secret, KEY_LABEL, hashlib.sha256).digest()
         self._base = hmac.new(key, digestmod=hashlib.sha256)
         self._chunks: Optional[ChunkMac] = None
@@ -130,6 +133,17 @@ class Signer:
             fast_key = hmac.new(secret, FAST_KEY_LABEL + b" hmac", hashlib.sha256).digest()
             self._fast_base = hmac.new(fast_key, digestmod=hashlib.sha256)
         self.fast = fast and self._chunks is not None
+
+    def to(self, rank: int) -> Signer:
+        """The signer of what goes to ``rank``'s mailbox: its key derived
+        from the secret and that rank, so a message made for one rank's
+        mailbox does not verify at another's (a header names the sender, not
+        the recipient; moved, a message would be taken as the sender's)."""
+        signer = self._to.get((rank, self.fast))
+        if signer is None:
+            mailbox = hmac.new(self._secret, MAILBOX_KEY_LABEL + str(rank).encode(), hashlib.sha256).digest()
+            signer = self._to[(rank, self.fast)] = Signer(mailbox, self.fast)
+        return signer
 
     def payload(self, frames: Sequence[Any]) -> Any:
         """The MAC state after the frames that follow the header."""
@@ -296,7 +310,7 @@ def _payload(msg: Message, signer: Optional[Signer], part_bytes: int) -> tuple[b
     site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES] if msg.callsite else b""
     if len(segments) == 1 and msg.fn is None:  # a small call's shape: no list to build
         tail = segments[0]
-        if (msg.kind is Kind.SEND and len(tail) == 1 and type(tail[0]) is bytes and not site
+        if (msg.kind in _INLINE_KINDS and len(tail) == 1 and type(tail[0]) is bytes and not site
                 and len(tail[0]) <= INLINE_MAX_BYTES):  # a small point-to-point value: one frame
             mac = signer.payload([]) if signer is not None else None
             return _INLINE_COUNT + tail[0], [], mac, FLAG_INLINE
@@ -317,6 +331,7 @@ def _payload(msg: Message, signer: Optional[Signer], part_bytes: int) -> tuple[b
 
 
 _ONE_COUNT = struct.Struct("<I")
+_INLINE_KINDS = frozenset((Kind.SEND,))  # the kinds whose one small frame may go inline
 _INLINE_COUNT = _ONE_COUNT.pack(1)
 
 
@@ -464,14 +479,16 @@ def _decode_inline(head: memoryview, frames: Sequence[Any], end: int, signed: bo
     if not signed and flags & FLAG_AUTH:
         frames = frames[:-1]  # a tag this side cannot check
     counts = struct.unpack_from(f"<{nseg}I", head, HEADER.size)
-    if flags & (FLAG_PARTS | FLAG_FN) or counts != (1,) or len(frames) != 1 or head.nbytes <= end:
-        raise WireError(f"an inline frame needs one segment of one non-empty frame, in the header alone "
-                        f"(layout {list(counts)}, {len(frames)} frames)")
+    if (flags & (FLAG_PARTS | FLAG_FN) or counts != (1,) or len(frames) != 1 or head.nbytes <= end
+            or head.nbytes - end > INLINE_MAX_BYTES):
+        raise WireError(f"an inline frame needs one segment of one non-empty frame of at most "
+                        f"{INLINE_MAX_BYTES} bytes, in the header alone (layout {list(counts)}, "
+                        f"{len(frames)} frames, {head.nbytes - end} bytes after the layout)")
     if signed and not flags & FLAG_AUTH:
         raise AuthError("tag present but the header does not announce it")
     kind_ = KINDS.get(kind)
-    if kind_ is None or kind_ in CONTROL_KINDS:
-        raise WireError(f"{kind} is not a kind that may carry an inline frame")
+    if kind_ not in _INLINE_KINDS:
+        raise WireError(f"{kind} is not a kind that may carry an inline frame (only SEND)")
     return Message(kind_, op, rank, root, seq, session, "", flags, None, [[head[end:]]])
 
 
@@ -494,10 +511,10 @@ def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
     if flags & FLAG_INLINE:  # (a small point-to-point value)
         if (magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1 or count != 1 or len(frames) != 1
                 or flags & _NOT_SIMPLE or bool(flags & FLAG_AUTH) is not signed
-                or size == _HEADER_ONE_SEGMENT.size):
+                or not _HEADER_ONE_SEGMENT.size < size <= _HEADER_ONE_SEGMENT.size + INLINE_MAX_BYTES):
             return None
         kind_ = KINDS.get(kind)
-        if kind_ is None or kind_ in CONTROL_KINDS:
+        if kind_ not in _INLINE_KINDS:
             return None
         return Message(kind_, op, rank, root, seq, session, "", flags, None,
                        [[head[_HEADER_ONE_SEGMENT.size:]]])

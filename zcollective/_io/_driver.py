@@ -80,10 +80,12 @@ class Driver:
         rules = member.mail
         if rules is None:
             return
+        signer = member.signer
         if sockets is not None and take:
+            mine = signer.to(member.rank) if signer is not None else None  # (this mailbox's key)
             for frames in sockets.take(bool(ready & MESSAGE)):
                 try:
-                    msg = decode(frames, signer=member.signer, max_frame_bytes=member.max_frame_bytes)
+                    msg = decode(frames, signer=mine, max_frame_bytes=member.max_frame_bytes)
                 except WireError:  # (admitted by the handshake: a bug, or a peer of another release)
                     rules.dropped += 1
                     continue
@@ -96,7 +98,7 @@ class Driver:
             segment = msg.segments[0] if msg.segments else []
             borrowed = handle is not None and not (len(segment) == 1 and type(segment[0]) is bytes) and any(
                 type(f) is not bytes for f in segment)
-            frames = encode(msg, member.signer, part_bytes=member.part_bytes)
+            frames = encode(msg, None if signer is None else signer.to(dest), part_bytes=member.part_bytes)
             went += sockets.send(dest, frames, borrowed, handle)
         broken = None
         if sockets is not None:
@@ -320,10 +322,25 @@ class Driver:
         bye = member.bye()
         if bye is None:
             return
-        final = member.final(teardown=False)  # (before the BYE: the others hear of it first)
+        final = self.final(teardown=False, deadline=time.monotonic() + timeout)  # (before the BYE:
+        # the others hear of it first)
         self.send([bye] if final is None else [final, bye])
         if self.remote:  # (no data moves: finish_data had its time)
             self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
+
+    def final(self, teardown: bool, deadline: float) -> Optional[Message]:
+        """This rank's FINAL (see :meth:`Member.final`), once messages waiting
+        for a link's handshake had until ``deadline`` to go: those still
+        waiting then never go, fail, and are not counted (counted, the other
+        rank's receive would wait for them until its timeout)."""
+        member, sockets = self.member, self.mail
+        unsent = None
+        if sockets is not None and member.mail is not None and member.failure is None:
+            with contextlib.suppress(CollectiveError):  # (the group failed: no FINAL goes)
+                self.mail_io(take=False)
+                self.wait_for(lambda: not sockets.holding(), deadline)
+            unsent = sockets.drop_held()
+        return member.final(teardown, unsent)  # (the unsent sends' outcomes: the caller's to settle)
 
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""

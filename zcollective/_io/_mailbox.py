@@ -139,6 +139,16 @@ class MailSockets:
                     _zap.connect_with_token(self._pushes[dest], target, key, _zap.MAIL_DOMAIN)
         return went, broken
 
+    def holding(self) -> bool:
+        """Messages wait for a link's handshake."""
+        return bool(self._held)
+
+    def drop_held(self) -> dict[int, list[Any]]:
+        """What still waits for its link, never to go (this rank sends no
+        more): the handles of those messages, by rank."""
+        held, self._held = self._held, {}
+        return {dest: [handle for _, _, handle in queue] for dest, queue in held.items()}
+
     def next_retry(self) -> Optional[float]:
         """When a refused link is next made again (None: none is)."""
         return min(self._retry.values()) if self._retry else None

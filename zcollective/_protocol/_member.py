@@ -335,12 +335,13 @@ class Member:
         return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session,
                        flags=FLAG_DATA if unsent else 0)
 
-    def final(self, teardown: bool) -> Optional[Message]:
+    def final(self, teardown: bool, unsent: Optional[dict[int, list[Any]]] = None) -> Optional[Message]:
         """FINAL: this rank sends no more point-to-point messages (``teardown``,
-        or its program ends); None when there is nobody to tell."""
+        or its program ends; ``unsent``: see :meth:`Mail.final`); None when
+        there is nobody to tell."""
         if self.failure is not None or not self.joined or self.mail is None or self.size == 1:
             return None
-        return _bodies.final(self.mail.final(), teardown, rank=self.rank, session=self.session)
+        return _bodies.final(self.mail.final(unsent), teardown, rank=self.rank, session=self.session)
 
     def give_up(self, seq: int, error: BaseException, timed_out: bool) -> list[Message]:
         """This rank gives up call ``seq`` (``error`` is why): tell the coordinator, so that the

@@ -434,9 +434,19 @@ class Mail:
             self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
                             for c in credits)
 
-    def final(self) -> list[int]:
+    def final(self, unsent: Optional[dict[int, list[Any]]] = None) -> list[int]:
         """This rank sends no more (teardown, or its program ends): how many
-        messages it sent each rank. Sends still waiting for credit never go: they fail."""
+        messages it sent each rank. Sends still waiting for credit never go:
+        they fail; so do ``unsent`` (by rank: the handles of the last messages
+        numbered for it, which its link never took), not counted."""
+        unsent = unsent or {}
+        for dest, handles in unsent.items():
+            for handle in handles:
+                if handle is not None:
+                    self.outcomes.append(Outcome(handle, RuntimeError(
+                        f"rank {self.rank}: a send to rank {dest} waited for its link to rank {dest}'s "
+                        f"mailbox when this rank stopped sending (teardown, or its program ended): "
+                        f"it was not sent")))
         for queue in self.waiting:
             while queue:
                 s = queue.popleft()
@@ -444,7 +454,7 @@ class Mail:
                                      f"rank {s.dest}'s window when this rank stopped sending "
                                      f"(teardown, or its program ended): it was not sent")
                 self.outcomes.append(Outcome(s.handle, error))
-        return [peer.next_out for peer in self.box.peers]
+        return [peer.next_out - len(unsent.get(dest, ())) for dest, peer in enumerate(self.box.peers)]
 
     def ended(self, source: int, count: int, how: str) -> None:
         """Rank ``source`` sends no more (``how``: who it is, how it ended),
