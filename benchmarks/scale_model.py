@@ -75,23 +75,6 @@ def _echo(port: int, n: int) -> None:
     ctx.destroy(linger=0)
 
 
-def _hop_by_pair() -> float:
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PAIR)
-    port = s.bind_to_random_port("tcp://127.0.0.1")
-    p = multiprocessing.Process(target=_echo, args=(port, PING_PONGS))
-    p.start()
-    times = []
-    for _ in range(PING_PONGS):
-        t0 = time.perf_counter()
-        s.send(b"x" * 32)
-        s.recv()
-        times.append(time.perf_counter() - t0)
-    p.join(30)
-    ctx.destroy(linger=0)
-    return statistics.median(times[PING_PONGS // 10:]) / 2 * 1e6
-
-
 def hop_us() -> float:
     """Half a bare PAIR round trip of 32 bytes between two processes on loopback, median."""
     ctx = zmq.Context()
