@@ -231,7 +231,8 @@ def tensor_reduce_scatter():
 @pytest.mark.parametrize("plane", ["off", "on"])
 def test_reduce_scatter_of_tensors_gives_each_rank_its_share_as_a_tensor(plane):
     n = 3
-    env = {"ZCOLLECTIVE_DATA_PLANE": plane, "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "1024"}
+    env = {"ZCOLLECTIVE_DATA_PLANE": plane, "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "1024",
+           "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"}
     for r, out in enumerate(run_replicas(tensor_reduce_scatter, n, env=env, timeout=90)):
         assert out == ("Tensor", "torch.float32", (1000, 100), float(10 * sum(range(n)) + n * r),
                        plane == "on", [float(n)] * 3)

@@ -20,14 +20,15 @@ from typing import Any, Optional
 from .._limits import WIRE_PART_BYTES
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 10  # bump on any change to the layout below (2: BYE; recipient-bound headers;
+PROTOCOL_VERSION = 11  # bump on any change to the layout below (2: BYE; recipient-bound headers;
 # 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered;
 # 5: data ports check tokens without a secret too, under a data key in WELCOME; 6: PROBE, TAKEN,
 # and the coordinator's last BYE (FLAG_LAST), answered; 7: elastic groups: a JOIN's lineage and
 # newcomer mark, a WELCOME's addresses, renumbering and admission, the GROW call; 8: a JOIN's
 # job, which rank 0 compares with its own; the SHRINK call, a FAIL's dead ranks, the NotFormingHere
 # refusal; 9: the op byte is the rules' to check (zcollective._protocol._ops), a JOIN names the
-# operations its replica knows; 10: SEND, CREDIT and ASK, point to point, and a JOIN's mailbox)
+# operations its replica knows; 10: SEND, CREDIT and ASK, point to point, and a JOIN's mailbox;
+# 11: shared memory on one host: a JOIN's shm, a WELCOME's hosts, SYNC)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
@@ -77,6 +78,8 @@ class Kind(enum.IntEnum):
     # tag, seq: its number among the sender's messages to that replica
     CREDIT = 17  # replica -> replica's mailbox: I received your messages through `seq`
     ASK = 18  # replica -> replica's mailbox: I wait for credit from you
+    SYNC = 19  # replica -> coordinator: it reached sync `root` of call `seq` through its host's
+    # shared memory; coordinator -> replica: every rank of its host did
 
 
 KINDS = {int(k): k for k in Kind}  # a dict lookup costs a tenth of Kind(value)

@@ -16,12 +16,13 @@ import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union, cast
 
 from .._format import _bodies, _serialize
 from .._format._wire import FLAG_DATA, FLAG_LOCAL_ERROR, Message, WireError
 from ..errors import SerializationError
-from . import _ring
+from . import _ring, _shm
+from ._shm import MAX_SYNCS  # noqa: F401 (the coordinator's bound, where it reads the operations)
 
 
 class Op(enum.IntEnum):
@@ -72,6 +73,8 @@ class Here:
     data: bool = False  # the group has a data plane ...
     data_min_bytes: int = 0  # ... and moves values this large on it
     max_frame_bytes: int = 0
+    shared: Any = None  # this rank's part in its host's shared memory (_io._shared.SharedPlane) ...
+    shared_min_bytes: int = 0  # ... which moves arrays this large
 
 
 class Combining(Protocol):
@@ -100,7 +103,7 @@ class Contribution:
     build: Build
     finish: Finish
     flags: int = 0
-    transfer: Optional[Callable[[Message], _ring.Transfer]] = None
+    transfer: Optional[Callable[[Message], Union[_ring.Transfer, _shm.SharedJob]]] = None
 
 
 class Refused(ValueError):
@@ -220,9 +223,11 @@ class Operation:
         """The segments each rank receives (ranks given one list get the same frames)."""
         return [[] for _ in contributions]
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
-        """A call whose data goes on the data plane: the plan every rank is
-        sent; raises :class:`Disagree` or :class:`Malformed`."""
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        """A call whose data goes on the data plane (or through shared memory: ``hosts``,
+        each rank's host): the plan every rank is sent; raises :class:`Disagree` or
+        :class:`Malformed`."""
         raise Malformed("has no data plane")
 
     def completed(self, at: Combining, seq: int) -> list[Any]:
@@ -325,6 +330,34 @@ def _agreed(contributions: list[Message]) -> list[list[Any]]:
     return [[bytes(contributions[0].segments[0][0])]]
 
 
+def _shared_agreed(contributions: list[Message], hosts: Optional[list[Optional[int]]]) -> list[list[Any]]:
+    """A shared-memory call's plan: the description every rank sent alike (else a
+    :class:`Disagree`), and by host whether every rank staged its input, whether some
+    rank knows the set is free (see :mod:`zcollective._protocol._shm`)."""
+    descriptions = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
+                    and len(c.segments[0]) == 2 else None for c in contributions}
+    if len(descriptions) != 1 or None in descriptions:
+        raise Disagree()
+    if hosts is None or any(h is None for h in hosts):
+        raise Malformed("ranks that share no host's memory sent a shared-memory description")
+    count = max(h for h in hosts if h is not None) + 1
+    staged, free = [True] * count, [False] * count
+    for rank, c in enumerate(contributions):
+        try:
+            was_staged, knows_free = _bodies.parse_shared_status(c.segments[0][1])
+        except WireError:
+            raise Malformed(f"rank {rank} sent a malformed shared-memory status") from None
+        host = cast(int, hosts[rank])
+        staged[host] = staged[host] and was_staged
+        free[host] = free[host] or knows_free
+    return [[bytes(contributions[0].segments[0][0]), _bodies.shared_call(staged, free)]]
+
+
+def shared_plan(segments: list[list[Any]]) -> bool:
+    """Is this plan a shared-memory call's (its ranks sync through the coordinator)?"""
+    return len(segments) == 1 and len(segments[0]) == 2
+
+
 # -- arrays on the data plane --------------------------------------------------
 
 
@@ -402,8 +435,12 @@ class Allreduce(Reducing):
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
         fn = _reducer_of(here, reduce_fn, 0)
         finish = _value(value) if here.size == 1 else _first  # nothing was combined with it
-        name = _ring.reduction_name(reduce_fn) if here.data else None
-        array = _array(value, here.data_min_bytes) if name is not None else None
+        name = _ring.reduction_name(reduce_fn) if here.data or here.shared is not None else None
+        if name is not None and here.shared is not None:
+            array = _array(value, here.shared_min_bytes)
+            if array is not None and here.shared.fits(array.nbytes):
+                return self._shared(here, value, array, name, reduce_fn, finish)
+        array = _array(value, here.data_min_bytes) if name is not None and here.data else None
         if array is None or name is None:
             return Contribution(0, lambda: ([_serialize.dumps(value)], fn()), finish)
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
@@ -415,9 +452,38 @@ class Allreduce(Reducing):
             return ring
         return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
 
+    @staticmethod
+    def _shared(here: Here, value: Any, array: Any, name: str, reduce_fn: Any,
+                finish: Finish) -> Contribution:
+        """Through the host's shared memory: the input written into this rank's slot at
+        once if its set is known to be free, else once the plan says how."""
+        plane = here.shared
+        description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name, shm=True)
+        tensor, staged = _is_tensor(value), [False]
+        whole = _shm.symmetric(array.nbytes, name in RING_SAFE)
+
+        def build() -> tuple[list[list[Any]], Any]:
+            slot, free = plane.free_slot(array.nbytes), plane.knows_free()
+            if slot is not None:
+                _shm.stage(slot, array, plane.rank, plane.size, whole)
+                staged[0] = True
+            return [[description, _bodies.shared_status(staged[0], free)]], None
+
+        def job(msg: Message) -> _shm.SharedJob:
+            host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
+            shared = _shm.SharedAllreduce(msg.seq, plane.rank, plane.size, array,
+                                          _ring.reducer(name, reduce_fn), plane.place(array.nbytes),
+                                          host_plan, staged[0], plane.leader, whole)
+            shared.finish = _tensor_out(tensor, shared.result)
+            return shared
+        return Contribution(0, build, finish, FLAG_DATA, job)
+
     malformed = staticmethod(_one_each)
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        if contributions and len(contributions[0].segments) == 1 and len(contributions[0].segments[0]) == 2:
+            return _shared_agreed(contributions, hosts)
         return _agreed(contributions)
 
 
@@ -476,7 +542,8 @@ class ReduceScatter(Reducing):
     def described(self, dtype: str, shape: tuple[int, ...], fn: str) -> str:
         return f"{shape[0]} values, each a {dtype} array of shape {shape[1:]} reduced with {fn}"
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
         return _agreed(contributions)
 
 
@@ -518,7 +585,8 @@ class Broadcast(Operation):
         value = contributions[root].segments  # as the root sent it, never unpickled here
         return [[] if r == root else value for r in range(len(contributions))]
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
         sender = contributions[root]
         others = [r for r, c in enumerate(contributions) if c.flags & FLAG_DATA and r != root]
         if others or not sender.flags & FLAG_DATA or len(sender.segments) != 1:
@@ -559,7 +627,8 @@ class Allgather(Operation):
         values = [c.segments[0] for c in contributions]
         return [values for _ in contributions]
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
         """Some values go round the ring: the plan names whose (and their
         frames' sizes); the small values come with it."""
         sizes: list[Any] = []
