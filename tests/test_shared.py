@@ -32,7 +32,8 @@ from zcollective.testing import Replicas, report, run_replicas
 
 LIVENESS = "2"
 BOUND = float(LIVENESS) + 4.0  # detection bound plus slack for a loaded 2-core machine
-SLICED = (_shm.SYMMETRIC_MAX_BYTES // 4) + 1001  # float32 elements: each rank reduces a slice
+SLICED = (_shm.SYMMETRIC_MAX_BYTES // 4) + 1001  # float32 elements: with 2 ranks or more on the
+# host, each rank reduces a slice
 PREFIX = "zcollective-"  # what the group's segments are called in /dev/shm
 
 
@@ -84,7 +85,7 @@ def test_every_rank_of_a_host_gets_the_stars_bits_whatever_the_order_of_its_step
     segment = np.zeros((2, size, capacity), dtype=np.uint8)
     place = _shm.Place(1, capacity, 1, False)
     for staged, free, seed in ((True, True, 1), (False, True, 2), (False, False, 3)):
-        whole = _shm.symmetric(inputs[0].nbytes, True)
+        whole = _shm.symmetric(inputs[0].nbytes, size, True)
         jobs = [_shm.SharedAllreduce(5, r, size, inputs[r], _ring.reducer(fn, None), place,
                                      _shm.HostPlan(staged, free), staged, r == 0, whole) for r in range(size)]
         if staged:  # written when the call was made

@@ -460,7 +460,7 @@ class Allreduce(Reducing):
         plane = here.shared
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name, shm=True)
         tensor, staged = _is_tensor(value), [False]
-        whole = _shm.symmetric(array.nbytes, name in RING_SAFE)
+        whole = _shm.symmetric(array.nbytes, plane.size, name in RING_SAFE)
 
         def build() -> tuple[list[list[Any]], Any]:
             slot, free = plane.free_slot(array.nbytes), plane.knows_free()
@@ -474,7 +474,8 @@ class Allreduce(Reducing):
             shared = _shm.SharedAllreduce(msg.seq, plane.rank, plane.size, array,
                                           _ring.reducer(name, reduce_fn), plane.place(array.nbytes),
                                           host_plan, staged[0], plane.leader, whole)
-            shared.finish = _tensor_out(tensor, shared.result)
+            if tensor:
+                shared.convert = sys.modules["torch"].from_numpy
             return shared
         return Contribution(0, build, finish, FLAG_DATA, job)
 

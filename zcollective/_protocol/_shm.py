@@ -26,9 +26,10 @@ CREATE, ATTACH, UNLINK = "create", "attach", "unlink"  # the segment's steps (th
 SYNC = "sync"  # every rank of the host reached this point
 STAGE, REDUCE, COLLECT = "stage", "reduce", "collect"  # the memory's steps
 BLOCK_BYTES = 1 << 18  # a reduction goes block by block, its accumulator kept in the L2 cache
-SYMMETRIC_MAX_BYTES = 1 << 22  # below this array size every rank reduces the whole array (no sync
-# after the reduction); above, each rank reduces its own slice, then a sync, then every rank
-# copies the others' slices (benchmarks/README.md, *Shared memory*)
+SYMMETRIC_MAX_BYTES = 2 << 20  # while each rank reads at most this much of the others' inputs, every
+# rank reduces the whole array (no sync after it); beyond, each reduces its own slice, a sync, and
+# each copies the others' slices: on 2 cores the sync is cheaper than the reductions done N times
+# at 1 MiB for N = 4, 8, dearer at N = 2 up to 4 MiB (benchmarks/README.md, *Shared memory*)
 MAX_SYNCS = 8  # syncs per call, at most (the coordinator takes no later one)
 
 
@@ -68,11 +69,11 @@ def schedule(place: Place, plan: HostPlan, staged: bool, leader: bool, tail: lis
     return ([] if plan.free else [SYNC]) + ([] if staged else [STAGE]) + [SYNC] + tail
 
 
-def symmetric(nbytes: int, safe: bool) -> bool:
-    """Does every rank reduce the whole array (else its own slice, then a sync)? Only a
-    reduction no rank's code can fail (``safe``): a function of the program's own that
-    raises on one rank must fail the call on all, so the others wait at a sync after it."""
-    return safe and nbytes <= SYMMETRIC_MAX_BYTES
+def symmetric(nbytes: int, size: int, safe: bool) -> bool:
+    """Does every rank of ``size`` reduce the whole array (else its own slice, then a sync)?
+    Only with a reduction no rank's code can fail (``safe``): a function of the program's own
+    that raises on one rank must fail the call on all, so the others wait at a sync after it."""
+    return safe and nbytes * (size - 1) <= SYMMETRIC_MAX_BYTES
 
 
 def slice_of(elements: int, size: int, rank: int) -> tuple[int, int]:
@@ -126,7 +127,14 @@ class SharedJob:
         self.syncs = 0  # syncs passed
         self.asked = False  # this rank said it reached the next sync
         self.received_bytes = 0
-        self.finish: Callable[[], Any] = self.result
+        self.convert: Optional[Callable[[Any], Any]] = None  # the result's last touch (an array to a
+        # tensor); no method of the job's own is kept on it: a job in a reference cycle would hold
+        # its arrays until the garbage collector runs (and fresh arrays then came 10x slower)
+
+    def finish(self) -> Any:
+        """The call's value, once done."""
+        out = self.result()
+        return out if self.convert is None else self.convert(out)
 
     @property
     def step(self) -> Optional[str]:
