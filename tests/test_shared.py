@@ -241,7 +241,18 @@ def arrays_through_shared_memory():
     futures.insert(2, zc.allreduce_async(r))
     out["async"] = [float(np.asarray(f.result()).flat[-1]) for f in reversed(futures)]
     out["small"] = zc.allreduce(np.ones(10)).tolist()  # below the threshold: the star
-    out["sent"] = zc.stats()["ops"]["allreduce"]["bytes_sent"]
+    value = {"w": np.arange(100000.0), "name": "weights"} if r == 1 else None
+    got = zc.broadcast(value, root=1)  # the root writes, the others read
+    assert got is value if r == 1 else got["w"].flags.writeable and got["w"].base is not None
+    out["bcast"] = (got["name"], float(got["w"].sum()))
+    mine = np.full(20000 * r, r) if r != 1 else {"small": r}  # rank 1's comes with the plan
+    gathered = zc.allgather(mine)
+    assert gathered[r] is mine  # this rank's own object, as always
+    out["gather"] = [(type(g).__name__, len(g), int(np.sum(g["small"] if isinstance(g, dict) else g)))
+                     for g in gathered]
+    futures = [zc.broadcast_async(np.full(30000, float(k)) if r == 0 else None) for k in range(3)]
+    out["bcast async"] = [float(f.result()[-1]) for f in futures[::-1]]
+    out["sent"] = zc.stats()["ops"]["allreduce"]["bytes_sent"] + zc.stats()["ops"]["broadcast"]["bytes_sent"]
     out["left"] = segments(_session())  # every name unlinked once all had attached
     return out
 
@@ -261,6 +272,9 @@ def test_arrays_go_through_shared_memory_with_the_stars_bits_and_leave_no_segmen
     assert outs[0]["shape"] == 3.0
     assert outs[0]["async"] == [15.0, 12.0, 9.0, 3.0, 6.0, 3.0]  # (each k: 3k + 3; the star's: 3)
     assert outs[0]["small"] == [3.0] * 10
+    assert outs[0]["bcast"] == ("weights", 4999950000.0)
+    assert outs[0]["gather"] == [("ndarray", 0, 0), ("dict", 1, 1), ("ndarray", 40000, 80000)]
+    assert outs[0]["bcast async"] == [2.0, 1.0, 0.0]
     assert outs[0]["left"] == []
     assert all(o["sent"] < 30000 for o in outs), [o["sent"] for o in outs]  # descriptions, not arrays
 

@@ -49,8 +49,8 @@ DEFAULT_DATA_PLANE = "auto"  # large arrays peer to peer when the group spans ho
 # 2 cores the star was faster at N = 4 and 8: benchmarks/README.md); "on": also on one host; "off": never
 DATA_PLANE_CHOICES = ("auto", "on", "off")
 DEFAULT_DATA_PLANE_MIN_BYTES = 1 << 20  # below this an array keeps the star (benchmarks/README.md)
-DEFAULT_SHARED_MEMORY_MIN_BYTES = 1 << 16  # from here arrays on one host go through shared memory
-# (below, the star's one message is as fast: benchmarks/README.md, *Shared memory*)
+DEFAULT_SHARED_MEMORY_MIN_BYTES = 1 << 14  # from here values on one host go through shared memory
+# (at 4-8 KiB the star's one message was as fast, at 16 KiB 10-30% slower: benchmarks/README.md)
 SHARED_MEMORY_OFF = "off"
 DEFAULT_MAIL_WINDOW_BYTES = 64 << 20  # what one sender may leave unreceived at one receiver
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes

@@ -310,8 +310,13 @@ def parse_gather_plan(msg: Message, num_replicas: int) -> list[Optional[list[int
 
 def shared_status(staged: bool, free: bool) -> bytes:
     """A rank's word on a shared-memory call (beside its description): it wrote its input
-    when it made the call (``staged``); it knows the call's set of slots is ``free``."""
-    return plan(staged=staged, free=free)
+    when it made the call (``staged``: a rank with nothing to write says it knows the set
+    free); it knows the call's set of slots is ``free``."""
+    return _STATUSES[staged, free]
+
+
+_STATUSES = {(s, f): plan(staged=s, free=f) for s in (False, True) for f in (False, True)}  # (made
+# once: a broadcast's readers send one with every call)
 
 
 def parse_shared_status(frame: Any) -> tuple[bool, bool]:
@@ -331,13 +336,49 @@ def shared_call(staged: list[bool], free: list[bool]) -> bytes:
 
 def parse_shared_call(msg: Message, host: int) -> tuple[bool, bool]:
     """``(staged, free)`` of host ``host`` in a plan's :func:`shared_call`, or WireError."""
-    frames = msg.segments[0] if len(msg.segments) == 1 else []
+    frames = msg.segments[0] if msg.segments else []
     got = _wire._parse_json(frames[1], MAX_MESSAGE_BYTES) if len(frames) == 2 else {}
     staged, free = got.get("staged"), got.get("free")
     if not (isinstance(staged, list) and isinstance(free, list) and 0 <= host < min(len(staged), len(free))
             and isinstance(staged[host], bool) and isinstance(free[host], bool)):
         raise WireError("malformed shared-memory plan")
     return staged[host], free[host]
+
+
+def parts_plan(parts: list[list[int]]) -> bytes:
+    """A rank's description of the values it writes into its host's shared memory: each part's
+    (value's) frame sizes."""
+    return plan(shm=True, parts=parts)
+
+
+def parse_parts(frame: Any) -> list[list[int]]:
+    """The parts of a :func:`parts_plan`, at most MAX_PLAN_FRAMES frames in all, or WireError."""
+    parts = _wire._parse_json(frame, MAX_MESSAGE_BYTES).get("parts")
+    if not (isinstance(parts, list) and all(_sizes(p) for p in parts)
+            and sum(len(p) for p in parts) <= MAX_PLAN_FRAMES):
+        raise WireError(f"malformed shared-memory parts {str(parts)[:100]}")
+    return parts
+
+
+def exchange_plan(parts: list[Optional[list[list[int]]]]) -> bytes:
+    """A shared-memory exchange's plan: by rank, the parts it wrote (None: none, or its value
+    came inline, after the plan)."""
+    return plan(shm=True, parts=parts)
+
+
+def parse_exchange_plan(msg: Message, num_replicas: int) -> list[Optional[list[list[int]]]]:
+    """By rank, the parts of :func:`exchange_plan`, or WireError."""
+    told: Any = msg.body(MAX_MESSAGE_BYTES * num_replicas).get("parts")
+    if not (isinstance(told, list) and len(told) == num_replicas and all(
+            p is None or isinstance(p, list) and all(_sizes(s) for s in p)
+            and sum(len(s) for s in p) <= MAX_PLAN_FRAMES for p in told)):
+        raise WireError(f"malformed shared-memory plan {str(told)[:100]}")
+    return told
+
+
+def is_shared(msg: Message) -> bool:
+    """Is ``msg`` (a contribution or a plan) a shared-memory one (a status or host flags beside it)?"""
+    return len(msg.segments) >= 1 and len(msg.segments[0]) == 2
 
 
 def parse_array_plan(msg: Message) -> tuple[str, tuple[int, ...], str]:

@@ -55,6 +55,8 @@ Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
 Build = Callable[[], tuple[list[list[Any]], Any]]  # -> (segments, reduce function or None)
 Finish = Callable[[Message], Any]  # the call's RESULT -> its value here
 Outgoing = tuple[bytes, Message]  # a message the coordinator sends, and to whom
+Parts = list[Optional[list[list[int]]]]  # by rank, the frame sizes of each value it writes into
+# its host's shared memory (None: none)
 UserCode = Callable[[Callable[..., Any]], Callable[..., Any]]  # a reduce function -> how it is called
 
 
@@ -338,24 +340,95 @@ def _shared_agreed(contributions: list[Message], hosts: Optional[list[Optional[i
                     and len(c.segments[0]) == 2 else None for c in contributions}
     if len(descriptions) != 1 or None in descriptions:
         raise Disagree()
+    return [[bytes(contributions[0].segments[0][0]), _host_flags(contributions, hosts)]]
+
+
+def _host_flags(contributions: list[Message], hosts: Optional[list[Optional[int]]],
+                readers: Optional[list[int]] = None) -> bytes:
+    """By host: did every rank stage its part (a rank that sent no status did not), does some
+    rank know the call's set of slots free (:func:`zcollective._format._bodies.shared_call`).
+    ``readers``: ranks that write nothing, whose status is their one frame."""
     if hosts is None or any(h is None for h in hosts):
         raise Malformed("ranks that share no host's memory sent a shared-memory description")
     count = max(h for h in hosts if h is not None) + 1
     staged, free = [True] * count, [False] * count
     for rank, c in enumerate(contributions):
+        host = cast(int, hosts[rank])
+        reader = readers is not None and rank in readers and len(c.segments) == 1 and len(c.segments[0]) == 1
+        if not reader and not (c.flags & FLAG_DATA and _bodies.is_shared(c)):
+            staged[host] = False
+            continue
         try:
-            was_staged, knows_free = _bodies.parse_shared_status(c.segments[0][1])
+            was_staged, knows_free = _bodies.parse_shared_status(c.segments[0][0 if reader else 1])
         except WireError:
             raise Malformed(f"rank {rank} sent a malformed shared-memory status") from None
-        host = cast(int, hosts[rank])
         staged[host] = staged[host] and was_staged
         free[host] = free[host] or knows_free
-    return [[bytes(contributions[0].segments[0][0]), _bodies.shared_call(staged, free)]]
+    return _bodies.shared_call(staged, free)
 
 
 def shared_plan(segments: list[list[Any]]) -> bool:
     """Is this plan a shared-memory call's (its ranks sync through the coordinator)?"""
-    return len(segments) == 1 and len(segments[0]) == 2
+    return len(segments) >= 1 and len(segments[0]) == 2
+
+
+def _shared_parts(here: Here, segment: list[Any]) -> Optional[list[list[int]]]:
+    """The parts of ``segment`` (one value's frames) if it goes through the host's shared memory."""
+    plane = here.shared
+    if plane is None or len(segment) > _bodies.MAX_PLAN_FRAMES:
+        return None
+    parts = [[memoryview(f).nbytes for f in segment]]
+    total = _shm.offsets(parts)[1]
+    return parts if total >= here.shared_min_bytes and plane.fits(total) else None
+
+
+def _exchange(here: Here, op: str, own: Optional[list[Any]], staged: list[bool],
+              reads: Callable[[Parts], list[int]],
+              convert: Callable[[Message, Parts, dict[tuple[int, int], list[Any]]], Any]
+              ) -> Callable[[Message], Any]:
+    """The job of a call whose values go through the host's shared memory, from its plan:
+    this rank writes ``own`` (a value's frames; None: nothing), reads the values of the ranks
+    ``reads(parts)`` names, and its value is ``convert(plan, parts, what it read)``."""
+    plane = here.shared
+
+    def job(msg: Message) -> _shm.SharedJob:
+        parts = _bodies.parse_exchange_plan(msg, here.size)
+        host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
+        need = max((_shm.offsets(p)[1] for p in parts if p is not None), default=0)
+        local = [None if p is None else p for p in (parts[r] for r in plane.ranks)]
+        shared = _shm.SharedExchange(op, msg.seq, plane.rank, plane.size, plane.place(need), host_plan,
+                                     staged[0], plane.leader, local, None if own is None else [own],
+                                     [(plane.ranks.index(r), 0) for r in reads(parts)])
+        ranks = plane.ranks
+        shared.convert = lambda got: convert(msg, parts, {(ranks[w], p): f for (w, p), f in got.items()})
+        return shared
+    return job
+
+
+def _either(shared: Callable[[Message], Any], chain: Optional[Callable[[Message], Any]]
+            ) -> Callable[[Message], Any]:
+    """The job of a plan through shared memory, or else of the data plane's (a broadcast's
+    readers do not know which the root chose)."""
+    def job(msg: Message) -> Any:
+        if _bodies.is_shared(msg) or chain is None:
+            return shared(msg)
+        return chain(msg)
+    return job
+
+
+def _staged_build(here: Here, description: bytes, own: list[Any], staged: list[bool]) -> Build:
+    """Build a shared-memory contribution: ``own`` (a value's frames) written into this rank's
+    slot now if it knows its set free, its description and status."""
+    plane = here.shared
+
+    def build() -> tuple[list[list[Any]], Any]:
+        total = _shm.offsets([[memoryview(f).nbytes for f in own]])[1]
+        slot, free = plane.free_slot(total), plane.knows_free()
+        if slot is not None:
+            _shm.write_parts(slot, [own])
+            staged[0] = True
+        return [[description, _bodies.shared_status(staged[0], free)]], None
+    return build
 
 
 # -- arrays on the data plane --------------------------------------------------
@@ -556,10 +629,29 @@ class Broadcast(Operation):
         root = check_root(root, here.size)
         if here.rank != root:
             chain = self._chain(here, root, None) if here.data else None
-            return Contribution(root, _nothing, _first, transfer=chain)
-        if not here.data:
+            if here.shared is None:
+                return Contribution(root, _nothing, _first, transfer=chain)
+            # (the root's value decides the way): this rank's status goes along, so that a plan
+            # through shared memory needs no sync when every rank knew the set free
+            plane, staged = here.shared, [False]
+
+            def status() -> tuple[list[list[Any]], Any]:
+                staged[0] = plane.knows_free()
+                return [[_bodies.shared_status(staged[0], staged[0])]], None
+            return Contribution(root, status, _first, transfer=_either(_exchange(
+                here, self.label, None, staged, lambda parts: [root],
+                lambda msg, parts, got: _serialize.loads(got[(root, 0)])), chain))
+        if not here.data and here.shared is None:
             return Contribution(root, _sent(value), _value(value))
         segment = _serialize.dumps(value)
+        parts, staged = _shared_parts(here, segment), [False]
+        if parts is not None:
+            return Contribution(root, _staged_build(here, _bodies.parts_plan(parts), segment, staged),
+                                _value(value), FLAG_DATA,
+                                _exchange(here, self.label, segment, staged, lambda p: [],
+                                          lambda msg, p, got: value))
+        if not here.data:
+            return Contribution(root, lambda: ([segment], None), _value(value))
         plan = _bodies.sizes_plan(segment, here.data_min_bytes)
         if plan is None:
             return Contribution(root, lambda: ([segment], None), _value(value))
@@ -593,6 +685,14 @@ class Broadcast(Operation):
         if others or not sender.flags & FLAG_DATA or len(sender.segments) != 1:
             who = rank_list(others) if others else "the root"
             raise Malformed(f"only the root may send a data plan ({who} sent a malformed one)")
+        if _bodies.is_shared(sender):  # through shared memory: the root alone writes
+            try:
+                parts = _bodies.parse_parts(sender.segments[0][0])
+            except WireError:
+                raise Malformed("the root sent a malformed shared-memory description") from None
+            told = [parts if r == root else None for r in range(len(contributions))]
+            readers = [r for r in range(len(contributions)) if r != root]
+            return [[_bodies.exchange_plan(told), _host_flags(contributions, hosts, readers)]]
         return [[bytes(sender.segments[0][0])]]
 
 
@@ -600,11 +700,13 @@ class Allgather(Operation):
     code = Op.ALLGATHER
 
     def contribute(self, here: Here, value: Any) -> Contribution:
-        if not here.data:
+        if not here.data and here.shared is None:
             return Contribution(0, _sent(value), _all(value, here.rank))
         segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
-        plan = _bodies.sizes_plan(segment, here.data_min_bytes)
         rank, size = here.rank, here.size
+        if here.shared is not None:
+            return self._shared(here, value, segment)
+        plan = _bodies.sizes_plan(segment, here.data_min_bytes)
 
         def job(msg: Message) -> _ring.Transfer:
             told = _bodies.parse_gather_plan(msg, size)
@@ -622,6 +724,26 @@ class Allgather(Operation):
             return Contribution(0, lambda: ([segment], None), _all(value, rank), transfer=job)
         return Contribution(0, lambda: ([[plan]], None), _all(value, rank), FLAG_DATA, job)
 
+    @staticmethod
+    def _shared(here: Here, value: Any, segment: list[Any]) -> Contribution:
+        """Through the host's shared memory if large enough; else inline, with the plan if
+        another rank's value goes through it."""
+        rank, size = here.rank, here.size
+        parts, staged = _shared_parts(here, segment), [False]
+
+        def reads(told: Parts) -> list[int]:
+            return [r for r in range(size) if told[r] is not None and r != rank]
+
+        def convert(msg: Message, told: Parts, got: dict[tuple[int, int], list[Any]]) -> list[Any]:
+            inline = iter(msg.segments[1:])
+            came = [None if told[r] is not None else next(inline) for r in range(size)]
+            return [value if r == rank else _serialize.loads(came[r] or got[(r, 0)]) for r in range(size)]
+        job = _exchange(here, "allgather", segment if parts is not None else None, staged, reads, convert)
+        if parts is None:
+            return Contribution(0, lambda: ([segment], None), _all(value, rank), transfer=job)
+        build = _staged_build(here, _bodies.parts_plan(parts), segment, staged)
+        return Contribution(0, build, _all(value, rank), FLAG_DATA, job)
+
     malformed = staticmethod(_one_each)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
@@ -630,8 +752,10 @@ class Allgather(Operation):
 
     def plan(self, contributions: list[Message], root: int,
              hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
-        """Some values go round the ring: the plan names whose (and their
-        frames' sizes); the small values come with it."""
+        """Some values go round the ring (or through shared memory): the plan names whose
+        (and their frames' sizes); the small values come with it."""
+        if any(c.flags & FLAG_DATA and _bodies.is_shared(c) for c in contributions):
+            return self._shared_plan(contributions, hosts)
         sizes: list[Any] = []
         inline: list[list[Any]] = []
         for rank, c in enumerate(contributions):
@@ -646,6 +770,25 @@ class Allgather(Operation):
             except WireError:
                 raise Malformed(f"rank {rank} sent a malformed description") from None
         return [[_bodies.plan(sizes=sizes)], *inline]
+
+    @staticmethod
+    def _shared_plan(contributions: list[Message], hosts: Optional[list[Optional[int]]]) -> list[list[Any]]:
+        told: Parts = []
+        inline: list[list[Any]] = []
+        for rank, c in enumerate(contributions):
+            if len(c.segments) != 1:
+                raise Malformed(f"rank {rank} sent no value")
+            if not c.flags & FLAG_DATA:
+                told.append(None)
+                inline.append(c.segments[0])
+                continue
+            try:
+                told.append(_bodies.parse_parts(c.segments[0][0]) if _bodies.is_shared(c) else [])
+            except WireError:
+                raise Malformed(f"rank {rank} sent a malformed shared-memory description") from None
+            if not told[-1]:
+                raise Malformed(f"rank {rank} sent a data plan that is not a shared-memory one")
+        return [[_bodies.exchange_plan(told), _host_flags(contributions, hosts)], *inline]
 
 
 class Gather(Operation):

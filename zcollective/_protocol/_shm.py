@@ -220,3 +220,71 @@ class SharedAllreduce(SharedJob):
 
     def result(self) -> Any:
         return self._out.reshape(self._shape)
+
+
+LINE = 64  # each frame starts on a cache line of its slot
+
+
+def offsets(parts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Where each frame of ``parts`` (each a value's frame sizes) starts in its writer's slot,
+    one after another, and the bytes they take in all."""
+    at, out = 0, []
+    for sizes in parts:
+        starts = []
+        for n in sizes:
+            starts.append(at)
+            at += -(-n // LINE) * LINE
+        out.append(starts)
+    return out, at
+
+
+def write_parts(slot: Any, parts: list[list[Any]]) -> None:
+    """Copy ``parts`` (each a value's frames) into ``slot`` at their :func:`offsets`."""
+    starts, _ = offsets([[memoryview(f).nbytes for f in frames] for frames in parts])
+    view = memoryview(slot).cast("B")
+    for frames, where in zip(parts, starts, strict=True):
+        for frame, at in zip(frames, where, strict=True):
+            data = memoryview(frame).cast("B")
+            view[at:at + data.nbytes] = data
+
+
+class SharedExchange(SharedJob):
+    """Serialized values through the segment (broadcast, allgather): each writer puts its
+    parts (a part: one value's frames) into its slot; after the barrier each rank copies the
+    parts it receives into buffers of its own. No sync after the reading: the next call uses
+    the other set, and a later one this set only once every rank is done here (see the module
+    docstring)."""
+
+    kind_name = "shared-memory exchange"
+
+    def __init__(self, op: str, seq: int, rank: int, size: int, place: Place, plan: HostPlan, staged: bool,
+                 leader: bool, parts: list[Optional[list[list[int]]]], own: Optional[list[list[Any]]],
+                 reads: list[tuple[int, int]]) -> None:
+        """``parts``: by rank, the frame sizes of each part it writes (None: nothing); ``own``:
+        this rank's parts; ``reads``: the (writer, part) it receives."""
+        self.op = op
+        self._parts, self._own, self._reads = parts, own, reads
+        self._got: dict[tuple[int, int], list[Any]] = {}
+        writes = own is not None
+        steps = schedule(place, plan, staged or not writes, leader, [COLLECT] if reads else [])
+        if not writes:  # (a rank with nothing to write stages nothing)
+            steps = [s for s in steps if s != STAGE]
+        super().__init__(seq, rank, size, place, steps)
+
+    def memory(self, step: str, slots: Any) -> None:
+        if step == STAGE:
+            assert self._own is not None
+            write_parts(slots[self.rank], self._own)
+            return
+        for writer, part in self._reads:  # COLLECT
+            sizes = self._parts[writer]
+            assert sizes is not None
+            starts, _ = offsets(sizes)
+            view = memoryview(slots[writer]).cast("B")
+            frames = [bytearray(view[at:at + n]) for at, n in zip(starts[part], sizes[part], strict=True)]
+            self._got[(writer, part)] = frames
+            self.received_bytes += sum(sizes[part])
+
+    def result(self) -> dict[tuple[int, int], list[Any]]:
+        """The frames of each (writer, part) received."""
+        return self._got
