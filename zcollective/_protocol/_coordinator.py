@@ -54,7 +54,10 @@ MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
 MAX_NEWCOMERS = 64  # newcomers parked at once (rule 10); more are refused until a GROW
 MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while joining; more is a replay
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
-MAX_SHARED_CALLS = 64  # shared-memory calls whose syncs are taken (the latest planned; rule 12)
+MAX_SHARED_CALLS = 1024  # shared-memory calls whose syncs are taken: the latest planned (rule 12;
+# more in flight at once than this would lose the oldest ones' syncs)
+MAX_SYNCS_WAITING = 4096  # syncs some but not all ranks of a host reached, at most (a member's
+# SYNCs for calls that never sync again would otherwise hold memory)
 MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
 # rank 0 hold at most about 1.2 MiB of answers
 
@@ -250,9 +253,9 @@ class Coordinator:
         self._data_key = entropy(_bodies.DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
         self.hosts: Optional[list[Optional[int]]] = None  # by rank, the host whose segment it shares
         self._shared: Optional[dict[str, Any]] = None  # the WELCOME's shared memory (see _settle)
-        self._syncing: OrderedDict[int, tuple[Op, dict[tuple[int, int], set[int]]]] = OrderedDict()
-        # shared-memory calls planned, by seq: the operation, and (sync, host) -> the ranks that
-        # reached it (rule 12)
+        self._shared_calls: OrderedDict[int, Op] = OrderedDict()  # shared-memory calls planned (rule 12)
+        self._syncing: dict[tuple[int, int, int], set[int]] = {}  # (seq, sync, host) -> the ranks
+        # that reached it, until all did
         self.unanswered: set[bytes] = set()  # peers sent the last BYE that have not answered it
         self.held: dict[int, list[tuple[int, Outgoing]]] = {}  # rank -> (seq, BYE answer) held until that
         # rank says it has taken the data of every call through seq (rule 7)
@@ -364,7 +367,7 @@ class Coordinator:
         call = self.pending.get(seq)
         if error not in ("CollectiveTimeoutError", "PeerError"):
             return []
-        moving = self._syncing[seq][0] if seq in self._syncing else (
+        moving = self._shared_calls.get(seq) or (
             self._moving[1] if self._moving is not None and self._moving[0] == seq else None)
         if call is None and moving is not None:  # its data moves peer to peer (or through shared
             # memory): it fails on every rank still moving it, as when a reduce function raises
@@ -382,17 +385,19 @@ class Coordinator:
     def _on_sync(self, member: Joined, seq: int, sync: int) -> list[Outgoing]:
         """Rule 12: ``member`` reached sync ``sync`` of shared-memory call ``seq``; once every
         rank of its host did, each is told."""
-        planned = self._syncing.get(seq)
+        op = self._shared_calls.get(seq)
         host = self.hosts[member.rank] if self.hosts is not None else None
-        if planned is None or host is None or not 0 <= sync < _ops.MAX_SYNCS:
+        key = (seq, sync, host if host is not None else -1)
+        if op is None or host is None or not 0 <= sync < _ops.MAX_SYNCS or (
+                key not in self._syncing and len(self._syncing) >= MAX_SYNCS_WAITING):
             return []  # (a call that failed meanwhile: its ERROR went out)
-        reached = planned[1].setdefault((sync, host), set())
+        reached = self._syncing.setdefault(key, set())
         reached.add(member.rank)
         ranks = [r for r, h in enumerate(self.hosts or ()) if h == host]
         if len(reached) < len(ranks):
             return []
-        del planned[1][(sync, host)]
-        return [(self.by_rank[r].peer, Message(Kind.SYNC, op=planned[0], rank=r, root=sync, seq=seq,
+        del self._syncing[key]
+        return [(self.by_rank[r].peer, Message(Kind.SYNC, op=op, rank=r, root=sync, seq=seq,
                                                session=self.session)) for r in ranks]
 
     def probes(self) -> list[Outgoing]:
@@ -463,7 +468,8 @@ class Coordinator:
         self.failed_at = self.clock()
         self.failure = error_body(error, message, **extra)
         if extra.get("ended") is not True:  # (a rank that ended had moved its data: the calls
-            self._syncing.clear()  # whose data moves go on, their syncs answered)
+            self._shared_calls.clear()  # whose data moves go on, their syncs answered)
+            self._syncing.clear()
         log.log(level, "zcollective coordinator: %s", message)
         skip = set(exclude)
         return [self._fail_message(m) for m in self.members.values() if m.rank not in skip]
@@ -1063,9 +1069,9 @@ class Coordinator:
             return self._call_failed(seq, call, exc)
         self._moving = (seq, call.op)
         if _ops.shared_plan(segments):  # its ranks sync through the coordinator (rule 12)
-            self._syncing[seq] = (call.op, {})
-            while len(self._syncing) > MAX_SHARED_CALLS:
-                self._syncing.popitem(last=False)
+            self._shared_calls[seq] = call.op
+            while len(self._shared_calls) > MAX_SHARED_CALLS:
+                self._shared_calls.popitem(last=False)
         return self._results(seq, call, [segments] * self.num_replicas, FLAG_DATA)
 
     def _call_failed(self, seq: int, call: PendingCall, exc: BaseException) -> list[Outgoing]:
@@ -1105,7 +1111,9 @@ class Coordinator:
     def _error_all(self, seq: int, op: Op, body: dict[str, Any],
                    ranks: Optional[list[int]] = None) -> list[Outgoing]:
         """An ERROR of call ``seq`` to every rank (or to ``ranks``)."""
-        self._syncing.pop(seq, None)  # (its syncs wait for nobody now)
+        if self._shared_calls.pop(seq, None) is not None:  # (its syncs wait for nobody now)
+            for key in [k for k in self._syncing if k[0] == seq]:
+                del self._syncing[key]
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
         return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r))
                 for r in (range(self.num_replicas) if ranks is None else ranks)]
