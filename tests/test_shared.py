@@ -252,6 +252,11 @@ def arrays_through_shared_memory():
                      for g in gathered]
     futures = [zc.broadcast_async(np.full(30000, float(k)) if r == 0 else None) for k in range(3)]
     out["bcast async"] = [float(f.result()[-1]) for f in futures[::-1]]
+    got = zc.gather(mine, root=2)
+    out["gather to 2"] = None if got is None else [type(g).__name__ for g in got]
+    out["scatter"] = zc.scatter([np.full(9000 * k, k) for k in range(3)] if r == 1 else None, root=1).sum()
+    parts = [np.full(5000 * (r + 1) + k, 10 * r + k) for k in range(3)] if r != 0 else [0, 1, 2]
+    out["alltoall"] = [(int(v[-1]), len(v)) if isinstance(v, np.ndarray) else v for v in zc.alltoall(parts)]
     out["sent"] = zc.stats()["ops"]["allreduce"]["bytes_sent"] + zc.stats()["ops"]["broadcast"]["bytes_sent"]
     out["left"] = segments(_session())  # every name unlinked once all had attached
     return out
@@ -261,7 +266,7 @@ def test_arrays_go_through_shared_memory_with_the_stars_bits_and_leave_no_segmen
     n = 3
     outs = run_replicas(arrays_through_shared_memory, n, timeout=120)
     for key in outs[0]:
-        if key != "sent":
+        if key not in ("sent", "gather to 2", "scatter", "alltoall"):
             assert all(o[key] == outs[0][key] for o in outs), key  # the same bits on every rank
     inputs = [(np.arange(70001) % 7 * (r + 1)).astype(np.float32) for r in range(n)]
     assert outs[0]["float32"] == functools.reduce(np.add, inputs).tobytes()
@@ -275,6 +280,9 @@ def test_arrays_go_through_shared_memory_with_the_stars_bits_and_leave_no_segmen
     assert outs[0]["bcast"] == ("weights", 4999950000.0)
     assert outs[0]["gather"] == [("ndarray", 0, 0), ("dict", 1, 1), ("ndarray", 40000, 80000)]
     assert outs[0]["bcast async"] == [2.0, 1.0, 0.0]
+    assert [o["gather to 2"] for o in outs] == [None, None, ["ndarray", "dict", "ndarray"]]
+    assert [o["scatter"] for o in outs] == [0, 9000, 36000]
+    assert [o["alltoall"] for o in outs] == [[r, (10 + r, 10000 + r), (20 + r, 15000 + r)] for r in range(3)]
     assert outs[0]["left"] == []
     assert all(o["sent"] < 30000 for o in outs), [o["sent"] for o in outs]  # descriptions, not arrays
 

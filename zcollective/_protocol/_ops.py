@@ -372,37 +372,92 @@ def shared_plan(segments: list[list[Any]]) -> bool:
     return len(segments) >= 1 and len(segments[0]) == 2
 
 
-def _shared_parts(here: Here, segment: list[Any]) -> Optional[list[list[int]]]:
-    """The parts of ``segment`` (one value's frames) if it goes through the host's shared memory."""
+def _shared_parts(here: Here, own: list[list[Any]]) -> Optional[list[list[int]]]:
+    """The frame sizes of ``own`` (values' frames: the parts this rank writes) if they go
+    through the host's shared memory: at least the threshold in all, and room for them."""
     plane = here.shared
-    if plane is None or len(segment) > _bodies.MAX_PLAN_FRAMES:
+    if plane is None or sum(len(frames) for frames in own) > _bodies.MAX_PLAN_FRAMES:
         return None
-    parts = [[memoryview(f).nbytes for f in segment]]
+    parts = [[memoryview(f).nbytes for f in frames] for frames in own]
     total = _shm.offsets(parts)[1]
     return parts if total >= here.shared_min_bytes and plane.fits(total) else None
 
 
-def _exchange(here: Here, op: str, own: Optional[list[Any]], staged: list[bool],
-              reads: Callable[[Parts], list[int]],
-              convert: Callable[[Message, Parts, dict[tuple[int, int], list[Any]]], Any]
-              ) -> Callable[[Message], Any]:
+Got = dict[tuple[int, int], list[Any]]  # (writer, part) -> the frames read
+
+
+def _exchange(here: Here, op: str, own: Optional[list[list[Any]]], staged: list[bool],
+              reads: Callable[[Parts], list[tuple[int, int]]],
+              convert: Callable[[Message, Parts, Got], Any]) -> Callable[[Message], Any]:
     """The job of a call whose values go through the host's shared memory, from its plan:
-    this rank writes ``own`` (a value's frames; None: nothing), reads the values of the ranks
-    ``reads(parts)`` names, and its value is ``convert(plan, parts, what it read)``."""
+    this rank writes ``own`` (its parts, each a value's frames; None: nothing), reads the
+    (writer, part) that ``reads(parts)`` names, and its value is ``convert(plan, parts, got)``."""
     plane = here.shared
 
     def job(msg: Message) -> _shm.SharedJob:
         parts = _bodies.parse_exchange_plan(msg, here.size)
         host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
         need = max((_shm.offsets(p)[1] for p in parts if p is not None), default=0)
-        local = [None if p is None else p for p in (parts[r] for r in plane.ranks)]
-        shared = _shm.SharedExchange(op, msg.seq, plane.rank, plane.size, plane.place(need), host_plan,
-                                     staged[0], plane.leader, local, None if own is None else [own],
-                                     [(plane.ranks.index(r), 0) for r in reads(parts)])
         ranks = plane.ranks
+        shared = _shm.SharedExchange(op, msg.seq, plane.rank, plane.size, plane.place(need), host_plan,
+                                     staged[0], plane.leader, [parts[r] for r in ranks], own,
+                                     [(ranks.index(w), p) for w, p in reads(parts)])
         shared.convert = lambda got: convert(msg, parts, {(ranks[w], p): f for (w, p), f in got.items()})
         return shared
     return job
+
+
+def _status(here: Here, staged: list[bool]) -> Build:
+    """The contribution of a rank that writes nothing to a call that may go through shared
+    memory: its status, so that the plan needs no sync when every rank knew its set free."""
+    plane = here.shared
+
+    def build() -> tuple[list[list[Any]], Any]:
+        staged[0] = plane.knows_free()
+        return [[_bodies.shared_status(staged[0], staged[0])]], None
+    return build
+
+
+def _gathered(rank: int, size: int, own: Any, index: Optional[int] = None
+              ) -> Callable[[Message, Parts, Got], list[Any]]:
+    """Every rank's value (``index``: its part for this rank) from a plan and what was read
+    (those of ranks that wrote none came inline, after the plan: all their parts); this
+    rank's slot holds ``own``."""
+    def convert(msg: Message, told: Parts, got: Got) -> list[Any]:
+        per, part = (1, 0) if index is None else (size, index)
+        inline, at, out = msg.segments[1:], 0, []
+        for r in range(size):
+            if told[r] is None:  # (inline: all its parts, in rank order)
+                frames, at = inline[at + part], at + per
+            else:
+                frames = got.get((r, part), [])
+            out.append(own if r == rank else _serialize.loads(frames))
+        return out
+    return convert
+
+
+def _exchange_plan(contributions: list[Message], hosts: Optional[list[Optional[int]]],
+                   writers: Optional[list[int]] = None) -> list[list[Any]]:
+    """The plan of a call some of whose values go through shared memory: each rank that sent
+    a description (``writers``: only those may), its parts; the others' values (all their
+    segments) follow it, inline, unless they only read (``writers`` given)."""
+    told: Parts = []
+    inline: list[list[Any]] = []
+    readers = None if writers is None else [r for r in range(len(contributions)) if r not in writers]
+    for rank, c in enumerate(contributions):
+        if not c.flags & FLAG_DATA:
+            if readers is not None and rank not in readers:
+                raise Malformed(f"rank {rank} sent no shared-memory description")
+            told.append(None)
+            inline.extend(c.segments if readers is None else [])
+            continue
+        try:
+            if (readers is not None and rank in readers) or not _bodies.is_shared(c) or len(c.segments) != 1:
+                raise WireError("not a shared-memory description")
+            told.append(_bodies.parse_parts(c.segments[0][0]))
+        except WireError:
+            raise Malformed(f"rank {rank} sent a malformed shared-memory description") from None
+    return [[_bodies.exchange_plan(told), _host_flags(contributions, hosts, readers)], *inline]
 
 
 def _either(shared: Callable[[Message], Any], chain: Optional[Callable[[Message], Any]]
@@ -416,16 +471,17 @@ def _either(shared: Callable[[Message], Any], chain: Optional[Callable[[Message]
     return job
 
 
-def _staged_build(here: Here, description: bytes, own: list[Any], staged: list[bool]) -> Build:
-    """Build a shared-memory contribution: ``own`` (a value's frames) written into this rank's
-    slot now if it knows its set free, its description and status."""
+def _staged_build(here: Here, parts: list[list[int]], own: list[list[Any]], staged: list[bool]) -> Build:
+    """Build a shared-memory contribution: ``own`` (its parts: values' frames, of sizes
+    ``parts``) written into this rank's slot now if it knows its set free; its description
+    and status."""
     plane = here.shared
+    description = _bodies.parts_plan(parts)
 
     def build() -> tuple[list[list[Any]], Any]:
-        total = _shm.offsets([[memoryview(f).nbytes for f in own]])[1]
-        slot, free = plane.free_slot(total), plane.knows_free()
+        slot, free = plane.free_slot(_shm.offsets(parts)[1]), plane.knows_free()
         if slot is not None:
-            _shm.write_parts(slot, [own])
+            _shm.write_parts(slot, own)
             staged[0] = True
         return [[description, _bodies.shared_status(staged[0], free)]], None
     return build
@@ -631,24 +687,17 @@ class Broadcast(Operation):
             chain = self._chain(here, root, None) if here.data else None
             if here.shared is None:
                 return Contribution(root, _nothing, _first, transfer=chain)
-            # (the root's value decides the way): this rank's status goes along, so that a plan
-            # through shared memory needs no sync when every rank knew the set free
-            plane, staged = here.shared, [False]
-
-            def status() -> tuple[list[list[Any]], Any]:
-                staged[0] = plane.knows_free()
-                return [[_bodies.shared_status(staged[0], staged[0])]], None
-            return Contribution(root, status, _first, transfer=_either(_exchange(
-                here, self.label, None, staged, lambda parts: [root],
+            staged = [False]  # (the root's value decides the way)
+            return Contribution(root, _status(here, staged), _first, transfer=_either(_exchange(
+                here, self.label, None, staged, lambda parts: [(root, 0)],
                 lambda msg, parts, got: _serialize.loads(got[(root, 0)])), chain))
         if not here.data and here.shared is None:
             return Contribution(root, _sent(value), _value(value))
         segment = _serialize.dumps(value)
-        parts, staged = _shared_parts(here, segment), [False]
+        parts, staged = _shared_parts(here, [segment]), [False]
         if parts is not None:
-            return Contribution(root, _staged_build(here, _bodies.parts_plan(parts), segment, staged),
-                                _value(value), FLAG_DATA,
-                                _exchange(here, self.label, segment, staged, lambda p: [],
+            return Contribution(root, _staged_build(here, parts, [segment], staged), _value(value), FLAG_DATA,
+                                _exchange(here, self.label, [segment], staged, lambda p: [],
                                           lambda msg, p, got: value))
         if not here.data:
             return Contribution(root, lambda: ([segment], None), _value(value))
@@ -686,13 +735,7 @@ class Broadcast(Operation):
             who = rank_list(others) if others else "the root"
             raise Malformed(f"only the root may send a data plan ({who} sent a malformed one)")
         if _bodies.is_shared(sender):  # through shared memory: the root alone writes
-            try:
-                parts = _bodies.parse_parts(sender.segments[0][0])
-            except WireError:
-                raise Malformed("the root sent a malformed shared-memory description") from None
-            told = [parts if r == root else None for r in range(len(contributions))]
-            readers = [r for r in range(len(contributions)) if r != root]
-            return [[_bodies.exchange_plan(told), _host_flags(contributions, hosts, readers)]]
+            return _exchange_plan(contributions, hosts, [root])
         return [[bytes(sender.segments[0][0])]]
 
 
@@ -729,19 +772,15 @@ class Allgather(Operation):
         """Through the host's shared memory if large enough; else inline, with the plan if
         another rank's value goes through it."""
         rank, size = here.rank, here.size
-        parts, staged = _shared_parts(here, segment), [False]
+        parts, staged = _shared_parts(here, [segment]), [False]
 
-        def reads(told: Parts) -> list[int]:
-            return [r for r in range(size) if told[r] is not None and r != rank]
-
-        def convert(msg: Message, told: Parts, got: dict[tuple[int, int], list[Any]]) -> list[Any]:
-            inline = iter(msg.segments[1:])
-            came = [None if told[r] is not None else next(inline) for r in range(size)]
-            return [value if r == rank else _serialize.loads(came[r] or got[(r, 0)]) for r in range(size)]
-        job = _exchange(here, "allgather", segment if parts is not None else None, staged, reads, convert)
+        def reads(told: Parts) -> list[tuple[int, int]]:
+            return [(r, 0) for r in range(size) if told[r] is not None and r != rank]
+        job = _exchange(here, "allgather", [segment] if parts is not None else None, staged, reads,
+                        _gathered(rank, size, value))
         if parts is None:
             return Contribution(0, lambda: ([segment], None), _all(value, rank), transfer=job)
-        build = _staged_build(here, _bodies.parts_plan(parts), segment, staged)
+        build = _staged_build(here, parts, [segment], staged)
         return Contribution(0, build, _all(value, rank), FLAG_DATA, job)
 
     malformed = staticmethod(_one_each)
@@ -755,7 +794,7 @@ class Allgather(Operation):
         """Some values go round the ring (or through shared memory): the plan names whose
         (and their frames' sizes); the small values come with it."""
         if any(c.flags & FLAG_DATA and _bodies.is_shared(c) for c in contributions):
-            return self._shared_plan(contributions, hosts)
+            return _exchange_plan(contributions, hosts)
         sizes: list[Any] = []
         inline: list[list[Any]] = []
         for rank, c in enumerate(contributions):
@@ -771,24 +810,6 @@ class Allgather(Operation):
                 raise Malformed(f"rank {rank} sent a malformed description") from None
         return [[_bodies.plan(sizes=sizes)], *inline]
 
-    @staticmethod
-    def _shared_plan(contributions: list[Message], hosts: Optional[list[Optional[int]]]) -> list[list[Any]]:
-        told: Parts = []
-        inline: list[list[Any]] = []
-        for rank, c in enumerate(contributions):
-            if len(c.segments) != 1:
-                raise Malformed(f"rank {rank} sent no value")
-            if not c.flags & FLAG_DATA:
-                told.append(None)
-                inline.append(c.segments[0])
-                continue
-            try:
-                told.append(_bodies.parse_parts(c.segments[0][0]) if _bodies.is_shared(c) else [])
-            except WireError:
-                raise Malformed(f"rank {rank} sent a malformed shared-memory description") from None
-            if not told[-1]:
-                raise Malformed(f"rank {rank} sent a data plan that is not a shared-memory one")
-        return [[_bodies.exchange_plan(told), _host_flags(contributions, hosts)], *inline]
 
 
 class Gather(Operation):
@@ -797,9 +818,27 @@ class Gather(Operation):
 
     def contribute(self, here: Here, value: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
-        return Contribution(root, _sent(value), _all(value, here.rank) if here.rank == root else _none)
+        rank, size = here.rank, here.size
+        finish = _all(value, rank) if rank == root else _none
+        if here.shared is None:
+            return Contribution(root, _sent(value), finish)
+        segment = _serialize.dumps(value)  # through shared memory if large enough: only the root reads
+        parts, staged = _shared_parts(here, [segment]), [False]
+
+        def reads(told: Parts) -> list[tuple[int, int]]:
+            return [(r, 0) for r in range(size) if told[r] is not None and r != rank] if rank == root else []
+        gathered = _gathered(rank, size, value)
+        job = _exchange(here, self.label, [segment] if parts is not None else None, staged, reads,
+                        lambda msg, told, got: gathered(msg, told, got) if rank == root else None)
+        if parts is None:
+            return Contribution(root, lambda: ([segment], None), finish, transfer=job)
+        return Contribution(root, _staged_build(here, parts, [segment], staged), finish, FLAG_DATA, job)
 
     malformed = staticmethod(_one_each)
+
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        return _exchange_plan(contributions, hosts)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         values = [c.segments[0] for c in contributions]
@@ -812,11 +851,29 @@ class Scatter(Operation):
 
     def contribute(self, here: Here, values: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
-        if here.rank != root:
-            return Contribution(root, _nothing, _first)
+        rank = here.rank
+        if rank != root:
+            if here.shared is None:
+                return Contribution(root, _nothing, _first)
+            staged = [False]  # (the root's values decide the way)
+            return Contribution(root, _status(here, staged), _first, transfer=_exchange(
+                here, self.label, None, staged, lambda told: [(root, rank)],
+                lambda msg, told, got: _serialize.loads(got[(root, rank)])))
         values = _per_rank(self.code, values, here.size, root)
         own = values[root]
-        return Contribution(root, lambda: ([_serialize.dumps(v) for v in values], None), _value(own))
+        if here.shared is None:
+            return Contribution(root, lambda: ([_serialize.dumps(v) for v in values], None), _value(own))
+        segments = [_serialize.dumps(v) for v in values]
+        mine = [s if r != root else [] for r, s in enumerate(segments)]  # (its own stays here)
+        parts, staged = _shared_parts(here, mine), [False]
+        if parts is None:
+            return Contribution(root, lambda: (segments, None), _value(own))
+        return Contribution(root, _staged_build(here, parts, mine, staged), _value(own), FLAG_DATA,
+                            _exchange(here, self.label, mine, staged, lambda told: [], lambda m, t, g: own))
+
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        return _exchange_plan(contributions, hosts, [root])
 
     def malformed(self, contributions: list[Message], root: int) -> str:
         sent, n = len(contributions[root].segments), len(contributions)
@@ -832,10 +889,27 @@ class Alltoall(Operation):
 
     def contribute(self, here: Here, values: Any) -> Contribution:
         values = _per_rank(self.code, values, here.size)
-        return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], None),
-                    _all(values[here.rank], here.rank))
+        rank, size = here.rank, here.size
+        finish = _all(values[rank], rank)
+        if here.shared is None:
+            return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], None), finish)
+        segments = [_serialize.dumps(v) for v in values]  # through shared memory if large enough
+        mine = [s if r != rank else [] for r, s in enumerate(segments)]  # (its own stays here)
+        parts, staged = _shared_parts(here, mine), [False]
+
+        def reads(told: Parts) -> list[tuple[int, int]]:
+            return [(r, rank) for r in range(size) if told[r] is not None and r != rank]
+        job = _exchange(here, self.label, mine if parts is not None else None, staged, reads,
+                        _gathered(rank, size, values[rank], rank))
+        if parts is None:
+            return Contribution(0, lambda: (segments, None), finish, transfer=job)
+        return Contribution(0, _staged_build(here, parts, mine, staged), finish, FLAG_DATA, job)
 
     malformed = staticmethod(_n_each)
+
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        return _exchange_plan(contributions, hosts)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         return [[c.segments[r] for c in contributions] for r in range(len(contributions))]
