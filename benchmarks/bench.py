@@ -538,16 +538,19 @@ def array_table(results: dict[str, dict[int, dict[str, Any]]], sizes: list[int])
     """The float32 allreduces: zcollective against the shared-memory floor, mpi4py's buffer
     Allreduce and gloo's tensor all_reduce (time ratios: below 1, zcollective is faster)."""
     peers = [b for b in ("shm-floor", "mpi4py-buffer", "gloo", "floor") if b in results]
-    if "zcollective" not in results or not peers:
+    mine = [b for b in results if b.startswith("zcollective") and "star" not in b and "secret" not in b]
+    if not mine or not peers:
         return ""
-    lines = ["| workload | N | zcollective | " + " | ".join(f"{b} (zcollective ×)" for b in peers) + " |",
-             "|---|---|---|" + "---|" * len(peers)]
+    us = mine[-1]  # (with --trees, the last checkout: the ratios are its)
+    head = " | ".join(mine) + " | " + " | ".join(f"{b} ({us} ×)" for b in peers)
+    lines = [f"| workload | N | {head} |", "|---|---|" + "---|" * (len(mine) + len(peers))]
     for name in ARRAY_WORKLOADS:
         for n in sizes:
-            ours = results["zcollective"].get(n, {}).get(name)
+            ours = results[us].get(n, {}).get(name)
             if ours is None:
                 continue
-            cells = [fmt_time(ours["median_s"])]
+            cells = [fmt_time(results[b][n][name]["median_s"]) if name in results[b].get(n, {}) else "—"
+                     for b in mine]
             for b in peers:
                 e = results[b].get(n, {}).get(name)
                 cells.append("—" if e is None else
