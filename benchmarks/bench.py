@@ -611,6 +611,7 @@ def main() -> None:
                   for name in (TREES if b.startswith("zcollective") else [""])]
     skipped = {b: why for b in wanted if (why := available(b.partition("@")[0]))}
     order = [b for b in wanted if b not in skipped]
+    load = os.getloadavg()  # (the machine is shared: the JSON says how busy it was)
     runs: dict[str, dict[int, list[Any]]] = {b: {n: [] for n in sizes} for b in order}
     for rnd in range(args.rounds):
         shift = rnd % len(order)
@@ -629,7 +630,8 @@ def main() -> None:
     print(text)
     for note in notes:
         print(note)
-    write_json(args.out, args, skipped=skipped, results=results, table=text)
+    write_json(args.out, args, load_before=load, load_after=os.getloadavg(), skipped=skipped, results=results,
+               table=text)
     from plot import draw  # this folder is on sys.path: bench.py runs as a script
 
     for png in draw(args.out) or ["no pictures: matplotlib is not installed"]:
