@@ -96,6 +96,24 @@ def test_every_rank_of_a_host_gets_the_stars_bits_whatever_the_order_of_its_step
         segment[...] = 0xFF  # (the next round's stale bytes must not show)
 
 
+def test_a_rank_knows_its_set_free_only_once_the_last_call_planned_completed_there():
+    from collections import deque
+    from types import SimpleNamespace
+
+    member = SimpleNamespace(rank=1, calls={}, transfers=deque())
+    plane = _shared.SharedPlane(member, 5, 0, [0, 1, 2], 1 << 30)
+    assert plane.knows_free()  # (nothing placed yet)
+    first, second = plane.place(1000), plane.place(1000)
+    assert (first.set, second.set, first.grow, second.grow) == (0, 1, True, False)
+    member.transfers.append((0, "a call"))  # in flight: nothing is known
+    assert not plane.knows_free()
+    member.transfers.clear()
+    plane.completed = first.index + 1  # the first completed, the second was dropped (an ERROR):
+    assert not plane.knows_free()  # another rank may still read the first's set
+    plane.completed = second.index + 1
+    assert plane.knows_free() and plane.free_slot(1000) is None  # (no segment mapped here)
+
+
 # -- the coordinator's part, without sockets -------------------------------------------
 
 

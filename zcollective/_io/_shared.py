@@ -134,7 +134,7 @@ class SharedPlane:
         self.planned = 0  # the capacity of the segment the last plan uses (plan order)
         self.gen = 0  # ... and its generation
         self.count = 0  # plans placed: the next call uses set count % 2
-        self.clean = True  # the last call placed completed here (see _shm and stage())
+        self.completed = 0  # ... of which the last completed here is the one before this
         self.linked: set[str] = set()  # names made (or to be made) and not yet unlinked
 
     def fits(self, nbytes: int) -> bool:
@@ -145,7 +145,7 @@ class SharedPlane:
         """Is the next call's set of slots free of readers? So it is when no call of this
         rank's is in flight and the last call placed completed here: see _shm."""
         member = self.member
-        return self.clean and not member.calls and not member.transfers
+        return self.completed == self.count and not member.calls and not member.transfers
 
     def free_slot(self, nbytes: int) -> Optional[Any]:
         """This rank's slot of the next call's set, if it may write its input there now
@@ -165,9 +165,8 @@ class SharedPlane:
                 self.planned = _shm.aligned(nbytes)
             self.gen += 1
             self.linked.add(segment_name(self.session, self.host, self.gen))
-        place = _shm.Place(self.count % 2, self.planned, self.gen, grow)
+        place = _shm.Place(self.count % 2, self.planned, self.gen, grow, self.count)
         self.count += 1
-        self.clean = False
         return place
 
     # -- moving a job -----------------------------------------------------------
@@ -182,7 +181,7 @@ class SharedPlane:
         while member.transfers and member.transfers[0][1] is job:
             step = job.step
             if step is None:
-                self.clean = True
+                self.completed = max(self.completed, job.place.index + 1)
                 return True
             if step == _shm.SYNC:
                 if not job.asked:

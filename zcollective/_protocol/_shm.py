@@ -47,6 +47,7 @@ class Place:
     capacity: int  # bytes per slot of the segment the call uses
     gen: int  # that segment's generation
     grow: bool  # the call makes that segment (its array does not fit the last one)
+    index: int = 0  # the calls placed before it (the set is this modulo 2)
 
 
 @dataclass(frozen=True)
