@@ -469,6 +469,7 @@ def forked_children():
     first = zc.allreduce(np.full(40000, r + 1.0))[0]
     pid = os.fork()
     if pid == 0:
+        signal.alarm(30)  # (a library that let it use the group would leave it waiting for ever)
         try:
             zc.allreduce(np.ones(40000))
             code = 1
@@ -479,6 +480,8 @@ def forked_children():
     child = multiprocessing.get_context("fork").Process(target=zc.get_rank)
     child.start()
     child.join(30)
+    if child.exitcode is None:
+        child.kill()
     later = [zc.allreduce(np.full(n, r + 1.0))[-1] for n in (40000, SLICED, 40000)]  # one larger:
     return os.waitstatus_to_exitcode(status), child.exitcode, first, later, segments(_session())  # made anew
 
