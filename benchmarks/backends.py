@@ -2,7 +2,9 @@
 ``allreduce(value, fn)``, ``allreduce_async(value, fn) -> object with .result()``,
 ``broadcast(value)``, ``close()``; and for point to point (``bench.py --p2p``),
 ``send(value, dest)`` and ``recv(source)``, with ``PairFloor`` as their floor.
-Each worker process builds one."""
+Each worker process builds one. A backend with ``arrays_only`` runs only the
+allreduces of float32 arrays (``MPI4PyBuffer``, ``Gloo``; ``shm_floor.py``,
+the shared-memory floor, is a script of its own)."""
 
 from __future__ import annotations
 
@@ -232,6 +234,53 @@ class MPI4Py:
 
     def close(self) -> None:
         self.comm.Barrier()
+
+
+class MPI4PyBuffer:
+    """mpi4py's buffer ``Allreduce`` (a C sum of numpy buffers, through Open MPI's shared
+    memory on one host) into a new array, as an allreduce returning its result must."""
+
+    arrays_only = True
+
+    def __init__(self, rank: int, size: int, port: int) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+
+    def allreduce(self, value: Any, fn: Any) -> Any:
+        import numpy as np
+
+        out = np.empty_like(value)
+        self.comm.Allreduce(value, out, op=self.MPI.SUM)
+        return out
+
+    def close(self) -> None:
+        self.comm.Barrier()
+
+
+class Gloo:
+    """torch.distributed's tensor ``all_reduce`` on gloo: in place, on the tensor sharing
+    the array's memory (the array passed is a fresh copy: the benchmark's, untimed)."""
+
+    arrays_only = True
+
+    def __init__(self, rank: int, size: int, port: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # N replicas share the cores: torch's own threads would fight them
+        self.dist, self.torch = dist, torch
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=size)
+
+    def allreduce(self, value: Any, fn: Any) -> Any:
+        tensor = value if isinstance(value, self.torch.Tensor) else self.torch.from_numpy(value)
+        self.dist.all_reduce(tensor)
+        return value
+
+    def close(self) -> None:
+        self.dist.barrier()
+        self.dist.destroy_process_group()
 
 
 def rank_from_mpi() -> tuple[int, int]:

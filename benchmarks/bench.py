@@ -33,7 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 ALL_BACKENDS = ["zcollective", "zcollective+secret", "zcollective-star", "zcollective-star+secret", "floor",
-                "adaptdl", "torch", "mpi4py"]
+                "adaptdl", "torch", "mpi4py", "shm-floor", "mpi4py-buffer", "gloo"]
+ARRAYS_ONLY = {"shm-floor", "mpi4py-buffer", "gloo"}  # they run only the float32 array allreduces
+MPI_BACKENDS = {"mpi4py", "mpi4py-buffer"}
 SECRET = "benchmark-secret-0123456789abcdef"
 RUN_TIMEOUT_S = 600  # one backend at one N, all workloads
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
@@ -54,14 +56,17 @@ WORKLOADS: dict[str, tuple[int, int, int | None]] = {
     "allreduce int": (400, 100, None),
     "allreduce dict100 (lambda merge)": (300, 80, None),
     "broadcast small dict": (400, 100, None),
+    "allreduce float32 64 KiB": (200, 50, 1 << 16),
     "allreduce float32 1 MiB": (60, 20, 1 << 20),
     "allreduce float32 16 MiB": (12, 5, 16 << 20),
+    "allreduce float32 64 MiB": (8, 3, 64 << 20),
     "64 pipelined allreduce_async": (30, 10, None),
     # the array workloads again, as CPU torch tensors; only where torch is installed
     "allreduce torch float32 1 MiB": (60, 20, 1 << 20),
     "allreduce torch float32 16 MiB": (12, 5, 16 << 20),
 }
 TENSOR_WORKLOADS = ("allreduce torch float32 1 MiB", "allreduce torch float32 16 MiB")
+ARRAY_WORKLOADS = tuple(n for n in WORKLOADS if n.startswith("allreduce float32 "))
 WARMUP = 5
 
 # --p2p: one round trip = rank 0 sends, rank 1 receives and sends it back, rank 0 receives.
@@ -89,7 +94,7 @@ def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: b
     import backends
     import numpy as np
 
-    fns: dict[str, Callable[[Any, Any], Any]] = {"add": add, "merge": lambda a, b: merge(a, b)}
+    fns: dict[str, Callable[[Any, Any], Any]] = {"add": add, "sum": add, "merge": lambda a, b: merge(a, b)}
     if backend == "floor":
         impl: Any = backends.Floor(rank, size, port, fns)
 
@@ -97,15 +102,22 @@ def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: b
             return name
     else:
         if backend.startswith("zcollective"):
-            if "-star" in backend:  # everything through rank 0, as before the data plane
-                os.environ["ZCOLLECTIVE_DATA_PLANE"] = "off"
+            if "-star" in backend:  # everything through rank 0, as before the data plane (and
+                os.environ["ZCOLLECTIVE_DATA_PLANE"] = "off"  # shared memory)
+                os.environ["ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES"] = "off"
             impl = backends.ZCollective(rank, size, port, SECRET if backend.endswith("secret") else None)
+            fns["sum"] = impl.zc.default_reduce_fn  # the arrays': the same a += b, as users call it
+            # (allreduce(x)); zcollective knows it is elementwise, not the benchmark's own function
         elif backend == "adaptdl":
             impl = backends.AdaptDL(rank, size, port)
         elif backend == "torch":
             impl = backends.Torch(rank, size, port)
         elif backend == "mpi4py":
             impl = backends.MPI4Py(rank, size, port)
+        elif backend == "mpi4py-buffer":
+            impl = backends.MPI4PyBuffer(rank, size, port)
+        elif backend == "gloo":
+            impl = backends.Gloo(rank, size, port)
         else:
             raise SystemExit(f"unknown backend {backend}")
 
@@ -114,15 +126,21 @@ def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: b
 
     tri = size * (size + 1) // 2
     results: dict[str, Any] = {}
+    arrays_only = getattr(impl, "arrays_only", False)
 
-    def timed(name: str, one: Callable[[int], None]) -> None:
+    def timed(name: str, one: Callable[[Any], None], prepare: Callable[[], Any] = lambda: None) -> None:
+        """``one(prepare())`` timed, ``prepare`` not (an array's fresh copy)."""
+        if arrays_only and name not in ARRAY_WORKLOADS:
+            return
         iters = WORKLOADS[name][1 if quick else 0]
         for i in range(WARMUP):
-            one(i)
+            arg = prepare()
+            one(arg if arg is not None else i)
         times = []
         for i in range(iters):
+            arg = prepare()
             t0 = time.perf_counter()
-            one(i)
+            one(arg if arg is not None else i)
             times.append(time.perf_counter() - t0)
         results[name] = times
 
@@ -139,41 +157,45 @@ def run_worker(backend: str, rank: int, size: int, port: int, out: str, quick: b
         value = {"step": i, "lr": 0.1, "name": "run-7"} if rank == 0 else None
         assert impl.broadcast(value) == {"step": i, "lr": 0.1, "name": "run-7"}
 
-    def arrays(nbytes: int) -> Callable[[int], None]:
+    def arrays(name: str, nbytes: int) -> None:
+        """Each allreduce gets a fresh copy of the array, made untimed (a reduction may
+        change its input: rank 0's of the star ones, gloo's in place)."""
         base = np.full(nbytes // 4, rank + 1, dtype=np.float32)
 
-        def one(i: int) -> None:
-            out = impl.allreduce(base.copy(), fn("add"))
+        def one(value: Any) -> None:
+            out = impl.allreduce(value, fn("sum"))
             assert out.shape == base.shape and out[0] == tri and out[-1] == tri
-        return one
+        timed(name, one, base.copy)
 
     def pipelined(i: int) -> None:
         futures = [impl.allreduce_async(k, fn("add")) for k in range(64)]
         for k, f in enumerate(futures):
             assert f.result() == k * size
 
-    def tensors(nbytes: int) -> Callable[[int], None]:
+    def tensors(name: str, nbytes: int) -> None:
         import torch
 
         torch.set_num_threads(1)  # N replicas share the cores: torch's own threads would fight them
         base = torch.full((nbytes // 4,), rank + 1, dtype=torch.float32)
 
-        def one(i: int) -> None:
-            out = impl.allreduce(base.clone(), fn("add"))
+        def one(value: Any) -> None:
+            out = impl.allreduce(value, fn("sum"))
             assert out.shape == base.shape and out[0].item() == tri and out[-1].item() == tri
-        return one
+        timed(name, one, base.clone)
 
     timed("allreduce int", small_int)
     timed("allreduce dict100 (lambda merge)", small_dict)
     timed("broadcast small dict", bcast)
-    timed("allreduce float32 1 MiB", arrays(1 << 20))
+    arrays("allreduce float32 64 KiB", 1 << 16)
+    arrays("allreduce float32 1 MiB", 1 << 20)
     rss_before = peak_rss()
-    timed("allreduce float32 16 MiB", arrays(16 << 20))
+    arrays("allreduce float32 16 MiB", 16 << 20)
     rss_after = peak_rss()
+    arrays("allreduce float32 64 MiB", 64 << 20)
     timed("64 pipelined allreduce_async", pipelined)
-    if tensors_available():  # last: importing torch must not count in the RSS figures above
-        timed("allreduce torch float32 1 MiB", tensors(1 << 20))
-        timed("allreduce torch float32 16 MiB", tensors(16 << 20))
+    if tensors_available() and not arrays_only:  # last: importing torch must not count in the RSS
+        tensors("allreduce torch float32 1 MiB", 1 << 20)  # figures above
+        tensors("allreduce torch float32 16 MiB", 16 << 20)
     impl.close()
     with open(out, "w") as f:
         json.dump({"rank": rank, "times": results, "peak_rss": rss_after,
@@ -328,9 +350,11 @@ def available(backend: str) -> str | None:
     try:
         if backend == "adaptdl":
             import adaptdl.reducer  # noqa: F401
-        elif backend == "torch":
+        elif backend in ("torch", "gloo"):
             import torch.distributed  # noqa: F401
-        elif backend == "mpi4py":
+        elif backend == "shm-floor":
+            import numpy  # noqa: F401
+        elif backend in MPI_BACKENDS:
             import mpi4py  # noqa: F401
 
             if shutil.which("mpirun") is None:
@@ -354,9 +378,14 @@ def run_one(backend: str, size: int, quick: bool, mode: str = "collectives",
         outs = [os.path.join(tmp, f"r{r}.json") for r in range(size)]
         me = os.path.abspath(__file__)
         flags = ["--mode", mode, "--port2", str(free_port()), "--only", only, *(["--quick"] if quick else [])]
-        if backend == "mpi4py":
+        if backend in MPI_BACKENDS:
             cmd = [*MPIRUN, "-n", str(size), sys.executable, me, "--worker", backend, "--size", str(size),
                    "--port", str(port), "--out", os.path.join(tmp, "r{rank}.json"), *flags]
+            procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)]
+        elif backend == "shm-floor":  # one process forks the ranks (they share its Barrier)
+            workloads = [(n, WORKLOADS[n][2], WORKLOADS[n][1 if quick else 0]) for n in ARRAY_WORKLOADS]
+            cmd = [sys.executable, os.path.join(HERE, "shm_floor.py"), "--size", str(size), "--workloads",
+                   json.dumps(workloads), "--out", os.path.join(tmp, "r{rank}.json")]
             procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)]
         else:
             procs = [subprocess.Popen([sys.executable, me, "--worker", backend, "--rank", str(r),
@@ -399,6 +428,8 @@ def summarize(runs: list[list[dict[str, Any]]], size: int) -> dict[str, Any]:
             entry["ops_per_s"] = 64 / entry["median_s"]
         summary[name] = entry
     rank0 = [ranks[0] for ranks in runs]
+    if not any(r["peak_rss"] for r in rank0):
+        return summary  # (the shared-memory floor measures none)
     summary["coordinator peak RSS (MiB)"] = statistics.median(r["peak_rss"] for r in rank0) / 2**20
     summary["coordinator RSS growth in 16 MiB allreduce (MiB)"] = statistics.median(
         (r["peak_rss"] - r["rss_before_16mib"]) for r in rank0) / 2**20
@@ -498,8 +529,33 @@ def table(results: dict[str, dict[int, dict[str, Any]]], sizes: list[int], backe
             lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
     for key in ("coordinator peak RSS (MiB)", "coordinator RSS growth in 16 MiB allreduce (MiB)"):
         for n in sizes:
-            cells = [f"{results[b][n][key]:.0f}" if n in results[b] else "—" for b in ran]
+            cells = [f"{results[b][n][key]:.0f}" if key in results[b].get(n, {}) else "—" for b in ran]
             lines.append(f"| {key} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def array_table(results: dict[str, dict[int, dict[str, Any]]], sizes: list[int]) -> str:
+    """The float32 allreduces: zcollective against the shared-memory floor, mpi4py's buffer
+    Allreduce and gloo's tensor all_reduce (time ratios: below 1, zcollective is faster)."""
+    peers = [b for b in ("shm-floor", "mpi4py-buffer", "gloo", "floor") if b in results]
+    mine = [b for b in results if b.startswith("zcollective") and "star" not in b and "secret" not in b]
+    if not mine or not peers:
+        return ""
+    us = mine[-1]  # (with --trees, the last checkout: the ratios are its)
+    head = " | ".join(mine) + " | " + " | ".join(f"{b} ({us} ×)" for b in peers)
+    lines = [f"| workload | N | {head} |", "|---|---|" + "---|" * (len(mine) + len(peers))]
+    for name in ARRAY_WORKLOADS:
+        for n in sizes:
+            ours = results[us].get(n, {}).get(name)
+            if ours is None:
+                continue
+            cells = [fmt_time(results[b][n][name]["median_s"]) if name in results[b].get(n, {}) else "—"
+                     for b in mine]
+            for b in peers:
+                e = results[b].get(n, {}).get(name)
+                cells.append("—" if e is None else
+                             f"{fmt_time(e['median_s'])} ({ours['median_s'] / e['median_s']:.2f}×)")
+            lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -530,7 +586,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         rank, size = args.rank, args.size
-        if args.worker == "mpi4py":
+        if args.worker in MPI_BACKENDS:
             import backends
 
             rank, size = backends.rank_from_mpi()
@@ -555,6 +611,7 @@ def main() -> None:
                   for name in (TREES if b.startswith("zcollective") else [""])]
     skipped = {b: why for b in wanted if (why := available(b.partition("@")[0]))}
     order = [b for b in wanted if b not in skipped]
+    load = os.getloadavg()  # (the machine is shared: the JSON says how busy it was)
     runs: dict[str, dict[int, list[Any]]] = {b: {n: [] for n in sizes} for b in order}
     for rnd in range(args.rounds):
         shift = rnd % len(order)
@@ -564,13 +621,17 @@ def main() -> None:
                 runs[b][n].append(run_one(b, n, args.quick))
     results = {b: {n: summarize(runs[b][n], n) for n in sizes} for b in order}
     text = table(results, sizes, order)
+    arrays = array_table(results, sizes)
+    if arrays:
+        text += "\n\n" + arrays
     if not tensors_available():
         skipped["torch tensor workloads"] = f"torch not installed ({TORCH_CPU_WHEEL})"
     notes = [f"- {b}: skipped, {why}" for b, why in skipped.items()]
     print(text)
     for note in notes:
         print(note)
-    write_json(args.out, args, skipped=skipped, results=results, table=text)
+    write_json(args.out, args, load_before=load, load_after=os.getloadavg(), skipped=skipped, results=results,
+               table=text)
     from plot import draw  # this folder is on sys.path: bench.py runs as a script
 
     for png in draw(args.out) or ["no pictures: matplotlib is not installed"]:

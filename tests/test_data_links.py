@@ -32,7 +32,7 @@ from zcollective._protocol import _chunks, _tokens
 from zcollective.testing import Replicas, report
 
 ON = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096",
-      "ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}
+      "ZCOLLECTIVE_LIVENESS_TIMEOUT": "2", "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"}
 OP_TIMEOUT = 20.0  # the issue's: a rank stuck past it would show as a timeout, not an error
 REMADE_S = 2.0  # libzmq re-makes a connection within 100 ms (RECONNECT_IVL_MS)
 ANSWER_S = 0.5  # a refusal takes milliseconds

@@ -89,7 +89,8 @@ def test_repeated_kills_down_to_one_survivor(secret):
 
 @pytest.mark.parametrize("secret", [False, True], ids=["no-secret", "secret"])
 def test_a_kill_during_a_ring_allreduce_of_a_large_array(secret):
-    _run([1], big=True, env={"ZCOLLECTIVE_DATA_PLANE": "on", **(SECRET if secret else {})})
+    _run([1], big=True, env={"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off",
+                             **(SECRET if secret else {})})
 
 
 def stopped_survivor(markers):

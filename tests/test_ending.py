@@ -647,7 +647,8 @@ def test_an_interrupt_while_rank_0_ends_tells_the_others_at_once():
     """Interrupted before its BYE went, rank 0's exit swallowed the interrupt
     and served on for 30 s, never telling anyone it had ended: the others
     timed out (attack review round 3)."""
-    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}
+    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096",
+           "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"}
     outs = run_group(initialized(interrupted_while_rank_0_ends), 3, env=env)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     for out in outs[1:]:
@@ -676,7 +677,8 @@ def test_a_rank_ending_with_a_small_broadcast_uncollected_does_not_fail_it_with_
     """With the data plane on, rank 2's BYE was flagged 'data left unmoved'
     for a call whose plan never came, and the group failed at once; without
     the data plane the broadcast completes (attack review round 3)."""
-    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096"}
+    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "4096",
+           "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"}
     outs = run_group(initialized(ends_with_a_broadcast_not_collected), 3, env=env)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     for out in outs[:2]:

@@ -21,7 +21,8 @@ def test_a_group_runs_without_linux_only_modules(plane):
     for rank in range(2):
         env = dict(os.environ, ZCOLLECTIVE_MASTER_ADDR="127.0.0.1", ZCOLLECTIVE_MASTER_PORT=str(port),
                    ZCOLLECTIVE_REPLICA_RANK=str(rank), ZCOLLECTIVE_NUM_REPLICAS="2",
-                   ZCOLLECTIVE_DATA_PLANE=plane, ZCOLLECTIVE_DATA_PLANE_MIN_BYTES="4096")
+                   ZCOLLECTIVE_DATA_PLANE=plane, ZCOLLECTIVE_DATA_PLANE_MIN_BYTES="4096",
+                   ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES="off")
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "portable_rank.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = []

@@ -15,8 +15,9 @@ from zcollective.testing import Replicas, report, run_replicas
 
 np = pytest.importorskip("numpy")
 
-PLANES = {"star": {"ZCOLLECTIVE_DATA_PLANE": "off"},
-          "data": {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "1024"}}
+PLANES = {"star": {"ZCOLLECTIVE_DATA_PLANE": "off", "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"},
+          "data": {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "1024",
+                   "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"}}
 
 
 def scatter_everything():

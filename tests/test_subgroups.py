@@ -20,8 +20,9 @@ from zcollective.testing import Replicas, report, run_replicas
 np = pytest.importorskip("numpy")
 
 SETTINGS = {
-    "star": {"ZCOLLECTIVE_DATA_PLANE": "off"},
+    "star": {"ZCOLLECTIVE_DATA_PLANE": "off", "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"},
     "data+secret": {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "1024",
+                    "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off",
                     "ZCOLLECTIVE_SECRET": "sub-groups-secret"},
 }
 

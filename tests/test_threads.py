@@ -303,7 +303,8 @@ def many_threads(arrays):
 
 @pytest.mark.parametrize("arrays", [False, True], ids=["star", "data-plane"])
 def test_threads_of_every_rank_call_one_group_at_once(arrays):
-    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "65536"} if arrays else None
+    env = {"ZCOLLECTIVE_DATA_PLANE": "on", "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "65536",
+           "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"} if arrays else None
     # bounded below pytest's 120 s, so that a hang shows every rank's stacks
     outs = run_replicas(many_threads, 3, arrays, env=env, timeout=90)
     assert outs == [[THREADS * CALLS] * 3] * 3

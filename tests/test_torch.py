@@ -231,7 +231,8 @@ def tensor_reduce_scatter():
 @pytest.mark.parametrize("plane", ["off", "on"])
 def test_reduce_scatter_of_tensors_gives_each_rank_its_share_as_a_tensor(plane):
     n = 3
-    env = {"ZCOLLECTIVE_DATA_PLANE": plane, "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "1024"}
+    env = {"ZCOLLECTIVE_DATA_PLANE": plane, "ZCOLLECTIVE_DATA_PLANE_MIN_BYTES": "1024",
+           "ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES": "off"}
     for r, out in enumerate(run_replicas(tensor_reduce_scatter, n, env=env, timeout=90)):
         assert out == ("Tensor", "torch.float32", (1000, 100), float(10 * sum(range(n)) + n * r),
                        plane == "on", [float(n)] * 3)
@@ -277,3 +278,30 @@ def tensors_point_to_point():
 def test_tensors_go_point_to_point_and_arrive_writable():
     received = run_replicas(tensors_point_to_point, 2)[0]
     assert received.tolist() == [float(1 << 18), 1.0]
+
+
+def tensors_through_shared_memory():
+    import numpy as np
+
+    from zcollective._protocol import _ops
+
+    r = zc.get_rank()
+    assert zc._current()._life.shared is not None, "no shared memory on one host"
+    out = {}
+    for dtype in (torch.float32, torch.int64, torch.float16):
+        t = torch.full((300, 100), r + 1, dtype=dtype)
+        seen = _ops._array(t, 0)  # what is copied into the slot: the tensor's own memory
+        assert np.shares_memory(seen, t.numpy()), "the tensor was copied before its slot"
+        res = zc.allreduce(t)
+        res += 1  # the caller's own, writable
+        out[str(dtype)] = (type(res).__name__, str(res.dtype), tuple(res.shape), float(res[-1, -1]))
+    out["sent"] = zc.stats()["ops"]["allreduce"]["bytes_sent"]
+    return out
+
+
+def test_cpu_tensors_go_through_shared_memory_and_come_back_as_tensors():
+    outs = run_replicas(tensors_through_shared_memory, 2, timeout=90)
+    assert outs[0] == outs[1]
+    for dtype in ("torch.float32", "torch.int64", "torch.float16"):
+        assert outs[0][dtype] == ("Tensor", dtype, (300, 100), 4.0)
+    assert outs[0]["sent"] < 2000, outs[0]["sent"]  # descriptions, not tensors

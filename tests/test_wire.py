@@ -462,7 +462,7 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
                     "nonce": "ab" * 16,
                     "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
                     "data_mode": "on", "macs": _mac.available_backends(), "lineage": None,
-                    "newcomer": False, "job": None, "mail": None}
+                    "newcomer": False, "job": None, "mail": None, "shm": None}
     assert _bodies.challenge_of(msg) == "c" * 32
     mailing = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto", mail="tcp://10.0.0.3:4001")
     assert _bodies.parse_join(_through_the_wire(mailing))["mail"] == "tcp://10.0.0.3:4001"
@@ -517,7 +517,7 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
         "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
         "data_key": key, "renumber": None, "addresses": None, "admitted": None, "mail": None,
-        "mail_key": None}
+        "mail_key": None, "shm": None}
     assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
     boxes = ["tcp://a:7", "tcp://b:8", "tcp://c:9"]
     mailing = _bodies.welcome(3, "ab" * 16, None, None, None, 0, key, mail=boxes, rank=1, session=5)
@@ -530,6 +530,20 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
         got = _bodies.parse_welcome(control(Kind.WELCOME, body), 1)
         assert (got["data"], got["data_min"], got["data_key"]) == (None, 0, None)
         assert (got["parts"], got["mac"]) == (None, None)
+
+
+def test_shared_memory_reads_back_from_a_join_and_a_welcome_only_whole():
+    join = _bodies.join(1, 2, "3.11", "ab" * 16, None, None, 0, "auto", shm=(65536, 1 << 30))
+    assert _bodies.parse_join(_through_the_wire(join))["shm"] == (65536, 1 << 30)
+    plan = _bodies.shared_plan(65536, [0, 0, None, 1, 1], [100, 200])
+    msg = _bodies.welcome(5, "n", None, None, None, 0, None, shm=plan, rank=1, session=5)
+    assert _bodies.parse_welcome(_through_the_wire(msg), 5)["shm"] == plan
+    assert _bodies.parse_welcome(msg, 4)["shm"] is None  # not one host per rank
+    for broken in ({"min": -1}, {"hosts": [0, 0, None, 2, 1]}, {"room": [100, "200"]}, {"hosts": "0"}):
+        assert _bodies.parse_shared({**plan, **broken}, 5) is None
+    for offer in ({"min": 1}, {"min": "1", "room": 2}, [1, 2], {"min": -1, "room": 2}):
+        bad = control(Kind.JOIN, {"rank": 0, "num_replicas": 1, "python": "3", "pid": 1, "shm": offer})
+        assert _bodies.parse_join(bad)["shm"] is None
 
 
 def test_a_formed_groups_join_and_welcome_carry_lineage_renumbering_and_addresses():

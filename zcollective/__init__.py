@@ -108,6 +108,7 @@ def initialize(
     bind_addr: Optional[str] = None,
     join: Optional[bool] = None,
     job: Optional[str] = None,
+    shared_memory_min_bytes: Union[int, str, None] = None,
 ) -> None:
     """Join the default group; blocks until every replica has called it.
 
@@ -133,7 +134,7 @@ def initialize(
     _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
                    op_timeout=op_timeout, warn_after=warn_after, liveness_timeout=liveness_timeout,
                    max_frame_bytes=max_frame_bytes, secret=secret, bind_addr=bind_addr, join=join,
-                   job=job)
+                   job=job, shared_memory_min_bytes=shared_memory_min_bytes)
 
 
 def teardown(*, timeout: Timeout = DEFAULT) -> None:

@@ -128,6 +128,7 @@ class Group:
         bind_addr: Optional[str] = None,
         join: Optional[bool] = None,
         job: Optional[str] = None,
+        shared_memory_min_bytes: Union[int, str, None] = None,
         env: Optional[Mapping[str, str]] = None,
     ) -> None:
         """Join the group; raises as the class docstring says. Each argument
@@ -137,7 +138,8 @@ class Group:
         config = resolve(
             master_addr, master_port, rank, size, timeout=timeout, op_timeout=op_timeout,
             warn_after=warn_after, liveness_timeout=liveness_timeout, max_frame_bytes=max_frame_bytes,
-            secret=secret, bind_addr=bind_addr, join=join, job=job, env=env,
+            secret=secret, bind_addr=bind_addr, join=join, job=job,
+            shared_memory_min_bytes=shared_memory_min_bytes, env=env,
         )
         if config.join:  # a newcomer: admitted by a grow(), it forms the next group with the members
             try:

@@ -23,13 +23,14 @@ from ._announce import announce_coordinator, announce_group, write_for_launcher
 from ._format._wire import DEFAULT_MAX_FRAMES, Signer
 from ._forming import Form, Overslept, Unreachable
 from ._future import settle, sleeping
-from ._io import _interrupts, _sockets, _stops
+from ._io import _interrupts, _shared, _sockets, _stops
 from ._io._dataplane import DataPlane
 from ._io._dealer import DealerDriver
 from ._io._driver import DirectDriver, Driver, HostDriver
 from ._io._interrupts import NUDGE
 from ._io._mailbox import MailSockets
 from ._io._server import Server
+from ._io._shared import SharedPlane
 from ._io._turns import Turns
 from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, HOST_WINDOW_S, STATUS_WAIT_S
 from ._protocol._coordinator import Coordinator
@@ -79,6 +80,7 @@ class Lifecycle:
         self.server: Optional[Server] = None
         self.data: Optional[DataPlane] = None
         self.mail: Optional[MailSockets] = None  # its mailbox (point to point)
+        self.shared: Optional[SharedPlane] = None  # its host's shared memory, if it shares some
         signer = Signer(config.secret) if config.secret is not None else None
         self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
@@ -118,7 +120,8 @@ class Lifecycle:
             self._start_data(deadline)
             config, member = self.config, self.member
             self.here = Here(config.rank, config.num_replicas, self.data is not None, member.data_min_bytes,
-                             config.max_frame_bytes)
+                             config.max_frame_bytes, self.shared,
+                             member.shared["min"] if member.shared is not None else 0)
             if not nested:
                 announce_group(config.rank, config.num_replicas, member.session, member.lineage,
                                _interrupts.stacks_on())
@@ -171,6 +174,8 @@ class Lifecycle:
         gate = self.server.gatekeeper if self.server is not None else None  # the context's one
         self.mail = MailSockets(self.ctx, config, gate)  # bound before the JOIN, which names it
         member.mail_endpoint, member.mail_window = self.mail.endpoint, config.mail_window_bytes
+        if config.shared_memory_min_bytes is not None and _shared.available():
+            member.shm_offer = (config.shared_memory_min_bytes, _shared.room())
         if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
             # bound before the JOIN, which announces it (a master on loopback: one host, no use)
             self.data = DataPlane(self.ctx, config, self.mail.gatekeeper)
@@ -245,9 +250,14 @@ class Lifecycle:
                           f"{form.wait_s + form.reach_s:g} s")
 
     def _start_data(self, deadline: Optional[float]) -> None:
-        """Joined: open the mailbox to the group's ranks; use the data plane if
-        every rank has one, else let it go."""
+        """Joined: open the mailbox to the group's ranks; share memory with those on this
+        host if the WELCOME says so; use the data plane if every rank has one, else let it go."""
         data, member, link = self.data, self.member, self.driver
+        shared = member.shared
+        if shared is not None and link is not None:
+            host = shared["hosts"][member.rank]
+            ranks = [r for r, h in enumerate(shared["hosts"]) if h == host]
+            self.shared = link.shared = SharedPlane(member, member.session, host, ranks, shared["room"][host])
         if self.mail is not None and link is not None:
             if member.mail_endpoints is None:  # (a newcomer of an older release: no point to point)
                 self.mail.close()
@@ -364,6 +374,8 @@ class Lifecycle:
                 if self.data is not None:  # (ending: the next rank said it has its chunks, see
                     # rule 7 of the coordinator; or the wait for it ran out)
                     self.data.close(EXIT_LINGER_MS if ending else 0)
+                if self.shared is not None:
+                    self.shared.close()
                 if self.driver is not None:
                     self.driver.close(EXIT_LINGER_MS if ending else 0)
                 if self.ctx is not None and not stuck:

@@ -49,6 +49,9 @@ DEFAULT_DATA_PLANE = "auto"  # large arrays peer to peer when the group spans ho
 # 2 cores the star was faster at N = 4 and 8: benchmarks/README.md); "on": also on one host; "off": never
 DATA_PLANE_CHOICES = ("auto", "on", "off")
 DEFAULT_DATA_PLANE_MIN_BYTES = 1 << 20  # below this an array keeps the star (benchmarks/README.md)
+DEFAULT_SHARED_MEMORY_MIN_BYTES = 1 << 14  # from here values on one host go through shared memory
+# (at 4-8 KiB the star's one message was as fast, at 16 KiB 10-30% slower: benchmarks/README.md)
+SHARED_MEMORY_OFF = "off"
 DEFAULT_MAIL_WINDOW_BYTES = 64 << 20  # what one sender may leave unreceived at one receiver
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
 ALL_INTERFACES = ("*", "0.0.0.0", "::")
@@ -85,6 +88,7 @@ class Config:
     log: Optional[str] = None  # "calls": one line per call on the logger zcollective.calls
     data_plane: str = DEFAULT_DATA_PLANE  # "auto": large arrays peer to peer; "off": star only
     data_plane_min_bytes: int = DEFAULT_DATA_PLANE_MIN_BYTES  # smaller arrays keep the star
+    shared_memory_min_bytes: Optional[int] = DEFAULT_SHARED_MEMORY_MIN_BYTES  # None: off
     mail_window_bytes: int = DEFAULT_MAIL_WINDOW_BYTES  # point to point: see the Setting
     port_given: bool = False  # master_port came from an argument, the environment or a launcher:
     # a group of one then serves its coordinator there, so newcomers can come (grow)
@@ -184,6 +188,19 @@ def _seconds_or_zero(raw: Any) -> Optional[float]:
     except (TypeError, ValueError):
         pass
     return _seconds(raw)
+
+
+def _bytes_or_off(raw: Any) -> Optional[int]:
+    """A number of bytes (0 or more), or ``off`` (None)."""
+    if isinstance(raw, str) and raw.strip().lower() == SHARED_MEMORY_OFF:
+        return None
+    try:
+        value = _integer(raw)
+    except ValueError:
+        raise ValueError(f"is neither a number of bytes nor {SHARED_MEMORY_OFF!r}") from None
+    if value < 0:
+        raise ValueError("must be 0 or more bytes, or 'off'")
+    return value
 
 
 def _text(raw: Any) -> str:
@@ -360,6 +377,11 @@ SETTINGS: tuple[Setting, ...] = (
                 "``None`` when nothing names it): rank 0 refuses a replica of another job, or of "
                 "none when it has one, with an error naming both. It prevents accidents, not "
                 "attacks: see docs/security.md."),
+    Setting("shared_memory_min_bytes", "Union[int, str, None]", DEFAULT_SHARED_MEMORY_MIN_BYTES,
+            _bytes_or_off, env=("ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES",),
+            doc="Numeric arrays (and CPU tensors) of at least this many bytes move through "
+                "shared memory between the replicas on one host (``\"off\"``: never). Rank "
+                "0's value is the group's; a replica set to ``\"off\"`` keeps its host out."),
     Setting("local_rank", "Optional[int]", None, _integer, check=_at_least(0), argument=False,
             env=("ZCOLLECTIVE_LOCAL_RANK", "LOCAL_RANK"),
             doc="This replica's index among the replicas on its host (to pick a GPU, say); "

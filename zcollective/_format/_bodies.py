@@ -29,10 +29,12 @@ DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is
 
 def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optional[str],
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
-         newcomer: bool = False, job: Optional[str] = None, ops: str = "", mail: Optional[str] = None
-         ) -> Message:
+         newcomer: bool = False, job: Optional[str] = None, ops: str = "", mail: Optional[str] = None,
+         shm: Optional[tuple[int, int]] = None) -> Message:
     """JOIN: who this replica is and what it runs (``ops``: the operations it
-    knows, by name); its answers are bound to ``nonce``.
+    knows, by name); its answers are bound to ``nonce``. ``shm``: it can use
+    shared memory with the ranks on its host, for arrays of at least ``shm[0]``
+    bytes (rank 0's threshold is the group's), and its host has ``shm[1]`` bytes free there.
     ``lineage``: it joins a group the members of an earlier one form (its session, in
     hex; ``rank`` and ``num_replicas`` are then its old ones); ``newcomer``: it
     waits to be admitted to a running group; ``job``: its job's name, if it has one."""
@@ -52,6 +54,8 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
         body.update(data=data, data_min=data_min, data_mode=data_mode)
     if mail is not None:  # its mailbox port (point to point)
         body["mail"] = mail
+    if shm is not None:
+        body["shm"] = {"min": shm[0], "room": shm[1]}
     return control(Kind.JOIN, body, rank=rank)
 
 
@@ -73,14 +77,23 @@ def parse_join(msg: Message) -> dict[str, Any]:
     mail = body.get("mail")
     if not (isinstance(mail, str) and mail.startswith("tcp://") and len(mail) <= MAX_ENDPOINT_CHARS):
         mail = None  # no mailbox: the group has no point to point
-    lineage = body.get("lineage")
+    lineage, shm = body.get("lineage"), body.get("shm")
     return {"rank": rank, "num_replicas": n, "python": python, "ops": printable(str(body.get("ops"))[:1024]),
             "pid": pid, "nonce": join_nonce(msg),
             "lineage": lineage[:64] if isinstance(lineage, str) else None,
             "newcomer": body.get("newcomer") is True, "job": None if job is None else printable(job),
             "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,
             "data_mode": "on" if body.get("data_mode") == "on" else "auto", "mail": mail,
-            "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else ()}
+            "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else (),
+            "shm": _shm_offer(shm)}
+
+
+def _shm_offer(body: Any) -> Optional[tuple[int, int]]:
+    """A JOIN's shared memory (threshold, room), or None."""
+    if not isinstance(body, dict):
+        return None
+    least, room = body.get("min"), body.get("room")
+    return (least, room) if type(least) is int and type(room) is int and least >= 0 and room >= 0 else None
 
 
 def join_nonce(msg: Message) -> str:
@@ -103,10 +116,11 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
             data: Optional[list[str]], data_min: int, data_key: Optional[str],
             addresses: Optional[list[str]] = None, renumber: Optional[dict[str, Any]] = None,
             admitted: Optional[dict[str, Any]] = None, mail: Optional[list[str]] = None,
-            **header: Any) -> Message:
+            shm: Optional[dict[str, Any]] = None, **header: Any) -> Message:
     """WELCOME: the JOIN it answers, how the group frames and signs, its data ports,
     every rank's address as rank 0 sees it, and, in a group formed from an earlier
-    one, ``renumber``: this member's new ``rank`` and every new rank's ``old`` one."""
+    one, ``renumber``: this member's new ``rank`` and every new rank's ``old`` one; ``shm``:
+    shared memory on each host, as :func:`shared_plan` makes it."""
     body: dict[str, Any] = {"num_replicas": num_replicas, "nonce": nonce, "parts": parts, "mac": mac}
     if data is not None:
         body.update(data=data, data_min=data_min, data_key=data_key)
@@ -118,7 +132,28 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
         body["renumber"] = renumber
     if admitted is not None:  # a newcomer: its rank and size in the group formed next, the lineage
         body["admitted"] = admitted
+    if shm is not None:
+        body["shm"] = shm
     return control(Kind.WELCOME, body, **header)
+
+
+def shared_plan(least: int, hosts: list[Optional[int]], room: list[int]) -> dict[str, Any]:
+    """A WELCOME's shared memory: arrays of at least ``least`` bytes go through it; ``hosts``:
+    each rank's host (a number), None for a rank that does not use it; ``room``: by host, the
+    most bytes its segment may take."""
+    return {"min": least, "hosts": hosts, "room": room}
+
+
+def parse_shared(body: Any, num_replicas: int) -> Optional[dict[str, Any]]:
+    """A WELCOME's shared memory, whole, or None."""
+    if not isinstance(body, dict):
+        return None
+    least, hosts, room = body.get("min"), body.get("hosts"), body.get("room")
+    if not (type(least) is int and least >= 0 and isinstance(hosts, list) and len(hosts) == num_replicas
+            and isinstance(room, list) and all(type(b) is int and b >= 0 for b in room)
+            and all(h is None or type(h) is int and 0 <= h < len(room) for h in hosts)):
+        return None
+    return {"min": least, "hosts": hosts, "room": room}
 
 
 def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
@@ -158,7 +193,8 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
             "mac": mac if mac in available_backends() else None, "data": data if whole else None,
             "data_min": least if whole else 0, "data_key": key if whole else None,
             "renumber": renumber, "addresses": addresses, "admitted": admitted,
-            "mail": mail if mail_whole else None, "mail_key": key if mail_whole else None}
+            "mail": mail if mail_whole else None, "mail_key": key if mail_whole else None,
+            "shm": parse_shared(body.get("shm"), num_replicas)}
 
 
 def is_data_key(key: Any) -> bool:
@@ -298,6 +334,79 @@ def parse_gather_plan(msg: Message, num_replicas: int) -> list[Optional[list[int
             and all(s is None or _sizes(s) for s in told)):
         raise WireError(f"malformed allgather plan {str(told)[:100]}")
     return told
+
+
+def shared_status(staged: bool, free: bool) -> bytes:
+    """A rank's word on a shared-memory call (beside its description): it wrote its input
+    when it made the call (``staged``: a rank with nothing to write says it knows the set
+    free); it knows the call's set of slots is ``free``."""
+    return _STATUSES[staged, free]
+
+
+_STATUSES = {(s, f): plan(staged=s, free=f) for s in (False, True) for f in (False, True)}  # (made
+# once: a broadcast's readers send one with every call)
+
+
+def parse_shared_status(frame: Any) -> tuple[bool, bool]:
+    """``(staged, free)`` of :func:`shared_status`, or WireError."""
+    got = _wire._parse_json(frame, 256)
+    staged, free = got.get("staged"), got.get("free")
+    if not (isinstance(staged, bool) and isinstance(free, bool)):
+        raise WireError("malformed shared-memory status")
+    return staged, free
+
+
+def shared_call(staged: list[bool], free: list[bool]) -> bytes:
+    """A shared-memory call's plan (beside the description), by host: every rank wrote its
+    input when it made the call; some rank knows the set of slots is free."""
+    return plan(staged=staged, free=free)
+
+
+def parse_shared_call(msg: Message, host: int) -> tuple[bool, bool]:
+    """``(staged, free)`` of host ``host`` in a plan's :func:`shared_call`, or WireError."""
+    frames = msg.segments[0] if msg.segments else []
+    got = _wire._parse_json(frames[1], MAX_MESSAGE_BYTES) if len(frames) == 2 else {}
+    staged, free = got.get("staged"), got.get("free")
+    if not (isinstance(staged, list) and isinstance(free, list) and 0 <= host < min(len(staged), len(free))
+            and isinstance(staged[host], bool) and isinstance(free[host], bool)):
+        raise WireError("malformed shared-memory plan")
+    return staged[host], free[host]
+
+
+def parts_plan(parts: list[list[int]]) -> bytes:
+    """A rank's description of the values it writes into its host's shared memory: each part's
+    (value's) frame sizes."""
+    return plan(shm=True, parts=parts)
+
+
+def parse_parts(frame: Any) -> list[list[int]]:
+    """The parts of a :func:`parts_plan`, at most MAX_PLAN_FRAMES frames in all, or WireError."""
+    parts = _wire._parse_json(frame, MAX_MESSAGE_BYTES).get("parts")
+    if not (isinstance(parts, list) and all(_sizes(p) for p in parts)
+            and sum(len(p) for p in parts) <= MAX_PLAN_FRAMES):
+        raise WireError(f"malformed shared-memory parts {str(parts)[:100]}")
+    return parts
+
+
+def exchange_plan(parts: list[Optional[list[list[int]]]]) -> bytes:
+    """A shared-memory exchange's plan: by rank, the parts it wrote (None: none, or its value
+    came inline, after the plan)."""
+    return plan(shm=True, parts=parts)
+
+
+def parse_exchange_plan(msg: Message, num_replicas: int) -> list[Optional[list[list[int]]]]:
+    """By rank, the parts of :func:`exchange_plan`, or WireError."""
+    told: Any = msg.body(MAX_MESSAGE_BYTES * num_replicas).get("parts")
+    if not (isinstance(told, list) and len(told) == num_replicas and all(
+            p is None or isinstance(p, list) and all(_sizes(s) for s in p)
+            and sum(len(s) for s in p) <= MAX_PLAN_FRAMES for p in told)):
+        raise WireError(f"malformed shared-memory plan {str(told)[:100]}")
+    return told
+
+
+def is_shared(msg: Message) -> bool:
+    """Is ``msg`` (a contribution or a plan) a shared-memory one (a status or host flags beside it)?"""
+    return len(msg.segments) >= 1 and len(msg.segments[0]) == 2
 
 
 def parse_array_plan(msg: Message) -> tuple[str, tuple[int, ...], str]:

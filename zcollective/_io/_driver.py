@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ._dataplane import DataPlane
     from ._mailbox import MailSockets
     from ._server import Server
+    from ._shared import SharedPlane
 
 
 class Driver:
@@ -36,6 +37,7 @@ class Driver:
     def __init__(self, member: Member) -> None:
         self.member = member
         self.data: Optional[DataPlane] = None  # the data plane, once the group has one
+        self.shared: Optional[SharedPlane] = None  # this rank's host's shared memory, if it has some
         self.sleepers: Callable[[], bool] = bool  # does a coroutine sleep on the fds (the group
         # sets _future.sleeping): then every progress drains the sockets (rule 3 of _future)
         self.waiter = Waiter()  # what its waits watch: the link's sources, the nudge, the data plane's
@@ -255,18 +257,31 @@ class Driver:
         when it is done (its future resolved), False when ``deadline`` came
         first, or ``until()`` held after news (it goes on at the next wait),
         None if there is none."""
-        member, data = self.member, self.data
-        if not member.transfers or data is None:
+        member, data, shared = self.member, self.data, self.shared
+        if not member.transfers:
             return None
         seq, job = member.transfers[0]
-        if not data.run(seq, job, deadline, member, self.waiter, self.watching(), self._take_in,
-                        self._fail_data, until):
+        if getattr(job, "shared", False):
+            if shared is None:
+                return None
+            if not shared.run(seq, job, deadline, lambda: self._news(deadline, until), self.send,
+                              self._fail_data):
+                return False
+        elif data is None:
+            return None
+        elif not data.run(seq, job, deadline, member, self.waiter, self.watching(), self._take_in,
+                          self._fail_data, until):
             return False
         if member.transfers and member.transfers[0][1] is job:
             member.data_done()  # (else the call failed meanwhile: its future has the error)
         if member.owed:  # a TAKEN its data owed (rule 7 of the member)
             self.flush()
         return True
+
+    def _news(self, deadline: Optional[float], until: Optional[Callable[[], bool]]) -> bool:
+        """Wait for news (a shared-memory job waits at a sync): False at ``deadline``, or
+        when ``until()`` holds after it (the caller goes on at its next wait)."""
+        return self._pump(deadline, until) and not (until is not None and until())
 
     def finish_data(self, timeout: float) -> None:
         """Move the data of every call that has some to move, its plan first

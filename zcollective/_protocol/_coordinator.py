@@ -4,7 +4,7 @@ returning the messages to send and the reductions to run. Rank 0 hosts it; a dri
 for a group of one) feeds it and applies what it returns (:func:`._ops.applied`), so every rule is
 tested without a network.
 
-Rules 1-12 (cited by number in the code): see docs/protocol.md,
+Rules 1-13 (cited by number in the code): see docs/protocol.md,
 *Coordinator rules*.
 """
 
@@ -54,6 +54,10 @@ MAX_WARNED_PEERS = 1024  # bounds the memory a flood of strangers can take
 MAX_NEWCOMERS = 64  # newcomers parked at once (rule 10); more are refused until a GROW
 MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while joining; more is a replay
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
+MAX_SHARED_CALLS = 1024  # shared-memory calls whose syncs are taken: the latest planned (rule 13;
+# more in flight at once than this would lose the oldest ones' syncs)
+MAX_SYNCS_WAITING = 4096  # syncs some but not all ranks of a host reached, at most (a member's
+# SYNCs for calls that never sync again would otherwise hold memory)
 MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
 # rank 0 hold at most about 1.2 MiB of answers
 
@@ -131,6 +135,7 @@ class Joined:
     data_min: int = 0  # the smallest array it would send peer to peer (rank 0's is used)
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
     mail: Optional[str] = None  # its mailbox's endpoint (point to point), if it has one
+    shm: Optional[tuple[int, int]] = None  # it can use shared memory: (threshold, room on its host)
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
     old_rank: Optional[int] = None  # in a group formed from an earlier one: its rank there
     heard: float = 0.0  # when (the coordinator's clock) its last message came (see Coordinator.lost)
@@ -246,6 +251,11 @@ class Coordinator:
         self.mac = HMAC_SHA256  # the chunk MACs every rank can use
         self._data_ports: Optional[list[str]] = None  # by rank, when the group uses the data plane
         self._data_key = entropy(_bodies.DATA_KEY_BYTES).hex()  # data ports' tokens, without a secret
+        self.hosts: Optional[list[Optional[int]]] = None  # by rank, the host whose segment it shares
+        self._shared: Optional[dict[str, Any]] = None  # the WELCOME's shared memory (see _settle)
+        self._shared_calls: OrderedDict[int, Op] = OrderedDict()  # shared-memory calls planned (rule 13)
+        self._syncing: dict[tuple[int, int, int], set[int]] = {}  # (seq, sync, host) -> the ranks
+        # that reached it, until all did
         self.unanswered: set[bytes] = set()  # peers sent the last BYE that have not answered it
         self.held: dict[int, list[tuple[int, Outgoing]]] = {}  # rank -> (seq, BYE answer) held until that
         # rank says it has taken the data of every call through seq (rule 7)
@@ -316,6 +326,8 @@ class Coordinator:
             return []
         if msg.kind is Kind.TAKEN:  # (after rank 0 ended too: the group failed, data still moves)
             return self._release(member.rank, msg.seq)
+        if msg.kind is Kind.SYNC:  # (likewise: a failure of ended ranks keeps calls whose data moves)
+            return self._on_sync(member, msg.seq, msg.root)
         if self.phase is Phase.FAILED:
             return [self._fail_message(member)]
         if msg.kind is Kind.BYE:
@@ -357,10 +369,12 @@ class Coordinator:
         call = self.pending.get(seq)
         if error not in ("CollectiveTimeoutError", "PeerError"):
             return []
-        if call is None and self._moving is not None and self._moving[0] == seq:  # its data moves
-            # peer to peer: it fails on every rank still moving it, as when a reduce function raises
-            return self._error_all(seq, self._moving[1], error_body(
-                error, f"seq {seq} {self._moving[1].label}: {member.describe()} gave it up ({said}) "
+        moving = self._shared_calls.get(seq) or (
+            self._moving[1] if self._moving is not None and self._moving[0] == seq else None)
+        if call is None and moving is not None:  # its data moves peer to peer (or through shared
+            # memory): it fails on every rank still moving it, as when a reduce function raises
+            return self._error_all(seq, moving, error_body(
+                error, f"seq {seq} {moving.label}: {member.describe()} gave it up ({said}) "
                        f"while its data moved peer to peer, so it failed on every rank that had not "
                        f"finished it (the group goes on)"))
         if call is None or call.abandoned is not None or member.rank not in call.contributions:
@@ -369,6 +383,24 @@ class Coordinator:
                                            f"{member.describe()} gave it up ({said}), so it failed on "
                                            f"every rank (the group goes on)")
         return self._error_all(seq, call.op, call.abandoned, list(call.contributions))
+
+    def _on_sync(self, member: Joined, seq: int, sync: int) -> list[Outgoing]:
+        """Rule 12: ``member`` reached sync ``sync`` of shared-memory call ``seq``; once every
+        rank of its host did, each is told."""
+        op = self._shared_calls.get(seq)
+        host = self.hosts[member.rank] if self.hosts is not None else None
+        key = (seq, sync, host if host is not None else -1)
+        if op is None or host is None or not 0 <= sync < _ops.MAX_SYNCS or (
+                key not in self._syncing and len(self._syncing) >= MAX_SYNCS_WAITING):
+            return []  # (a call that failed meanwhile: its ERROR went out)
+        reached = self._syncing.setdefault(key, set())
+        reached.add(member.rank)
+        ranks = [r for r, h in enumerate(self.hosts or ()) if h == host]
+        if len(reached) < len(ranks):
+            return []
+        del self._syncing[key]
+        return [(self.by_rank[r].peer, Message(Kind.SYNC, op=op, rank=r, root=sync, seq=seq,
+                                               session=self.session)) for r in ranks]
 
     def probes(self) -> list[Outgoing]:
         """A connection closed, whose is not known: a PROBE for each peer
@@ -437,6 +469,9 @@ class Coordinator:
         self.phase = Phase.FAILED
         self.failed_at = self.clock()
         self.failure = error_body(error, message, **extra)
+        if extra.get("ended") is not True:  # (a rank that ended had moved its data: the calls
+            self._shared_calls.clear()  # whose data moves go on, their syncs answered)
+            self._syncing.clear()
         log.log(level, "zcollective coordinator: %s", message)
         skip = set(exclude)
         return [self._fail_message(m) for m in self.members.values() if m.rank not in skip]
@@ -732,6 +767,29 @@ class Coordinator:
             self.signer.fast = True  # every rank can verify the fast tag
         if all(ports) and (members[0].data_mode == "on" or not one_host):
             self._data_ports = cast("list[str]", ports)
+        self._settle_shared(members)
+
+    def _settle_shared(self, members: list[Joined]) -> None:
+        """Rule 12: which ranks share a host's segment. A host is told by the address rank 0
+        sees a rank at (loopback or its own: rank 0's host) and the host name its JOIN gave; a
+        host's ranks share memory if there are two or more and each offered it (rank 0's
+        threshold is the group's); its segment may take half the least room they reported."""
+        keys: dict[tuple[str, str], int] = {}
+        found: list[int] = []
+        for m in members:
+            here = m.rank == 0 or is_loopback(m.address) or m.address == self.host_address
+            found.append(keys.setdefault((m.host, "" if here else m.address), len(keys)))
+        offered = [all(m.shm is not None for m, h in zip(members, found, strict=True) if h == host)
+                   for host in range(len(keys))]
+        if members[0].shm is None or len(keys) > 1 or not offered[0]:
+            return  # (every rank on one host that offered it: ranks on several keep the data plane)
+        hosts: list[Optional[int]] = [h if offered[h] and found.count(h) > 1 else None for h in found]
+        if not any(h is not None for h in hosts):
+            return
+        room = [min(m.shm[1] for m, h in zip(members, found, strict=True) if h == host and m.shm) // 2
+                for host in range(len(keys))]
+        self.hosts = hosts
+        self._shared = _bodies.shared_plan(members[0].shm[0], hosts, room)
 
     def _welcome(self, member: Joined) -> Message:  # rank 0's data threshold for all
         addresses = [self.host_address] + [self.by_rank[r].address for r in range(1, self.num_replicas)]
@@ -741,7 +799,8 @@ class Coordinator:
         mail = [self.by_rank[r].mail for r in range(self.num_replicas)]
         return _bodies.welcome(self.num_replicas, member.nonce, self.part_bytes, self.mac, self._data_ports,
                                self.by_rank[0].data_min, self._data_key, addresses, renumber, rank=rank,
-                               session=self.session, mail=cast("list[str]", mail) if all(mail) else None)
+                               session=self.session, mail=cast("list[str]", mail) if all(mail) else None,
+                               shm=self._shared)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Outgoing]]:
         """With a secret, a JOIN is fresh only if it echoes the challenge this
@@ -1019,10 +1078,14 @@ class Coordinator:
         other, then every rank is sent the plan (:meth:`Operation.plan`) and
         moves the data itself. Ranks whose values disagree: a mismatch."""
         try:
-            segments = OPERATIONS[call.op].plan(call.ranked(), call.root)
+            segments = OPERATIONS[call.op].plan(call.ranked(), call.root, self.hosts)
         except (Disagree, Malformed) as exc:
             return self._call_failed(seq, call, exc)
         self._moving = (seq, call.op)
+        if _ops.shared_plan(segments):  # its ranks sync through the coordinator (rule 13)
+            self._shared_calls[seq] = call.op
+            while len(self._shared_calls) > MAX_SHARED_CALLS:
+                self._shared_calls.popitem(last=False)
         return self._results(seq, call, [segments] * self.num_replicas, FLAG_DATA)
 
     def _call_failed(self, seq: int, call: PendingCall, exc: BaseException) -> list[Outgoing]:
@@ -1062,6 +1125,9 @@ class Coordinator:
     def _error_all(self, seq: int, op: Op, body: dict[str, Any],
                    ranks: Optional[list[int]] = None) -> list[Outgoing]:
         """An ERROR of call ``seq`` to every rank (or to ``ranks``)."""
+        if self._shared_calls.pop(seq, None) is not None:  # (its syncs wait for nobody now)
+            for key in [k for k in self._syncing if k[0] == seq]:
+                del self._syncing[key]
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
         return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r))
                 for r in (range(self.num_replicas) if ranks is None else ranks)]

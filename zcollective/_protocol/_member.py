@@ -5,7 +5,7 @@ arrives and sends what it returns and owes. It holds the one table of calls
 in flight and says what each came to (:class:`Outcome`), for the call
 runner to apply.
 
-Rules 1-9 (cited by number in the code): see docs/protocol.md, *Member rules*.
+Rules 1-10 (cited by number in the code): see docs/protocol.md, *Member rules*.
 """
 
 from __future__ import annotations
@@ -135,6 +135,8 @@ class Member:
         self.mail_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME ...
         self.mail_key: Optional[str] = None  # ... and their tokens' key (hex)
         self.mail: Optional[Mail] = None  # its point-to-point rules, once welcomed
+        self.shm_offer: Optional[tuple[int, int]] = None  # it can share memory on its host: (threshold, room)
+        self.shared: Optional[dict[str, Any]] = None  # the WELCOME's shared memory: min, hosts, room
         self.outcomes: deque[Outcome] = deque()  # calls settled, for the runner to apply (rule 3)
         self.transfers: deque[tuple[int, Any]] = deque()  # (seq, Transfer) ready to move, in order
         self.part_bytes = WIRE_PART_BYTES  # frames above this are sent in parts (the WELCOME says)
@@ -161,7 +163,7 @@ class Member:
         self._tokens.add(join_token(nonce))
         return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
                             self.data_min_bytes, self.data_mode, self.lineage, self.newcomer, self.job,
-                            SPOKEN, self.mail_endpoint)
+                            SPOKEN, self.mail_endpoint, self.shm_offer)
 
     @property
     def joined(self) -> bool:
@@ -422,6 +424,9 @@ class Member:
                     self.rank, self.size = renumber["rank"], len(self.old_ranks)
                 self.addresses = welcome["addresses"]
                 self._data_plan(welcome)
+                shared = welcome["shm"]
+                if self.shm_offer and shared and shared["hosts"][self.rank] is not None:
+                    self.shared = shared  # (its host's ranks share memory)
                 self.session = msg.session
                 if (self.mail_endpoint is not None and welcome["mail"] is not None) or self.size == 1:
                     self.mail_endpoints, self.mail_key = welcome["mail"], welcome["mail_key"]
@@ -447,6 +452,10 @@ class Member:
             self._asked = max(msg.seq, self._asked or 0)
         elif kind is Kind.FINAL and self.mail is not None and 0 <= msg.root < self.size:
             self.mail.ended(msg.root, msg.seq, _bodies.parse_ended(msg))  # (its own: ignored)
+        elif kind is Kind.SYNC:  # every rank of this host reached a sync of a shared-memory call (rule 10)
+            transfers = self.transfers
+            if transfers and transfers[0][0] == msg.seq and getattr(transfers[0][1], "shared", False):
+                transfers[0][1].synced(msg.root)
         return self._taken() if self._asked is not None else []
 
     def _taken(self) -> list[Message]:

@@ -16,12 +16,13 @@ import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union, cast
 
 from .._format import _bodies, _serialize
 from .._format._wire import FLAG_DATA, FLAG_LOCAL_ERROR, Message, WireError
 from ..errors import SerializationError
-from . import _ring
+from . import _ring, _shm
+from ._shm import MAX_SYNCS  # noqa: F401 (the coordinator's bound, where it reads the operations)
 
 
 class Op(enum.IntEnum):
@@ -54,6 +55,8 @@ Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
 Build = Callable[[], tuple[list[list[Any]], Any]]  # -> (segments, reduce function or None)
 Finish = Callable[[Message], Any]  # the call's RESULT -> its value here
 Outgoing = tuple[bytes, Message]  # a message the coordinator sends, and to whom
+Parts = list[Optional[list[list[int]]]]  # by rank, the frame sizes of each value it writes into
+# its host's shared memory (None: none)
 UserCode = Callable[[Callable[..., Any]], Callable[..., Any]]  # a reduce function -> how it is called
 
 
@@ -72,6 +75,8 @@ class Here:
     data: bool = False  # the group has a data plane ...
     data_min_bytes: int = 0  # ... and moves values this large on it
     max_frame_bytes: int = 0
+    shared: Any = None  # this rank's part in its host's shared memory (_io._shared.SharedPlane) ...
+    shared_min_bytes: int = 0  # ... which moves arrays this large
 
 
 class Combining(Protocol):
@@ -100,7 +105,7 @@ class Contribution:
     build: Build
     finish: Finish
     flags: int = 0
-    transfer: Optional[Callable[[Message], _ring.Transfer]] = None
+    transfer: Optional[Callable[[Message], Union[_ring.Transfer, _shm.SharedJob]]] = None
 
 
 class Refused(ValueError):
@@ -220,9 +225,11 @@ class Operation:
         """The segments each rank receives (ranks given one list get the same frames)."""
         return [[] for _ in contributions]
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
-        """A call whose data goes on the data plane: the plan every rank is
-        sent; raises :class:`Disagree` or :class:`Malformed`."""
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        """A call whose data goes on the data plane (or through shared memory: ``hosts``,
+        each rank's host): the plan every rank is sent; raises :class:`Disagree` or
+        :class:`Malformed`."""
         raise Malformed("has no data plane")
 
     def completed(self, at: Combining, seq: int) -> list[Any]:
@@ -325,6 +332,161 @@ def _agreed(contributions: list[Message]) -> list[list[Any]]:
     return [[bytes(contributions[0].segments[0][0])]]
 
 
+def _shared_agreed(contributions: list[Message], hosts: Optional[list[Optional[int]]]) -> list[list[Any]]:
+    """A shared-memory call's plan: the description every rank sent alike (else a
+    :class:`Disagree`), and by host whether every rank staged its input, whether some
+    rank knows the set is free (see :mod:`zcollective._protocol._shm`)."""
+    descriptions = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
+                    and len(c.segments[0]) == 2 else None for c in contributions}
+    if len(descriptions) != 1 or None in descriptions:
+        raise Disagree()
+    return [[bytes(contributions[0].segments[0][0]), _host_flags(contributions, hosts)]]
+
+
+def _host_flags(contributions: list[Message], hosts: Optional[list[Optional[int]]],
+                readers: Optional[list[int]] = None) -> bytes:
+    """By host: did every rank stage its part (a rank that sent no status did not), does some
+    rank know the call's set of slots free (:func:`zcollective._format._bodies.shared_call`).
+    ``readers``: ranks that write nothing, whose status is their one frame."""
+    if hosts is None or any(h is None for h in hosts):
+        raise Malformed("ranks that share no host's memory sent a shared-memory description")
+    count = max(h for h in hosts if h is not None) + 1
+    staged, free = [True] * count, [False] * count
+    for rank, c in enumerate(contributions):
+        host = cast(int, hosts[rank])
+        reader = readers is not None and rank in readers and len(c.segments) == 1 and len(c.segments[0]) == 1
+        if not reader and not (c.flags & FLAG_DATA and _bodies.is_shared(c)):
+            staged[host] = False
+            continue
+        try:
+            was_staged, knows_free = _bodies.parse_shared_status(c.segments[0][0 if reader else 1])
+        except WireError:
+            raise Malformed(f"rank {rank} sent a malformed shared-memory status") from None
+        staged[host] = staged[host] and was_staged
+        free[host] = free[host] or knows_free
+    return _bodies.shared_call(staged, free)
+
+
+def shared_plan(segments: list[list[Any]]) -> bool:
+    """Is this plan a shared-memory call's (its ranks sync through the coordinator)?"""
+    return len(segments) >= 1 and len(segments[0]) == 2
+
+
+def _shared_parts(here: Here, own: list[list[Any]]) -> Optional[list[list[int]]]:
+    """The frame sizes of ``own`` (values' frames: the parts this rank writes) if they go
+    through the host's shared memory: at least the threshold in all, and room for them."""
+    plane = here.shared
+    if plane is None or sum(len(frames) for frames in own) > _bodies.MAX_PLAN_FRAMES:
+        return None
+    parts = [[memoryview(f).nbytes for f in frames] for frames in own]
+    total = _shm.offsets(parts)[1]
+    return parts if total >= here.shared_min_bytes and plane.fits(total) else None
+
+
+Got = dict[tuple[int, int], list[Any]]  # (writer, part) -> the frames read
+
+
+def _exchange(here: Here, op: str, own: Optional[list[list[Any]]], staged: list[bool],
+              reads: Callable[[Parts], list[tuple[int, int]]],
+              convert: Callable[[Message, Parts, Got], Any]) -> Callable[[Message], Any]:
+    """The job of a call whose values go through the host's shared memory, from its plan:
+    this rank writes ``own`` (its parts, each a value's frames; None: nothing), reads the
+    (writer, part) that ``reads(parts)`` names, and its value is ``convert(plan, parts, got)``."""
+    plane = here.shared
+
+    def job(msg: Message) -> _shm.SharedJob:
+        parts = _bodies.parse_exchange_plan(msg, here.size)
+        host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
+        need = max((_shm.offsets(p)[1] for p in parts if p is not None), default=0)
+        ranks = plane.ranks
+        shared = _shm.SharedExchange(op, msg.seq, plane.rank, plane.size, plane.place(need), host_plan,
+                                     staged[0], plane.leader, [parts[r] for r in ranks], own,
+                                     [(ranks.index(w), p) for w, p in reads(parts)])
+        shared.convert = lambda got: convert(msg, parts, {(ranks[w], p): f for (w, p), f in got.items()})
+        return shared
+    return job
+
+
+def _status(here: Here, staged: list[bool]) -> Build:
+    """The contribution of a rank that writes nothing to a call that may go through shared
+    memory: its status, so that the plan needs no sync when every rank knew its set free."""
+    plane = here.shared
+
+    def build() -> tuple[list[list[Any]], Any]:
+        staged[0] = plane.knows_free()
+        return [[_bodies.shared_status(staged[0], staged[0])]], None
+    return build
+
+
+def _gathered(rank: int, size: int, own: Any, index: Optional[int] = None
+              ) -> Callable[[Message, Parts, Got], list[Any]]:
+    """Every rank's value (``index``: its part for this rank) from a plan and what was read
+    (those of ranks that wrote none came inline, after the plan: all their parts); this
+    rank's slot holds ``own``."""
+    def convert(msg: Message, told: Parts, got: Got) -> list[Any]:
+        per, part = (1, 0) if index is None else (size, index)
+        inline, at, out = msg.segments[1:], 0, []
+        for r in range(size):
+            if told[r] is None:  # (inline: all its parts, in rank order)
+                frames, at = inline[at + part], at + per
+            else:
+                frames = got.get((r, part), [])
+            out.append(own if r == rank else _serialize.loads(frames))
+        return out
+    return convert
+
+
+def _exchange_plan(contributions: list[Message], hosts: Optional[list[Optional[int]]],
+                   writers: Optional[list[int]] = None) -> list[list[Any]]:
+    """The plan of a call some of whose values go through shared memory: each rank that sent
+    a description (``writers``: only those may), its parts; the others' values (all their
+    segments) follow it, inline, unless they only read (``writers`` given)."""
+    told: Parts = []
+    inline: list[list[Any]] = []
+    readers = None if writers is None else [r for r in range(len(contributions)) if r not in writers]
+    for rank, c in enumerate(contributions):
+        if not c.flags & FLAG_DATA:
+            if readers is not None and rank not in readers:
+                raise Malformed(f"rank {rank} sent no shared-memory description")
+            told.append(None)
+            inline.extend(c.segments if readers is None else [])
+            continue
+        try:
+            if (readers is not None and rank in readers) or not _bodies.is_shared(c) or len(c.segments) != 1:
+                raise WireError("not a shared-memory description")
+            told.append(_bodies.parse_parts(c.segments[0][0]))
+        except WireError:
+            raise Malformed(f"rank {rank} sent a malformed shared-memory description") from None
+    return [[_bodies.exchange_plan(told), _host_flags(contributions, hosts, readers)], *inline]
+
+
+def _either(shared: Callable[[Message], Any], chain: Optional[Callable[[Message], Any]]
+            ) -> Callable[[Message], Any]:
+    """The job of a plan through shared memory, or else of the data plane's (a broadcast's
+    readers do not know which the root chose)."""
+    def job(msg: Message) -> Any:
+        if _bodies.is_shared(msg) or chain is None:
+            return shared(msg)
+        return chain(msg)
+    return job
+
+
+def _staged_build(here: Here, parts: list[list[int]], own: list[list[Any]], staged: list[bool]) -> Build:
+    """Build a shared-memory contribution: ``own`` (its parts: values' frames, of sizes
+    ``parts``) written into this rank's slot now if it knows its set free; its description
+    and status."""
+    plane = here.shared
+    description = _bodies.parts_plan(parts)
+
+    def build() -> tuple[list[list[Any]], Any]:
+        slot, free = plane.free_slot(_shm.offsets(parts)[1]), plane.knows_free()
+        if slot is not None:
+            _shm.write_parts(slot, own)
+            staged[0] = True
+        return [[description, _bodies.shared_status(staged[0], free)]], None
+    return build
+
+
 # -- arrays on the data plane --------------------------------------------------
 
 
@@ -402,8 +564,12 @@ class Allreduce(Reducing):
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
         fn = _reducer_of(here, reduce_fn, 0)
         finish = _value(value) if here.size == 1 else _first  # nothing was combined with it
-        name = _ring.reduction_name(reduce_fn) if here.data else None
-        array = _array(value, here.data_min_bytes) if name is not None else None
+        name = _ring.reduction_name(reduce_fn) if here.data or here.shared is not None else None
+        if name is not None and here.shared is not None:
+            array = _array(value, here.shared_min_bytes)
+            if array is not None and here.shared.fits(array.nbytes):
+                return self._shared(here, value, array, name, reduce_fn, finish)
+        array = _array(value, here.data_min_bytes) if name is not None and here.data else None
         if array is None or name is None:
             return Contribution(0, lambda: ([_serialize.dumps(value)], fn()), finish)
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
@@ -415,9 +581,39 @@ class Allreduce(Reducing):
             return ring
         return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
 
+    @staticmethod
+    def _shared(here: Here, value: Any, array: Any, name: str, reduce_fn: Any,
+                finish: Finish) -> Contribution:
+        """Through the host's shared memory: the input written into this rank's slot at
+        once if its set is known to be free, else once the plan says how."""
+        plane = here.shared
+        description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name, shm=True)
+        tensor, staged = _is_tensor(value), [False]
+        whole = _shm.symmetric(array.nbytes, plane.size, name in RING_SAFE)
+
+        def build() -> tuple[list[list[Any]], Any]:
+            slot, free = plane.free_slot(array.nbytes), plane.knows_free()
+            if slot is not None:
+                _shm.stage(slot, array, plane.rank, plane.size, whole)
+                staged[0] = True
+            return [[description, _bodies.shared_status(staged[0], free)]], None
+
+        def job(msg: Message) -> _shm.SharedJob:
+            host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
+            shared = _shm.SharedAllreduce(msg.seq, plane.rank, plane.size, array,
+                                          _ring.reducer(name, reduce_fn), plane.place(array.nbytes),
+                                          host_plan, staged[0], plane.leader, whole)
+            if tensor:
+                shared.convert = sys.modules["torch"].from_numpy
+            return shared
+        return Contribution(0, build, finish, FLAG_DATA, job)
+
     malformed = staticmethod(_one_each)
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        if contributions and len(contributions[0].segments) == 1 and len(contributions[0].segments[0]) == 2:
+            return _shared_agreed(contributions, hosts)
         return _agreed(contributions)
 
 
@@ -476,7 +672,8 @@ class ReduceScatter(Reducing):
     def described(self, dtype: str, shape: tuple[int, ...], fn: str) -> str:
         return f"{shape[0]} values, each a {dtype} array of shape {shape[1:]} reduced with {fn}"
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
         return _agreed(contributions)
 
 
@@ -488,10 +685,22 @@ class Broadcast(Operation):
         root = check_root(root, here.size)
         if here.rank != root:
             chain = self._chain(here, root, None) if here.data else None
-            return Contribution(root, _nothing, _first, transfer=chain)
-        if not here.data:
+            if here.shared is None:
+                return Contribution(root, _nothing, _first, transfer=chain)
+            staged = [False]  # (the root's value decides the way)
+            return Contribution(root, _status(here, staged), _first, transfer=_either(_exchange(
+                here, self.label, None, staged, lambda parts: [(root, 0)],
+                lambda msg, parts, got: _serialize.loads(got[(root, 0)])), chain))
+        if not here.data and here.shared is None:
             return Contribution(root, _sent(value), _value(value))
         segment = _serialize.dumps(value)
+        parts, staged = _shared_parts(here, [segment]), [False]
+        if parts is not None:
+            return Contribution(root, _staged_build(here, parts, [segment], staged), _value(value), FLAG_DATA,
+                                _exchange(here, self.label, [segment], staged, lambda p: [],
+                                          lambda msg, p, got: value))
+        if not here.data:
+            return Contribution(root, lambda: ([segment], None), _value(value))
         plan = _bodies.sizes_plan(segment, here.data_min_bytes)
         if plan is None:
             return Contribution(root, lambda: ([segment], None), _value(value))
@@ -518,12 +727,15 @@ class Broadcast(Operation):
         value = contributions[root].segments  # as the root sent it, never unpickled here
         return [[] if r == root else value for r in range(len(contributions))]
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
         sender = contributions[root]
         others = [r for r, c in enumerate(contributions) if c.flags & FLAG_DATA and r != root]
         if others or not sender.flags & FLAG_DATA or len(sender.segments) != 1:
             who = rank_list(others) if others else "the root"
             raise Malformed(f"only the root may send a data plan ({who} sent a malformed one)")
+        if _bodies.is_shared(sender):  # through shared memory: the root alone writes
+            return _exchange_plan(contributions, hosts, [root])
         return [[bytes(sender.segments[0][0])]]
 
 
@@ -531,11 +743,13 @@ class Allgather(Operation):
     code = Op.ALLGATHER
 
     def contribute(self, here: Here, value: Any) -> Contribution:
-        if not here.data:
+        if not here.data and here.shared is None:
             return Contribution(0, _sent(value), _all(value, here.rank))
         segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
-        plan = _bodies.sizes_plan(segment, here.data_min_bytes)
         rank, size = here.rank, here.size
+        if here.shared is not None:
+            return self._shared(here, value, segment)
+        plan = _bodies.sizes_plan(segment, here.data_min_bytes)
 
         def job(msg: Message) -> _ring.Transfer:
             told = _bodies.parse_gather_plan(msg, size)
@@ -553,15 +767,34 @@ class Allgather(Operation):
             return Contribution(0, lambda: ([segment], None), _all(value, rank), transfer=job)
         return Contribution(0, lambda: ([[plan]], None), _all(value, rank), FLAG_DATA, job)
 
+    @staticmethod
+    def _shared(here: Here, value: Any, segment: list[Any]) -> Contribution:
+        """Through the host's shared memory if large enough; else inline, with the plan if
+        another rank's value goes through it."""
+        rank, size = here.rank, here.size
+        parts, staged = _shared_parts(here, [segment]), [False]
+
+        def reads(told: Parts) -> list[tuple[int, int]]:
+            return [(r, 0) for r in range(size) if told[r] is not None and r != rank]
+        job = _exchange(here, "allgather", [segment] if parts is not None else None, staged, reads,
+                        _gathered(rank, size, value))
+        if parts is None:
+            return Contribution(0, lambda: ([segment], None), _all(value, rank), transfer=job)
+        build = _staged_build(here, parts, [segment], staged)
+        return Contribution(0, build, _all(value, rank), FLAG_DATA, job)
+
     malformed = staticmethod(_one_each)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         values = [c.segments[0] for c in contributions]
         return [values for _ in contributions]
 
-    def plan(self, contributions: list[Message], root: int) -> list[list[Any]]:
-        """Some values go round the ring: the plan names whose (and their
-        frames' sizes); the small values come with it."""
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        """Some values go round the ring (or through shared memory): the plan names whose
+        (and their frames' sizes); the small values come with it."""
+        if any(c.flags & FLAG_DATA and _bodies.is_shared(c) for c in contributions):
+            return _exchange_plan(contributions, hosts)
         sizes: list[Any] = []
         inline: list[list[Any]] = []
         for rank, c in enumerate(contributions):
@@ -578,15 +811,34 @@ class Allgather(Operation):
         return [[_bodies.plan(sizes=sizes)], *inline]
 
 
+
 class Gather(Operation):
     code = Op.GATHER
     rooted = True
 
     def contribute(self, here: Here, value: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
-        return Contribution(root, _sent(value), _all(value, here.rank) if here.rank == root else _none)
+        rank, size = here.rank, here.size
+        finish = _all(value, rank) if rank == root else _none
+        if here.shared is None:
+            return Contribution(root, _sent(value), finish)
+        segment = _serialize.dumps(value)  # through shared memory if large enough: only the root reads
+        parts, staged = _shared_parts(here, [segment]), [False]
+
+        def reads(told: Parts) -> list[tuple[int, int]]:
+            return [(r, 0) for r in range(size) if told[r] is not None and r != rank] if rank == root else []
+        gathered = _gathered(rank, size, value)
+        job = _exchange(here, self.label, [segment] if parts is not None else None, staged, reads,
+                        lambda msg, told, got: gathered(msg, told, got) if rank == root else None)
+        if parts is None:
+            return Contribution(root, lambda: ([segment], None), finish, transfer=job)
+        return Contribution(root, _staged_build(here, parts, [segment], staged), finish, FLAG_DATA, job)
 
     malformed = staticmethod(_one_each)
+
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        return _exchange_plan(contributions, hosts)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         values = [c.segments[0] for c in contributions]
@@ -599,11 +851,29 @@ class Scatter(Operation):
 
     def contribute(self, here: Here, values: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
-        if here.rank != root:
-            return Contribution(root, _nothing, _first)
+        rank = here.rank
+        if rank != root:
+            if here.shared is None:
+                return Contribution(root, _nothing, _first)
+            staged = [False]  # (the root's values decide the way)
+            return Contribution(root, _status(here, staged), _first, transfer=_exchange(
+                here, self.label, None, staged, lambda told: [(root, rank)],
+                lambda msg, told, got: _serialize.loads(got[(root, rank)])))
         values = _per_rank(self.code, values, here.size, root)
         own = values[root]
-        return Contribution(root, lambda: ([_serialize.dumps(v) for v in values], None), _value(own))
+        if here.shared is None:
+            return Contribution(root, lambda: ([_serialize.dumps(v) for v in values], None), _value(own))
+        segments = [_serialize.dumps(v) for v in values]
+        mine = [s if r != root else [] for r, s in enumerate(segments)]  # (its own stays here)
+        parts, staged = _shared_parts(here, mine), [False]
+        if parts is None:
+            return Contribution(root, lambda: (segments, None), _value(own))
+        return Contribution(root, _staged_build(here, parts, mine, staged), _value(own), FLAG_DATA,
+                            _exchange(here, self.label, mine, staged, lambda told: [], lambda m, t, g: own))
+
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        return _exchange_plan(contributions, hosts, [root])
 
     def malformed(self, contributions: list[Message], root: int) -> str:
         sent, n = len(contributions[root].segments), len(contributions)
@@ -619,10 +889,27 @@ class Alltoall(Operation):
 
     def contribute(self, here: Here, values: Any) -> Contribution:
         values = _per_rank(self.code, values, here.size)
-        return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], None),
-                    _all(values[here.rank], here.rank))
+        rank, size = here.rank, here.size
+        finish = _all(values[rank], rank)
+        if here.shared is None:
+            return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], None), finish)
+        segments = [_serialize.dumps(v) for v in values]  # through shared memory if large enough
+        mine = [s if r != rank else [] for r, s in enumerate(segments)]  # (its own stays here)
+        parts, staged = _shared_parts(here, mine), [False]
+
+        def reads(told: Parts) -> list[tuple[int, int]]:
+            return [(r, rank) for r in range(size) if told[r] is not None and r != rank]
+        job = _exchange(here, self.label, mine if parts is not None else None, staged, reads,
+                        _gathered(rank, size, values[rank], rank))
+        if parts is None:
+            return Contribution(0, lambda: (segments, None), finish, transfer=job)
+        return Contribution(0, _staged_build(here, parts, mine, staged), finish, FLAG_DATA, job)
 
     malformed = staticmethod(_n_each)
+
+    def plan(self, contributions: list[Message], root: int,
+             hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
+        return _exchange_plan(contributions, hosts)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         return [[c.segments[r] for c in contributions] for r in range(len(contributions))]

@@ -1,0 +1,291 @@
+"""Same-host schedules: what each rank of a host does with its host's
+shared-memory segment for one call, step by step, between syncs. Pure: the
+segment comes as a numpy array of bytes (:mod:`zcollective._io._shared` maps
+it, makes and unlinks it, and sends the syncs); no OS call, socket or thread.
+See docs/protocol.md, *Shared memory*.
+
+The segment holds two *sets* of one slot per rank of the host, each slot
+``capacity`` bytes; consecutive calls use alternate sets, so a rank may write
+its next call's input while another still reads this call's. A rank writes
+its input into its slot when it makes the call if it knows its set is free
+(*staged*); the coordinator's plan, which every rank waits for anyway, is then
+the barrier before anyone reads. Otherwise a sync (every rank of the host
+says it reached a step; the coordinator answers once all did) takes its
+place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ._ring import _bounds
+
+CREATE, ATTACH, UNLINK = "create", "attach", "unlink"  # the segment's steps (the host's leader
+# makes it; its name is unlinked once every rank has attached)
+SYNC = "sync"  # every rank of the host reached this point
+STAGE, REDUCE, COLLECT = "stage", "reduce", "collect"  # the memory's steps
+BLOCK_BYTES = 1 << 18  # a reduction goes block by block, its accumulator kept in the L2 cache
+SYMMETRIC_MAX_BYTES = 2 << 20  # while each rank reads at most this much of the others' inputs, every
+# rank reduces the whole array (no sync after it); beyond, each reduces its own slice, a sync, and
+# each copies the others' slices: on 2 cores the sync is cheaper than the reductions done N times
+# at 1 MiB for N = 4, 8, dearer at N = 2 up to 4 MiB (benchmarks/README.md, *Shared memory*)
+MAX_SYNCS = 8  # syncs per call, at most (the coordinator takes no later one)
+
+
+def aligned(nbytes: int) -> int:
+    """The slot capacity that holds ``nbytes`` (a multiple of 64 KiB: slots start on pages)."""
+    return -(-max(1, nbytes) // (1 << 16)) << 16
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a call's data goes, the same on every rank of a host: decided in
+    plan order (:meth:`zcollective._io._shared.SharedPlane.place`)."""
+
+    set: int  # which set of slots
+    capacity: int  # bytes per slot of the segment the call uses
+    gen: int  # that segment's generation
+    grow: bool  # the call makes that segment (its array does not fit the last one)
+    index: int = 0  # the calls placed before it (the set is this modulo 2)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What the coordinator's plan says of this host's ranks."""
+
+    staged: bool  # every one wrote its input when it made the call
+    free: bool  # some one knows the set is free (its last call here completed)
+
+
+def schedule(place: Place, plan: HostPlan, staged: bool, leader: bool, tail: list[str]) -> list[str]:
+    """The steps before ``tail`` (the operation's own): make or reach the
+    segment, write the input, and the syncs that make it safe."""
+    if place.grow:  # a new segment: the leader makes it, the others attach, all write, and once
+        # all did (a sync), every rank unlinks its name (the first one does it)
+        made = [CREATE, SYNC] if leader else [SYNC, ATTACH]
+        return made + [STAGE, SYNC, UNLINK] + tail
+    if plan.staged:  # every input is in: the plan was the barrier
+        return list(tail)
+    return ([] if plan.free else [SYNC]) + ([] if staged else [STAGE]) + [SYNC] + tail
+
+
+def symmetric(nbytes: int, size: int, safe: bool) -> bool:
+    """Does every rank of ``size`` reduce the whole array (else its own slice, then a sync)?
+    Only with a reduction no rank's code can fail (``safe``): a function of the program's own
+    that raises on one rank must fail the call on all, so the others wait at a sync after it."""
+    return safe and nbytes * (size - 1) <= SYMMETRIC_MAX_BYTES
+
+
+def slice_of(elements: int, size: int, rank: int) -> tuple[int, int]:
+    """The elements rank ``rank`` of ``size`` reduces when each reduces a slice."""
+    return _bounds(elements, size)[rank]
+
+
+def stage(slot: Any, array: Any, rank: int, size: int, whole: bool) -> None:
+    """Write ``array`` into ``slot`` (bytes): all of it (``whole``: every rank
+    reduces the whole array), or all but this rank's own slice (it reads that
+    from ``array`` itself)."""
+    flat = array.reshape(-1)
+    into = slot[:flat.nbytes].view(flat.dtype)
+    if whole:
+        into[...] = flat
+        return
+    start, end = slice_of(flat.size, size, rank)
+    into[:start] = flat[:start]
+    into[end:] = flat[end:]
+
+
+def reduce_blocks(out: Any, sources: list[Any], reduce: Callable[[Any, Any, Any], None]) -> None:
+    """``out = reduce(...reduce(reduce(s0, s1), s2)..., s_last)``, in the
+    order given, block by block (each block's accumulator stays in cache)."""
+    if len(sources) == 1:
+        out[...] = sources[0]
+        return
+    per = max(1, BLOCK_BYTES // max(1, out.itemsize))
+    for s in range(0, out.size, per):
+        acc = out[s:s + per]
+        reduce(acc, sources[0][s:s + per], sources[1][s:s + per])
+        for source in sources[2:]:
+            reduce(acc, acc, source[s:s + per])
+
+
+class SharedJob:
+    """One call's steps at one rank (a subclass per operation): the plane
+    runs :attr:`steps` in order, calling :meth:`memory` for the memory's."""
+
+    shared = True  # (a data-plane Transfer has none: the driver moves each its own way)
+    kind_name = "shared memory"
+    op = "?"
+
+    def __init__(self, seq: int, rank: int, size: int, place: Place, steps: list[str]) -> None:
+        self.seq = seq
+        self.rank = rank  # among the host's ranks
+        self.size = size
+        self.place = place
+        self.steps = steps
+        self.at = 0  # the next step
+        self.syncs = 0  # syncs passed
+        self.asked = False  # this rank said it reached the next sync
+        self.received_bytes = 0
+        self.convert: Optional[Callable[[Any], Any]] = None  # the result's last touch (an array to a
+        # tensor); no method of the job's own is kept on it: a job in a reference cycle would hold
+        # its arrays until the garbage collector runs (and fresh arrays then came 10x slower)
+
+    def finish(self) -> Any:
+        """The call's value, once done."""
+        out = self.result()
+        return out if self.convert is None else self.convert(out)
+
+    @property
+    def step(self) -> Optional[str]:
+        return self.steps[self.at] if self.at < len(self.steps) else None
+
+    def advance(self) -> None:
+        if self.steps[self.at] == SYNC:
+            self.syncs += 1
+            self.asked = False
+        self.at += 1
+
+    def synced(self, phase: int) -> bool:
+        """The coordinator says every rank of the host reached sync ``phase``;
+        True if that is the one this job waits for (it moves on)."""
+        if self.step != SYNC or phase != self.syncs or not self.asked:
+            return False
+        self.advance()
+        return True
+
+    def memory(self, step: str, slots: Any) -> None:
+        """Do ``step`` (:data:`STAGE`, :data:`REDUCE`, :data:`COLLECT`) on
+        ``slots``: this call's set, one row of bytes per rank."""
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+    def progress(self) -> str:
+        step = self.step
+        where = "done" if step is None else (
+            f"waiting at sync {self.syncs} for the others on this host" if step == SYNC else f"at {step}")
+        return (f"{self.kind_name} on rank {self.rank} of {self.size} on this host: {where} "
+                f"(steps {', '.join(self.steps) or 'none'})")
+
+
+class SharedAllreduce(SharedJob):
+    """An allreduce of a contiguous numeric array through the segment: every
+    rank reduces the whole array (``whole``, small arrays: no sync after it),
+    or its own slice, which the others then copy (see :func:`symmetric`). The reduction
+    is in rank order, so every rank gets the same bits as from the star."""
+
+    kind_name = "shared-memory allreduce"
+    op = "allreduce"
+
+    def __init__(self, seq: int, rank: int, size: int, array: Any, reduce: Callable[[Any, Any, Any], None],
+                 place: Place, plan: HostPlan, staged: bool, leader: bool, whole: bool) -> None:
+        import numpy
+        self._input = array.reshape(-1)
+        self._shape = array.shape
+        self._reduce = reduce
+        self._out = numpy.empty_like(self._input)
+        self._whole = whole  # (symmetric())
+        tail = [REDUCE] if self._whole else [REDUCE, SYNC, COLLECT]
+        super().__init__(seq, rank, size, place, schedule(place, plan, staged, leader, tail))
+
+    def _views(self, slots: Any) -> list[Any]:
+        """Every rank's input, in rank order (this rank's own from its array)."""
+        flat, n = self._input, self._input.nbytes
+        return [flat if k == self.rank else slots[k, :n].view(flat.dtype) for k in range(self.size)]
+
+    def memory(self, step: str, slots: Any) -> None:
+        flat, out = self._input, self._out
+        if step == STAGE:
+            stage(slots[self.rank], flat, self.rank, self.size, self._whole)
+            return
+        views = self._views(slots)
+        if self._whole:  # (REDUCE: the whole array)
+            reduce_blocks(out, views, self._reduce)
+            self.received_bytes = flat.nbytes * (self.size - 1)
+            return
+        if step == REDUCE:  # this rank's slice, then published in its own slot
+            start, end = slice_of(flat.size, self.size, self.rank)
+            reduce_blocks(out[start:end], [v[start:end] for v in views], self._reduce)
+            views[self.rank] = slots[self.rank, :flat.nbytes].view(flat.dtype)
+            views[self.rank][start:end] = out[start:end]
+            self.received_bytes = (flat.nbytes // self.size) * (self.size - 1)
+            return
+        for k in range(self.size):  # COLLECT: the others' slices
+            if k != self.rank:
+                start, end = slice_of(flat.size, self.size, k)
+                out[start:end] = views[k][start:end]
+        self.received_bytes += (flat.nbytes // self.size) * (self.size - 1)
+
+    def result(self) -> Any:
+        return self._out.reshape(self._shape)
+
+
+LINE = 64  # each frame starts on a cache line of its slot
+
+
+def offsets(parts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Where each frame of ``parts`` (each a value's frame sizes) starts in its writer's slot,
+    one after another, and the bytes they take in all."""
+    at, out = 0, []
+    for sizes in parts:
+        starts = []
+        for n in sizes:
+            starts.append(at)
+            at += -(-n // LINE) * LINE
+        out.append(starts)
+    return out, at
+
+
+def write_parts(slot: Any, parts: list[list[Any]]) -> None:
+    """Copy ``parts`` (each a value's frames) into ``slot`` at their :func:`offsets`."""
+    starts, _ = offsets([[memoryview(f).nbytes for f in frames] for frames in parts])
+    view = memoryview(slot).cast("B")
+    for frames, where in zip(parts, starts, strict=True):
+        for frame, at in zip(frames, where, strict=True):
+            data = memoryview(frame).cast("B")
+            view[at:at + data.nbytes] = data
+
+
+class SharedExchange(SharedJob):
+    """Serialized values through the segment (broadcast, allgather): each writer puts its
+    parts (a part: one value's frames) into its slot; after the barrier each rank copies the
+    parts it receives into buffers of its own. No sync after the reading: the next call uses
+    the other set, and a later one this set only once every rank is done here (see the module
+    docstring)."""
+
+    kind_name = "shared-memory exchange"
+
+    def __init__(self, op: str, seq: int, rank: int, size: int, place: Place, plan: HostPlan, staged: bool,
+                 leader: bool, parts: list[Optional[list[list[int]]]], own: Optional[list[list[Any]]],
+                 reads: list[tuple[int, int]]) -> None:
+        """``parts``: by rank, the frame sizes of each part it writes (None: nothing); ``own``:
+        this rank's parts; ``reads``: the (writer, part) it receives."""
+        self.op = op
+        self._parts, self._own, self._reads = parts, own, reads
+        self._got: dict[tuple[int, int], list[Any]] = {}
+        writes = own is not None
+        steps = schedule(place, plan, staged or not writes, leader, [COLLECT] if reads else [])
+        if not writes:  # (a rank with nothing to write stages nothing)
+            steps = [s for s in steps if s != STAGE]
+        super().__init__(seq, rank, size, place, steps)
+
+    def memory(self, step: str, slots: Any) -> None:
+        if step == STAGE:
+            assert self._own is not None
+            write_parts(slots[self.rank], self._own)
+            return
+        for writer, part in self._reads:  # COLLECT
+            sizes = self._parts[writer]
+            assert sizes is not None
+            starts, _ = offsets(sizes)
+            view = memoryview(slots[writer]).cast("B")
+            frames = [bytearray(view[at:at + n]) for at, n in zip(starts[part], sizes[part], strict=True)]
+            self._got[(writer, part)] = frames
+            self.received_bytes += sum(sizes[part])
+
+    def result(self) -> dict[tuple[int, int], list[Any]]:
+        """The frames of each (writer, part) received."""
+        return self._got
