@@ -224,9 +224,13 @@ def test_a_segment_is_the_users_alone_and_its_name_goes_at_the_unlink():
 
 
 def segments(session=None):
-    """This group's segments in /dev/shm (every group's: ``session`` None)."""
-    head = PREFIX if session is None else f"{PREFIX}{session:016x}-"
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(head))
+    """This group's segments in /dev/shm (its names are hashes: those of its first hosts and
+    generations; every group's: ``session`` None)."""
+    here = sorted(f for f in os.listdir("/dev/shm") if f.startswith(PREFIX))
+    if session is None:
+        return here
+    names = {_shared.segment_name(session, host, gen).lstrip("/") for host in range(4) for gen in range(64)}
+    return [f for f in here if f in names]
 
 
 def _session():
@@ -521,3 +525,25 @@ def test_a_grown_group_shares_a_new_segment_with_its_newcomers():
     for o in outs:
         size, sessions = o.value
         assert size == 3 and all(segments(s) == [] for s in sessions), report(outs, "a segment is left")
+
+
+def test_a_segments_name_tells_neither_its_session_nor_the_next_name():
+    """Anyone may list /dev/shm: a name seen there must not let another user make the next
+    generation's first (that call would fail on every rank) or learn the group's session."""
+    session = int.from_bytes(os.urandom(8), "little")
+    names = [_shared.segment_name(session, 0, gen) for gen in (1, 2)] + [_shared.segment_name(session, 1, 1)]
+    assert len({n[len("/" + PREFIX):] for n in names}) == 3
+    assert all(f"{session:016x}" not in n and not n.endswith(("-g1", "-g2")) for n in names)
+
+
+def test_a_name_this_user_may_not_unlink_does_not_stop_closing(monkeypatch):
+    """A name another user made first is theirs: unlinking it is refused (PermissionError in a
+    sticky /dev/shm), and closing goes on (it raised out of teardown, leaving sockets open)."""
+
+    class Refusing:
+        @staticmethod
+        def shm_unlink(name):
+            raise PermissionError(1, "Operation not permitted", name)
+
+    monkeypatch.setattr(_shared, "_posixshmem", Refusing)
+    _shared.unlink("/zcollective-not-ours")  # no error

@@ -375,7 +375,8 @@ class Lifecycle:
                     # rule 7 of the coordinator; or the wait for it ran out)
                     self.data.close(EXIT_LINGER_MS if ending else 0)
                 if self.shared is not None:
-                    self.shared.close()
+                    with contextlib.suppress(Exception):  # (its segment's: never keeps the sockets open)
+                        self.shared.close()
                 if self.driver is not None:
                     self.driver.close(EXIT_LINGER_MS if ending else 0)
                 if self.ctx is not None and not stuck:

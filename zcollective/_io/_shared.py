@@ -5,8 +5,8 @@ coordinator and its answer, through the member's driver). See docs/protocol.md,
 *Shared memory*.
 
 A segment is a POSIX shared-memory object (``/dev/shm`` on Linux) made by the
-host's leader (its lowest rank), mode 0600, named from the group's session
-(which only its members know), its host and a generation; it is made anew,
+host's leader (its lowest rank), mode 0600, named by a hash of the group's
+session (which only its members know), its host and a generation; it is made anew,
 larger, when a larger array comes. The leader unlinks the name as soon as
 every rank of the host has attached, so the memory goes when the last rank
 lets go of it, whatever ends the processes. If the group ends before that
@@ -22,6 +22,7 @@ merely attached ends (CPython gh-82300, fixed only by ``track=False`` in 3.13).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import mmap
 import os
@@ -64,8 +65,12 @@ def room() -> int:
 
 
 def segment_name(session: int, host: int, gen: int) -> str:
-    """The name of a group's segment on host ``host``, generation ``gen``."""
-    return f"/zcollective-{session:016x}-h{host}-g{gen}"
+    """The name of a group's segment on host ``host``, generation ``gen``: a
+    hash of the three, so that a process that sees one name in ``/dev/shm``
+    (anyone may list it) can tell neither the session nor the next name (and
+    make it first, which would fail that call on every rank)."""
+    digest = hashlib.sha256(b"zcollective-shm|%d|%d|%d" % (session, host, gen)).hexdigest()
+    return f"/zcollective-{digest[:32]}"
 
 
 class Segment:
@@ -110,9 +115,10 @@ class Segment:
 
 
 def unlink(name: str) -> None:
-    """Unlink a segment's name, if it is still there."""
+    """Unlink a segment's name, if it is still there and this user may (a
+    name another user made first is theirs: closing goes on regardless)."""
     if _posixshmem is not None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             _posixshmem.shm_unlink(name)
 
 
