@@ -547,3 +547,36 @@ def test_a_name_this_user_may_not_unlink_does_not_stop_closing(monkeypatch):
 
     monkeypatch.setattr(_shared, "_posixshmem", Refusing)
     _shared.unlink("/zcollective-not-ours")  # no error
+
+
+def given_up_while_the_segment_is_made(markers):
+    """Rank 2 makes the first large call async and stays in its own code for 2 s: the leader
+    has made the segment and the others wait at its sync, where they time out. The calls after
+    it must work (the segment made anew), and no name stays in /dev/shm meanwhile."""
+    r = zc.get_rank()
+    x = np.full(300_000, 1.0, dtype=np.float32)  # 1.2 MB: through the segment
+    try:
+        if r == 2:
+            f = zc.allreduce_async(x)
+            time.sleep(2.0)
+            f.result(timeout=10)
+        else:
+            zc.allreduce(x, timeout=0.7)
+        first = "no error"
+    except zc.CollectiveError as exc:
+        first = type(exc).__name__
+    zc.barrier(timeout=20)
+    left_then = segments(_session())  # the name of the segment that was never used: unlinked
+    later = [float(zc.allreduce(x, timeout=20)[-1]) for _ in range(3)]
+    return first, left_then, later, segments(_session())
+
+
+def test_a_call_given_up_while_its_segment_is_made_leaves_no_name_and_the_next_makes_it_anew():
+    with Replicas(given_up_while_the_segment_is_made, 3, "", env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": "5"}) as reps:
+        outs = reps.wait(60)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for o in outs:
+        first, left_then, later, left = o.value
+        assert first == "CollectiveTimeoutError" if o.rank < 2 else first != "no error", report(outs, first)
+        assert left_then == [] and left == [], report(outs, f"rank {o.rank}: left {left_then} {left}")
+        assert later == [3.0, 3.0, 3.0], report(outs, f"rank {o.rank}: {later}")

@@ -211,6 +211,8 @@ class Driver:
                 if done():
                     return True
             # (a call kept by a failure too: see Member.fail)
+            if self.shared is not None and self.shared.growing is not None:
+                self.shared.check()  # (a call that was to make its segment failed: unlinked now)
             moved = self._move_data(deadline, done if self.nudged else None) if member.transfers else None
             if moved:
                 continue

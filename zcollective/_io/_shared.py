@@ -122,6 +122,14 @@ def unlink(name: str) -> None:
             _posixshmem.shm_unlink(name)
 
 
+class _Unmade(Exception):
+    """The segment a call was placed in was never made."""
+
+    def __init__(self, gen: int) -> None:
+        super().__init__(f"generation {gen} was never made")
+        self.gen = gen
+
+
 class SharedPlane:
     """This rank's part in its host's segment (see the module docstring).
     Used by the thread that holds the group's turn."""
@@ -142,6 +150,8 @@ class SharedPlane:
         self.count = 0  # plans placed: the next call uses set count % 2
         self.completed = 0  # ... of which the last completed here is the one before this
         self.linked: set[str] = set()  # names made (or to be made) and not yet unlinked
+        self.growing: Optional[int] = None  # the index of the last plan that makes a new segment,
+        # until its call completes here
 
     def fits(self, nbytes: int) -> bool:
         """May an array of ``nbytes`` go through this host's segment?"""
@@ -164,6 +174,7 @@ class SharedPlane:
 
     def place(self, nbytes: int) -> _shm.Place:
         """Where the next call (its plan came, in order) puts ``nbytes`` a rank."""
+        self.check()  # (then this call makes the segment anew)
         grow = nbytes > self.planned
         if grow:
             self.planned = max(_shm.aligned(nbytes), _shm.aligned(int(self.planned * GROWTH)))
@@ -172,8 +183,29 @@ class SharedPlane:
             self.gen += 1
             self.linked.add(segment_name(self.session, self.host, self.gen))
         place = _shm.Place(self.count % 2, self.planned, self.gen, grow, self.count)
+        if grow:
+            self.growing = self.count
         self.count += 1
         return place
+
+    def check(self) -> None:
+        """If the call that was to make the segment is gone without completing
+        here (it failed or was given up: on every rank of the host alike, as a
+        call's outcome is the same everywhere), forget the segment now, so that
+        no name of it stays linked and the next call makes one anew."""
+        if self.growing is not None and not any(
+                getattr(job, "place", None) is not None and job.place.index == self.growing
+                for _, job in self.member.transfers):
+            self._forget()
+
+    def _forget(self) -> None:
+        """No segment is known any more: the next call makes one, of a new generation."""
+        self.growing, self.planned = None, 0
+        for name in sorted(self.linked):
+            self._unlink(name)
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
     # -- moving a job -----------------------------------------------------------
 
@@ -188,6 +220,8 @@ class SharedPlane:
             step = job.step
             if step is None:
                 self.completed = max(self.completed, job.place.index + 1)
+                if job.place.index == self.growing:
+                    self.growing = None
                 return True
             if step == _shm.SYNC:
                 if not job.asked:
@@ -209,7 +243,10 @@ class SharedPlane:
     def _failed(self, seq: int, job: _shm.SharedJob, step: str, exc: Exception) -> PeerError:
         """The error of a step that raised ``exc`` (for every rank: the call fails alike)."""
         rank, said = self.member.rank, f"{type(exc).__name__}: {exc}"
-        if step == _shm.REDUCE:
+        if isinstance(exc, _Unmade):
+            what = (f"its host's shared-memory segment of generation {exc.gen} was never made (the call "
+                    f"that was to make it failed); the next call makes a new one")
+        elif step == _shm.REDUCE:
             what = f"the reduce function raised on rank {rank} (through shared memory): {said}"
         else:
             name = segment_name(self.session, self.host, job.place.gen)
@@ -232,7 +269,8 @@ class SharedPlane:
         elif step == _shm.UNLINK:
             self._unlink(segment_name(self.session, self.host, place.gen))
         else:
-            assert self.segment is not None and self.segment.gen == place.gen
+            if self.segment is None or self.segment.gen != place.gen:  # (a call before it that was to
+                raise _Unmade(place.gen)  # make it failed after this one was placed)
             job.memory(step, self.segment.slots[place.set])
 
     def _unlink(self, name: str) -> None:
