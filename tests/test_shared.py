@@ -572,7 +572,8 @@ def given_up_while_the_segment_is_made(markers):
 
 
 def test_a_call_given_up_while_its_segment_is_made_leaves_no_name_and_the_next_makes_it_anew():
-    with Replicas(given_up_while_the_segment_is_made, 3, "", env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": "5"}) as reps:
+    env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "5"}
+    with Replicas(given_up_while_the_segment_is_made, 3, "", env=env) as reps:
         outs = reps.wait(60)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     for o in outs:
