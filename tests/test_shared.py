@@ -103,15 +103,33 @@ def test_a_rank_knows_its_set_free_only_once_the_last_call_planned_completed_the
     member = SimpleNamespace(rank=1, calls={}, transfers=deque())
     plane = _shared.SharedPlane(member, 5, 0, [0, 1, 2], 1 << 30)
     assert plane.knows_free()  # (nothing placed yet)
-    first, second = plane.place(1000), plane.place(1000)
+    first = plane.place(1000)
+    member.transfers.append((0, SimpleNamespace(place=first)))  # its job, queued as the member does
+    second = plane.place(1000)
     assert (first.set, second.set, first.grow, second.grow) == (0, 1, True, False)
-    member.transfers.append((0, "a call"))  # in flight: nothing is known
-    assert not plane.knows_free()
+    assert not plane.knows_free()  # a call in flight: nothing is known
     member.transfers.clear()
     plane.completed = first.index + 1  # the first completed, the second was dropped (an ERROR):
     assert not plane.knows_free()  # another rank may still read the first's set
     plane.completed = second.index + 1
     assert plane.knows_free() and plane.free_slot(1000) is None  # (no segment mapped here)
+
+
+def test_a_call_that_was_to_make_the_segment_gone_unfinished_makes_the_next_make_it_anew():
+    """The call placed to make a new segment was dropped (failed, or given up: alike on every
+    rank) before it completed: the next placement makes a new generation, whatever its size."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    member = SimpleNamespace(rank=1, calls={}, transfers=deque())
+    plane = _shared.SharedPlane(member, 5, 0, [0, 1, 2], 1 << 30)
+    first = plane.place(1000)
+    member.transfers.append((0, SimpleNamespace(place=first)))
+    kept = plane.place(500)  # placed while the first is still queued: the same segment
+    member.transfers.clear()  # both dropped unfinished (an ERROR)
+    anew = plane.place(500)
+    assert (first.grow, kept.grow, anew.grow) == (True, False, True)
+    assert anew.gen == first.gen + 1 and plane.linked == {_shared.segment_name(5, 0, anew.gen)}
 
 
 # -- the coordinator's part, without sockets -------------------------------------------

@@ -131,14 +131,12 @@ def test_serialize_round_trips_lambdas_and_large_buffers():
 
 
 def test_small_containers_of_builtins_take_the_plain_pickler_and_anything_else_cloudpickle(monkeypatch):
-    import cloudpickle
-
     class Mine(dict):
         pass
 
-    clouded = []
-    real = cloudpickle.dumps
-    monkeypatch.setattr(cloudpickle, "dumps", lambda *a, **k: clouded.append(a[0]) or real(*a, **k))
+    clouded = []  # what went to cloudpickle (its own dumps, or the tensor-aware pickler once torch
+    real = _serialize._pickle  # was imported, by an earlier test in this process)
+    monkeypatch.setattr(_serialize, "_pickle", lambda value, keep: clouded.append(value) or real(value, keep))
     plain = [{"step": 1, "lr": 0.1, "name": "run-7"}, [1, (2.0, None), {"a": b"x"}], ((1, 2), {(3, 4): True})]
     other = [{"f": len}, [Mine()], {1: {2: [3, {lambda: 0}]}}, list(range(_serialize.PLAIN_MAX_ITEMS + 1))]
     for value in plain + other:
