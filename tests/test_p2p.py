@@ -200,11 +200,14 @@ def test_a_stranger_cannot_put_a_message_in_a_mailbox(secret, tmp_path):
                 if token is not None:
                     push.setsockopt(zmq.PLAIN_USERNAME, token[0])
                     push.setsockopt(zmq.PLAIN_PASSWORD, token[1])
+                    monitor = push.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
                 push.connect(target)
                 for _ in range(5):
                     with contextlib.suppress(zmq.Again):  # (never connected: nothing can be sent)
                         push.send_multipart(encode(forged), zmq.NOBLOCK)
-            time.sleep(1.0)
+            # the made-up token's refusal, bounded (a fixed second was too short under load)
+            assert monitor.poll(20_000), "the stranger's token was not refused within 20 s"
+            time.sleep(0.2)
         finally:
             ctx.destroy(linger=0)
         touch(done_file)
