@@ -369,13 +369,15 @@ class Coordinator:
         call = self.pending.get(seq)
         if error not in ("CollectiveTimeoutError", "PeerError"):
             return []
-        moving = self._shared_calls.get(seq) or (
+        shared = self._shared_calls.get(seq)
+        moving = shared if shared is not None else (
             self._moving[1] if self._moving is not None and self._moving[0] == seq else None)
         if call is None and moving is not None:  # its data moves peer to peer (or through shared
             # memory): it fails on every rank still moving it, as when a reduce function raises
+            how = "through shared memory" if shared is not None else "peer to peer"
             return self._error_all(seq, moving, error_body(
                 error, f"seq {seq} {moving.label}: {member.describe()} gave it up ({said}) "
-                       f"while its data moved peer to peer, so it failed on every rank that had not "
+                       f"while its data moved {how}, so it failed on every rank that had not "
                        f"finished it (the group goes on)"))
         if call is None or call.abandoned is not None or member.rank not in call.contributions:
             return []  # complete: every rank was sent its result (the giver's is on its way)

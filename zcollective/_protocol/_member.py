@@ -685,7 +685,8 @@ class Member:
             return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
         job = next((j for s, j in self.transfers if s == seq), None)
         if job is not None:
-            return (f"{base}: every rank arrived and its data moves peer to peer; "
+            how = "through its host's shared memory" if getattr(job, "shared", False) else "peer to peer"
+            return (f"{base}: every rank arrived and its data moves {how}; "
                     f"{job.progress()}" + ("" if self.transfers[0][1] is job else
                                            f" (after seq {self.transfers[0][0]}'s)"))
         if status.get("state") == "done":
