@@ -22,6 +22,7 @@ import _zygote
 import pytest
 from netns import Hosts, NetnsUnavailable
 
+import zcollective
 import zcollective.testing
 from zcollective.testing import report
 
@@ -64,6 +65,20 @@ zcollective.testing.spawner = _zygote.forked
 # A handler (not SIG_IGN) is reset to the default at exec, so the processes started get Python's.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def raising_on(rank, kind, message):
+    """An elementwise ``a += b`` (as the data plane and shared memory reduce) that raises
+    ``kind(message)`` on ``rank``: a reduce function one rank refuses. Called on every rank."""
+    me = zcollective.get_rank()
+
+    @zcollective.elementwise
+    def add(a, b):
+        if me == rank:
+            raise kind(message)
+        a += b
+        return a
+    return add
 
 
 def touch(path):

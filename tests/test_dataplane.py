@@ -18,7 +18,15 @@ import time
 import numpy as np
 import pytest
 import zmtp
-from conftest import MARKER_WAIT_S, interrupted_at_line, ring_jobs, ring_loss_forms, touch, wait_for
+from conftest import (
+    MARKER_WAIT_S,
+    interrupted_at_line,
+    raising_on,
+    ring_jobs,
+    ring_loss_forms,
+    touch,
+    wait_for,
+)
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
@@ -273,17 +281,8 @@ def test_a_shape_disagreement_fails_that_call_on_every_rank_and_the_group_goes_o
 
 
 def raise_mid_ring():
-    r = zc.get_rank()
-
-    @zc.elementwise
-    def picky(a, b):
-        if r == 1:
-            raise ArithmeticError("rank 1 refuses")
-        a += b
-        return a
-
     try:
-        zc.allreduce(np.ones(200000), picky)
+        zc.allreduce(np.ones(200000), raising_on(1, ArithmeticError, "rank 1 refuses"))
     except zc.PeerError as exc:
         first = str(exc)
     else:

@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+from conftest import raising_on
 
 import zcollective as zc
 from zcollective._format import _serialize
@@ -159,16 +160,9 @@ def test_a_killed_rank_is_named_on_every_survivor(plane):
 
 
 def raising_on_rank_1():
-    r, n = zc.get_rank(), zc.get_world_size()
-
-    @zc.elementwise
-    def add_unless_rank_1(a, b):
-        if r == 1:
-            raise RuntimeError("boom on rank 1")
-        a += b
-        return a
+    n = zc.get_world_size()
     try:
-        zc.reduce_scatter([np.ones(2000)] * n, add_unless_rank_1, timeout=20)
+        zc.reduce_scatter([np.ones(2000)] * n, raising_on(1, RuntimeError, "boom on rank 1"), timeout=20)
         return "ok"
     except zc.CollectiveError as exc:
         return type(exc).__name__

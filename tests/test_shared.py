@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import touch
+from conftest import raising_on, touch
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
@@ -355,14 +355,7 @@ def calls_that_fail_alike():
 
     attempt(zc.allreduce, np.ones(20000 + (r == 2), dtype=np.float32))  # shapes disagree
 
-    @zc.elementwise
-    def picky(a, b):
-        if r == 1:
-            raise ArithmeticError("rank 1 refuses")
-        a += b
-        return a
-
-    attempt(zc.allreduce, np.ones(30000), picky)
+    attempt(zc.allreduce, np.ones(30000), raising_on(1, ArithmeticError, "rank 1 refuses"))
     attempt(zc.allreduce, np.ones(30000), slow_on(2, 1.2), timeout=0.4 if r < 2 else None)
     if r == 1:  # Ctrl-C while it waits for rank 2 at a sync
         signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
