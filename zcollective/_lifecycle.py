@@ -374,9 +374,8 @@ class Lifecycle:
                 if self.data is not None:  # (ending: the next rank said it has its chunks, see
                     # rule 7 of the coordinator; or the wait for it ran out)
                     self.data.close(EXIT_LINGER_MS if ending else 0)
-                if self.shared is not None:
-                    with contextlib.suppress(Exception):  # (its segment's: never keeps the sockets open)
-                        self.shared.close()
+                if self.shared is not None:  # (unlinking a name not ours is refused, and let be)
+                    self.shared.close()
                 if self.driver is not None:
                     self.driver.close(EXIT_LINGER_MS if ending else 0)
                 if self.ctx is not None and not stuck:
@@ -418,9 +417,7 @@ class Lifecycle:
                     bye = self.member.bye()
                     with contextlib.suppress(BaseException):
                         if bye is not None:
-                            final = self.member.final(teardown=False, unsent=(
-                                self.mail.drop_held() if self.mail is not None else None))  # (interrupted:
-                            # no wait for a link)
+                            final = driver.final(False, time.monotonic())  # (interrupted: no wait for a link)
                             driver.send([bye] if final is None else [final, bye])
             self.close(ending=True, hurry=interrupted is not None)
             if interrupted is not None:
