@@ -280,8 +280,4 @@ class SharedPlane:
 
     def close(self) -> None:
         """The group closes: let go of the segment; unlink every name not yet unlinked."""
-        for name in sorted(self.linked):
-            self._unlink(name)
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+        self._forget()
