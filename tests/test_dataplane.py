@@ -574,7 +574,7 @@ def test_an_interrupt_at_any_line_of_the_data_monitors_loses_no_event():
 
     import zmq
 
-    from zcollective._io._dataplane import DataPlane
+    from zcollective._io._dataplane import DataPlane, _Out
     from zcollective.config import resolve
     from zcollective.errors import ReplicaLostError
     from zcollective.testing import free_port
@@ -589,11 +589,12 @@ def test_an_interrupt_at_any_line_of_the_data_monitors_loses_no_event():
             ours.bind(f"inproc://{name}")
             its.connect(f"inproc://{name}")
             monitors.append((ours, its))
-        plane._push_monitor, plane._pull_monitor = monitors[0][1], monitors[1][1]
+        out = _Out(0, "tcp://127.0.0.1:1", b"", None, monitors[0][1])  # the link to the next rank
+        plane._via["ring"], plane._pull_monitor = out, monitors[1][1]
         package = os.path.dirname(zc.__file__)
         interrupted = 0
         for k in range(1, 500):
-            plane._broken = None
+            out.broken = None
             monitors[0][0].send_multipart([struct.pack("=HI", zmq.EVENT_CONNECTED, 7), b"tcp://x"])
             monitors[0][0].send_multipart([struct.pack("=HI", zmq.EVENT_DISCONNECTED, 7), b"tcp://x"])
             monitors[1][0].send_multipart([struct.pack("=HI", zmq.EVENT_HANDSHAKE_SUCCEEDED, 0), b"tcp://y"])

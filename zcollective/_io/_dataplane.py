@@ -1,7 +1,9 @@
 """The data plane's sockets: each replica binds one PULL socket (its data
 port) and connects one PUSH to the next rank's, to move the chunks of a
 :class:`~zcollective._protocol._ring.Transfer` (of a call the coordinator
-matched). See docs/protocol.md, *The data plane*.
+matched). With ranks on several hosts that share memory, each host's leader
+connects one more PUSH, to the next host's leader: the ring between hosts
+(``via`` :data:`HOSTS`). See docs/protocol.md, *The data plane*.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import zmq
 from .._format._mac import ChunkMac
 from .._limits import CHUNK_BYTES, HANDSHAKE_MIN_MS, POLL_SLICE_S
 from .._protocol import _chunks, _tokens
-from .._protocol._ring import Transfer
+from .._protocol._ring import HOSTS, RING, Transfer
 from ..config import Config
 from ..errors import CollectiveTimeoutError, PeerError, ReplicaLostError
 from . import _sockets, _zap
@@ -39,7 +41,23 @@ REFUSED = "its connection broke and was refused when re-made (a data link is mad
 RETRY_S = 0.05  # a data link refused before it was made is tried again this soon (the next
 # rank is inside initialize, about to take its key from the WELCOME)
 TRACKER_POLL_S = 0.001  # how often a finished job looks whether its last sends have left
-OURS = ("chunks", "pull events", "push events")  # its sockets' names in a waiter
+OURS = ("chunks", "pull events", "push events", "hosts push events")  # its sockets' names in a waiter
+
+
+class _Out:
+    """A link this rank sends chunks on: a PUSH to rank ``target``'s data port,
+    its monitor, whether its handshake was made, and why it is lost."""
+
+    def __init__(self, target: int, endpoint: str, key: bytes, push: zmq.Socket, monitor: zmq.Socket) -> None:
+        self.target = target
+        self.endpoint = endpoint
+        self.key = key  # its tokens' (the target's port accepts only its own)
+        self.push = push
+        self.monitor = monitor
+        self.made = False  # its handshake succeeded
+        self.retry_at: Optional[float] = None  # refused before it was made: tried again then
+        self.refused = 0
+        self.broken: Optional[str] = None  # why it is lost (a link is made once)
 
 
 def local_address(config: Config) -> str:
@@ -94,10 +112,9 @@ class DataPlane:
         self._ctx = ctx
         self._rules = _chunks.ChunkRules(self.rank, self.size)  # which chunk it takes
         self.endpoints: list[str] = []
-        self._push: Optional[zmq.Socket] = None
-        self._push_monitor: Optional[zmq.Socket] = None
+        self._via: dict[str, _Out] = {}  # the links this rank sends on (RING; a host's leader: HOSTS)
+        self._inbound = 1  # the links this rank's port takes chunks from
         self._early: dict[int, list[list[Any]]] = {}  # seq -> chunks that came before its job
-        self._broken: Optional[str] = None  # why the link to the next rank is lost (made once)
         self._trackers: deque[Any] = deque()
         self._warned: set[str] = set()
         self._gate: Optional[_zap.GateThread] = None  # ours (not rank 0's coordinator's)
@@ -118,93 +135,115 @@ class DataPlane:
                 raise
 
     def start(self, session: int, endpoints: list[str], mac: str, data_key: Optional[str],
-              deadline: Optional[float], pump: Callable[[], None]) -> None:
-        """The group is welcomed: connect to the next rank's data port and wait
-        until both data links have made their handshake (every rank is inside
-        ``initialize`` now, to answer), or raise :class:`CollectiveTimeoutError`
-        naming them at ``deadline``. Tokens are made under the secret, or
-        without one under ``data_key`` (hex, from the WELCOME)."""
+              deadline: Optional[float], pump: Callable[[], None],
+              leaders: Optional[list[int]] = None) -> None:
+        """The group is welcomed: connect to the next rank's data port (and, at a host's
+        leader, to the next host's: ``leaders``, one rank per host in ring order) and wait
+        until every data link has made its handshake (every rank is inside ``initialize``
+        now, to answer), or raise :class:`CollectiveTimeoutError` naming them at
+        ``deadline``. Tokens are made under the secret, or without one under ``data_key``
+        (hex, from the WELCOME)."""
         self.endpoints = endpoints
         base = self._config.secret  # with one, chunks carry the MAC every rank of the group has
-        self._rules.start(session, None if base is None else ChunkMac(base, mac), self.rank, self.size)
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        origins = {prev}
         if base is None:
             assert data_key is not None  # (the member takes no data plan without one)
             base = bytes.fromhex(data_key)
-        nxt = (self.rank + 1) % self.size
         self._gatekeeper.rekey(_tokens.port_key(base, session, self.rank), _zap.DATA_DOMAIN)
-        key = _tokens.port_key(base, session, nxt)  # the next rank's port accepts only its own
-        target = endpoints[nxt]
-        with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
+        self._via[RING] = self._open(nxt, _tokens.port_key(base, session, nxt))
+        if leaders is not None and self.rank in leaders:
+            at, count = leaders.index(self.rank), len(leaders)
+            to, came = leaders[(at + 1) % count], leaders[(at - 1) % count]
+            self._via[HOSTS] = self._via[RING] if to == nxt else self._open(
+                to, _tokens.port_key(base, session, to))
+            self._inbound += came not in origins
+            origins.add(came)
+        secret = self._config.secret
+        self._rules.start(session, None if secret is None else ChunkMac(secret, mac), self.rank, self.size,
+                          origins)
+        self._handshakes(deadline, pump)
+
+    def _open(self, target: int, key: bytes) -> _Out:
+        """A link to rank ``target``'s data port, its handshake begun."""
+        endpoint = self.endpoints[target]
+        with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {endpoint}", address=True):
             push = self._ctx.socket(zmq.PUSH)
             with _sockets.closed_on_error(push):
                 set_peer_options(push, self._config, CHUNK_BYTES)
-                if "[" in target:
+                if "[" in endpoint:
                     push.setsockopt(zmq.IPV6, 1)
-                self._push_monitor = _sockets.monitor_socket(push, PUSH_EVENTS)
-        self._push = push
-        self._connect(key)  # one token: a link is made once
-        self._handshakes(deadline, pump, key)
+                out = _Out(target, endpoint, key, push, _sockets.monitor_socket(push, PUSH_EVENTS))
+        self._connect(out)  # one token: a link is made once
+        return out
 
-    def _handshakes(self, deadline: Optional[float], pump: Callable[[], None], key: bytes) -> None:
-        """Wait until both links made their handshake; until then nothing was sent on them,
+    def _outs(self) -> list[_Out]:
+        """The links this rank sends on, each once."""
+        return list({id(out): out for out in self._via.values()}.values())
+
+    def _handshakes(self, deadline: Optional[float], pump: Callable[[], None]) -> None:
+        """Wait until every link made its handshake; until then nothing was sent on them,
         so a refused or broken attempt is made again (see docs/protocol.md, *The data plane*)."""
-        assert self._push_monitor is not None
-        out_ok = in_ok = False
-        retry_at: Optional[float] = None
-        refused = 0
+        inbound = 0
         waiter = self._watched(Waiter())
-        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        while not (out_ok and in_ok):
-            for event, _ in _sockets.monitor_events(self._push_monitor):
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    out_ok, retry_at = True, None
-                elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
-                    refused += event in HANDSHAKE_FAILED
-                    out_ok, retry_at = False, time.monotonic() + RETRY_S
+        outs = self._outs()
+        while True:
+            for out in outs:
+                for event, _ in _sockets.monitor_events(out.monitor):
+                    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        out.made, out.retry_at = True, None
+                    elif event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
+                        out.refused += event in HANDSHAKE_FAILED
+                        out.made, out.retry_at = False, time.monotonic() + RETRY_S
             for event, _ in _sockets.monitor_events(self._pull_monitor):
-                in_ok |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
-            if out_ok and in_ok:
+                inbound += event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if all(out.made for out in outs) and inbound >= self._inbound:
                 break
-            if retry_at is not None and time.monotonic() >= retry_at:
-                retry_at = None
-                self._connect(key)
+            for out in outs:
+                if out.retry_at is not None and time.monotonic() >= out.retry_at:
+                    out.retry_at = None
+                    self._connect(out)
             pump()
             if deadline is not None and time.monotonic() >= deadline:
-                missing = [f"to rank {nxt} at {self.endpoints[nxt]}"] if not out_ok else []
-                if refused and not out_ok:
-                    missing[0] += f" (its data port refused this rank's token {refused} times)"
-                missing += [f"from rank {prev} (to {self.endpoint})"] if not in_ok else []
-                if self._gate is not None and self._gate.crashed is not None:
-                    missing[-1] += f" (this rank's handshake thread crashed: {self._gate.crashed})"
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank} joined the group but could not make its data links "
-                    f"{' and '.join(missing)} in time (a firewall between the hosts? "
-                    f"ZCOLLECTIVE_DATA_PLANE=off keeps every byte on the master port)")
+                raise CollectiveTimeoutError(self._unmade(outs, inbound))
             waiter.wait(OURS[1:], deadline, 0.05)
 
-    def _connect(self, key: bytes) -> None:
-        """Connect to the next rank's data port with a fresh token."""
-        assert self._push is not None
-        target = self.endpoints[(self.rank + 1) % self.size]
-        with _sockets.mapped(f"rank {self.rank} cannot connect to the data port {target}", address=True):
-            _zap.connect_with_token(self._push, target, key, _zap.DATA_DOMAIN)
+    def _unmade(self, outs: list[_Out], inbound: int) -> str:
+        """Which data links were not made in time."""
+        missing = [f"to rank {out.target} at {out.endpoint}" + (
+            f" (its data port refused this rank's token {out.refused} times)" if out.refused else "")
+            for out in outs if not out.made]
+        if inbound < self._inbound:
+            ranks = " and ".join(str(r) for r in sorted(self._rules.origins))
+            missing.append(f"from rank{'s' if self._inbound > 1 else ''} {ranks} (to {self.endpoint})")
+        if self._gate is not None and self._gate.crashed is not None:
+            missing[-1] += f" (this rank's handshake thread crashed: {self._gate.crashed})"
+        return (f"rank {self.rank} joined the group but could not make its data links "
+                f"{' and '.join(missing)} in time (a firewall between the hosts? "
+                f"ZCOLLECTIVE_DATA_PLANE=off keeps every byte on the master port)")
+
+    def _connect(self, out: _Out) -> None:
+        """Connect ``out`` to its rank's data port with a fresh token."""
+        what = f"rank {self.rank} cannot connect to the data port {out.endpoint}"
+        with _sockets.mapped(what, address=True):
+            _zap.connect_with_token(out.push, out.endpoint, out.key, _zap.DATA_DOMAIN)
 
     def _watched(self, waiter: Waiter) -> Waiter:
         """``waiter``, watching this data plane's sockets too (as :data:`OURS`)."""
-        for name, sock in zip(OURS, (self._pull, self._pull_monitor, self._push_monitor), strict=True):
-            if sock is not None:
-                waiter.watch(name, sock)
+        monitors = [out.monitor for out in self._outs()]
+        for name, sock in zip(OURS, (self._pull, self._pull_monitor, *monitors), strict=False):
+            waiter.watch(name, sock)
         return waiter
 
     def fds(self) -> list[int]:
-        return [s.FD for s in (self._pull, self._pull_monitor, self._push_monitor) if s is not None]
+        return [s.FD for s in (self._pull, self._pull_monitor, *(out.monitor for out in self._outs()))]
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the data sockets; what is queued to the next rank gets
         ``linger_ms`` to leave (a program ending: chunks it forwards)."""
-        if self._push is not None and self._push_monitor is not None:
-            _sockets.close_monitored(self._push, self._push_monitor,
-                                     0 if self._broken is not None else linger_ms)
+        for out in self._outs():
+            _sockets.close_monitored(out.push, out.monitor, 0 if out.broken is not None else linger_ms)
+        self._via.clear()
         _sockets.close_monitored(self._pull, self._pull_monitor, 0)
         if self._gate is not None:
             self._gate.close()  # after the data port: no handshake is left to answer
@@ -214,27 +253,34 @@ class DataPlane:
 
     def run(self, seq: int, job: Transfer, deadline: Optional[float], member: Member, waiter: Waiter,
             control: tuple[str, ...], pump: Callable[[], None],
-            fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None) -> bool:
+            fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None,
+            owner: Any = None) -> bool:
         """Move ``job``'s chunks until it is done and its last sends have left, or the
         group fails (True: the caller finds ``member.failure``), or until ``deadline``,
         or ``until()`` after news on ``control`` (of ``waiter``'s names: False). ``pump``
-        takes in the control plane's news; ``fail`` fails the group for every rank."""
+        takes in the control plane's news; ``fail`` fails the group for every rank.
+        ``owner``: the member's job ``job`` is a step of (a shared-memory job's ring
+        between hosts), if not ``job`` itself."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
+        owner = job if owner is None else owner
         for frames in self._early.pop(seq, []):
             self._take(frames, seq, job, member, fail)
         names = (*OURS, *control)
         self._watched(waiter)
-        while member.transfers and member.transfers[0][1] is job:  # (a failure empties it, or keeps it)
-            if job.outbox and (self._broken is not None or not self._send(seq, job)):
+        out = self._via.get(job.via)
+        if out is None:  # (a ring between hosts at a rank that is no host's leader: a bug of ours)
+            raise RuntimeError(f"rank {self.rank} has no data link for {job.via} ({job.progress()})")
+        while member.transfers and member.transfers[0][1] is owner:  # (a failure empties it, or keeps it)
+            if job.outbox and (out.broken is not None or not self._send(seq, job, out.push)):
                 # the link went down since it was made: a connection libzmq re-made may have
                 # lost chunks, or was refused (a spent token) and left no pipe; it is lost
-                fail(self._lost(seq, job, self._broken or REFUSED))
+                fail(self._lost(seq, job, out, out.broken or REFUSED))
                 continue
             if job.done and self._sent():
                 return True
             woke = waiter.wait(names, deadline, TRACKER_POLL_S if job.done else POLL_SLICE_S)
-            self._drain(seq, job, member, fail)
+            self._drain(seq, job, owner, member, fail)
             self._events(seq, job, fail)
             if any(name in control for name in woke):
                 pump()
@@ -251,11 +297,10 @@ class DataPlane:
             trackers.popleft()
         return not trackers
 
-    def _send(self, seq: int, job: Transfer) -> bool:
-        """Send the job's outbox without blocking; False if libzmq has no pipe
-        to the next rank (see :data:`zcollective._io._sockets._NOBLOCK`)."""
-        push, rules = self._push, self._rules
-        assert push is not None
+    def _send(self, seq: int, job: Transfer, push: zmq.Socket) -> bool:
+        """Send the job's outbox on ``push`` without blocking; False if libzmq has no
+        pipe to its rank (see :data:`zcollective._io._sockets._NOBLOCK`)."""
+        rules = self._rules
         outbox = job.outbox
         try:
             for out in outbox:
@@ -275,10 +320,11 @@ class DataPlane:
         outbox.clear()
         return True
 
-    def _drain(self, seq: int, job: Transfer, member: Member, fail: Callable[[Exception], None]) -> None:
-        """Take every chunk waiting while ``job`` goes on."""
+    def _drain(self, seq: int, job: Transfer, owner: Any, member: Member,
+               fail: Callable[[Exception], None]) -> None:
+        """Take every chunk waiting while ``job`` (``owner``'s) goes on."""
         pull = self._pull
-        while member.transfers and member.transfers[0][1] is job and _sockets.readable(pull):
+        while member.transfers and member.transfers[0][1] is owner and _sockets.readable(pull):
             self._take(_sockets.recv_message(pull), seq, job, member, fail)
 
     def _take(self, frames: list[Any], seq: int, job: Transfer, member: Member,
@@ -309,29 +355,30 @@ class DataPlane:
             self._warn(reason, verdict.why)
 
     def _events(self, seq: int, job: Transfer, fail: Callable[[Exception], None]) -> None:
-        """The monitors: the link to the next rank closed or silent fails the
-        group (the previous rank's loss is told by the coordinator, or by it)."""
-        if self._push_monitor is not None:
-            for event, _ in _sockets.monitor_events(self._push_monitor):
+        """The monitors: the link ``job`` sends on closed or silent fails the group (the
+        previous rank's loss is told by the coordinator, or by it); another link, once
+        broken, is lost for any later call that needs it."""
+        mine = self._via.get(getattr(job, "via", RING))
+        for out in self._outs():
+            for event, _ in _sockets.monitor_events(out.monitor):
                 if event == zmq.EVENT_DISCONNECTED or event in HANDSHAKE_FAILED:
                     why = CLOSED if event == zmq.EVENT_DISCONNECTED else REFUSED
-                    if job.sent < job.to_send or not self._sent():
-                        return fail(self._lost(seq, job, why))
+                    if out is mine and (job.sent < job.to_send or not self._sent()):
+                        return fail(self._lost(seq, job, out, why))
                     # it had all this rank sends it (and may have ended its program): not a loss
                     # now; a later call that needs the link finds it lost (a link is made once)
-                    self._broken = self._broken or (BROKEN if why is CLOSED else why)
+                    out.broken = out.broken or (BROKEN if why is CLOSED else why)
         for _ in _sockets.monitor_events(self._pull_monitor):  # (handshakes only: no peer named)
             pass
         return None
 
-    def _lost(self, seq: int, job: Transfer, why: str) -> ReplicaLostError:
-        """The link to the next rank is lost (the only one this rank can tell)."""
-        self._broken = self._broken or why  # nothing more goes that way, not even at exit
-        nxt = (self.rank + 1) % self.size
+    def _lost(self, seq: int, job: Transfer, out: _Out, why: str) -> ReplicaLostError:
+        """The link to ``out``'s rank is lost (the only one this rank can tell)."""
+        out.broken = out.broken or why  # nothing more goes that way, not even at exit
         error = ReplicaLostError(
-            f"seq {seq} {job.op}: rank {self.rank} lost its data link to rank {nxt} "
-            f"({self.endpoints[nxt]}): {why}; {job.progress()}")
-        error.lost_rank = nxt  # type: ignore[attr-defined]
+            f"seq {seq} {job.op}: rank {self.rank} lost its data link to rank {out.target} "
+            f"({out.endpoint}): {why}; {job.progress()}")
+        error.lost_rank = out.target  # type: ignore[attr-defined]
         return error
 
     def _warn(self, category: str, text: str) -> None:

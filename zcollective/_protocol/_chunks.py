@@ -14,7 +14,8 @@ message is
    handshake, so the link was altered (or the previous rank's program
    changed an array it had passed to an ``_async`` call);
 4. dropped (``ORIGIN``) if a reduce-scatter chunk claims an origin other
-   than the previous rank (they are never forwarded);
+   than the previous rank, or at a host's leader the previous host's leader
+   (they are never forwarded);
 5. by its seq: the job's now (``NOW``: the job says whether it expects
    it); a later call the previous rank is already in (``EARLY``: kept for
    it), at most this rank's next seq; an ended call (``ENDED``: the rest
@@ -64,14 +65,18 @@ class ChunkRules:
         self.rank = rank
         self.size = size
         self.prev = (rank - 1) % size
+        self.origins = {self.prev}  # whose reduce-scatter chunks it takes
         self.session = 0  # the group's, once welcomed (see :meth:`start`)
         self.mac: Optional[ChunkMac] = None  # with a secret, the group's
 
-    def start(self, session: int, mac: Optional[ChunkMac], rank: int, size: int) -> None:
+    def start(self, session: int, mac: Optional[ChunkMac], rank: int, size: int,
+              origins: Optional[set[int]] = None) -> None:
         """Welcomed: the group's session and MAC, and this rank's place in it
-        (a group formed from an earlier one renumbers its ranks)."""
+        (a group formed from an earlier one renumbers its ranks); ``origins``: the
+        ranks whose links reach its port (the previous rank's alone if None)."""
         self.session, self.mac = session, mac
         self.rank, self.size, self.prev = rank, size, (rank - 1) % size
+        self.origins = {self.prev} if origins is None else set(origins)
 
     def header(self, kind: int, seq: int, step: int, index: int) -> bytes:
         """The header of a chunk this rank makes."""
@@ -92,7 +97,7 @@ class ChunkRules:
         verdict = Verdict(NOW, "", kind, chunk_seq, origin, step, index)
         if self.mac is not None and not self.mac.verify(header, memoryview(frames[2]), bytes(frames[1])):
             verdict.reason = ALTERED
-        elif kind == RS and origin != self.prev:
+        elif kind == RS and origin not in self.origins:
             verdict.reason = ORIGIN
             verdict.why = (f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
                            f"{self.rank}'s data port")
@@ -110,7 +115,7 @@ class ChunkRules:
 
     def altered(self, verdict: Verdict, op: str) -> AuthenticationError:
         """The group's error for a chunk whose tag failed (``ALTERED``)."""
-        prev = self.prev
+        prev = verdict.origin if verdict.origin in self.origins else self.prev
         error = AuthenticationError(
             f"seq {verdict.seq} {op}: a {KIND_NAMES[verdict.kind]} chunk on the data link from rank "
             f"{prev} to rank {self.rank} failed authentication: was the link altered in flight, or "

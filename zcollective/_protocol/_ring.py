@@ -22,6 +22,8 @@ def chunk_size(nbytes: int, parts: int) -> int:
 
 RS, AG, BC, GA = 1, 2, 3, 4  # chunk kinds: reduce-scatter, allgather, broadcast, gathered value
 KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast", GA: "allgather value"}
+RING, HOSTS = "ring", "hosts"  # the links a transfer's chunks go by (Transfer.via): to the next rank;
+# from a host's leader to the next host's (the ring between hosts of a shared-memory allreduce)
 
 
 def elementwise(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -123,6 +125,7 @@ class Transfer:
 
     kind_name = "?"
     op = "?"  # the operation's label, for messages
+    via = RING
 
     def __init__(self, rank: int, size: int) -> None:
         self.finish: Callable[[], Any] = self.result  # the call's value, once done (set by the caller)
@@ -138,6 +141,7 @@ class Transfer:
         self.to_send = 0  # chunks this rank sends in all
         self.sent = 0  # ... of which handed to the socket (counted by the data plane)
         self._seen: set[tuple[int, ...]] = set()  # the chunks taken
+        self.ranks: Optional[list[int]] = None  # the group's rank of each of its ring's (None: the same)
 
     @property
     def done(self) -> bool:
@@ -155,7 +159,8 @@ class Transfer:
 
     def progress(self) -> str:
         return (f"{self.kind_name}: received {self.received} of {self.expected} chunks "
-                f"({self.received_bytes} of {self.total_bytes} bytes) from rank {self.prev}")
+                f"({self.received_bytes} of {self.total_bytes} bytes) from rank "
+                f"{self.prev if self.ranks is None else self.ranks[self.prev]}")
 
     def _copy_in(self, key: tuple[int, ...], per_frame: list[list[tuple[int, int]]], into: list[Any],
                  step: int, index: int, payload: Any) -> bool:
