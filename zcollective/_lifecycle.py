@@ -119,9 +119,7 @@ class Lifecycle:
                 self._join_forming(form)
             self._start_data(deadline)
             config, member = self.config, self.member
-            self.here = Here(config.rank, config.num_replicas, self.data is not None, member.data_min_bytes,
-                             config.max_frame_bytes, self.shared,
-                             member.shared["min"] if member.shared is not None else 0)
+            self.here = self._here()
             if not nested:
                 announce_group(config.rank, config.num_replicas, member.session, member.lineage,
                                _interrupts.stacks_on())
@@ -249,15 +247,30 @@ class Lifecycle:
         raise Unreachable(f"{who} reached {endpoint}, but no group was formed there within "
                           f"{form.wait_s + form.reach_s:g} s")
 
+    def _here(self) -> Here:
+        """What the operations know of this rank, once it joined (with ranks on several
+        hosts, shared memory is for allreduce alone, from the data plane's threshold)."""
+        config, member, plane = self.config, self.member, self.shared
+        least = member.shared["min"] if member.shared is not None else 0
+        across = plane is not None and plane.leaders is not None
+        return Here(config.rank, config.num_replicas, self.data is not None, member.data_min_bytes,
+                    config.max_frame_bytes, None if across else plane,
+                    max(least, member.data_min_bytes) if across else least, plane if across else None)
+
     def _start_data(self, deadline: Optional[float]) -> None:
         """Joined: open the mailbox to the group's ranks; share memory with those on this
         host if the WELCOME says so; use the data plane if every rank has one, else let it go."""
         data, member, link = self.data, self.member, self.driver
         shared = member.shared
+        leaders = None
         if shared is not None and link is not None:
-            host = shared["hosts"][member.rank]
-            ranks = [r for r, h in enumerate(shared["hosts"]) if h == host]
-            self.shared = link.shared = SharedPlane(member, member.session, host, ranks, shared["room"][host])
+            hosts = shared["hosts"]
+            host = hosts[member.rank]
+            ranks = [r for r, h in enumerate(hosts) if h == host]
+            if len({h for h in hosts if h is not None}) > 1:  # every rank's host shares memory
+                leaders = sorted(hosts.index(h) for h in set(hosts))
+            self.shared = link.shared = SharedPlane(member, member.session, host, ranks, shared["room"][host],
+                                                    leaders)
         if self.mail is not None and link is not None:
             if member.mail_endpoints is None:  # (a newcomer of an older release: no point to point)
                 self.mail.close()
@@ -273,7 +286,7 @@ class Lifecycle:
             data.close()
             return
         data.start(member.session, member.data_endpoints, member.mac, member.data_key, deadline,
-                   link.progress)
+                   link.progress, leaders)
         member.check()  # the group failed while the links were made
         link.data = data
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from .._limits import WIRE_PART_BYTES
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 12  # bump on any change to the layout below (2: BYE; recipient-bound headers;
+PROTOCOL_VERSION = 13  # bump on any change to the layout below (2: BYE; recipient-bound headers;
 # 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered;
 # 5: data ports check tokens without a secret too, under a data key in WELCOME; 6: PROBE, TAKEN,
 # and the coordinator's last BYE (FLAG_LAST), answered; 7: elastic groups: a JOIN's lineage and
@@ -29,7 +29,8 @@ PROTOCOL_VERSION = 12  # bump on any change to the layout below (2: BYE; recipie
 # refusal; 9: the op byte is the rules' to check (zcollective._protocol._ops), a JOIN names the
 # operations its replica knows; 10: SEND, CREDIT and ASK, point to point, and a JOIN's mailbox;
 # 11: FINAL, a rank's last point-to-point message counted, through the coordinator; FLAG_INLINE;
-# 12: shared memory on one host: a JOIN's shm, a WELCOME's hosts, SYNC)
+# 12: shared memory on one host: a JOIN's shm, a WELCOME's hosts, SYNC; 13: a WELCOME's hosts
+# may be several, for an allreduce through each host's memory and a ring between their leaders)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header

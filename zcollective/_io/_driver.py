@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
@@ -267,7 +268,7 @@ class Driver:
             if shared is None:
                 return None
             if not shared.run(seq, job, deadline, lambda: self._news(deadline, until), self.send,
-                              self._fail_data):
+                              self._fail_data, partial(self._ring_between_hosts, seq, job, deadline, until)):
                 return False
         elif data is None:
             return None
@@ -279,6 +280,14 @@ class Driver:
         if member.owed:  # a TAKEN its data owed (rule 7 of the member)
             self.flush()
         return True
+
+    def _ring_between_hosts(self, seq: int, job: Any, deadline: Optional[float],
+                            until: Optional[Callable[[], bool]], ring: Any) -> bool:
+        """Move a shared-memory ``job``'s ring between hosts (its host's leader's step)."""
+        if self.data is None:
+            raise RuntimeError("no data plane to reach the other hosts' leaders")
+        return self.data.run(seq, ring, deadline, self.member, self.waiter, self.watching(), self._take_in,
+                             self._fail_data, until, owner=job)
 
     def _news(self, deadline: Optional[float], until: Optional[Callable[[], bool]]) -> bool:
         """Wait for news (a shared-memory job waits at a sync): False at ``deadline``, or

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message
 from .._protocol import _shm
+from .._protocol._ring import Transfer
 from ..errors import PeerError
 
 if TYPE_CHECKING:
@@ -134,7 +135,8 @@ class SharedPlane:
     """This rank's part in its host's segment (see the module docstring).
     Used by the thread that holds the group's turn."""
 
-    def __init__(self, member: Member, session: int, host: int, ranks: list[int], room: int) -> None:
+    def __init__(self, member: Member, session: int, host: int, ranks: list[int], room: int,
+                 leaders: Optional[list[int]] = None) -> None:
         self.member = member
         self.session = session
         self.host = host
@@ -142,6 +144,8 @@ class SharedPlane:
         self.rank = ranks.index(member.rank)  # this rank among them
         self.size = len(ranks)
         self.leader = self.rank == 0
+        self.leaders = leaders  # ranks on several hosts: each host's leader, in ring order (None: one host)
+        self.host_index = -1 if leaders is None else leaders.index(ranks[0])  # this host's place among them
         self.room = room  # the most bytes a segment of this host may take
         self.pid = os.getpid()
         self.segment: Optional[Segment] = None
@@ -210,11 +214,13 @@ class SharedPlane:
     # -- moving a job -----------------------------------------------------------
 
     def run(self, seq: int, job: _shm.SharedJob, deadline: Optional[float], pump: Callable[[], bool],
-            send: Callable[[list[Message]], None], fail: Callable[[Exception], None]) -> bool:
+            send: Callable[[list[Message]], None], fail: Callable[[Exception], None],
+            ring: Callable[[Transfer], bool]) -> bool:
         """Do ``job``'s steps until it is done (True), the call failed (True:
         the member has its error), or ``pump`` (which waits for news, and
         returns False at ``deadline`` or when the caller must go) says stop
-        (False: it goes on at the next wait)."""
+        (False: it goes on at the next wait). ``ring`` moves a ring between
+        hosts on the data plane (as ``pump``, False: it goes on at the next wait)."""
         member = self.member
         while member.transfers and member.transfers[0][1] is job:
             step = job.step
@@ -233,7 +239,14 @@ class SharedPlane:
                     return False
                 continue
             try:
-                self._do(step, job)
+                if step == _shm.RING:
+                    transfer = job.ring()  # type: ignore[attr-defined]
+                    if not ring(transfer):
+                        return False
+                    if not transfer.done:  # (the call failed meanwhile)
+                        continue
+                else:
+                    self._do(step, job)
             except Exception as exc:  # the segment could not be made or reached, or the reduce
                 fail(self._failed(seq, job, step, exc))  # function raised: this call fails on
                 return True  # every rank, the group goes on
@@ -248,6 +261,8 @@ class SharedPlane:
                     f"that was to make it failed); the next call makes a new one")
         elif step == _shm.REDUCE:
             what = f"the reduce function raised on rank {rank} (through shared memory): {said}"
+        elif step == _shm.RING:
+            what = f"rank {rank} could not take its host's sum round the ring between hosts: {said}"
         else:
             name = segment_name(self.session, self.host, job.place.gen)
             verb = "make" if step == _shm.CREATE else "map"

@@ -775,7 +775,10 @@ class Coordinator:
         """Rule 12: which ranks share a host's segment. A host is told by the address rank 0
         sees a rank at (loopback or its own: rank 0's host) and the host name its JOIN gave; a
         host's ranks share memory if there are two or more and each offered it (rank 0's
-        threshold is the group's); its segment may take half the least room they reported."""
+        threshold is the group's); its segment may take half the least room they reported.
+        With ranks on several hosts, only if every rank's host shares memory (the allreduce
+        through it takes each host's sum round the data plane's ring between the hosts'
+        leaders: see docs/protocol.md, *Shared memory*)."""
         keys: dict[tuple[str, str], int] = {}
         found: list[int] = []
         for m in members:
@@ -783,8 +786,12 @@ class Coordinator:
             found.append(keys.setdefault((m.host, "" if here else m.address), len(keys)))
         offered = [all(m.shm is not None for m, h in zip(members, found, strict=True) if h == host)
                    for host in range(len(keys))]
-        if members[0].shm is None or len(keys) > 1 or not offered[0]:
-            return  # (every rank on one host that offered it: ranks on several keep the data plane)
+        if members[0].shm is None or not offered[0]:
+            return
+        if len(keys) > 1 and (self._data_ports is None or not all(offered)
+                              or any(found.count(h) < 2 for h in range(len(keys)))):
+            return  # ranks on several hosts share memory, for allreduce, only if every host has two
+            # or more that offered it, and the group a data plane (its ring between the hosts' leaders)
         hosts: list[Optional[int]] = [h if offered[h] and found.count(h) > 1 else None for h in found]
         if not any(h is not None for h in hosts):
             return

@@ -77,6 +77,8 @@ class Here:
     max_frame_bytes: int = 0
     shared: Any = None  # this rank's part in its host's shared memory (_io._shared.SharedPlane) ...
     shared_min_bytes: int = 0  # ... which moves arrays this large
+    across: Any = None  # ... with ranks on several hosts: its plane, for allreduce alone (the others
+    # keep the data plane); arrays of shared_min_bytes go through it
 
 
 class Combining(Protocol):
@@ -564,11 +566,12 @@ class Allreduce(Reducing):
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
         fn = _reducer_of(here, reduce_fn, 0)
         finish = _value(value) if here.size == 1 else _first  # nothing was combined with it
-        name = _ring.reduction_name(reduce_fn) if here.data or here.shared is not None else None
-        if name is not None and here.shared is not None:
+        plane = here.shared if here.shared is not None else here.across
+        name = _ring.reduction_name(reduce_fn) if here.data or plane is not None else None
+        if name is not None and plane is not None:
             array = _array(value, here.shared_min_bytes)
-            if array is not None and here.shared.fits(array.nbytes):
-                return self._shared(here, value, array, name, reduce_fn, finish)
+            if array is not None and plane.fits(array.nbytes):
+                return self._shared(plane, value, array, name, reduce_fn, finish)
         array = _array(value, here.data_min_bytes) if name is not None and here.data else None
         if array is None or name is None:
             return Contribution(0, lambda: ([_serialize.dumps(value)], fn()), finish)
@@ -582,14 +585,15 @@ class Allreduce(Reducing):
         return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
 
     @staticmethod
-    def _shared(here: Here, value: Any, array: Any, name: str, reduce_fn: Any,
+    def _shared(plane: Any, value: Any, array: Any, name: str, reduce_fn: Any,
                 finish: Finish) -> Contribution:
-        """Through the host's shared memory: the input written into this rank's slot at
-        once if its set is known to be free, else once the plan says how."""
-        plane = here.shared
+        """Through the host's shared memory (``plane``; with ranks on several hosts, and the
+        ring between hosts): the input written into this rank's slot at once if its set is
+        known to be free, else once the plan says how."""
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name, shm=True)
         tensor, staged = _is_tensor(value), [False]
-        whole = _shm.symmetric(array.nbytes, plane.size, name in RING_SAFE)
+        leaders = plane.leaders
+        whole = leaders is None and _shm.symmetric(array.nbytes, plane.size, name in RING_SAFE)
 
         def build() -> tuple[list[list[Any]], Any]:
             slot, free = plane.free_slot(array.nbytes), plane.knows_free()
@@ -600,9 +604,12 @@ class Allreduce(Reducing):
 
         def job(msg: Message) -> _shm.SharedJob:
             host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
-            shared = _shm.SharedAllreduce(msg.seq, plane.rank, plane.size, array,
-                                          _ring.reducer(name, reduce_fn), plane.place(array.nbytes),
-                                          host_plan, staged[0], plane.leader, whole)
+            reduce, place = _ring.reducer(name, reduce_fn), plane.place(array.nbytes)
+            shared: _shm.SharedAllreduce = _shm.SharedAllreduce(
+                msg.seq, plane.rank, plane.size, array, reduce, place, host_plan, staged[0], plane.leader,
+                whole) if leaders is None else _shm.HostsAllreduce(
+                msg.seq, plane.rank, plane.size, array, reduce, place, host_plan, staged[0], leaders,
+                plane.host_index)
             if tensor:
                 shared.convert = sys.modules["torch"].from_numpy
             return shared

@@ -19,12 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ._ring import _bounds
+from ._ring import HOSTS, RingAllreduce, Transfer, _bounds
 
 CREATE, ATTACH, UNLINK = "create", "attach", "unlink"  # the segment's steps (the host's leader
 # makes it; its name is unlinked once every rank has attached)
 SYNC = "sync"  # every rank of the host reached this point
 STAGE, REDUCE, COLLECT = "stage", "reduce", "collect"  # the memory's steps
+RING = "ring"  # a host's leader: the ring between hosts (the data plane moves it)
+PUBLISH, READ = "publish", "read"  # ... which its leader writes into its slot, the others read
 BLOCK_BYTES = 1 << 18  # a reduction goes block by block, its accumulator kept in the L2 cache
 SYMMETRIC_MAX_BYTES = 2 << 20  # while each rank reads at most this much of the others' inputs, every
 # rank reduces the whole array (no sync after it); beyond, each reduces its own slice, a sync, and
@@ -188,8 +190,11 @@ class SharedAllreduce(SharedJob):
         self._reduce = reduce
         self._out = numpy.empty_like(self._input)
         self._whole = whole  # (symmetric())
-        tail = [REDUCE] if self._whole else [REDUCE, SYNC, COLLECT]
-        super().__init__(seq, rank, size, place, schedule(place, plan, staged, leader, tail))
+        super().__init__(seq, rank, size, place, schedule(place, plan, staged, leader, self._tail(leader)))
+
+    def _tail(self, leader: bool) -> list[str]:
+        """The operation's own steps."""
+        return [REDUCE] if self._whole else [REDUCE, SYNC, COLLECT]
 
     def _views(self, slots: Any) -> list[Any]:
         """Every rank's input, in rank order (this rank's own from its array)."""
@@ -221,6 +226,53 @@ class SharedAllreduce(SharedJob):
 
     def result(self) -> Any:
         return self._out.reshape(self._shape)
+
+
+class HostsAllreduce(SharedAllreduce):
+    """An allreduce of ranks on several hosts (see docs/protocol.md, *Shared memory*):
+    the host's ranks reduce their slices of the host's inputs in the segment, as
+    :class:`SharedAllreduce` does; its leader collects the host's sum, takes it round the
+    ring between the hosts' leaders (the data plane's :class:`RingAllreduce`, ``via``
+    :data:`HOSTS`) and writes the result into its slot, from which, after a sync, the
+    others read it. Every byte crosses the network once per host, not once per rank, and
+    every rank gets the leader's bits."""
+
+    kind_name = "shared-memory allreduce across hosts"
+
+    def __init__(self, seq: int, rank: int, size: int, array: Any, reduce: Callable[[Any, Any, Any], None],
+                 place: Place, plan: HostPlan, staged: bool, leaders: list[int], host: int) -> None:
+        """``leaders``: the group rank of each host's leader, in ring order; ``host``: this
+        rank's host's place among them."""
+        self._leaders, self._host = leaders, host
+        self._ring: Optional[RingAllreduce] = None
+        super().__init__(seq, rank, size, array, reduce, place, plan, staged, rank == 0, False)
+
+    def _tail(self, leader: bool) -> list[str]:
+        return [REDUCE, SYNC, COLLECT, RING, PUBLISH, SYNC] if leader else [REDUCE, SYNC, SYNC, READ]
+
+    def ring(self) -> Transfer:
+        """The ring between hosts, of the host's sum (made at the first :data:`RING` step)."""
+        if self._ring is None:
+            self._ring = RingAllreduce(self._host, len(self._leaders), self._out, self._reduce)
+            self._ring.via, self._ring.ranks, self._ring.op = HOSTS, self._leaders, self.op
+        return self._ring
+
+    def memory(self, step: str, slots: Any) -> None:
+        n = self._input.nbytes
+        if step == PUBLISH:  # (every rank of the host is past its REDUCE: the slot is free)
+            assert self._ring is not None
+            self._out = self._ring.result().reshape(-1)
+            self.received_bytes += self._ring.received_bytes
+            slots[self.rank, :n].view(self._out.dtype)[...] = self._out
+        elif step == READ:
+            self._out[...] = slots[0, :n].view(self._out.dtype)
+            self.received_bytes += n
+        else:
+            super().memory(step, slots)
+
+    def progress(self) -> str:
+        said = super().progress()
+        return said if self.step != RING or self._ring is None else f"{said}; {self._ring.progress()}"
 
 
 LINE = 64  # each frame starts on a cache line of its slot
