@@ -282,8 +282,8 @@ class DataPlane:
             woke = waiter.wait(names, deadline, TRACKER_POLL_S if job.done else POLL_SLICE_S)
             self._drain(seq, job, owner, member, fail)
             self._events(seq, job, fail)
-            if any(name in control for name in woke):
-                pump()
+            if not woke or any(name in control for name in woke):  # (idle for a slice: what is
+                pump()  # due may be rank 0's coordinator's own, a probe round no socket wakes)
                 if until is not None and until():
                     return False
             if DEADLINE in woke:
