@@ -14,7 +14,13 @@ as a real multi-host job would have; ``gloo`` (``torch.distributed``
 started through an rsh agent that enters the host's namespace), each skipped
 with a note when missing.
 
-Each (backend, N) runs in fresh processes, rank r on host r; per operation,
+``--per-host K`` puts K ranks on each host (rank r on host r // K): ``zcollective``
+then reduces in each host's shared memory and takes the hosts' sums round a ring
+of one rank per host, ``zcollective-ring`` (shared memory off) keeps the ring of
+all ranks, and Open MPI may use its shared-memory transport (``vader``) within a
+host. N counts hosts, the bound is the hosts' (2(H-1)/H * S/B).
+
+Each (backend, N) runs in fresh processes, rank r on host r // K; per operation,
 ``--warmup`` untimed calls then ``--rounds`` timed ones, a barrier before each.
 A figure is the slowest rank's median, reported as a ratio to the bound
 2(N-1)/N * S/B for allreduce and S/B for broadcast, B = R/8 bytes per second.
@@ -42,7 +48,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # netns.py, shared with the tests
 
 ALL_BACKENDS = ["zcollective", "zcollective-star", "gloo", "mpi4py"]
-DATA_PLANE = {"zcollective": "auto", "zcollective-star": "off"}
+DATA_PLANE = {"zcollective": "auto", "zcollective-star": "off", "zcollective-ring": "auto"}
+NO_SHARED_MEMORY = {"zcollective-ring"}  # (with --per-host: the ring of all ranks, for comparison)
 SECRET = "multihost-benchmark-secret-0123456789"  # any 16+ bytes: the cost of authentication is the point
 DEFAULT_RATE_MBIT = 200.0  # slow enough that 2 cores move it with room to spare (the p2p check says)
 DEFAULT_SIZES_MIB = "16,64"
@@ -201,15 +208,17 @@ def child_env(backend: str, n: int, master: str, secret: bool, liveness: Optiona
             env["ZCOLLECTIVE_SECRET"] = SECRET
         if liveness is not None:
             env["ZCOLLECTIVE_LIVENESS_TIMEOUT"] = str(liveness)
+        if backend in NO_SHARED_MEMORY:
+            env["ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES"] = "off"
     if backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "eth0"  # else gloo binds whatever the hostname resolves to
     return env
 
 
-def mpi_launch(hosts: Any, n: int, tmp: str) -> list[str]:
+def mpi_launch(hosts: Any, n: int, tmp: str, per_host: int = 1) -> list[str]:
     """mpirun in host 0's namespace; an rsh agent starts Open MPI's daemon for
-    host i inside host i's namespace, so every byte between ranks crosses the
-    shaped links (TCP only: shared memory would bypass them)."""
+    host i inside host i's namespace, so every byte between hosts crosses the
+    shaped links (TCP between hosts; with ``per_host`` > 1, shared memory within one)."""
     agent = os.path.join(tmp, "agent.sh")
     cases = "".join(f"  {hosts.addresses[i]}) ns={hosts.names[i]} ;;\n" for i in range(n))
     with open(agent, "w") as f:
@@ -219,9 +228,9 @@ def mpi_launch(hosts: Any, n: int, tmp: str) -> list[str]:
     os.chmod(agent, 0o755)
     hostfile = os.path.join(tmp, "hostfile")
     with open(hostfile, "w") as f:
-        f.write("".join(f"{a} slots=1\n" for a in hosts.addresses[:n]))
-    return ["mpirun", "--allow-run-as-root", "-np", str(n), "--hostfile", hostfile,
-            "--mca", "plm_rsh_agent", agent, "--mca", "btl", "tcp,self",
+        f.write("".join(f"{a} slots={per_host}\n" for a in hosts.addresses[:n]))
+    return ["mpirun", "--allow-run-as-root", "-np", str(n * per_host), "--hostfile", hostfile,
+            "--mca", "plm_rsh_agent", agent, "--mca", "btl", "tcp,self" + (",vader" if per_host > 1 else ""),
             "--mca", "btl_tcp_if_include", hosts.link, "--mca", "oob_tcp_if_include", hosts.link,
             "--mca", "mpi_yield_when_idle", "1", "-x", "PYTHONPATH"]
 
@@ -269,10 +278,13 @@ def session_members(sessions: set[int]) -> list[int]:
     return found
 
 
-def run_group(hosts: Any, backend: str, n: int, ops: list[tuple[str, int]], args: argparse.Namespace,
+def run_group(hosts: Any, backend: str, n_hosts: int, ops: list[tuple[str, int]], args: argparse.Namespace,
               secret: bool = True) -> dict[str, Any]:
-    """One (backend, N): start the replicas, wait with a bound, collect times."""
-    record: dict[str, Any] = {"backend": backend, "n": n, "secret": secret and backend in DATA_PLANE,
+    """One (backend, N hosts): start the replicas, wait with a bound, collect times."""
+    per_host = args.per_host
+    n = n_hosts * per_host
+    record: dict[str, Any] = {"backend": backend, "n": n, "hosts": n_hosts, "per_host": per_host,
+                              "secret": secret and backend in DATA_PLANE,
                               "ops": [[op, nbytes] for op, nbytes in ops]}
     liveness = args.star_liveness if backend == "zcollective-star" else args.liveness
     record["liveness_s"] = liveness
@@ -291,13 +303,14 @@ def run_group(hosts: Any, backend: str, n: int, ops: list[tuple[str, int]], args
         start = time.monotonic()
         try:
             if backend == "mpi4py":
-                procs.append(hosts.popen(0, [*mpi_launch(hosts, n, tmp), *me], env=env, stdout=logs[0],
+                procs.append(hosts.popen(0, [*mpi_launch(hosts, n_hosts, tmp, per_host), *me], env=env,
+                                         stdout=logs[0],
                                          stderr=subprocess.STDOUT, start_new_session=True))
             else:
                 for r in range(n):
-                    procs.append(hosts.popen(r, me, env={**env, "ZCOLLECTIVE_REPLICA_RANK": str(r)},
-                                             stdout=logs[r], stderr=subprocess.STDOUT,
-                                             start_new_session=True))
+                    rank_env = {**env, "ZCOLLECTIVE_REPLICA_RANK": str(r)}
+                    procs.append(hosts.popen(r // per_host, me, env=rank_env, stdout=logs[r],
+                                             stderr=subprocess.STDOUT, start_new_session=True))
             deadline = start + timeout
             for proc in procs:
                 try:
@@ -402,14 +415,14 @@ def cell(record: Optional[dict[str, Any]], key: str, bound: float, rounds: int) 
 def table(runs: list[dict[str, Any]], backends: list[str], rows: list[tuple[str, int, int, bool]],
           rate_mbit: float, rounds: int) -> str:
     rate = rate_mbit * 1e6 / 8
-    head = ["operation", "N", "bound (s)", *backends]
+    head = ["operation", "hosts", "bound (s)", *backends]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op, nbytes, n, secret in rows:
         bound = (2 * (n - 1) / n if op == "allreduce" else 1.0) * nbytes / rate
         label = f"{op} {mib(nbytes)}" + ("" if secret else ", no secret")
         cells = []
         for b in backends:
-            match = [r for r in runs if r["backend"] == b and r["n"] == n
+            match = [r for r in runs if r["backend"] == b and r.get("hosts", r["n"]) == n
                      and r["secret"] == (secret and b in DATA_PLANE) and [op, nbytes] in r["ops"]]
             if not secret and b not in DATA_PLANE:
                 match = []
@@ -449,6 +462,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=DEFAULT_RATE_MBIT, help="link rate R, Mbit/s")
     p.add_argument("--sizes", default=DEFAULT_SIZES_MIB, help="allreduce sizes, MiB (comma-separated)")
     p.add_argument("--n", default=DEFAULT_NS, help="numbers of hosts (comma-separated)")
+    p.add_argument("--per-host", type=int, default=1, help="ranks on each host")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
     p.add_argument("--backends", default=",".join(ALL_BACKENDS))
