@@ -267,8 +267,9 @@ class Lifecycle:
             hosts = shared["hosts"]
             host = hosts[member.rank]
             ranks = [r for r, h in enumerate(hosts) if h == host]
-            if len({h for h in hosts if h is not None}) > 1:  # every rank's host shares memory
-                leaders = sorted(hosts.index(h) for h in set(hosts))
+            known = {h for h in hosts if h is not None}
+            if len(known) > 1:  # ranks on several hosts (each rank's shares memory: rule 13)
+                leaders = sorted(hosts.index(h) for h in known)
             self.shared = link.shared = SharedPlane(member, member.session, host, ranks, shared["room"][host],
                                                     leaders)
         if self.mail is not None and link is not None:
