@@ -402,18 +402,24 @@ def killed_mid_call(victim, when, markers):
         shared.Segment.__init__ = die_attaching
     elif when == "reducing":
         zc.allreduce(np.ones(SLICED, dtype=np.float32))  # the segment made, its name unlinked
+    return lost_then_shrunk(SLICED, signal_on(victim, os.path.join(markers, "dying")), shared=True)
+
+
+def lost_then_shrunk(elements, fn, shared):
+    """An allreduce with ``fn``, which kills a rank: what the others were told, and how soon;
+    then the survivors shrink and sum their ranks (``shared``: through shared memory)."""
     sessions = [_session()]
-    kill = signal_on(victim, os.path.join(markers, "dying"))
     start = time.monotonic()
     try:
-        zc.allreduce(np.ones(SLICED, dtype=np.float32), kill)
+        zc.allreduce(np.ones(elements, dtype=np.float32), fn)
         return "no error"
     except zc.ReplicaLostError as exc:
         said, took = str(exc), time.monotonic() - start
+    r = zc.get_rank()
     zc.shrink()
     sessions.append(_session())
-    assert zc._current()._life.shared is not None, "the survivors share no memory"
-    got = zc.allreduce(np.full(SLICED, r, dtype=np.float32))[-1]
+    assert (zc._current()._life.shared is not None) == shared, "the survivors' shared memory"
+    got = zc.allreduce(np.full(elements, r, dtype=np.float32))[-1]
     return said, took, float(got), zc.get_world_size(), sessions
 
 

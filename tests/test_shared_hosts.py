@@ -9,12 +9,11 @@ import hashlib
 import inspect
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
 from conftest import hosts_or_skip, touch
-from test_shared import _session, segments, slow_on
+from test_shared import lost_then_shrunk, segments, slow_on
 
 import zcollective as zc
 from zcollective.testing import Replicas, report
@@ -113,7 +112,6 @@ def killed_across_hosts(victim, where, markers):
     others are told who, then shrink and go on."""
     r = zc.get_rank()
     zc.allreduce(np.ones(ELEMENTS, dtype=np.float32))  # (the segments made, their names unlinked)
-    sessions = [_session()]
 
     @zc.elementwise
     def add_then_die(a, b):
@@ -122,16 +120,7 @@ def killed_across_hosts(victim, where, markers):
             os.kill(os.getpid(), signal.SIGKILL)
         a += b
         return a
-    start = time.monotonic()
-    try:
-        zc.allreduce(np.ones(ELEMENTS, dtype=np.float32), add_then_die)
-        return "no error"
-    except zc.ReplicaLostError as exc:
-        said, took = str(exc), time.monotonic() - start
-    zc.shrink()
-    sessions.append(_session())
-    got = zc.allreduce(np.full(ELEMENTS, r, dtype=np.float32))[-1]
-    return said, took, float(got), zc.get_world_size(), sessions
+    return lost_then_shrunk(ELEMENTS, add_then_die, shared=False)  # (a host of one rank left)
 
 
 @pytest.mark.parametrize("victim, where", [(2, "ring"), (3, "reducing")], ids=["leader-in-ring", "in-host"])
