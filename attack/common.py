@@ -14,14 +14,15 @@ SECRET = "a-secret-of-attack8-only-" + "y" * 10
 
 
 def run(fn, layout, *args, env=None, timeout=120, port=29461, secret=True, rank_env=None,
-        hosts_hook=None, initialize=True):
+        hosts_hook=None, initialize=True, rate_mbit=None):
     """Run ``fn`` on len(layout) ranks, rank r on host layout[r]; returns outcomes.
     ``hosts_hook(hosts, reps)`` runs while they run (for cutting links, signals)."""
     nhosts = max(layout) + 1
-    with Hosts(nhosts) as hosts:
+    with Hosts(nhosts, rate_mbit=rate_mbit) as hosts:
         e = {"ZCOLLECTIVE_MASTER_ADDR": hosts.addresses[layout[0]]}
         if secret:
             e["ZCOLLECTIVE_SECRET"] = SECRET
+        e["PYTHONPATH"] = ROOT  # the children import this worktree's zcollective
         e.update(env or {})
         prefix = {r: hosts.prefix(h) for r, h in enumerate(layout)}
         with Replicas(fn, len(layout), *args, env=e, rank_prefix=prefix, port=port, rank_env=rank_env,

@@ -26,25 +26,29 @@ import numpy as np  # noqa: E402
 
 from zcollective._format._mac import ChunkMac  # noqa: E402
 from zcollective._protocol import _chunks  # noqa: E402
-from zcollective._protocol._ring import RingAllreduce, reducer  # noqa: E402
+from zcollective._protocol._ring import HOSTS, RING, RingAllreduce, reducer  # noqa: E402
 
 SECRET = b"a-secret-of-attack8-only-yyyyyyyyyy"
 SESSION, SEQ, N = 0x1234, 7, 4
 LEADERS = [0, 2]
 
 
-def origins_of(rank):
-    """As DataPlane.start computes them."""
-    origins = {(rank - 1) % N}
+def senders_of(rank):
+    """As DataPlane.start computes them (the previous rank; at a leader, the previous leader too)."""
+    senders = {RING: (rank - 1) % N}
     if rank in LEADERS:
         at = LEADERS.index(rank)
-        origins.add(LEADERS[(at - 1) % len(LEADERS)])
-    return origins
+        senders[HOSTS] = LEADERS[(at - 1) % len(LEADERS)]
+    return senders
 
 
 def make_rules(rank, secret=SECRET):
     rules = _chunks.ChunkRules(rank, N)
-    rules.start(SESSION, None if secret is None else ChunkMac(secret), rank, N, origins_of(rank))
+    try:
+        rules.start(SESSION, None if secret is None else ChunkMac(secret), rank, N, senders_of(rank))
+    except Exception:  # noqa: BLE001 (the code under attack took a set of origins)
+        rules.start(SESSION, None if secret is None else ChunkMac(secret), rank, N,
+                    set(senders_of(rank).values()))
     return rules
 
 
@@ -56,7 +60,10 @@ def frames_of(rules, chunk):
 
 
 def deliver(rules, job, frames):
-    verdict = rules.check(frames, SEQ, SEQ + 1)
+    try:
+        verdict = rules.check(frames, SEQ, SEQ + 1, job.via)
+    except TypeError:  # (the code under attack: no via)
+        verdict = rules.check(frames, SEQ, SEQ + 1)
     if verdict.reason != _chunks.NOW:
         return verdict.reason
     return "taken" if job.receive(verdict.kind, verdict.step, verdict.index, frames[2], frames,
@@ -97,6 +104,20 @@ def test_an_rs_chunk_moved_from_the_previous_leaders_ring_link_is_refused_at_a_l
         f"rank 0's RS chunk for rank 1, moved into rank 2's link, was {fate}; wrong results on ranks "
         f"{wrong}: e.g. rank {wrong[0] if wrong else '-'} got {np.unique(results[wrong[0]]) if wrong else ''}"
         f" (want {want})")
+
+
+def test_the_leaders_ring_takes_the_previous_leaders_chunks_not_the_previous_ranks():
+    """Rank 2 (a leader) in the leaders' ring (via HOSTS) takes RS chunks from rank 0, the
+    previous leader, and not from rank 1, its previous rank (which sends it RS chunks only in
+    the ring of all ranks)."""
+    def job_at(rank):
+        at = LEADERS.index(rank)
+        job = RingAllreduce(at, len(LEADERS), np.zeros(1 << 12), reducer("add", None))
+        job.via, job.ranks = HOSTS, LEADERS
+        return job
+    sender = RingAllreduce(0, len(LEADERS), np.ones(1 << 12), reducer("add", None))
+    assert deliver(make_rules(2), job_at(2), frames_of(make_rules(0), sender.outbox[0])) == "taken"
+    assert deliver(make_rules(2), job_at(2), frames_of(make_rules(1), sender.outbox[0])) == "origin"
 
 
 if __name__ == "__main__":
