@@ -66,7 +66,8 @@ def wait_marker(markers, timeout=60):
 
 
 def scenario(name):
-    victim = 2
+    victim = int(os.environ.get("VICTIM", "2"))
+    layout = [int(x) for x in os.environ.get("LAYOUT", "0,0,1,1").split(",")]
     markers = tempfile.mkdtemp(prefix="attack8-")
 
     def hook(hosts, reps):
@@ -82,18 +83,20 @@ def scenario(name):
         elif name == "sigint":
             reps.kill(victim, signal.SIGINT)
         elif name == "cut":
-            hosts.cut(1)
+            hosts.cut(int(os.environ.get("CUT", "1")))
             time.sleep(3 * LIVENESS + 6)
-            hosts.restore(1)
+            hosts.restore(int(os.environ.get("CUT", "1")))
         elif name == "sigint-nonleader":
             reps.kill(3, signal.SIGINT)
+        elif name == "kill":
+            reps.kill(victim, signal.SIGKILL)
         elif name == "stop-nonleader-long":
             reps.kill(3, signal.SIGSTOP)
             time.sleep(4 * LIVENESS)
             reps.kill(3, signal.SIGCONT)
 
     before = shm_segments()
-    outs = run(body, [0, 0, 1, 1], markers, victim, timeout=120, rate_mbit=400,
+    outs = run(body, layout, markers, victim, timeout=120, rate_mbit=400,
                env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": str(LIVENESS), **ENV}, hosts_hook=hook)
     print(f"== {name}")
     for o in outs:
@@ -103,7 +106,7 @@ def scenario(name):
         else:
             print(f"  rank {o.rank}: rc={o.returncode} timed_out={o.timed_out} err={o.error!r}")
             print("     " + o.output[-1200:].replace("\n", "\n     "))
-    for r in range(4):
+    for r in range(len(layout)):
         p = os.path.join(markers, f"said{r}")
         if os.path.exists(p):
             print(f"  rank {r}'s call said: {open(p).read()[:500]}")
