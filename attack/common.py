@@ -4,8 +4,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+ROOT = os.environ.get("ATTACK_ROOT") or os.path.dirname(HERE)  # the zcollective tree the children run
+sys.path[:0] = [ROOT, os.path.join(os.path.dirname(HERE), "tests")]
 
 from netns import Hosts  # noqa: E402
 from zcollective.testing import Replicas, report  # noqa: E402
