@@ -146,7 +146,7 @@ class DataPlane:
         self.endpoints = endpoints
         base = self._config.secret  # with one, chunks carry the MAC every rank of the group has
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        origins = {prev}
+        senders = {RING: prev}  # whose link a job by each link takes reduce-scatter chunks from
         if base is None:
             assert data_key is not None  # (the member takes no data plan without one)
             base = bytes.fromhex(data_key)
@@ -157,11 +157,11 @@ class DataPlane:
             to, came = leaders[(at + 1) % count], leaders[(at - 1) % count]
             self._via[HOSTS] = self._via[RING] if to == nxt else self._open(
                 to, _tokens.port_key(base, session, to))
-            self._inbound += came not in origins
-            origins.add(came)
+            self._inbound += came != prev
+            senders[HOSTS] = came
         secret = self._config.secret
         self._rules.start(session, None if secret is None else ChunkMac(secret, mac), self.rank, self.size,
-                          origins)
+                          senders)
         self._handshakes(deadline, pump)
 
     def _open(self, target: int, key: bytes) -> _Out:
@@ -331,7 +331,7 @@ class DataPlane:
               fail: Callable[[Exception], None]) -> None:
         """Give one chunk to ``job``, keep it for a later job, or drop it, as
         the rules say (:mod:`zcollective._protocol._chunks`)."""
-        verdict = self._rules.check(frames, seq, member.next_seq)
+        verdict = self._rules.check(frames, seq, member.next_seq, job.via)
         reason = verdict.reason
         if reason == _chunks.NOW:
             try:

@@ -15,7 +15,12 @@ message is
    changed an array it had passed to an ``_async`` call);
 4. dropped (``ORIGIN``) if a reduce-scatter chunk claims an origin other
    than the previous rank, or at a host's leader the previous host's leader
-   (they are never forwarded);
+   (they are never forwarded); and, of the job's seq, one other than the
+   rank that sends on the link the job goes by (``via``: the previous rank's
+   for the ring of all ranks, the previous leader's for the leaders' ring):
+   else a path attacker could move a chunk the previous leader sent its own
+   next rank into the link to this leader, where the ring of all ranks
+   would take it (a chunk's MAC does not name its recipient);
 5. by its seq: the job's now (``NOW``: the job says whether it expects
    it); a later call the previous rank is already in (``EARLY``: kept for
    it), at most this rank's next seq; an ended call (``ENDED``: the rest
@@ -33,7 +38,7 @@ from typing import Any, Optional
 
 from .._format._mac import ChunkMac
 from ..errors import AuthenticationError
-from ._ring import KIND_NAMES, RS
+from ._ring import KIND_NAMES, RING, RS
 
 HEADER = struct.Struct("<2sBBQQiii")  # magic version kind session seq origin step index
 MAGIC = b"ZD"
@@ -66,26 +71,29 @@ class ChunkRules:
         self.size = size
         self.prev = (rank - 1) % size
         self.origins = {self.prev}  # whose reduce-scatter chunks it takes
+        self.senders: dict[str, int] = {RING: self.prev}  # ... in a job by each link (Transfer.via)
         self.session = 0  # the group's, once welcomed (see :meth:`start`)
         self.mac: Optional[ChunkMac] = None  # with a secret, the group's
 
     def start(self, session: int, mac: Optional[ChunkMac], rank: int, size: int,
-              origins: Optional[set[int]] = None) -> None:
+              senders: Optional[dict[str, int]] = None) -> None:
         """Welcomed: the group's session and MAC, and this rank's place in it
-        (a group formed from an earlier one renumbers its ranks); ``origins``: the
-        ranks whose links reach its port (the previous rank's alone if None)."""
+        (a group formed from an earlier one renumbers its ranks); ``senders``: the
+        rank whose link reaches its port, by the ``via`` of the jobs it serves (the
+        previous rank's alone, for the ring of all ranks, if None)."""
         self.session, self.mac = session, mac
         self.rank, self.size, self.prev = rank, size, (rank - 1) % size
-        self.origins = {self.prev} if origins is None else set(origins)
+        self.senders = {RING: self.prev, **(senders or {})}
+        self.origins = set(self.senders.values())
 
     def header(self, kind: int, seq: int, step: int, index: int) -> bytes:
         """The header of a chunk this rank makes."""
         return HEADER.pack(MAGIC, VERSION, kind, self.session, seq, self.rank, step, index)
 
-    def check(self, frames: list[Any], seq: int, next_seq: int) -> Verdict:
+    def check(self, frames: list[Any], seq: int, next_seq: int, via: str = RING) -> Verdict:
         """The verdict on ``frames`` (bytes or buffers) reaching this port
-        while this rank moves call ``seq``'s data, its next call being
-        ``next_seq``."""
+        while this rank moves call ``seq``'s data by the link ``via``, its next
+        call being ``next_seq``."""
         if len(frames) != 3 or len(frames[0]) != HEADER.size:
             return Verdict(SHAPE, f"dropped a message of {len(frames)} frames on the data port: "
                                   f"not a chunk")
@@ -101,6 +109,11 @@ class ChunkRules:
             verdict.reason = ORIGIN
             verdict.why = (f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
                            f"{self.rank}'s data port")
+        elif chunk_seq == seq and kind == RS and origin != self.senders.get(via, self.prev):
+            verdict.reason = ORIGIN
+            verdict.why = (f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
+                           f"{self.rank}'s data port, in a call whose chunks come from rank "
+                           f"{self.senders.get(via, self.prev)}")
         elif chunk_seq == seq:
             pass
         elif seq < chunk_seq < next_seq:  # the previous rank is ahead: its next call

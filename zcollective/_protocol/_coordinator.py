@@ -797,6 +797,11 @@ class Coordinator:
             return
         room = [min(m.shm[1] for m, h in zip(members, found, strict=True) if h == host and m.shm) // 2
                 for host in range(len(keys))]
+        if len(keys) > 1:  # one call is one ring between hosts: an array fits every host's segment or
+            # none (SharedPlane.fits: 2 x its ranks x the array within its room), else the hosts where
+            # it fits went the shared way, the others the ring of all ranks, and the call failed
+            per_rank = min(r // found.count(h) for h, r in enumerate(room))
+            room = [per_rank * found.count(h) for h in range(len(keys))]
         self.hosts = hosts
         self._shared = _bodies.shared_plan(members[0].shm[0], hosts, room)
 
