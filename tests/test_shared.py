@@ -599,3 +599,36 @@ def test_a_call_given_up_while_its_segment_is_made_leaves_no_name_and_the_next_m
         assert first == "CollectiveTimeoutError" if o.rank < 2 else first != "no error", report(outs, first)
         assert left_then == [] and left == [], report(outs, f"rank {o.rank}: left {left_then} {left}")
         assert later == [3.0, 3.0, 3.0], report(outs, f"rank {o.rank}: {later}")
+
+
+def _welcomed_with_data(names, addresses, rooms):
+    """A coordinator every rank joined with a data port, rank r from ``addresses[r]`` with host
+    name ``names[r]``; the first WELCOME's shm."""
+    n = len(names)
+    coord = Coordinator(n, SESSION, 1000, host_address="10.0.0.1")
+    out = []
+    for r in range(n):
+        join = _join(r, n, names[r], rooms[r])
+        body = json.loads(join.segments[0][0])
+        body.update(data=f"tcp://{addresses[r] if r else '10.0.0.1'}:{7000 + r}", data_min=1 << 20,
+                    data_mode="auto")
+        out = list(coord.receive(peer(r), encode(control(Kind.JOIN, body, rank=r)), address=addresses[r]))
+    assert coord.phase is Phase.RUNNING
+    return json.loads(out[0][1].segments[0][0]).get("shm")
+
+
+def test_ranks_on_several_hosts_share_memory_only_if_every_host_has_two_and_alike_room_per_rank():
+    """Every host holds two or more ranks that offered it, and the group has a data plane: the
+    WELCOME puts every rank on its host, each host's room the same per rank (the least), so an
+    array fits every host's segment or none (an attack's finding: a 3-rank host and a 2-rank
+    one, or two /dev/shm sizes, sent one allreduce two ways, a CallMismatchError)."""
+    far = "10.0.0.7"
+    shm = _welcomed_with_data(["a", "a", "b", "b", "b"], ["?", "127.0.0.1", far, far, far], [1 << 30] * 5)
+    assert shm["hosts"] == [0, 0, 1, 1, 1]
+    assert shm["room"] == [(1 << 29) // 3 * 2, (1 << 29) // 3 * 3]  # (half the least room, per rank)
+    shm = _welcomed_with_data(["a", "a", "b", "b"], ["?", "127.0.0.1", far, far], [4000, 4000, 800, 4000])
+    assert shm["hosts"] == [0, 0, 1, 1] and shm["room"] == [400, 400]
+    # a host holding one rank, or one rank offering none: no rank shares memory
+    assert _welcomed_with_data(["a", "a", "b"], ["?", "127.0.0.1", far], [1 << 30] * 3) is None
+    assert _welcomed_with_data(["a", "a", "b", "b"], ["?", "127.0.0.1", far, far],
+                               [1 << 30, 1 << 30, 1 << 30, None]) is None
