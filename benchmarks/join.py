@@ -90,7 +90,8 @@ def launch(how: str, n: int, env: dict[str, str], out_dir: str) -> float:
     began = time.time()
     if how == "run":
         done = subprocess.run([sys.executable, "-m", "zcollective.run", "--no-straggler-summary",
-                               "-n", str(n), *me], env=env, capture_output=True, timeout=RUN_TIMEOUT_S)
+                               "-n", str(n), *me], env=env, capture_output=True, timeout=RUN_TIMEOUT_S,
+                              cwd=out_dir)  # (not where python -m would find another tree)
         if done.returncode:
             raise RuntimeError(f"zcollective-run -n {n} failed:\n{done.stdout[-3000:].decode()}"
                                f"{done.stderr[-3000:].decode()}")
