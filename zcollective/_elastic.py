@@ -18,7 +18,6 @@ from ._forming import Form, Overslept, Unreachable
 from ._io import _stops
 from ._lifecycle import Lifecycle
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
-from ._protocol._coordinator import Forming
 from ._protocol._member import fresh, lost_rank_0
 from .config import Config
 from .errors import (
@@ -48,6 +47,8 @@ MIN_FORM_PORT = 1024  # past the top, form ports wrap to here (below: ports only
 
 def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> Lifecycle:
     """The survivors' next group (see the module's steps); ``life`` is closed."""
+    from ._protocol._coordinator import Forming  # (as in _lifecycle: the coordinator's, loaded when needed)
+
     member, config = life.member, life.config
     old_rank, old_size = config.rank, config.num_replicas
     failure = member.failure
@@ -170,6 +171,8 @@ class Agreement(NamedTuple):
 def regroup(life: Lifecycle, newcomers: int) -> Lifecycle:
     """A grow() admitted ``newcomers``: this group closes, and its members
     and the newcomers form the next one where it was (rule 9), rank 0 hosting."""
+    from ._protocol._coordinator import Forming  # (as in _lifecycle: the coordinator's, loaded when needed)
+
     config, member = life.config, life.member
     lineage, size = f"{member.session:x}", config.num_replicas + newcomers
     life.close_to_form(quick=False)
