@@ -8,7 +8,9 @@ Each process is a script as users write it: ``import zcollective``,
 ``initialize()``, one ``allreduce``, exit. Launched with ``zcollective-run``
 (the clock starts before the launcher does), by hand from Python (N ``subprocess.Popen`` in turn,
 with the ``ZCOLLECTIVE_*`` variables) or by hand from a shell (``bash``: N commands ending in
-``&``). Reported, median of ``--runs``:
+``&``); ``--launch fork`` measures a prototype of what no launcher does yet: one interpreter
+imports zcollective, then forks the N ranks, each running this script as ``__main__``.
+Reported, median of ``--runs``:
 
 - ready: wall time from the launch until every rank has returned from ``initialize``;
 - last in: until the last rank called ``initialize``; join: from then until the last returned;
@@ -68,6 +70,25 @@ from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUN_TIMEOUT_S = 300
+ZYGOTE = """
+import os, runpy, sys, traceback
+import zcollective  # once, before the ranks are forked
+n, script, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+for rank in range(n):
+    if os.fork() == 0:
+        os.environ["ZCOLLECTIVE_REPLICA_RANK"] = str(rank)
+        sys.argv = [script, "--worker", out_dir]
+        code = 1
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code or 0
+        except BaseException:
+            traceback.print_exc()
+        os._exit(code)
+failed = [os.wait()[1] for _ in range(n)]
+sys.exit(1 if any(failed) else 0)
+"""  # (no launcher does this: a measure of what one would gain; see issue 35's report)
 
 
 def environment(tree: str, bytecode: str, cache: str) -> dict[str, str]:
@@ -101,6 +122,10 @@ def launch(how: str, n: int, env: dict[str, str], out_dir: str) -> float:
         port = s.getsockname()[1]
     at = {"ZCOLLECTIVE_MASTER_ADDR": "127.0.0.1", "ZCOLLECTIVE_MASTER_PORT": str(port),
           "ZCOLLECTIVE_NUM_REPLICAS": str(n)}
+    if how == "fork":  # a prototype of a zygote: one interpreter imports zcollective, then forks
+        zygote = [sys.executable, "-c", ZYGOTE, str(n), os.path.abspath(__file__), out_dir]
+        subprocess.run(zygote, env={**env, **at}, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
+        return began
     if how == "shell":  # a shell does not wait for each command's exec, as Popen does
         each = shlex.join([sys.executable, *me])
         script = f"for r in $(seq 0 {n - 1}); do ZCOLLECTIVE_REPLICA_RANK=$r {each} & done; wait"
@@ -146,7 +171,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,16,32,64")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--launch", default="run,hand,shell",
-                        help="run (zcollective-run), hand (Popen), shell (bash), comma-separated")
+                        help="run (zcollective-run), hand (Popen), shell (bash), fork (a prototype: "
+                             "ranks forked from one interpreter that imported zcollective), comma-separated")
     parser.add_argument("--bytecode", default="source", choices=["source", "cached"])
     parser.add_argument("--out", default=os.path.join(HERE, "results", "join.json"))
     args = parser.parse_args()
@@ -166,7 +192,8 @@ def main() -> None:
     lines = ["| N | launch | ready | last in | join | initialize: rank 0 / slowest "
              "| CPU per process: start-up / import / initialize (rank 0) |",
              "|---|---|---|---|---|---|---|"]
-    names = {"run": "zcollective-run", "hand": "by hand (Popen)", "shell": "by hand (bash &)"}
+    names = {"run": "zcollective-run", "hand": "by hand (Popen)", "shell": "by hand (bash &)",
+             "fork": "forked (prototype)"}
     lines += [f"| {r['n']} | {names[r['launch']]} "
               f"| {r['ready_s']:.2f} s | {r['last_in_s']:.2f} s | {r['join_s'] * 1e3:.0f} ms "
               f"| {r['init_rank0_s']:.2f} / {r['init_slowest_s']:.2f} s "
