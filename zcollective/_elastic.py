@@ -47,8 +47,6 @@ MIN_FORM_PORT = 1024  # past the top, form ports wrap to here (below: ports only
 
 def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> Lifecycle:
     """The survivors' next group (see the module's steps); ``life`` is closed."""
-    from ._protocol._coordinator import Forming  # (as in _lifecycle: the coordinator's, loaded when needed)
-
     member, config = life.member, life.config
     old_rank, old_size = config.rank, config.num_replicas
     failure = member.failure
@@ -107,6 +105,8 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
             # a lower candidate not seen to die may come: it could not host (too late, or its
             # port another program's), and is not to be left out for that
             expected = frozenset(r for r in candidates if r not in dead)
+            from ._protocol._coordinator import Forming  # (loaded by a host only, as in _lifecycle)
+
             forming = Forming(lineage, expected, old_size, frozenset(dead), majority, host=old_rank)
             try:
                 return Lifecycle(at(candidate), Form(lineage, forming))
@@ -171,13 +171,13 @@ class Agreement(NamedTuple):
 def regroup(life: Lifecycle, newcomers: int) -> Lifecycle:
     """A grow() admitted ``newcomers``: this group closes, and its members
     and the newcomers form the next one where it was (rule 9), rank 0 hosting."""
-    from ._protocol._coordinator import Forming  # (as in _lifecycle: the coordinator's, loaded when needed)
-
     config, member = life.config, life.member
     lineage, size = f"{member.session:x}", config.num_replicas + newcomers
     life.close_to_form(quick=False)
     where = dataclasses.replace(config, num_replicas=size)
     if config.rank == 0:
+        from ._protocol._coordinator import Forming  # (loaded by a host only, as in _lifecycle)
+
         forming = Forming(lineage, frozenset(range(size)), size, voters=config.num_replicas)
         try:
             return Lifecycle(where, Form(lineage, forming))
