@@ -18,7 +18,6 @@ from ._forming import Form, Overslept, Unreachable
 from ._io import _stops
 from ._lifecycle import Lifecycle
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
-from ._protocol._coordinator import Forming
 from ._protocol._member import fresh, lost_rank_0
 from .config import Config
 from .errors import (
@@ -106,6 +105,8 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
             # a lower candidate not seen to die may come: it could not host (too late, or its
             # port another program's), and is not to be left out for that
             expected = frozenset(r for r in candidates if r not in dead)
+            from ._protocol._coordinator import Forming  # (loaded by a host only, as in _lifecycle)
+
             forming = Forming(lineage, expected, old_size, frozenset(dead), majority, host=old_rank)
             try:
                 return Lifecycle(at(candidate), Form(lineage, forming))
@@ -175,6 +176,8 @@ def regroup(life: Lifecycle, newcomers: int) -> Lifecycle:
     life.close_to_form(quick=False)
     where = dataclasses.replace(config, num_replicas=size)
     if config.rank == 0:
+        from ._protocol._coordinator import Forming  # (loaded by a host only, as in _lifecycle)
+
         forming = Forming(lineage, frozenset(range(size)), size, voters=config.num_replicas)
         try:
             return Lifecycle(where, Form(lineage, forming))

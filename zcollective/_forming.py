@@ -4,11 +4,13 @@ rules are the coordinator's rule 9; the steps are :mod:`zcollective._elastic`)."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ._limits import FORM_REACH_S, FORM_WAIT_S
-from ._protocol._coordinator import Forming
 from .errors import CollectiveError
+
+if TYPE_CHECKING:
+    from ._protocol._coordinator import Forming
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import zmq
 
@@ -29,16 +29,18 @@ from ._io._dealer import DealerDriver
 from ._io._driver import DirectDriver, Driver, HostDriver
 from ._io._interrupts import NUDGE
 from ._io._mailbox import MailSockets
-from ._io._server import Server
 from ._io._shared import SharedPlane
 from ._io._turns import Turns
 from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, HOST_WINDOW_S, STATUS_WAIT_S
-from ._protocol._coordinator import Coordinator
 from ._protocol._member import Member
 from ._protocol._ops import Here
 from ._protocol._stats import calls_log
 from .config import Config
 from .errors import AddressError, CollectiveError, CollectiveTimeoutError, ForkedProcessError
+
+if TYPE_CHECKING:  # (rank 0's only, imported when it serves: the other ranks never load them)
+    from ._io._server import Server
+    from ._protocol._coordinator import Coordinator
 
 log = logging.getLogger("zcollective")
 
@@ -148,6 +150,8 @@ class Lifecycle:
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self.ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
+            from ._io._server import Server
+
             self.server = Server(self.ctx, config, form.forming if form is not None else None, self.turns)
             try:
                 self.server.start()
@@ -183,6 +187,8 @@ class Lifecycle:
 
     def _direct(self, signer: Optional[Signer]) -> Driver:
         """A group of one: its member calls the coordinator in-process, no socket."""
+        from ._protocol._coordinator import Coordinator
+
         session = int.from_bytes(os.urandom(8), "little") | 1
         return DirectDriver(self.member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
                                                     user_code=_interrupts.user_code, job=self.config.job))

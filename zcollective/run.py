@@ -26,8 +26,9 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import IO, Any, Callable, NamedTuple, Optional
+from typing import IO, Any, Callable, NamedTuple, NoReturn, Optional
 
 from . import __version__
 from ._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV
@@ -42,6 +43,8 @@ POLL_S = 0.05  # how often the launcher looks at its replicas: a stop is late by
 READ_BYTES = 1 << 16  # the groups file is read in chunks of this size
 MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
 STOP_NEWCOMER_S = 5.0  # a newcomer killed to start it again at a moved coordinator ends within this
+SPAWN_THREADS = 16  # replicas started at once: starting one waits until it runs (its exec), which on
+# busy cores waits its turn behind those started already (64 in turn on 2 cores: 2-3 s; benchmarks/join.py)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -366,21 +369,50 @@ class Launcher:
         if ns.script.endswith(".py"):
             self.command = [sys.executable, *self.command]
         self.lock = threading.Lock()
-        for local in range(ns.nproc_per_node):
-            rank = ns.node_rank * ns.nproc_per_node + local
-            self.spawn(rank, local, self.env_for(rank, local, port, size))
+        ranks = [(ns.node_rank * ns.nproc_per_node + local, local) for local in range(ns.nproc_per_node)]
+        self.spawn_all([(rank, local, self.env_for(rank, local, port, size)) for rank, local in ranks])
         if self.elastic:
             self.tell_newcomers(f"{ns.master_addr or DEFAULT_MASTER_ADDR}:{port}")
 
     def spawn(self, slot: int, local_rank: int, env: dict[str, str], newcomer: int = 0) -> None:
         """Start a process in ``slot``, its output pumped."""
         try:
-            proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = self.popen(env)
         except OSError as exc:
-            self.message(f"cannot start {self.command[0]!r}: {exc.strerror}")
-            self.stop(signal.SIGTERM)
-            raise SystemExit(127) from None
+            self.cannot_start(exc)
+        self.adopt(slot, local_rank, env, proc, newcomer)
+
+    def spawn_all(self, slots: list[tuple[int, int, dict[str, str]]]) -> None:
+        """Start a process in each ``(slot, local_rank, env)``, :data:`SPAWN_THREADS` at a time;
+        interrupted, those started are the launcher's to stop, and no more start."""
+        def start(slot: int, local_rank: int, env: dict[str, str]) -> None:
+            self.adopt(slot, local_rank, env, self.popen(env))  # (adopted in the thread: never lost)
+
+        pool = ThreadPoolExecutor(min(SPAWN_THREADS, len(slots)), thread_name_prefix="spawn")
+        try:
+            starts = [pool.submit(start, *slot) for slot in slots]
+            wait(starts)
+        finally:
+            pool.shutdown(cancel_futures=True)  # (waits for the starts under way)
+            self.replicas.sort(key=lambda replica: replica.slot)
+        for failure in (s.exception() for s in starts):
+            if isinstance(failure, OSError):
+                self.cannot_start(failure)
+            if failure is not None:
+                raise failure
+
+    def popen(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def cannot_start(self, exc: OSError) -> NoReturn:
+        self.message(f"cannot start {self.command[0]!r}: {exc.strerror}")
+        self.stop(signal.SIGTERM)
+        raise SystemExit(127) from None
+
+    def adopt(self, slot: int, local_rank: int, env: dict[str, str], proc: subprocess.Popen[bytes],
+              newcomer: int = 0) -> None:
+        """``proc`` started in ``slot``: pump its output."""
         self.groups.forget(proc.pid)
         replica = Replica(slot, local_rank, proc, newcomer,
                           at=f"{env.get('ZCOLLECTIVE_MASTER_ADDR')}:{env.get('ZCOLLECTIVE_MASTER_PORT')}")

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
 from .._limits import POLL_SLICE_S, STATUS_WAIT_S
-from .._protocol._coordinator import RANK0_PEER, Coordinator
 from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import Outcome
@@ -23,6 +22,7 @@ from ._interrupts import NUDGE, Waiter
 from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
 if TYPE_CHECKING:
+    from .._protocol._coordinator import Coordinator
     from ._dataplane import DataPlane
     from ._mailbox import MailSockets
     from ._server import Server
@@ -442,14 +442,17 @@ class DirectDriver(Driver):
     """A group of one: the coordinator runs in the caller's thread."""
 
     def __init__(self, member: Member, coordinator: Coordinator) -> None:
+        from .._protocol._coordinator import RANK0_PEER  # (loaded: the coordinator's module)
+
         super().__init__(member)
         self.coordinator = coordinator
+        self._peer = RANK0_PEER
         self._inbox: deque[Message] = deque()
         member.connected = True
 
     def _send(self, msg: Message) -> None:
         at = self.coordinator
-        self._inbox.extend(out for _, out in applied(at.receive_message(RANK0_PEER, msg), at))
+        self._inbox.extend(out for _, out in applied(at.receive_message(self._peer, msg), at))
         if at.interrupted is not None:  # in the reduce function: its error is queued
             interrupted, at.interrupted = at.interrupted, None
             raise interrupted

@@ -34,7 +34,8 @@ _send = zmq.backend.Socket.send  # the Cython methods: pyzmq's multipart sugar c
 _recv = zmq.backend.Socket.recv
 
 RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
-RECONNECT_IVL_MAX_MS = 2000  # back off to this, so a missing master is not hammered
+RECONNECT_IVL_MAX_MS = 200  # back off to this: a missing master is not hammered (5 tries a second
+# per replica), and replicas waiting for a late rank 0 (busy cores) join within this once it binds
 FORM_RECONNECT_IVL_MS = 10  # a survivor reaching the host of a formed group: it binds within
 FORM_RECONNECT_IVL_MAX_MS = 100  # milliseconds of the loss, and every one counts (issue 23)
 BIND_RETRY_STEP_S = 0.005  # a port held by a process that is being killed: tried again this often
