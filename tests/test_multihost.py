@@ -241,3 +241,28 @@ def test_split_by_host_across_namespaced_hosts():
         assert members == [2 * (r // 2), 2 * (r // 2) + 1] and total == 6
         assert leaders == ([0, 2] if r % 2 == 0 else None)  # one rank per host
         assert array == (2.0 if r % 2 == 0 else 4.0) and data, report(outs, f"rank {r}")
+
+
+NO_ROUTE = """
+import time, zcollective as zc
+start = time.monotonic()
+try:
+    zc.initialize("10.9.9.9", 29999, 1, 2, timeout=20)  # no route from this host to it
+    print("no error")
+except zc.CollectiveError as exc:
+    print(type(exc).__name__, exc)
+print(f"took {time.monotonic() - start:.2f}")
+"""
+
+
+def test_a_replica_with_no_route_to_the_master_is_told_so_at_once_never_hangs():
+    """A host whose network is down (here: no route to the master's address): the replica's
+    ports cannot be opened on the interface that reaches the master. It used to leave its
+    master connection open and wait forever in ZeroMQ's term() (the cut-off side of a
+    partition hung the same way in shrink())."""
+    with hosts_or_skip(1) as hosts:
+        ran = hosts.run(0, sys.executable, "-c", NO_ROUTE, timeout=30, check=False)
+    out = ran.stdout.decode()
+    assert ran.returncode == 0, out + ran.stderr.decode()
+    assert out.startswith("AddressError rank 1 cannot reach the master address 10.9.9.9 from this host"), out
+    assert float(out.split("took ")[1]) < 5, out

@@ -124,8 +124,9 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
             return Lifecycle(at(candidate), Form(lineage, reach_s=reach_s))
         except LeftOutError:
             raise
-        except (Unreachable, LateJoinError, AuthenticationError, ProtocolError) as exc:
-            # lost too, or another program's port (another group's, a stranger's)
+        except (Unreachable, LateJoinError, AuthenticationError, ProtocolError, AddressError) as exc:
+            # lost too, or another program's port (another group's, a stranger's), or no route
+            # from here to it (this host cut off: its ports cannot be opened towards it)
             if candidate == 0 and getattr(exc, "refused", False):
                 dead.add(candidate)  # nobody listens where its coordinator did: its process is gone
                 # (another would-be host listens only once it hosts: its refusal says nothing)

@@ -173,17 +173,28 @@ class Lifecycle:
             link.sleepers = sleeping
         if config.join:  # (a newcomer waiting: no data plane until it is a member)
             return link
+        try:
+            self._bind_ports(link)
+        except BaseException:  # (no route to the master, say): the link is not ours yet to close,
+            link.close()  # and a socket left open makes the context's term() wait forever
+            raise
+        return link
+
+    def _bind_ports(self, link: Driver) -> None:
+        """Bind the mailbox's port and the data plane's, on the interface that reaches the
+        master, before the JOIN, which names them."""
+        config, member, ctx = self.config, self.member, self.ctx
+        assert ctx is not None
         gate = self.server.gatekeeper if self.server is not None else None  # the context's one
-        self.mail = MailSockets(self.ctx, config, gate)  # bound before the JOIN, which names it
+        self.mail = MailSockets(ctx, config, gate)
         member.mail_endpoint, member.mail_window = self.mail.endpoint, config.mail_window_bytes
         if config.shared_memory_min_bytes is not None and _shared.available():
             member.shm_offer = (config.shared_memory_min_bytes, _shared.room())
         if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
-            # bound before the JOIN, which announces it (a master on loopback: one host, no use)
-            self.data = DataPlane(self.ctx, config, self.mail.gatekeeper)
+            # (a master on loopback: one host, no use)
+            self.data = DataPlane(ctx, config, self.mail.gatekeeper)
             member.data_endpoint, member.data_min_bytes = self.data.endpoint, config.data_plane_min_bytes
             member.data_mode = config.data_plane
-        return link
 
     def _direct(self, signer: Optional[Signer]) -> Driver:
         """A group of one: its member calls the coordinator in-process, no socket."""

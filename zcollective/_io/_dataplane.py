@@ -21,7 +21,7 @@ from .._limits import CHUNK_BYTES, HANDSHAKE_MIN_MS, POLL_SLICE_S
 from .._protocol import _chunks, _tokens
 from .._protocol._ring import HOSTS, RING, Transfer
 from ..config import Config
-from ..errors import CollectiveTimeoutError, PeerError, ReplicaLostError
+from ..errors import AddressError, CollectiveTimeoutError, PeerError, ReplicaLostError
 from . import _sockets, _zap
 from ._interrupts import DEADLINE, Waiter
 
@@ -63,11 +63,15 @@ class _Out:
 def local_address(config: Config) -> str:
     """The address of the interface this host uses to reach the master (no
     packet is sent: a UDP socket is only connected, which picks a route)."""
-    infos = socket.getaddrinfo(config.master_addr, config.master_port or 1, type=socket.SOCK_DGRAM)
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)
-        host = probe.getsockname()[0]
+    try:
+        infos = socket.getaddrinfo(config.master_addr, config.master_port or 1, type=socket.SOCK_DGRAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            host = probe.getsockname()[0]
+    except OSError as exc:  # (no route: an interface down, a cable pulled; a name unknown)
+        raise AddressError(f"rank {config.rank} cannot reach the master address {config.master_addr} "
+                           f"from this host, to open its ports on the interface that does: {exc}") from exc
     return f"[{host}]" if ":" in host else host
 
 
