@@ -240,7 +240,7 @@ class SharedPlane:
                 continue
             try:
                 if step == _shm.RING:
-                    transfer = job.ring()  # type: ignore[attr-defined]
+                    transfer = job.ring()
                     if not ring(transfer):
                         return False
                     if not transfer.done:  # (the call failed meanwhile)

@@ -70,8 +70,8 @@ class ChunkRules:
         self.rank = rank
         self.size = size
         self.prev = (rank - 1) % size
-        self.origins = {self.prev}  # whose reduce-scatter chunks it takes
-        self.senders: dict[str, int] = {RING: self.prev}  # ... in a job by each link (Transfer.via)
+        self.senders: dict[str, int] = {RING: self.prev}  # whose reduce-scatter chunks a job by each
+        # link takes (Transfer.via)
         self.session = 0  # the group's, once welcomed (see :meth:`start`)
         self.mac: Optional[ChunkMac] = None  # with a secret, the group's
 
@@ -84,7 +84,11 @@ class ChunkRules:
         self.session, self.mac = session, mac
         self.rank, self.size, self.prev = rank, size, (rank - 1) % size
         self.senders = {RING: self.prev, **(senders or {})}
-        self.origins = set(self.senders.values())
+
+    @property
+    def origins(self) -> set[int]:
+        """The ranks whose reduce-scatter chunks this port takes (by any link)."""
+        return set(self.senders.values())
 
     def header(self, kind: int, seq: int, step: int, index: int) -> bytes:
         """The header of a chunk this rank makes."""
@@ -109,8 +113,8 @@ class ChunkRules:
             verdict.reason = ORIGIN
             verdict.why = (f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
                            f"{self.rank}'s data port")
-        elif chunk_seq == seq and kind == RS and origin != self.senders.get(via, self.prev):
-            verdict.reason = ORIGIN
+        elif kind == RS and chunk_seq == seq and origin != self.senders.get(via, self.prev):
+            verdict.reason = ORIGIN  # (a rank whose link another call goes by)
             verdict.why = (f"dropped a reduce-scatter chunk claiming rank {origin} on rank "
                            f"{self.rank}'s data port, in a call whose chunks come from rank "
                            f"{self.senders.get(via, self.prev)}")

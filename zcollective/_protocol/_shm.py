@@ -162,6 +162,10 @@ class SharedJob:
         ``slots``: this call's set, one row of bytes per rank."""
         raise NotImplementedError
 
+    def ring(self) -> Transfer:
+        """The transfer of its :data:`RING` step (a job across hosts alone has one)."""
+        raise NotImplementedError
+
     def result(self) -> Any:
         raise NotImplementedError
 
