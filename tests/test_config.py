@@ -165,7 +165,7 @@ def test_every_signature_and_docstring_lists_the_settings():
             names = [*s.env, *launcher_variables(s.name)]
             assert all(f"``{env}``" in func.__doc__ for env in names), (func, s.name)
     assert _arguments(zc.initialize) == _arguments(resolve) == [s.name for s in ARGUMENTS]
-    assert [s.name for s in SETTINGS if not s.argument] == ["local_rank", "log", "data_plane",
+    assert [s.name for s in SETTINGS if not s.argument] == ["local_rank", "log", "data_plane", "tree",
                                                          "data_plane_min_bytes", "mail_window_bytes",
                                                          "stacks"]  # never passed
 

@@ -460,7 +460,8 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
                     "nonce": "ab" * 16,
                     "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
                     "data_mode": "on", "macs": _mac.available_backends(), "lineage": None,
-                    "newcomer": False, "job": None, "mail": None, "shm": None}
+                    "newcomer": False, "job": None, "mail": None, "shm": None, "cores": info["cores"]}
+    assert info["cores"] >= 1
     assert _bodies.challenge_of(msg) == "c" * 32
     mailing = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto", mail="tcp://10.0.0.3:4001")
     assert _bodies.parse_join(_through_the_wire(mailing))["mail"] == "tcp://10.0.0.3:4001"

@@ -129,7 +129,7 @@ class Calls:
                 segments, fn = part.build()
                 future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
                 member.submit(op, part.root, segments, fn, site, part.flags, future, part.finish,
-                              part.transfer)
+                              part.transfer, part.reduce)
             except Exception:
                 member.unreserve()
                 raise

@@ -87,6 +87,7 @@ class Lifecycle:
         self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
         self.member.job = config.job
+        self.member.user_code = _interrupts.user_code  # (an interior rank of the tree reduces there)
         if form is not None:
             self.member.lineage = form.lineage
         self.member.newcomer = config.join

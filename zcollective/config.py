@@ -48,6 +48,9 @@ SECRET_FILE_ENV = "ZCOLLECTIVE_SECRET_FILE"
 DEFAULT_DATA_PLANE = "auto"  # large arrays peer to peer when the group spans hosts (on one host of
 # 2 cores the star was faster at N = 4 and 8: benchmarks/README.md); "on": also on one host; "off": never
 DATA_PLANE_CHOICES = ("auto", "on", "off")
+DEFAULT_TREE = "auto"  # small calls climb a tree from 16 replicas: rank 0's cost per call stops growing
+# with the group (benchmarks/README.md); below, the star is as fast here and folds exactly in rank order
+TREE_CHOICES = ("auto", "on", "off")
 DEFAULT_DATA_PLANE_MIN_BYTES = 1 << 20  # below this an array keeps the star (benchmarks/README.md)
 DEFAULT_SHARED_MEMORY_MIN_BYTES = 1 << 14  # from here values on one host go through shared memory
 # (at 4-8 KiB the star's one message was as fast, at 16 KiB 10-30% slower: benchmarks/README.md)
@@ -87,6 +90,7 @@ class Config:
     local_rank: Optional[int] = None  # this replica's index on its host; None: nobody said
     log: Optional[str] = None  # "calls": one line per call on the logger zcollective.calls
     data_plane: str = DEFAULT_DATA_PLANE  # "auto": large arrays peer to peer; "off": star only
+    tree: str = DEFAULT_TREE  # "auto": small calls climb a tree in large groups; "off": the star only
     data_plane_min_bytes: int = DEFAULT_DATA_PLANE_MIN_BYTES  # smaller arrays keep the star
     shared_memory_min_bytes: Optional[int] = DEFAULT_SHARED_MEMORY_MIN_BYTES  # None: off
     mail_window_bytes: int = DEFAULT_MAIL_WINDOW_BYTES  # point to point: see the Setting
@@ -396,6 +400,14 @@ SETTINGS: tuple[Setting, ...] = (
                 "reduced elementwise, and large broadcasts, travel between replicas directly (a "
                 "ring, a chain); ``on``: also when they share one host; ``off``: every byte goes "
                 "through rank 0. Rank 0's setting decides for the group."),
+    Setting("tree", "Optional[str]", DEFAULT_TREE, str, check=_one_of(TREE_CHOICES),
+            argument=False, env=("ZCOLLECTIVE_TREE",),
+            doc="``auto``: from 16 replicas, every call's part climbs a tree of ranks (4 "
+                "children each) to rank 0, and an allreduce, broadcast or barrier is combined on "
+                "the way and its result comes down the same tree, so rank 0's work per call stops "
+                "growing with the group (an allreduce's function must then be associative); "
+                "``on``: from 3 replicas; ``off``: every part goes to rank 0, which folds "
+                "strictly left to right. Rank 0's setting decides for the group."),
     Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, _integer,
             check=_at_least(0), argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
             doc="Arrays (and broadcast values) smaller than this many bytes keep the star "

@@ -40,6 +40,8 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
     waits to be admitted to a running group; ``job``: its job's name, if it has one."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
+                            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                            else os.cpu_count() or 1,
                             "nonce": nonce, "ops": ops}
     if challenge is not None:
         body["challenge"] = challenge
@@ -85,7 +87,8 @@ def parse_join(msg: Message) -> dict[str, Any]:
             "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,
             "data_mode": "on" if body.get("data_mode") == "on" else "auto", "mail": mail,
             "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else (),
-            "shm": _shm_offer(shm)}
+            "shm": _shm_offer(shm),
+            "cores": body["cores"] if type(body.get("cores")) is int and body["cores"] > 0 else 1}
 
 
 def _shm_offer(body: Any) -> Optional[tuple[int, int]]:
@@ -116,11 +119,12 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
             data: Optional[list[str]], data_min: int, data_key: Optional[str],
             addresses: Optional[list[str]] = None, renumber: Optional[dict[str, Any]] = None,
             admitted: Optional[dict[str, Any]] = None, mail: Optional[list[str]] = None,
-            shm: Optional[dict[str, Any]] = None, **header: Any) -> Message:
+            shm: Optional[dict[str, Any]] = None, tree: Optional[int] = None, **header: Any) -> Message:
     """WELCOME: the JOIN it answers, how the group frames and signs, its data ports,
     every rank's address as rank 0 sees it, and, in a group formed from an earlier
     one, ``renumber``: this member's new ``rank`` and every new rank's ``old`` one; ``shm``:
-    shared memory on each host, as :func:`shared_plan` makes it."""
+    shared memory on each host, as :func:`shared_plan` makes it; ``tree``: small calls climb
+    a tree of this fan-out."""
     body: dict[str, Any] = {"num_replicas": num_replicas, "nonce": nonce, "parts": parts, "mac": mac}
     if data is not None:
         body.update(data=data, data_min=data_min, data_key=data_key)
@@ -134,6 +138,8 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
         body["admitted"] = admitted
     if shm is not None:
         body["shm"] = shm
+    if tree is not None:
+        body["tree"] = tree
     return control(Kind.WELCOME, body, **header)
 
 
@@ -194,7 +200,11 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
             "data_min": least if whole else 0, "data_key": key if whole else None,
             "renumber": renumber, "addresses": addresses, "admitted": admitted,
             "mail": mail if mail_whole else None, "mail_key": key if mail_whole else None,
-            "shm": parse_shared(body.get("shm"), num_replicas)}
+            "shm": parse_shared(body.get("shm"), num_replicas), "tree": _fanout(body.get("tree"))}
+
+
+def _fanout(tree: Any) -> Optional[int]:
+    return tree if type(tree) is int and 2 <= tree <= 64 else None
 
 
 def is_data_key(key: Any) -> bool:
@@ -237,6 +247,12 @@ def parse_error(msg: Message) -> tuple[Exception, bool]:
         if isinstance(ranks, list) and all(type(r) is int for r in ranks[:4096]):
             setattr(error, attr, tuple(ranks[:4096]))
     return error, body.get("ended") is True
+
+
+def complete_of(msg: Message) -> int:
+    """A FAIL's calls before this seq completed, their results on their way (0: none said)."""
+    complete = msg.body().get("complete")
+    return complete if type(complete) is int and complete > 0 else 0
 
 
 MAX_ENDED_CHARS = 1000  # how a rank ended, as FINAL forwards it ("rank 2 (pid 7 on host) called teardown")

@@ -129,6 +129,8 @@ class DealerDriver(Driver):
             replies = member.receive(_sockets.recv_message(dealer))
             if replies:
                 self._answer(replies)
+            if member.relay is not None and member.mail is not None and member.mail.out:
+                self.mail_io(take=False)  # a result for the subtree goes down at once
             if until is not None and not member.calls and until() and not self.sleepers():
                 break
         return got

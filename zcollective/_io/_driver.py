@@ -70,7 +70,9 @@ class Driver:
         look at again, a refused link to make again."""
         if self._tracked:
             return time.monotonic() + TRACKER_POLL_S
-        return self.mail.next_retry() if self.mail is not None else None
+        retry = self.mail.next_retry() if self.mail is not None else None
+        due = self.member.tree_due()  # parts held go up as they came; a held FAIL takes effect
+        return due if retry is None else retry if due is None else min(due, retry)
 
     def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> None:
         """Point to point: take in what came to the mailbox (if ``take``;
@@ -83,6 +85,10 @@ class Driver:
         rules = member.mail
         if rules is None:
             return
+        if member.parent > 0:
+            member.tree_timer(time.monotonic())
+            if member.owed:  # (to rank 0, on its link)
+                self.flush()
         signer = member.signer
         if sockets is not None and take:
             mine = signer.to(member.rank) if signer is not None else None  # (this mailbox's key)
@@ -124,6 +130,8 @@ class Driver:
             self.mail_names = (MAIL, *links)
         if broken is not None or rules.gap is not None:
             self._fail_data(rules.link_broke(broken))
+        if member.owed and member.relay is not None:  # what climbed to here goes on to rank 0
+            self.flush()
 
     # -- to implement -----------------------------------------------------
 
@@ -164,11 +172,25 @@ class Driver:
     def flush(self) -> None:
         """Send what the member owes (rule 4 of :mod:`zcollective._protocol._member`):
         a contribution leaves the queue only once it was sent whole."""
-        owed = self.member.owed
+        member = self.member
+        owed, climbs = member.owed, member.parent > 0 or member.relay is not None
+        mailed = False
         while owed:
-            self._send(owed[0])
+            msg = owed[0]
+            if climbs and msg.kind is Kind.CONTRIB:  # up the tree (rule 11 of the member)
+                owed.popleft()
+                for dest, part in member.climb(msg):
+                    if dest == 0:
+                        self._send(part)
+                    elif member.mail is not None:
+                        member.mail.out.append((dest, part, None))
+                        mailed = True
+                continue
+            self._send(msg)
             if owed:  # a failure while sending empties it
                 owed.popleft()
+        if mailed:
+            self.mail_io(take=False)
 
     def join(self, timeout: Optional[float]) -> None:
         """Send JOIN and wait for every replica to have joined; raise

@@ -62,7 +62,7 @@ class Server:
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer, config.max_frame_bytes, _interrupts.user_code,
                                        forming, config.master_addr, config.liveness_timeout,
-                                       config.job, config.warn_after)
+                                       config.job, config.warn_after, tree=config.tree)
         self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
         self.port = config.master_port  # bound (0: the system chose, a sub-group's)
         self.mail_woke = 0  # a wait of the turn's holder ended for its member's mailbox (_mailbox.mail_woke)

@@ -44,7 +44,7 @@ from .._format._wire import (
 )
 from .._limits import EXIT_WAIT_S, LOCAL_PART_BYTES, MAX_STALL_WARNINGS, WIRE_PART_BYTES
 from ..errors import from_signal
-from . import _ops
+from . import _ops, _tree
 from ._ops import LABELS, OPERATIONS, OPS, SPOKEN, Disagree, Malformed, Op, Outgoing, describe_call, rank_list
 from ._stats import Lateness
 
@@ -56,6 +56,8 @@ MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while j
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
 MAX_SHARED_CALLS = 1024  # shared-memory calls whose syncs are taken: the latest planned (rule 13;
 # more in flight at once than this would lose the oldest ones' syncs)
+MAX_EARLY_GIVE_UPS = 1024  # give-ups that came before their rank's part climbed the tree (rule 14);
+# past this the oldest are forgotten (its call then completes on the others)
 MAX_SYNCS_WAITING = 4096  # syncs some but not all ranks of a host reached, at most (a member's
 # SYNCs for calls that never sync again would otherwise hold memory)
 MAX_REFUSAL_BYTES = 1000  # go unanswered; a REJECT's text is cut to this, so strangers can make
@@ -137,6 +139,7 @@ class Joined:
     mail: Optional[str] = None  # its mailbox's endpoint (point to point), if it has one
     shm: Optional[tuple[int, int]] = None  # it can use shared memory: (threshold, room on its host)
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
+    cores: int = 1  # the CPU cores its process may run on (the tree needs one a rank: rule 14)
     old_rank: Optional[int] = None  # in a group formed from an earlier one: its rank there
     heard: float = 0.0  # when (the coordinator's clock) its last message came (see Coordinator.lost)
     last: Optional[tuple[int, str, str, float]] = None  # its last call: seq, label, call site, when
@@ -191,6 +194,7 @@ class PendingCall:
     arrived: dict[int, float] = field(default_factory=dict)  # rank -> when (the coordinator's clock)
     abandoned: Optional[dict[str, Any]] = None  # a rank gave it up: the ERROR every rank gets
     warned: int = 0  # stall warnings said of it (rule 11)
+    spans: Optional[dict[int, int]] = None  # with a summary (rule 14): each part's first rank -> end
 
     def ranked(self) -> list[Message]:
         """Every rank's contribution, in rank order (once all came)."""
@@ -206,7 +210,7 @@ class Coordinator:
                  forming: Optional[Forming] = None, host_address: str = "?",
                  liveness_s: Optional[float] = None, job: Optional[str] = None,
                  warn_after: Optional[float] = None, clock: Callable[[], float] = time.monotonic,
-                 entropy: Callable[[int], bytes] = os.urandom) -> None:
+                 entropy: Callable[[int], bytes] = os.urandom, tree: str = "auto") -> None:
         self.clock = clock  # every time this object reads or keeps (a test passes a fake one)
         self.ending_since: Optional[float] = None  # rank 0's program said it was ending (rule 7)
         self.forming = forming
@@ -257,6 +261,11 @@ class Coordinator:
         self._syncing: dict[tuple[int, int, int], set[int]] = {}  # (seq, sync, host) -> the ranks
         # that reached it, until all did
         self.unanswered: set[bytes] = set()  # peers sent the last BYE that have not answered it
+        self.tree_mode = tree  # "auto", "on", "off": see _settle
+        self.tree: Optional[_tree.Shape] = None  # small calls climb it (rule 14), once settled
+        self._down: list[int] = []  # the ranks a result that comes down the tree is sent to
+        self._early: OrderedDict[tuple[int, int], tuple[str, str]] = OrderedDict()  # (seq, rank) ->
+        # its give-up, come before its part did (rule 14)
         self.held: dict[int, list[tuple[int, Outgoing]]] = {}  # rank -> (seq, BYE answer) held until that
         # rank says it has taken the data of every call through seq (rule 7)
 
@@ -306,6 +315,9 @@ class Coordinator:
         if (msg.kind is Kind.CONTRIB and member is not None and msg.rank == member.rank
                 and msg.session == self.session and self.phase is not Phase.FAILED):
             return self._on_contribution(member, msg, address)  # the common case: what follows, in one test
+        if (msg.kind is Kind.UP and member is not None and msg.session == self.session
+                and self.phase is not Phase.FAILED):
+            return self._on_up(member, msg, address)
         if msg.kind is Kind.JOIN and (member is None or msg.rank in (member.rank, member.old_rank)):
             # (a formed group's member repeats its JOIN, after a reconnect, under its old rank)
             return self._on_join(peer, msg, member, address)
@@ -379,6 +391,12 @@ class Coordinator:
                 error, f"seq {seq} {moving.label}: {member.describe()} gave it up ({said}) "
                        f"while its data moved {how}, so it failed on every rank that had not "
                        f"finished it (the group goes on)"))
+        if (self.tree is not None and seq >= self.next_seq[member.rank] and moving is None
+                and (call is None or call.abandoned is None)):  # its part still climbs the tree
+            self._early[(seq, member.rank)] = (error, said)
+            while len(self._early) > MAX_EARLY_GIVE_UPS:
+                self._early.popitem(last=False)
+            return []
         if call is None or call.abandoned is not None or member.rank not in call.contributions:
             return []  # complete: every rank was sent its result (the giver's is on its way)
         call.abandoned = error_body(error, f"seq {seq} {describe_call(call.op, call.root)}: "
@@ -770,6 +788,12 @@ class Coordinator:
         if all(ports) and (members[0].data_mode == "on" or not one_host):
             self._data_ports = cast("list[str]", ports)
         self._settle_shared(members)
+        n = self.num_replicas
+        wanted = self.tree_mode == "on" or (self.tree_mode == "auto" and n >= _tree.TREE_MIN_RANKS
+                                            and not _oversubscribed(members))
+        if wanted and n > 2 and all(m.mail for m in members):  # (the tree's links are the mailboxes')
+            self.tree = _tree.shape(n)
+            self._down = [0, *self.tree.children[0]]
 
     def _settle_shared(self, members: list[Joined]) -> None:
         """Rule 12: which ranks share a host's segment. A host is told by the address rank 0
@@ -814,7 +838,7 @@ class Coordinator:
         return _bodies.welcome(self.num_replicas, member.nonce, self.part_bytes, self.mac, self._data_ports,
                                self.by_rank[0].data_min, self._data_key, addresses, renumber, rank=rank,
                                session=self.session, mail=cast("list[str]", mail) if all(mail) else None,
-                               shm=self._shared)
+                               shm=self._shared, tree=_tree.TREE_FANOUT if self.tree is not None else None)
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Outgoing]]:
         """With a secret, a JOIN is fresh only if it echoes the challenge this
@@ -878,18 +902,30 @@ class Coordinator:
         call.contributions[rank] = msg
         call.arrived[rank] = self.clock()
         member.last = (seq, LABELS[op], msg.callsite, call.arrived[rank])
+        return self._counted(seq, call, msg, rank, rank + 1)
+
+    def _counted(self, seq: int, call: PendingCall, msg: Message, lo: int, end: int) -> _ops.Step:
+        """Ranks ``lo`` .. ``end`` - 1 contributed ``msg`` to call ``seq``: a mismatch, a give-up,
+        nothing yet, or the call is complete."""
         if msg.op != call.op or msg.root != call.root:
             return self.fail("CallMismatchError", self._mismatch(seq, call), seq=seq)
-        if call.abandoned is not None:  # given up by a rank: this one hears so, as the others did
+        early = self._gave_up_early(seq, lo, end) if self._early else []
+        if call.abandoned is not None:  # given up by a rank: these hear so, as the others did
             if len(call.contributions) == self.num_replicas:
                 del self.pending[seq]
-            return self._error_all(seq, call.op, call.abandoned, [rank]) + self._check_endings()
+            told = [] if early else self._error_all(seq, call.op, call.abandoned, list(range(lo, end)))
+            return early + told + self._check_endings()
         if len(call.contributions) < self.num_replicas:
             return self._check_endings() if self._ended else []
         del self.pending[seq]
         self.lateness.record(call.arrived)
         if call.warned:
-            self._stall_ended(seq, call, rank)
+            self._stall_ended(seq, call, lo)
+        if call.spans is not None:
+            climbed = self._climbed(seq, call)
+            if climbed and isinstance(climbed[0], _ops.Combine):  # (handed back: combined())
+                return climbed
+            return self._then(call, cast("list[Outgoing]", climbed))
         contributions = call.ranked()
         out = self._problem(seq, call, contributions)
         if out is None:
@@ -899,6 +935,87 @@ class Coordinator:
                 return [operation.combine(seq, contributions, call.root)]
             out = self._results(seq, call, operation.route(self, contributions, call.root))
         return self._then(call, out)
+
+    # -- the tree (rule 14) -------------------------------------------------
+
+    def _on_up(self, member: Joined, msg: Message, address: str) -> _ops.Step:
+        """A part of a call that climbed the tree to ``member``, rank 0's child: one
+        rank's contribution, or a summary of ranks of its subtree."""
+        tree = self.tree
+        try:
+            lo, end = _tree.span(msg)
+        except ValueError as exc:
+            self._warn(address, "malformed", f"dropped an UP from {member.describe()}: {exc}")
+            return []
+        if tree is None or not member.rank <= lo < end <= tree.end[member.rank]:
+            self._warn(address, "forged", f"dropped an UP of ranks {lo}..{end - 1} from {member.describe()}, "
+                       f"whose subtree they are not")
+            return []
+        if not msg.flags & _tree.FLAG_RANGE:
+            own = dataclasses.replace(msg, kind=Kind.CONTRIB)
+            return self._on_contribution(self.by_rank[lo], own, address)
+        seq, op = msg.seq, OPS.get(msg.op)
+        if self.phase is not Phase.RUNNING or op is None or self.next_seq[lo:end] != [seq] * (end - lo):
+            self._warn(address, "seq", f"dropped a summary of seq {seq} of ranks {lo}..{end - 1} "
+                       f"from {member.describe()}: out of order (a replay or a forgery)")
+            return []
+        next_seq, now, label = self.next_seq, self.clock(), LABELS[op]
+        call = self.pending.get(seq)
+        if call is None:
+            call = self.pending[seq] = PendingCall(op, msg.root)
+        if call.spans is None:
+            call.spans = {}
+        call.spans[lo] = end
+        contributions, arrived, last = call.contributions, call.arrived, (seq, label, msg.callsite, now)
+        for rank in range(lo, end):
+            next_seq[rank] = seq + 1
+            contributions[rank] = msg
+            arrived[rank] = now
+            self.by_rank[rank].last = last
+        return self._counted(seq, call, msg, lo, end)
+
+    def _parts(self, call: PendingCall) -> list[tuple[int, Message]]:
+        """A call's parts as they came, by first rank: summaries once each."""
+        spans, contributions, out, rank = call.spans or {}, call.contributions, [], 0
+        while rank < self.num_replicas:
+            out.append((rank, contributions[rank]))
+            rank = spans.get(rank, rank + 1)
+        return out
+
+    def _climbed(self, seq: int, call: PendingCall) -> _ops.Step:
+        """A complete call some of whose parts are summaries: checked as the star's
+        (each rank of a summary as having sent a well-formed part), then reduced over
+        its parts in rank order, or routed."""
+        op, root = call.op, call.root
+        stand_ins = [c if not c.flags & _tree.FLAG_RANGE else dataclasses.replace(
+            c, rank=r, flags=0, segments=self._stand_in(op, root, r, c)) for r, c in enumerate(call.ranked())]
+        out = self._problem(seq, call, stand_ins)
+        if out is not None:
+            return out
+        parts = [_tree.parts(c) for _, c in self._parts(call)]
+        if op == Op.ALLREDUCE:
+            self.combining[seq], self.reducing = call, (seq, op, self.clock())
+            return [_ops.Combine(seq, op, 0, 1, call.contributions[0].fn, tuple(parts))]
+        value = next((p for p in parts if p), []) if op == Op.BROADCAST else []
+        return self._results(seq, call, [value] * self.num_replicas)
+
+    @staticmethod
+    def _stand_in(op: int, root: int, rank: int, summary: Message) -> list[list[Any]]:
+        """What rank ``rank`` of ``summary`` sent, as far as the checks look."""
+        if op == Op.ALLREDUCE:
+            return [[b""]]
+        if op == Op.BROADCAST and rank == root:
+            return _tree.parts(summary)
+        return []
+
+    def _gave_up_early(self, seq: int, lo: int, end: int) -> list[Outgoing]:
+        """Give-ups of ranks ``lo`` .. ``end`` - 1 that came before their parts."""
+        out: list[Outgoing] = []
+        for rank in range(lo, end):
+            early = self._early.pop((seq, rank), None)
+            if early is not None and not out:
+                out = self._abandon(self.by_rank[rank], seq, *early)
+        return out
 
     def _then(self, call: PendingCall, out: list[Outgoing]) -> list[Outgoing]:
         """``out``, a completed call's answer, then: a teardown closes the group; an ended rank fails it."""
@@ -1004,8 +1121,11 @@ class Coordinator:
 
     def _fail_ended(self, member: Joined, context: str, level: int = logging.ERROR) -> list[Outgoing]:
         gone = {m.rank for m in self._ended}
+        extra: dict[str, Any] = {}
+        if self.tree is not None:  # the results of calls before this one may still come down the tree
+            extra["complete"] = min([*self.pending, *self.combining, max(self.next_seq)])
         return self.fail("ReplicaLostError", f"{member.describe_end()}; {context}",
-                         lost=[member.rank], ended=True, exclude=gone, level=level)
+                         lost=[member.rank], ended=True, exclude=gone, level=level, **extra)
 
     def start_ending(self) -> None:
         """Rule 7: rank 0's program is ending; its last calls get
@@ -1082,7 +1202,12 @@ class Coordinator:
                  flags: int = 0) -> list[Outgoing]:
         """Call ``seq``'s RESULTs: a header of its own for each rank; ranks
         given one payload share its frames, which the driver hashes once."""
-        outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(
+        if self.tree is not None and _tree.goes_down(call.op, flags):  # the rest from their parents
+            outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(
+                Kind.RESULT, call.op, rank, call.root, seq, self.session, flags=flags, segments=routes[rank]))
+                for rank in self._down]
+            return outs + OPERATIONS[call.op].completed(self, seq)
+        outs = [(self.by_rank[rank].peer, Message(
             Kind.RESULT, call.op, rank, call.root, seq, self.session, flags=flags, segments=segments))
             for rank, segments in enumerate(routes)]
         return outs + OPERATIONS[call.op].completed(self, seq)
@@ -1121,6 +1246,10 @@ class Coordinator:
         """The ranks' values, grouped by what each passed and where: from
         their data plans, or as rank 0 found them (``described``)."""
         groups: dict[tuple[str, str], list[int]] = {}
+        if described is not None and call.spans is not None:  # by part: each of its ranks passed it
+            by_part = iter(described)
+            described = [what for lo, c in self._parts(call) for what in [next(by_part, "?")]
+                         for _ in range(call.spans.get(lo, lo + 1) - lo)]
         for rank, c in enumerate(call.ranked()):
             what = ("a value that does not go peer to peer (not a numeric array that large, "
                     "reduced elementwise)")
@@ -1283,6 +1412,17 @@ class Coordinator:
         if len(self._warned) < MAX_WARNED_PEERS:
             self._warned.add(key)
         log.warning("zcollective coordinator: %s", text)
+
+
+def _oversubscribed(members: list[Joined]) -> bool:
+    """Does some host run more ranks than it has cores? (Then every hop of the tree waits for
+    the kernel to run its rank, and the star is faster: benchmarks/README.md.)"""
+    ranks: dict[str, int] = {}
+    for m in members:  # (by host name: rank 0's own member has no address)
+        ranks[m.host] = ranks.get(m.host, 0) + 1
+        if ranks[m.host] > m.cores:
+            return True
+    return False
 
 
 def is_loopback(address: str) -> bool:

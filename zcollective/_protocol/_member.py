@@ -39,6 +39,7 @@ from .._format._wire import (
 )
 from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
+from . import _tree
 from ._ops import LABELS, SPOKEN, Op
 from ._outcomes import Outcome, fresh
 from ._p2p import Mail
@@ -75,6 +76,7 @@ class Call:
     callsite: str = ""
     transfer: Optional[Callable[[Message], Any]] = None  # a plan -> the data plane's Transfer
     described: bool = False  # its contribution describes data of its own to move (FLAG_DATA)
+    reduce: Any = None  # an allreduce's function (for this rank's subtree, in the tree)
 
 
 @dataclass(slots=True)
@@ -135,6 +137,11 @@ class Member:
         self.mail_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME ...
         self.mail_key: Optional[str] = None  # ... and their tokens' key (hex)
         self.mail: Optional[Mail] = None  # its point-to-point rules, once welcomed
+        self.parent = -1  # its parent in the tree of small calls (rule 11); -1: none (rank 0, no tree)
+        self.relay: Optional[_tree.Relay] = None  # its rules there, if it has children
+        self.user_code: Callable[[Any], Any] = lambda fn: fn  # how a reduce function runs here (the driver's)
+        self.deferred: Optional[tuple[Message, float]] = None  # a FAIL held until the results of calls it
+        # says completed came down the tree (rule 11), and until when at most
         self.shm_offer: Optional[tuple[int, int]] = None  # it can share memory on its host: (threshold, room)
         self.shared: Optional[dict[str, Any]] = None  # the WELCOME's shared memory: min, hosts, room
         self.outcomes: deque[Outcome] = deque()  # calls settled, for the runner to apply (rule 3)
@@ -266,6 +273,8 @@ class Member:
     def reserve(self, op: Op, root: int, callsite: str) -> int:
         """Hold the next seq for a call whose part is being built; return it
         (then :meth:`submit`, or :meth:`unreserve` or :meth:`abandon`)."""
+        if self.deferred is not None:  # (every call it waited for came before)
+            self.undefer()
         if self.failure is not None:
             self.check()
         self._reserved = (self.next_seq, op, root, callsite)
@@ -287,7 +296,7 @@ class Member:
     def submit(self, op: Op, root: int, segments: list[list[Any]], fn: Any = None,
                callsite: str = "", flags: int = 0, future: Any = None,
                finish: Optional[Callable[[Message], Any]] = None,
-               transfer: Optional[Callable[[Message], Any]] = None) -> int:
+               transfer: Optional[Callable[[Message], Any]] = None, reduce: Any = None) -> int:
         """Owe this rank's contribution to the next call (rule 4); return its seq.
 
         Raises
@@ -312,7 +321,7 @@ class Member:
         seq = self.next_seq
         self._owe(seq, op, root, callsite, flags, fn, segments,
                   Call(LABELS[op], future, finish, self.stopwatch(), sent, callsite, transfer,
-                       bool(flags & FLAG_DATA)))
+                       bool(flags & FLAG_DATA), reduce))
         return seq
 
     def _owe(self, seq: int, op: Op, root: int, callsite: str, flags: int, fn: Any,
@@ -431,9 +440,14 @@ class Member:
                 if (self.mail_endpoint is not None and welcome["mail"] is not None) or self.size == 1:
                     self.mail_endpoints, self.mail_key = welcome["mail"], welcome["mail_key"]
                     self.mail = Mail(self.rank, self.size, self.mail_window, self.session, self.outcomes)
+                    fanout = welcome["tree"]
+                    if fanout is not None and self.mail_endpoints is not None:
+                        self._plant(fanout)
         elif kind is Kind.REJECT and self.lineage is not None and not self.joined and (
                 msg.body().get("error") == NOT_FORMING):  # its host is alive: it may form soon
             self.host_busy = True
+        elif kind is Kind.FAIL and self.parent > 0 and self._defer(msg):
+            return []
         elif kind is Kind.REJECT or kind is Kind.FAIL:
             error, ended = _bodies.parse_error(msg)
             # a rank's program ended: calls whose data moves peer to peer need only their ring
@@ -457,6 +471,86 @@ class Member:
             if transfers and transfers[0][0] == msg.seq and getattr(transfers[0][1], "shared", False):
                 transfers[0][1].synced(msg.root)
         return self._taken() if self._asked is not None else []
+
+    # -- the tree of small calls (rule 11) --------------------------------------------
+
+    def _plant(self, fanout: int) -> None:
+        """The WELCOME says small calls climb a tree: this rank's place in it (rank 0's
+        is the coordinator's: its own part goes to it as ever)."""
+        tree = _tree.shape(self.size, fanout)
+        if self.rank == 0:
+            return
+        self.parent = tree.parent[self.rank]
+        if tree.children[self.rank]:
+            self.relay = _tree.Relay(self.rank, self.size, fanout, lambda fn: self.user_code(fn), self.clock)
+        assert self.mail is not None
+        self.mail.tree = self.climbed
+
+    def climb(self, msg: Message) -> list[tuple[int, Message]]:
+        """This rank's own contribution ``msg``, on its way up: (rank, message) to send;
+        rank 0: the coordinator, on the link to it."""
+        relay = self.relay
+        if relay is None:
+            return [(self.parent, msg if self.parent == 0 else _tree.up(msg))]
+        call = self.calls.get(msg.seq)
+        return [(self.parent, m) for m in relay.own(msg, call.reduce if call is not None else None)]
+
+    def climbed(self, msg: Message) -> None:
+        """A message of the tree that came to the mailbox: a child's UP, or a RESULT
+        from the parent; what it makes this rank send joins the mailbox's (or
+        :attr:`owed`, to rank 0)."""
+        if self.failure is not None:
+            return
+        relay = self.relay
+        if msg.kind is Kind.UP and relay is not None:
+            self._send_up(relay.take(msg))
+        elif msg.kind is Kind.RESULT and msg.rank == self.rank and _tree.goes_down(msg.op, msg.flags):
+            self._deliver(msg)
+
+    def tree_timer(self, now: float) -> None:
+        """Parts held past :data:`~._tree.RELAY_FLUSH_S` go up as they came; a held FAIL
+        whose results did not come in time fails the group here."""
+        if self.relay is not None and self.failure is None:
+            self._send_up(self.relay.on_timer(now))
+        if self.deferred is not None and now >= self.deferred[1]:
+            self.undefer()
+
+    def tree_due(self) -> Optional[float]:
+        """When :meth:`tree_timer` has something to do, if ever."""
+        due = self.relay.next_due() if self.relay is not None else None
+        held = self.deferred[1] if self.deferred is not None else None
+        return due if held is None else held if due is None else min(due, held)
+
+    def _defer(self, msg: Message) -> bool:
+        """A FAIL that says a rank's program ended after calls whose results still come
+        down the tree: held until they came (True), so the group fails after them here too."""
+        error, ended = _bodies.parse_error(msg)
+        complete = _bodies.complete_of(msg)
+        if not ended or not any(seq < complete and call.op in _tree.DOWN_LABELS and not call.described
+                                for seq, call in self.calls.items()):
+            return False
+        self.deferred = (msg, self.clock() + _tree.TREE_GRACE_S)
+        return True
+
+    def _awaited(self) -> bool:
+        """Does a held FAIL still wait for a result?"""
+        if self.deferred is None:
+            return False
+        complete = _bodies.complete_of(self.deferred[0])
+        return any(seq < complete and call.op in _tree.DOWN_LABELS and not call.described
+                   for seq, call in self.calls.items())
+
+    def undefer(self) -> None:
+        """The held FAIL takes effect now."""
+        if self.deferred is not None:
+            msg, self.deferred = self.deferred[0], None
+            self.owed.extend(self._act(msg))
+
+    def _send_up(self, msgs: list[Message]) -> None:
+        if self.parent == 0:
+            self.owed.extend(msgs)
+        elif self.mail is not None:
+            self.mail.out.extend((self.parent, m, None) for m in msgs)
 
     def _taken(self) -> list[Message]:
         """The answer to a TAKEN once no data job through its seq is left
@@ -505,6 +599,8 @@ class Member:
         """Resolve the call ``msg`` answers (rule 3)."""
         # an ERROR's body is parsed first: a malformed one is dropped, its call still waits
         error = _bodies.parse_error(msg)[0] if msg.kind is Kind.ERROR else None
+        if self.relay is not None and error is None and _tree.goes_down(msg.op, msg.flags) and self.mail:
+            self.mail.out.extend((child, m, None) for child, m in self.relay.down(msg))
         call = self.calls.get(msg.seq)
         if call is None:
             return
@@ -518,6 +614,8 @@ class Member:
             self.outcomes.append(Outcome(call.future, error, None if error is not None or finish is None
                                          else lambda: finish(msg)))
         self.calls.pop(msg.seq, None)
+        if self.deferred is not None and not self._awaited():
+            self.undefer()
 
     def _start_data(self, msg: Message, call: Call) -> None:
         """The coordinator matched a call whose data travels peer to peer: its
@@ -647,6 +745,8 @@ class Member:
                              if seq not in kept and call.future is not None)
         if self.mail is not None:
             self.mail.fail(error)
+        if self.relay is not None:
+            self.relay.forget()
         if tell and self.joined:
             return [_bodies.abort(error, rank=self.rank, session=self.session)]
         return []

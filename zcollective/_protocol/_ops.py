@@ -108,6 +108,8 @@ class Contribution:
     finish: Finish
     flags: int = 0
     transfer: Optional[Callable[[Message], Union[_ring.Transfer, _shm.SharedJob]]] = None
+    reduce: Any = None  # an allreduce's function, as this rank passed it (an interior rank of the
+    # tree reduces its subtree's values with it)
 
 
 class Refused(ValueError):
@@ -574,7 +576,7 @@ class Allreduce(Reducing):
                 return self._shared(plane, value, array, name, reduce_fn, finish)
         array = _array(value, here.data_min_bytes) if name is not None and here.data else None
         if array is None or name is None:
-            return Contribution(0, lambda: ([_serialize.dumps(value)], fn()), finish)
+            return Contribution(0, lambda: ([_serialize.dumps(value)], fn()), finish, reduce=reduce_fn)
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
         tensor = _is_tensor(value)
 

@@ -300,6 +300,7 @@ class Mail:
         self.dropped = 0  # messages out of their pair's order (a replay, or malformed): dropped, counted
         self.gap: Optional[str] = None  # a message of a pair never came: later ones did
         self.ended_how: dict[int, str] = {}  # ranks that send no more: how each ended (FINAL)
+        self.tree: Optional[Callable[[Message], None]] = None  # where the tree's messages go (the member's)
 
     def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
         """Send when the window allows (the handle is then done), in order."""
@@ -394,6 +395,10 @@ class Mail:
         if msg.session != self.session or not 0 <= msg.rank < self.size:
             return  # (an earlier group's, on a reused port)
         if self.failure is not None and msg.kind is not Kind.SEND:
+            return
+        if msg.kind is Kind.UP or msg.kind is Kind.RESULT:
+            if self.tree is not None:
+                self.tree(msg)
             return
         source = msg.rank
         if msg.kind is Kind.CREDIT:

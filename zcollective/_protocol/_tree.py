@@ -1,0 +1,252 @@
+"""The tree small calls climb in a large group: its shape, and one interior
+rank's rules (:class:`Relay`). Pure: fed messages and the clock, it returns
+what to send; sockets and threads are the drivers'.
+
+Every rank heads a contiguous range of ranks, its subtree, so a partial
+reduction keeps rank order. A rank's contribution goes to its parent (rank 0's
+children: to the coordinator), never straight to rank 0. An interior rank
+waits for its own and every child's part of a call, then sends up one
+*summary* when all of them called the same operation at the same call site
+with parts it can combine (the value reduced over its range); otherwise, or
+once :data:`RELAY_FLUSH_S` passed, each part as it came, so the coordinator
+still names every rank exactly. The result of a summarized kind of call comes
+down the same tree. Failures, give-ups, timeouts and liveness stay on the
+star. See docs/protocol.md, *The tree*.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+from .._format import _serialize
+from .._format._wire import FLAG_DATA, FLAG_FN, FLAG_LOCAL_ERROR, Kind, Message
+from . import _ring
+from ._ops import Op, _described_arrays
+
+TREE_FANOUT = 4  # children per interior rank: minimises (2 x hop + K x per-child cost) / ln K with
+# the costs measured here (benchmarks/scale_model.py: K = 4-5)
+TREE_MIN_RANKS = 16  # "auto" uses the tree from this size: below, the star is as fast here and keeps
+# the exact left fold of every reduction
+RELAY_FLUSH_S = 0.2  # a part waited for this long: what came goes up as it is, so a stall report or
+# a timed-out rank's question names the ranks missing, not a whole subtree
+SUMMARIZED = frozenset({Op.ALLREDUCE, Op.BROADCAST, Op.BARRIER})  # kinds combined on the way up,
+# whose one result comes down the tree (the others' results, and every error, come from rank 0)
+DOWN_LABELS = frozenset(o.name.lower() for o in SUMMARIZED)
+TREE_GRACE_S = 5.0  # a FAIL that says a rank ended waits at most this long here for the results of the
+# calls it completed to come down the tree (a parent stopped past this: the group fails here as the FAIL says)
+FLAG_RANGE = 0x80  # an UP speaks for ranks rank .. end (its first segment): a summary
+_END = struct.Struct("<i")
+_OWN_FLAGS = FLAG_DATA | FLAG_FN | FLAG_LOCAL_ERROR  # a part's own (not its framing's): none in a summary
+
+UserCode = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Every rank's parent (-1 for rank 0), children, and the end of its range."""
+
+    parent: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
+    end: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=16)
+def shape(size: int, fanout: int = TREE_FANOUT) -> Shape:
+    """The tree over ``size`` ranks: a range's first rank heads it, the rest
+    is cut into at most ``fanout`` contiguous ranges of sizes that differ by
+    at most one, each headed by a child."""
+    parent, end = [-1] * size, [0] * size
+    children: list[tuple[int, ...]] = [()] * size
+
+    def head(lo: int, hi: int) -> None:
+        end[lo] = hi
+        rest, kids = hi - lo - 1, []
+        parts = min(fanout, rest)
+        start = lo + 1
+        for i in range(parts):
+            width = rest // parts + (1 if i < rest % parts else 0)
+            kids.append(start)
+            parent[start] = lo
+            head(start, start + width)
+            start += width
+        children[lo] = tuple(kids)
+    if size:
+        head(0, size)
+    return Shape(tuple(parent), tuple(children), tuple(end))
+
+
+def depth(size: int, fanout: int = TREE_FANOUT) -> int:
+    """Hops from the deepest rank to rank 0."""
+    tree, most = shape(size, fanout), 0
+    for rank in range(size):
+        hops, r = 0, rank
+        while tree.parent[r] >= 0:
+            r, hops = tree.parent[r], hops + 1
+        most = max(most, hops)
+    return most
+
+
+def goes_down(op: int, flags: int) -> bool:
+    """Does a RESULT of this kind come down the tree (both ends decide alike)?"""
+    return op in SUMMARIZED and not flags & FLAG_DATA
+
+
+def up(msg: Message) -> Message:
+    """A rank's own contribution as it climbs the tree."""
+    return replace(msg, kind=Kind.UP)
+
+
+def summary(first: Message, end: int, value: list[list[Any]]) -> Message:
+    """An UP for ranks ``first.rank`` .. ``end`` - 1 that all called as ``first`` did."""
+    return Message(Kind.UP, first.op, first.rank, first.root, first.seq, first.session, first.callsite,
+                   FLAG_RANGE, None, [[_END.pack(end)], *value])
+
+
+def span(msg: Message) -> tuple[int, int]:
+    """The ranks an UP speaks for, ``lo``, ``end``; raises ValueError if malformed."""
+    if not msg.flags & FLAG_RANGE:
+        return msg.rank, msg.rank + 1
+    if not msg.segments or len(msg.segments[0]) != 1 or memoryview(msg.segments[0][0]).nbytes != _END.size:
+        raise ValueError("a summary without its range")
+    end = _END.unpack(bytes(msg.segments[0][0]))[0]
+    if end <= msg.rank:
+        raise ValueError(f"a summary of ranks {msg.rank}..{end - 1}")
+    return msg.rank, end
+
+
+def parts(msg: Message) -> list[list[Any]]:
+    """An UP's segments as a contribution's (a summary's range left out)."""
+    return msg.segments[1:] if msg.flags & FLAG_RANGE else msg.segments
+
+
+@dataclass
+class _Call:
+    """One call's parts held at an interior rank."""
+
+    since: float
+    items: list[Message] = field(default_factory=list)
+    covered: int = 0
+    flushed: bool = False  # what came went up as it came; so does what comes
+    reduce: Any = None  # this rank's own reduce function (an allreduce)
+
+
+class Relay:
+    """An interior rank's rules (see the module docstring): :meth:`own` and
+    :meth:`take` return the UPs to send its parent, in order."""
+
+    def __init__(self, rank: int, size: int, fanout: int = TREE_FANOUT,
+                 user_code: UserCode = lambda fn: fn, clock: Callable[[], float] = time.monotonic) -> None:
+        tree = shape(size, fanout)
+        self.rank, self.parent = rank, tree.parent[rank]
+        self.children, self.end = tree.children[rank], tree.end[rank]
+        self.user_code, self.clock = user_code, clock
+        self.calls: dict[int, _Call] = {}
+        self.interrupted: Optional[BaseException] = None  # a signal handler's, in a reduce function run here
+
+    def own(self, msg: Message, reduce: Any = None) -> list[Message]:
+        """This rank's contribution (a CONTRIB) to call ``msg.seq``; ``reduce``: its function."""
+        call = self._call(msg.seq)
+        call.reduce = reduce
+        return self._add(msg.seq, call, up(msg), 1)
+
+    def take(self, msg: Message) -> list[Message]:
+        """A child's UP (checked: it speaks for ranks of this subtree, not this rank)."""
+        try:
+            lo, end = span(msg)
+        except ValueError:
+            return []
+        if not self.rank < lo < end <= self.end:
+            return []
+        return self._add(msg.seq, self._call(msg.seq), msg, end - lo)
+
+    def next_due(self) -> Optional[float]:
+        """When a call held here goes up as it came, if one is held."""
+        waiting = [c.since for c in self.calls.values() if not c.flushed]
+        return min(waiting) + RELAY_FLUSH_S if waiting else None
+
+    def on_timer(self, now: float) -> list[Message]:
+        """Calls held :data:`RELAY_FLUSH_S` go up as they came."""
+        out: list[Message] = []
+        for _, call in sorted(self.calls.items()):
+            if not call.flushed and now - call.since >= RELAY_FLUSH_S:
+                call.flushed = True
+                out += sorted(call.items, key=_first)
+                call.items = []
+        return out
+
+    def down(self, msg: Message) -> list[tuple[int, Message]]:
+        """A RESULT that came down: the same to each child."""
+        return [(child, replace(msg, rank=child)) for child in self.children]
+
+    def forget(self) -> None:
+        """The group failed or closed: nothing held goes up."""
+        self.calls.clear()
+
+    def _call(self, seq: int) -> _Call:
+        call = self.calls.get(seq)
+        if call is None:
+            call = self.calls[seq] = _Call(self.clock())
+        return call
+
+    def _add(self, seq: int, call: _Call, msg: Message, width: int) -> list[Message]:
+        call.covered += width
+        done = call.covered >= self.end - self.rank
+        if done:
+            del self.calls[seq]
+        if call.flushed:
+            return [msg]
+        call.items.append(msg)
+        if not done:
+            return []
+        items = sorted(call.items, key=_first)
+        made = self._summarize(items, call.reduce)
+        return [made] if made is not None else items
+
+    def _summarize(self, items: list[Message], reduce: Any) -> Optional[Message]:
+        """One UP for the whole range, or None (they differ, or cannot be combined here)."""
+        head = items[0]
+        op, root, site = head.op, head.root, head.callsite
+        if op not in SUMMARIZED:
+            return None
+        for item in items:
+            if item.op != op or item.root != root or item.callsite != site or item.flags & _OWN_FLAGS:
+                return None
+        if op == Op.ALLREDUCE:
+            value = self._reduced(items, reduce)
+            return None if value is None else summary(head, self.end, [value])
+        if op == Op.BROADCAST:
+            carried = [parts(item) for item in items if parts(item)]
+            ranged = self.rank <= root < self.end
+            if len(carried) != (1 if ranged else 0) or (carried and len(carried[0]) != 1):
+                return None  # (the coordinator names what is wrong)
+            return summary(head, self.end, carried[0] if carried else [])
+        if any(parts(item) for item in items):  # a barrier sends nothing
+            return None
+        return summary(head, self.end, [])
+
+    def _reduced(self, items: list[Message], reduce: Any) -> Optional[list[Any]]:
+        """The values of ``items``, reduced in rank order with ``reduce``, pickled; None when
+        any cannot be read, arrays disagree, or the function raises (rank 0 then meets the same)."""
+        if reduce is None or any(len(parts(item)) != 1 for item in items):
+            return None
+        try:
+            values = [_serialize.loads(parts(item)[0]) for item in items]
+            name = _ring.reduction_name(reduce)
+            described = _described_arrays(values, name) if name is not None else None
+            if described is not None and len(set(described)) > 1:
+                return None
+            fn = self.user_code(reduce)
+            return _serialize.dumps(functools.reduce(fn, values), "reduction result")
+        except Exception:
+            return None
+        except BaseException as exc:  # a signal handler's: the parts go up as they came, then it is raised
+            self.interrupted = exc
+            return None
+
+
+def _first(msg: Message) -> int:
+    return msg.rank
