@@ -39,6 +39,7 @@ from .config import Config
 from .errors import AddressError, CollectiveError, CollectiveTimeoutError, ForkedProcessError
 
 if TYPE_CHECKING:  # (rank 0's only, imported when it serves: the other ranks never load them)
+    from ._io._relayer import Relayer  # (an interior rank's of the tree)
     from ._io._server import Server
     from ._protocol._coordinator import Coordinator
 
@@ -83,6 +84,7 @@ class Lifecycle:
         self.data: Optional[DataPlane] = None
         self.mail: Optional[MailSockets] = None  # its mailbox (point to point)
         self.shared: Optional[SharedPlane] = None  # its host's shared memory, if it shares some
+        self.relayer: Optional[Relayer] = None  # an interior rank's background thread (the tree)
         signer = Signer(config.secret) if config.secret is not None else None
         self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
@@ -298,6 +300,11 @@ class Lifecycle:
                 base = self.config.secret or bytes.fromhex(member.mail_key or "")
                 self.mail.start(member.session, member.mail_endpoints, base)
                 link.attach_mail(self.mail)
+                if member.relay is not None:  # an interior rank of the tree: its subtree's calls move
+                    from ._io._relayer import Relayer  # while its program is elsewhere
+
+                    self.relayer = Relayer(self.turns, link, member)
+                    self.relayer.start()
         if data is None or link is None:
             return
         if member.data_endpoints is None:
@@ -401,6 +408,8 @@ class Lifecycle:
         finally:  # an interrupt while rank 0 waits for the others still closes everything
             try:
                 stuck = self.server is not None and self.server.gone() is None
+                if self.relayer is not None:
+                    self.relayer.stop()
                 if self.mail is not None:
                     self.mail.close(EXIT_LINGER_MS if ending else 0)
                 if self.data is not None:  # (ending: the next rank said it has its chunks, see

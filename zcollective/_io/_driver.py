@@ -276,6 +276,13 @@ class Driver:
         if self.member.mail is not None:
             self.mail_io()
 
+    def relay_io(self) -> None:
+        """An interior rank's background turn (:mod:`._relayer`): what climbs and
+        comes down moves; data jobs wait for the program."""
+        self._take_in()
+        if self.member.mail is not None:
+            self.mail_io()
+
     def _move_data(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None
                    ) -> Optional[bool]:
         """Move the data of the first call the data plane has to carry: True

@@ -1,0 +1,61 @@
+"""An interior rank of the tree of small calls, while its program is
+elsewhere: a thread that takes the group's turn when nobody holds it, moves
+what climbs through this rank and what comes down, and gives the turn back
+(rank 0's server thread does the same for the coordinator). Without it, a
+rank computing after an ``_async`` call would hold up its whole subtree until
+its next wait. See docs/protocol.md, *Concurrency*.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .._protocol._member import Member
+from ..errors import CollectiveError
+from ._driver import Driver
+from ._turns import Turns
+
+log = logging.getLogger("zcollective")
+
+AWAY_S = 0.002  # the program out of the library this long: the thread moves its subtree's parts
+PARK_BUSY_S = AWAY_S  # it looks this often whether to, with calls in flight (as rank 0's server thread)
+PARK_IDLE_S = 0.05  # ... and this often without (a part of a call this rank has not made yet waits)
+
+STOP_WAIT_S = 1.0  # closing waits this long for the thread (it holds the turn for microseconds)
+
+
+class Relayer:
+    """The background thread of one interior rank (see the module docstring)."""
+
+    def __init__(self, turns: Turns, driver: Driver, member: Member) -> None:
+        self._turns, self._driver, self._member = turns, driver, member
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zcollective-relay", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (from a thread holding the turn: it then finds it taken and parks)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(STOP_WAIT_S)
+
+    def _run(self) -> None:
+        turns, member = self._turns, self._member
+        while not self._stop.wait(PARK_BUSY_S if member.calls or (member.relay and member.relay.calls)
+                                  else PARK_IDLE_S):
+            if turns.wanted() or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
+                continue
+            try:
+                if not self._stop.is_set() and member.failure is None:
+                    self._driver.relay_io()
+            except CollectiveError:
+                pass  # (the member failed: its program hears of it at its next call)
+            except Exception:  # a bug: the program's next wait meets the same state
+                log.exception("zcollective rank %d: the relay thread failed", member.rank)
+                return
+            finally:
+                turns.give()
