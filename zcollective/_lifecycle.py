@@ -410,6 +410,8 @@ class Lifecycle:
                 stuck = self.server is not None and self.server.gone() is None
                 if self.relayer is not None:
                     self.relayer.stop()
+                if self.driver is not None and not quick:
+                    self.driver.hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
                 if self.mail is not None:
                     self.mail.close(EXIT_LINGER_MS if ending else 0)
                 if self.data is not None:  # (ending: the next rank said it has its chunks, see

@@ -383,6 +383,18 @@ class Driver:
         if self.remote:  # (no data moves: finish_data had its time)
             self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
 
+    def hand_down(self, deadline: float) -> None:
+        """Closing: results this interior rank of the tree owes its children, still
+        waiting for a link's handshake, get until ``deadline`` to go (even after a failure:
+        the calls they complete were complete before it)."""
+        sockets = self.mail
+        if self.member.relay is None or sockets is None or self.member.mail is None:
+            return
+        self.mail_io(take=False)
+        while sockets.holding() and time.monotonic() < deadline:
+            self.waiter.wait(self.mail_names, deadline, POLL_SLICE_S)
+            self.mail_io(take=False, ready=LINK)
+
     def final(self, teardown: bool, deadline: float) -> Optional[Message]:
         """This rank's FINAL (see :meth:`Member.final`), once messages waiting
         for a link's handshake had until ``deadline`` to go: those still
@@ -390,6 +402,7 @@ class Driver:
         rank's receive would wait for them until its timeout)."""
         member, sockets = self.member, self.mail
         unsent = None
+        self.hand_down(deadline)  # (results owed down the tree go first, failed or not)
         if sockets is not None and member.mail is not None and member.failure is None:
             with contextlib.suppress(CollectiveError):  # (the group failed: no FINAL goes)
                 self.mail_io(take=False)

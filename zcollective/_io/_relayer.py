@@ -45,8 +45,9 @@ class Relayer:
 
     def _run(self) -> None:
         turns, member = self._turns, self._member
-        while not self._stop.wait(PARK_BUSY_S if member.calls or (member.relay and member.relay.calls)
-                                  else PARK_IDLE_S):
+        mail = self._driver.mail
+        while not self._stop.wait(PARK_BUSY_S if member.calls or (member.relay and member.relay.calls) or (
+                mail is not None and mail.holding()) else PARK_IDLE_S):
             if turns.wanted() or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
                 continue
             try:

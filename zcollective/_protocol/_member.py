@@ -544,7 +544,8 @@ class Member:
         """The held FAIL takes effect now."""
         if self.deferred is not None:
             msg, self.deferred = self.deferred[0], None
-            self.owed.extend(self._act(msg))
+            error, ended = _bodies.parse_error(msg)
+            self.owed.extend([*self.fail(error, keep_data=ended), *self._taken()])
 
     def _send_up(self, msgs: list[Message]) -> None:
         if self.parent == 0:
@@ -671,6 +672,8 @@ class Member:
                 self._rejoin = True  # the JOIN may have gone down with that connection
                 return []
             self.coordinator_lost = True
+            if self.deferred is not None:  # rank 0 said it ended: what it completed still comes down
+                return []
             return self.fail(lost_rank_0(ReplicaLostError(
                 f"{self.who} lost the coordinator (rank 0) at {self.endpoint}: connection "
                 f"closed or heartbeats unanswered; {self.describe_in_flight()}")))
