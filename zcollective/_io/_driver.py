@@ -85,7 +85,7 @@ class Driver:
         rules = member.mail
         if rules is None:
             return
-        if member.parent > 0:
+        if member.relay is not None or member.deferred is not None:
             member.tree_timer(time.monotonic())
             if member.owed:  # (to rank 0, on its link)
                 self.flush()

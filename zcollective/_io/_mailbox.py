@@ -74,11 +74,12 @@ class MailSockets:
         """What a waiter watches for a message waiting."""
         return self._pull
 
-    def start(self, session: int, endpoints: list[str], base: bytes) -> None:
+    def start(self, session: int, endpoints: list[str], base: bytes, rank: int) -> None:
         """The group is welcomed: this port accepts the tokens of its group's
-        key (``base``: the secret, or the WELCOME's key); ``endpoints``: every
+        key (``base``: the secret, or the WELCOME's key) for ``rank``, this replica's
+        rank there (a group formed again numbers its ranks anew); ``endpoints``: every
         rank's mailbox."""
-        self._endpoints, self._session, self._base = endpoints, session, base
+        self._endpoints, self._session, self._base, self.rank = endpoints, session, base, rank
         self.gatekeeper.rekey(self._key(self.rank), _zap.MAIL_DOMAIN)
 
     def _key(self, rank: int) -> bytes:

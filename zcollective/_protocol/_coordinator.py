@@ -315,9 +315,8 @@ class Coordinator:
         if (msg.kind is Kind.CONTRIB and member is not None and msg.rank == member.rank
                 and msg.session == self.session and self.phase is not Phase.FAILED):
             return self._on_contribution(member, msg, address)  # the common case: what follows, in one test
-        if (msg.kind is Kind.UP and member is not None and msg.session == self.session
-                and self.phase is not Phase.FAILED):
-            return self._on_up(member, msg, address)
+        if msg.kind is Kind.UP and member is not None and msg.session == self.session:
+            return self._on_up(member, msg, address) if self.phase is not Phase.FAILED else []
         if msg.kind is Kind.JOIN and (member is None or msg.rank in (member.rank, member.old_rank)):
             # (a formed group's member repeats its JOIN, after a reconnect, under its old rank)
             return self._on_join(peer, msg, member, address)
@@ -486,6 +485,9 @@ class Coordinator:
         """Enter FAILED for good and tell every member (but ``exclude``)."""
         if self.phase is Phase.FAILED:
             return []
+        if self.tree is not None and self.phase is Phase.RUNNING:  # calls before this seq completed: their
+            # results may still come down the tree, behind this FAIL (rule 14)
+            extra["complete"] = min([*self.pending, *self.combining, max(self.next_seq)])
         self.phase = Phase.FAILED
         self.failed_at = self.clock()
         self.failure = error_body(error, message, **extra)
@@ -1121,11 +1123,8 @@ class Coordinator:
 
     def _fail_ended(self, member: Joined, context: str, level: int = logging.ERROR) -> list[Outgoing]:
         gone = {m.rank for m in self._ended}
-        extra: dict[str, Any] = {}
-        if self.tree is not None:  # the results of calls before this one may still come down the tree
-            extra["complete"] = min([*self.pending, *self.combining, max(self.next_seq)])
         return self.fail("ReplicaLostError", f"{member.describe_end()}; {context}",
-                         lost=[member.rank], ended=True, exclude=gone, level=level, **extra)
+                         lost=[member.rank], ended=True, exclude=gone, level=level)
 
     def start_ending(self) -> None:
         """Rule 7: rank 0's program is ending; its last calls get

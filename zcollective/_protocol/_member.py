@@ -522,11 +522,10 @@ class Member:
         return due if held is None else held if due is None else min(due, held)
 
     def _defer(self, msg: Message) -> bool:
-        """A FAIL that says a rank's program ended after calls whose results still come
+        """A FAIL behind which the results of calls it says completed may still come
         down the tree: held until they came (True), so the group fails after them here too."""
-        error, ended = _bodies.parse_error(msg)
         complete = _bodies.complete_of(msg)
-        if not ended or not any(seq < complete and call.op in _tree.DOWN_LABELS and not call.described
+        if not any(seq < complete and call.op in _tree.DOWN_LABELS and not call.described
                                 for seq, call in self.calls.items()):
             return False
         self.deferred = (msg, self.clock() + _tree.TREE_GRACE_S)
