@@ -279,7 +279,8 @@ def interior_killed(markers, victim):
 
 def test_an_interior_rank_killed_mid_call_is_named_everywhere_and_the_rest_shrink_and_go_on(tmp_path):
     n, victim = 16, 5  # rank 5 heads ranks 5..8
-    with Replicas(interior_killed, n, str(tmp_path), victim, env={**TREE, "ZCOLLECTIVE_LIVENESS_TIMEOUT": "3"}) as reps:
+    env = {**TREE, "ZCOLLECTIVE_LIVENESS_TIMEOUT": "3"}
+    with Replicas(interior_killed, n, str(tmp_path), victim, env=env) as reps:
         for r in range(n):
             wait_for(str(tmp_path / f"ready{r}"), timeout=60)
         time.sleep(0.3)  # (every rank waits in its call)
