@@ -65,18 +65,34 @@ def climb(relay, values, reduce=operator.add, **kw):
 def test_a_range_that_called_alike_goes_up_as_one_summary_reduced_in_rank_order():
     relay = _tree.Relay(1, 16)  # ranks 1..4
     values = {r: str(r) for r in range(16)}
-    out = climb(relay, values, lambda a, b: a + b)  # (not commutative: order shows)
+    out = climb(relay, values, zc.default_reduce_fn)  # (a += b: not commutative on strings, order shows)
     assert len(out) == 1 and out[0].flags & _tree.FLAG_RANGE
     assert _tree.span(out[0]) == (1, 5) and _serialize.loads(_tree.parts(out[0])[0]) == "1234"
     parent = _tree.Relay(0, 16)  # (its rules are the coordinator's; the summary passes as one part)
     assert parent.take(through(out[0])) == []
 
 
+@pytest.mark.parametrize("fn", [lambda a, b: a + b, operator.sub])
+def test_a_function_not_known_to_be_associative_leaves_the_fold_to_rank_0(fn):
+    out = climb(_tree.Relay(1, 16), dict.fromkeys(range(16), 1), fn)
+    assert [m.rank for m in out] == [1, 2, 3, 4] and not any(m.flags & _tree.FLAG_RANGE for m in out)
+
+
+def test_a_part_taken_twice_counts_once():
+    relay = _tree.Relay(1, 16)
+    relay.own(part(1, "1"), zc.default_reduce_fn)
+    two = through(part(2, "2"))
+    assert relay.take(two) == [] and relay.take(two) == [] and relay.take(through(part(3, "3"))) == []
+    out = relay.take(through(part(4, "4")))
+    assert _serialize.loads(_tree.parts(out[0])[0]) == "1234"
+
+
 @pytest.mark.parametrize("odd", ["op", "site", "raises", "root"])
 def test_a_range_that_differs_goes_up_part_by_part(odd):
     relay = _tree.Relay(1, 16)
     own = part(1, 1)
-    out = relay.own(own, (lambda a, b: 1 / 0) if odd == "raises" else operator.add)
+    raises = zc.elementwise(lambda a, b: 1 / 0)
+    out = relay.own(own, raises if odd == "raises" else operator.add)
     for child in relay.children:
         kw = {}
         if child == 3 and odd == "op":
@@ -145,7 +161,7 @@ def summaries(n, values, reduce=operator.add, seq=0, odd=None):
 def test_summaries_complete_a_call_whose_result_goes_only_to_rank_0s_children():
     n = 16
     coord = tree_joined(n)
-    concat = lambda a, b: a + b  # noqa: E731
+    concat = zc.default_reduce_fn
     values = {r: f"{r}," for r in range(n)}
     assert feed(coord, peer(0), contrib(0, 0, value=values[0], fn=concat)) == []
     out = []
@@ -198,6 +214,7 @@ def busy_tree(markers):
     me, n = zc.get_rank(), zc.get_world_size()
     seen = {"concat": zc.allreduce(f"{me},", lambda a, b: a + b),
             "bcast": zc.broadcast(me * 10 if me == n - 2 else None, root=n - 2),
+            "interior_root": zc.broadcast(me * 10 if me == 5 else None, root=5),  # (its subtree needs it too)
             "gather": zc.gather(me, root=0)}
     zc.barrier()
     future = zc.allreduce_async(1)  # an interior rank computes: its subtree must not wait for it
@@ -226,7 +243,7 @@ def test_a_tree_of_16_gets_every_call_right_and_names_a_deep_mismatch_exactly(tm
     values = [o.value for o in outs]
     for seen in values:
         assert seen["concat"] == "".join(f"{r}," for r in range(n)), report(outs, "rank order")
-        assert seen["bcast"] == (n - 2) * 10
+        assert seen["bcast"] == (n - 2) * 10 and seen["interior_root"] == 50
         assert seen["async"][0] == n
         assert f"rank {n - 5} called broadcast(root=0)" in seen["mismatch"], report(outs, "not named")
     assert values[0]["gather"] == list(range(n))
@@ -293,3 +310,23 @@ def test_an_interior_rank_killed_mid_call_is_named_everywhere_and_the_rest_shrin
         assert o.value["lost"] == [victim] and o.value["told_s"] < 3 + 1, report(outs, "late or wrong")
         assert (o.value["sum"], o.value["size"]) == (n - 1, n - 1)
         assert o.value["concat"] == "".join(f"{r}," for r in range(n - 1))
+
+
+def test_an_interior_rank_lost_has_its_subtree_sent_the_latest_results_again_before_the_fail():
+    n = 16
+    coord = tree_joined(n)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=operator.add))
+    for child, up in summaries(n, dict.fromkeys(range(n), 1)):
+        feed(coord, peer(child), up)
+    out = [(p, decode(encode(m))) for p, m in coord.lost(5, "gone")]
+    again = [(p, m.seq, _serialize.loads(m.segments[0])) for p, m in out if m.kind is Kind.RESULT]
+    assert again == [(peer(r), 0, n) for r in (6, 7, 8)]
+    assert [m.kind for _, m in out[3:]] == [Kind.FAIL] * (n - 1)  # (after them, on the same links)
+
+
+def test_a_value_rank_0_cannot_read_is_named_by_its_rank_not_its_parts_place():
+    from zcollective._protocol._ops import Combine, Unreadable
+
+    asked = Combine(0, Op.ALLREDUCE, 0, 1, operator.add, ([_serialize.dumps(1)], [[b"not a pickle"]]), (0, 7))
+    with pytest.raises(Unreadable, match="value of rank 7"):
+        asked.run(lambda fn: fn)

@@ -56,6 +56,8 @@ MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while j
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
 MAX_SHARED_CALLS = 1024  # shared-memory calls whose syncs are taken: the latest planned (rule 13;
 # more in flight at once than this would lose the oldest ones' syncs)
+MAX_RESENT_CALLS = 64  # the latest results sent down the tree, kept to send again to the subtree of an
+MAX_RESENT_BYTES = 16 << 20  # interior rank lost before it passed them on (rule 14); at most this much
 MAX_EARLY_GIVE_UPS = 1024  # give-ups that came before their rank's part climbed the tree (rule 14);
 # past this the oldest are forgotten (its call then completes on the others)
 MAX_SYNCS_WAITING = 4096  # syncs some but not all ranks of a host reached, at most (a member's
@@ -264,6 +266,8 @@ class Coordinator:
         self.tree_mode = tree  # "auto", "on", "off": see _settle
         self.tree: Optional[_tree.Shape] = None  # small calls climb it (rule 14), once settled
         self._down: list[int] = []  # the ranks a result that comes down the tree is sent to
+        self._sent_down: OrderedDict[int, tuple[Op, int, int, list[list[Any]], int]] = OrderedDict()  # seq ->
+        # op, root, flags, segments, bytes of the latest results sent down the tree (rule 14)
         self._early: OrderedDict[tuple[int, int], tuple[str, str]] = OrderedDict()  # (seq, rank) ->
         # its give-up, come before its part did (rule 14)
         self.held: dict[int, list[tuple[int, Outgoing]]] = {}  # rank -> (seq, BYE answer) held until that
@@ -477,8 +481,9 @@ class Coordinator:
         message = f"{who} was lost ({reason}); {self._in_flight()}"
         dead = member is not None and self.liveness_s is not None and (
             self.clock() - member.heard < SEEN_DEAD_SHARE * self.liveness_s)
-        return self.fail("ReplicaLostError", message, lost=[rank], dead=[rank] if dead else [],
-                         exclude={rank})
+        resent = self._resend_down(rank)
+        return resent + self.fail("ReplicaLostError", message, lost=[rank], dead=[rank] if dead else [],
+                                  exclude={rank})
 
     def fail(self, error: str, message: str, exclude: Iterable[int] = (), level: int = logging.ERROR,
              **extra: Any) -> list[Outgoing]:
@@ -994,11 +999,12 @@ class Coordinator:
         out = self._problem(seq, call, stand_ins)
         if out is not None:
             return out
-        parts = [_tree.parts(c) for _, c in self._parts(call)]
+        came = self._parts(call)
+        parts = tuple(_tree.parts(c) for _, c in came)
         if op == Op.ALLREDUCE:
             self.combining[seq], self.reducing = call, (seq, op, self.clock())
-            return [_ops.Combine(seq, op, 0, 1, call.contributions[0].fn, tuple(parts))]
-        value = next((p for p in parts if p), []) if op == Op.BROADCAST else []
+            return [_ops.Combine(seq, op, 0, 1, call.contributions[0].fn, parts, tuple(lo for lo, _ in came))]
+        value: list[list[Any]] = next((p for p in parts if p), []) if op == Op.BROADCAST else []
         return self._results(seq, call, [value] * self.num_replicas)
 
     @staticmethod
@@ -1009,6 +1015,25 @@ class Coordinator:
         if op == Op.BROADCAST and rank == root:
             return _tree.parts(summary)
         return []
+
+    def _keep_down(self, seq: int, call: PendingCall, flags: int, segments: list[list[Any]]) -> None:
+        """Keep a result sent down the tree, to send again if an interior rank is lost with it."""
+        size = sum(len(f) if type(f) is bytes else memoryview(f).nbytes for s in segments for f in s)
+        kept = self._sent_down
+        kept[seq] = (call.op, call.root, flags, segments, size)
+        while len(kept) > MAX_RESENT_CALLS or (
+                len(kept) > 1 and sum(k[4] for k in kept.values()) > MAX_RESENT_BYTES):
+            kept.popitem(last=False)
+
+    def _resend_down(self, rank: int) -> list[Outgoing]:
+        """Interior rank ``rank`` is lost: the latest results sent down the tree go again to its
+        subtree, straight (a rank that had one drops the second), before the FAIL."""
+        if self.tree is None or not self.tree.children[rank]:
+            return []
+        return [(self.by_rank[r].peer, Message(Kind.RESULT, op, r, root, seq, self.session, flags=flags,
+                                               segments=segments))
+                for seq, (op, root, flags, segments, _) in self._sent_down.items()
+                for r in range(rank + 1, self.tree.end[rank]) if r in self.by_rank]
 
     def _gave_up_early(self, seq: int, lo: int, end: int) -> list[Outgoing]:
         """Give-ups of ranks ``lo`` .. ``end`` - 1 that came before their parts."""
@@ -1201,10 +1226,12 @@ class Coordinator:
                  flags: int = 0) -> list[Outgoing]:
         """Call ``seq``'s RESULTs: a header of its own for each rank; ranks
         given one payload share its frames, which the driver hashes once."""
-        if self.tree is not None and _tree.goes_down(call.op, flags):  # the rest from their parents
-            outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(
-                Kind.RESULT, call.op, rank, call.root, seq, self.session, flags=flags, segments=routes[rank]))
+        if self.tree is not None and _tree.goes_down(call.op, flags):  # the rest from their parents;
+            whole = next((r for r in routes if r), routes[0])  # (a broadcast's root is sent it too: its
+            outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(  # subtree's ranks need it)
+                Kind.RESULT, call.op, rank, call.root, seq, self.session, flags=flags, segments=whole))
                 for rank in self._down]
+            self._keep_down(seq, call, flags, whole)
             return outs + OPERATIONS[call.op].completed(self, seq)
         outs = [(self.by_rank[rank].peer, Message(
             Kind.RESULT, call.op, rank, call.root, seq, self.session, flags=flags, segments=segments))

@@ -151,6 +151,8 @@ class Combine:
     count: int
     fn: Any
     values: tuple[list[list[Any]], ...]  # each rank's segments, in rank order
+    ranks: Optional[tuple[int, ...]] = None  # whose each is (a part of the tree: its first rank), if not
+    # each rank's own
 
     def run(self, user_code: UserCode) -> list[list[Any]]:
         """Each index's result, pickled (the user's code: a function, a result's
@@ -160,8 +162,10 @@ class Combine:
             raise ValueError(f"rank {self.root} sent no reduce function")
         fn = self.fn if callable(self.fn) else _unpickled([self.fn], f"reduce function of rank {self.root}")
         name, call, out = _ring.reduction_name(fn), user_code(fn), []
+        ranks = self.ranks or range(len(self.values))
         for index in range(self.count):
-            values = [_unpickled(v[index], f"value of rank {r}") for r, v in enumerate(self.values)]
+            values = [_unpickled(v[index], f"value of rank {r}")
+                      for r, v in zip(ranks, self.values, strict=True)]
             described = _described_arrays(values, name) if name is not None else None
             if described is not None and len(set(described)) > 1:  # elementwise: arrays must agree,
                 raise Disagree(described)  # as on the data plane (no broadcasting)

@@ -130,6 +130,7 @@ class _Call:
     since: float
     items: list[Message] = field(default_factory=list)
     covered: int = 0
+    firsts: set[int] = field(default_factory=set)  # the first rank of each part taken: once each
     flushed: bool = False  # what came went up as it came; so does what comes
     reduce: Any = None  # this rank's own reduce function (an allreduce)
 
@@ -193,6 +194,9 @@ class Relay:
         return call
 
     def _add(self, seq: int, call: _Call, msg: Message, width: int) -> list[Message]:
+        if msg.rank in call.firsts:  # a part taken twice (replayed): dropped
+            return []
+        call.firsts.add(msg.rank)
         call.covered += width
         done = call.covered >= self.end - self.rank
         if done:
@@ -230,8 +234,10 @@ class Relay:
 
     def _reduced(self, items: list[Message], reduce: Any) -> Optional[list[Any]]:
         """The values of ``items``, reduced in rank order with ``reduce``, pickled; None when
-        any cannot be read, arrays disagree, or the function raises (rank 0 then meets the same)."""
-        if reduce is None or any(len(parts(item)) != 1 for item in items):
+        the function is not one known to be associative (rank 0 then folds every value strictly
+        left to right, as the star does), any value cannot be read, arrays disagree, or the
+        function raises (rank 0 then meets the same)."""
+        if not associative(reduce) or any(len(parts(item)) != 1 for item in items):
             return None
         try:
             values = [_serialize.loads(parts(item)[0]) for item in items]
@@ -246,6 +252,14 @@ class Relay:
         except BaseException as exc:  # a signal handler's: the parts go up as they came, then it is raised
             self.interrupted = exc
             return None
+
+
+def associative(fn: Any) -> bool:
+    """May a subtree's values be reduced apart from the rest? The default ``a += b``,
+    ``operator.add`` and ``mul``, numpy's ``add``, ``multiply``, ``maximum``, ``minimum``,
+    builtin ``max`` and ``min``, and functions marked :func:`~zcollective.elementwise` (which the
+    data plane's ring reduces out of order already)."""
+    return fn is max or fn is min or (fn is not None and _ring.reduction_name(fn) is not None)
 
 
 def _first(msg: Message) -> int:
