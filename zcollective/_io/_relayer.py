@@ -14,7 +14,9 @@ import time
 
 from .._protocol._member import Member
 from ..errors import CollectiveError
+from . import _interrupts, _sockets
 from ._driver import Driver
+from ._interrupts import Waiter
 from ._turns import Turns
 
 log = logging.getLogger("zcollective")
@@ -23,6 +25,7 @@ AWAY_S = 0.002  # the program out of the library this long: the thread moves its
 PARK_BUSY_S = AWAY_S  # it looks this often whether to, with calls in flight (as rank 0's server thread)
 PARK_IDLE_S = 0.05  # ... and this often without (a part of a call this rank has not made yet waits)
 
+STOP = "stop"  # its waiter's name for the stop pipe
 STOP_WAIT_S = 1.0  # closing waits this long for the thread (it holds the turn for microseconds)
 
 
@@ -31,7 +34,9 @@ class Relayer:
 
     def __init__(self, turns: Turns, driver: Driver, member: Member) -> None:
         self._turns, self._driver, self._member = turns, driver, member
-        self._stop = threading.Event()
+        self._stop = _sockets.Wakeup()  # readable once the thread must end
+        self._park_waiter = Waiter((STOP, self._stop.fd))
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="zcollective-relay", daemon=True)
 
     def start(self) -> None:
@@ -39,19 +44,22 @@ class Relayer:
 
     def stop(self) -> None:
         """End the thread (from a thread holding the turn: it then finds it taken and parks)."""
+        self._stopping = True
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(STOP_WAIT_S)
+            _interrupts.join(self._thread, STOP_WAIT_S)
+        if not self._thread.is_alive():
+            self._stop.close()
 
     def _run(self) -> None:
         turns, member = self._turns, self._member
-        mail = self._driver.mail
-        while not self._stop.wait(PARK_BUSY_S if member.calls or (member.relay and member.relay.calls) or (
-                mail is not None and mail.holding()) else PARK_IDLE_S):
+        mail, relay = self._driver.mail, member.relay
+        while not self._park_waiter.wait((STOP,), None, PARK_BUSY_S if member.calls or (
+                relay is not None and relay.calls) or (mail is not None and mail.holding()) else PARK_IDLE_S):
             if turns.wanted() or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
                 continue
             try:
-                if not self._stop.is_set() and member.failure is None:
+                if not self._stopping and member.failure is None:
                     self._driver.relay_io()
             except CollectiveError:
                 pass  # (the member failed: its program hears of it at its next call)

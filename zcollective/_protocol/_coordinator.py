@@ -4,7 +4,7 @@ returning the messages to send and the reductions to run. Rank 0 hosts it; a dri
 for a group of one) feeds it and applies what it returns (:func:`._ops.applied`), so every rule is
 tested without a network.
 
-Rules 1-13 (cited by number in the code): see docs/protocol.md,
+Rules 1-14 (cited by number in the code): see docs/protocol.md,
 *Coordinator rules*.
 """
 

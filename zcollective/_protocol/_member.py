@@ -5,7 +5,7 @@ arrives and sends what it returns and owes. It holds the one table of calls
 in flight and says what each came to (:class:`Outcome`), for the call
 runner to apply.
 
-Rules 1-10 (cited by number in the code): see docs/protocol.md, *Member rules*.
+Rules 1-11 (cited by number in the code): see docs/protocol.md, *Member rules*.
 """
 
 from __future__ import annotations
