@@ -33,7 +33,8 @@ CPU all ranks spend on it divided by P, so ``T_here = max(T, CPU(T) / P)``
 with ``CPU = rank 0's + each replica's cpu_r(T) + K * a1 per interior rank``,
 solved by iteration (T and the replicas' CPU depend on each other). The
 measured points (real processes, ``small_ops.py``'s worker) are compared with
-``T_here`` for the star.
+``T_here`` for the star, and ``--tree tree.json`` (``benchmarks/tree.py``, the tree built by
+issue 35) with ``T_here`` for the tree.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 import zmq
 
@@ -237,28 +238,41 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return c
 
 
-def predict(c: dict[str, Any], k: int, cores: int) -> dict[str, Any]:
+def predict(c: dict[str, Any], k: int, cores: int, tree_measured: dict[int, float]) -> dict[str, Any]:
     rows = []
-    for n in sorted(set(CLUSTER_SIZES) | set(CHECKED_SIZES)):
+    for n in sorted(set(CLUSTER_SIZES) | set(CHECKED_SIZES) | set(tree_measured)):
         star, tree = star_us(n, c), tree_us(n, k, c)
         rows.append({"n": n, "star_us": star, "tree_us": tree,
                      "star_here_us": here_us(n, star, 0.0, c, cores),
                      "tree_here_us": here_us(n, tree, interior_work_us(n, k, c), c, cores),
-                     "measured_us": c["measured"].get(n, {}).get("allreduce_s")})
+                     "measured_us": c["measured"].get(n, {}).get("allreduce_s"),
+                     "tree_measured_us": tree_measured.get(n)})
     return {"fanout": k, "cores": cores, "rows": rows}
+
+
+def tree_points(path: Optional[str]) -> dict[int, float]:
+    """The tree measured here with real processes: ``benchmarks/tree.py``'s medians (tree on)."""
+    if not path:
+        return {}
+    with open(path) as f:
+        medians = json.load(f)["medians"]
+    return {int(key.split("/")[0]): m["allreduce_us"] for key, m in medians.items() if key.endswith("/on")}
 
 
 def table(model: dict[str, Any]) -> str:
     k, cores = model["fanout"], model["cores"]
     lines = [f"| N | star, a core per rank | tree (K={k}), a core per rank | star here ({cores} cores) "
-             "| tree here | measured here (star) | model/measured |",
-             "|---|---|---|---|---|---|---|"]
+             "| tree here | measured here (star) | model/measured | tree measured here | model/measured |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in model["rows"]:
-        m = r["measured_us"]
+        m, t = r["measured_us"], r.get("tree_measured_us")
         measured = "" if m is None else f"{m:,.0f} µs"
         ratio = "" if m is None else f"{r['star_here_us'] / m:.2f}"
+        tree = "" if t is None else f"{t:,.0f} µs"
+        tree_ratio = "" if t is None else f"{r['tree_here_us'] / t:.2f}"
         lines.append(f"| {r['n']} | {r['star_us']:,.0f} µs | {r['tree_us']:,.0f} µs"
-                     f" | {r['star_here_us']:,.0f} µs | {r['tree_here_us']:,.0f} µs | {measured} | {ratio} |")
+                     f" | {r['star_here_us']:,.0f} µs | {r['tree_here_us']:,.0f} µs | {measured} | {ratio}"
+                     f" | {tree} | {tree_ratio} |")
     return "\n".join(lines)
 
 
@@ -293,6 +307,10 @@ def draw(model: dict[str, Any], path: str) -> None:
             label=f"tree on this machine, {model['cores']} cores (model)")
     pts = [(r["n"], r["measured_us"] / 1e3) for r in rows if r["measured_us"] is not None]
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color="C0", label="star measured here")
+    pts = [(r["n"], r["tree_measured_us"] / 1e3) for r in rows if r.get("tree_measured_us") is not None]
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s", color="C1",
+                label="tree measured here (tree.py)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks (N)")
@@ -319,6 +337,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--costs", help="a JSON this script wrote: its measured costs, not measured again")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "scale_model.json"))
+    parser.add_argument("--tree", help="benchmarks/tree.py's JSON: the tree measured here, beside the model")
     args = parser.parse_args()
     if args.costs:
         with open(args.costs) as f:
@@ -328,7 +347,7 @@ def main() -> None:
         costs = measure(args)
     if args.hop_us is not None:
         costs["hop"] = args.hop_us
-    model = predict(costs, args.fanout, args.cores)
+    model = predict(costs, args.fanout, args.cores, tree_points(args.tree))
     text = table(model) + "\n\n" + waits(costs)
     print(text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
