@@ -330,3 +330,59 @@ def test_a_value_rank_0_cannot_read_is_named_by_its_rank_not_its_parts_place():
     asked = Combine(0, Op.ALLREDUCE, 0, 1, operator.add, ([_serialize.dumps(1)], [[b"not a pickle"]]), (0, 7))
     with pytest.raises(Unreadable, match="value of rank 7"):
         asked.run(lambda fn: fn)
+
+
+def deep_member(clock):
+    """Rank 2 of 16 (its parent rank 1), welcomed into a group whose small calls climb the tree."""
+    from zcollective._format import _bodies
+    from zcollective._protocol._member import Member
+
+    member = Member(2, 16, "tcp://127.0.0.1:1", clock=clock)
+    member.mail_endpoint = "tcp://127.0.0.1:2"
+    nonce = member.join().body()["nonce"]
+    mail = [f"tcp://h:{r}" for r in range(16)]
+    welcome = _bodies.welcome(16, nonce, None, None, None, 0, "ab" * 32, mail=mail, tree=_tree.TREE_FANOUT,
+                              rank=2, session=SESSION)
+    member.receive_message(decode(encode(welcome)))
+    assert member.parent == 1 and member.relay is None
+    member.submit(Op.ALLREDUCE, 0, [_serialize.dumps(1)], future="f0", finish=lambda msg: "value")
+    return member
+
+
+def failing(complete):
+    return control(Kind.FAIL, {"error": "CallMismatchError", "message": "seq 1: ranks differ",
+                               "complete": complete}, rank=2, session=SESSION)
+
+
+def test_a_deep_rank_holds_a_fail_until_the_results_it_says_completed_came_down():
+    member = deep_member(FakeClock())
+    member.receive_message(decode(encode(failing(1))))
+    assert member.failure is None and member.deferred is not None  # seq 0's result is on its way
+    result = decode(encode(contrib(2, 0, value=16)))
+    result.kind = Kind.RESULT
+    member.climbed(result)
+    assert [o.future for o in member.outcomes] == ["f0"] and member.outcomes[0].error is None
+    assert isinstance(member.failure, zc.CallMismatchError) and member.deferred is None
+
+
+def test_a_held_fail_takes_effect_after_its_grace_and_fails_what_waits():
+    clock = FakeClock()
+    member = deep_member(clock)
+    member.receive_message(decode(encode(failing(1))))
+    clock.now += _tree.TREE_GRACE_S
+    member.tree_timer(clock())
+    assert isinstance(member.failure, zc.CallMismatchError)
+    assert [(o.future, type(o.error)) for o in member.outcomes] == [("f0", zc.CallMismatchError)]
+
+
+def test_a_fail_before_any_call_completed_takes_effect_at_once():
+    member = deep_member(FakeClock())
+    member.receive_message(decode(encode(failing(0))))
+    assert isinstance(member.failure, zc.CallMismatchError) and member.deferred is None
+
+
+def test_a_call_made_while_a_fail_is_held_raises_it():
+    member = deep_member(FakeClock())
+    member.receive_message(decode(encode(failing(1))))
+    with pytest.raises(zc.CallMismatchError):
+        member.reserve(Op.ALLREDUCE, 0, "t.py:2")
