@@ -2,11 +2,13 @@
 coordinator fed summaries, without sockets; then real groups of 16 and 32
 processes (ZCOLLECTIVE_TREE=on: this machine's two cores make ``auto`` keep the star)."""
 
+import collections
 import operator
 import os
 import signal
 import time
 
+import numpy
 import pytest
 from conftest import touch, wait_for
 from pair import FakeClock
@@ -386,3 +388,12 @@ def test_a_call_made_while_a_fail_is_held_raises_it():
     member.receive_message(decode(encode(failing(1))))
     with pytest.raises(zc.CallMismatchError):
         member.reserve(Op.ALLREDUCE, 0, "t.py:2")
+
+
+@pytest.mark.parametrize("values", [
+    {r: collections.Counter({"a": -5 if r == 2 else 1}) for r in range(16)},  # (+= drops counts < 1)
+    {r: [r] if r % 2 else numpy.ones(1) for r in range(16)},  # (list += array extends it)
+], ids=["counters", "mixed types"])
+def test_values_whose_grouping_matters_leave_the_fold_to_rank_0(values):
+    out = climb(_tree.Relay(1, 16), values, zc.default_reduce_fn)
+    assert [m.rank for m in out] == [1, 2, 3, 4] and not any(m.flags & _tree.FLAG_RANGE for m in out)

@@ -383,6 +383,21 @@ class Driver:
         if self.remote:  # (no data moves: finish_data had its time)
             self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
 
+    def relay_out(self, deadline: float) -> None:
+        """An interior rank's program ends: its subtree's parts of the calls it made climb
+        on through it (their ranks are still running; only calls after its own last fail, as on
+        the star), until none is held here, the group fails, or ``deadline``."""
+        member, relay = self.member, self.member.relay
+        if relay is None or member.mail is None:
+            return
+        while member.failure is None and any(seq < member.next_seq for seq in relay.calls):
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            self._pump(min(deadline, now + POLL_SLICE_S))
+            self.mail_io(ready=self.mail_ready)
+            self.mail_ready = 0
+
     def hand_down(self, deadline: float) -> None:
         """Closing: results this interior rank of the tree owes its children, still
         waiting for a link's handshake, get until ``deadline`` to go (even after a failure:

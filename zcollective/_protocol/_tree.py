@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
@@ -241,6 +242,8 @@ class Relay:
             return None
         try:
             values = [_serialize.loads(parts(item)[0]) for item in items]
+            if not _summable(values, reduce):
+                return None
             name = _ring.reduction_name(reduce)
             described = _described_arrays(values, name) if name is not None else None
             if described is not None and len(set(described)) > 1:
@@ -260,6 +263,27 @@ def associative(fn: Any) -> bool:
     builtin ``max`` and ``min``, and functions marked :func:`~zcollective.elementwise` (which the
     data plane's ring reduces out of order already)."""
     return fn is max or fn is min or (fn is not None and _ring.reduction_name(fn) is not None)
+
+
+ALIKE_TYPES = frozenset({int, float, complex, bool, str, bytes, list, tuple})  # whose + (and max,
+# min) group as they like; a Counter's += drops counts below one at each step, so it does not
+
+
+def _summable(values: list[Any], reduce: Any) -> bool:
+    """Are these values ones a known function may reduce in any grouping: one type, a builtin
+    number or sequence, a numpy array or scalar, a torch tensor (or the function is marked
+    :func:`~zcollective.elementwise`, its author's word)?"""
+    if getattr(reduce, "__zcollective_elementwise__", False):
+        return True
+    kind = type(values[0])
+    if any(type(v) is not kind for v in values):
+        return False
+    if kind in ALIKE_TYPES:
+        return True
+    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")  # (a value of theirs imported them)
+    if numpy is not None and (kind is numpy.ndarray or issubclass(kind, numpy.generic)):
+        return True
+    return torch is not None and kind is torch.Tensor
 
 
 def _first(msg: Message) -> int:
