@@ -300,6 +300,7 @@ class Lifecycle:
                 base = self.config.secret or bytes.fromhex(member.mail_key or "")
                 self.mail.start(member.session, member.mail_endpoints, base, member.rank)
                 link.attach_mail(self.mail)
+                link.link_tree(deadline)
                 if member.relay is not None:  # an interior rank of the tree: its subtree's calls move
                     from ._io._relayer import Relayer  # while its program is elsewhere
 

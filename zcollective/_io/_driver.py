@@ -383,6 +383,25 @@ class Driver:
         if self.remote:  # (no data moves: finish_data had its time)
             self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
 
+    def link_tree(self, deadline: Optional[float]) -> None:
+        """Joined into a tree: make the links to this rank's parent and children and wait for
+        their handshakes (every rank is inside ``initialize`` now, to answer), until ``deadline``
+        (then what is left is made as a message needs it)."""
+        member, sockets = self.member, self.mail
+        if sockets is None or member.mail is None or (member.parent <= 0 and member.relay is None):
+            return
+        ranks = [*([member.parent] if member.parent > 0 else []),
+                 *(member.relay.children if member.relay is not None else ())]
+        sockets.connect(ranks)
+        self.mail_io(take=False, ready=LINK)
+        while not sockets.made(ranks) and member.failure is None:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            slice_s = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - now)
+            self.waiter.wait(self.mail_names, None, slice_s)
+            self.mail_io(take=False, ready=LINK)
+
     def relay_out(self, deadline: float) -> None:
         """An interior rank's program ends: its subtree's parts of the calls it made climb
         on through it (their ranks are still running; only calls after its own last fail, as on

@@ -173,6 +173,17 @@ class MailSockets:
         self._pushes[dest] = push
         return push
 
+    def connect(self, dests: list[int]) -> None:
+        """Make the links to ``dests`` now (the tree's: a part must never wait for a handshake
+        that only a wait on this group would finish)."""
+        for dest in dests:
+            if dest not in self._pushes and dest != self.rank:
+                self._connect(dest)
+
+    def made(self, dests: list[int]) -> bool:
+        """Are the links to ``dests`` made?"""
+        return all(dest in self._made for dest in dests)
+
     def link_count(self) -> int:
         return len(self._monitors)
 
