@@ -397,3 +397,16 @@ def test_a_call_made_while_a_fail_is_held_raises_it():
 def test_values_whose_grouping_matters_leave_the_fold_to_rank_0(values):
     out = climb(_tree.Relay(1, 16), values, zc.default_reduce_fn)
     assert [m.rank for m in out] == [1, 2, 3, 4] and not any(m.flags & _tree.FLAG_RANGE for m in out)
+
+
+def test_a_summary_reduced_with_another_function_than_rank_0s_is_a_mismatch_not_a_wrong_value():
+    n = 16
+    coord = tree_joined(n)
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=operator.add))
+    out = []
+    for child, up in summaries(n, dict.fromkeys(range(n), 1), max):
+        out += feed(coord, peer(child), up)
+    errors = [m for _, m in out if m.kind is Kind.ERROR]
+    assert len(errors) == n and errors[0].body()["error"] == "CallMismatchError"
+    assert "ranks 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 passed a value to reduce with max" in \
+        errors[0].body()["message"]

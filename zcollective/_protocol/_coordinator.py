@@ -1012,7 +1012,8 @@ class Coordinator:
         parts = tuple(_tree.parts(c) for _, c in came)
         if op == Op.ALLREDUCE:
             self.combining[seq], self.reducing = call, (seq, op, self.clock())
-            return [_ops.Combine(seq, op, 0, 1, call.contributions[0].fn, parts, tuple(lo for lo, _ in came))]
+            return [_ops.Combine(seq, op, 0, 1, call.contributions[0].fn, parts, tuple(lo for lo, _ in came),
+                                 tuple(_tree.reduced_with(c) for _, c in came))]
         value: list[list[Any]] = next((p for p in parts if p), []) if op == Op.BROADCAST else []
         return self._results(seq, call, [value] * self.num_replicas)
 

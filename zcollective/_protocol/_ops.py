@@ -153,6 +153,7 @@ class Combine:
     values: tuple[list[list[Any]], ...]  # each rank's segments, in rank order
     ranks: Optional[tuple[int, ...]] = None  # whose each is (a part of the tree: its first rank), if not
     # each rank's own
+    names: Optional[tuple[Optional[str], ...]] = None  # each part's function, if a summary says
 
     def run(self, user_code: UserCode) -> list[list[Any]]:
         """Each index's result, pickled (the user's code: a function, a result's
@@ -163,6 +164,10 @@ class Combine:
         fn = self.fn if callable(self.fn) else _unpickled([self.fn], f"reduce function of rank {self.root}")
         name, call, out = _ring.reduction_name(fn), user_code(fn), []
         ranks = self.ranks or range(len(self.values))
+        if self.names is not None and any(n is not None and n != reduce_name(fn) for n in self.names):
+            mine = reduce_name(fn) or getattr(fn, "__qualname__", "a function of its own")
+            raise Disagree([f"a value to reduce with {n or mine} (through the tree, every rank must pass "
+                            f"rank 0's function)" for n in self.names])
         for index in range(self.count):
             values = [_unpickled(v[index], f"value of rank {r}")
                       for r, v in zip(ranks, self.values, strict=True)]
@@ -190,6 +195,14 @@ def applied(step: Step, at: Combining) -> Iterator[Outgoing]:
             yield from at.combine_failed(out, exc)
         else:
             yield from at.combined(out, results)
+
+
+def reduce_name(fn: Any) -> Optional[str]:
+    """The name a function known to be associative goes by (the data plane's, or builtin ``max``,
+    ``min``); None for any other."""
+    if fn is max or fn is min:
+        return fn.__name__
+    return _ring.reduction_name(fn) if fn is not None else None
 
 
 def _unpickled(segment: list[Any], what: str) -> Any:

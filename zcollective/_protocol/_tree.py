@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 from .._format import _serialize
 from .._format._wire import FLAG_DATA, FLAG_FN, FLAG_LOCAL_ERROR, Kind, Message
 from . import _ring
-from ._ops import Op, _described_arrays
+from ._ops import Op, _described_arrays, reduce_name
 
 TREE_FANOUT = 4  # children per interior rank: minimises (2 x hop + K x per-child cost) / ln K with
 # the costs measured here (benchmarks/scale_model.py: K = 4-5)
@@ -101,17 +101,27 @@ def up(msg: Message) -> Message:
     return replace(msg, kind=Kind.UP)
 
 
-def summary(first: Message, end: int, value: list[list[Any]]) -> Message:
-    """An UP for ranks ``first.rank`` .. ``end`` - 1 that all called as ``first`` did."""
+def summary(first: Message, end: int, value: list[list[Any]], reduced_with: str = "") -> Message:
+    """An UP for ranks ``first.rank`` .. ``end`` - 1 that all called as ``first`` did (an
+    allreduce's: its value ``reduced_with`` the function of this name)."""
+    head = [_END.pack(end), *([reduced_with.encode()] if reduced_with else [])]
     return Message(Kind.UP, first.op, first.rank, first.root, first.seq, first.session, first.callsite,
-                   FLAG_RANGE, None, [[_END.pack(end)], *value])
+                   FLAG_RANGE, None, [head, *value])
+
+
+def reduced_with(msg: Message) -> Optional[str]:
+    """The name of the function a summary's value was reduced with (None: none said)."""
+    if not msg.flags & FLAG_RANGE or len(msg.segments[0]) < 2:
+        return None
+    return bytes(msg.segments[0][1])[:200].decode("utf-8", "replace")
 
 
 def span(msg: Message) -> tuple[int, int]:
     """The ranks an UP speaks for, ``lo``, ``end``; raises ValueError if malformed."""
     if not msg.flags & FLAG_RANGE:
         return msg.rank, msg.rank + 1
-    if not msg.segments or len(msg.segments[0]) != 1 or memoryview(msg.segments[0][0]).nbytes != _END.size:
+    head = msg.segments[0] if msg.segments else []
+    if len(head) not in (1, 2) or memoryview(head[0]).nbytes != _END.size:
         raise ValueError("a summary without its range")
     end = _END.unpack(bytes(msg.segments[0][0]))[0]
     if end <= msg.rank:
@@ -221,8 +231,11 @@ class Relay:
             if item.op != op or item.root != root or item.callsite != site or item.flags & _OWN_FLAGS:
                 return None
         if op == Op.ALLREDUCE:
+            name = reduce_name(reduce)
+            if any(item.flags & FLAG_RANGE and reduced_with(item) != name for item in items):
+                return None  # (a child reduced with another function: rank 0 names the mismatch)
             value = self._reduced(items, reduce)
-            return None if value is None else summary(head, self.end, [value])
+            return None if value is None or name is None else summary(head, self.end, [value], name)
         if op == Op.BROADCAST:
             carried = [parts(item) for item in items if parts(item)]
             ranged = self.rank <= root < self.end
@@ -262,7 +275,7 @@ def associative(fn: Any) -> bool:
     ``operator.add`` and ``mul``, numpy's ``add``, ``multiply``, ``maximum``, ``minimum``,
     builtin ``max`` and ``min``, and functions marked :func:`~zcollective.elementwise` (which the
     data plane's ring reduces out of order already)."""
-    return fn is max or fn is min or (fn is not None and _ring.reduction_name(fn) is not None)
+    return reduce_name(fn) is not None
 
 
 ALIKE_TYPES = frozenset({int, float, complex, bool, str, bytes, list, tuple})  # whose + (and max,
