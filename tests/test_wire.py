@@ -516,8 +516,13 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
         "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
         "data_key": key, "renumber": None, "addresses": None, "admitted": None, "mail": None,
-        "mail_key": None, "shm": None}
+        "mail_key": None, "shm": None, "tree": None}
     assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
+    treed = _bodies.welcome(3, "ab" * 16, None, None, None, 0, key, tree=4, rank=1, session=5)
+    assert _bodies.parse_welcome(_through_the_wire(treed), 3)["tree"] == 4
+    for odd in (1, 65, "4", 4.0, True):  # (a fan-out no release sends: no tree)
+        odd_msg = control(Kind.WELCOME, {**treed.body(), "tree": odd}, rank=1, session=5)
+        assert _bodies.parse_welcome(odd_msg, 3)["tree"] is None
     boxes = ["tcp://a:7", "tcp://b:8", "tcp://c:9"]
     mailing = _bodies.welcome(3, "ab" * 16, None, None, None, 0, key, mail=boxes, rank=1, session=5)
     read = _bodies.parse_welcome(_through_the_wire(mailing), 3)
