@@ -408,5 +408,36 @@ def test_a_summary_reduced_with_another_function_than_rank_0s_is_a_mismatch_not_
         out += feed(coord, peer(child), up)
     errors = [m for _, m in out if m.kind is Kind.ERROR]
     assert len(errors) == n and errors[0].body()["error"] == "CallMismatchError"
-    assert "ranks 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 passed a value to reduce with max" in \
+    assert "ranks 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 passed a value reduced with max on the way" in \
         errors[0].body()["message"]
+
+
+def test_a_broadcast_through_the_tree_sends_the_roots_value_whatever_the_others_parts_carry():
+    n, root, tree = 16, 6, _tree.shape(16)
+    coord = tree_joined(n)
+
+    def sent(rank):  # (a rank of a host sharing memory sends a status segment, not a value)
+        msg = contrib(rank, 0, op=Op.BROADCAST, value="the root's" if rank == root else None, root=root)
+        if rank != root:
+            msg.segments = [[b"a status"]] if rank < root else []
+        return msg
+    out = feed(coord, peer(0), sent(0))
+    for child in tree.children[0]:
+        relay = _tree.Relay(child, n)
+        ups = relay.own(sent(child), None)
+        for sub in range(child + 1, tree.end[child]):
+            ups += relay.take(through(sent(sub)))
+        for up in ups:
+            out += feed(coord, peer(child), up)
+    assert {_serialize.loads(m.segments[0]) for _, m in out if m.kind is Kind.RESULT} == {"the root's"}
+
+
+def test_a_teardown_comes_down_the_tree_behind_the_results_before_it():
+    n, tree = 16, _tree.shape(16)
+    coord = tree_joined(n)
+    out = feed(coord, peer(0), part(0, None, op=Op.TEARDOWN))
+    for child in tree.children[0]:
+        for rank in range(child, tree.end[child]):
+            out += feed(coord, peer(child), _tree.up(part(rank, None, op=Op.TEARDOWN)))
+    assert sorted(p for p, m in out if m.kind is Kind.RESULT) == sorted(peer(r) for r in (0, 1, 5, 9, 13))
+    assert coord.phase is Phase.CLOSED

@@ -412,9 +412,10 @@ class Lifecycle:
                 if self.relayer is not None:
                     self.relayer.stop()
                 if self.driver is not None and not quick:
-                    self.driver.hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
-                if self.mail is not None:
-                    self.mail.close(EXIT_LINGER_MS if ending else 0)
+                    with contextlib.suppress(CollectiveError):  # (a failure: the sockets still close)
+                        self.driver.hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
+                if self.mail is not None:  # (an interior rank's results passed down leave first)
+                    self.mail.close(EXIT_LINGER_MS if ending or self.relayer is not None else 0)
                 if self.data is not None:  # (ending: the next rank said it has its chunks, see
                     # rule 7 of the coordinator; or the wait for it ran out)
                     self.data.close(EXIT_LINGER_MS if ending else 0)

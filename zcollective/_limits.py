@@ -66,6 +66,8 @@ DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take
 HELD_AT_TEARDOWN_S = 1.0  # teardown: how long point-to-point messages may wait for their link's
 # handshake before its FINAL (those still waiting are not sent, and not counted)
 CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown
+TREE_LINK_WAIT_S = 5.0  # joining, a rank waits this long at most for its tree links' handshakes (a link
+# not made by then is made when a message needs it)
 EXIT_LINGER_MS = 5000  # a program ending without teardown: time for what it produced to leave
 # (results, contributions, notices) and for rank 0's last BYEs to be answered; a peer that
 # stopped reading holds a process no longer

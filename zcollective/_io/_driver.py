@@ -7,13 +7,14 @@ wait for the next. See docs/protocol.md, *Topology* and *Drivers*.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
-from .._limits import POLL_SLICE_S, STATUS_WAIT_S
+from .._limits import POLL_SLICE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
 from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import Outcome
@@ -130,8 +131,13 @@ class Driver:
             self.mail_names = (MAIL, *links)
         if broken is not None or rules.gap is not None:
             self._fail_data(rules.link_broke(broken))
-        if member.owed and member.relay is not None:  # what climbed to here goes on to rank 0
-            self.flush()
+        if member.relay is not None:
+            if member.owed:  # what climbed to here goes on to rank 0
+                self.flush()
+            interrupted = member.relay.interrupted  # (a signal handler's, in a reduce function run
+            if interrupted is not None and threading.current_thread() is threading.main_thread():
+                member.relay.interrupted = None  # here: only the main thread gets signals)
+                raise interrupted
 
     # -- to implement -----------------------------------------------------
 
@@ -394,11 +400,13 @@ class Driver:
                  *(member.relay.children if member.relay is not None else ())]
         sockets.connect(ranks)
         self.mail_io(take=False, ready=LINK)
+        until = time.monotonic() + TREE_LINK_WAIT_S
+        deadline = until if deadline is None else min(deadline, until)
         while not sockets.made(ranks) and member.failure is None:
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
+            if now >= deadline:
                 return
-            slice_s = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - now)
+            slice_s = min(POLL_SLICE_S, deadline - now)
             self.waiter.wait(self.mail_names, None, slice_s)
             self.mail_io(take=False, ready=LINK)
 
@@ -409,7 +417,8 @@ class Driver:
         member, relay = self.member, self.member.relay
         if relay is None or member.mail is None:
             return
-        while member.failure is None and any(seq < member.next_seq for seq in relay.calls):
+        while member.failure is None and (any(seq < member.next_seq for seq in relay.calls)
+                                          or member.awaits_tree()):  # (its results, to pass down)
             now = time.monotonic()
             if now >= deadline:
                 return

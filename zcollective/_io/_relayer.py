@@ -51,11 +51,16 @@ class Relayer:
         if not self._thread.is_alive():
             self._stop.close()
 
+    def _park_s(self) -> float:
+        """How long to park: briefly while this rank's calls or its subtree's parts are in flight."""
+        member, mail = self._member, self._driver.mail
+        busy = member.calls or (member.relay is not None and member.relay.calls) or (
+            mail is not None and mail.holding())
+        return PARK_BUSY_S if busy and member.failure is None else PARK_IDLE_S
+
     def _run(self) -> None:
         turns, member = self._turns, self._member
-        mail, relay = self._driver.mail, member.relay
-        while not self._park_waiter.wait((STOP,), None, PARK_BUSY_S if member.calls or (
-                relay is not None and relay.calls) or (mail is not None and mail.holding()) else PARK_IDLE_S):
+        while not self._park_waiter.wait((STOP,), None, self._park_s()):
             if turns.wanted() or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
                 continue
             try:

@@ -1014,7 +1014,10 @@ class Coordinator:
             self.combining[seq], self.reducing = call, (seq, op, self.clock())
             return [_ops.Combine(seq, op, 0, 1, call.contributions[0].fn, parts, tuple(lo for lo, _ in came),
                                  tuple(_tree.reduced_with(c) for _, c in came))]
-        value: list[list[Any]] = next((p for p in parts if p), []) if op == Op.BROADCAST else []
+        value: list[list[Any]] = []
+        if op == Op.BROADCAST:  # (the root's part: another rank's may carry a shared-memory status)
+            spans = call.spans or {}
+            value = next(_tree.parts(c) for lo, c in came if lo <= root < spans.get(lo, lo + 1))
         return self._results(seq, call, [value] * self.num_replicas)
 
     @staticmethod

@@ -524,20 +524,21 @@ class Member:
     def _defer(self, msg: Message) -> bool:
         """A FAIL behind which the results of calls it says completed may still come
         down the tree: held until they came (True), so the group fails after them here too."""
-        complete = _bodies.complete_of(msg)
-        if not any(seq < complete and call.op in _tree.DOWN_LABELS and not call.described
-                                for seq, call in self.calls.items()):
+        if not self.awaits_tree(_bodies.complete_of(msg)):
             return False
         self.deferred = (msg, self.clock() + _tree.TREE_GRACE_S)
         return True
 
+    def awaits_tree(self, below: Optional[int] = None) -> bool:
+        """Does a call of this rank's (before seq ``below``) wait for a result that comes down the
+        tree (not a data plan's: that one came straight, and its data moves)?"""
+        moving = {seq for seq, _ in self.transfers}
+        return any((below is None or seq < below) and call.op in _tree.DOWN_LABELS and not call.described
+                   and seq not in moving for seq, call in self.calls.items())
+
     def _awaited(self) -> bool:
         """Does a held FAIL still wait for a result?"""
-        if self.deferred is None:
-            return False
-        complete = _bodies.complete_of(self.deferred[0])
-        return any(seq < complete and call.op in _tree.DOWN_LABELS and not call.described
-                   for seq, call in self.calls.items())
+        return self.deferred is not None and self.awaits_tree(_bodies.complete_of(self.deferred[0]))
 
     def undefer(self) -> None:
         """The held FAIL takes effect now."""

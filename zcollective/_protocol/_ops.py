@@ -166,7 +166,8 @@ class Combine:
         ranks = self.ranks or range(len(self.values))
         if self.names is not None and any(n is not None and n != reduce_name(fn) for n in self.names):
             mine = reduce_name(fn) or getattr(fn, "__qualname__", "a function of its own")
-            raise Disagree([f"a value to reduce with {n or mine} (through the tree, every rank must pass "
+            raise Disagree([f"a value to reduce with {mine}" if n is None else
+                            f"a value reduced with {n} on the way (through the tree every rank must pass "
                             f"rank 0's function)" for n in self.names])
         for index in range(self.count):
             values = [_unpickled(v[index], f"value of rank {r}")

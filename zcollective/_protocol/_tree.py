@@ -20,6 +20,7 @@ import functools
 import struct
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
@@ -34,9 +35,12 @@ TREE_MIN_RANKS = 16  # "auto" uses the tree from this size: below, the star is a
 # the exact left fold of every reduction
 RELAY_FLUSH_S = 0.2  # a part waited for this long: what came goes up as it is, so a stall report or
 # a timed-out rank's question names the ranks missing, not a whole subtree
-SUMMARIZED = frozenset({Op.ALLREDUCE, Op.BROADCAST, Op.BARRIER})  # kinds combined on the way up,
-# whose one result comes down the tree (the others' results, and every error, come from rank 0)
-DOWN_LABELS = frozenset(o.name.lower() for o in SUMMARIZED)
+SUMMARIZED = frozenset({Op.ALLREDUCE, Op.BROADCAST, Op.BARRIER})  # kinds combined on the way up
+DOWN = SUMMARIZED | {Op.TEARDOWN}  # kinds whose one result comes down the tree (a teardown's too: it must
+# not overtake the results before it); the others' results, and every error, come from rank 0
+DOWN_LABELS = frozenset(o.name.lower() for o in DOWN)
+MAX_DONE_CALLS = 1024  # calls an interior rank remembers having sent up or passed down (a replay of
+# one of their messages is dropped)
 TREE_GRACE_S = 5.0  # a FAIL that says a rank ended waits at most this long here for the results of the
 # calls it completed to come down the tree (a parent stopped past this: the group fails here as the FAIL says)
 FLAG_RANGE = 0x80  # an UP speaks for ranks rank .. end (its first segment): a summary
@@ -93,7 +97,7 @@ def depth(size: int, fanout: int = TREE_FANOUT) -> int:
 
 def goes_down(op: int, flags: int) -> bool:
     """Does a RESULT of this kind come down the tree (both ends decide alike)?"""
-    return op in SUMMARIZED and not flags & FLAG_DATA
+    return op in DOWN and not flags & FLAG_DATA
 
 
 def up(msg: Message) -> Message:
@@ -157,6 +161,7 @@ class Relay:
         self.children, self.end = tree.children[rank], tree.end[rank]
         self.user_code, self.clock = user_code, clock
         self.calls: dict[int, _Call] = {}
+        self._finished: OrderedDict[int, bool] = OrderedDict()  # calls sent up (False) or passed down (True)
         self.interrupted: Optional[BaseException] = None  # a signal handler's, in a reduce function run here
 
     def own(self, msg: Message, reduce: Any = None) -> list[Message]:
@@ -166,12 +171,13 @@ class Relay:
         return self._add(msg.seq, call, up(msg), 1)
 
     def take(self, msg: Message) -> list[Message]:
-        """A child's UP (checked: it speaks for ranks of this subtree, not this rank)."""
+        """A child's UP (checked: it speaks for ranks of this subtree, not this rank, of a call
+        not already sent up)."""
         try:
             lo, end = span(msg)
         except ValueError:
             return []
-        if not self.rank < lo < end <= self.end:
+        if not self.rank < lo < end <= self.end or msg.seq in self._finished:
             return []
         return self._add(msg.seq, self._call(msg.seq), msg, end - lo)
 
@@ -191,8 +197,16 @@ class Relay:
         return out
 
     def down(self, msg: Message) -> list[tuple[int, Message]]:
-        """A RESULT that came down: the same to each child."""
+        """A RESULT that came down: the same to each child, once."""
+        if self._finished.get(msg.seq):
+            return []
+        self._remember(msg.seq, True)
         return [(child, replace(msg, rank=child)) for child in self.children]
+
+    def _remember(self, seq: int, down: bool) -> None:
+        self._finished[seq] = down or self._finished.get(seq, False)
+        while len(self._finished) > MAX_DONE_CALLS:
+            self._finished.popitem(last=False)
 
     def forget(self) -> None:
         """The group failed or closed: nothing held goes up."""
@@ -212,6 +226,7 @@ class Relay:
         done = call.covered >= self.end - self.rank
         if done:
             del self.calls[seq]
+            self._remember(seq, False)
         if call.flushed:
             return [msg]
         call.items.append(msg)
