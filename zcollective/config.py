@@ -405,7 +405,7 @@ SETTINGS: tuple[Setting, ...] = (
             doc="``auto``: from 16 replicas, every call's part climbs a tree of ranks (4 "
                 "children each) to rank 0, and an allreduce, broadcast or barrier is combined on "
                 "the way and its result comes down the same tree, so rank 0's work per call stops "
-                "growing with the group (an allreduce's function must then be associative); "
+                "growing with the group (every rank must then pass rank 0's reduce function); "
                 "``on``: from 3 replicas; ``off``: every part goes to rank 0, which folds "
                 "strictly left to right. Rank 0's setting decides for the group."),
     Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, _integer,
