@@ -441,3 +441,17 @@ def test_a_teardown_comes_down_the_tree_behind_the_results_before_it():
             out += feed(coord, peer(child), _tree.up(part(rank, None, op=Op.TEARDOWN)))
     assert sorted(p for p, m in out if m.kind is Kind.RESULT) == sorted(peer(r) for r in (0, 1, 5, 9, 13))
     assert coord.phase is Phase.CLOSED
+
+
+def test_rank_0_closing_after_a_teardown_whose_result_still_comes_down_is_no_failure():
+    from zcollective._protocol._member import ConnectionEvent
+
+    member = deep_member(FakeClock())
+    member.submit(Op.TEARDOWN, 0, [], future="t1", finish=lambda msg: None)
+    member.connection(ConnectionEvent.DISCONNECTED)  # (rank 0 closed: the teardown completed)
+    assert member.failure is None and member.deferred is not None
+    for seq, op in ((0, Op.ALLREDUCE), (1, Op.TEARDOWN)):
+        result = decode(encode(contrib(2, seq, value=16, op=op)))
+        result.kind = Kind.RESULT
+        member.climbed(result)
+    assert [o.error for o in member.outcomes] == [None, None] and member.failure is None

@@ -140,8 +140,9 @@ class Member:
         self.parent = -1  # its parent in the tree of small calls (rule 11); -1: none (rank 0, no tree)
         self.relay: Optional[_tree.Relay] = None  # its rules there, if it has children
         self.user_code: Callable[[Any], Any] = lambda fn: fn  # how a reduce function runs here (the driver's)
-        self.deferred: Optional[tuple[Message, float]] = None  # a FAIL held until the results of calls it
-        # says completed came down the tree (rule 11), and until when at most
+        self.deferred: Optional[tuple[Exception, bool, Optional[int], float]] = None  # a failure (its error,
+        # keep_data, the calls it says completed; None: all made) held until their results came, and
+        # until when at most: a FAIL, or rank 0's connection lost meanwhile (rule 11)
         self.shm_offer: Optional[tuple[int, int]] = None  # it can share memory on its host: (threshold, room)
         self.shared: Optional[dict[str, Any]] = None  # the WELCOME's shared memory: min, hosts, room
         self.outcomes: deque[Outcome] = deque()  # calls settled, for the runner to apply (rule 3)
@@ -512,21 +513,23 @@ class Member:
         whose results did not come in time fails the group here."""
         if self.relay is not None and self.failure is None:
             self._send_up(self.relay.on_timer(now))
-        if self.deferred is not None and now >= self.deferred[1]:
+        if self.deferred is not None and now >= self.deferred[3]:
             self.undefer()
 
     def tree_due(self) -> Optional[float]:
         """When :meth:`tree_timer` has something to do, if ever."""
         due = self.relay.next_due() if self.relay is not None else None
-        held = self.deferred[1] if self.deferred is not None else None
+        held = self.deferred[3] if self.deferred is not None else None
         return due if held is None else held if due is None else min(due, held)
 
     def _defer(self, msg: Message) -> bool:
         """A FAIL behind which the results of calls it says completed may still come
         down the tree: held until they came (True), so the group fails after them here too."""
-        if not self.awaits_tree(_bodies.complete_of(msg)):
+        complete = _bodies.complete_of(msg)
+        if not self.awaits_tree(complete):
             return False
-        self.deferred = (msg, self.clock() + _tree.TREE_GRACE_S)
+        error, ended = _bodies.parse_error(msg)
+        self.deferred = (error, ended, complete, self.clock() + _tree.TREE_GRACE_S)
         return True
 
     def awaits_tree(self, below: Optional[int] = None) -> bool:
@@ -538,13 +541,12 @@ class Member:
 
     def _awaited(self) -> bool:
         """Does a held FAIL still wait for a result?"""
-        return self.deferred is not None and self.awaits_tree(_bodies.complete_of(self.deferred[0]))
+        return self.deferred is not None and self.awaits_tree(self.deferred[2])
 
     def undefer(self) -> None:
         """The held FAIL takes effect now."""
         if self.deferred is not None:
-            msg, self.deferred = self.deferred[0], None
-            error, ended = _bodies.parse_error(msg)
+            (error, ended, _, _), self.deferred = self.deferred, None
             self.owed.extend([*self.fail(error, keep_data=ended), *self._taken()])
 
     def _send_up(self, msgs: list[Message]) -> None:
@@ -615,7 +617,9 @@ class Member:
             self.outcomes.append(Outcome(call.future, error, None if error is not None or finish is None
                                          else lambda: finish(msg)))
         self.calls.pop(msg.seq, None)
-        if self.deferred is not None and not self._awaited():
+        if self.deferred is not None and call.op == "teardown" and error is None:
+            self.deferred = None  # the group closed as every rank agreed: what was held is moot
+        elif self.deferred is not None and not self._awaited():
             self.undefer()
 
     def _start_data(self, msg: Message, call: Call) -> None:
@@ -674,9 +678,13 @@ class Member:
             self.coordinator_lost = True
             if self.deferred is not None:  # rank 0 said it ended: what it completed still comes down
                 return []
-            return self.fail(lost_rank_0(ReplicaLostError(
+            lost = lost_rank_0(ReplicaLostError(
                 f"{self.who} lost the coordinator (rank 0) at {self.endpoint}: connection "
-                f"closed or heartbeats unanswered; {self.describe_in_flight()}")))
+                f"closed or heartbeats unanswered; {self.describe_in_flight()}"))
+            if self.parent > 0 and self.awaits_tree():  # (rank 0 may have closed after a teardown
+                self.deferred = (lost, False, None, self.clock() + _tree.TREE_GRACE_S)  # whose result
+                return []  # still comes down: held, as a FAIL is)
+            return self.fail(lost)
         elif event is ConnectionEvent.HANDSHAKE_SUCCEEDED:
             self.greeted = self.shook = True
             self.refused = False
