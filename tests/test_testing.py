@@ -73,8 +73,8 @@ def test_a_forked_replica_exits_through_the_interpreter(tmp_path):
 def _wait_for_ctrl_c(ready):
     import time
 
-    open(ready, "w").close()
-    try:
+    try:  # (the file made first, the test's SIGINT could land before the try)
+        open(ready, "w").close()
         time.sleep(60)
     except KeyboardInterrupt:
         return "interrupted"
