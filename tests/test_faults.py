@@ -500,12 +500,11 @@ def exits_on_sigterm_during_a_reduction(marker):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     zc.initialize(timeout=30)
 
-    def slow(a, b):
-        time.sleep(1.5)
+    def slow(a, b):  # (runs on rank 0, the coordinator: its SIGTERM comes while it runs, not while
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the call waits for
+        time.sleep(1.5)  # rank 1, which a fixed delay from the start could not promise under load)
         return a + b
 
-    if r == 0:
-        threading.Timer(0.7, os.kill, (os.getpid(), signal.SIGTERM)).start()
     try:
         got = zc.allreduce(1, slow, timeout=20)
     except zc.RemoteError as exc:
