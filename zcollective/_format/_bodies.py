@@ -203,8 +203,11 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
             "shm": parse_shared(body.get("shm"), num_replicas), "tree": _fanout(body.get("tree"))}
 
 
+MAX_FANOUT = 64  # a WELCOME's tree fan-out beyond this is no release's (it sends 4): read as no tree
+
+
 def _fanout(tree: Any) -> Optional[int]:
-    return tree if type(tree) is int and 2 <= tree <= 64 else None
+    return tree if type(tree) is int and 2 <= tree <= MAX_FANOUT else None
 
 
 def is_data_key(key: Any) -> bool:

@@ -56,8 +56,9 @@ MAX_CHALLENGES_PER_PEER = 8  # a replica asks again after each reconnect while j
 MAX_ANSWERED_PEERS = 1024  # refused peers remembered (each gets one REJECT); past this, refusals
 MAX_SHARED_CALLS = 1024  # shared-memory calls whose syncs are taken: the latest planned (rule 13;
 # more in flight at once than this would lose the oldest ones' syncs)
-MAX_RESENT_CALLS = 64  # the latest results sent down the tree, kept to send again to the subtree of an
-MAX_RESENT_BYTES = 16 << 20  # interior rank lost before it passed them on (rule 14); at most this much
+MAX_RESENT_CALLS = 64  # results sent down the tree kept, for the subtree of an interior rank lost
+# before it passed them on (rule 14): more calls in flight than this at one loss is rare
+MAX_RESENT_BYTES = 16 << 20  # ... and at most this much of them (large results keep fewer)
 MAX_EARLY_GIVE_UPS = 1024  # give-ups that came before their rank's part climbed the tree (rule 14);
 # past this the oldest are forgotten (its call then completes on the others)
 MAX_SYNCS_WAITING = 4096  # syncs some but not all ranks of a host reached, at most (a member's
@@ -1239,9 +1240,10 @@ class Coordinator:
                  flags: int = 0) -> list[Outgoing]:
         """Call ``seq``'s RESULTs: a header of its own for each rank; ranks
         given one payload share its frames, which the driver hashes once."""
-        if self.tree is not None and _tree.goes_down(call.op, flags):  # the rest from their parents;
-            whole = next((r for r in routes if r), routes[0])  # (a broadcast's root is sent it too: its
-            outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(  # subtree's ranks need it)
+        if self.tree is not None and _tree.goes_down(call.op, flags):  # the rest from their parents
+            whole = next((r for r in routes if r), routes[0])  # (a broadcast's root gets it too: its
+            # subtree's ranks need it)
+            outs: list[Outgoing] = [(self.by_rank[rank].peer, Message(
                 Kind.RESULT, call.op, rank, call.root, seq, self.session, flags=flags, segments=whole))
                 for rank in self._down]
             self._keep_down(seq, call, flags, whole)
