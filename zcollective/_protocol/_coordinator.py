@@ -268,7 +268,8 @@ class Coordinator:
         self.tree: Optional[_tree.Shape] = None  # small calls climb it (rule 14), once settled
         self._down: list[int] = []  # the ranks a result that comes down the tree is sent to
         self._sent_down: OrderedDict[int, tuple[Op, int, int, list[list[Any]], int]] = OrderedDict()  # seq ->
-        # op, root, flags, segments, bytes of the latest results sent down the tree (rule 14)
+        # op, root, flags, segments, bytes of the latest results sent down the tree (rule 14) ...
+        self._sent_down_bytes = 0  # ... and those bytes together
         self._early: OrderedDict[tuple[int, int], tuple[str, str]] = OrderedDict()  # (seq, rank) ->
         # its give-up, come before its part did (rule 14)
         self.held: dict[int, list[tuple[int, Outgoing]]] = {}  # rank -> (seq, BYE answer) held until that
@@ -995,13 +996,13 @@ class Coordinator:
         """A complete call some of whose parts are summaries: checked as the star's
         (each rank of a summary as having sent a well-formed part), then reduced over
         its parts in rank order, or routed."""
-        op, root = call.op, call.root
+        op, root, came, spans = call.op, call.root, self._parts(call), call.spans or {}
         stand_ins: list[Message] = []
-        for lo, c in self._parts(call):  # (one per summary, and its root's: no work per rank)
+        for lo, c in came:  # (one per summary, and its root's: no work per rank)
             if not c.flags & _tree.FLAG_RANGE:
                 stand_ins.append(c)
                 continue
-            end = call.spans[lo] if call.spans is not None else lo + 1
+            end = spans[lo]
             alike = dataclasses.replace(c, flags=0, segments=self._stand_in(op, root, -1, c))
             stand_ins += [alike] * (end - lo)
             if lo <= root < end and op == Op.BROADCAST:
@@ -1009,7 +1010,6 @@ class Coordinator:
         out = self._problem(seq, call, stand_ins)
         if out is not None:
             return out
-        came = self._parts(call)
         parts = tuple(_tree.parts(c) for _, c in came)
         if op == Op.ALLREDUCE:
             self.combining[seq], self.reducing = call, (seq, op, self.clock())
@@ -1017,7 +1017,6 @@ class Coordinator:
                                  tuple(_tree.reduced_with(c) for _, c in came))]
         value: list[list[Any]] = []
         if op == Op.BROADCAST:  # (the root's part: another rank's may carry a shared-memory status)
-            spans = call.spans or {}
             value = next(_tree.parts(c) for lo, c in came if lo <= root < spans.get(lo, lo + 1))
         return self._results(seq, call, [value] * self.num_replicas)
 
@@ -1035,9 +1034,9 @@ class Coordinator:
         size = sum(len(f) if type(f) is bytes else memoryview(f).nbytes for s in segments for f in s)
         kept = self._sent_down
         kept[seq] = (call.op, call.root, flags, segments, size)
-        while len(kept) > MAX_RESENT_CALLS or (
-                len(kept) > 1 and sum(k[4] for k in kept.values()) > MAX_RESENT_BYTES):
-            kept.popitem(last=False)
+        self._sent_down_bytes += size
+        while len(kept) > MAX_RESENT_CALLS or (len(kept) > 1 and self._sent_down_bytes > MAX_RESENT_BYTES):
+            self._sent_down_bytes -= kept.popitem(last=False)[1][4]
 
     def _resend_down(self, rank: int) -> list[Outgoing]:
         """Interior rank ``rank`` is lost: the latest results sent down the tree go again to its
@@ -1288,9 +1287,9 @@ class Coordinator:
         their data plans, or as rank 0 found them (``described``)."""
         groups: dict[tuple[str, str], list[int]] = {}
         if described is not None and call.spans is not None:  # by part: each of its ranks passed it
-            by_part = iter(described)
-            described = [what for lo, c in self._parts(call) for what in [next(by_part, "?")]
-                         for _ in range(call.spans.get(lo, lo + 1) - lo)]
+            spans = call.spans
+            described = [what for (lo, _), what in zip(self._parts(call), described, strict=True)
+                         for _ in range(spans.get(lo, lo + 1) - lo)]
         for rank, c in enumerate(call.ranked()):
             what = ("a value that does not go peer to peer (not a numeric array that large, "
                     "reduced elementwise)")

@@ -199,8 +199,10 @@ def applied(step: Step, at: Combining) -> Iterator[Outgoing]:
 
 
 def reduce_name(fn: Any) -> Optional[str]:
-    """The name a function known to be associative goes by (the data plane's, or builtin ``max``,
-    ``min``); None for any other."""
+    """The name a function known to be associative goes by; None for any other. Known: the
+    default ``a += b``, ``operator.add`` and ``mul``, numpy's ``add``, ``multiply``, ``maximum``,
+    ``minimum`` (the data plane's names), builtin ``max`` and ``min``, and functions marked
+    :func:`~zcollective.elementwise` (which the data plane's ring reduces out of order already)."""
     if fn is max or fn is min:
         return fn.__name__
     return _ring.reduction_name(fn) if fn is not None else None

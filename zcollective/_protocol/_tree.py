@@ -127,7 +127,7 @@ def span(msg: Message) -> tuple[int, int]:
     head = msg.segments[0] if msg.segments else []
     if len(head) not in (1, 2) or memoryview(head[0]).nbytes != _END.size:
         raise ValueError("a summary without its range")
-    end = _END.unpack(bytes(msg.segments[0][0]))[0]
+    end = _END.unpack(bytes(head[0]))[0]
     if end <= msg.rank:
         raise ValueError(f"a summary of ranks {msg.rank}..{end - 1}")
     return msg.rank, end
@@ -246,11 +246,12 @@ class Relay:
             if item.op != op or item.root != root or item.callsite != site or item.flags & _OWN_FLAGS:
                 return None
         if op == Op.ALLREDUCE:
-            name = reduce_name(reduce)
-            if any(item.flags & FLAG_RANGE and reduced_with(item) != name for item in items):
+            name = reduce_name(reduce)  # (None: not known to be associative; rank 0 then folds every
+            # value strictly left to right, as the star does)
+            if name is None or any(item.flags & FLAG_RANGE and reduced_with(item) != name for item in items):
                 return None  # (a child reduced with another function: rank 0 names the mismatch)
             value = self._reduced(items, reduce)
-            return None if value is None or name is None else summary(head, self.end, [value], name)
+            return None if value is None else summary(head, self.end, [value], name)
         if op == Op.BROADCAST:
             carried = [parts(item) for item in items if parts(item)]
             ranged = self.rank <= root < self.end
@@ -262,11 +263,10 @@ class Relay:
         return summary(head, self.end, [])
 
     def _reduced(self, items: list[Message], reduce: Any) -> Optional[list[Any]]:
-        """The values of ``items``, reduced in rank order with ``reduce``, pickled; None when
-        the function is not one known to be associative (rank 0 then folds every value strictly
-        left to right, as the star does), any value cannot be read, arrays disagree, or the
-        function raises (rank 0 then meets the same)."""
-        if not associative(reduce) or any(len(parts(item)) != 1 for item in items):
+        """The values of ``items``, reduced in rank order with ``reduce`` (a function known to be
+        associative), pickled; None when any value cannot be read or its grouping matters,
+        arrays disagree, or the function raises (rank 0 then meets the same)."""
+        if any(len(parts(item)) != 1 for item in items):
             return None
         try:
             values = [_serialize.loads(parts(item)[0]) for item in items]
@@ -283,14 +283,6 @@ class Relay:
         except BaseException as exc:  # a signal handler's: the parts go up as they came, then it is raised
             self.interrupted = exc
             return None
-
-
-def associative(fn: Any) -> bool:
-    """May a subtree's values be reduced apart from the rest? The default ``a += b``,
-    ``operator.add`` and ``mul``, numpy's ``add``, ``multiply``, ``maximum``, ``minimum``,
-    builtin ``max`` and ``min``, and functions marked :func:`~zcollective.elementwise` (which the
-    data plane's ring reduces out of order already)."""
-    return reduce_name(fn) is not None
 
 
 ALIKE_TYPES = frozenset({int, float, complex, bool, str, bytes, list, tuple})  # whose + (and max,
