@@ -86,10 +86,9 @@ class Driver:
         rules = member.mail
         if rules is None:
             return
-        if member.relay is not None or member.deferred is not None:
+        timed = member.relay is not None or member.deferred is not None
+        if timed:
             member.tree_timer(time.monotonic())
-            if member.owed:  # (to rank 0, on its link)
-                self.flush()
         signer = member.signer
         if sockets is not None and take:
             mine = signer.to(member.rank) if signer is not None else None  # (this mailbox's key)
@@ -131,9 +130,9 @@ class Driver:
             self.mail_names = (MAIL, *links)
         if broken is not None or rules.gap is not None:
             self._fail_data(rules.link_broke(broken))
+        if timed and member.owed:  # what climbed to here (or a held FAIL's answer) goes on to rank 0
+            self.flush()
         if member.relay is not None:
-            if member.owed:  # what climbed to here goes on to rank 0
-                self.flush()
             interrupted = member.relay.interrupted  # (a signal handler's, in a reduce function run
             if interrupted is not None and threading.current_thread() is threading.main_thread():
                 member.relay.interrupted = None  # here: only the main thread gets signals)
@@ -399,16 +398,9 @@ class Driver:
         ranks = [*([member.parent] if member.parent > 0 else []),
                  *(member.relay.children if member.relay is not None else ())]
         sockets.connect(ranks)
-        self.mail_io(take=False, ready=LINK)
         until = time.monotonic() + TREE_LINK_WAIT_S
-        deadline = until if deadline is None else min(deadline, until)
-        while not sockets.made(ranks) and member.failure is None:
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            slice_s = min(POLL_SLICE_S, deadline - now)
-            self.waiter.wait(self.mail_names, None, slice_s)
-            self.mail_io(take=False, ready=LINK)
+        self._wait_links(lambda: sockets.made(ranks) or member.failure is not None,
+                         until if deadline is None else min(deadline, until))
 
     def relay_out(self, deadline: float) -> None:
         """An interior rank's program ends: its subtree's parts of the calls it made climb
@@ -433,8 +425,13 @@ class Driver:
         sockets = self.mail
         if self.member.relay is None or sockets is None or self.member.mail is None:
             return
-        self.mail_io(take=False)
-        while sockets.holding() and time.monotonic() < deadline:
+        self._wait_links(lambda: not sockets.holding(), deadline)
+
+    def _wait_links(self, done: Callable[[], bool], deadline: float) -> None:
+        """Send what the mailbox owes, then take in its links' news (handshakes made, messages
+        that waited for them sent) until ``done()`` or ``deadline``, failed or not."""
+        self.mail_io(take=False, ready=LINK)
+        while not done() and time.monotonic() < deadline:
             self.waiter.wait(self.mail_names, deadline, POLL_SLICE_S)
             self.mail_io(take=False, ready=LINK)
 
