@@ -262,7 +262,8 @@ class DataPlane:
         """Move ``job``'s chunks until it is done and its last sends have left, or the
         group fails (True: the caller finds ``member.failure``), or until ``deadline``,
         or ``until()`` after news on ``control`` (of ``waiter``'s names: False). ``pump``
-        takes in the control plane's news; ``fail`` fails the group for every rank.
+        moves the rest of the group, without blocking (the driver's one wait: see
+        docs/protocol.md, *Progress*); ``fail`` fails the group for every rank.
         ``owner``: the member's job ``job`` is a step of (a shared-memory job's ring
         between hosts), if not ``job`` itself."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move

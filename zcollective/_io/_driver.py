@@ -233,11 +233,6 @@ class Driver:
         if member.owed:
             self.flush()
         while not done():
-            if member.mail is not None and (self.mail_ready or member.mail.out or self._soon() is not None):
-                ready, self.mail_ready = self.mail_ready, 0  # (a wait wakes at once while a message
-                self.mail_io(ready=ready, enough=done)  # waits: the PULL is polled as a socket, level)
-                if done():
-                    return True
             # (a call kept by a failure too: see Member.fail)
             if self.shared is not None and self.shared.growing is not None:
                 self.shared.check()  # (a call that was to make its segment failed: unlinked now)
@@ -246,13 +241,28 @@ class Driver:
                 continue
             if member.failure is not None:
                 member.check()
-            until = deadline
-            soon = self._soon()
-            if soon is not None:  # nothing wakes a wait when libzmq lets go of a buffer, nor when
-                until = soon if deadline is None else min(deadline, soon)  # a link is due again
-            if moved is False or (not self._pump(until, done) and until == deadline):
+            if moved is False or not self._news(deadline, done):
                 return done()
         return True
+
+    def _news(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+        """The driver's one wait (:meth:`wait_for`'s, and a data move's: a shared-memory job's
+        at a sync, a ring's look at the rest), which moves everything but the data: the mailbox
+        (point to point, the tree's parts, buffers lent to libzmq, links), then the control
+        plane's news, until ``deadline``. False once ``until()`` holds or ``deadline`` passed.
+        See docs/protocol.md, *Progress*."""
+        mail, wake = self.member.mail, deadline
+        if mail is not None:
+            soon = self._soon()
+            if self.mail_ready or mail.out or soon is not None:
+                ready, self.mail_ready = self.mail_ready, 0  # (a wait wakes at once while a message
+                self.mail_io(ready=ready, enough=until)  # waits: the PULL is polled as a socket, level)
+                if until is not None and until():
+                    return False
+                soon = self._soon()
+            if soon is not None and (deadline is None or soon < deadline):  # nothing wakes a wait
+                wake = soon  # when libzmq lets go of a buffer, nor when a link is due again
+        return (self._pump(wake, until) or wake != deadline) and not (until is not None and until())
 
     def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """A point-to-point call's wait, by the turn's holder, at its cheapest:
@@ -323,11 +333,6 @@ class Driver:
         return self.data.run(seq, ring, deadline, self.member, self.waiter, self.watching(), self._take_in,
                              self._fail_data, until, owner=job)
 
-    def _news(self, deadline: Optional[float], until: Optional[Callable[[], bool]]) -> bool:
-        """Wait for news (a shared-memory job waits at a sync): False at ``deadline``, or
-        when ``until()`` holds after it (the caller goes on at its next wait)."""
-        return self._pump(deadline, until) and not (until is not None and until())
-
     def finish_data(self, timeout: float) -> None:
         """Move the data of every call that has some to move, its plan first
         (the program is ending: the other ranks need this one's chunks), for
@@ -340,12 +345,12 @@ class Driver:
                 return
             self.flush()
             if self._move_data(deadline) is None:  # its plan has not come yet
-                self._pump(deadline)
+                self._news(deadline)
 
     def _take_in(self) -> None:
-        """What the control plane has, without blocking (from inside a data move)."""
+        """What has come, without blocking (a ring's look at the rest of the group: :meth:`_news`)."""
         self.flush()
-        self._pump(time.monotonic())
+        self._news(time.monotonic())
 
     def _fail_data(self, error: Exception) -> None:
         """The data plane failed here: the member says what follows (rule 9

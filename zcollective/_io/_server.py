@@ -185,8 +185,10 @@ class Server:
             if NUDGE in woke or STOP in woke:
                 return True
             mail = mail_woke(woke)
-            if mail:  # its member's mailbox (the holder takes it in)
-                self.mail_woke = mail
+            if mail:  # its member's mailbox (the holder takes it in), once what else woke is
+                self.mail_woke = mail  # served: a busy mailbox must not starve the coordinator
+                if woke[0] in self.SERVED:
+                    self._step(woke)
                 return True
             if (woke and woke[0] is not DEADLINE) or self._probes.due is not None:
                 self._step(woke)

@@ -217,8 +217,9 @@ class SharedPlane:
             send: Callable[[list[Message]], None], fail: Callable[[Exception], None],
             ring: Callable[[Transfer], bool]) -> bool:
         """Do ``job``'s steps until it is done (True), the call failed (True:
-        the member has its error), or ``pump`` (which waits for news, and
-        returns False at ``deadline`` or when the caller must go) says stop
+        the member has its error), or ``pump`` (the driver's one wait, which
+        moves the rest of the group: see docs/protocol.md, *Progress*; False at
+        ``deadline`` or when the caller must go) says stop
         (False: it goes on at the next wait). ``ring`` moves a ring between
         hosts on the data plane (as ``pump``, False: it goes on at the next wait)."""
         member = self.member
