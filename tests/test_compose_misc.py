@@ -9,6 +9,7 @@ The rules alone first (no sockets), then real processes."""
 import logging
 import os
 import stat
+import time
 
 import pytest
 from pair import FakeClock
@@ -20,6 +21,7 @@ from zcollective._format._wire import Kind, Message, decode, encode
 from zcollective._io import _shared
 from zcollective._protocol import _tree
 from zcollective._protocol._coordinator import Coordinator
+from zcollective.testing import Replicas, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_S = 60
@@ -117,3 +119,44 @@ def test_a_stall_is_timed_from_its_first_arrival_and_names_the_last_call_of_each
     with caplog.at_level(logging.WARNING, logger="zcollective"):
         _arrive(coord, clock, 1030, 3, 1, "train.py:88")
     assert "zcollective coordinator: seq 1 allreduce completed after 20 s; rank 3 was last" in caplog.messages
+
+
+# -- a waiting rank's "completed after" counts from its call (item 16b) -----------------------
+
+WARN_S = 1.0  # the test's warn_after
+
+
+def rank_0_late():
+    """Rank 0 comes late to a blocking call (3 s), then to an async one (3.5 s) that rank 1
+    made at once but waits for only from 1.5 s on: rank 1's "completed after" of each."""
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    logging.getLogger("zcollective").addHandler(Keep())
+    me = zc.get_rank()
+    zc.allreduce(1)
+    took = []
+    for late, waits_from in ((3.0, 0.0), (3.5, 1.5)):
+        started = time.monotonic()
+        if me == 0:
+            time.sleep(late)
+        future = zc.allreduce_async(1)
+        if me == 1:
+            time.sleep(waits_from)  # (the program's own work: the call is made, not yet waited for)
+        future.result(timeout=30)
+        took.append(time.monotonic() - started)
+    return took, [m for m in records if "completed after" in m]
+
+
+def test_a_waiting_ranks_completed_after_counts_from_its_call_not_its_warning():
+    with Replicas(rank_0_late, 2, env={"ZCOLLECTIVE_WARN_AFTER": str(WARN_S)}) as reps:
+        outs = reps.wait(RUN_S)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    took, said = outs[1].value
+    assert len(said) == 2, report(outs, f"rank 1 said {said}")
+    for seq, waited, line in zip((1, 2), took, said, strict=True):
+        assert f"rank 1: seq {seq} allreduce completed after" in line, line
+        figure = float(line.rsplit("after ", 1)[1].split(" s")[0])  # (rounded to a second: 0.5 of the 0.7)
+        assert abs(figure - waited) <= 0.7, report(outs, f"seq {seq} waited {waited:.2f} s: {line}")
