@@ -6,9 +6,13 @@ listed, the quickstart's imports installed by the first command).
 
 The rules alone first (no sockets), then real processes."""
 
+import ast
 import logging
 import os
+import re
+import shlex
 import stat
+import sys
 import time
 
 import pytest
@@ -160,3 +164,57 @@ def test_a_waiting_ranks_completed_after_counts_from_its_call_not_its_warning():
         assert f"rank 1: seq {seq} allreduce completed after" in line, line
         figure = float(line.rsplit("after ", 1)[1].split(" s")[0])  # (rounded to a second: 0.5 of the 0.7)
         assert abs(figure - waited) <= 0.7, report(outs, f"seq {seq} waited {waited:.2f} s: {line}")
+
+
+# -- the README keeps its promises about itself ---------------------------------------------
+
+README = os.path.join(ROOT, "README.md")
+EXAMPLES = os.path.join(ROOT, "examples")
+MODULE_OF = {"pyzmq": "zmq"}  # a distribution's importable name, where the two differ
+
+
+def _section(title):
+    with open(README, encoding="utf-8") as f:
+        return f.read().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _blocks(text, language):
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.M | re.S)
+
+
+def test_every_example_is_in_the_readmes_examples_table_and_every_row_is_an_example():
+    listed = re.findall(r"^\| `([^`]+\.py)` \|", _section("Examples"), re.M)
+    assert sorted(listed) == sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
+
+
+def _installed_by_the_first_command():
+    """The modules the README's first command makes importable: the project's dependencies
+    (pyproject.toml: no tomllib on Python 3.10) and whatever else it names."""
+    first = _blocks(_section("Two commands"), "bash")[0].splitlines()[0]
+    words = shlex.split(first.split("&&")[0], comments=True)
+    assert words[:3] == ["pip", "install", "-e"] and words[3] == ".", first
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        deps = re.search(r"^dependencies = \[(.*?)\]", f.read(), re.M | re.S).group(1)
+    names = re.findall(r'"([A-Za-z0-9_.-]+)', deps) + words[4:]
+    return {"zcollective"} | {MODULE_OF.get(n, n).lower().replace("-", "_") for n in names}
+
+
+def _imports(source):
+    tops = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            tops |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            tops.add(node.module.split(".")[0])
+    return tops - set(sys.stdlib_module_names)
+
+
+def test_the_quickstart_and_the_examples_import_only_what_the_first_command_installs():
+    installed = _installed_by_the_first_command()
+    quickstart = _blocks(_section("Quickstart"), "python")[0]
+    assert _imports(quickstart) <= installed, (_imports(quickstart), installed)
+    for name in sorted(os.listdir(EXAMPLES)):
+        if name.endswith(".py"):
+            with open(os.path.join(EXAMPLES, name), encoding="utf-8") as f:
+                needs = _imports(f.read())
+            assert needs <= installed, (name, needs - installed)
