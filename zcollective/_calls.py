@@ -207,15 +207,15 @@ class Calls:
             self.life.check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         turns = self.turns
-        warn, said = self.config.warn_after, None
+        warn, since = self.config.warn_after, None
         if warn is not None and self.rank != 0 and (deadline is None or time.monotonic() + warn < deadline):
             if self._wait_until(future, time.monotonic() + warn):  # rank 0 warns in its coordinator
                 return
-            said = self._say_stalled(future)
+            since = self._say_stalled(future, warn)
         if self._wait_until(future, deadline):
-            if said:
+            if since is not None:
                 log.warning("zcollective rank %d: seq %d %s completed after %.0f s", self.rank,
-                            future.seq, future.op, time.monotonic() - said)
+                            future.seq, future.op, time.monotonic() - since)
             return
         if not turns.take(time.monotonic() + STATUS_WAIT_S):  # the holder is in a long step
             raise CollectiveTimeoutError(self.member.timeout_message(future.seq, timeout, None, link.busy()))
@@ -245,9 +245,10 @@ class Calls:
             return future._done
         return settled
 
-    def _say_stalled(self, future: CollectiveFuture[Any]) -> Optional[float]:
-        """A call waited ``warn_after``: ask the coordinator whom for, and say
-        so once (rule 11 of the coordinator). When it was said, or None."""
+    def _say_stalled(self, future: CollectiveFuture[Any], waited: float) -> Optional[float]:
+        """A call waited ``waited`` s (``warn_after``): ask the coordinator whom
+        for, and say so once (rule 11 of the coordinator). If said, when the
+        call started (``time.monotonic``'s clock: its end is timed from there), else None."""
         link, turns = self.driver, self.turns
         if link is None or future._done or not turns.take(time.monotonic() + STATUS_WAIT_S):
             return None
@@ -257,7 +258,9 @@ class Calls:
                 line = (status or {}).get("stall")
                 if isinstance(line, str) and not self._settled(future)():
                     log.warning("zcollective rank %d: %s", self.rank, line[:2000])
-                    return time.monotonic()
+                    member, now = self.member, time.monotonic()
+                    call = member.calls.get(future.seq)  # (made before this wait began, if async)
+                    return now - (member.stopwatch() - call.started) if call is not None else now - waited
             return None
         finally:
             turns.give()
