@@ -1115,7 +1115,7 @@ class Coordinator:
             return []
         how = "called teardown" if teardown else "ended its program (without teardown)"
         who = f"rank {member.rank} {how} (pid {member.pid} on {member.host})"
-        return [(m.peer, _bodies.ended(who, rank=m.rank, root=member.rank, seq=sent[m.rank],
+        return [(m.peer, _bodies.ended(who, teardown, rank=m.rank, root=member.rank, seq=sent[m.rank],
                                        session=self._binding(m)))
                 for m in self.members.values() if m is not member and m.ended is None and not m.newcomer]
 
