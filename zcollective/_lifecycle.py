@@ -35,7 +35,6 @@ from ._limits import (
     CLOSE_LINGER_MS,
     EXIT_LINGER_MS,
     EXIT_WAIT_S,
-    HELD_AT_TEARDOWN_S,
     HOST_WINDOW_S,
     STATUS_WAIT_S,
 )
@@ -398,10 +397,9 @@ class Lifecycle:
         if mail is not None:
             mail.closing()
         sent = driver.send_waiting(deadline)
-        if sent:
-            left = HELD_AT_TEARDOWN_S if deadline is None else min(HELD_AT_TEARDOWN_S, deadline - time.monotonic())
-            final = driver.final(True, time.monotonic() + left)  # the others' receives from this rank
-            if final is not None:  # end once what it sent was taken in
+        if sent:  # (what still waits for a link goes to a rank whose program ended: never)
+            final = driver.final(True, time.monotonic())  # the others' receives from this rank end
+            if final is not None:  # once what it sent was taken in
                 driver.send([final])
         if not sent or not driver.finish_calls(deadline):
             waits = ([member.describe_in_flight()] if member.calls else []) + (

@@ -280,8 +280,8 @@ def parse_final(msg: Message, num_replicas: int) -> tuple[list[int], bool]:
 def ended(who: str, teardown: bool = False, **header: Any) -> Message:
     """FINAL to member ``rank``: rank ``root`` sent it its last (``seq`` of them); ``who``: how it
     ended; ``teardown``: it called teardown (it still takes in until the group closes)."""
-    return control(Kind.FINAL, {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit"},
-                   **header)
+    body = {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit"}
+    return control(Kind.FINAL, body, **header)
 
 
 def parse_ended(msg: Message) -> str:

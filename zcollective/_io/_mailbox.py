@@ -142,7 +142,9 @@ class MailSockets:
 
     def holding(self, but: Container[int] = ()) -> bool:
         """Messages wait for a link's handshake (to a rank not in ``but``)."""
-        return any(queue for dest, queue in self._held.items() if dest not in but) if but else bool(self._held)
+        if not but:
+            return bool(self._held)
+        return any(queue for dest, queue in self._held.items() if dest not in but)
 
     def drop_held(self) -> dict[int, list[Any]]:
         """What still waits for its link, never to go (this rank sends no
