@@ -215,11 +215,11 @@ def test_teardown_finishes_point_to_point_calls_left_uncollected(plane):
 def teardown_timing_out_waiting_for_a_rank():
     r = zc.get_rank()
     if r == 1:
-        time.sleep(8)  # in its own code, past rank 0's teardown timeout
+        time.sleep(4)  # in its own code, past rank 0's teardown timeout
         return "late"
     start = time.monotonic()
     try:
-        zc.teardown(timeout=2)
+        zc.teardown(timeout=1.5)
     except zc.CollectiveTimeoutError as exc:
         return str(exc), time.monotonic() - start
     return "returned"
@@ -229,9 +229,9 @@ def test_a_teardown_that_cannot_finish_says_for_whom_it_waited_within_its_timeou
     with Replicas(teardown_timing_out_waiting_for_a_rank, 2) as reps:
         outs = reps.wait(60)
     said, took = outs[0].value
-    assert said.startswith("rank 0: teardown timed out after 2 s finishing the calls made before it: "
+    assert said.startswith("rank 0: teardown timed out after 1.5 s finishing the calls made before it: "
                            "ranks 1 had not called teardown (nor ended)"), report(outs, said)
-    assert took < 5, report(outs, f"took {took:.1f} s")
+    assert took < 3.5, report(outs, f"took {took:.1f} s")
 
 
 # -- real processes: a job killed while one rank is away leaves no segment ------------------
@@ -278,7 +278,6 @@ def test_a_job_killed_while_a_rank_is_away_after_an_allreduce_leaves_no_segment(
     markers = str(tmp_path)
     with Replicas(away_after_an_allreduce, n, markers, away) as reps:
         wait_for(*(os.path.join(markers, m) for m in ("away", "at sync 0", "at sync 2")), watch=reps)
-        time.sleep(0.2)  # (the leader would make it right after its first step)
         for rank in range(n):
             reps.kill(rank, sig)
         reps.join(list(range(n)), 20)
