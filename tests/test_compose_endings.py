@@ -325,3 +325,33 @@ def test_rank_0_ending_a_point_to_point_program_counts_its_sends(tmp_path):
     assert complete, report(outs, "rank 1 did not receive every message")
     assert "rank 0 ended its program (without teardown) before its first collective call, after 201 " \
            "point-to-point sends (pid" in said, report(outs, said)
+
+
+# -- real processes: a program ending without teardown ----------------------------------------
+
+
+def ends_with_a_send_waiting_for_credit(markers):
+    """Rank 1 sends rank 0 two 1 MiB messages through a 1 MiB window (the second waits for
+    rank 0's credit) and its program ends at once; rank 0 receives them only then."""
+    zc.initialize()
+    r, ending = zc.get_rank(), os.path.join(markers, "ending")
+    if r == 1:
+        first = zc.send_async(np.zeros(MIB // 4, dtype=np.float32), 0, tag=1)
+        second = zc.send_async(np.ones(MIB // 4, dtype=np.float32), 0, tag=1)
+        touch(ending)
+        return first.done(), second.done()  # (then the program ends, without teardown)
+    wait_for(ending)
+    got = [float(zc.recv(1, tag=1, timeout=30)[0]) for _ in range(2)]
+    zc.teardown()  # (rank 1 ended without it: it closes, and says so)
+    return got
+
+
+def test_a_program_ending_without_teardown_sends_what_waits_for_credit_first(tmp_path):
+    """The exit path finishes what it can within its linger: the second send used to fail
+    as the program ended (`... waited for rank 0's window when this rank stopped sending ...:
+    it was not sent`), and rank 0's second receive with it."""
+    with Replicas(ends_with_a_send_waiting_for_credit, 2, str(tmp_path), initialize=False,
+                  env={"ZCOLLECTIVE_MAIL_WINDOW_BYTES": str(MIB)}) as reps:
+        outs = reps.wait(60)
+    assert outs[1].ok and outs[1].value[1] is False, report(outs, "rank 1's second send did not wait")
+    assert outs[0].value == [0.0, 1.0], report(outs, "rank 0 did not receive both")
