@@ -31,13 +31,7 @@ from ._io._interrupts import NUDGE
 from ._io._mailbox import MailSockets
 from ._io._shared import SharedPlane
 from ._io._turns import Turns
-from ._limits import (
-    CLOSE_LINGER_MS,
-    EXIT_LINGER_MS,
-    EXIT_WAIT_S,
-    HOST_WINDOW_S,
-    STATUS_WAIT_S,
-)
+from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, HOST_WINDOW_S, STATUS_WAIT_S
 from ._protocol._member import Member
 from ._protocol._ops import Here
 from ._protocol._stats import calls_log
