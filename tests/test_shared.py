@@ -49,9 +49,9 @@ def test_a_call_syncs_only_where_some_rank_may_still_read_what_another_writes():
     assert _shm.schedule(place, _shm.HostPlan(False, False), False, True, tail) == [
         "sync", "stage", "sync", "reduce"]  # nobody knows the set free: a sync before any write
     assert _shm.schedule(grown, _shm.HostPlan(True, True), True, True, tail) == [
-        "create", "sync", "stage", "sync", "unlink", "reduce"]
+        "sync", "create", "sync", "stage", "sync", "unlink", "reduce"]
     assert _shm.schedule(grown, _shm.HostPlan(True, True), True, False, tail) == [
-        "sync", "attach", "stage", "sync", "unlink", "reduce"]
+        "sync", "sync", "attach", "stage", "sync", "unlink", "reduce"]
 
 
 def run_host(jobs, segment, seed):

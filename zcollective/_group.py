@@ -18,7 +18,7 @@ from ._elastic import Agreement
 from ._forming import Unreachable
 from ._future import CollectiveFuture
 from ._lifecycle import Lifecycle
-from ._limits import DEFAULT_INIT_TIMEOUT_S, HELD_AT_TEARDOWN_S
+from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._point import PointToPoint
 from ._protocol import _ring
 from ._protocol._member import fresh
@@ -334,14 +334,19 @@ class Group:
         return self._calls.call("barrier")
 
     def teardown(self, *, timeout: Timeout = DEFAULT) -> None:
-        """Wait until every replica calls ``teardown``, then close the
-        sockets. A failed group closes at once. Calling it twice is harmless.
+        """Finish every call made before it, wait until every replica calls
+        ``teardown``, then close the sockets. Finished: every collective
+        call's future holds its value (collect it after teardown too), every
+        ``send_async`` went, and every ``recv_async`` got its message, or,
+        when no rank can send it one any more, failed with a
+        :class:`CollectiveError` naming it. A failed group closes at once.
+        Calling it twice is harmless.
 
         Raises
         ------
         CollectiveTimeoutError
-            Not every replica called ``teardown`` within ``timeout``; the
-            group is closed all the same.
+            Not every replica called ``teardown``, or the calls before it
+            did not finish, within ``timeout``; the group is closed all the same.
         """
         life = self._life
         if life.closed:
@@ -356,11 +361,12 @@ class Group:
                 failure: Optional[BaseException] = life.member.failure
                 if life.driver is not None and failure is None:
                     try:
-                        final = life.driver.final(True, time.monotonic() + HELD_AT_TEARDOWN_S)  # the
-                        # others' receives from this
-                        if final is not None:  # rank end once what it sent was taken in
-                            life.driver.send([final])
-                        self._calls.blocking(self._calls.call("teardown"), timeout)
+                        if isinstance(timeout, _Default):
+                            timeout = life.config.op_timeout
+                        deadline = None if timeout is None else time.monotonic() + timeout
+                        life.finish(deadline, timeout)  # (what was called before it: finished)
+                        self._calls.blocking(self._calls.call("teardown"), None if deadline is None
+                                             else max(0.0, deadline - time.monotonic()))
                     except CollectiveTimeoutError:
                         raise
                     except Exception as exc:  # a failed group closes anyway

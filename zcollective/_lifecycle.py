@@ -377,6 +377,34 @@ class Lifecycle:
                 f"process {os.getpid()}; a child cannot use its parent's group: call "
                 f"zcollective.initialize() (or create a Group) in the child for a group of its own")
 
+    def finish(self, deadline: Optional[float], timeout: Optional[float]) -> None:
+        """``teardown()``, holding the turn, before its call: finish what this rank
+        called. It receives nothing new (what no receive posted matches is dropped),
+        its sends waiting for credit go, its FINAL says how many it sent each rank;
+        then every call it made is done (its futures hold their values) and every
+        message the others sent it was taken in, so that its teardown's part says
+        so: once the call completes, closing loses nothing. Until ``deadline``
+        (``timeout`` is how long that was): else :class:`CollectiveTimeoutError`."""
+        driver, member = self.driver, self.member
+        assert driver is not None
+        mail = member.mail
+        if mail is not None:
+            mail.closing()
+        sent = driver.send_waiting(deadline)
+        if sent:  # (what still waits for a link goes to a rank whose program ended: never)
+            final = driver.final(True, time.monotonic())  # the others' receives from this rank end
+            if final is not None:  # once what it sent was taken in
+                driver.send([final])
+        if not sent or not driver.finish_calls(deadline):
+            waits = ([member.describe_in_flight()] if member.calls else []) + (
+                mail.unfinished() if mail is not None else [])
+            raise CollectiveTimeoutError(
+                f"rank {self.config.rank}: teardown timed out after {timeout:g} s finishing the calls "
+                f"made before it: {'; '.join(waits) or 'libzmq still sends its messages'}")
+        if mail is not None:
+            mail.torn_down()
+        settle(member.outcomes)
+
     def close_to_form(self, quick: bool) -> None:
         """Close, holding the turn, for the next group to form: ``quick``, the
         group failed, so nothing queued is worth waiting for; else (a grow)
@@ -454,6 +482,8 @@ class Lifecycle:
                     driver.progress()  # take in a FAIL that would make a BYE pointless
                     driver.relay_out(time.monotonic() + EXIT_WAIT_S)  # an interior rank of the tree
                     driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
+                    driver.send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000)  # (receivers that run
+                    # may still take them)
                     driver.say_bye(EXIT_LINGER_MS / 1000)
                 except Exception:
                     pass  # the group failed: nothing to announce, only to flush

@@ -63,8 +63,6 @@ JOIN_RESEND_S = 1.0  # a member not yet welcomed sends its JOIN again this often
 # connection made twice, or its WELCOME, would leave it waiting out its join timeout)
 STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
 DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take to say why
-HELD_AT_TEARDOWN_S = 1.0  # teardown: how long point-to-point messages may wait for their link's
-# handshake before its FINAL (those still waiting are not sent, and not counted)
 CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown
 TREE_LINK_WAIT_S = 5.0  # joining, a rank waits this long at most for its tree links' handshakes (a link
 # not made by then is made when a message needs it)

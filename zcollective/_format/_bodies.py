@@ -277,13 +277,20 @@ def parse_final(msg: Message, num_replicas: int) -> tuple[list[int], bool]:
     return sent, body.get("how") == "teardown"
 
 
-def ended(who: str, **header: Any) -> Message:
-    """FINAL to member ``rank``: rank ``root`` sent it its last (``seq`` of them); ``who``: how it ended."""
-    return control(Kind.FINAL, {"ended": cap(who, MAX_ENDED_CHARS)}, **header)
+def ended(who: str, teardown: bool = False, **header: Any) -> Message:
+    """FINAL to member ``rank``: rank ``root`` sent it its last (``seq`` of them); ``who``: how it
+    ended; ``teardown``: it called teardown (it still takes in until the group closes)."""
+    body = {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit"}
+    return control(Kind.FINAL, body, **header)
 
 
 def parse_ended(msg: Message) -> str:
     return cap(printable(str(msg.body().get("ended", "?"))), MAX_ENDED_CHARS)
+
+
+def ended_by_teardown(msg: Message) -> bool:
+    """Did the rank a coordinator's FINAL names call teardown (else its program ended)?"""
+    return msg.body().get("how") == "teardown"
 
 
 def abort(error: BaseException, data_plane: bool = False, lost: Optional[int] = None,

@@ -18,6 +18,7 @@ from .._limits import POLL_SLICE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
 from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import Outcome
+from .._protocol._p2p import ANY_SOURCE
 from ..errors import CollectiveError, CollectiveTimeoutError
 from ._interrupts import NUDGE, Waiter
 from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
@@ -346,6 +347,30 @@ class Driver:
             self.flush()
             if self._move_data(deadline) is None:  # its plan has not come yet
                 self._news(deadline)
+
+    def send_waiting(self, deadline: Optional[float]) -> bool:
+        """Ending (teardown, or the program ends): move everything until no send
+        of this rank waits for its receiver's credit or, to a rank still taking
+        in, for its link's handshake (each went, or failed), or ``deadline`` (False)."""
+        mail, sockets = self.member.mail, self.mail
+        if mail is None:
+            return True
+
+        def sent() -> bool:
+            return not mail.sending() and (sockets is None or not sockets.holding(mail.gone()))
+        return sent() or self.wait_for(sent, deadline)
+
+    def finish_calls(self, deadline: Optional[float]) -> bool:
+        """Teardown, this rank's FINAL sent: move everything until every call
+        this rank made is done (collective calls with their data; sends whose
+        buffers libzmq still reads) and every other rank's last message to it
+        was taken in (a receive posted is then matched, or failed), or
+        ``deadline`` (False)."""
+        member, mail = self.member, self.member.mail
+
+        def done() -> bool:
+            return not member.calls and not self._tracked and (mail is None or mail.box.drained(ANY_SOURCE))
+        return self.wait_for(done, deadline)
 
     def _take_in(self) -> None:
         """What has come, without blocking (a ring's look at the rest of the group: :meth:`_news`)."""

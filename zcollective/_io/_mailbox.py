@@ -8,7 +8,7 @@ which receive takes it is decided by :mod:`zcollective._protocol._p2p`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any, Optional
 
 import zmq
@@ -140,9 +140,11 @@ class MailSockets:
                     _zap.connect_with_token(self._pushes[dest], target, key, _zap.MAIL_DOMAIN)
         return went, broken
 
-    def holding(self) -> bool:
-        """Messages wait for a link's handshake."""
-        return bool(self._held)
+    def holding(self, but: Container[int] = ()) -> bool:
+        """Messages wait for a link's handshake (to a rank not in ``but``)."""
+        if not but:
+            return bool(self._held)
+        return any(queue for dest, queue in self._held.items() if dest not in but)
 
     def drop_held(self) -> dict[int, list[Any]]:
         """What still waits for its link, never to go (this rank sends no

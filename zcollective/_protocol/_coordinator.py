@@ -136,6 +136,7 @@ class Joined:
     nonce: str = ""  # echoed in WELCOME: binds it to this JOIN, so an old WELCOME cannot be replayed
     address: str = "?"
     ended: Optional[int] = None  # its program ended after this many calls (BYE)
+    sent: int = 0  # the point-to-point messages it sent, as its FINAL counts them
     data: Optional[str] = None  # its data port's endpoint, if it has one
     data_min: int = 0  # the smallest array it would send peer to peer (rank 0's is used)
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
@@ -155,7 +156,9 @@ class Joined:
 
     def describe_end(self) -> str:
         assert self.ended is not None
-        after = f"after seq {self.ended - 1}" if self.ended else "before its first call"
+        sends = f"{self.sent} point-to-point sends" if self.sent else ""
+        after = (f"after seq {self.ended - 1}" + (f" and {sends}" if sends else "") if self.ended else
+                 f"before its first collective call, after {sends}" if sends else "before its first call")
         return (f"rank {self.rank} ended its program (without teardown) {after} "
                 f"(pid {self.pid} on {self.host})")
 
@@ -1111,11 +1114,12 @@ class Coordinator:
         """Rule 12: ``member`` sends no more point-to-point messages; every
         other member still running is told how many it sent that member."""
         sent, teardown = _bodies.parse_final(msg, self.num_replicas)
+        member.sent = sum(sent)  # (its BYE comes next: said when it ended)
         if self.phase is not Phase.RUNNING:
             return []
         how = "called teardown" if teardown else "ended its program (without teardown)"
         who = f"rank {member.rank} {how} (pid {member.pid} on {member.host})"
-        return [(m.peer, _bodies.ended(who, rank=m.rank, root=member.rank, seq=sent[m.rank],
+        return [(m.peer, _bodies.ended(who, teardown, rank=m.rank, root=member.rank, seq=sent[m.rank],
                                        session=self._binding(m)))
                 for m in self.members.values() if m is not member and m.ended is None and not m.newcomer]
 

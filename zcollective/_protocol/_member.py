@@ -466,7 +466,8 @@ class Member:
         elif kind is Kind.TAKEN:
             self._asked = max(msg.seq, self._asked or 0)
         elif kind is Kind.FINAL and self.mail is not None and 0 <= msg.root < self.size:
-            self.mail.ended(msg.root, msg.seq, _bodies.parse_ended(msg))  # (its own: ignored)
+            self.mail.ended(msg.root, msg.seq, _bodies.parse_ended(msg),  # (its own: ignored)
+                            _bodies.ended_by_teardown(msg))
         elif kind is Kind.SYNC:  # every rank of this host reached a sync of a shared-memory call (rule 10)
             transfers = self.transfers
             if transfers and transfers[0][0] == msg.seq and getattr(transfers[0][1], "shared", False):

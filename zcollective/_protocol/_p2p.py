@@ -11,7 +11,10 @@ Ends: a rank that sends no more (teardown, or its program ends) says how
 many messages it sent each rank (through the coordinator: FINAL). Once a
 rank has taken in that many from it, a receive or probe that only it could
 answer (``ANY_SOURCE``: only ranks that ended) fails, and so does a send to
-it: its program receives nothing more.
+it: its program receives nothing more. A rank in teardown still takes in,
+until the group closes, what its receives posted before wait for, and
+drops (crediting it) what none of them matches, so a send already waiting
+for its credit goes (see docs/protocol.md, *Point to point*, Ends).
 
 Windows: a sender may have at most ``window`` bytes sent to one rank and not
 yet received by that rank's program, or one message of any size when it has
@@ -29,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from .._format import _serialize
 from .._format._wire import Kind, Message, owned
-from ..errors import ReplicaLostError
+from ..errors import CollectiveError, ReplicaLostError
 from ._outcomes import Outcome, fresh
 
 ANY_SOURCE = -1
@@ -137,6 +140,7 @@ class Mailbox:
         self.peers = [_Peer() for _ in range(size)]
         self.arrived: deque[Arrived] = deque()  # in arrival order
         self.posted: list[Receive] = []  # in posting order
+        self.draining = False  # teardown: its program posts no more receives (see drain)
 
     # -- sending --------------------------------------------------------------
 
@@ -183,6 +187,8 @@ class Mailbox:
             if receive.matches(source, tag):
                 del self.posted[i]
                 return (receive, came), self._taken(came)
+        if self.draining:  # nothing can receive it any more: dropped, and credited as taken
+            return None, self._taken(came)
         self.arrived.append(came)
         return None, []
 
@@ -195,6 +201,15 @@ class Mailbox:
                 return came, self._taken(came)
         self.posted.append(receive)
         return None, []
+
+    def drain(self) -> list[Credit]:
+        """Teardown: the program posts no more receives, so what arrived and what
+        comes that no posted receive matches is dropped, as taken (the credit then due)."""
+        self.draining = True
+        credits: list[Credit] = []
+        while self.arrived:
+            credits += self._taken(self.arrived.popleft())
+        return credits
 
     def withdraw(self, receive: Receive) -> bool:
         """Take back a posted receive (timed out, interrupted): was it still posted?"""
@@ -300,6 +315,8 @@ class Mail:
         self.dropped = 0  # messages out of their pair's order (a replay, or malformed): dropped, counted
         self.gap: Optional[str] = None  # a message of a pair never came: later ones did
         self.ended_how: dict[int, str] = {}  # ranks that send no more: how each ended (FINAL)
+        self.tearing: set[int] = set()  # ... of which those that called teardown: they take in
+        # until the group closes, so a send already waiting for their credit still goes
         self.tree: Optional[Callable[[Message], None]] = None  # where the tree's messages go (the member's)
 
     def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
@@ -420,7 +437,7 @@ class Mail:
                 self.outcomes.append(Outcome(probe.handle, None, _value(status)))
             if done is not None:
                 self._received(done[0].handle, done[1])
-            elif source in self.ended_how:  # perhaps its last
+            if source in self.ended_how:  # perhaps its last: the receives left for it fail
                 self._hopeless()
             if credits:
                 self._credit(credits)
@@ -461,19 +478,60 @@ class Mail:
                 self.outcomes.append(Outcome(s.handle, error))
         return [peer.next_out - len(unsent.get(dest, ())) for dest, peer in enumerate(self.box.peers)]
 
-    def ended(self, source: int, count: int, how: str) -> None:
+    def ended(self, source: int, count: int, how: str, teardown: bool = False) -> None:
         """Rank ``source`` sends no more (``how``: who it is, how it ended),
-        having sent this rank ``count`` messages: a send to it fails, and a
-        receive or probe only it could answer, once all it sent was taken in."""
+        having sent this rank ``count`` messages: a send to it fails (one
+        already waiting for its credit too, unless it called ``teardown``:
+        it takes in until the group closes), and a receive or probe only it
+        could answer, once all it sent was taken in."""
         if source == self.rank or source in self.ended_how:
             return
         self.box.ended(source, count)
         self.ended_how[source] = how
         queue = self.waiting[source]
-        while queue:
+        if teardown:
+            self.tearing.add(source)
+        while queue and not teardown:
             s = queue.popleft()
             self.outcomes.append(Outcome(s.handle, self._gone(f"send(dest={source}, tag={s.tag})", source)))
         self._hopeless()
+
+    def closing(self) -> None:
+        """This rank tears down: it posts no more receives (see :meth:`Mailbox.drain`)."""
+        self._credit(self.box.drain())
+
+    def gone(self) -> set[int]:
+        """The ranks whose programs receive nothing more (ended without teardown)."""
+        return self.ended_how.keys() - self.tearing
+
+    def sending(self) -> bool:
+        """Does a send of this rank's wait for its receiver's credit?"""
+        return any(self.waiting)
+
+    def unfinished(self) -> list[str]:
+        """What this rank's teardown still waits for, in words."""
+        peers, out = self.box.peers, []
+        waiting = [str(dest) for dest, queue in enumerate(self.waiting) if queue]
+        if waiting:
+            out.append(f"sends waiting for the credit of ranks {','.join(waiting)}")
+        running = [str(r) for r, peer in enumerate(peers) if r != self.rank and peer.last is None]
+        if running:
+            out.append(f"ranks {','.join(running)} had not called teardown (nor ended)")
+        out += [f"{peer.last - peer.next_in} message(s) rank {r} sent this rank had not come"
+                for r, peer in enumerate(peers) if peer.last is not None and peer.next_in < peer.last]
+        return out
+
+    def torn_down(self) -> None:
+        """Teardown, every other rank's last message taken in: a receive or probe
+        still posted (of this rank's own messages: the others' failed once all
+        were taken in) never completes, and fails."""
+        for call, waiting in (("recv", self.box.posted), ("probe", self.probes)):
+            for receive in waiting:
+                self.outcomes.append(Outcome(receive.handle, CollectiveError(
+                    f"rank {self.rank}: {describe(call, receive.source, receive.tag)} cannot complete: "
+                    f"this rank called teardown, so it sends itself nothing more, and no message "
+                    f"here matches")))
+            waiting.clear()
 
     def _hopeless(self) -> None:
         """Fail every posted receive and probe that no message can answer any more."""

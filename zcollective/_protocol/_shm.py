@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 from ._ring import HOSTS, RingAllreduce, Transfer, _bounds
 
 CREATE, ATTACH, UNLINK = "create", "attach", "unlink"  # the segment's steps (the host's leader
-# makes it; its name is unlinked once every rank has attached)
+# makes it once every rank reached the call; its name is unlinked once every rank has attached)
 SYNC = "sync"  # every rank of the host reached this point
 STAGE, REDUCE, COLLECT = "stage", "reduce", "collect"  # the memory's steps
 RING = "ring"  # a host's leader: the ring between hosts (the data plane moves it)
@@ -63,9 +63,11 @@ class HostPlan:
 def schedule(place: Place, plan: HostPlan, staged: bool, leader: bool, tail: list[str]) -> list[str]:
     """The steps before ``tail`` (the operation's own): make or reach the
     segment, write the input, and the syncs that make it safe."""
-    if place.grow:  # a new segment: the leader makes it, the others attach, all write, and once
-        # all did (a sync), every rank unlinks its name (the first one does it)
-        made = [CREATE, SYNC] if leader else [SYNC, ATTACH]
+    if place.grow:  # a new segment: once every rank of the host is at the call (a sync: none is
+        # away in its own code), the leader makes it, the others attach, all write, and once all did
+        # (a sync), every rank unlinks its name (the first one does it): it is linked only while every
+        # rank moves this call's steps (a kill of the job then is all that leaves it)
+        made = [SYNC, CREATE, SYNC] if leader else [SYNC, SYNC, ATTACH]
         return made + [STAGE, SYNC, UNLINK] + tail
     if plan.staged:  # every input is in: the plan was the barrier
         return list(tail)
