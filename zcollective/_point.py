@@ -135,8 +135,11 @@ class PointToPoint:
         if mail is None or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
             return False
         try:
-            if mail.withdraw(future):
+            driver = calls.driver
+            if mail.withdraw(future) or (driver is not None and driver.take_back(future)):
                 return False
+            if driver is not None and mail.cut and not calls.life.closed:
+                driver.mail_io(take=False)  # (a failure: a send waiting for its link fails, never sent)
             settle(calls.member.outcomes)
             return future._done
         finally:
@@ -150,10 +153,27 @@ class PointToPoint:
             return said
         dest = mail.waiting_for(future)
         if dest is not None:  # a send short of credit
-            held = mail.box.peers[dest].held
-            return (f"{said}: rank {dest} has not yet received the {held} bytes this rank sent it "
-                    f"before, which fill its window ({mail.box.window} bytes: "
-                    f"ZCOLLECTIVE_MAIL_WINDOW_BYTES)")
+            peer = mail.box.peers[dest]
+            return (f"{said}: rank {dest} has not yet received the {peer.held} bytes this rank sent it "
+                    f"before, which fill its window ({peer.window} bytes: its "
+                    f"ZCOLLECTIVE_MAIL_WINDOW_BYTES); nothing was sent")
+        where, calls = None, self.calls
+        if calls.driver is not None and future.op.startswith("send(") and calls.turns.take(
+                time.monotonic() + STATUS_WAIT_S):
+            try:  # (holding the turn: the mailbox's sockets are read by their owner only)
+                where = calls.driver.where(future)
+            finally:
+                calls.turns.give()
+        if where is not None:
+            how, dest, back = where
+            if how == "link":
+                then = ("taken back: nothing was sent" if back else
+                        f"not taken back (a later send to rank {dest} was numbered after it): it goes once "
+                        f"the link is made")
+                return (f"{said}: its message waits for its link to rank {dest}'s mailbox, whose handshake "
+                        f"rank {dest} has not answered (busy in its own code, stopped, or gone); {then}")
+            return (f"{said}: rank {dest} has not taken in its message: libzmq still sends its buffers "
+                    f"(rank {dest} stopped, or busy in C code?); not taken back: it may still arrive")
         waiting: dict[tuple[int, int], int] = {}
         for came in list(mail.box.arrived):  # (a snapshot: another thread may hold the turn)
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
