@@ -247,7 +247,7 @@ def test_the_coordinator_forwards_to_each_rank_its_counts_and_the_last_seq():
     out = feed(coord, peer(2), _bodies.final([0, 0, 0], True, [0, 0, 0], [0, 0, 0], 0, rank=2,
                                               session=SESSION))
     assert _bodies.parse_ended(out[0][1]).startswith(
-        "rank 2 called teardown before its first collective call")
+        "rank 2 called teardown with no collective call before")
 
 
 @pytest.mark.parametrize("received", [None, 0])

@@ -1118,7 +1118,7 @@ class Coordinator:
         how = "called teardown" if final["teardown"] else "ended its program (without teardown)"
         calls = final["calls"]
         if calls is not None:
-            how += f" after seq {calls - 1}" if calls else " before its first collective call"
+            how += f" after seq {calls - 1}" if calls else " with no collective call before"
         who = f"rank {member.rank} {how} (pid {member.pid} on {member.host})"
         sent, lost, received = final["sent"], final["lost"], final["received"]
         return [(m.peer, _bodies.ended(who, None if received is None else received[m.rank], lost[m.rank],
