@@ -244,6 +244,55 @@ def test_a_send_that_raises_after_a_failure_is_never_delivered(tmp_path):
         outs, f"the send: {sent}; what rank 2 received: {received}")
 
 
+def leaving_when_the_group_fails(markers):
+    """Rank 1's 32 MiB send to rank 2 (stopped by the test) is leaving when rank 3 is killed; rank 2
+    continues after the failure and looks for the message."""
+    r = zc.get_rank()
+    if r == 1:
+        zc.send("made", 2, tag=1)  # (the link is made)
+        wait_for(_marker(markers, "stopped"))
+        touch(_marker(markers, "sending"))
+        out = _outcome(lambda: zc.send(np.ones(1 << 22), 2, tag=3, timeout=30))
+        wait_for(_marker(markers, "looked"), timeout=60)  # (its program goes on: its sockets stay open)
+        return "sent" if out is None else out
+    if r == 2:
+        zc.recv(1, 1, timeout=30)
+        touch(_marker(markers, "ready"))  # stopped here, continued after the failure
+        wait_for(_marker(markers, "continued"), timeout=60)
+        deadline, got = time.monotonic() + 10, None
+        while got is None and time.monotonic() < deadline:  # (failed: a recv with nothing here
+            value = _outcome(lambda: zc.recv(1, 3, timeout=0.2))  # raises at once)
+            got = value.shape if not isinstance(value, tuple) else None
+            time.sleep(0.05)
+        touch(_marker(markers, "looked"))
+        return got
+    if r == 3:
+        time.sleep(60)  # killed by the test
+    wait_for(_marker(markers, "looked"), timeout=60)
+    return None
+
+
+def test_a_send_leaving_when_the_group_fails_is_done_if_delivered(tmp_path):
+    """A send libzmq was sending when another rank was lost: its receiver takes it in even so
+    (what came before a failure is still received), so the send does not raise; it did."""
+    markers, env = str(tmp_path), {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "5"}
+    with Replicas(leaving_when_the_group_fails, 4, markers, env=env) as reps:
+        wait_for(_marker(markers, "ready"), watch=reps)
+        reps.kill(2, signal.SIGSTOP)
+        touch(_marker(markers, "stopped"))
+        wait_for(_marker(markers, "sending"), watch=reps)
+        time.sleep(0.5)
+        reps.kill(3)  # the group fails while the send is leaving
+        time.sleep(1.5)
+        reps.kill(2, signal.SIGCONT)
+        touch(_marker(markers, "continued"))
+        outs = reps.wait(60)
+    sent, received = outs[1].value, outs[2].value
+    assert (sent == "sent") == (received == (1 << 22,)), report(
+        outs, f"the send: {sent}; what rank 2 received: {received}")
+    assert sent == "sent", report(outs, str(sent))
+
+
 # -- defect 9: the receiver's window ----------------------------------------------------------
 
 

@@ -71,6 +71,8 @@ TREE_LINK_WAIT_S = 5.0  # joining, a rank waits this long at most for its tree l
 EXIT_LINGER_MS = 5000  # a program ending without teardown: time for what it produced to leave
 # (results, contributions, notices) and for rank 0's last BYEs to be answered; a peer that
 # stopped reading holds a process no longer
+SENT_AT_FAILURE_S = 5.0  # a send libzmq was sending when the group failed gets this long to leave
+# (then it is done, as its receiver takes it), unless its receiver is the rank lost; else it fails
 LEAVING_SHARE = 1.0  # a program ending waits this share of the liveness bound for its point-to-point
 # messages libzmq still sends (a receiver stopped within the bound takes them in after); those
 # still leaving then are cut off, and their receiver told

@@ -107,7 +107,7 @@ class PointToPoint:
                 return
             calls._drive(lambda: settled() or turns.wanted(), deadline, True)
         except BaseException:
-            if not self._withdraw(future):
+            if not self._withdraw(future, deadline):
                 raise
 
     def result(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
@@ -122,15 +122,17 @@ class PointToPoint:
                         timeout = self.calls.config.op_timeout
                     raise CollectiveTimeoutError(self._late(future, timeout))
             except BaseException:
-                if not self._withdraw(future):
+                if not self._withdraw(future, deadline):
                     raise
         if future._error is not None:
             raise future._error
         return future._value
 
-    def _withdraw(self, future: CollectiveFuture[Any]) -> bool:
+    def _withdraw(self, future: CollectiveFuture[Any], deadline: Optional[float] = None) -> bool:
         """Take ``future``'s call back; False if it was taken back (the caller
-        raises), True if it finished meanwhile (its outcome stands)."""
+        raises), True if it finished meanwhile (its outcome stands). After a
+        failure, a send libzmq was sending gets until ``deadline`` (bounded)
+        to leave: then it is done, and delivered."""
         calls, mail = self.calls, self.calls.member.mail
         if mail is None or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
             return False
@@ -138,8 +140,9 @@ class PointToPoint:
             driver = calls.driver
             if mail.withdraw(future) or (driver is not None and driver.take_back(future)):
                 return False
-            if driver is not None and mail.cut and not calls.life.closed:
-                driver.mail_io(take=False)  # (a failure: a send waiting for its link fails, never sent)
+            if driver is not None and mail.failure is not None and not calls.life.closed:
+                driver.mail_io(take=False)  # (a send waiting for its link fails, never sent)
+                driver.finish_leaving(future, deadline)
             settle(calls.member.outcomes)
             return future._done
         finally:

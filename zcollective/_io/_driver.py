@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
-from .._limits import POLL_SLICE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
+from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
 from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import Outcome, fresh
@@ -187,6 +187,22 @@ class Driver:
             if found:
                 return "leaving", next(iter(found)), False
         return None
+
+    def finish_leaving(self, handle: Any, deadline: Optional[float]) -> None:
+        """The group failed while libzmq sends the send ``handle``'s message
+        (its receiver, not the rank lost, takes it in even so): it gets until
+        ``deadline``, at most :data:`~zcollective._limits.SENT_AT_FAILURE_S`,
+        to leave and be done, so that a send that raises was never delivered
+        (but for one cut off at that bound, its receiver stopped)."""
+        where, lost = self.where(handle), getattr(self.member.failure, "lost_ranks", ())
+        if where is None or where[0] != "leaving" or where[1] in lost:
+            return
+        until = time.monotonic() + SENT_AT_FAILURE_S
+        until = until if deadline is None else min(deadline, until)
+        with contextlib.suppress(CollectiveError):
+            while any(h is handle for _, h in self._tracked) and time.monotonic() < until:
+                self.waiter.wait(self.mail_names, until, TRACKER_POLL_S)
+                self.mail_io(take=False)
 
     def leaving(self) -> dict[int, int]:
         """By rank, the first seq of the sends libzmq still sends (their
