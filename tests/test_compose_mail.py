@@ -361,6 +361,7 @@ def test_a_peer_that_called_teardown_is_not_reported_lost(tmp_path):
     for r in (0, 2):
         assert outs[r].ok, report(outs, f"rank {r} failed")
         out = outs[r].value
+        assert out["recv"][0] == "PeerEndedError", report(outs, str(out["recv"]))
         kind, message, base, ranks = out["recv"]
         assert (kind, base, ranks) == ("PeerEndedError", True, (1,)), report(outs, str(out["recv"]))
         assert message.startswith(f"rank {r}: recv(source=1, tag=ANY_TAG) cannot complete: rank 1 called "

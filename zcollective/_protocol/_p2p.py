@@ -187,7 +187,7 @@ class Mailbox:
         if seq != peer.next_in:
             raise OutOfOrder(f"message {seq} from rank {source}, where {peer.next_in} was next")
         peer.next_in += 1
-        if peer.last is not None and seq >= peer.last:  # it ended counting this one lost: so it stays
+        if peer.last is not None and seq >= peer.last:  # it ended counting this one lost: it stays lost
             raise OutOfOrder(f"message {seq} from rank {source}, which ended having sent {peer.last}")
         came = Arrived(source, tag, seq, nbytes, message)
         for i, receive in enumerate(self.posted):
