@@ -117,8 +117,8 @@ def test_what_a_teardown_waits_for_is_said():
 def test_the_coordinator_says_which_ranks_called_teardown():
     for how in ("teardown", "exit"):
         final = _bodies.final([0, 2], how == "teardown", rank=0, session=SESSION)
-        told = _bodies.ended("rank 0 ...", _bodies.parse_final(final, 2)[1], rank=1, root=0, seq=2,
-                             session=SESSION)
+        told = _bodies.ended("rank 0 ...", teardown=_bodies.parse_final(final, 2)["teardown"], rank=1,
+                             root=0, seq=2, session=SESSION)
         assert _bodies.ended_by_teardown(told) is (how == "teardown")
 
 

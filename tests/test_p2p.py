@@ -405,17 +405,18 @@ def test_a_recv_from_a_rank_that_ended_fails_once_all_it_sent_was_received(how, 
     ended = ("called teardown" if how == "teardown" else "ended its program (without teardown)")
     for key, call in (("pending", "recv(source=2, tag=9)"), ("after", "recv(source=2, tag=ANY_TAG)")):
         kind, message = zero[key]
-        assert kind == "ReplicaLostError" and message.startswith(
-            f"rank 0: {call} cannot complete: rank 2 {ended} (pid "), report(outs, f"{key}: {message}")
+        assert kind == "PeerEndedError" and message.startswith(
+            f"rank 0: {call} cannot complete: rank 2 {ended} with no collective call before (pid "), \
+            report(outs, f"{key}: {message}")
         assert "after sending this rank 2 message(s), all taken in" in message, report(outs, message)
     assert zero["sent before"] == ["a", "b"], report(outs, "messages sent before the end")
     assert zero["any source"] == "from 1", report(outs, "ANY_SOURCE with a rank still sending")
     kind, message = one["recv"]
-    assert kind == "ReplicaLostError" and message.startswith(
+    assert kind == "PeerEndedError" and message.startswith(
         f"rank 1: recv(source=2, tag=ANY_TAG) cannot complete: rank 2 {ended}"), report(outs, message)
     for r, out in ((0, zero), (1, one)):
         kind, message = out["send to it"]
-        assert kind == "ReplicaLostError" and message.startswith(
+        assert kind == "PeerEndedError" and message.startswith(
             f"rank {r}: send(dest=2, tag=0) cannot go: rank 2 {ended}"), report(outs, message)
 
 
@@ -450,7 +451,7 @@ def test_a_message_waiting_for_its_link_when_its_sender_ends_is_delivered(how, t
         outs = reps.wait(25)
     assert outs[2].ok, report(outs, "rank 2 failed")
     got, after, took = outs[2].value
-    assert got == "x" and after == "ReplicaLostError" and took < 10, report(outs, str(outs[2].value))
+    assert got == "x" and after == "PeerEndedError" and took < 10, report(outs, str(outs[2].value))
 
 
 def interrupted_then_received(markers):

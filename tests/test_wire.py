@@ -460,7 +460,8 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
                     "nonce": "ab" * 16,
                     "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
                     "data_mode": "on", "macs": _mac.available_backends(), "lineage": None,
-                    "newcomer": False, "job": None, "mail": None, "shm": None, "cores": info["cores"]}
+                    "newcomer": False, "job": None, "mail": None, "mail_window": 0, "shm": None,
+                    "cores": info["cores"]}
     assert info["cores"] >= 1
     assert _bodies.challenge_of(msg) == "c" * 32
     mailing = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto", mail="tcp://10.0.0.3:4001")
@@ -516,7 +517,7 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
         "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
         "data_key": key, "renumber": None, "addresses": None, "admitted": None, "mail": None,
-        "mail_key": None, "shm": None, "tree": None}
+        "mail_key": None, "mail_windows": None, "shm": None, "tree": None}
     assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
     treed = _bodies.welcome(3, "ab" * 16, None, None, None, 0, key, tree=4, rank=1, session=5)
     assert _bodies.parse_welcome(_through_the_wire(treed), 3)["tree"] == 4

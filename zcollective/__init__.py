@@ -36,6 +36,7 @@ from .errors import (
     JobMismatchError,
     LateJoinError,
     LeftOutError,
+    PeerEndedError,
     PeerError,
     ProtocolError,
     RemoteError,
@@ -58,7 +59,7 @@ __all__ = [
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
     "PeerError", "AddressError", "LateJoinError", "LeftOutError", "ForkedProcessError", "InternalError",
-    "JobMismatchError",
+    "JobMismatchError", "PeerEndedError",
     "__version__",
 ]
 

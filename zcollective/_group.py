@@ -383,10 +383,11 @@ class Group:
         """Send ``value`` to rank ``dest``, to be received with a matching
         :meth:`recv` there; ``tag`` (0 to 2**31 - 1) tells messages apart.
         Returns once it is on its way and its buffers may be reused: at once,
-        unless ``dest`` holds ``mail_window_bytes`` of this rank's messages
-        not yet received, when it waits for them to be (see the README,
-        *Point to point*). Sending to oneself works. The value goes straight
-        to ``dest``, not through rank 0; arrays and tensors without a copy.
+        unless ``dest`` holds its ``mail_window_bytes`` (``dest``'s setting)
+        of this rank's messages not yet received, when it waits for them to
+        be (see the README, *Point to point*). Sending to oneself works. The
+        value goes straight to ``dest``, not through rank 0; arrays and
+        tensors without a copy.
 
         Raises
         ------
@@ -395,9 +396,16 @@ class Group:
         SerializationError
             ``value`` cannot be pickled (nothing was sent).
         CollectiveTimeoutError
-            ``dest``'s window stayed full for ``timeout``: nothing was sent.
+            Not done within ``timeout``; the message says what it waited for:
+            ``dest``'s window (nothing was sent), its link to ``dest`` (taken
+            back if nothing was numbered after it), or ``dest`` taking it in
+            (it may still arrive).
+        PeerEndedError
+            ``dest`` ended (it called teardown, or its program ended) before
+            its program received the message.
         ReplicaLostError, CollectiveError
-            The group failed (a rank was lost, ...).
+            The group failed (a rank was lost, ...); a message not yet on its
+            way then never goes.
         """
         deadline = _deadline(self, timeout)
         self._point.result(self._point.send(value, dest, tag, deadline, lead=True), timeout, deadline)
@@ -418,6 +426,9 @@ class Group:
         ------
         CollectiveTimeoutError
             No matching message came within ``timeout`` (says what did come).
+        PeerEndedError
+            Only ranks that ended (teardown, or their program ended) could
+            send it, and all they sent here was taken in.
         ReplicaLostError, CollectiveError
             The group failed (a rank was lost, ...).
         """
@@ -448,7 +459,8 @@ class Group:
 
     def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
         """Wait for a message :meth:`recv` with these arguments would take,
-        and say where it came from, without receiving it."""
+        and say where it came from, without receiving it; raises as
+        :meth:`recv` does."""
         deadline = _deadline(self, timeout)
         result: Status = self._point.result(self._point.probe(source, tag, deadline, lead=True), timeout,
                                             deadline)

@@ -31,7 +31,7 @@ from ._io._interrupts import NUDGE
 from ._io._mailbox import MailSockets
 from ._io._shared import SharedPlane
 from ._io._turns import Turns
-from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, HOST_WINDOW_S, STATUS_WAIT_S
+from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, HOST_WINDOW_S, LEAVING_SHARE, STATUS_WAIT_S
 from ._protocol._member import Member
 from ._protocol._ops import Here
 from ._protocol._stats import calls_log
@@ -484,7 +484,7 @@ class Lifecycle:
                     driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
                     driver.send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000)  # (receivers that run
                     # may still take them)
-                    driver.say_bye(EXIT_LINGER_MS / 1000)
+                    driver.say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
                 except Exception:
                     pass  # the group failed: nothing to announce, only to flush
                 except BaseException as exc:  # an interrupt: the BYE still goes (flagged if data

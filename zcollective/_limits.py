@@ -69,6 +69,11 @@ TREE_LINK_WAIT_S = 5.0  # joining, a rank waits this long at most for its tree l
 EXIT_LINGER_MS = 5000  # a program ending without teardown: time for what it produced to leave
 # (results, contributions, notices) and for rank 0's last BYEs to be answered; a peer that
 # stopped reading holds a process no longer
+SENT_AT_FAILURE_S = 5.0  # a send libzmq was sending when the group failed gets this long to leave
+# (then it is done, as its receiver takes it), unless its receiver is the rank lost; else it fails
+LEAVING_SHARE = 1.0  # a program ending waits this share of the liveness bound for its point-to-point
+# messages libzmq still sends (a receiver stopped within the bound takes them in after); those
+# still leaving then are cut off, and their receiver told
 STOP_TIMEOUT_S = CLOSE_LINGER_MS / 1000 + 3.0  # rank 0's background thread stops within this
 EXIT_WAIT_S = 30.0  # rank 0's program ended with calls the others have not reached yet: they
 # are usually a step behind, so wait this long for them (a rank that is lost or ends stops the wait)

@@ -107,7 +107,7 @@ class PointToPoint:
                 return
             calls._drive(lambda: settled() or turns.wanted(), deadline, True)
         except BaseException:
-            if not self._withdraw(future):
+            if not self._withdraw(future, deadline):
                 raise
 
     def result(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
@@ -122,21 +122,27 @@ class PointToPoint:
                         timeout = self.calls.config.op_timeout
                     raise CollectiveTimeoutError(self._late(future, timeout))
             except BaseException:
-                if not self._withdraw(future):
+                if not self._withdraw(future, deadline):
                     raise
         if future._error is not None:
             raise future._error
         return future._value
 
-    def _withdraw(self, future: CollectiveFuture[Any]) -> bool:
+    def _withdraw(self, future: CollectiveFuture[Any], deadline: Optional[float] = None) -> bool:
         """Take ``future``'s call back; False if it was taken back (the caller
-        raises), True if it finished meanwhile (its outcome stands)."""
+        raises), True if it finished meanwhile (its outcome stands). After a
+        failure, a send libzmq was sending gets until ``deadline`` (bounded)
+        to leave: then it is done, and delivered."""
         calls, mail = self.calls, self.calls.member.mail
         if mail is None or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
             return False
         try:
-            if mail.withdraw(future):
+            driver = calls.driver
+            if mail.withdraw(future) or (driver is not None and driver.take_back(future)):
                 return False
+            if driver is not None and mail.failure is not None and not calls.life.closed:
+                driver.mail_io(take=False)  # (a send waiting for its link fails, never sent)
+                driver.finish_leaving(future, deadline)
             settle(calls.member.outcomes)
             return future._done
         finally:
@@ -150,10 +156,27 @@ class PointToPoint:
             return said
         dest = mail.waiting_for(future)
         if dest is not None:  # a send short of credit
-            held = mail.box.peers[dest].held
-            return (f"{said}: rank {dest} has not yet received the {held} bytes this rank sent it "
-                    f"before, which fill its window ({mail.box.window} bytes: "
-                    f"ZCOLLECTIVE_MAIL_WINDOW_BYTES)")
+            peer = mail.box.peers[dest]
+            return (f"{said}: rank {dest} has not yet received the {peer.held} bytes this rank sent it "
+                    f"before, which fill its window ({peer.window} bytes: its "
+                    f"ZCOLLECTIVE_MAIL_WINDOW_BYTES); nothing was sent")
+        where, calls = None, self.calls
+        if calls.driver is not None and future.op.startswith("send(") and calls.turns.take(
+                time.monotonic() + STATUS_WAIT_S):
+            try:  # (holding the turn: the mailbox's sockets are read by their owner only)
+                where = calls.driver.where(future)
+            finally:
+                calls.turns.give()
+        if where is not None:
+            how, dest, back = where
+            if how == "link":
+                then = ("taken back: nothing was sent" if back else
+                        f"not taken back (a later send to rank {dest} was numbered after it): it goes once "
+                        f"the link is made")
+                return (f"{said}: its message waits for its link to rank {dest}'s mailbox, whose handshake "
+                        f"rank {dest} has not answered (busy in its own code, stopped, or gone); {then}")
+            return (f"{said}: rank {dest} has not taken in its message: libzmq still sends its buffers "
+                    f"(rank {dest} stopped, or busy in C code?); not taken back: it may still arrive")
         waiting: dict[tuple[int, int], int] = {}
         for came in list(mail.box.arrived):  # (a snapshot: another thread may hold the turn)
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1

@@ -416,7 +416,8 @@ SETTINGS: tuple[Setting, ...] = (
             check=_at_least(1), argument=False, env=("ZCOLLECTIVE_MAIL_WINDOW_BYTES",),
             doc="Point to point: the most bytes one rank's messages may occupy at another rank "
                 "before that rank's program receives them (or one message, if larger); a "
-                "sender beyond it waits. A receiver holds at most this much from each sender."),
+                "sender beyond it waits. A receiver holds at most this much from each sender: "
+                "the receiver's setting decides (its senders keep to it)."),
     Setting("stacks", "Optional[bool]", True, _boolean, argument=False, env=("ZCOLLECTIVE_STACKS",),
             doc="``1``: on SIGUSR1 (zcollective-run sends it to the ranks a stall names, and to "
                 "every rank when it gets one itself), write every thread's stack to stderr, "

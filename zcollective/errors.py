@@ -12,6 +12,7 @@ __all__ = [
     "CollectiveError",
     "RemoteError",
     "ReplicaLostError",
+    "PeerEndedError",
     "CollectiveTimeoutError",
     "CallMismatchError",
     "AuthenticationError",
@@ -71,13 +72,29 @@ class ReplicaLostError(CollectiveError):
     when the message says "was lost"; due to *another replica's program* when
     it says "ended its program (without teardown)". The group is failed for
     good: every later call raises this at once; call
-    :func:`zcollective.teardown` and start a new group. Except a
-    point-to-point call that only a rank that sends no more could have
-    answered ("cannot complete", "cannot go": it called teardown or its
-    program ended): that call fails, and the group goes on. A receive from
-    ``ANY_SOURCE`` fails so once every other rank sends no more, even if a
-    thread of its own rank would send it a message later.
+    :func:`zcollective.teardown` and start a new group. A rank that ended
+    normally (it called teardown, or its program ended) is no loss: a
+    point-to-point call that only it could answer raises
+    :class:`PeerEndedError`.
     """
+
+
+class PeerEndedError(CollectiveError):
+    """A point-to-point call needs a rank that ended normally: it called
+    teardown, or its program ended (without teardown), so it sends and
+    receives nothing more.
+
+    *Another replica's program* ended; nothing was lost and the group goes
+    on: only this call fails. A ``send`` to it fails at once (nothing was
+    sent, or what was sent was never received: the message says which); a
+    ``recv`` or ``probe`` that only it could answer fails once every message
+    it sent this rank was taken in (``ANY_SOURCE``: once every other rank
+    ended, even if a thread of this rank would send it a message later). Not
+    a :class:`ReplicaLostError`: an ``except ReplicaLostError: shrink()``
+    does not fire on a clean ending. :attr:`ended_ranks` names the ranks.
+    """
+
+    ended_ranks: tuple[int, ...] = ()
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
@@ -201,7 +218,7 @@ class InternalError(CollectiveError):
 # The names errors travel under, from the coordinator to the replicas (ERROR, FAIL, REJECT).
 # A name not listed arrives as CollectiveError; ValueError is a configuration mistake.
 WIRE_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (CollectiveError, CollectiveTimeoutError, ReplicaLostError,
+    cls.__name__: cls for cls in (CollectiveError, CollectiveTimeoutError, ReplicaLostError, PeerEndedError,
                                   CallMismatchError, AuthenticationError, SerializationError,
                                   ProtocolError, PeerError, LateJoinError, LeftOutError, InternalError,
                                   JobMismatchError, ValueError)

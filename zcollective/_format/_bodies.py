@@ -30,14 +30,15 @@ DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is
 def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optional[str],
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
          newcomer: bool = False, job: Optional[str] = None, ops: str = "", mail: Optional[str] = None,
-         shm: Optional[tuple[int, int]] = None) -> Message:
+         shm: Optional[tuple[int, int]] = None, mail_window: int = 0) -> Message:
     """JOIN: who this replica is and what it runs (``ops``: the operations it
     knows, by name); its answers are bound to ``nonce``. ``shm``: it can use
     shared memory with the ranks on its host, for arrays of at least ``shm[0]``
     bytes (rank 0's threshold is the group's), and its host has ``shm[1]`` bytes free there.
     ``lineage``: it joins a group the members of an earlier one form (its session, in
     hex; ``rank`` and ``num_replicas`` are then its old ones); ``newcomer``: it
-    waits to be admitted to a running group; ``job``: its job's name, if it has one."""
+    waits to be admitted to a running group; ``job``: its job's name, if it has one;
+    ``mail_window``: the bytes its mailbox holds at most from each sender (its setting decides)."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
                             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -54,8 +55,8 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
     body["macs"] = list(available_backends())
     if data is not None:
         body.update(data=data, data_min=data_min, data_mode=data_mode)
-    if mail is not None:  # its mailbox port (point to point)
-        body["mail"] = mail
+    if mail is not None:  # its mailbox port (point to point), and its window
+        body.update(mail=mail, mail_window=mail_window)
     if shm is not None:
         body["shm"] = {"min": shm[0], "room": shm[1]}
     return control(Kind.JOIN, body, rank=rank)
@@ -79,13 +80,17 @@ def parse_join(msg: Message) -> dict[str, Any]:
     mail = body.get("mail")
     if not (isinstance(mail, str) and mail.startswith("tcp://") and len(mail) <= MAX_ENDPOINT_CHARS):
         mail = None  # no mailbox: the group has no point to point
+    window = body.get("mail_window")
+    if not (type(window) is int and 0 < window < 1 << 63):
+        window = 0  # (a replica of an older release: each sender's own window)
     lineage, shm = body.get("lineage"), body.get("shm")
     return {"rank": rank, "num_replicas": n, "python": python, "ops": printable(str(body.get("ops"))[:1024]),
             "pid": pid, "nonce": join_nonce(msg),
             "lineage": lineage[:64] if isinstance(lineage, str) else None,
             "newcomer": body.get("newcomer") is True, "job": None if job is None else printable(job),
             "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,
-            "data_mode": "on" if body.get("data_mode") == "on" else "auto", "mail": mail,
+            "data_mode": "on" if body.get("data_mode") == "on" else "auto",
+            "mail": mail, "mail_window": window,
             "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else (),
             "shm": _shm_offer(shm),
             "cores": body["cores"] if type(body.get("cores")) is int and body["cores"] > 0 else 1}
@@ -119,19 +124,21 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
             data: Optional[list[str]], data_min: int, data_key: Optional[str],
             addresses: Optional[list[str]] = None, renumber: Optional[dict[str, Any]] = None,
             admitted: Optional[dict[str, Any]] = None, mail: Optional[list[str]] = None,
-            shm: Optional[dict[str, Any]] = None, tree: Optional[int] = None, **header: Any) -> Message:
+            shm: Optional[dict[str, Any]] = None, tree: Optional[int] = None,
+            mail_windows: Optional[list[int]] = None, **header: Any) -> Message:
     """WELCOME: the JOIN it answers, how the group frames and signs, its data ports,
     every rank's address as rank 0 sees it, and, in a group formed from an earlier
     one, ``renumber``: this member's new ``rank`` and every new rank's ``old`` one; ``shm``:
     shared memory on each host, as :func:`shared_plan` makes it; ``tree``: small calls climb
-    a tree of this fan-out."""
+    a tree of this fan-out; ``mail_windows``: each rank's mailbox window (0: not said), which its
+    senders keep to."""
     body: dict[str, Any] = {"num_replicas": num_replicas, "nonce": nonce, "parts": parts, "mac": mac}
     if data is not None:
         body.update(data=data, data_min=data_min, data_key=data_key)
     if addresses is not None:
         body["addresses"] = addresses
     if mail is not None:  # every rank's mailbox, whose tokens are made under the data key too
-        body.update(mail=mail, data_key=data_key)
+        body.update(mail=mail, data_key=data_key, mail_windows=mail_windows)
     if renumber is not None:
         body["renumber"] = renumber
     if admitted is not None:  # a newcomer: its rank and size in the group formed next, the lineage
@@ -194,12 +201,17 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
              and type(least) is int and is_data_key(key))
     mail_whole = (isinstance(mail, list) and len(mail) == num_replicas and is_data_key(key)
                   and all(isinstance(e, str) and len(e) <= MAX_ENDPOINT_CHARS for e in mail))
+    windows = body.get("mail_windows")
+    if not (isinstance(windows, list) and len(windows) == num_replicas
+            and all(type(w) is int and 0 <= w < 1 << 63 for w in windows)):
+        windows = None
     return {"nonce": nonce if isinstance(nonce, str) else None,
             "parts": parts if type(parts) is int and parts >= WIRE_PART_BYTES else None,
             "mac": mac if mac in available_backends() else None, "data": data if whole else None,
             "data_min": least if whole else 0, "data_key": key if whole else None,
             "renumber": renumber, "addresses": addresses, "admitted": admitted,
             "mail": mail if mail_whole else None, "mail_key": key if mail_whole else None,
+            "mail_windows": windows if mail_whole else None,
             "shm": parse_shared(body.get("shm"), num_replicas), "tree": _fanout(body.get("tree"))}
 
 
@@ -261,26 +273,48 @@ def complete_of(msg: Message) -> int:
 MAX_ENDED_CHARS = 1000  # how a rank ended, as FINAL forwards it ("rank 2 (pid 7 on host) called teardown")
 
 
-def final(sent: list[int], teardown: bool, **header: Any) -> Message:
+def final(sent: list[int], teardown: bool, received: Optional[list[int]] = None,
+          lost: Optional[list[int]] = None, calls: Optional[int] = None, **header: Any) -> Message:
     """FINAL to the coordinator: this rank sends no more point-to-point
-    messages, having sent ``sent[r]`` to rank r; ``teardown``, or its program ends."""
-    return control(Kind.FINAL, {"sent": sent, "how": "teardown" if teardown else "exit"}, **header)
+    messages, having sent ``sent[r]`` to rank r (and ``lost[r]`` more that never
+    left it), its program having received ``received[r]`` of rank r's, after
+    ``calls`` collective calls; ``teardown``, or its program ends."""
+    body: dict[str, Any] = {"sent": sent, "how": "teardown" if teardown else "exit"}
+    for key, value in (("received", received), ("lost", lost), ("calls", calls)):
+        if value is not None:
+            body[key] = value
+    return control(Kind.FINAL, body, **header)
 
 
-def parse_final(msg: Message, num_replicas: int) -> tuple[list[int], bool]:
-    """A member's FINAL: how many it sent each rank, and whether it called teardown."""
-    body = msg.body(max(_wire.MAX_JSON_BYTES, 24 * num_replicas))  # (a count is at most 19 digits)
+def _counts(value: Any, num_replicas: int) -> bool:
+    return (isinstance(value, list) and len(value) == num_replicas
+            and all(type(n) is int and 0 <= n < 1 << 63 for n in value))
+
+
+def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
+    """A member's FINAL: how many it sent each rank (``sent``), lost on the way
+    (``lost``) and received from each (``received``: None if not said), its
+    calls (None if not said), and whether it called ``teardown``."""
+    body = msg.body(max(_wire.MAX_JSON_BYTES, 72 * num_replicas))  # (a count is at most 19 digits)
     sent = body.get("sent")
-    if not (isinstance(sent, list) and len(sent) == num_replicas
-            and all(type(n) is int and 0 <= n < 1 << 63 for n in sent)):
+    if not _counts(sent, num_replicas):
         raise WireError("FINAL must count the messages sent to each rank")
-    return sent, body.get("how") == "teardown"
+    received, lost, calls = body.get("received"), body.get("lost"), body.get("calls")
+    return {"sent": sent, "teardown": body.get("how") == "teardown",
+            "received": received if _counts(received, num_replicas) else None,
+            "lost": lost if _counts(lost, num_replicas) else [0] * num_replicas,
+            "calls": calls if type(calls) is int and 0 <= calls < 1 << 63 else None}
 
 
-def ended(who: str, teardown: bool = False, **header: Any) -> Message:
-    """FINAL to member ``rank``: rank ``root`` sent it its last (``seq`` of them); ``who``: how it
+def ended(who: str, received: Optional[int] = None, lost: int = 0, *, teardown: bool = False,
+          **header: Any) -> Message:
+    """FINAL to member ``rank``: rank ``root`` sent it its last (``seq`` of them, and ``lost``
+    more that never left it), having received ``received`` of its messages; ``who``: how it
     ended; ``teardown``: it called teardown (it still takes in until the group closes)."""
-    body = {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit"}
+    body: dict[str, Any] = {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit",
+                            "lost": lost}
+    if received is not None:
+        body["received"] = received
     return control(Kind.FINAL, body, **header)
 
 
@@ -291,6 +325,15 @@ def parse_ended(msg: Message) -> str:
 def ended_by_teardown(msg: Message) -> bool:
     """Did the rank a coordinator's FINAL names call teardown (else its program ended)?"""
     return msg.body().get("how") == "teardown"
+
+
+def ended_counts(msg: Message) -> tuple[Optional[int], int]:
+    """A FINAL's counts for its recipient: how many of its messages the rank that ended
+    received (None: not said), and how many of that rank's messages to it were lost."""
+    body = msg.body()
+    received, lost = body.get("received"), body.get("lost", 0)
+    return (received if type(received) is int and 0 <= received < 1 << 63 else None,
+            lost if type(lost) is int and 0 <= lost < 1 << 63 else 0)
 
 
 def abort(error: BaseException, data_plane: bool = False, lost: Optional[int] = None,

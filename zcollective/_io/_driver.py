@@ -14,10 +14,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
-from .._limits import POLL_SLICE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
+from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
 from .._protocol._member import Member
 from .._protocol._ops import applied
-from .._protocol._outcomes import Outcome
+from .._protocol._outcomes import Outcome, fresh
 from .._protocol._p2p import ANY_SOURCE
 from ..errors import CollectiveError, CollectiveTimeoutError
 from ._interrupts import NUDGE, Waiter
@@ -102,6 +102,8 @@ class Driver:
                 rules.take(msg)
                 if enough is not None and member.outcomes and enough() and not self.sleepers():
                     break
+        if rules.cut and sockets is not None:
+            self._cut(rules.cut)
         out, went = rules.out, []
         while out and sockets is not None:
             dest, msg, handle = out.pop(0)
@@ -138,6 +140,78 @@ class Driver:
             if interrupted is not None and threading.current_thread() is threading.main_thread():
                 member.relay.interrupted = None  # here: only the main thread gets signals)
                 raise interrupted
+
+    def _cut(self, cut: list[tuple[int, list[Any]]]) -> None:
+        """Ranks whose messages waiting for their link never go (see
+        :attr:`~zcollective._protocol._p2p.Mail.cut`): dropped; sends dropped
+        after a failure fail with it (never sent), so no send that raised is
+        delivered."""
+        sockets, member = self.mail, self.member
+        assert sockets is not None and member.mail is not None
+        failure = member.mail.failure
+        decided: set[int] = set()
+        while cut:
+            dest, handles = cut.pop()
+            decided.update(map(id, handles))
+            for handle in sockets.drop_to(dest, sends_only=failure is not None):
+                if failure is not None:
+                    member.outcomes.append(Outcome(handle, fresh(failure)))
+        if decided:  # (their outcome is said: a tracker never done, to a rank gone, is not watched)
+            self._tracked = [(t, h) for t, h in self._tracked if id(h) not in decided]
+
+    def take_back(self, handle: Any) -> bool:
+        """Take back the send ``handle`` whose message still waits for its
+        link (timed out, interrupted): only the last numbered for its rank,
+        so that pair's numbers stay whole. Was it taken back?"""
+        sockets, rules = self.mail, self.member.mail
+        if sockets is None or rules is None:
+            return False
+        dest = sockets.held_last(handle)
+        if dest is None or not rules.unsend(dest, handle):
+            return False
+        sockets.drop_send(dest, handle)
+        return True
+
+    def where(self, handle: Any) -> Optional[tuple[str, int, bool]]:
+        """Where the send ``handle`` waits, once it left the rules: ``"link"``
+        (its link's handshake) or ``"leaving"`` (libzmq still sends its
+        buffers); the rank; and whether :meth:`take_back` would take it back."""
+        sockets, rules = self.mail, self.member.mail
+        if sockets is None or rules is None:
+            return None
+        dest = sockets.holds(handle)
+        if dest is not None:
+            last = rules.box.peers[dest].unreceived
+            return "link", dest, sockets.held_last(handle) == dest and bool(last) and last[-1][2] is handle
+        if any(h is handle for t, h in self._tracked if not t.done):
+            found = rules.leaving({id(handle)})
+            if found:
+                return "leaving", next(iter(found)), False
+        return None
+
+    def finish_leaving(self, handle: Any, deadline: Optional[float]) -> None:
+        """The group failed while libzmq sends the send ``handle``'s message
+        (its receiver, not the rank lost, takes it in even so): it gets until
+        ``deadline``, at most :data:`~zcollective._limits.SENT_AT_FAILURE_S`,
+        to leave and be done, so that a send that raises was never delivered
+        (but for one cut off at that bound, its receiver stopped)."""
+        where, lost = self.where(handle), getattr(self.member.failure, "lost_ranks", ())
+        if where is None or where[0] != "leaving" or where[1] in lost:
+            return
+        until = time.monotonic() + SENT_AT_FAILURE_S
+        until = until if deadline is None else min(deadline, until)
+        with contextlib.suppress(CollectiveError):
+            while any(h is handle for _, h in self._tracked) and time.monotonic() < until:
+                self.waiter.wait(self.mail_names, until, TRACKER_POLL_S)
+                self.mail_io(take=False)
+
+    def leaving(self) -> dict[int, int]:
+        """By rank, the first seq of the sends libzmq still sends (their
+        trackers not done) to a rank still running."""
+        rules = self.member.mail
+        if rules is None or not self._tracked:
+            return {}
+        return rules.leaving({id(h) for t, h in self._tracked if not t.done})
 
     # -- to implement -----------------------------------------------------
 
@@ -255,7 +329,7 @@ class Driver:
         mail, wake = self.member.mail, deadline
         if mail is not None:
             soon = self._soon()
-            if self.mail_ready or mail.out or soon is not None:
+            if self.mail_ready or mail.out or mail.cut or soon is not None:
                 ready, self.mail_ready = self.mail_ready, 0  # (a wait wakes at once while a message
                 self.mail_io(ready=ready, enough=until)  # waits: the PULL is polled as a socket, level)
                 if until is not None and until():
@@ -357,7 +431,7 @@ class Driver:
             return True
 
         def sent() -> bool:
-            return not mail.sending() and (sockets is None or not sockets.holding(mail.gone()))
+            return not (mail.out or mail.sending()) and (sockets is None or not sockets.holding(mail.gone()))
         return sent() or self.wait_for(sent, deadline)
 
     def finish_calls(self, deadline: Optional[float]) -> bool:
@@ -404,16 +478,18 @@ class Driver:
     def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
         return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
 
-    def say_bye(self, timeout: float) -> None:
+    def say_bye(self, timeout: float, deliver: float = 0.0) -> None:
         """Tell the coordinator this program is ending (if there is a group to
         tell); over a connection, wait at most ``timeout`` s for its answer (see
-        docs/protocol.md, *Ending without teardown*)."""
+        docs/protocol.md, *Ending without teardown*); point-to-point messages
+        libzmq still sends get ``deliver`` s to leave first."""
         member = self.member
         bye = member.bye()
         if bye is None:
             return
-        final = self.final(teardown=False, deadline=time.monotonic() + timeout)  # (before the BYE:
-        # the others hear of it first)
+        now = time.monotonic()
+        final = self.final(teardown=False, deadline=now + timeout, deliver=now + deliver)  # (before the
+        # BYE: the others hear of it first)
         self.send([bye] if final is None else [final, bye])
         if self.remote:  # (no data moves: finish_data had its time)
             self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
@@ -465,20 +541,29 @@ class Driver:
             self.waiter.wait(self.mail_names, deadline, POLL_SLICE_S)
             self.mail_io(take=False, ready=LINK)
 
-    def final(self, teardown: bool, deadline: float) -> Optional[Message]:
+    def final(self, teardown: bool, deadline: float, deliver: Optional[float] = None) -> Optional[Message]:
         """This rank's FINAL (see :meth:`Member.final`), once messages waiting
         for a link's handshake had until ``deadline`` to go: those still
         waiting then never go, fail, and are not counted (counted, the other
-        rank's receive would wait for them until its timeout)."""
+        rank's receive would wait for them until its timeout). ``deliver``
+        (the program ends: later than ``deadline``): they, and messages libzmq
+        still sends, get until then to go; those still leaving are cut off and
+        counted lost, so their receiver is told at once."""
         member, sockets = self.member, self.mail
-        unsent = None
+        unsent, leaving = None, None
         self.hand_down(deadline)  # (results owed down the tree go first, failed or not)
         if sockets is not None and member.mail is not None and member.failure is None:
             with contextlib.suppress(CollectiveError):  # (the group failed: no FINAL goes)
                 self.mail_io(take=False)
-                self.wait_for(lambda: not sockets.holding(), deadline)
+                if deliver is None:
+                    self.wait_for(lambda: not sockets.holding(), deadline)
+                else:  # (a receiver stopped within the bound answers a handshake, takes them in, after)
+                    self.wait_for(lambda: not (sockets.holding() or self.leaving()), max(deadline, deliver))
             unsent = sockets.drop_held()
-        return member.final(teardown, unsent)  # (the unsent sends' outcomes: the caller's to settle)
+            leaving = self.leaving() if deliver is not None else None
+            if leaving:
+                sockets.cut_off(leaving)
+        return member.final(teardown, unsent, leaving)  # (the unsent sends' outcomes: the caller's to settle)
 
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""

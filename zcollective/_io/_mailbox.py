@@ -8,7 +8,7 @@ which receive takes it is decided by :mod:`zcollective._protocol._p2p`.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Any, Optional
 
 import zmq
@@ -52,6 +52,7 @@ class MailSockets:
         self._held: dict[int, list[tuple[list[Any], bool, Any]]] = {}  # what waits for its link
         self._retry: dict[int, float] = {}  # links refused before they were made: when to try again
         self._broken: Optional[int] = None  # a link found broken while sending
+        self._cut_off: set[int] = set()  # links whose messages still leaving are dropped at close
         self._next_look = 0.0  # when the links' monitors are next read, once every link is made
         self._endpoints: list[str] = []
         self._session, self._base = 0, b""  # the group's, from start()
@@ -152,6 +153,41 @@ class MailSockets:
         held, self._held = self._held, {}
         return {dest: [handle for _, _, handle in queue] for dest, queue in held.items()}
 
+    def drop_to(self, dest: int, sends_only: bool) -> list[Any]:
+        """What waits for the link to ``dest`` never goes (``sends_only``: only
+        the point-to-point sends; the tree's results still go): their handles."""
+        queue = self._held.get(dest)
+        if not queue:
+            return []
+        kept = [entry for entry in queue if sends_only and entry[2] is None]
+        if kept:
+            self._held[dest] = kept
+        else:
+            del self._held[dest]
+        return [handle for _, _, handle in queue if handle is not None]
+
+    def holds(self, handle: Any) -> Optional[int]:
+        """The rank whose link's handshake the send ``handle`` waits for (None: none)."""
+        return next((dest for dest, queue in self._held.items()
+                     if any(h is handle for _, _, h in queue)), None)
+
+    def held_last(self, handle: Any) -> Optional[int]:
+        """The rank whose link's handshake the send ``handle`` waits for, as
+        the last send held for it (None: it is no such send)."""
+        for dest, queue in self._held.items():
+            last = next((h for _, _, h in reversed(queue) if h is not None), None)
+            if last is handle:
+                return dest
+        return None
+
+    def drop_send(self, dest: int, handle: Any) -> None:
+        """The send ``handle``, held for the link to ``dest``, never goes."""
+        queue = [entry for entry in self._held.get(dest, []) if entry[2] is not handle]
+        if queue:
+            self._held[dest] = queue
+        else:
+            self._held.pop(dest, None)
+
     def next_retry(self) -> Optional[float]:
         """When a refused link is next made again (None: none is)."""
         return min(self._retry.values()) if self._retry else None
@@ -207,9 +243,14 @@ class MailSockets:
                 return
             yield frames
 
+    def cut_off(self, dests: Iterable[int]) -> None:
+        """What the links to ``dests`` still send is dropped at :meth:`close`
+        (their receivers were told it is lost)."""
+        self._cut_off.update(dests)
+
     def close(self, linger_ms: int = 0) -> None:
-        for push in self._pushes.values():
-            push.close(linger=linger_ms)
+        for dest, push in self._pushes.items():
+            push.close(linger=0 if dest in self._cut_off else linger_ms)
         for monitor in self._monitors.values():
             monitor.close(linger=0)
         self._pull.close(linger=0)

@@ -141,6 +141,7 @@ class Joined:
     data_min: int = 0  # the smallest array it would send peer to peer (rank 0's is used)
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
     mail: Optional[str] = None  # its mailbox's endpoint (point to point), if it has one
+    mail_window: int = 0  # what its mailbox holds at most from each sender (0: not said)
     shm: Optional[tuple[int, int]] = None  # it can use shared memory: (threshold, room on its host)
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
     cores: int = 1  # the CPU cores its process may run on (the tree needs one a rank: rule 14)
@@ -850,7 +851,8 @@ class Coordinator:
         return _bodies.welcome(self.num_replicas, member.nonce, self.part_bytes, self.mac, self._data_ports,
                                self.by_rank[0].data_min, self._data_key, addresses, renumber, rank=rank,
                                session=self.session, mail=cast("list[str]", mail) if all(mail) else None,
-                               shm=self._shared, tree=_tree.TREE_FANOUT if self.tree is not None else None)
+                               shm=self._shared, tree=_tree.TREE_FANOUT if self.tree is not None else None,
+                               mail_windows=[self.by_rank[r].mail_window for r in range(self.num_replicas)])
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Outgoing]]:
         """With a secret, a JOIN is fresh only if it echoes the challenge this
@@ -1113,14 +1115,19 @@ class Coordinator:
     def _on_final(self, member: Joined, msg: Message) -> list[Outgoing]:
         """Rule 12: ``member`` sends no more point-to-point messages; every
         other member still running is told how many it sent that member."""
-        sent, teardown = _bodies.parse_final(msg, self.num_replicas)
-        member.sent = sum(sent)  # (its BYE comes next: said when it ended)
+        final = _bodies.parse_final(msg, self.num_replicas)
+        member.sent = sum(final["sent"])  # (its BYE comes next: said when it ended)
         if self.phase is not Phase.RUNNING:
             return []
-        how = "called teardown" if teardown else "ended its program (without teardown)"
+        how = "called teardown" if final["teardown"] else "ended its program (without teardown)"
+        calls = final["calls"]
+        if calls is not None:
+            how += f" after seq {calls - 1}" if calls else " with no collective call before"
         who = f"rank {member.rank} {how} (pid {member.pid} on {member.host})"
-        return [(m.peer, _bodies.ended(who, teardown, rank=m.rank, root=member.rank, seq=sent[m.rank],
-                                       session=self._binding(m)))
+        sent, lost, received = final["sent"], final["lost"], final["received"]
+        return [(m.peer, _bodies.ended(who, None if received is None else received[m.rank], lost[m.rank],
+                                       teardown=final["teardown"], rank=m.rank, root=member.rank,
+                                       seq=sent[m.rank], session=self._binding(m)))
                 for m in self.members.values() if m is not member and m.ended is None and not m.newcomer]
 
     def _hold(self, member: Joined, answer: Outgoing) -> list[Outgoing]:

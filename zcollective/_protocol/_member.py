@@ -171,7 +171,7 @@ class Member:
         self._tokens.add(join_token(nonce))
         return _bodies.join(self.rank, self.size, PYTHON_VERSION, nonce, challenge, self.data_endpoint,
                             self.data_min_bytes, self.data_mode, self.lineage, self.newcomer, self.job,
-                            SPOKEN, self.mail_endpoint, self.shm_offer)
+                            SPOKEN, self.mail_endpoint, self.shm_offer, self.mail_window)
 
     @property
     def joined(self) -> bool:
@@ -347,13 +347,16 @@ class Member:
         return Message(Kind.BYE, rank=self.rank, seq=self.next_seq, session=self.session,
                        flags=FLAG_DATA if unsent else 0)
 
-    def final(self, teardown: bool, unsent: Optional[dict[int, list[Any]]] = None) -> Optional[Message]:
+    def final(self, teardown: bool, unsent: Optional[dict[int, list[Any]]] = None,
+              leaving: Optional[dict[int, int]] = None) -> Optional[Message]:
         """FINAL: this rank sends no more point-to-point messages (``teardown``,
-        or its program ends; ``unsent``: see :meth:`Mail.final`); None when
-        there is nobody to tell."""
+        or its program ends; ``unsent``, ``leaving``: see :meth:`Mail.final`);
+        None when there is nobody to tell."""
         if self.failure is not None or not self.joined or self.mail is None or self.size == 1:
             return None
-        return _bodies.final(self.mail.final(unsent), teardown, rank=self.rank, session=self.session)
+        sent, lost, received = self.mail.final(unsent, leaving)
+        return _bodies.final(sent, teardown, received, lost, self.next_seq, rank=self.rank,
+                             session=self.session)
 
     def give_up(self, seq: int, error: BaseException, timed_out: bool) -> list[Message]:
         """This rank gives up call ``seq`` (``error`` is why): tell the coordinator, so that the
@@ -440,7 +443,8 @@ class Member:
                 self.session = msg.session
                 if (self.mail_endpoint is not None and welcome["mail"] is not None) or self.size == 1:
                     self.mail_endpoints, self.mail_key = welcome["mail"], welcome["mail_key"]
-                    self.mail = Mail(self.rank, self.size, self.mail_window, self.session, self.outcomes)
+                    self.mail = Mail(self.rank, self.size, self.mail_window, self.session, self.outcomes,
+                                     welcome["mail_windows"])
                     fanout = welcome["tree"]
                     if fanout is not None and self.mail_endpoints is not None:
                         self._plant(fanout)
@@ -467,7 +471,7 @@ class Member:
             self._asked = max(msg.seq, self._asked or 0)
         elif kind is Kind.FINAL and self.mail is not None and 0 <= msg.root < self.size:
             self.mail.ended(msg.root, msg.seq, _bodies.parse_ended(msg),  # (its own: ignored)
-                            _bodies.ended_by_teardown(msg))
+                            _bodies.ended_by_teardown(msg), *_bodies.ended_counts(msg))
         elif kind is Kind.SYNC:  # every rank of this host reached a sync of a shared-memory call (rule 10)
             transfers = self.transfers
             if transfers and transfers[0][0] == msg.seq and getattr(transfers[0][1], "shared", False):

@@ -8,19 +8,24 @@ receive for ``ANY_SOURCE`` or ``ANY_TAG`` takes the earliest arrived that
 matches; an arriving message goes to the earliest posted receive it matches.
 
 Ends: a rank that sends no more (teardown, or its program ends) says how
-many messages it sent each rank (through the coordinator: FINAL). Once a
-rank has taken in that many from it, a receive or probe that only it could
-answer (``ANY_SOURCE``: only ranks that ended) fails, and so does a send to
-it: its program receives nothing more. A rank in teardown still takes in,
-until the group closes, what its receives posted before wait for, and
-drops (crediting it) what none of them matches, so a send already waiting
-for its credit goes (see docs/protocol.md, *Point to point*, Ends).
+many messages it sent each rank, how many more never left it (lost), and
+how many of each rank's its program received (through the coordinator:
+FINAL). Once a rank has taken in that many from it, a receive or probe that
+only it could answer (``ANY_SOURCE``: only ranks that ended) fails, and so
+does a send to it: its program receives nothing more. A send to it still on
+its way fails unless its program had received it. All with
+:class:`~zcollective.errors.PeerEndedError`: an ending is not a loss. A rank
+in teardown still takes in, until the group closes, what its receives posted
+before wait for, and drops (crediting it) what none of them matches, so a
+send already waiting for its credit goes (see docs/protocol.md, *Point to
+point*, Ends).
 
-Windows: a sender may have at most ``window`` bytes sent to one rank and not
-yet received by that rank's program, or one message of any size when it has
-none. The receiver credits what its program took back to the sender
-(:class:`Credit`), when a quarter of the window is due or at once when the
-sender asks (a sender that waits for credit asks once).
+Windows: a sender may have at most the receiver's ``window`` bytes (the
+receiver's setting, from the WELCOME) sent to it and not yet received by its
+program, or one message of any size when it has none. The receiver credits
+what its program took back to the sender (:class:`Credit`), when a quarter of
+its window is due or at once when the sender asks (a sender that waits for
+credit asks once).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from .._format import _serialize
 from .._format._wire import Kind, Message, owned
-from ..errors import CollectiveError, ReplicaLostError
+from ..errors import CollectiveError, PeerEndedError, ReplicaLostError
 from ._outcomes import Outcome, fresh
 
 ANY_SOURCE = -1
@@ -86,8 +91,10 @@ class Credit:
 class _Peer:
     """What one rank knows of its exchanges with one other rank (or itself)."""
 
+    window: int = 0  # the bytes it holds at most from this rank (its setting)
     next_out: int = 0  # the seq of the next message sent to it
-    unreceived: deque[tuple[int, int]] = field(default_factory=deque)  # (seq, nbytes) it holds
+    unreceived: deque[tuple[int, int, Any, int]] = field(default_factory=deque)  # (seq, nbytes,
+    # the send's handle, tag) of the messages it has not credited
     held: int = 0  # their bytes
     asked: bool = False  # this rank waits for credit from it and asked for it
     next_in: int = 0  # the seq of the next message expected from it
@@ -95,7 +102,7 @@ class _Peer:
     credited: int = -1  # ... and the last it was told of
     taken_bytes: int = 0  # bytes received since then
     owed: bool = False  # it asked for credit: send it as soon as there is any
-    last: Optional[int] = None  # it sends no more: how many it sent (FINAL)
+    last: Optional[int] = None  # it sends no more: how many it sent (FINAL); a later one is dropped
 
 
 class OutOfOrder(ValueError):
@@ -134,10 +141,13 @@ def check_rank(rank: Any, size: int, what: str, any_source: bool = False) -> int
 class Mailbox:
     """One rank's point-to-point rules (see the module docstring)."""
 
-    def __init__(self, rank: int, size: int, window: int) -> None:
+    def __init__(self, rank: int, size: int, window: int, windows: Optional[list[int]] = None) -> None:
+        """``window``: what this rank holds from each sender; ``windows``: each
+        rank's (0, or none given: this rank's)."""
         self.rank = rank
         self.window = window
-        self.peers = [_Peer() for _ in range(size)]
+        self.peers = [_Peer(window=(windows[r] if windows and windows[r] > 0 else window))
+                      for r in range(size)]
         self.arrived: deque[Arrived] = deque()  # in arrival order
         self.posted: list[Receive] = []  # in posting order
         self.draining = False  # teardown: its program posts no more receives (see drain)
@@ -146,14 +156,14 @@ class Mailbox:
 
     def may_send(self, dest: int, nbytes: int) -> bool:
         peer = self.peers[dest]
-        return peer.held == 0 or peer.held + nbytes <= self.window
+        return peer.held == 0 or peer.held + nbytes <= peer.window
 
-    def send(self, dest: int, nbytes: int) -> int:
+    def send(self, dest: int, nbytes: int, handle: Any = None, tag: int = 0) -> int:
         """A message of ``nbytes`` goes to ``dest`` (:meth:`may_send` said so): its seq."""
         peer = self.peers[dest]
         seq = peer.next_out
         peer.next_out += 1
-        peer.unreceived.append((seq, nbytes))
+        peer.unreceived.append((seq, nbytes, handle, tag))
         peer.held += nbytes
         return seq
 
@@ -182,6 +192,8 @@ class Mailbox:
         if seq != peer.next_in:
             raise OutOfOrder(f"message {seq} from rank {source}, where {peer.next_in} was next")
         peer.next_in += 1
+        if peer.last is not None and seq >= peer.last:  # it ended counting this one lost: it stays lost
+            raise OutOfOrder(f"message {seq} from rank {source}, which ended having sent {peer.last}")
         came = Arrived(source, tag, seq, nbytes, message)
         for i, receive in enumerate(self.posted):
             if receive.matches(source, tag):
@@ -304,9 +316,10 @@ class Mail:
     mailbox sockets) and what calls came to (appended to
     ``outcomes``, which the call runner applies)."""
 
-    def __init__(self, rank: int, size: int, window: int, session: int, outcomes: deque[Any]) -> None:
+    def __init__(self, rank: int, size: int, window: int, session: int, outcomes: deque[Any],
+                 windows: Optional[list[int]] = None) -> None:
         self.rank, self.size, self.session = rank, size, session
-        self.box = Mailbox(rank, size, window)
+        self.box = Mailbox(rank, size, window, windows)
         self.outcomes = outcomes
         self.out: list[tuple[int, Message, Any]] = []  # (to, message, the send's handle or None)
         self.waiting: list[deque[_Sending]] = [deque() for _ in range(size)]  # sends short of credit
@@ -317,6 +330,10 @@ class Mail:
         self.ended_how: dict[int, str] = {}  # ranks that send no more: how each ended (FINAL)
         self.tearing: set[int] = set()  # ... of which those that called teardown: they take in
         # until the group closes, so a send already waiting for their credit still goes
+        self.lost: dict[int, int] = {}  # how many of an ended rank's messages to this one never left it
+        self.cut: list[tuple[int, list[Any]]] = []  # for the driver: ranks whose messages waiting for
+        # their link never go (ended; every rank once the group failed: its sends only), with the
+        # handles of sends on their way there, decided here (no tracker of theirs is watched more)
         self.tree: Optional[Callable[[Message], None]] = None  # where the tree's messages go (the member's)
 
     def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
@@ -334,8 +351,8 @@ class Mail:
         queue, box = self.waiting[dest], self.box
         while queue and box.may_send(dest, queue[0].size):
             s = queue.popleft()
-            msg = Message(Kind.SEND, 0, self.rank, s.tag, box.send(dest, s.size), self.session,
-                          segments=[s.segment])
+            seq = box.send(dest, s.size, s.handle, s.tag)
+            msg = Message(Kind.SEND, 0, self.rank, s.tag, seq, self.session, segments=[s.segment])
             if dest == self.rank:
                 self.outcomes.append(Outcome(s.handle))
                 self.take(owned(msg))  # its own buffers, as a socket would give them
@@ -456,44 +473,99 @@ class Mail:
             self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
                             for c in credits)
 
-    def final(self, unsent: Optional[dict[int, list[Any]]] = None) -> list[int]:
-        """This rank sends no more (teardown, or its program ends): how many
-        messages it sent each rank. Sends still waiting for credit never go:
-        they fail; so do ``unsent`` (by rank: the handles of the last messages
-        numbered for it, which its link never took), not counted."""
-        unsent = unsent or {}
+    def final(self, unsent: Optional[dict[int, list[Any]]] = None, leaving: Optional[dict[int, int]] = None
+              ) -> tuple[list[int], list[int], list[int]]:
+        """This rank sends no more (teardown, or its program ends): by rank, how
+        many messages it sent, how many more never left it (lost), and how many
+        of that rank's its program received. Sends still waiting for credit
+        never go: they fail; so do ``unsent`` (by rank: the handles of the last
+        messages numbered for it, which its link never took) and, from seq
+        ``leaving[r]`` on, those libzmq still sent to rank r when this rank's
+        wait for them ran out (the program ends: they are cut off)."""
+        unsent, leaving = unsent or {}, leaving or {}
+        why = "when this rank stopped sending (teardown, or its program ended): it was not sent"
         for dest, handles in unsent.items():
             for handle in handles:
                 if handle is not None:
                     self.outcomes.append(Outcome(handle, RuntimeError(
                         f"rank {self.rank}: a send to rank {dest} waited for its link to rank {dest}'s "
-                        f"mailbox when this rank stopped sending (teardown, or its program ended): "
-                        f"it was not sent")))
+                        f"mailbox {why}")))
+        lost = [len(queue) for queue in self.waiting]
         for queue in self.waiting:
             while queue:
                 s = queue.popleft()
                 error = RuntimeError(f"rank {self.rank}: send(dest={s.dest}, tag={s.tag}) waited for "
-                                     f"rank {s.dest}'s window when this rank stopped sending "
-                                     f"(teardown, or its program ended): it was not sent")
+                                     f"rank {s.dest}'s window {why}")
                 self.outcomes.append(Outcome(s.handle, error))
-        return [peer.next_out - len(unsent.get(dest, ())) for dest, peer in enumerate(self.box.peers)]
+        sent = []
+        for dest, peer in enumerate(self.box.peers):
+            numbered = peer.next_out - sum(h is not None for h in unsent.get(dest, ()))  # (a send's
+            went = leaving.get(dest, numbered)  # handle is never None; a CREDIT's or the tree's is)
+            for seq, _, handle, tag in peer.unreceived:
+                if went <= seq and handle is not None and seq < numbered:
+                    self.outcomes.append(Outcome(handle, RuntimeError(
+                        f"rank {self.rank}: send(dest={dest}, tag={tag}) was still leaving, rank {dest} not "
+                        f"taking it in (stopped?), when this rank's program ended and its wait for it ran "
+                        f"out: it was cut off, and rank {dest} told so")))
+            sent.append(went)
+            lost[dest] += peer.next_out - went
+        received = [peer.taken + 1 for peer in self.box.peers]
+        return sent, lost, received
 
-    def ended(self, source: int, count: int, how: str, teardown: bool = False) -> None:
+    def leaving(self, handles: set[int]) -> dict[int, int]:
+        """By rank still running, the first seq of its sends whose handles' ids are ``handles``."""
+        first = {}
+        for dest, peer in enumerate(self.box.peers):
+            if dest not in self.ended_how:
+                seq = next((seq for seq, _, handle, _ in peer.unreceived if id(handle) in handles), None)
+                if seq is not None:
+                    first[dest] = seq
+        return first
+
+    def unsend(self, dest: int, handle: Any) -> bool:
+        """Take back the send ``handle`` to ``dest`` whose message never left
+        (it waits for its link): only the last numbered for ``dest``, so the
+        numbers of its pair stay whole."""
+        peer = self.box.peers[dest]
+        if not peer.unreceived or peer.unreceived[-1][2] is not handle:
+            return False
+        peer.held -= peer.unreceived.pop()[1]
+        peer.next_out -= 1
+        return True
+
+    def ended(self, source: int, count: int, how: str, teardown: bool = False,
+              received: Optional[int] = None, lost: int = 0) -> None:
         """Rank ``source`` sends no more (``how``: who it is, how it ended),
-        having sent this rank ``count`` messages: a send to it fails (one
-        already waiting for its credit too, unless it called ``teardown``:
-        it takes in until the group closes), and a receive or probe only it
-        could answer, once all it sent was taken in."""
+        having sent this rank ``count`` messages (and ``lost`` more that never
+        left it) and received ``received`` of this rank's (None: not said): a
+        send to it fails, one on its way too unless its program had received
+        it, and so does a receive or probe only it could answer, once all it
+        sent was taken in. A rank in ``teardown`` takes in until the group
+        closes: a send already waiting for its credit, or on its way, still goes."""
         if source == self.rank or source in self.ended_how:
             return
         self.box.ended(source, count)
         self.ended_how[source] = how
-        queue = self.waiting[source]
+        if lost:
+            self.lost[source] = lost
         if teardown:
             self.tearing.add(source)
-        while queue and not teardown:
+            self._hopeless()
+            return
+        queue = self.waiting[source]
+        while queue:
             s = queue.popleft()
             self.outcomes.append(Outcome(s.handle, self._gone(f"send(dest={source}, tag={s.tag})", source)))
+        peer, decided = self.box.peers[source], []
+        if received is not None:  # (said by every release that says it)
+            for seq, _, handle, tag in peer.unreceived:  # on their way: received, or never to be
+                if handle is not None:
+                    decided.append(handle)
+                    self.outcomes.append(Outcome(handle) if seq < received else Outcome(
+                        handle, self._gone(f"send(dest={source}, tag={tag})", source, (seq, received))))
+            peer.unreceived.clear()
+            peer.held = 0
+        self.cut.append((source, decided))
         self._hopeless()
 
     def closing(self) -> None:
@@ -541,25 +613,43 @@ class Mail:
                 self.outcomes.append(Outcome(receive.handle, self._gone(
                     describe(call, receive.source, receive.tag), receive.source)))
 
-    def _gone(self, what: str, rank: int) -> ReplicaLostError:
+    def _gone(self, what: str, rank: int, leaving: Optional[tuple[int, int]] = None
+              ) -> PeerEndedError:
         """The error of a call that needs rank ``rank`` (``ANY_SOURCE``: any
-        other), which sends no more (and, a receive: all it sent was taken in)."""
+        other), which sends no more (and, a receive: all it sent was taken in);
+        ``leaving``: a send's message on its way (its seq, and how many of this
+        rank's that rank's program received)."""
         if rank == ANY_SOURCE:
-            whys = "; ".join(self.ended_how[r] for r in sorted(self.ended_how))
-            error = ReplicaLostError(f"rank {self.rank}: {what} cannot complete: no other rank can send "
-                                     f"any more ({whys}), and no message here matches")
-            error.lost_ranks = tuple(sorted(self.ended_how))  # type: ignore[attr-defined]
+            whys = "; ".join(self.ended_how[r] + self._lost(r) for r in sorted(self.ended_how))
+            error = PeerEndedError(f"rank {self.rank}: {what} cannot complete: no other rank can send "
+                                   f"any more ({whys}), and no message here matches")
+            error.ended_ranks = tuple(sorted(self.ended_how))
             return error
         how = self.ended_how[rank]
-        if what.startswith("send"):
-            error = ReplicaLostError(f"rank {self.rank}: {what} cannot go: {how}: its program receives "
-                                     f"nothing more")
+        if leaving is not None:
+            seq, received = leaving
+            error = PeerEndedError(f"rank {self.rank}: {what} cannot complete: {how}, having received "
+                                   f"{received} of this rank's messages, not this one "
+                                   f"(number {seq} to it): its program receives nothing more")
+        elif what.startswith("send"):
+            error = PeerEndedError(f"rank {self.rank}: {what} cannot go: {how}: its program receives "
+                                   f"nothing more (nothing was sent)")
         else:
             count = self.box.peers[rank].last
-            error = ReplicaLostError(f"rank {self.rank}: {what} cannot complete: {how}, after sending "
-                                     f"this rank {count} message(s), all taken in; none here matches")
-        error.lost_ranks = (rank,)  # type: ignore[attr-defined]
+            error = PeerEndedError(f"rank {self.rank}: {what} cannot complete: {how}, after sending "
+                                   f"this rank {count} message(s), all taken in{self._lost(rank)}; none here "
+                                   f"matches")
+        error.ended_ranks = (rank,)
         return error
+
+    def _lost(self, rank: int) -> str:
+        """What an ended rank's FINAL said it lost of its messages to this rank."""
+        lost = self.lost.get(rank)
+        if not lost:
+            return ""
+        last = self.box.peers[rank].last or 0
+        return (f"; {lost} more it meant for this rank never left it (from number {last} on: it ended "
+                f"with them waiting for credit, its link, or this rank to take them in): lost")
 
     def link_broke(self, dest: Optional[int]) -> ReplicaLostError:
         """The error that fails the group when a mailbox link broke: this
@@ -577,10 +667,12 @@ class Mail:
         return error
 
     def fail(self, error: BaseException) -> None:
-        """The group failed: every receive, probe and send waiting gets ``error``."""
+        """The group failed: every receive, probe and send waiting gets ``error``
+        (one waiting for its link too, as the driver drops it: :attr:`cut`)."""
         if self.failure is not None:
             return
         self.failure = error
+        self.cut = [(r, []) for r in range(self.size)]  # (sends waiting for their link never go)
         handles = [r.handle for r in (*self.box.posted, *self.probes)]
         handles += [s.handle for queue in self.waiting for s in queue]
         self.box.posted.clear()
