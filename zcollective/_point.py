@@ -11,6 +11,8 @@ from . import _calls
 from ._calls import Calls, Timeout, _Default
 from ._format import _serialize
 from ._future import CollectiveFuture, settle
+from ._io import _interrupts
+from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import STATUS_WAIT_S
 from ._protocol._p2p import Mail, Status, check_rank, check_tag, describe
 from .errors import CollectiveTimeoutError
@@ -70,6 +72,8 @@ class PointToPoint:
         ``deadline``); ``lead``: a call the caller waits for at once, whose
         wait starts here, without letting go of the turn, if no other thread
         waits in the group (see :meth:`_lead`)."""
+        if tuple(map(getsignal, DEFERRED_SIGNALS)) != _interrupts.held:  # (as Calls.call)
+            _interrupts.hold_new_handlers()
         calls = self.calls
         mail = self._mail()
         turns = calls.turns
