@@ -45,6 +45,37 @@ def storm(sig, seconds, every):
     return stop
 
 
+def test_a_handler_installed_after_the_hold_is_wrapped_at_the_next_entry_but_the_librarys_own():
+    """Without processes: the check every entry makes, and what it wraps."""
+    from zcollective._io import _interrupts, _stacks
+
+    def mine(signum, frame):
+        raise Stop
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        _interrupts.hold_signals()
+        signal.signal(signal.SIGUSR2, mine)
+        signal.signal(signal.SIGUSR1, _stacks._on_signal)
+        assert tuple(map(_interrupts.getsignal, _interrupts.DEFERRED_SIGNALS)) != _interrupts.held
+        _interrupts.hold_new_handlers()
+        wrapped = signal.getsignal(signal.SIGUSR2)
+        assert type(wrapped).__name__ == "_Wrapped" and wrapped.handler is mine
+        assert signal.getsignal(signal.SIGUSR1) is _stacks._on_signal  # (it never raises)
+        assert tuple(map(_interrupts.getsignal, _interrupts.DEFERRED_SIGNALS)) == _interrupts.held
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_a_call_moves_its_data_from_its_plan_to_its_end():
+    from zcollective._protocol._member import Member
+
+    member = Member(1, 3, "tcp://127.0.0.1:1", None, 1 << 20)
+    assert not member.moving(4)
+    member.transfers.append((4, object()))
+    assert member.moving(4) and not member.moving(5)
+
+
 def allreduces_through_a_sigterm_storm():
     """The program installs a raising SIGTERM handler after initialize, then
     allreduces 4 MiB while SIGTERMs come every few ms: an interrupted call

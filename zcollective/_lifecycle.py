@@ -100,8 +100,8 @@ class Lifecycle:
         self.here = Here(config.rank, config.num_replicas)
         _open_lives[id(self)] = self
         _register_atexit()
-        _interrupts.hold_signals()  # no signal handler's exception splits a message
         _stacks.answer(config.stacks)  # where this rank is, when a stall names it
+        _interrupts.hold_signals()  # no signal handler's exception splits a message
         _stops.watch()  # was this process stopped? (a loss learned after a stop: see _elastic)
         self._watching = True
         try:
