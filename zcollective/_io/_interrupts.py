@@ -183,8 +183,13 @@ def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
 
 @surface
 def call_user(fn: Callable[..., T], *args: Any) -> T:
-    """Call user code (a reduce function): an interrupt comes out of it."""
-    return fn(*args)
+    """Call user code (a reduce function): an interrupt comes out of it (a
+    handler it installed is wrapped before the library goes on)."""
+    try:
+        return fn(*args)
+    finally:
+        if tuple(map(getsignal, DEFERRED_SIGNALS)) != held:
+            hold_new_handlers()
 
 
 def user_code(fn: Callable[..., T]) -> Callable[..., T]:
