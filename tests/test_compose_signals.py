@@ -26,6 +26,7 @@ STORM_S = 3.0  # how long a storm of signals lasts
 STORM_EVERY_S = 0.003  # one signal this often
 SIGTERM_EVERY_S = 0.01  # ... of SIGTERM: a 4 MiB call completes between two, or fails of one
 SIGTERM_CALLS = 200  # the calls that must complete (most during the storm)
+P2P_EVERY_S = 0.005  # ... during sends of 256 KiB
 
 
 class Stop(Exception):
@@ -119,6 +120,51 @@ def test_a_raising_handler_installed_after_initialize_never_mispairs_calls():
     said = report(outs, f"outcomes {[o.value for o in outs]}")
     assert all(o.value[2] == 0 for o in outs), said
     assert sum(o.value[3] for o in outs) > 0, said  # (the storm did interrupt calls)
+
+
+def sends_through_a_sigterm_storm(count):
+    """Rank 0 sends ``count`` messages to rank 1, each retried when the
+    program's SIGTERM handler (installed after initialize) interrupts it, while
+    SIGTERMs come every few ms on both ranks: an interrupted send or receive is
+    taken back, or, if its message went, stands (its signal comes again after)."""
+    loop, armed = [], []
+
+    def handler(signum, frame):
+        if not armed or frame is None or frame.f_code in loop:
+            return
+        raise Stop
+
+    def run():
+        me, got, k, interrupted = zc.get_rank(), [], 0, 0
+        stop = storm(signal.SIGTERM, STORM_S, P2P_EVERY_S)
+        armed.append(True)
+        while k < count:
+            try:
+                if me == 0:
+                    zc.send(np.full(1 << 16, k, dtype=np.float32), 1, tag=1)
+                else:
+                    got.append(int(zc.recv(0, tag=1)[0]))
+                k += 1
+            except Stop:
+                interrupted += 1
+        stop.set()
+        armed.clear()
+        zc.barrier()
+        return got, interrupted
+    loop.append(run.__code__)
+    signal.signal(signal.SIGTERM, handler)
+    return run()
+
+
+def test_a_send_interrupted_after_its_message_went_is_not_sent_twice():
+    count = 400
+    with Replicas(sends_through_a_sigterm_storm, 2, count) as reps:
+        outs = reps.wait(60)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    got = outs[1].value[0]
+    said = report(outs, f"received {got[:20]}..., interrupted {[o.value[1] for o in outs]}")
+    assert got == list(range(count)), said
+    assert outs[0].value[1] > 0 and outs[1].value[1] > 0, said  # (the storm did interrupt calls)
 
 
 # -- defect 3: stacks on SIGUSR1, while threads come and go ------------------------------------
