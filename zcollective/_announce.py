@@ -1,7 +1,8 @@
 """What a process started by zcollective-run tells the launcher, in files
 the launcher named in its environment (best effort: a process started
-otherwise writes nothing). The launcher (:mod:`zcollective.run`) reads them:
-the format is its, line for line.
+otherwise writes nothing), and where the launcher asks it for its stacks.
+The launcher (:mod:`zcollective.run`) reads them: the format is its, line
+for line.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ GROUPS_FILE_ENV = "ZCOLLECTIVE_GROUPS_FILE"  # set by zcollective-run: each proc
 # there when it joins a group, and rank 0 its stats when it closes one (the launcher follows ranks)
 COORDINATOR_FILE_ENV = "ZCOLLECTIVE_COORDINATOR_FILE"  # set by zcollective-run --replace-lost: the
 # rank 0 of each group (it moves when rank 0 is lost) writes the coordinator's host:port there
+STACKS_DIR_ENV = "ZCOLLECTIVE_STACKS_DIR"  # set by zcollective-run: it asks a process for its threads'
+# stacks by making a file there named by its pid (zcollective._io._stacks answers, and removes it)
 
 
 def _tell_launcher(session: int, **fields: Any) -> None:
@@ -37,7 +40,7 @@ def _tell_launcher(session: int, **fields: Any) -> None:
 def announce_group(rank: int, size: int, session: int, lineage: Optional[str], stacks: bool = False) -> None:
     """Joined the group ``session`` (formed from ``lineage``, if any): its rank and size
     there, for the launcher's line prefix and to see survivors go on after a loss;
-    ``stacks``: it writes its threads' stacks on SIGUSR1 (the launcher signals no other)."""
+    ``stacks``: it answers the launcher's requests for its threads' stacks."""
     _tell_launcher(session, lineage=lineage, rank=rank, size=size, stacks=stacks)
 
 

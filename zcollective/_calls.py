@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 from ._format._wire import error_note
 from ._future import CollectiveFuture, settle
-from ._limits import STATUS_WAIT_S
+from ._io import _interrupts
+from ._io._interrupts import DEFERRED_SIGNALS, getsignal
+from ._limits import INTERRUPTED_MOVE_S, STATUS_WAIT_S
 from ._protocol._ops import BY_NAME, LABELS, Contribution, Op, Refused, error_contribution
 from .errors import CollectiveError, CollectiveTimeoutError, from_signal
 
@@ -88,6 +90,8 @@ class Calls:
         interrupt, a part the operation refuses (``ValueError`` here) or a turn not had by
         ``deadline`` (:class:`CollectiveTimeoutError`) owes an error note in its place, so the
         others' call fails too and the next one pairs up: see docs/protocol.md, *Calls*."""
+        if tuple(map(getsignal, DEFERRED_SIGNALS)) != _interrupts.held:  # the program installed a
+            _interrupts.hold_new_handlers()  # handler since: wrapped before anything is done
         site = _callsite()
         if self.life.closed or _process != self.pid:
             self.life.check_usable()  # raises, saying which
@@ -165,38 +169,65 @@ class Calls:
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
         if not future._done:
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 self._wait(future, timeout, checked=True)
             except BaseException as exc:  # given up here: it fails on every rank alike
                 timed_out = isinstance(exc, CollectiveTimeoutError)
                 if ((timed_out or from_signal(exc)) and self.driver is not None and not self.life.closed
-                        and self._give_up(future, exc, timed_out)):
+                        and self._give_up(future, exc, timed_out, deadline)):
+                    if not timed_out:  # complete everywhere: its result, and its interrupt after
+                        _interrupts.signal_again(exc)
                     return future._value  # type: ignore[no-any-return]
                 raise
         if future._error is not None:
             raise future._error
         return future._value  # type: ignore[no-any-return]
 
-    def _give_up(self, future: CollectiveFuture[Any], exc: BaseException, timed_out: bool) -> bool:
+    def _give_up(self, future: CollectiveFuture[Any], exc: BaseException, timed_out: bool,
+                 deadline: Optional[float]) -> bool:
         """This rank gave up waiting for ``future`` (``exc``): tell the
-        coordinator, which fails the call on every rank. True if the call had
-        completed before it heard (a timeout waits for the verdict; an
-        interrupt does not)."""
-        link, turns = self.driver, self.turns
+        coordinator, which fails the call on every rank, and wait for its
+        verdict: True if the call had completed before it heard. A timeout
+        waits :data:`STATUS_WAIT_S`. An interrupt first lets a call whose data
+        moves here finish (:data:`INTERRUPTED_MOVE_S`: a rank that finished it
+        would keep its result), then waits as long as a timeout, holding back
+        further signals, then, saying so, until the call's ``deadline`` (a
+        reduce function still running), where another interrupt stops it."""
+        link, turns, member = self.driver, self.turns, self.member
         assert link is not None
         if not turns.take(time.monotonic() + STATUS_WAIT_S):  # (the holder is in a long step)
             return False
+        settled, hold = self._settled(future), (contextlib.nullcontext() if timed_out else
+                                                _interrupts.deferring())
         try:
-            with contextlib.suppress(CollectiveError):  # (a broken link: the group failed)
-                gave_up = self.member.give_up(future.seq, exc, timed_out)
+            with contextlib.suppress(CollectiveError), hold:  # (a broken link: the group failed)
+                if not timed_out and member.moving(future.seq):  # (holding the turn: it never follows)
+                    turns.wait(settled, time.monotonic() + INTERRUPTED_MOVE_S, self._drive, lambda wake: None)
+                gave_up = [] if settled() else member.give_up(future.seq, exc, timed_out)
                 link.send(gave_up)
-                if gave_up and timed_out:  # the coordinator's verdict: an ERROR (failed on every
-                    # rank), or the result, when the call completed before it heard
-                    turns.wait(self._settled(future), time.monotonic() + STATUS_WAIT_S,
-                               self._drive, lambda wake: None)  # (holding the turn: it never follows)
-            return self._settled(future)() and future._error is None
+                if gave_up:  # the verdict: an ERROR (failed on every rank), or the result, when the
+                    # call completed before the coordinator heard
+                    turns.wait(settled, time.monotonic() + STATUS_WAIT_S, self._drive, lambda wake: None)
+            if not timed_out and not settled():
+                self._await_verdict(future, exc, deadline)
+            return settled() and future._error is None
         finally:
             turns.give()
+
+    def _await_verdict(self, future: CollectiveFuture[Any], exc: BaseException,
+                       deadline: Optional[float]) -> None:
+        """:meth:`_give_up`'s wait after an interrupt, past its first second:
+        until ``deadline``, or another interrupt."""
+        link = self.driver
+        if link is None or future.seq not in self.member.calls:
+            return  # (the group failed, or the call settled: it says so)
+        log.warning("zcollective rank %d: seq %d %s was interrupted (%s); waiting for the coordinator's "
+                    "verdict, so that it ends alike on every rank (%s); interrupt again not to wait",
+                    self.rank, future.seq, future.op, type(exc).__name__,
+                    link.busy() or "the others may have its result")
+        with contextlib.suppress(CollectiveError):
+            self.turns.wait(self._settled(future), deadline, self._drive, lambda wake: None)
 
     def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float], checked: bool = False) -> None:
         """Until ``future`` is done or ``timeout``: then the coordinator says whom it waits for."""
@@ -204,6 +235,7 @@ class Calls:
         if link is None or self.life.closed:
             return
         if not checked:
+            _interrupts.hold_new_handlers()
             self.life.check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         turns = self.turns
@@ -282,6 +314,7 @@ class Calls:
     def _progress(self) -> None:
         """Take in what has arrived, if no other thread is at work in the library."""
         if self.driver is not None and not self.life.closed:
+            _interrupts.hold_new_handlers()
             self.life.check_process()
             turns = self.turns
             if not turns.try_take():

@@ -17,6 +17,7 @@ from ._calls import DEFAULT, Calls, Timeout, _Default
 from ._elastic import Agreement
 from ._forming import Unreachable
 from ._future import CollectiveFuture
+from ._io import _interrupts
 from ._lifecycle import Lifecycle
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._point import PointToPoint
@@ -556,6 +557,7 @@ class Group:
             ...): that error, as every later call of it raises.
         """
         life = self._life
+        _interrupts.hold_new_handlers()  # (a handler the program installed since: wrapped first)
         life.check_process()
         if life.closed and life.reforming is None:
             raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")

@@ -23,7 +23,7 @@ from ._announce import announce_coordinator, announce_group, write_for_launcher
 from ._format._wire import DEFAULT_MAX_FRAMES, Signer
 from ._forming import Form, Overslept, Unreachable
 from ._future import settle, sleeping
-from ._io import _interrupts, _shared, _sockets, _stops
+from ._io import _interrupts, _shared, _sockets, _stacks, _stops
 from ._io._dataplane import DataPlane
 from ._io._dealer import DealerDriver
 from ._io._driver import DirectDriver, Driver, HostDriver
@@ -100,9 +100,8 @@ class Lifecycle:
         self.here = Here(config.rank, config.num_replicas)
         _open_lives[id(self)] = self
         _register_atexit()
+        _stacks.answer(config.stacks)  # where this rank is, when a stall names it
         _interrupts.hold_signals()  # no signal handler's exception splits a message
-        if config.stacks:
-            _interrupts.stacks_on_request()  # where this rank is, when a stall names it
         _stops.watch()  # was this process stopped? (a loss learned after a stop: see _elastic)
         self._watching = True
         try:
@@ -127,7 +126,7 @@ class Lifecycle:
             self.here = self._here()
             if not nested:
                 announce_group(config.rank, config.num_replicas, member.session, member.lineage,
-                               _interrupts.stacks_on())
+                               _stacks.answering())
                 if self.config.rank == 0:
                     announce_coordinator(self.coordinator_address())
         except BaseException as exc:
@@ -470,6 +469,7 @@ class Lifecycle:
         process produced, bounded, then close. Rule 7 of the coordinator."""
         if self.closed or os.getpid() != self.pid:
             return
+        _interrupts.hold_new_handlers()  # (one the program installed since its last call)
         turns, driver = self.turns, self.driver
         if not turns.take(time.monotonic() + STATUS_WAIT_S):
             return  # a thread left running (a daemon) is busy in a step: the sockets are its

@@ -62,6 +62,8 @@ POLL_SLICE_S = 0.5  # longest a wait sleeps before re-checking failure and threa
 JOIN_RESEND_S = 1.0  # a member not yet welcomed sends its JOIN again this often (one lost to a
 # connection made twice, or its WELCOME, would leave it waiting out its join timeout)
 STATUS_WAIT_S = 1.0  # how long a timed-out call waits for the coordinator to say who is late
+INTERRUPTED_MOVE_S = 0.5  # an interrupted call whose data moves here finishes if it can within this
+# (256 MiB cross shared memory in ~0.1 s): given up mid-move, a rank that finished keeps its result
 DATA_LOSS_GRACE_S = 0.5  # a data link lost: how long the control plane may take to say why
 CLOSE_LINGER_MS = 2000  # time for the last results of a teardown to leave; bounds teardown
 TREE_LINK_WAIT_S = 5.0  # joining, a rank waits this long at most for its tree links' handshakes (a link

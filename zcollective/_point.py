@@ -11,9 +11,11 @@ from . import _calls
 from ._calls import Calls, Timeout, _Default
 from ._format import _serialize
 from ._future import CollectiveFuture, settle
+from ._io import _interrupts
+from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import STATUS_WAIT_S
 from ._protocol._p2p import Mail, Status, check_rank, check_tag, describe
-from .errors import CollectiveTimeoutError
+from .errors import CollectiveTimeoutError, from_signal
 
 
 class PointToPoint:
@@ -70,6 +72,8 @@ class PointToPoint:
         ``deadline``); ``lead``: a call the caller waits for at once, whose
         wait starts here, without letting go of the turn, if no other thread
         waits in the group (see :meth:`_lead`)."""
+        if tuple(map(getsignal, DEFERRED_SIGNALS)) != _interrupts.held:  # (as Calls.call)
+            _interrupts.hold_new_handlers()
         calls = self.calls
         mail = self._mail()
         turns = calls.turns
@@ -106,8 +110,8 @@ class PointToPoint:
             if driver is not None and not calls.life.closed and driver.wait_mail(settled, deadline):
                 return
             calls._drive(lambda: settled() or turns.wanted(), deadline, True)
-        except BaseException:
-            if not self._withdraw(future, deadline):
+        except BaseException as exc:
+            if not self._withdraw(future, exc, deadline):
                 raise
 
     def result(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
@@ -121,18 +125,22 @@ class PointToPoint:
                     if isinstance(timeout, _Default):
                         timeout = self.calls.config.op_timeout
                     raise CollectiveTimeoutError(self._late(future, timeout))
-            except BaseException:
-                if not self._withdraw(future, deadline):
+            except BaseException as exc:
+                if not self._withdraw(future, exc, deadline):
                     raise
         if future._error is not None:
             raise future._error
         return future._value
 
-    def _withdraw(self, future: CollectiveFuture[Any], deadline: Optional[float] = None) -> bool:
-        """Take ``future``'s call back; False if it was taken back (the caller
-        raises), True if it finished meanwhile (its outcome stands). After a
-        failure, a send libzmq was sending gets until ``deadline`` (bounded)
-        to leave: then it is done, and delivered."""
+    def _withdraw(self, future: CollectiveFuture[Any], exc: BaseException,
+                  deadline: Optional[float] = None) -> bool:
+        """Take ``future``'s call back (``exc`` ended its wait); False if it
+        was taken back (the caller raises), True if it finished (its outcome
+        stands; an interrupt's signal comes again once the call returns). A
+        send libzmq has (it goes) is let finish if it can within
+        :data:`STATUS_WAIT_S`, further signals held back; after a failure,
+        one libzmq was sending gets until ``deadline`` (bounded) to leave:
+        then it is done, and delivered."""
         calls, mail = self.calls, self.calls.member.mail
         if mail is None or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
             return False
@@ -143,8 +151,14 @@ class PointToPoint:
             if driver is not None and mail.failure is not None and not calls.life.closed:
                 driver.mail_io(take=False)  # (a send waiting for its link fails, never sent)
                 driver.finish_leaving(future, deadline)
-            settle(calls.member.outcomes)
-            return future._done
+            settled, interrupted = calls._settled(future), from_signal(exc)
+            if interrupted and not settled():
+                with _interrupts.deferring():  # (holding the turn: this wait never follows)
+                    calls.turns.wait(settled, time.monotonic() + STATUS_WAIT_S, calls._drive,
+                                     lambda wake: None)
+            if interrupted and settled():
+                _interrupts.signal_again(exc)
+            return settled()
         finally:
             calls.turns.give()
 

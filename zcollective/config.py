@@ -81,7 +81,7 @@ class Config:
     init_timeout: Optional[float] = DEFAULT_INIT_TIMEOUT_S
     op_timeout: Optional[float] = DEFAULT_OP_TIMEOUT_S
     warn_after: Optional[float] = DEFAULT_WARN_AFTER_S  # a stall is named after this; None: never
-    stacks: bool = True  # SIGUSR1 writes every thread's stack to stderr (unless the program's own)
+    stacks: bool = True  # write every thread's stack to stderr when zcollective-run asks, and on SIGUSR1
     liveness_timeout: float = DEFAULT_LIVENESS_S
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     secret: Optional[bytes] = field(default=None, repr=False)
@@ -419,9 +419,10 @@ SETTINGS: tuple[Setting, ...] = (
                 "sender beyond it waits. A receiver holds at most this much from each sender: "
                 "the receiver's setting decides (its senders keep to it)."),
     Setting("stacks", "Optional[bool]", True, _boolean, argument=False, env=("ZCOLLECTIVE_STACKS",),
-            doc="``1``: on SIGUSR1 (zcollective-run sends it to the ranks a stall names, and to "
-                "every rank when it gets one itself), write every thread's stack to stderr, "
-                "unless the program handles SIGUSR1 itself; ``0``: leave SIGUSR1 alone."),
+            doc="``1``: write every thread's stack to stderr when zcollective-run asks (for the "
+                "ranks a stall names, and every rank when it gets SIGUSR1 itself; through a file, "
+                "not a signal), and on SIGUSR1 unless the program handles SIGUSR1 when the group "
+                "starts; ``0``: neither, and SIGUSR1 is left alone."),
 )
 
 ARGUMENTS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.argument)

@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, NamedTuple, NoReturn, Optional
 
 from . import __version__
-from ._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV
-from ._io._interrupts import STACKS_SIGNAL
+from ._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, STACKS_DIR_ENV
+from ._io._stacks import STACKS_SIGNAL
 from ._protocol._stats import slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, JOB_ENV, SECRET_ENV, SECRET_FILE_ENV
 
@@ -114,7 +115,7 @@ class Joined(NamedTuple):
     group: str  # the group's id (its session, in hex)
     rank: int
     size: int
-    stacks: bool = False  # it writes its stacks on SIGUSR1 (else that signal would end it)
+    stacks: bool = False  # it answers requests for its stacks (ZCOLLECTIVE_STACKS was not 0)
 
 
 class Groups:
@@ -288,6 +289,8 @@ class Launcher:
             if self.elastic:
                 self.secret_file = _temp_file("zcollective-secret-", self.secret)
         self.groups_file = _temp_file("zcollective-groups-")
+        self.stacks_dir = tempfile.mkdtemp(prefix="zcollective-stacks-")  # asking a replica for its
+        # stacks makes a file there (a signal would run a handler the program may install any time)
         self.groups = Groups(self.groups_file)
         # where each group's rank 0 says its coordinator is (newcomers go there)
         self.coordinator_file = _temp_file("zcollective-coordinator-") if self.elastic else None
@@ -310,6 +313,7 @@ class Launcher:
             "ZCOLLECTIVE_LOCAL_RANK": str(local_rank),
             "PYTHONUNBUFFERED": "1",
             GROUPS_FILE_ENV: self.groups_file,
+            STACKS_DIR_ENV: self.stacks_dir,
         })
         if self.coordinator_file is not None:
             env[COORDINATOR_FILE_ENV] = self.coordinator_file
@@ -616,8 +620,7 @@ class Launcher:
 
     def show_stalled(self) -> None:
         """A stall warning named ranks: show where their programs are (their
-        threads' stacks, which each replica writes to its stderr on
-        :data:`STACKS_SIGNAL`)."""
+        threads' stacks, which each replica writes to its stderr when asked)."""
         for group, ranks in self.groups.take_stalls():
             for replica in self.running():
                 joined = self.groups.current(replica.proc.pid)
@@ -627,13 +630,14 @@ class Launcher:
                     self.dump_stacks(replica)
 
     def dump_stacks(self, replica: Replica) -> bool:
-        """Ask ``replica`` for its stacks, if it said it answers (else the signal
-        would end it: one not started yet, or one that opted out)."""
+        """Ask ``replica`` for its stacks (a file named by its pid, which its
+        library looks for within a quarter second), if it said it answers
+        (one that has not joined a group, or opted out, does not)."""
         joined = self.groups.current(replica.proc.pid)
         if joined is None or not joined.stacks:
             return False
-        with contextlib.suppress(OSError):
-            replica.proc.send_signal(STACKS_SIGNAL)
+        with contextlib.suppress(OSError), open(os.path.join(self.stacks_dir, str(replica.proc.pid)), "w"):
+            pass
         return True
 
     def dump_all_stacks(self) -> None:
@@ -642,7 +646,7 @@ class Launcher:
         for replica in self.running():
             if not self.dump_stacks(replica):
                 self.message(f"{self.name(replica)}: no stacks (it has not joined a group, or "
-                             f"handles SIGUSR1 itself, or ZCOLLECTIVE_STACKS=0)")
+                             f"ZCOLLECTIVE_STACKS=0)")
 
     def status(self) -> int:
         """0 when every loss was tolerated (saying which there were); else the
@@ -682,6 +686,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if path is not None:  # the launcher's files, removed when it ends
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+        shutil.rmtree(launcher.stacks_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

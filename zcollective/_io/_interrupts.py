@@ -1,21 +1,23 @@
 """Where an interrupt may surface, and every blocking wait of the library.
 
 While a group is open the handlers of :data:`DEFERRED_SIGNALS` are wrapped
-(:func:`hold_signals`) to run at once only outside the library or in one of
-its *surfaces* (:func:`surface`: the waits here, and :func:`call_user`), and
-be deferred anywhere else. See docs/protocol.md, *Concurrency*.
+(:func:`hold_signals`: when the group opens, and at each entry of the library
+where a handler was installed since) to run at once only outside the library
+or in one of its *surfaces* (:func:`surface`: the waits here, and
+:func:`call_user`), and be deferred anywhere else. See docs/protocol.md,
+*Concurrency*.
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import math
 import signal
-import sys
 import threading
 import time
+from _signal import getsignal  # (signal.getsignal converts in Python: the entries' check wants C only)
 from _thread import allocate_lock as _allocate_lock
+from collections.abc import Iterator
 from functools import partial
 from types import CodeType, FrameType
 from typing import Any, Callable, Optional, TypeVar
@@ -38,6 +40,10 @@ _NOT_LIBRARY = {f"{_PACKAGE}.{name}" for name in ("run", "testing", "_child", "_
 _SURFACES: set[CodeType] = set()
 _library_modules: dict[str, bool] = {}
 _MAIN_THREAD = threading.main_thread().ident
+held: tuple[Any, ...] = ()  # the handlers of DEFERRED_SIGNALS as hold_signals left them: an entry
+# of the library that finds others wraps them (tuple(map(getsignal, DEFERRED_SIGNALS)) != held)
+_holding = [False]  # hold_signals was called and release_signals not since
+_deferring = [0]  # inside deferring(): every signal is deferred, at the surfaces too
 
 
 def surface(fn: Callable[..., T]) -> Callable[..., T]:
@@ -177,8 +183,13 @@ def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
 
 @surface
 def call_user(fn: Callable[..., T], *args: Any) -> T:
-    """Call user code (a reduce function): an interrupt comes out of it."""
-    return fn(*args)
+    """Call user code (a reduce function): an interrupt comes out of it (a
+    handler it installed is wrapped before the library goes on)."""
+    try:
+        return fn(*args)
+    finally:
+        if tuple(map(getsignal, DEFERRED_SIGNALS)) != held:
+            hold_new_handlers()
 
 
 def user_code(fn: Callable[..., T]) -> Callable[..., T]:
@@ -201,7 +212,9 @@ def _is_library(module: Optional[str]) -> bool:
 def deferred(frame: Optional[FrameType]) -> bool:
     """Would a signal coming at ``frame`` be deferred? The innermost frame
     that is a surface or the library's decides; others' (numpy, pickle,
-    the program's) are looked through."""
+    the program's) are looked through. Inside :func:`deferring`: yes."""
+    if _deferring[0]:
+        return True
     while frame is not None:
         if frame.f_code in _SURFACES:
             return False
@@ -209,6 +222,17 @@ def deferred(frame: Optional[FrameType]) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@contextlib.contextmanager
+def deferring() -> Iterator[None]:
+    """Defer every signal while in the block, at the surfaces too (the
+    main thread's wait for a verdict that must not be cut short)."""
+    _deferring[0] += 1
+    try:
+        yield
+    finally:
+        _deferring[0] -= 1
 
 
 class _Wrapped:
@@ -228,18 +252,23 @@ class _Wrapped:
                 setattr(exc, SIGNAL_ATTR, signum)  # (see errors.from_signal)
                 raise
             return
+        if not self.resend(signum):  # no new thread (the interpreter is shutting down): run it now
+            self.handler(signum, frame)
+
+    def resend(self, signum: int) -> bool:
+        """Send the signal again soon (False: no thread to do it)."""
         if self.resending:
-            return
+            return True
         self.resending = True
         timer = threading.Timer(self.delay, self._resend, (signum,))
         timer.daemon = True
         try:
             timer.start()
-        except RuntimeError:  # no new thread (the interpreter is shutting down): run it now
+        except RuntimeError:
             self.resending = False
-            self.handler(signum, frame)
-            return
+            return False
         self.delay = min(RESEND_MAX_S, self.delay * 2)
+        return True
 
     def _resend(self, signum: int) -> None:
         self.resending = False
@@ -249,45 +278,48 @@ class _Wrapped:
             signal.raise_signal(signum)
 
 
+def signal_again(exc: BaseException) -> None:
+    """The signal whose handler raised ``exc`` in a call that then completed
+    on every rank comes again once the library has returned (the call
+    returns its result; the interrupt is never swallowed)."""
+    signum = getattr(exc, SIGNAL_ATTR, None)
+    handler = getsignal(signum) if isinstance(signum, int) else None
+    if isinstance(handler, _Wrapped) and isinstance(signum, int):  # (else the program replaced it: its own
+        handler.resend(signum)  # handler is the program's to run)
+
+
 def hold_signals() -> None:
     """Wrap the current Python signal handlers (in the main thread, the only
-    one that may set them and runs them)."""
+    one that may set them and runs them), but the library's own (they never
+    raise)."""
+    global held
+    _holding[0] = True
     if threading.get_ident() != _MAIN_THREAD:
         return
     for sig in DEFERRED_SIGNALS:
-        handler = signal.getsignal(sig)
-        if callable(handler) and not isinstance(handler, _Wrapped):
+        handler = getsignal(sig)
+        if callable(handler) and not isinstance(handler, _Wrapped) and not _is_library(
+                getattr(handler, "__module__", None)):
             signal.signal(sig, _Wrapped(handler))
+    held = tuple(map(getsignal, DEFERRED_SIGNALS))
+
+
+def hold_new_handlers() -> None:
+    """An entry of the library: wrap the handlers the program installed
+    since they were last held, if a group is open (a check of a few C calls)."""
+    if tuple(map(getsignal, DEFERRED_SIGNALS)) != held and _holding[0]:
+        hold_signals()
 
 
 def release_signals() -> None:
     """Put back the handlers :func:`hold_signals` wrapped (when no group is
     left), unless the program has installed others since."""
+    global held
+    _holding[0] = False
     if threading.get_ident() != _MAIN_THREAD:
         return
     for sig in DEFERRED_SIGNALS:
-        handler = signal.getsignal(sig)
+        handler = getsignal(sig)
         if isinstance(handler, _Wrapped):
             signal.signal(sig, handler.handler)
-
-
-STACKS_SIGNAL = signal.SIGUSR1  # zcollective-run asks a replica for its threads' stacks with it
-_stacks_on: list[bool] = []  # registered in this process
-
-
-def stacks_on_request() -> None:
-    """On :data:`STACKS_SIGNAL`, write every thread's stack to stderr (the
-    launcher asks for the ranks a stall names), from libc's handler: it
-    answers even while Python is stuck. Not if the program handles the
-    signal itself; once per process."""
-    if _stacks_on or signal.getsignal(STACKS_SIGNAL) is not signal.SIG_DFL:
-        return
-    with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # (no usable stderr)
-        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
-        _stacks_on.append(True)
-
-
-def stacks_on() -> bool:
-    """Does this process write its stacks on :data:`STACKS_SIGNAL` (so a
-    launcher may send it)?"""
-    return bool(_stacks_on) and signal.getsignal(STACKS_SIGNAL) is signal.SIG_DFL
+    held = tuple(map(getsignal, DEFERRED_SIGNALS))

@@ -1,7 +1,8 @@
 """Whether this process was stopped (SIGSTOP, a paused VM or container, a
 debugger) while its program was anywhere, in the library or not: a daemon
 thread wakes every :data:`WATCH_S` and notes a wake-up that came much later.
-Why it matters: see docs/protocol.md, *Stops*.
+Why it matters: see docs/protocol.md, *Stops*. At each wake it also answers
+zcollective-run's request for this process's stacks (:mod:`._stacks`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from . import _interrupts
+from . import _interrupts, _stacks
 
 WATCH_S = 0.25  # how often the watch wakes: a stop shorter than the smallest bound's 2/3 (0.67 s)
 # is no loss, so a quarter second sees every stop that matters, for a few wake-ups a second
@@ -64,6 +65,7 @@ def _run(wake: Any) -> None:
             _stops.append((_awake[0], now))
             del _stops[:-MAX_STOPS]
         _awake[0] = now
+        _stacks.answer_launcher()
 
 
 def stopped(longer_than: float, ended_after: float) -> Optional[float]:

@@ -368,6 +368,12 @@ class Member:
                f"its call was interrupted ({type(error).__name__})")
         return [_bodies.abandon(why[:1000], timed_out, rank=self.rank, seq=seq, session=self.session)]
 
+    def moving(self, seq: int) -> bool:
+        """Does call ``seq``'s data move here (its plan came, the move is not
+        done)? A call failed while it moves keeps its result on the ranks
+        that had finished: an interrupt lets it finish first."""
+        return any(s == seq for s, _ in self.transfers)
+
     def status_query(self, seq: int) -> Message:
         """A STATUS for ``seq``; the reply lands in :attr:`status`."""
         self.status.pop(seq, None)
