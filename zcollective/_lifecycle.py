@@ -482,8 +482,8 @@ class Lifecycle:
                     driver.progress()  # take in a FAIL that would make a BYE pointless
                     driver.relay_out(time.monotonic() + EXIT_WAIT_S)  # an interior rank of the tree
                     driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
-                    driver.send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000)  # (receivers that run
-                    # may still take them)
+                    driver.send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000, links=False)  # (receivers
+                    # that run may still take them; say_bye's FINAL waits for links, bounded)
                     driver.say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
                 except Exception:
                     pass  # the group failed: nothing to announce, only to flush

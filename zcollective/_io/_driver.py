@@ -422,16 +422,19 @@ class Driver:
             if self._move_data(deadline) is None:  # its plan has not come yet
                 self._news(deadline)
 
-    def send_waiting(self, deadline: Optional[float]) -> bool:
+    def send_waiting(self, deadline: Optional[float], links: bool = True) -> bool:
         """Ending (teardown, or the program ends): move everything until no send
-        of this rank waits for its receiver's credit or, to a rank still taking
-        in, for its link's handshake (each went, or failed), or ``deadline`` (False)."""
+        of this rank waits for its receiver's credit or (``links``), to a rank
+        still taking in, for its link's handshake (each went, or failed), or
+        ``deadline`` (False). At an exit, :meth:`final` waits for the links
+        (and what libzmq still sends) with a bound of its own."""
         mail, sockets = self.member.mail, self.mail
         if mail is None:
             return True
 
         def sent() -> bool:
-            return not (mail.out or mail.sending()) and (sockets is None or not sockets.holding(mail.gone()))
+            return not (mail.out or mail.sending()) and (
+                not links or sockets is None or not sockets.holding(mail.gone()))
         return sent() or self.wait_for(sent, deadline)
 
     def finish_calls(self, deadline: Optional[float]) -> bool:
