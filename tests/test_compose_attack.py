@@ -105,3 +105,41 @@ def test_a_wait_in_a_done_callback_is_not_held_by_a_pending_data_move(env, how):
     assert got == "hello", outs
     assert took < QUICK_S, f"rank 0's {how} in the callback took {took:.2f} s (expected at once)"
     assert [o[1] for o in outs] == [6.0] * n, outs
+
+
+# -- 4. (a limit, documented) crossed waits on two groups time out, saying what they waited for --
+
+CROSSED_S = 3.0
+
+
+def _crossed_groups():
+    """Two groups of the same ranks (the default one and its dup()), each with a 4 MiB
+    allreduce_async pending (through shared memory), waited in crossed order."""
+    me = zc.get_rank()
+    other = zc.dup()
+    zc.barrier()
+    other.barrier()
+    a = zc.allreduce_async(np.full(ELEMENTS, me + 1.0, dtype=np.float32))
+    b = other.allreduce_async(np.full(ELEMENTS, 10 * (me + 1.0), dtype=np.float32))
+    first = b if me == 0 else a
+    try:
+        first.result(CROSSED_S)
+        said = None
+    except zc.CollectiveTimeoutError as exc:
+        said = str(exc)
+    for future in (a, b):
+        future.exception(2 * WAIT_S)  # (each ends: completed, or failed alike)
+    other.teardown(timeout=WAIT_S)
+    return said
+
+
+@pytest.mark.skipif(not _shared.available(), reason="no POSIX shared memory here")
+def test_crossed_waits_on_two_groups_time_out_naming_the_rank_the_call_and_its_seq():
+    """The progress rule is per group (docs/protocol.md, Progress): not a fix, a bounded limit."""
+    outs = run_replicas(_crossed_groups, 2, env={"ZCOLLECTIVE_TIMEOUT": str(WAIT_S)}, timeout=RUN_S)
+    for rank, said in enumerate(outs):
+        if said is None:  # (the other rank's timeout freed this one's data move)
+            continue
+        assert f"on rank {rank}" in said and "allreduce" in said and "seq " in said, outs
+        assert "shared-memory allreduce" in said, outs
+    assert any(said is not None for said in outs), outs
