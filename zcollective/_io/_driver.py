@@ -311,7 +311,8 @@ class Driver:
             # (a call kept by a failure too: see Member.fail)
             if self.shared is not None and self.shared.growing is not None:
                 self.shared.check()  # (a call that was to make its segment failed: unlinked now)
-            moved = self._move_data(deadline, done if self.nudged else None) if member.transfers else None
+            moved = self._move_data(deadline, done) if member.transfers else None  # (a nested wait's too:
+            # once ``done()`` a data move stops between steps and goes on at the next wait)
             if moved:
                 continue
             if member.failure is not None:
