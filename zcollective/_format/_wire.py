@@ -20,7 +20,7 @@ from typing import Any, Optional
 from .._limits import WIRE_PART_BYTES
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 14  # bump on any change to the layout below (2: BYE; recipient-bound headers;
+PROTOCOL_VERSION = 15  # bump on any change to the layout below (2: BYE; recipient-bound headers;
 # 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered;
 # 5: data ports check tokens without a secret too, under a data key in WELCOME; 6: PROBE, TAKEN,
 # and the coordinator's last BYE (FLAG_LAST), answered; 7: elastic groups: a JOIN's lineage and
@@ -31,7 +31,9 @@ PROTOCOL_VERSION = 14  # bump on any change to the layout below (2: BYE; recipie
 # 11: FINAL, a rank's last point-to-point message counted, through the coordinator; FLAG_INLINE;
 # 12: shared memory on one host: a JOIN's shm, a WELCOME's hosts, SYNC; 13: a WELCOME's hosts
 # may be several, for an allreduce through each host's memory and a ring between their leaders;
-# 14: the tree of a large group's small calls: UP, a WELCOME's tree)
+# 14: the tree of a large group's small calls: UP, a WELCOME's tree; 15: features that compose:
+# a FINAL's received, lost and calls, and how its rank ended to each rank; mailbox windows in
+# JOIN and WELCOME; a new shared-memory segment made after a sync of every rank of its host)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
