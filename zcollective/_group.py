@@ -492,16 +492,16 @@ class Group:
         ValueError
             The list names a rank twice, none, or one outside the group.
         """
-        life = _subgroups.split(self._calls, None, 0, timeout, ranks)
+        life = _subgroups.split(self._calls, None, 0, timeout, ranks, "subgroup")
         return None if life is None else Group._of(life)
 
     def dup(self, *, timeout: Timeout = DEFAULT) -> Group:
         """A collective call: a new group of the same ranks, in the same
         order, whose calls never mix with this one's (a library's own
         group, say). As :meth:`split`."""
-        dup = self.subgroup(range(self.size), timeout=timeout)
-        assert dup is not None
-        return dup
+        life = _subgroups.split(self._calls, None, 0, timeout, range(self.size), "dup")
+        assert life is not None
+        return Group._of(life)
 
     @property
     def parent_ranks(self) -> Optional[list[int]]:
