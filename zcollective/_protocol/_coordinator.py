@@ -1256,9 +1256,10 @@ class Coordinator:
                 return self._error_all(seq, call.op, error_body(
                     "PeerError", f"seq {seq} {call.op.label}: rank {rank}{in_world([rank], self.world)} "
                                  f"failed: {said}"))
-        operation, root = OPERATIONS[call.op], call.root
-        why = (operation.bad_root(root, self.num_replicas)  # (replicas check it: a broken or altered one)
-               or operation.malformed(contributions, root))
+        operation, root, n = OPERATIONS[call.op], call.root, self.num_replicas
+        why = ((operation.bad_root(root, n) if not 0 <= root < n else "")  # (replicas check it: a
+               or operation.malformed(contributions, root))  # broken or altered one; a split's root is
+        # its kind, which a group of one or two has no rank for)
         return self._call_failed(seq, call, Malformed(why)) if why else None
 
     def _results(self, seq: int, call: PendingCall, routes: list[list[list[Any]]],
