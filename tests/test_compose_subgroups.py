@@ -188,6 +188,55 @@ def test_the_world_names_its_ranks_as_before_and_a_sub_group_with_world_ranks():
     assert member.describe() == "rank 1 (world rank 3, pid 7 on h)"
 
 
+def sub_group_coordinator(world):
+    """A running coordinator of ``len(world)`` ranks whose world ranks are ``world``."""
+    from test_coordinator import SESSION, feed, join_msg, peer
+
+    from zcollective._protocol._coordinator import Coordinator
+
+    coord = Coordinator(len(world), SESSION, max_frames=1000, world=world)
+    for r in range(len(world)):
+        feed(coord, peer(r), join_msg(r, len(world)))
+    return coord
+
+
+def test_a_sub_groups_coordinator_names_it_and_world_ranks_in_a_mismatch_and_a_loss():
+    """Defect 15, the coordinator's texts, without sockets (the world's: test_coordinator's)."""
+    from test_coordinator import contrib, feed, peer
+
+    from zcollective._protocol._ops import Op
+
+    coord = sub_group_coordinator([3, 1, 5])
+    feed(coord, peer(0), contrib(0, 0, value=1, fn=lambda a, b: a, site="a.py:8"))
+    out = feed(coord, peer(1), contrib(1, 0, Op.BARRIER, segments=[], site="a.py:9"))
+    assert out[0][1].body()["message"] == (
+        "the sub-group of world ranks 3,1,5: seq 0: rank 0 (world rank 3) called allreduce at a.py:8; "
+        "rank 1 (world rank 1) called barrier at a.py:9; rank 2 (world rank 5) had not called yet")
+    coord = sub_group_coordinator([3, 1])
+    out = coord.gone(peer(1))
+    assert out[0][1].body()["message"].startswith(
+        "the sub-group of world ranks 3,1: rank 1 (world rank 1, pid 101 on h) was lost ")
+
+
+def test_a_rounds_root_is_the_call_that_made_it_so_split_beside_dup_is_a_mismatch():
+    """Defect 13, without sockets: a split round's root is its kind (0 split, 1 subgroup, 2 dup),
+    which the coordinator checks against the kinds, not the ranks (a dup of two ranks is root 2)."""
+    from test_coordinator import contrib, feed, peer
+
+    from zcollective._format._wire import Kind
+    from zcollective._protocol._ops import Op
+
+    coord = sub_group_coordinator([0, 1])
+    feed(coord, peer(0), contrib(0, 0, Op.SPLIT, value="x", root=0, site="a.py:8"))
+    out = feed(coord, peer(1), contrib(1, 0, Op.SPLIT, value="x", root=2, site="a.py:9"))
+    assert "rank 0 (world rank 0) called split at a.py:8; rank 1 (world rank 1) called dup at a.py:9" in \
+        out[0][1].body()["message"]
+    coord = sub_group_coordinator([0, 1])
+    feed(coord, peer(0), contrib(0, 0, Op.SPLIT, value="x", root=2))
+    out = feed(coord, peer(1), contrib(1, 0, Op.SPLIT, value="y", root=2))
+    assert [m.kind for _, m in out] == [Kind.RESULT, Kind.RESULT], out
+
+
 # -- promise 3: subgroup lists are compared in order ---------------------------------------
 
 

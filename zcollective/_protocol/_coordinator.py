@@ -1340,6 +1340,8 @@ class Coordinator:
         if self._shared_calls.pop(seq, None) is not None:  # (its syncs wait for nobody now)
             for key in [k for k in self._syncing if k[0] == seq]:
                 del self._syncing[key]
+        if self.name:  # (a sub-group's: named, as its FAILs are)
+            body = {**body, "message": f"{self.name}: {body.get('message', '?')}"}
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
         return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r))
                 for r in (range(self.num_replicas) if ranks is None else ranks)]
