@@ -167,7 +167,8 @@ class Lifecycle:
         alone = config.num_replicas == 1 and form is None and not config.join
         if alone and not config.port_given:  # a script run as it is: no port of its own
             return self._direct(signer)
-        _sockets.check_descriptors(f"rank {config.rank} cannot start ZeroMQ")
+        if self.nested:  # (a process may open many: it may be out of descriptors by now)
+            _sockets.check_descriptors(f"rank {config.rank} cannot start ZeroMQ")
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self.ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
