@@ -78,8 +78,8 @@ def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout)
     def opened(address: str) -> None:
         rounds.tell((address, nonce))
         rounds.opened(None)
-    here = local_address(config).strip("[]")  # the interface this host reaches the group's rank 0 by
     try:
+        here = local_address(config).strip("[]")  # the interface this host reaches the parent's rank 0 by
         return _opened(rounds, _config(config, members, 0, here, 0, nonce, timeout), members, opened)
     except BaseException as exc:
         rounds.failed(exc)
