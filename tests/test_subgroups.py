@@ -172,7 +172,8 @@ def test_a_killed_rank_fails_only_the_groups_it_was_in(victim, tmp_path):
         assert outs[r].error is None and outs[r].value["sub"] == [2, 2, 2], report(outs, f"rank {r}")
         assert outs[r].value["after"] == 2.0, report(outs, f"rank {r}")
     kind, message, took = outs[other].value["sub"]
-    named = "lost the coordinator (rank 0)" if victim == 1 else "rank 1 (pid"  # its ranks in the sub-group
+    named = ("lost the coordinator (rank 0, world rank 1)" if victim == 1  # its ranks in the sub-group,
+             else "rank 1 (world rank 3, pid")  # with their world ranks (issue 44)
     assert kind == "ReplicaLostError" and named in message, report(outs, message)
     assert took < 10, report(outs, f"took {took} s")
     for r in (0, 2, other):

@@ -223,16 +223,18 @@ def status() -> dict[str, Any]:
 
 
 def lost_ranks() -> list[int]:
-    """After :func:`shrink` (or an :func:`agree` that shrank): the ranks of the
-    group before that are not in this one; ``[]`` otherwise. Raises
-    ``RuntimeError`` if not initialized."""
+    """After :func:`shrink` (or an :func:`agree` that shrank), or a
+    :func:`grow`: the ranks of the group before that are not in this one;
+    ``[]`` otherwise. Raises ``RuntimeError`` if not initialized."""
     return _current().lost_ranks
 
 
 def old_ranks() -> Optional[list[int]]:
-    """After :func:`shrink`: each rank's rank in the group before, by new rank
-    (``old_ranks()[get_rank()]`` is this replica's); None if the default
-    group was not formed by a shrink. Raises ``RuntimeError`` if not initialized."""
+    """After :func:`shrink`, or a :func:`grow` that admitted newcomers: each
+    rank's rank in the group before, by new rank (``old_ranks()[get_rank()]``
+    is this replica's; a newcomer's is the number grow gave it, from the size
+    before on); None if the default group was not formed from an earlier one.
+    Raises ``RuntimeError`` if not initialized."""
     return _current().old_ranks
 
 

@@ -150,6 +150,16 @@ class Calls:
         finally:
             turns.give()
 
+    def failure_within(self, wait_s: float) -> Optional[BaseException]:
+        """This group's failure, if it fails within ``wait_s`` (taking in what arrives
+        meanwhile); None if it has not."""
+        member = self.member
+        if member.failure is None and self.driver is not None and not self.life.closed:
+            with contextlib.suppress(CollectiveError):  # (its failure, raised: the answer)
+                self.turns.wait(lambda: member.failure is not None, time.monotonic() + wait_s,
+                                self._drive, lambda wake: None)  # (a follower re-checks every slice)
+        return member.failure
+
     def _note_unsent(self) -> None:
         """Holding the turn: an error note for each call that timed out
         before it could be made, in its place (so the calls pair up again)."""

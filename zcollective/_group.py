@@ -477,6 +477,8 @@ class Group:
         """A collective call: every rank with the same ``color`` (any hashable
         value: an int, a host name) ends in one new group, ranked by ``key``
         then by rank here; ``color=None`` takes part and gets ``None``.
+        Colors are the same when equal, as a dict's keys are: ``1``, ``1.0``
+        and ``True`` are one color, ``"1"`` another.
 
         A sub-group is a whole group in the same processes: every operation,
         its own sequence (its calls and this group's interleave freely, from
@@ -492,9 +494,15 @@ class Group:
             A rank passed a key that is not an int or a color that is not
             hashable: raised on every rank alike; the group goes on.
         AddressError
-            The new group's rank 0 could not listen (on its members too).
+            A new group's rank 0 could not listen: raised on every rank
+            alike, naming it; the group goes on.
         CollectiveError
-            As for any collective call.
+            A rank could not open its part of its new group (no file
+            descriptors left, say): raised on every rank alike, naming it
+            and why; the group goes on. Otherwise as for any collective call.
+        CallMismatchError
+            Another rank called something else, ``subgroup`` or ``dup`` too:
+            this group fails, as for any mismatch.
         """
         life = _subgroups.split(self._calls, color, key, timeout)
         return None if life is None else Group._of(life)
@@ -511,16 +519,16 @@ class Group:
         ValueError
             The list names a rank twice, none, or one outside the group.
         """
-        life = _subgroups.split(self._calls, None, 0, timeout, ranks)
+        life = _subgroups.split(self._calls, None, 0, timeout, ranks, "subgroup")
         return None if life is None else Group._of(life)
 
     def dup(self, *, timeout: Timeout = DEFAULT) -> Group:
         """A collective call: a new group of the same ranks, in the same
         order, whose calls never mix with this one's (a library's own
         group, say). As :meth:`split`."""
-        dup = self.subgroup(range(self.size), timeout=timeout)
-        assert dup is not None
-        return dup
+        life = _subgroups.split(self._calls, None, 0, timeout, range(self.size), "dup")
+        assert life is not None
+        return Group._of(life)
 
     @property
     def parent_ranks(self) -> Optional[list[int]]:
@@ -631,14 +639,16 @@ class Group:
 
     @property
     def old_ranks(self) -> Optional[list[int]]:
-        """A group formed by :meth:`shrink`: every rank's rank in the group
-        before (by new rank); None otherwise."""
+        """A group formed from an earlier one, by :meth:`shrink` or a
+        :meth:`grow` that admitted newcomers: every rank's rank in the group
+        before (by new rank; a newcomer's is the number :meth:`grow` gave it,
+        from the size before on); None for any other group."""
         return self._life.member.old_ranks
 
     @property
     def lost_ranks(self) -> list[int]:
-        """A group formed by :meth:`shrink`: the ranks of the group before
-        that are not in this one."""
+        """A group formed from an earlier one (:attr:`old_ranks`): the ranks
+        of the group before that are not in this one; ``[]`` otherwise."""
         old = self._life.member.old_ranks
         return [] if old is None else sorted(set(range(self._life.member.old_size)) - set(old))
 

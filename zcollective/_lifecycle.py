@@ -36,7 +36,13 @@ from ._protocol._member import Member
 from ._protocol._ops import Here
 from ._protocol._stats import calls_log
 from .config import Config
-from .errors import AddressError, CollectiveError, CollectiveTimeoutError, ForkedProcessError
+from .errors import (
+    AddressError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    ForkedProcessError,
+    ReplicaLostError,
+)
 
 if TYPE_CHECKING:  # (rank 0's only, imported when it serves: the other ranks never load them)
     from ._io._relayer import Relayer  # (an interior rank's of the tree)
@@ -64,16 +70,21 @@ class Lifecycle:
                                     join=False), Form(admitted["lineage"]))
 
     def __init__(self, config: Config, form: Optional[Form] = None, *, nested: bool = False,
-                 publish: Optional[Callable[[str], None]] = None) -> None:
+                 opened: Optional[Callable[[str], None]] = None,
+                 world: Optional[list[int]] = None) -> None:
         """Join the group ``config`` describes (or form one from an earlier
         group: ``form``, where ``config`` names this replica by its old rank
         and size, and the host; see :mod:`zcollective._elastic`). ``nested``:
         a sub-group (:mod:`zcollective._subgroups`), which tells the launcher
-        nothing; its rank 0 binds a port of the system's choosing and
-        ``publish`` says where, before it waits for the others."""
+        nothing; its rank 0 binds a port of the system's choosing; once this
+        replica's sockets are open, ``opened`` is told where (before anyone
+        waits for it); its errors name ``world``, each rank's in the world."""
         self.config = config
         self.nested = nested
+        self.world = world  # a sub-group's ranks' world ranks (its errors name them); None: the world
         self.parent_ranks: Optional[list[int]] = None  # a sub-group's members' ranks in its parent
+        self.parent: Optional[Lifecycle] = None  # a sub-group's parent
+        self.suspects: set[int] = set()  # ranks a sub-group of this one lost (see end)
         self.turns = Turns()  # which of the program's threads uses the sockets now
         self.pid = os.getpid()  # a forked child must never touch this process's sockets
         self.closed = False
@@ -88,6 +99,7 @@ class Lifecycle:
         signer = Signer(config.secret) if config.secret is not None else None
         self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
+        self.member.world = world
         self.member.job = config.job
         self.member.user_code = _interrupts.user_code  # (an interior rank of the tree reduces there)
         if form is not None:
@@ -104,12 +116,16 @@ class Lifecycle:
         _interrupts.hold_signals()  # no signal handler's exception splits a message
         _stops.watch()  # was this process stopped? (a loss learned after a stop: see _elastic)
         self._watching = True
+        told = False  # the others were told why it failed (``opened`` raised)
         try:
             self.driver = self._connect(signer, form)
             if self.server is not None and not config.master_port:  # (a sub-group's)
                 self.config = config = dataclasses.replace(config, master_port=self.server.port)
-            if publish is not None:
-                publish(self.coordinator_address())
+                self.member.endpoint = config.endpoint
+            if opened is not None:
+                told = True
+                opened(self.coordinator_address())
+                told = False
             self.driver.warn_after = config.warn_after
             self.driver.waiter.watch(NUDGE, self.turns.nudge.fd)  # a thread wanting the turn wakes a wait
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
@@ -132,7 +148,8 @@ class Lifecycle:
         except BaseException as exc:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
-            if self.server is not None and self.server.gone() is None and refused and form is None:
+            if (self.server is not None and self.server.gone() is None and refused and form is None
+                    and not told):
                 # replicas still starting up should hear why, not time out (when it serves:
                 # a coordinator that could not bind has nobody to tell; forming, the survivors
                 # are told by their own tries, and this one has others to try at once)
@@ -149,12 +166,15 @@ class Lifecycle:
         alone = config.num_replicas == 1 and form is None and not config.join
         if alone and not config.port_given:  # a script run as it is: no port of its own
             return self._direct(signer)
+        if self.nested:  # (a process may open many: it may be out of descriptors by now)
+            _sockets.check_descriptors(f"rank {config.rank} cannot start ZeroMQ")
         with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
             self.ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
         if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
             from ._io._server import Server
 
-            self.server = Server(self.ctx, config, form.forming if form is not None else None, self.turns)
+            self.server = Server(self.ctx, config, form.forming if form is not None else None, self.turns,
+                                 self.world)
             try:
                 self.server.start()
             except AddressError as exc:
@@ -424,6 +444,9 @@ class Lifecycle:
         is worth waiting for (a failed group shrinks)."""
         self.closed = True
         _open_lives.pop(id(self), None)
+        if self.parent is not None and self.parent_ranks is not None:
+            self.parent.suspects.update(self.parent_ranks[r] for r in lost_for_sure(self.member.failure)
+                                        if 0 <= r < len(self.parent_ranks))
         if self.config.rank == 0 and not self.config.join and not self.nested:  # (a newcomer waiting
             # has no stats to say; a sub-group's are not the job's)
             write_for_launcher(self.stats(), self.member.session)
@@ -464,6 +487,14 @@ class Lifecycle:
                 if not _open_lives:
                     _interrupts.release_signals()
 
+    def _await_verdict(self, driver: Driver) -> None:
+        """Ending while a sub-group of this group lost ranks of this one, this group has not
+        failed yet: wait for that (up to one liveness bound), so the others hear of the rank lost,
+        not that this one ended (raises the failure when it comes)."""
+        wait = self.config.liveness_timeout
+        if self.suspects and self.member.failure is None and wait:
+            driver.wait_for(lambda: self.member.failure is not None, time.monotonic() + wait)
+
     def end(self) -> None:
         """The program is ending without teardown (at exit): deliver what this
         process produced, bounded, then close. Rule 7 of the coordinator."""
@@ -480,6 +511,7 @@ class Lifecycle:
             if driver is not None:
                 try:
                     driver.progress()  # take in a FAIL that would make a BYE pointless
+                    self._await_verdict(driver)
                     driver.relay_out(time.monotonic() + EXIT_WAIT_S)  # an interior rank of the tree
                     driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
                     driver.send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000, links=False)  # (receivers
@@ -500,6 +532,15 @@ class Lifecycle:
                 raise interrupted
         finally:
             turns.give()
+
+
+def lost_for_sure(failure: Optional[BaseException]) -> set[int]:
+    """The ranks a group's ``failure`` says were lost, not ended: their processes died or
+    stopped (or their link to this one broke), so the other groups they are in lose them too."""
+    if not isinstance(failure, ReplicaLostError):
+        return set()
+    ended = set(getattr(failure, "ended_ranks", ()))
+    return (set(getattr(failure, "lost_ranks", ())) - ended) | set(getattr(failure, "lost_inferred", ()))
 
 
 def _on_loopback(config: Config) -> bool:

@@ -1,96 +1,185 @@
 """Sub-groups: :meth:`~zcollective.Group.split`, ``subgroup`` and ``dup``.
 
 A sub-group is a whole group of its own, formed in the same processes from
-two calls of its parent: every rank says its color and key, then the new
-groups' ranks 0 say where they listen (a port the system chose). Its
+three calls of its parent: every rank says its color and key, then the new
+groups' ranks 0 say where they listen (a port the system chose), then every
+rank says it opened its part (its sockets) before anyone waits for it. Its
 coordinator, sequence, data plane and failures are its own: see
 docs/protocol.md, *Sub-groups*.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
 import operator
 import os
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ._calls import Calls, Timeout
 from ._io._dataplane import local_address
 from ._lifecycle import Lifecycle
-from ._protocol._ops import rank_list
+from ._protocol._ops import Split, in_world, rank_list
 from ._protocol._outcomes import fresh
 from .config import Config
-from .errors import AddressError, CallMismatchError, CollectiveTimeoutError
+from .errors import AddressError, CallMismatchError, CollectiveError, CollectiveTimeoutError, ReplicaLostError
 
 NONCE_BYTES = 16  # names a sub-group (its job) and, under a secret, makes its own secret
 JOIN_LIVENESS = 3  # a sub-group's members join within this many liveness bounds (every one of them
-# was alive at the second round: one that is not joins never), unless split's timeout says otherwise
+# had its sockets open at the third round: one that does not join has died or stopped), unless
+# split's timeout says otherwise
+FORMED = "nothing was formed; the group goes on"
 
 
 def split(calls: Calls, color: Any, key: Any, timeout: Timeout,
-          ranks: Optional[Sequence[Any]] = None) -> Optional[Lifecycle]:
-    """This rank's sub-group (None for ``color`` None), formed by two calls of
+          ranks: Optional[Sequence[Any]] = None, what: str = "split") -> Optional[Lifecycle]:
+    """This rank's sub-group (None for ``color`` None), formed by three calls of
     the group ``calls`` makes; ``ranks``: ``subgroup``'s list, which every
-    rank must pass alike. A mistake in any rank's arguments fails the call
-    alike on every rank, after the first round (so nobody waits for it)."""
+    rank must pass alike; ``what``: which call this is (split, subgroup, dup).
+    A mistake in any rank's arguments fails the call alike on every rank,
+    after the first round (so nobody waits for it); a rank that cannot open
+    its part of a new group, after the second or third."""
     config = calls.config
     if ranks is not None and not isinstance(ranks, Sequence):
         ranks = list(ranks)  # (a generator: read once, here)
+    rounds = _Rounds(calls, timeout, what)
     said = (color, key, ranks, _problem(color, key, ranks, config.num_replicas))
-    everyone: list[tuple[Any, Any, Any, Optional[str]]] = calls.run("split", timeout, said)
-    what = "subgroup" if ranks is not None else "split"
+    rounds.everyone = everyone = rounds.run(said)
     _check(everyone, what, ranks is not None)
     members = _members(everyone, config.rank)
     if members and len(members) > 1 and members[0] == config.rank:
-        return _host(calls, config, members, timeout)
-    told = calls.run("split", timeout, None)  # where each new group's rank 0 listens
-    if not members:
-        return None
-    if len(members) == 1:  # a group of one: no port, no coordinator to reach
-        return _opened(calls, _config(config, members, 0, "", 0, os.urandom(NONCE_BYTES), timeout), members)
+        return _host(rounds, config, members, timeout)
+    told = rounds.tell(None)  # where each new group's rank 0 listens
+    if not members or len(members) == 1:  # (a group of one: no port, no coordinator to reach)
+        rounds.opened(None)
+        if not members:
+            return None
+        return _opened(rounds, _config(config, members, 0, "", 0, os.urandom(NONCE_BYTES), timeout), members)
     address, nonce = told[members[0]]
-    if address is None:
-        raise AddressError(f"{what}: rank {members[0]}, rank 0 of the new group of ranks "
-                           f"{','.join(map(str, members))}, could not open it: {nonce}")
     host, _, port = address.rpartition(":")
-    return _opened(calls, _config(config, members, members.index(config.rank), host.strip("[]"), int(port),
-                                  nonce, timeout), members)
-
-
-def _host(calls: Calls, config: Config, members: list[int], timeout: Timeout) -> Lifecycle:
-    """Rank 0 of a new group: listen, say where (the second round), then wait
-    for its members. If it cannot listen, the second round says why, so its
-    members raise too instead of waiting."""
-    nonce = os.urandom(NONCE_BYTES)
-    published = False
-
-    def publish(address: str) -> None:
-        nonlocal published
-        published = True
-        calls.run("split", timeout, (address, nonce))
-    here = local_address(config).strip("[]")  # the interface this host reaches the group's rank 0 by
+    sub = _config(config, members, members.index(config.rank), host.strip("[]"), int(port), nonce, timeout)
     try:
-        return _opened(calls, _config(config, members, 0, here, 0, nonce, timeout), members, publish)
+        return _opened(rounds, sub, members, lambda _: rounds.opened(None))
     except BaseException as exc:
-        if not published:
-            calls.run("split", timeout, (None, f"{type(exc).__name__}: {exc}"))
+        rounds.failed(exc)
         raise
 
 
-def _opened(calls: Calls, config: Config, members: list[int], publish: Any = None) -> Lifecycle:
-    """Join the sub-group. One that does not form in time: if the parent failed meanwhile (a
-    member died after the second round), its error, which names the rank, else the timeout."""
+def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout) -> Lifecycle:
+    """Rank 0 of a new group: listen, say where (the second round) and hear
+    that every rank opened its part (the third), then wait for its members.
+    If it cannot listen, the second round says why, so every rank raises
+    too instead of waiting."""
+    nonce = os.urandom(NONCE_BYTES)
+
+    def opened(address: str) -> None:
+        rounds.tell((address, nonce))
+        rounds.opened(None)
     try:
-        life = Lifecycle(config, nested=True, publish=publish)
-    except CollectiveTimeoutError:
-        calls._progress()  # (a FAIL of the parent's, waiting to be taken in)
-        if calls.member.failure is not None:
-            raise fresh(calls.member.failure) from None
+        here = local_address(config).strip("[]")  # the interface this host reaches the parent's rank 0 by
+        return _opened(rounds, _config(config, members, 0, here, 0, nonce, timeout), members, opened)
+    except BaseException as exc:
+        rounds.failed(exc)
+        raise
+
+
+class _Rounds:
+    """The parent's rounds of one split, each made by every rank alike, as
+    ``split`` (op 13) with the call's kind as its root: after the first
+    (every rank's arguments), the second says where each new group's rank 0
+    listens (or why it could not), the third whether each rank opened its
+    part (its sockets) of its new group. A rank that failed says why in the
+    round it had not made yet, so every rank raises the same error, at the
+    same round, and the parent goes on."""
+
+    def __init__(self, calls: Calls, timeout: Timeout, what: str) -> None:
+        self.calls, self.timeout, self.what = calls, timeout, what
+        self.kind = Split.KINDS.index(what)
+        self.made = 0  # the rounds begun
+        self.everyone: list[tuple[Any, Any, Any, Optional[str]]] = []  # the first round's
+        self.told: Optional[list[Any]] = None  # the second round's
+        self.over = False  # a round said a rank failed: every rank raised, and makes no more
+
+    def run(self, value: Any) -> Any:
+        self.made += 1
+        return self.calls.run("split", self.timeout, value, self.kind)
+
+    def tell(self, where: Optional[tuple[Any, Any]]) -> list[Any]:
+        """The second round: ``(address, nonce)`` from a new group's rank 0,
+        ``(None, (error, why))`` from one that could not listen, else None."""
+        self.told = told = self.run(where)
+        failed = [(r, t[1]) for r, t in enumerate(told) if t is not None and t[0] is None]
+        if failed:
+            self.over = True
+            rank, (error, why) = failed[0]
+            raise _alike(error, f"{self.what}: {self._rank(rank)} could not open the new group of "
+                                f"{self._group(rank)} it was to host: {why} ({FORMED})")
+        return told
+
+    def opened(self, why: Optional[tuple[str, str]]) -> None:
+        """The third round: None (this rank's part of its new group is open,
+        or it has none), or ``(error, why)`` it could not be opened."""
+        failed = [(r, w) for r, w in enumerate(self.run(why)) if w is not None]
+        if failed:
+            self.over = True
+            (rank, (error, text)), more = failed[0], len(failed) - 1
+            others = f" (and {more} other rank{'s' if more > 1 else ''})" if more else ""
+            raise _alike(error, f"{self.what}: {self._rank(rank)}{others} could not open its part of the "
+                                f"new group of {self._group(rank)}: {text} ({FORMED})")
+
+    def _rank(self, rank: int) -> str:
+        return f"rank {rank}{in_world([rank], self.calls.life.world)}"
+
+    def _group(self, rank: int) -> str:
+        """The ranks of ``rank``'s new group (as its errors name them)."""
+        return rank_list(_members(self.everyone, rank) or [rank], self.calls.life.world)
+
+    def failed(self, exc: BaseException) -> None:
+        """This rank could not open its new group (``exc``): the round it had
+        not made says so (raising the error every rank raises). An interrupt
+        makes its round without waiting for it (the others raise alike)."""
+        if self.over or self.made == 3 or (self.made == 2 and self.told is None):
+            return  # (said; or a round failed, alike everywhere; or it failed after its part was
+            # open, joining: the sub-group's own rules)
+        said = str(exc) if isinstance(exc, CollectiveError) else f"{type(exc).__name__}: {exc}"
+        why = (type(exc).__name__, said)
+        value = (None, why) if self.made == 1 else why
+        if not isinstance(exc, Exception):
+            with contextlib.suppress(Exception):
+                self.calls.call("split", value, self.kind)  # (its result is never waited for)
+            return
+        if self.made == 1:
+            self.tell(value)  # type: ignore[arg-type]
+        self.opened(why)
+
+
+def _alike(error: str, message: str) -> CollectiveError:
+    """The error every rank raises for one rank's failure to open a new group."""
+    return AddressError(message) if error == "AddressError" else CollectiveError(message)
+
+
+def _opened(rounds: _Rounds, config: Config, members: list[int],
+            opened: Optional[Callable[[str], None]] = None) -> Lifecycle:
+    """Join the sub-group. One that does not form: if the parent fails (the rank that was lost
+    is one of its ranks too), the parent's error, which the others get, else this one."""
+    calls = rounds.calls
+    parent = calls.life
+    world = [parent.world[m] for m in members] if parent.world is not None else members
+    try:
+        life = Lifecycle(config, nested=True, opened=opened, world=world)
+    except (CollectiveTimeoutError, ReplicaLostError) as exc:
+        if not rounds.over:
+            # (a FAIL of the parent's, on its way: a loss, up to one liveness bound)
+            wait = 0.0 if isinstance(exc, CollectiveTimeoutError) else calls.config.liveness_timeout or 0.0
+            failure = calls.failure_within(wait)
+            if failure is not None:
+                raise fresh(failure) from None
         raise
     life.parent_ranks = members
+    life.parent = parent
     return life
 
 

@@ -261,7 +261,10 @@ def parse_error(msg: Message) -> tuple[Exception, bool]:
         ranks = body.get(key)
         if isinstance(ranks, list) and all(type(r) is int for r in ranks[:4096]):
             setattr(error, attr, tuple(ranks[:4096]))
-    return error, body.get("ended") is True
+    ended = body.get("ended") is True
+    if ended:  # (lost because their programs ended: they did not die)
+        error.ended_ranks = getattr(error, "lost_ranks", ())  # type: ignore[attr-defined]
+    return error, ended
 
 
 def complete_of(msg: Message) -> int:

@@ -54,7 +54,7 @@ class Server:
     NUDGED = (*SERVED, NUDGE)  # ... and what a thread wanting the turn writes
 
     def __init__(self, ctx: zmq.Context, config: Config, forming: Optional[Forming] = None,
-                 turns: Optional[Turns] = None) -> None:
+                 turns: Optional[Turns] = None, world: Optional[list[int]] = None) -> None:
         self.ctx = ctx
         self.config = config
         self.session = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "not joined"
@@ -62,7 +62,7 @@ class Server:
         self.coordinator = Coordinator(config.num_replicas, self.session, DEFAULT_MAX_FRAMES,
                                        self.signer, config.max_frame_bytes, _interrupts.user_code,
                                        forming, config.master_addr, config.liveness_timeout,
-                                       config.job, config.warn_after, tree=config.tree)
+                                       config.job, config.warn_after, tree=config.tree, world=world)
         self.host = "rank 0" if forming is None else f"old rank {config.rank}"  # in errors: its program
         self.port = config.master_port  # bound (0: the system chose, a sub-group's)
         self.mail_woke = 0  # a wait of the turn's holder ended for its member's mailbox (_mailbox.mail_woke)

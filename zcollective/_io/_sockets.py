@@ -86,6 +86,27 @@ def library_error(exc: zmq.ZMQError, what: str, address: bool = False) -> Collec
     return (AddressError if unusable else CollectiveError)(f"{what}: {exc.strerror} (errno {exc.errno})")
 
 
+CONTEXT_DESCRIPTORS = 8  # a context's first socket starts its I/O and reaper threads, each with a
+# poller and a wake-up descriptor (and the socket one): libzmq aborts the process if it cannot make
+# them, so a context is started only with these many left (each socket after fails with an error)
+
+
+def check_descriptors(what: str, count: int = CONTEXT_DESCRIPTORS) -> None:
+    """Raise :class:`CollectiveError` naming ``what`` if this process cannot open ``count``
+    more files now (ulimit -n), before a ZeroMQ context would abort it for that."""
+    held: list[int] = []
+    try:
+        for _ in range(count):
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        raise CollectiveError(f"{what}: {exc.strerror} (errno {exc.errno}): {len(held)} more file "
+                              f"descriptors could be opened, a ZeroMQ context needs {count} to start; "
+                              f"raise the limit (ulimit -n)") from None
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 LISTEN_BACKLOG = 100  # libzmq's own default (ZMQ_BACKLOG): a whole job may connect at once
 _listening: dict[int, tuple[int, int, int]] = {}  # descriptor -> (family, port, context): the ports
 # this process listens on (ours, see bind), kept past their close until their context ends (libzmq

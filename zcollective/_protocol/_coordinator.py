@@ -45,7 +45,19 @@ from .._format._wire import (
 from .._limits import EXIT_WAIT_S, LOCAL_PART_BYTES, MAX_STALL_WARNINGS, WIRE_PART_BYTES
 from ..errors import from_signal
 from . import _ops, _tree
-from ._ops import LABELS, OPERATIONS, OPS, SPOKEN, Disagree, Malformed, Op, Outgoing, describe_call, rank_list
+from ._ops import (
+    LABELS,
+    OPERATIONS,
+    OPS,
+    SPOKEN,
+    Disagree,
+    Malformed,
+    Op,
+    Outgoing,
+    describe_call,
+    in_world,
+    rank_list,
+)
 from ._stats import Lateness
 
 log = logging.getLogger("zcollective")
@@ -150,10 +162,11 @@ class Joined:
     last: Optional[tuple[int, str, str, float]] = None  # its last call: seq, label, call site, when
 
     newcomer: bool = False  # parked until a GROW (rule 10): the rank it claims means nothing yet
+    world: Optional[int] = None  # a sub-group's member: its world rank (its errors name it)
 
     def describe(self) -> str:
         who = "newcomer" if self.newcomer else f"rank {self.rank}"
-        return f"{who} (pid {self.pid} on {self.host})"
+        return f"{who} ({self.in_world(', ')}pid {self.pid} on {self.host})"
 
     def describe_end(self) -> str:
         assert self.ended is not None
@@ -161,7 +174,10 @@ class Joined:
         after = (f"after seq {self.ended - 1}" + (f" and {sends}" if sends else "") if self.ended else
                  f"before its first collective call, after {sends}" if sends else "before its first call")
         return (f"rank {self.rank} ended its program (without teardown) {after} "
-                f"(pid {self.pid} on {self.host})")
+                f"({self.in_world(', ')}pid {self.pid} on {self.host})")
+
+    def in_world(self, then: str = "") -> str:
+        return "" if self.world is None else f"world rank {self.world}{then}"
 
 
 @dataclass(frozen=True)
@@ -217,8 +233,11 @@ class Coordinator:
                  forming: Optional[Forming] = None, host_address: str = "?",
                  liveness_s: Optional[float] = None, job: Optional[str] = None,
                  warn_after: Optional[float] = None, clock: Callable[[], float] = time.monotonic,
-                 entropy: Callable[[int], bytes] = os.urandom, tree: str = "auto") -> None:
+                 entropy: Callable[[int], bytes] = os.urandom, tree: str = "auto",
+                 world: Optional[list[int]] = None) -> None:
         self.clock = clock  # every time this object reads or keeps (a test passes a fake one)
+        self.world = world  # a sub-group's: each rank's world rank, which its errors name (None: the world)
+        self.name = _ops.group_name(world)  # (its errors start with it)
         self.ending_since: Optional[float] = None  # rank 0's program said it was ending (rule 7)
         self.forming = forming
         self.liveness_s = liveness_s  # the group's bound: tells a closed connection from a silent one
@@ -501,6 +520,8 @@ class Coordinator:
             extra["complete"] = min([*self.pending, *self.combining, max(self.next_seq)])
         self.phase = Phase.FAILED
         self.failed_at = self.clock()
+        if self.name:
+            message = f"{self.name}: {message}"
         self.failure = error_body(error, message, **extra)
         if extra.get("ended") is not True:  # (a rank that ended had moved its data: the calls
             self._shared_calls.clear()  # whose data moves go on, their syncs answered)
@@ -611,6 +632,8 @@ class Coordinator:
         if problem is not None:
             return [*self._refuse(peer, msg, *problem), *self.fail(*problem)]
         join.peer, join.address, join.heard = peer, address, self.clock()
+        if self.world is not None and 0 <= join.rank < len(self.world):
+            join.world = self.world[join.rank]
         self.members[peer] = join
         self.by_rank[join.rank] = join
         if len(self.by_rank) < self.num_replicas:
@@ -1123,7 +1146,7 @@ class Coordinator:
         calls = final["calls"]
         if calls is not None:
             how += f" after seq {calls - 1}" if calls else " with no collective call before"
-        who = f"rank {member.rank} {how} (pid {member.pid} on {member.host})"
+        who = f"rank {member.rank} {how} ({member.in_world(', ')}pid {member.pid} on {member.host})"
         sent, lost, received = final["sent"], final["lost"], final["received"]
         return [(m.peer, _bodies.ended(who, None if received is None else received[m.rank], lost[m.rank],
                                        teardown=final["teardown"], rank=m.rank, root=member.rank,
@@ -1168,7 +1191,7 @@ class Coordinator:
     def _pending_call(self, seq: int) -> str:
         call = self.pending[seq]
         return (f"{describe_call(call.op, call.root)} was in flight on "
-                f"{rank_list(call.contributions)}")
+                f"{rank_list(call.contributions, self.world)}")
 
     def _fail_ended(self, member: Joined, context: str, level: int = logging.ERROR) -> list[Outgoing]:
         gone = {m.rank for m in self._ended}
@@ -1209,10 +1232,12 @@ class Coordinator:
         for rank, contribution in sorted(call.contributions.items()):
             what = describe_call(contribution.op, contribution.root)
             groups.setdefault((what, contribution.callsite or "?"), []).append(rank)
-        parts = [f"{rank_list(ranks)} called {what} at {site}" for (what, site), ranks in groups.items()]
+        world = self.world
+        parts = [f"{rank_list(ranks, world)} called {what} at {site}"
+                 for (what, site), ranks in groups.items()]
         waiting = self._missing(call)
         if waiting:
-            parts.append(f"{rank_list(waiting)} had not called yet")
+            parts.append(f"{rank_list(waiting, world)} had not called yet")
         return f"seq {seq}: " + "; ".join(parts)
 
     def _problem(self, seq: int, call: PendingCall, contributions: list[Message]) -> Optional[list[Outgoing]]:
@@ -1240,10 +1265,12 @@ class Coordinator:
                 except WireError:  # a sender's error note that is not JSON: still its error
                     said = "?"
                 return self._error_all(seq, call.op, error_body(
-                    "PeerError", f"seq {seq} {call.op.label}: rank {rank} failed: {said}"))
-        n, root = self.num_replicas, call.root
-        why = (f"root {root} is not a rank of this group of {n} replicas" if not 0 <= root < n  # (replicas
-               else OPERATIONS[call.op].malformed(contributions, root))  # check it: a broken or altered one)
+                    "PeerError", f"seq {seq} {call.op.label}: rank {rank}{in_world([rank], self.world)} "
+                                 f"failed: {said}"))
+        operation, root, n = OPERATIONS[call.op], call.root, self.num_replicas
+        why = ((operation.bad_root(root, n) if not 0 <= root < n else "")  # (replicas check it: a
+               or operation.malformed(contributions, root))  # broken or altered one; a split's root is
+        # its kind, which a group of one or two has no rank for)
         return self._call_failed(seq, call, Malformed(why)) if why else None
 
     def _results(self, seq: int, call: PendingCall, routes: list[list[list[Any]]],
@@ -1313,7 +1340,9 @@ class Coordinator:
                 except WireError:
                     what = "a malformed array description"
             groups.setdefault((_bodies.printable(what[:300]), c.callsite or "?"), []).append(rank)
-        parts = [f"{rank_list(ranks)} passed {what} at {site}" for (what, site), ranks in groups.items()]
+        world = self.world
+        parts = [f"{rank_list(ranks, world)} passed {what} at {site}"
+                 for (what, site), ranks in groups.items()]
         return "the ranks disagree: " + "; ".join(parts) + " (this call failed; the group goes on)"
 
     def _error_all(self, seq: int, op: Op, body: dict[str, Any],
@@ -1322,6 +1351,8 @@ class Coordinator:
         if self._shared_calls.pop(seq, None) is not None:  # (its syncs wait for nobody now)
             for key in [k for k in self._syncing if k[0] == seq]:
                 del self._syncing[key]
+        if self.name:  # (a sub-group's: named, as its FAILs are)
+            body = {**body, "message": f"{self.name}: {body.get('message', '?')}"}
         msg = control(Kind.ERROR, body, seq=seq, op=op, session=self.session)
         return [(self.by_rank[r].peer, dataclasses.replace(msg, rank=r))
                 for r in (range(self.num_replicas) if ranks is None else ranks)]
@@ -1380,8 +1411,9 @@ class Coordinator:
             self._join_warned += 1
             missing = self.missing_joins()
             joined = "; ".join(f"{m.describe()} from {m.address}" for _, m in sorted(self.by_rank.items()))
-            return [(f"zcollective coordinator: the group has waited {now - self.started_at:.0f} s for "
-                     f"{rank_list(missing)} to join (joined: {joined or 'none'})", missing)]
+            return [(f"zcollective coordinator: {self.name or 'the group'} has waited "
+                     f"{now - self.started_at:.0f} s for {rank_list(missing, self.world)} to join "
+                     f"(joined: {joined or 'none'})", missing)]
         out = []
         for seq, call in sorted(self.pending.items()):
             call_due = self._stall_due(call)
@@ -1395,9 +1427,9 @@ class Coordinator:
         """``seq 42 allreduce at train.py:88 has waited 61 s for rank 3 ...``"""
         site = next((c.callsite for c in call.contributions.values() if c.callsite), "?")
         missing = self._missing(call)
-        waited = now - min(call.arrived.values())
+        waited, arrived = now - min(call.arrived.values()), ",".join(map(str, sorted(call.contributions)))
         return (f"seq {seq} {describe_call(call.op, call.root)} at {site} has waited {waited:.0f} s "
-                f"for {rank_list(missing)} (arrived: {','.join(map(str, sorted(call.contributions)))}); "
+                f"for {rank_list(missing, self.world)} (arrived: {arrived}); "
                 + "; ".join(self._last_call(r, now) for r in missing))
 
     def snapshot(self, now: float) -> dict[int, dict[str, Any]]:
@@ -1441,14 +1473,14 @@ class Coordinator:
 
     def _in_flight(self) -> str:
         if self.phase is Phase.JOINING:
-            return f"while joining ({rank_list(self.missing_joins())} had not joined)"
+            return f"while joining ({rank_list(self.missing_joins(), self.world)} had not joined)"
         moving = self._moving
         if not self.pending:
             if moving is not None and moving[0] == min(self.next_seq) - 1:
                 return f"seq {moving[0]} {moving[1].label} was matched; its data moves peer to peer"
             return f"no call was in flight (next seq {min(self.next_seq)})"
         return "in flight: " + ", ".join(f"seq {seq} {describe_call(call.op, call.root)} (arrived: "
-                                         f"{rank_list(call.contributions)})"
+                                         f"{rank_list(call.contributions, self.world)})"
                                          for seq, call in sorted(self.pending.items())[:3])
 
     def _fail_message(self, member: Joined) -> Outgoing:

@@ -40,7 +40,7 @@ from .._format._wire import (
 from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
 from . import _tree
-from ._ops import LABELS, SPOKEN, Op
+from ._ops import LABELS, SPOKEN, Op, group_name, in_world
 from ._outcomes import Outcome, fresh
 from ._p2p import Mail
 from ._stats import CallStats, calls_log
@@ -102,6 +102,7 @@ class Member:
         self.rank = rank
         self.size = size
         self.endpoint = endpoint  # what messages name as the coordinator's address
+        self.world: Optional[list[int]] = None  # a sub-group's: its ranks' world ranks (its errors name them)
         self.signer = signer
         self.max_frame_bytes = max_frame_bytes
         self.session = 0  # 0 until the WELCOME
@@ -690,8 +691,8 @@ class Member:
             if self.deferred is not None:  # rank 0 said it ended: what it completed still comes down
                 return []
             lost = lost_rank_0(ReplicaLostError(
-                f"{self.who} lost the coordinator (rank 0) at {self.endpoint}: connection "
-                f"closed or heartbeats unanswered; {self.describe_in_flight()}"))
+                f"{self.who} lost the coordinator (rank 0{in_world([0], self.world, ', ', '')}) at "
+                f"{self.endpoint}: connection closed or heartbeats unanswered; {self.describe_in_flight()}"))
             if self.parent > 0 and self.awaits_tree():  # (rank 0 may have closed after a teardown
                 self.deferred = (lost, False, None, self.clock() + _tree.TREE_GRACE_S)  # whose result
                 return []  # still comes down: held, as a FAIL is)
@@ -737,8 +738,13 @@ class Member:
 
     @property
     def who(self) -> str:
-        """This replica, as its errors name it: a newcomer has no rank yet."""
-        return "a newcomer" if self.newcomer else f"rank {self.rank}"
+        """This replica, as its errors name it: a newcomer has no rank yet; a
+        sub-group's member by its world rank too, and its group."""
+        if self.newcomer:
+            return "a newcomer"
+        if self.world is None:
+            return f"rank {self.rank}"
+        return f"rank {self.rank}{in_world([self.rank], self.world)} of {group_name(self.world)}"
 
     def coordinator_gone(self, why: str) -> None:
         """Rank 0's own member: the coordinator stopped serving."""
@@ -795,14 +801,14 @@ class Member:
         """Why call ``seq`` timed out, from the coordinator's status reply
         (None: it did not answer) and, on rank 0, what its thread is stuck in."""
         call = self.calls.get(seq)
-        base = f"seq {seq} {call.op if call else 'call'} timed out after {timeout:g} s on rank {self.rank}"
+        base = f"seq {seq} {call.op if call else 'call'} timed out after {timeout:g} s on {self.who}"
         if status is None:
             if busy:
                 return f"{base}: {busy}"
             return (f"{base}; the coordinator (rank 0) did not answer a status query within "
                     f"{STATUS_WAIT_S:g} s (is a reduce function stuck?)")
         if status.get("missing"):
-            missing = ",".join(map(str, status["missing"]))
+            missing = ",".join(map(str, status["missing"])) + self._in_world(status["missing"])
             arrived = ",".join(map(str, status.get("arrived", []))) or "none"
             return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
         job = next((j for s, j in self.transfers if s == seq), None)
@@ -815,6 +821,12 @@ class Member:
             return (f"{base}: every rank arrived and the coordinator (rank 0) sent the result, "
                     f"which had not arrived here yet")
         return f"{base}: every rank arrived; the coordinator (rank 0) is still computing it"
+
+    def _in_world(self, ranks: Any) -> str:
+        """`` (world ranks 1,2)`` for a sub-group's ``ranks`` (a status reply's: checked), else ""."""
+        if self.world is None or not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
+            return ""
+        return in_world(ranks, self.world)
 
     def join_timeout_message(self, timeout: Optional[float], status: Optional[dict[str, Any]]) -> str:
         base = f"{self.who} timed out after {timeout:g} s joining the group at {self.endpoint}"
@@ -833,6 +845,7 @@ class Member:
             if isinstance(handshakes, list) and handshakes:
                 why += " (refused at the ZeroMQ handshake: " + "; ".join(
                     str(h)[:300] for h in handshakes[:3]) + ")"
+            missing += self._in_world(status["missing"])
             return f"{base}: connected, but ranks {missing} had not joined{why}"
         return f"{base}: connected, but the group did not complete"
 

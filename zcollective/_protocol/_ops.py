@@ -245,6 +245,14 @@ class Operation:
         """Why the parts cannot be combined as they came ("" if they can)."""
         return ""
 
+    def bad_root(self, root: int, size: int) -> str:
+        """Why the root every rank sent cannot be this call's ("" if it can)."""
+        return "" if 0 <= root < size else f"root {root} is not a rank of this group of {size} replicas"
+
+    def describe(self, root: int) -> str:
+        """The call, as a mismatch names it."""
+        return f"{self.label}(root={root})" if self.rooted else self.label
+
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         """The segments each rank receives (ranks given one list get the same frames)."""
         return [[] for _ in contributions]
@@ -341,10 +349,32 @@ def _n_each(contributions: list[Message], root: int) -> str:
     return f"{rank_list(short)} did not send exactly {n} values" if short else ""
 
 
-def rank_list(ranks: Iterable[int]) -> str:
+def rank_list(ranks: Iterable[int], world: Optional[Sequence[int]] = None) -> str:
+    """``ranks 1,2``; a sub-group's (``world``: each rank's world rank) ``ranks 0,1 (world ranks 1,2)``."""
     ranks = sorted(ranks)
     word = "rank" if len(ranks) == 1 else "ranks"
-    return f"{word} {','.join(map(str, ranks))}" if ranks else "no ranks"
+    return f"{word} {','.join(map(str, ranks))}{in_world(ranks, world)}" if ranks else "no ranks"
+
+
+def in_world(ranks: Iterable[int], world: Optional[Sequence[int]], lead: str = " (", end: str = ")") -> str:
+    """What ``ranks`` of a sub-group are in the world, for its error texts (``world``: each of its
+    ranks' world rank); "" in the world itself, whose texts stay as they are."""
+    if world is None:
+        return ""
+    ranks = list(ranks)
+    word = "rank" if len(ranks) == 1 else "ranks"
+    return f"{lead}world {word} {','.join(str(world[r]) if 0 <= r < len(world) else '?' for r in ranks)}{end}"
+
+
+def group_name(world: Optional[Sequence[int]]) -> str:
+    """How a sub-group's errors name it ("" for the world)."""
+    if world is None:
+        return ""
+    shown = ",".join(map(str, world[:MAX_NAMED_RANKS])) + (",..." if len(world) > MAX_NAMED_RANKS else "")
+    return f"the sub-group of world ranks {shown}"
+
+
+MAX_NAMED_RANKS = 16  # a sub-group's name lists at most this many of its world ranks
 
 
 def _agreed(contributions: list[Message]) -> list[list[Any]]:
@@ -974,12 +1004,21 @@ class Grow(Operation):
 class Split(Allgather):
     """A round of split(), subgroup() or dup(): an allgather on the star (a
     call of its own, so a rank splitting while another gathers is a mismatch;
-    :mod:`zcollective._subgroups` makes two rounds)."""
+    :mod:`zcollective._subgroups` makes three rounds). Its root says which of
+    the three calls made it, so one rank's split beside another's dup is a
+    mismatch too."""
 
     code = Op.SPLIT
+    KINDS = ("split", "subgroup", "dup")  # by root
 
-    def contribute(self, here: Here, value: Any) -> Contribution:
-        return Contribution(0, _sent(value), _all(value, here.rank))
+    def contribute(self, here: Here, value: Any, kind: int = 0) -> Contribution:
+        return Contribution(kind, _sent(value), _all(value, here.rank))
+
+    def bad_root(self, root: int, size: int) -> str:
+        return "" if 0 <= root < len(self.KINDS) else f"root {root} names none of split, subgroup and dup"
+
+    def describe(self, root: int) -> str:
+        return self.KINDS[root] if 0 <= root < len(self.KINDS) else f"{self.label}(root={root})"
 
 
 OPERATIONS: dict[int, Operation] = {o.code: o for o in (
@@ -998,4 +1037,4 @@ def error_contribution(root: int, note: list[list[Any]]) -> Contribution:
 
 def describe_call(op: int, root: int) -> str:
     operation = OPERATIONS.get(op)
-    return f"{operation.label}(root={root})" if operation is not None and operation.rooted else label(op)
+    return operation.describe(root) if operation is not None else label(op)
