@@ -33,7 +33,8 @@ PROTOCOL_VERSION = 15  # bump on any change to the layout below (2: BYE; recipie
 # may be several, for an allreduce through each host's memory and a ring between their leaders;
 # 14: the tree of a large group's small calls: UP, a WELCOME's tree; 15: features that compose:
 # a FINAL's received, lost and calls, and how its rank ended to each rank; mailbox windows in
-# JOIN and WELCOME; a new shared-memory segment made after a sync of every rank of its host)
+# JOIN and WELCOME; a new shared-memory segment made after a sync of every rank of its host;
+# split's third round, and the kind of sub-group in a round's root)
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
