@@ -143,3 +143,90 @@ def test_crossed_waits_on_two_groups_time_out_naming_the_rank_the_call_and_its_s
         assert f"on rank {rank}" in said and "allreduce" in said and "seq " in said, outs
         assert "shared-memory allreduce" in said, outs
     assert any(said is not None for said in outs), outs
+
+
+# -- attack2: an interrupt at an ending is not a loss ---------------------------------------
+
+
+def _teardown_interrupted_once():
+    """Every rank: a 4 MiB allreduce_async; rank 1 calls teardown and gets one SIGINT 0.3 s
+    later, catches it and calls teardown again; the others call teardown 1 s later."""
+    import os
+    import signal
+    import threading
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    zc.initialize(timeout=RUN_S)
+    me = zc.get_rank()
+    zc.barrier(timeout=WAIT_S)
+    big = zc.allreduce_async(np.full(ELEMENTS, me + 1.0, dtype=np.float32))
+    log = []
+    if me == 1:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        for _ in range(3):
+            try:
+                zc.teardown(timeout=WAIT_S)
+                log.append("ok")
+                break
+            except KeyboardInterrupt:
+                log.append("interrupted")
+    else:
+        time.sleep(1.0)
+        zc.teardown(timeout=WAIT_S)
+        log.append("ok")
+    return log, float(big.result(0.5)[0])
+
+
+@pytest.mark.parametrize("env", PLANES)
+def test_a_teardown_interrupted_once_is_called_again_and_nobody_is_lost(env):
+    """attack2: one Ctrl-C in teardown closed the group without a word (the others saw rank 1
+    'lost', the pending allreduce failed everywhere, the second teardown raised 'not
+    initialized'). An interrupted teardown leaves the group open: called again, it finishes."""
+    outs = run_replicas(_teardown_interrupted_once, 3, initialize=False, timeout=RUN_S, env=env)
+    assert outs == [(["ok"], 6.0), (["interrupted", "ok"], 6.0), (["ok"], 6.0)], outs
+
+
+def _raising_sigterm_handler_at_exit():
+    """Rank 1 installs (after initialize) a SIGTERM handler raising RuntimeError, sends rank 2
+    two messages (the second waits for credit: rank 2 is away) and its program ends; SIGTERM
+    comes in the exit path. Rank 2 receives what came, then learns rank 1 ended."""
+    import os
+    import signal
+    import threading
+
+    zc.initialize(timeout=RUN_S)
+    me = zc.get_rank()
+    zc.barrier(timeout=WAIT_S)
+    if me == 1:
+        def handler(signum, frame):
+            raise RuntimeError("SIGTERM")
+        signal.signal(signal.SIGTERM, handler)
+        zc.send_async(np.full(110_000, 0.0), 2, tag=1)
+        zc.send_async(np.full(110_000, 1.0), 2, tag=1)
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+        return "ended"
+    if me == 0:  # (rank 0's program hosts the group: it ends once rank 2 has received)
+        return zc.recv(2, tag=2, timeout=2 * WAIT_S)
+    time.sleep(2.5)
+    got = []
+    for _ in range(2):
+        try:
+            got.append(float(zc.recv(1, tag=1, timeout=WAIT_S)[0]))
+        except zc.CollectiveError as exc:
+            got.append(type(exc).__name__)
+            break
+    zc.send("received", 0, tag=2)
+    return got
+
+
+def test_a_signal_handlers_exception_at_exit_still_says_goodbye():
+    """attack2: a SIGTERM handler raising an ordinary exception in the exit path made the exit
+    skip its goodbye (taken for a failed group): rank 2's first recv raised ReplicaLostError
+    'rank 1 was lost' instead of returning the message that had gone."""
+    outs = run_replicas(_raising_sigterm_handler_at_exit, 3, initialize=False, timeout=RUN_S,
+                        env={**SHARED, **WINDOW})
+    got = outs[2]
+    assert got[0] == 0.0 and got[1] in (1.0, "PeerEndedError"), outs

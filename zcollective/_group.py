@@ -29,6 +29,7 @@ from .errors import (
     CollectiveTimeoutError,
     LateJoinError,
     ReplicaLostError,
+    from_signal,
 )
 
 log = logging.getLogger("zcollective")
@@ -358,6 +359,7 @@ class Group:
         with life.turns:
             if life.closed:
                 return  # (by another thread, meanwhile)
+            interrupted = False
             try:
                 failure: Optional[BaseException] = life.member.failure
                 if life.driver is not None and failure is None:
@@ -365,18 +367,25 @@ class Group:
                         if isinstance(timeout, _Default):
                             timeout = life.config.op_timeout
                         deadline = None if timeout is None else time.monotonic() + timeout
-                        life.finish(deadline, timeout)  # (what was called before it: finished)
+                        try:
+                            life.finish(deadline, timeout)  # (what was called before it: finished)
+                        except BaseException as exc:  # interrupted before its call: the group stays
+                            interrupted = not isinstance(exc, Exception) or from_signal(exc)  # open (a
+                            raise  # teardown again finishes it; an ending says goodbye), never lost
                         self._calls.blocking(self._calls.call("teardown"), None if deadline is None
                                              else max(0.0, deadline - time.monotonic()))
                     except CollectiveTimeoutError:
                         raise
                     except Exception as exc:  # a failed group closes anyway
+                        if interrupted:
+                            raise
                         failure = exc
                 if failure is not None:  # cleanup, often in a `finally`: said, never raised over
                     log.warning("zcollective rank %d: teardown closed a group that was already over: %s",
                                 self.rank, failure)  # the exception in flight
             finally:
-                life.close()
+                if not interrupted:
+                    life.close()
 
     # -- point to point ---------------------------------------------------------
 

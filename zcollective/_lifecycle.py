@@ -42,6 +42,7 @@ from .errors import (
     CollectiveTimeoutError,
     ForkedProcessError,
     ReplicaLostError,
+    from_signal,
 )
 
 if TYPE_CHECKING:  # (rank 0's only, imported when it serves: the other ranks never load them)
@@ -517,16 +518,17 @@ class Lifecycle:
                     driver.send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000, links=False)  # (receivers
                     # that run may still take them; say_bye's FINAL waits for links, bounded)
                     driver.say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
-                except Exception:
-                    pass  # the group failed: nothing to announce, only to flush
-                except BaseException as exc:  # an interrupt: the BYE still goes (flagged if data
-                    # is left), unwaited, so the others are told now; rank 0 then waits for nothing
-                    interrupted = exc
-                    bye = self.member.bye()
-                    with contextlib.suppress(BaseException):
-                        if bye is not None:
-                            final = driver.final(False, time.monotonic())  # (interrupted: no wait for a link)
-                            driver.send([bye] if final is None else [final, bye])
+                except BaseException as exc:
+                    if not isinstance(exc, Exception) or from_signal(exc):  # an interrupt (a handler's
+                        # exception too; any other: the group failed, nothing to announce, only to
+                        # flush): the BYE still goes (flagged if data is left), unwaited, so the
+                        # others are told now; rank 0 then waits for nothing
+                        interrupted = exc
+                        bye = self.member.bye()
+                        with contextlib.suppress(BaseException):
+                            if bye is not None:
+                                final = driver.final(False, time.monotonic())  # (no wait for a link)
+                                driver.send([bye] if final is None else [final, bye])
             self.close(ending=True, hurry=interrupted is not None)
             if interrupted is not None:
                 raise interrupted
