@@ -230,3 +230,53 @@ def test_a_signal_handlers_exception_at_exit_still_says_goodbye():
                         env={**SHARED, **WINDOW})
     got = outs[2]
     assert got[0] == 0.0 and got[1] in (1.0, "PeerEndedError"), outs
+
+
+# -- attack3: a rank joining a sub-group hears of its parent's loss -------------------------
+
+
+def _split_with_a_rank_killed_after_the_third_round():
+    """4 ranks split(rank % 2); world rank 1 (to host the group {1, 3}) kills itself once the
+    third round is made, before joining; then the parent's next call fails, and every survivor
+    shrinks."""
+    import os
+    import signal
+
+    from zcollective import _subgroups
+
+    me = zc.get_rank()
+    if me == 1:
+        made = _subgroups._Rounds.opened
+
+        def opened(self, why):
+            made(self, why)
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(1)
+        _subgroups._Rounds.opened = opened
+    zc.allreduce(1, timeout=WAIT_S)
+    start = time.monotonic()
+    try:
+        zc.split(me % 2).teardown()
+    except zc.ReplicaLostError:
+        pass
+    took = time.monotonic() - start
+    with pytest.raises(zc.ReplicaLostError):
+        zc.allreduce(me + 1, timeout=WAIT_S)
+    zc.shrink(timeout=WAIT_S)
+    return took, zc.get_world_size(), zc.allreduce(me + 1, timeout=WAIT_S), zc.lost_ranks()
+
+
+def test_a_rank_joining_a_sub_group_hears_of_its_parents_loss_and_shrinks_with_the_others():
+    """attack3: rank 3, waiting to join the sub-group whose host (world rank 1) was killed,
+    waited out its join bound (6 s) while ranks 0 and 2 shrank without it (lost_ranks [1, 3]),
+    then got LeftOutError. Its join now stops at its parent's failure, within a liveness bound."""
+    from zcollective.testing import Replicas
+
+    with Replicas(_split_with_a_rank_killed_after_the_third_round, 4,
+                  env={**SHARED, "ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}) as reps:
+        outs = reps.wait(RUN_S)
+    survivors = [o for o in outs if o.rank != 1]
+    assert all(o.ok for o in survivors), [o.describe() for o in outs]
+    for o in survivors:
+        took, size, total, lost = o.value
+        assert (size, total, lost) == (3, 8, [1]) and took < 4.0, [o.value for o in survivors]

@@ -72,14 +72,16 @@ class Lifecycle:
 
     def __init__(self, config: Config, form: Optional[Form] = None, *, nested: bool = False,
                  opened: Optional[Callable[[str], None]] = None,
-                 world: Optional[list[int]] = None) -> None:
+                 world: Optional[list[int]] = None, check: Optional[Callable[[], None]] = None) -> None:
         """Join the group ``config`` describes (or form one from an earlier
         group: ``form``, where ``config`` names this replica by its old rank
         and size, and the host; see :mod:`zcollective._elastic`). ``nested``:
         a sub-group (:mod:`zcollective._subgroups`), which tells the launcher
         nothing; its rank 0 binds a port of the system's choosing; once this
         replica's sockets are open, ``opened`` is told where (before anyone
-        waits for it); its errors name ``world``, each rank's in the world."""
+        waits for it); its errors name ``world``, each rank's in the world;
+        ``check()``, asked while it joins, raises to end the join (a sub-group's
+        parent failed: its error)."""
         self.config = config
         self.nested = nested
         self.world = world  # a sub-group's ranks' world ranks (its errors name them); None: the world
@@ -135,7 +137,7 @@ class Lifecycle:
                 self.close(quick=True)
                 return
             if form is None:
-                self.driver.join(config.init_timeout)
+                self.driver.join(config.init_timeout, check)
             else:
                 self._join_forming(form)
             self._start_data(deadline)

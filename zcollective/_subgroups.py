@@ -168,8 +168,13 @@ def _opened(rounds: _Rounds, config: Config, members: list[int],
     calls = rounds.calls
     parent = calls.life
     world = [parent.world[m] for m in members] if parent.world is not None else members
+    def parent_failed() -> None:  # (its members are the parent's: a loss there fails this join)
+        failure = calls.failure_within(0.0)
+        if failure is not None:
+            raise fresh(failure)
+
     try:
-        life = Lifecycle(config, nested=True, opened=opened, world=world)
+        life = Lifecycle(config, nested=True, opened=opened, world=world, check=parent_failed)
     except (CollectiveTimeoutError, ReplicaLostError) as exc:
         if not rounds.over:
             # (a FAIL of the parent's, on its way: a loss, up to one liveness bound)

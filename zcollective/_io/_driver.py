@@ -272,27 +272,33 @@ class Driver:
         if mailed:
             self.mail_io(take=False)
 
-    def join(self, timeout: Optional[float]) -> None:
+    def join(self, timeout: Optional[float], check: Optional[Callable[[], None]] = None) -> None:
         """Send JOIN and wait for every replica to have joined; raise
         :class:`CollectiveTimeoutError` naming who was missing, or the error of
-        the coordinator's refusal."""
+        the coordinator's refusal (or what ``check``, asked every
+        :data:`~zcollective._limits.POLL_SLICE_S`, raises: a sub-group's parent's failure)."""
         member = self.member
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.send_join(lambda: member.joined, deadline):
+        if not self.send_join(lambda: member.joined, deadline, check):
             status = self.ask_status(0) if member.connected else None
             raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
 
-    def send_join(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+    def send_join(self, done: Callable[[], bool], deadline: Optional[float],
+                  check: Optional[Callable[[], None]] = None) -> bool:
         """Send JOIN, and again when the member's timer says (rule 8 of
         :mod:`zcollective._protocol._member`), until ``done()`` (True) or
-        ``deadline`` (False)."""
+        ``deadline`` (False); ``check()`` raises to end it (see :meth:`join`)."""
         member = self.member
         try:
             self.send(member.start_join(self.warn_after if self.remote else None))
             while True:
                 due = member.next_deadline()
-                if self.wait_for(done, due if deadline is None else deadline if due is None
-                                 else min(deadline, due)):
+                until = due if deadline is None else deadline if due is None else min(deadline, due)
+                if check is not None:
+                    check()
+                    soon = time.monotonic() + POLL_SLICE_S
+                    until = soon if until is None else min(until, soon)
+                if self.wait_for(done, until):
                     return True
                 now = member.clock()
                 if deadline is not None and now >= deadline:
