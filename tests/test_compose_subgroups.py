@@ -268,9 +268,9 @@ def holds_a_sub_group_forming(address_file, go_file):
     else:
         from zcollective._io._dealer import DealerDriver
 
-        def join(self, timeout):
+        def join(self, timeout, *rest):
             wait_for(go_file, timeout=RUN_S)
-            return super(DealerDriver, self).join(timeout)
+            return super(DealerDriver, self).join(timeout, *rest)
         DealerDriver.join = join  # (the parent's joined already)
     return zc.dup(timeout=RUN_S).allreduce(1)
 
