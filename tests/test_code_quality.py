@@ -74,6 +74,23 @@ def test_the_docs_cite_no_file_outside_the_repository():
     assert not cited, cited
 
 
+def test_every_public_error_has_a_row_in_the_readme_error_table():
+    """The README's error table (When things go wrong) names every exception class zcollective
+    exports: a new error, or one left out, shows here."""
+    import zcollective
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("\n## When things go wrong")
+    section = text[start:text.index("\n## ", start + 1)]
+    table = section[section.index("| error | raised when | what to do |"):]
+    named = set(re.findall(r"^\| `(\w+)`", table, re.M))
+    exported = {name for name, obj in ((n, getattr(zcollective, n)) for n in zcollective.__all__)
+                if isinstance(obj, type) and issubclass(obj, Exception)}
+    assert len(exported) > 10, exported
+    assert not exported - named, f"errors with no row in the README's error table: {sorted(exported - named)}"
+
+
 LAYERS = [  # lowest first: a module imports only from its own layer or lower ones, and no circle
     {"errors", "_limits", "_hostlist", "_future", "_announce"},
     {"config"},

@@ -162,7 +162,8 @@ def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
     """After a loss (a :class:`ReplicaLostError`), every survivor calls it, and
     they go on in this process in one new default group (:func:`get_rank` and
     :func:`get_world_size` tell the new values): :meth:`Group.shrink` says
-    how, and when the survivors may not (``majority``).
+    how, and when the survivors may not (``majority``). Returns None, where
+    :meth:`Group.shrink` returns the new group.
 
     Raises
     ------
@@ -179,7 +180,8 @@ def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
 def agree(flag: bool, timeout: Optional[float] = None) -> Agreement:
     """ULFM's agree among the living, as :meth:`Group.agree`; when the
     survivors shrank first, the default group becomes theirs. The building
-    block of "rescale now?".
+    block of "rescale now?". Returns the :class:`Agreement` only, where
+    :meth:`Group.agree` returns the group agreed in with it.
 
     Raises
     ------
@@ -199,6 +201,7 @@ def grow(timeout: Timeout = DEFAULT) -> int:
     calls it where it chooses (an epoch boundary, say). Returns how many were
     admitted: 0 at once if none waits; otherwise the default group is the
     next one, of the members (same ranks) and the newcomers (after them).
+    (:meth:`Group.grow` returns that group instead, its ``admitted`` the count.)
 
     Raises
     ------

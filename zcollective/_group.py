@@ -557,7 +557,8 @@ class Group:
         more than half of the ranks not seen to die (a partition never leaves
         two groups going on); ``majority=False`` (on every survivor) forms one
         with whoever came. In a group that lost nobody it is a collective call:
-        it returns this group once every rank has called it.
+        it returns this group once every rank has called it. (The module's
+        :func:`~zcollective.shrink` returns None: the new group becomes the default.)
 
         Raises
         ------
@@ -595,7 +596,8 @@ class Group:
         numbered after them (:attr:`admitted` says how many joined). No call
         ever mixes the two memberships. A member lost while the group forms
         again: the others shrink instead (the newcomers are told to start
-        again), and ``admitted`` is 0.
+        again), and ``admitted`` is 0. (The module's :func:`~zcollective.grow`
+        returns the count, and makes the new group the default.)
 
         Raises
         ------
@@ -620,7 +622,9 @@ class Group:
         members' ``flag`` and the same set of ranks found lost (of this
         group). In a failed group (or one failing meanwhile) the survivors
         shrink first: returns the group they agreed in (this one if nothing
-        was lost) and the :class:`~zcollective.Agreement`.
+        was lost) and the :class:`~zcollective.Agreement`. (The module's
+        :func:`~zcollective.agree` returns the agreement only, and makes that
+        group the default.)
 
         Raises
         ------

@@ -58,6 +58,11 @@ MAX_JOB_CHARS = 128  # a job's name (config checks it, a JOIN carries it whole):
 
 # -- waits around a call and at an ending --------------------------------------------------------
 
+AWAY_S = 0.002  # the program out of the library this long: a stand-in thread (rank 0's server,
+# an interior rank's relay) takes the turn (shorter, and a tight loop of calls would hand the
+# sockets over and back at every call)
+PARK_BUSY_S = AWAY_S  # a stand-in thread looks this often whether to take the turn, with calls in flight
+PARK_IDLE_S = 0.05  # ... and this often without (a loss, a question or a subtree's part waits this long)
 POLL_SLICE_S = 0.5  # longest a wait sleeps before re-checking failure and thread liveness (< L)
 JOIN_RESEND_S = 1.0  # a member not yet welcomed sends its JOIN again this often (one lost to a
 # connection made twice, or its WELCOME, would leave it waiting out its join timeout)

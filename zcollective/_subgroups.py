@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 from ._calls import Calls, Timeout
+from ._format._wire import NONCE_BYTES
 from ._io._dataplane import local_address
 from ._lifecycle import Lifecycle
 from ._protocol._ops import Split, in_world, rank_list
@@ -27,7 +28,6 @@ from ._protocol._outcomes import fresh
 from .config import Config
 from .errors import AddressError, CallMismatchError, CollectiveError, CollectiveTimeoutError, ReplicaLostError
 
-NONCE_BYTES = 16  # names a sub-group (its job) and, under a secret, makes its own secret
 JOIN_LIVENESS = 3  # a sub-group's members join within this many liveness bounds (every one of them
 # had its sockets open at the third round: one that does not join has died or stopped), unless
 # split's timeout says otherwise
@@ -73,7 +73,7 @@ def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout)
     that every rank opened its part (the third), then wait for its members.
     If it cannot listen, the second round says why, so every rank raises
     too instead of waiting."""
-    nonce = os.urandom(NONCE_BYTES)
+    nonce = os.urandom(NONCE_BYTES)  # names the sub-group (its job); under a secret, makes its secret
 
     def opened(address: str) -> None:
         rounds.tell((address, nonce))

@@ -109,7 +109,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return ns
 
 
-class Joined(NamedTuple):
+class Place(NamedTuple):
     """A process's place in a group, as it said when it joined."""
 
     group: str  # the group's id (its session, in hex)
@@ -129,7 +129,7 @@ class Groups:
         self.fd = os.open(path, os.O_RDONLY)
         self.lock = threading.Lock()
         self.partial = b""  # a line being written
-        self.of_pid: dict[int, Joined] = {}
+        self.of_pid: dict[int, Place] = {}
         self.lineage: dict[str, Optional[str]] = {}  # group -> the group it was formed from
         self.size: dict[str, int] = {}
         self.formed: list[str] = []  # the groups, in the order they were first announced
@@ -155,7 +155,7 @@ class Groups:
             if "stall" in record:
                 self.stalls.append((group, [int(r) for r in record["stall"]][:MAX_STACKS]))
                 return
-            joined = Joined(group, int(record["rank"]), int(record["size"]), record.get("stacks") is True)
+            joined = Place(group, int(record["rank"]), int(record["size"]), record.get("stacks") is True)
             lineage = record["lineage"]
         except (ValueError, KeyError, TypeError):
             return  # not a line of the library's (written by hand?)
@@ -164,7 +164,7 @@ class Groups:
             self.lineage[group], self.size[group] = lineage, joined.size
             self.formed.append(group)
 
-    def current(self, pid: int) -> Optional[Joined]:
+    def current(self, pid: int) -> Optional[Place]:
         """The group ``pid`` joined last, and its rank there (None: none yet)."""
         self.refresh()
         return self.of_pid.get(pid)

@@ -57,7 +57,8 @@ TAG_BYTES = 32
 KEY_LABEL = b"zcollective-v1-hmac-sha256"  # binds derived keys to this protocol
 FAST_KEY_LABEL = b"zcollective-v3-fast-tag"  # the fast tag's keys: apart from every other key
 MAILBOX_KEY_LABEL = b"zcollective-v11-mailbox-of-rank-"  # and the rank: each mailbox's own key
-NONCE_BYTES = 16  # random per payload: 2^64 payloads before two are likely to share one
+NONCE_BYTES = 16  # every fresh random nonce (a payload's fast tag, a handshake token, a sub-group's
+# name): 2^64 draws before two are likely to share one, and a token fits PLAIN's 255-byte fields
 FAST_TAG_BYTES = NONCE_BYTES + 32  # the nonce, then HMAC-SHA256
 # Frames from this size are tagged by Poly1305 in a fast tag: HMAC-SHA256 costs
 # ~1 us per KiB, a one-time key ~2 us, Poly1305 ~0.2 us per KiB.

@@ -17,7 +17,7 @@ from .._format._wire import Kind, Message, WireError, decode, encode, owned
 from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
 from .._protocol._member import Member
 from .._protocol._ops import applied
-from .._protocol._outcomes import Outcome, fresh
+from .._protocol._outcomes import CallOutcome, fresh
 from .._protocol._p2p import ANY_SOURCE
 from ..errors import CollectiveError, CollectiveTimeoutError
 from ._interrupts import NUDGE, Waiter
@@ -120,10 +120,10 @@ class Driver:
             if tracker is not None and not tracker.done:
                 self._tracked.append((tracker, handle))
             elif handle is not None:
-                member.outcomes.append(Outcome(handle))
+                member.outcomes.append(CallOutcome(handle))
         if self._tracked:
             left = [(t, h) for t, h in self._tracked if not t.done]
-            member.outcomes.extend(Outcome(h) for t, h in self._tracked if t.done)
+            member.outcomes.extend(CallOutcome(h) for t, h in self._tracked if t.done)
             self._tracked = left
         if sockets is not None and len(self.mail_names) != 1 + sockets.link_count():  # a new link: its
             links = sockets.links()  # refusal ends a wait too
@@ -155,7 +155,7 @@ class Driver:
             decided.update(map(id, handles))
             for handle in sockets.drop_to(dest, sends_only=failure is not None):
                 if failure is not None:
-                    member.outcomes.append(Outcome(handle, fresh(failure)))
+                    member.outcomes.append(CallOutcome(handle, fresh(failure)))
         if decided:  # (their outcome is said: a tracker never done, to a rank gone, is not watched)
             self._tracked = [(t, h) for t, h in self._tracked if id(h) not in decided]
 

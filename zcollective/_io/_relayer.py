@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 
+from .._limits import AWAY_S, PARK_BUSY_S, PARK_IDLE_S
 from .._protocol._member import Member
 from ..errors import CollectiveError
 from . import _interrupts, _sockets
@@ -20,10 +21,6 @@ from ._interrupts import Waiter
 from ._turns import Turns
 
 log = logging.getLogger("zcollective")
-
-AWAY_S = 0.002  # the program out of the library this long: the thread moves its subtree's parts
-PARK_BUSY_S = AWAY_S  # it looks this often whether to, with calls in flight (as rank 0's server thread)
-PARK_IDLE_S = 0.05  # ... and this often without (a part of a call this rank has not made yet waits)
 
 STOP = "stop"  # its waiter's name for the stop pipe
 STOP_WAIT_S = 1.0  # closing waits this long for the thread (it holds the turn for microseconds)

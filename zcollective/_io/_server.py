@@ -3,7 +3,7 @@ the group's turn. A thin driver: it receives frames, feeds them to the pure
 :class:`~zcollective._protocol._coordinator.Coordinator`, and sends what it
 returns; rank 0's program thread does so itself inside the library (no
 thread hop on the hot path), its background thread only while the program
-has been elsewhere for :data:`AWAY_S`. What it does and when: see
+has been elsewhere for :data:`~zcollective._limits.AWAY_S`. What it does and when: see
 docs/protocol.md, *Drivers* and *Concurrency*.
 """
 
@@ -23,7 +23,16 @@ import zmq
 
 from .._announce import announce_stall
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
-from .._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, FORM_BIND_RETRY_S, POLL_SLICE_S, STOP_TIMEOUT_S
+from .._limits import (
+    AWAY_S,
+    CLOSE_LINGER_MS,
+    EXIT_LINGER_MS,
+    FORM_BIND_RETRY_S,
+    PARK_BUSY_S,
+    PARK_IDLE_S,
+    POLL_SLICE_S,
+    STOP_TIMEOUT_S,
+)
 from .._protocol._coordinator import RANK0_PEER, Coordinator, Forming, Phase, ProbeSchedule, is_loopback
 from .._protocol._ops import Step, applied
 from ..config import Config
@@ -35,12 +44,8 @@ from ._turns import Turns
 
 log = logging.getLogger("zcollective")
 
-AWAY_S = 0.002  # rank 0's program out of the library this long: the background thread serves
-# (shorter, and a tight loop of calls would hand the sockets over and back at every call)
 HOLD_TRY_S = 0.02  # rank 0's thread sending waits this long for the turn
 # (the background thread gives them back within microseconds unless it runs a reduce function)
-PARK_BUSY_S = AWAY_S  # the background thread looks this often whether to serve, with calls in flight
-PARK_IDLE_S = 0.05  # ... and this often without (a loss or a question waits at most this long)
 DRAIN_BATCH = 256  # messages one step takes in before rank 0's member, if it has news, gets it
 # (a peer sending faster than the coordinator reads must not starve rank 0's own calls)
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)

@@ -2,7 +2,7 @@
 returning the messages to send. Every replica, rank 0 included, has one
 :class:`Member`; its driver (:mod:`zcollective._io._driver`) gives it what
 arrives and sends what it returns and owes. It holds the one table of calls
-in flight and says what each came to (:class:`Outcome`), for the call
+in flight and says what each came to (:class:`CallOutcome`), for the call
 runner to apply.
 
 Rules 1-11 (cited by number in the code): see docs/protocol.md, *Member rules*.
@@ -41,7 +41,7 @@ from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STAT
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
 from . import _tree
 from ._ops import LABELS, SPOKEN, Op, group_name, in_world
-from ._outcomes import Outcome, fresh
+from ._outcomes import CallOutcome, fresh
 from ._p2p import Mail
 from ._stats import CallStats, calls_log
 
@@ -146,7 +146,7 @@ class Member:
         # until when at most: a FAIL, or rank 0's connection lost meanwhile (rule 11)
         self.shm_offer: Optional[tuple[int, int]] = None  # it can share memory on its host: (threshold, room)
         self.shared: Optional[dict[str, Any]] = None  # the WELCOME's shared memory: min, hosts, room
-        self.outcomes: deque[Outcome] = deque()  # calls settled, for the runner to apply (rule 3)
+        self.outcomes: deque[CallOutcome] = deque()  # calls settled, for the runner to apply (rule 3)
         self.transfers: deque[tuple[int, Any]] = deque()  # (seq, Transfer) ready to move, in order
         self.part_bytes = WIRE_PART_BYTES  # frames above this are sent in parts (the WELCOME says)
         self.mac = HMAC_SHA256  # the chunk MACs of the group (the WELCOME says)
@@ -626,7 +626,7 @@ class Member:
         if call.future is not None:
             self._record(msg.seq, call, _received(msg), "error" if error is not None else "done")
             finish = call.finish
-            self.outcomes.append(Outcome(call.future, error, None if error is not None or finish is None
+            self.outcomes.append(CallOutcome(call.future, error, None if error is not None or finish is None
                                          else lambda: finish(msg)))
         self.calls.pop(msg.seq, None)
         if self.deferred is not None and call.op == "teardown" and error is None:
@@ -655,7 +655,7 @@ class Member:
         self.owed.extend(self._taken())
         call = self.calls.pop(seq, None)
         if call is not None and call.future is not None:
-            self.outcomes.append(Outcome(call.future, error))
+            self.outcomes.append(CallOutcome(call.future, error))
 
     def data_done(self) -> None:
         """The first queued job moved all its data: its call's value is ready
@@ -664,7 +664,7 @@ class Member:
         call = self.calls.pop(seq, None)
         if call is not None and call.future is not None:
             self._record(seq, call, job.received_bytes, "done")
-            self.outcomes.append(Outcome(call.future, make=job.finish))
+            self.outcomes.append(CallOutcome(call.future, make=job.finish))
         self.owed.extend(self._taken())
 
     def _record(self, seq: int, call: Call, received: int, outcome: str) -> None:
@@ -769,7 +769,7 @@ class Member:
             self.transfers.clear()
         calls = self.calls
         self.calls = {seq: call for seq, call in calls.items() if seq in kept}
-        self.outcomes.extend(Outcome(call.future, fresh(error)) for seq, call in calls.items()
+        self.outcomes.extend(CallOutcome(call.future, fresh(error)) for seq, call in calls.items()
                              if seq not in kept and call.future is not None)
         if self.mail is not None:
             self.mail.fail(error)
@@ -783,7 +783,7 @@ class Member:
         """The group closes: every call still in the table gets an error."""
         calls, self.calls = self.calls, {}
         self.transfers.clear()
-        self.outcomes.extend(Outcome(call.future, error_for(call, seq)) for seq, call in calls.items()
+        self.outcomes.extend(CallOutcome(call.future, error_for(call, seq)) for seq, call in calls.items()
                              if call.future is not None)
         if self.mail is not None:
             self.mail.fail(RuntimeError("the group was closed before the point-to-point call finished"))

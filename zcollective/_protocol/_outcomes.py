@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 
 @dataclass(slots=True)
-class Outcome:
+class CallOutcome:
     """What a call came to, for the call runner to apply to ``future``:
     ``error``, or the value ``make()`` returns (it unpickles, or finishes a
     transfer: the program's code may run there, never in the rules); a

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 from .._format import _serialize
 from .._format._wire import Kind, Message, owned
 from ..errors import CollectiveError, PeerEndedError, ReplicaLostError
-from ._outcomes import Outcome, fresh
+from ._outcomes import CallOutcome, fresh
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -339,10 +339,10 @@ class Mail:
     def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
         """Send when the window allows (the handle is then done), in order."""
         if self.failure is not None:
-            self.outcomes.append(Outcome(handle, fresh(self.failure)))
+            self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
             return
         if dest in self.ended_how:
-            self.outcomes.append(Outcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
+            self.outcomes.append(CallOutcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
             return
         self.waiting[dest].append(_Sending(dest, tag, segment, nbytes(segment), handle))
         self._flush(dest)
@@ -354,7 +354,7 @@ class Mail:
             seq = box.send(dest, s.size, s.handle, s.tag)
             msg = Message(Kind.SEND, 0, self.rank, s.tag, seq, self.session, segments=[s.segment])
             if dest == self.rank:
-                self.outcomes.append(Outcome(s.handle))
+                self.outcomes.append(CallOutcome(s.handle))
                 self.take(owned(msg))  # its own buffers, as a socket would give them
             else:  # done once sent (the driver says when its buffers are free again)
                 self.out.append((dest, msg, s.handle))
@@ -371,7 +371,7 @@ class Mail:
                     del self.box.arrived[i]
                     self._received(handle, here)
                     return
-            self.outcomes.append(Outcome(handle, fresh(self.failure)))
+            self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
             return
         came, credits = self.box.post(Receive(source, tag, handle))
         if came is not None:
@@ -385,11 +385,11 @@ class Mail:
         """A blocking probe: ``handle`` is done with the :class:`Status` of
         the first matching message, which stays to be received."""
         if self.failure is not None:
-            self.outcomes.append(Outcome(handle, fresh(self.failure)))
+            self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
             return
         status = self.box.probe(source, tag)
         if status is not None:
-            self.outcomes.append(Outcome(handle, None, _value(status)))
+            self.outcomes.append(CallOutcome(handle, None, _value(status)))
         else:
             self.probes.append(Receive(source, tag, handle))
             if self.ended_how:
@@ -451,7 +451,7 @@ class Mail:
             for probe in [p for p in self.probes if p.matches(source, msg.root)]:
                 self.probes.remove(probe)
                 status = Status(source, msg.root, nbytes(msg.segments[0]))
-                self.outcomes.append(Outcome(probe.handle, None, _value(status)))
+                self.outcomes.append(CallOutcome(probe.handle, None, _value(status)))
             if done is not None:
                 self._received(done[0].handle, done[1])
             if source in self.ended_how:  # perhaps its last: the receives left for it fail
@@ -461,7 +461,7 @@ class Mail:
 
     def _received(self, handle: Any, came: Arrived) -> None:
         segment = came.message.segments[0]
-        self.outcomes.append(Outcome(handle, None, lambda: _serialize.loads(segment, f"message from rank "
+        self.outcomes.append(CallOutcome(handle, None, lambda: _serialize.loads(segment, f"message from rank "
                                                                           f"{came.source}"),
                                      status=Status(came.source, came.tag, came.nbytes),
                                      undo=lambda: self.box.arrived.appendleft(came)))
@@ -487,7 +487,7 @@ class Mail:
         for dest, handles in unsent.items():
             for handle in handles:
                 if handle is not None:
-                    self.outcomes.append(Outcome(handle, RuntimeError(
+                    self.outcomes.append(CallOutcome(handle, RuntimeError(
                         f"rank {self.rank}: a send to rank {dest} waited for its link to rank {dest}'s "
                         f"mailbox {why}")))
         lost = [len(queue) for queue in self.waiting]
@@ -496,14 +496,14 @@ class Mail:
                 s = queue.popleft()
                 error = RuntimeError(f"rank {self.rank}: send(dest={s.dest}, tag={s.tag}) waited for "
                                      f"rank {s.dest}'s window {why}")
-                self.outcomes.append(Outcome(s.handle, error))
+                self.outcomes.append(CallOutcome(s.handle, error))
         sent = []
         for dest, peer in enumerate(self.box.peers):
             numbered = peer.next_out - sum(h is not None for h in unsent.get(dest, ()))  # (a send's
             went = leaving.get(dest, numbered)  # handle is never None; a CREDIT's or the tree's is)
             for seq, _, handle, tag in peer.unreceived:
                 if went <= seq and handle is not None and seq < numbered:
-                    self.outcomes.append(Outcome(handle, RuntimeError(
+                    self.outcomes.append(CallOutcome(handle, RuntimeError(
                         f"rank {self.rank}: send(dest={dest}, tag={tag}) was still leaving, rank {dest} not "
                         f"taking it in (stopped?), when this rank's program ended and its wait for it ran "
                         f"out: it was cut off, and rank {dest} told so")))
@@ -555,13 +555,14 @@ class Mail:
         queue = self.waiting[source]
         while queue:
             s = queue.popleft()
-            self.outcomes.append(Outcome(s.handle, self._gone(f"send(dest={source}, tag={s.tag})", source)))
+            gone = self._gone(f"send(dest={source}, tag={s.tag})", source)
+            self.outcomes.append(CallOutcome(s.handle, gone))
         peer, decided = self.box.peers[source], []
         if received is not None:  # (said by every release that says it)
             for seq, _, handle, tag in peer.unreceived:  # on their way: received, or never to be
                 if handle is not None:
                     decided.append(handle)
-                    self.outcomes.append(Outcome(handle) if seq < received else Outcome(
+                    self.outcomes.append(CallOutcome(handle) if seq < received else CallOutcome(
                         handle, self._gone(f"send(dest={source}, tag={tag})", source, (seq, received))))
             peer.unreceived.clear()
             peer.held = 0
@@ -599,7 +600,7 @@ class Mail:
         were taken in) never completes, and fails."""
         for call, waiting in (("recv", self.box.posted), ("probe", self.probes)):
             for receive in waiting:
-                self.outcomes.append(Outcome(receive.handle, CollectiveError(
+                self.outcomes.append(CallOutcome(receive.handle, CollectiveError(
                     f"rank {self.rank}: {describe(call, receive.source, receive.tag)} cannot complete: "
                     f"this rank called teardown, so it sends itself nothing more, and no message "
                     f"here matches")))
@@ -610,7 +611,7 @@ class Mail:
         for call, waiting in (("recv", self.box.posted), ("probe", self.probes)):
             for receive in [r for r in waiting if self.box.drained(r.source)]:
                 waiting.remove(receive)
-                self.outcomes.append(Outcome(receive.handle, self._gone(
+                self.outcomes.append(CallOutcome(receive.handle, self._gone(
                     describe(call, receive.source, receive.tag), receive.source)))
 
     def _gone(self, what: str, rank: int, leaving: Optional[tuple[int, int]] = None
@@ -679,4 +680,4 @@ class Mail:
         self.probes.clear()
         for queue in self.waiting:
             queue.clear()
-        self.outcomes.extend(Outcome(h, fresh(error)) for h in handles)
+        self.outcomes.extend(CallOutcome(h, fresh(error)) for h in handles)

@@ -13,11 +13,12 @@ import hmac
 import os
 from typing import Callable, Optional
 
+from .._format._wire import NONCE_BYTES
+
 KEY_LABEL = b"zcollective-v1-zap-plain"  # its own key: a handshake MAC is never a message tag
 PORT_LABEL = b"zcollective-v1-data-link"  # a data port's key: bound to its group and rank
 MAIL_LABEL = b"zcollective-v1-mailbox"  # a mailbox port's: apart from its data port's
 USERNAME_PREFIX = b"zc1."  # the token format's version
-NONCE_BYTES = 16  # random enough never to repeat, short enough for PLAIN's 255-byte fields
 NOT_YET = "no key yet (the group is not formed)"  # a member early for its link: not logged
 _USERNAME_LEN = len(USERNAME_PREFIX) + 2 * NONCE_BYTES
 _PASSWORD_LEN = 2 * hashlib.sha256().digest_size
