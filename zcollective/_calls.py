@@ -21,7 +21,6 @@ from .errors import CollectiveError, CollectiveTimeoutError, from_signal
 
 if TYPE_CHECKING:
     from ._lifecycle import Lifecycle
-    from ._point import PointToPoint
 
 log = logging.getLogger("zcollective")
 
@@ -77,7 +76,8 @@ class Calls:
         self.server, self.here, self.config = life.server, life.here, life.config
         self.pid, self.rank = life.pid, life.config.rank
         self._unsent: list[tuple[Op, int, str, str]] = []  # calls that timed out before they were made
-        self.point: PointToPoint  # its point-to-point calls (which set it), whose futures wait there
+        self.wait_point: Callable[[CollectiveFuture[Any], Optional[float]], None]  # a point-to-point
+        # call's future's wait (set by :class:`~zcollective._point.PointToPoint`)
 
     def run(self, name: str, timeout: Timeout, *args: Any) -> Any:
         """A blocking call of operation ``name``: made, then waited for, within ``timeout``."""
@@ -250,7 +250,7 @@ class Calls:
             _interrupts.hold_new_handlers()
             self.life.check_process()
         if future.seq < 0:  # a point-to-point call's future: its own wait and wording
-            self.point.wait(future, timeout)
+            self.wait_point(future, timeout)
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         turns = self.turns

@@ -24,7 +24,7 @@ class PointToPoint:
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
         self.rank, self.size = calls.rank, calls.config.num_replicas
-        calls.point = self
+        calls.wait_point = self.wait
 
     def send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
              lead: bool = False) -> CollectiveFuture[None]:
