@@ -76,6 +76,8 @@ class Calls:
         self.server, self.here, self.config = life.server, life.here, life.config
         self.pid, self.rank = life.pid, life.config.rank
         self._unsent: list[tuple[Op, int, str, str]] = []  # calls that timed out before they were made
+        self.wait_point: Callable[[CollectiveFuture[Any], Optional[float]], None]  # a point-to-point
+        # call's future's wait (set by :class:`~zcollective._point.PointToPoint`)
 
     def run(self, name: str, timeout: Timeout, *args: Any) -> Any:
         """A blocking call of operation ``name``: made, then waited for, within ``timeout``."""
@@ -247,6 +249,9 @@ class Calls:
         if not checked:
             _interrupts.hold_new_handlers()
             self.life.check_process()
+        if future.seq < 0:  # a point-to-point call's future: its own wait and wording
+            self.wait_point(future, timeout)
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         turns = self.turns
         warn, since = self.config.warn_after, None

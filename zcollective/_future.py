@@ -139,7 +139,9 @@ class CollectiveFuture(Generic[T]):
         ------
         CollectiveTimeoutError
             ``timeout`` passed; names the ranks that had not arrived. The
-            future stays pending: calling ``result`` again keeps waiting.
+            future stays pending: calling ``result`` again keeps waiting. A
+            point-to-point call's says what it waited for, and the call is
+            taken back: its future ends with this error.
         RemoteError, ReplicaLostError, CallMismatchError, CollectiveError
             The call failed.
         """

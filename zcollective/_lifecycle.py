@@ -226,6 +226,7 @@ class Lifecycle:
         from ._protocol._coordinator import Coordinator
 
         session = int.from_bytes(os.urandom(8), "little") | 1
+        self.member.mail_window = self.config.mail_window_bytes  # (no mailbox sockets: _bind_ports never ran)
         return DirectDriver(self.member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
                                                     user_code=_interrupts.user_code, job=self.config.job))
 

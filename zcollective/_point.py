@@ -24,6 +24,7 @@ class PointToPoint:
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
         self.rank, self.size = calls.rank, calls.config.num_replicas
+        calls.wait_point = self.wait
 
     def send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
              lead: bool = False) -> CollectiveFuture[None]:
@@ -132,21 +133,36 @@ class PointToPoint:
             raise future._error
         return future._value
 
+    def wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None:
+        """A future's ``result(timeout)`` (or ``exception``): until it is done,
+        else :meth:`result`'s timeout, which takes the call back and ends the
+        future with that error (nothing else would end it); an interrupt
+        leaves it pending, to be waited for again."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.calls._wait_until(future, deadline) or future._done:
+            return
+        late = CollectiveTimeoutError(self._late(future, timeout))
+        if not self._withdraw(future, late, deadline, ends=True):
+            raise late
+
     def _withdraw(self, future: CollectiveFuture[Any], exc: BaseException,
-                  deadline: Optional[float] = None) -> bool:
+                  deadline: Optional[float] = None, ends: bool = False) -> bool:
         """Take ``future``'s call back (``exc`` ended its wait); False if it
         was taken back (the caller raises), True if it finished (its outcome
         stands; an interrupt's signal comes again once the call returns). A
         send libzmq has (it goes) is let finish if it can within
         :data:`STATUS_WAIT_S`, further signals held back; after a failure,
         one libzmq was sending gets until ``deadline`` (bounded) to leave:
-        then it is done, and delivered."""
+        then it is done, and delivered. ``ends``: a call taken back ends
+        with ``exc``."""
         calls, mail = self.calls, self.calls.member.mail
         if mail is None or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
             return False
         try:
             driver = calls.driver
             if mail.withdraw(future) or (driver is not None and driver.take_back(future)):
+                if ends:
+                    future._set_exception(exc)
                 return False
             if driver is not None and mail.failure is not None and not calls.life.closed:
                 driver.mail_io(take=False)  # (a send waiting for its link fails, never sent)

@@ -665,7 +665,13 @@ class DirectDriver(Driver):
             raise interrupted
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        inbox, got = self._inbox, bool(self._inbox)
+        """What the coordinator answered; else, leading a wait (:attr:`nudged`),
+        sleep until ``deadline`` or another thread wants the turn (to send to
+        this rank, say: only a thread of this process can); a nested wait holds
+        the turn, so nothing else can come."""
+        inbox = self._inbox
+        if not inbox:
+            return self.nudged and NUDGE in self.waiter.wait(self._nudged_names, deadline)
         while inbox:
             self._handle(inbox.popleft())
-        return got  # nothing else can ever arrive
+        return True
