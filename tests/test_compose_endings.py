@@ -80,6 +80,21 @@ def test_a_send_waiting_for_the_credit_of_a_rank_in_teardown_keeps_waiting_for_i
         assert [f for f, _ in _errors(mail)] == ["after"]
 
 
+def test_an_exit_after_an_interrupted_teardown_decides_what_waits_for_that_rank():
+    """A review of the merges: a rank whose teardown was interrupted, then whose program ended,
+    says FINAL twice (teardown, then exit); the second was dropped, so a send waiting for its
+    credit waited for ever (its teardown takes in nothing more once its program ended)."""
+    mail = _mail(0)
+    mail.send(1, 0, [bytes(WINDOW)], "fills the window")
+    mail.send(1, 0, [b"x"], "waits")
+    mail.ended(1, 0, "rank 1 called teardown (pid 8 on h)", True)
+    assert _errors(mail) == [] and mail.gone() == set()
+    mail.ended(1, 0, "rank 1 ended its program (without teardown) (pid 8 on h)", False, received=1)
+    assert [f for f, _ in _errors(mail)] == ["waits"] and mail.gone() == {1}
+    mail.ended(1, 0, "rank 1 called teardown (pid 8 on h)", True)  # (said again: nothing more)
+    assert _errors(mail) == [] and mail.gone() == {1}
+
+
 def test_a_receive_left_for_a_rank_whose_last_message_matched_another_fails_at_once():
     mail = _mail(1)
     mail.receive(0, 5, "matched")

@@ -15,7 +15,7 @@ from ._io import _interrupts
 from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import STATUS_WAIT_S
 from ._protocol._p2p import Mail, Status, check_rank, check_tag, describe
-from .errors import CollectiveTimeoutError, from_signal
+from .errors import CollectiveError, CollectiveTimeoutError, from_signal
 
 
 class PointToPoint:
@@ -65,6 +65,10 @@ class PointToPoint:
         if mail is None:
             raise RuntimeError(f"rank {self.rank}: this group has no mailbox (a replica of an older "
                                f"release joined it?): point-to-point calls need one on every rank")
+        if mail.box.draining:  # (it takes in nothing new: a receive would wait for nothing)
+            raise CollectiveError(f"rank {self.rank}: this rank is in teardown, or its teardown was "
+                                  f"interrupted: it sends and receives nothing new (call teardown() "
+                                  f"again to finish, or end the program)")
         return mail
 
     def _make(self, what: str, act: Callable[[Mail, Any], None], deadline: Optional[float],

@@ -542,8 +542,12 @@ class Mail:
         it, and so does a receive or probe only it could answer, once all it
         sent was taken in. A rank in ``teardown`` takes in until the group
         closes: a send already waiting for its credit, or on its way, still goes."""
-        if source == self.rank or source in self.ended_how:
+        if source == self.rank:
             return
+        if source in self.ended_how:  # said before: only an exit after a teardown that was
+            if teardown or source not in self.tearing:  # interrupted says more (it takes in
+                return  # nothing more: what waits for it is decided as for any exit)
+            self.tearing.discard(source)
         self.box.ended(source, count)
         self.ended_how[source] = how
         if lost:
