@@ -29,7 +29,7 @@ from .errors import (
     CollectiveTimeoutError,
     LateJoinError,
     ReplicaLostError,
-    from_signal,
+    is_interrupt,
 )
 
 log = logging.getLogger("zcollective")
@@ -370,8 +370,8 @@ class Group:
                         try:
                             life.finish(deadline, timeout)  # (what was called before it: finished)
                         except BaseException as exc:  # interrupted before its call: the group stays
-                            interrupted = not isinstance(exc, Exception) or from_signal(exc)  # open (a
-                            raise  # teardown again finishes it; an ending says goodbye), never lost
+                            interrupted = is_interrupt(exc)  # open (teardown again finishes it; an
+                            raise  # ending says goodbye), never lost
                         self._calls.blocking(self._calls.call("teardown"), None if deadline is None
                                              else max(0.0, deadline - time.monotonic()))
                     except CollectiveTimeoutError:

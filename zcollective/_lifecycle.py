@@ -42,7 +42,7 @@ from .errors import (
     CollectiveTimeoutError,
     ForkedProcessError,
     ReplicaLostError,
-    from_signal,
+    is_interrupt,
 )
 
 if TYPE_CHECKING:  # (rank 0's only, imported when it serves: the other ranks never load them)
@@ -522,7 +522,7 @@ class Lifecycle:
                     # that run may still take them; say_bye's FINAL waits for links, bounded)
                     driver.say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
                 except BaseException as exc:
-                    if not isinstance(exc, Exception) or from_signal(exc):  # an interrupt (a handler's
+                    if is_interrupt(exc):  # an interrupt (a handler's
                         # exception too; any other: the group failed, nothing to announce, only to
                         # flush): the BYE still goes (flagged if data is left), unwaited, so the
                         # others are told now; rank 0 then waits for nothing

@@ -231,3 +231,9 @@ SIGNAL_ATTR = "zcollective_signal"  # set on an exception a signal handler raise
 def from_signal(exc: BaseException) -> bool:
     """Did a signal handler raise ``exc`` (an interrupt, not the code's own error)?"""
     return hasattr(exc, SIGNAL_ATTR)
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Is ``exc`` an interrupt (``KeyboardInterrupt``, ``SystemExit``, or what a
+    signal handler raised), not an error of the group's or the code's?"""
+    return not isinstance(exc, Exception) or from_signal(exc)

@@ -188,8 +188,7 @@ def call_user(fn: Callable[..., T], *args: Any) -> T:
     try:
         return fn(*args)
     finally:
-        if tuple(map(getsignal, DEFERRED_SIGNALS)) != held:
-            hold_new_handlers()
+        hold_new_handlers()
 
 
 def user_code(fn: Callable[..., T]) -> Callable[..., T]:
