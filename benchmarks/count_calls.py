@@ -32,18 +32,24 @@ WARMUP = 50  # past first-call caches (call sites, pickled functions, links made
 RUN_TIMEOUT_S = 120.0
 
 
-def _count(fn: Any, iters: int, package: str) -> tuple[float, list[str]]:
-    """Mean package calls of ``fn()`` over ``iters`` calls, and the modules entered."""
+def _count(fn: Any, iters: int, package: str) -> tuple[float, list[str], dict[str, float]]:
+    """Mean package calls of ``fn()`` over ``iters`` calls, the modules entered,
+    and the mean calls per function (``module:function``)."""
     calls = 0
     modules: set[str] = set()
+    functions: dict[str, int] = {}
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         nonlocal calls
         if event == "call":
-            name = frame.f_code.co_filename
+            code = frame.f_code
+            name = code.co_filename
             if name.startswith(package):
                 calls += 1
-                modules.add(name[len(package):])
+                module = name[len(package):]
+                modules.add(module)
+                key = f"{module}:{code.co_name}"
+                functions[key] = functions.get(key, 0) + 1
 
     sys.setprofile(profile)
     try:
@@ -51,7 +57,8 @@ def _count(fn: Any, iters: int, package: str) -> tuple[float, list[str]]:
             fn()
     finally:
         sys.setprofile(None)
-    return calls / iters, sorted(modules)
+    per_function = {k: round(v / iters, 2) for k, v in sorted(functions.items(), key=lambda kv: -kv[1])}
+    return calls / iters, sorted(modules), per_function
 
 
 def replica(iters: int) -> dict[str, Any]:
@@ -83,9 +90,9 @@ def replica(iters: int) -> dict[str, Any]:
             out[name] = None
             zcollective.barrier()
             continue
-        calls, modules = _count(fn, iters, package)
+        calls, modules, functions = _count(fn, iters, package)
         zcollective.barrier()
-        out[name] = {"calls": round(calls, 1), "modules": modules}
+        out[name] = {"calls": round(calls, 1), "modules": modules, "functions": functions}
     out["rank"], out["size"] = rank, size
     return out
 
@@ -95,6 +102,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=2, help="replicas (default 2)")
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS)
     parser.add_argument("--json", default=os.path.join(HERE, "results", "calls.json"))
+    parser.add_argument("--by-function", action="store_true",
+                        help="also print each rank's calls per function, per operation")
     args = parser.parse_args()
     from zcollective.testing import run_replicas
 
@@ -108,6 +117,14 @@ def main() -> None:
         cells = ["–" if r[name] is None else f"{r[name]['calls']:g}" for r in ranks]
         print(f"| {name} | " + " | ".join(cells) + " |")
     entered = ranks[0][names[0]]["modules"]
+    if args.by_function:
+        for name in names:
+            for r in ranks:
+                if r[name] is None:
+                    continue
+                print(f"\n{name}, rank {r['rank']}:")
+                for function, n in r[name]["functions"].items():
+                    print(f"  {n:6g}  {function}")
     print(f"\nrank 0's {names[0]} entered {len(entered)} modules: {', '.join(entered)}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
