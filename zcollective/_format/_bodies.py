@@ -421,7 +421,7 @@ _STATUSES = {(s, f): plan(staged=s, free=f) for s in (False, True) for f in (Fal
 
 def parse_shared_status(frame: Any) -> tuple[bool, bool]:
     """``(staged, free)`` of :func:`shared_status`, or WireError."""
-    got = _wire._parse_json(frame, 256)
+    got = _wire.parse_json(frame, 256)
     staged, free = got.get("staged"), got.get("free")
     if not (isinstance(staged, bool) and isinstance(free, bool)):
         raise WireError("malformed shared-memory status")
@@ -437,7 +437,7 @@ def shared_call(staged: list[bool], free: list[bool]) -> bytes:
 def parse_shared_call(msg: Message, host: int) -> tuple[bool, bool]:
     """``(staged, free)`` of host ``host`` in a plan's :func:`shared_call`, or WireError."""
     frames = msg.segments[0] if msg.segments else []
-    got = _wire._parse_json(frames[1], MAX_MESSAGE_BYTES) if len(frames) == 2 else {}
+    got = _wire.parse_json(frames[1], MAX_MESSAGE_BYTES) if len(frames) == 2 else {}
     staged, free = got.get("staged"), got.get("free")
     if not (isinstance(staged, list) and isinstance(free, list) and 0 <= host < min(len(staged), len(free))
             and isinstance(staged[host], bool) and isinstance(free[host], bool)):
@@ -453,7 +453,7 @@ def parts_plan(parts: list[list[int]]) -> bytes:
 
 def parse_parts(frame: Any) -> list[list[int]]:
     """The parts of a :func:`parts_plan`, at most MAX_PLAN_FRAMES frames in all, or WireError."""
-    parts = _wire._parse_json(frame, MAX_MESSAGE_BYTES).get("parts")
+    parts = _wire.parse_json(frame, MAX_MESSAGE_BYTES).get("parts")
     if not (isinstance(parts, list) and all(_sizes(p) for p in parts)
             and sum(len(p) for p in parts) <= MAX_PLAN_FRAMES):
         raise WireError(f"malformed shared-memory parts {str(parts)[:100]}")

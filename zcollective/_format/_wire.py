@@ -249,7 +249,7 @@ class Message:
         """The JSON body of a control message (an empty dict if there is none)."""
         if not self.segments:
             return {}
-        return _parse_json(self.segments[0][0], limit)
+        return parse_json(self.segments[0][0], limit)
 
 
 def join_token(nonce: str) -> int:
@@ -273,7 +273,8 @@ def control(kind: Kind, body: dict[str, Any], **header: Any) -> Message:
     return Message(kind, segments=[[data]], **header)
 
 
-def _parse_json(frame: Any, limit: int) -> dict[str, Any]:
+def parse_json(frame: Any, limit: int) -> dict[str, Any]:
+    """The JSON object in ``frame``; WireError if it is longer than ``limit`` bytes or not one."""
     raw = memoryview(frame)
     if raw.nbytes > limit:
         raise WireError(f"control body of {raw.nbytes} bytes exceeds {limit}")
