@@ -118,12 +118,14 @@ def as_is(fn: Any) -> bool:
 
 
 def _stateless(code: types.CodeType) -> bool:
-    """No names looked up (globals, builtins, attributes), here or in any code
-    nested in it (a comprehension's, say: its cells are the function's own,
-    made afresh at each call)."""
+    """No names looked up (globals, builtins, attributes), here or in code nested in it (a
+    comprehension's cells are the function's own, made at each call). A loop: no call per const."""
     if code.co_names:
         return False
-    return all(_stateless(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    for const in code.co_consts:  # noqa: SIM110 (all() would cost a generator call)
+        if type(const) is types.CodeType and not _stateless(const):
+            return False
+    return True
 
 
 def loads(segment: list[Any], what: str = "value") -> Any:

@@ -15,7 +15,7 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .._limits import WIRE_PART_BYTES
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
@@ -292,59 +292,50 @@ def parse_json(frame: Any, limit: int) -> dict[str, Any]:
 def encode(msg: Message, signer: Optional[Signer] = None,
            cache: Optional[dict[tuple[int, int, str], Any]] = None,
            part_bytes: int = WIRE_PART_BYTES) -> list[Any]:
-    """The frames of ``msg``, tagged when there is a ``signer``; buffers of
-    segments are passed through uncopied, those above ``part_bytes`` as
-    slices (see docs/protocol.md, *Frames*). ``cache`` keeps, by the identity
-    of ``msg.segments`` and ``msg.fn`` (and the call site), a payload built and
-    hashed once for the messages that share it (one result for N ranks); the
-    caller keeps them alive while the cache is in use."""
-    if cache is None:
-        suffix, tail, mac, parts = _payload(msg, signer, part_bytes)
+    """The frames of ``msg``, tagged when there is a ``signer``; buffers pass uncopied, those
+    above ``part_bytes`` as slices (docs/protocol.md, *Frames*). ``cache`` keeps the payload
+    (layout, parts table, call site, frames, MAC state) by the identity of ``msg.segments`` and
+    ``msg.fn``, built and hashed once for the messages that share it; the caller keeps them alive."""
+    segments = msg.segments
+    key: Any = None
+    payload = None
+    if cache is not None:
+        key = (id(segments), id(msg.fn), msg.callsite)
+        payload = cache.get(key)
+    if payload is None:
+        site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES] if msg.callsite else b""
+        parts = 0
+        if len(segments) == 1 and msg.fn is None:  # a small call's shape: no list to build
+            tail = segments[0]
+            suffix = _ONE_COUNT.pack(len(tail))
+            if (msg.kind in _INLINE_KINDS and len(tail) == 1 and type(tail[0]) is bytes and not site
+                    and len(tail[0]) <= INLINE_MAX_BYTES):  # a small point-to-point value: one frame
+                suffix, tail, parts = suffix + tail[0], [], FLAG_INLINE
+        else:
+            suffix = struct.pack(f"<{len(segments)}I", *map(len, segments)) if segments else b""
+            tail = [] if msg.fn is None else [msg.fn]
+            for seg in segments:
+                tail.extend(seg)
+        if not parts and not (len(tail) == 1 and type(tail[0]) is bytes and len(tail[0]) <= part_bytes):
+            tail, table = split_parts(tail, part_bytes)
+            if table:
+                suffix, parts = suffix + table, FLAG_PARTS
+        suffix += site
+        mac = signer.payload(tail) if signer is not None else None
+        if cache is not None:
+            cache[key] = (suffix, tail, mac, parts)
     else:
-        key = (id(msg.segments), id(msg.fn), msg.callsite)
-        cached = cache.get(key)
-        if cached is None:
-            cached = cache[key] = _payload(msg, signer, part_bytes)
-        suffix, tail, mac, parts = cached
-    flags = (msg.flags | parts | (FLAG_FN if msg.fn is not None else 0)
-             | (FLAG_AUTH if signer else 0))
+        suffix, tail, mac, parts = payload
+    flags = msg.flags | parts | (FLAG_FN if msg.fn is not None else 0) | (FLAG_AUTH if signer else 0)
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.kind, msg.op, flags,
-                         msg.rank, msg.root, msg.seq, msg.session, len(msg.segments)) + suffix
+                         msg.rank, msg.root, msg.seq, msg.session, len(segments)) + suffix
     if signer is None:
         return [header, *tail]
     return [header, *tail, signer.bind(mac, header)]
 
 
-def _payload(msg: Message, signer: Optional[Signer], part_bytes: int) -> tuple[bytes, list[Any], Any, int]:
-    """What :func:`encode` puts after the fixed header (layout, parts table,
-    call site), the frames after the header, their MAC state and the parts flag."""
-    segments = msg.segments
-    site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES] if msg.callsite else b""
-    if len(segments) == 1 and msg.fn is None:  # a small call's shape: no list to build
-        tail = segments[0]
-        if (msg.kind in _INLINE_KINDS and len(tail) == 1 and type(tail[0]) is bytes and not site
-                and len(tail[0]) <= INLINE_MAX_BYTES):  # a small point-to-point value: one frame
-            mac = signer.payload([]) if signer is not None else None
-            return _INLINE_COUNT + tail[0], [], mac, FLAG_INLINE
-        suffix = _ONE_COUNT.pack(len(tail))
-    else:
-        suffix = struct.pack(f"<{len(segments)}I", *map(len, segments)) if segments else b""
-        tail = [] if msg.fn is None else [msg.fn]
-        for seg in segments:
-            tail.extend(seg)
-    if len(tail) == 1 and type(tail[0]) is bytes and len(tail[0]) <= part_bytes:
-        table = b""  # (split_parts' answer for one small pickle)
-    else:
-        tail, table = split_parts(tail, part_bytes)
-    if table or site:
-        suffix += table + site
-    mac = signer.payload(tail) if signer is not None else None
-    return suffix, tail, mac, FLAG_PARTS if table else 0
-
-
 _ONE_COUNT = struct.Struct("<I")
 _INLINE_KINDS = frozenset((Kind.SEND,))  # the kinds whose one small frame may go inline
-_INLINE_COUNT = _ONE_COUNT.pack(1)
 
 
 def split_parts(frames: list[Any], part_bytes: int = WIRE_PART_BYTES) -> tuple[list[Any], bytes]:
@@ -400,9 +391,14 @@ def join_parts(frames: Sequence[Any], table: Sequence[tuple[int, int, int]],
 
 
 def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
-           signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None) -> Message:
+           signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None,
+           *, whole: Optional[Callable[..., Any]] = None) -> Message:
     """Parse frames into a :class:`Message`, validating shape before unpacking
     (what is checked, in which order: see docs/protocol.md, *Frames*).
+
+    The common shape (one segment, no reduce function, no parts, ``FLAG_AUTH`` set when
+    signed) is decoded here; anything else goes to ``whole`` (:func:`_decode_whole`, which
+    accepts all this accepts, into the same message: ``tests/test_wire.py`` compares them).
 
     Raises
     ------
@@ -419,10 +415,45 @@ def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
         raise WireError(f"{len(frames)} frames exceed the bound of {max_frames}")
     if signer is not None:
         frames = signer.verify(frames)
-    simple = _decode_simple(frames, signer is not None)
-    if simple is not None:
-        return simple
-    return _decode_whole(frames, max_frames, signer is not None, max_frame_bytes)
+    signed = signer is not None
+    if whole is None:
+        whole = _decode_whole
+    head = memoryview(frames[0])
+    size = head.nbytes
+    if size < _HEADER_ONE_SEGMENT.size:
+        return whole(frames, max_frames, signed, max_frame_bytes)
+    magic, version, kind, op, flags, rank, root, seq, session, nseg, count = \
+        _HEADER_ONE_SEGMENT.unpack_from(head)
+    if (magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1 or flags & _NOT_SIMPLE
+            or bool(flags & FLAG_AUTH) is not signed):
+        return whole(frames, max_frames, signed, max_frame_bytes)
+    kind_ = KINDS.get(kind)
+    if flags & FLAG_INLINE:  # a small point-to-point value
+        if (count != 1 or len(frames) != 1 or kind_ not in _INLINE_KINDS
+                or size > _HEADER_ONE_SEGMENT.size + INLINE_MAX_BYTES or size == _HEADER_ONE_SEGMENT.size):
+            return whole(frames, max_frames, signed, max_frame_bytes)
+        return Message(kind_, op, rank, root, seq, session, "", flags, None,  # type: ignore[arg-type]
+                       [[head[_HEADER_ONE_SEGMENT.size:]]])
+    if (size > _SIMPLE_MAX_BYTES or count != len(frames) - 1 or not count or kind_ is None
+            or (count != 1 and kind_ in CONTROL_KINDS)):
+        return whole(frames, max_frames, signed, max_frame_bytes)
+    callsite = head[_HEADER_ONE_SEGMENT.size:].tobytes().decode("utf-8", "replace") if (
+        size > _HEADER_ONE_SEGMENT.size) else ""  # (a replica's contribution)
+    return Message(kind_, op, rank, root, seq, session, callsite, flags, None, [list(frames[1:])])
+
+
+class _Verified:
+    """A signer whose frames were verified already (for :func:`_decode_simple`)."""
+
+    @staticmethod
+    def verify(frames: Sequence[Any]) -> Sequence[Any]:
+        return frames
+
+
+def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
+    """:func:`decode`'s answer for the common shape alone, or None where it takes the whole way."""
+    return decode(frames, signer=_Verified() if signed else None,  # type: ignore[arg-type]
+                  whole=lambda *_: None)
 
 
 def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
@@ -507,39 +538,6 @@ def _decode_inline(head: memoryview, frames: Sequence[Any], end: int, signed: bo
 _HEADER_ONE_SEGMENT = struct.Struct(HEADER.format + "I")  # and a one-segment layout: every small call
 _SIMPLE_MAX_BYTES = _HEADER_ONE_SEGMENT.size + MAX_CALLSITE_BYTES
 _NOT_SIMPLE = FLAG_FN | FLAG_PARTS
-
-
-def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
-    """:func:`decode`'s answer for the common shape (one segment, no reduce
-    function, no parts, ``FLAG_AUTH`` set when ``signed``), or None to take
-    the whole way: it accepts only what :func:`_decode_whole` accepts, into
-    the same :class:`Message` (``tests/test_wire.py`` compares them)."""
-    head = memoryview(frames[0])
-    size = head.nbytes
-    if size < _HEADER_ONE_SEGMENT.size:
-        return None
-    magic, version, kind, op, flags, rank, root, seq, session, nseg, count = \
-        _HEADER_ONE_SEGMENT.unpack_from(head)
-    if flags & FLAG_INLINE:  # (a small point-to-point value)
-        if (magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1 or count != 1 or len(frames) != 1
-                or flags & _NOT_SIMPLE or bool(flags & FLAG_AUTH) is not signed
-                or not _HEADER_ONE_SEGMENT.size < size <= _HEADER_ONE_SEGMENT.size + INLINE_MAX_BYTES):
-            return None
-        kind_ = KINDS.get(kind)
-        if kind_ not in _INLINE_KINDS:
-            return None
-        return Message(kind_, op, rank, root, seq, session, "", flags, None,
-                       [[head[_HEADER_ONE_SEGMENT.size:]]])
-    if (size > _SIMPLE_MAX_BYTES or magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1
-            or flags & _NOT_SIMPLE or bool(flags & FLAG_AUTH) is not signed or count != len(frames) - 1
-            or not count):
-        return None
-    kind_ = KINDS.get(kind)
-    if kind_ is None or (count != 1 and kind_ in CONTROL_KINDS):
-        return None
-    callsite = head[_HEADER_ONE_SEGMENT.size:].tobytes().decode("utf-8", "replace") if (
-        size > _HEADER_ONE_SEGMENT.size) else ""  # (a replica's contribution)
-    return Message(kind_, op, rank, root, seq, session, callsite, flags, None, [list(frames[1:])])
 
 
 def owned(msg: Message) -> Message:
