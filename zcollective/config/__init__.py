@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
-from ._hostlist import first_host
-from ._limits import (
+from .._hostlist import first_host
+from .._limits import (
     DEFAULT_INIT_TIMEOUT_S,
     DEFAULT_LIVENESS_S,
     DEFAULT_OP_TIMEOUT_S,
