@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import secrets
 import shlex
@@ -29,10 +28,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import IO, Any, Callable, NamedTuple, NoReturn, Optional
+from typing import IO, Callable, NoReturn, Optional
 
 from . import __version__
 from ._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, STACKS_DIR_ENV
+from ._announce import MAX_STACKS as MAX_STACKS
+from ._announce import READ_BYTES as READ_BYTES
+from ._announce import Groups as Groups
+from ._announce import Place as Place
 from ._io._stacks import STACKS_SIGNAL
 from ._protocol._stats import slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, JOB_ENV, SECRET_ENV, SECRET_FILE_ENV
@@ -41,8 +44,6 @@ DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit, or go
 KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
 COORDINATOR_MOVE_S = 10.0  # --replace-lost: rank 0 died; the survivors' new one says where it is
 POLL_S = 0.05  # how often the launcher looks at its replicas: a stop is late by at most this
-READ_BYTES = 1 << 16  # the groups file is read in chunks of this size
-MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
 STOP_NEWCOMER_S = 5.0  # a newcomer killed to start it again at a moved coordinator ends within this
 SPAWN_THREADS = 16  # replicas started at once: starting one waits until it runs (its exec), which on
 # busy cores waits its turn behind those started already (64 in turn on 2 cores: 2-3 s; benchmarks/join.py)
@@ -107,94 +108,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if ns.script.endswith(".py") and not os.path.isfile(ns.script):
         parser.error(f"no such script: {ns.script}")
     return ns
-
-
-class Place(NamedTuple):
-    """A process's place in a group, as it said when it joined."""
-
-    group: str  # the group's id (its session, in hex)
-    rank: int
-    size: int
-    stacks: bool = False  # it answers requests for its stacks (ZCOLLECTIVE_STACKS was not 0)
-
-
-class Groups:
-    """What the replicas said in the groups file (see
-    :func:`zcollective._announce.announce_group`): each process's
-    current group, the group each group was formed from, and the stats each
-    group's rank 0 left when it closed it. Read as it grows, from the pumps
-    and the main loop alike."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
-        self.lock = threading.Lock()
-        self.partial = b""  # a line being written
-        self.of_pid: dict[int, Place] = {}
-        self.lineage: dict[str, Optional[str]] = {}  # group -> the group it was formed from
-        self.size: dict[str, int] = {}
-        self.formed: list[str] = []  # the groups, in the order they were first announced
-        self.stats: dict[str, dict[str, Any]] = {}
-        self.stalls: list[tuple[str, list[int]]] = []  # (group, ranks) a stall warning named, not yet shown
-
-    def refresh(self) -> None:
-        """Take in the lines written since the last call."""
-        with self.lock:
-            while chunk := os.read(self.fd, READ_BYTES):
-                self.partial += chunk
-            *lines, self.partial = self.partial.split(b"\n")
-            for line in lines:
-                self._take(line)
-
-    def _take(self, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-            pid, group = int(record["pid"]), str(record["group"])
-            if "stats" in record:
-                self.stats[group] = dict(record["stats"])
-                return
-            if "stall" in record:
-                self.stalls.append((group, [int(r) for r in record["stall"]][:MAX_STACKS]))
-                return
-            joined = Place(group, int(record["rank"]), int(record["size"]), record.get("stacks") is True)
-            lineage = record["lineage"]
-        except (ValueError, KeyError, TypeError):
-            return  # not a line of the library's (written by hand?)
-        self.of_pid[pid] = joined
-        if group not in self.lineage:
-            self.lineage[group], self.size[group] = lineage, joined.size
-            self.formed.append(group)
-
-    def current(self, pid: int) -> Optional[Place]:
-        """The group ``pid`` joined last, and its rank there (None: none yet)."""
-        self.refresh()
-        return self.of_pid.get(pid)
-
-    def take_stalls(self) -> list[tuple[str, list[int]]]:
-        """The stalls named since the last call: (group, ranks)."""
-        with self.lock:
-            stalls, self.stalls = self.stalls, []
-        return stalls
-
-    def forget(self, pid: int) -> None:
-        """A new process has this pid: what a dead one of the same pid said is not its."""
-        with self.lock:
-            self.of_pid.pop(pid, None)
-
-    def formed_from(self, group: str) -> Optional[str]:
-        """The newest group formed from ``group`` (by one or more shrinks and
-        grows), or None."""
-        with self.lock:
-            for newer in reversed(self.formed):
-                seen, parent = set(), self.lineage[newer]
-                while parent is not None and parent not in seen:
-                    if parent == group:
-                        return newer
-                    seen.add(parent)
-                    parent = self.lineage.get(parent)
-        return None
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 @dataclass(eq=False)
