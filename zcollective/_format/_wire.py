@@ -20,21 +20,7 @@ from typing import Any, Callable, Optional
 from .._limits import WIRE_PART_BYTES
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 15  # bump on any change to the layout below (2: BYE; recipient-bound headers;
-# 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered;
-# 5: data ports check tokens without a secret too, under a data key in WELCOME; 6: PROBE, TAKEN,
-# and the coordinator's last BYE (FLAG_LAST), answered; 7: elastic groups: a JOIN's lineage and
-# newcomer mark, a WELCOME's addresses, renumbering and admission, the GROW call; 8: a JOIN's
-# job, which rank 0 compares with its own; the SHRINK call, a FAIL's dead ranks, the NotFormingHere
-# refusal; 9: the op byte is the rules' to check (zcollective._protocol._ops), a JOIN names the
-# operations its replica knows; 10: SEND, CREDIT and ASK, point to point, and a JOIN's mailbox;
-# 11: FINAL, a rank's last point-to-point message counted, through the coordinator; FLAG_INLINE;
-# 12: shared memory on one host: a JOIN's shm, a WELCOME's hosts, SYNC; 13: a WELCOME's hosts
-# may be several, for an allreduce through each host's memory and a ring between their leaders;
-# 14: the tree of a large group's small calls: UP, a WELCOME's tree; 15: features that compose:
-# a FINAL's received, lost and calls, and how its rank ended to each rank; mailbox windows in
-# JOIN and WELCOME; a new shared-memory segment made after a sync of every rank of its host;
-# split's third round, and the kind of sub-group in a round's root)
+PROTOCOL_VERSION = 15  # bump on any change to the layout below; what each version added: CHANGELOG.md
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
@@ -119,17 +105,10 @@ class AuthError(WireError):
 
 
 class Signer:
-    """HMAC-SHA256 over every frame and its length, keyed from the job's secret:
-    the frames after the header first, then the header, so one payload is
-    hashed once and bound to each recipient's header (:meth:`payload`,
-    :meth:`bind`). With ``fast`` (every rank has ``cryptography``), a payload
-    holding a frame of :data:`FAST_MAC_MIN_BYTES` or more gets the fast tag
-    instead; either tag is verified, whatever ``fast`` says. Both tags: see
-    docs/protocol.md, *Frames*. The fast tag is secure because the HMAC
-    covers everything but the large frames' bytes, and a different frame with
-    the same Poly1305 tag under a secret one-time key (never revealed: the
-    chunk tags are not sent) is found with probability below 2^-75 per try,
-    even for a frame of 2 GiB (and a failed try fails the group).
+    """HMAC-SHA256 over every frame and its length, keyed from the job's secret: the payload
+    hashed once (:meth:`payload`), then bound to each recipient's header (:meth:`bind`). With
+    ``fast``, a frame of :data:`FAST_MAC_MIN_BYTES` or more is tagged by Poly1305 under a one-time
+    key inside the HMAC (the fast tag); either tag verifies. Why it is secure: docs/protocol.md, *Frames*.
     """
 
     def __init__(self, secret: bytes, fast: bool = False) -> None:
@@ -146,10 +125,8 @@ class Signer:
         self.fast = fast and self._chunks is not None
 
     def to(self, rank: int) -> Signer:
-        """The signer of what goes to ``rank``'s mailbox: its key derived
-        from the secret and that rank, so a message made for one rank's
-        mailbox does not verify at another's (a header names the sender, not
-        the recipient; moved, a message would be taken as the sender's)."""
+        """The signer of what goes to ``rank``'s mailbox, keyed by that rank too: a message moved
+        to another mailbox does not verify (a header names the sender, not the recipient)."""
         signer = self._to.get((rank, self.fast))
         if signer is None:
             mailbox = hmac.new(self._secret, MAILBOX_KEY_LABEL + str(rank).encode(), hashlib.sha256).digest()
@@ -253,8 +230,7 @@ class Message:
 
 
 def join_token(nonce: str) -> int:
-    """The 64-bit token of a JOIN's nonce (hex): until a replica is welcomed,
-    messages to it carry this as their session, binding them to its JOIN."""
+    """The 64-bit token of a JOIN's nonce (hex): the session of messages to it until welcomed."""
     head = nonce[:16]
     if len(head) < 16 or not all(c in "0123456789abcdefABCDEF" for c in head):
         return 0  # int(x, 16) would also take signs, spaces and underscores
@@ -262,8 +238,7 @@ def join_token(nonce: str) -> int:
 
 
 def error_note(message: str) -> list[list[Any]]:
-    """The segments of a contribution flagged ``FLAG_LOCAL_ERROR``: its
-    sender's own error, so every rank's call at that seq fails with it."""
+    """The segments of a contribution flagged ``FLAG_LOCAL_ERROR``: its sender's own error."""
     return control(Kind.ERROR, {"message": message}).segments
 
 
@@ -339,9 +314,8 @@ _INLINE_KINDS = frozenset((Kind.SEND,))  # the kinds whose one small frame may g
 
 
 def split_parts(frames: list[Any], part_bytes: int = WIRE_PART_BYTES) -> tuple[list[Any], bytes]:
-    """``frames`` with each one above ``part_bytes`` replaced by its parts
-    (slices of it, not copies), and the parts table that undoes it (``b""``
-    when nothing was split: ``frames`` itself is returned)."""
+    """``frames`` with each above ``part_bytes`` replaced by its parts (slices), and the parts
+    table that undoes it (``b""``, and ``frames`` itself, when nothing was split)."""
     rows: list[bytes] = []
     out: list[Any] = frames
     for index, frame in enumerate(frames):
@@ -363,10 +337,8 @@ def split_parts(frames: list[Any], part_bytes: int = WIRE_PART_BYTES) -> tuple[l
 
 def join_parts(frames: Sequence[Any], table: Sequence[tuple[int, int, int]],
                max_frame_bytes: Optional[int] = None) -> list[Any]:
-    """The frames after the header with each split frame's parts joined back
-    into one buffer (one copy, only of split frames), as the parts ``table``
-    says; WireError, before anything is copied, if a row does not match the
-    frames or a joined frame would exceed ``max_frame_bytes``."""
+    """The frames after the header, each split frame's parts joined back into one buffer as
+    ``table`` says; WireError, before any copy, if a row does not match or exceeds ``max_frame_bytes``."""
     out: list[Any] = []
     pos = 0  # in frames
     nxt = 0  # the index of the next frame of the message
@@ -458,8 +430,7 @@ def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
 
 def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
                   max_frame_bytes: Optional[int]) -> Message:
-    """:func:`decode` after the frame count bound and the tag (``signed``:
-    verified and stripped): every rule in turn."""
+    """:func:`decode` after the frame bound and the tag (``signed``: stripped): every rule in turn."""
     head = memoryview(frames[0])
     if head.nbytes < 3 or head[:2].tobytes() != MAGIC:
         raise WireError("no zcollective header (bad magic)")
@@ -516,8 +487,7 @@ def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
 
 def _decode_inline(head: memoryview, frames: Sequence[Any], end: int, signed: bool,
                    fields: tuple[int, ...]) -> Message:
-    """:func:`_decode_whole` for ``FLAG_INLINE``: one frame, which holds the
-    one segment's one frame after the layout."""
+    """:func:`_decode_whole` for ``FLAG_INLINE``: the value follows the layout in the header frame."""
     kind, op, flags, rank, root, seq, session, nseg = fields
     if not signed and flags & FLAG_AUTH:
         frames = frames[:-1]  # a tag this side cannot check
@@ -541,8 +511,7 @@ _NOT_SIMPLE = FLAG_FN | FLAG_PARTS
 
 
 def owned(msg: Message) -> Message:
-    """``msg`` with every buffer its own copy, as a socket would copy it between
-    rank 0's member and the coordinator (why: see docs/protocol.md, *Drivers*)."""
+    """``msg`` with every buffer its own copy, as a socket would make (docs/protocol.md, *Drivers*)."""
     segments = msg.segments
     if not segments or (len(segments) == 1 and len(segments[0]) == 1 and type(segments[0][0]) is bytes):
         return msg  # (a small call's: one immutable frame, nothing to copy)
