@@ -1,9 +1,6 @@
-"""What a process started by zcollective-run tells the launcher, in files
-the launcher named in its environment (best effort: a process started
-otherwise writes nothing), and where the launcher asks it for its stacks.
-The launcher (:mod:`zcollective.run`) reads them: the format is its, line
-for line.
-"""
+"""What a process started by zcollective-run tells the launcher, in files the launcher named in
+its environment (best effort; a process started otherwise writes nothing), and the launcher's
+reader of them (:class:`Groups`): both sides of one format."""
 
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
 
 
 def _tell_launcher(session: int, **fields: Any) -> None:
-    """Append one JSON line about this process and the group ``session`` names to the file
-    zcollective-run named (best effort). One ``write`` of a file opened to append: the
-    processes of a job share the file, and a line is never split by another's."""
+    """Append one JSON line about this process and group ``session`` to the launcher's file (best
+    effort), in one ``write`` to a file opened to append: no other process splits the line."""
     path = os.environ.get(GROUPS_FILE_ENV)
     if not path:
         return
@@ -41,9 +37,8 @@ def _tell_launcher(session: int, **fields: Any) -> None:
 
 
 def announce_group(rank: int, size: int, session: int, lineage: Optional[str], stacks: bool = False) -> None:
-    """Joined the group ``session`` (formed from ``lineage``, if any): its rank and size
-    there, for the launcher's line prefix and to see survivors go on after a loss;
-    ``stacks``: it answers the launcher's requests for its threads' stacks."""
+    """Joined group ``session`` (formed from ``lineage``) as ``rank`` of ``size``; ``stacks``: it
+    answers the launcher's requests for its stacks."""
     _tell_launcher(session, lineage=lineage, rank=rank, size=size, stacks=stacks)
 
 
@@ -59,9 +54,8 @@ def announce_stall(session: int, ranks: list[int], line: str) -> None:
 
 
 def announce_coordinator(address: str) -> None:
-    """Rank 0 of a group started by ``zcollective-run --replace-lost``: say
-    where the coordinator is (``host:port pid``), for newcomers the launcher
-    starts (best effort; replaced whole, so a reader never sees half)."""
+    """Rank 0 under ``zcollective-run --replace-lost``: where the coordinator is (``host:port pid``),
+    for the newcomers it starts; the file is replaced whole, never seen half written."""
     path = os.environ.get(COORDINATOR_FILE_ENV)
     if not path:
         return
@@ -86,11 +80,8 @@ class Place(NamedTuple):
 
 
 class Groups:
-    """What the replicas said in the groups file (see
-    :func:`zcollective._announce.announce_group`): each process's
-    current group, the group each group was formed from, and the stats each
-    group's rank 0 left when it closed it. Read as it grows, from the pumps
-    and the main loop alike."""
+    """The groups file as the launcher reads it while it grows: each process's group, the group
+    each was formed from, the stats each group's rank 0 left, the stalls named."""
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY)
@@ -148,8 +139,7 @@ class Groups:
             self.of_pid.pop(pid, None)
 
     def formed_from(self, group: str) -> Optional[str]:
-        """The newest group formed from ``group`` (by one or more shrinks and
-        grows), or None."""
+        """The newest group formed from ``group`` (by shrinks and grows), or None."""
         with self.lock:
             for newer in reversed(self.formed):
                 seen, parent = set(), self.lineage[newer]

@@ -1,10 +1,6 @@
-"""cloudpickle protocol 5 with out-of-band buffers, to and from frames.
-
-A serialized value is a *segment*: the pickle stream, then one frame per large
-contiguous buffer (numpy arrays, PickleBuffer-aware types, CPU torch tensors),
-so large data is never copied into the pickle. Knows nothing of sockets, and
-imports torch only to rebuild a tensor that was sent.
-"""
+"""cloudpickle protocol 5 with out-of-band buffers, to and from frames. A value is a *segment*:
+the pickle, then one frame per large contiguous buffer (numpy arrays, CPU tensors), never copied
+into the pickle. Knows nothing of sockets; imports torch only to rebuild a tensor sent."""
 
 from __future__ import annotations
 
@@ -21,9 +17,8 @@ from ..errors import SerializationError
 
 PROTOCOL = 5  # the first protocol with out-of-band buffers
 INBAND_MAX_BYTES = 1 << 16  # smaller buffers cost less to copy than a frame of their own
-# Builtin scalars pickle identically with the standard pickler, ten times faster
-# than constructing a CloudPickler; anything else may hold a function or class.
-PLAIN_TYPES = frozenset({int, float, bool, str, bytes, type(None), complex})
+PLAIN_TYPES = frozenset({int, float, bool, str, bytes, type(None), complex})  # pickle's own pickler
+# takes these ten times faster than a CloudPickler is made; anything else may hold a function
 CONTAINER_TYPES = (dict, list, tuple)  # ... and these of them (exactly these types, not subclasses)
 PLAIN_MAX_ITEMS = 64  # a container looked through item by item: small ones (a larger one's walk
 # would cost more than the CloudPickler it saves)
@@ -75,10 +70,8 @@ def _plain(value: Any, budget: list[int]) -> bool:
 
 
 def dumps_function(fn: Any) -> bytes:
-    """Pickle a reduce function. A module-level function of an importable
-    module pickles as a reference (the same bytes every time), so its pickle
-    is kept; lambdas, closures and ``__main__`` functions travel by value and
-    are pickled at each call, as their state may change."""
+    """Pickle a reduce function; an importable module-level one's pickle (a reference) is kept,
+    lambdas, closures and ``__main__`` functions are pickled at each call (their state may change)."""
     try:
         return _by_reference[fn]
     except (KeyError, TypeError):
@@ -101,10 +94,8 @@ def dumps_function(fn: Any) -> bytes:
 
 
 def as_is(fn: Any) -> bool:
-    """May rank 0 hand ``fn`` to the coordinator in its own process as it is,
-    rather than a pickle made at the call? Only when the two cannot differ
-    (see docs/protocol.md, *Frames*): anything else keeps the pickle's
-    snapshot (a lambda made in a loop computes with the loop's value at its call)."""
+    """May rank 0 hand ``fn`` to its coordinator as it is, not pickled? Only when the two cannot
+    differ (docs/protocol.md, *Frames*): a lambda made in a loop keeps the loop's value of its call."""
     try:
         if fn in _by_reference:
             return True
@@ -144,8 +135,7 @@ def loads(segment: list[Any], what: str = "value") -> Any:
 
 
 def _pickle(value: Any, keep: Callable[[pickle.PickleBuffer], bool]) -> bytes:
-    # torch is looked up, never imported: a program that has not imported it
-    # cannot be sending a tensor, and pays nothing for this path.
+    # torch is looked up, never imported: a program without it sends no tensor
     tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
     if not isinstance(tensor_type, type):
         return cloudpickle.dumps(value, protocol=PROTOCOL, buffer_callback=keep)
@@ -155,12 +145,8 @@ def _pickle(value: Any, keep: Callable[[pickle.PickleBuffer], bool]) -> bytes:
 
 
 class _TensorPickler(cloudpickle.Pickler):
-    """cloudpickle, with plain CPU tensors sent as numpy arrays are: their
-    bytes as one buffer (out of band when large), rebuilt by :func:`_tensor`.
-
-    ``reducer_override`` rather than a ``dispatch_table`` entry: it may decline
-    (``NotImplemented``), so every tensor this path does not take is pickled
-    exactly as torch pickles it, and it is the hook cloudpickle itself uses."""
+    """cloudpickle, with plain CPU tensors sent as numpy arrays are: their bytes as one buffer,
+    rebuilt by :func:`_tensor`. ``reducer_override`` may decline, leaving any other tensor to torch."""
 
     def __init__(self, file: io.BytesIO, tensor_type: type,
                  keep: Callable[[pickle.PickleBuffer], bool]) -> None:
@@ -176,16 +162,14 @@ class _TensorPickler(cloudpickle.Pickler):
 
 
 def _reduce_tensor(tensor: Any) -> Any:
-    """``(_tensor, (bytes, dtype name, shape))`` for a plain CPU tensor, else
-    ``NotImplemented`` (torch's own pickling)."""
+    """``(_tensor, (bytes, dtype name, shape))`` for a plain CPU tensor, else ``NotImplemented``."""
     if (tensor.requires_grad  # autograd state travels as torch pickles it
             or tensor.device.type != "cpu" or tensor.layout is not _torch().strided
             or tensor.is_quantized or tensor.is_nested
             or getattr(tensor, "has_names", bool)()  # named tensors (older torch): pickling refuses them
             or tensor.__dict__):  # Python attributes, which torch's pickle keeps
         return NotImplemented
-    # A strided view is made contiguous (one copy of the visible elements;
-    # torch's pickle copies its whole storage), as numpy does for its own.
+    # a strided view is made contiguous (torch's pickle copies its whole storage)
     flat = tensor.contiguous().resolve_conj().resolve_neg().reshape(-1)
     try:
         data = flat.view(_torch().uint8).numpy()  # shares the tensor's memory
@@ -196,8 +180,7 @@ def _reduce_tensor(tensor: Any) -> Any:
 
 
 def _tensor(data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
-    """Rebuild a tensor from its bytes, sharing their memory (a received
-    frame is writable, so the default reduce function adds in place)."""
+    """Rebuild a tensor from its bytes, sharing their memory (a received frame is writable)."""
     torch = _torch()
     kind = getattr(torch, dtype)
     view = memoryview(data)

@@ -410,9 +410,8 @@ POSITIONAL_ARGUMENTS = 4  # master_addr, master_port, rank, size: adaptdl's orde
 
 
 def _signed(func: F) -> F:
-    """Give ``resolve`` its signature, made from :data:`ARGUMENTS` (the public
-    functions spell theirs out, for readers and type checkers, and are held
-    to the same table by :func:`takes_settings`)."""
+    """Give ``resolve`` its signature from :data:`ARGUMENTS` (the public functions spell theirs
+    out, for readers and type checkers, and :func:`takes_settings` holds them to the table)."""
     by_position, by_name = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter(s.name, by_position if i < POSITIONAL_ARGUMENTS else by_name,
                                 default=s.signature_default, annotation=s.annotation)

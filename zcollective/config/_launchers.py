@@ -16,12 +16,6 @@ SLURM_PORT_BASE = 20000  # Slurm's port is BASE + SLURM_JOB_ID % SPAN: 20000-299
 SLURM_PORT_SPAN = 10000  # ephemeral ports (32768+) and IANA's (49152+); jobs collide 10000 ids apart
 
 
-# -- launchers: programs that start the replicas and tell each who it is -----
-#
-# Only the first in LAUNCHERS recognized is read (an inner launcher also sees the
-# outer one's variables): see the README, *Launchers*.
-
-
 @dataclass(frozen=True)
 class Reader:
     """How one launcher gives one setting."""
@@ -137,7 +131,7 @@ def _kubernetes_size(env: Mapping[str, str]) -> Origin:
 class LaunchedBy:
     """A program that starts the replicas of a job and tells each, in its
     environment, who it is. Its readers are asked only for the settings
-    that no argument and no variable of :data:`SETTINGS` gave."""
+    that no argument and no variable of :data:`zcollective.config.SETTINGS` gave."""
 
     name: str  # as the README's table and error messages call it
     rank: str  # set in every process it starts: that it is set recognizes the launcher
