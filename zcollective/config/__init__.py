@@ -27,6 +27,7 @@ from .._limits import (
     MAX_LIVENESS_S,
     MIN_LIVENESS_S,
 )
+from . import _values  # the conversions and checks the table names
 from ._launchers import LAUNCHERS as LAUNCHERS
 from ._launchers import LOOPBACK as LOOPBACK
 from ._launchers import SLURM_PORT_BASE as SLURM_PORT_BASE
@@ -34,31 +35,7 @@ from ._launchers import SLURM_PORT_SPAN as SLURM_PORT_SPAN
 from ._launchers import LaunchedBy, launcher_of, launcher_variables
 from ._launchers import Reader as Reader
 from ._values import JOB_NAMERS as JOB_NAMERS
-from ._values import (
-    LOG_CHOICES,
-    MIN_SECRET_BYTES,
-    Origin,
-    at_least,
-    beside_torchrun_agent,
-    bind_problem,
-    converted,
-    host_problem,
-    job_problem,
-    liveness_problem,
-    named_job,
-    one_of,
-    port_problem,
-    secret_problem,
-    to_bool,
-    to_bytes_or_off,
-    to_int,
-    to_seconds,
-    to_seconds_or_none,
-    to_seconds_or_zero,
-    to_secret,
-    to_str,
-    variable,
-)
+from ._values import LOG_CHOICES, MIN_SECRET_BYTES, Origin, converted, variable
 from ._values import SHARED_MEMORY_OFF as SHARED_MEMORY_OFF
 from ._values import TORCHRUN_AGENT_STORE as TORCHRUN_AGENT_STORE
 from ._values import TORCHRUN_UNNAMED_RUN as TORCHRUN_UNNAMED_RUN
@@ -158,81 +135,81 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("master_addr", "Optional[str]", DEFAULT_MASTER_ADDR, str, check=host_problem,
+    Setting("master_addr", "Optional[str]", DEFAULT_MASTER_ADDR, str, check=_values.host_problem,
             env=("ZCOLLECTIVE_MASTER_ADDR", "ADAPTDL_MASTER_ADDR", "MASTER_ADDR"),
             doc="Host name or IP address of rank 0, which hosts the coordinator; every replica "
                 "must reach it there."),
-    Setting("master_port", "Optional[int]", DEFAULT_MASTER_PORT, to_int, check=port_problem,
+    Setting("master_port", "Optional[int]", DEFAULT_MASTER_PORT, _values.to_int, check=_values.port_problem,
             env=("ZCOLLECTIVE_MASTER_PORT", "ADAPTDL_MASTER_PORT", "MASTER_PORT"),
-            adjust=beside_torchrun_agent,
+            adjust=_values.beside_torchrun_agent,
             doc="TCP port of the coordinator, the same on every replica (0 only with one "
                 "replica, which binds nothing)."),
-    Setting("replica_rank", "Optional[int]", DEFAULT_RANK, to_int, config_field="rank",
+    Setting("replica_rank", "Optional[int]", DEFAULT_RANK, _values.to_int, config_field="rank",
             env=("ZCOLLECTIVE_REPLICA_RANK", "ADAPTDL_REPLICA_RANK", "RANK"),
             doc="This replica's rank, from 0 to the number of replicas minus 1."),
-    Setting("num_replicas", "Optional[int]", DEFAULT_NUM_REPLICAS, to_int, check=at_least(1),
+    Setting("num_replicas", "Optional[int]", DEFAULT_NUM_REPLICAS, _values.to_int, check=_values.at_least(1),
             env=("ZCOLLECTIVE_NUM_REPLICAS", "ADAPTDL_NUM_REPLICAS", "WORLD_SIZE"),
             doc="The number of replicas in the group, the same on every replica."),
-    Setting("timeout", "Optional[float]", DEFAULT_INIT_TIMEOUT_S, to_seconds_or_none,
+    Setting("timeout", "Optional[float]", DEFAULT_INIT_TIMEOUT_S, _values.to_seconds_or_none,
             config_field="init_timeout", none_is_value=True,
             doc="Seconds to wait for every replica to join (``None``: no bound)."),
-    Setting("op_timeout", "Optional[float]", DEFAULT_OP_TIMEOUT_S, to_seconds_or_none,
+    Setting("op_timeout", "Optional[float]", DEFAULT_OP_TIMEOUT_S, _values.to_seconds_or_none,
             env=("ZCOLLECTIVE_TIMEOUT",),
             doc="Default timeout, in seconds, of every blocking call; ``math.inf`` (``inf`` in "
                 "the environment) for no bound."),
-    Setting("warn_after", "Optional[float]", DEFAULT_WARN_AFTER_S, to_seconds_or_zero,
+    Setting("warn_after", "Optional[float]", DEFAULT_WARN_AFTER_S, _values.to_seconds_or_zero,
             env=("ZCOLLECTIVE_WARN_AFTER",),
             doc="Seconds a call (or the join) may wait before the ranks it waits for are named "
                 "in a warning, on rank 0 and on the ranks waiting (again at 2, 4 and 8 times "
                 "this, then when it ends); 0 for no warnings."),
-    Setting("liveness_timeout", "Optional[float]", DEFAULT_LIVENESS_S, to_seconds,
-            check=liveness_problem, env=("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
+    Setting("liveness_timeout", "Optional[float]", DEFAULT_LIVENESS_S, _values.to_seconds,
+            check=_values.liveness_problem, env=("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
             doc=f"Seconds after which a silent peer is declared lost ({MIN_LIVENESS_S:g} to "
                 f"{MAX_LIVENESS_S:g})."),
-    Setting("max_frame_bytes", "Optional[int]", DEFAULT_MAX_FRAME_BYTES, to_int,
-            check=at_least(MIN_MAX_FRAME_BYTES), env=("ZCOLLECTIVE_MAX_FRAME_BYTES",),
+    Setting("max_frame_bytes", "Optional[int]", DEFAULT_MAX_FRAME_BYTES, _values.to_int,
+            check=_values.at_least(MIN_MAX_FRAME_BYTES), env=("ZCOLLECTIVE_MAX_FRAME_BYTES",),
             doc="Largest frame (one buffer, such as one numpy array) a peer may send, the same "
                 f"on every replica (at least {MIN_MAX_FRAME_BYTES})."),
-    Setting("secret", "Union[bytes, str, None]", None, to_secret, check=secret_problem,
+    Setting("secret", "Union[bytes, str, None]", None, _values.to_secret, check=_values.secret_problem,
             env=(SECRET_ENV,), file_env=SECRET_FILE_ENV, secret=True,
             doc=f"The job's shared secret, at least {MIN_SECRET_BYTES} bytes: every message is "
                 "authenticated with it, and nothing from a peer without it is ever unpickled. "
                 "Without one, nothing is authenticated: see docs/security.md."),
-    Setting("bind_addr", "Optional[str]", None, str, check=bind_problem,
+    Setting("bind_addr", "Optional[str]", None, str, check=_values.bind_problem,
             env=("ZCOLLECTIVE_BIND_ADDR",),
             doc="Where rank 0 listens (``\"*\"``: every interface); by default, on the "
                 "interface of ``master_addr``."),
-    Setting("join", "Optional[bool]", False, to_bool, env=("ZCOLLECTIVE_JOIN",),
+    Setting("join", "Optional[bool]", False, _values.to_bool, env=("ZCOLLECTIVE_JOIN",),
             doc="``True``: this replica is a *newcomer*: it waits at ``master_addr`` to be "
                 "admitted to a running group, when its members call :func:`zcollective.grow`; "
                 "its rank and the size come from the group then (``replica_rank`` and "
                 "``num_replicas`` are not used)."),
-    Setting("job", "Optional[str]", None, to_str, check=job_problem,
-            env=(JOB_ENV, "ADAPTDL_JOB_ID", "TORCHELASTIC_RUN_ID"), adjust=named_job,
+    Setting("job", "Optional[str]", None, _values.to_str, check=_values.job_problem,
+            env=(JOB_ENV, "ADAPTDL_JOB_ID", "TORCHELASTIC_RUN_ID"), adjust=_values.named_job,
             doc=f"The job's name, the same on every replica (at most {MAX_JOB_CHARS} characters; "
                 "``None`` when nothing names it): rank 0 refuses a replica of another job, or of "
                 "none when it has one, with an error naming both. It prevents accidents, not "
                 "attacks: see docs/security.md."),
     Setting("shared_memory_min_bytes", "Union[int, str, None]", DEFAULT_SHARED_MEMORY_MIN_BYTES,
-            to_bytes_or_off, env=("ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES",),
+            _values.to_bytes_or_off, env=("ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES",),
             doc="Numeric arrays (and CPU tensors) of at least this many bytes move through "
                 "shared memory between the replicas on one host (``\"off\"``: never). Rank "
                 "0's value is the group's; a replica set to ``\"off\"`` keeps its host out."),
-    Setting("local_rank", "Optional[int]", None, to_int, check=at_least(0), argument=False,
+    Setting("local_rank", "Optional[int]", None, _values.to_int, check=_values.at_least(0), argument=False,
             env=("ZCOLLECTIVE_LOCAL_RANK", "LOCAL_RANK"),
             doc="This replica's index among the replicas on its host (to pick a GPU, say); "
                 "``None`` when nobody said."),
-    Setting("log", "Optional[str]", None, str, check=one_of(LOG_CHOICES), argument=False,
+    Setting("log", "Optional[str]", None, str, check=_values.one_of(LOG_CHOICES), argument=False,
             env=("ZCOLLECTIVE_LOG",),
             doc="``calls``: log one line per call (seq, operation, call site, bytes, time "
                 "waited) on the logger ``zcollective.calls``; ``None``: no such lines."),
-    Setting("data_plane", "Optional[str]", DEFAULT_DATA_PLANE, str, check=one_of(DATA_PLANE_CHOICES),
+    Setting("data_plane", "Optional[str]", DEFAULT_DATA_PLANE, str, check=_values.one_of(DATA_PLANE_CHOICES),
             argument=False, env=("ZCOLLECTIVE_DATA_PLANE",),
             doc="``auto``: when the replicas are on more than one host, large numeric arrays "
                 "reduced elementwise, and large broadcasts, travel between replicas directly (a "
                 "ring, a chain); ``on``: also when they share one host; ``off``: every byte goes "
                 "through rank 0. Rank 0's setting decides for the group."),
-    Setting("tree", "Optional[str]", DEFAULT_TREE, str, check=one_of(TREE_CHOICES),
+    Setting("tree", "Optional[str]", DEFAULT_TREE, str, check=_values.one_of(TREE_CHOICES),
             argument=False, env=("ZCOLLECTIVE_TREE",),
             doc="``auto``: from 16 replicas, every call's part climbs a tree of ranks (4 "
                 "children each) to rank 0, and an allreduce, broadcast or barrier is combined on "
@@ -240,17 +217,17 @@ SETTINGS: tuple[Setting, ...] = (
                 "growing with the group (every rank must then pass rank 0's reduce function); "
                 "``on``: from 3 replicas; ``off``: every part goes to rank 0, which folds "
                 "strictly left to right. Rank 0's setting decides for the group."),
-    Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, to_int,
-            check=at_least(0), argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
+    Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, _values.to_int,
+            check=_values.at_least(0), argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
             doc="Arrays (and broadcast values) smaller than this many bytes keep the star "
                 "through rank 0, where small messages are faster."),
-    Setting("mail_window_bytes", "Optional[int]", DEFAULT_MAIL_WINDOW_BYTES, to_int,
-            check=at_least(1), argument=False, env=("ZCOLLECTIVE_MAIL_WINDOW_BYTES",),
+    Setting("mail_window_bytes", "Optional[int]", DEFAULT_MAIL_WINDOW_BYTES, _values.to_int,
+            check=_values.at_least(1), argument=False, env=("ZCOLLECTIVE_MAIL_WINDOW_BYTES",),
             doc="Point to point: the most bytes one rank's messages may occupy at another rank "
                 "before that rank's program receives them (or one message, if larger); a "
                 "sender beyond it waits. A receiver holds at most this much from each sender: "
                 "the receiver's setting decides (its senders keep to it)."),
-    Setting("stacks", "Optional[bool]", True, to_bool, argument=False, env=("ZCOLLECTIVE_STACKS",),
+    Setting("stacks", "Optional[bool]", True, _values.to_bool, argument=False, env=("ZCOLLECTIVE_STACKS",),
             doc="``1``: write every thread's stack to stderr when zcollective-run asks (for the "
                 "ranks a stall names, and every rank when it gets SIGUSR1 itself; through a file, "
                 "not a signal), and on SIGUSR1 unless the program handles SIGUSR1 when the group "
