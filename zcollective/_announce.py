@@ -1,15 +1,13 @@
-"""What a process started by zcollective-run tells the launcher, in files
-the launcher named in its environment (best effort: a process started
-otherwise writes nothing), and where the launcher asks it for its stacks.
-The launcher (:mod:`zcollective.run`) reads them: the format is its, line
-for line.
-"""
+"""What a process started by zcollective-run tells the launcher, in files the launcher named in
+its environment (best effort; a process started otherwise writes nothing), and the launcher's
+reader of them (:class:`Groups`): both sides of one format."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+import threading
+from typing import Any, NamedTuple, Optional
 
 GROUPS_FILE_ENV = "ZCOLLECTIVE_GROUPS_FILE"  # set by zcollective-run: each process appends a line
 # there when it joins a group, and rank 0 its stats when it closes one (the launcher follows ranks)
@@ -17,12 +15,13 @@ COORDINATOR_FILE_ENV = "ZCOLLECTIVE_COORDINATOR_FILE"  # set by zcollective-run 
 # rank 0 of each group (it moves when rank 0 is lost) writes the coordinator's host:port there
 STACKS_DIR_ENV = "ZCOLLECTIVE_STACKS_DIR"  # set by zcollective-run: it asks a process for its threads'
 # stacks by making a file there named by its pid (zcollective._io._stacks answers, and removes it)
+READ_BYTES = 1 << 16  # the launcher reads the groups file in chunks of this size
+MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
 
 
 def _tell_launcher(session: int, **fields: Any) -> None:
-    """Append one JSON line about this process and the group ``session`` names to the file
-    zcollective-run named (best effort). One ``write`` of a file opened to append: the
-    processes of a job share the file, and a line is never split by another's."""
+    """Append one JSON line about this process and group ``session`` to the launcher's file (best
+    effort), in one ``write`` to a file opened to append: no other process splits the line."""
     path = os.environ.get(GROUPS_FILE_ENV)
     if not path:
         return
@@ -38,9 +37,8 @@ def _tell_launcher(session: int, **fields: Any) -> None:
 
 
 def announce_group(rank: int, size: int, session: int, lineage: Optional[str], stacks: bool = False) -> None:
-    """Joined the group ``session`` (formed from ``lineage``, if any): its rank and size
-    there, for the launcher's line prefix and to see survivors go on after a loss;
-    ``stacks``: it answers the launcher's requests for its threads' stacks."""
+    """Joined group ``session`` (formed from ``lineage``) as ``rank`` of ``size``; ``stacks``: it
+    answers the launcher's requests for its stacks."""
     _tell_launcher(session, lineage=lineage, rank=rank, size=size, stacks=stacks)
 
 
@@ -56,9 +54,8 @@ def announce_stall(session: int, ranks: list[int], line: str) -> None:
 
 
 def announce_coordinator(address: str) -> None:
-    """Rank 0 of a group started by ``zcollective-run --replace-lost``: say
-    where the coordinator is (``host:port pid``), for newcomers the launcher
-    starts (best effort; replaced whole, so a reader never sees half)."""
+    """Rank 0 under ``zcollective-run --replace-lost``: where the coordinator is (``host:port pid``),
+    for the newcomers it starts; the file is replaced whole, never seen half written."""
     path = os.environ.get(COORDINATOR_FILE_ENV)
     if not path:
         return
@@ -68,3 +65,90 @@ def announce_coordinator(address: str) -> None:
         os.replace(path + ".new", path)
     except OSError:
         pass
+
+
+# -- the launcher's side: reading what the processes wrote --
+
+
+class Place(NamedTuple):
+    """A process's place in a group, as it said when it joined."""
+
+    group: str  # the group's id (its session, in hex)
+    rank: int
+    size: int
+    stacks: bool = False  # it answers requests for its stacks (ZCOLLECTIVE_STACKS was not 0)
+
+
+class Groups:
+    """The groups file as the launcher reads it while it grows: each process's group, the group
+    each was formed from, the stats each group's rank 0 left, the stalls named."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.lock = threading.Lock()
+        self.partial = b""  # a line being written
+        self.of_pid: dict[int, Place] = {}
+        self.lineage: dict[str, Optional[str]] = {}  # group -> the group it was formed from
+        self.size: dict[str, int] = {}
+        self.formed: list[str] = []  # the groups, in the order they were first announced
+        self.stats: dict[str, dict[str, Any]] = {}
+        self.stalls: list[tuple[str, list[int]]] = []  # (group, ranks) a stall warning named, not yet shown
+
+    def refresh(self) -> None:
+        """Take in the lines written since the last call."""
+        with self.lock:
+            while chunk := os.read(self.fd, READ_BYTES):
+                self.partial += chunk
+            *lines, self.partial = self.partial.split(b"\n")
+            for line in lines:
+                self._take(line)
+
+    def _take(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+            pid, group = int(record["pid"]), str(record["group"])
+            if "stats" in record:
+                self.stats[group] = dict(record["stats"])
+                return
+            if "stall" in record:
+                self.stalls.append((group, [int(r) for r in record["stall"]][:MAX_STACKS]))
+                return
+            joined = Place(group, int(record["rank"]), int(record["size"]), record.get("stacks") is True)
+            lineage = record["lineage"]
+        except (ValueError, KeyError, TypeError):
+            return  # not a line of the library's (written by hand?)
+        self.of_pid[pid] = joined
+        if group not in self.lineage:
+            self.lineage[group], self.size[group] = lineage, joined.size
+            self.formed.append(group)
+
+    def current(self, pid: int) -> Optional[Place]:
+        """The group ``pid`` joined last, and its rank there (None: none yet)."""
+        self.refresh()
+        return self.of_pid.get(pid)
+
+    def take_stalls(self) -> list[tuple[str, list[int]]]:
+        """The stalls named since the last call: (group, ranks)."""
+        with self.lock:
+            stalls, self.stalls = self.stalls, []
+        return stalls
+
+    def forget(self, pid: int) -> None:
+        """A new process has this pid: what a dead one of the same pid said is not its."""
+        with self.lock:
+            self.of_pid.pop(pid, None)
+
+    def formed_from(self, group: str) -> Optional[str]:
+        """The newest group formed from ``group`` (by shrinks and grows), or None."""
+        with self.lock:
+            for newer in reversed(self.formed):
+                seen, parent = set(), self.lineage[newer]
+                while parent is not None and parent not in seen:
+                    if parent == group:
+                        return newer
+                    seen.add(parent)
+                    parent = self.lineage.get(parent)
+        return None
+
+    def close(self) -> None:
+        os.close(self.fd)

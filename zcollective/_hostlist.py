@@ -1,19 +1,9 @@
-"""Slurm's compressed host lists (``gpu[01-04,07],cpu3``) to host names.
-
-:mod:`zcollective.config` needs the first host of ``SLURM_STEP_NODELIST`` (or
-``SLURM_JOB_NODELIST``), to find rank 0. The grammar, as Slurm's ``hostlist.c`` reads it:
-
-- hosts are separated by commas, spaces or tabs, except inside brackets;
-- a host is literal text with any number of bracket groups: ``a[1-3]``,
-  ``node[1-3]-ib`` (text after the brackets), ``rack[0-1]_blade[0-2]``
-  (several groups; the first varies slowest);
-- a bracket group holds comma-separated numbers and ranges ``lo-hi``
-  (``lo <= hi``, decimal digits only); a number is zero-padded to the width
-  ``lo`` is written with, so ``[08-10]`` is 08, 09, 10 and ``[8-10]`` is 8, 9, 10.
-
-Everything else (an unclosed or nested bracket, an empty group or item, a
-reversed range, the BlueGene-era ``bgl[000x333]`` boxes) is a ``ValueError``
-that says what and where. This module knows nothing of environment variables.
+"""Slurm's compressed host lists (``gpu[01-04,07],cpu3``) to host names, for the first host
+of ``SLURM_STEP_NODELIST``. The grammar, as Slurm's ``hostlist.c`` reads it: hosts separated by
+commas, spaces or tabs outside brackets; a host is text with bracket groups (``node[1-3]-ib``,
+``rack[0-1]_blade[0-2]``: the first varies slowest); a group holds numbers and ranges ``lo-hi``,
+zero-padded to the width of ``lo`` (``[08-10]``: 08, 09, 10). Anything else (unclosed or nested
+brackets, empty items, reversed ranges, ``bgl[000x333]``) is a ``ValueError`` saying where.
 """
 
 from __future__ import annotations

@@ -8,24 +8,10 @@ sockets, threads or pickle.
 
 from __future__ import annotations
 
-__all__ = [
-    "CollectiveError",
-    "RemoteError",
-    "ReplicaLostError",
-    "PeerEndedError",
-    "CollectiveTimeoutError",
-    "CallMismatchError",
-    "AuthenticationError",
-    "SerializationError",
-    "ProtocolError",
-    "PeerError",
-    "AddressError",
-    "LateJoinError",
-    "LeftOutError",
-    "JobMismatchError",
-    "ForkedProcessError",
-    "InternalError",
-]
+__all__ = ["CollectiveError", "RemoteError", "ReplicaLostError", "PeerEndedError",
+           "CollectiveTimeoutError", "CallMismatchError", "AuthenticationError", "SerializationError",
+           "ProtocolError", "PeerError", "AddressError", "LateJoinError", "LeftOutError",
+           "JobMismatchError", "ForkedProcessError", "InternalError"]
 
 
 class CollectiveError(RuntimeError):
@@ -44,13 +30,8 @@ class RemoteError(CollectiveError):
     :attr:`remote_type`, :attr:`remote_message` and :attr:`remote_traceback`.
     """
 
-    def __init__(
-        self,
-        message: str,
-        remote_type: str = "",
-        remote_message: str = "",
-        remote_traceback: str = "",
-    ) -> None:
+    def __init__(self, message: str, remote_type: str = "", remote_message: str = "",
+                 remote_traceback: str = "") -> None:
         super().__init__(message)
         self.remote_type = remote_type
         self.remote_message = remote_message
@@ -58,10 +39,7 @@ class RemoteError(CollectiveError):
 
     def __reduce__(self) -> tuple[type[RemoteError], tuple[str, str, str, str]]:
         # keep the attributes through copy and pickle
-        return (
-            type(self),
-            (str(self), self.remote_type, self.remote_message, self.remote_traceback),
-        )
+        return type(self), (str(self), self.remote_type, self.remote_message, self.remote_traceback)
 
 
 class ReplicaLostError(CollectiveError):

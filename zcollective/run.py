@@ -1,22 +1,12 @@
-"""``zcollective-run``: start the replicas of a job, like torchrun's standalone
-mode or mpiexec.
-
-    zcollective-run -n 4 train.py --lr 0.1
-    zcollective-run --nnodes 2 --node-rank 1 --nproc-per-node 2 \\
-        --master-addr host0 --master-port 29457 train.py
-
-What each replica is given, its lines' rank prefix, what happens when a
-replica fails, the exit status and the slowest-rank line at the end: see
-docs/launching.md, *zcollective-run*, and ``zcollective-run --help``. The
-replicas tell the launcher their groups in the files :mod:`zcollective._announce`
-writes (read by :class:`Groups`).
-"""
+"""``zcollective-run``: start the replicas of a job, like torchrun's standalone mode or mpiexec
+(``zcollective-run -n 4 train.py --lr 0.1``). What each replica is given, the rank prefix, failures,
+the exit status: docs/launching.md, *zcollective-run*. The replicas say where they are in the files
+:mod:`zcollective._announce` writes and reads."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import secrets
 import shlex
@@ -29,10 +19,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import IO, Any, Callable, NamedTuple, NoReturn, Optional
+from typing import IO, Callable, NoReturn, Optional
 
 from . import __version__
 from ._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, STACKS_DIR_ENV
+from ._announce import MAX_STACKS as MAX_STACKS
+from ._announce import READ_BYTES as READ_BYTES
+from ._announce import Groups as Groups
+from ._announce import Place as Place
 from ._io._stacks import STACKS_SIGNAL
 from ._protocol._stats import slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, JOB_ENV, SECRET_ENV, SECRET_FILE_ENV
@@ -41,8 +35,6 @@ DEFAULT_GRACE_S = 5.0  # time a replica gets to notice a failure and exit, or go
 KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
 COORDINATOR_MOVE_S = 10.0  # --replace-lost: rank 0 died; the survivors' new one says where it is
 POLL_S = 0.05  # how often the launcher looks at its replicas: a stop is late by at most this
-READ_BYTES = 1 << 16  # the groups file is read in chunks of this size
-MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
 STOP_NEWCOMER_S = 5.0  # a newcomer killed to start it again at a moved coordinator ends within this
 SPAWN_THREADS = 16  # replicas started at once: starting one waits until it runs (its exec), which on
 # busy cores waits its turn behind those started already (64 in turn on 2 cores: 2-3 s; benchmarks/join.py)
@@ -109,94 +101,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return ns
 
 
-class Place(NamedTuple):
-    """A process's place in a group, as it said when it joined."""
-
-    group: str  # the group's id (its session, in hex)
-    rank: int
-    size: int
-    stacks: bool = False  # it answers requests for its stacks (ZCOLLECTIVE_STACKS was not 0)
-
-
-class Groups:
-    """What the replicas said in the groups file (see
-    :func:`zcollective._announce.announce_group`): each process's
-    current group, the group each group was formed from, and the stats each
-    group's rank 0 left when it closed it. Read as it grows, from the pumps
-    and the main loop alike."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
-        self.lock = threading.Lock()
-        self.partial = b""  # a line being written
-        self.of_pid: dict[int, Place] = {}
-        self.lineage: dict[str, Optional[str]] = {}  # group -> the group it was formed from
-        self.size: dict[str, int] = {}
-        self.formed: list[str] = []  # the groups, in the order they were first announced
-        self.stats: dict[str, dict[str, Any]] = {}
-        self.stalls: list[tuple[str, list[int]]] = []  # (group, ranks) a stall warning named, not yet shown
-
-    def refresh(self) -> None:
-        """Take in the lines written since the last call."""
-        with self.lock:
-            while chunk := os.read(self.fd, READ_BYTES):
-                self.partial += chunk
-            *lines, self.partial = self.partial.split(b"\n")
-            for line in lines:
-                self._take(line)
-
-    def _take(self, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-            pid, group = int(record["pid"]), str(record["group"])
-            if "stats" in record:
-                self.stats[group] = dict(record["stats"])
-                return
-            if "stall" in record:
-                self.stalls.append((group, [int(r) for r in record["stall"]][:MAX_STACKS]))
-                return
-            joined = Place(group, int(record["rank"]), int(record["size"]), record.get("stacks") is True)
-            lineage = record["lineage"]
-        except (ValueError, KeyError, TypeError):
-            return  # not a line of the library's (written by hand?)
-        self.of_pid[pid] = joined
-        if group not in self.lineage:
-            self.lineage[group], self.size[group] = lineage, joined.size
-            self.formed.append(group)
-
-    def current(self, pid: int) -> Optional[Place]:
-        """The group ``pid`` joined last, and its rank there (None: none yet)."""
-        self.refresh()
-        return self.of_pid.get(pid)
-
-    def take_stalls(self) -> list[tuple[str, list[int]]]:
-        """The stalls named since the last call: (group, ranks)."""
-        with self.lock:
-            stalls, self.stalls = self.stalls, []
-        return stalls
-
-    def forget(self, pid: int) -> None:
-        """A new process has this pid: what a dead one of the same pid said is not its."""
-        with self.lock:
-            self.of_pid.pop(pid, None)
-
-    def formed_from(self, group: str) -> Optional[str]:
-        """The newest group formed from ``group`` (by one or more shrinks and
-        grows), or None."""
-        with self.lock:
-            for newer in reversed(self.formed):
-                seen, parent = set(), self.lineage[newer]
-                while parent is not None and parent not in seen:
-                    if parent == group:
-                        return newer
-                    seen.add(parent)
-                    parent = self.lineage.get(parent)
-        return None
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 @dataclass(eq=False)
 class Replica:
     """One process the launcher started."""
@@ -226,11 +130,8 @@ class Loss:
 
 
 def _pump(replica: Replica, out: IO[bytes], lock: threading.Lock, label: Callable[[], str]) -> None:
-    """Copy a replica's output, each line prefixed with ``label()`` as the
-    line is read (a line read before the replica's group changed keeps the
-    rank it had); remember what explains its failure: the exception of its
-    last traceback (what a library or atexit handler printed after it does
-    not), else its last line."""
+    """Copy a replica's output, each line prefixed with ``label()`` when read; keep what explains
+    a failure: the exception of its last traceback (not what atexit printed after), else its last line."""
     stream = replica.proc.stdout
     assert stream is not None
     in_traceback, raised = False, b""
@@ -267,19 +168,85 @@ def _temp_file(prefix: str, text: str = "") -> str:
 
 
 def _joining(where: str) -> dict[str, str]:
-    """A newcomer's variables: wait at the coordinator at ``where`` (``host:port``; else, as
-    for an empty ``where``, at the master address)."""
+    """A newcomer's variables: wait at ``where`` (``host:port``; else at the master address)."""
     host, _, port = where.rpartition(":")
     at = {"ZCOLLECTIVE_MASTER_ADDR": host.strip("[]"), "ZCOLLECTIVE_MASTER_PORT": port}
     return {"ZCOLLECTIVE_JOIN": "1", **(at if host and port.isdigit() else {})}
 
 
+class Losses:
+    """The replicas that failed, whether the others went on without each (in a group formed
+    from its group), and the job's exit status."""
+
+    def __init__(self, groups: Groups, grace: Optional[float]) -> None:
+        self.groups = groups
+        self.grace = grace  # the others' time to go on without a loss; None: no bound
+        self.all: list[Loss] = []
+
+    def add(self, loss: Loss, said: str, never_admitted: bool) -> None:
+        """Record ``loss`` and, unless it was replaced, say what happened and what happens now."""
+        if not loss.replaced:
+            what = f"{loss.who} {_describe(loss.code)}" + (f" ({said})" if said else "")
+            earlier = self.pending(loss.group)
+            if never_admitted:  # no group needed it
+                loss.tolerated = True
+                _say(f"{what} before it was admitted")
+            elif earlier is not None:  # likely a consequence of the loss said already
+                loss.deadline = earlier.deadline
+            elif self.grace is None:
+                _say(f"{what}; the others may go on without it")
+            else:
+                loss.deadline = time.monotonic() + self.grace
+                _say(f"{what}; stopping the others in {self.grace:g} s unless they go on "
+                     f"without it (zcollective.shrink())")
+        self.all.append(loss)
+
+    def pending(self, group: Optional[str]) -> Optional[Loss]:
+        """A loss in ``group`` (not replaced) the others have not gone on without (yet)."""
+        return next((loss for loss in self.all
+                     if not loss.tolerated and not loss.replaced and loss.group == group), None)
+
+    def settle(self) -> None:
+        """Mark the losses the others went on without, and say so."""
+        for loss in self.all:
+            if loss.tolerated or loss.group is None:
+                continue
+            went_on = self.groups.formed_from(loss.group)
+            if went_on is not None:
+                loss.tolerated = True
+                _say(f"the others went on without {loss.who} (it {_describe(loss.code)}), "
+                     f"in a group of {self.groups.size[went_on]}: keeping them")
+
+    def overdue(self, now: float) -> bool:
+        """A loss the others did not go on without within their grace."""
+        return any(not loss.tolerated and loss.deadline is not None and now > loss.deadline
+                   for loss in self.all)
+
+    def status(self) -> int:
+        """0 when every loss was tolerated (saying which there were); else the status of the
+        first that was not (a shell's: 128 + N for signal N)."""
+        for loss in self.all:
+            if not loss.tolerated:
+                return loss.code if loss.code > 0 else 128 - loss.code
+        if self.all:
+            lost = "; ".join(f"{loss.who} {_describe(loss.code)}" for loss in self.all)
+            _say(f"the job went on without {len(self.all)} lost replica"
+                 f"{'s' if len(self.all) > 1 else ''} ({lost}); every other exited 0")
+        return 0
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"zcollective-run: {text}\n")
+    sys.stderr.flush()
+
+
 class Launcher:
+    """Starts this host's replicas, copies their output, and watches them until the job ends."""
+
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
         self.elastic = ns.tolerate_lost or ns.replace_lost > 0  # newcomers may come: say how
         self.replicas: list[Replica] = []
-        self.losses: list[Loss] = []
         self.replaced = 0  # replicas started again as newcomers (--replace-lost)
         self.secret: Optional[str] = None
         self.secret_file: Optional[str] = None  # the launcher's secret, for newcomers by hand
@@ -292,6 +259,7 @@ class Launcher:
         self.stacks_dir = tempfile.mkdtemp(prefix="zcollective-stacks-")  # asking a replica for its
         # stacks makes a file there (a signal would run a handler the program may install any time)
         self.groups = Groups(self.groups_file)
+        self.losses = Losses(self.groups, None if ns.tolerate_lost else ns.grace)
         # where each group's rank 0 says its coordinator is (newcomers go there)
         self.coordinator_file = _temp_file("zcollective-coordinator-") if self.elastic else None
         self.told: Optional[str] = None  # the coordinator's address last told for newcomers
@@ -341,8 +309,7 @@ class Launcher:
         return f"newcomer {replica.newcomer}" if replica.newcomer else str(replica.slot)
 
     def straggler_summary(self) -> None:
-        """Say which rank of the last group was slowest, from what its rank 0
-        left (if it ran here and did), never naming a rank lost in it."""
+        """Name the last group's slowest rank, from its rank 0's stats, never a rank lost in it."""
         if not self.ns.straggler_summary:
             return
         self.groups.refresh()
@@ -350,12 +317,12 @@ class Launcher:
             return
         last = self.groups.formed[-1]
         ranks = dict(self.groups.stats.get(last, {}).get("ranks") or {})
-        for loss in self.losses:
+        for loss in self.losses.all:
             if loss.group == last and loss.rank is not None:
                 ranks.pop(str(loss.rank), None)
         line = slowest(ranks)
         if line is not None:
-            self.message(line)
+            _say(line)
 
     def start(self) -> None:
         ns = self.ns
@@ -388,7 +355,7 @@ class Launcher:
 
     def spawn_all(self, slots: list[tuple[int, int, dict[str, str]]]) -> None:
         """Start a process in each ``(slot, local_rank, env)``, :data:`SPAWN_THREADS` at a time;
-        interrupted, those started are the launcher's to stop, and no more start."""
+        interrupted, no more start and those started are the launcher's to stop."""
         def start(slot: int, local_rank: int, env: dict[str, str]) -> None:
             self.adopt(slot, local_rank, env, self.popen(env))  # (adopted in the thread: never lost)
 
@@ -410,7 +377,7 @@ class Launcher:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
 
     def cannot_start(self, exc: OSError) -> NoReturn:
-        self.message(f"cannot start {self.command[0]!r}: {exc.strerror}")
+        _say(f"cannot start {self.command[0]!r}: {exc.strerror}")
         self.stop(signal.SIGTERM)
         raise SystemExit(127) from None
 
@@ -426,9 +393,8 @@ class Launcher:
         self.replicas.append(replica)
 
     def coordinator(self, dead: Optional[int] = None) -> str:
-        """Where the group's coordinator is (``host:port``, from what its rank 0
-        wrote; empty: not said yet): if the process ``dead`` was that rank 0,
-        once the survivors' new one said so (within :data:`COORDINATOR_MOVE_S`)."""
+        """The coordinator's ``host:port`` its rank 0 wrote ("": not yet); if ``dead`` was that rank 0,
+        the survivors' new one's (waited for up to :data:`COORDINATOR_MOVE_S`)."""
         assert self.coordinator_file is not None
         deadline = time.monotonic() + COORDINATOR_MOVE_S
         while True:
@@ -442,8 +408,7 @@ class Launcher:
             time.sleep(POLL_S)
 
     def tell_newcomers(self, where: str) -> None:
-        """Say how a newcomer started by hand joins the group at ``where``
-        (``host:port``): once at the start, again when the coordinator moves."""
+        """Say how a newcomer started by hand joins at ``where``: at the start and when it moves."""
         env = _joining(where)
         if "ZCOLLECTIVE_MASTER_PORT" not in env or where == self.told:
             return
@@ -456,25 +421,20 @@ class Launcher:
         command = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(self.command)])
         exported = os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
         mind = f" (with the {SECRET_ENV} or {SECRET_FILE_ENV} exported here)" if exported else ""
-        self.message(f"{'the coordinator moved; ' if moved else ''}a newcomer started by hand joins "
-                     f"this job (at its group's next grow()) with: {command}{mind}")
+        _say(f"{'the coordinator moved; ' if moved else ''}a newcomer started by hand joins "
+             f"this job (at its group's next grow()) with: {command}{mind}")
 
     def replace(self, replica: Replica, code: int) -> bool:
-        """``--replace-lost``: start ``replica``'s slot again, as a newcomer at the
-        group's coordinator (it moves when rank 0 is lost), while others run."""
+        """``--replace-lost``: start ``replica``'s slot again, a newcomer at the group's coordinator."""
         if self.replaced >= self.ns.replace_lost or self.coordinator_file is None or not self.running():
             return False
         where = self.coordinator(replica.proc.pid)
         env = self.newcomer_env(replica, where)
         self.replaced += 1
-        self.message(f"{self.name(replica)} {_describe(code)}; starting a newcomer in its place at "
-                     f"{where or 'the master address'} ({self.replaced} of {self.ns.replace_lost})")
+        _say(f"{self.name(replica)} {_describe(code)}; starting a newcomer in its place at "
+             f"{where or 'the master address'} ({self.replaced} of {self.ns.replace_lost})")
         self.spawn(replica.slot, replica.local_rank, env, newcomer=self.replaced)
         return True
-
-    def message(self, text: str) -> None:
-        sys.stderr.write(f"zcollective-run: {text}\n")
-        sys.stderr.flush()
 
     def running(self) -> list[Replica]:
         return [r for r in self.replicas if r.proc.poll() is None]
@@ -500,8 +460,7 @@ class Launcher:
                 replica.pump.join(timeout=timeout)
 
     def just_ended(self) -> list[Replica]:
-        """The replicas that ended since the last call, the first to end first
-        (the first failure is the one the others are likely to fail of)."""
+        """The replicas that ended since the last call, the first first (the others likely failed of it)."""
         ended = [r for r in self.replicas if not r.ended and r.proc.poll() is not None]
         for replica in ended:
             replica.ended = True
@@ -511,8 +470,7 @@ class Launcher:
         return sorted(ended, key=lambda r: r.eof_at)
 
     def ended(self, replica: Replica) -> None:
-        """``replica`` ended: a failure is replaced, or recorded as a loss the
-        others have the grace to go on without (no bound with --tolerate-lost)."""
+        """``replica`` ended: a failure is replaced, or a loss the others have the grace to go on without."""
         code = replica.proc.returncode
         if code == 0:
             return
@@ -520,51 +478,16 @@ class Launcher:
         loss = Loss(self.name(replica), code, joined.group if joined else None,
                     joined.rank if joined else None, None)
         loss.replaced = self.replace(replica, code)
-        if not loss.replaced:
-            self.report(loss, replica, never_admitted=joined is None and replica.newcomer > 0)
-        self.losses.append(loss)
-
-    def pending(self, group: Optional[str]) -> Optional[Loss]:
-        """A loss in ``group`` (not replaced) the others have not gone on without (yet)."""
-        return next((loss for loss in self.losses
-                     if not loss.tolerated and not loss.replaced and loss.group == group), None)
-
-    def report(self, loss: Loss, replica: Replica, never_admitted: bool) -> None:
-        """Say what happened to the replica ``loss`` is, and what happens now."""
-        said = replica.said.decode("utf-8", "replace")[:300] if loss.code > 0 else ""  # (a kill: no word)
-        what = f"{loss.who} {_describe(loss.code)}" + (f" ({said})" if said else "")
-        earlier = self.pending(loss.group)
-        if never_admitted:  # no group needed it
-            loss.tolerated = True
-            self.message(f"{what} before it was admitted")
-        elif earlier is not None:  # likely a consequence of the loss said already
-            loss.deadline = earlier.deadline
-        elif self.ns.tolerate_lost:
-            self.message(f"{what}; the others may go on without it")
-        else:
-            loss.deadline = time.monotonic() + self.ns.grace
-            self.message(f"{what}; stopping the others in {self.ns.grace:g} s unless they go on "
-                         f"without it (zcollective.shrink())")
-
-    def settle(self) -> None:
-        """Mark the losses the others went on without, and say so."""
-        for loss in self.losses:
-            if loss.tolerated or loss.group is None:
-                continue
-            went_on = self.groups.formed_from(loss.group)
-            if went_on is not None:
-                loss.tolerated = True
-                self.message(f"the others went on without {loss.who} (it {_describe(loss.code)}), "
-                             f"in a group of {self.groups.size[went_on]}: keeping them")
+        said = replica.said.decode("utf-8", "replace")[:300] if code > 0 else ""  # (a kill: no word)
+        self.losses.add(loss, said, never_admitted=joined is None and replica.newcomer > 0)
 
     def wait(self) -> int:
-        """Watch the replicas until every one ended (or the launcher stopped
-        them); the job's exit status."""
+        """Watch the replicas until every one ended (or was stopped); the job's exit status."""
         while True:
             self.groups.refresh()
             for replica in self.just_ended():
                 self.ended(replica)
-            self.settle()
+            self.losses.settle()
             self.show_stalled()
             if self.coordinator_file is not None:
                 where = self.coordinator()
@@ -576,20 +499,16 @@ class Launcher:
             if all(self.waiting_newcomer(r) for r in running):
                 self.dismiss(running)  # the job is over: nobody will admit them
                 break
-            now = time.monotonic()
-            if any(not loss.tolerated and loss.deadline is not None and now > loss.deadline
-                   for loss in self.losses):
-                self.message(f"stopping {', '.join(self.name(r) for r in running)}")
+            if self.losses.overdue(time.monotonic()):
+                _say(f"stopping {', '.join(self.name(r) for r in running)}")
                 self.stop(signal.SIGTERM)
                 break
             time.sleep(POLL_S)
         self.join_pumps(timeout=2)
-        return self.status()
+        return self.losses.status()
 
     def redirect_newcomers(self, where: str) -> None:
-        """The coordinator moved (rank 0 was lost, and a survivor hosts the
-        next group at another port): a newcomer this launcher started, still
-        waiting at the old address, is started again at the new one."""
+        """The coordinator moved (rank 0 was lost): start a newcomer still waiting at the old one again."""
         if not where or where == self.where:
             return
         moved, self.where = self.where is not None, where
@@ -602,8 +521,8 @@ class Launcher:
                     os.killpg(replica.proc.pid, signal.SIGKILL)
                 replica.proc.wait(timeout=STOP_NEWCOMER_S)
                 env = self.newcomer_env(replica, where)
-                self.message(f"the coordinator moved to {where}: starting {self.name(replica)} "
-                             f"again there (it waited at the old one)")
+                _say(f"the coordinator moved to {where}: starting {self.name(replica)} "
+                     f"again there (it waited at the old one)")
                 self.spawn(replica.slot, replica.local_rank, env, newcomer=replica.newcomer)
 
     def waiting_newcomer(self, replica: Replica) -> bool:
@@ -611,28 +530,24 @@ class Launcher:
         return bool(replica.newcomer) and self.groups.current(replica.proc.pid) is None
 
     def dismiss(self, newcomers: list[Replica]) -> None:
-        """Every replica of the job has ended but ``newcomers``, still waiting
-        to be admitted: stop them (no loss: the job went on without needing them)."""
+        """Only ``newcomers`` waiting to be admitted are left: stop them (no loss)."""
         for replica in newcomers:
-            self.message(f"the job ended before a grow() admitted {self.name(replica)}: stopping it")
+            _say(f"the job ended before a grow() admitted {self.name(replica)}: stopping it")
             replica.ended = True
         self.stop(signal.SIGTERM)
 
     def show_stalled(self) -> None:
-        """A stall warning named ranks: show where their programs are (their
-        threads' stacks, which each replica writes to its stderr when asked)."""
+        """A stall warning named ranks: have each write its threads' stacks to its stderr."""
         for group, ranks in self.groups.take_stalls():
             for replica in self.running():
                 joined = self.groups.current(replica.proc.pid)
                 if joined is not None and joined.group == group and joined.rank in ranks and joined.stacks:
-                    self.message(f"{self.name(replica)} is late in a call the others wait for: "
-                                 f"where its threads are:")
+                    _say(f"{self.name(replica)} is late in a call the others wait for: "
+                         f"where its threads are:")
                     self.dump_stacks(replica)
 
     def dump_stacks(self, replica: Replica) -> bool:
-        """Ask ``replica`` for its stacks (a file named by its pid, which its
-        library looks for within a quarter second), if it said it answers
-        (one that has not joined a group, or opted out, does not)."""
+        """Ask ``replica`` for its stacks (a file named by its pid), if it said it answers."""
         joined = self.groups.current(replica.proc.pid)
         if joined is None or not joined.stacks:
             return False
@@ -642,23 +557,11 @@ class Launcher:
 
     def dump_all_stacks(self) -> None:
         """The user asked (SIGUSR1 to the launcher): every replica's stacks."""
-        self.message("every replica's threads, as asked (SIGUSR1):")
+        _say("every replica's threads, as asked (SIGUSR1):")
         for replica in self.running():
             if not self.dump_stacks(replica):
-                self.message(f"{self.name(replica)}: no stacks (it has not joined a group, or "
-                             f"ZCOLLECTIVE_STACKS=0)")
-
-    def status(self) -> int:
-        """0 when every loss was tolerated (saying which there were); else the
-        status of the first that was not."""
-        for loss in self.losses:
-            if not loss.tolerated:  # a shell's status: 128 + N for signal N
-                return loss.code if loss.code > 0 else 128 - loss.code
-        if self.losses:
-            lost = "; ".join(f"{loss.who} {_describe(loss.code)}" for loss in self.losses)
-            self.message(f"the job went on without {len(self.losses)} lost replica"
-                         f"{'s' if len(self.losses) > 1 else ''} ({lost}); every other exited 0")
-        return 0
+                _say(f"{self.name(replica)}: no stacks (it has not joined a group, or "
+                     f"ZCOLLECTIVE_STACKS=0)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -676,7 +579,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         launcher.straggler_summary()
         return code
     except KeyboardInterrupt:
-        launcher.message("interrupted; stopping every replica")
+        _say("interrupted; stopping every replica")
         launcher.stop(signal.SIGINT)
         launcher.join_pumps(timeout=2)
         return 130

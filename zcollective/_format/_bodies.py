@@ -31,14 +31,11 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
          newcomer: bool = False, job: Optional[str] = None, ops: str = "", mail: Optional[str] = None,
          shm: Optional[tuple[int, int]] = None, mail_window: int = 0) -> Message:
-    """JOIN: who this replica is and what it runs (``ops``: the operations it
-    knows, by name); its answers are bound to ``nonce``. ``shm``: it can use
-    shared memory with the ranks on its host, for arrays of at least ``shm[0]``
-    bytes (rank 0's threshold is the group's), and its host has ``shm[1]`` bytes free there.
-    ``lineage``: it joins a group the members of an earlier one form (its session, in
-    hex; ``rank`` and ``num_replicas`` are then its old ones); ``newcomer``: it
-    waits to be admitted to a running group; ``job``: its job's name, if it has one;
-    ``mail_window``: the bytes its mailbox holds at most from each sender (its setting decides)."""
+    """JOIN: who this replica is and what it runs (``ops``: the operations it knows); answers
+    are bound to ``nonce``. ``shm``: its shared-memory threshold and its host's free bytes;
+    ``lineage``: the earlier group's session it forms the next of (``rank``, ``num_replicas``:
+    its old ones); ``newcomer``: it waits to be admitted; ``mail_window``: its mailbox's bound
+    per sender."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
                             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -126,12 +123,10 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
             admitted: Optional[dict[str, Any]] = None, mail: Optional[list[str]] = None,
             shm: Optional[dict[str, Any]] = None, tree: Optional[int] = None,
             mail_windows: Optional[list[int]] = None, **header: Any) -> Message:
-    """WELCOME: the JOIN it answers, how the group frames and signs, its data ports,
-    every rank's address as rank 0 sees it, and, in a group formed from an earlier
-    one, ``renumber``: this member's new ``rank`` and every new rank's ``old`` one; ``shm``:
-    shared memory on each host, as :func:`shared_plan` makes it; ``tree``: small calls climb
-    a tree of this fan-out; ``mail_windows``: each rank's mailbox window (0: not said), which its
-    senders keep to."""
+    """WELCOME: the JOIN it answers, how the group frames and signs, its data ports, every rank's
+    address; ``renumber``: in a group formed from an earlier one, this member's ``rank`` and every
+    rank's ``old`` one; ``shm``: :func:`shared_plan`; ``tree``: the fan-out small calls climb;
+    ``mail_windows``: each rank's mailbox window (0: not said)."""
     body: dict[str, Any] = {"num_replicas": num_replicas, "nonce": nonce, "parts": parts, "mac": mac}
     if data is not None:
         body.update(data=data, data_min=data_min, data_key=data_key)
@@ -278,10 +273,9 @@ MAX_ENDED_CHARS = 1000  # how a rank ended, as FINAL forwards it ("rank 2 (pid 7
 
 def final(sent: list[int], teardown: bool, received: Optional[list[int]] = None,
           lost: Optional[list[int]] = None, calls: Optional[int] = None, **header: Any) -> Message:
-    """FINAL to the coordinator: this rank sends no more point-to-point
-    messages, having sent ``sent[r]`` to rank r (and ``lost[r]`` more that never
-    left it), its program having received ``received[r]`` of rank r's, after
-    ``calls`` collective calls; ``teardown``, or its program ends."""
+    """FINAL to the coordinator: this rank sends no more point-to-point messages, having sent
+    ``sent[r]`` to rank r (``lost[r]`` more never left), received ``received[r]`` of rank r's,
+    made ``calls`` collective calls; by ``teardown``, or its program ends."""
     body: dict[str, Any] = {"sent": sent, "how": "teardown" if teardown else "exit"}
     for key, value in (("received", received), ("lost", lost), ("calls", calls)):
         if value is not None:
@@ -295,9 +289,8 @@ def _counts(value: Any, num_replicas: int) -> bool:
 
 
 def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
-    """A member's FINAL: how many it sent each rank (``sent``), lost on the way
-    (``lost``) and received from each (``received``: None if not said), its
-    calls (None if not said), and whether it called ``teardown``."""
+    """A member's FINAL: ``sent``, ``lost`` and ``received`` by rank, ``calls`` (None: not said),
+    and whether it called ``teardown``."""
     body = msg.body(max(_wire.MAX_JSON_BYTES, 72 * num_replicas))  # (a count is at most 19 digits)
     sent = body.get("sent")
     if not _counts(sent, num_replicas):
@@ -311,9 +304,8 @@ def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
 
 def ended(who: str, received: Optional[int] = None, lost: int = 0, *, teardown: bool = False,
           **header: Any) -> Message:
-    """FINAL to member ``rank``: rank ``root`` sent it its last (``seq`` of them, and ``lost``
-    more that never left it), having received ``received`` of its messages; ``who``: how it
-    ended; ``teardown``: it called teardown (it still takes in until the group closes)."""
+    """FINAL to member ``rank``: rank ``root`` sent its last (``seq`` of them; ``lost`` more never
+    left), received ``received`` of its; ``who``: how it ended; ``teardown``: by teardown."""
     body: dict[str, Any] = {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit",
                             "lost": lost}
     if received is not None:
@@ -409,19 +401,17 @@ def parse_gather_plan(msg: Message, num_replicas: int) -> list[Optional[list[int
 
 
 def shared_status(staged: bool, free: bool) -> bytes:
-    """A rank's word on a shared-memory call (beside its description): it wrote its input
-    when it made the call (``staged``: a rank with nothing to write says it knows the set
-    free); it knows the call's set of slots is ``free``."""
+    """A rank's word on a shared-memory call: it wrote its input at the call (``staged``), and it
+    knows the call's set of slots is ``free``."""
     return _STATUSES[staged, free]
 
 
-_STATUSES = {(s, f): plan(staged=s, free=f) for s in (False, True) for f in (False, True)}  # (made
-# once: a broadcast's readers send one with every call)
+_STATUSES = {(s, f): plan(staged=s, free=f) for s in (False, True) for f in (False, True)}  # sent per call
 
 
 def parse_shared_status(frame: Any) -> tuple[bool, bool]:
     """``(staged, free)`` of :func:`shared_status`, or WireError."""
-    got = _wire._parse_json(frame, 256)
+    got = _wire.parse_json(frame, 256)
     staged, free = got.get("staged"), got.get("free")
     if not (isinstance(staged, bool) and isinstance(free, bool)):
         raise WireError("malformed shared-memory status")
@@ -437,7 +427,7 @@ def shared_call(staged: list[bool], free: list[bool]) -> bytes:
 def parse_shared_call(msg: Message, host: int) -> tuple[bool, bool]:
     """``(staged, free)`` of host ``host`` in a plan's :func:`shared_call`, or WireError."""
     frames = msg.segments[0] if msg.segments else []
-    got = _wire._parse_json(frames[1], MAX_MESSAGE_BYTES) if len(frames) == 2 else {}
+    got = _wire.parse_json(frames[1], MAX_MESSAGE_BYTES) if len(frames) == 2 else {}
     staged, free = got.get("staged"), got.get("free")
     if not (isinstance(staged, list) and isinstance(free, list) and 0 <= host < min(len(staged), len(free))
             and isinstance(staged[host], bool) and isinstance(free[host], bool)):
@@ -453,7 +443,7 @@ def parts_plan(parts: list[list[int]]) -> bytes:
 
 def parse_parts(frame: Any) -> list[list[int]]:
     """The parts of a :func:`parts_plan`, at most MAX_PLAN_FRAMES frames in all, or WireError."""
-    parts = _wire._parse_json(frame, MAX_MESSAGE_BYTES).get("parts")
+    parts = _wire.parse_json(frame, MAX_MESSAGE_BYTES).get("parts")
     if not (isinstance(parts, list) and all(_sizes(p) for p in parts)
             and sum(len(p) for p in parts) <= MAX_PLAN_FRAMES):
         raise WireError(f"malformed shared-memory parts {str(parts)[:100]}")

@@ -1,46 +1,21 @@
-"""Authentication tags for chunks of data, at wire speed.
+"""Authentication tags for chunks of data, at wire speed: one chunk under a *context* the caller
+supplies (the data plane: session, sender, seq, step, chunk index), with the fastest secure MAC
+this process has. Pure functions of bytes. ``benchmarks/mac_cost.py`` measures the candidates.
 
-One chunk of bytes is tagged under a *context* the caller supplies (for the
-data plane: session, sender, seq, step, chunk index), with the fastest secure
-MAC this process has. Pure functions of bytes: knows nothing of sockets,
-frames or messages. ``benchmarks/mac_cost.py`` measures the candidates.
+``poly1305`` (the ``cryptography`` package: ``pip install zcollective[fast-auth]``): the one-time
+key ``k = HMAC-SHA256(K, context)``, the tag ``Poly1305(k, data)``. Secure because Poly1305 under
+a key used once is a Wegman-Carter one-time MAC (a forgery of an L-byte message succeeds with
+probability at most 8 * ceil(L / 16) / 2^106 per try: Bernstein, 2005) and HMAC-SHA256 is a PRF,
+so distinct contexts get independent keys and ``K`` is never exposed: ChaCha20-Poly1305's
+construction (RFC 8439) with HMAC as the PRF. It runs at memory speed, 4-5x HMAC-SHA256.
 
-Backends
---------
-``poly1305`` (needs the ``cryptography`` package: ``pip install
-zcollective[fast-auth]``)
-    Each (context, data) pair gets a one-time key ``k = HMAC-SHA256(K,
-    context)`` (32 bytes: Poly1305's ``r`` and ``s``), and the tag is
-    ``Poly1305(k, data)``. Why this is a secure MAC: Poly1305 under a key used
-    for a single message is a one-time MAC in the Wegman-Carter sense: ``r``
-    selects a polynomial hash with small differential probability and ``s``
-    masks it, so after seeing one tag an attacker forges a tag for any other
-    message of L bytes with probability at most 8 * ceil(L / 16) / 2^106 per
-    attempt (Bernstein, "The Poly1305-AES message-authentication code", 2005).
-    HMAC-SHA256 is a PRF, so the keys of distinct contexts are
-    indistinguishable from independent random keys; each context is then an
-    independent one-time MAC, and the key ``K`` itself is never exposed.
-    This is the construction of ChaCha20-Poly1305 (RFC 8439), with HMAC in
-    place of ChaCha20 as the PRF. Poly1305 runs at memory speed (4-5 GB/s
-    here against ~1 GB/s for HMAC-SHA256).
+``hmac-sha256`` (always): ``HMAC-SHA256(K', len(context) || context || data)`` cut to 16 bytes.
 
-``hmac-sha256`` (always available)
-    ``HMAC-SHA256(K', len(context) || context || data)`` cut to 16 bytes.
-    Secure whatever the contexts, but four times slower.
-
-The caller's contract
----------------------
-**A context must never be used for two different chunks under one secret.**
-With Poly1305, two tags under one one-time key reveal it (``r`` is a root of
-a known polynomial) and let anyone forge. Tagging the *same* chunk again
-under its context is harmless (the tag is the same). The verifier should
-compute the context from its own state (which session, sender, seq, step
-and chunk it expects) rather than read it from the wire: that is what
-refuses a replayed or moved chunk. (``Signer``'s fast tag does read its
-nonce from the wire, and authenticates it, with the header, by HMAC.)
-
-Every ``ChunkMac`` in a group must use the same backend (the tags differ):
-the group agrees on one that every rank has (:func:`available_backends`).
+The caller's contract: **a context never tags two different chunks under one secret** (two
+Poly1305 tags under one key reveal it); tagging the same chunk again is harmless. A verifier
+computes the context from its own state, never from the wire, so a replayed or moved chunk is
+refused (``Signer``'s fast tag reads its nonce from the wire, authenticated by the HMAC). Every
+``ChunkMac`` of a group uses the backend the group agreed on (:func:`available_backends`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""cloudpickle protocol 5 with out-of-band buffers, to and from frames.
-
-A serialized value is a *segment*: the pickle stream, then one frame per large
-contiguous buffer (numpy arrays, PickleBuffer-aware types, CPU torch tensors),
-so large data is never copied into the pickle. Knows nothing of sockets, and
-imports torch only to rebuild a tensor that was sent.
-"""
+"""cloudpickle protocol 5 with out-of-band buffers, to and from frames. A value is a *segment*:
+the pickle, then one frame per large contiguous buffer (numpy arrays, CPU tensors), never copied
+into the pickle. Knows nothing of sockets; imports torch only to rebuild a tensor sent."""
 
 from __future__ import annotations
 
@@ -21,9 +17,8 @@ from ..errors import SerializationError
 
 PROTOCOL = 5  # the first protocol with out-of-band buffers
 INBAND_MAX_BYTES = 1 << 16  # smaller buffers cost less to copy than a frame of their own
-# Builtin scalars pickle identically with the standard pickler, ten times faster
-# than constructing a CloudPickler; anything else may hold a function or class.
-PLAIN_TYPES = frozenset({int, float, bool, str, bytes, type(None), complex})
+PLAIN_TYPES = frozenset({int, float, bool, str, bytes, type(None), complex})  # pickle's own pickler
+# takes these ten times faster than a CloudPickler is made; anything else may hold a function
 CONTAINER_TYPES = (dict, list, tuple)  # ... and these of them (exactly these types, not subclasses)
 PLAIN_MAX_ITEMS = 64  # a container looked through item by item: small ones (a larger one's walk
 # would cost more than the CloudPickler it saves)
@@ -56,29 +51,27 @@ def dumps(value: Any, what: str = "value") -> list[Any]:
 
 
 def _plain(value: Any, budget: list[int]) -> bool:
-    """Is ``value`` :data:`PLAIN_TYPES` all the way down, through at most
-    ``budget[0]`` items of dicts, lists and tuples (spent as it goes)?"""
+    """Is ``value`` :data:`PLAIN_TYPES` all the way down, through at most ``budget[0]`` items of
+    dicts, lists and tuples (spent as it goes)? A flat container costs this one call."""
     kind = type(value)
     if kind in PLAIN_TYPES:
         return True
     if kind is dict:
         budget[0] -= 2 * len(value)
-        return budget[0] >= 0 and _all_plain(value.keys(), budget) and _all_plain(value.values(), budget)
+        keys, values = value.keys(), value.values()
+        return budget[0] >= 0 and (
+            (PLAIN_TYPES.issuperset(map(type, keys)) or all(_plain(x, budget) for x in keys))
+            and (PLAIN_TYPES.issuperset(map(type, values)) or all(_plain(x, budget) for x in values)))
     if kind is list or kind is tuple:
         budget[0] -= len(value)
-        return budget[0] >= 0 and _all_plain(value, budget)
+        return budget[0] >= 0 and (PLAIN_TYPES.issuperset(map(type, value))
+                                   or all(_plain(x, budget) for x in value))
     return False
 
 
-def _all_plain(items: Any, budget: list[int]) -> bool:
-    return PLAIN_TYPES.issuperset(map(type, items)) or all(_plain(x, budget) for x in items)
-
-
 def dumps_function(fn: Any) -> bytes:
-    """Pickle a reduce function. A module-level function of an importable
-    module pickles as a reference (the same bytes every time), so its pickle
-    is kept; lambdas, closures and ``__main__`` functions travel by value and
-    are pickled at each call, as their state may change."""
+    """Pickle a reduce function; an importable module-level one's pickle (a reference) is kept,
+    lambdas, closures and ``__main__`` functions are pickled at each call (their state may change)."""
     try:
         return _by_reference[fn]
     except (KeyError, TypeError):
@@ -101,10 +94,8 @@ def dumps_function(fn: Any) -> bytes:
 
 
 def as_is(fn: Any) -> bool:
-    """May rank 0 hand ``fn`` to the coordinator in its own process as it is,
-    rather than a pickle made at the call? Only when the two cannot differ
-    (see docs/protocol.md, *Frames*): anything else keeps the pickle's
-    snapshot (a lambda made in a loop computes with the loop's value at its call)."""
+    """May rank 0 hand ``fn`` to its coordinator as it is, not pickled? Only when the two cannot
+    differ (docs/protocol.md, *Frames*): a lambda made in a loop keeps the loop's value of its call."""
     try:
         if fn in _by_reference:
             return True
@@ -114,16 +105,24 @@ def as_is(fn: Any) -> bool:
         return False
     if fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__ or fn.__dict__:
         return False
-    return _stateless(fn.__code__)
+    code = fn.__code__  # (_stateless's test, written out: one call less on rank 0's every call)
+    if code.co_names:
+        return False
+    for const in code.co_consts:  # noqa: SIM110 (all() would cost a generator call)
+        if type(const) is types.CodeType and not _stateless(const):
+            return False
+    return True
 
 
 def _stateless(code: types.CodeType) -> bool:
-    """No names looked up (globals, builtins, attributes), here or in any code
-    nested in it (a comprehension's, say: its cells are the function's own,
-    made afresh at each call)."""
+    """No names looked up (globals, builtins, attributes), here or in code nested in it (a
+    comprehension's cells are the function's own, made at each call)."""
     if code.co_names:
         return False
-    return all(_stateless(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    for const in code.co_consts:  # noqa: SIM110
+        if type(const) is types.CodeType and not _stateless(const):
+            return False
+    return True
 
 
 def loads(segment: list[Any], what: str = "value") -> Any:
@@ -136,8 +135,7 @@ def loads(segment: list[Any], what: str = "value") -> Any:
 
 
 def _pickle(value: Any, keep: Callable[[pickle.PickleBuffer], bool]) -> bytes:
-    # torch is looked up, never imported: a program that has not imported it
-    # cannot be sending a tensor, and pays nothing for this path.
+    # torch is looked up, never imported: a program without it sends no tensor
     tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
     if not isinstance(tensor_type, type):
         return cloudpickle.dumps(value, protocol=PROTOCOL, buffer_callback=keep)
@@ -147,12 +145,8 @@ def _pickle(value: Any, keep: Callable[[pickle.PickleBuffer], bool]) -> bytes:
 
 
 class _TensorPickler(cloudpickle.Pickler):
-    """cloudpickle, with plain CPU tensors sent as numpy arrays are: their
-    bytes as one buffer (out of band when large), rebuilt by :func:`_tensor`.
-
-    ``reducer_override`` rather than a ``dispatch_table`` entry: it may decline
-    (``NotImplemented``), so every tensor this path does not take is pickled
-    exactly as torch pickles it, and it is the hook cloudpickle itself uses."""
+    """cloudpickle, with plain CPU tensors sent as numpy arrays are: their bytes as one buffer,
+    rebuilt by :func:`_tensor`. ``reducer_override`` may decline, leaving any other tensor to torch."""
 
     def __init__(self, file: io.BytesIO, tensor_type: type,
                  keep: Callable[[pickle.PickleBuffer], bool]) -> None:
@@ -168,16 +162,14 @@ class _TensorPickler(cloudpickle.Pickler):
 
 
 def _reduce_tensor(tensor: Any) -> Any:
-    """``(_tensor, (bytes, dtype name, shape))`` for a plain CPU tensor, else
-    ``NotImplemented`` (torch's own pickling)."""
+    """``(_tensor, (bytes, dtype name, shape))`` for a plain CPU tensor, else ``NotImplemented``."""
     if (tensor.requires_grad  # autograd state travels as torch pickles it
             or tensor.device.type != "cpu" or tensor.layout is not _torch().strided
             or tensor.is_quantized or tensor.is_nested
             or getattr(tensor, "has_names", bool)()  # named tensors (older torch): pickling refuses them
             or tensor.__dict__):  # Python attributes, which torch's pickle keeps
         return NotImplemented
-    # A strided view is made contiguous (one copy of the visible elements;
-    # torch's pickle copies its whole storage), as numpy does for its own.
+    # a strided view is made contiguous (torch's pickle copies its whole storage)
     flat = tensor.contiguous().resolve_conj().resolve_neg().reshape(-1)
     try:
         data = flat.view(_torch().uint8).numpy()  # shares the tensor's memory
@@ -188,8 +180,7 @@ def _reduce_tensor(tensor: Any) -> Any:
 
 
 def _tensor(data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
-    """Rebuild a tensor from its bytes, sharing their memory (a received
-    frame is writable, so the default reduce function adds in place)."""
+    """Rebuild a tensor from its bytes, sharing their memory (a received frame is writable)."""
     torch = _torch()
     kind = getattr(torch, dtype)
     view = memoryview(data)

@@ -15,26 +15,12 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .._limits import WIRE_PART_BYTES
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 15  # bump on any change to the layout below (2: BYE; recipient-bound headers;
-# 3: the data plane: FLAG_DATA, data endpoints in JOIN and WELCOME; 4: BYE is answered;
-# 5: data ports check tokens without a secret too, under a data key in WELCOME; 6: PROBE, TAKEN,
-# and the coordinator's last BYE (FLAG_LAST), answered; 7: elastic groups: a JOIN's lineage and
-# newcomer mark, a WELCOME's addresses, renumbering and admission, the GROW call; 8: a JOIN's
-# job, which rank 0 compares with its own; the SHRINK call, a FAIL's dead ranks, the NotFormingHere
-# refusal; 9: the op byte is the rules' to check (zcollective._protocol._ops), a JOIN names the
-# operations its replica knows; 10: SEND, CREDIT and ASK, point to point, and a JOIN's mailbox;
-# 11: FINAL, a rank's last point-to-point message counted, through the coordinator; FLAG_INLINE;
-# 12: shared memory on one host: a JOIN's shm, a WELCOME's hosts, SYNC; 13: a WELCOME's hosts
-# may be several, for an allreduce through each host's memory and a ring between their leaders;
-# 14: the tree of a large group's small calls: UP, a WELCOME's tree; 15: features that compose:
-# a FINAL's received, lost and calls, and how its rank ended to each rank; mailbox windows in
-# JOIN and WELCOME; a new shared-memory segment made after a sync of every rank of its host;
-# split's third round, and the kind of sub-group in a round's root)
+PROTOCOL_VERSION = 15  # bump on any change to the layout below; what each version added: CHANGELOG.md
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
@@ -119,17 +105,10 @@ class AuthError(WireError):
 
 
 class Signer:
-    """HMAC-SHA256 over every frame and its length, keyed from the job's secret:
-    the frames after the header first, then the header, so one payload is
-    hashed once and bound to each recipient's header (:meth:`payload`,
-    :meth:`bind`). With ``fast`` (every rank has ``cryptography``), a payload
-    holding a frame of :data:`FAST_MAC_MIN_BYTES` or more gets the fast tag
-    instead; either tag is verified, whatever ``fast`` says. Both tags: see
-    docs/protocol.md, *Frames*. The fast tag is secure because the HMAC
-    covers everything but the large frames' bytes, and a different frame with
-    the same Poly1305 tag under a secret one-time key (never revealed: the
-    chunk tags are not sent) is found with probability below 2^-75 per try,
-    even for a frame of 2 GiB (and a failed try fails the group).
+    """HMAC-SHA256 over every frame and its length, keyed from the job's secret: the payload
+    hashed once (:meth:`payload`), then bound to each recipient's header (:meth:`bind`). With
+    ``fast``, a frame of :data:`FAST_MAC_MIN_BYTES` or more is tagged by Poly1305 under a one-time
+    key inside the HMAC (the fast tag); either tag verifies. Why it is secure: docs/protocol.md, *Frames*.
     """
 
     def __init__(self, secret: bytes, fast: bool = False) -> None:
@@ -146,10 +125,8 @@ class Signer:
         self.fast = fast and self._chunks is not None
 
     def to(self, rank: int) -> Signer:
-        """The signer of what goes to ``rank``'s mailbox: its key derived
-        from the secret and that rank, so a message made for one rank's
-        mailbox does not verify at another's (a header names the sender, not
-        the recipient; moved, a message would be taken as the sender's)."""
+        """The signer of what goes to ``rank``'s mailbox, keyed by that rank too: a message moved
+        to another mailbox does not verify (a header names the sender, not the recipient)."""
         signer = self._to.get((rank, self.fast))
         if signer is None:
             mailbox = hmac.new(self._secret, MAILBOX_KEY_LABEL + str(rank).encode(), hashlib.sha256).digest()
@@ -249,12 +226,11 @@ class Message:
         """The JSON body of a control message (an empty dict if there is none)."""
         if not self.segments:
             return {}
-        return _parse_json(self.segments[0][0], limit)
+        return parse_json(self.segments[0][0], limit)
 
 
 def join_token(nonce: str) -> int:
-    """The 64-bit token of a JOIN's nonce (hex): until a replica is welcomed,
-    messages to it carry this as their session, binding them to its JOIN."""
+    """The 64-bit token of a JOIN's nonce (hex): the session of messages to it until welcomed."""
     head = nonce[:16]
     if len(head) < 16 or not all(c in "0123456789abcdefABCDEF" for c in head):
         return 0  # int(x, 16) would also take signs, spaces and underscores
@@ -262,8 +238,7 @@ def join_token(nonce: str) -> int:
 
 
 def error_note(message: str) -> list[list[Any]]:
-    """The segments of a contribution flagged ``FLAG_LOCAL_ERROR``: its
-    sender's own error, so every rank's call at that seq fails with it."""
+    """The segments of a contribution flagged ``FLAG_LOCAL_ERROR``: its sender's own error."""
     return control(Kind.ERROR, {"message": message}).segments
 
 
@@ -273,7 +248,8 @@ def control(kind: Kind, body: dict[str, Any], **header: Any) -> Message:
     return Message(kind, segments=[[data]], **header)
 
 
-def _parse_json(frame: Any, limit: int) -> dict[str, Any]:
+def parse_json(frame: Any, limit: int) -> dict[str, Any]:
+    """The JSON object in ``frame``; WireError if it is longer than ``limit`` bytes or not one."""
     raw = memoryview(frame)
     if raw.nbytes > limit:
         raise WireError(f"control body of {raw.nbytes} bytes exceeds {limit}")
@@ -291,65 +267,55 @@ def _parse_json(frame: Any, limit: int) -> dict[str, Any]:
 def encode(msg: Message, signer: Optional[Signer] = None,
            cache: Optional[dict[tuple[int, int, str], Any]] = None,
            part_bytes: int = WIRE_PART_BYTES) -> list[Any]:
-    """The frames of ``msg``, tagged when there is a ``signer``; buffers of
-    segments are passed through uncopied, those above ``part_bytes`` as
-    slices (see docs/protocol.md, *Frames*). ``cache`` keeps, by the identity
-    of ``msg.segments`` and ``msg.fn`` (and the call site), a payload built and
-    hashed once for the messages that share it (one result for N ranks); the
-    caller keeps them alive while the cache is in use."""
-    if cache is None:
-        suffix, tail, mac, parts = _payload(msg, signer, part_bytes)
+    """The frames of ``msg``, tagged when there is a ``signer``; buffers pass uncopied, those
+    above ``part_bytes`` as slices (docs/protocol.md, *Frames*). ``cache`` keeps the payload
+    (layout, parts table, call site, frames, MAC state) by the identity of ``msg.segments`` and
+    ``msg.fn``, built and hashed once for the messages that share it; the caller keeps them alive."""
+    segments = msg.segments
+    key: Any = None
+    payload = None
+    if cache is not None:
+        key = (id(segments), id(msg.fn), msg.callsite)
+        payload = cache.get(key)
+    if payload is None:
+        site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES] if msg.callsite else b""
+        parts = 0
+        if len(segments) == 1 and msg.fn is None:  # a small call's shape: no list to build
+            tail = segments[0]
+            suffix = _ONE_COUNT.pack(len(tail))
+            if (msg.kind in _INLINE_KINDS and len(tail) == 1 and type(tail[0]) is bytes and not site
+                    and len(tail[0]) <= INLINE_MAX_BYTES):  # a small point-to-point value: one frame
+                suffix, tail, parts = suffix + tail[0], [], FLAG_INLINE
+        else:
+            suffix = struct.pack(f"<{len(segments)}I", *map(len, segments)) if segments else b""
+            tail = [] if msg.fn is None else [msg.fn]
+            for seg in segments:
+                tail.extend(seg)
+        if not parts and not (len(tail) == 1 and type(tail[0]) is bytes and len(tail[0]) <= part_bytes):
+            tail, table = split_parts(tail, part_bytes)
+            if table:
+                suffix, parts = suffix + table, FLAG_PARTS
+        suffix += site
+        mac = signer.payload(tail) if signer is not None else None
+        if cache is not None:
+            cache[key] = (suffix, tail, mac, parts)
     else:
-        key = (id(msg.segments), id(msg.fn), msg.callsite)
-        cached = cache.get(key)
-        if cached is None:
-            cached = cache[key] = _payload(msg, signer, part_bytes)
-        suffix, tail, mac, parts = cached
-    flags = (msg.flags | parts | (FLAG_FN if msg.fn is not None else 0)
-             | (FLAG_AUTH if signer else 0))
+        suffix, tail, mac, parts = payload
+    flags = msg.flags | parts | (FLAG_FN if msg.fn is not None else 0) | (FLAG_AUTH if signer else 0)
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.kind, msg.op, flags,
-                         msg.rank, msg.root, msg.seq, msg.session, len(msg.segments)) + suffix
+                         msg.rank, msg.root, msg.seq, msg.session, len(segments)) + suffix
     if signer is None:
         return [header, *tail]
     return [header, *tail, signer.bind(mac, header)]
 
 
-def _payload(msg: Message, signer: Optional[Signer], part_bytes: int) -> tuple[bytes, list[Any], Any, int]:
-    """What :func:`encode` puts after the fixed header (layout, parts table,
-    call site), the frames after the header, their MAC state and the parts flag."""
-    segments = msg.segments
-    site = msg.callsite.encode("utf-8", "replace")[:MAX_CALLSITE_BYTES] if msg.callsite else b""
-    if len(segments) == 1 and msg.fn is None:  # a small call's shape: no list to build
-        tail = segments[0]
-        if (msg.kind in _INLINE_KINDS and len(tail) == 1 and type(tail[0]) is bytes and not site
-                and len(tail[0]) <= INLINE_MAX_BYTES):  # a small point-to-point value: one frame
-            mac = signer.payload([]) if signer is not None else None
-            return _INLINE_COUNT + tail[0], [], mac, FLAG_INLINE
-        suffix = _ONE_COUNT.pack(len(tail))
-    else:
-        suffix = struct.pack(f"<{len(segments)}I", *map(len, segments)) if segments else b""
-        tail = [] if msg.fn is None else [msg.fn]
-        for seg in segments:
-            tail.extend(seg)
-    if len(tail) == 1 and type(tail[0]) is bytes and len(tail[0]) <= part_bytes:
-        table = b""  # (split_parts' answer for one small pickle)
-    else:
-        tail, table = split_parts(tail, part_bytes)
-    if table or site:
-        suffix += table + site
-    mac = signer.payload(tail) if signer is not None else None
-    return suffix, tail, mac, FLAG_PARTS if table else 0
-
-
 _ONE_COUNT = struct.Struct("<I")
 _INLINE_KINDS = frozenset((Kind.SEND,))  # the kinds whose one small frame may go inline
-_INLINE_COUNT = _ONE_COUNT.pack(1)
 
 
 def split_parts(frames: list[Any], part_bytes: int = WIRE_PART_BYTES) -> tuple[list[Any], bytes]:
-    """``frames`` with each one above ``part_bytes`` replaced by its parts
-    (slices of it, not copies), and the parts table that undoes it (``b""``
-    when nothing was split: ``frames`` itself is returned)."""
+    """``frames`` with each above ``part_bytes`` replaced by its parts (slices), and the parts
+    table that undoes it (``b""``, and ``frames`` itself, when nothing was split)."""
     rows: list[bytes] = []
     out: list[Any] = frames
     for index, frame in enumerate(frames):
@@ -371,10 +337,8 @@ def split_parts(frames: list[Any], part_bytes: int = WIRE_PART_BYTES) -> tuple[l
 
 def join_parts(frames: Sequence[Any], table: Sequence[tuple[int, int, int]],
                max_frame_bytes: Optional[int] = None) -> list[Any]:
-    """The frames after the header with each split frame's parts joined back
-    into one buffer (one copy, only of split frames), as the parts ``table``
-    says; WireError, before anything is copied, if a row does not match the
-    frames or a joined frame would exceed ``max_frame_bytes``."""
+    """The frames after the header, each split frame's parts joined back into one buffer as
+    ``table`` says; WireError, before any copy, if a row does not match or exceeds ``max_frame_bytes``."""
     out: list[Any] = []
     pos = 0  # in frames
     nxt = 0  # the index of the next frame of the message
@@ -399,9 +363,14 @@ def join_parts(frames: Sequence[Any], table: Sequence[tuple[int, int, int]],
 
 
 def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
-           signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None) -> Message:
+           signer: Optional[Signer] = None, max_frame_bytes: Optional[int] = None,
+           *, whole: Optional[Callable[..., Any]] = None) -> Message:
     """Parse frames into a :class:`Message`, validating shape before unpacking
     (what is checked, in which order: see docs/protocol.md, *Frames*).
+
+    The common shape (one segment, no reduce function, no parts, ``FLAG_AUTH`` set when
+    signed) is decoded here; anything else goes to ``whole`` (:func:`_decode_whole`, which
+    accepts all this accepts, into the same message: ``tests/test_wire.py`` compares them).
 
     Raises
     ------
@@ -418,16 +387,50 @@ def decode(frames: Sequence[Any], max_frames: int = DEFAULT_MAX_FRAMES,
         raise WireError(f"{len(frames)} frames exceed the bound of {max_frames}")
     if signer is not None:
         frames = signer.verify(frames)
-    simple = _decode_simple(frames, signer is not None)
-    if simple is not None:
-        return simple
-    return _decode_whole(frames, max_frames, signer is not None, max_frame_bytes)
+    signed = signer is not None
+    if whole is None:
+        whole = _decode_whole
+    head = memoryview(frames[0])
+    size = head.nbytes
+    if size < _HEADER_ONE_SEGMENT.size:
+        return whole(frames, max_frames, signed, max_frame_bytes)
+    magic, version, kind, op, flags, rank, root, seq, session, nseg, count = \
+        _HEADER_ONE_SEGMENT.unpack_from(head)
+    if (magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1 or flags & _NOT_SIMPLE
+            or bool(flags & FLAG_AUTH) is not signed):
+        return whole(frames, max_frames, signed, max_frame_bytes)
+    kind_ = KINDS.get(kind)
+    if flags & FLAG_INLINE:  # a small point-to-point value
+        if (count != 1 or len(frames) != 1 or kind_ not in _INLINE_KINDS
+                or size > _HEADER_ONE_SEGMENT.size + INLINE_MAX_BYTES or size == _HEADER_ONE_SEGMENT.size):
+            return whole(frames, max_frames, signed, max_frame_bytes)
+        return Message(kind_, op, rank, root, seq, session, "", flags, None,  # type: ignore[arg-type]
+                       [[head[_HEADER_ONE_SEGMENT.size:]]])
+    if (size > _SIMPLE_MAX_BYTES or count != len(frames) - 1 or not count or kind_ is None
+            or (count != 1 and kind_ in CONTROL_KINDS)):
+        return whole(frames, max_frames, signed, max_frame_bytes)
+    callsite = head[_HEADER_ONE_SEGMENT.size:].tobytes().decode("utf-8", "replace") if (
+        size > _HEADER_ONE_SEGMENT.size) else ""  # (a replica's contribution)
+    return Message(kind_, op, rank, root, seq, session, callsite, flags, None, [list(frames[1:])])
+
+
+class _Verified:
+    """A signer whose frames were verified already (for :func:`_decode_simple`)."""
+
+    @staticmethod
+    def verify(frames: Sequence[Any]) -> Sequence[Any]:
+        return frames
+
+
+def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
+    """:func:`decode`'s answer for the common shape alone, or None where it takes the whole way."""
+    return decode(frames, signer=_Verified() if signed else None,  # type: ignore[arg-type]
+                  whole=lambda *_: None)
 
 
 def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
                   max_frame_bytes: Optional[int]) -> Message:
-    """:func:`decode` after the frame count bound and the tag (``signed``:
-    verified and stripped): every rule in turn."""
+    """:func:`decode` after the frame bound and the tag (``signed``: stripped): every rule in turn."""
     head = memoryview(frames[0])
     if head.nbytes < 3 or head[:2].tobytes() != MAGIC:
         raise WireError("no zcollective header (bad magic)")
@@ -484,8 +487,7 @@ def _decode_whole(frames: Sequence[Any], max_frames: int, signed: bool,
 
 def _decode_inline(head: memoryview, frames: Sequence[Any], end: int, signed: bool,
                    fields: tuple[int, ...]) -> Message:
-    """:func:`_decode_whole` for ``FLAG_INLINE``: one frame, which holds the
-    one segment's one frame after the layout."""
+    """:func:`_decode_whole` for ``FLAG_INLINE``: the value follows the layout in the header frame."""
     kind, op, flags, rank, root, seq, session, nseg = fields
     if not signed and flags & FLAG_AUTH:
         frames = frames[:-1]  # a tag this side cannot check
@@ -508,42 +510,8 @@ _SIMPLE_MAX_BYTES = _HEADER_ONE_SEGMENT.size + MAX_CALLSITE_BYTES
 _NOT_SIMPLE = FLAG_FN | FLAG_PARTS
 
 
-def _decode_simple(frames: Sequence[Any], signed: bool) -> Optional[Message]:
-    """:func:`decode`'s answer for the common shape (one segment, no reduce
-    function, no parts, ``FLAG_AUTH`` set when ``signed``), or None to take
-    the whole way: it accepts only what :func:`_decode_whole` accepts, into
-    the same :class:`Message` (``tests/test_wire.py`` compares them)."""
-    head = memoryview(frames[0])
-    size = head.nbytes
-    if size < _HEADER_ONE_SEGMENT.size:
-        return None
-    magic, version, kind, op, flags, rank, root, seq, session, nseg, count = \
-        _HEADER_ONE_SEGMENT.unpack_from(head)
-    if flags & FLAG_INLINE:  # (a small point-to-point value)
-        if (magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1 or count != 1 or len(frames) != 1
-                or flags & _NOT_SIMPLE or bool(flags & FLAG_AUTH) is not signed
-                or not _HEADER_ONE_SEGMENT.size < size <= _HEADER_ONE_SEGMENT.size + INLINE_MAX_BYTES):
-            return None
-        kind_ = KINDS.get(kind)
-        if kind_ not in _INLINE_KINDS:
-            return None
-        return Message(kind_, op, rank, root, seq, session, "", flags, None,
-                       [[head[_HEADER_ONE_SEGMENT.size:]]])
-    if (size > _SIMPLE_MAX_BYTES or magic != MAGIC or version != PROTOCOL_VERSION or nseg != 1
-            or flags & _NOT_SIMPLE or bool(flags & FLAG_AUTH) is not signed or count != len(frames) - 1
-            or not count):
-        return None
-    kind_ = KINDS.get(kind)
-    if kind_ is None or (count != 1 and kind_ in CONTROL_KINDS):
-        return None
-    callsite = head[_HEADER_ONE_SEGMENT.size:].tobytes().decode("utf-8", "replace") if (
-        size > _HEADER_ONE_SEGMENT.size) else ""  # (a replica's contribution)
-    return Message(kind_, op, rank, root, seq, session, callsite, flags, None, [list(frames[1:])])
-
-
 def owned(msg: Message) -> Message:
-    """``msg`` with every buffer its own copy, as a socket would copy it between
-    rank 0's member and the coordinator (why: see docs/protocol.md, *Drivers*)."""
+    """``msg`` with every buffer its own copy, as a socket would make (docs/protocol.md, *Drivers*)."""
     segments = msg.segments
     if not segments or (len(segments) == 1 and len(segments[0]) == 1 and type(segments[0][0]) is bytes):
         return msg  # (a small call's: one immutable frame, nothing to copy)

@@ -1,16 +1,10 @@
 """Arguments and environment variables to one validated :class:`Config`.
 
-Every setting is one row of :data:`SETTINGS`: its argument, type,
-environment variables, conversion, default, check and meaning. :func:`resolve`
-is a loop over the rows; :func:`takes_settings` holds every signature that
-takes the settings (``resolve``, ``zcollective.initialize``,
-``zcollective.Group``) to the rows and writes their "Parameters" section; a
-test holds the README's configuration table to them.
-
-Precedence (argument, environment, the launcher of :data:`LAUNCHERS`, default):
-see docs/launching.md. Every malformed value is a ``ValueError`` that names
-the argument or variable it came from, and its value. This module knows
-nothing of sockets.
+Every setting is one row of :data:`SETTINGS` (argument, type, variables, conversion, default,
+check, meaning); :func:`resolve` loops over the rows, and :func:`takes_settings` holds every
+signature that takes them to the rows and writes its "Parameters". Precedence (argument,
+environment, the launcher of :data:`LAUNCHERS`, default): docs/launching.md. A malformed value
+is a ``ValueError`` naming where it came from. Knows nothing of sockets.
 """
 
 from __future__ import annotations
@@ -18,15 +12,13 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import math
 import os
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
-from ._hostlist import first_host
-from ._limits import (
+from .._limits import (
     DEFAULT_INIT_TIMEOUT_S,
     DEFAULT_LIVENESS_S,
     DEFAULT_OP_TIMEOUT_S,
@@ -35,6 +27,18 @@ from ._limits import (
     MAX_LIVENESS_S,
     MIN_LIVENESS_S,
 )
+from . import _values  # the conversions and checks the table names
+from ._launchers import LAUNCHERS as LAUNCHERS
+from ._launchers import LOOPBACK as LOOPBACK
+from ._launchers import SLURM_PORT_BASE as SLURM_PORT_BASE
+from ._launchers import SLURM_PORT_SPAN as SLURM_PORT_SPAN
+from ._launchers import LaunchedBy, launcher_of, launcher_variables
+from ._launchers import Reader as Reader
+from ._values import JOB_NAMERS as JOB_NAMERS
+from ._values import LOG_CHOICES, MIN_SECRET_BYTES, Origin, converted, variable
+from ._values import SHARED_MEMORY_OFF as SHARED_MEMORY_OFF
+from ._values import TORCHRUN_AGENT_STORE as TORCHRUN_AGENT_STORE
+from ._values import TORCHRUN_UNNAMED_RUN as TORCHRUN_UNNAMED_RUN
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"  # one machine needs no configuration at all
 DEFAULT_MASTER_PORT = 29457  # near torchrun's 29500 range but not on it, so both fit in one job
@@ -54,19 +58,9 @@ TREE_CHOICES = ("auto", "on", "off")
 DEFAULT_DATA_PLANE_MIN_BYTES = 1 << 20  # below this an array keeps the star (benchmarks/README.md)
 DEFAULT_SHARED_MEMORY_MIN_BYTES = 1 << 14  # from here values on one host go through shared memory
 # (at 4-8 KiB the star's one message was as fast, at 16 KiB 10-30% slower: benchmarks/README.md)
-SHARED_MEMORY_OFF = "off"
 DEFAULT_MAIL_WINDOW_BYTES = 64 << 20  # what one sender may leave unreceived at one receiver
-MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
 ALL_INTERFACES = ("*", "0.0.0.0", "::")
-LOOPBACK = "127.0.0.1"  # MPI ranks all on one host find rank 0 here
-SLURM_PORT_BASE = 20000  # Slurm's port is BASE + SLURM_JOB_ID % SPAN: 20000-29999, below Linux's
-SLURM_PORT_SPAN = 10000  # ephemeral ports (32768+) and IANA's (49152+); jobs collide 10000 ids apart
-TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": torchrun's agent holds MASTER_PORT
 JOB_ENV = "ZCOLLECTIVE_JOB"
-JOB_NAMERS = {"ADAPTDL_JOB_ID": "adaptdl job", "TORCHELASTIC_RUN_ID": "torchrun run"}  # variables
-# that name the job -> what their value is called, so an error says whose name it is
-TORCHRUN_UNNAMED_RUN = "none"  # torchrun's default --rdzv-id: every run not --standalone has it
-T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -111,191 +105,6 @@ class Config:
         return "*" if host in ALL_INTERFACES else host
 
 
-# -- where a value came from -------------------------------------------------
-
-
-class Origin(NamedTuple):
-    """Where a setting's value came from."""
-
-    raw: Any  # the value as found, before conversion
-    source: str  # "argument replica_rank", "environment variable RANK", "the default", ...
-    shown: str  # how error messages quote it: source and raw value (never a secret's)
-
-
-def _variable(env: Mapping[str, str], name: str, secret: bool = False) -> Optional[Origin]:
-    raw = env.get(name)
-    if raw is not None and not secret:
-        raw = raw.strip()
-    if not raw:  # set but empty counts as unset
-        return None
-    source = f"environment variable {name}"
-    return Origin(raw, source, source if secret else f"{source}={raw!r}")
-
-
-def _converted(found: Origin, convert: Callable[[Any], T]) -> T:
-    """``convert(found.raw)``; its ValueError quotes where the value came from."""
-    try:
-        return convert(found.raw)
-    except ValueError as exc:
-        raise ValueError(f"{found.shown} {exc}") from None
-
-
-# -- conversions: raw value -> value, or ValueError(what is wrong) -----------
-
-
-def _integer(raw: Any) -> int:
-    if isinstance(raw, bool):
-        raise ValueError("is not an integer")
-    if isinstance(raw, int):
-        return raw
-    try:
-        return int(str(raw), 10)
-    except ValueError:
-        raise ValueError("is not an integer") from None
-
-
-def _boolean(raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("is not a boolean (1/0, true/false, yes/no, on/off)")
-
-
-def _seconds(raw: Any, unbounded: bool = False) -> Optional[float]:
-    """Positive seconds; with ``unbounded``, None and infinity mean no bound."""
-    if unbounded and (raw is None or isinstance(raw, str) and raw.lower() in ("none", "inf", "infinity")):
-        return None
-    try:
-        seconds = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError("is not a number of seconds") from None
-    if math.isinf(seconds) and unbounded:
-        return None
-    if not seconds > 0 or math.isnan(seconds):
-        raise ValueError("must be a positive number of seconds")
-    return seconds
-
-
-def _seconds_or_none(raw: Any) -> Optional[float]:
-    return _seconds(raw, unbounded=True)
-
-
-def _seconds_or_zero(raw: Any) -> Optional[float]:
-    """Positive seconds, or 0 (None): off."""
-    try:
-        if float(raw) == 0:
-            return None
-    except (TypeError, ValueError):
-        pass
-    return _seconds(raw)
-
-
-def _bytes_or_off(raw: Any) -> Optional[int]:
-    """A number of bytes (0 or more), or ``off`` (None)."""
-    if isinstance(raw, str) and raw.strip().lower() == SHARED_MEMORY_OFF:
-        return None
-    try:
-        value = _integer(raw)
-    except ValueError:
-        raise ValueError(f"is neither a number of bytes nor {SHARED_MEMORY_OFF!r}") from None
-    if value < 0:
-        raise ValueError("must be 0 or more bytes, or 'off'")
-    return value
-
-
-def _text(raw: Any) -> str:
-    if not isinstance(raw, str):
-        raise ValueError(f"must be a str, not {type(raw).__name__}")
-    return raw
-
-
-def _secret_bytes(raw: Any) -> bytes:
-    if isinstance(raw, str):
-        raw = raw.encode()
-    if not isinstance(raw, bytes):
-        raise ValueError(f"must be bytes or str, not {type(raw).__name__}")
-    return raw
-
-
-# -- checks: value -> what is wrong with it, or None -------------------------
-
-
-def _host_problem(addr: str) -> Optional[str]:
-    bad = not addr or addr.startswith("-") or any(c.isspace() or c in "/;,'\"" for c in addr)
-    return "is not a host name or IP address" if bad else None
-
-
-def _port_problem(port: int) -> Optional[str]:
-    return None if 0 <= port <= 65535 else "is not a TCP port (1 to 65535)"
-
-
-def _liveness_problem(seconds: float) -> Optional[str]:
-    if seconds > MAX_LIVENESS_S:  # libzmq takes heartbeat times as int milliseconds
-        return f"is above the maximum of {MAX_LIVENESS_S:g} s"
-    return None if seconds >= MIN_LIVENESS_S else f"is below the minimum of {MIN_LIVENESS_S} s"
-
-
-def _secret_problem(secret: bytes) -> Optional[str]:
-    if len(secret) >= MIN_SECRET_BYTES:
-        return None
-    return (f"is {len(secret)} bytes long; use at least {MIN_SECRET_BYTES} "
-            f"(for instance: python -c 'import secrets; print(secrets.token_hex(32))')")
-
-
-def _bind_problem(addr: str) -> Optional[str]:
-    bad = not addr or any(c.isspace() or c == "/" for c in addr)
-    return "is not an address to bind" if bad else None
-
-
-def _at_least(low: int) -> Callable[[int], Optional[str]]:
-    problem = "must be 0 or more" if low == 0 else f"must be at least {low}"
-    return lambda n: None if n >= low else problem
-
-
-def _one_of(choices: tuple[str, ...]) -> Callable[[str], Optional[str]]:
-    return lambda value: None if value in choices else f"must be one of {', '.join(map(repr, choices))}"
-
-
-LOG_CHOICES = ("", "calls")
-
-
-def _job_problem(name: str) -> Optional[str]:
-    if not name.strip():
-        return "is empty"
-    if len(name) > MAX_JOB_CHARS:
-        return f"is {len(name)} characters long; use at most {MAX_JOB_CHARS}"
-    return None if name.isprintable() else "has characters that do not print"
-
-
-# -- adjustments: a value found in the environment -> the value it stands for -
-
-
-def _beside_torchrun_agent(found: Origin, env: Mapping[str, str]) -> Origin:
-    """torchrun's agent itself listens on MASTER_PORT when it says TORCHELASTIC_USE_AGENT_STORE=True
-    (its workers' torch.distributed stores connect there): the coordinator takes the next port."""
-    if found.source != "environment variable MASTER_PORT" or env.get(TORCHRUN_AGENT_STORE) != "True":
-        return found
-    port = _converted(found, _integer) + 1
-    return Origin(port, "environment variable MASTER_PORT, plus 1",
-                  f"{found.shown} plus 1 ({TORCHRUN_AGENT_STORE}='True': torchrun's agent listens "
-                  f"on MASTER_PORT itself), {port},")
-
-
-def _named_job(found: Origin, env: Mapping[str, str]) -> Optional[Origin]:
-    """adaptdl's job id or torchrun's run id, called so ("torchrun run 8f3c..."); torchrun's
-    default run id names no run. ZCOLLECTIVE_JOB is the user's name, as it is."""
-    kind = JOB_NAMERS.get(found.source.removeprefix("environment variable "))
-    if kind is None:
-        return found
-    if kind == JOB_NAMERS["TORCHELASTIC_RUN_ID"] and found.raw == TORCHRUN_UNNAMED_RUN:
-        return None
-    return found._replace(raw=f"{kind} {found.raw}")
-
-
 @dataclass(frozen=True)
 class Setting:
     """One setting: its argument, where else it comes from, how it is read, what it means."""
@@ -326,81 +135,81 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("master_addr", "Optional[str]", DEFAULT_MASTER_ADDR, str, check=_host_problem,
+    Setting("master_addr", "Optional[str]", DEFAULT_MASTER_ADDR, str, check=_values.host_problem,
             env=("ZCOLLECTIVE_MASTER_ADDR", "ADAPTDL_MASTER_ADDR", "MASTER_ADDR"),
             doc="Host name or IP address of rank 0, which hosts the coordinator; every replica "
                 "must reach it there."),
-    Setting("master_port", "Optional[int]", DEFAULT_MASTER_PORT, _integer, check=_port_problem,
+    Setting("master_port", "Optional[int]", DEFAULT_MASTER_PORT, _values.to_int, check=_values.port_problem,
             env=("ZCOLLECTIVE_MASTER_PORT", "ADAPTDL_MASTER_PORT", "MASTER_PORT"),
-            adjust=_beside_torchrun_agent,
+            adjust=_values.beside_torchrun_agent,
             doc="TCP port of the coordinator, the same on every replica (0 only with one "
                 "replica, which binds nothing)."),
-    Setting("replica_rank", "Optional[int]", DEFAULT_RANK, _integer, config_field="rank",
+    Setting("replica_rank", "Optional[int]", DEFAULT_RANK, _values.to_int, config_field="rank",
             env=("ZCOLLECTIVE_REPLICA_RANK", "ADAPTDL_REPLICA_RANK", "RANK"),
             doc="This replica's rank, from 0 to the number of replicas minus 1."),
-    Setting("num_replicas", "Optional[int]", DEFAULT_NUM_REPLICAS, _integer, check=_at_least(1),
+    Setting("num_replicas", "Optional[int]", DEFAULT_NUM_REPLICAS, _values.to_int, check=_values.at_least(1),
             env=("ZCOLLECTIVE_NUM_REPLICAS", "ADAPTDL_NUM_REPLICAS", "WORLD_SIZE"),
             doc="The number of replicas in the group, the same on every replica."),
-    Setting("timeout", "Optional[float]", DEFAULT_INIT_TIMEOUT_S, _seconds_or_none,
+    Setting("timeout", "Optional[float]", DEFAULT_INIT_TIMEOUT_S, _values.to_seconds_or_none,
             config_field="init_timeout", none_is_value=True,
             doc="Seconds to wait for every replica to join (``None``: no bound)."),
-    Setting("op_timeout", "Optional[float]", DEFAULT_OP_TIMEOUT_S, _seconds_or_none,
+    Setting("op_timeout", "Optional[float]", DEFAULT_OP_TIMEOUT_S, _values.to_seconds_or_none,
             env=("ZCOLLECTIVE_TIMEOUT",),
             doc="Default timeout, in seconds, of every blocking call; ``math.inf`` (``inf`` in "
                 "the environment) for no bound."),
-    Setting("warn_after", "Optional[float]", DEFAULT_WARN_AFTER_S, _seconds_or_zero,
+    Setting("warn_after", "Optional[float]", DEFAULT_WARN_AFTER_S, _values.to_seconds_or_zero,
             env=("ZCOLLECTIVE_WARN_AFTER",),
             doc="Seconds a call (or the join) may wait before the ranks it waits for are named "
                 "in a warning, on rank 0 and on the ranks waiting (again at 2, 4 and 8 times "
                 "this, then when it ends); 0 for no warnings."),
-    Setting("liveness_timeout", "Optional[float]", DEFAULT_LIVENESS_S, _seconds,
-            check=_liveness_problem, env=("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
+    Setting("liveness_timeout", "Optional[float]", DEFAULT_LIVENESS_S, _values.to_seconds,
+            check=_values.liveness_problem, env=("ZCOLLECTIVE_LIVENESS_TIMEOUT",),
             doc=f"Seconds after which a silent peer is declared lost ({MIN_LIVENESS_S:g} to "
                 f"{MAX_LIVENESS_S:g})."),
-    Setting("max_frame_bytes", "Optional[int]", DEFAULT_MAX_FRAME_BYTES, _integer,
-            check=_at_least(MIN_MAX_FRAME_BYTES), env=("ZCOLLECTIVE_MAX_FRAME_BYTES",),
+    Setting("max_frame_bytes", "Optional[int]", DEFAULT_MAX_FRAME_BYTES, _values.to_int,
+            check=_values.at_least(MIN_MAX_FRAME_BYTES), env=("ZCOLLECTIVE_MAX_FRAME_BYTES",),
             doc="Largest frame (one buffer, such as one numpy array) a peer may send, the same "
                 f"on every replica (at least {MIN_MAX_FRAME_BYTES})."),
-    Setting("secret", "Union[bytes, str, None]", None, _secret_bytes, check=_secret_problem,
+    Setting("secret", "Union[bytes, str, None]", None, _values.to_secret, check=_values.secret_problem,
             env=(SECRET_ENV,), file_env=SECRET_FILE_ENV, secret=True,
             doc=f"The job's shared secret, at least {MIN_SECRET_BYTES} bytes: every message is "
                 "authenticated with it, and nothing from a peer without it is ever unpickled. "
                 "Without one, nothing is authenticated: see docs/security.md."),
-    Setting("bind_addr", "Optional[str]", None, str, check=_bind_problem,
+    Setting("bind_addr", "Optional[str]", None, str, check=_values.bind_problem,
             env=("ZCOLLECTIVE_BIND_ADDR",),
             doc="Where rank 0 listens (``\"*\"``: every interface); by default, on the "
                 "interface of ``master_addr``."),
-    Setting("join", "Optional[bool]", False, _boolean, env=("ZCOLLECTIVE_JOIN",),
+    Setting("join", "Optional[bool]", False, _values.to_bool, env=("ZCOLLECTIVE_JOIN",),
             doc="``True``: this replica is a *newcomer*: it waits at ``master_addr`` to be "
                 "admitted to a running group, when its members call :func:`zcollective.grow`; "
                 "its rank and the size come from the group then (``replica_rank`` and "
                 "``num_replicas`` are not used)."),
-    Setting("job", "Optional[str]", None, _text, check=_job_problem,
-            env=(JOB_ENV, "ADAPTDL_JOB_ID", "TORCHELASTIC_RUN_ID"), adjust=_named_job,
+    Setting("job", "Optional[str]", None, _values.to_str, check=_values.job_problem,
+            env=(JOB_ENV, "ADAPTDL_JOB_ID", "TORCHELASTIC_RUN_ID"), adjust=_values.named_job,
             doc=f"The job's name, the same on every replica (at most {MAX_JOB_CHARS} characters; "
                 "``None`` when nothing names it): rank 0 refuses a replica of another job, or of "
                 "none when it has one, with an error naming both. It prevents accidents, not "
                 "attacks: see docs/security.md."),
     Setting("shared_memory_min_bytes", "Union[int, str, None]", DEFAULT_SHARED_MEMORY_MIN_BYTES,
-            _bytes_or_off, env=("ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES",),
+            _values.to_bytes_or_off, env=("ZCOLLECTIVE_SHARED_MEMORY_MIN_BYTES",),
             doc="Numeric arrays (and CPU tensors) of at least this many bytes move through "
                 "shared memory between the replicas on one host (``\"off\"``: never). Rank "
                 "0's value is the group's; a replica set to ``\"off\"`` keeps its host out."),
-    Setting("local_rank", "Optional[int]", None, _integer, check=_at_least(0), argument=False,
+    Setting("local_rank", "Optional[int]", None, _values.to_int, check=_values.at_least(0), argument=False,
             env=("ZCOLLECTIVE_LOCAL_RANK", "LOCAL_RANK"),
             doc="This replica's index among the replicas on its host (to pick a GPU, say); "
                 "``None`` when nobody said."),
-    Setting("log", "Optional[str]", None, str, check=_one_of(LOG_CHOICES), argument=False,
+    Setting("log", "Optional[str]", None, str, check=_values.one_of(LOG_CHOICES), argument=False,
             env=("ZCOLLECTIVE_LOG",),
             doc="``calls``: log one line per call (seq, operation, call site, bytes, time "
                 "waited) on the logger ``zcollective.calls``; ``None``: no such lines."),
-    Setting("data_plane", "Optional[str]", DEFAULT_DATA_PLANE, str, check=_one_of(DATA_PLANE_CHOICES),
+    Setting("data_plane", "Optional[str]", DEFAULT_DATA_PLANE, str, check=_values.one_of(DATA_PLANE_CHOICES),
             argument=False, env=("ZCOLLECTIVE_DATA_PLANE",),
             doc="``auto``: when the replicas are on more than one host, large numeric arrays "
                 "reduced elementwise, and large broadcasts, travel between replicas directly (a "
                 "ring, a chain); ``on``: also when they share one host; ``off``: every byte goes "
                 "through rank 0. Rank 0's setting decides for the group."),
-    Setting("tree", "Optional[str]", DEFAULT_TREE, str, check=_one_of(TREE_CHOICES),
+    Setting("tree", "Optional[str]", DEFAULT_TREE, str, check=_values.one_of(TREE_CHOICES),
             argument=False, env=("ZCOLLECTIVE_TREE",),
             doc="``auto``: from 16 replicas, every call's part climbs a tree of ranks (4 "
                 "children each) to rank 0, and an allreduce, broadcast or barrier is combined on "
@@ -408,17 +217,17 @@ SETTINGS: tuple[Setting, ...] = (
                 "growing with the group (every rank must then pass rank 0's reduce function); "
                 "``on``: from 3 replicas; ``off``: every part goes to rank 0, which folds "
                 "strictly left to right. Rank 0's setting decides for the group."),
-    Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, _integer,
-            check=_at_least(0), argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
+    Setting("data_plane_min_bytes", "Optional[int]", DEFAULT_DATA_PLANE_MIN_BYTES, _values.to_int,
+            check=_values.at_least(0), argument=False, env=("ZCOLLECTIVE_DATA_PLANE_MIN_BYTES",),
             doc="Arrays (and broadcast values) smaller than this many bytes keep the star "
                 "through rank 0, where small messages are faster."),
-    Setting("mail_window_bytes", "Optional[int]", DEFAULT_MAIL_WINDOW_BYTES, _integer,
-            check=_at_least(1), argument=False, env=("ZCOLLECTIVE_MAIL_WINDOW_BYTES",),
+    Setting("mail_window_bytes", "Optional[int]", DEFAULT_MAIL_WINDOW_BYTES, _values.to_int,
+            check=_values.at_least(1), argument=False, env=("ZCOLLECTIVE_MAIL_WINDOW_BYTES",),
             doc="Point to point: the most bytes one rank's messages may occupy at another rank "
                 "before that rank's program receives them (or one message, if larger); a "
                 "sender beyond it waits. A receiver holds at most this much from each sender: "
                 "the receiver's setting decides (its senders keep to it)."),
-    Setting("stacks", "Optional[bool]", True, _boolean, argument=False, env=("ZCOLLECTIVE_STACKS",),
+    Setting("stacks", "Optional[bool]", True, _values.to_bool, argument=False, env=("ZCOLLECTIVE_STACKS",),
             doc="``1``: write every thread's stack to stderr when zcollective-run asks (for the "
                 "ranks a stall names, and every rank when it gets SIGUSR1 itself; through a file, "
                 "not a signal), and on SIGUSR1 unless the program handles SIGUSR1 when the group "
@@ -428,193 +237,12 @@ SETTINGS: tuple[Setting, ...] = (
 ARGUMENTS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.argument)
 
 
-# -- launchers: programs that start the replicas and tell each who it is -----
-#
-# Only the first in LAUNCHERS recognized is read (an inner launcher also sees the
-# outer one's variables): see the README, *Launchers*.
-
-
-@dataclass(frozen=True)
-class Reader:
-    """How one launcher gives one setting."""
-
-    variables: tuple[str, ...]  # what it reads, in the order the README names them
-    read: Callable[[Mapping[str, str]], Optional[Origin]]  # env -> the value's origin; None: the
-    # launcher does not say (the default holds)
-
-
-def _plain(name: str) -> Reader:
-    return Reader((name,), lambda env: _variable(env, name))
-
-
-def _count(env: Mapping[str, str], name: str) -> Optional[int]:
-    found = _variable(env, name)
-    return None if found is None else _converted(found, _integer)
-
-
-def _mpi_master(launcher: str, size_env: str, local_size_env: str) -> Reader:
-    """Loopback when every rank runs on this host; else an error (MPI publishes no address)."""
-
-    def read(env: Mapping[str, str]) -> Origin:
-        size, local_size = _count(env, size_env), _count(env, local_size_env)
-        if size in (None, 1) or local_size == size:
-            return Origin(LOOPBACK, f"{launcher} on one host",
-                          f"{LOOPBACK} ({launcher} started every rank on this host: "
-                          f"{local_size_env}={env.get(local_size_env)!r}, {size_env}={env.get(size_env)!r})")
-        where = (f"and {local_size_env} is not set, so they may span hosts" if local_size is None else
-                 f"with {local_size_env}={env[local_size_env]!r} of them on this host")
-        raise ValueError(
-            f"{launcher} started {size_env}={env[size_env]!r} ranks {where}, and MPI launchers "
-            f"publish no master address: set MASTER_ADDR (or ZCOLLECTIVE_MASTER_ADDR) to the host "
-            f"of rank 0 for every rank (see docs/launching.md)")
-
-    return Reader((local_size_env,), read)
-
-
-def _slurm_size(env: Mapping[str, str]) -> Optional[Origin]:
-    found, tasks = _variable(env, "SLURM_NTASKS"), _count(env, "SLURM_NTASKS")
-    if found is not None and tasks is not None and tasks > 1 and "SLURM_STEP_NODELIST" not in env:
-        raise ValueError(
-            f"{found.shown} is set, but SLURM_STEP_NODELIST is not: this process is the batch "
-            f"script itself, not one of the {tasks} tasks srun starts; start the replicas with "
-            f"'srun python ...' (see docs/launching.md)")
-    return found
-
-
-def _slurm_master(env: Mapping[str, str]) -> Origin:
-    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
-        found = _variable(env, name)
-        if found is not None:
-            try:
-                host = first_host(found.raw)
-            except ValueError as exc:
-                raise ValueError(f"{found.shown} is not a Slurm host list: {exc}") from None
-            return Origin(host, f"the first host of {found.source}",
-                          f"{host!r}, the first host of {found.shown}")
-    raise ValueError(f"Slurm set SLURM_PROCID={env.get('SLURM_PROCID')!r} but neither SLURM_STEP_NODELIST "
-                     f"nor SLURM_JOB_NODELIST, which say where rank 0 runs: set MASTER_ADDR (or "
-                     f"ZCOLLECTIVE_MASTER_ADDR) to the host of rank 0")
-
-
-def _slurm_port(env: Mapping[str, str]) -> Optional[Origin]:
-    job_id = _count(env, "SLURM_JOB_ID")  # two jobs sharing a node get different ports
-    if job_id is None:
-        return None
-    port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
-    return Origin(port, "environment variable SLURM_JOB_ID",
-                  f"port {port} ({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}, "
-                  f"SLURM_JOB_ID={env['SLURM_JOB_ID']!r})")
-
-
-def _pod_job(env: Mapping[str, str]) -> str:
-    """The name of an Indexed Job's pod's Job, when its host name says it ('train' of 'train-2')."""
-    index, host = env.get("JOB_COMPLETION_INDEX", "").strip(), env.get("HOSTNAME", "")
-    return host[:-len(index) - 1] if index and host.endswith(f"-{index}") else ""
-
-
-def _kubernetes_job(env: Mapping[str, str]) -> Optional[Origin]:
-    job = _pod_job(env)
-    return Origin(f"Kubernetes Job {job}", "environment variable HOSTNAME",
-                  f"the Job of HOSTNAME={env['HOSTNAME']!r}") if job else None
-
-
-def _job_named_by(kind: str, name: str) -> Reader:
-    """A launcher's job, named in ``name``: '<kind> <value>' ('Slurm job 4242')."""
-
-    def read(env: Mapping[str, str]) -> Optional[Origin]:
-        found = _variable(env, name)
-        return None if found is None else found._replace(raw=f"{kind} {found.raw}")
-
-    return Reader((name,), read)
-
-
-def _kubernetes_master(env: Mapping[str, str]) -> Origin:
-    job = _pod_job(env)
-    hint = f" (HOSTNAME={env['HOSTNAME']!r} makes it {job + '-0.<service>'!r})" if job else ""
-    raise ValueError(
-        f"Kubernetes gives this pod JOB_COMPLETION_INDEX={env.get('JOB_COMPLETION_INDEX')!r} but does "
-        f"not say where rank 0 is: set ZCOLLECTIVE_MASTER_ADDR in the Job's manifest to rank 0's "
-        f"pod, '<job>-0.<service>'{hint}, with a headless Service <service> "
-        f"(see docs/launching.md)")
-
-
-def _kubernetes_size(env: Mapping[str, str]) -> Origin:
-    raise ValueError(
-        f"Kubernetes gives this pod JOB_COMPLETION_INDEX={env.get('JOB_COMPLETION_INDEX')!r} but not "
-        f"the number of replicas: set ZCOLLECTIVE_NUM_REPLICAS in the Job's manifest to its "
-        f"spec.completions (see docs/launching.md)")
-
-
-@dataclass(frozen=True)
-class LaunchedBy:
-    """A program that starts the replicas of a job and tells each, in its
-    environment, who it is. Its readers are asked only for the settings
-    that no argument and no variable of :data:`SETTINGS` gave."""
-
-    name: str  # as the README's table and error messages call it
-    rank: str  # set in every process it starts: that it is set recognizes the launcher
-    readers: Mapping[str, Reader]  # setting name -> how this launcher gives it
-    defers_to: tuple[tuple[str, str], ...] = ()  # (ours, theirs) pairs of variables another
-    # launcher may set to the same values (srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE): when all
-    # agree, the process is that launcher's, which knows more (the master address)
-
-    def recognizes(self, env: Mapping[str, str]) -> bool:
-        if _variable(env, self.rank) is None:
-            return False
-        agree = all(env.get(ours, "").strip() == env.get(theirs, "").strip()
-                    for ours, theirs in self.defers_to)
-        return not (self.defers_to and agree)
-
-
-LAUNCHERS: tuple[LaunchedBy, ...] = (
-    LaunchedBy("Open MPI", "OMPI_COMM_WORLD_RANK", {
-        "replica_rank": _plain("OMPI_COMM_WORLD_RANK"),
-        "num_replicas": _plain("OMPI_COMM_WORLD_SIZE"),
-        "local_rank": _plain("OMPI_COMM_WORLD_LOCAL_RANK"),
-        "master_addr": _mpi_master("Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        "job": _job_named_by("Open MPI job", "PMIX_NAMESPACE"),
-    }),
-    LaunchedBy("MPICH / Intel MPI (Hydra)", "PMI_RANK", {
-        "replica_rank": _plain("PMI_RANK"),
-        "num_replicas": _plain("PMI_SIZE"),
-        "local_rank": _plain("MPI_LOCALRANKID"),
-        "master_addr": _mpi_master("MPICH / Intel MPI (Hydra)", "PMI_SIZE", "MPI_LOCALNRANKS"),
-        # (no job: Hydra names it, its KVS, only to a process that asks over PMI)
-    }, defers_to=(("PMI_RANK", "SLURM_PROCID"), ("PMI_SIZE", "SLURM_NTASKS"))),
-    LaunchedBy("Slurm", "SLURM_PROCID", {
-        "replica_rank": _plain("SLURM_PROCID"),
-        "num_replicas": Reader(("SLURM_NTASKS",), _slurm_size),
-        "local_rank": _plain("SLURM_LOCALID"),
-        "master_addr": Reader(("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"), _slurm_master),
-        "master_port": Reader(("SLURM_JOB_ID",), _slurm_port),
-        "job": _job_named_by("Slurm job", "SLURM_JOB_ID"),  # its steps too (a newcomer's srun)
-    }),
-    LaunchedBy("Kubernetes Indexed Job", "JOB_COMPLETION_INDEX", {
-        "replica_rank": _plain("JOB_COMPLETION_INDEX"),
-        "num_replicas": Reader((), _kubernetes_size),
-        "master_addr": Reader((), _kubernetes_master),
-        "job": Reader(("HOSTNAME",), _kubernetes_job),
-    }),
-)
-
-
-def launcher_of(env: Mapping[str, str]) -> Optional[LaunchedBy]:
-    """The launcher that started this process: the first of :data:`LAUNCHERS` it recognizes."""
-    return next((launcher for launcher in LAUNCHERS if launcher.recognizes(env)), None)
-
-
-def launcher_variables(setting: str) -> tuple[str, ...]:
-    """Every launcher variable that may give ``setting``, in the order of :data:`LAUNCHERS`."""
-    return tuple(v for launcher in LAUNCHERS if setting in launcher.readers
-                 for v in launcher.readers[setting].variables)
-
-
 # -- resolving ---------------------------------------------------------------
 
 
 def _from_env(s: Setting, env: Mapping[str, str]) -> Optional[Origin]:
     for name in s.env:
-        found = _variable(env, name, s.secret)
+        found = variable(env, name, s.secret)
         if found is not None:
             return found
     path = env.get(s.file_env) if s.file_env else None
@@ -642,7 +270,7 @@ def _value(s: Setting, arg: Any, env: Mapping[str, str],
             found = launcher.readers[s.name].read(env)
     if found is None:
         return s.default, Origin(s.default, "the default", "the default")
-    value = _converted(found, s.convert)
+    value = converted(found, s.convert)
     problem = s.check(value) if s.check else None
     if problem:
         raise ValueError(f"{found.shown} {problem}")
@@ -759,9 +387,8 @@ POSITIONAL_ARGUMENTS = 4  # master_addr, master_port, rank, size: adaptdl's orde
 
 
 def _signed(func: F) -> F:
-    """Give ``resolve`` its signature, made from :data:`ARGUMENTS` (the public
-    functions spell theirs out, for readers and type checkers, and are held
-    to the same table by :func:`takes_settings`)."""
+    """Give ``resolve`` its signature from :data:`ARGUMENTS` (the public functions spell theirs
+    out, for readers and type checkers, and :func:`takes_settings` holds them to the table)."""
     by_position, by_name = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter(s.name, by_position if i < POSITIONAL_ARGUMENTS else by_name,
                                 default=s.signature_default, annotation=s.annotation)
