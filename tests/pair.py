@@ -18,9 +18,10 @@ import zcollective._protocol._member
 from zcollective._format import _serialize
 from zcollective._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
 from zcollective._future import CollectiveFuture, settle
+from zcollective._io._combine import applied
 from zcollective._protocol._coordinator import Coordinator
 from zcollective._protocol._member import ConnectionEvent, Member
-from zcollective._protocol._ops import Op, applied
+from zcollective._protocol._ops import Op
 
 SESSION = 0x5E55_10
 ENDPOINT = "tcp://10.0.0.1:29500"

@@ -40,7 +40,7 @@ from .._format._wire import (
 from .._limits import DATA_LOSS_GRACE_S, JOIN_RESEND_S, MAX_STALL_WARNINGS, STATUS_WAIT_S, WIRE_PART_BYTES
 from ..errors import AuthenticationError, ProtocolError, ReplicaLostError
 from . import _tree
-from ._ops import LABELS, SPOKEN, Op, group_name, in_world
+from ._ops import LABELS, SPOKEN, Combine, Op, group_name, in_world
 from ._outcomes import CallOutcome, fresh
 from ._p2p import Mail
 from ._stats import CallStats, calls_log
@@ -140,7 +140,8 @@ class Member:
         self.mail: Optional[Mail] = None  # its point-to-point rules, once welcomed
         self.parent = -1  # its parent in the tree of small calls (rule 11); -1: none (rank 0, no tree)
         self.relay: Optional[_tree.Relay] = None  # its rules there, if it has children
-        self.user_code: Callable[[Any], Any] = lambda fn: fn  # how a reduce function runs here (the driver's)
+        self.asks: deque[Combine] = deque()  # reductions its relay asked for: the driver runs them
+        self.user_code: Callable[[Any], Any] = lambda fn: fn  # how its driver runs a reduce function
         self.deferred: Optional[tuple[Exception, bool, Optional[int], float]] = None  # a failure (its error,
         # keep_data, the calls it says completed; None: all made) held until their results came, and
         # until when at most: a FAIL, or rank 0's connection lost meanwhile (rule 11)
@@ -495,7 +496,7 @@ class Member:
             return
         self.parent = tree.parent[self.rank]
         if tree.children[self.rank]:
-            self.relay = _tree.Relay(self.rank, self.size, fanout, lambda fn: self.user_code(fn), self.clock)
+            self.relay = _tree.Relay(self.rank, self.size, fanout, self.user_code, self.clock)
         assert self.mail is not None
         self.mail.tree = self.climbed
 
@@ -506,7 +507,9 @@ class Member:
         if relay is None:
             return [(self.parent, msg if self.parent == 0 else _tree.up(msg))]
         call = self.calls.get(msg.seq)
-        return [(self.parent, m) for m in relay.own(msg, call.reduce if call is not None else None)]
+        out = relay.own(msg, call.reduce if call is not None else None)
+        self.asks.extend(m for m in out if type(m) is Combine)
+        return [(self.parent, m) for m in out if isinstance(m, Message)]
 
     def climbed(self, msg: Message) -> None:
         """A message of the tree that came to the mailbox: a child's UP, or a RESULT
@@ -516,7 +519,7 @@ class Member:
             return
         relay = self.relay
         if msg.kind is Kind.UP and relay is not None:
-            self._send_up(relay.take(msg))
+            self.send_up(relay.take(msg))
         elif msg.kind is Kind.RESULT and msg.rank == self.rank and _tree.goes_down(msg.op, msg.flags):
             self._deliver(msg)
 
@@ -524,7 +527,7 @@ class Member:
         """Parts held past :data:`~._tree.RELAY_FLUSH_S` go up as they came; a held FAIL
         whose results did not come in time fails the group here."""
         if self.relay is not None and self.failure is None:
-            self._send_up(self.relay.on_timer(now))
+            self.send_up(self.relay.on_timer(now))
         if self.deferred is not None and now >= self.deferred[3]:
             self.undefer()
 
@@ -561,7 +564,11 @@ class Member:
             (error, ended, _, _), self.deferred = self.deferred, None
             self.owed.extend([*self.fail(error, keep_data=ended), *self._taken()])
 
-    def _send_up(self, msgs: list[Message]) -> None:
+    def send_up(self, msgs: list[Any]) -> None:
+        """What this interior rank sends its parent; a reduction asked for waits for the driver."""
+        if any(type(m) is Combine for m in msgs):
+            self.asks.extend(m for m in msgs if type(m) is Combine)
+            msgs = [m for m in msgs if type(m) is not Combine]
         if self.parent == 0:
             self.owed.extend(msgs)
         elif self.mail is not None:

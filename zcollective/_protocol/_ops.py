@@ -11,16 +11,14 @@ here, a ``Group`` method and a module function (docs/protocol.md,
 from __future__ import annotations
 
 import enum
-import functools
 import operator
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Union, cast
 
 from .._format import _bodies, _serialize
 from .._format._wire import FLAG_DATA, FLAG_LOCAL_ERROR, Message, WireError
-from ..errors import SerializationError
 from . import _ring, _shm
 from ._shm import MAX_SYNCS  # noqa: F401 (the coordinator's bound, where it reads the operations)
 
@@ -82,7 +80,8 @@ class Here:
 
 
 class Combining(Protocol):
-    """What an operation asks of the coordinator, and what :func:`applied` hands back to it."""
+    """What an operation asks of the coordinator, and what its driver hands back to it
+    (:mod:`zcollective._io._combine`)."""
 
     user_code: UserCode  # the driver's wrapper of a reduce function (rank 0's: _interrupts.user_code)
     newcomers: dict[bytes, Any]  # those a GROW admits (rule 10)
@@ -143,7 +142,7 @@ class Combine:
     """The coordinator's outcome once every rank contributed to a reducing call:
     reduce every rank's first ``count`` values, each index in rank order, with
     the root's function ``fn`` (rank 0's own, as it is). The driver runs it
-    (:func:`applied`) and hands back the results or what was raised."""
+    (:func:`zcollective._io._combine.applied`) and hands back the results or what was raised."""
 
     seq: int
     op: Op
@@ -154,48 +153,10 @@ class Combine:
     ranks: Optional[tuple[int, ...]] = None  # whose each is (a part of the tree: its first rank), if not
     # each rank's own
     names: Optional[tuple[Optional[str], ...]] = None  # each part's function, if a summary says
-
-    def run(self, user_code: UserCode) -> list[list[Any]]:
-        """Each index's result, pickled (the user's code: a function, a result's
-        pickling); raises :class:`Unreadable` (nothing ran), :class:`Disagree`
-        (arrays that differ) or what the user's code raised."""
-        if self.fn is None:
-            raise ValueError(f"rank {self.root} sent no reduce function")
-        fn = self.fn if callable(self.fn) else _unpickled([self.fn], f"reduce function of rank {self.root}")
-        name, call, out = _ring.reduction_name(fn), user_code(fn), []
-        ranks = self.ranks or range(len(self.values))
-        if self.names is not None and any(n is not None and n != reduce_name(fn) for n in self.names):
-            mine = reduce_name(fn) or getattr(fn, "__qualname__", "a function of its own")
-            raise Disagree([f"a value to reduce with {mine}" if n is None else
-                            f"a value reduced with {n} on the way (through the tree every rank must pass "
-                            f"rank 0's function)" for n in self.names])
-        for index in range(self.count):
-            values = [_unpickled(v[index], f"value of rank {r}")
-                      for r, v in zip(ranks, self.values, strict=True)]
-            described = _described_arrays(values, name) if name is not None else None
-            if described is not None and len(set(described)) > 1:  # elementwise: arrays must agree,
-                raise Disagree(described)  # as on the data plane (no broadcasting)
-            out.append(_serialize.dumps(functools.reduce(call, values), "reduction result"))
-        return out
+    grouped: bool = False  # a subtree's values, reduced ahead of rank 0: only if no grouping can matter
 
 
 Step = Sequence[Union[Outgoing, Combine]]  # what one step of the coordinator returns, in order
-
-
-def applied(step: Step, at: Combining) -> Iterator[Outgoing]:
-    """What a driver sends of ``step``, in order: a :class:`Combine` runs where
-    it stands, in the driver's thread, before anything else is taken in, and
-    what the coordinator then answers takes its place."""
-    for out in step:
-        if not isinstance(out, Combine):
-            yield out
-            continue
-        try:
-            results = out.run(at.user_code)
-        except BaseException as exc:  # SystemExit from a reduce function too: it is the user's error
-            yield from at.combine_failed(out, exc)
-        else:
-            yield from at.combined(out, results)
 
 
 def reduce_name(fn: Any) -> Optional[str]:
@@ -206,24 +167,6 @@ def reduce_name(fn: Any) -> Optional[str]:
     if fn is max or fn is min:
         return fn.__name__
     return _ring.reduction_name(fn) if fn is not None else None
-
-
-def _unpickled(segment: list[Any], what: str) -> Any:
-    try:
-        return _serialize.loads(segment, what)
-    except SerializationError as exc:
-        raise Unreadable(str(exc)) from exc
-
-
-def _described_arrays(values: list[Any], fn: str) -> Optional[list[str]]:
-    """Each value described as a data plan describes an array, when all are arrays
-    (numpy's, torch's) and not all scalars; else None (left to the reduce function)."""
-    try:  # (attributes read, not a `None in` test: numpy's dtype equals None, meaning float64 to it)
-        described = [f"a {getattr(v.dtype, 'str', v.dtype)} array of shape {tuple(int(n) for n in v.shape)} "
-                     f"reduced with {fn}" for v in values]
-    except (AttributeError, TypeError):  # not arrays (a shape of something else than numbers)
-        return None
-    return described if any(len(v.shape) for v in values) else None
 
 
 class Operation:
