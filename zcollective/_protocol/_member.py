@@ -151,6 +151,7 @@ class Member:
         self.connection, self.join_timeout_message = joining.connection, joining.timeout_message
         self.data_lost, self.data_failed, self.data_done = moves.lost, moves.failed, moves.done
         self.moving = moves.moving
+        self.timeout_message = partial(timeout_message, self)
         self.climb, self.climbed, self.tree_timer = tree.climb, tree.climbed, tree.timer
         self.tree_due = NO_DUE  # (the tree's, once this rank has a parent: see TreeRole.plant)
         self.awaits_tree, self.undefer, self.send_up = tree.awaits, tree.undefer, tree.send_up
@@ -472,28 +473,29 @@ class Member:
         calls = ", ".join(f"seq {s} {c.op}" for s, c in sorted(self.calls.items())[:3])
         return f"in flight: {calls}"
 
-    def timeout_message(self, seq: int, timeout: Optional[float], status: Optional[dict[str, Any]],
-                        busy: Optional[str] = None) -> str:
-        """Why call ``seq`` timed out, from the coordinator's status reply
-        (None: it did not answer) and, on rank 0, what its thread is stuck in."""
-        call = self.calls.get(seq)
-        base = f"seq {seq} {call.op if call else 'call'} timed out after {timeout:g} s on {self.who}"
-        if status is None:
-            if busy:
-                return f"{base}: {busy}"
-            return (f"{base}; the coordinator (rank 0) did not answer a status query within "
-                    f"{STATUS_WAIT_S:g} s (is a reduce function stuck?)")
-        if status.get("missing"):
-            missing = ",".join(map(str, status["missing"])) + checked_in_world(status["missing"], self.world)
-            arrived = ",".join(map(str, status.get("arrived", []))) or "none"
-            return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
-        job = self.moves.job(seq)
-        if job is not None:
-            how = "through its host's shared memory" if getattr(job, "shared", False) else "peer to peer"
-            return (f"{base}: every rank arrived and its data moves {how}; "
-                    f"{job.progress()}" + ("" if self.transfers[0][1] is job else
-                                           f" (after seq {self.transfers[0][0]}'s)"))
-        if status.get("state") == "done":
-            return (f"{base}: every rank arrived and the coordinator (rank 0) sent the result, "
-                    f"which had not arrived here yet")
-        return f"{base}: every rank arrived; the coordinator (rank 0) is still computing it"
+
+def timeout_message(member: Member, seq: int, timeout: Optional[float], status: Optional[dict[str, Any]],
+                    busy: Optional[str] = None) -> str:
+    """Why call ``seq`` of ``member`` timed out, from the coordinator's status reply
+    (None: it did not answer) and, on rank 0, what its thread is stuck in (``busy``)."""
+    call = member.calls.get(seq)
+    base = f"seq {seq} {call.op if call else 'call'} timed out after {timeout:g} s on {member.who}"
+    if status is None:
+        if busy:
+            return f"{base}: {busy}"
+        return (f"{base}; the coordinator (rank 0) did not answer a status query within "
+                f"{STATUS_WAIT_S:g} s (is a reduce function stuck?)")
+    if status.get("missing"):
+        missing = ",".join(map(str, status["missing"])) + checked_in_world(status["missing"], member.world)
+        arrived = ",".join(map(str, status.get("arrived", []))) or "none"
+        return f"{base}: waiting for ranks {missing} (arrived: {arrived})"
+    job = member.moves.job(seq)
+    if job is not None:
+        how = "through its host's shared memory" if getattr(job, "shared", False) else "peer to peer"
+        return (f"{base}: every rank arrived and its data moves {how}; "
+                f"{job.progress()}" + ("" if member.transfers[0][1] is job else
+                                       f" (after seq {member.transfers[0][0]}'s)"))
+    if status.get("state") == "done":
+        return (f"{base}: every rank arrived and the coordinator (rank 0) sent the result, "
+                f"which had not arrived here yet")
+    return f"{base}: every rank arrived; the coordinator (rank 0) is still computing it"
