@@ -27,7 +27,7 @@ def run(asked: Combine, user_code: UserCode) -> list[list[Any]]:
     if asked.fn is None:
         raise ValueError(f"rank {asked.root} sent no reduce function")
     fn = asked.fn if callable(asked.fn) else _unpickled([asked.fn], f"reduce function of rank {asked.root}")
-    name, call, out = reduction_name(fn), user_code(fn), []
+    call, out = user_code(fn), []
     ranks = asked.ranks or range(len(asked.values))
     if asked.names is not None and any(n is not None and n != reduce_name(fn) for n in asked.names):
         mine = reduce_name(fn) or getattr(fn, "__qualname__", "a function of its own")
@@ -35,10 +35,15 @@ def run(asked: Combine, user_code: UserCode) -> list[list[Any]]:
                         f"a value reduced with {n} on the way (through the tree every rank must pass "
                         f"rank 0's function)" for n in asked.names])
     for index in range(asked.count):
-        values = [_unpickled(v[index], f"value of rank {r}")
-                  for r, v in zip(ranks, asked.values, strict=True)]
+        values = []
+        for r, v in zip(ranks, asked.values, strict=True):
+            try:
+                values.append(_serialize.loads(v[index], f"value of rank {r}"))
+            except SerializationError as exc:
+                raise Unreadable(str(exc)) from exc
         if asked.grouped and not summable(values, fn):
             raise Disagree()
+        name = None if type(values[0]) in ALIKE_TYPES else reduction_name(fn)  # (no array: the common call)
         described = described_arrays(values, name) if name is not None else None
         if described is not None and len(set(described)) > 1:  # elementwise: arrays must agree,
             raise Disagree(described)  # as on the data plane (no broadcasting)
