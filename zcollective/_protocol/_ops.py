@@ -11,6 +11,7 @@ here, a ``Group`` method and a module function (docs/protocol.md,
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from .._format import _bodies, _serialize
@@ -261,6 +262,30 @@ class ReduceScatter(Reducing):
     def plan(self, contributions: list[Message], root: int,
              hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
         return _agreed(contributions)
+
+
+class Scan(Reducing):
+    """Rank r gets the fold of ranks 0..r's values in rank order, with rank 0's function
+    (mpi4py's ``scan``); ``exclusive``: of ranks 0..r-1, None on rank 0 (``exscan``)."""
+
+    code = Op.SCAN
+    exclusive = False
+    malformed = staticmethod(_one_each)
+
+    def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
+        mine = (_none if self.exclusive else _value(value)) if here.rank == 0 else _first
+        return Contribution(0, reducing(here, value, reduce_fn, 0), mine)
+
+    def combine(self, seq: int, contributions: list[Message], root: int) -> Combine:
+        return replace(super().combine(seq, contributions, root), prefix=True)
+
+    def route_combined(self, size: int, root: int, results: list[list[Any]]) -> Routes:
+        return [[]] + [[results[r - 1 if self.exclusive else r]] for r in range(1, size)]
+
+
+class Exscan(Scan):
+    code = Op.EXSCAN
+    exclusive = True
 
 
 class Broadcast(Operation):
@@ -550,7 +575,7 @@ class Split(Allgather):
 
 OPERATIONS: dict[int, Operation] = {o.code: o for o in (
     Allreduce(), Reduce(), ReduceScatter(), Broadcast(), Allgather(), Gather(), Scatter(), Alltoall(),
-    Barrier(), Teardown(), Grow(), Shrink(), Split())}
+    Barrier(), Teardown(), Grow(), Shrink(), Split(), Scan(), Exscan())}
 BY_NAME = {o.label: o for o in OPERATIONS.values()}
 SPOKEN = ",".join(o.label for _, o in sorted(OPERATIONS.items()))  # a JOIN's: a group's ranks know
 # the same operations (a replica of another release whose protocol version matches may not)

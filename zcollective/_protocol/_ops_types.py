@@ -31,6 +31,8 @@ class Op(enum.IntEnum):
     SHRINK = 11  # shrink() in a group that had not failed: a collective call like any other
     REDUCE_SCATTER = 12
     SPLIT = 13  # split(), subgroup(), dup(): each of their two rounds (never on the data plane)
+    SCAN = 14
+    EXSCAN = 15
 
     @property
     def label(self) -> str:
@@ -148,6 +150,7 @@ class Combine:
     # each rank's own
     names: Optional[tuple[Optional[str], ...]] = None  # each part's function, if a summary says
     grouped: bool = False  # a subtree's values, reduced ahead of rank 0: only if no grouping can matter
+    prefix: bool = False  # a scan's: one result per rank, the fold of the values up to its own
 
 
 Step = Sequence[Union[Outgoing, Combine]]  # what one step of the coordinator returns, in order
