@@ -102,7 +102,8 @@ class Driver:
                 rules.take(msg)
                 if enough is not None and member.outcomes and enough() and not self.sleepers():
                     break
-        answer(member)  # (a subtree's reduction its relay asked for)
+        if member.asks:  # a subtree's reduction its relay asked for
+            answer(member)
         if rules.cut and sockets is not None:
             self._cut(rules.cut)
         out, went = rules.out, []
