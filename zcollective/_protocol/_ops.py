@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from operator import attrgetter
 from typing import Any, Callable, Optional
 
 from .._format import _bodies, _serialize
@@ -129,14 +130,19 @@ class Reducing(Operation):
     each = False  # each rank's every value is reduced by index (reduce_scatter), not its one value
 
     def combine(self, seq: int, contributions: list[Message], root: int) -> Combine:
-        count, values = len(contributions) if self.each else 1, tuple([c.segments for c in contributions])
+        count, values = len(contributions) if self.each else 1, tuple(map(SEGMENTS, contributions))
         return Combine(seq, self.code, root, count, contributions[root].fn, values)
 
     def route_combined(self, size: int, root: int, results: list[list[Any]]) -> Routes:
         """The segments each rank of ``size`` receives, given the reduction's ``results``."""
         if self.each:  # rank i: index i's
             return [[result] for result in results]
-        return [results if r == root or not self.rooted else [] for r in range(size)]
+        if not self.rooted:
+            return [results] * size
+        return [results if r == root else [] for r in range(size)]
+
+
+SEGMENTS = attrgetter("segments")
 
 
 class Allreduce(Reducing):

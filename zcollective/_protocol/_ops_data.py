@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import sys
 from functools import partial
+from operator import attrgetter
 from typing import Any, Callable, Optional, cast
 
 from .._format import _bodies, _serialize
@@ -320,6 +321,8 @@ def _with(value: Any, fn: Any, each: bool, pickled: bool = False) -> tuple[list[
 
 
 def _one_each(contributions: list[Message], root: int) -> str:
+    if set(map(len, map(attrgetter("segments"), contributions))) == {1}:  # (no Python call: the common call)
+        return ""
     empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
     return f"{rank_list(empty)} sent no value" if empty else ""
 
