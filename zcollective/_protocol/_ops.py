@@ -4,8 +4,9 @@ route (a reduction's: :class:`Reducing`, :class:`Combine`) and data plan (:meth:
 :meth:`Operation.route`, :meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
 operation by name (:data:`OPERATIONS`) and builds no message; the coordinator
 looks the operation of a call up by its code. A new operation is a class
-here, a ``Group`` method and a module function (docs/protocol.md,
-*Operations*).
+here (its code in :class:`~._ops_types.Op`), a ``Group`` method and a module function
+(docs/protocol.md, *Operations*). What the rows speak in is :mod:`._ops_types`; their
+plans and jobs off the star, and their pieces, :mod:`._ops_data`.
 """
 
 from __future__ import annotations
