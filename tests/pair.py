@@ -15,12 +15,14 @@ from typing import Any, Optional
 
 import zcollective._format._wire
 import zcollective._protocol._member
+import zcollective._protocol._member_join
 from zcollective._format import _serialize
 from zcollective._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode
 from zcollective._future import CollectiveFuture, settle
+from zcollective._io._combine import applied
 from zcollective._protocol._coordinator import Coordinator
 from zcollective._protocol._member import ConnectionEvent, Member
-from zcollective._protocol._ops import Op, applied
+from zcollective._protocol._ops import Op
 
 SESSION = 0x5E55_10
 ENDPOINT = "tcp://10.0.0.1:29500"
@@ -149,7 +151,8 @@ class Pair:
     def installed(self, rank: int):
         """Run as ``rank``'s installation would (its versions)."""
         patches = self.installs.get(rank, {})
-        modules = (zcollective._format._wire, zcollective._protocol._member)
+        modules = (zcollective._format._wire, zcollective._protocol._member,
+                   zcollective._protocol._member_join)
         saved = [(m, k, getattr(m, k)) for k in patches for m in modules if hasattr(m, k)]
         for module, key, _ in saved:
             setattr(module, key, patches[key])

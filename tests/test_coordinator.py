@@ -18,8 +18,9 @@ from zcollective._format._wire import (
     encode,
     join_token,
 )
+from zcollective._io._combine import applied, run
 from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
-from zcollective._protocol._ops import SPOKEN, Combine, Disagree, Op, Unreadable, applied
+from zcollective._protocol._ops import SPOKEN, Combine, Disagree, Op, Unreadable
 
 SESSION = 0x5E55
 
@@ -1010,7 +1011,7 @@ def test_the_coordinator_asks_for_the_reduction_and_sends_the_results_once_hande
     asked = step[0]
     assert (asked.seq, asked.op, asked.root, asked.count, len(asked.values)) == (0, Op.ALLREDUCE, 0, 1, 3)
     assert coord.reducing is not None and coord.reducing[:2] == (0, Op.ALLREDUCE)  # stall reports say so
-    results = asked.run(coord.user_code)  # as the driver runs it: each index's result, pickled
+    results = run(asked, coord.user_code)  # as the driver runs it: each index's result, pickled
     out = coord.combined(asked, results)
     assert coord.reducing is None
     assert [(p, m.kind, _serialize.loads(m.segments[0])) for p, m in out] == [
@@ -1022,7 +1023,7 @@ def test_the_coordinator_asks_for_the_reduction_and_sends_the_results_once_hande
 def test_a_reduce_scatter_asks_for_every_index_and_a_reduce_answers_its_root_alone():
     coord = joined(3)
     asked = asked_for(coord, 3, Op.REDUCE_SCATTER)[0]
-    assert asked.count == 3 and [_serialize.loads(r) for r in asked.run(coord.user_code)] == [6, 6, 6]
+    assert asked.count == 3 and [_serialize.loads(r) for r in run(asked, coord.user_code)] == [6, 6, 6]
     out = coord.combined(asked, [_serialize.dumps(v) for v in "abc"])
     assert [_serialize.loads(m.segments[0]) for _, m in out] == ["a", "b", "c"]
     asked = asked_for(coord, 3, Op.REDUCE, root=2, seq=1)[0]
@@ -1069,7 +1070,7 @@ def test_a_reduction_handed_back_after_a_loss_sends_nothing():
     asked = asked_for(coord, 3)[0]
     told = coord.gone(peer(2))  # (a pure test can interleave; a driver runs the reduction first)
     assert [m.kind for _, m in told] == [Kind.FAIL, Kind.FAIL] and coord.phase is Phase.FAILED
-    assert coord.combined(asked, asked.run(coord.user_code)) == [] and coord.reducing is None
+    assert coord.combined(asked, run(asked, coord.user_code)) == [] and coord.reducing is None
     assert coord.combine_failed(asked, ZeroDivisionError()) == []
 
 

@@ -50,9 +50,10 @@ from zcollective._format._wire import (
     encode,
 )
 from zcollective._io import _zap
+from zcollective._io._combine import applied
 from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
 from zcollective._protocol._member import Call, Member
-from zcollective._protocol._ops import SPOKEN, Op, applied, label
+from zcollective._protocol._ops import SPOKEN, Op, label
 from zcollective.errors import AuthenticationError, CollectiveError, ProtocolError
 from zcollective.testing import Replicas, free_port, report
 

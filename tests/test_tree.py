@@ -17,6 +17,7 @@ from test_coordinator import SESSION, contrib, feed, peer, results
 import zcollective as zc
 from zcollective._format import _serialize
 from zcollective._format._wire import PROTOCOL_VERSION, Kind, control, decode, encode
+from zcollective._io._combine import applied
 from zcollective._protocol import _tree
 from zcollective._protocol._coordinator import PYTHON_VERSION, Coordinator, Phase
 from zcollective._protocol._ops import SPOKEN, Op
@@ -61,7 +62,12 @@ def climb(relay, values, reduce=operator.add, **kw):
     out = relay.own(part(relay.rank, values[relay.rank], **kw), reduce)
     for child in relay.children:
         out += relay.take(through(part(child, values[child], **kw)))
-    return out
+    return asked(relay, out)
+
+
+def asked(relay, out):
+    """What goes up once the driver ran the reductions ``relay`` asked for."""
+    return list(applied(out, relay))
 
 
 def test_a_range_that_called_alike_goes_up_as_one_summary_reduced_in_rank_order():
@@ -85,7 +91,7 @@ def test_a_part_taken_twice_counts_once():
     relay.own(part(1, "1"), zc.default_reduce_fn)
     two = through(part(2, "2"))
     assert relay.take(two) == [] and relay.take(two) == [] and relay.take(through(part(3, "3"))) == []
-    out = relay.take(through(part(4, "4")))
+    out = asked(relay, relay.take(through(part(4, "4"))))
     assert _serialize.loads(_tree.parts(out[0])[0]) == "1234"
 
 
@@ -104,6 +110,7 @@ def test_a_range_that_differs_goes_up_part_by_part(odd):
         if child == 3 and odd == "root":
             kw = {"root": 2}
         out += relay.take(through(part(child, 1, **kw)))
+    out = asked(relay, out)
     assert [m.rank for m in out] == [1, 2, 3, 4] and not any(m.flags & _tree.FLAG_RANGE for m in out)
 
 
@@ -156,7 +163,7 @@ def summaries(n, values, reduce=operator.add, seq=0, odd=None):
             kw = dict(odd) if odd and sub == odd["_rank"] else {}
             kw.pop("_rank", None), kw.pop("_at", None)
             ups += relay.take(through(part(sub, values[sub], seq=seq, **kw)))
-        out += [(child, m) for m in ups]
+        out += [(child, m) for m in asked(relay, ups)]
     return out
 
 
@@ -327,11 +334,12 @@ def test_an_interior_rank_lost_has_its_subtree_sent_the_latest_results_again_bef
 
 
 def test_a_value_rank_0_cannot_read_is_named_by_its_rank_not_its_parts_place():
+    from zcollective._io._combine import run
     from zcollective._protocol._ops import Combine, Unreadable
 
     asked = Combine(0, Op.ALLREDUCE, 0, 1, operator.add, ([_serialize.dumps(1)], [[b"not a pickle"]]), (0, 7))
     with pytest.raises(Unreadable, match="value of rank 7"):
-        asked.run(lambda fn: fn)
+        run(asked, lambda fn: fn)
 
 
 def deep_member(clock):

@@ -48,7 +48,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "initialize", "teardown", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "stats",
-    "allreduce", "allreduce_async", "reduce", "reduce_async", "reduce_scatter", "reduce_scatter_async",
+    "allreduce", "allreduce_async", "scan", "scan_async", "exscan", "exscan_async",
+    "reduce", "reduce_async", "reduce_scatter", "reduce_scatter_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async",
     "gather", "gather_async", "scatter", "scatter_async",
     "alltoall", "alltoall_async", "barrier", "barrier_async", "shrink", "agree", "Agreement", "grow",
@@ -282,6 +283,10 @@ def stats() -> dict[str, Any]:
 
 allreduce = _on_default(Group.allreduce)
 allreduce_async = _on_default(Group.allreduce_async)
+scan = _on_default(Group.scan)
+scan_async = _on_default(Group.scan_async)
+exscan = _on_default(Group.exscan)
+exscan_async = _on_default(Group.exscan_async)
 reduce = _on_default(Group.reduce)
 reduce_async = _on_default(Group.reduce_async)
 reduce_scatter = _on_default(Group.reduce_scatter)

@@ -246,6 +246,26 @@ class Group:
                         ) -> CollectiveFuture[Any]:
         return self._calls.call("allreduce", value, reduce_fn)
 
+    def scan(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,
+             timeout: Timeout = DEFAULT) -> Any:
+        """Replica r gets ranks 0..r's values reduced in rank order (mpi4py's ``scan``), with
+        rank 0's ``reduce_fn``; replica 0 gets its own ``value`` back. Raises as ``allreduce``."""
+        return self._calls.run("scan", timeout, value, reduce_fn)
+
+    @_async_twin("scan", _VALUE, _FN)
+    def scan_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn) -> CollectiveFuture[Any]:
+        return self._calls.call("scan", value, reduce_fn)
+
+    def exscan(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn, *,
+               timeout: Timeout = DEFAULT) -> Any:
+        """Replica r gets ranks 0..r-1's values reduced in rank order (mpi4py's ``exscan``),
+        with rank 0's ``reduce_fn``; replica 0 gets ``None``. Raises as ``allreduce``."""
+        return self._calls.run("exscan", timeout, value, reduce_fn)
+
+    @_async_twin("exscan", _VALUE, _FN)
+    def exscan_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn) -> CollectiveFuture[Any]:
+        return self._calls.call("exscan", value, reduce_fn)
+
     def reduce(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn, root: int = 0, *,
                timeout: Timeout = DEFAULT) -> Any:
         """Like ``allreduce``, but only ``root`` gets the result (with

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
 from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
 from .._protocol._member import Member
-from .._protocol._ops import applied
 from .._protocol._outcomes import CallOutcome, fresh
 from .._protocol._p2p import ANY_SOURCE
 from ..errors import CollectiveError, CollectiveTimeoutError
+from ._combine import answer, applied
 from ._interrupts import NUDGE, Waiter
 from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
@@ -102,6 +102,8 @@ class Driver:
                 rules.take(msg)
                 if enough is not None and member.outcomes and enough() and not self.sleepers():
                     break
+        if member.asks:  # a subtree's reduction its relay asked for
+            answer(member)
         if rules.cut and sockets is not None:
             self._cut(rules.cut)
         out, went = rules.out, []
@@ -269,7 +271,7 @@ class Driver:
             self._send(msg)
             if owed:  # a failure while sending empties it
                 owed.popleft()
-        if mailed:
+        if mailed or member.asks:
             self.mail_io(take=False)
 
     def join(self, timeout: Optional[float], check: Optional[Callable[[], None]] = None) -> None:

@@ -34,10 +34,11 @@ from .._limits import (
     STOP_TIMEOUT_S,
 )
 from .._protocol._coordinator import RANK0_PEER, Coordinator, Forming, Phase, ProbeSchedule, is_loopback
-from .._protocol._ops import Step, applied
+from .._protocol._ops import Step
 from ..config import Config
 from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
+from ._combine import applied
 from ._interrupts import DEADLINE, NUDGE, Waiter
 from ._mailbox import mail_woke
 from ._turns import Turns

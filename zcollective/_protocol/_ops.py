@@ -4,226 +4,74 @@ route (a reduction's: :class:`Reducing`, :class:`Combine`) and data plan (:meth:
 :meth:`Operation.route`, :meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
 operation by name (:data:`OPERATIONS`) and builds no message; the coordinator
 looks the operation of a call up by its code. A new operation is a class
-here, a ``Group`` method and a module function (docs/protocol.md,
-*Operations*).
+here (its code in :class:`~._ops_types.Op`), a ``Group`` method and a module function
+(docs/protocol.md, *Operations*). What the rows speak in is :mod:`._ops_types`; their
+plans and jobs off the star, and their pieces, :mod:`._ops_data`.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
-import operator
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Union, cast
+from dataclasses import replace
+from operator import attrgetter
+from typing import Any, Callable, Optional
 
 from .._format import _bodies, _serialize
 from .._format._wire import FLAG_DATA, FLAG_LOCAL_ERROR, Message, WireError
-from ..errors import SerializationError
 from . import _ring, _shm
+from ._ops_data import (  # noqa: F401 (importable here, as ever)
+    PLAIN,
+    _agreed,
+    _all,
+    _array,
+    _either,
+    _exchange,
+    _exchange_plan,
+    _first,
+    _gathered,
+    _is_tensor,
+    _n_each,
+    _none,
+    _nothing,
+    _one_each,
+    _per_rank,
+    _sent,
+    _shared_agreed,
+    _shared_parts,
+    _staged_build,
+    _status,
+    _tensor_out,
+    _value,
+    check_root,
+    reducing,
+    shared_plan,
+)
+from ._ops_types import (  # noqa: F401 (importable here, as ever)
+    LABELS,
+    OPS,
+    RING_SAFE,
+    Combine,
+    Combining,
+    Contribution,
+    Disagree,
+    Finish,
+    Here,
+    Malformed,
+    Op,
+    Outgoing,
+    Parts,
+    Refused,
+    Routes,
+    Step,
+    Unreadable,
+    UserCode,
+    group_name,
+    in_world,
+    label,
+    rank_list,
+    reduce_name,
+)
 from ._shm import MAX_SYNCS  # noqa: F401 (the coordinator's bound, where it reads the operations)
-
-
-class Op(enum.IntEnum):
-    """An operation's code, the header's ``op`` byte (0: a control message's)."""
-
-    NONE = 0
-    ALLREDUCE = 1
-    BROADCAST = 2
-    ALLGATHER = 3
-    GATHER = 4
-    SCATTER = 5
-    REDUCE = 6
-    ALLTOALL = 7
-    BARRIER = 8
-    TEARDOWN = 9
-    GROW = 10  # members admit the newcomers waiting (rule 10 of the coordinator)
-    SHRINK = 11  # shrink() in a group that had not failed: a collective call like any other
-    REDUCE_SCATTER = 12
-    SPLIT = 13  # split(), subgroup(), dup(): each of their two rounds (never on the data plane)
-
-    @property
-    def label(self) -> str:
-        return LABELS[self]
-
-
-LABELS = {o: o.name.lower() for o in Op}  # Enum.name is slow on a hot path
-NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
-RING_SAFE = frozenset({"add", "maximum", "minimum", "multiply"})  # reductions no rank's code can fail
-Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
-Build = Callable[[], tuple[list[list[Any]], Any]]  # -> (segments, reduce function or None)
-Finish = Callable[[Message], Any]  # the call's RESULT -> its value here
-Outgoing = tuple[bytes, Message]  # a message the coordinator sends, and to whom
-Parts = list[Optional[list[list[int]]]]  # by rank, the frame sizes of each value it writes into
-# its host's shared memory (None: none)
-UserCode = Callable[[Callable[..., Any]], Callable[..., Any]]  # a reduce function -> how it is called
-
-
-def label(op: int) -> str:
-    """An operation code's name (its number, if no operation has it)."""
-    known = OPS.get(op)
-    return LABELS[known] if known is not None else f"operation {op}"
-
-
-@dataclass(frozen=True)
-class Here:
-    """What an operation knows of the rank that calls it."""
-
-    rank: int
-    size: int
-    data: bool = False  # the group has a data plane ...
-    data_min_bytes: int = 0  # ... and moves values this large on it
-    max_frame_bytes: int = 0
-    shared: Any = None  # this rank's part in its host's shared memory (_io._shared.SharedPlane) ...
-    shared_min_bytes: int = 0  # ... which moves arrays this large
-    across: Any = None  # ... with ranks on several hosts: its plane, for allreduce alone (the others
-    # keep the data plane); arrays of shared_min_bytes go through it
-
-
-class Combining(Protocol):
-    """What an operation asks of the coordinator, and what :func:`applied` hands back to it."""
-
-    user_code: UserCode  # the driver's wrapper of a reduce function (rank 0's: _interrupts.user_code)
-    newcomers: dict[bytes, Any]  # those a GROW admits (rule 10)
-
-    def admit(self, seq: int) -> list[Any]:
-        """Rule 10: WELCOME the newcomers into the group formed next (messages to send)."""
-
-    def combined(self, asked: Combine, results: list[list[Any]]) -> list[Outgoing]:
-        """``asked`` ran: the RESULTs to send (none if the call is no longer waiting for it)."""
-
-    def combine_failed(self, asked: Combine, exc: BaseException) -> list[Outgoing]:
-        """``asked`` raised ``exc``: the ERRORs to send (likewise)."""
-
-
-@dataclass
-class Contribution:
-    """This rank's contribution to one call: ``build()`` serializes what it sends
-    (after the call's seq is reserved), ``finish`` makes its value from the
-    RESULT, ``transfer`` the data-plane job from a plan (``FLAG_DATA``)."""
-
-    root: int
-    build: Build
-    finish: Finish
-    flags: int = 0
-    transfer: Optional[Callable[[Message], Union[_ring.Transfer, _shm.SharedJob]]] = None
-    reduce: Any = None  # an allreduce's function, as this rank passed it (an interior rank of the
-    # tree reduces its subtree's values with it)
-
-
-class Refused(ValueError):
-    """A contribution this rank cannot make (a wrong number of values): the others
-    are told (an error note, at ``root``), so the call fails on every rank."""
-
-    def __init__(self, message: str, root: int = 0) -> None:
-        super().__init__(message)
-        self.root = root
-
-
-class Disagree(Exception):
-    """The ranks' values cannot be combined (arrays that differ): a mismatch.
-    ``described``: each rank's value as rank 0 found it, or None (its plan says)."""
-
-    def __init__(self, described: Optional[list[str]] = None) -> None:
-        super().__init__("the ranks' values disagree")
-        self.described = described
-
-
-class Malformed(Exception):
-    """Parts no working replica sends (a ProtocolError): the text says why."""
-
-
-class Unreadable(Exception):
-    """A value or function rank 0 cannot unpickle (its sender's fault): the text names the rank."""
-
-
-@dataclass(frozen=True)
-class Combine:
-    """The coordinator's outcome once every rank contributed to a reducing call:
-    reduce every rank's first ``count`` values, each index in rank order, with
-    the root's function ``fn`` (rank 0's own, as it is). The driver runs it
-    (:func:`applied`) and hands back the results or what was raised."""
-
-    seq: int
-    op: Op
-    root: int
-    count: int
-    fn: Any
-    values: tuple[list[list[Any]], ...]  # each rank's segments, in rank order
-    ranks: Optional[tuple[int, ...]] = None  # whose each is (a part of the tree: its first rank), if not
-    # each rank's own
-    names: Optional[tuple[Optional[str], ...]] = None  # each part's function, if a summary says
-
-    def run(self, user_code: UserCode) -> list[list[Any]]:
-        """Each index's result, pickled (the user's code: a function, a result's
-        pickling); raises :class:`Unreadable` (nothing ran), :class:`Disagree`
-        (arrays that differ) or what the user's code raised."""
-        if self.fn is None:
-            raise ValueError(f"rank {self.root} sent no reduce function")
-        fn = self.fn if callable(self.fn) else _unpickled([self.fn], f"reduce function of rank {self.root}")
-        name, call, out = _ring.reduction_name(fn), user_code(fn), []
-        ranks = self.ranks or range(len(self.values))
-        if self.names is not None and any(n is not None and n != reduce_name(fn) for n in self.names):
-            mine = reduce_name(fn) or getattr(fn, "__qualname__", "a function of its own")
-            raise Disagree([f"a value to reduce with {mine}" if n is None else
-                            f"a value reduced with {n} on the way (through the tree every rank must pass "
-                            f"rank 0's function)" for n in self.names])
-        for index in range(self.count):
-            values = [_unpickled(v[index], f"value of rank {r}")
-                      for r, v in zip(ranks, self.values, strict=True)]
-            described = _described_arrays(values, name) if name is not None else None
-            if described is not None and len(set(described)) > 1:  # elementwise: arrays must agree,
-                raise Disagree(described)  # as on the data plane (no broadcasting)
-            out.append(_serialize.dumps(functools.reduce(call, values), "reduction result"))
-        return out
-
-
-Step = Sequence[Union[Outgoing, Combine]]  # what one step of the coordinator returns, in order
-
-
-def applied(step: Step, at: Combining) -> Iterator[Outgoing]:
-    """What a driver sends of ``step``, in order: a :class:`Combine` runs where
-    it stands, in the driver's thread, before anything else is taken in, and
-    what the coordinator then answers takes its place."""
-    for out in step:
-        if not isinstance(out, Combine):
-            yield out
-            continue
-        try:
-            results = out.run(at.user_code)
-        except BaseException as exc:  # SystemExit from a reduce function too: it is the user's error
-            yield from at.combine_failed(out, exc)
-        else:
-            yield from at.combined(out, results)
-
-
-def reduce_name(fn: Any) -> Optional[str]:
-    """The name a function known to be associative goes by; None for any other. Known: the
-    default ``a += b``, ``operator.add`` and ``mul``, numpy's ``add``, ``multiply``, ``maximum``,
-    ``minimum`` (the data plane's names), builtin ``max`` and ``min``, and functions marked
-    :func:`~zcollective.elementwise` (which the data plane's ring reduces out of order already)."""
-    if fn is max or fn is min:
-        return fn.__name__
-    return _ring.reduction_name(fn) if fn is not None else None
-
-
-def _unpickled(segment: list[Any], what: str) -> Any:
-    try:
-        return _serialize.loads(segment, what)
-    except SerializationError as exc:
-        raise Unreadable(str(exc)) from exc
-
-
-def _described_arrays(values: list[Any], fn: str) -> Optional[list[str]]:
-    """Each value described as a data plan describes an array, when all are arrays
-    (numpy's, torch's) and not all scalars; else None (left to the reduce function)."""
-    try:  # (attributes read, not a `None in` test: numpy's dtype equals None, meaning float64 to it)
-        described = [f"a {getattr(v.dtype, 'str', v.dtype)} array of shape {tuple(int(n) for n in v.shape)} "
-                     f"reduced with {fn}" for v in values]
-    except (AttributeError, TypeError):  # not arrays (a shape of something else than numbers)
-        return None
-    return described if any(len(v.shape) for v in values) else None
 
 
 class Operation:
@@ -273,325 +121,6 @@ class Operation:
         return f"a {dtype} array of shape {shape} reduced with {fn}"
 
 
-def _nothing() -> tuple[list[list[Any]], Any]:
-    return [], None
-
-
-def _none(msg: Message) -> None:
-    return None
-
-
-def _first(msg: Message) -> Any:
-    return _serialize.loads(msg.segments[0])
-
-
-def _value(value: Any) -> Finish:
-    return lambda msg: value
-
-
-def _all(own: Any, rank: int) -> Finish:
-    """A list result: every rank's value in rank order, this rank's own
-    object in its slot (it is never copied back)."""
-    def finish(msg: Message) -> list[Any]:
-        return [own if i == rank else _serialize.loads(s) for i, s in enumerate(msg.segments)]
-    return finish
-
-
-def _sent(value: Any) -> Build:
-    return lambda: ([_serialize.dumps(value)], None)
-
-
-def check_root(root: Any, size: int) -> int:
-    """``root`` as an int: any integer type (``numpy.int64``, anything with
-    ``__index__``) but bool."""
-    try:
-        index = operator.index(root)
-    except TypeError:
-        index = -1
-    if isinstance(root, bool) or not 0 <= index < size:
-        raise ValueError(f"root={root!r} is not a rank of this group of {size} replicas")
-    return index
-
-
-def _per_rank(op: Op, values: Any, size: int, root: int = 0) -> list[Any]:
-    """``values`` must hold one value per replica (else :class:`Refused`)."""
-    try:
-        count = len(values)
-    except TypeError:
-        count = -1
-    if count != size:
-        what = "no sequence" if count < 0 else f"{count} values"
-        raise Refused(f"{LABELS[op]} needs one value per replica: got {what} for {size} replicas", root)
-    return list(values)
-
-
-def _reducer_of(here: Here, reduce_fn: Any, root: int) -> Callable[[], Any]:
-    """Only the root's function is used; rank 0's stays in its process (the
-    coordinator is there): handed over as it is when a pickle made now could
-    not differ from it."""
-    if not callable(reduce_fn):
-        raise TypeError(f"reduce_fn must be callable, not {type(reduce_fn).__name__}")
-    if here.rank != root:
-        return lambda: None
-    if root == 0 and _serialize.as_is(reduce_fn):
-        return lambda: reduce_fn
-    return lambda: _serialize.dumps_function(reduce_fn)
-
-
-def _one_each(contributions: list[Message], root: int) -> str:
-    empty = [r for r, c in enumerate(contributions) if len(c.segments) != 1]
-    return f"{rank_list(empty)} sent no value" if empty else ""
-
-
-def _n_each(contributions: list[Message], root: int) -> str:
-    n = len(contributions)
-    short = [r for r, c in enumerate(contributions) if len(c.segments) != n]
-    return f"{rank_list(short)} did not send exactly {n} values" if short else ""
-
-
-def rank_list(ranks: Iterable[int], world: Optional[Sequence[int]] = None) -> str:
-    """``ranks 1,2``; a sub-group's (``world``: each rank's world rank) ``ranks 0,1 (world ranks 1,2)``."""
-    ranks = sorted(ranks)
-    word = "rank" if len(ranks) == 1 else "ranks"
-    return f"{word} {','.join(map(str, ranks))}{in_world(ranks, world)}" if ranks else "no ranks"
-
-
-def in_world(ranks: Iterable[int], world: Optional[Sequence[int]], lead: str = " (", end: str = ")") -> str:
-    """What ``ranks`` of a sub-group are in the world, for its error texts (``world``: each of its
-    ranks' world rank); "" in the world itself, whose texts stay as they are."""
-    if world is None:
-        return ""
-    ranks = list(ranks)
-    word = "rank" if len(ranks) == 1 else "ranks"
-    return f"{lead}world {word} {','.join(str(world[r]) if 0 <= r < len(world) else '?' for r in ranks)}{end}"
-
-
-def group_name(world: Optional[Sequence[int]]) -> str:
-    """How a sub-group's errors name it ("" for the world)."""
-    if world is None:
-        return ""
-    shown = ",".join(map(str, world[:MAX_NAMED_RANKS])) + (",..." if len(world) > MAX_NAMED_RANKS else "")
-    return f"the sub-group of world ranks {shown}"
-
-
-MAX_NAMED_RANKS = 16  # a sub-group's name lists at most this many of its world ranks
-
-
-def _agreed(contributions: list[Message]) -> list[list[Any]]:
-    """The plan every rank sent alike (else a :class:`Disagree`)."""
-    plans = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
-             and len(c.segments[0]) == 1 else None for c in contributions}
-    if len(plans) != 1 or None in plans:  # the call matched; only its values disagree
-        raise Disagree()
-    return [[bytes(contributions[0].segments[0][0])]]
-
-
-def _shared_agreed(contributions: list[Message], hosts: Optional[list[Optional[int]]]) -> list[list[Any]]:
-    """A shared-memory call's plan: the description every rank sent alike (else a
-    :class:`Disagree`), and by host whether every rank staged its input, whether some
-    rank knows the set is free (see :mod:`zcollective._protocol._shm`)."""
-    descriptions = {bytes(c.segments[0][0]) if c.flags & FLAG_DATA and len(c.segments) == 1
-                    and len(c.segments[0]) == 2 else None for c in contributions}
-    if len(descriptions) != 1 or None in descriptions:
-        raise Disagree()
-    return [[bytes(contributions[0].segments[0][0]), _host_flags(contributions, hosts)]]
-
-
-def _host_flags(contributions: list[Message], hosts: Optional[list[Optional[int]]],
-                readers: Optional[list[int]] = None) -> bytes:
-    """By host: did every rank stage its part (a rank that sent no status did not), does some
-    rank know the call's set of slots free (:func:`zcollective._format._bodies.shared_call`).
-    ``readers``: ranks that write nothing, whose status is their one frame."""
-    if hosts is None or any(h is None for h in hosts):
-        raise Malformed("ranks that share no host's memory sent a shared-memory description")
-    count = max(h for h in hosts if h is not None) + 1
-    staged, free = [True] * count, [False] * count
-    for rank, c in enumerate(contributions):
-        host = cast(int, hosts[rank])
-        reader = readers is not None and rank in readers and len(c.segments) == 1 and len(c.segments[0]) == 1
-        if not reader and not (c.flags & FLAG_DATA and _bodies.is_shared(c)):
-            staged[host] = False
-            continue
-        try:
-            was_staged, knows_free = _bodies.parse_shared_status(c.segments[0][0 if reader else 1])
-        except WireError:
-            raise Malformed(f"rank {rank} sent a malformed shared-memory status") from None
-        staged[host] = staged[host] and was_staged
-        free[host] = free[host] or knows_free
-    return _bodies.shared_call(staged, free)
-
-
-def shared_plan(segments: list[list[Any]]) -> bool:
-    """Is this plan a shared-memory call's (its ranks sync through the coordinator)?"""
-    return len(segments) >= 1 and len(segments[0]) == 2
-
-
-def _shared_parts(here: Here, own: list[list[Any]]) -> Optional[list[list[int]]]:
-    """The frame sizes of ``own`` (values' frames: the parts this rank writes) if they go
-    through the host's shared memory: at least the threshold in all, and room for them."""
-    plane = here.shared
-    if plane is None or sum(len(frames) for frames in own) > _bodies.MAX_PLAN_FRAMES:
-        return None
-    parts = [[memoryview(f).nbytes for f in frames] for frames in own]
-    total = _shm.offsets(parts)[1]
-    return parts if total >= here.shared_min_bytes and plane.fits(total) else None
-
-
-Got = dict[tuple[int, int], list[Any]]  # (writer, part) -> the frames read
-
-
-def _exchange(here: Here, op: str, own: Optional[list[list[Any]]], staged: list[bool],
-              reads: Callable[[Parts], list[tuple[int, int]]],
-              convert: Callable[[Message, Parts, Got], Any]) -> Callable[[Message], Any]:
-    """The job of a call whose values go through the host's shared memory, from its plan:
-    this rank writes ``own`` (its parts, each a value's frames; None: nothing), reads the
-    (writer, part) that ``reads(parts)`` names, and its value is ``convert(plan, parts, got)``."""
-    plane = here.shared
-
-    def job(msg: Message) -> _shm.SharedJob:
-        parts = _bodies.parse_exchange_plan(msg, here.size)
-        host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
-        need = max((_shm.offsets(p)[1] for p in parts if p is not None), default=0)
-        ranks = plane.ranks
-        shared = _shm.SharedExchange(op, msg.seq, plane.rank, plane.size, plane.place(need), host_plan,
-                                     staged[0], plane.leader, [parts[r] for r in ranks], own,
-                                     [(ranks.index(w), p) for w, p in reads(parts)])
-        shared.convert = lambda got: convert(msg, parts, {(ranks[w], p): f for (w, p), f in got.items()})
-        return shared
-    return job
-
-
-def _status(here: Here, staged: list[bool]) -> Build:
-    """The contribution of a rank that writes nothing to a call that may go through shared
-    memory: its status, so that the plan needs no sync when every rank knew its set free."""
-    plane = here.shared
-
-    def build() -> tuple[list[list[Any]], Any]:
-        staged[0] = plane.knows_free()
-        return [[_bodies.shared_status(staged[0], staged[0])]], None
-    return build
-
-
-def _gathered(rank: int, size: int, own: Any, index: Optional[int] = None
-              ) -> Callable[[Message, Parts, Got], list[Any]]:
-    """Every rank's value (``index``: its part for this rank) from a plan and what was read
-    (those of ranks that wrote none came inline, after the plan: all their parts); this
-    rank's slot holds ``own``."""
-    def convert(msg: Message, told: Parts, got: Got) -> list[Any]:
-        per, part = (1, 0) if index is None else (size, index)
-        inline, at, out = msg.segments[1:], 0, []
-        for r in range(size):
-            if told[r] is None:  # (inline: all its parts, in rank order)
-                frames, at = inline[at + part], at + per
-            else:
-                frames = got.get((r, part), [])
-            out.append(own if r == rank else _serialize.loads(frames))
-        return out
-    return convert
-
-
-def _exchange_plan(contributions: list[Message], hosts: Optional[list[Optional[int]]],
-                   writers: Optional[list[int]] = None) -> list[list[Any]]:
-    """The plan of a call some of whose values go through shared memory: each rank that sent
-    a description (``writers``: only those may), its parts; the others' values (all their
-    segments) follow it, inline, unless they only read (``writers`` given)."""
-    told: Parts = []
-    inline: list[list[Any]] = []
-    readers = None if writers is None else [r for r in range(len(contributions)) if r not in writers]
-    for rank, c in enumerate(contributions):
-        if not c.flags & FLAG_DATA:
-            if readers is not None and rank not in readers:
-                raise Malformed(f"rank {rank} sent no shared-memory description")
-            told.append(None)
-            inline.extend(c.segments if readers is None else [])
-            continue
-        try:
-            if (readers is not None and rank in readers) or not _bodies.is_shared(c) or len(c.segments) != 1:
-                raise WireError("not a shared-memory description")
-            told.append(_bodies.parse_parts(c.segments[0][0]))
-        except WireError:
-            raise Malformed(f"rank {rank} sent a malformed shared-memory description") from None
-    return [[_bodies.exchange_plan(told), _host_flags(contributions, hosts, readers)], *inline]
-
-
-def _either(shared: Callable[[Message], Any], chain: Optional[Callable[[Message], Any]]
-            ) -> Callable[[Message], Any]:
-    """The job of a plan through shared memory, or else of the data plane's (a broadcast's
-    readers do not know which the root chose)."""
-    def job(msg: Message) -> Any:
-        if _bodies.is_shared(msg) or chain is None:
-            return shared(msg)
-        return chain(msg)
-    return job
-
-
-def _staged_build(here: Here, parts: list[list[int]], own: list[list[Any]], staged: list[bool]) -> Build:
-    """Build a shared-memory contribution: ``own`` (its parts: values' frames, of sizes
-    ``parts``) written into this rank's slot now if it knows its set free; its description
-    and status."""
-    plane = here.shared
-    description = _bodies.parts_plan(parts)
-
-    def build() -> tuple[list[list[Any]], Any]:
-        slot, free = plane.free_slot(_shm.offsets(parts)[1]), plane.knows_free()
-        if slot is not None:
-            _shm.write_parts(slot, own)
-            staged[0] = True
-        return [[description, _bodies.shared_status(staged[0], free)]], None
-    return build
-
-
-# -- arrays on the data plane --------------------------------------------------
-
-
-def cpu_tensor(value: Any, least: int) -> Any:
-    """``value`` as a numpy array sharing its memory, if it is a torch tensor
-    of at least ``least`` bytes that numpy can see without a copy (CPU,
-    contiguous, a dtype numpy has, no conjugate or negative bit, not
-    requiring grad); else None. torch is looked up, never imported."""
-    torch = sys.modules.get("torch")
-    if torch is None or type(value) is not torch.Tensor:
-        return None
-    try:
-        if (value.device.type != "cpu" or value.requires_grad or not value.is_contiguous()
-                or value.is_sparse or value.is_quantized or value.is_conj() or value.is_neg()
-                or value.element_size() * value.numel() < least):
-            return None
-        return value.numpy()
-    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8, complex32)
-        return None
-
-
-def _array(value: Any, least: int) -> Any:
-    """``value`` as a C-contiguous numeric numpy array of at least ``least``
-    bytes (a CPU tensor's memory, as numpy sees it), or None."""
-    numpy = sys.modules.get("numpy")
-    if numpy is None:
-        return None
-    tensor = cpu_tensor(value, least)
-    if tensor is not None:
-        value = tensor  # the same memory, seen by numpy
-    elif not isinstance(value, numpy.ndarray):  # (subclasses too: a memmap is an array)
-        return None
-    if value.dtype.kind not in NUMERIC_KINDS or value.nbytes < least or value.dtype.hasobject:
-        return None
-    if not value.flags.c_contiguous:  # a view: what it shows, copied (the star pickles so too),
-        value = numpy.ascontiguousarray(value)  # so the layout never decides the path
-    return value
-
-
-def _tensor_out(tensor: bool, result: Callable[[], Any]) -> Callable[[], Any]:
-    """A tensor in, a tensor out (sharing the result's memory)."""
-    if not tensor:
-        return result
-    from_numpy = sys.modules["torch"].from_numpy
-    return lambda: from_numpy(result())
-
-
-def _is_tensor(value: Any) -> bool:
-    return not isinstance(value, sys.modules["numpy"].ndarray)
-
-
 # -- the operations ------------------------------------------------------------
 
 
@@ -602,31 +131,38 @@ class Reducing(Operation):
     each = False  # each rank's every value is reduced by index (reduce_scatter), not its one value
 
     def combine(self, seq: int, contributions: list[Message], root: int) -> Combine:
-        count, values = len(contributions) if self.each else 1, tuple([c.segments for c in contributions])
+        count, values = len(contributions) if self.each else 1, tuple(map(SEGMENTS, contributions))
         return Combine(seq, self.code, root, count, contributions[root].fn, values)
 
     def route_combined(self, size: int, root: int, results: list[list[Any]]) -> Routes:
         """The segments each rank of ``size`` receives, given the reduction's ``results``."""
         if self.each:  # rank i: index i's
             return [[result] for result in results]
-        return [results if r == root or not self.rooted else [] for r in range(size)]
+        if not self.rooted:
+            return [results] * size
+        return [results if r == root else [] for r in range(size)]
+
+
+SEGMENTS = attrgetter("segments")
 
 
 class Allreduce(Reducing):
     code = Op.ALLREDUCE
 
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
-        fn = _reducer_of(here, reduce_fn, 0)
+        build = reducing(here, value, reduce_fn, 0)
         finish = _value(value) if here.size == 1 else _first  # nothing was combined with it
         plane = here.shared if here.shared is not None else here.across
-        name = _ring.reduction_name(reduce_fn) if here.data or plane is not None else None
+        if isinstance(value, PLAIN) or not (here.data or plane is not None):  # (the common call)
+            return Contribution(0, build, finish, reduce=reduce_fn)
+        name = _ring.reduction_name(reduce_fn)
         if name is not None and plane is not None:
             array = _array(value, here.shared_min_bytes)
             if array is not None and plane.fits(array.nbytes):
                 return self._shared(plane, value, array, name, reduce_fn, finish)
         array = _array(value, here.data_min_bytes) if name is not None and here.data else None
         if array is None or name is None:
-            return Contribution(0, lambda: ([_serialize.dumps(value)], fn()), finish, reduce=reduce_fn)
+            return Contribution(0, build, finish, reduce=reduce_fn)
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
         tensor = _is_tensor(value)
 
@@ -683,9 +219,8 @@ class Reduce(Reducing):
 
     def contribute(self, here: Here, value: Any, reduce_fn: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
-        fn = _reducer_of(here, reduce_fn, root)
         finish = _none if here.rank != root else _value(value) if here.size == 1 else _first
-        return Contribution(root, lambda: ([_serialize.dumps(value)], fn()), finish)
+        return Contribution(root, reducing(here, value, reduce_fn, root), finish)
 
 
 class ReduceScatter(Reducing):
@@ -702,7 +237,7 @@ class ReduceScatter(Reducing):
 
     def contribute(self, here: Here, values: Any, reduce_fn: Any) -> Contribution:
         values = _per_rank(self.code, values, here.size)
-        fn = _reducer_of(here, reduce_fn, 0)
+        build = reducing(here, values, reduce_fn, 0, each=True)
         own = values[here.rank]
         finish = _value(own) if here.size == 1 else _first
         name = _ring.reduction_name(reduce_fn)
@@ -711,7 +246,7 @@ class ReduceScatter(Reducing):
         if (name is None or first is None
                 or any(a is None or a.dtype != first.dtype or a.shape != first.shape for a in arrays)
                 or first.nbytes * len(arrays) < here.data_min_bytes):
-            return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], fn()), finish)
+            return Contribution(0, build, finish)
         n, shape = here.size, first.shape
         description = _bodies.plan(dtype=first.dtype.str, shape=[n, *shape], fn=name)
         tensor = _is_tensor(own)
@@ -734,6 +269,30 @@ class ReduceScatter(Reducing):
     def plan(self, contributions: list[Message], root: int,
              hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
         return _agreed(contributions)
+
+
+class Scan(Reducing):
+    """Rank r gets the fold of ranks 0..r's values in rank order, with rank 0's function
+    (mpi4py's ``scan``); ``exclusive``: of ranks 0..r-1, None on rank 0 (``exscan``)."""
+
+    code = Op.SCAN
+    exclusive = False
+    malformed = staticmethod(_one_each)
+
+    def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
+        mine = (_none if self.exclusive else _value(value)) if here.rank == 0 else _first
+        return Contribution(0, reducing(here, value, reduce_fn, 0), mine)
+
+    def combine(self, seq: int, contributions: list[Message], root: int) -> Combine:
+        return replace(super().combine(seq, contributions, root), prefix=True)
+
+    def route_combined(self, size: int, root: int, results: list[list[Any]]) -> Routes:
+        return [[]] + [[results[r - 1 if self.exclusive else r]] for r in range(1, size)]
+
+
+class Exscan(Scan):
+    code = Op.EXSCAN
+    exclusive = True
 
 
 class Broadcast(Operation):
@@ -1023,11 +582,10 @@ class Split(Allgather):
 
 OPERATIONS: dict[int, Operation] = {o.code: o for o in (
     Allreduce(), Reduce(), ReduceScatter(), Broadcast(), Allgather(), Gather(), Scatter(), Alltoall(),
-    Barrier(), Teardown(), Grow(), Shrink(), Split())}
+    Barrier(), Teardown(), Grow(), Shrink(), Split(), Scan(), Exscan())}
 BY_NAME = {o.label: o for o in OPERATIONS.values()}
 SPOKEN = ",".join(o.label for _, o in sorted(OPERATIONS.items()))  # a JOIN's: a group's ranks know
 # the same operations (a replica of another release whose protocol version matches may not)
-OPS = {int(o): o for o in Op}
 
 
 def error_contribution(root: int, note: list[list[Any]]) -> Contribution:

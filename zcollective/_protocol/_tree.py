@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import functools
 import struct
-import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
-from .._format import _serialize
 from .._format._wire import FLAG_DATA, FLAG_FN, FLAG_LOCAL_ERROR, Kind, Message
-from . import _ring
-from ._ops import Op, _described_arrays, reduce_name
+from ._ops import Combine, Op, reduce_name
 
 TREE_FANOUT = 4  # children per interior rank: minimises (2 x hop + K x per-child cost) / ln K with
 # the costs measured here (benchmarks/scale_model.py: K = 4-5)
@@ -152,7 +149,8 @@ class _Call:
 
 class Relay:
     """An interior rank's rules (see the module docstring): :meth:`own` and
-    :meth:`take` return the UPs to send its parent, in order."""
+    :meth:`take` return the UPs to send its parent, in order, or the reduction of a
+    subtree's values to ask its driver for (:class:`~._ops.Combine`: one UP once run)."""
 
     def __init__(self, rank: int, size: int, fanout: int = TREE_FANOUT,
                  user_code: UserCode = lambda fn: fn, clock: Callable[[], float] = time.monotonic) -> None:
@@ -162,15 +160,16 @@ class Relay:
         self.user_code, self.clock = user_code, clock
         self.calls: dict[int, _Call] = {}
         self._finished: OrderedDict[int, bool] = OrderedDict()  # calls sent up (False) or passed down (True)
+        self.asked: dict[int, list[Message]] = {}  # calls whose reduction was asked for: their parts
         self.interrupted: Optional[BaseException] = None  # a signal handler's, in a reduce function run here
 
-    def own(self, msg: Message, reduce: Any = None) -> list[Message]:
+    def own(self, msg: Message, reduce: Any = None) -> list[Union[Message, Combine]]:
         """This rank's contribution (a CONTRIB) to call ``msg.seq``; ``reduce``: its function."""
         call = self._call(msg.seq)
         call.reduce = reduce
         return self._add(msg.seq, call, up(msg), 1)
 
-    def take(self, msg: Message) -> list[Message]:
+    def take(self, msg: Message) -> list[Union[Message, Combine]]:
         """A child's UP (checked: it speaks for ranks of this subtree, not this rank, of a call
         not already sent up)."""
         try:
@@ -211,6 +210,20 @@ class Relay:
     def forget(self) -> None:
         """The group failed or closed: nothing held goes up."""
         self.calls.clear()
+        self.asked.clear()
+
+    def combined(self, asked: Combine, results: list[list[Any]]) -> list[Message]:
+        """The subtree's values reduced (``asked`` ran): its summary goes up."""
+        items = self.asked.pop(asked.seq, None)
+        name = reduce_name(asked.fn) or ""
+        return [] if items is None else [summary(items[0], self.end, [results[0]], name)]
+
+    def combine_failed(self, asked: Combine, exc: BaseException) -> list[Message]:
+        """The values could not be reduced here (rank 0 then meets the same): they go up as
+        they came; a signal handler's interrupt is raised once they went."""
+        if not isinstance(exc, Exception):
+            self.interrupted = exc
+        return self.asked.pop(asked.seq, [])
 
     def _call(self, seq: int) -> _Call:
         call = self.calls.get(seq)
@@ -218,7 +231,7 @@ class Relay:
             call = self.calls[seq] = _Call(self.clock())
         return call
 
-    def _add(self, seq: int, call: _Call, msg: Message, width: int) -> list[Message]:
+    def _add(self, seq: int, call: _Call, msg: Message, width: int) -> list[Union[Message, Combine]]:
         if msg.rank in call.firsts:  # a part taken twice (replayed): dropped
             return []
         call.firsts.add(msg.rank)
@@ -234,10 +247,11 @@ class Relay:
             return []
         items = sorted(call.items, key=_first)
         made = self._summarize(items, call.reduce)
-        return [made] if made is not None else items
+        return [made] if made is not None else list(items)
 
-    def _summarize(self, items: list[Message], reduce: Any) -> Optional[Message]:
-        """One UP for the whole range, or None (they differ, or cannot be combined here)."""
+    def _summarize(self, items: list[Message], reduce: Any) -> Optional[Union[Message, Combine]]:
+        """One UP for the whole range, or None (they differ, or cannot be combined here); an
+        allreduce's: the reduction asked for, whose answer (:meth:`combined`) is that UP."""
         head = items[0]
         op, root, site = head.op, head.root, head.callsite
         if op not in SUMMARIZED:
@@ -250,8 +264,11 @@ class Relay:
             # value strictly left to right, as the star does)
             if name is None or any(item.flags & FLAG_RANGE and reduced_with(item) != name for item in items):
                 return None  # (a child reduced with another function: rank 0 names the mismatch)
-            value = self._reduced(items, reduce)
-            return None if value is None else summary(head, self.end, [value], name)
+            if any(len(parts(item)) != 1 for item in items):
+                return None
+            self.asked[head.seq] = items  # (the driver runs it: combined, or combine_failed)
+            return Combine(head.seq, Op.ALLREDUCE, self.rank, 1, reduce, tuple(parts(item) for item in items),
+                           tuple(item.rank for item in items), grouped=True)
         if op == Op.BROADCAST:
             carried = [parts(item) for item in items if parts(item)]
             ranged = self.rank <= root < self.end
@@ -261,49 +278,6 @@ class Relay:
         if any(parts(item) for item in items):  # a barrier sends nothing
             return None
         return summary(head, self.end, [])
-
-    def _reduced(self, items: list[Message], reduce: Any) -> Optional[list[Any]]:
-        """The values of ``items``, reduced in rank order with ``reduce`` (a function known to be
-        associative), pickled; None when any value cannot be read or its grouping matters,
-        arrays disagree, or the function raises (rank 0 then meets the same)."""
-        if any(len(parts(item)) != 1 for item in items):
-            return None
-        try:
-            values = [_serialize.loads(parts(item)[0]) for item in items]
-            if not _summable(values, reduce):
-                return None
-            name = _ring.reduction_name(reduce)
-            described = _described_arrays(values, name) if name is not None else None
-            if described is not None and len(set(described)) > 1:
-                return None
-            fn = self.user_code(reduce)
-            return _serialize.dumps(functools.reduce(fn, values), "reduction result")
-        except Exception:
-            return None
-        except BaseException as exc:  # a signal handler's: the parts go up as they came, then it is raised
-            self.interrupted = exc
-            return None
-
-
-ALIKE_TYPES = frozenset({int, float, complex, bool, str, bytes, list, tuple})  # whose + (and max,
-# min) group as they like; a Counter's += drops counts below one at each step, so it does not
-
-
-def _summable(values: list[Any], reduce: Any) -> bool:
-    """Are these values ones a known function may reduce in any grouping: one type, a builtin
-    number or sequence, a numpy array or scalar, a torch tensor (or the function is marked
-    :func:`~zcollective.elementwise`, its author's word)?"""
-    if getattr(reduce, "__zcollective_elementwise__", False):
-        return True
-    kind = type(values[0])
-    if any(type(v) is not kind for v in values):
-        return False
-    if kind in ALIKE_TYPES:
-        return True
-    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")  # (a value of theirs imported them)
-    if numpy is not None and (kind is numpy.ndarray or issubclass(kind, numpy.generic)):
-        return True
-    return torch is not None and kind is torch.Tensor
 
 
 def _first(msg: Message) -> int:
