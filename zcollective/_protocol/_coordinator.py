@@ -15,21 +15,10 @@ import time
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
-from .._format import _bodies
+from .._format import _bodies, _wire
 from .._format._bodies import PYTHON_VERSION, error_body
 from .._format._mac import HMAC_SHA256
-from .._format._wire import (
-    NO_RANK,
-    AuthError,
-    Kind,
-    Message,
-    Signer,
-    VersionError,
-    WireError,
-    control,
-    decode,
-    join_token,
-)
+from .._format._wire import NO_RANK, Kind, Message, Signer, WireError, join_token
 from .._limits import WIRE_PART_BYTES
 from . import _ops, _tree
 from ._climbing import Climb
@@ -161,7 +150,7 @@ class Coordinator:
         if peer in self._answered and self.phase is not Phase.JOINING and peer not in self.members:
             return []  # refused once the group ran: nothing it sends is read again
         try:
-            msg = decode(frames, self.max_frames, self.signer, self.max_frame_bytes)
+            msg = _wire.decode(frames, self.max_frames, self.signer, self.max_frame_bytes)
         except WireError as exc:
             return self._undecoded(peer, frames, exc, address)
         return self.receive_message(peer, msg, address)
@@ -213,9 +202,9 @@ class Coordinator:
 
     def _undecoded(self, peer: bytes, frames: list[Any], exc: WireError, address: str) -> _ops.Step:
         try:
-            if isinstance(exc, AuthError):
+            if isinstance(exc, _wire.AuthError):
                 return self.joining.on_auth_error(peer, frames, exc, address)
-            if isinstance(exc, VersionError):
+            if isinstance(exc, _wire.VersionError):
                 return self.joining.on_version_error(peer, frames, exc, address)
             member = self.members.get(peer)
             self.warn(address, "malformed", f"dropped a malformed message from "
@@ -287,7 +276,8 @@ class Coordinator:
     def fail_message(self, member: Joined) -> Outgoing:
         """The FAIL ``member`` is sent."""
         assert self.failure is not None
-        return member.peer, control(Kind.FAIL, self.failure, rank=member.rank, session=self.binding(member))
+        return member.peer, _wire.control(Kind.FAIL, self.failure, rank=member.rank,
+                                          session=self.binding(member))
 
     def binding(self, member: Joined) -> int:
         """The session a message to ``member`` carries: the group's once welcomed, else its JOIN's token."""

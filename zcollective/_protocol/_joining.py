@@ -9,21 +9,9 @@ import logging
 from collections import OrderedDict
 from typing import Any, Optional
 
-from .._format import _bodies
+from .._format import _bodies, _wire
 from .._format._bodies import NOT_FORMING, PYTHON_VERSION, error_body
-from .._format._wire import (
-    FLAG_AUTH,
-    NO_RANK,
-    PROTOCOL_VERSION,
-    AuthError,
-    Kind,
-    Message,
-    VersionError,
-    WireError,
-    control,
-    decode,
-    join_token,
-)
+from .._format._wire import Kind, Message, WireError, control
 from ._ops import SPOKEN, Outgoing
 from ._parts import MAX_REFUSAL_BYTES, Joined, Owner, Phase
 
@@ -81,7 +69,7 @@ class Joining:
         forming = co.forming
         if lineage != (forming.lineage if forming is not None else None):
             return self._refuse_stranger(peer, msg, join, address, lineage)
-        if msg.flags & FLAG_AUTH and co.signer is None:  # unproven: refuse this peer alone
+        if msg.flags & _wire.FLAG_AUTH and co.signer is None:  # unproven: refuse this peer alone
             message = (f"{join.describe()} uses a secret, but the coordinator (rank 0) has none: "
                        f"set the same ZCOLLECTIVE_SECRET on every replica")
             co.warn(address, "secret", f"refused a join: {message}")
@@ -143,7 +131,8 @@ class Joining:
         return [(peer, control(Kind.REJECT, error_body(error, message, MAX_REFUSAL_BYTES),
                                rank=rank, session=token))]
 
-    def on_auth_error(self, peer: bytes, frames: list[Any], exc: AuthError, address: str) -> list[Outgoing]:
+    def on_auth_error(self, peer: bytes, frames: list[Any], exc: _wire.AuthError,
+                      address: str) -> list[Outgoing]:
         co = self.co
         member = co.members.get(peer)
         if member is not None:  # only a member can write on this connection: altered in flight
@@ -159,13 +148,13 @@ class Joining:
                                "carry the job's secret (set the same ZCOLLECTIVE_SECRET everywhere)")
         return []
 
-    def on_version_error(self, peer: bytes, frames: list[Any], exc: VersionError,
+    def on_version_error(self, peer: bytes, frames: list[Any], exc: _wire.VersionError,
                          address: str) -> list[Outgoing]:
         co = self.co
         head = bytes(memoryview(frames[0])[:4])
         if peer not in co.members and len(head) == 4 and head[3] == Kind.JOIN and co.phase is Phase.JOINING:
             message = (f"a replica at {address} speaks zcollective protocol version "
-                       f"{exc.version}, the coordinator (rank 0) speaks {PROTOCOL_VERSION}: "
+                       f"{exc.version}, the coordinator (rank 0) speaks {_wire.PROTOCOL_VERSION}: "
                        f"install the same zcollective version on every host")
             return [*self.refuse(peer, frames, "ProtocolError", message), *co.fail("ProtocolError", message)]
         co.warn(address, "version", f"dropped a message of protocol version {exc.version} from {address}")
@@ -263,7 +252,7 @@ def _of_job(job: Optional[str]) -> str:
 def _claimed(join: Any) -> tuple[int, int]:
     """The rank and JOIN token a refused JOIN claimed, as far as they can be read (its REJECT's)."""
     try:
-        msg = join if isinstance(join, Message) else decode(join)  # a tag is stripped unread
-        return msg.rank, join_token(_bodies.join_nonce(msg))
+        msg = join if isinstance(join, Message) else _wire.decode(join)  # a tag is stripped unread
+        return msg.rank, _wire.join_token(_bodies.join_nonce(msg))
     except Exception:  # anything unreadable: the REJECT is bound to nobody
-        return NO_RANK, 0
+        return _wire.NO_RANK, 0

@@ -14,18 +14,7 @@ from .._format._bodies import error_body
 from .._format._wire import FLAG_DATA, FLAG_LOCAL_ERROR, Kind, Message, WireError, control
 from ..errors import from_signal
 from . import _ops, _tree
-from ._ops import (
-    LABELS,
-    OPERATIONS,
-    OPS,
-    Disagree,
-    Malformed,
-    Op,
-    Outgoing,
-    describe_call,
-    in_world,
-    rank_list,
-)
+from ._ops import OPERATIONS, OPS, Disagree, Malformed, Op, Outgoing, describe_call, rank_list
 from ._parts import Joined, Owner, PendingCall, Phase
 
 log = logging.getLogger("zcollective")
@@ -68,7 +57,7 @@ class Calls:
             call = co.pending[seq] = PendingCall(op, msg.root)
         call.contributions[rank] = msg
         now = call.arrived[rank] = co.clock()
-        member.last = (seq, LABELS[op], msg.callsite, now)
+        member.last = (seq, _ops.LABELS[op], msg.callsite, now)
         return self.counted(seq, call, msg, rank, rank + 1)
 
     def counted(self, seq: int, call: PendingCall, msg: Message, lo: int, end: int) -> _ops.Step:
@@ -94,7 +83,7 @@ class Calls:
             if climbed and isinstance(climbed[0], _ops.Combine):  # (handed back: combined())
                 return climbed
             return self.then(call, cast("list[Outgoing]", climbed))
-        contributions = call.ranked()
+        contributions = list(map(call.contributions.__getitem__, range(co.num_replicas)))  # (no Python call)
         out = self.problem(seq, call, contributions)
         if out is None:
             operation = OPERATIONS[call.op]
@@ -102,6 +91,8 @@ class Calls:
                 co.combining[seq], co.reducing = call, (seq, call.op, co.clock())
                 return [operation.combine(seq, contributions, call.root)]
             out = self.results(seq, call, operation.route(co, contributions, call.root))
+            if not operation.closes and not co.ended:
+                return out
         return self.then(call, out)
 
     def then(self, call: PendingCall, out: list[Outgoing]) -> list[Outgoing]:
@@ -156,7 +147,7 @@ class Calls:
                 except WireError:  # a sender's error note that is not JSON: still its error
                     said = "?"
                 return self.error_all(seq, call.op, error_body(
-                    "PeerError", f"seq {seq} {call.op.label}: rank {rank}{in_world([rank], co.world)} "
+                    "PeerError", f"seq {seq} {call.op.label}: rank {rank}{_ops.in_world([rank], co.world)} "
                                  f"failed: {said}"))
         operation, root, n = OPERATIONS[call.op], call.root, co.num_replicas
         # (replicas check the root too: a broken or altered one; a split's root is its kind)
@@ -177,9 +168,10 @@ class Calls:
                 for rank in co.climb.down]
             co.climb.keep_down(seq, call, flags, whole)
             return outs + OPERATIONS[call.op].completed(co, seq)
-        outs = [(by_rank[rank].peer, Message(
-            Kind.RESULT, call.op, rank, call.root, seq, session, flags=flags, segments=segments))
-            for rank, segments in enumerate(routes)]
+        outs = []
+        for rank, segments in enumerate(routes):  # (a loop: no Python call on the common path)
+            outs.append((by_rank[rank].peer, Message(Kind.RESULT, call.op, rank, call.root, seq, session,
+                                                     flags=flags, segments=segments)))
         return outs + OPERATIONS[call.op].completed(co, seq)
 
     def _plan(self, seq: int, call: PendingCall) -> list[Outgoing]:

@@ -53,7 +53,13 @@ class Stalls:
             return co.started_at + co.warn_after * (1 << self.join_warned)
         if co.phase is not Phase.RUNNING or not co.pending:
             return None
-        return min(filter(None, map(self._due, co.pending.values())), default=None)
+        due: Optional[float] = None
+        for call in co.pending.values():  # (as _due, inline: the server asks at every step)
+            if call.warned < MAX_STALL_WARNINGS and call.arrived:
+                at = min(call.arrived.values()) + co.warn_after * (1 << call.warned)
+                if at and (due is None or at < due):
+                    due = at
+        return due
 
     def _due(self, call: PendingCall) -> Optional[float]:
         """When ``call``'s next stall warning is due (rule 11); None: no more."""
