@@ -142,7 +142,6 @@ class Coordinator:
         self.give_up_ending, self.last_byes = endings.give_up_ending, endings.last_byes
         self.waiting = endings.waiting
         self.next_stall, self.stalls, self.snapshot = watch.next_stall, watch.stalls, watch.snapshot
-        self.stall_line = watch.stall_line
 
     def receive(self, peer: bytes, frames: list[Any], address: str = "?") -> _ops.Step:
         """One message from ``peer``: what to send to whom, and reductions to run where they
