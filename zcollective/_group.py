@@ -4,13 +4,14 @@ default instance of this class."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
 import textwrap
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Union
 
 from . import _elastic, _subgroups
 from ._calls import DEFAULT, Calls, Timeout, _Default
@@ -23,7 +24,6 @@ from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._point import PointToPoint
 from ._protocol import _ring
 from ._protocol._member import fresh
-from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
 from .config import Config, resolve, takes_settings
 from .errors import (
     CollectiveTimeoutError,
@@ -46,6 +46,17 @@ def default_reduce_fn(a: Any, b: Any) -> Any:
 _ring.register_default(default_reduce_fn)
 
 F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _front(part: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Group, P], R]:
+    """A :class:`Group` method done by one of its parts (the attribute ``part``): ``method``,
+    with its name, signature and docstring."""
+    @functools.wraps(method)
+    def front(self: Group, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(getattr(self, part), *args, **kwargs)
+    return front
 
 _ASYNC_DOC = """Start ``{twin}`` and return at once, with a future.
 
@@ -387,98 +398,15 @@ class Group:
                 if not interrupted:
                     life.close()
 
-    # -- point to point ---------------------------------------------------------
+    # -- point to point: its part's (zcollective._point) --------------------------
 
-    def send(self, value: Any, dest: int, tag: int = 0, *, timeout: Timeout = DEFAULT) -> None:
-        """Send ``value`` to rank ``dest``, to be received with a matching
-        :meth:`recv` there; ``tag`` (0 to 2**31 - 1) tells messages apart.
-        Returns once it is on its way and its buffers may be reused: at once,
-        unless ``dest`` holds its ``mail_window_bytes`` (``dest``'s setting)
-        of this rank's messages not yet received, when it waits for them to
-        be (see the README, *Point to point*). Sending to oneself works. The
-        value goes straight to ``dest``, not through rank 0; arrays and
-        tensors without a copy.
-
-        Raises
-        ------
-        ValueError
-            ``dest`` is not a rank of the group, or ``tag`` not a valid tag.
-        SerializationError
-            ``value`` cannot be pickled (nothing was sent).
-        CollectiveTimeoutError
-            Not done within ``timeout``; the message says what it waited for:
-            ``dest``'s window (nothing was sent), its link to ``dest`` (taken
-            back if nothing was numbered after it), or ``dest`` taking it in
-            (it may still arrive).
-        PeerEndedError
-            ``dest`` ended (it called teardown, or its program ended) before
-            its program received the message.
-        ReplicaLostError, CollectiveError
-            The group failed (a rank was lost, ...); a message not yet on its
-            way then never goes.
-        """
-        deadline = _deadline(self, timeout)
-        self._point.result(self._point.send(value, dest, tag, deadline, lead=True), timeout, deadline)
-
-    def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
-        """:meth:`send`, returning at once a future done when :meth:`send` would
-        return; do not change ``value`` until it is."""
-        return self._point.send(value, dest, tag)
-
-    def recv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
-             status: Optional[Status] = None) -> Any:
-        """The next message from ``source`` with ``tag`` (either may be
-        ``ANY_SOURCE``/``ANY_TAG``): messages from one rank with one tag come
-        in the order sent; with ``ANY_SOURCE``, the earliest arrived. A
-        :class:`Status` passed as ``status`` is filled with where it came from.
-
-        Raises
-        ------
-        CollectiveTimeoutError
-            No matching message came within ``timeout`` (says what did come).
-        PeerEndedError
-            Only ranks that ended (teardown, or their program ended) could
-            send it, and all they sent here was taken in.
-        ReplicaLostError, CollectiveError
-            The group failed (a rank was lost, ...).
-        """
-        deadline = _deadline(self, timeout)
-        future = self._point.receive(source, tag, deadline, lead=True)
-        value = self._point.result(future, timeout, deadline)
-        _tell(status, future)
-        return value
-
-    def recv_async(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> CollectiveFuture[Any]:
-        """:meth:`recv`, returning at once a future of the value; its ``status``
-        says where the message came from, once done."""
-        return self._point.receive(source, tag)
-
-    def sendrecv(self, value: Any, dest: int, source: int = ANY_SOURCE, sendtag: int = 0,
-                 recvtag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
-                 status: Optional[Status] = None) -> Any:
-        """Send ``value`` to ``dest`` and receive from ``source`` at once (a
-        ring of ranks each sending to the next never deadlocks): what
-        :meth:`recv` returns."""
-        deadline = _deadline(self, timeout)
-        received = self._point.receive(source, recvtag, deadline)
-        sent = self._point.send(value, dest, sendtag, deadline)
-        value = self._point.result(received, timeout, deadline)
-        self._point.result(sent, timeout, deadline)
-        _tell(status, received)
-        return value
-
-    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
-        """Wait for a message :meth:`recv` with these arguments would take,
-        and say where it came from, without receiving it; raises as
-        :meth:`recv` does."""
-        deadline = _deadline(self, timeout)
-        result: Status = self._point.result(self._point.probe(source, tag, deadline, lead=True), timeout,
-                                            deadline)
-        return result
-
-    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
-        """:meth:`probe` without waiting: None if no such message is here yet."""
-        return self._point.iprobe(source, tag)
+    send = _front("_point", PointToPoint.send)
+    send_async = _front("_point", PointToPoint.send_async)
+    recv = _front("_point", PointToPoint.recv)
+    recv_async = _front("_point", PointToPoint.recv_async)
+    sendrecv = _front("_point", PointToPoint.sendrecv)
+    probe = _front("_point", PointToPoint.probe)
+    iprobe = _front("_point", PointToPoint.iprobe)
 
     # -- sub-groups -------------------------------------------------------------
 
@@ -665,15 +593,3 @@ class Group:
         old = self._life.member.old_ranks
         return [] if old is None else sorted(set(range(self._life.member.old_size)) - set(old))
 
-
-def _deadline(group: Group, timeout: Timeout) -> Optional[float]:
-    if isinstance(timeout, _Default):
-        timeout = group._life.config.op_timeout
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _tell(status: Optional[Status], received: CollectiveFuture[Any]) -> None:
-    """Fill a caller's ``status`` with where a received message came from."""
-    if status is not None:
-        came = received.status
-        status.source, status.tag, status.nbytes = came.source, came.tag, came.nbytes

@@ -8,13 +8,13 @@ import time
 from typing import Any, Callable, Optional
 
 from . import _calls
-from ._calls import Calls, Timeout, _Default
+from ._calls import DEFAULT, Calls, Timeout, _Default
 from ._format import _serialize
 from ._future import CollectiveFuture, settle
 from ._io import _interrupts
 from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import STATUS_WAIT_S
-from ._protocol._p2p import Mail, Status, check_rank, check_tag, describe
+from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Mail, Status, check_rank, check_tag, describe
 from .errors import CollectiveError, CollectiveTimeoutError, from_signal
 
 
@@ -26,26 +26,122 @@ class PointToPoint:
         self.rank, self.size = calls.rank, calls.config.num_replicas
         calls.wait_point = self.wait
 
-    def send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
+    def send(self, value: Any, dest: int, tag: int = 0, *, timeout: Timeout = DEFAULT) -> None:
+        """Send ``value`` to rank ``dest``, to be received with a matching
+        :meth:`recv` there; ``tag`` (0 to 2**31 - 1) tells messages apart.
+        Returns once it is on its way and its buffers may be reused: at once,
+        unless ``dest`` holds its ``mail_window_bytes`` (``dest``'s setting)
+        of this rank's messages not yet received, when it waits for them to
+        be (see the README, *Point to point*). Sending to oneself works. The
+        value goes straight to ``dest``, not through rank 0; arrays and
+        tensors without a copy.
+
+        Raises
+        ------
+        ValueError
+            ``dest`` is not a rank of the group, or ``tag`` not a valid tag.
+        SerializationError
+            ``value`` cannot be pickled (nothing was sent).
+        CollectiveTimeoutError
+            Not done within ``timeout``; the message says what it waited for:
+            ``dest``'s window (nothing was sent), its link to ``dest`` (taken
+            back if nothing was numbered after it), or ``dest`` taking it in
+            (it may still arrive).
+        PeerEndedError
+            ``dest`` ended (it called teardown, or its program ended) before
+            its program received the message.
+        ReplicaLostError, CollectiveError
+            The group failed (a rank was lost, ...); a message not yet on its
+            way then never goes.
+        """
+        deadline = self._deadline(timeout)
+        self._result(self._send(value, dest, tag, deadline, lead=True), timeout, deadline)
+
+    def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
+        """:meth:`send`, returning at once a future done when :meth:`send` would
+        return; do not change ``value`` until it is."""
+        return self._send(value, dest, tag)
+
+    def recv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
+             status: Optional[Status] = None) -> Any:
+        """The next message from ``source`` with ``tag`` (either may be
+        ``ANY_SOURCE``/``ANY_TAG``): messages from one rank with one tag come
+        in the order sent; with ``ANY_SOURCE``, the earliest arrived. A
+        :class:`Status` passed as ``status`` is filled with where it came from.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            No matching message came within ``timeout`` (says what did come).
+        PeerEndedError
+            Only ranks that ended (teardown, or their program ended) could
+            send it, and all they sent here was taken in.
+        ReplicaLostError, CollectiveError
+            The group failed (a rank was lost, ...).
+        """
+        deadline = self._deadline(timeout)
+        future = self._receive(source, tag, deadline, lead=True)
+        value = self._result(future, timeout, deadline)
+        _tell(status, future)
+        return value
+
+    def recv_async(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> CollectiveFuture[Any]:
+        """:meth:`recv`, returning at once a future of the value; its ``status``
+        says where the message came from, once done."""
+        return self._receive(source, tag)
+
+    def sendrecv(self, value: Any, dest: int, source: int = ANY_SOURCE, sendtag: int = 0,
+                 recvtag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
+                 status: Optional[Status] = None) -> Any:
+        """Send ``value`` to ``dest`` and receive from ``source`` at once (a
+        ring of ranks each sending to the next never deadlocks): what
+        :meth:`recv` returns."""
+        deadline = self._deadline(timeout)
+        received = self._receive(source, recvtag, deadline)
+        sent = self._send(value, dest, sendtag, deadline)
+        value = self._result(received, timeout, deadline)
+        self._result(sent, timeout, deadline)
+        _tell(status, received)
+        return value
+
+    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
+        """Wait for a message :meth:`recv` with these arguments would take,
+        and say where it came from, without receiving it; raises as
+        :meth:`recv` does."""
+        deadline = self._deadline(timeout)
+        result: Status = self._result(self._probe(source, tag, deadline, lead=True), timeout,
+                                            deadline)
+        return result
+
+    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
+        """:meth:`probe` without waiting: None if no such message is here yet."""
+        return self._iprobe(source, tag)
+
+    def _deadline(self, timeout: Timeout) -> Optional[float]:
+        if isinstance(timeout, _Default):
+            timeout = self.calls.config.op_timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
              lead: bool = False) -> CollectiveFuture[None]:
         dest, tag = check_rank(dest, self.size, "dest"), check_tag(tag, False)
         segment = _serialize.dumps(value)  # (a value that cannot travel: nothing is sent)
         what = f"send(dest={dest}, tag={tag})"
         return self._make(what, lambda mail, f: mail.send(dest, tag, segment, f), deadline, lead)
 
-    def receive(self, source: Any, tag: Any, deadline: Optional[float] = None,
+    def _receive(self, source: Any, tag: Any, deadline: Optional[float] = None,
                 lead: bool = False) -> CollectiveFuture[Any]:
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
         what = describe("recv", source, tag)
         return self._make(what, lambda mail, f: mail.receive(source, tag, f), deadline, lead)
 
-    def probe(self, source: Any, tag: Any, deadline: Optional[float] = None,
+    def _probe(self, source: Any, tag: Any, deadline: Optional[float] = None,
               lead: bool = False) -> CollectiveFuture[Status]:
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
         what = describe("probe", source, tag)
         return self._make(what, lambda mail, f: mail.probe(source, tag, f), deadline, lead)
 
-    def iprobe(self, source: Any, tag: Any) -> Optional[Status]:
+    def _iprobe(self, source: Any, tag: Any) -> Optional[Status]:
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
         calls = self.calls
         calls._progress()
@@ -119,7 +215,7 @@ class PointToPoint:
             if not self._withdraw(future, exc, deadline):
                 raise
 
-    def result(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
+    def _result(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
         """``future.result()`` by ``deadline`` (``timeout`` from the call's
         start, for the message), for a call this thread has just made; a
         timeout or an interrupt takes it back (a message it had received goes
@@ -216,3 +312,10 @@ class PointToPoint:
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
         unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
         return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
+
+
+def _tell(status: Optional[Status], received: CollectiveFuture[Any]) -> None:
+    """Fill a caller's ``status`` with where a received message came from."""
+    if status is not None:
+        came = received.status
+        status.source, status.tag, status.nbytes = came.source, came.tag, came.nbytes
