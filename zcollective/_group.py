@@ -45,6 +45,11 @@ def default_reduce_fn(a: Any, b: Any) -> Any:
 
 _ring.register_default(default_reduce_fn)
 
+
+def life_of(group: Group) -> Lifecycle:
+    """The lifecycle behind ``group`` (the module API checks its default's)."""
+    return group._life
+
 F = TypeVar("F", bound=Callable[..., Any])
 P = ParamSpec("P")
 R = TypeVar("R")
