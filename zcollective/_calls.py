@@ -16,7 +16,7 @@ from ._io import _interrupts
 from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import INTERRUPTED_MOVE_S, STATUS_WAIT_S
 from ._protocol._ops import BY_NAME, LABELS, Contribution, Op, Refused, error_contribution
-from .errors import CollectiveError, CollectiveTimeoutError, from_signal
+from .errors import CollectiveError, CollectiveTimeoutError, from_signal, is_interrupt
 
 if TYPE_CHECKING:
     from ._lifecycle import Lifecycle
@@ -174,6 +174,58 @@ class Calls:
             return future
         finally:
             turns.give()
+
+    def teardown(self, *, timeout: Timeout = DEFAULT) -> None:
+        """Finish every call made before it, wait until every replica calls
+        ``teardown``, then close the sockets. Finished: every collective
+        call's future holds its value (collect it after teardown too), every
+        ``send_async`` went, and every ``recv_async`` got its message, or,
+        when no rank can send it one any more, failed with a
+        :class:`CollectiveError` naming it. A failed group closes at once.
+        Calling it twice is harmless.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            Not every replica called ``teardown``, or the calls before it
+            did not finish, within ``timeout``; the group is closed all the same.
+        """
+        life = self.life
+        if life.closed:
+            return
+        if os.getpid() != life.pid:  # a forked child: the sockets are the parent's
+            life.closed = True
+            return
+        with life.turns:
+            if life.closed:
+                return  # (by another thread, meanwhile)
+            interrupted = False
+            try:
+                failure: Optional[BaseException] = life.member.failure
+                if life.driver is not None and failure is None:
+                    try:
+                        if isinstance(timeout, _Default):
+                            timeout = life.config.op_timeout
+                        deadline = None if timeout is None else time.monotonic() + timeout
+                        try:
+                            life.finish(deadline, timeout)  # (what was called before it: finished)
+                        except BaseException as exc:  # interrupted before its call: the group stays
+                            interrupted = is_interrupt(exc)  # open (teardown again finishes it; an
+                            raise  # ending says goodbye), never lost
+                        self.blocking(self.call("teardown"), None if deadline is None
+                                             else max(0.0, deadline - time.monotonic()))
+                    except CollectiveTimeoutError:
+                        raise
+                    except Exception as exc:  # a failed group closes anyway
+                        if interrupted:
+                            raise
+                        failure = exc
+                if failure is not None:  # cleanup, often in a `finally`: said, never raised over
+                    log.warning("zcollective rank %d: teardown closed a group that was already over: %s",
+                                self.rank, failure)  # the exception in flight
+            finally:
+                if not interrupted:
+                    life.close()
 
     def failure_within(self, wait_s: float) -> Optional[BaseException]:
         """This group's failure, if it fails within ``wait_s`` (taking in what arrives

@@ -17,9 +17,9 @@ import hmac
 import operator
 import os
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
-from ._calls import Calls, Timeout
+from ._calls import DEFAULT, Calls, Timeout
 from ._format._wire import NONCE_BYTES
 from ._io._dataplane import local_address
 from ._lifecycle import Lifecycle
@@ -66,6 +66,81 @@ def split(calls: Calls, color: Any, key: Any, timeout: Timeout,
     except BaseException as exc:
         rounds.failed(exc)
         raise
+
+
+
+G = TypeVar("G")
+
+
+class SubGroups(Generic[G]):
+    """A group's sub-groups: the part behind :meth:`~zcollective.Group.split`,
+    ``subgroup``, ``dup`` and ``parent_ranks``; ``form`` makes a group of a life."""
+
+    def __init__(self, calls: Calls, form: Callable[[Lifecycle], G]) -> None:
+        self.calls, self.form = calls, form
+
+
+    def split(self, color: Any, key: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[G]:
+        """A collective call: every rank with the same ``color`` (any hashable
+        value: an int, a host name) ends in one new group, ranked by ``key``
+        then by rank here; ``color=None`` takes part and gets ``None``.
+        Colors are the same when equal, as a dict's keys are: ``1``, ``1.0``
+        and ``True`` are one color, ``"1"`` another.
+
+        A sub-group is a whole group in the same processes: every operation,
+        its own sequence (its calls and this group's interleave freely, from
+        any thread), its own coordinator (its rank 0) on a port the system
+        chooses, the data plane, the secret (one of its own, made from this
+        group's), timeouts. A lost process fails the groups it is in, and only
+        those. :attr:`parent_ranks` says who is who. Close it with
+        :meth:`teardown` (or let the program end).
+
+        Raises
+        ------
+        ValueError
+            A rank passed a key that is not an int or a color that is not
+            hashable: raised on every rank alike; the group goes on.
+        AddressError
+            A new group's rank 0 could not listen: raised on every rank
+            alike, naming it; the group goes on.
+        CollectiveError
+            A rank could not open its part of its new group (no file
+            descriptors left, say): raised on every rank alike, naming it
+            and why; the group goes on. Otherwise as for any collective call.
+        CallMismatchError
+            Another rank called something else, ``subgroup`` or ``dup`` too:
+            this group fails, as for any mismatch.
+        """
+        life = split(self.calls, color, key, timeout)
+        return None if life is None else self.form(life)
+
+    def subgroup(self, ranks: Sequence[int], *, timeout: Timeout = DEFAULT) -> Optional[G]:
+        """A collective call: the ranks listed form a new group, ranked in the
+        list's order; every rank calls it with the same list, and those not in
+        it get ``None``. Otherwise as :meth:`split`.
+
+        Raises
+        ------
+        CallMismatchError
+            The ranks passed different lists (on every rank; the group goes on).
+        ValueError
+            The list names a rank twice, none, or one outside the group.
+        """
+        life = split(self.calls, None, 0, timeout, ranks, "subgroup")
+        return None if life is None else self.form(life)
+
+    def dup(self, *, timeout: Timeout = DEFAULT) -> G:
+        """A collective call: a new group of the same ranks, in the same
+        order, whose calls never mix with this one's (a library's own
+        group, say). As :meth:`split`."""
+        life = split(self.calls, None, 0, timeout, range(self.calls.config.num_replicas), "dup")
+        assert life is not None
+        return self.form(life)
+
+    def parent_ranks(self) -> Optional[list[int]]:
+        """A sub-group's: the rank, in the group it came from, of each of its
+        ranks (``parent_ranks[i]`` was rank i's); None for any other group."""
+        return self.calls.life.parent_ranks
 
 
 def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout) -> Lifecycle:
