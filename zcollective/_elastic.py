@@ -1,11 +1,7 @@
-"""Elastic groups, the steps each replica takes: the survivors of a loss go on
-in the same processes (:func:`shrink`) and a running group admits newcomers
-(:func:`regroup`), each step asking :class:`~zcollective._lifecycle.Lifecycle`
-for the next. The rules are the coordinator's rules 9 (a group formed
-from an earlier one) and 10 (newcomers); the bounds are in :mod:`._limits`.
-The steps (who hosts, who joins whom, the majority): see docs/protocol.md,
-*Elastic groups*.
-"""
+"""Elastic groups: the survivors of a loss go on in the same processes
+(:func:`shrink`), a running group admits newcomers (:func:`regroup`), each
+step asking :class:`~zcollective._lifecycle.Lifecycle` for the next group.
+See docs/protocol.md, *Elastic groups*."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Sub-groups: :meth:`~zcollective.Group.split`, ``subgroup`` and ``dup``.
-
-A sub-group is a whole group of its own, formed in the same processes from
-three calls of its parent: every rank says its color and key, then the new
-groups' ranks 0 say where they listen (a port the system chose), then every
-rank says it opened its part (its sockets) before anyone waits for it. Its
-coordinator, sequence, data plane and failures are its own: see
-docs/protocol.md, *Sub-groups*.
-"""
+"""Sub-groups (``split``, ``subgroup``, ``dup``): whole groups formed in the same
+processes by three calls of the parent (colors and keys; where each new rank 0
+listens; each rank's part opened). See docs/protocol.md, *Sub-groups*."""
 
 from __future__ import annotations
 
@@ -162,13 +156,9 @@ def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout)
 
 
 class _Rounds:
-    """The parent's rounds of one split, each made by every rank alike, as
-    ``split`` (op 13) with the call's kind as its root: after the first
-    (every rank's arguments), the second says where each new group's rank 0
-    listens (or why it could not), the third whether each rank opened its
-    part (its sockets) of its new group. A rank that failed says why in the
-    round it had not made yet, so every rank raises the same error, at the
-    same round, and the parent goes on."""
+    """The parent's three rounds of one split (op 13, the call's kind as its root).
+    A rank that failed says why in the round it had not made yet, so every rank
+    raises the same error at the same round, and the parent goes on."""
 
     def __init__(self, calls: Calls, timeout: Timeout, what: str) -> None:
         self.calls, self.timeout, self.what = calls, timeout, what
