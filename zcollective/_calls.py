@@ -166,11 +166,15 @@ class Calls:
             if lead is not False and turns.alone():
                 led = settled_when(future, outcomes, wanted=turns.wanted)
                 if not led():
+                    link.nudged = True  # (drive's, inline: checked above)
                     try:
-                        self.drive(led, lead, True)  # type: ignore[arg-type]
+                        link.wait_for(led, lead)  # type: ignore[arg-type]
                     except BaseException as exc:  # given up here, as blocking() does
+                        link.nudged = False
                         if not self._gave_up(future, exc, deadline):
                             raise
+                    finally:
+                        link.nudged = False
             return future
         finally:
             turns.give()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Union, cast
@@ -21,11 +20,8 @@ from ._point import PointToPoint
 from ._protocol import _ring
 from ._subgroups import SubGroups
 from .config import Config, resolve, takes_settings
-from .errors import (
-    LateJoinError,
-)
+from .errors import LateJoinError
 
-log = logging.getLogger("zcollective")
 ReduceFn = Callable[[Any, Any], Any]
 
 
@@ -42,6 +38,7 @@ _ring.register_default(default_reduce_fn)
 def life_of(group: Group) -> Lifecycle:
     """The lifecycle behind ``group`` (the module API checks its default's)."""
     return group._life
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 P = ParamSpec("P")
@@ -64,6 +61,7 @@ def _front(part: str, method: Callable[Concatenate[Any, P], R],
 def _property(fget: Callable[[Group], R]) -> R:
     """A :class:`Group` property read by ``fget`` (typed as what it reads)."""
     return cast(R, property(fget))
+
 
 _ASYNC_DOC = """Start ``{twin}`` and return at once, with a future.
 
