@@ -20,9 +20,10 @@ from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Uni
 from ._calls import DEFAULT, Timeout
 from ._elastic import Agreement
 from ._future import CollectiveFuture
-from ._group import Group, default_reduce_fn, life_of
+from ._group import Group, default_reduce_fn, life_of, point_of
 from ._lifecycle import Lifecycle
 from ._limits import DEFAULT_INIT_TIMEOUT_S
+from ._point import PointToPoint
 from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
 from ._protocol._ring import elementwise
 from .config import takes_settings
@@ -65,27 +66,32 @@ __all__ = [
 ]
 
 _group: Optional[Group] = None
-_life: Optional[Lifecycle] = None  # the default group's (its calls check it)
+_life: Optional[Lifecycle] = None  # the default group's (its calls check it) ...
+_point: Optional[PointToPoint] = None  # ... and its point-to-point part
 _ended: Optional[Group] = None  # the last default group torn down: its stats stay readable
 
 
 def _use(group: Optional[Group]) -> None:
     """Make ``group`` the default group (None: there is none)."""
-    global _group, _life
-    _group, _life = group, None if group is None else life_of(group)
+    global _group, _life, _point
+    _group, _life, _point = (None, None, None) if group is None else (group, life_of(group), point_of(group))
 
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _on_default(method: Callable[Concatenate[Group, P], R]) -> Callable[P, R]:
+def _on_default(method: Callable[Concatenate[Group, P], R],
+                point: Optional[Callable[Concatenate[PointToPoint, P], R]] = None) -> Callable[P, R]:
     """The module function of a :class:`Group` method: the method, called on the default group
-    (same signature without ``self``, same docstring)."""
+    (same signature without ``self``, same docstring); ``point``: the point-to-point part's
+    method behind it, called on the default's part (no front in between)."""
     def on_default(*args: P.args, **kwargs: P.kwargs) -> R:
         life = _life
         if life is None or life.closed:  # (checked inline: no call on the common path)
             return method(_current(), *args, **kwargs)
+        if point is not None:
+            return point(_point, *args, **kwargs)  # type: ignore[arg-type]
         return method(_group, *args, **kwargs)  # type: ignore[arg-type]
     signature = inspect.signature(method)
     on_default.__signature__ = signature.replace(  # type: ignore[attr-defined]
@@ -311,10 +317,10 @@ barrier_async = _on_default(Group.barrier_async)
 split = _on_default(Group.split)
 subgroup = _on_default(Group.subgroup)
 dup = _on_default(Group.dup)
-send = _on_default(Group.send)
-send_async = _on_default(Group.send_async)
-recv = _on_default(Group.recv)
-recv_async = _on_default(Group.recv_async)
-sendrecv = _on_default(Group.sendrecv)
-probe = _on_default(Group.probe)
-iprobe = _on_default(Group.iprobe)
+send = _on_default(Group.send, PointToPoint.send)
+send_async = _on_default(Group.send_async, PointToPoint.send_async)
+recv = _on_default(Group.recv, PointToPoint.recv)
+recv_async = _on_default(Group.recv_async, PointToPoint.recv_async)
+sendrecv = _on_default(Group.sendrecv, PointToPoint.sendrecv)
+probe = _on_default(Group.probe, PointToPoint.probe)
+iprobe = _on_default(Group.iprobe, PointToPoint.iprobe)

@@ -40,6 +40,11 @@ def life_of(group: Group) -> Lifecycle:
     return group._life
 
 
+def point_of(group: Group) -> PointToPoint:
+    """``group``'s point-to-point part (the module API calls its default's)."""
+    return group._point
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 P = ParamSpec("P")
 R = TypeVar("R")

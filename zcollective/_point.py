@@ -124,7 +124,16 @@ class PointToPoint:
 
     def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
         """:meth:`probe` without waiting: None if no such message is here yet."""
-        return self._iprobe(source, tag)
+        source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
+        calls = self.calls
+        calls.progress()
+        mail = self._mail()
+        if not calls.turns.take(None):
+            return None
+        try:
+            return mail.box.probe(source, tag)
+        finally:
+            calls.turns.give()
 
     def _deadline(self, timeout: Timeout) -> Optional[float]:
         if isinstance(timeout, _Default):
@@ -149,18 +158,6 @@ class PointToPoint:
         what = (f"{call}(source={source}, tag={tag})" if source >= 0 and tag >= 0  # (describe's, inline)
                 else describe(call, source, tag))
         return self._make(what, Mail.receive if call == "recv" else Mail.probe, (source, tag), deadline, lead)
-
-    def _iprobe(self, source: Any, tag: Any) -> Optional[Status]:
-        source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
-        calls = self.calls
-        calls.progress()
-        mail = self._mail()
-        if not calls.turns.take(None):
-            return None
-        try:
-            return mail.box.probe(source, tag)
-        finally:
-            calls.turns.give()
 
     def _mail(self) -> Mail:
         """This group's mail rules, for a call; raises if it may make none."""

@@ -92,7 +92,8 @@ class Mail:
         if dest in self.ended_how:
             self.outcomes.append(CallOutcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
             return
-        self.waiting[dest].append(_Sending(dest, tag, segment, nbytes(segment), handle))
+        size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)
+        self.waiting[dest].append(_Sending(dest, tag, segment, size, handle))  # (a small value's, inline)
         self._flush(dest)
 
     def _flush(self, dest: int) -> None:
@@ -185,7 +186,9 @@ class Mail:
             self._credit(self.box.asked(source))
         elif msg.kind is Kind.SEND and len(msg.segments) == 1:
             try:
-                done, credits = self.box.arrive(source, msg.root, msg.seq, nbytes(msg.segments[0]), msg)
+                segment = msg.segments[0]
+                size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)
+                done, credits = self.box.arrive(source, msg.root, msg.seq, size, msg)
             except OutOfOrder as exc:
                 if msg.seq > self.box.peers[source].next_in and self.gap is None:  # (below: a replay)
                     self.gap = f"messages from rank {source} went missing: {exc}"
@@ -194,7 +197,7 @@ class Mail:
             if self.probes:
                 for probe in [p for p in self.probes if p.matches(source, msg.root)]:
                     self.probes.remove(probe)
-                    status = Status(source, msg.root, nbytes(msg.segments[0]))
+                    status = Status(source, msg.root, size)
                     self.outcomes.append(CallOutcome(probe.handle, None, _value(status)))
             if done is not None:
                 self._received(done[0].handle, done[1])
