@@ -543,13 +543,13 @@ def test_a_coroutine_whose_call_another_thread_resolves_as_it_goes_to_sleep_wake
     from zcollective._future import CollectiveFuture
 
     class Driver:
-        def _progress(self):
+        def progress(self):
             pass  # another thread leads: nothing is taken in here
 
-        def _wait(self, future, timeout):
+        def wait_call(self, future, timeout):
             pass
 
-        def _fds(self):
+        def fds(self):
             future._set_result(42)
             return []
 

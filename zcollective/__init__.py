@@ -20,8 +20,10 @@ from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Uni
 from ._calls import DEFAULT, Timeout
 from ._elastic import Agreement
 from ._future import CollectiveFuture
-from ._group import Group, default_reduce_fn
+from ._group import Group, default_reduce_fn, life_of, point_of
+from ._lifecycle import Lifecycle
 from ._limits import DEFAULT_INIT_TIMEOUT_S
+from ._point import PointToPoint
 from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
 from ._protocol._ring import elementwise
 from .config import takes_settings
@@ -65,18 +67,33 @@ __all__ = [
 ]
 
 _group: Optional[Group] = None
+_life: Optional[Lifecycle] = None  # the default group's (its calls check it) ...
+_point: Optional[PointToPoint] = None  # ... and its point-to-point part
 _ended: Optional[Group] = None  # the last default group torn down: its stats stay readable
+
+
+def _use(group: Optional[Group]) -> None:
+    """Make ``group`` the default group (None: there is none)."""
+    global _group, _life, _point
+    _group, _life, _point = (None, None, None) if group is None else (group, life_of(group), point_of(group))
 
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _on_default(method: Callable[Concatenate[Group, P], R]) -> Callable[P, R]:
+def _on_default(method: Callable[Concatenate[Group, P], R],
+                point: Optional[Callable[Concatenate[PointToPoint, P], R]] = None) -> Callable[P, R]:
     """The module function of a :class:`Group` method: the method, called on the default group
-    (same signature without ``self``, same docstring)."""
+    (same signature without ``self``, same docstring); ``point``: the point-to-point part's
+    method behind it, called on the default's part (no front in between)."""
     def on_default(*args: P.args, **kwargs: P.kwargs) -> R:
-        return method(_current(), *args, **kwargs)
+        life = _life
+        if life is None or life.closed:  # (checked inline: no call on the common path)
+            return method(_current(), *args, **kwargs)
+        if point is not None:
+            return point(_point, *args, **kwargs)  # type: ignore[arg-type]
+        return method(_group, *args, **kwargs)  # type: ignore[arg-type]
     signature = inspect.signature(method)
     on_default.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=list(signature.parameters.values())[1:])
@@ -86,10 +103,10 @@ def _on_default(method: Callable[Concatenate[Group, P], R]) -> Callable[P, R]:
 
 
 def _current() -> Group:
-    group = _group
-    if group is None or group._life.closed:
-        if group is not None and group._life.reforming is not None:
-            group._life.check_usable()  # closed to form the next group, which did not finish: says so
+    group, life = _group, _life
+    if group is None or life is None or life.closed:
+        if life is not None and life.reforming is not None:
+            life.check_usable()  # closed to form the next group, which did not finish: says so
         raise RuntimeError("zcollective is not initialized: call zcollective.initialize() first")
     return group  # in a forked child, its operations raise CollectiveError naming the parent
 
@@ -130,13 +147,12 @@ def initialize(
     CollectiveTimeoutError, ProtocolError, AddressError, LateJoinError, JobMismatchError
         As for :class:`Group`.
     """
-    global _group
     if is_initialized():
         raise RuntimeError("zcollective is already initialized: call teardown() first")
-    _group = Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
+    _use(Group(master_addr, master_port, replica_rank, num_replicas, timeout=timeout,
                    op_timeout=op_timeout, warn_after=warn_after, liveness_timeout=liveness_timeout,
                    max_frame_bytes=max_frame_bytes, secret=secret, bind_addr=bind_addr, join=join,
-                   job=job, shared_memory_min_bytes=shared_memory_min_bytes)
+                   job=job, shared_memory_min_bytes=shared_memory_min_bytes))
 
 
 def teardown(*, timeout: Timeout = DEFAULT) -> None:
@@ -150,13 +166,14 @@ def teardown(*, timeout: Timeout = DEFAULT) -> None:
     CollectiveTimeoutError
         Not every replica called it in time; the group is closed all the same.
     """
-    global _group, _ended
+    global _ended
     group = _current()
     try:
         group.teardown(timeout=timeout)
     finally:
         if group.closed:  # not when refused (another thread): the group is still the owner's
-            _group, _ended = None, group
+            _use(None)
+            _ended = group
 
 
 def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
@@ -173,9 +190,8 @@ def shrink(timeout: Optional[float] = None, *, majority: bool = True) -> None:
     LeftOutError, CollectiveTimeoutError, CallMismatchError, CollectiveError
         As :meth:`Group.shrink` raises them.
     """
-    global _group
-    group = _group if _group is not None and _group._life.reforming is not None else _current()
-    _group = group.shrink(timeout, majority=majority)  # (again after one that did not finish)
+    group = _group if _group is not None and _life is not None and _life.reforming is not None else _current()
+    _use(group.shrink(timeout, majority=majority))  # (again after one that did not finish)
 
 
 def agree(flag: bool, timeout: Optional[float] = None) -> Agreement:
@@ -191,8 +207,8 @@ def agree(flag: bool, timeout: Optional[float] = None) -> Agreement:
     LeftOutError
         The others went on without this replica.
     """
-    global _group
-    _group, agreement = _current().agree(flag, timeout)
+    group, agreement = _current().agree(flag, timeout)
+    _use(group)
     return agreement
 
 
@@ -211,10 +227,10 @@ def grow(timeout: Timeout = DEFAULT) -> int:
     CollectiveError
         As for any collective call.
     """
-    global _group
     old = _current()
-    _group = old.grow(timeout)
-    return _group.admitted if _group is not old else 0
+    group = old.grow(timeout)
+    _use(group)
+    return group.admitted if group is not old else 0
 
 
 def status() -> dict[str, Any]:
@@ -252,7 +268,7 @@ def coordinator_address() -> str:
 def is_initialized() -> bool:
     """True between :func:`initialize` and :func:`teardown` (False in a forked
     child until it initializes a group of its own)."""
-    return _group is not None and not _group.closed and _group._life.pid == os.getpid()
+    return _group is not None and _life is not None and not _life.closed and _life.pid == os.getpid()
 
 
 def get_rank() -> int:
@@ -306,10 +322,10 @@ barrier_async = _on_default(Group.barrier_async)
 split = _on_default(Group.split)
 subgroup = _on_default(Group.subgroup)
 dup = _on_default(Group.dup)
-send = _on_default(Group.send)
-send_async = _on_default(Group.send_async)
-recv = _on_default(Group.recv)
-recv_async = _on_default(Group.recv_async)
-sendrecv = _on_default(Group.sendrecv)
-probe = _on_default(Group.probe)
-iprobe = _on_default(Group.iprobe)
+send = _on_default(Group.send, PointToPoint.send)
+send_async = _on_default(Group.send_async, PointToPoint.send_async)
+recv = _on_default(Group.recv, PointToPoint.recv)
+recv_async = _on_default(Group.recv_async, PointToPoint.recv_async)
+sendrecv = _on_default(Group.sendrecv, PointToPoint.sendrecv)
+probe = _on_default(Group.probe, PointToPoint.probe)
+iprobe = _on_default(Group.iprobe, PointToPoint.iprobe)

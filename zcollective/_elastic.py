@@ -1,21 +1,19 @@
-"""Elastic groups, the steps each replica takes: the survivors of a loss go on
-in the same processes (:func:`shrink`) and a running group admits newcomers
-(:func:`regroup`), each step asking :class:`~zcollective._lifecycle.Lifecycle`
-for the next. The rules are the coordinator's rules 9 (a group formed
-from an earlier one) and 10 (newcomers); the bounds are in :mod:`._limits`.
-The steps (who hosts, who joins whom, the majority): see docs/protocol.md,
-*Elastic groups*.
-"""
+"""Elastic groups: the survivors of a loss go on in the same processes
+(:func:`shrink`), a running group admits newcomers (:func:`regroup`), each
+step asking :class:`~zcollective._lifecycle.Lifecycle` for the next group.
+See docs/protocol.md, *Elastic groups*."""
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import socket
 import time
-from typing import NamedTuple, Optional
+from typing import Any, Callable, Generic, NamedTuple, Optional, Protocol, TypeVar
 
+from ._calls import DEFAULT, Calls, Timeout
 from ._forming import Form, Overslept, Unreachable
-from ._io import _stops
+from ._io import _interrupts, _stops
 from ._lifecycle import Lifecycle
 from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
 from ._protocol._member import fresh, lost_rank_0
@@ -167,6 +165,144 @@ class Agreement(NamedTuple):
 
     flag: bool  # every living member's flag, AND-ed
     lost: frozenset[int]  # the ranks (of the group agree was called on) found lost
+
+
+class _Group(Protocol):
+    """What the elastic part asks of its group."""
+
+    admitted: int
+
+    def allreduce(self, value: Any, reduce_fn: Any = ..., *, timeout: Any = ...) -> Any: ...
+
+
+G = TypeVar("G", bound=_Group)
+
+
+class Elastic(Generic[G]):
+    """A group's elastic steps: the part behind :meth:`~zcollective.Group.shrink`,
+    ``grow``, ``agree``, ``coordinator_address``, ``old_ranks`` and ``lost_ranks``;
+    ``form`` makes a group of a life, ``part`` is a group's part."""
+
+    def __init__(self, group: G, calls: Calls, form: Callable[[Lifecycle], G],
+                 part: Callable[[G], Elastic[G]]) -> None:
+        self.group, self.calls, self.life, self.form, self.part = group, calls, calls.life, form, part
+
+
+    def shrink(self, timeout: Optional[float] = None, *, majority: bool = True) -> G:
+        """After a loss, the survivors' new group, in the same processes: call
+        it on every survivor (the rules: README, "Elastic groups"). This group
+        is closed; the new one ranks the survivors densely in old-rank order
+        (:attr:`old_ranks`, :attr:`lost_ranks` say how). If rank 0 was lost,
+        the lowest surviving rank ``r`` hosts the coordinator, on its own host
+        at the master port + ``r``. The survivors form a group only if they are
+        more than half of the ranks not seen to die (a partition never leaves
+        two groups going on); ``majority=False`` (on every survivor) forms one
+        with whoever came. In a group that lost nobody it is a collective call:
+        it returns this group once every rank has called it. (The module's
+        :func:`~zcollective.shrink` returns None: the new group becomes the default.)
+
+        Raises
+        ------
+        LeftOutError
+            The others formed their group without this replica (it came too
+            late, or they had counted it lost).
+        CollectiveTimeoutError
+            No group could be formed within ``timeout``.
+        CallMismatchError
+            Called in a group that had lost nobody, while another rank made
+            another call: a healthy group shrinks only when every rank calls it.
+        CollectiveError
+            The group had failed for another reason than a loss (a mismatch,
+            ...): that error, as every later call of it raises.
+        """
+        life = self.life
+        _interrupts.hold_new_handlers()  # (a handler the program installed since: wrapped first)
+        life.check_process()
+        if life.closed and life.reforming is None:
+            raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")
+        if not life.closed and life.member.failure is None:  # nothing lost that it knows of:
+            try:  # a collective call of every member (one calling it alone is a mismatch)
+                self.calls.blocking(self.calls.call("shrink"), DEFAULT if timeout is None else timeout)
+                return self.group  # every member called it, and nobody was lost
+            except ReplicaLostError:
+                pass  # lost meanwhile: shrink as after any loss
+        return self.form(shrink(life, timeout, majority))
+
+    def grow(self, timeout: Timeout = DEFAULT) -> G:
+        """Admit every newcomer waiting (started with ``join=True`` at this
+        group's coordinator address): a collective call of every member. With
+        nobody waiting, returns this group at once, unchanged; otherwise this
+        group closes, and its members and the newcomers form the next one at
+        the same address, the members keeping their ranks, the newcomers
+        numbered after them (:attr:`admitted` says how many joined). No call
+        ever mixes the two memberships. A member lost while the group forms
+        again: the others shrink instead (the newcomers are told to start
+        again), and ``admitted`` is 0. (The module's :func:`~zcollective.grow`
+        returns the count, and makes the new group the default.)
+
+        Raises
+        ------
+        CollectiveError
+            As for any collective call (the group goes on, unchanged).
+        """
+        count = self.calls.run("grow", timeout)
+        if not count:
+            return self.group
+        grown = self.form(regroup(self.life, count))
+        old = self.part(grown).old_ranks() or []  # newcomers were numbered from this group's size on
+        grown.admitted = sum(r >= self.life.config.num_replicas for r in old)  # those in the group formed
+        return grown
+
+    def coordinator_address(self) -> str:
+        """``host:port`` of this group's coordinator: where newcomers go (it
+        moves when rank 0 is lost and the survivors shrink)."""
+        return self.life.coordinator_address()
+
+    def agree(self, flag: bool, timeout: Optional[float] = None) -> tuple[G, Agreement]:
+        """ULFM's agree: every living member gets the same AND of the
+        members' ``flag`` and the same set of ranks found lost (of this
+        group). In a failed group (or one failing meanwhile) the survivors
+        shrink first: returns the group they agreed in (this one if nothing
+        was lost) and the :class:`~zcollective.Agreement`. (The module's
+        :func:`~zcollective.agree` returns the agreement only, and makes that
+        group the default.)
+
+        Raises
+        ------
+        LeftOutError
+            The others went on without this replica (see :meth:`shrink`).
+        CollectiveError
+            The group failed for another reason than a loss.
+        """
+        size = self.life.config.num_replicas
+        at_call = list(range(size))  # each rank of the current group, as a rank of this one
+        current: Elastic[G] = self
+        while True:
+            failure = current.life.member.failure
+            if failure is None:
+                try:
+                    together = current.group.allreduce(bool(flag), operator.and_, timeout=timeout)
+                    lost = frozenset(set(range(size)) - set(at_call))
+                    return current.group, Agreement(bool(together), lost)
+                except ReplicaLostError:
+                    pass
+            elif not isinstance(failure, ReplicaLostError):
+                raise fresh(failure)
+            current = self.part(current.shrink(timeout))
+            at_call = [at_call[old] for old in current.old_ranks() or range(current.life.config.num_replicas)]
+
+    def old_ranks(self) -> Optional[list[int]]:
+        """A group formed from an earlier one, by :meth:`shrink` or a
+        :meth:`grow` that admitted newcomers: every rank's rank in the group
+        before (by new rank; a newcomer's is the number :meth:`grow` gave it,
+        from the size before on); None for any other group."""
+        return self.life.member.old_ranks
+
+    def lost_ranks(self) -> list[int]:
+        """A group formed from an earlier one (:attr:`old_ranks`): the ranks
+        of the group before that are not in this one; ``[]`` otherwise."""
+        old = self.life.member.old_ranks
+        return [] if old is None else sorted(set(range(self.life.member.old_size)) - set(old))
 
 
 def regroup(life: Lifecycle, newcomers: int) -> Lifecycle:

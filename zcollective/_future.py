@@ -1,23 +1,16 @@
-"""The future returned by every ``*_async`` call.
+"""The future returned by every ``*_async`` call: a
+:class:`concurrent.futures.Future` to its caller, awaitable from asyncio. It
+knows nothing of sockets: it asks its group's call runner (:class:`_Runner`)
+to make progress, and the runner resolves it through this module's functions
+(:func:`settle`, :func:`outcome`, :func:`finished`, :func:`fail`,
+:func:`settled_when`).
 
-It behaves like :class:`concurrent.futures.Future` for a caller and is
-awaitable from asyncio. It knows nothing of sockets: it asks its group to make
-progress (``_wait``, ``_progress``, ``_fds``) and is resolved by the group.
-
-Awaiting, the theory of operation: every coroutine awaiting a future of one
-group in one event loop sleeps on that group's single :class:`_AsyncWaiter`.
-
-1. The waiter's reader on the group's file descriptors, and its liveness
-   recheck, are registered while at least one coroutine sleeps on it and
-   removed when the last one leaves (its call finished, or it was cancelled).
-2. Whatever wakes the waiter (a readable fd, the recheck, a call made
-   meanwhile: its future, made just before the call is sent, asks for
-   progress at the loop's next turn, after the send) makes progress once for
-   all of them; progress resolves futures, and a future that finishes wakes
-   the coroutines awaiting it.
-3. ZeroMQ's fds are edge-triggered: an fd fires again only after progress has
-   taken in everything. So a coroutine makes progress itself (``done()``)
-   before it goes to sleep, and every progress drains the sockets.
+Awaiting: every coroutine awaiting a future of one group in one event loop
+sleeps on that group's one :class:`_AsyncWaiter`, which watches the group's
+descriptors while any sleeps on it (rule 1); whatever wakes it (a readable fd,
+its recheck, a call made meanwhile) makes progress once for all (rule 2); the
+descriptors are edge-triggered, so a coroutine makes progress itself before it
+sleeps, and every progress drains the sockets (rule 3).
 """
 
 from __future__ import annotations
@@ -40,9 +33,16 @@ ASYNC_RECHECK_S = 0.5  # an awaiting coroutine re-checks liveness this often wit
 
 
 class _Runner(Protocol):
-    def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None: ...
-    def _progress(self) -> None: ...
-    def _fds(self) -> list[int]: ...
+    """What a future asks of its group (:class:`~zcollective._calls.Calls`)."""
+
+    def wait_call(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None:
+        """Until ``future`` is done, or ``timeout`` (its ``result(timeout)``)."""
+
+    def progress(self) -> None:
+        """Take in what has arrived, without blocking."""
+
+    def fds(self) -> list[int]:
+        """The descriptors an awaiting event loop watches."""
 
 
 class CollectiveFuture(Generic[T]):
@@ -113,7 +113,7 @@ class CollectiveFuture(Generic[T]):
     def done(self) -> bool:
         """True if the call finished (takes in what has arrived, never blocks)."""
         if not self._done and self._runner is not None:
-            self._runner._progress()
+            self._runner.progress()
         return self._done
 
     def running(self) -> bool:
@@ -146,7 +146,7 @@ class CollectiveFuture(Generic[T]):
             The call failed.
         """
         if not self._done and self._runner is not None:
-            self._runner._wait(self, timeout)
+            self._runner.wait_call(self, timeout)
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[no-any-return]
@@ -154,7 +154,7 @@ class CollectiveFuture(Generic[T]):
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """Wait like :meth:`result`; return the call's exception, or None."""
         if not self._done and self._runner is not None:
-            self._runner._wait(self, timeout)
+            self._runner.wait_call(self, timeout)
         return self._error
 
     def add_done_callback(self, fn: Callable[[CollectiveFuture[T]], None]) -> None:
@@ -212,7 +212,7 @@ class _AsyncWaiter:
         self.runner = runner
         self.loop = loop
         self.sleepers: set[asyncio.Future[None]] = set()
-        self.fds = runner._fds()
+        self.fds = runner.fds()
         self.recheck: Optional[asyncio.TimerHandle] = None
         self.kicked = False
 
@@ -268,7 +268,7 @@ class _AsyncWaiter:
         if not self.active():
             return  # a reader or timer that fired just as the last sleeper left
         try:
-            self.runner._progress()
+            self.runner.progress()
         except Exception:
             # nobody would wake them otherwise: each sleeper makes progress itself
             # (``done()``) and meets the error in its own coroutine
@@ -283,11 +283,10 @@ _waiters: dict[tuple[_Runner, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
 
 
 def settle(outcomes: deque[Any]) -> None:
-    """Apply what the rules said calls came to (``Member.outcomes``, each
-    with ``future``, ``error`` and ``make``), in order, holding the group's
-    turn: a value is made here (unpickled: the program's code may run), and
-    done-callbacks run here (one that calls into the group applies the rest).
-    One interrupted stays queued, to be applied by the next wait."""
+    """Apply what the rules said calls came to (``Member.outcomes``: each a
+    ``future``, ``error``, ``make``), in order, holding the group's turn: a
+    value is made (unpickled) and done-callbacks run here. One interrupted
+    stays queued, for the next wait to apply."""
     while outcomes:
         outcome = outcomes[0]
         future = outcome.future
@@ -301,10 +300,63 @@ def settle(outcomes: deque[Any]) -> None:
                     value = outcome.make() if outcome.make is not None else None
                 except Exception as exc:
                     future._set_exception(exc)
-                else:
-                    future._set_result(value)
+                else:  # (_set_result, inline: once per call)
+                    future._value = value
+                    future._done = True
+                    if future._callbacks:
+                        future._finish()
+                    else:
+                        future._runner = None
         if outcomes and outcomes[0] is outcome:  # (a done-callback that waited applied it and more)
             outcomes.popleft()
+
+
+PENDING: Any = object()  # what :func:`outcome` says of a call not yet done
+
+
+def outcome(future: CollectiveFuture[T]) -> T:
+    """``future``'s value, or its error raised; :data:`PENDING` if not done."""
+    if not future._done:
+        return PENDING  # type: ignore[no-any-return]
+    if future._error is not None:
+        raise future._error
+    return future._value  # type: ignore[no-any-return]
+
+
+def finished(future: CollectiveFuture[Any]) -> bool:
+    """Is ``future`` done (without taking anything in)?"""
+    return future._done
+
+
+def fail(future: CollectiveFuture[Any], error: BaseException) -> None:
+    """End ``future`` with ``error`` (a call its runner took back)."""
+    future._set_exception(error)
+
+
+def settled_when(future: CollectiveFuture[Any], outcomes: deque[Any],
+                 held: Optional[Callable[[], bool]] = None,
+                 wanted: Optional[Callable[[], bool]] = None) -> Callable[[], bool]:
+    """A wait's predicate, asked after every step: is ``future`` done, once
+    ``outcomes`` are applied (by the turn's holder: ``held()``, or None when
+    the waiter holds it)? ``wanted()`` ends it too (a holder's lead)."""
+    if wanted is not None:
+        def led() -> bool:
+            if outcomes:
+                settle(outcomes)
+            return future._done or wanted()
+        return led
+    if held is None:
+        def holding() -> bool:
+            if outcomes:
+                settle(outcomes)
+            return future._done
+        return holding
+
+    def settled() -> bool:
+        if outcomes and held():
+            settle(outcomes)
+        return future._done
+    return settled
 
 
 def sleeping() -> bool:

@@ -4,35 +4,24 @@ default instance of this class."""
 
 from __future__ import annotations
 
-import logging
-import operator
-import os
+import functools
+import inspect
 import textwrap
-import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Union, cast
 
-from . import _elastic, _subgroups
-from ._calls import DEFAULT, Calls, Timeout, _Default
-from ._elastic import Agreement
+from ._calls import DEFAULT, Calls, Timeout
+from ._elastic import Elastic
 from ._forming import Unreachable
 from ._future import CollectiveFuture
-from ._io import _interrupts
 from ._lifecycle import Lifecycle
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._point import PointToPoint
 from ._protocol import _ring
-from ._protocol._member import fresh
-from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
+from ._subgroups import SubGroups
 from .config import Config, resolve, takes_settings
-from .errors import (
-    CollectiveTimeoutError,
-    LateJoinError,
-    ReplicaLostError,
-    is_interrupt,
-)
+from .errors import LateJoinError
 
-log = logging.getLogger("zcollective")
 ReduceFn = Callable[[Any, Any], Any]
 
 
@@ -45,7 +34,39 @@ def default_reduce_fn(a: Any, b: Any) -> Any:
 
 _ring.register_default(default_reduce_fn)
 
+
+def life_of(group: Group) -> Lifecycle:
+    """The lifecycle behind ``group`` (the module API checks its default's)."""
+    return group._life
+
+
+def point_of(group: Group) -> PointToPoint:
+    """``group``'s point-to-point part (the module API calls its default's)."""
+    return group._point
+
+
 F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _front(part: str, method: Callable[Concatenate[Any, P], R],
+           returns: Optional[str] = None) -> Callable[Concatenate[Group, P], R]:
+    """A :class:`Group` method done by one of its parts (the attribute ``part``): ``method``,
+    with its name, signature and docstring; ``returns``: its return type, said as Group's."""
+    @functools.wraps(method)
+    def front(self: Group, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(getattr(self, part), *args, **kwargs)
+    if returns is not None:
+        front.__signature__ = inspect.signature(method).replace(  # type: ignore[attr-defined]
+            return_annotation=returns)
+    return front
+
+
+def _property(fget: Callable[[Group], R]) -> R:
+    """A :class:`Group` property read by ``fget`` (typed as what it reads)."""
+    return cast(R, property(fget))
+
 
 _ASYNC_DOC = """Start ``{twin}`` and return at once, with a future.
 
@@ -113,6 +134,12 @@ class Group:
         The group at the master address is another job's (a :class:`LateJoinError`).
     """
 
+    _life: Lifecycle  # its parts (see _compose)
+    _calls: Calls
+    _point: PointToPoint
+    _subgroups: SubGroups[Group]
+    _elastic: Elastic[Group]
+
     @takes_settings(replica_rank="rank", num_replicas="size")
     def __init__(
         self,
@@ -152,16 +179,7 @@ class Group:
                                     f"coordinator_address() of a member") from None
         else:
             life = Lifecycle(config)
-        self._life, self._calls = life, Calls(life)
-        self._point = PointToPoint(self._calls)
-
-    @classmethod
-    def _of(cls, life: Lifecycle) -> Group:
-        """The group of an open life (one :mod:`zcollective._elastic` formed)."""
-        group = cls.__new__(cls)
-        group._life, group._calls = life, Calls(life)
-        group._point = PointToPoint(group._calls)
-        return group
+        _compose(self, life)
 
     # -- properties ---------------------------------------------------------
 
@@ -355,345 +373,52 @@ class Group:
     def barrier_async(self) -> CollectiveFuture[None]:
         return self._calls.call("barrier")
 
-    def teardown(self, *, timeout: Timeout = DEFAULT) -> None:
-        """Finish every call made before it, wait until every replica calls
-        ``teardown``, then close the sockets. Finished: every collective
-        call's future holds its value (collect it after teardown too), every
-        ``send_async`` went, and every ``recv_async`` got its message, or,
-        when no rank can send it one any more, failed with a
-        :class:`CollectiveError` naming it. A failed group closes at once.
-        Calling it twice is harmless.
+    teardown = _front("_calls", Calls.teardown)
 
-        Raises
-        ------
-        CollectiveTimeoutError
-            Not every replica called ``teardown``, or the calls before it
-            did not finish, within ``timeout``; the group is closed all the same.
-        """
-        life = self._life
-        if life.closed:
-            return
-        if os.getpid() != life.pid:  # a forked child: the sockets are the parent's
-            life.closed = True
-            return
-        with life.turns:
-            if life.closed:
-                return  # (by another thread, meanwhile)
-            interrupted = False
-            try:
-                failure: Optional[BaseException] = life.member.failure
-                if life.driver is not None and failure is None:
-                    try:
-                        if isinstance(timeout, _Default):
-                            timeout = life.config.op_timeout
-                        deadline = None if timeout is None else time.monotonic() + timeout
-                        try:
-                            life.finish(deadline, timeout)  # (what was called before it: finished)
-                        except BaseException as exc:  # interrupted before its call: the group stays
-                            interrupted = is_interrupt(exc)  # open (teardown again finishes it; an
-                            raise  # ending says goodbye), never lost
-                        self._calls.blocking(self._calls.call("teardown"), None if deadline is None
-                                             else max(0.0, deadline - time.monotonic()))
-                    except CollectiveTimeoutError:
-                        raise
-                    except Exception as exc:  # a failed group closes anyway
-                        if interrupted:
-                            raise
-                        failure = exc
-                if failure is not None:  # cleanup, often in a `finally`: said, never raised over
-                    log.warning("zcollective rank %d: teardown closed a group that was already over: %s",
-                                self.rank, failure)  # the exception in flight
-            finally:
-                if not interrupted:
-                    life.close()
+    # -- point to point: its part's (zcollective._point) --------------------------
 
-    # -- point to point ---------------------------------------------------------
+    send = _front("_point", PointToPoint.send)
+    send_async = _front("_point", PointToPoint.send_async)
+    recv = _front("_point", PointToPoint.recv)
+    recv_async = _front("_point", PointToPoint.recv_async)
+    sendrecv = _front("_point", PointToPoint.sendrecv)
+    probe = _front("_point", PointToPoint.probe)
+    iprobe = _front("_point", PointToPoint.iprobe)
 
-    def send(self, value: Any, dest: int, tag: int = 0, *, timeout: Timeout = DEFAULT) -> None:
-        """Send ``value`` to rank ``dest``, to be received with a matching
-        :meth:`recv` there; ``tag`` (0 to 2**31 - 1) tells messages apart.
-        Returns once it is on its way and its buffers may be reused: at once,
-        unless ``dest`` holds its ``mail_window_bytes`` (``dest``'s setting)
-        of this rank's messages not yet received, when it waits for them to
-        be (see the README, *Point to point*). Sending to oneself works. The
-        value goes straight to ``dest``, not through rank 0; arrays and
-        tensors without a copy.
+    # -- sub-groups: their part's (zcollective._subgroups) --------------------------
 
-        Raises
-        ------
-        ValueError
-            ``dest`` is not a rank of the group, or ``tag`` not a valid tag.
-        SerializationError
-            ``value`` cannot be pickled (nothing was sent).
-        CollectiveTimeoutError
-            Not done within ``timeout``; the message says what it waited for:
-            ``dest``'s window (nothing was sent), its link to ``dest`` (taken
-            back if nothing was numbered after it), or ``dest`` taking it in
-            (it may still arrive).
-        PeerEndedError
-            ``dest`` ended (it called teardown, or its program ended) before
-            its program received the message.
-        ReplicaLostError, CollectiveError
-            The group failed (a rank was lost, ...); a message not yet on its
-            way then never goes.
-        """
-        deadline = _deadline(self, timeout)
-        self._point.result(self._point.send(value, dest, tag, deadline, lead=True), timeout, deadline)
+    split = _front("_subgroups", SubGroups["Group"].split, "Optional[Group]")
+    subgroup = _front("_subgroups", SubGroups["Group"].subgroup, "Optional[Group]")
+    dup = _front("_subgroups", SubGroups["Group"].dup, "Group")
+    parent_ranks = _property(_front("_subgroups", SubGroups["Group"].parent_ranks))
 
-    def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
-        """:meth:`send`, returning at once a future done when :meth:`send` would
-        return; do not change ``value`` until it is."""
-        return self._point.send(value, dest, tag)
+    # -- elastic groups: their part's (zcollective._elastic) --------------------------
 
-    def recv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
-             status: Optional[Status] = None) -> Any:
-        """The next message from ``source`` with ``tag`` (either may be
-        ``ANY_SOURCE``/``ANY_TAG``): messages from one rank with one tag come
-        in the order sent; with ``ANY_SOURCE``, the earliest arrived. A
-        :class:`Status` passed as ``status`` is filled with where it came from.
-
-        Raises
-        ------
-        CollectiveTimeoutError
-            No matching message came within ``timeout`` (says what did come).
-        PeerEndedError
-            Only ranks that ended (teardown, or their program ended) could
-            send it, and all they sent here was taken in.
-        ReplicaLostError, CollectiveError
-            The group failed (a rank was lost, ...).
-        """
-        deadline = _deadline(self, timeout)
-        future = self._point.receive(source, tag, deadline, lead=True)
-        value = self._point.result(future, timeout, deadline)
-        _tell(status, future)
-        return value
-
-    def recv_async(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> CollectiveFuture[Any]:
-        """:meth:`recv`, returning at once a future of the value; its ``status``
-        says where the message came from, once done."""
-        return self._point.receive(source, tag)
-
-    def sendrecv(self, value: Any, dest: int, source: int = ANY_SOURCE, sendtag: int = 0,
-                 recvtag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
-                 status: Optional[Status] = None) -> Any:
-        """Send ``value`` to ``dest`` and receive from ``source`` at once (a
-        ring of ranks each sending to the next never deadlocks): what
-        :meth:`recv` returns."""
-        deadline = _deadline(self, timeout)
-        received = self._point.receive(source, recvtag, deadline)
-        sent = self._point.send(value, dest, sendtag, deadline)
-        value = self._point.result(received, timeout, deadline)
-        self._point.result(sent, timeout, deadline)
-        _tell(status, received)
-        return value
-
-    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
-        """Wait for a message :meth:`recv` with these arguments would take,
-        and say where it came from, without receiving it; raises as
-        :meth:`recv` does."""
-        deadline = _deadline(self, timeout)
-        result: Status = self._point.result(self._point.probe(source, tag, deadline, lead=True), timeout,
-                                            deadline)
-        return result
-
-    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
-        """:meth:`probe` without waiting: None if no such message is here yet."""
-        return self._point.iprobe(source, tag)
-
-    # -- sub-groups -------------------------------------------------------------
-
-    def split(self, color: Any, key: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[Group]:
-        """A collective call: every rank with the same ``color`` (any hashable
-        value: an int, a host name) ends in one new group, ranked by ``key``
-        then by rank here; ``color=None`` takes part and gets ``None``.
-        Colors are the same when equal, as a dict's keys are: ``1``, ``1.0``
-        and ``True`` are one color, ``"1"`` another.
-
-        A sub-group is a whole group in the same processes: every operation,
-        its own sequence (its calls and this group's interleave freely, from
-        any thread), its own coordinator (its rank 0) on a port the system
-        chooses, the data plane, the secret (one of its own, made from this
-        group's), timeouts. A lost process fails the groups it is in, and only
-        those. :attr:`parent_ranks` says who is who. Close it with
-        :meth:`teardown` (or let the program end).
-
-        Raises
-        ------
-        ValueError
-            A rank passed a key that is not an int or a color that is not
-            hashable: raised on every rank alike; the group goes on.
-        AddressError
-            A new group's rank 0 could not listen: raised on every rank
-            alike, naming it; the group goes on.
-        CollectiveError
-            A rank could not open its part of its new group (no file
-            descriptors left, say): raised on every rank alike, naming it
-            and why; the group goes on. Otherwise as for any collective call.
-        CallMismatchError
-            Another rank called something else, ``subgroup`` or ``dup`` too:
-            this group fails, as for any mismatch.
-        """
-        life = _subgroups.split(self._calls, color, key, timeout)
-        return None if life is None else Group._of(life)
-
-    def subgroup(self, ranks: Sequence[int], *, timeout: Timeout = DEFAULT) -> Optional[Group]:
-        """A collective call: the ranks listed form a new group, ranked in the
-        list's order; every rank calls it with the same list, and those not in
-        it get ``None``. Otherwise as :meth:`split`.
-
-        Raises
-        ------
-        CallMismatchError
-            The ranks passed different lists (on every rank; the group goes on).
-        ValueError
-            The list names a rank twice, none, or one outside the group.
-        """
-        life = _subgroups.split(self._calls, None, 0, timeout, ranks, "subgroup")
-        return None if life is None else Group._of(life)
-
-    def dup(self, *, timeout: Timeout = DEFAULT) -> Group:
-        """A collective call: a new group of the same ranks, in the same
-        order, whose calls never mix with this one's (a library's own
-        group, say). As :meth:`split`."""
-        life = _subgroups.split(self._calls, None, 0, timeout, range(self.size), "dup")
-        assert life is not None
-        return Group._of(life)
-
-    @property
-    def parent_ranks(self) -> Optional[list[int]]:
-        """A sub-group's: the rank, in the group it came from, of each of its
-        ranks (``parent_ranks[i]`` was rank i's); None for any other group."""
-        return self._life.parent_ranks
-
-    # -- elastic groups ---------------------------------------------------------
-
-    def shrink(self, timeout: Optional[float] = None, *, majority: bool = True) -> Group:
-        """After a loss, the survivors' new group, in the same processes: call
-        it on every survivor (the rules: README, "Elastic groups"). This group
-        is closed; the new one ranks the survivors densely in old-rank order
-        (:attr:`old_ranks`, :attr:`lost_ranks` say how). If rank 0 was lost,
-        the lowest surviving rank ``r`` hosts the coordinator, on its own host
-        at the master port + ``r``. The survivors form a group only if they are
-        more than half of the ranks not seen to die (a partition never leaves
-        two groups going on); ``majority=False`` (on every survivor) forms one
-        with whoever came. In a group that lost nobody it is a collective call:
-        it returns this group once every rank has called it. (The module's
-        :func:`~zcollective.shrink` returns None: the new group becomes the default.)
-
-        Raises
-        ------
-        LeftOutError
-            The others formed their group without this replica (it came too
-            late, or they had counted it lost).
-        CollectiveTimeoutError
-            No group could be formed within ``timeout``.
-        CallMismatchError
-            Called in a group that had lost nobody, while another rank made
-            another call: a healthy group shrinks only when every rank calls it.
-        CollectiveError
-            The group had failed for another reason than a loss (a mismatch,
-            ...): that error, as every later call of it raises.
-        """
-        life = self._life
-        _interrupts.hold_new_handlers()  # (a handler the program installed since: wrapped first)
-        life.check_process()
-        if life.closed and life.reforming is None:
-            raise RuntimeError("this zcollective group was torn down: there is nothing to shrink")
-        if not life.closed and life.member.failure is None:  # nothing lost that it knows of:
-            try:  # a collective call of every member (one calling it alone is a mismatch)
-                self._calls.blocking(self._calls.call("shrink"), DEFAULT if timeout is None else timeout)
-                return self  # every member called it, and nobody was lost
-            except ReplicaLostError:
-                pass  # lost meanwhile: shrink as after any loss
-        return Group._of(_elastic.shrink(self._life, timeout, majority))
-
-    def grow(self, timeout: Timeout = DEFAULT) -> Group:
-        """Admit every newcomer waiting (started with ``join=True`` at this
-        group's coordinator address): a collective call of every member. With
-        nobody waiting, returns this group at once, unchanged; otherwise this
-        group closes, and its members and the newcomers form the next one at
-        the same address, the members keeping their ranks, the newcomers
-        numbered after them (:attr:`admitted` says how many joined). No call
-        ever mixes the two memberships. A member lost while the group forms
-        again: the others shrink instead (the newcomers are told to start
-        again), and ``admitted`` is 0. (The module's :func:`~zcollective.grow`
-        returns the count, and makes the new group the default.)
-
-        Raises
-        ------
-        CollectiveError
-            As for any collective call (the group goes on, unchanged).
-        """
-        count = self._calls.run("grow", timeout)
-        if not count:
-            return self
-        grown = Group._of(_elastic.regroup(self._life, count))
-        old = grown.old_ranks or []  # newcomers were numbered from this group's size on
-        grown.admitted = sum(r >= self.size for r in old)  # those in the group formed
-        return grown
-
-    def coordinator_address(self) -> str:
-        """``host:port`` of this group's coordinator: where newcomers go (it
-        moves when rank 0 is lost and the survivors shrink)."""
-        return self._life.coordinator_address()
-
-    def agree(self, flag: bool, timeout: Optional[float] = None) -> tuple[Group, Agreement]:
-        """ULFM's agree: every living member gets the same AND of the
-        members' ``flag`` and the same set of ranks found lost (of this
-        group). In a failed group (or one failing meanwhile) the survivors
-        shrink first: returns the group they agreed in (this one if nothing
-        was lost) and the :class:`~zcollective.Agreement`. (The module's
-        :func:`~zcollective.agree` returns the agreement only, and makes that
-        group the default.)
-
-        Raises
-        ------
-        LeftOutError
-            The others went on without this replica (see :meth:`shrink`).
-        CollectiveError
-            The group failed for another reason than a loss.
-        """
-        at_call = list(range(self.size))  # each rank of the current group, as a rank of this one
-        current = self
-        while True:
-            failure = current._life.member.failure
-            if failure is None:
-                try:
-                    together = current.allreduce(bool(flag), operator.and_, timeout=timeout)
-                    return current, Agreement(bool(together), frozenset(set(range(self.size)) - set(at_call)))
-                except ReplicaLostError:
-                    pass
-            elif not isinstance(failure, ReplicaLostError):
-                raise fresh(failure)
-            current = current.shrink(timeout)
-            at_call = [at_call[old] for old in current.old_ranks or range(current.size)]
+    shrink = _front("_elastic", Elastic["Group"].shrink, "Group")
+    grow = _front("_elastic", Elastic["Group"].grow, "Group")
+    coordinator_address = _front("_elastic", Elastic["Group"].coordinator_address)
+    agree = _front("_elastic", Elastic["Group"].agree, "tuple[Group, Agreement]")
 
     admitted = 0  # a group grow() formed: how many newcomers that grow admitted
 
-    @property
-    def old_ranks(self) -> Optional[list[int]]:
-        """A group formed from an earlier one, by :meth:`shrink` or a
-        :meth:`grow` that admitted newcomers: every rank's rank in the group
-        before (by new rank; a newcomer's is the number :meth:`grow` gave it,
-        from the size before on); None for any other group."""
-        return self._life.member.old_ranks
-
-    @property
-    def lost_ranks(self) -> list[int]:
-        """A group formed from an earlier one (:attr:`old_ranks`): the ranks
-        of the group before that are not in this one; ``[]`` otherwise."""
-        old = self._life.member.old_ranks
-        return [] if old is None else sorted(set(range(self._life.member.old_size)) - set(old))
+    old_ranks = _property(_front("_elastic", Elastic["Group"].old_ranks))
+    lost_ranks = _property(_front("_elastic", Elastic["Group"].lost_ranks))
 
 
-def _deadline(group: Group, timeout: Timeout) -> Optional[float]:
-    if isinstance(timeout, _Default):
-        timeout = group._life.config.op_timeout
-    return None if timeout is None else time.monotonic() + timeout
+def _compose(group: Group, life: Lifecycle) -> Group:
+    """``group`` over the open ``life``, with its parts."""
+    group._life = life
+    group._calls = calls = Calls(life)
+    group._point = PointToPoint(calls)
+    group._subgroups = SubGroups(calls, _formed)
+    group._elastic = Elastic(group, calls, _formed, _elastic_part)
+    return group
 
 
-def _tell(status: Optional[Status], received: CollectiveFuture[Any]) -> None:
-    """Fill a caller's ``status`` with where a received message came from."""
-    if status is not None:
-        came = received.status
-        status.source, status.tag, status.nbytes = came.source, came.tag, came.nbytes
+def _formed(life: Lifecycle) -> Group:
+    """The group of a life a part formed (a sub-group, the next group)."""
+    return _compose(Group.__new__(Group), life)
+
+
+def _elastic_part(group: Group) -> Elastic[Group]:
+    return group._elastic

@@ -1,6 +1,7 @@
-"""The point-to-point call runner: a group's sends, receives and probes made,
+"""Point to point, a group's part: its sends, receives and probes made,
 waited for and given up, beside :class:`~zcollective._calls.Calls`, whose turn
-and waits it shares. The rules are :mod:`zcollective._protocol._p2p`'s."""
+and waits it shares; :class:`~zcollective.Group` offers its public methods.
+The rules are :mod:`zcollective._protocol._p2p`'s."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import time
 from typing import Any, Callable, Optional
 
 from . import _calls
-from ._calls import Calls, Timeout, _Default
+from ._calls import DEFAULT, Calls, Timeout, _Default
 from ._format import _serialize
-from ._future import CollectiveFuture, settle
+from ._future import PENDING, CollectiveFuture, fail, finished, outcome, settle, settled_when
 from ._io import _interrupts
 from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import STATUS_WAIT_S
-from ._protocol._p2p import Mail, Status, check_rank, check_tag, describe
+from ._protocol._p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, Mail, Status, check_rank, check_tag, describe
 from .errors import CollectiveError, CollectiveTimeoutError, from_signal
 
 
@@ -23,32 +24,109 @@ class PointToPoint:
 
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
-        self.rank, self.size = calls.rank, calls.config.num_replicas
-        calls.wait_point = self.wait
+        self.rank, self.size, self.config = calls.rank, calls.config.num_replicas, calls.config
+        calls.wait_point = self._wait
 
-    def send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
-             lead: bool = False) -> CollectiveFuture[None]:
-        dest, tag = check_rank(dest, self.size, "dest"), check_tag(tag, False)
-        segment = _serialize.dumps(value)  # (a value that cannot travel: nothing is sent)
-        what = f"send(dest={dest}, tag={tag})"
-        return self._make(what, lambda mail, f: mail.send(dest, tag, segment, f), deadline, lead)
+    def send(self, value: Any, dest: int, tag: int = 0, *, timeout: Timeout = DEFAULT) -> None:
+        """Send ``value`` to rank ``dest``, to be received with a matching
+        :meth:`recv` there; ``tag`` (0 to 2**31 - 1) tells messages apart.
+        Returns once it is on its way and its buffers may be reused: at once,
+        unless ``dest`` holds its ``mail_window_bytes`` (``dest``'s setting)
+        of this rank's messages not yet received, when it waits for them to
+        be (see the README, *Point to point*). Sending to oneself works. The
+        value goes straight to ``dest``, not through rank 0; arrays and
+        tensors without a copy.
 
-    def receive(self, source: Any, tag: Any, deadline: Optional[float] = None,
-                lead: bool = False) -> CollectiveFuture[Any]:
-        source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
-        what = describe("recv", source, tag)
-        return self._make(what, lambda mail, f: mail.receive(source, tag, f), deadline, lead)
+        Raises
+        ------
+        ValueError
+            ``dest`` is not a rank of the group, or ``tag`` not a valid tag.
+        SerializationError
+            ``value`` cannot be pickled (nothing was sent).
+        CollectiveTimeoutError
+            Not done within ``timeout``; the message says what it waited for:
+            ``dest``'s window (nothing was sent), its link to ``dest`` (taken
+            back if nothing was numbered after it), or ``dest`` taking it in
+            (it may still arrive).
+        PeerEndedError
+            ``dest`` ended (it called teardown, or its program ended) before
+            its program received the message.
+        ReplicaLostError, CollectiveError
+            The group failed (a rank was lost, ...); a message not yet on its
+            way then never goes.
+        """
+        if isinstance(timeout, _Default):
+            timeout = self.config.op_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        future = self._send(value, dest, tag, deadline, True)
+        if outcome(future) is PENDING:  # (raises its error)
+            self._finish(future, timeout, deadline)
 
-    def probe(self, source: Any, tag: Any, deadline: Optional[float] = None,
-              lead: bool = False) -> CollectiveFuture[Status]:
-        source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
-        what = describe("probe", source, tag)
-        return self._make(what, lambda mail, f: mail.probe(source, tag, f), deadline, lead)
+    def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
+        """:meth:`send`, returning at once a future done when :meth:`send` would
+        return; do not change ``value`` until it is."""
+        return self._send(value, dest, tag)
 
-    def iprobe(self, source: Any, tag: Any) -> Optional[Status]:
+    def recv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
+             status: Optional[Status] = None) -> Any:
+        """The next message from ``source`` with ``tag`` (either may be
+        ``ANY_SOURCE``/``ANY_TAG``): messages from one rank with one tag come
+        in the order sent; with ``ANY_SOURCE``, the earliest arrived. A
+        :class:`Status` passed as ``status`` is filled with where it came from.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            No matching message came within ``timeout`` (says what did come).
+        PeerEndedError
+            Only ranks that ended (teardown, or their program ended) could
+            send it, and all they sent here was taken in.
+        ReplicaLostError, CollectiveError
+            The group failed (a rank was lost, ...).
+        """
+        if isinstance(timeout, _Default):
+            timeout = self.config.op_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        future = self._receive(source, tag, deadline, True)
+        value = outcome(future)  # (raises its error)
+        if value is PENDING:
+            value = self._finish(future, timeout, deadline)
+        if status is not None:
+            _tell(status, future)
+        return value
+
+    def recv_async(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> CollectiveFuture[Any]:
+        """:meth:`recv`, returning at once a future of the value; its ``status``
+        says where the message came from, once done."""
+        return self._receive(source, tag)
+
+    def sendrecv(self, value: Any, dest: int, source: int = ANY_SOURCE, sendtag: int = 0,
+                 recvtag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
+                 status: Optional[Status] = None) -> Any:
+        """Send ``value`` to ``dest`` and receive from ``source`` at once (a
+        ring of ranks each sending to the next never deadlocks): what
+        :meth:`recv` returns."""
+        deadline = self._deadline(timeout)
+        received = self._receive(source, recvtag, deadline)
+        sent = self._send(value, dest, sendtag, deadline)
+        value = self._finish(received, timeout, deadline)
+        self._finish(sent, timeout, deadline)
+        _tell(status, received)
+        return value
+
+    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
+        """Wait for a message :meth:`recv` with these arguments would take,
+        and say where it came from, without receiving it; raises as
+        :meth:`recv` does."""
+        deadline = self._deadline(timeout)
+        result: Status = self._finish(self._receive(source, tag, deadline, True, "probe"), timeout, deadline)
+        return result
+
+    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
+        """:meth:`probe` without waiting: None if no such message is here yet."""
         source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
         calls = self.calls
-        calls._progress()
+        calls.progress()
         mail = self._mail()
         if not calls.turns.take(None):
             return None
@@ -57,9 +135,34 @@ class PointToPoint:
         finally:
             calls.turns.give()
 
+    def _deadline(self, timeout: Timeout) -> Optional[float]:
+        if isinstance(timeout, _Default):
+            timeout = self.config.op_timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
+              lead: bool = False) -> CollectiveFuture[None]:
+        if type(dest) is not int or not 0 <= dest < self.size:  # (checked inline: the usual case)
+            dest = check_rank(dest, self.size, "dest")
+        if type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            tag = check_tag(tag, False)
+        segment = _serialize.dumps(value)  # (a value that cannot travel: nothing is sent)
+        return self._make(f"send(dest={dest}, tag={tag})", Mail.send, (dest, tag, segment), deadline, lead)
+
+    def _receive(self, source: Any, tag: Any, deadline: Optional[float] = None,
+                 lead: bool = False, call: str = "recv") -> CollectiveFuture[Any]:
+        if type(source) is not int or not ANY_SOURCE <= source < self.size:
+            source = check_rank(source, self.size, "source", any_source=True)
+        if type(tag) is not int or not ANY_TAG <= tag <= MAX_TAG:
+            tag = check_tag(tag, True)
+        what = (f"{call}(source={source}, tag={tag})" if source >= 0 and tag >= 0  # (describe's, inline)
+                else describe(call, source, tag))
+        return self._make(what, Mail.receive if call == "recv" else Mail.probe, (source, tag), deadline, lead)
+
     def _mail(self) -> Mail:
+        """This group's mail rules, for a call; raises if it may make none."""
         calls = self.calls
-        if calls.life.closed or _calls._process != calls.pid:
+        if calls.life.closed or _calls.this_pid != calls.pid:
             calls.life.check_usable()  # raises, saying which
         mail = calls.member.mail
         if mail is None:
@@ -71,16 +174,19 @@ class PointToPoint:
                                   f"again to finish, or end the program)")
         return mail
 
-    def _make(self, what: str, act: Callable[[Mail, Any], None], deadline: Optional[float],
+    def _make(self, what: str, act: Callable[..., None], args: tuple[Any, ...], deadline: Optional[float],
               lead: bool = False) -> CollectiveFuture[Any]:
-        """Hand ``act`` the rules and a new future, holding the turn (taken by
-        ``deadline``); ``lead``: a call the caller waits for at once, whose
-        wait starts here, without letting go of the turn, if no other thread
-        waits in the group (see :meth:`_lead`)."""
+        """``act(mail, *args, future)`` with a new future, holding the turn
+        (taken by ``deadline``); ``lead``: the caller waits for it at once, so
+        the wait starts here, without letting go of the turn, if no other
+        thread waits in the group: until it is done, ``deadline``, or another
+        thread wants the turn; a timeout or an interrupt takes it back."""
         if tuple(map(getsignal, DEFERRED_SIGNALS)) != _interrupts.held:  # (as Calls.call)
             _interrupts.hold_new_handlers()
         calls = self.calls
-        mail = self._mail()
+        mail = calls.member.mail
+        if calls.life.closed or _calls.this_pid != calls.pid or mail is None or mail.box.draining:
+            mail = self._mail()  # (raises, saying why)
         turns = calls.turns
         if not turns.take(deadline):
             raise CollectiveTimeoutError(f"rank {self.rank}: {what} timed out before it could be made "
@@ -90,60 +196,45 @@ class PointToPoint:
             if mail.failure is not None and driver is not None and not calls.life.closed:
                 driver.mail_io()  # the group is over: what came before it is still received
             future: CollectiveFuture[Any] = CollectiveFuture(calls, -1, what)
-            act(mail, future)
-            if driver is not None and (mail.out or driver._tracked) and not calls.life.closed:
+            act(mail, *args, future)
+            if mail.out and driver is not None and not calls.life.closed:
                 driver.mail_io(take=False)  # sent now, not at the next wait
             outcomes = calls.member.outcomes
             if outcomes:
                 settle(outcomes)
-            if lead and not future._done and turns.alone():
-                self._lead(future, deadline)
+            if lead and turns.alone():
+                settled = settled_when(future, outcomes)
+                if not settled():
+                    try:
+                        if driver is None or calls.life.closed or not driver.wait_mail(settled, deadline):
+                            calls.drive(settled_when(future, outcomes, wanted=turns.wanted), deadline, True)
+                    except BaseException as exc:
+                        if not self._withdraw(future, exc, deadline):
+                            raise
             return future
         finally:
             turns.give()
 
-    def _lead(self, future: CollectiveFuture[Any], deadline: Optional[float]) -> None:
-        """Holding the turn, with no other thread waiting in the group: wait
-        for ``future`` as :class:`~zcollective._io._turns.Turns` leads a wait
-        (until it is done, ``deadline``, or another thread wants the turn,
-        which then nudges this wait), saving the turn's give and take; what is
-        left of the wait, :meth:`result`'s. A timeout or an interrupt takes the
-        call back as :meth:`result` does."""
-        calls, turns, driver = self.calls, self.calls.turns, self.calls.driver
-        settled = calls._settled(future)
+    def _finish(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
+        """``future.result()`` by ``deadline`` (``timeout``: for the message),
+        for a call this thread has just made; a timeout or an interrupt takes
+        it back (a message it had received goes back, first to be received)."""
         try:
-            if driver is not None and not calls.life.closed and driver.wait_mail(settled, deadline):
-                return
-            calls._drive(lambda: settled() or turns.wanted(), deadline, True)
+            if not self.calls.wait_until(future, deadline) and not finished(future):
+                if isinstance(timeout, _Default):
+                    timeout = self.config.op_timeout
+                raise CollectiveTimeoutError(self._late(future, timeout))
         except BaseException as exc:
             if not self._withdraw(future, exc, deadline):
                 raise
+        return future.result()
 
-    def result(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
-        """``future.result()`` by ``deadline`` (``timeout`` from the call's
-        start, for the message), for a call this thread has just made; a
-        timeout or an interrupt takes it back (a message it had received goes
-        back, first to be received), then raises."""
-        if not future._done:
-            try:
-                if not self.calls._wait_until(future, deadline) and not future._done:
-                    if isinstance(timeout, _Default):
-                        timeout = self.calls.config.op_timeout
-                    raise CollectiveTimeoutError(self._late(future, timeout))
-            except BaseException as exc:
-                if not self._withdraw(future, exc, deadline):
-                    raise
-        if future._error is not None:
-            raise future._error
-        return future._value
-
-    def wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None:
+    def _wait(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> None:
         """A future's ``result(timeout)`` (or ``exception``): until it is done,
-        else :meth:`result`'s timeout, which takes the call back and ends the
-        future with that error (nothing else would end it); an interrupt
-        leaves it pending, to be waited for again."""
+        else :meth:`_finish`'s timeout, which takes the call back and ends the
+        future with that error; an interrupt leaves it pending."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self.calls._wait_until(future, deadline) or future._done:
+        if self.calls.wait_until(future, deadline) or finished(future):
             return
         late = CollectiveTimeoutError(self._late(future, timeout))
         if not self._withdraw(future, late, deadline, ends=True):
@@ -151,14 +242,11 @@ class PointToPoint:
 
     def _withdraw(self, future: CollectiveFuture[Any], exc: BaseException,
                   deadline: Optional[float] = None, ends: bool = False) -> bool:
-        """Take ``future``'s call back (``exc`` ended its wait); False if it
-        was taken back (the caller raises), True if it finished (its outcome
-        stands; an interrupt's signal comes again once the call returns). A
-        send libzmq has (it goes) is let finish if it can within
-        :data:`STATUS_WAIT_S`, further signals held back; after a failure,
-        one libzmq was sending gets until ``deadline`` (bounded) to leave:
-        then it is done, and delivered. ``ends``: a call taken back ends
-        with ``exc``."""
+        """Take ``future``'s call back (``exc`` ended its wait): False if taken
+        back (the caller raises; ``ends``: the future ends with ``exc``), True
+        if it finished (an interrupt's signal comes again). A send libzmq has
+        is let finish within :data:`STATUS_WAIT_S`, further signals held back;
+        after a failure, one libzmq was sending gets until ``deadline``."""
         calls, mail = self.calls, self.calls.member.mail
         if mail is None or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
             return False
@@ -166,16 +254,15 @@ class PointToPoint:
             driver = calls.driver
             if mail.withdraw(future) or (driver is not None and driver.take_back(future)):
                 if ends:
-                    future._set_exception(exc)
+                    fail(future, exc)
                 return False
             if driver is not None and mail.failure is not None and not calls.life.closed:
                 driver.mail_io(take=False)  # (a send waiting for its link fails, never sent)
                 driver.finish_leaving(future, deadline)
-            settled, interrupted = calls._settled(future), from_signal(exc)
+            settled, interrupted = settled_when(future, calls.member.outcomes), from_signal(exc)
             if interrupted and not settled():
                 with _interrupts.deferring():  # (holding the turn: this wait never follows)
-                    calls.turns.wait(settled, time.monotonic() + STATUS_WAIT_S, calls._drive,
-                                     lambda wake: None)
+                    calls.wait_until(future, time.monotonic() + STATUS_WAIT_S, follow=False)
             if interrupted and settled():
                 _interrupts.signal_again(exc)
             return settled()
@@ -216,3 +303,10 @@ class PointToPoint:
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
         unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
         return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
+
+
+def _tell(status: Optional[Status], received: CollectiveFuture[Any]) -> None:
+    """Fill a caller's ``status`` with where a received message came from."""
+    if status is not None:
+        came = received.status
+        status.source, status.tag, status.nbytes = came.source, came.tag, came.nbytes

@@ -1,12 +1,6 @@
-"""Sub-groups: :meth:`~zcollective.Group.split`, ``subgroup`` and ``dup``.
-
-A sub-group is a whole group of its own, formed in the same processes from
-three calls of its parent: every rank says its color and key, then the new
-groups' ranks 0 say where they listen (a port the system chose), then every
-rank says it opened its part (its sockets) before anyone waits for it. Its
-coordinator, sequence, data plane and failures are its own: see
-docs/protocol.md, *Sub-groups*.
-"""
+"""Sub-groups (``split``, ``subgroup``, ``dup``): whole groups formed in the same
+processes by three calls of the parent (colors and keys; where each new rank 0
+listens; each rank's part opened). See docs/protocol.md, *Sub-groups*."""
 
 from __future__ import annotations
 
@@ -17,9 +11,9 @@ import hmac
 import operator
 import os
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
-from ._calls import Calls, Timeout
+from ._calls import DEFAULT, Calls, Timeout
 from ._format._wire import NONCE_BYTES
 from ._io._dataplane import local_address
 from ._lifecycle import Lifecycle
@@ -68,6 +62,81 @@ def split(calls: Calls, color: Any, key: Any, timeout: Timeout,
         raise
 
 
+
+G = TypeVar("G")
+
+
+class SubGroups(Generic[G]):
+    """A group's sub-groups: the part behind :meth:`~zcollective.Group.split`,
+    ``subgroup``, ``dup`` and ``parent_ranks``; ``form`` makes a group of a life."""
+
+    def __init__(self, calls: Calls, form: Callable[[Lifecycle], G]) -> None:
+        self.calls, self.form = calls, form
+
+
+    def split(self, color: Any, key: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[G]:
+        """A collective call: every rank with the same ``color`` (any hashable
+        value: an int, a host name) ends in one new group, ranked by ``key``
+        then by rank here; ``color=None`` takes part and gets ``None``.
+        Colors are the same when equal, as a dict's keys are: ``1``, ``1.0``
+        and ``True`` are one color, ``"1"`` another.
+
+        A sub-group is a whole group in the same processes: every operation,
+        its own sequence (its calls and this group's interleave freely, from
+        any thread), its own coordinator (its rank 0) on a port the system
+        chooses, the data plane, the secret (one of its own, made from this
+        group's), timeouts. A lost process fails the groups it is in, and only
+        those. :attr:`parent_ranks` says who is who. Close it with
+        :meth:`teardown` (or let the program end).
+
+        Raises
+        ------
+        ValueError
+            A rank passed a key that is not an int or a color that is not
+            hashable: raised on every rank alike; the group goes on.
+        AddressError
+            A new group's rank 0 could not listen: raised on every rank
+            alike, naming it; the group goes on.
+        CollectiveError
+            A rank could not open its part of its new group (no file
+            descriptors left, say): raised on every rank alike, naming it
+            and why; the group goes on. Otherwise as for any collective call.
+        CallMismatchError
+            Another rank called something else, ``subgroup`` or ``dup`` too:
+            this group fails, as for any mismatch.
+        """
+        life = split(self.calls, color, key, timeout)
+        return None if life is None else self.form(life)
+
+    def subgroup(self, ranks: Sequence[int], *, timeout: Timeout = DEFAULT) -> Optional[G]:
+        """A collective call: the ranks listed form a new group, ranked in the
+        list's order; every rank calls it with the same list, and those not in
+        it get ``None``. Otherwise as :meth:`split`.
+
+        Raises
+        ------
+        CallMismatchError
+            The ranks passed different lists (on every rank; the group goes on).
+        ValueError
+            The list names a rank twice, none, or one outside the group.
+        """
+        life = split(self.calls, None, 0, timeout, ranks, "subgroup")
+        return None if life is None else self.form(life)
+
+    def dup(self, *, timeout: Timeout = DEFAULT) -> G:
+        """A collective call: a new group of the same ranks, in the same
+        order, whose calls never mix with this one's (a library's own
+        group, say). As :meth:`split`."""
+        life = split(self.calls, None, 0, timeout, range(self.calls.config.num_replicas), "dup")
+        assert life is not None
+        return self.form(life)
+
+    def parent_ranks(self) -> Optional[list[int]]:
+        """A sub-group's: the rank, in the group it came from, of each of its
+        ranks (``parent_ranks[i]`` was rank i's); None for any other group."""
+        return self.calls.life.parent_ranks
+
+
 def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout) -> Lifecycle:
     """Rank 0 of a new group: listen, say where (the second round) and hear
     that every rank opened its part (the third), then wait for its members.
@@ -87,13 +156,9 @@ def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout)
 
 
 class _Rounds:
-    """The parent's rounds of one split, each made by every rank alike, as
-    ``split`` (op 13) with the call's kind as its root: after the first
-    (every rank's arguments), the second says where each new group's rank 0
-    listens (or why it could not), the third whether each rank opened its
-    part (its sockets) of its new group. A rank that failed says why in the
-    round it had not made yet, so every rank raises the same error, at the
-    same round, and the parent goes on."""
+    """The parent's three rounds of one split (op 13, the call's kind as its root).
+    A rank that failed says why in the round it had not made yet, so every rank
+    raises the same error at the same round, and the parent goes on."""
 
     def __init__(self, calls: Calls, timeout: Timeout, what: str) -> None:
         self.calls, self.timeout, self.what = calls, timeout, what

@@ -1,283 +1,35 @@
-"""Point-to-point messages, the rules without sockets: which message a
-receive takes (MPI's matching), in what order, and how much a sender may have
-unreceived at a receiver (its window). See docs/protocol.md, *Point to point*.
-
-Matching: a message from one rank with one tag is received in the order it
-was sent (each pair's messages carry consecutive numbers, checked here); a
-receive for ``ANY_SOURCE`` or ``ANY_TAG`` takes the earliest arrived that
-matches; an arriving message goes to the earliest posted receive it matches.
-
-Ends: a rank that sends no more (teardown, or its program ends) says how
-many messages it sent each rank, how many more never left it (lost), and
-how many of each rank's its program received (through the coordinator:
-FINAL). Once a rank has taken in that many from it, a receive or probe that
-only it could answer (``ANY_SOURCE``: only ranks that ended) fails, and so
-does a send to it: its program receives nothing more. A send to it still on
-its way fails unless its program had received it. All with
-:class:`~zcollective.errors.PeerEndedError`: an ending is not a loss. A rank
-in teardown still takes in, until the group closes, what its receives posted
-before wait for, and drops (crediting it) what none of them matches, so a
-send already waiting for its credit goes (see docs/protocol.md, *Point to
-point*, Ends).
-
-Windows: a sender may have at most the receiver's ``window`` bytes (the
-receiver's setting, from the WELCOME) sent to it and not yet received by its
-program, or one message of any size when it has none. The receiver credits
-what its program took back to the sender (:class:`Credit`), when a quarter of
-its window is due or at once when the sender asks (a sender that waits for
-credit asks once).
+"""Point-to-point messages, the rules without sockets: MPI's matching (a
+pair's messages, numbered, in the order sent; ``ANY_SOURCE``/``ANY_TAG`` take
+the earliest arrived; an arriving message goes to the earliest posted receive),
+the ends of ranks that send no more (:class:`~zcollective.errors.PeerEndedError`,
+not a loss), and each sender's window at a receiver, credited back as its
+program receives. See docs/protocol.md, *Point to point*.
 """
 
 from __future__ import annotations
 
-import operator
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 from .._format import _serialize
 from .._format._wire import Kind, Message, owned
 from ..errors import CollectiveError, PeerEndedError, ReplicaLostError
+from ._p2p_matching import (  # (importable from here too)
+    ANY_SOURCE,
+    ANY_TAG,
+    MAX_TAG,  # noqa: F401
+    Arrived,
+    Credit,
+    Mailbox,
+    OutOfOrder,
+    Receive,
+    Status,
+    check_rank,  # noqa: F401
+    check_tag,  # noqa: F401
+)
 from ._outcomes import CallOutcome, fresh
-
-ANY_SOURCE = -1
-ANY_TAG = -1
-MAX_TAG = (1 << 31) - 1  # a tag travels in the header's int32
-CREDIT_SHARE = 4  # the receiver credits once this fraction of the window (1/4) was taken
-
-
-@dataclass
-class Status:
-    """Where a received message came from: its ``source`` rank, its ``tag``
-    and ``nbytes``, its size as it travelled."""
-
-    source: int = ANY_SOURCE
-    tag: int = ANY_TAG
-    nbytes: int = 0
-
-
-@dataclass
-class Arrived:
-    """A message taken in, not yet received by the program."""
-
-    source: int
-    tag: int
-    seq: int
-    nbytes: int
-    message: Any  # what the driver decoded (its segments make the value)
-
-
-@dataclass(eq=False)
-class Receive:
-    """A receive the program posted (``handle``: what the driver resolves)."""
-
-    source: int
-    tag: int
-    handle: Any
-
-    def matches(self, source: int, tag: int) -> bool:
-        return self.source in (ANY_SOURCE, source) and self.tag in (ANY_TAG, tag)
-
-
-@dataclass
-class Credit:
-    """Tell ``to`` that this rank's program received its messages up to ``seq``."""
-
-    to: int
-    seq: int
-
-
-@dataclass
-class _Peer:
-    """What one rank knows of its exchanges with one other rank (or itself)."""
-
-    window: int = 0  # the bytes it holds at most from this rank (its setting)
-    next_out: int = 0  # the seq of the next message sent to it
-    unreceived: deque[tuple[int, int, Any, int]] = field(default_factory=deque)  # (seq, nbytes,
-    # the send's handle, tag) of the messages it has not credited
-    held: int = 0  # their bytes
-    asked: bool = False  # this rank waits for credit from it and asked for it
-    next_in: int = 0  # the seq of the next message expected from it
-    taken: int = -1  # the last of its messages this rank's program received ...
-    credited: int = -1  # ... and the last it was told of
-    taken_bytes: int = 0  # bytes received since then
-    owed: bool = False  # it asked for credit: send it as soon as there is any
-    last: Optional[int] = None  # it sends no more: how many it sent (FINAL); a later one is dropped
-
-
-class OutOfOrder(ValueError):
-    """A message whose number is not the next of its pair: a replay, or altered."""
-
-
-def _index(value: Any) -> Optional[int]:
-    """``value`` as an int: any integer type (``numpy.int64``, anything with ``__index__``) but bool."""
-    try:
-        return None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        return None
-
-
-def check_tag(tag: Any, receiving: bool) -> int:
-    """A tag as an int: 0 to :data:`MAX_TAG`, or :data:`ANY_TAG` to receive."""
-    if type(tag) is int and 0 <= tag <= MAX_TAG:  # (the usual case, without a call)
-        return tag
-    index = _index(tag)
-    if index is not None and (0 <= index <= MAX_TAG or (receiving and index == ANY_TAG)):
-        return index
-    anything = " or ANY_TAG" if receiving else ""
-    raise ValueError(f"tag={tag!r} is not an int from 0 to {MAX_TAG}{anything}")
-
-
-def check_rank(rank: Any, size: int, what: str, any_source: bool = False) -> int:
-    if type(rank) is int and 0 <= rank < size:  # (the usual case, without a call)
-        return rank
-    index = _index(rank)
-    if index is not None and (0 <= index < size or (any_source and index == ANY_SOURCE)):
-        return index
-    anything = " or ANY_SOURCE" if any_source else ""
-    raise ValueError(f"{what}={rank!r} is not a rank of this group of {size} replicas{anything}")
-
-
-class Mailbox:
-    """One rank's point-to-point rules (see the module docstring)."""
-
-    def __init__(self, rank: int, size: int, window: int, windows: Optional[list[int]] = None) -> None:
-        """``window``: what this rank holds from each sender; ``windows``: each
-        rank's (0, or none given: this rank's)."""
-        self.rank = rank
-        self.window = window
-        self.peers = [_Peer(window=(windows[r] if windows and windows[r] > 0 else window))
-                      for r in range(size)]
-        self.arrived: deque[Arrived] = deque()  # in arrival order
-        self.posted: list[Receive] = []  # in posting order
-        self.draining = False  # teardown: its program posts no more receives (see drain)
-
-    # -- sending --------------------------------------------------------------
-
-    def may_send(self, dest: int, nbytes: int) -> bool:
-        peer = self.peers[dest]
-        return peer.held == 0 or peer.held + nbytes <= peer.window
-
-    def send(self, dest: int, nbytes: int, handle: Any = None, tag: int = 0) -> int:
-        """A message of ``nbytes`` goes to ``dest`` (:meth:`may_send` said so): its seq."""
-        peer = self.peers[dest]
-        seq = peer.next_out
-        peer.next_out += 1
-        peer.unreceived.append((seq, nbytes, handle, tag))
-        peer.held += nbytes
-        return seq
-
-    def ask(self, dest: int) -> bool:
-        """This rank waits for credit from ``dest``: should it ask (once)?"""
-        peer = self.peers[dest]
-        if peer.asked:
-            return False
-        peer.asked = True
-        return True
-
-    def credited(self, source: int, seq: int) -> None:
-        """``source`` received this rank's messages up to ``seq``."""
-        peer = self.peers[source]
-        while peer.unreceived and peer.unreceived[0][0] <= seq:
-            peer.held -= peer.unreceived.popleft()[1]
-        peer.asked = False
-
-    # -- receiving ------------------------------------------------------------
-
-    def arrive(self, source: int, tag: int, seq: int, nbytes: int, message: Any
-               ) -> tuple[Optional[tuple[Receive, Arrived]], list[Credit]]:
-        """A message came: the posted receive it completes, if any (with the
-        credit that is then due); else it waits in :attr:`arrived`."""
-        peer = self.peers[source]
-        if seq != peer.next_in:
-            raise OutOfOrder(f"message {seq} from rank {source}, where {peer.next_in} was next")
-        peer.next_in += 1
-        if peer.last is not None and seq >= peer.last:  # it ended counting this one lost: it stays lost
-            raise OutOfOrder(f"message {seq} from rank {source}, which ended having sent {peer.last}")
-        came = Arrived(source, tag, seq, nbytes, message)
-        for i, receive in enumerate(self.posted):
-            if receive.matches(source, tag):
-                del self.posted[i]
-                return (receive, came), self._taken(came)
-        if self.draining:  # nothing can receive it any more: dropped, and credited as taken
-            return None, self._taken(came)
-        self.arrived.append(came)
-        return None, []
-
-    def post(self, receive: Receive) -> tuple[Optional[Arrived], list[Credit]]:
-        """The program receives: the earliest arrived message that matches
-        (and the credit then due), or None (it is posted, to wait)."""
-        for i, came in enumerate(self.arrived):
-            if receive.matches(came.source, came.tag):
-                del self.arrived[i]
-                return came, self._taken(came)
-        self.posted.append(receive)
-        return None, []
-
-    def drain(self) -> list[Credit]:
-        """Teardown: the program posts no more receives, so what arrived and what
-        comes that no posted receive matches is dropped, as taken (the credit then due)."""
-        self.draining = True
-        credits: list[Credit] = []
-        while self.arrived:
-            credits += self._taken(self.arrived.popleft())
-        return credits
-
-    def withdraw(self, receive: Receive) -> bool:
-        """Take back a posted receive (timed out, interrupted): was it still posted?"""
-        for i, posted in enumerate(self.posted):
-            if posted is receive:
-                del self.posted[i]
-                return True
-        return False
-
-    def probe(self, source: int, tag: int) -> Optional[Status]:
-        """The earliest arrived message a receive for ``(source, tag)`` would take."""
-        wanted = Receive(source, tag, None)
-        for came in self.arrived:
-            if wanted.matches(came.source, came.tag):
-                return Status(came.source, came.tag, came.nbytes)
-        return None
-
-    def asked(self, source: int) -> list[Credit]:
-        """``source`` waits for credit: now, if any is due, else at the next take."""
-        peer = self.peers[source]
-        if peer.taken > peer.credited:
-            return [self._credit(source, peer)]
-        peer.owed = True
-        return []
-
-    def _taken(self, came: Arrived) -> list[Credit]:
-        peer = self.peers[came.source]
-        peer.taken = came.seq
-        peer.taken_bytes += came.nbytes
-        if came.source == self.rank:  # its own: credited at once, nothing travels
-            self.credited(self.rank, came.seq)
-            peer.credited, peer.taken_bytes = came.seq, 0
-            return []
-        if peer.owed or peer.taken_bytes * CREDIT_SHARE >= self.window:
-            return [self._credit(came.source, peer)]
-        return []
-
-    def _credit(self, source: int, peer: _Peer) -> Credit:
-        peer.credited, peer.taken_bytes, peer.owed = peer.taken, 0, False
-        return Credit(source, peer.taken)
-
-    def ended(self, source: int, count: int) -> None:
-        """``source`` sends no more, having sent this rank ``count`` messages."""
-        self.peers[source].last = count
-
-    def drained(self, source: int) -> bool:
-        """Can no message from ``source`` (``ANY_SOURCE``: any other rank) come
-        any more? Each has ended, and all it sent here was taken in."""
-        if source != ANY_SOURCE:
-            peer = self.peers[source]
-            return source != self.rank and peer.last is not None and peer.next_in >= peer.last
-        return all(self.drained(r) for r in range(len(self.peers)) if r != self.rank)
-
-    def held_from(self, source: int) -> int:
-        """Bytes of ``source``'s messages taken in and not yet received."""
-        return sum(c.nbytes for c in self.arrived if c.source == source)
 
 
 def describe(call: str, source: int, tag: int) -> str:
@@ -311,10 +63,8 @@ class _Sending:
 
 
 class Mail:
-    """One rank's point-to-point exchanges in a group: :class:`Mailbox`'s
-    rules, the messages they send (:attr:`out`, for the driver to send on the
-    mailbox sockets) and what calls came to (appended to
-    ``outcomes``, which the call runner applies)."""
+    """One rank's point-to-point exchanges: :class:`Mailbox`'s rules, the messages
+    to send (:attr:`out`, for the driver) and what calls came to (``outcomes``)."""
 
     def __init__(self, rank: int, size: int, window: int, session: int, outcomes: deque[Any],
                  windows: Optional[list[int]] = None) -> None:
@@ -328,12 +78,10 @@ class Mail:
         self.dropped = 0  # messages out of their pair's order (a replay, or malformed): dropped, counted
         self.gap: Optional[str] = None  # a message of a pair never came: later ones did
         self.ended_how: dict[int, str] = {}  # ranks that send no more: how each ended (FINAL)
-        self.tearing: set[int] = set()  # ... of which those that called teardown: they take in
-        # until the group closes, so a send already waiting for their credit still goes
+        self.tearing: set[int] = set()  # ... of which those in teardown: they take in until it ends
         self.lost: dict[int, int] = {}  # how many of an ended rank's messages to this one never left it
         self.cut: list[tuple[int, list[Any]]] = []  # for the driver: ranks whose messages waiting for
-        # their link never go (ended; every rank once the group failed: its sends only), with the
-        # handles of sends on their way there, decided here (no tracker of theirs is watched more)
+        # their link never go, with the handles of sends on their way there, decided here
         self.tree: Optional[Callable[[Message], None]] = None  # where the tree's messages go (the member's)
 
     def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
@@ -344,7 +92,8 @@ class Mail:
         if dest in self.ended_how:
             self.outcomes.append(CallOutcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
             return
-        self.waiting[dest].append(_Sending(dest, tag, segment, nbytes(segment), handle))
+        size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)
+        self.waiting[dest].append(_Sending(dest, tag, segment, size, handle))  # (a small value's, inline)
         self._flush(dest)
 
     def _flush(self, dest: int) -> None:
@@ -362,9 +111,7 @@ class Mail:
             self.out.append((dest, Message(Kind.ASK, 0, self.rank, 0, 0, self.session), None))
 
     def receive(self, source: int, tag: int, handle: Any) -> None:
-        """A receive: done at once with a message here that matches (even
-        after the group failed: what came before is still received), else
-        posted to wait for one."""
+        """A receive: done with a message here that matches (after a failure too), else posted."""
         if self.failure is not None:
             for i, here in enumerate(self.box.arrived):
                 if Receive(source, tag, None).matches(here.source, here.tag):
@@ -382,8 +129,7 @@ class Mail:
             self._credit(credits)
 
     def probe(self, source: int, tag: int, handle: Any) -> None:
-        """A blocking probe: ``handle`` is done with the :class:`Status` of
-        the first matching message, which stays to be received."""
+        """A blocking probe: done with the first matching message's :class:`Status`."""
         if self.failure is not None:
             self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
             return
@@ -403,9 +149,8 @@ class Mail:
         return None
 
     def withdraw(self, handle: Any) -> bool:
-        """Take back a receive, probe or send not yet done (timed out,
-        interrupted): True if it was still waiting. A receive whose message
-        came but is not yet applied puts it back, first to be received."""
+        """Take back a call not yet done: True if it waited (a message received, not yet
+        applied, goes back first to be received)."""
         for outcome in self.outcomes:
             if outcome.future is handle and outcome.undo is not None:
                 self.outcomes.remove(outcome)
@@ -424,8 +169,7 @@ class Mail:
         return False
 
     def take(self, msg: Message) -> None:
-        """A message from another rank's mailbox (or this rank's own SEND);
-        once the group failed, still a SEND, to be received."""
+        """A message from a mailbox (after a failure, still a SEND, to be received)."""
         if msg.session != self.session or not 0 <= msg.rank < self.size:
             return  # (an earlier group's, on a reused port)
         if self.failure is not None and msg.kind is not Kind.SEND:
@@ -442,16 +186,19 @@ class Mail:
             self._credit(self.box.asked(source))
         elif msg.kind is Kind.SEND and len(msg.segments) == 1:
             try:
-                done, credits = self.box.arrive(source, msg.root, msg.seq, nbytes(msg.segments[0]), msg)
+                segment = msg.segments[0]
+                size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)
+                done, credits = self.box.arrive(source, msg.root, msg.seq, size, msg)
             except OutOfOrder as exc:
                 if msg.seq > self.box.peers[source].next_in and self.gap is None:  # (below: a replay)
                     self.gap = f"messages from rank {source} went missing: {exc}"
                 self.dropped += 1
                 return
-            for probe in [p for p in self.probes if p.matches(source, msg.root)]:
-                self.probes.remove(probe)
-                status = Status(source, msg.root, nbytes(msg.segments[0]))
-                self.outcomes.append(CallOutcome(probe.handle, None, _value(status)))
+            if self.probes:
+                for probe in [p for p in self.probes if p.matches(source, msg.root)]:
+                    self.probes.remove(probe)
+                    status = Status(source, msg.root, size)
+                    self.outcomes.append(CallOutcome(probe.handle, None, _value(status)))
             if done is not None:
                 self._received(done[0].handle, done[1])
             if source in self.ended_how:  # perhaps its last: the receives left for it fail
@@ -460,11 +207,10 @@ class Mail:
                 self._credit(credits)
 
     def _received(self, handle: Any, came: Arrived) -> None:
-        segment = came.message.segments[0]
-        self.outcomes.append(CallOutcome(handle, None, lambda: _serialize.loads(segment, f"message from rank "
-                                                                          f"{came.source}"),
-                                     status=Status(came.source, came.tag, came.nbytes),
-                                     undo=lambda: self.box.arrived.appendleft(came)))
+        make = partial(_serialize.loads, came.message.segments[0], f"message from rank {came.source}")
+        status = Status(came.source, came.tag, came.nbytes)
+        undo = partial(self.box.arrived.appendleft, came)
+        self.outcomes.append(CallOutcome(handle, None, make, status, undo))
         if came.source == self.rank and self.waiting[self.rank]:  # its own credit: a send to itself
             self._flush(self.rank)  # that waited for the window goes now
 
@@ -475,13 +221,10 @@ class Mail:
 
     def final(self, unsent: Optional[dict[int, list[Any]]] = None, leaving: Optional[dict[int, int]] = None
               ) -> tuple[list[int], list[int], list[int]]:
-        """This rank sends no more (teardown, or its program ends): by rank, how
-        many messages it sent, how many more never left it (lost), and how many
-        of that rank's its program received. Sends still waiting for credit
-        never go: they fail; so do ``unsent`` (by rank: the handles of the last
-        messages numbered for it, which its link never took) and, from seq
-        ``leaving[r]`` on, those libzmq still sent to rank r when this rank's
-        wait for them ran out (the program ends: they are cut off)."""
+        """This rank sends no more: by rank, how many messages it sent, how many
+        never left it (lost), and how many of that rank's it received. Sends
+        waiting for credit fail, as do ``unsent`` (by rank: handles its link
+        never took) and those from seq ``leaving[r]`` on (cut off)."""
         unsent, leaving = unsent or {}, leaving or {}
         why = "when this rank stopped sending (teardown, or its program ended): it was not sent"
         for dest, handles in unsent.items():
@@ -523,9 +266,8 @@ class Mail:
         return first
 
     def unsend(self, dest: int, handle: Any) -> bool:
-        """Take back the send ``handle`` to ``dest`` whose message never left
-        (it waits for its link): only the last numbered for ``dest``, so the
-        numbers of its pair stay whole."""
+        """Take back a send to ``dest`` that never left (it waits for its link): only
+        the last numbered for ``dest``, so the pair's numbers stay whole."""
         peer = self.box.peers[dest]
         if not peer.unreceived or peer.unreceived[-1][2] is not handle:
             return False
@@ -535,13 +277,11 @@ class Mail:
 
     def ended(self, source: int, count: int, how: str, teardown: bool = False,
               received: Optional[int] = None, lost: int = 0) -> None:
-        """Rank ``source`` sends no more (``how``: who it is, how it ended),
-        having sent this rank ``count`` messages (and ``lost`` more that never
-        left it) and received ``received`` of this rank's (None: not said): a
-        send to it fails, one on its way too unless its program had received
-        it, and so does a receive or probe only it could answer, once all it
-        sent was taken in. A rank in ``teardown`` takes in until the group
-        closes: a send already waiting for its credit, or on its way, still goes."""
+        """Rank ``source`` sends no more (``how``: how it ended), having sent this
+        rank ``count`` messages (``lost`` more never left it) and received
+        ``received`` of its own: sends to it fail (on their way: unless received),
+        as do receives only it could answer, once all it sent was taken in. A
+        rank in ``teardown`` takes in until its group closes."""
         if source == self.rank:
             return
         if source in self.ended_how:  # said before: only an exit after a teardown that was
@@ -599,9 +339,7 @@ class Mail:
         return out
 
     def torn_down(self) -> None:
-        """Teardown, every other rank's last message taken in: a receive or probe
-        still posted (of this rank's own messages: the others' failed once all
-        were taken in) never completes, and fails."""
+        """Teardown, all the others' messages taken in: a receive or probe still posted fails."""
         for call, waiting in (("recv", self.box.posted), ("probe", self.probes)):
             for receive in waiting:
                 self.outcomes.append(CallOutcome(receive.handle, CollectiveError(
@@ -620,10 +358,8 @@ class Mail:
 
     def _gone(self, what: str, rank: int, leaving: Optional[tuple[int, int]] = None
               ) -> PeerEndedError:
-        """The error of a call that needs rank ``rank`` (``ANY_SOURCE``: any
-        other), which sends no more (and, a receive: all it sent was taken in);
-        ``leaving``: a send's message on its way (its seq, and how many of this
-        rank's that rank's program received)."""
+        """The error of a call that needs ``rank`` (``ANY_SOURCE``: any other), which
+        ended; ``leaving``: a send on its way (its seq, how many that rank received)."""
         if rank == ANY_SOURCE:
             whys = "; ".join(self.ended_how[r] + self._lost(r) for r in sorted(self.ended_how))
             error = PeerEndedError(f"rank {self.rank}: {what} cannot complete: no other rank can send "
@@ -657,9 +393,8 @@ class Mail:
                 f"with them waiting for credit, its link, or this rank to take them in): lost")
 
     def link_broke(self, dest: Optional[int]) -> ReplicaLostError:
-        """The error that fails the group when a mailbox link broke: this
-        rank's to ``dest`` (refused when made again), or one whose messages
-        to this rank went missing (:attr:`gap`)."""
+        """The group's failure when a mailbox link broke: to ``dest``, or one whose
+        messages to this rank went missing (:attr:`gap`)."""
         if dest is not None:
             why = (f"rank {self.rank}: its mailbox link to rank {dest} broke and could not be made again "
                    f"(a reset connection?): messages on it may be lost, so the group fails")
@@ -672,8 +407,7 @@ class Mail:
         return error
 
     def fail(self, error: BaseException) -> None:
-        """The group failed: every receive, probe and send waiting gets ``error``
-        (one waiting for its link too, as the driver drops it: :attr:`cut`)."""
+        """The group failed: every receive, probe and send waiting gets ``error``."""
         if self.failure is not None:
             return
         self.failure = error

@@ -1,0 +1,247 @@
+"""Point-to-point matching and windows, the rules of one rank's mailbox
+(:class:`Mailbox`): each pair's messages numbered and received in order, a
+receive taking the earliest arrived that matches, and each sender's window at
+this rank, credited back as the program receives. :mod:`._p2p` sends, ends
+and fails calls over it. See docs/protocol.md, *Point to point*.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ANY_SOURCE = -1
+ANY_TAG = -1
+MAX_TAG = (1 << 31) - 1  # a tag travels in the header's int32
+CREDIT_SHARE = 4  # the receiver credits once this fraction of the window (1/4) was taken
+
+
+@dataclass
+class Status:
+    """Where a received message came from: its ``source`` rank, its ``tag``
+    and ``nbytes``, its size as it travelled."""
+
+    source: int = ANY_SOURCE
+    tag: int = ANY_TAG
+    nbytes: int = 0
+
+
+@dataclass
+class Arrived:
+    """A message taken in, not yet received by the program."""
+
+    source: int
+    tag: int
+    seq: int
+    nbytes: int
+    message: Any  # what the driver decoded (its segments make the value)
+
+
+@dataclass(eq=False)
+class Receive:
+    """A receive the program posted (``handle``: what the driver resolves)."""
+
+    source: int
+    tag: int
+    handle: Any
+
+    def matches(self, source: int, tag: int) -> bool:
+        return self.source in (ANY_SOURCE, source) and self.tag in (ANY_TAG, tag)
+
+
+@dataclass
+class Credit:
+    """Tell ``to`` that this rank's program received its messages up to ``seq``."""
+
+    to: int
+    seq: int
+
+
+@dataclass
+class _Peer:
+    """What one rank knows of its exchanges with one other rank (or itself)."""
+
+    window: int = 0  # the bytes it holds at most from this rank (its setting)
+    next_out: int = 0  # the seq of the next message sent to it
+    unreceived: deque[tuple[int, int, Any, int]] = field(default_factory=deque)  # uncredited:
+    # (seq, nbytes, the send's handle, tag)
+    held: int = 0  # their bytes
+    asked: bool = False  # this rank waits for credit from it and asked for it
+    next_in: int = 0  # the seq of the next message expected from it
+    taken: int = -1  # the last of its messages this rank's program received ...
+    credited: int = -1  # ... and the last it was told of
+    taken_bytes: int = 0  # bytes received since then
+    owed: bool = False  # it asked for credit: send it as soon as there is any
+    last: Optional[int] = None  # it sends no more: how many it sent (FINAL); a later one is dropped
+
+
+class OutOfOrder(ValueError):
+    """A message whose number is not the next of its pair: a replay, or altered."""
+
+
+def _index(value: Any) -> Optional[int]:
+    """``value`` as an int: any integer type (``numpy.int64``, anything with ``__index__``) but bool."""
+    try:
+        return None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_tag(tag: Any, receiving: bool) -> int:
+    """A tag as an int: 0 to :data:`MAX_TAG`, or :data:`ANY_TAG` to receive."""
+    if type(tag) is int and 0 <= tag <= MAX_TAG:  # (the usual case, without a call)
+        return tag
+    index = _index(tag)
+    if index is not None and (0 <= index <= MAX_TAG or (receiving and index == ANY_TAG)):
+        return index
+    anything = " or ANY_TAG" if receiving else ""
+    raise ValueError(f"tag={tag!r} is not an int from 0 to {MAX_TAG}{anything}")
+
+
+def check_rank(rank: Any, size: int, what: str, any_source: bool = False) -> int:
+    if type(rank) is int and 0 <= rank < size:  # (the usual case, without a call)
+        return rank
+    index = _index(rank)
+    if index is not None and (0 <= index < size or (any_source and index == ANY_SOURCE)):
+        return index
+    anything = " or ANY_SOURCE" if any_source else ""
+    raise ValueError(f"{what}={rank!r} is not a rank of this group of {size} replicas{anything}")
+
+
+class Mailbox:
+    """One rank's point-to-point rules (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, window: int, windows: Optional[list[int]] = None) -> None:
+        """``window``: what this rank holds from each sender; ``windows``: each rank's (0: this one's)."""
+        self.rank = rank
+        self.window = window
+        self.peers = [_Peer(window=(windows[r] if windows and windows[r] > 0 else window))
+                      for r in range(size)]
+        self.arrived: deque[Arrived] = deque()  # in arrival order
+        self.posted: list[Receive] = []  # in posting order
+        self.draining = False  # teardown: its program posts no more receives (see drain)
+
+    # -- sending --------------------------------------------------------------
+
+    def may_send(self, dest: int, nbytes: int) -> bool:
+        peer = self.peers[dest]
+        return peer.held == 0 or peer.held + nbytes <= peer.window
+
+    def send(self, dest: int, nbytes: int, handle: Any = None, tag: int = 0) -> int:
+        """A message of ``nbytes`` goes to ``dest`` (:meth:`may_send` said so): its seq."""
+        peer = self.peers[dest]
+        seq = peer.next_out
+        peer.next_out += 1
+        peer.unreceived.append((seq, nbytes, handle, tag))
+        peer.held += nbytes
+        return seq
+
+    def ask(self, dest: int) -> bool:
+        """This rank waits for credit from ``dest``: should it ask (once)?"""
+        peer = self.peers[dest]
+        if peer.asked:
+            return False
+        peer.asked = True
+        return True
+
+    def credited(self, source: int, seq: int) -> None:
+        """``source`` received this rank's messages up to ``seq``."""
+        peer = self.peers[source]
+        while peer.unreceived and peer.unreceived[0][0] <= seq:
+            peer.held -= peer.unreceived.popleft()[1]
+        peer.asked = False
+
+    # -- receiving ------------------------------------------------------------
+
+    def arrive(self, source: int, tag: int, seq: int, nbytes: int, message: Any
+               ) -> tuple[Optional[tuple[Receive, Arrived]], list[Credit]]:
+        """A message came: the posted receive it completes (and the credit due), else it waits."""
+        peer = self.peers[source]
+        if seq != peer.next_in:
+            raise OutOfOrder(f"message {seq} from rank {source}, where {peer.next_in} was next")
+        peer.next_in += 1
+        if peer.last is not None and seq >= peer.last:  # it ended counting this one lost: it stays lost
+            raise OutOfOrder(f"message {seq} from rank {source}, which ended having sent {peer.last}")
+        came = Arrived(source, tag, seq, nbytes, message)
+        for i, receive in enumerate(self.posted):
+            if receive.matches(source, tag):
+                del self.posted[i]
+                return (receive, came), self._taken(came)
+        if self.draining:  # nothing can receive it any more: dropped, and credited as taken
+            return None, self._taken(came)
+        self.arrived.append(came)
+        return None, []
+
+    def post(self, receive: Receive) -> tuple[Optional[Arrived], list[Credit]]:
+        """The earliest arrived message that matches (and the credit due), or None: posted."""
+        for i, came in enumerate(self.arrived):
+            if receive.matches(came.source, came.tag):
+                del self.arrived[i]
+                return came, self._taken(came)
+        self.posted.append(receive)
+        return None, []
+
+    def drain(self) -> list[Credit]:
+        """Teardown: no more receives, so what no posted receive matches is dropped, as taken."""
+        self.draining = True
+        credits: list[Credit] = []
+        while self.arrived:
+            credits += self._taken(self.arrived.popleft())
+        return credits
+
+    def withdraw(self, receive: Receive) -> bool:
+        """Take back a posted receive (timed out, interrupted): was it still posted?"""
+        for i, posted in enumerate(self.posted):
+            if posted is receive:
+                del self.posted[i]
+                return True
+        return False
+
+    def probe(self, source: int, tag: int) -> Optional[Status]:
+        """The earliest arrived message a receive for ``(source, tag)`` would take."""
+        wanted = Receive(source, tag, None)
+        for came in self.arrived:
+            if wanted.matches(came.source, came.tag):
+                return Status(came.source, came.tag, came.nbytes)
+        return None
+
+    def asked(self, source: int) -> list[Credit]:
+        """``source`` waits for credit: now, if any is due, else at the next take."""
+        peer = self.peers[source]
+        if peer.taken > peer.credited:
+            return [self._credit(source, peer)]
+        peer.owed = True
+        return []
+
+    def _taken(self, came: Arrived) -> list[Credit]:
+        peer = self.peers[came.source]
+        peer.taken = came.seq
+        peer.taken_bytes += came.nbytes
+        if came.source == self.rank:  # its own: credited at once, nothing travels
+            self.credited(self.rank, came.seq)
+            peer.credited, peer.taken_bytes = came.seq, 0
+            return []
+        if peer.owed or peer.taken_bytes * CREDIT_SHARE >= self.window:
+            return [self._credit(came.source, peer)]
+        return []
+
+    def _credit(self, source: int, peer: _Peer) -> Credit:
+        peer.credited, peer.taken_bytes, peer.owed = peer.taken, 0, False
+        return Credit(source, peer.taken)
+
+    def ended(self, source: int, count: int) -> None:
+        """``source`` sends no more, having sent this rank ``count`` messages."""
+        self.peers[source].last = count
+
+    def drained(self, source: int) -> bool:
+        """Has ``source`` (``ANY_SOURCE``: every other rank) ended, all it sent taken in?"""
+        if source != ANY_SOURCE:
+            peer = self.peers[source]
+            return source != self.rank and peer.last is not None and peer.next_in >= peer.last
+        return all(self.drained(r) for r in range(len(self.peers)) if r != self.rank)
+
+    def held_from(self, source: int) -> int:
+        """Bytes of ``source``'s messages taken in and not yet received."""
+        return sum(c.nbytes for c in self.arrived if c.source == source)
