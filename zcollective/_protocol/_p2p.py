@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 from .._format import _serialize
 from .._format._wire import Kind, Message, owned
 from ..errors import CollectiveError, PeerEndedError, ReplicaLostError
+from ._outcomes import CallOutcome, fresh
 from ._p2p_matching import (  # (importable from here too)
     ANY_SOURCE,
     ANY_TAG,
@@ -29,7 +30,6 @@ from ._p2p_matching import (  # (importable from here too)
     check_rank,  # noqa: F401
     check_tag,  # noqa: F401
 )
-from ._outcomes import CallOutcome, fresh
 
 
 def describe(call: str, source: int, tag: int) -> str:
