@@ -46,8 +46,8 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # (rank 0's only, imported when it serves: the other ranks never load them)
-    from ._io._relayer import Relayer  # (an interior rank's of the tree)
     from ._io._server import Server
+    from ._io._turns import StandIn  # (an interior rank's relay of the tree)
     from ._protocol._coordinator import Coordinator
 
 log = logging.getLogger("zcollective")
@@ -98,7 +98,7 @@ class Lifecycle:
         self.data: Optional[DataPlane] = None
         self.mail: Optional[MailSockets] = None  # its mailbox (point to point)
         self.shared: Optional[SharedPlane] = None  # its host's shared memory, if it shares some
-        self.relayer: Optional[Relayer] = None  # an interior rank's background thread (the tree)
+        self.relayer: Optional[StandIn] = None  # an interior rank's background thread (the tree)
         signer = Signer(config.secret) if config.secret is not None else None
         self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
                               config.max_frame_bytes)
@@ -325,9 +325,9 @@ class Lifecycle:
                 link.attach_mail(self.mail)
                 link.link_tree(deadline)
                 if member.relay is not None:  # an interior rank of the tree: its subtree's calls move
-                    from ._io._relayer import Relayer  # while its program is elsewhere
+                    from ._io._relayer import relayer  # while its program is elsewhere
 
-                    self.relayer = Relayer(self.turns, link, member)
+                    self.relayer = relayer(self.turns, link, member)
                     self.relayer.start()
         if data is None or link is None:
             return
@@ -464,7 +464,9 @@ class Lifecycle:
             try:
                 stuck = self.server is not None and self.server.gone() is None
                 if self.relayer is not None:
-                    self.relayer.stop()
+                    from ._io._relayer import STOP_WAIT_S
+
+                    self.relayer.end(STOP_WAIT_S)
                 if self.driver is not None and not quick:
                     with contextlib.suppress(CollectiveError):  # (a failure: the sockets still close)
                         self.driver.hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)

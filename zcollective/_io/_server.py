@@ -13,7 +13,6 @@ import ipaddress
 import logging
 import os
 import socket
-import threading
 import time
 from collections import deque
 from functools import partial
@@ -24,12 +23,9 @@ import zmq
 from .._announce import announce_stall
 from .._format._wire import DEFAULT_MAX_FRAMES, Message, Signer, encode, owned
 from .._limits import (
-    AWAY_S,
     CLOSE_LINGER_MS,
     EXIT_LINGER_MS,
     FORM_BIND_RETRY_S,
-    PARK_BUSY_S,
-    PARK_IDLE_S,
     POLL_SLICE_S,
     STOP_TIMEOUT_S,
 )
@@ -40,7 +36,7 @@ from ..errors import InternalError
 from . import _interrupts, _sockets, _zap
 from ._interrupts import DEADLINE, NUDGE, Waiter
 from ._mailbox import mail_woke
-from ._turns import Turns
+from ._turns import STOP, StandIn, Turns
 
 log = logging.getLogger("zcollective")
 
@@ -49,7 +45,7 @@ HOLD_TRY_S = 0.02  # rank 0's thread sending waits this long for the turn
 DRAIN_BATCH = 256  # messages one step takes in before rank 0's member, if it has news, gets it
 # (a peer sending faster than the coordinator reads must not starve rank 0's own calls)
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-ROUTER, MONITOR, ZAP, STOP, WAKEUP = "router", "monitor", "zap", "stop", "wakeup"  # its waiter's names
+ROUTER, MONITOR, ZAP, WAKEUP = "router", "monitor", "zap", "wakeup"  # its waiter's names
 
 
 class Server:
@@ -84,12 +80,13 @@ class Server:
         self.gatekeeper: Optional[_zap.Gatekeeper] = None  # with a secret: the ZAP handler (a data
         # socket of rank 0's context uses it too)
         self._handover = True  # ROUTER_HANDOVER is on (while joining only)
-        self._stopped = self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="zcollective-coordinator", daemon=True)
+        self._stopped = False
+        self._standin = StandIn("zcollective-coordinator", self.turns, self._serve_away,
+                                lambda: bool(self.coordinator.pending), self._crash_once, standby=True)
+        self._thread = self._standin.thread
         self.wakeup = _sockets.Wakeup()
-        self._stop = _sockets.Wakeup()  # readable once the background thread must end
-        self.waiter = Waiter((WAKEUP, self.wakeup.fd), (NUDGE, self.turns.nudge.fd), (STOP, self._stop.fd))
-        self._park_waiter = Waiter((STOP, self._stop.fd))  # (the background thread's, without the turn)
+        self.waiter = Waiter((WAKEUP, self.wakeup.fd), (NUDGE, self.turns.nudge.fd),
+                             (STOP, self._standin.stop_pipe.fd))
 
     def start(self) -> None:
         """Bind, then start the background thread.
@@ -106,7 +103,7 @@ class Server:
             self._close_pipes()
             raise
         self._watch(router, monitor)
-        self._thread.start()
+        self._standin.start()
 
     def _watch(self, router: zmq.Socket, monitor: zmq.Socket) -> None:
         """Watch the ROUTER, the ZAP handler, and the monitor by its file
@@ -122,7 +119,7 @@ class Server:
 
     def _close_pipes(self) -> None:
         self.wakeup.close()
-        self._stop.close()
+        self._standin.stop_pipe.close()
 
     def gone(self) -> Optional[str]:
         """Why the coordinator is no longer served, or None if it is."""
@@ -264,33 +261,19 @@ class Server:
 
     # -- the background thread ---------------------------------------------------
 
-    def _run(self) -> None:
-        turns, coordinator = self.turns, self.coordinator
-        try:
-            while True:
-                if self._park_waiter.wait((STOP,), None, PARK_BUSY_S if coordinator.pending else PARK_IDLE_S):
-                    return
-                if turns.wanted() or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
-                    continue
-                turns.standby = True
-                try:
-                    if self._serve_away():
-                        return
-                finally:
-                    turns.standby = False
-                    turns.give()
-        except BaseException as exc:  # a bug: tell every replica rather than leave them waiting
-            if self.crashed is None:
-                self._crash(exc)
+    def _crash_once(self, exc: BaseException) -> None:
+        if self.crashed is None:
+            self._crash(exc)
 
     def _serve_away(self) -> bool:
-        """Holding the turn while rank 0's program is elsewhere: serve until a
-        program thread nudges for it (False) or the thread must end (True)."""
+        """The stand-in, holding the turn while rank 0's program is elsewhere: serve
+        until a program thread nudges for it (False) or the thread must end (True)."""
+        standin = self._standin
         self._away = True
         try:
             self._take_from_host()
-            self._serve_until(lambda: self._stopping, None, (*self.NUDGED, STOP))
-            return self._stopping
+            self._serve_until(lambda: standin.stopping, None, (*self.NUDGED, STOP))
+            return standin.stopping
         finally:
             self._away = False
 
@@ -310,8 +293,7 @@ class Server:
         """
         if self._stopped:
             return
-        self._stopping = True
-        self._stop.set()
+        self._standin.stop()
         bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
         started = self._thread.ident is not None
         try:

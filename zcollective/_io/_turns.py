@@ -9,12 +9,14 @@ import threading
 import time
 from typing import Callable, Optional
 
+from .._limits import AWAY_S, PARK_BUSY_S, PARK_IDLE_S
 from . import _interrupts
 from ._sockets import Wakeup
 
 FOLLOW_SLICE_S = 0.05  # a follower re-checks its call this often (see wait)
 GIVE_WAY_S = 0.02  # try_take waits this long for rank 0's server thread to give the turn back
 # (within microseconds, unless it runs a reduce function)
+STOP = "stop"  # a stand-in's waiter's name for its stop pipe
 
 Drive = Callable[[Callable[[], bool], Optional[float], bool], bool]
 # (until, deadline, may it be nudged) -> until() held (False: deadline)
@@ -168,3 +170,51 @@ class Turns:
     def _wake(self) -> None:
         with self._mutex:
             self._state.notify_all()
+
+
+class StandIn:
+    """A thread that stands in for a program gone from the library for
+    :data:`AWAY_S`: it takes the turn when nobody wants it, runs ``serve``
+    (True: end the thread), and gives it back. Rank 0's coordinator server
+    and an interior rank's relay of the tree are each one of these."""
+
+    def __init__(self, name: str, turns: Turns, serve: Callable[[], bool], busy: Callable[[], bool],
+                 crash: Callable[[BaseException], None], standby: bool = False) -> None:
+        self._turns, self._serve, self._busy, self._crash = turns, serve, busy, crash
+        self._standby = standby  # it gives way to any program thread (try_take waits for it)
+        self.stop_pipe = Wakeup()  # readable once the thread must end (its owner may watch it too)
+        self.stopping = False
+        self._waiter = _interrupts.Waiter((STOP, self.stop_pipe.fd))
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Tell the thread to end (its owner joins it)."""
+        self.stopping = True
+        self.stop_pipe.set()
+
+    def end(self, timeout: float) -> None:
+        """Stop and join the thread (from a thread holding the turn: it then finds it taken and ends)."""
+        self.stop()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            _interrupts.join(self.thread, timeout)
+        if not self.thread.is_alive():
+            self.stop_pipe.close()
+
+    def _run(self) -> None:
+        turns, busy, wait = self._turns, self._busy, self._waiter.wait
+        try:
+            while not wait((STOP,), None, PARK_BUSY_S if busy() else PARK_IDLE_S):
+                if turns._wanting or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
+                    continue
+                turns.standby = self._standby
+                try:
+                    if self.stopping or self._serve():
+                        return
+                finally:
+                    turns.standby = False
+                    turns.give()
+        except BaseException as exc:  # a bug: its owner says so rather than leave the others waiting
+            self._crash(exc)
