@@ -27,6 +27,7 @@ from ._io import _interrupts, _shared, _sockets, _stacks, _stops
 from ._io._dataplane import DataPlane
 from ._io._dealer import DealerDriver
 from ._io._driver import DirectDriver, Driver, HostDriver
+from ._io._edges import Edges
 from ._io._interrupts import NUDGE
 from ._io._mailbox import MailSockets
 from ._io._shared import SharedPlane
@@ -137,7 +138,7 @@ class Lifecycle:
                 self.close(quick=True)
                 return
             if form is None:
-                self.driver.join(config.init_timeout, check)
+                Edges(self.driver).join(config.init_timeout, check)
             else:
                 self._join_forming(form)
             self._start_data(deadline)
@@ -235,7 +236,8 @@ class Lifecycle:
         the coordinator); :attr:`Member.admitted` then says where it goes."""
         link, member, config = self.driver, self.member, self.config
         assert link is not None
-        if not link.send_join(lambda: member.admitted is not None, deadline):  # (parked anew each time)
+        if not Edges(link).send_join(lambda: member.admitted is not None, deadline):  # (parked anew
+            # each time)
             raise CollectiveTimeoutError(
                 f"a newcomer was not admitted to the group at {config.endpoint} within "
                 f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"
@@ -323,7 +325,7 @@ class Lifecycle:
                 base = self.config.secret or bytes.fromhex(member.mail_key or "")
                 self.mail.start(member.session, member.mail_endpoints, base, member.rank)
                 link.attach_mail(self.mail)
-                link.link_tree(deadline)
+                Edges(link).link_tree(deadline)
                 if member.relay is not None:  # an interior rank of the tree: its subtree's calls move
                     from ._io._relayer import relayer  # while its program is elsewhere
 
@@ -413,12 +415,12 @@ class Lifecycle:
         mail = member.mail
         if mail is not None:
             mail.closing()
-        sent = driver.send_waiting(deadline)
+        sent = Edges(driver).send_waiting(deadline)
         if sent:  # (what still waits for a link goes to a rank whose program ended: never)
-            final = driver.final(True, time.monotonic())  # the others' receives from this rank end
+            final = Edges(driver).final(True, time.monotonic())  # the others' receives from this rank end
             if final is not None:  # once what it sent was taken in
                 driver.send([final])
-        if not sent or not driver.finish_calls(deadline):
+        if not sent or not Edges(driver).finish_calls(deadline):
             waits = ([member.describe_in_flight()] if member.calls else []) + (
                 mail.unfinished() if mail is not None else [])
             raise CollectiveTimeoutError(
@@ -469,7 +471,7 @@ class Lifecycle:
                     self.relayer.end(STOP_WAIT_S)
                 if self.driver is not None and not quick:
                     with contextlib.suppress(CollectiveError):  # (a failure: the sockets still close)
-                        self.driver.hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
+                        Edges(self.driver).hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
                 if self.mail is not None:  # (an interior rank's results passed down leave first)
                     self.mail.close(EXIT_LINGER_MS if ending or self.relayer is not None else 0)
                 if self.data is not None:  # (ending: the next rank said it has its chunks, see
@@ -518,11 +520,11 @@ class Lifecycle:
                 try:
                     driver.progress()  # take in a FAIL that would make a BYE pointless
                     self._await_verdict(driver)
-                    driver.relay_out(time.monotonic() + EXIT_WAIT_S)  # an interior rank of the tree
+                    Edges(driver).relay_out(time.monotonic() + EXIT_WAIT_S)  # an interior rank of the tree
                     driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
-                    driver.send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000, links=False)  # (receivers
-                    # that run may still take them; say_bye's FINAL waits for links, bounded)
-                    driver.say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
+                    # (receivers that run may still take them; say_bye's FINAL waits for links, bounded)
+                    Edges(driver).send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000, links=False)
+                    Edges(driver).say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
                 except BaseException as exc:
                     if is_interrupt(exc):  # an interrupt (a handler's
                         # exception too; any other: the group failed, nothing to announce, only to
@@ -532,7 +534,7 @@ class Lifecycle:
                         bye = self.member.bye()
                         with contextlib.suppress(BaseException):
                             if bye is not None:
-                                final = driver.final(False, time.monotonic())  # (no wait for a link)
+                                final = Edges(driver).final(False, time.monotonic())  # (no wait for a link)
                                 driver.send([bye] if final is None else [final, bye])
             self.close(ending=True, hurry=interrupted is not None)
             if interrupted is not None:

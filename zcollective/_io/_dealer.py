@@ -91,7 +91,7 @@ class DealerDriver(Driver):
                     f"coordinator at {member.endpoint}")
             raise _sockets.library_error(exc, what) from exc
 
-    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """One wait covers the DEALER and its monitor, so a disconnect ends a
         wait at once."""
         names = self.watching()

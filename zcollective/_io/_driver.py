@@ -10,16 +10,14 @@ import contextlib
 import threading
 import time
 from collections import deque
-from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
-from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
+from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S
 from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import CallOutcome, fresh
-from .._protocol._p2p import ANY_SOURCE
-from ..errors import CollectiveError, CollectiveTimeoutError
+from ..errors import CollectiveError
 from ._interrupts import NUDGE, Waiter
 from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
@@ -50,7 +48,7 @@ class Driver:
         self.mail_names: tuple[str, ...] = ()
         self.mail_ready = 0  # what a wait woke for of the mailbox's (MESSAGE, LINK: see _mailbox.mail_woke):
         # take in, look at the links (else a wait only looks at it)
-        self._tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
+        self.tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
 
     def _watches(self, *names: str) -> None:
         """The names of the link's sources in :attr:`waiter`."""
@@ -70,7 +68,7 @@ class Driver:
     def _soon(self) -> Optional[float]:
         """When the mailbox has something to do without news: a tracked buffer to
         look at again, a refused link to make again."""
-        if self._tracked:
+        if self.tracked:
             return time.monotonic() + TRACKER_POLL_S
         retry = self.mail.next_retry() if self.mail is not None else None
         due = self.member.tree_due()  # parts held go up as they came; a held FAIL takes effect
@@ -118,13 +116,13 @@ class Driver:
             went += made
         for tracker, handle in went:
             if tracker is not None and not tracker.done:
-                self._tracked.append((tracker, handle))
+                self.tracked.append((tracker, handle))
             elif handle is not None:
                 member.outcomes.append(CallOutcome(handle))
-        if self._tracked:
-            left = [(t, h) for t, h in self._tracked if not t.done]
-            member.outcomes.extend(CallOutcome(h) for t, h in self._tracked if t.done)
-            self._tracked = left
+        if self.tracked:
+            left = [(t, h) for t, h in self.tracked if not t.done]
+            member.outcomes.extend(CallOutcome(h) for t, h in self.tracked if t.done)
+            self.tracked = left
         if sockets is not None and len(self.mail_names) != 1 + sockets.link_count():  # a new link: its
             links = sockets.links()  # refusal ends a wait too
             for name, monitor in links.items():
@@ -157,7 +155,7 @@ class Driver:
                 if failure is not None:
                     member.outcomes.append(CallOutcome(handle, fresh(failure)))
         if decided:  # (their outcome is said: a tracker never done, to a rank gone, is not watched)
-            self._tracked = [(t, h) for t, h in self._tracked if id(h) not in decided]
+            self.tracked = [(t, h) for t, h in self.tracked if id(h) not in decided]
 
     def take_back(self, handle: Any) -> bool:
         """Take back the send ``handle`` whose message still waits for its
@@ -183,7 +181,7 @@ class Driver:
         if dest is not None:
             last = rules.box.peers[dest].unreceived
             return "link", dest, sockets.held_last(handle) == dest and bool(last) and last[-1][2] is handle
-        if any(h is handle for t, h in self._tracked if not t.done):
+        if any(h is handle for t, h in self.tracked if not t.done):
             found = rules.leaving({id(handle)})
             if found:
                 return "leaving", next(iter(found)), False
@@ -201,17 +199,9 @@ class Driver:
         until = time.monotonic() + SENT_AT_FAILURE_S
         until = until if deadline is None else min(deadline, until)
         with contextlib.suppress(CollectiveError):
-            while any(h is handle for _, h in self._tracked) and time.monotonic() < until:
+            while any(h is handle for _, h in self.tracked) and time.monotonic() < until:
                 self.waiter.wait(self.mail_names, until, TRACKER_POLL_S)
                 self.mail_io(take=False)
-
-    def leaving(self) -> dict[int, int]:
-        """By rank, the first seq of the sends libzmq still sends (their
-        trackers not done) to a rank still running."""
-        rules = self.member.mail
-        if rules is None or not self._tracked:
-            return {}
-        return rules.leaving({id(h) for t, h in self._tracked if not t.done})
 
     # -- to implement -----------------------------------------------------
 
@@ -219,7 +209,7 @@ class Driver:
         """Send one whole message (or raise a library error)."""
         raise NotImplementedError
 
-    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """Wait until something arrives or ``deadline``; hand it all to the
         member (or, once ``until()`` holds, as much as a driver chooses).
         False on timeout."""
@@ -272,41 +262,6 @@ class Driver:
         if mailed:
             self.mail_io(take=False)
 
-    def join(self, timeout: Optional[float], check: Optional[Callable[[], None]] = None) -> None:
-        """Send JOIN and wait for every replica to have joined; raise
-        :class:`CollectiveTimeoutError` naming who was missing, or the error of
-        the coordinator's refusal (or what ``check``, asked every
-        :data:`~zcollective._limits.POLL_SLICE_S`, raises: a sub-group's parent's failure)."""
-        member = self.member
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.send_join(lambda: member.joined, deadline, check):
-            status = self.ask_status(0) if member.connected else None
-            raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
-
-    def send_join(self, done: Callable[[], bool], deadline: Optional[float],
-                  check: Optional[Callable[[], None]] = None) -> bool:
-        """Send JOIN, and again when the member's timer says (rule 8 of
-        :mod:`zcollective._protocol._member`), until ``done()`` (True) or
-        ``deadline`` (False); ``check()`` raises to end it (see :meth:`join`)."""
-        member = self.member
-        try:
-            self.send(member.start_join(self.warn_after if self.remote else None))
-            while True:
-                due = member.next_deadline()
-                until = due if deadline is None else deadline if due is None else min(deadline, due)
-                if check is not None:
-                    check()
-                    soon = time.monotonic() + POLL_SLICE_S
-                    until = soon if until is None else min(until, soon)
-                if self.wait_for(done, until):
-                    return True
-                now = member.clock()
-                if deadline is not None and now >= deadline:
-                    return False
-                self.send(member.on_timer(now))
-        finally:
-            member.stop_join()
-
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """Take in messages until ``done()`` or ``deadline`` (False); raise the
         group's failure (sticky)."""
@@ -344,7 +299,7 @@ class Driver:
                 soon = self._soon()
             if soon is not None and (deadline is None or soon < deadline):  # nothing wakes a wait
                 wake = soon  # when libzmq lets go of a buffer, nor when a link is due again
-        return (self._pump(wake, until) or wake != deadline) and not (until is not None and until())
+        return (self.pump(wake, until) or wake != deadline) and not (until is not None and until())
 
     def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """A point-to-point call's wait, by the turn's holder, at its cheapest:
@@ -355,7 +310,7 @@ class Driver:
         nothing came within :meth:`slice_s`, or anything else is due."""
         member, sockets = self.member, self.mail
         if (sockets is None or member.transfers or member.owed or member.failure is not None
-                or self._tracked or sockets.next_retry() is not None):
+                or self.tracked or sockets.next_retry() is not None):
             return False
         slice_s = self.slice_s()
         if slice_s is None or slice_s <= 0:
@@ -366,17 +321,12 @@ class Driver:
         self.mail_io(ready=MESSAGE, enough=done)
         return done()
 
-    def progress(self) -> None:
-        """Send what is owed; take in whatever has arrived, without blocking."""
+    def progress(self, data: bool = True) -> None:
+        """Send what is owed; take in whatever has arrived, without blocking; move
+        data only if ``data`` (the relay's stand-in leaves data jobs to the program)."""
         self._take_in()
-        self._move_data(time.monotonic())
-        if self.member.mail is not None:
-            self.mail_io()
-
-    def relay_io(self) -> None:
-        """An interior rank's background turn (:mod:`._relayer`): what climbs and
-        comes down moves; data jobs wait for the program."""
-        self._take_in()
+        if data:
+            self._move_data(time.monotonic())
         if self.member.mail is not None:
             self.mail_io()
 
@@ -393,8 +343,13 @@ class Driver:
         if getattr(job, "shared", False):
             if shared is None:
                 return None
+            def between_hosts(ring: Any) -> bool:  # (its host's leader's step)
+                if data is None:
+                    raise RuntimeError("no data plane to reach the other hosts' leaders")
+                return data.run(seq, ring, deadline, member, self.waiter, self.watching(), self._take_in,
+                                self._fail_data, until, owner=job)
             if not shared.run(seq, job, deadline, lambda: self._news(deadline, until), self.send,
-                              self._fail_data, partial(self._ring_between_hosts, seq, job, deadline, until)):
+                              self._fail_data, between_hosts):
                 return False
         elif data is None:
             return None
@@ -406,14 +361,6 @@ class Driver:
         if member.owed:  # a TAKEN its data owed (rule 7 of the member)
             self.flush()
         return True
-
-    def _ring_between_hosts(self, seq: int, job: Any, deadline: Optional[float],
-                            until: Optional[Callable[[], bool]], ring: Any) -> bool:
-        """Move a shared-memory ``job``'s ring between hosts (its host's leader's step)."""
-        if self.data is None:
-            raise RuntimeError("no data plane to reach the other hosts' leaders")
-        return self.data.run(seq, ring, deadline, self.member, self.waiter, self.watching(), self._take_in,
-                             self._fail_data, until, owner=job)
 
     def finish_data(self, timeout: float) -> None:
         """Move the data of every call that has some to move, its plan first
@@ -429,33 +376,6 @@ class Driver:
             if self._move_data(deadline) is None:  # its plan has not come yet
                 self._news(deadline)
 
-    def send_waiting(self, deadline: Optional[float], links: bool = True) -> bool:
-        """Ending (teardown, or the program ends): move everything until no send
-        of this rank waits for its receiver's credit or (``links``), to a rank
-        still taking in, for its link's handshake (each went, or failed), or
-        ``deadline`` (False). At an exit, :meth:`final` waits for the links
-        (and what libzmq still sends) with a bound of its own."""
-        mail, sockets = self.member.mail, self.mail
-        if mail is None:
-            return True
-
-        def sent() -> bool:
-            return not (mail.out or mail.sending()) and (
-                not links or sockets is None or not sockets.holding(mail.gone()))
-        return sent() or self.wait_for(sent, deadline)
-
-    def finish_calls(self, deadline: Optional[float]) -> bool:
-        """Teardown, this rank's FINAL sent: move everything until every call
-        this rank made is done (collective calls with their data; sends whose
-        buffers libzmq still reads) and every other rank's last message to it
-        was taken in (a receive posted is then matched, or failed), or
-        ``deadline`` (False)."""
-        member, mail = self.member, self.member.mail
-
-        def done() -> bool:
-            return not member.calls and not self._tracked and (mail is None or mail.box.drained(ANY_SOURCE))
-        return self.wait_for(done, deadline)
-
     def _take_in(self) -> None:
         """What has come, without blocking (a ring's look at the rest of the group: :meth:`_news`)."""
         self.flush()
@@ -467,7 +387,7 @@ class Driver:
         member = self.member
         replies = member.data_lost(error)
         while member.losing_data:
-            self._pump(member.next_deadline())
+            self.pump(member.next_deadline())
             replies = member.on_timer(member.clock())
         with contextlib.suppress(CollectiveError):  # the link to rank 0 broke too, which tells it
             self.send(replies)
@@ -477,103 +397,16 @@ class Driver:
         does not answer within :data:`~zcollective._limits.STATUS_WAIT_S`."""
         member = self.member
         self.send([member.status_query(seq)])
-        self._take_in_until(lambda: seq in member.status, time.monotonic() + STATUS_WAIT_S)
+        self.take_in_until(lambda: seq in member.status, time.monotonic() + STATUS_WAIT_S)
         return member.status.pop(seq, None)
 
-    def _take_in_until(self, done: Callable[[], bool], deadline: float) -> None:
+    def take_in_until(self, done: Callable[[], bool], deadline: float) -> None:
         """Take in (no data moves) until ``done()``, the group failed, or ``deadline``."""
-        while not done() and self.member.failure is None and self._pump(deadline):
+        while not done() and self.member.failure is None and self.pump(deadline):
             pass
 
     def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
         return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
-
-    def say_bye(self, timeout: float, deliver: float = 0.0) -> None:
-        """Tell the coordinator this program is ending (if there is a group to
-        tell); over a connection, wait at most ``timeout`` s for its answer (see
-        docs/protocol.md, *Ending without teardown*); point-to-point messages
-        libzmq still sends get ``deliver`` s to leave first."""
-        member = self.member
-        bye = member.bye()
-        if bye is None:
-            return
-        now = time.monotonic()
-        final = self.final(teardown=False, deadline=now + timeout, deliver=now + deliver)  # (before the
-        # BYE: the others hear of it first)
-        self.send([bye] if final is None else [final, bye])
-        if self.remote:  # (no data moves: finish_data had its time)
-            self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
-
-    def link_tree(self, deadline: Optional[float]) -> None:
-        """Joined into a tree: make the links to this rank's parent and children and wait for
-        their handshakes (every rank is inside ``initialize`` now, to answer), until ``deadline``
-        (then what is left is made as a message needs it)."""
-        member, sockets = self.member, self.mail
-        if sockets is None or member.mail is None or (member.parent <= 0 and member.relay is None):
-            return
-        ranks = [*([member.parent] if member.parent > 0 else []),
-                 *(member.relay.children if member.relay is not None else ())]
-        sockets.connect(ranks)
-        until = time.monotonic() + TREE_LINK_WAIT_S
-        self._wait_links(lambda: sockets.made(ranks) or member.failure is not None,
-                         until if deadline is None else min(deadline, until))
-
-    def relay_out(self, deadline: float) -> None:
-        """An interior rank's program ends: its subtree's parts of the calls it made climb
-        on through it (their ranks are still running; only calls after its own last fail, as on
-        the star), until none is held here, the group fails, or ``deadline``."""
-        member, relay = self.member, self.member.relay
-        if relay is None or member.mail is None:
-            return
-        while member.failure is None and (any(seq < member.next_seq for seq in relay.calls)
-                                          or member.awaits_tree()):  # (its results, to pass down)
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            self._pump(min(deadline, now + POLL_SLICE_S))
-            self.mail_io(ready=self.mail_ready)
-            self.mail_ready = 0
-
-    def hand_down(self, deadline: float) -> None:
-        """Closing: results this interior rank of the tree owes its children, still
-        waiting for a link's handshake, get until ``deadline`` to go (even after a failure:
-        the calls they complete were complete before it)."""
-        sockets = self.mail
-        if self.member.relay is None or sockets is None or self.member.mail is None:
-            return
-        self._wait_links(lambda: not sockets.holding(), deadline)
-
-    def _wait_links(self, done: Callable[[], bool], deadline: float) -> None:
-        """Send what the mailbox owes, then take in its links' news (handshakes made, messages
-        that waited for them sent) until ``done()`` or ``deadline``, failed or not."""
-        self.mail_io(take=False, ready=LINK)
-        while not done() and time.monotonic() < deadline:
-            self.waiter.wait(self.mail_names, deadline, POLL_SLICE_S)
-            self.mail_io(take=False, ready=LINK)
-
-    def final(self, teardown: bool, deadline: float, deliver: Optional[float] = None) -> Optional[Message]:
-        """This rank's FINAL (see :meth:`Member.final`), once messages waiting
-        for a link's handshake had until ``deadline`` to go: those still
-        waiting then never go, fail, and are not counted (counted, the other
-        rank's receive would wait for them until its timeout). ``deliver``
-        (the program ends: later than ``deadline``): they, and messages libzmq
-        still sends, get until then to go; those still leaving are cut off and
-        counted lost, so their receiver is told at once."""
-        member, sockets = self.member, self.mail
-        unsent, leaving = None, None
-        self.hand_down(deadline)  # (results owed down the tree go first, failed or not)
-        if sockets is not None and member.mail is not None and member.failure is None:
-            with contextlib.suppress(CollectiveError):  # (the group failed: no FINAL goes)
-                self.mail_io(take=False)
-                if deliver is None:
-                    self.wait_for(lambda: not sockets.holding(), deadline)
-                else:  # (a receiver stopped within the bound answers a handshake, takes them in, after)
-                    self.wait_for(lambda: not (sockets.holding() or self.leaving()), max(deadline, deliver))
-            unsent = sockets.drop_held()
-            leaving = self.leaving() if deliver is not None else None
-            if leaving:
-                sockets.cut_off(leaving)
-        return member.final(teardown, unsent, leaving)  # (the unsent sends' outcomes: the caller's to settle)
 
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""
@@ -606,7 +439,7 @@ class HostDriver(Driver):
             msg = owned(msg)
         self.server.from_host(msg)
 
-    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member, turns = self.server, self.member, self.turns
         if not turns.take(deadline):
             return False
@@ -627,7 +460,7 @@ class HostDriver(Driver):
             return done()
         try:
             if self.server.to_host:  # what the background thread took in meanwhile: first
-                self._pump(time.monotonic())
+                self.pump(time.monotonic())
             return super().wait_for(done, deadline)
         finally:
             turns.give()
@@ -664,7 +497,7 @@ class DirectDriver(Driver):
             interrupted, at.interrupted = at.interrupted, None
             raise interrupted
 
-    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """What the coordinator answered; else, leading a wait (:attr:`nudged`),
         sleep until ``deadline`` or another thread wants the turn (to send to
         this rank, say: only a thread of this process can); a nested wait holds

@@ -30,7 +30,7 @@ def relayer(turns: Turns, driver: Driver, member: Member) -> StandIn:
         if member.failure is not None:
             return False
         try:
-            driver.relay_io()
+            driver.progress(data=False)
         except CollectiveError:
             pass  # (the member failed: its program hears of it at its next call)
         except Exception:  # a bug: the program's next wait meets the same state
