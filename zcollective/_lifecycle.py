@@ -124,7 +124,7 @@ class Lifecycle:
         try:
             self.driver = self._connect(signer, form)
             if self.server is not None and not config.master_port:  # (a sub-group's)
-                self.config = config = dataclasses.replace(config, master_port=self.server.port)
+                self.config = config = dataclasses.replace(config, master_port=self.server.hub.port)
                 self.member.endpoint = config.endpoint
             if opened is not None:
                 told = True
@@ -138,7 +138,7 @@ class Lifecycle:
                 self.close(quick=True)
                 return
             if form is None:
-                Edges(self.driver).join(config.init_timeout, check)
+                self.driver.join(config.init_timeout, check)
             else:
                 self._join_forming(form)
             self._start_data(deadline)
@@ -211,7 +211,7 @@ class Lifecycle:
         master, before the JOIN, which names them."""
         config, member, ctx = self.config, self.member, self.ctx
         assert ctx is not None
-        gate = self.server.gatekeeper if self.server is not None else None  # the context's one
+        gate = self.server.hub.gatekeeper if self.server is not None else None  # the context's one
         self.mail = MailSockets(ctx, config, gate)
         member.mail_endpoint, member.mail_window = self.mail.endpoint, config.mail_window_bytes
         if config.shared_memory_min_bytes is not None and _shared.available():

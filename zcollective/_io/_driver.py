@@ -17,7 +17,7 @@ from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S
 from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import CallOutcome, fresh
-from ..errors import CollectiveError
+from ..errors import CollectiveError, CollectiveTimeoutError
 from ._interrupts import NUDGE, Waiter
 from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
@@ -262,6 +262,19 @@ class Driver:
         if mailed:
             self.mail_io(take=False)
 
+    def join(self, timeout: Optional[float], check: Optional[Callable[[], None]] = None) -> None:
+        """Send JOIN and wait for every replica to have joined; raise
+        :class:`CollectiveTimeoutError` naming who was missing, or the error of
+        the coordinator's refusal (or what ``check``, asked every
+        :data:`~zcollective._limits.POLL_SLICE_S`, raises: a sub-group's parent's failure)."""
+        from ._edges import Edges
+
+        member = self.member
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not Edges(self).send_join(lambda: member.joined, deadline, check):
+            status = self.ask_status(0) if member.connected else None
+            raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
+
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """Take in messages until ``done()`` or ``deadline`` (False); raise the
         group's failure (sticky)."""
@@ -397,13 +410,10 @@ class Driver:
         does not answer within :data:`~zcollective._limits.STATUS_WAIT_S`."""
         member = self.member
         self.send([member.status_query(seq)])
-        self.take_in_until(lambda: seq in member.status, time.monotonic() + STATUS_WAIT_S)
-        return member.status.pop(seq, None)
-
-    def take_in_until(self, done: Callable[[], bool], deadline: float) -> None:
-        """Take in (no data moves) until ``done()``, the group failed, or ``deadline``."""
-        while not done() and self.member.failure is None and self.pump(deadline):
+        deadline = time.monotonic() + STATUS_WAIT_S  # (taken in, no data moves)
+        while seq not in member.status and member.failure is None and self.pump(deadline):
             pass
+        return member.status.pop(seq, None)
 
     def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
         return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
@@ -431,7 +441,7 @@ class HostDriver(Driver):
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         status = super().ask_status(seq)
         if status is not None and not self.member.joined:  # a join timeout: whom the port refused
-            status["handshakes"] = list(self.server.refusals())
+            status["handshakes"] = list(self.server.hub.refusals())
         return status
 
     def _send(self, msg: Message) -> None:
@@ -467,7 +477,7 @@ class HostDriver(Driver):
 
     def slice_s(self) -> Optional[float]:
         server = self.server
-        if server.to_host or server.has_from_host():
+        if server.to_host or server.from_member:
             return 0.0
         return server.sleep_s(POLL_SLICE_S)
 

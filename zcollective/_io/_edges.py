@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from .._format._wire import Message
 from .._limits import POLL_SLICE_S, TREE_LINK_WAIT_S
 from .._protocol._p2p import ANY_SOURCE
-from ..errors import CollectiveError, CollectiveTimeoutError
+from ..errors import CollectiveError
 from ._driver import Driver
 from ._mailbox import LINK
 
@@ -21,17 +21,6 @@ class Edges:
 
     def __init__(self, driver: Driver) -> None:
         self.driver, self.member = driver, driver.member
-
-    def join(self, timeout: Optional[float], check: Optional[Callable[[], None]] = None) -> None:
-        """Send JOIN and wait for every replica to have joined; raise
-        :class:`CollectiveTimeoutError` naming who was missing, or the error of
-        the coordinator's refusal (or what ``check``, asked every
-        :data:`~zcollective._limits.POLL_SLICE_S`, raises: a sub-group's parent's failure)."""
-        member = self.member
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.send_join(lambda: member.joined, deadline, check):
-            status = self.driver.ask_status(0) if member.connected else None
-            raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
 
     def send_join(self, done: Callable[[], bool], deadline: Optional[float],
                   check: Optional[Callable[[], None]] = None) -> bool:
@@ -106,7 +95,9 @@ class Edges:
         # BYE: the others hear of it first)
         self.driver.send([bye] if final is None else [final, bye])
         if self.driver.remote:  # (no data moves: finish_data had its time)
-            self.driver.take_in_until(lambda: member.farewell, time.monotonic() + timeout)
+            until, driver = time.monotonic() + timeout, self.driver
+            while not member.farewell and member.failure is None and driver.pump(until):
+                pass
 
     def link_tree(self, deadline: Optional[float]) -> None:
         """Joined into a tree: make the links to this rank's parent and children and wait for
