@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import zmq
 from zmq.backend import zmq_poll
 
 from .._limits import CLOSE_LINGER_MS, FORM_BIND_RETRY_S
-from .._protocol._coordinator import is_loopback
+from .._protocol._member import ConnectionEvent
 from ..config import Config
 from ..errors import CollectiveError
 from . import _sockets, _zap
@@ -174,6 +175,8 @@ class Hub:
                 # (a mismatch of mechanisms is seen by whichever end reads the other's greeting
                 # first: when the peer closes first, this end sees no detail)
                 monitor = _sockets.monitor_socket(router, zmq.EVENT_DISCONNECTED | sum(_REFUSED_EVENTS))
+        from .._protocol._coordinator import is_loopback  # (rank 0's module: loaded)
+
         if config.secret is None and not is_loopback(host):
             log.warning(
                 "zcollective: the coordinator listens on %s:%d without a secret: anyone who can "
@@ -197,3 +200,111 @@ def _bindable(host: str) -> str:
         return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError:
         return host  # let bind report it
+
+
+_EVENTS: dict[int, ConnectionEvent] = {
+    zmq.EVENT_CONNECTED: ConnectionEvent.CONNECTED,
+    zmq.EVENT_DISCONNECTED: ConnectionEvent.DISCONNECTED,
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: ConnectionEvent.HANDSHAKE_SUCCEEDED,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: ConnectionEvent.HANDSHAKE_FAILED,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: ConnectionEvent.PROTOCOL_VIOLATION,
+    zmq.EVENT_CONNECT_RETRIED: ConnectionEvent.REFUSED,  # (also after a disconnect: the member tells)
+}
+MONITOR_EVENTS = sum(_EVENTS) | zmq.EVENT_HANDSHAKE_FAILED_AUTH  # (one bit each; AUTH: handshake_refusal)
+DEALER = "dealer"  # a link's socket, as a waiter names it (its monitor: MONITOR)
+
+
+def routing_id(rank: int) -> bytes:
+    """``b"R"``, the rank, then random bytes (why: see docs/protocol.md, *Topology*)."""
+    return b"R" + rank.to_bytes(4, "big") + os.urandom(8)
+
+
+class Link:
+    """A replica's end of the star (see :class:`.transport.Link`): a DEALER connected to the
+    coordinator at ``config.endpoint``; with a secret, it offers a single-use token at each
+    handshake: a token refused on its first offer means another secret, one refused on a
+    connection libzmq re-made was spent (then it connects anew with a fresh one)."""
+
+    SOURCES = (DEALER, MONITOR)
+
+    def __init__(self, ctx: Any, config: Config, forming: bool) -> None:
+        self._config = config
+        self._offers = 0  # TCP connections made since the DEALER got its current token
+        with _sockets.mapped(f"rank {config.rank} cannot make its socket"):
+            self.dealer = ctx.socket(zmq.DEALER)
+            with _sockets.closed_on_error(self.dealer):
+                self.dealer.setsockopt(zmq.ROUTING_ID, routing_id(config.rank))
+                self.dealer.setsockopt(zmq.LINGER, 0)  # (forming: the host binds within milliseconds)
+                self.dealer.setsockopt(zmq.RECONNECT_IVL, _sockets.FORM_RECONNECT_IVL_MS if forming
+                                       else _sockets.RECONNECT_IVL_MS)
+                self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, _sockets.FORM_RECONNECT_IVL_MAX_MS
+                                       if forming else _sockets.RECONNECT_IVL_MAX_MS)
+                _sockets.set_never_drop(self.dealer)
+                _sockets.set_heartbeats(self.dealer, config)
+                if config.secret is not None:
+                    _zap.secure_client(self.dealer, config.secret, _zap.MASTER_DOMAIN)
+                self.monitor = _sockets.monitor_socket(self.dealer, MONITOR_EVENTS)
+
+    def connect(self, waiter: Waiter) -> None:
+        """Watch the DEALER and its monitor (by its file descriptor, asked once before the
+        connect: only :meth:`events` asks it again, reading to the end), then connect."""
+        config = self._config
+        _sockets.readable(self.monitor)
+        waiter.watch(DEALER, self.dealer)
+        waiter.watch(MONITOR, self.monitor.FD)
+        with _sockets.mapped(f"rank {config.rank} cannot connect to {config.endpoint}", address=True):
+            self.dealer.connect(config.endpoint)
+
+    def send(self, frames: list[Any], what: Any = None) -> bool:
+        """Send ``frames`` (of message ``what``, named in an error) without blocking; False if
+        libzmq dropped the pipe (a re-made connection was refused)."""
+        try:
+            _sockets.send_frames(self.dealer, frames)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            config = self._config
+            raise _sockets.library_error(exc, f"rank {config.rank} could not send {what.kind.name} seq "
+                                              f"{what.seq} to the coordinator at {config.endpoint}") from exc
+        return True
+
+    def recv(self, waiting: bool) -> Optional[list[Any]]:
+        """The next message's frames, without blocking (``waiting``: a poll found one); None if none."""
+        dealer = self.dealer
+        if not (waiting or zmq_poll([(dealer, _POLLIN)], 0)):
+            return None
+        frames = [_recv(dealer, _NOBLOCK, False)]
+        while frames[-1].more:
+            frames.append(_recv(dealer, _NOBLOCK, False))
+        return frames
+
+    def events(self, rank: int, joining: bool) -> list[Union[ConnectionEvent, Exception]]:
+        """Read the monitor to the end: what happened to the connection, or the error of a refusal
+        over the secret (``joining``: a spent token is renewed)."""
+        config, out = self._config, list[Union[ConnectionEvent, Exception]]()
+        for kind, value in _sockets.monitor_events(self.monitor):
+            if kind == zmq.EVENT_CONNECTED:
+                self._offers += 1
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._offers > 1:
+                if joining:  # libzmq re-made a connection with a token an earlier one may have spent
+                    self._renew_token()
+                continue  # once joined, the lost connection already failed the group
+            refusal = _sockets.handshake_refusal(kind, value, rank, config.endpoint,
+                                                 config.secret is not None)
+            if refusal is not None:
+                out.append(refusal)
+            elif kind in _EVENTS:
+                out.append(_EVENTS[kind])
+        return out
+
+    def _renew_token(self) -> None:
+        """Connect anew with a fresh token (libzmq stopped trying with the refused one). What
+        was queued goes with the old connection: the member joins again once it is made."""
+        config = self._config
+        assert config.secret is not None
+        self._offers = 0
+        with _sockets.mapped(f"rank {config.rank} cannot connect to {config.endpoint}", address=True):
+            _zap.connect_with_token(self.dealer, config.endpoint, config.secret, _zap.MASTER_DOMAIN)
+
+    def close(self, linger_ms: int) -> None:
+        _sockets.close_monitored(self.dealer, self.monitor, linger_ms)
