@@ -17,13 +17,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import zmq
-
 from ._announce import announce_coordinator, announce_group, write_for_launcher
 from ._format._wire import DEFAULT_MAX_FRAMES, Signer
 from ._forming import Form, Overslept, Unreachable
 from ._future import settle, sleeping
-from ._io import _interrupts, _shared, _sockets, _stacks, _stops
+from ._io import _interrupts, _shared, _sockets, _stacks, _stops, _zmq
 from ._io._dataplane import DataPlane
 from ._io._dealer import DealerDriver
 from ._io._driver import DirectDriver, Driver, HostDriver
@@ -54,8 +52,6 @@ if TYPE_CHECKING:  # (rank 0's only, imported when it serves: the other ranks ne
 log = logging.getLogger("zcollective")
 
 JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
-COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
-# 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
 _open_lives: dict[int, Lifecycle] = {}  # id -> lifecycle: ended (delivered, then closed) at exit
 
 
@@ -94,7 +90,7 @@ class Lifecycle:
         self.closed = False
         self.reforming: Optional[str] = None  # closed by shrink() or grow() to form the next group
         self._watching = False  # this group counts in _stops' watch
-        self.ctx: Optional[zmq.Context[Any]] = None
+        self.ctx: Any = None  # the transport's state (a ZeroMQ context)
         self.server: Optional[Server] = None
         self.data: Optional[DataPlane] = None
         self.mail: Optional[MailSockets] = None  # its mailbox (point to point)
@@ -172,8 +168,7 @@ class Lifecycle:
             return self._direct(signer)
         if self.nested:  # (a process may open many: it may be out of descriptors by now)
             _sockets.check_descriptors(f"rank {config.rank} cannot start ZeroMQ")
-        with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
-            self.ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
+        self.ctx = _zmq.context(config.rank)
         if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
             from ._io._server import Server
 
@@ -189,8 +184,7 @@ class Lifecycle:
                 log.warning("zcollective: a group of one could not listen for newcomers (%s); "
                             "it runs alone, and grow() admits nobody", exc)
                 self.server = None
-                self.ctx.term()
-                _sockets.forget(self.ctx)
+                _zmq.end(self.ctx, config.rank)
                 self.ctx = None
                 return self._direct(signer)
             link: Driver = HostDriver(member, self.server)
@@ -482,10 +476,7 @@ class Lifecycle:
                 if self.driver is not None:
                     self.driver.close(EXIT_LINGER_MS if ending else 0)
                 if self.ctx is not None and not stuck:
-                    # after term() libzmq holds no buffer of ours: the interpreter may free them
-                    with _sockets.mapped(f"rank {self.config.rank} could not close ZeroMQ"):
-                        self.ctx.term()
-                    _sockets.forget(self.ctx)
+                    _zmq.end(self.ctx, self.config.rank)  # (then the interpreter may free our buffers)
             finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
                 # a wait, never halfway through a message or before the sockets are closed
                 self.turns.close()
@@ -596,10 +587,7 @@ def _register_atexit() -> None:
     skipping ``atexit``; a ``spawn`` child runs both: ending twice is a no-op)."""
     global _atexit_registered, _finalizer_pid
     if not _atexit_registered:
-        # pyzmq registers the shutdown of its zero-copy garbage collector when that module is
-        # first imported, which may be at our first large send; import it now, so that ours,
-        # registered later, runs first (atexit runs last-in, first-out)
-        import zmq.utils.garbage  # noqa: F401
+        _zmq.before_exit()  # (our hook runs before pyzmq's)
 
         atexit.register(_end_all)
         _atexit_registered = True

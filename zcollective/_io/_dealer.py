@@ -13,6 +13,7 @@ from .._limits import POLL_SLICE_S
 from .._protocol._member import ConnectionEvent, Member
 from ..config import Config
 from ..errors import CollectiveError
+from . import transport
 from ._driver import Driver
 from ._interrupts import DEADLINE, NUDGE
 from ._mailbox import mail_woke
@@ -28,9 +29,9 @@ class DealerDriver(Driver):
 
     def __init__(self, ctx: Any, config: Config, member: Member) -> None:
         super().__init__(member)
-        self.link = Link(ctx, config, member.lineage is not None)
-        self.dealer = self.link.dealer  # (tests look at its queue)
-        self._watches(*Link.SOURCES)
+        self.link: transport.Link = Link(ctx, config, member.lineage is not None)
+        self.dealer = getattr(self.link, "dealer", None)  # (tests look at its queue)
+        self._watches(*self.link.SOURCES)
         try:
             self.link.connect(self.waiter)
         except BaseException:

@@ -28,7 +28,7 @@ from .._protocol._coordinator import RANK0_PEER, Coordinator, Forming, Phase, Pr
 from .._protocol._ops import Step, applied
 from ..config import Config
 from ..errors import InternalError
-from . import _interrupts, _sockets
+from . import _interrupts, _sockets, transport
 from ._interrupts import DEADLINE, NUDGE, Waiter
 from ._mailbox import mail_woke
 from ._turns import STOP, StandIn, Turns
@@ -64,7 +64,7 @@ class Server:
         self.crashed: Optional[str] = None  # why the coordinator stopped serving early (a bug)
         self.turns = turns if turns is not None else Turns()  # its holder owns the sockets
         self._away = False  # the background thread serves
-        self.hub = Hub(ctx, config, self.host, forming is not None)  # its sockets (the transport)
+        self.hub: transport.Hub = Hub(ctx, config, self.host, forming is not None)  # its sockets (the seam)
         self.to_host: deque[Message] = deque()  # results for rank 0's member, not yet taken
         self.from_member: deque[Message] = deque()  # rank 0's member's messages, not yet taken (from_host)
         self._probes = ProbeSchedule()

@@ -9,7 +9,7 @@ import ipaddress
 import logging
 import os
 import socket
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import zmq
 from zmq.backend import zmq_poll
@@ -32,7 +32,7 @@ ROUTER, MONITOR, ZAP = "router", "monitor", "zap"  # the hub's sources, as a wai
 class Hub:
     """The coordinator's end of the star (see :class:`.transport.Hub`)."""
 
-    SOURCES = (ROUTER, MONITOR, ZAP)
+    SOURCES: ClassVar[tuple[str, ...]] = (ROUTER, MONITOR, ZAP)
 
     def __init__(self, ctx: Any, config: Config, host: str, forming: bool) -> None:
         self.ctx, self.config = ctx, config
@@ -225,7 +225,7 @@ class Link:
     handshake: a token refused on its first offer means another secret, one refused on a
     connection libzmq re-made was spent (then it connects anew with a fresh one)."""
 
-    SOURCES = (DEALER, MONITOR)
+    SOURCES: ClassVar[tuple[str, ...]] = (DEALER, MONITOR)
 
     def __init__(self, ctx: Any, config: Config, forming: bool) -> None:
         self._config = config
@@ -308,3 +308,29 @@ class Link:
 
     def close(self, linger_ms: int) -> None:
         _sockets.close_monitored(self.dealer, self.monitor, linger_ms)
+
+
+COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
+# 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
+
+
+def context(rank: int) -> Any:
+    """The transport's state for one group (a ZeroMQ context; raise CollectiveError)."""
+    with _sockets.mapped(f"rank {rank} cannot start ZeroMQ"):
+        return zmq.Context(io_threads=COORDINATOR_IO_THREADS if rank == 0 else 1)
+
+
+def end(ctx: Any, rank: int) -> None:
+    """Let go of :func:`context`'s (every socket closed: it holds no buffer of ours after)."""
+    try:
+        with _sockets.mapped(f"rank {rank} could not close ZeroMQ"):
+            ctx.term()
+    finally:
+        _sockets.forget(ctx)
+
+
+def before_exit() -> None:
+    """pyzmq registers the shutdown of its zero-copy garbage collector when that module is first
+    imported, which may be at our first large send: import it now, so that an ``atexit`` hook
+    registered after this runs first (last-in, first-out)."""
+    import zmq.utils.garbage  # noqa: F401
