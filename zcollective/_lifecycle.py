@@ -128,6 +128,7 @@ class Lifecycle:
                 told = False
             self.driver.warn_after = config.warn_after
             self.driver.waiter.watch(NUDGE, self.turns.nudge.fd)  # a thread wanting the turn wakes a wait
+            self.driver.turns = self.turns
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
             if config.join:
                 self._await_admission(deadline)

@@ -48,10 +48,10 @@ class DealerDriver(Driver):
 
     def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """One wait covers the link and its events, so a disconnect ends a wait at once."""
-        names = self.watching()
+        names = self._nudged_names if self.nudged else self._names  # (watching(), inline)
         while True:
             woke = self.waiter.wait(names, deadline, POLL_SLICE_S)
-            mail = mail_woke(woke)
+            mail = mail_woke(woke) if len(woke) > 1 or (woke and woke[0] != DEALER) else 0
             self.mail_ready |= mail
             if not woke or woke[0] is DEADLINE:  # nothing came: the events are asked anyway
                 self._drain_events()

@@ -10,6 +10,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import Kind, Message, WireError, decode, encode, owned
@@ -44,6 +45,7 @@ class Driver:
         self.waiter = Waiter()  # what its waits watch: the link's sources, the nudge, the data plane's
         self._watches()
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
+        self.turns: Any = None  # the group's Turns (whose holder uses the link)
         self.mail: Optional[MailSockets] = None  # the mailbox's sockets (point to point), once joined
         self.mail_names: tuple[str, ...] = ()
         self.mail_ready = 0  # what a wait woke for of the mailbox's (MESSAGE, LINK: see _mailbox.mail_woke):
@@ -70,7 +72,7 @@ class Driver:
         look at again, a refused link to make again."""
         if self.tracked:
             return time.monotonic() + TRACKER_POLL_S
-        retry = self.mail.next_retry() if self.mail is not None else None
+        retry = min(self.mail.retry.values()) if self.mail is not None and self.mail.retry else None
         due = self.member.tree_due()  # parts held go up as they came; a held FAIL takes effect
         return due if retry is None else retry if due is None else min(due, retry)
 
@@ -451,29 +453,32 @@ class HostDriver(Driver):
 
     def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member, turns = self.server, self.member, self.turns
-        if not turns.take(deadline):
+        held = turns.owner == get_ident()  # (as wait_for)
+        if not held and not turns.take(deadline):
             return False
         try:
             got = server.serve(deadline, self._handle, self.nudged, self.mail_names)
             self.mail_ready |= server.mail_woke
             server.mail_woke = 0
         finally:
-            turns.give()
-        why = server.gone()
-        if why is not None and member.failure is None:
-            member.coordinator_gone(why)
+            if not held:
+                turns.give()
+        if (server.crashed or server.stopped) and member.failure is None:
+            member.coordinator_gone(server.gone() or "it stopped")
         return got
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         turns = self.turns
-        if not turns.take(deadline):  # (the background thread runs a reduce function)
+        held = turns.owner == get_ident()  # (the common call's leader: taken once, by its Turns)
+        if not held and not turns.take(deadline):  # (the background thread runs a reduce function)
             return done()
         try:
             if self.server.to_host:  # what the background thread took in meanwhile: first
                 self.pump(time.monotonic())
             return super().wait_for(done, deadline)
         finally:
-            turns.give()
+            if not held:
+                turns.give()
 
     def slice_s(self) -> Optional[float]:
         server = self.server

@@ -96,7 +96,9 @@ class Waiter:
             left = deadline - time.monotonic()
             slice_s = left if slice_s is None or left < slice_s else slice_s
         timeout_ms = -1 if slice_s is None else max(0, math.ceil(slice_s * 1000))  # (up: a wait of
-        woke = [poll[1][s] for s, _ in wait(poll[0], timeout_ms)]  # under a millisecond never spins)
+        woke, named = [], poll[1]  # under a millisecond never spins; a loop: no call, as a listcomp's)
+        for s, _ in wait(poll[0], timeout_ms):
+            woke.append(named[s])
         if deadline is not None and time.monotonic() >= deadline:
             woke.append(DEADLINE)
         return woke
@@ -148,15 +150,12 @@ class Condition:
 
     def __init__(self, lock: Any) -> None:
         self.lock = lock
-        self._sleepers: list[Any] = []  # one held lock per waiting thread; released to wake it
-
-    def sleeping(self) -> bool:
-        """Does a thread wait (the caller holds the lock)?"""
-        return bool(self._sleepers)
+        self.sleepers: list[Any] = []  # one held lock per waiting thread; released to wake it (read
+        # by its user, with the lock held: does a thread wait?)
 
     def notify_all(self) -> None:
         """Wake every thread waiting (the caller holds the lock)."""
-        sleepers, self._sleepers = self._sleepers, []
+        sleepers, self.sleepers = self.sleepers, []
         for sleeper in sleepers:
             sleeper.release()
 
@@ -168,7 +167,7 @@ def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
     the caller's ``with`` to release another thread's hold."""
     sleeper = _allocate_lock()
     sleeper.acquire()
-    condition._sleepers.append(sleeper)
+    condition.sleepers.append(sleeper)
     condition.lock.release()
     got = False
     try:
@@ -178,7 +177,7 @@ def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
         condition.lock.acquire()
         if not got:
             with contextlib.suppress(ValueError):  # (else notified meanwhile)
-                condition._sleepers.remove(sleeper)
+                condition.sleepers.remove(sleeper)
 
 
 @surface
@@ -194,8 +193,11 @@ def call_user(fn: Callable[..., T], *args: Any) -> T:
 def user_code(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` made callable where an interrupt may stop it: through
     :func:`call_user` unless it is the library's own (or built in)."""
-    mine = getattr(fn, "__code__", None) is None or _is_library(getattr(fn, "__module__", None))
-    return fn if mine else partial(call_user, fn)
+    module = getattr(fn, "__module__", None)
+    mine = _library_modules.get(module or "")  # (looked up inline: once per call)
+    if mine is None:
+        mine = _is_library(module)
+    return fn if mine or getattr(fn, "__code__", None) is None else partial(call_user, fn)
 
 
 def _is_library(module: Optional[str]) -> bool:

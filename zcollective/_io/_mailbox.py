@@ -50,7 +50,8 @@ class MailSockets:
         self._monitors: dict[int, zmq.Socket] = {}  # each PUSH's handshakes
         self._made: set[int] = set()  # links whose handshake succeeded
         self._held: dict[int, list[tuple[list[Any], bool, Any]]] = {}  # what waits for its link
-        self._retry: dict[int, float] = {}  # links refused before they were made: when to try again
+        self.retry: dict[int, float] = {}  # links refused before they were made: when to try again (read
+        # by the driver's wait: next_retry inline)
         self._broken: Optional[int] = None  # a link found broken while sending
         self._cut_off: set[int] = set()  # links whose messages still leaving are dropped at close
         self._next_look = 0.0  # when the links' monitors are next read, once every link is made
@@ -116,7 +117,7 @@ class MailSockets:
         token) is broken: that rank is returned."""
         went: list[tuple[Any, Any]] = []
         broken, self._broken = self._broken, None
-        if not look and not self._held and not self._retry and broken is None and now < self._next_look:
+        if not look and not self._held and not self.retry and broken is None and now < self._next_look:
             return went, None  # every link made: a refusal can wait a moment (a wait wakes for it)
         self._next_look = now + LOOK_S
         for dest, monitor in self._monitors.items():
@@ -131,10 +132,10 @@ class MailSockets:
                     if dest in self._made:
                         broken = dest
                     else:
-                        self._retry.setdefault(dest, now + RETRY_S)
-        for dest, due in list(self._retry.items()):
+                        self.retry.setdefault(dest, now + RETRY_S)
+        for dest, due in list(self.retry.items()):
             if now >= due:
-                del self._retry[dest]
+                del self.retry[dest]
                 key, target = self._key(dest), self._endpoints[dest]
                 with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
                                      address=True):
@@ -190,7 +191,7 @@ class MailSockets:
 
     def next_retry(self) -> Optional[float]:
         """When a refused link is next made again (None: none is)."""
-        return min(self._retry.values()) if self._retry else None
+        return min(self.retry.values()) if self.retry else None
 
     def _connect(self, dest: int) -> zmq.Socket:
         target = self._endpoints[dest]

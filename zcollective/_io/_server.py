@@ -14,6 +14,7 @@ import os
 import time
 from collections import deque
 from functools import partial
+from threading import get_ident
 from typing import Any, Callable, Optional
 
 from .._announce import announce_stall
@@ -69,7 +70,7 @@ class Server:
         self.from_member: deque[Message] = deque()  # rank 0's member's messages, not yet taken (from_host)
         self._probes = ProbeSchedule()
         self._stall_due: Optional[float] = None  # the next stall warning due, as _wait_ms found it
-        self._stopped = False
+        self.stopped = False
         self._standin = StandIn("zcollective-coordinator", self.turns, self._serve_away,
                                 lambda: bool(self.coordinator.pending), self._crash, standby=True)
         self._thread = self._standin.thread
@@ -104,7 +105,7 @@ class Server:
 
     def gone(self) -> Optional[str]:
         """Why the coordinator is no longer served, or None if it is."""
-        return self.crashed or ("it stopped" if self._stopped else None)
+        return self.crashed or ("it stopped" if self.stopped else None)
 
     # -- rank 0's member --------------------------------------------------------
 
@@ -123,7 +124,10 @@ class Server:
         thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
         function), by whichever owner comes next: sending never blocks."""
         self.from_member.append(msg)
-        self._briefly(self._take_from_host)
+        if self.turns.owner == get_ident():  # (the common call: its thread holds the turn)
+            self._take_from_host()
+        else:
+            self._briefly(self._take_from_host)
 
     def form_now(self) -> None:
         """Rank 0's thread: the forming bound passed; start with those who came."""
@@ -133,14 +137,21 @@ class Server:
         """The owner: what rank 0's member sent, in order."""
         queue, receive = self.from_member, self.coordinator.receive_message
         while queue:
-            self._take(partial(receive, RANK0_PEER, queue.popleft()))
+            msg = queue.popleft()
+            if self.hub.router is None or self.coordinator.phase is Phase.CLOSED or self.crashed:
+                continue  # (as _take: nothing is taken any more)
+            try:
+                self._send_all(receive(RANK0_PEER, msg))  # (a reduction asked for runs there)
+            except Exception as exc:
+                raise self._failed(exc) from exc
 
     def serve(self, deadline: Optional[float], deliver: Callable[[Message], None],
               nudged: bool = False, also: tuple[str, ...] = ()) -> bool:
         """Rank 0's thread, holding the turn: serve until something came for its member
         (handed to ``deliver``; True), the nudge is readable if ``nudged``, or a source of
         ``also`` (its member's mailbox; True), or ``deadline`` (False)."""
-        self._take_from_host()
+        if self.from_member:
+            self._take_from_host()
         got = self._serve_until(self._news, deadline, (*(self.NUDGED if nudged else self.SERVED), *also),
                                 POLL_SLICE_S)
         if self.to_host:
@@ -202,7 +213,7 @@ class Server:
         came since), one it named is read without asking again; none (a
         probe round is due, or nothing is known): each is asked."""
         known = bool(woke) and woke[0] is not DEADLINE
-        if known:
+        if known and self.hub.gatekeeper is not None:
             self.hub.handshakes()  # a handshake waits for it: first
         try:
             if not known or MONITOR in woke:
@@ -264,7 +275,7 @@ class Server:
         meanwhile tells the others the group is over, and closes at once;
         so does ``hurry`` (the program was interrupted while ending).
         """
-        if self._stopped:
+        if self.stopped:
             return
         self._standin.stop()
         bound = STOP_TIMEOUT_S if self.coordinator.reducing is None else 0.1
@@ -274,7 +285,7 @@ class Server:
         except BaseException:  # interrupted while the thread ends (it was told): once it has,
             # the sockets are this thread's: close them now (else the port stays bound for good)
             if not started or _interrupts.finish(self._thread, bound):
-                self._stopped = True
+                self.stopped = True
                 try:
                     if ending and self.crashed is None:
                         self._give_up_ending()
@@ -285,7 +296,7 @@ class Server:
             log.error("zcollective: the coordinator thread did not stop (%s); leaving it behind, "
                       "with the sockets", self.busy() or "no reason known")
             return  # (gone() stays None: the group leaves the context to it)
-        self._stopped = True
+        self.stopped = True
         linger = linger_ms
         if linger_ms and self.crashed is None:  # (not forming the next group: it ends)
             self._send_all(self.coordinator.dismiss_newcomers())

@@ -28,24 +28,28 @@ class Turns:
     def __init__(self) -> None:
         self._lock = threading.RLock()  # the turn (re-entered by done-callbacks and nested steps)
         self._depth = 0  # the holder's nested takes
-        self._owner: Optional[int] = None  # the holder's thread
+        self.owner: Optional[int] = None  # the holder's thread (read by drivers: held, without a call)
         self.left = 0.0  # when a holder last let go of the turn
         self.standby = False  # the holder is rank 0's server thread: it gives way to any program thread
         self._mutex = threading.Lock()  # guards what follows (with it, for speed: no Python frame)
         self._state = _interrupts.Condition(self._mutex)  # ... on which followers sleep
-        self._wanting = 0  # threads waiting for the turn
+        self.wanting = 0  # threads waiting for the turn (read by a leader's driver: it lets go)
         self._leader: Optional[int] = None  # the thread leading the wait for results
         self.nudge = Wakeup()  # readable while some thread waits for the turn
 
     def wanted(self) -> bool:
         """Does another thread wait for the turn (read by the leader's wait)?"""
-        return self._wanting > 0
+        return self.wanting > 0
+
+    @property
+    def _wanting(self) -> int:  # (the name tests read)
+        return self.wanting
 
     def alone(self) -> bool:
         """Held by this thread, once, and no other thread leads a wait or wants
         the turn: this thread may lead a wait without letting go first (read
         without the mutex: a thread that comes meanwhile nudges it)."""
-        return self._depth == 1 and self._leader is None and not self._wanting
+        return self._depth == 1 and self._leader is None and not self.wanting
 
     def take(self, deadline: Optional[float] = None) -> bool:
         """Take the turn (nested takes count), nudging its holder; False if
@@ -54,19 +58,19 @@ class Turns:
         lock = self._lock
         if not lock.acquire(blocking=False):
             with self._mutex:
-                self._wanting += 1
+                self.wanting += 1
                 self.nudge.set()
             try:
                 if not _interrupts.acquire_by(lock, deadline):
                     return False
             finally:
                 with self._mutex:
-                    self._wanting -= 1
-                    if not self._wanting:
+                    self.wanting -= 1
+                    if not self.wanting:
                         self.nudge.clear()
                     self._state.notify_all()  # a leader that let go waits for this
         self._depth += 1
-        self._owner = threading.get_ident()
+        self.owner = threading.get_ident()
         return True
 
     def try_take(self) -> bool:
@@ -75,14 +79,14 @@ class Turns:
         if not self._lock.acquire(blocking=False):
             return self.standby and self.take(time.monotonic() + GIVE_WAY_S)
         self._depth += 1
-        self._owner = threading.get_ident()
+        self.owner = threading.get_ident()
         return True
 
     def give(self) -> None:
         """Let go of one take."""
         self._depth -= 1
         if not self._depth:
-            self._owner = None
+            self.owner = None
             self.left = time.monotonic()
         self._lock.release()
 
@@ -96,7 +100,7 @@ class Turns:
 
     def held(self) -> bool:
         """Does this thread hold the turn?"""
-        return self._owner == threading.get_ident()
+        return self.owner == threading.get_ident()
 
     def close(self) -> None:
         """The group closed: no thread nudges any more (a thread still waiting
@@ -137,7 +141,7 @@ class Turns:
             finally:
                 with self._mutex:
                     self._leader = None
-                    if state.sleeping():
+                    if state.sleepers:
                         state.notify_all()  # a follower leads next
         return True
 
@@ -153,7 +157,7 @@ class Turns:
                 if done():
                     return True
                 top = self._depth == 1 and not nested
-                until: Callable[[], bool] = (lambda: done() or self._wanting > 0) if top else done
+                until: Callable[[], bool] = (lambda: done() or self.wanting > 0) if top else done
                 if not drive(until, deadline, top):
                     return done()
             finally:
@@ -161,7 +165,7 @@ class Turns:
             if done():
                 return True
             with self._mutex:  # wanted: each thread that waits has the turn before it comes back
-                while self._wanting:
+                while self.wanting:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return False
@@ -207,7 +211,7 @@ class StandIn:
         turns, busy, wait = self._turns, self._busy, self._waiter.wait
         try:
             while not wait((STOP,), None, PARK_BUSY_S if busy() else PARK_IDLE_S):
-                if turns._wanting or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
+                if turns.wanting or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
                     continue
                 turns.standby = self._standby
                 try:
