@@ -70,15 +70,12 @@ class Lifecycle:
     def __init__(self, config: Config, form: Optional[Form] = None, *, nested: bool = False,
                  opened: Optional[Callable[[str], None]] = None,
                  world: Optional[list[int]] = None, check: Optional[Callable[[], None]] = None) -> None:
-        """Join the group ``config`` describes (or form one from an earlier
-        group: ``form``, where ``config`` names this replica by its old rank
-        and size, and the host; see :mod:`zcollective._elastic`). ``nested``:
-        a sub-group (:mod:`zcollective._subgroups`), which tells the launcher
-        nothing; its rank 0 binds a port of the system's choosing; once this
-        replica's sockets are open, ``opened`` is told where (before anyone
-        waits for it); its errors name ``world``, each rank's in the world;
-        ``check()``, asked while it joins, raises to end the join (a sub-group's
-        parent failed: its error)."""
+        """Join the group ``config`` describes (or form one from an earlier group: ``form``, where ``config``
+        names this replica by its old rank and size, and the host; see :mod:`zcollective._elastic`).
+        ``nested``: a sub-group (:mod:`zcollective._subgroups`), which tells the launcher nothing; its rank 0
+        binds a port of the system's choosing; once this replica's sockets are open, ``opened`` is told where
+        (before anyone waits for it); its errors name ``world``, each rank's in the world; ``check()``, asked
+        while it joins, raises to end the join (a sub-group's parent failed: its error)."""
         self.config = config
         self.nested = nested
         self.world = world  # a sub-group's ranks' world ranks (its errors name them); None: the world
@@ -159,10 +156,9 @@ class Lifecycle:
             raise
 
     def _connect(self, signer: Optional[Signer], form: Optional[Form] = None) -> Driver:
-        """The member's link: one replica calls the coordinator directly;
-        rank 0 of more serves it (in its own thread while in the library);
-        the others reach it through a DEALER. Forming a group, its host
-        serves it."""
+        """The member's link: one replica calls the coordinator directly; rank 0 of more serves it (in its own
+        thread while in the library); the others reach it through a DEALER. Forming a group, its host serves
+        it."""
         config, member = self.config, self.member
         alone = config.num_replicas == 1 and form is None and not config.join
         if alone and not config.port_given:  # a script run as it is: no port of its own
@@ -241,11 +237,10 @@ class Lifecycle:
                    "coordinator_address() on a member says where the group is)"))
 
     def _join_forming(self, form: Form) -> None:
-        """Join a group formed from an earlier one (rule 9 of the
-        coordinator): the host waits :attr:`Form.wait_s` for the members it
-        expects, then starts with those who came; a member gives up on a
-        host it cannot reach within :attr:`Form.reach_s` (:class:`Unreachable`).
-        Then this replica has the rank and size the WELCOME gave."""
+        """Join a group formed from an earlier one (rule 9 of the coordinator): the host waits
+        :attr:`Form.wait_s` for the members it expects, then starts with those who came; a member gives up on
+        a host it cannot reach within :attr:`Form.reach_s` (:class:`Unreachable`). Then this replica has the
+        rank and size the WELCOME gave."""
         link, member, server = self.driver, self.member, self.server
         assert link is not None
         link.send([member.join()])
@@ -266,11 +261,10 @@ class Lifecycle:
             self.data.rank, self.data.size = member.rank, member.size
 
     def _reach_host(self, form: Form, who: str) -> None:
-        """A member forming a group: reach its would-be host within
-        :attr:`Form.reach_s` (a port nobody listens on is :class:`Unreachable`
-        with ``refused``: that process died), then wait for its WELCOME. A host
-        whose earlier group is still open there (its program is elsewhere) has
-        until ``reach_s`` to start forming; one that forms has the forming bound."""
+        """A member forming a group: reach its would-be host within :attr:`Form.reach_s` (a port nobody
+        listens on is :class:`Unreachable` with ``refused``: that process died), then wait for its WELCOME. A
+        host whose earlier group is still open there (its program is elsewhere) has until ``reach_s`` to start
+        forming; one that forms has the forming bound."""
         link, member, endpoint = self.driver, self.member, self.config.endpoint
         assert link is not None
         reached = time.monotonic() + form.reach_s
@@ -398,13 +392,12 @@ class Lifecycle:
                 f"zcollective.initialize() (or create a Group) in the child for a group of its own")
 
     def finish(self, deadline: Optional[float], timeout: Optional[float]) -> None:
-        """``teardown()``, holding the turn, before its call: finish what this rank
-        called. It receives nothing new (what no receive posted matches is dropped),
-        its sends waiting for credit go, its FINAL says how many it sent each rank;
-        then every call it made is done (its futures hold their values) and every
-        message the others sent it was taken in, so that its teardown's part says
-        so: once the call completes, closing loses nothing. Until ``deadline``
-        (``timeout`` is how long that was): else :class:`CollectiveTimeoutError`."""
+        """``teardown()``, holding the turn, before its call: finish what this rank called. It receives
+        nothing new (what no receive posted matches is dropped), its sends waiting for credit go, its FINAL
+        says how many it sent each rank; then every call it made is done (its futures hold their values) and
+        every message the others sent it was taken in, so that its teardown's part says so: once the call
+        completes, closing loses nothing. Until ``deadline`` (``timeout`` is how long that was): else
+        :class:`CollectiveTimeoutError`."""
         driver, member = self.driver, self.member
         assert driver is not None
         mail = member.mail
@@ -426,9 +419,8 @@ class Lifecycle:
         settle(member.outcomes)
 
     def close_to_form(self, quick: bool) -> None:
-        """Close, holding the turn, for the next group to form: ``quick``, the
-        group failed, so nothing queued is worth waiting for; else (a grow)
-        rank 0's last results and admissions leave first."""
+        """Close, holding the turn, for the next group to form: ``quick``, the group failed, so nothing queued
+        is worth waiting for; else (a grow) rank 0's last results and admissions leave first."""
         with self.turns:
             self.reforming = self.reforming or ("shrink()" if quick else "grow()")
             if not self.closed:
@@ -437,12 +429,10 @@ class Lifecycle:
                 self.close(quick=quick)
 
     def close(self, ending: bool = False, hurry: bool = False, quick: bool = False) -> None:
-        """Close the sockets. ``ending``: the program is ending without
-        teardown: rank 0 first serves until its calls are delivered, and what
-        is queued gets :data:`~zcollective._limits.EXIT_LINGER_MS` to leave.
-        ``hurry``: it was interrupted while ending: rank 0 tells the others
-        the group is over and waits for nothing. ``quick``: nothing queued
-        is worth waiting for (a failed group shrinks)."""
+        """Close the sockets. ``ending``: the program is ending without teardown: rank 0 first serves until
+        its calls are delivered, and what is queued gets :data:`~zcollective._limits.EXIT_LINGER_MS` to leave.
+        ``hurry``: it was interrupted while ending: rank 0 tells the others the group is over and waits for
+        nothing. ``quick``: nothing queued is worth waiting for (a failed group shrinks)."""
         self.closed = True
         _open_lives.pop(id(self), None)
         if self.parent is not None and self.parent_ranks is not None:
@@ -582,10 +572,9 @@ MP_EXIT_PRIORITY = 100  # above multiprocessing's own finalizers (a queue's flus
 
 
 def _register_atexit() -> None:
-    """Have every open group end when the process does: through ``atexit``
-    and, in a multiprocessing child, through multiprocessing's finalizers
-    (a ``fork`` or ``forkserver`` child ends with ``os._exit`` after them,
-    skipping ``atexit``; a ``spawn`` child runs both: ending twice is a no-op)."""
+    """Have every open group end when the process does: through ``atexit`` and, in a multiprocessing child,
+    through multiprocessing's finalizers (a ``fork`` or ``forkserver`` child ends with ``os._exit`` after
+    them, skipping ``atexit``; a ``spawn`` child runs both: ending twice is a no-op)."""
     global _atexit_registered, _finalizer_pid
     if not _atexit_registered:
         _zmq.before_exit()  # (our hook runs before pyzmq's)

@@ -19,13 +19,13 @@ from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import CallOutcome, fresh
 from ..errors import CollectiveError, CollectiveTimeoutError
+from . import transport
 from ._interrupts import NUDGE, Waiter
 from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
 if TYPE_CHECKING:
     from .._protocol._coordinator import Coordinator
     from ._dataplane import DataPlane
-    from ._mailbox import MailSockets
     from ._server import Server
     from ._shared import SharedPlane
 
@@ -46,7 +46,7 @@ class Driver:
         self._watches()
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
         self.turns: Any = None  # the group's Turns (whose holder uses the link)
-        self.mail: Optional[MailSockets] = None  # the mailbox's sockets (point to point), once joined
+        self.mail: Optional[transport.Mailbox] = None  # the mailbox (point to point), once joined
         self.mail_names: tuple[str, ...] = ()
         self.mail_ready = 0  # what a wait woke for of the mailbox's (MESSAGE, LINK: see _mailbox.mail_woke):
         # take in, look at the links (else a wait only looks at it)
@@ -60,7 +60,7 @@ class Driver:
         """What a wait of the link watches now: its sources, and the nudge if :attr:`nudged`."""
         return self._nudged_names if self.nudged else self._names
 
-    def attach_mail(self, mail: MailSockets) -> None:
+    def attach_mail(self, mail: transport.Mailbox) -> None:
         """The group is formed: its waits watch the mailbox too."""
         self.mail = mail
         self.waiter.watch(MAIL, mail.source)
@@ -77,12 +77,10 @@ class Driver:
         return due if retry is None else retry if due is None else min(due, retry)
 
     def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> None:
-        """Point to point: take in what came to the mailbox (if ``take``;
-        ``ready``: what a wait woke for, see :attr:`mail_ready`), send what the
-        rules owe (a send is done once libzmq no longer reads its buffers).
-        Once ``enough()`` holds (a waited-for call is done) the rest stays for
-        the next wait, unless a coroutine sleeps on the descriptors (rule 3
-        of :mod:`zcollective._future`)."""
+        """Point to point: take in what came to the mailbox (if ``take``; ``ready``: what a wait woke for, see
+        :attr:`mail_ready`), send what the rules owe (a send is done once libzmq no longer reads its buffers).
+        Once ``enough()`` holds (a waited-for call is done) the rest stays for the next wait, unless a
+        coroutine sleeps on the descriptors (rule 3 of :mod:`zcollective._future`)."""
         member, sockets = self.member, self.mail
         rules = member.mail
         if rules is None:
@@ -125,7 +123,7 @@ class Driver:
             left = [(t, h) for t, h in self.tracked if not t.done]
             member.outcomes.extend(CallOutcome(h) for t, h in self.tracked if t.done)
             self.tracked = left
-        if sockets is not None and len(self.mail_names) != 1 + sockets.link_count():  # a new link: its
+        if sockets is not None and len(self.mail_names) != 1 + len(sockets.monitors):  # a new link: its
             links = sockets.links()  # refusal ends a wait too
             for name, monitor in links.items():
                 self.waiter.watch(name, monitor)
@@ -143,9 +141,8 @@ class Driver:
 
     def _cut(self, cut: list[tuple[int, list[Any]]]) -> None:
         """Ranks whose messages waiting for their link never go (see
-        :attr:`~zcollective._protocol._p2p.Mail.cut`): dropped; sends dropped
-        after a failure fail with it (never sent), so no send that raised is
-        delivered."""
+        :attr:`~zcollective._protocol._p2p.Mail.cut`): dropped; sends dropped after a failure fail with it
+        (never sent), so no send that raised is delivered."""
         sockets, member = self.mail, self.member
         assert sockets is not None and member.mail is not None
         failure = member.mail.failure
@@ -160,9 +157,8 @@ class Driver:
             self.tracked = [(t, h) for t, h in self.tracked if id(h) not in decided]
 
     def take_back(self, handle: Any) -> bool:
-        """Take back the send ``handle`` whose message still waits for its
-        link (timed out, interrupted): only the last numbered for its rank,
-        so that pair's numbers stay whole. Was it taken back?"""
+        """Take back the send ``handle`` whose message still waits for its link (timed out, interrupted): only
+        the last numbered for its rank, so that pair's numbers stay whole. Was it taken back?"""
         sockets, rules = self.mail, self.member.mail
         if sockets is None or rules is None:
             return False
@@ -190,11 +186,10 @@ class Driver:
         return None
 
     def finish_leaving(self, handle: Any, deadline: Optional[float]) -> None:
-        """The group failed while libzmq sends the send ``handle``'s message
-        (its receiver, not the rank lost, takes it in even so): it gets until
-        ``deadline``, at most :data:`~zcollective._limits.SENT_AT_FAILURE_S`,
-        to leave and be done, so that a send that raises was never delivered
-        (but for one cut off at that bound, its receiver stopped)."""
+        """The group failed while libzmq sends the send ``handle``'s message (its receiver, not the rank lost,
+        takes it in even so): it gets until ``deadline``, at most
+        :data:`~zcollective._limits.SENT_AT_FAILURE_S`, to leave and be done, so that a send that raises was
+        never delivered (but for one cut off at that bound, its receiver stopped)."""
         where, lost = self.where(handle), getattr(self.member.failure, "lost_ranks", ())
         if where is None or where[0] != "leaving" or where[1] in lost:
             return
@@ -212,9 +207,8 @@ class Driver:
         raise NotImplementedError
 
     def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        """Wait until something arrives or ``deadline``; hand it all to the
-        member (or, once ``until()`` holds, as much as a driver chooses).
-        False on timeout."""
+        """Wait until something arrives or ``deadline``; hand it all to the member (or, once ``until()``
+        holds, as much as a driver chooses). False on timeout."""
         raise NotImplementedError
 
     def slice_s(self) -> Optional[float]:
@@ -265,9 +259,8 @@ class Driver:
             self.mail_io(take=False)
 
     def join(self, timeout: Optional[float], check: Optional[Callable[[], None]] = None) -> None:
-        """Send JOIN and wait for every replica to have joined; raise
-        :class:`CollectiveTimeoutError` naming who was missing, or the error of
-        the coordinator's refusal (or what ``check``, asked every
+        """Send JOIN and wait for every replica to have joined; raise :class:`CollectiveTimeoutError` naming
+        who was missing, or the error of the coordinator's refusal (or what ``check``, asked every
         :data:`~zcollective._limits.POLL_SLICE_S`, raises: a sub-group's parent's failure)."""
         from ._edges import Edges
 
@@ -278,8 +271,7 @@ class Driver:
             raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """Take in messages until ``done()`` or ``deadline`` (False); raise the
-        group's failure (sticky)."""
+        """Take in messages until ``done()`` or ``deadline`` (False); raise the group's failure (sticky)."""
         member = self.member
         if member.owed:
             self.flush()
@@ -298,11 +290,10 @@ class Driver:
         return True
 
     def _news(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        """The driver's one wait (:meth:`wait_for`'s, and a data move's: a shared-memory job's
-        at a sync, a ring's look at the rest), which moves everything but the data: the mailbox
-        (point to point, the tree's parts, buffers lent to libzmq, links), then the control
-        plane's news, until ``deadline``. False once ``until()`` holds or ``deadline`` passed.
-        See docs/protocol.md, *Progress*."""
+        """The driver's one wait (:meth:`wait_for`'s, and a data move's: a shared-memory job's at a sync, a
+        ring's look at the rest), which moves everything but the data: the mailbox (point to point, the tree's
+        parts, buffers lent to libzmq, links), then the control plane's news, until ``deadline``. False once
+        ``until()`` holds or ``deadline`` passed. See docs/protocol.md, *Progress*."""
         mail, wake = self.member.mail, deadline
         if mail is not None:
             soon = self._soon()
@@ -317,15 +308,14 @@ class Driver:
         return (self.pump(wake, until) or wake != deadline) and not (until is not None and until())
 
     def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """A point-to-point call's wait, by the turn's holder, at its cheapest:
-        one poll of what :meth:`wait_for` watches (the nudge too), and, if the
-        mailbox alone woke it, what came taken in; True once ``done()``.
-        False, having taken nothing else, when something else woke it (every
-        source stays readable: :meth:`wait_for`'s poll finds it at once),
-        nothing came within :meth:`slice_s`, or anything else is due."""
+        """A point-to-point call's wait, by the turn's holder, at its cheapest: one poll of what
+        :meth:`wait_for` watches (the nudge too), and, if the mailbox alone woke it, what came taken in; True
+        once ``done()``. False, having taken nothing else, when something else woke it (every source stays
+        readable: :meth:`wait_for`'s poll finds it at once), nothing came within :meth:`slice_s`, or anything
+        else is due."""
         member, sockets = self.member, self.mail
         if (sockets is None or member.transfers or member.owed or member.failure is not None
-                or self.tracked or sockets.next_retry() is not None):
+                or self.tracked or sockets.retry):
             return False
         slice_s = self.slice_s()
         if slice_s is None or slice_s <= 0:
@@ -347,10 +337,9 @@ class Driver:
 
     def _move_data(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None
                    ) -> Optional[bool]:
-        """Move the data of the first call the data plane has to carry: True
-        when it is done (its future resolved), False when ``deadline`` came
-        first, or ``until()`` held after news (it goes on at the next wait),
-        None if there is none."""
+        """Move the data of the first call the data plane has to carry: True when it is done (its future
+        resolved), False when ``deadline`` came first, or ``until()`` held after news (it goes on at the next
+        wait), None if there is none."""
         member, data, shared = self.member, self.data, self.shared
         if not member.transfers:
             return None
@@ -378,9 +367,8 @@ class Driver:
         return True
 
     def finish_data(self, timeout: float) -> None:
-        """Move the data of every call that has some to move, its plan first
-        (the program is ending: the other ranks need this one's chunks), for
-        at most ``timeout`` seconds."""
+        """Move the data of every call that has some to move, its plan first (the program is ending: the other
+        ranks need this one's chunks), for at most ``timeout`` seconds."""
         member = self.member
         deadline = time.monotonic() + timeout
         while any(c.transfer is not None for c in member.calls.values()) and (
@@ -428,9 +416,8 @@ class Driver:
 
 
 class HostDriver(Driver):
-    """Rank 0's member, beside the coordinator (:class:`Server`): rank 0's
-    thread owns the coordinator's sockets while it waits here, and serves
-    them itself."""
+    """Rank 0's member, beside the coordinator (:class:`Server`): rank 0's thread owns the coordinator's
+    sockets while it waits here, and serves them itself."""
 
     def __init__(self, member: Member, server: Server) -> None:
         super().__init__(member)
@@ -513,10 +500,9 @@ class DirectDriver(Driver):
             raise interrupted
 
     def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        """What the coordinator answered; else, leading a wait (:attr:`nudged`),
-        sleep until ``deadline`` or another thread wants the turn (to send to
-        this rank, say: only a thread of this process can); a nested wait holds
-        the turn, so nothing else can come."""
+        """What the coordinator answered; else, leading a wait (:attr:`nudged`), sleep until ``deadline`` or
+        another thread wants the turn (to send to this rank, say: only a thread of this process can); a nested
+        wait holds the turn, so nothing else can come."""
         inbox = self._inbox
         if not inbox:
             return self.nudged and NUDGE in self.waiter.wait(self._nudged_names, deadline)

@@ -24,9 +24,8 @@ class Edges:
 
     def send_join(self, done: Callable[[], bool], deadline: Optional[float],
                   check: Optional[Callable[[], None]] = None) -> bool:
-        """Send JOIN, and again when the member's timer says (rule 8 of
-        :mod:`zcollective._protocol._member`), until ``done()`` (True) or
-        ``deadline`` (False); ``check()`` raises to end it (see :meth:`join`)."""
+        """Send JOIN, and again when the member's timer says (rule 8 of :mod:`zcollective._protocol._member`),
+        until ``done()`` (True) or ``deadline`` (False); ``check()`` raises to end it (see :meth:`join`)."""
         member = self.member
         try:
             self.driver.send(member.start_join(self.driver.warn_after if self.driver.remote else None))
@@ -47,11 +46,10 @@ class Edges:
             member.stop_join()
 
     def send_waiting(self, deadline: Optional[float], links: bool = True) -> bool:
-        """Ending (teardown, or the program ends): move everything until no send
-        of this rank waits for its receiver's credit or (``links``), to a rank
-        still taking in, for its link's handshake (each went, or failed), or
-        ``deadline`` (False). At an exit, :meth:`final` waits for the links
-        (and what libzmq still sends) with a bound of its own."""
+        """Ending (teardown, or the program ends): move everything until no send of this rank waits for its
+        receiver's credit or (``links``), to a rank still taking in, for its link's handshake (each went, or
+        failed), or ``deadline`` (False). At an exit, :meth:`final` waits for the links (and what libzmq still
+        sends) with a bound of its own."""
         mail, sockets = self.member.mail, self.driver.mail
         if mail is None:
             return True
@@ -62,11 +60,9 @@ class Edges:
         return sent() or self.driver.wait_for(sent, deadline)
 
     def finish_calls(self, deadline: Optional[float]) -> bool:
-        """Teardown, this rank's FINAL sent: move everything until every call
-        this rank made is done (collective calls with their data; sends whose
-        buffers libzmq still reads) and every other rank's last message to it
-        was taken in (a receive posted is then matched, or failed), or
-        ``deadline`` (False)."""
+        """Teardown, this rank's FINAL sent: move everything until every call this rank made is done
+        (collective calls with their data; sends whose buffers libzmq still reads) and every other rank's last
+        message to it was taken in (a receive posted is then matched, or failed), or ``deadline`` (False)."""
         member, mail, driver = self.member, self.member.mail, self.driver
 
         def done() -> bool:
@@ -82,10 +78,9 @@ class Edges:
         return rules.leaving({id(h) for t, h in self.driver.tracked if not t.done})
 
     def say_bye(self, timeout: float, deliver: float = 0.0) -> None:
-        """Tell the coordinator this program is ending (if there is a group to
-        tell); over a connection, wait at most ``timeout`` s for its answer (see
-        docs/protocol.md, *Ending without teardown*); point-to-point messages
-        libzmq still sends get ``deliver`` s to leave first."""
+        """Tell the coordinator this program is ending (if there is a group to tell); over a connection, wait
+        at most ``timeout`` s for its answer (see docs/protocol.md, *Ending without teardown*); point-to-point
+        messages libzmq still sends get ``deliver`` s to leave first."""
         member = self.member
         bye = member.bye()
         if bye is None:
@@ -147,13 +142,11 @@ class Edges:
             self.driver.mail_io(take=False, ready=LINK)
 
     def final(self, teardown: bool, deadline: float, deliver: Optional[float] = None) -> Optional[Message]:
-        """This rank's FINAL (see :meth:`Member.final`), once messages waiting
-        for a link's handshake had until ``deadline`` to go: those still
-        waiting then never go, fail, and are not counted (counted, the other
-        rank's receive would wait for them until its timeout). ``deliver``
-        (the program ends: later than ``deadline``): they, and messages libzmq
-        still sends, get until then to go; those still leaving are cut off and
-        counted lost, so their receiver is told at once."""
+        """This rank's FINAL (see :meth:`Member.final`), once messages waiting for a link's handshake had
+        until ``deadline`` to go: those still waiting then never go, fail, and are not counted (counted, the
+        other rank's receive would wait for them until its timeout). ``deliver`` (the program ends: later than
+        ``deadline``): they, and messages libzmq still sends, get until then to go; those still leaving are
+        cut off and counted lost, so their receiver is told at once."""
         member, sockets = self.member, self.driver.mail
         unsent, leaving = None, None
         self.hand_down(deadline)  # (results owed down the tree go first, failed or not)

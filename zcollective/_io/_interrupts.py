@@ -105,9 +105,8 @@ class Waiter:
 
 
 def acquire_by(lock: Any, deadline: Optional[float]) -> bool:
-    """Take an ``RLock`` another thread holds by ``deadline`` (None: no bound),
-    where an interrupt may stop the wait; False if it did not come. An
-    interrupt leaves it not held."""
+    """Take an ``RLock`` another thread holds by ``deadline`` (None: no bound), where an interrupt may stop
+    the wait; False if it did not come. An interrupt leaves it not held."""
     timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
     try:
         return wait_lock(lock, timeout)
@@ -161,10 +160,9 @@ class Condition:
 
 
 def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
-    """Wait on ``condition`` (whose lock the caller holds) for another thread's
-    news, at most ``timeout`` s; True if notified. Only the sleep is a surface
-    (:func:`wait_lock`): an interrupt while the lock is taken back would leave
-    the caller's ``with`` to release another thread's hold."""
+    """Wait on ``condition`` (whose lock the caller holds) for another thread's news, at most ``timeout`` s;
+    True if notified. Only the sleep is a surface (:func:`wait_lock`): an interrupt while the lock is taken
+    back would leave the caller's ``with`` to release another thread's hold."""
     sleeper = _allocate_lock()
     sleeper.acquire()
     condition.sleepers.append(sleeper)
@@ -211,9 +209,8 @@ def _is_library(module: Optional[str]) -> bool:
 
 
 def deferred(frame: Optional[FrameType]) -> bool:
-    """Would a signal coming at ``frame`` be deferred? The innermost frame
-    that is a surface or the library's decides; others' (numpy, pickle,
-    the program's) are looked through. Inside :func:`deferring`: yes."""
+    """Would a signal coming at ``frame`` be deferred? The innermost frame that is a surface or the library's
+    decides; others' (numpy, pickle, the program's) are looked through. Inside :func:`deferring`: yes."""
     if _deferring[0]:
         return True
     while frame is not None:
@@ -280,9 +277,8 @@ class _Wrapped:
 
 
 def signal_again(exc: BaseException) -> None:
-    """The signal whose handler raised ``exc`` in a call that then completed
-    on every rank comes again once the library has returned (the call
-    returns its result; the interrupt is never swallowed)."""
+    """The signal whose handler raised ``exc`` in a call that then completed on every rank comes again once
+    the library has returned (the call returns its result; the interrupt is never swallowed)."""
     signum = getattr(exc, SIGNAL_ATTR, None)
     handler = getsignal(signum) if isinstance(signum, int) else None
     if isinstance(handler, _Wrapped) and isinstance(signum, int):  # (else the program replaced it: its own
@@ -290,9 +286,8 @@ def signal_again(exc: BaseException) -> None:
 
 
 def hold_signals() -> None:
-    """Wrap the current Python signal handlers (in the main thread, the only
-    one that may set them and runs them), but the library's own (they never
-    raise)."""
+    """Wrap the current Python signal handlers (in the main thread, the only one that may set them and runs
+    them), but the library's own (they never raise)."""
     global held
     _holding[0] = True
     if threading.get_ident() != _MAIN_THREAD:

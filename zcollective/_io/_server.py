@@ -119,9 +119,8 @@ class Server:
                 self.turns.give()
 
     def from_host(self, msg: Message) -> None:
-        """Rank 0's member sends ``msg``: taken by the coordinator now, in this
-        thread (a reduce function may run here), or, when the background
-        thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
+        """Rank 0's member sends ``msg``: taken by the coordinator now, in this thread (a reduce function may
+        run here), or, when the background thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
         function), by whichever owner comes next: sending never blocks."""
         self.from_member.append(msg)
         if self.turns.owner == get_ident():  # (the common call: its thread holds the turn)
@@ -155,26 +154,25 @@ class Server:
         got = self._serve_until(self._news, deadline, (*(self.NUDGED if nudged else self.SERVED), *also),
                                 POLL_SLICE_S)
         if self.to_host:
-            self.wakeup.clear()
+            if self.wakeup.written:
+                self.wakeup.clear()
             while self.to_host:
                 deliver(self.to_host.popleft())
         return got
 
     def _news(self) -> bool:
-        return bool(self.to_host) or self.gone() is not None
+        return bool(self.to_host) or self.crashed is not None or self.stopped  # (gone(), inline)
 
     def _serve_until(self, done: Callable[[], bool], deadline: Optional[float], names: tuple[str, ...],
                      slice_s: Optional[float] = None) -> bool:
-        """The turn's holder: serve what the waiter finds, in slices of at most
-        ``slice_s`` (never past a probe round or a stall warning due), until
-        ``done()`` or a source not served (the nudge, the stop) is readable
-        (True, at once: what else came is the next holder's), or ``deadline``
-        (False)."""
+        """The turn's holder: serve what the waiter finds, in slices of at most ``slice_s`` (never past a
+        probe round or a stall warning due), until ``done()`` or a source not served (the nudge, the stop) is
+        readable (True, at once: what else came is the next holder's), or ``deadline`` (False)."""
         while not done():
             woke = self.waiter.wait(names, deadline, self.sleep_s(slice_s))
             if NUDGE in woke or STOP in woke:
                 return True
-            mail = mail_woke(woke)
+            mail = mail_woke(woke) if len(woke) > 1 or (woke and woke[0] not in self.SERVED) else 0
             if mail:  # its member's mailbox (the holder takes it in), once what else woke is
                 self.mail_woke = mail  # served: a busy mailbox must not starve the coordinator
                 if woke[0] in self.SERVED:
@@ -191,14 +189,12 @@ class Server:
         return True
 
     def fds(self) -> list[int]:
-        """File descriptors that become readable when the coordinator may have
-        work: watched by an awaiting coroutine (read once, at start: only the
-        owner uses the sockets)."""
+        """File descriptors that become readable when the coordinator may have work: watched by an awaiting
+        coroutine (read once, at start: only the owner uses the sockets)."""
         return self.waiter.fds((WAKEUP, *self.SERVED))
 
     def _take(self, step: Callable[[], Step]) -> None:
-        """Run one step of the coordinator and send what it returns; a bug
-        fails the group for everyone."""
+        """Run one step of the coordinator and send what it returns; a bug fails the group for everyone."""
         if self.hub.router is None or self.coordinator.phase is Phase.CLOSED or self.crashed:
             return
         try:
@@ -207,11 +203,10 @@ class Server:
             raise self._failed(exc) from exc
 
     def _step(self, woke: list[str]) -> None:
-        """The owner: answer handshakes, then whatever waits on the monitor and
-        the ROUTER. ``woke`` is what the owner's wait just found readable: a
-        source it did not name is not asked again (the next wait finds what
-        came since), one it named is read without asking again; none (a
-        probe round is due, or nothing is known): each is asked."""
+        """The owner: answer handshakes, then whatever waits on the monitor and the ROUTER. ``woke`` is what
+        the owner's wait just found readable: a source it did not name is not asked again (the next wait finds
+        what came since), one it named is read without asking again; none (a probe round is due, or nothing is
+        known): each is asked."""
         known = bool(woke) and woke[0] is not DEADLINE
         if known and self.hub.gatekeeper is not None:
             self.hub.handshakes()  # a handshake waits for it: first
@@ -227,8 +222,7 @@ class Server:
             raise self._failed(exc) from exc
 
     def _failed(self, exc: Exception) -> InternalError:
-        """A bug in the coordinator (``exc``): every replica is told, once; the
-        error for rank 0's caller."""
+        """A bug in the coordinator (``exc``): every replica is told, once; the error for rank 0's caller."""
         if self.crashed is None:
             self._crash(exc)
         return InternalError(self.crashed or "the coordinator crashed")
@@ -345,10 +339,9 @@ class Server:
         return self.hub.bind()
 
     def _last_byes(self, timeout: float) -> None:
-        """Rank 0's program is ending and the group is over: send the last
-        BYEs and wait (at most ``timeout`` s) for their answers and the
-        TAKENs asked for (rule 7 of the coordinator). A replica busy in its
-        own code answers when it next enters the library or ends."""
+        """Rank 0's program is ending and the group is over: send the last BYEs and wait (at most ``timeout``
+        s) for their answers and the TAKENs asked for (rule 7 of the coordinator). A replica busy in its own
+        code answers when it next enters the library or ends."""
         coordinator = self.coordinator
         self._send_all(coordinator.last_byes())
         self._serve_until(lambda: not coordinator.waiting(), time.monotonic() + timeout, self.SERVED)
@@ -383,12 +376,10 @@ class Server:
         return limit_s
 
     def _drain(self, waiting: bool = False, batch: Optional[int] = DRAIN_BATCH) -> None:
-        """Handle every message waiting on the ROUTER (``waiting``: a poll just
-        found one, so the first needs no second poll); after ``batch`` of them
-        (None: no bound), return once rank 0's member has news, so that it
-        gets it (the owner's next poll finds the rest at once): a stranger
-        flooding the port would otherwise keep rank 0's thread here, and
-        every call of the group waiting for rank 0."""
+        """Handle every message waiting on the ROUTER (``waiting``: a poll just found one, so the first needs
+        no second poll); after ``batch`` of them (None: no bound), return once rank 0's member has news, so
+        that it gets it (the owner's next poll finds the rest at once): a stranger flooding the port would
+        otherwise keep rank 0's thread here, and every call of the group waiting for rank 0."""
         hub, coordinator = self.hub, self.coordinator
         taken = 0
         while coordinator.phase is not Phase.CLOSED:

@@ -46,15 +46,13 @@ class Turns:
         return self.wanting
 
     def alone(self) -> bool:
-        """Held by this thread, once, and no other thread leads a wait or wants
-        the turn: this thread may lead a wait without letting go first (read
-        without the mutex: a thread that comes meanwhile nudges it)."""
+        """Held by this thread, once, and no other thread leads a wait or wants the turn: this thread may lead
+        a wait without letting go first (read without the mutex: a thread that comes meanwhile nudges it)."""
         return self._depth == 1 and self._leader is None and not self.wanting
 
     def take(self, deadline: Optional[float] = None) -> bool:
-        """Take the turn (nested takes count), nudging its holder; False if
-        the holder, busy in a step that is not a wait (pickling, a reduce
-        function), kept it past ``deadline``."""
+        """Take the turn (nested takes count), nudging its holder; False if the holder, busy in a step that is
+        not a wait (pickling, a reduce function), kept it past ``deadline``."""
         lock = self._lock
         if not lock.acquire(blocking=False):
             with self._mutex:
@@ -110,9 +108,8 @@ class Turns:
 
     def wait(self, done: Callable[[], bool], deadline: Optional[float], drive: Drive,
              follow: Callable[[Callable[[], None]], None]) -> bool:
-        """Until ``done()`` (True) or ``deadline`` (False): lead, driving the
-        link with ``drive``, or follow while another thread leads; ``follow(wake)``
-        arranges for ``wake()`` once the awaited call is done."""
+        """Until ``done()`` (True) or ``deadline`` (False): lead, driving the link with ``drive``, or follow
+        while another thread leads; ``follow(wake)`` arranges for ``wake()`` once the awaited call is done."""
         if self.held():
             # a step of this thread's (teardown, a done-callback) waits: it leads without letting go
             return self._lead(done, deadline, drive, nested=True)
@@ -147,9 +144,8 @@ class Turns:
 
     def _lead(self, done: Callable[[], bool], deadline: Optional[float], drive: Drive,
               nested: bool) -> bool:
-        """Lead until ``done()`` (True) or ``deadline`` (False), letting go
-        whenever another thread wants the turn (unless ``nested``: this thread
-        held the turn already, halfway through a step of its own)."""
+        """Lead until ``done()`` (True) or ``deadline`` (False), letting go whenever another thread wants the
+        turn (unless ``nested``: this thread held the turn already, halfway through a step of its own)."""
         while True:
             if not self.take(deadline):
                 return False
@@ -177,10 +173,9 @@ class Turns:
 
 
 class StandIn:
-    """A thread that stands in for a program gone from the library for
-    :data:`AWAY_S`: it takes the turn when nobody wants it, runs ``serve``
-    (True: end the thread), and gives it back. Rank 0's coordinator server
-    and an interior rank's relay of the tree are each one of these."""
+    """A thread that stands in for a program gone from the library for :data:`AWAY_S`: it takes the turn when
+    nobody wants it, runs ``serve`` (True: end the thread), and gives it back. Rank 0's coordinator server and
+    an interior rank's relay of the tree are each one of these."""
 
     def __init__(self, name: str, turns: Turns, serve: Callable[[], bool], busy: Callable[[], bool],
                  crash: Callable[[BaseException], None], standby: bool = False) -> None:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Optional, Protocol, Union
 from .._protocol._member import ConnectionEvent
 from ._interrupts import Waiter
 
-__all__ = ["Hub", "Link"]
+__all__ = ["Hub", "Link", "Mailbox"]
 
 
 class Link(Protocol):
@@ -85,4 +85,61 @@ class Hub(Protocol):
         """The first peers refused at the handshake, and why."""
 
     def close(self, linger_ms: int) -> None:
+        """Let go; what is queued gets ``linger_ms`` to leave."""
+
+
+class Mailbox(Protocol):
+    """One rank's point-to-point links to the others (the mailbox; the tree's links too): a message
+    waits for its link's handshake, a send may lend its buffers (a tracker says when they are free)."""
+
+    @property
+    def source(self) -> Any:
+        """Readable while a message waits (watched in a Waiter)."""
+
+    retry: dict[int, float]  # links refused before they were made: when each is tried again
+    monitors: dict[int, Any]  # one watched source per link (its news: made, refused, broken)
+
+    def start(self, session: int, endpoints: list[str], base: bytes, rank: int) -> None:
+        """Welcomed: the ranks' addresses, and the key their links prove."""
+
+    def send(self, dest: int, frames: list[Any], track: bool, handle: Any) -> list[tuple[Any, Any]]:
+        """Send (never blocking) or hold until the link is made; what went: (tracker, handle)."""
+
+    def take(self, waiting: bool = False) -> Any:
+        """The messages waiting (an iterator of frame lists)."""
+
+    def progress(self, now: float, look: bool = False) -> tuple[list[tuple[Any, Any]], Optional[int]]:
+        """The links' news: what went once made, and a rank whose link broke."""
+
+    def links(self) -> dict[str, Any]:
+        """Each link's watched source, by its name in a Waiter."""
+
+    def connect(self, dests: list[int]) -> None:
+        """Make the links to ``dests`` now (not at their first message)."""
+
+    def made(self, dests: list[int]) -> bool:
+        """Are the links to ``dests`` made?"""
+
+    def holding(self, but: Any = ()) -> bool:
+        """Does a message wait for a link (to a rank not in ``but``)?"""
+
+    def holds(self, handle: Any) -> Optional[int]:
+        """The rank whose link the send ``handle`` waits for."""
+
+    def held_last(self, handle: Any) -> Optional[int]:
+        """That rank, if ``handle`` is the last send held for it."""
+
+    def drop_send(self, dest: int, handle: Any) -> None:
+        """Forget the held send ``handle``."""
+
+    def drop_to(self, dest: int, sends_only: bool) -> list[Any]:
+        """Forget what is held for ``dest``; the sends' handles."""
+
+    def drop_held(self) -> dict[int, list[Any]]:
+        """Forget everything held; the handles by rank."""
+
+    def cut_off(self, dests: Any) -> None:
+        """Stop sending to ``dests`` (what is under way is lost)."""
+
+    def close(self, linger_ms: int = 0) -> None:
         """Let go; what is queued gets ``linger_ms`` to leave."""
