@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ._announce import announce_coordinator, announce_group, write_for_launcher
-from ._format._wire import DEFAULT_MAX_FRAMES, Signer
+from ._format._wire import Signer
 from ._forming import Form, Overslept, Unreachable
 from ._future import settle, sleeping
 from ._io import _interrupts, _shared, _sockets, _stacks, _stops, _zmq
@@ -94,17 +94,7 @@ class Lifecycle:
         self.shared: Optional[SharedPlane] = None  # its host's shared memory, if it shares some
         self.relayer: Optional[StandIn] = None  # an interior rank's background thread (the tree)
         signer = Signer(config.secret) if config.secret is not None else None
-        self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
-                              config.max_frame_bytes)
-        self.member.world = world
-        self.member.job = config.job
-        self.member.user_code = _interrupts.user_code  # (an interior rank of the tree reduces there)
-        if form is not None:
-            self.member.lineage = form.lineage
-        self.member.newcomer = config.join
-        if config.log == "calls":
-            self.member.log_calls = True
-            _show_calls_log()
+        self.member = _new_member(config, signer, form, world)
         self.driver: Optional[Driver] = None
         self.here = Here(config.rank, config.num_replicas)
         _open_lives[id(self)] = self
@@ -128,7 +118,7 @@ class Lifecycle:
             self.driver.turns = self.turns
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
             if config.join:
-                self._await_admission(deadline)
+                Edges(self.driver).await_admission(config, deadline)
                 self.close(quick=True)
                 return
             if form is None:
@@ -137,7 +127,7 @@ class Lifecycle:
                 self._join_forming(form)
             self._start_data(deadline)
             config, member = self.config, self.member
-            self.here = self._here()
+            self.here = _here(self.config, self.member, self.shared, self.data is not None)
             if not nested:
                 announce_group(config.rank, config.num_replicas, member.session, member.lineage,
                                _stacks.answering())
@@ -147,10 +137,7 @@ class Lifecycle:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
             if (self.server is not None and self.server.gone() is None and refused and form is None
-                    and not told):
-                # replicas still starting up should hear why, not time out (when it serves:
-                # a coordinator that could not bind has nobody to tell; forming, the survivors
-                # are told by their own tries, and this one has others to try at once)
+                    and not told):  # replicas still starting up should hear why, not time out
                 _interrupts.sleep(JOIN_FAILURE_GRACE_S)
             self.close()
             raise
@@ -162,7 +149,7 @@ class Lifecycle:
         config, member = self.config, self.member
         alone = config.num_replicas == 1 and form is None and not config.join
         if alone and not config.port_given:  # a script run as it is: no port of its own
-            return self._direct(signer)
+            return DirectDriver.alone(self.member, signer, self.config)
         if self.nested:  # (a process may open many: it may be out of descriptors by now)
             _sockets.check_descriptors(f"rank {config.rank} cannot start ZeroMQ")
         self.ctx = _zmq.context(config.rank)
@@ -176,14 +163,13 @@ class Lifecycle:
             except AddressError as exc:
                 if not alone:
                     raise
-                # a group of one given a port serves it, so newcomers can come; taken (a
-                # MASTER_PORT left in the environment, say), it runs alone all the same
+                # a group of one given a port serves it, for newcomers; taken, it runs alone all the same
                 log.warning("zcollective: a group of one could not listen for newcomers (%s); "
                             "it runs alone, and grow() admits nobody", exc)
                 self.server = None
                 _zmq.end(self.ctx, config.rank)
                 self.ctx = None
-                return self._direct(signer)
+                return DirectDriver.alone(self.member, signer, self.config)
             link: Driver = HostDriver(member, self.server)
         else:
             link = DealerDriver(self.ctx, config, member)
@@ -191,50 +177,12 @@ class Lifecycle:
         if config.join:  # (a newcomer waiting: no data plane until it is a member)
             return link
         try:
-            self._bind_ports(link)
+            gate = self.server.hub.gatekeeper if self.server is not None else None  # the context's one
+            self.mail, self.data = _open_ports(self.ctx, config, member, gate)
         except BaseException:  # (no route to the master, say): the link is not ours yet to close,
             link.close()  # and a socket left open makes the context's term() wait forever
             raise
         return link
-
-    def _bind_ports(self, link: Driver) -> None:
-        """Bind the mailbox's port and the data plane's, on the interface that reaches the
-        master, before the JOIN, which names them."""
-        config, member, ctx = self.config, self.member, self.ctx
-        assert ctx is not None
-        gate = self.server.hub.gatekeeper if self.server is not None else None  # the context's one
-        self.mail = MailSockets(ctx, config, gate)
-        member.mail_endpoint, member.mail_window = self.mail.endpoint, config.mail_window_bytes
-        if config.shared_memory_min_bytes is not None and _shared.available():
-            member.shm_offer = (config.shared_memory_min_bytes, _shared.room())
-        if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
-            # (a master on loopback: one host, no use)
-            self.data = DataPlane(ctx, config, self.mail.gatekeeper)
-            member.data_endpoint, member.data_min_bytes = self.data.endpoint, config.data_plane_min_bytes
-            member.data_mode = config.data_plane
-
-    def _direct(self, signer: Optional[Signer]) -> Driver:
-        """A group of one: its member calls the coordinator in-process, no socket."""
-        from ._protocol._coordinator import Coordinator
-
-        session = int.from_bytes(os.urandom(8), "little") | 1
-        self.member.mail_window = self.config.mail_window_bytes  # (no mailbox sockets: _bind_ports never ran)
-        return DirectDriver(self.member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
-                                                    user_code=_interrupts.user_code, job=self.config.job))
-
-    def _await_admission(self, deadline: Optional[float]) -> None:
-        """A newcomer: wait until a grow() of the group admits it (rule 10 of
-        the coordinator); :attr:`Member.admitted` then says where it goes."""
-        link, member, config = self.driver, self.member, self.config
-        assert link is not None
-        if not Edges(link).send_join(lambda: member.admitted is not None, deadline):  # (parked anew
-            # each time)
-            raise CollectiveTimeoutError(
-                f"a newcomer was not admitted to the group at {config.endpoint} within "
-                f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"
-                + ("" if member.greeted or member.connected else "; the coordinator could not be "
-                   "reached there (is the address right? after rank 0's loss, "
-                   "coordinator_address() on a member says where the group is)"))
 
     def _join_forming(self, form: Form) -> None:
         """Join a group formed from an earlier one (rule 9 of the coordinator): the host waits
@@ -281,31 +229,14 @@ class Lifecycle:
         raise Unreachable(f"{who} reached {endpoint}, but no group was formed there within "
                           f"{form.wait_s + form.reach_s:g} s")
 
-    def _here(self) -> Here:
-        """What the operations know of this rank, once it joined (with ranks on several
-        hosts, shared memory is for allreduce alone, from the data plane's threshold)."""
-        config, member, plane = self.config, self.member, self.shared
-        least = member.shared["min"] if member.shared is not None else 0
-        across = plane is not None and plane.leaders is not None
-        return Here(config.rank, config.num_replicas, self.data is not None, member.data_min_bytes,
-                    config.max_frame_bytes, None if across else plane,
-                    max(least, member.data_min_bytes) if across else least, plane if across else None)
-
     def _start_data(self, deadline: Optional[float]) -> None:
         """Joined: open the mailbox to the group's ranks; share memory with those on this
         host if the WELCOME says so; use the data plane if every rank has one, else let it go."""
         data, member, link = self.data, self.member, self.driver
-        shared = member.shared
         leaders = None
-        if shared is not None and link is not None:
-            hosts = shared["hosts"]
-            host = hosts[member.rank]
-            ranks = [r for r, h in enumerate(hosts) if h == host]
-            known = {h for h in hosts if h is not None}
-            if len(known) > 1:  # ranks on several hosts (each rank's shares memory: rule 13)
-                leaders = sorted(hosts.index(h) for h in known)
-            self.shared = link.shared = SharedPlane(member, member.session, host, ranks, shared["room"][host],
-                                                    leaders)
+        if member.shared is not None and link is not None:
+            self.shared = link.shared = SharedPlane.welcomed(member)
+            leaders = self.shared.leaders
         if self.mail is not None and link is not None:
             if member.mail_endpoints is None:  # (a newcomer of an older release: no point to point)
                 self.mail.close()
@@ -523,6 +454,50 @@ class Lifecycle:
                 raise interrupted
         finally:
             turns.give()
+
+
+def _new_member(config: Config, signer: Optional[Signer], form: Optional[Form],
+                world: Optional[list[int]]) -> Member:
+    """The member's rules for ``config`` (forming from an earlier group: ``form``)."""
+    member = Member(config.rank, config.num_replicas, config.endpoint, signer, config.max_frame_bytes)
+    member.world, member.job, member.newcomer = world, config.job, config.join
+    member.user_code = _interrupts.user_code  # (an interior rank of the tree reduces there)
+    if form is not None:
+        member.lineage = form.lineage
+    if config.log == "calls":
+        member.log_calls = True
+        _show_calls_log()
+    return member
+
+
+def _open_ports(ctx: Any, config: Config, member: Member,
+                gate: Any) -> tuple[MailSockets, Optional[DataPlane]]:
+    """Bind the mailbox's port and the data plane's, on the interface that reaches the master, before
+    the JOIN, which names them (``gate``: rank 0's ZAP handler, which they share)."""
+    mail = MailSockets(ctx, config, gate)
+    member.mail_endpoint, member.mail_window = mail.endpoint, config.mail_window_bytes
+    if config.shared_memory_min_bytes is not None and _shared.available():
+        member.shm_offer = (config.shared_memory_min_bytes, _shared.room())
+    if not (config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config))):
+        return mail, None  # (a master on loopback: one host, no use)
+    try:
+        data = DataPlane(ctx, config, mail.gatekeeper)
+    except BaseException:
+        mail.close()
+        raise
+    member.data_endpoint, member.data_min_bytes = data.endpoint, config.data_plane_min_bytes
+    member.data_mode = config.data_plane
+    return mail, data
+
+
+def _here(config: Config, member: Member, plane: Optional[SharedPlane], data: bool) -> Here:
+    """What the operations know of this rank, once it joined (with ranks on several hosts, shared
+    memory is for allreduce alone, from the data plane's threshold)."""
+    least = member.shared["min"] if member.shared is not None else 0
+    across = plane is not None and plane.leaders is not None
+    return Here(config.rank, config.num_replicas, data, member.data_min_bytes, config.max_frame_bytes,
+                None if across else plane, max(least, member.data_min_bytes) if across else least,
+                plane if across else None)
 
 
 def lost_for_sure(failure: Optional[BaseException]) -> set[int]:

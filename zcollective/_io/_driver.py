@@ -7,20 +7,21 @@ wait for the next. See docs/protocol.md, *Topology* and *Drivers*.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import deque
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .._format._wire import Kind, Message, WireError, decode, encode, owned
+from .._format._wire import DEFAULT_MAX_FRAMES, Kind, Message, WireError, decode, encode, owned
 from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S
 from .._protocol._member import Member
 from .._protocol._ops import applied
 from .._protocol._outcomes import CallOutcome, fresh
 from ..errors import CollectiveError, CollectiveTimeoutError
 from . import transport
-from ._interrupts import NUDGE, Waiter
+from ._interrupts import NUDGE, Waiter, user_code
 from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
 if TYPE_CHECKING:
@@ -491,6 +492,16 @@ class DirectDriver(Driver):
         self._peer = RANK0_PEER
         self._inbox: deque[Message] = deque()
         member.connected = True
+
+    @classmethod
+    def alone(cls, member: Member, signer: Any, config: Any) -> DirectDriver:
+        """A group of one: its member calls the coordinator in-process, no socket."""
+        from .._protocol._coordinator import Coordinator
+
+        session = int.from_bytes(os.urandom(8), "little") | 1
+        member.mail_window = config.mail_window_bytes  # (no mailbox sockets)
+        return cls(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer, user_code=user_code,
+                                       job=config.job))
 
     def _send(self, msg: Message) -> None:
         at = self.coordinator

@@ -11,7 +11,8 @@ from typing import Callable, Optional
 from .._format._wire import Message
 from .._limits import POLL_SLICE_S, TREE_LINK_WAIT_S
 from .._protocol._p2p import ANY_SOURCE
-from ..errors import CollectiveError
+from ..config import Config
+from ..errors import CollectiveError, CollectiveTimeoutError
 from ._driver import Driver
 from ._mailbox import LINK
 
@@ -163,3 +164,15 @@ class Edges:
             if leaving:
                 sockets.cut_off(leaving)
         return member.final(teardown, unsent, leaving)  # (the unsent sends' outcomes: the caller's to settle)
+
+    def await_admission(self, config: Config, deadline: Optional[float]) -> None:
+        """A newcomer: wait until a grow() of the group admits it (rule 10 of the coordinator);
+        :attr:`Member.admitted` then says where it goes."""
+        member = self.member
+        if not self.send_join(lambda: member.admitted is not None, deadline):  # (parked anew each time)
+            raise CollectiveTimeoutError(
+                f"a newcomer was not admitted to the group at {config.endpoint} within "
+                f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"
+                + ("" if member.greeted or member.connected else "; the coordinator could not be "
+                   "reached there (is the address right? after rank 0's loss, "
+                   "coordinator_address() on a member says where the group is)"))

@@ -134,6 +134,17 @@ class SharedPlane:
     """This rank's part in its host's segment (see the module docstring).
     Used by the thread that holds the group's turn."""
 
+    @classmethod
+    def welcomed(cls, member: Any) -> SharedPlane:
+        """The plane the WELCOME's ``shared`` says (with ranks on several hosts, each host's leader too)."""
+        shared = member.shared
+        hosts = shared["hosts"]
+        host = hosts[member.rank]
+        known = {h for h in hosts if h is not None}
+        leaders = sorted(hosts.index(h) for h in known) if len(known) > 1 else None  # (rule 13)
+        return cls(member, member.session, host, [r for r, h in enumerate(hosts) if h == host],
+                   shared["room"][host], leaders)
+
     def __init__(self, member: Member, session: int, host: int, ranks: list[int], room: int,
                  leaders: Optional[list[int]] = None) -> None:
         self.member = member
