@@ -46,7 +46,7 @@ class DealerDriver(Driver):
             self._answer(member.connection(ConnectionEvent.DISCONNECTED))
             member.check()
 
-    def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """One wait covers the link and its events, so a disconnect ends a wait at once."""
         names = self._nudged_names if self.nudged else self._names  # (watching(), inline)
         while True:
@@ -56,9 +56,9 @@ class DealerDriver(Driver):
             if not woke or woke[0] is DEADLINE:  # nothing came: the events are asked anyway
                 self._drain_events()
             else:  # first: a FAIL that came before a disconnect explains it
-                got = DEALER in woke and self._drain_link(True, until)  # (not asked again if the
+                got = DEALER in woke and self._drain_dealer(True, until)  # (not asked again if the
                 if MONITOR in woke:  # poll did not find it: the next wait does)
-                    self._drain_link()  # all of it, past ``until``: a FAIL explains a close
+                    self._drain_dealer()  # all of it, past ``until``: a FAIL explains a close
                     self._drain_events()
                 if got or NUDGE in woke or mail:
                     return True
@@ -70,7 +70,7 @@ class DealerDriver(Driver):
     def slice_s(self) -> Optional[float]:
         return POLL_SLICE_S
 
-    def _drain_link(self, waiting: bool = False, until: Optional[Callable[[], bool]] = None) -> bool:
+    def _drain_dealer(self, waiting: bool = False, until: Optional[Callable[[], bool]] = None) -> bool:
         """Handle every message waiting (``waiting``: a poll just found one); True if there was
         one. Once ``until()`` holds and no other call is in flight, the rest stays queued for the
         next wait (rule 3 of :mod:`zcollective._future`). A done-callback that calls into the

@@ -47,6 +47,7 @@ class Driver:
         self._watches()
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
         self.turns: Any = None  # the group's Turns (whose holder uses the link)
+        self.pump = self._pump  # (its public name, for Edges: the driver's wait for anything)
         self.mail: Optional[transport.Mailbox] = None  # the mailbox (point to point), once joined
         self.mail_names: tuple[str, ...] = ()
         self.mail_ready = 0  # what a wait woke for of the mailbox's (MESSAGE, LINK: see _mailbox.mail_woke):
@@ -101,8 +102,16 @@ class Driver:
                 rules.take(msg)
                 if enough is not None and member.outcomes and enough() and not self.sleepers():
                     break
-        if rules.cut and sockets is not None:
-            self._cut(rules.cut)
+        if rules.cut and sockets is not None:  # ranks whose messages waiting for their link never go
+            failure, decided = rules.failure, set[int]()  # (Mail.cut): dropped; after a failure, sends fail
+            while rules.cut:  # with it (never sent), so no send that raised is delivered
+                dest, handles = rules.cut.pop()
+                decided.update(map(id, handles))
+                for handle in sockets.drop_to(dest, sends_only=failure is not None):
+                    if failure is not None:
+                        member.outcomes.append(CallOutcome(handle, fresh(failure)))
+            if decided:  # (their outcome is said: a tracker never done, to a rank gone, is not watched)
+                self.tracked = [(t, h) for t, h in self.tracked if id(h) not in decided]
         out, went = rules.out, []
         while out and sockets is not None:
             dest, msg, handle = out.pop(0)
@@ -139,23 +148,6 @@ class Driver:
             if interrupted is not None and threading.current_thread() is threading.main_thread():
                 member.relay.interrupted = None  # here: only the main thread gets signals)
                 raise interrupted
-
-    def _cut(self, cut: list[tuple[int, list[Any]]]) -> None:
-        """Ranks whose messages waiting for their link never go (see
-        :attr:`~zcollective._protocol._p2p.Mail.cut`): dropped; sends dropped after a failure fail with it
-        (never sent), so no send that raised is delivered."""
-        sockets, member = self.mail, self.member
-        assert sockets is not None and member.mail is not None
-        failure = member.mail.failure
-        decided: set[int] = set()
-        while cut:
-            dest, handles = cut.pop()
-            decided.update(map(id, handles))
-            for handle in sockets.drop_to(dest, sends_only=failure is not None):
-                if failure is not None:
-                    member.outcomes.append(CallOutcome(handle, fresh(failure)))
-        if decided:  # (their outcome is said: a tracker never done, to a rank gone, is not watched)
-            self.tracked = [(t, h) for t, h in self.tracked if id(h) not in decided]
 
     def take_back(self, handle: Any) -> bool:
         """Take back the send ``handle`` whose message still waits for its link (timed out, interrupted): only
@@ -207,7 +199,7 @@ class Driver:
         """Send one whole message (or raise a library error)."""
         raise NotImplementedError
 
-    def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """Wait until something arrives or ``deadline``; hand it all to the member (or, once ``until()``
         holds, as much as a driver chooses). False on timeout."""
         raise NotImplementedError
@@ -263,13 +255,34 @@ class Driver:
         """Send JOIN and wait for every replica to have joined; raise :class:`CollectiveTimeoutError` naming
         who was missing, or the error of the coordinator's refusal (or what ``check``, asked every
         :data:`~zcollective._limits.POLL_SLICE_S`, raises: a sub-group's parent's failure)."""
-        from ._edges import Edges
-
         member = self.member
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not Edges(self).send_join(lambda: member.joined, deadline, check):
+        if not self.send_join(lambda: member.joined, deadline, check):
             status = self.ask_status(0) if member.connected else None
             raise CollectiveTimeoutError(member.join_timeout_message(timeout, status))
+
+    def send_join(self, done: Callable[[], bool], deadline: Optional[float],
+                  check: Optional[Callable[[], None]] = None) -> bool:
+        """Send JOIN, and again when the member's timer says (rule 8 of :mod:`zcollective._protocol._member`),
+        until ``done()`` (True) or ``deadline`` (False); ``check()`` raises to end it (see :meth:`join`)."""
+        member = self.member
+        try:
+            self.send(member.start_join(self.warn_after if self.remote else None))
+            while True:
+                due = member.next_deadline()
+                until = due if deadline is None else deadline if due is None else min(deadline, due)
+                if check is not None:
+                    check()
+                    soon = time.monotonic() + POLL_SLICE_S
+                    until = soon if until is None else min(until, soon)
+                if self.wait_for(done, until):
+                    return True
+                now = member.clock()
+                if deadline is not None and now >= deadline:
+                    return False
+                self.send(member.on_timer(now))
+        finally:
+            member.stop_join()
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """Take in messages until ``done()`` or ``deadline`` (False); raise the group's failure (sticky)."""
@@ -306,7 +319,7 @@ class Driver:
                 soon = self._soon()
             if soon is not None and (deadline is None or soon < deadline):  # nothing wakes a wait
                 wake = soon  # when libzmq lets go of a buffer, nor when a link is due again
-        return (self.pump(wake, until) or wake != deadline) and not (until is not None and until())
+        return (self._pump(wake, until) or wake != deadline) and not (until is not None and until())
 
     def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         """A point-to-point call's wait, by the turn's holder, at its cheapest: one poll of what
@@ -391,7 +404,7 @@ class Driver:
         member = self.member
         replies = member.data_lost(error)
         while member.losing_data:
-            self.pump(member.next_deadline())
+            self._pump(member.next_deadline())
             replies = member.on_timer(member.clock())
         with contextlib.suppress(CollectiveError):  # the link to rank 0 broke too, which tells it
             self.send(replies)
@@ -402,7 +415,7 @@ class Driver:
         member = self.member
         self.send([member.status_query(seq)])
         deadline = time.monotonic() + STATUS_WAIT_S  # (taken in, no data moves)
-        while seq not in member.status and member.failure is None and self.pump(deadline):
+        while seq not in member.status and member.failure is None and self._pump(deadline):
             pass
         return member.status.pop(seq, None)
 
@@ -439,7 +452,7 @@ class HostDriver(Driver):
             msg = owned(msg)
         self.server.from_host(msg)
 
-    def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member, turns = self.server, self.member, self.turns
         held = turns.owner == get_ident()  # (as wait_for)
         if not held and not turns.take(deadline):
@@ -462,7 +475,7 @@ class HostDriver(Driver):
             return done()
         try:
             if self.server.to_host:  # what the background thread took in meanwhile: first
-                self.pump(time.monotonic())
+                self._pump(time.monotonic())
             return super().wait_for(done, deadline)
         finally:
             if not held:
@@ -510,7 +523,7 @@ class DirectDriver(Driver):
             interrupted, at.interrupted = at.interrupted, None
             raise interrupted
 
-    def pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
+    def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """What the coordinator answered; else, leading a wait (:attr:`nudged`), sleep until ``deadline`` or
         another thread wants the turn (to send to this rank, say: only a thread of this process can); a nested
         wait holds the turn, so nothing else can come."""

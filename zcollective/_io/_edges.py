@@ -23,29 +23,6 @@ class Edges:
     def __init__(self, driver: Driver) -> None:
         self.driver, self.member = driver, driver.member
 
-    def send_join(self, done: Callable[[], bool], deadline: Optional[float],
-                  check: Optional[Callable[[], None]] = None) -> bool:
-        """Send JOIN, and again when the member's timer says (rule 8 of :mod:`zcollective._protocol._member`),
-        until ``done()`` (True) or ``deadline`` (False); ``check()`` raises to end it (see :meth:`join`)."""
-        member = self.member
-        try:
-            self.driver.send(member.start_join(self.driver.warn_after if self.driver.remote else None))
-            while True:
-                due = member.next_deadline()
-                until = due if deadline is None else deadline if due is None else min(deadline, due)
-                if check is not None:
-                    check()
-                    soon = time.monotonic() + POLL_SLICE_S
-                    until = soon if until is None else min(until, soon)
-                if self.driver.wait_for(done, until):
-                    return True
-                now = member.clock()
-                if deadline is not None and now >= deadline:
-                    return False
-                self.driver.send(member.on_timer(now))
-        finally:
-            member.stop_join()
-
     def send_waiting(self, deadline: Optional[float], links: bool = True) -> bool:
         """Ending (teardown, or the program ends): move everything until no send of this rank waits for its
         receiver's credit or (``links``), to a rank still taking in, for its link's handshake (each went, or
@@ -169,7 +146,7 @@ class Edges:
         """A newcomer: wait until a grow() of the group admits it (rule 10 of the coordinator);
         :attr:`Member.admitted` then says where it goes."""
         member = self.member
-        if not self.send_join(lambda: member.admitted is not None, deadline):  # (parked anew each time)
+        if not self.driver.send_join(lambda: member.admitted is not None, deadline):  # (parked anew)
             raise CollectiveTimeoutError(
                 f"a newcomer was not admitted to the group at {config.endpoint} within "
                 f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"

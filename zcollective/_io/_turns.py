@@ -203,9 +203,9 @@ class StandIn:
             self.stop_pipe.close()
 
     def _run(self) -> None:
-        turns, busy, wait = self._turns, self._busy, self._waiter.wait
+        turns, busy = self._turns, self._busy
         try:
-            while not wait((STOP,), None, PARK_BUSY_S if busy() else PARK_IDLE_S):
+            while not self._waiter.wait((STOP,), None, PARK_BUSY_S if busy() else PARK_IDLE_S):
                 if turns.wanting or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
                     continue
                 turns.standby = self._standby
