@@ -17,16 +17,15 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import zmq
-
 from ._announce import announce_coordinator, announce_group, write_for_launcher
-from ._format._wire import DEFAULT_MAX_FRAMES, Signer
+from ._format._wire import Signer
 from ._forming import Form, Overslept, Unreachable
 from ._future import settle, sleeping
-from ._io import _interrupts, _shared, _sockets, _stacks, _stops
+from ._io import _interrupts, _shared, _sockets, _stacks, _stops, _zmq
 from ._io._dataplane import DataPlane
 from ._io._dealer import DealerDriver
 from ._io._driver import DirectDriver, Driver, HostDriver
+from ._io._edges import Edges
 from ._io._interrupts import NUDGE
 from ._io._mailbox import MailSockets
 from ._io._shared import SharedPlane
@@ -46,15 +45,13 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # (rank 0's only, imported when it serves: the other ranks never load them)
-    from ._io._relayer import Relayer  # (an interior rank's of the tree)
     from ._io._server import Server
+    from ._io._turns import StandIn  # (an interior rank's relay of the tree)
     from ._protocol._coordinator import Coordinator
 
 log = logging.getLogger("zcollective")
 
 JOIN_FAILURE_GRACE_S = 2.0  # rank 0 keeps answering this long after a failed join
-COORDINATOR_IO_THREADS = 2  # rank 0 talks to every replica: a second libzmq I/O thread cut
-# 16 MiB allreduce at N=4 from 72 to 45 ms (medians of 5, benchmarks/README.md); others have 1 link
 _open_lives: dict[int, Lifecycle] = {}  # id -> lifecycle: ended (delivered, then closed) at exit
 
 
@@ -73,15 +70,12 @@ class Lifecycle:
     def __init__(self, config: Config, form: Optional[Form] = None, *, nested: bool = False,
                  opened: Optional[Callable[[str], None]] = None,
                  world: Optional[list[int]] = None, check: Optional[Callable[[], None]] = None) -> None:
-        """Join the group ``config`` describes (or form one from an earlier
-        group: ``form``, where ``config`` names this replica by its old rank
-        and size, and the host; see :mod:`zcollective._elastic`). ``nested``:
-        a sub-group (:mod:`zcollective._subgroups`), which tells the launcher
-        nothing; its rank 0 binds a port of the system's choosing; once this
-        replica's sockets are open, ``opened`` is told where (before anyone
-        waits for it); its errors name ``world``, each rank's in the world;
-        ``check()``, asked while it joins, raises to end the join (a sub-group's
-        parent failed: its error)."""
+        """Join the group ``config`` describes (or form one from an earlier group: ``form``, where ``config``
+        names this replica by its old rank and size, and the host; see :mod:`zcollective._elastic`).
+        ``nested``: a sub-group (:mod:`zcollective._subgroups`), which tells the launcher nothing; its rank 0
+        binds a port of the system's choosing; once this replica's sockets are open, ``opened`` is told where
+        (before anyone waits for it); its errors name ``world``, each rank's in the world; ``check()``, asked
+        while it joins, raises to end the join (a sub-group's parent failed: its error)."""
         self.config = config
         self.nested = nested
         self.world = world  # a sub-group's ranks' world ranks (its errors name them); None: the world
@@ -93,24 +87,14 @@ class Lifecycle:
         self.closed = False
         self.reforming: Optional[str] = None  # closed by shrink() or grow() to form the next group
         self._watching = False  # this group counts in _stops' watch
-        self.ctx: Optional[zmq.Context[Any]] = None
+        self.ctx: Any = None  # the transport's state (a ZeroMQ context)
         self.server: Optional[Server] = None
         self.data: Optional[DataPlane] = None
         self.mail: Optional[MailSockets] = None  # its mailbox (point to point)
         self.shared: Optional[SharedPlane] = None  # its host's shared memory, if it shares some
-        self.relayer: Optional[Relayer] = None  # an interior rank's background thread (the tree)
+        self.relayer: Optional[StandIn] = None  # an interior rank's background thread (the tree)
         signer = Signer(config.secret) if config.secret is not None else None
-        self.member = Member(config.rank, config.num_replicas, config.endpoint, signer,
-                              config.max_frame_bytes)
-        self.member.world = world
-        self.member.job = config.job
-        self.member.user_code = _interrupts.user_code  # (an interior rank of the tree reduces there)
-        if form is not None:
-            self.member.lineage = form.lineage
-        self.member.newcomer = config.join
-        if config.log == "calls":
-            self.member.log_calls = True
-            _show_calls_log()
+        self.member = _new_member(config, signer, form, world)
         self.driver: Optional[Driver] = None
         self.here = Here(config.rank, config.num_replicas)
         _open_lives[id(self)] = self
@@ -123,7 +107,7 @@ class Lifecycle:
         try:
             self.driver = self._connect(signer, form)
             if self.server is not None and not config.master_port:  # (a sub-group's)
-                self.config = config = dataclasses.replace(config, master_port=self.server.port)
+                self.config = config = dataclasses.replace(config, master_port=self.server.hub.port)
                 self.member.endpoint = config.endpoint
             if opened is not None:
                 told = True
@@ -131,9 +115,10 @@ class Lifecycle:
                 told = False
             self.driver.warn_after = config.warn_after
             self.driver.waiter.watch(NUDGE, self.turns.nudge.fd)  # a thread wanting the turn wakes a wait
+            self.driver.turns = self.turns
             deadline = None if config.init_timeout is None else time.monotonic() + config.init_timeout
             if config.join:
-                self._await_admission(deadline)
+                Edges(self.driver).await_admission(config, deadline)
                 self.close(quick=True)
                 return
             if form is None:
@@ -142,7 +127,7 @@ class Lifecycle:
                 self._join_forming(form)
             self._start_data(deadline)
             config, member = self.config, self.member
-            self.here = self._here()
+            self.here = _here(self.config, self.member, self.shared, self.data is not None)
             if not nested:
                 announce_group(config.rank, config.num_replicas, member.session, member.lineage,
                                _stacks.answering())
@@ -152,27 +137,22 @@ class Lifecycle:
             refused = isinstance(exc, (CollectiveError, ValueError)) and not isinstance(
                 exc, CollectiveTimeoutError)  # not an interrupt, nor a bug of ours
             if (self.server is not None and self.server.gone() is None and refused and form is None
-                    and not told):
-                # replicas still starting up should hear why, not time out (when it serves:
-                # a coordinator that could not bind has nobody to tell; forming, the survivors
-                # are told by their own tries, and this one has others to try at once)
+                    and not told):  # replicas still starting up should hear why, not time out
                 _interrupts.sleep(JOIN_FAILURE_GRACE_S)
             self.close()
             raise
 
     def _connect(self, signer: Optional[Signer], form: Optional[Form] = None) -> Driver:
-        """The member's link: one replica calls the coordinator directly;
-        rank 0 of more serves it (in its own thread while in the library);
-        the others reach it through a DEALER. Forming a group, its host
-        serves it."""
+        """The member's link: one replica calls the coordinator directly; rank 0 of more serves it (in its own
+        thread while in the library); the others reach it through a DEALER. Forming a group, its host serves
+        it."""
         config, member = self.config, self.member
         alone = config.num_replicas == 1 and form is None and not config.join
         if alone and not config.port_given:  # a script run as it is: no port of its own
-            return self._direct(signer)
+            return DirectDriver.alone(self.member, signer, self.config)
         if self.nested:  # (a process may open many: it may be out of descriptors by now)
             _sockets.check_descriptors(f"rank {config.rank} cannot start ZeroMQ")
-        with _sockets.mapped(f"rank {config.rank} cannot start ZeroMQ"):
-            self.ctx = zmq.Context(io_threads=COORDINATOR_IO_THREADS if config.rank == 0 else 1)
+        self.ctx = _zmq.context(config.rank)
         if (config.rank == 0 and not config.join) if form is None else form.forming is not None:
             from ._io._server import Server
 
@@ -183,15 +163,13 @@ class Lifecycle:
             except AddressError as exc:
                 if not alone:
                     raise
-                # a group of one given a port serves it, so newcomers can come; taken (a
-                # MASTER_PORT left in the environment, say), it runs alone all the same
+                # a group of one given a port serves it, for newcomers; taken, it runs alone all the same
                 log.warning("zcollective: a group of one could not listen for newcomers (%s); "
                             "it runs alone, and grow() admits nobody", exc)
                 self.server = None
-                self.ctx.term()
-                _sockets.forget(self.ctx)
+                _zmq.end(self.ctx, config.rank)
                 self.ctx = None
-                return self._direct(signer)
+                return DirectDriver.alone(self.member, signer, self.config)
             link: Driver = HostDriver(member, self.server)
         else:
             link = DealerDriver(self.ctx, config, member)
@@ -199,56 +177,18 @@ class Lifecycle:
         if config.join:  # (a newcomer waiting: no data plane until it is a member)
             return link
         try:
-            self._bind_ports(link)
+            gate = self.server.hub.gatekeeper if self.server is not None else None  # the context's one
+            self.mail, self.data = _open_ports(self.ctx, config, member, gate)
         except BaseException:  # (no route to the master, say): the link is not ours yet to close,
             link.close()  # and a socket left open makes the context's term() wait forever
             raise
         return link
 
-    def _bind_ports(self, link: Driver) -> None:
-        """Bind the mailbox's port and the data plane's, on the interface that reaches the
-        master, before the JOIN, which names them."""
-        config, member, ctx = self.config, self.member, self.ctx
-        assert ctx is not None
-        gate = self.server.gatekeeper if self.server is not None else None  # the context's one
-        self.mail = MailSockets(ctx, config, gate)
-        member.mail_endpoint, member.mail_window = self.mail.endpoint, config.mail_window_bytes
-        if config.shared_memory_min_bytes is not None and _shared.available():
-            member.shm_offer = (config.shared_memory_min_bytes, _shared.room())
-        if config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config)):
-            # (a master on loopback: one host, no use)
-            self.data = DataPlane(ctx, config, self.mail.gatekeeper)
-            member.data_endpoint, member.data_min_bytes = self.data.endpoint, config.data_plane_min_bytes
-            member.data_mode = config.data_plane
-
-    def _direct(self, signer: Optional[Signer]) -> Driver:
-        """A group of one: its member calls the coordinator in-process, no socket."""
-        from ._protocol._coordinator import Coordinator
-
-        session = int.from_bytes(os.urandom(8), "little") | 1
-        self.member.mail_window = self.config.mail_window_bytes  # (no mailbox sockets: _bind_ports never ran)
-        return DirectDriver(self.member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer,
-                                                    user_code=_interrupts.user_code, job=self.config.job))
-
-    def _await_admission(self, deadline: Optional[float]) -> None:
-        """A newcomer: wait until a grow() of the group admits it (rule 10 of
-        the coordinator); :attr:`Member.admitted` then says where it goes."""
-        link, member, config = self.driver, self.member, self.config
-        assert link is not None
-        if not link.send_join(lambda: member.admitted is not None, deadline):  # (parked anew each time)
-            raise CollectiveTimeoutError(
-                f"a newcomer was not admitted to the group at {config.endpoint} within "
-                f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"
-                + ("" if member.greeted or member.connected else "; the coordinator could not be "
-                   "reached there (is the address right? after rank 0's loss, "
-                   "coordinator_address() on a member says where the group is)"))
-
     def _join_forming(self, form: Form) -> None:
-        """Join a group formed from an earlier one (rule 9 of the
-        coordinator): the host waits :attr:`Form.wait_s` for the members it
-        expects, then starts with those who came; a member gives up on a
-        host it cannot reach within :attr:`Form.reach_s` (:class:`Unreachable`).
-        Then this replica has the rank and size the WELCOME gave."""
+        """Join a group formed from an earlier one (rule 9 of the coordinator): the host waits
+        :attr:`Form.wait_s` for the members it expects, then starts with those who came; a member gives up on
+        a host it cannot reach within :attr:`Form.reach_s` (:class:`Unreachable`). Then this replica has the
+        rank and size the WELCOME gave."""
         link, member, server = self.driver, self.member, self.server
         assert link is not None
         link.send([member.join()])
@@ -269,11 +209,10 @@ class Lifecycle:
             self.data.rank, self.data.size = member.rank, member.size
 
     def _reach_host(self, form: Form, who: str) -> None:
-        """A member forming a group: reach its would-be host within
-        :attr:`Form.reach_s` (a port nobody listens on is :class:`Unreachable`
-        with ``refused``: that process died), then wait for its WELCOME. A host
-        whose earlier group is still open there (its program is elsewhere) has
-        until ``reach_s`` to start forming; one that forms has the forming bound."""
+        """A member forming a group: reach its would-be host within :attr:`Form.reach_s` (a port nobody
+        listens on is :class:`Unreachable` with ``refused``: that process died), then wait for its WELCOME. A
+        host whose earlier group is still open there (its program is elsewhere) has until ``reach_s`` to start
+        forming; one that forms has the forming bound."""
         link, member, endpoint = self.driver, self.member, self.config.endpoint
         assert link is not None
         reached = time.monotonic() + form.reach_s
@@ -290,31 +229,14 @@ class Lifecycle:
         raise Unreachable(f"{who} reached {endpoint}, but no group was formed there within "
                           f"{form.wait_s + form.reach_s:g} s")
 
-    def _here(self) -> Here:
-        """What the operations know of this rank, once it joined (with ranks on several
-        hosts, shared memory is for allreduce alone, from the data plane's threshold)."""
-        config, member, plane = self.config, self.member, self.shared
-        least = member.shared["min"] if member.shared is not None else 0
-        across = plane is not None and plane.leaders is not None
-        return Here(config.rank, config.num_replicas, self.data is not None, member.data_min_bytes,
-                    config.max_frame_bytes, None if across else plane,
-                    max(least, member.data_min_bytes) if across else least, plane if across else None)
-
     def _start_data(self, deadline: Optional[float]) -> None:
         """Joined: open the mailbox to the group's ranks; share memory with those on this
         host if the WELCOME says so; use the data plane if every rank has one, else let it go."""
         data, member, link = self.data, self.member, self.driver
-        shared = member.shared
         leaders = None
-        if shared is not None and link is not None:
-            hosts = shared["hosts"]
-            host = hosts[member.rank]
-            ranks = [r for r, h in enumerate(hosts) if h == host]
-            known = {h for h in hosts if h is not None}
-            if len(known) > 1:  # ranks on several hosts (each rank's shares memory: rule 13)
-                leaders = sorted(hosts.index(h) for h in known)
-            self.shared = link.shared = SharedPlane(member, member.session, host, ranks, shared["room"][host],
-                                                    leaders)
+        if member.shared is not None and link is not None:
+            self.shared = link.shared = SharedPlane.welcomed(member)
+            leaders = self.shared.leaders
         if self.mail is not None and link is not None:
             if member.mail_endpoints is None:  # (a newcomer of an older release: no point to point)
                 self.mail.close()
@@ -323,11 +245,11 @@ class Lifecycle:
                 base = self.config.secret or bytes.fromhex(member.mail_key or "")
                 self.mail.start(member.session, member.mail_endpoints, base, member.rank)
                 link.attach_mail(self.mail)
-                link.link_tree(deadline)
+                Edges(link).link_tree(deadline)
                 if member.relay is not None:  # an interior rank of the tree: its subtree's calls move
-                    from ._io._relayer import Relayer  # while its program is elsewhere
+                    from ._io._relayer import relayer  # while its program is elsewhere
 
-                    self.relayer = Relayer(self.turns, link, member)
+                    self.relayer = relayer(self.turns, link, member)
                     self.relayer.start()
         if data is None or link is None:
             return
@@ -401,24 +323,23 @@ class Lifecycle:
                 f"zcollective.initialize() (or create a Group) in the child for a group of its own")
 
     def finish(self, deadline: Optional[float], timeout: Optional[float]) -> None:
-        """``teardown()``, holding the turn, before its call: finish what this rank
-        called. It receives nothing new (what no receive posted matches is dropped),
-        its sends waiting for credit go, its FINAL says how many it sent each rank;
-        then every call it made is done (its futures hold their values) and every
-        message the others sent it was taken in, so that its teardown's part says
-        so: once the call completes, closing loses nothing. Until ``deadline``
-        (``timeout`` is how long that was): else :class:`CollectiveTimeoutError`."""
+        """``teardown()``, holding the turn, before its call: finish what this rank called. It receives
+        nothing new (what no receive posted matches is dropped), its sends waiting for credit go, its FINAL
+        says how many it sent each rank; then every call it made is done (its futures hold their values) and
+        every message the others sent it was taken in, so that its teardown's part says so: once the call
+        completes, closing loses nothing. Until ``deadline`` (``timeout`` is how long that was): else
+        :class:`CollectiveTimeoutError`."""
         driver, member = self.driver, self.member
         assert driver is not None
         mail = member.mail
         if mail is not None:
             mail.closing()
-        sent = driver.send_waiting(deadline)
+        sent = Edges(driver).send_waiting(deadline)
         if sent:  # (what still waits for a link goes to a rank whose program ended: never)
-            final = driver.final(True, time.monotonic())  # the others' receives from this rank end
+            final = Edges(driver).final(True, time.monotonic())  # the others' receives from this rank end
             if final is not None:  # once what it sent was taken in
                 driver.send([final])
-        if not sent or not driver.finish_calls(deadline):
+        if not sent or not Edges(driver).finish_calls(deadline):
             waits = ([member.describe_in_flight()] if member.calls else []) + (
                 mail.unfinished() if mail is not None else [])
             raise CollectiveTimeoutError(
@@ -429,9 +350,8 @@ class Lifecycle:
         settle(member.outcomes)
 
     def close_to_form(self, quick: bool) -> None:
-        """Close, holding the turn, for the next group to form: ``quick``, the
-        group failed, so nothing queued is worth waiting for; else (a grow)
-        rank 0's last results and admissions leave first."""
+        """Close, holding the turn, for the next group to form: ``quick``, the group failed, so nothing queued
+        is worth waiting for; else (a grow) rank 0's last results and admissions leave first."""
         with self.turns:
             self.reforming = self.reforming or ("shrink()" if quick else "grow()")
             if not self.closed:
@@ -440,12 +360,10 @@ class Lifecycle:
                 self.close(quick=quick)
 
     def close(self, ending: bool = False, hurry: bool = False, quick: bool = False) -> None:
-        """Close the sockets. ``ending``: the program is ending without
-        teardown: rank 0 first serves until its calls are delivered, and what
-        is queued gets :data:`~zcollective._limits.EXIT_LINGER_MS` to leave.
-        ``hurry``: it was interrupted while ending: rank 0 tells the others
-        the group is over and waits for nothing. ``quick``: nothing queued
-        is worth waiting for (a failed group shrinks)."""
+        """Close the sockets. ``ending``: the program is ending without teardown: rank 0 first serves until
+        its calls are delivered, and what is queued gets :data:`~zcollective._limits.EXIT_LINGER_MS` to leave.
+        ``hurry``: it was interrupted while ending: rank 0 tells the others the group is over and waits for
+        nothing. ``quick``: nothing queued is worth waiting for (a failed group shrinks)."""
         self.closed = True
         _open_lives.pop(id(self), None)
         if self.parent is not None and self.parent_ranks is not None:
@@ -464,10 +382,12 @@ class Lifecycle:
             try:
                 stuck = self.server is not None and self.server.gone() is None
                 if self.relayer is not None:
-                    self.relayer.stop()
+                    from ._io._relayer import STOP_WAIT_S
+
+                    self.relayer.end(STOP_WAIT_S)
                 if self.driver is not None and not quick:
                     with contextlib.suppress(CollectiveError):  # (a failure: the sockets still close)
-                        self.driver.hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
+                        Edges(self.driver).hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
                 if self.mail is not None:  # (an interior rank's results passed down leave first)
                     self.mail.close(EXIT_LINGER_MS if ending or self.relayer is not None else 0)
                 if self.data is not None:  # (ending: the next rank said it has its chunks, see
@@ -478,10 +398,7 @@ class Lifecycle:
                 if self.driver is not None:
                     self.driver.close(EXIT_LINGER_MS if ending else 0)
                 if self.ctx is not None and not stuck:
-                    # after term() libzmq holds no buffer of ours: the interpreter may free them
-                    with _sockets.mapped(f"rank {self.config.rank} could not close ZeroMQ"):
-                        self.ctx.term()
-                    _sockets.forget(self.ctx)
+                    _zmq.end(self.ctx, self.config.rank)  # (then the interpreter may free our buffers)
             finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
                 # a wait, never halfway through a message or before the sockets are closed
                 self.turns.close()
@@ -516,11 +433,11 @@ class Lifecycle:
                 try:
                     driver.progress()  # take in a FAIL that would make a BYE pointless
                     self._await_verdict(driver)
-                    driver.relay_out(time.monotonic() + EXIT_WAIT_S)  # an interior rank of the tree
+                    Edges(driver).relay_out(time.monotonic() + EXIT_WAIT_S)  # an interior rank of the tree
                     driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
-                    driver.send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000, links=False)  # (receivers
-                    # that run may still take them; say_bye's FINAL waits for links, bounded)
-                    driver.say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
+                    # (receivers that run may still take them; say_bye's FINAL waits for links, bounded)
+                    Edges(driver).send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000, links=False)
+                    Edges(driver).say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
                 except BaseException as exc:
                     if is_interrupt(exc):  # an interrupt (a handler's
                         # exception too; any other: the group failed, nothing to announce, only to
@@ -530,13 +447,57 @@ class Lifecycle:
                         bye = self.member.bye()
                         with contextlib.suppress(BaseException):
                             if bye is not None:
-                                final = driver.final(False, time.monotonic())  # (no wait for a link)
+                                final = Edges(driver).final(False, time.monotonic())  # (no wait for a link)
                                 driver.send([bye] if final is None else [final, bye])
             self.close(ending=True, hurry=interrupted is not None)
             if interrupted is not None:
                 raise interrupted
         finally:
             turns.give()
+
+
+def _new_member(config: Config, signer: Optional[Signer], form: Optional[Form],
+                world: Optional[list[int]]) -> Member:
+    """The member's rules for ``config`` (forming from an earlier group: ``form``)."""
+    member = Member(config.rank, config.num_replicas, config.endpoint, signer, config.max_frame_bytes)
+    member.world, member.job, member.newcomer = world, config.job, config.join
+    member.user_code = _interrupts.user_code  # (an interior rank of the tree reduces there)
+    if form is not None:
+        member.lineage = form.lineage
+    if config.log == "calls":
+        member.log_calls = True
+        _show_calls_log()
+    return member
+
+
+def _open_ports(ctx: Any, config: Config, member: Member,
+                gate: Any) -> tuple[MailSockets, Optional[DataPlane]]:
+    """Bind the mailbox's port and the data plane's, on the interface that reaches the master, before
+    the JOIN, which names them (``gate``: rank 0's ZAP handler, which they share)."""
+    mail = MailSockets(ctx, config, gate)
+    member.mail_endpoint, member.mail_window = mail.endpoint, config.mail_window_bytes
+    if config.shared_memory_min_bytes is not None and _shared.available():
+        member.shm_offer = (config.shared_memory_min_bytes, _shared.room())
+    if not (config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config))):
+        return mail, None  # (a master on loopback: one host, no use)
+    try:
+        data = DataPlane(ctx, config, mail.gatekeeper)
+    except BaseException:
+        mail.close()
+        raise
+    member.data_endpoint, member.data_min_bytes = data.endpoint, config.data_plane_min_bytes
+    member.data_mode = config.data_plane
+    return mail, data
+
+
+def _here(config: Config, member: Member, plane: Optional[SharedPlane], data: bool) -> Here:
+    """What the operations know of this rank, once it joined (with ranks on several hosts, shared
+    memory is for allreduce alone, from the data plane's threshold)."""
+    least = member.shared["min"] if member.shared is not None else 0
+    across = plane is not None and plane.leaders is not None
+    return Here(config.rank, config.num_replicas, data, member.data_min_bytes, config.max_frame_bytes,
+                None if across else plane, max(least, member.data_min_bytes) if across else least,
+                plane if across else None)
 
 
 def lost_for_sure(failure: Optional[BaseException]) -> set[int]:
@@ -586,16 +547,12 @@ MP_EXIT_PRIORITY = 100  # above multiprocessing's own finalizers (a queue's flus
 
 
 def _register_atexit() -> None:
-    """Have every open group end when the process does: through ``atexit``
-    and, in a multiprocessing child, through multiprocessing's finalizers
-    (a ``fork`` or ``forkserver`` child ends with ``os._exit`` after them,
-    skipping ``atexit``; a ``spawn`` child runs both: ending twice is a no-op)."""
+    """Have every open group end when the process does: through ``atexit`` and, in a multiprocessing child,
+    through multiprocessing's finalizers (a ``fork`` or ``forkserver`` child ends with ``os._exit`` after
+    them, skipping ``atexit``; a ``spawn`` child runs both: ending twice is a no-op)."""
     global _atexit_registered, _finalizer_pid
     if not _atexit_registered:
-        # pyzmq registers the shutdown of its zero-copy garbage collector when that module is
-        # first imported, which may be at our first large send; import it now, so that ours,
-        # registered later, runs first (atexit runs last-in, first-out)
-        import zmq.utils.garbage  # noqa: F401
+        _zmq.before_exit()  # (our hook runs before pyzmq's)
 
         atexit.register(_end_all)
         _atexit_registered = True

@@ -197,7 +197,7 @@ class PointToPoint:
                 driver.mail_io()  # the group is over: what came before it is still received
             future: CollectiveFuture[Any] = CollectiveFuture(calls, -1, what)
             act(mail, *args, future)
-            if mail.out and driver is not None and not calls.life.closed:
+            if driver is not None and (mail.out or driver.tracked) and not calls.life.closed:
                 driver.mail_io(take=False)  # sent now, not at the next wait
             outcomes = calls.member.outcomes
             if outcomes:

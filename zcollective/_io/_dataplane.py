@@ -103,8 +103,7 @@ def bind_peer_port(ctx: zmq.Context, config: Config, gatekeeper: _zap.Gatekeeper
 
 
 class DataPlane:
-    """One replica's data sockets (see the module docstring). Used only by
-    the thread that owns the group."""
+    """One replica's data sockets (see the module docstring). Used only by the thread that owns the group."""
 
     def __init__(self, ctx: zmq.Context, config: Config,
                  gatekeeper: Optional[_zap.Gatekeeper] = None) -> None:
@@ -141,12 +140,11 @@ class DataPlane:
     def start(self, session: int, endpoints: list[str], mac: str, data_key: Optional[str],
               deadline: Optional[float], pump: Callable[[], None],
               leaders: Optional[list[int]] = None) -> None:
-        """The group is welcomed: connect to the next rank's data port (and, at a host's
-        leader, to the next host's: ``leaders``, one rank per host in ring order) and wait
-        until every data link has made its handshake (every rank is inside ``initialize``
-        now, to answer), or raise :class:`CollectiveTimeoutError` naming them at
-        ``deadline``. Tokens are made under the secret, or without one under ``data_key``
-        (hex, from the WELCOME)."""
+        """The group is welcomed: connect to the next rank's data port (and, at a host's leader, to the next
+        host's: ``leaders``, one rank per host in ring order) and wait until every data link has made its
+        handshake (every rank is inside ``initialize`` now, to answer), or raise
+        :class:`CollectiveTimeoutError` naming them at ``deadline``. Tokens are made under the secret, or
+        without one under ``data_key`` (hex, from the WELCOME)."""
         self.endpoints = endpoints
         base = self._config.secret  # with one, chunks carry the MAC every rank of the group has
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
@@ -259,13 +257,12 @@ class DataPlane:
             control: tuple[str, ...], pump: Callable[[], None],
             fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None,
             owner: Any = None) -> bool:
-        """Move ``job``'s chunks until it is done and its last sends have left, or the
-        group fails (True: the caller finds ``member.failure``), or until ``deadline``,
-        or ``until()`` after news on ``control`` (of ``waiter``'s names: False). ``pump``
-        moves the rest of the group, without blocking (the driver's one wait: see
-        docs/protocol.md, *Progress*); ``fail`` fails the group for every rank.
-        ``owner``: the member's job ``job`` is a step of (a shared-memory job's ring
-        between hosts), if not ``job`` itself."""
+        """Move ``job``'s chunks until it is done and its last sends have left, or the group fails (True: the
+        caller finds ``member.failure``), or until ``deadline``, or ``until()`` after news on ``control`` (of
+        ``waiter``'s names: False). ``pump`` moves the rest of the group, without blocking (the driver's one
+        wait: see docs/protocol.md, *Progress*); ``fail`` fails the group for every rank. ``owner``: the
+        member's job ``job`` is a step of (a shared-memory job's ring between hosts), if not ``job``
+        itself."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
         owner = job if owner is None else owner

@@ -7,26 +7,26 @@ wait for the next. See docs/protocol.md, *Topology* and *Drivers*.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import deque
-from functools import partial
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .._format._wire import Kind, Message, WireError, decode, encode, owned
-from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S, TREE_LINK_WAIT_S
+from .._format._wire import DEFAULT_MAX_FRAMES, Kind, Message, WireError, decode, encode, owned
+from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S
 from .._protocol._member import Member
 from .._protocol._outcomes import CallOutcome, fresh
-from .._protocol._p2p import ANY_SOURCE
 from ..errors import CollectiveError, CollectiveTimeoutError
+from . import transport
 from ._combine import answer, applied
-from ._interrupts import NUDGE, Waiter
+from ._interrupts import NUDGE, Waiter, user_code
 from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
 
 if TYPE_CHECKING:
     from .._protocol._coordinator import Coordinator
     from ._dataplane import DataPlane
-    from ._mailbox import MailSockets
     from ._server import Server
     from ._shared import SharedPlane
 
@@ -46,11 +46,13 @@ class Driver:
         self.waiter = Waiter()  # what its waits watch: the link's sources, the nudge, the data plane's
         self._watches()
         self.nudged = False  # the waiting thread leads (_turns): a nudge ends its wait too
-        self.mail: Optional[MailSockets] = None  # the mailbox's sockets (point to point), once joined
+        self.turns: Any = None  # the group's Turns (whose holder uses the link)
+        self.pump = self._pump  # (its public name, for Edges: the driver's wait for anything)
+        self.mail: Optional[transport.Mailbox] = None  # the mailbox (point to point), once joined
         self.mail_names: tuple[str, ...] = ()
         self.mail_ready = 0  # what a wait woke for of the mailbox's (MESSAGE, LINK: see _mailbox.mail_woke):
         # take in, look at the links (else a wait only looks at it)
-        self._tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
+        self.tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
 
     def _watches(self, *names: str) -> None:
         """The names of the link's sources in :attr:`waiter`."""
@@ -60,7 +62,7 @@ class Driver:
         """What a wait of the link watches now: its sources, and the nudge if :attr:`nudged`."""
         return self._nudged_names if self.nudged else self._names
 
-    def attach_mail(self, mail: MailSockets) -> None:
+    def attach_mail(self, mail: transport.Mailbox) -> None:
         """The group is formed: its waits watch the mailbox too."""
         self.mail = mail
         self.waiter.watch(MAIL, mail.source)
@@ -70,19 +72,17 @@ class Driver:
     def _soon(self) -> Optional[float]:
         """When the mailbox has something to do without news: a tracked buffer to
         look at again, a refused link to make again."""
-        if self._tracked:
+        if self.tracked:
             return time.monotonic() + TRACKER_POLL_S
-        retry = self.mail.next_retry() if self.mail is not None else None
+        retry = min(self.mail.retry.values()) if self.mail is not None and self.mail.retry else None
         due = self.member.tree_due()  # parts held go up as they came; a held FAIL takes effect
         return due if retry is None else retry if due is None else min(due, retry)
 
     def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> None:
-        """Point to point: take in what came to the mailbox (if ``take``;
-        ``ready``: what a wait woke for, see :attr:`mail_ready`), send what the
-        rules owe (a send is done once libzmq no longer reads its buffers).
-        Once ``enough()`` holds (a waited-for call is done) the rest stays for
-        the next wait, unless a coroutine sleeps on the descriptors (rule 3
-        of :mod:`zcollective._future`)."""
+        """Point to point: take in what came to the mailbox (if ``take``; ``ready``: what a wait woke for, see
+        :attr:`mail_ready`), send what the rules owe (a send is done once libzmq no longer reads its buffers).
+        Once ``enough()`` holds (a waited-for call is done) the rest stays for the next wait, unless a
+        coroutine sleeps on the descriptors (rule 3 of :mod:`zcollective._future`)."""
         member, sockets = self.member, self.mail
         rules = member.mail
         if rules is None:
@@ -104,8 +104,16 @@ class Driver:
                     break
         if member.asks:  # a subtree's reduction its relay asked for
             answer(member)
-        if rules.cut and sockets is not None:
-            self._cut(rules.cut)
+        if rules.cut and sockets is not None:  # ranks whose messages waiting for their link never go
+            failure, decided = rules.failure, set[int]()  # (Mail.cut): dropped; after a failure, sends fail
+            while rules.cut:  # with it (never sent), so no send that raised is delivered
+                dest, handles = rules.cut.pop()
+                decided.update(map(id, handles))
+                for handle in sockets.drop_to(dest, sends_only=failure is not None):
+                    if failure is not None:
+                        member.outcomes.append(CallOutcome(handle, fresh(failure)))
+            if decided:  # (their outcome is said: a tracker never done, to a rank gone, is not watched)
+                self.tracked = [(t, h) for t, h in self.tracked if id(h) not in decided]
         out, went = rules.out, []
         while out and sockets is not None:
             dest, msg, handle = out.pop(0)
@@ -120,14 +128,14 @@ class Driver:
             went += made
         for tracker, handle in went:
             if tracker is not None and not tracker.done:
-                self._tracked.append((tracker, handle))
+                self.tracked.append((tracker, handle))
             elif handle is not None:
                 member.outcomes.append(CallOutcome(handle))
-        if self._tracked:
-            left = [(t, h) for t, h in self._tracked if not t.done]
-            member.outcomes.extend(CallOutcome(h) for t, h in self._tracked if t.done)
-            self._tracked = left
-        if sockets is not None and len(self.mail_names) != 1 + sockets.link_count():  # a new link: its
+        if self.tracked:
+            left = [(t, h) for t, h in self.tracked if not t.done]
+            member.outcomes.extend(CallOutcome(h) for t, h in self.tracked if t.done)
+            self.tracked = left
+        if sockets is not None and len(self.mail_names) != 1 + len(sockets.monitors):  # a new link: its
             links = sockets.links()  # refusal ends a wait too
             for name, monitor in links.items():
                 self.waiter.watch(name, monitor)
@@ -143,28 +151,9 @@ class Driver:
                 member.relay.interrupted = None  # here: only the main thread gets signals)
                 raise interrupted
 
-    def _cut(self, cut: list[tuple[int, list[Any]]]) -> None:
-        """Ranks whose messages waiting for their link never go (see
-        :attr:`~zcollective._protocol._p2p.Mail.cut`): dropped; sends dropped
-        after a failure fail with it (never sent), so no send that raised is
-        delivered."""
-        sockets, member = self.mail, self.member
-        assert sockets is not None and member.mail is not None
-        failure = member.mail.failure
-        decided: set[int] = set()
-        while cut:
-            dest, handles = cut.pop()
-            decided.update(map(id, handles))
-            for handle in sockets.drop_to(dest, sends_only=failure is not None):
-                if failure is not None:
-                    member.outcomes.append(CallOutcome(handle, fresh(failure)))
-        if decided:  # (their outcome is said: a tracker never done, to a rank gone, is not watched)
-            self._tracked = [(t, h) for t, h in self._tracked if id(h) not in decided]
-
     def take_back(self, handle: Any) -> bool:
-        """Take back the send ``handle`` whose message still waits for its
-        link (timed out, interrupted): only the last numbered for its rank,
-        so that pair's numbers stay whole. Was it taken back?"""
+        """Take back the send ``handle`` whose message still waits for its link (timed out, interrupted): only
+        the last numbered for its rank, so that pair's numbers stay whole. Was it taken back?"""
         sockets, rules = self.mail, self.member.mail
         if sockets is None or rules is None:
             return False
@@ -185,35 +174,26 @@ class Driver:
         if dest is not None:
             last = rules.box.peers[dest].unreceived
             return "link", dest, sockets.held_last(handle) == dest and bool(last) and last[-1][2] is handle
-        if any(h is handle for t, h in self._tracked if not t.done):
+        if any(h is handle for t, h in self.tracked if not t.done):
             found = rules.leaving({id(handle)})
             if found:
                 return "leaving", next(iter(found)), False
         return None
 
     def finish_leaving(self, handle: Any, deadline: Optional[float]) -> None:
-        """The group failed while libzmq sends the send ``handle``'s message
-        (its receiver, not the rank lost, takes it in even so): it gets until
-        ``deadline``, at most :data:`~zcollective._limits.SENT_AT_FAILURE_S`,
-        to leave and be done, so that a send that raises was never delivered
-        (but for one cut off at that bound, its receiver stopped)."""
+        """The group failed while libzmq sends the send ``handle``'s message (its receiver, not the rank lost,
+        takes it in even so): it gets until ``deadline``, at most
+        :data:`~zcollective._limits.SENT_AT_FAILURE_S`, to leave and be done, so that a send that raises was
+        never delivered (but for one cut off at that bound, its receiver stopped)."""
         where, lost = self.where(handle), getattr(self.member.failure, "lost_ranks", ())
         if where is None or where[0] != "leaving" or where[1] in lost:
             return
         until = time.monotonic() + SENT_AT_FAILURE_S
         until = until if deadline is None else min(deadline, until)
         with contextlib.suppress(CollectiveError):
-            while any(h is handle for _, h in self._tracked) and time.monotonic() < until:
+            while any(h is handle for _, h in self.tracked) and time.monotonic() < until:
                 self.waiter.wait(self.mail_names, until, TRACKER_POLL_S)
                 self.mail_io(take=False)
-
-    def leaving(self) -> dict[int, int]:
-        """By rank, the first seq of the sends libzmq still sends (their
-        trackers not done) to a rank still running."""
-        rules = self.member.mail
-        if rules is None or not self._tracked:
-            return {}
-        return rules.leaving({id(h) for t, h in self._tracked if not t.done})
 
     # -- to implement -----------------------------------------------------
 
@@ -222,9 +202,8 @@ class Driver:
         raise NotImplementedError
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        """Wait until something arrives or ``deadline``; hand it all to the
-        member (or, once ``until()`` holds, as much as a driver chooses).
-        False on timeout."""
+        """Wait until something arrives or ``deadline``; hand it all to the member (or, once ``until()``
+        holds, as much as a driver chooses). False on timeout."""
         raise NotImplementedError
 
     def slice_s(self) -> Optional[float]:
@@ -275,9 +254,8 @@ class Driver:
             self.mail_io(take=False)
 
     def join(self, timeout: Optional[float], check: Optional[Callable[[], None]] = None) -> None:
-        """Send JOIN and wait for every replica to have joined; raise
-        :class:`CollectiveTimeoutError` naming who was missing, or the error of
-        the coordinator's refusal (or what ``check``, asked every
+        """Send JOIN and wait for every replica to have joined; raise :class:`CollectiveTimeoutError` naming
+        who was missing, or the error of the coordinator's refusal (or what ``check``, asked every
         :data:`~zcollective._limits.POLL_SLICE_S`, raises: a sub-group's parent's failure)."""
         member = self.member
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -287,9 +265,8 @@ class Driver:
 
     def send_join(self, done: Callable[[], bool], deadline: Optional[float],
                   check: Optional[Callable[[], None]] = None) -> bool:
-        """Send JOIN, and again when the member's timer says (rule 8 of
-        :mod:`zcollective._protocol._member`), until ``done()`` (True) or
-        ``deadline`` (False); ``check()`` raises to end it (see :meth:`join`)."""
+        """Send JOIN, and again when the member's timer says (rule 8 of :mod:`zcollective._protocol._member`),
+        until ``done()`` (True) or ``deadline`` (False); ``check()`` raises to end it (see :meth:`join`)."""
         member = self.member
         try:
             self.send(member.start_join(self.warn_after if self.remote else None))
@@ -310,8 +287,7 @@ class Driver:
             member.stop_join()
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """Take in messages until ``done()`` or ``deadline`` (False); raise the
-        group's failure (sticky)."""
+        """Take in messages until ``done()`` or ``deadline`` (False); raise the group's failure (sticky)."""
         member = self.member
         if member.owed:
             self.flush()
@@ -330,11 +306,10 @@ class Driver:
         return True
 
     def _news(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        """The driver's one wait (:meth:`wait_for`'s, and a data move's: a shared-memory job's
-        at a sync, a ring's look at the rest), which moves everything but the data: the mailbox
-        (point to point, the tree's parts, buffers lent to libzmq, links), then the control
-        plane's news, until ``deadline``. False once ``until()`` holds or ``deadline`` passed.
-        See docs/protocol.md, *Progress*."""
+        """The driver's one wait (:meth:`wait_for`'s, and a data move's: a shared-memory job's at a sync, a
+        ring's look at the rest), which moves everything but the data: the mailbox (point to point, the tree's
+        parts, buffers lent to libzmq, links), then the control plane's news, until ``deadline``. False once
+        ``until()`` holds or ``deadline`` passed. See docs/protocol.md, *Progress*."""
         mail, wake = self.member.mail, deadline
         if mail is not None:
             soon = self._soon()
@@ -349,15 +324,14 @@ class Driver:
         return (self._pump(wake, until) or wake != deadline) and not (until is not None and until())
 
     def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """A point-to-point call's wait, by the turn's holder, at its cheapest:
-        one poll of what :meth:`wait_for` watches (the nudge too), and, if the
-        mailbox alone woke it, what came taken in; True once ``done()``.
-        False, having taken nothing else, when something else woke it (every
-        source stays readable: :meth:`wait_for`'s poll finds it at once),
-        nothing came within :meth:`slice_s`, or anything else is due."""
+        """A point-to-point call's wait, by the turn's holder, at its cheapest: one poll of what
+        :meth:`wait_for` watches (the nudge too), and, if the mailbox alone woke it, what came taken in; True
+        once ``done()``. False, having taken nothing else, when something else woke it (every source stays
+        readable: :meth:`wait_for`'s poll finds it at once), nothing came within :meth:`slice_s`, or anything
+        else is due."""
         member, sockets = self.member, self.mail
         if (sockets is None or member.transfers or member.owed or member.failure is not None
-                or self._tracked or sockets.next_retry() is not None):
+                or self.tracked or sockets.retry):
             return False
         slice_s = self.slice_s()
         if slice_s is None or slice_s <= 0:
@@ -368,26 +342,20 @@ class Driver:
         self.mail_io(ready=MESSAGE, enough=done)
         return done()
 
-    def progress(self) -> None:
-        """Send what is owed; take in whatever has arrived, without blocking."""
+    def progress(self, data: bool = True) -> None:
+        """Send what is owed; take in whatever has arrived, without blocking; move
+        data only if ``data`` (the relay's stand-in leaves data jobs to the program)."""
         self._take_in()
-        self._move_data(time.monotonic())
-        if self.member.mail is not None:
-            self.mail_io()
-
-    def relay_io(self) -> None:
-        """An interior rank's background turn (:mod:`._relayer`): what climbs and
-        comes down moves; data jobs wait for the program."""
-        self._take_in()
+        if data:
+            self._move_data(time.monotonic())
         if self.member.mail is not None:
             self.mail_io()
 
     def _move_data(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None
                    ) -> Optional[bool]:
-        """Move the data of the first call the data plane has to carry: True
-        when it is done (its future resolved), False when ``deadline`` came
-        first, or ``until()`` held after news (it goes on at the next wait),
-        None if there is none."""
+        """Move the data of the first call the data plane has to carry: True when it is done (its future
+        resolved), False when ``deadline`` came first, or ``until()`` held after news (it goes on at the next
+        wait), None if there is none."""
         member, data, shared = self.member, self.data, self.shared
         if not member.transfers:
             return None
@@ -395,8 +363,13 @@ class Driver:
         if getattr(job, "shared", False):
             if shared is None:
                 return None
+            def between_hosts(ring: Any) -> bool:  # (its host's leader's step)
+                if data is None:
+                    raise RuntimeError("no data plane to reach the other hosts' leaders")
+                return data.run(seq, ring, deadline, member, self.waiter, self.watching(), self._take_in,
+                                self._fail_data, until, owner=job)
             if not shared.run(seq, job, deadline, lambda: self._news(deadline, until), self.send,
-                              self._fail_data, partial(self._ring_between_hosts, seq, job, deadline, until)):
+                              self._fail_data, between_hosts):
                 return False
         elif data is None:
             return None
@@ -409,18 +382,9 @@ class Driver:
             self.flush()
         return True
 
-    def _ring_between_hosts(self, seq: int, job: Any, deadline: Optional[float],
-                            until: Optional[Callable[[], bool]], ring: Any) -> bool:
-        """Move a shared-memory ``job``'s ring between hosts (its host's leader's step)."""
-        if self.data is None:
-            raise RuntimeError("no data plane to reach the other hosts' leaders")
-        return self.data.run(seq, ring, deadline, self.member, self.waiter, self.watching(), self._take_in,
-                             self._fail_data, until, owner=job)
-
     def finish_data(self, timeout: float) -> None:
-        """Move the data of every call that has some to move, its plan first
-        (the program is ending: the other ranks need this one's chunks), for
-        at most ``timeout`` seconds."""
+        """Move the data of every call that has some to move, its plan first (the program is ending: the other
+        ranks need this one's chunks), for at most ``timeout`` seconds."""
         member = self.member
         deadline = time.monotonic() + timeout
         while any(c.transfer is not None for c in member.calls.values()) and (
@@ -430,33 +394,6 @@ class Driver:
             self.flush()
             if self._move_data(deadline) is None:  # its plan has not come yet
                 self._news(deadline)
-
-    def send_waiting(self, deadline: Optional[float], links: bool = True) -> bool:
-        """Ending (teardown, or the program ends): move everything until no send
-        of this rank waits for its receiver's credit or (``links``), to a rank
-        still taking in, for its link's handshake (each went, or failed), or
-        ``deadline`` (False). At an exit, :meth:`final` waits for the links
-        (and what libzmq still sends) with a bound of its own."""
-        mail, sockets = self.member.mail, self.mail
-        if mail is None:
-            return True
-
-        def sent() -> bool:
-            return not (mail.out or mail.sending()) and (
-                not links or sockets is None or not sockets.holding(mail.gone()))
-        return sent() or self.wait_for(sent, deadline)
-
-    def finish_calls(self, deadline: Optional[float]) -> bool:
-        """Teardown, this rank's FINAL sent: move everything until every call
-        this rank made is done (collective calls with their data; sends whose
-        buffers libzmq still reads) and every other rank's last message to it
-        was taken in (a receive posted is then matched, or failed), or
-        ``deadline`` (False)."""
-        member, mail = self.member, self.member.mail
-
-        def done() -> bool:
-            return not member.calls and not self._tracked and (mail is None or mail.box.drained(ANY_SOURCE))
-        return self.wait_for(done, deadline)
 
     def _take_in(self) -> None:
         """What has come, without blocking (a ring's look at the rest of the group: :meth:`_news`)."""
@@ -479,103 +416,13 @@ class Driver:
         does not answer within :data:`~zcollective._limits.STATUS_WAIT_S`."""
         member = self.member
         self.send([member.status_query(seq)])
-        self._take_in_until(lambda: seq in member.status, time.monotonic() + STATUS_WAIT_S)
-        return member.status.pop(seq, None)
-
-    def _take_in_until(self, done: Callable[[], bool], deadline: float) -> None:
-        """Take in (no data moves) until ``done()``, the group failed, or ``deadline``."""
-        while not done() and self.member.failure is None and self._pump(deadline):
+        deadline = time.monotonic() + STATUS_WAIT_S  # (taken in, no data moves)
+        while seq not in member.status and member.failure is None and self._pump(deadline):
             pass
+        return member.status.pop(seq, None)
 
     def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
         return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
-
-    def say_bye(self, timeout: float, deliver: float = 0.0) -> None:
-        """Tell the coordinator this program is ending (if there is a group to
-        tell); over a connection, wait at most ``timeout`` s for its answer (see
-        docs/protocol.md, *Ending without teardown*); point-to-point messages
-        libzmq still sends get ``deliver`` s to leave first."""
-        member = self.member
-        bye = member.bye()
-        if bye is None:
-            return
-        now = time.monotonic()
-        final = self.final(teardown=False, deadline=now + timeout, deliver=now + deliver)  # (before the
-        # BYE: the others hear of it first)
-        self.send([bye] if final is None else [final, bye])
-        if self.remote:  # (no data moves: finish_data had its time)
-            self._take_in_until(lambda: member.farewell, time.monotonic() + timeout)
-
-    def link_tree(self, deadline: Optional[float]) -> None:
-        """Joined into a tree: make the links to this rank's parent and children and wait for
-        their handshakes (every rank is inside ``initialize`` now, to answer), until ``deadline``
-        (then what is left is made as a message needs it)."""
-        member, sockets = self.member, self.mail
-        if sockets is None or member.mail is None or (member.parent <= 0 and member.relay is None):
-            return
-        ranks = [*([member.parent] if member.parent > 0 else []),
-                 *(member.relay.children if member.relay is not None else ())]
-        sockets.connect(ranks)
-        until = time.monotonic() + TREE_LINK_WAIT_S
-        self._wait_links(lambda: sockets.made(ranks) or member.failure is not None,
-                         until if deadline is None else min(deadline, until))
-
-    def relay_out(self, deadline: float) -> None:
-        """An interior rank's program ends: its subtree's parts of the calls it made climb
-        on through it (their ranks are still running; only calls after its own last fail, as on
-        the star), until none is held here, the group fails, or ``deadline``."""
-        member, relay = self.member, self.member.relay
-        if relay is None or member.mail is None:
-            return
-        while member.failure is None and (any(seq < member.next_seq for seq in relay.calls)
-                                          or member.awaits_tree()):  # (its results, to pass down)
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            self._pump(min(deadline, now + POLL_SLICE_S))
-            self.mail_io(ready=self.mail_ready)
-            self.mail_ready = 0
-
-    def hand_down(self, deadline: float) -> None:
-        """Closing: results this interior rank of the tree owes its children, still
-        waiting for a link's handshake, get until ``deadline`` to go (even after a failure:
-        the calls they complete were complete before it)."""
-        sockets = self.mail
-        if self.member.relay is None or sockets is None or self.member.mail is None:
-            return
-        self._wait_links(lambda: not sockets.holding(), deadline)
-
-    def _wait_links(self, done: Callable[[], bool], deadline: float) -> None:
-        """Send what the mailbox owes, then take in its links' news (handshakes made, messages
-        that waited for them sent) until ``done()`` or ``deadline``, failed or not."""
-        self.mail_io(take=False, ready=LINK)
-        while not done() and time.monotonic() < deadline:
-            self.waiter.wait(self.mail_names, deadline, POLL_SLICE_S)
-            self.mail_io(take=False, ready=LINK)
-
-    def final(self, teardown: bool, deadline: float, deliver: Optional[float] = None) -> Optional[Message]:
-        """This rank's FINAL (see :meth:`Member.final`), once messages waiting
-        for a link's handshake had until ``deadline`` to go: those still
-        waiting then never go, fail, and are not counted (counted, the other
-        rank's receive would wait for them until its timeout). ``deliver``
-        (the program ends: later than ``deadline``): they, and messages libzmq
-        still sends, get until then to go; those still leaving are cut off and
-        counted lost, so their receiver is told at once."""
-        member, sockets = self.member, self.mail
-        unsent, leaving = None, None
-        self.hand_down(deadline)  # (results owed down the tree go first, failed or not)
-        if sockets is not None and member.mail is not None and member.failure is None:
-            with contextlib.suppress(CollectiveError):  # (the group failed: no FINAL goes)
-                self.mail_io(take=False)
-                if deliver is None:
-                    self.wait_for(lambda: not sockets.holding(), deadline)
-                else:  # (a receiver stopped within the bound answers a handshake, takes them in, after)
-                    self.wait_for(lambda: not (sockets.holding() or self.leaving()), max(deadline, deliver))
-            unsent = sockets.drop_held()
-            leaving = self.leaving() if deliver is not None else None
-            if leaving:
-                sockets.cut_off(leaving)
-        return member.final(teardown, unsent, leaving)  # (the unsent sends' outcomes: the caller's to settle)
 
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""
@@ -585,9 +432,8 @@ class Driver:
 
 
 class HostDriver(Driver):
-    """Rank 0's member, beside the coordinator (:class:`Server`): rank 0's
-    thread owns the coordinator's sockets while it waits here, and serves
-    them itself."""
+    """Rank 0's member, beside the coordinator (:class:`Server`): rank 0's thread owns the coordinator's
+    sockets while it waits here, and serves them itself."""
 
     def __init__(self, member: Member, server: Server) -> None:
         super().__init__(member)
@@ -600,7 +446,7 @@ class HostDriver(Driver):
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         status = super().ask_status(seq)
         if status is not None and not self.member.joined:  # a join timeout: whom the port refused
-            status["handshakes"] = list(self.server.refusals())
+            status["handshakes"] = list(self.server.hub.refusals())
         return status
 
     def _send(self, msg: Message) -> None:
@@ -610,33 +456,36 @@ class HostDriver(Driver):
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member, turns = self.server, self.member, self.turns
-        if not turns.take(deadline):
+        held = turns.owner == get_ident()  # (as wait_for)
+        if not held and not turns.take(deadline):
             return False
         try:
             got = server.serve(deadline, self._handle, self.nudged, self.mail_names)
             self.mail_ready |= server.mail_woke
             server.mail_woke = 0
         finally:
-            turns.give()
-        why = server.gone()
-        if why is not None and member.failure is None:
-            member.coordinator_gone(why)
+            if not held:
+                turns.give()
+        if (server.crashed or server.stopped) and member.failure is None:
+            member.coordinator_gone(server.gone() or "it stopped")
         return got
 
     def wait_for(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
         turns = self.turns
-        if not turns.take(deadline):  # (the background thread runs a reduce function)
+        held = turns.owner == get_ident()  # (the common call's leader: taken once, by its Turns)
+        if not held and not turns.take(deadline):  # (the background thread runs a reduce function)
             return done()
         try:
             if self.server.to_host:  # what the background thread took in meanwhile: first
                 self._pump(time.monotonic())
             return super().wait_for(done, deadline)
         finally:
-            turns.give()
+            if not held:
+                turns.give()
 
     def slice_s(self) -> Optional[float]:
         server = self.server
-        if server.to_host or server.has_from_host():
+        if server.to_host or server.from_member:
             return 0.0
         return server.sleep_s(POLL_SLICE_S)
 
@@ -659,6 +508,16 @@ class DirectDriver(Driver):
         self._inbox: deque[Message] = deque()
         member.connected = True
 
+    @classmethod
+    def alone(cls, member: Member, signer: Any, config: Any) -> DirectDriver:
+        """A group of one: its member calls the coordinator in-process, no socket."""
+        from .._protocol._coordinator import Coordinator
+
+        session = int.from_bytes(os.urandom(8), "little") | 1
+        member.mail_window = config.mail_window_bytes  # (no mailbox sockets)
+        return cls(member, Coordinator(1, session, DEFAULT_MAX_FRAMES, signer, user_code=user_code,
+                                       job=config.job))
+
     def _send(self, msg: Message) -> None:
         at = self.coordinator
         self._inbox.extend(out for _, out in applied(at.receive_message(self._peer, msg), at))
@@ -667,10 +526,9 @@ class DirectDriver(Driver):
             raise interrupted
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
-        """What the coordinator answered; else, leading a wait (:attr:`nudged`),
-        sleep until ``deadline`` or another thread wants the turn (to send to
-        this rank, say: only a thread of this process can); a nested wait holds
-        the turn, so nothing else can come."""
+        """What the coordinator answered; else, leading a wait (:attr:`nudged`), sleep until ``deadline`` or
+        another thread wants the turn (to send to this rank, say: only a thread of this process can); a nested
+        wait holds the turn, so nothing else can come."""
         inbox = self._inbox
         if not inbox:
             return self.nudged and NUDGE in self.waiter.wait(self._nudged_names, deadline)

@@ -96,16 +96,17 @@ class Waiter:
             left = deadline - time.monotonic()
             slice_s = left if slice_s is None or left < slice_s else slice_s
         timeout_ms = -1 if slice_s is None else max(0, math.ceil(slice_s * 1000))  # (up: a wait of
-        woke = [poll[1][s] for s, _ in wait(poll[0], timeout_ms)]  # under a millisecond never spins)
+        woke, named = [], poll[1]  # under a millisecond never spins; a loop: no call, as a listcomp's)
+        for s, _ in wait(poll[0], timeout_ms):
+            woke.append(named[s])
         if deadline is not None and time.monotonic() >= deadline:
             woke.append(DEADLINE)
         return woke
 
 
 def acquire_by(lock: Any, deadline: Optional[float]) -> bool:
-    """Take an ``RLock`` another thread holds by ``deadline`` (None: no bound),
-    where an interrupt may stop the wait; False if it did not come. An
-    interrupt leaves it not held."""
+    """Take an ``RLock`` another thread holds by ``deadline`` (None: no bound), where an interrupt may stop
+    the wait; False if it did not come. An interrupt leaves it not held."""
     timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
     try:
         return wait_lock(lock, timeout)
@@ -148,27 +149,23 @@ class Condition:
 
     def __init__(self, lock: Any) -> None:
         self.lock = lock
-        self._sleepers: list[Any] = []  # one held lock per waiting thread; released to wake it
-
-    def sleeping(self) -> bool:
-        """Does a thread wait (the caller holds the lock)?"""
-        return bool(self._sleepers)
+        self.sleepers: list[Any] = []  # one held lock per waiting thread; released to wake it (read
+        # by its user, with the lock held: does a thread wait?)
 
     def notify_all(self) -> None:
         """Wake every thread waiting (the caller holds the lock)."""
-        sleepers, self._sleepers = self._sleepers, []
+        sleepers, self.sleepers = self.sleepers, []
         for sleeper in sleepers:
             sleeper.release()
 
 
 def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
-    """Wait on ``condition`` (whose lock the caller holds) for another thread's
-    news, at most ``timeout`` s; True if notified. Only the sleep is a surface
-    (:func:`wait_lock`): an interrupt while the lock is taken back would leave
-    the caller's ``with`` to release another thread's hold."""
+    """Wait on ``condition`` (whose lock the caller holds) for another thread's news, at most ``timeout`` s;
+    True if notified. Only the sleep is a surface (:func:`wait_lock`): an interrupt while the lock is taken
+    back would leave the caller's ``with`` to release another thread's hold."""
     sleeper = _allocate_lock()
     sleeper.acquire()
-    condition._sleepers.append(sleeper)
+    condition.sleepers.append(sleeper)
     condition.lock.release()
     got = False
     try:
@@ -178,7 +175,7 @@ def wait_condition(condition: Condition, timeout: Optional[float]) -> bool:
         condition.lock.acquire()
         if not got:
             with contextlib.suppress(ValueError):  # (else notified meanwhile)
-                condition._sleepers.remove(sleeper)
+                condition.sleepers.remove(sleeper)
 
 
 @surface
@@ -194,8 +191,11 @@ def call_user(fn: Callable[..., T], *args: Any) -> T:
 def user_code(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` made callable where an interrupt may stop it: through
     :func:`call_user` unless it is the library's own (or built in)."""
-    mine = getattr(fn, "__code__", None) is None or _is_library(getattr(fn, "__module__", None))
-    return fn if mine else partial(call_user, fn)
+    module = getattr(fn, "__module__", None)
+    mine = _library_modules.get(module or "")  # (looked up inline: once per call)
+    if mine is None:
+        mine = _is_library(module)
+    return fn if mine or getattr(fn, "__code__", None) is None else partial(call_user, fn)
 
 
 def _is_library(module: Optional[str]) -> bool:
@@ -209,9 +209,8 @@ def _is_library(module: Optional[str]) -> bool:
 
 
 def deferred(frame: Optional[FrameType]) -> bool:
-    """Would a signal coming at ``frame`` be deferred? The innermost frame
-    that is a surface or the library's decides; others' (numpy, pickle,
-    the program's) are looked through. Inside :func:`deferring`: yes."""
+    """Would a signal coming at ``frame`` be deferred? The innermost frame that is a surface or the library's
+    decides; others' (numpy, pickle, the program's) are looked through. Inside :func:`deferring`: yes."""
     if _deferring[0]:
         return True
     while frame is not None:
@@ -278,9 +277,8 @@ class _Wrapped:
 
 
 def signal_again(exc: BaseException) -> None:
-    """The signal whose handler raised ``exc`` in a call that then completed
-    on every rank comes again once the library has returned (the call
-    returns its result; the interrupt is never swallowed)."""
+    """The signal whose handler raised ``exc`` in a call that then completed on every rank comes again once
+    the library has returned (the call returns its result; the interrupt is never swallowed)."""
     signum = getattr(exc, SIGNAL_ATTR, None)
     handler = getsignal(signum) if isinstance(signum, int) else None
     if isinstance(handler, _Wrapped) and isinstance(signum, int):  # (else the program replaced it: its own
@@ -288,9 +286,8 @@ def signal_again(exc: BaseException) -> None:
 
 
 def hold_signals() -> None:
-    """Wrap the current Python signal handlers (in the main thread, the only
-    one that may set them and runs them), but the library's own (they never
-    raise)."""
+    """Wrap the current Python signal handlers (in the main thread, the only one that may set them and runs
+    them), but the library's own (they never raise)."""
     global held
     _holding[0] = True
     if threading.get_ident() != _MAIN_THREAD:

@@ -40,17 +40,17 @@ class MailSockets:
     """One replica's mailbox sockets; used only by the thread that owns the group."""
 
     def __init__(self, ctx: zmq.Context, config: Config, gatekeeper: Optional[_zap.Gatekeeper]) -> None:
-        """Bind the mailbox port. Its handshakes are answered by
-        ``gatekeeper`` (the context's: rank 0's coordinator's under a secret)
-        or by a gate thread of its own, which :attr:`gatekeeper` then is (a
-        data plane shares it); none is accepted before :meth:`start`."""
+        """Bind the mailbox port. Its handshakes are answered by ``gatekeeper`` (the context's: rank 0's
+        coordinator's under a secret) or by a gate thread of its own, which :attr:`gatekeeper` then is (a data
+        plane shares it); none is accepted before :meth:`start`."""
         self.rank, self._ctx, self._config = config.rank, ctx, config
         self._gate: Optional[_zap.GateThread] = None
         self._pushes: dict[int, zmq.Socket] = {}
-        self._monitors: dict[int, zmq.Socket] = {}  # each PUSH's handshakes
+        self.monitors: dict[int, zmq.Socket] = {}  # each PUSH's handshakes
         self._made: set[int] = set()  # links whose handshake succeeded
         self._held: dict[int, list[tuple[list[Any], bool, Any]]] = {}  # what waits for its link
-        self._retry: dict[int, float] = {}  # links refused before they were made: when to try again
+        self.retry: dict[int, float] = {}  # links refused before they were made: when to try again (read
+        # by the driver's wait, inline)
         self._broken: Optional[int] = None  # a link found broken while sending
         self._cut_off: set[int] = set()  # links whose messages still leaving are dropped at close
         self._next_look = 0.0  # when the links' monitors are next read, once every link is made
@@ -76,10 +76,9 @@ class MailSockets:
         return self._pull
 
     def start(self, session: int, endpoints: list[str], base: bytes, rank: int) -> None:
-        """The group is welcomed: this port accepts the tokens of its group's
-        key (``base``: the secret, or the WELCOME's key) for ``rank``, this replica's
-        rank there (a group formed again numbers its ranks anew); ``endpoints``: every
-        rank's mailbox."""
+        """The group is welcomed: this port accepts the tokens of its group's key (``base``: the secret, or
+        the WELCOME's key) for ``rank``, this replica's rank there (a group formed again numbers its ranks
+        anew); ``endpoints``: every rank's mailbox."""
         self._endpoints, self._session, self._base, self.rank = endpoints, session, base, rank
         self.gatekeeper.rekey(self._key(self.rank), _zap.MAIL_DOMAIN)
 
@@ -108,18 +107,16 @@ class MailSockets:
             return None
 
     def progress(self, now: float, look: bool = False) -> tuple[list[tuple[Any, Any]], Optional[int]]:
-        """What each link's monitor says (``look``: a wait woke for one): a
-        link made sends what waited for it (returned as :meth:`send` returns
-        it); one refused before it was made (the other rank had not yet taken
-        its WELCOME's key) is made again with a fresh token a moment later; one
-        refused after (libzmq made it again after a reset, with its spent
-        token) is broken: that rank is returned."""
+        """What each link's monitor says (``look``: a wait woke for one): a link made sends what waited for it
+        (returned as :meth:`send` returns it); one refused before it was made (the other rank had not yet
+        taken its WELCOME's key) is made again with a fresh token a moment later; one refused after (libzmq
+        made it again after a reset, with its spent token) is broken: that rank is returned."""
         went: list[tuple[Any, Any]] = []
         broken, self._broken = self._broken, None
-        if not look and not self._held and not self._retry and broken is None and now < self._next_look:
+        if not look and not self._held and not self.retry and broken is None and now < self._next_look:
             return went, None  # every link made: a refusal can wait a moment (a wait wakes for it)
         self._next_look = now + LOOK_S
-        for dest, monitor in self._monitors.items():
+        for dest, monitor in self.monitors.items():
             if not _sockets.readable(monitor):  # (each look reads a monitor to the end: a wait
                 continue  # watches its file descriptor, which only news sets again)
             for event, _ in _sockets.monitor_events(monitor):
@@ -131,10 +128,10 @@ class MailSockets:
                     if dest in self._made:
                         broken = dest
                     else:
-                        self._retry.setdefault(dest, now + RETRY_S)
-        for dest, due in list(self._retry.items()):
+                        self.retry.setdefault(dest, now + RETRY_S)
+        for dest, due in list(self.retry.items()):
             if now >= due:
-                del self._retry[dest]
+                del self.retry[dest]
                 key, target = self._key(dest), self._endpoints[dest]
                 with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
                                      address=True):
@@ -188,10 +185,6 @@ class MailSockets:
         else:
             self._held.pop(dest, None)
 
-    def next_retry(self) -> Optional[float]:
-        """When a refused link is next made again (None: none is)."""
-        return min(self._retry.values()) if self._retry else None
-
     def _connect(self, dest: int) -> zmq.Socket:
         target = self._endpoints[dest]
         key = self._key(dest)
@@ -204,7 +197,7 @@ class MailSockets:
                 if "[" in target:
                     push.setsockopt(zmq.IPV6, 1)
                 _zap.secure_client(push, key, _zap.MAIL_DOMAIN)
-                monitor = self._monitors[dest] = _sockets.monitor_socket(
+                monitor = self.monitors[dest] = _sockets.monitor_socket(
                     push, zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(HANDSHAKE_FAILED))
                 _sockets.readable(monitor)  # asked once before the connect: its descriptor is then
                 push.connect(target)  # set by news only (a wait watches it: no poll of its own)
@@ -222,12 +215,9 @@ class MailSockets:
         """Are the links to ``dests`` made?"""
         return all(dest in self._made for dest in dests)
 
-    def link_count(self) -> int:
-        return len(self._monitors)
-
     def links(self) -> dict[str, int]:
         """The file descriptors of the links' monitors, by their names in a waiter."""
-        return {f"{MAIL} {dest}": monitor.FD for dest, monitor in self._monitors.items()}
+        return {f"{MAIL} {dest}": monitor.FD for dest, monitor in self.monitors.items()}
 
     def take(self, waiting: bool = False) -> Iterator[list[Any]]:
         """The messages waiting (at most :data:`TAKE_BATCH`), without blocking
@@ -251,7 +241,7 @@ class MailSockets:
     def close(self, linger_ms: int = 0) -> None:
         for dest, push in self._pushes.items():
             push.close(linger=0 if dest in self._cut_off else linger_ms)
-        for monitor in self._monitors.values():
+        for monitor in self.monitors.values():
             monitor.close(linger=0)
         self._pull.close(linger=0)
         if self._gate is not None:

@@ -66,10 +66,9 @@ def room() -> int:
 
 
 def segment_name(session: int, host: int, gen: int) -> str:
-    """The name of a group's segment on host ``host``, generation ``gen``: a
-    hash of the three, so that a process that sees one name in ``/dev/shm``
-    (anyone may list it) can tell neither the session nor the next name (and
-    make it first, which would fail that call on every rank)."""
+    """The name of a group's segment on host ``host``, generation ``gen``: a hash of the three, so that a
+    process that sees one name in ``/dev/shm`` (anyone may list it) can tell neither the session nor the next
+    name (and make it first, which would fail that call on every rank)."""
     digest = hashlib.sha256(b"zcollective-shm|%d|%d|%d" % (session, host, gen)).hexdigest()
     return f"/zcollective-{digest[:32]}"
 
@@ -135,6 +134,17 @@ class SharedPlane:
     """This rank's part in its host's segment (see the module docstring).
     Used by the thread that holds the group's turn."""
 
+    @classmethod
+    def welcomed(cls, member: Any) -> SharedPlane:
+        """The plane the WELCOME's ``shared`` says (with ranks on several hosts, each host's leader too)."""
+        shared = member.shared
+        hosts = shared["hosts"]
+        host = hosts[member.rank]
+        known = {h for h in hosts if h is not None}
+        leaders = sorted(hosts.index(h) for h in known) if len(known) > 1 else None  # (rule 13)
+        return cls(member, member.session, host, [r for r, h in enumerate(hosts) if h == host],
+                   shared["room"][host], leaders)
+
     def __init__(self, member: Member, session: int, host: int, ranks: list[int], room: int,
                  leaders: Optional[list[int]] = None) -> None:
         self.member = member
@@ -168,9 +178,8 @@ class SharedPlane:
         return self.completed == self.count and not member.calls and not member.transfers
 
     def free_slot(self, nbytes: int) -> Optional[Any]:
-        """This rank's slot of the next call's set, if it may write its input there now
-        (:meth:`knows_free`, and the segment is large enough); else None: the call's plan
-        brings a sync."""
+        """This rank's slot of the next call's set, if it may write its input there now (:meth:`knows_free`,
+        and the segment is large enough); else None: the call's plan brings a sync."""
         segment = self.segment
         if not self.knows_free() or segment is None or nbytes > segment.capacity or segment.gen != self.gen:
             return None
@@ -193,10 +202,9 @@ class SharedPlane:
         return place
 
     def check(self) -> None:
-        """If the call that was to make the segment is gone without completing
-        here (it failed or was given up: on every rank of the host alike, as a
-        call's outcome is the same everywhere), forget the segment now, so that
-        no name of it stays linked and the next call makes one anew."""
+        """If the call that was to make the segment is gone without completing here (it failed or was given
+        up: on every rank of the host alike, as a call's outcome is the same everywhere), forget the segment
+        now, so that no name of it stays linked and the next call makes one anew."""
         if self.growing is not None and not any(
                 getattr(job, "place", None) is not None and job.place.index == self.growing
                 for _, job in self.member.transfers):
@@ -216,12 +224,11 @@ class SharedPlane:
     def run(self, seq: int, job: _shm.SharedJob, deadline: Optional[float], pump: Callable[[], bool],
             send: Callable[[list[Message]], None], fail: Callable[[Exception], None],
             ring: Callable[[Transfer], bool]) -> bool:
-        """Do ``job``'s steps until it is done (True), the call failed (True:
-        the member has its error), or ``pump`` (the driver's one wait, which
-        moves the rest of the group: see docs/protocol.md, *Progress*; False at
-        ``deadline`` or when the caller must go) says stop
-        (False: it goes on at the next wait). ``ring`` moves a ring between
-        hosts on the data plane (as ``pump``, False: it goes on at the next wait)."""
+        """Do ``job``'s steps until it is done (True), the call failed (True: the member has its error), or
+        ``pump`` (the driver's one wait, which moves the rest of the group: see docs/protocol.md, *Progress*;
+        False at ``deadline`` or when the caller must go) says stop (False: it goes on at the next wait).
+        ``ring`` moves a ring between hosts on the data plane (as ``pump``, False: it goes on at the next
+        wait)."""
         member = self.member
         while member.transfers and member.transfers[0][1] is job:
             step = job.step

@@ -43,9 +43,8 @@ _ADDRESS_ERRNOS = {zmq.EADDRINUSE, zmq.EADDRNOTAVAIL, zmq.EPROTONOSUPPORT}  # an
 
 
 def set_heartbeats(sock: zmq.Socket, config: Config) -> None:
-    """ZMTP heartbeats: libzmq's own threads answer them, outside the GIL, so a
-    busy replica is never mistaken for a dead one. A silent peer is dropped
-    after about ``liveness_timeout`` seconds."""
+    """ZMTP heartbeats: libzmq's own threads answer them, outside the GIL, so a busy replica is never mistaken
+    for a dead one. A silent peer is dropped after about ``liveness_timeout`` seconds."""
     ivl, timeout, ttl = heartbeats(config.liveness_timeout)
     sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
@@ -143,11 +142,10 @@ if hasattr(os, "register_at_fork"):  # (no fork without it)
 
 
 def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> None:
-    """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the
-    port is taken (for ``retry_s``: a process that was killed holding it may
-    still be closing its files), else ``cannot`` with libzmq's reason. A TCP
-    port is listened on through a descriptor made here (``ZMQ_USE_FD``), so
-    that a forked child closes its copy at once (:func:`_close_in_child`)."""
+    """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the port is taken (for ``retry_s``: a
+    process that was killed holding it may still be closing its files), else ``cannot`` with libzmq's reason.
+    A TCP port is listened on through a descriptor made here (``ZMQ_USE_FD``), so that a forked child closes
+    its copy at once (:func:`_close_in_child`)."""
     deadline = time.monotonic() + retry_s
     while True:
         try:
@@ -212,9 +210,8 @@ MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)  # one side
 
 def handshake_refusal(event: int, value: int, rank: int, endpoint: str,
                       secret: bool) -> Optional[AuthenticationError]:
-    """The error for rank ``rank``'s handshake with the coordinator at ``endpoint``
-    (``secret``: the rank has one) that failed over the secret, from a socket
-    monitor's event; None for any other event."""
+    """The error for rank ``rank``'s handshake with the coordinator at ``endpoint`` (``secret``: the rank has
+    one) that failed over the secret, from a socket monitor's event; None for any other event."""
     who, peer, holder = f"rank {rank}", f"the coordinator at {endpoint}", "rank 0"
     advice = "set the same ZCOLLECTIVE_SECRET everywhere"
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -240,19 +237,6 @@ def handshake_problem(value: int) -> str:
     return f"it broke the ZeroMQ handshake (protocol error {value:#x})"
 
 
-def send_to(router: zmq.Socket, frames: list[Any]) -> bool:
-    """Send ``frames`` (the peer's routing id first) on a ROUTER with
-    ``ROUTER_MANDATORY``; False if that peer's connection is gone (no pipe:
-    ``EHOSTUNREACH``, or ``EAGAIN`` for a pipe libzmq is closing)."""
-    try:
-        send_frames(router, frames)
-    except zmq.ZMQError as exc:
-        if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-            return False
-        raise CollectiveError(f"the coordinator could not send: {exc.strerror} (errno {exc.errno})") from exc
-    return True
-
-
 def peer_address(frame: Any) -> str:
     """The peer address a received frame came in on (libzmq's metadata)."""
     try:
@@ -270,13 +254,11 @@ def close_monitored(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> No
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], track: bool = False) -> Any:
-    """Send a multipart message; large frames go without a copy. Never blocks:
-    ``zmq.Again`` (nothing sent) means libzmq has no pipe to the peer any
-    more (see :data:`_NOBLOCK`); callers call that link lost. (No signal
-    handler's exception splits it: :mod:`zcollective._io._interrupts`.)
-    ``track``: a tracker of the last frame sent without a copy (None if none
-    was): libzmq writes a message's frames in order, so once it lets go of
-    that one it let go of all of them."""
+    """Send a multipart message; large frames go without a copy. Never blocks: ``zmq.Again`` (nothing sent)
+    means libzmq has no pipe to the peer any more (see :data:`_NOBLOCK`); callers call that link lost. (No
+    signal handler's exception splits it: :mod:`zcollective._io._interrupts`.) ``track``: a tracker of the
+    last frame sent without a copy (None if none was): libzmq writes a message's frames in order, so once it
+    lets go of that one it let go of all of them."""
     last, tracker = len(frames) - 1, None
     for i, frame in enumerate(frames):
         size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
@@ -311,11 +293,10 @@ def readable(sock: zmq.Socket) -> bool:
 
 
 def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
-    """A PAIR receiving ``sock``'s monitor events through a pipe with no bound
-    (its RCVHWM 0): libzmq's I/O threads *block* when a monitor pipe is full
-    (2,000 events by default), so a stranger opening and closing connections
-    while the reader is busy (a long reduce function) would stop heartbeats,
-    accepts and sends alike."""
+    """A PAIR receiving ``sock``'s monitor events through a pipe with no bound (its RCVHWM 0): libzmq's I/O
+    threads *block* when a monitor pipe is full (2,000 events by default), so a stranger opening and closing
+    connections while the reader is busy (a long reduce function) would stop heartbeats, accepts and sends
+    alike."""
     endpoint = f"inproc://zcollective-monitor-{id(sock):x}-{os.urandom(4).hex()}"
     sock.monitor(endpoint, events)
     pair = sock.context.socket(zmq.PAIR)
@@ -342,7 +323,7 @@ class Wakeup:
         self.fd, self._write = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write, False)
-        self._set = False  # a byte may be in the pipe: clear() must read it
+        self.written = False  # a byte may be in the pipe: clear() must read it
         self._open = True
 
     def set(self) -> None:
@@ -352,12 +333,12 @@ class Wakeup:
             os.write(self._write, b"\0")
         # after the write: a clear() in between skips the read and leaves one spurious wake;
         # before it, a clear() could reset the flag with the byte still to come, for good
-        self._set = True
+        self.written = True
 
     def clear(self) -> None:
-        if not self._set or not self._open:
+        if not self.written or not self._open:
             return  # nothing written since the last clear: spare the system call
-        self._set = False
+        self.written = False
         with contextlib.suppress(OSError):
             os.read(self.fd, 4096)
 

@@ -69,9 +69,8 @@ def _run(wake: Any) -> None:
 
 
 def stopped(longer_than: float, ended_after: float) -> Optional[float]:
-    """When the last stop longer than ``longer_than`` seconds that ended after
-    ``ended_after`` began (one the watch has not woken from yet too: the
-    process has just been resumed); None if there was none."""
+    """When the last stop longer than ``longer_than`` seconds that ended after ``ended_after`` began (one the
+    watch has not woken from yet too: the process has just been resumed); None if there was none."""
     now, awake = time.monotonic(), _awake[0]
     if _watchers["thread"] is not None and now - awake > WATCH_S + NOTED_S and now - awake > longer_than:
         return awake

@@ -9,12 +9,14 @@ import threading
 import time
 from typing import Callable, Optional
 
+from .._limits import AWAY_S, PARK_BUSY_S, PARK_IDLE_S
 from . import _interrupts
 from ._sockets import Wakeup
 
 FOLLOW_SLICE_S = 0.05  # a follower re-checks its call this often (see wait)
 GIVE_WAY_S = 0.02  # try_take waits this long for rank 0's server thread to give the turn back
 # (within microseconds, unless it runs a reduce function)
+STOP = "stop"  # a stand-in's waiter's name for its stop pipe
 
 Drive = Callable[[Callable[[], bool], Optional[float], bool], bool]
 # (until, deadline, may it be nudged) -> until() held (False: deadline)
@@ -26,45 +28,47 @@ class Turns:
     def __init__(self) -> None:
         self._lock = threading.RLock()  # the turn (re-entered by done-callbacks and nested steps)
         self._depth = 0  # the holder's nested takes
-        self._owner: Optional[int] = None  # the holder's thread
+        self.owner: Optional[int] = None  # the holder's thread (read by drivers: held, without a call)
         self.left = 0.0  # when a holder last let go of the turn
         self.standby = False  # the holder is rank 0's server thread: it gives way to any program thread
         self._mutex = threading.Lock()  # guards what follows (with it, for speed: no Python frame)
         self._state = _interrupts.Condition(self._mutex)  # ... on which followers sleep
-        self._wanting = 0  # threads waiting for the turn
+        self.wanting = 0  # threads waiting for the turn (read by a leader's driver: it lets go)
         self._leader: Optional[int] = None  # the thread leading the wait for results
         self.nudge = Wakeup()  # readable while some thread waits for the turn
 
     def wanted(self) -> bool:
         """Does another thread wait for the turn (read by the leader's wait)?"""
-        return self._wanting > 0
+        return self.wanting > 0
+
+    @property
+    def _wanting(self) -> int:  # (the name tests read)
+        return self.wanting
 
     def alone(self) -> bool:
-        """Held by this thread, once, and no other thread leads a wait or wants
-        the turn: this thread may lead a wait without letting go first (read
-        without the mutex: a thread that comes meanwhile nudges it)."""
-        return self._depth == 1 and self._leader is None and not self._wanting
+        """Held by this thread, once, and no other thread leads a wait or wants the turn: this thread may lead
+        a wait without letting go first (read without the mutex: a thread that comes meanwhile nudges it)."""
+        return self._depth == 1 and self._leader is None and not self.wanting
 
     def take(self, deadline: Optional[float] = None) -> bool:
-        """Take the turn (nested takes count), nudging its holder; False if
-        the holder, busy in a step that is not a wait (pickling, a reduce
-        function), kept it past ``deadline``."""
+        """Take the turn (nested takes count), nudging its holder; False if the holder, busy in a step that is
+        not a wait (pickling, a reduce function), kept it past ``deadline``."""
         lock = self._lock
         if not lock.acquire(blocking=False):
             with self._mutex:
-                self._wanting += 1
+                self.wanting += 1
                 self.nudge.set()
             try:
                 if not _interrupts.acquire_by(lock, deadline):
                     return False
             finally:
                 with self._mutex:
-                    self._wanting -= 1
-                    if not self._wanting:
+                    self.wanting -= 1
+                    if not self.wanting:
                         self.nudge.clear()
                     self._state.notify_all()  # a leader that let go waits for this
         self._depth += 1
-        self._owner = threading.get_ident()
+        self.owner = threading.get_ident()
         return True
 
     def try_take(self) -> bool:
@@ -73,14 +77,14 @@ class Turns:
         if not self._lock.acquire(blocking=False):
             return self.standby and self.take(time.monotonic() + GIVE_WAY_S)
         self._depth += 1
-        self._owner = threading.get_ident()
+        self.owner = threading.get_ident()
         return True
 
     def give(self) -> None:
         """Let go of one take."""
         self._depth -= 1
         if not self._depth:
-            self._owner = None
+            self.owner = None
             self.left = time.monotonic()
         self._lock.release()
 
@@ -94,7 +98,7 @@ class Turns:
 
     def held(self) -> bool:
         """Does this thread hold the turn?"""
-        return self._owner == threading.get_ident()
+        return self.owner == threading.get_ident()
 
     def close(self) -> None:
         """The group closed: no thread nudges any more (a thread still waiting
@@ -104,9 +108,8 @@ class Turns:
 
     def wait(self, done: Callable[[], bool], deadline: Optional[float], drive: Drive,
              follow: Callable[[Callable[[], None]], None]) -> bool:
-        """Until ``done()`` (True) or ``deadline`` (False): lead, driving the
-        link with ``drive``, or follow while another thread leads; ``follow(wake)``
-        arranges for ``wake()`` once the awaited call is done."""
+        """Until ``done()`` (True) or ``deadline`` (False): lead, driving the link with ``drive``, or follow
+        while another thread leads; ``follow(wake)`` arranges for ``wake()`` once the awaited call is done."""
         if self.held():
             # a step of this thread's (teardown, a done-callback) waits: it leads without letting go
             return self._lead(done, deadline, drive, nested=True)
@@ -135,15 +138,14 @@ class Turns:
             finally:
                 with self._mutex:
                     self._leader = None
-                    if state.sleeping():
+                    if state.sleepers:
                         state.notify_all()  # a follower leads next
         return True
 
     def _lead(self, done: Callable[[], bool], deadline: Optional[float], drive: Drive,
               nested: bool) -> bool:
-        """Lead until ``done()`` (True) or ``deadline`` (False), letting go
-        whenever another thread wants the turn (unless ``nested``: this thread
-        held the turn already, halfway through a step of its own)."""
+        """Lead until ``done()`` (True) or ``deadline`` (False), letting go whenever another thread wants the
+        turn (unless ``nested``: this thread held the turn already, halfway through a step of its own)."""
         while True:
             if not self.take(deadline):
                 return False
@@ -151,7 +153,7 @@ class Turns:
                 if done():
                     return True
                 top = self._depth == 1 and not nested
-                until: Callable[[], bool] = (lambda: done() or self._wanting > 0) if top else done
+                until: Callable[[], bool] = (lambda: done() or self.wanting > 0) if top else done
                 if not drive(until, deadline, top):
                     return done()
             finally:
@@ -159,7 +161,7 @@ class Turns:
             if done():
                 return True
             with self._mutex:  # wanted: each thread that waits has the turn before it comes back
-                while self._wanting:
+                while self.wanting:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return False
@@ -168,3 +170,50 @@ class Turns:
     def _wake(self) -> None:
         with self._mutex:
             self._state.notify_all()
+
+
+class StandIn:
+    """A thread that stands in for a program gone from the library for :data:`AWAY_S`: it takes the turn when
+    nobody wants it, runs ``serve`` (True: end the thread), and gives it back. Rank 0's coordinator server and
+    an interior rank's relay of the tree are each one of these."""
+
+    def __init__(self, name: str, turns: Turns, serve: Callable[[], bool], busy: Callable[[], bool],
+                 crash: Callable[[BaseException], None], standby: bool = False) -> None:
+        self._turns, self._serve, self._busy, self._crash = turns, serve, busy, crash
+        self._standby = standby  # it gives way to any program thread (try_take waits for it)
+        self.stop_pipe = Wakeup()  # readable once the thread must end (its owner may watch it too)
+        self.stopping = False
+        self._waiter = _interrupts.Waiter((STOP, self.stop_pipe.fd))
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Tell the thread to end (its owner joins it)."""
+        self.stopping = True
+        self.stop_pipe.set()
+
+    def end(self, timeout: float) -> None:
+        """Stop and join the thread (from a thread holding the turn: it then finds it taken and ends)."""
+        self.stop()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            _interrupts.join(self.thread, timeout)
+        if not self.thread.is_alive():
+            self.stop_pipe.close()
+
+    def _run(self) -> None:
+        turns, busy = self._turns, self._busy
+        try:
+            while not self._waiter.wait((STOP,), None, PARK_BUSY_S if busy() else PARK_IDLE_S):
+                if turns.wanting or time.monotonic() - turns.left < AWAY_S or not turns.try_take():
+                    continue
+                turns.standby = self._standby
+                try:
+                    if self.stopping or self._serve():
+                        return
+                finally:
+                    turns.standby = False
+                    turns.give()
+        except BaseException as exc:  # a bug: its owner says so rather than leave the others waiting
+            self._crash(exc)

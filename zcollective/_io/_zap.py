@@ -42,11 +42,10 @@ MAX_LOGGED_ADDRESSES = 1024  # refused addresses remembered for logging once; pa
 
 
 class Gatekeeper:
-    """The ZAP handler of one context: a socket bound at the ZAP endpoint,
-    answered by :meth:`serve` from the thread that made it. Tokens are
-    checked under ``secret`` (None: every one is refused), or a domain's own
-    key (:meth:`rekey`). Raises ``zmq.ZMQError`` (callers translate it) if
-    the context already has a ZAP handler (``EADDRINUSE``), or is closed."""
+    """The ZAP handler of one context: a socket bound at the ZAP endpoint, answered by :meth:`serve` from the
+    thread that made it. Tokens are checked under ``secret`` (None: every one is refused), or a domain's own
+    key (:meth:`rekey`). Raises ``zmq.ZMQError`` (callers translate it) if the context already has a ZAP
+    handler (``EADDRINUSE``), or is closed."""
 
     def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
         self.first_refusals: list[str] = []  # "a peer at <address>: <why>", at most FIRST_REFUSALS
@@ -109,10 +108,9 @@ class Gatekeeper:
         return self._sock
 
     def log_refusal(self, address: Optional[str], domain: str, why: str) -> None:
-        """Log a peer refused at the handshake, once per address; a peer
-        libzmq refused before any ZAP request (its driver saw the monitor
-        event, which does not say from where) has ``address`` None: such
-        refusals are logged once in all."""
+        """Log a peer refused at the handshake, once per address; a peer libzmq refused before any ZAP request
+        (its driver saw the monitor event, which does not say from where) has ``address`` None: such refusals
+        are logged once in all."""
         key = address or ""
         if key in self._logged or len(self._logged) >= MAX_LOGGED_ADDRESSES:
             return
@@ -133,11 +131,10 @@ class Gatekeeper:
 
 
 class GateThread:
-    """A :class:`Gatekeeper` (with no key until its :meth:`~Gatekeeper.rekey`)
-    answered at once by a daemon thread of its own, which owns its socket
-    until :meth:`close`: a replica idle in user code must not let strangers'
-    handshakes queue up unanswered (each holds memory in libzmq until then).
-    Raises as :class:`Gatekeeper`."""
+    """A :class:`Gatekeeper` (with no key until its :meth:`~Gatekeeper.rekey`) answered at once by a daemon
+    thread of its own, which owns its socket until :meth:`close`: a replica idle in user code must not let
+    strangers' handshakes queue up unanswered (each holds memory in libzmq until then). Raises as
+    :class:`Gatekeeper`."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.gatekeeper = Gatekeeper(ctx, None)

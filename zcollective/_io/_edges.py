@@ -1,0 +1,155 @@
+"""A member's driver at the group's edges: joining, the tree's links, and ending (teardown, or
+the program ends). It moves everything through the driver's one wait (:meth:`Driver.wait_for`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Optional
+
+from .._format._wire import Message
+from .._limits import POLL_SLICE_S, TREE_LINK_WAIT_S
+from .._protocol._p2p import ANY_SOURCE
+from ..config import Config
+from ..errors import CollectiveError, CollectiveTimeoutError
+from ._driver import Driver
+from ._mailbox import LINK
+
+
+class Edges:
+    """Joining and ending for one member's :class:`Driver`."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver, self.member = driver, driver.member
+
+    def send_waiting(self, deadline: Optional[float], links: bool = True) -> bool:
+        """Ending (teardown, or the program ends): move everything until no send of this rank waits for its
+        receiver's credit or (``links``), to a rank still taking in, for its link's handshake (each went, or
+        failed), or ``deadline`` (False). At an exit, :meth:`final` waits for the links (and what libzmq still
+        sends) with a bound of its own."""
+        mail, sockets = self.member.mail, self.driver.mail
+        if mail is None:
+            return True
+
+        def sent() -> bool:
+            return not (mail.out or mail.sending()) and (
+                not links or sockets is None or not sockets.holding(mail.gone()))
+        return sent() or self.driver.wait_for(sent, deadline)
+
+    def finish_calls(self, deadline: Optional[float]) -> bool:
+        """Teardown, this rank's FINAL sent: move everything until every call this rank made is done
+        (collective calls with their data; sends whose buffers libzmq still reads) and every other rank's last
+        message to it was taken in (a receive posted is then matched, or failed), or ``deadline`` (False)."""
+        member, mail, driver = self.member, self.member.mail, self.driver
+
+        def done() -> bool:
+            return not (member.calls or driver.tracked) and (mail is None or mail.box.drained(ANY_SOURCE))
+        return driver.wait_for(done, deadline)
+
+    def leaving(self) -> dict[int, int]:
+        """By rank, the first seq of the sends libzmq still sends (their
+        trackers not done) to a rank still running."""
+        rules = self.member.mail
+        if rules is None or not self.driver.tracked:
+            return {}
+        return rules.leaving({id(h) for t, h in self.driver.tracked if not t.done})
+
+    def say_bye(self, timeout: float, deliver: float = 0.0) -> None:
+        """Tell the coordinator this program is ending (if there is a group to tell); over a connection, wait
+        at most ``timeout`` s for its answer (see docs/protocol.md, *Ending without teardown*); point-to-point
+        messages libzmq still sends get ``deliver`` s to leave first."""
+        member = self.member
+        bye = member.bye()
+        if bye is None:
+            return
+        now = time.monotonic()
+        final = self.final(teardown=False, deadline=now + timeout, deliver=now + deliver)  # (before the
+        # BYE: the others hear of it first)
+        self.driver.send([bye] if final is None else [final, bye])
+        if self.driver.remote:  # (no data moves: finish_data had its time)
+            until, driver = time.monotonic() + timeout, self.driver
+            while not member.farewell and member.failure is None and driver.pump(until):
+                pass
+
+    def link_tree(self, deadline: Optional[float]) -> None:
+        """Joined into a tree: make the links to this rank's parent and children and wait for
+        their handshakes (every rank is inside ``initialize`` now, to answer), until ``deadline``
+        (then what is left is made as a message needs it)."""
+        member, sockets = self.member, self.driver.mail
+        if sockets is None or member.mail is None or (member.parent <= 0 and member.relay is None):
+            return
+        ranks = [*([member.parent] if member.parent > 0 else []),
+                 *(member.relay.children if member.relay is not None else ())]
+        sockets.connect(ranks)
+        until = time.monotonic() + TREE_LINK_WAIT_S
+        self._wait_links(lambda: sockets.made(ranks) or member.failure is not None,
+                         until if deadline is None else min(deadline, until))
+
+    def relay_out(self, deadline: float) -> None:
+        """An interior rank's program ends: its subtree's parts of the calls it made climb
+        on through it (their ranks are still running; only calls after its own last fail, as on
+        the star), until none is held here, the group fails, or ``deadline``."""
+        member, relay = self.member, self.member.relay
+        if relay is None or member.mail is None:
+            return
+        while member.failure is None and (any(seq < member.next_seq for seq in relay.calls)
+                                          or member.awaits_tree()):  # (its results, to pass down)
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            self.driver.pump(min(deadline, now + POLL_SLICE_S))
+            self.driver.mail_io(ready=self.driver.mail_ready)
+            self.driver.mail_ready = 0
+
+    def hand_down(self, deadline: float) -> None:
+        """Closing: results this interior rank of the tree owes its children, still
+        waiting for a link's handshake, get until ``deadline`` to go (even after a failure:
+        the calls they complete were complete before it)."""
+        sockets = self.driver.mail
+        if self.member.relay is None or sockets is None or self.member.mail is None:
+            return
+        self._wait_links(lambda: not sockets.holding(), deadline)
+
+    def _wait_links(self, done: Callable[[], bool], deadline: float) -> None:
+        """Send what the mailbox owes, then take in its links' news (handshakes made, messages
+        that waited for them sent) until ``done()`` or ``deadline``, failed or not."""
+        self.driver.mail_io(take=False, ready=LINK)
+        while not done() and time.monotonic() < deadline:
+            self.driver.waiter.wait(self.driver.mail_names, deadline, POLL_SLICE_S)
+            self.driver.mail_io(take=False, ready=LINK)
+
+    def final(self, teardown: bool, deadline: float, deliver: Optional[float] = None) -> Optional[Message]:
+        """This rank's FINAL (see :meth:`Member.final`), once messages waiting for a link's handshake had
+        until ``deadline`` to go: those still waiting then never go, fail, and are not counted (counted, the
+        other rank's receive would wait for them until its timeout). ``deliver`` (the program ends: later than
+        ``deadline``): they, and messages libzmq still sends, get until then to go; those still leaving are
+        cut off and counted lost, so their receiver is told at once."""
+        member, sockets = self.member, self.driver.mail
+        unsent, leaving = None, None
+        self.hand_down(deadline)  # (results owed down the tree go first, failed or not)
+        if sockets is not None and member.mail is not None and member.failure is None:
+            with contextlib.suppress(CollectiveError):  # (the group failed: no FINAL goes)
+                self.driver.mail_io(take=False)
+                if deliver is None:
+                    self.driver.wait_for(lambda: not sockets.holding(), deadline)
+                else:  # (a receiver stopped within the bound answers a handshake, takes them in, after)
+                    self.driver.wait_for(lambda: not (sockets.holding() or self.leaving()),
+                                         max(deadline, deliver))
+            unsent = sockets.drop_held()
+            leaving = self.leaving() if deliver is not None else None
+            if leaving:
+                sockets.cut_off(leaving)
+        return member.final(teardown, unsent, leaving)  # (the unsent sends' outcomes: the caller's to settle)
+
+    def await_admission(self, config: Config, deadline: Optional[float]) -> None:
+        """A newcomer: wait until a grow() of the group admits it (rule 10 of the coordinator);
+        :attr:`Member.admitted` then says where it goes."""
+        member = self.member
+        if not self.driver.send_join(lambda: member.admitted is not None, deadline):  # (parked anew)
+            raise CollectiveTimeoutError(
+                f"a newcomer was not admitted to the group at {config.endpoint} within "
+                f"{config.init_timeout:g} s: its members admit newcomers when they call grow()"
+                + ("" if member.greeted or member.connected else "; the coordinator could not be "
+                   "reached there (is the address right? after rank 0's loss, "
+                   "coordinator_address() on a member says where the group is)"))
