@@ -15,6 +15,8 @@ from ._elastic import Elastic
 from ._forming import Unreachable
 from ._future import CollectiveFuture
 from ._lifecycle import Lifecycle
+from ._lifecycle import stats as life_stats
+from ._lifecycle import status as life_status
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._point import PointToPoint
 from ._protocol import _ring
@@ -57,9 +59,11 @@ def _front(part: str, method: Callable[Concatenate[Any, P], R],
     @functools.wraps(method)
     def front(self: Group, *args: P.args, **kwargs: P.kwargs) -> R:
         return method(getattr(self, part), *args, **kwargs)
-    if returns is not None:
-        front.__signature__ = inspect.signature(method).replace(  # type: ignore[attr-defined]
-            return_annotation=returns)
+    signature = inspect.signature(method)
+    first, *rest = signature.parameters.values()  # "self", whatever the part calls it
+    front.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[first.replace(name="self", annotation=inspect.Parameter.empty), *rest],
+        return_annotation=signature.return_annotation if returns is None else returns)
     return front
 
 
@@ -202,32 +206,8 @@ class Group:
     def closed(self) -> bool:
         return self._life.closed
 
-    def stats(self) -> dict[str, Any]:
-        """Who is slow, measured on every call (always on; see README).
-
-        ``ops``: per operation, ``calls``, ``bytes_sent`` and
-        ``bytes_received`` (this rank's contributions and results), and the
-        time from each call to its result being taken in (``wait_median_s``,
-        ``wait_p90_s``, over the last 1024 calls). On rank 0 also ``ranks``:
-        per rank, how long after the first contribution of a call its own
-        arrived (``late_median_s``, ``late_p90_s``) and the share of calls it
-        was last to arrive at (``last_share``). Works after teardown too.
-        """
-        return self._life.stats()
-
-    def status(self) -> dict[str, Any]:
-        """What this group is doing now, from any thread, without waiting for
-        it (say, from a watchdog thread while another is blocked in a call).
-
-        ``calls``: this rank's calls in flight (``seq``, ``op``, ``callsite``,
-        ``waiting_s``). On rank 0 also ``ranks``: per rank, its ``last_call``
-        (``seq``, ``op``, ``callsite``, ``ago_s``) and the calls that wait for
-        it (``waited_for``: ``seq``, ``op``, ``waiting_s``). ``state``:
-        ``"running"``, ``"failed"`` (``error`` says why), ``"forming"``
-        (closed by shrink() or grow() for the next group, which has not
-        formed here yet) or ``"closed"``.
-        """
-        return self._life.status()
+    stats = _front("_life", life_stats)
+    status = _front("_life", life_status)
 
     def __repr__(self) -> str:
         state = "closed" if self._life.closed else "open"

@@ -272,35 +272,6 @@ class Lifecycle:
             return self.server.coordinator
         return self.driver.coordinator if isinstance(self.driver, DirectDriver) else None
 
-    def stats(self) -> dict[str, Any]:
-        """:meth:`zcollective.Group.stats`."""
-        config = self.config
-        out: dict[str, Any] = {"rank": config.rank, "size": config.num_replicas,
-                               "ops": self.member.stats.summary()}
-        coordinator = self.coordinator()
-        if coordinator is not None:
-            out["ranks"] = coordinator.lateness.summary()
-        return out
-
-    def status(self) -> dict[str, Any]:
-        """:meth:`zcollective.Group.status`: from any thread, without the turn."""
-        now = time.perf_counter()
-        member = self.member
-        calls = [{"seq": seq, "op": call.op, "callsite": call.callsite,
-                  "waiting_s": round(now - call.started, 3)}
-                 for seq, call in sorted(list(member.calls.items())) if call.future is not None]
-        failure = member.failure
-        out: dict[str, Any] = {
-            "rank": self.config.rank, "size": self.config.num_replicas, "calls": calls,
-            "state": ("forming" if self.reforming is not None else "closed") if self.closed else (
-                "failed" if failure is not None else "running")}
-        if failure is not None:
-            out["error"] = f"{type(failure).__name__}: {failure}"
-        coordinator = self.coordinator()
-        if coordinator is not None:
-            out["ranks"] = coordinator.snapshot(time.monotonic())
-        return out
-
     def check_usable(self) -> None:
         if self.closed and self.reforming is not None:
             then = ("the grown group formed without it: call shrink() to be told so (LeftOutError), "
@@ -371,7 +342,7 @@ class Lifecycle:
                                         if 0 <= r < len(self.parent_ranks))
         if self.config.rank == 0 and not self.config.join and not self.nested:  # (a newcomer waiting
             # has no stats to say; a sub-group's are not the job's)
-            write_for_launcher(self.stats(), self.member.session)
+            write_for_launcher(stats(self), self.member.session)
         self.member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
         settle(self.member.outcomes)  # (what came before, and these errors)
@@ -563,3 +534,52 @@ def _register_atexit() -> None:
 
     util.Finalize(None, _end_all, exitpriority=MP_EXIT_PRIORITY)
     _finalizer_pid = os.getpid()
+
+
+def stats(life: Lifecycle) -> dict[str, Any]:
+    """Who is slow, measured on every call (always on; see README).
+
+    ``ops``: per operation, ``calls``, ``bytes_sent`` and
+    ``bytes_received`` (this rank's contributions and results), and the
+    time from each call to its result being taken in (``wait_median_s``,
+    ``wait_p90_s``, over the last 1024 calls). On rank 0 also ``ranks``:
+    per rank, how long after the first contribution of a call its own
+    arrived (``late_median_s``, ``late_p90_s``) and the share of calls it
+    was last to arrive at (``last_share``). Works after teardown too.
+    """
+    config = life.config
+    out: dict[str, Any] = {"rank": config.rank, "size": config.num_replicas,
+                           "ops": life.member.stats.summary()}
+    coordinator = life.coordinator()
+    if coordinator is not None:
+        out["ranks"] = coordinator.lateness.summary()
+    return out
+
+def status(life: Lifecycle) -> dict[str, Any]:
+    """What this group is doing now, from any thread, without waiting for
+    it (say, from a watchdog thread while another is blocked in a call).
+
+    ``calls``: this rank's calls in flight (``seq``, ``op``, ``callsite``,
+    ``waiting_s``). On rank 0 also ``ranks``: per rank, its ``last_call``
+    (``seq``, ``op``, ``callsite``, ``ago_s``) and the calls that wait for
+    it (``waited_for``: ``seq``, ``op``, ``waiting_s``). ``state``:
+    ``"running"``, ``"failed"`` (``error`` says why), ``"forming"``
+    (closed by shrink() or grow() for the next group, which has not
+    formed here yet) or ``"closed"``.
+    """
+    now = time.perf_counter()
+    member = life.member
+    calls = [{"seq": seq, "op": call.op, "callsite": call.callsite,
+              "waiting_s": round(now - call.started, 3)}
+             for seq, call in sorted(list(member.calls.items())) if call.future is not None]
+    failure = member.failure
+    out: dict[str, Any] = {
+        "rank": life.config.rank, "size": life.config.num_replicas, "calls": calls,
+        "state": ("forming" if life.reforming is not None else "closed") if life.closed else (
+            "failed" if failure is not None else "running")}
+    if failure is not None:
+        out["error"] = f"{type(failure).__name__}: {failure}"
+    coordinator = life.coordinator()
+    if coordinator is not None:
+        out["ranks"] = coordinator.snapshot(time.monotonic())
+    return out
