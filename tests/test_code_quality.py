@@ -396,3 +396,62 @@ def test_the_drivers_stay_smaller_than_the_rules_and_the_format_they_drive():
                    for f in os.listdir(path) if f.endswith(".py"))
     drivers, rules = lines("_io"), lines("_protocol") + lines("_format")
     assert drivers <= 0.6 * rules, f"_io/ has {drivers} lines, more than 0.6 x {rules}: move the rules out"
+
+
+# Names of other modules' objects a module may read although they begin with "_", each with why.
+PUBLIC_BY_CONVENTION = {
+    "_current_frames": "sys._current_frames: the stdlib's only way to every thread's stack (a stall report)",
+    "_getframe": "sys._getframe: the stdlib's way to the caller's frame",
+    "_exit": "os._exit: the stdlib's exit without unwinding (a forked child, the launcher)",
+    "_replace": "namedtuple's public API", "_asdict": "namedtuple's public API",
+    "_fields": "namedtuple's public API", "_make": "namedtuple's public API",
+}
+
+
+def _private_reaches(source):
+    """``obj._name`` in ``source`` where ``_name`` is not the module's own (defined or assigned in
+    it) and is not read through ``self``, ``cls`` or ``super()``: another module's private."""
+    import ast
+
+    tree = ast.parse(source)
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.alias):
+            own.add(node.asname or node.name.split(".")[-1])
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+            continue
+        if node.attr in own or node.attr in PUBLIC_BY_CONVENTION:
+            continue
+        found.append((node.lineno, node.attr))
+    return found
+
+
+def test_no_module_reads_another_modules_private_names():
+    """Modules meet through interfaces: what one module needs of another has a public name."""
+    package = os.path.join(ROOT, "zcollective")
+    found = []
+    for root, _, files in os.walk(package):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                with open(path, encoding="utf-8") as source:
+                    found += [(os.path.relpath(path, ROOT), *hit) for hit in _private_reaches(source.read())]
+    assert not found, f"private names of other modules read (give them a public name): {found}"
+    with open(os.path.join(package, "_group.py"), encoding="utf-8") as source:
+        group = source.read()
+    for broken in ("calls._progress", "self._calls._drive()", "future._value", "driver._tracked[seq]"):
+        assert _private_reaches(group + "\n" + broken + "\n"), f"{broken} was not found"
