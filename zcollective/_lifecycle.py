@@ -1,8 +1,7 @@
-"""One open group's lifecycle: the I/O it is composed of (a ZeroMQ context,
-rank 0's server, the member's driver, the data plane) and its life: open
-(join, wait to be admitted, or form from an earlier group), close, end at
-exit, close to form the next. :mod:`zcollective._elastic` asks a lifecycle for
-the next one; :class:`zcollective.Group` is the public face of one."""
+"""One open group's lifecycle: the I/O it is composed of (a ZeroMQ context, rank 0's server, the member's
+driver, the data plane) and its life: open (join, wait to be admitted, or form from an earlier group),
+close, end at exit, close to form the next. :mod:`zcollective._elastic` asks a lifecycle for the next one;
+:class:`zcollective.Group` is the public face of one."""
 
 from __future__ import annotations
 
@@ -539,13 +538,11 @@ def _register_atexit() -> None:
 def stats(life: Lifecycle) -> dict[str, Any]:
     """Who is slow, measured on every call (always on; see README).
 
-    ``ops``: per operation, ``calls``, ``bytes_sent`` and
-    ``bytes_received`` (this rank's contributions and results), and the
-    time from each call to its result being taken in (``wait_median_s``,
-    ``wait_p90_s``, over the last 1024 calls). On rank 0 also ``ranks``:
-    per rank, how long after the first contribution of a call its own
-    arrived (``late_median_s``, ``late_p90_s``) and the share of calls it
-    was last to arrive at (``last_share``). Works after teardown too.
+    ``ops``: per operation, ``calls``, ``bytes_sent`` and ``bytes_received`` (this rank's contributions and
+    results), and the time from each call to its result being taken in (``wait_median_s``, ``wait_p90_s``,
+    over the last 1024 calls). On rank 0 also ``ranks``: per rank, how long after the first contribution of
+    a call its own arrived (``late_median_s``, ``late_p90_s``) and the share of calls it was last to arrive
+    at (``last_share``). Works after teardown too.
     """
     config = life.config
     out: dict[str, Any] = {"rank": config.rank, "size": config.num_replicas,
@@ -556,15 +553,13 @@ def stats(life: Lifecycle) -> dict[str, Any]:
     return out
 
 def status(life: Lifecycle) -> dict[str, Any]:
-    """What this group is doing now, from any thread, without waiting for
-    it (say, from a watchdog thread while another is blocked in a call).
+    """What this group is doing now, from any thread, without waiting for it (say, from a watchdog thread
+    while another is blocked in a call).
 
-    ``calls``: this rank's calls in flight (``seq``, ``op``, ``callsite``,
-    ``waiting_s``). On rank 0 also ``ranks``: per rank, its ``last_call``
-    (``seq``, ``op``, ``callsite``, ``ago_s``) and the calls that wait for
-    it (``waited_for``: ``seq``, ``op``, ``waiting_s``). ``state``:
-    ``"running"``, ``"failed"`` (``error`` says why), ``"forming"``
-    (closed by shrink() or grow() for the next group, which has not
+    ``calls``: this rank's calls in flight (``seq``, ``op``, ``callsite``, ``waiting_s``). On rank 0 also
+    ``ranks``: per rank, its ``last_call`` (``seq``, ``op``, ``callsite``, ``ago_s``) and the calls that
+    wait for it (``waited_for``: ``seq``, ``op``, ``waiting_s``). ``state``: ``"running"``, ``"failed"``
+    (``error`` says why), ``"forming"`` (closed by shrink() or grow() for the next group, which has not
     formed here yet) or ``"closed"``.
     """
     now = time.perf_counter()

@@ -1,11 +1,10 @@
 """Every bound on time and size that others depend on, with how they relate.
 
-The pivot is a group's liveness bound L (``liveness_timeout``; users set it,
-within :data:`MIN_LIVENESS_S` .. :data:`MAX_LIVENESS_S`): a peer silent for
-about L is lost. So whatever travels in one piece (a part of a large frame,
-a data-plane chunk) must arrive well within the smallest L even on a slow
-link, and the waits that end a call or a program are bounded apart from it.
-``tests/test_wire.py`` checks the relations written here.
+The pivot is a group's liveness bound L (``liveness_timeout``; users set it, within
+:data:`MIN_LIVENESS_S` .. :data:`MAX_LIVENESS_S`): a peer silent for about L is lost. So whatever travels
+in one piece (a part of a large frame, a data-plane chunk) must arrive well within the smallest L even on
+a slow link, and the waits that end a call or a program are bounded apart from it. ``tests/test_wire.py``
+checks the relations written here.
 """
 
 from __future__ import annotations
@@ -26,10 +25,9 @@ HANDSHAKE_MIN_MS = int(MIN_LIVENESS_S * 1000)  # a data link's handshake gets L,
 
 
 def heartbeats(liveness_s: float) -> tuple[int, int, int]:
-    """ZMTP heartbeat options (interval, timeout, TTL, in ms) for bound L:
-    libzmq's own threads answer pings, outside the GIL, so a busy process is
-    never taken for a dead one. A ping every L/3; its pong due within L minus
-    that; a peer's pings may stop for L: lost within about L."""
+    """ZMTP heartbeat options (interval, timeout, TTL, in ms) for bound L: libzmq's own threads answer
+    pings, outside the GIL, so a busy process is never taken for a dead one. A ping every L/3; its pong due
+    within L minus that; a peer's pings may stop for L: lost within about L."""
     ms = int(liveness_s * 1000)
     ivl = max(HEARTBEAT_MIN_IVL_MS, ms // 3)
     return ivl, ms - ivl, ms

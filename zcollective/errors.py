@@ -1,9 +1,8 @@
 """The exception hierarchy of zcollective.
 
-Every error the library raises on purpose is a :class:`CollectiveError` (a
-``RuntimeError``, so ``except RuntimeError`` written for adaptdl keeps working)
-or a ``ValueError`` for configuration mistakes. This module knows nothing of
-sockets, threads or pickle.
+Every error the library raises on purpose is a :class:`CollectiveError` (a ``RuntimeError``, so ``except
+RuntimeError`` written for adaptdl keeps working) or a ``ValueError`` for configuration mistakes. This
+module knows nothing of sockets, threads or pickle.
 """
 
 from __future__ import annotations
@@ -43,24 +42,20 @@ class RemoteError(CollectiveError):
 
 
 class ReplicaLostError(CollectiveError):
-    """A replica, or the coordinator at rank 0, disconnected or stopped answering,
-    or its program ended while the others still expected it.
+    """A replica, or the coordinator at rank 0, disconnected or stopped answering, or its program ended
+    while the others still expected it.
 
-    Failed due to *external circumstances* (a crash, a kill, a network fault)
-    when the message says "was lost"; due to *another replica's program* when
-    it says "ended its program (without teardown)". The group is failed for
-    good: every later call raises this at once; call
-    :func:`zcollective.teardown` and start a new group. A rank that ended
-    normally (it called teardown, or its program ended) is no loss: a
-    point-to-point call that only it could answer raises
-    :class:`PeerEndedError`.
+    Failed due to *external circumstances* (a crash, a kill, a network fault) when the message says "was
+    lost"; due to *another replica's program* when it says "ended its program (without teardown)". The group
+    is failed for good: every later call raises this at once; call :func:`zcollective.teardown` and start a
+    new group. A rank that ended normally (it called teardown, or its program ended) is no loss: a
+    point-to-point call that only it could answer raises :class:`PeerEndedError`.
     """
 
 
 class PeerEndedError(CollectiveError):
-    """A point-to-point call needs a rank that ended normally: it called
-    teardown, or its program ended (without teardown), so it sends and
-    receives nothing more.
+    """A point-to-point call needs a rank that ended normally: it called teardown, or its program ended
+    (without teardown), so it sends and receives nothing more.
 
     *Another replica's program* ended; nothing was lost and the group goes
     on: only this call fails. A ``send`` to it fails at once (nothing was
@@ -95,12 +90,11 @@ class CallMismatchError(CollectiveError):
 
 
 class AuthenticationError(CollectiveError):
-    """A peer could not prove it knows the job's secret, or a message was
-    altered, moved or replayed on its way.
+    """A peer could not prove it knows the job's secret, or a message was altered, moved or replayed on its
+    way.
 
-    Either the *configuration* differs between replicas (set the same secret
-    everywhere) or *someone on the network* tampered with the traffic. Once a
-    group has started, it is failed for good.
+    Either the *configuration* differs between replicas (set the same secret everywhere) or *someone on the
+    network* tampered with the traffic. Once a group has started, it is failed for good.
     """
 
 
@@ -126,9 +120,8 @@ class ProtocolError(CollectiveError):
 
 
 class PeerError(CollectiveError):
-    """Another replica's part of this call failed there, before it was sent
-    (a ``scatter`` or ``alltoall`` with the wrong number of values, an
-    interrupt while its value was being pickled).
+    """Another replica's part of this call failed there, before it was sent (a ``scatter`` or ``alltoall``
+    with the wrong number of values, an interrupt while its value was being pickled).
 
     *Another replica's program* is the cause; that replica raised its own
     error (a ``ValueError``, a ``KeyboardInterrupt``). The message names the
@@ -137,12 +130,11 @@ class PeerError(CollectiveError):
 
 
 class AddressError(CollectiveError):
-    """The master address could not be used: rank 0 cannot bind it (the port
-    is taken by another program, or the address is not one of rank 0's host),
-    or a replica cannot connect to it (a malformed address).
+    """The master address could not be used: rank 0 cannot bind it (the port is taken by another program, or
+    the address is not one of rank 0's host), or a replica cannot connect to it (a malformed address).
 
-    The *configuration* or the *environment* is the cause: check
-    ``master_addr``/``master_port`` (``MASTER_ADDR``/``MASTER_PORT``).
+    The *configuration* or the *environment* is the cause: check ``master_addr``/``master_port``
+    (``MASTER_ADDR``/``MASTER_PORT``).
     """
 
 
@@ -155,21 +147,19 @@ class LateJoinError(CollectiveError):
 
 
 class JobMismatchError(LateJoinError):
-    """This replica reached the coordinator of another job: its job's name
-    (``ZCOLLECTIVE_JOB``, or its launcher's) is not rank 0's, or only one of
-    the two has a name. The message names both, and the rank and host refused.
+    """This replica reached the coordinator of another job: its job's name (``ZCOLLECTIVE_JOB``, or its
+    launcher's) is not rank 0's, or only one of the two has a name. The message names both, and the rank and
+    host refused.
 
-    The *launch* is the cause: two jobs share a master address and port, or
-    one job's replicas were given different names. Only this replica is
-    refused; the group at that port goes on. Give each job its own port, and
-    the same ``ZCOLLECTIVE_JOB`` to every replica of one job.
+    The *launch* is the cause: two jobs share a master address and port, or one job's replicas were given
+    different names. Only this replica is refused; the group at that port goes on. Give each job its own
+    port, and the same ``ZCOLLECTIVE_JOB`` to every replica of one job.
     """
 
 
 class LeftOutError(LateJoinError):
-    """The survivors of a loss formed their new group without this replica
-    (:func:`zcollective.shrink`): it did not come within the bound, or the
-    group it belonged to had already counted it as lost.
+    """The survivors of a loss formed their new group without this replica (:func:`zcollective.shrink`): it
+    did not come within the bound, or the group it belonged to had already counted it as lost.
 
     *This replica was too slow* (stopped, or busy in its own code when the
     others shrank): it is no longer a member; end it, or start it again as a
@@ -187,9 +177,8 @@ class ForkedProcessError(CollectiveError):
 
 
 class InternalError(CollectiveError):
-    """zcollective itself failed: the coordinator crashed. A *bug in
-    zcollective*: please report it with the message and the log of rank 0.
-    The group is failed for good.
+    """zcollective itself failed: the coordinator crashed. A *bug in zcollective*: please report it with the
+    message and the log of rank 0. The group is failed for good.
     """
 
 

@@ -31,11 +31,10 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
          newcomer: bool = False, job: Optional[str] = None, ops: str = "", mail: Optional[str] = None,
          shm: Optional[tuple[int, int]] = None, mail_window: int = 0) -> Message:
-    """JOIN: who this replica is and what it runs (``ops``: the operations it knows); answers
-    are bound to ``nonce``. ``shm``: its shared-memory threshold and its host's free bytes;
-    ``lineage``: the earlier group's session it forms the next of (``rank``, ``num_replicas``:
-    its old ones); ``newcomer``: it waits to be admitted; ``mail_window``: its mailbox's bound
-    per sender."""
+    """JOIN: who this replica is and what it runs (``ops``: the operations it knows); answers are bound to
+    ``nonce``. ``shm``: its shared-memory threshold and its host's free bytes; ``lineage``: the earlier
+    group's session it forms the next of (``rank``, ``num_replicas``: its old ones); ``newcomer``: it waits
+    to be admitted; ``mail_window``: its mailbox's bound per sender."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
                             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

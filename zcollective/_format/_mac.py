@@ -77,15 +77,13 @@ class ChunkMac:
         return h.digest()[:self.TAG_BYTES]
 
     def verify(self, context: bytes, data: Any, tag: Any) -> bool:
-        """Whether ``tag`` is ``data``'s tag under ``context`` (constant-time
-        comparison)."""
+        """Whether ``tag`` is ``data``'s tag under ``context`` (constant-time comparison)."""
         return hmac.compare_digest(self.tag(context, data), bytes(tag))
 
 
 def byte_view(data: Any) -> memoryview:
-    """A one-dimensional byte view of any contiguous buffer (a numpy array, a
-    ZeroMQ frame), uncopied: what hashlib and cryptography take, and what can
-    be sliced by byte offsets."""
+    """A one-dimensional byte view of any contiguous buffer (a numpy array, a ZeroMQ frame), uncopied: what
+    hashlib and cryptography take, and what can be sliced by byte offsets."""
     view = memoryview(data)
     if view.ndim == 1 and view.format == "B":
         return view

@@ -1,9 +1,8 @@
-"""The data plane's sockets: each replica binds one PULL socket (its data
-port) and connects one PUSH to the next rank's, to move the chunks of a
-:class:`~zcollective._protocol._ring.Transfer` (of a call the coordinator
-matched). With ranks on several hosts that share memory, each host's leader
-connects one more PUSH, to the next host's leader: the ring between hosts
-(``via`` :data:`HOSTS`). See docs/protocol.md, *The data plane*.
+"""The data plane's sockets: each replica binds one PULL socket (its data port) and connects one PUSH to the
+next rank's, to move the chunks of a :class:`~zcollective._protocol._ring.Transfer` (of a call the
+coordinator matched). With ranks on several hosts that share memory, each host's leader connects one more
+PUSH, to the next host's leader: the ring between hosts (``via`` :data:`HOSTS`). See docs/protocol.md, *The
+data plane*.
 """
 
 from __future__ import annotations

@@ -4,19 +4,16 @@ segment's steps, the memory's (the job's own) and the syncs (a SYNC to the
 coordinator and its answer, through the member's driver). See docs/protocol.md,
 *Shared memory*.
 
-A segment is a POSIX shared-memory object (``/dev/shm`` on Linux) made by the
-host's leader (its lowest rank), mode 0600, named by a hash of the group's
-session (which only its members know), its host and a generation; it is made anew,
-larger, when a larger array comes. The leader unlinks the name as soon as
-every rank of the host has attached, so the memory goes when the last rank
-lets go of it, whatever ends the processes. If the group ends before that
-step, every rank that knows the name unlinks it as it closes.
+A segment is a POSIX shared-memory object (``/dev/shm`` on Linux) made by the host's leader (its lowest
+rank), mode 0600, named by a hash of the group's session (which only its members know), its host and a
+generation; it is made anew, larger, when a larger array comes. The leader unlinks the name as soon as every
+rank of the host has attached, so the memory goes when the last rank lets go of it, whatever ends the
+processes. If the group ends before that step, every rank that knows the name unlinks it as it closes.
 
-``_posixshmem`` (what ``multiprocessing.shared_memory`` calls) is used
-directly: ``SharedMemory`` registers every segment it opens with
-multiprocessing's resource tracker, which starts a process of its own, warns
-of a "leak" at exit and unlinks a segment other ranks still use when one that
-merely attached ends (CPython gh-82300, fixed only by ``track=False`` in 3.13).
+``_posixshmem`` (what ``multiprocessing.shared_memory`` calls) is used directly: ``SharedMemory`` registers
+every segment it opens with multiprocessing's resource tracker, which starts a process of its own, warns of
+a "leak" at exit and unlinks a segment other ranks still use when one that merely attached ends (CPython
+gh-82300, fixed only by ``track=False`` in 3.13).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Socket options shared by the coordinator's ROUTER and each replica's DEALER,
-and the one place where ``zmq.ZMQError`` becomes a library error: the
-drivers call libzmq through the functions here (or inside :func:`mapped`).
-A handshake refused over the secret, which libzmq reports only on a socket
-monitor, becomes one here too (:func:`handshake_refusal`)."""
+"""Socket options shared by the coordinator's ROUTER and each replica's DEALER, and the one place where
+``zmq.ZMQError`` becomes a library error: the drivers call libzmq through the functions here (or inside
+:func:`mapped`). A handshake refused over the secret, which libzmq reports only on a socket monitor, becomes
+one here too (:func:`handshake_refusal`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Whether this process was stopped (SIGSTOP, a paused VM or container, a
-debugger) while its program was anywhere, in the library or not: a daemon
-thread wakes every :data:`WATCH_S` and notes a wake-up that came much later.
-Why it matters: see docs/protocol.md, *Stops*. At each wake it also answers
-zcollective-run's request for this process's stacks (:mod:`._stacks`).
+"""Whether this process was stopped (SIGSTOP, a paused VM or container, a debugger) while its program was
+anywhere, in the library or not: a daemon thread wakes every :data:`WATCH_S` and notes a wake-up that came
+much later. Why it matters: see docs/protocol.md, *Stops*. At each wake it also answers zcollective-run's
+request for this process's stacks (:mod:`._stacks`).
 """
 
 from __future__ import annotations

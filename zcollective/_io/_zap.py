@@ -1,8 +1,7 @@
-"""Authentication at the ZeroMQ handshake: with a secret, a peer that cannot
-prove it knows the secret is refused before libzmq takes in a single message
-from it. Knows nothing of the protocol above ZeroMQ, of ranks, or of threads;
-a client's token is checked by :mod:`zcollective._protocol._tokens`. How
-handshakes go: see docs/protocol.md, *Drivers*.
+"""Authentication at the ZeroMQ handshake: with a secret, a peer that cannot prove it knows the secret is
+refused before libzmq takes in a single message from it. Knows nothing of the protocol above ZeroMQ, of
+ranks, or of threads; a client's token is checked by :mod:`zcollective._protocol._tokens`. How handshakes
+go: see docs/protocol.md, *Drivers*.
 
 Use (the drivers')::
 

@@ -107,8 +107,7 @@ class DataMoves:
             m.transfers = deque((s, j) for s, j in m.transfers if s != seq)
 
     def taken(self) -> list[Message]:
-        """The answer to a TAKEN once no data job through its seq is left
-        here (rule 7); none until then."""
+        """The answer to a TAKEN once no data job through its seq is left here (rule 7); none until then."""
         asked, m = self.asked, self.member
         if asked is None or any(seq <= asked for seq, _ in m.transfers):
             return []
@@ -116,9 +115,8 @@ class DataMoves:
         return [Message(Kind.TAKEN, rank=m.rank, seq=asked, session=m.session)]
 
     def moving(self, seq: int) -> bool:
-        """Does call ``seq``'s data move here (its plan came, the move is not
-        done)? A call failed while it moves keeps its result on the ranks
-        that had finished: an interrupt lets it finish first."""
+        """Does call ``seq``'s data move here (its plan came, the move is not done)? A call failed while it
+        moves keeps its result on the ranks that had finished: an interrupt lets it finish first."""
         return any(s == seq for s, _ in self.member.transfers)
 
     def job(self, seq: int) -> Any:

@@ -1,6 +1,5 @@
-"""One replica's joining: its JOINs and their timer (rules 1 and 8), what it saw of
-its connection to the coordinator, the WELCOME, and which replies are bound to it
-(rule 2). A part of :class:`~._member.Member`.
+"""One replica's joining: its JOINs and their timer (rules 1 and 8), what it saw of its connection to the
+coordinator, the WELCOME, and which replies are bound to it (rule 2). A part of :class:`~._member.Member`.
 """
 
 from __future__ import annotations
@@ -72,9 +71,8 @@ class Joining:
                             SPOKEN, m.mail_endpoint, m.shm_offer, m.mail_window)
 
     def start(self, warn_after: Optional[float] = None) -> list[Message]:
-        """Begin joining (rule 8): a JOIN now, and again at each of its
-        timer's deadlines. ``warn_after``: over a connection, say so when the
-        join waits this long (None: never)."""
+        """Begin joining (rule 8): a JOIN now, and again at each of its timer's deadlines. ``warn_after``:
+        over a connection, say so when the join waits this long (None: never)."""
         now = self.member.clock()
         self.timer = JoinTimer(now, now + JOIN_RESEND_S, warn_after)
         return [self.join()]
@@ -271,8 +269,7 @@ def checked_in_world(ranks: Any, world: Optional[list[int]]) -> str:
 
 
 def lost_rank_0(error: Exception) -> Exception:
-    """``error`` says the connection to rank 0 (the coordinator) was lost: a lead
-    for a shrink, not proof (rank 0 also closes it to shrink; a FAIL's
-    ``lost_ranks`` are the coordinator's word)."""
+    """``error`` says the connection to rank 0 (the coordinator) was lost: a lead for a shrink, not proof
+    (rank 0 also closes it to shrink; a FAIL's ``lost_ranks`` are the coordinator's word)."""
     error.lost_inferred = (0,)  # type: ignore[attr-defined]
     return error

@@ -46,9 +46,8 @@ class TreeRole:
         return [(m.parent, a) for a in out if isinstance(a, Message)]
 
     def climbed(self, msg: Message) -> None:
-        """A message of the tree that came to the mailbox: a child's UP, or a RESULT
-        from the parent; what it makes this rank send joins the mailbox's (or
-        :attr:`~._member.Member.owed`, to rank 0)."""
+        """A message of the tree that came to the mailbox: a child's UP, or a RESULT from the parent; what
+        it makes this rank send joins the mailbox's (or :attr:`~._member.Member.owed`, to rank 0)."""
         m = self.member
         if m.failure is not None:
             return

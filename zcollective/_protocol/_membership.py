@@ -1,7 +1,6 @@
-"""The coordinator's membership: the group starts once every rank joined (WELCOME,
-with what the group settles on: parts, MACs, data plane, shared memory, tree), forms
-from an earlier group's members by majority (rule 9), and admits newcomers at a GROW
-(rule 10)."""
+"""The coordinator's membership: the group starts once every rank joined (WELCOME, with what the group
+settles on: parts, MACs, data plane, shared memory, tree), forms from an earlier group's members by majority
+(rule 9), and admits newcomers at a GROW (rule 10)."""
 
 from __future__ import annotations
 

@@ -9,11 +9,10 @@ from typing import Any, Callable, Optional
 
 @dataclass(slots=True)
 class CallOutcome:
-    """What a call came to, for the call runner to apply to ``future``:
-    ``error``, or the value ``make()`` returns (it unpickles, or finishes a
-    transfer: the program's code may run there, never in the rules); a
-    received message's ``status`` (where it came from) goes on the future,
-    and ``undo`` puts it back if its receive is given up before it applies."""
+    """What a call came to, for the call runner to apply to ``future``: ``error``, or the value ``make()``
+    returns (it unpickles, or finishes a transfer: the program's code may run there, never in the rules); a
+    received message's ``status`` (where it came from) goes on the future, and ``undo`` puts it back if its
+    receive is given up before it applies."""
 
     future: Any
     error: Optional[BaseException] = None

@@ -89,11 +89,10 @@ class PendingCall:
 
 @dataclass(frozen=True)
 class Forming:
-    """Members of an earlier group, whose session was ``lineage`` (hex), form a
-    new group here (rule 9): ``expected`` are their old ranks, the host's (rank
-    0's here) the lowest, of a group of ``old_size``. With ``majority``, the
-    group forms only with more than half of the old ranks not in ``dead``
-    (those seen to die), so a partition never leaves two groups going on."""
+    """Members of an earlier group, whose session was ``lineage`` (hex), form a new group here (rule 9):
+    ``expected`` are their old ranks, the host's (rank 0's here) the lowest, of a group of ``old_size``.
+    With ``majority``, the group forms only with more than half of the old ranks not in ``dead`` (those seen
+    to die), so a partition never leaves two groups going on."""
 
     lineage: str
     expected: frozenset[int]

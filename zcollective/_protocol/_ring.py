@@ -1,8 +1,7 @@
-"""The data plane's schedules: what a rank sends, and what it does with each
-chunk it receives, for a ring allreduce, a chain broadcast and a ring
-allgather. Pure: no sockets, no MACs, no threads
-(:mod:`zcollective._io._dataplane` moves the chunks). The schedules: see
-docs/protocol.md, *The data plane* (Schedules).
+"""The data plane's schedules: what a rank sends, and what it does with each chunk it receives, for a ring
+allreduce, a chain broadcast and a ring allgather. Pure: no sockets, no MACs, no threads
+(:mod:`zcollective._io._dataplane` moves the chunks). The schedules: see docs/protocol.md, *The data plane*
+(Schedules).
 """
 
 from __future__ import annotations
@@ -27,20 +26,18 @@ RING, HOSTS = "ring", "hosts"  # the links a transfer's chunks go by (Transfer.v
 
 
 def elementwise(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """Mark ``fn(a, b)`` as elementwise: ``result[i]`` depends only on
-    ``a[i]`` and ``b[i]``. Large numeric arrays reduced with it then travel
-    between replicas directly (see the README's "The data plane"), each
-    replica applying its own ``fn``, so it must be the same function
-    everywhere. ``fn`` may update ``a`` in place and return it."""
+    """Mark ``fn(a, b)`` as elementwise: ``result[i]`` depends only on ``a[i]`` and ``b[i]``. Large numeric
+    arrays reduced with it then travel between replicas directly (see the README's "The data plane"), each
+    replica applying its own ``fn``, so it must be the same function everywhere. ``fn`` may update ``a`` in
+    place and return it."""
     fn.__zcollective_elementwise__ = True  # type: ignore[attr-defined]
     return fn
 
 
 def reduction_name(fn: Any) -> Optional[str]:
-    """The name the data plane knows ``fn`` by, or None if it must keep the
-    star: ``add`` for the default ``a += b``, ``operator.add``/``iadd`` and
-    ``numpy.add``; ``maximum``, ``minimum``, ``multiply`` for numpy's; a
-    function marked :func:`elementwise` by its module and qualified name."""
+    """The name the data plane knows ``fn`` by, or None if it must keep the star: ``add`` for the default
+    ``a += b``, ``operator.add``/``iadd`` and ``numpy.add``; ``maximum``, ``minimum``, ``multiply`` for
+    numpy's; a function marked :func:`elementwise` by its module and qualified name."""
     name = _KNOWN.get(_key(fn))
     if name is not None:
         return name
@@ -149,9 +146,8 @@ class Transfer:
 
     def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any],
                 origin: int = -1) -> bool:
-        """Take one chunk from the previous rank (``origin``: the rank whose
-        header it carries); False if it is not one this job expects (a
-        duplicate, or out of range): the caller drops it."""
+        """Take one chunk from the previous rank (``origin``: the rank whose header it carries); False if it
+        is not one this job expects (a duplicate, or out of range): the caller drops it."""
         raise NotImplementedError
 
     def result(self) -> Any:

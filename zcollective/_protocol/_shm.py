@@ -1,17 +1,13 @@
-"""Same-host schedules: what each rank of a host does with its host's
-shared-memory segment for one call, step by step, between syncs. Pure: the
-segment comes as a numpy array of bytes (:mod:`zcollective._io._shared` maps
-it, makes and unlinks it, and sends the syncs); no OS call, socket or thread.
-See docs/protocol.md, *Shared memory*.
+"""Same-host schedules: what each rank of a host does with its host's shared-memory segment for one call,
+step by step, between syncs. Pure: the segment comes as a numpy array of bytes
+(:mod:`zcollective._io._shared` maps it, makes and unlinks it, and sends the syncs); no OS call, socket or
+thread. See docs/protocol.md, *Shared memory*.
 
-The segment holds two *sets* of one slot per rank of the host, each slot
-``capacity`` bytes; consecutive calls use alternate sets, so a rank may write
-its next call's input while another still reads this call's. A rank writes
-its input into its slot when it makes the call if it knows its set is free
-(*staged*); the coordinator's plan, which every rank waits for anyway, is then
-the barrier before anyone reads. Otherwise a sync (every rank of the host
-says it reached a step; the coordinator answers once all did) takes its
-place.
+The segment holds two *sets* of one slot per rank of the host, each slot ``capacity`` bytes; consecutive
+calls use alternate sets, so a rank may write its next call's input while another still reads this call's. A
+rank writes its input into its slot when it makes the call if it knows its set is free (*staged*); the
+coordinator's plan, which every rank waits for anyway, is then the barrier before anyone reads. Otherwise a
+sync (every rank of the host says it reached a step; the coordinator answers once all did) takes its place.
 """
 
 from __future__ import annotations
@@ -87,9 +83,8 @@ def slice_of(elements: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def stage(slot: Any, array: Any, rank: int, size: int, whole: bool) -> None:
-    """Write ``array`` into ``slot`` (bytes): all of it (``whole``: every rank
-    reduces the whole array), or all but this rank's own slice (it reads that
-    from ``array`` itself)."""
+    """Write ``array`` into ``slot`` (bytes): all of it (``whole``: every rank reduces the whole array), or
+    all but this rank's own slice (it reads that from ``array`` itself)."""
     flat = array.reshape(-1)
     into = slot[:flat.nbytes].view(flat.dtype)
     if whole:
@@ -235,13 +230,12 @@ class SharedAllreduce(SharedJob):
 
 
 class HostsAllreduce(SharedAllreduce):
-    """An allreduce of ranks on several hosts (see docs/protocol.md, *Shared memory*):
-    the host's ranks reduce their slices of the host's inputs in the segment, as
-    :class:`SharedAllreduce` does; its leader collects the host's sum, takes it round the
-    ring between the hosts' leaders (the data plane's :class:`RingAllreduce`, ``via``
-    :data:`HOSTS`) and writes the result into its slot, from which, after a sync, the
-    others read it. Every byte crosses the network once per host, not once per rank, and
-    every rank gets the leader's bits."""
+    """An allreduce of ranks on several hosts (see docs/protocol.md, *Shared memory*): the host's ranks
+    reduce their slices of the host's inputs in the segment, as :class:`SharedAllreduce` does; its leader
+    collects the host's sum, takes it round the ring between the hosts' leaders (the data plane's
+    :class:`RingAllreduce`, ``via`` :data:`HOSTS`) and writes the result into its slot, from which, after a
+    sync, the others read it. Every byte crosses the network once per host, not once per rank, and every
+    rank gets the leader's bits."""
 
     kind_name = "shared-memory allreduce across hosts"
 
@@ -308,11 +302,10 @@ def write_parts(slot: Any, parts: list[list[Any]]) -> None:
 
 
 class SharedExchange(SharedJob):
-    """Serialized values through the segment (broadcast, allgather): each writer puts its
-    parts (a part: one value's frames) into its slot; after the barrier each rank copies the
-    parts it receives into buffers of its own. No sync after the reading: the next call uses
-    the other set, and a later one this set only once every rank is done here (see the module
-    docstring)."""
+    """Serialized values through the segment (broadcast, allgather): each writer puts its parts (a part: one
+    value's frames) into its slot; after the barrier each rank copies the parts it receives into buffers of
+    its own. No sync after the reading: the next call uses the other set, and a later one this set only once
+    every rank is done here (see the module docstring)."""
 
     kind_name = "shared-memory exchange"
 

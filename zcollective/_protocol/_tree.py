@@ -1,6 +1,5 @@
-"""The tree small calls climb in a large group: its shape, and one interior
-rank's rules (:class:`Relay`). Pure: fed messages and the clock, it returns
-what to send; sockets and threads are the drivers'.
+"""The tree small calls climb in a large group: its shape, and one interior rank's rules (:class:`Relay`).
+Pure: fed messages and the clock, it returns what to send; sockets and threads are the drivers'.
 
 Every rank heads a contiguous range of ranks, its subtree, so a partial
 reduction keeps rank order. A rank's contribution goes to its parent (rank 0's
@@ -58,9 +57,8 @@ class Shape:
 
 @functools.lru_cache(maxsize=16)
 def shape(size: int, fanout: int = TREE_FANOUT) -> Shape:
-    """The tree over ``size`` ranks: a range's first rank heads it, the rest
-    is cut into at most ``fanout`` contiguous ranges of sizes that differ by
-    at most one, each headed by a child."""
+    """The tree over ``size`` ranks: a range's first rank heads it, the rest is cut into at most ``fanout``
+    contiguous ranges of sizes that differ by at most one, each headed by a child."""
     parent, end = [-1] * size, [0] * size
     children: list[tuple[int, ...]] = [()] * size
 
