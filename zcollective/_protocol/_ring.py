@@ -1,7 +1,5 @@
-"""The data plane's schedules: what a rank sends, and what it does with each chunk it receives, for a ring
-allreduce, a chain broadcast and a ring allgather. Pure: no sockets, no MACs, no threads
-(:mod:`zcollective._io._dataplane` moves the chunks). The schedules: see docs/protocol.md, *The data plane*
-(Schedules).
+"""The data plane's schedules (ring allreduce, chain broadcast, ring allgather): what a rank sends and does
+with each chunk. Pure (:mod:`zcollective._io._dataplane` moves the chunks); see protocol.md, *The data plane*.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ def chunk_size(nbytes: int, parts: int) -> int:
 
 RS, AG, BC, GA = 1, 2, 3, 4  # chunk kinds: reduce-scatter, allgather, broadcast, gathered value
 KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast", GA: "allgather value"}
-RING, HOSTS = "ring", "hosts"  # the links a transfer's chunks go by (Transfer.via): to the next rank;
-# from a host's leader to the next host's (the ring between hosts of a shared-memory allreduce)
+RING, HOSTS = "ring", "hosts"  # Transfer.via: to the next rank; from a host's leader to the next host's
 
 
 def elementwise(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -70,8 +67,7 @@ def register_default(fn: Callable[[Any, Any], Any]) -> None:
 
 
 def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], None]:
-    """``reduce(dst, acc, mine)``: ``dst[:] = fn(acc, mine)`` for arrays;
-    ``acc`` is what came round the ring (read-only), ``mine`` this rank's."""
+    """``reduce(dst, acc, mine)``: ``dst[:] = fn(acc, mine)``; ``acc`` came round the ring (read-only)."""
     import numpy
     ufunc = {"add": numpy.add, "maximum": numpy.maximum, "minimum": numpy.minimum,
              "multiply": numpy.multiply}.get(name)
@@ -90,9 +86,7 @@ def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any
 
 @dataclass
 class Chunk:
-    """A chunk to send to the next rank. ``origin``: for a forwarded chunk,
-    the rank whose header and tag travel with it (``frames``, as received);
-    None: made here, to be given a header and a tag by the sender."""
+    """A chunk to send to the next rank (``frames``: forwarded as received; None: made here)."""
 
     kind: int
     step: int  # reduce-scatter: the step; allgather and broadcast: the segment or frame
@@ -117,8 +111,7 @@ def _chunks(start: int, end: int, per: int) -> list[tuple[int, int]]:
 
 
 class Transfer:
-    """One call's transfer at one rank: chunks to send (:attr:`outbox`) and
-    the chunks it expects; fed what arrives with :meth:`receive`."""
+    """One call's transfer at one rank: chunks to send (:attr:`outbox`), fed chunks by :meth:`receive`."""
 
     kind_name = "?"
     op = "?"  # the operation's label, for messages
@@ -160,8 +153,7 @@ class Transfer:
 
     def _copy_in(self, key: tuple[int, ...], per_frame: list[list[tuple[int, int]]], into: list[Any],
                  step: int, index: int, payload: Any) -> bool:
-        """Take chunk ``per_frame[step][index]`` of a frame into ``into[step]``; False if it is
-        out of range, of the wrong size, or taken before (``key``)."""
+        """Take chunk ``per_frame[step][index]`` into ``into[step]``; False if out of range, or not new."""
         if not 0 <= step < len(per_frame) or not 0 <= index < len(per_frame[step]) or key in self._seen:
             return False
         s, e = per_frame[step][index]
@@ -183,8 +175,7 @@ class RingAllreduce(Transfer):
 
     def __init__(self, rank: int, size: int, array: Any, reduce: Callable[[Any, Any, Any], None],
                  chunk_bytes: Optional[int] = None, gather: bool = True) -> None:
-        """``gather=False``: only the reduce-scatter; :meth:`result` is the
-        segment this rank holds reduced, ``(rank + 1) % size``."""
+        """``gather=False``: only the reduce-scatter; :meth:`result` is segment ``(rank + 1) % size``."""
         import numpy
         super().__init__(rank, size)
         self._gather = gather
@@ -296,8 +287,7 @@ class ChainBroadcast(Transfer):
 
 
 class RingAllgather(Transfer):
-    """Each rank's serialized value once round the ring. ``sizes[r]``: the
-    lengths of rank r's frames, or None if its value came with the plan."""
+    """Each rank's value once round the ring; ``sizes[r]``: rank r's frame lengths (None: in the plan)."""
 
     kind_name = "ring allgather"
     op = "allgather"
