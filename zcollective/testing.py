@@ -46,10 +46,7 @@ KILL_WAIT_S = 30.0  # a killed process is gone within this
 
 
 class ReplicasFailed(AssertionError):
-    """At least one replica raised, exited non-zero, or ran out of time.
-
-    ``outcomes`` holds one :class:`Outcome` per rank.
-    """
+    """At least one replica raised, exited non-zero, or ran out of time (``outcomes``: one per rank)."""
 
     def __init__(self, message: str, outcomes: list[Outcome]) -> None:
         super().__init__(message)
@@ -104,31 +101,22 @@ class SpawnRequest:
 
 
 spawner: Optional[Callable[[list[SpawnRequest]], Optional[list[Any]]]] = None
-"""A faster way to start a group's replica processes: given one request per
-rank, it returns process objects with ``poll``, ``wait``, ``send_signal``,
-``kill``, ``pid`` and ``returncode`` as :class:`subprocess.Popen` has, or None
-(fresh interpreters are started). None: always fresh interpreters."""
+"""A faster way to start replica processes: given one request per rank, Popen-like process objects, or
+None (fresh interpreters). None: always fresh interpreters."""
 
 
 PORTS_BELOW_EPHEMERAL = 8192  # how many ports under the ephemeral range free_port hands out
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"  # read on Linux only
 DEFAULT_EPHEMERAL_LOW = 32768  # Linux's default start; BSDs, macOS and Windows start higher (49152)
 LAUNCHER_PORTS = frozenset({DEFAULT_MASTER_PORT, DEFAULT_MASTER_PORT + 1, 29400, 29500, 29501})
-# never handed out: ports a job started with no port set uses (zcollective's default, and the port
-# torchrun's agent (29400) and torch.distributed (29500) default to, plus the one after each that
-# zcollective takes under torchrun): a test's group there and a launcher's job would join each other
+# never handed out: launchers' default ports (a test's group there and a job would join each other)
 _next_port: list[int] = []  # this process's next candidate in its slice
 os.register_at_fork(after_in_child=_next_port.clear)  # a forked child starts at a random place
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago.
-
-    Taken just under the kernel's ephemeral range, so no port bound to 0 meanwhile (a data port, another
-    test's socket) can take it before it is used; ports follow one another, so a test asking for several
-    gets different ones; each pytest-xdist worker has a slice of its own. Ports that launchers use when none
-    is set (:data:`LAUNCHER_PORTS`) are skipped: a job started meanwhile with no port set would join the
-    test's group."""
+    """A TCP port that was free a moment ago: taken in turn just under the kernel's ephemeral range (no
+    port bound to 0 takes it meanwhile), a slice per pytest-xdist worker, :data:`LAUNCHER_PORTS` skipped."""
     ephemeral = _ephemeral_low()
     low = max(1024, ephemeral - PORTS_BELOW_EPHEMERAL)
     workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
@@ -226,8 +214,7 @@ class Replicas:
         ) for prefix, r, out in zip(prefixes, requests, self._outs, strict=True)))
 
     def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> list[Outcome]:
-        """Wait for every replica (killing those still running at ``timeout``)
-        and collect what each returned, raised and printed."""
+        """Wait for every replica (killing those left at ``timeout``); collect what each did."""
         deadline = time.monotonic() + timeout
         for rank in range(self.n):
             self.outcomes[rank].timed_out = not self.join([rank], deadline - time.monotonic())
