@@ -35,7 +35,10 @@ def reduction_name(fn: Any) -> Optional[str]:
     """The name the data plane knows ``fn`` by, or None if it must keep the star: ``add`` for the default
     ``a += b``, ``operator.add``/``iadd`` and ``numpy.add``; ``maximum``, ``minimum``, ``multiply`` for
     numpy's; a function marked :func:`elementwise` by its module and qualified name."""
-    name = _KNOWN.get(_key(fn))
+    try:
+        name = _KNOWN.get(fn)
+    except TypeError:  # unhashable: none of ours
+        name = None
     if name is not None:
         return name
     if getattr(fn, "__zcollective_elementwise__", False):
@@ -47,14 +50,6 @@ def reduction_name(fn: Any) -> Optional[str]:
             if fn is ufunc:
                 return label
     return None
-
-
-def _key(fn: Any) -> Any:
-    try:
-        hash(fn)
-    except TypeError:
-        return None
-    return fn
 
 
 _KNOWN: dict[Any, str] = {operator.add: "add", operator.iadd: "add", operator.mul: "multiply",
