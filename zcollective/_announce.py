@@ -1,6 +1,5 @@
-"""What a process started by zcollective-run tells the launcher, in files the launcher named in
-its environment (best effort; a process started otherwise writes nothing), and the launcher's
-reader of them (:class:`Groups`): both sides of one format."""
+"""What a process started by zcollective-run tells the launcher in files it named (best effort), and the
+launcher's reader of them (:class:`Groups`): both sides of one format."""
 
 from __future__ import annotations
 
@@ -9,19 +8,15 @@ import os
 import threading
 from typing import Any, NamedTuple, Optional
 
-GROUPS_FILE_ENV = "ZCOLLECTIVE_GROUPS_FILE"  # set by zcollective-run: each process appends a line
-# there when it joins a group, and rank 0 its stats when it closes one (the launcher follows ranks)
-COORDINATOR_FILE_ENV = "ZCOLLECTIVE_COORDINATOR_FILE"  # set by zcollective-run --replace-lost: the
-# rank 0 of each group (it moves when rank 0 is lost) writes the coordinator's host:port there
-STACKS_DIR_ENV = "ZCOLLECTIVE_STACKS_DIR"  # set by zcollective-run: it asks a process for its threads'
-# stacks by making a file there named by its pid (zcollective._io._stacks answers, and removes it)
+GROUPS_FILE_ENV = "ZCOLLECTIVE_GROUPS_FILE"  # a line per group joined; rank 0's stats at its close
+COORDINATOR_FILE_ENV = "ZCOLLECTIVE_COORDINATOR_FILE"  # --replace-lost: each rank 0 writes host:port here
+STACKS_DIR_ENV = "ZCOLLECTIVE_STACKS_DIR"  # a file named by a pid here asks that process for its stacks
 READ_BYTES = 1 << 16  # the launcher reads the groups file in chunks of this size
 MAX_STACKS = 64  # a stall names at most this many ranks whose stacks are shown
 
 
 def _tell_launcher(session: int, **fields: Any) -> None:
-    """Append one JSON line about this process and group ``session`` to the launcher's file (best
-    effort), in one ``write`` to a file opened to append: no other process splits the line."""
+    """Append one JSON line to the launcher's file in one ``write`` (no other process splits it)."""
     path = os.environ.get(GROUPS_FILE_ENV)
     if not path:
         return
@@ -37,8 +32,7 @@ def _tell_launcher(session: int, **fields: Any) -> None:
 
 
 def announce_group(rank: int, size: int, session: int, lineage: Optional[str], stacks: bool = False) -> None:
-    """Joined group ``session`` (formed from ``lineage``) as ``rank`` of ``size``; ``stacks``: it
-    answers the launcher's requests for its stacks."""
+    """Joined ``session`` (formed from ``lineage``) as ``rank`` of ``size``; ``stacks``: it answers."""
     _tell_launcher(session, lineage=lineage, rank=rank, size=size, stacks=stacks)
 
 
@@ -54,8 +48,7 @@ def announce_stall(session: int, ranks: list[int], line: str) -> None:
 
 
 def announce_coordinator(address: str) -> None:
-    """Rank 0 under ``zcollective-run --replace-lost``: where the coordinator is (``host:port pid``),
-    for the newcomers it starts; the file is replaced whole, never seen half written."""
+    """Rank 0 under ``--replace-lost``: where the coordinator is (``host:port pid``), replaced whole."""
     path = os.environ.get(COORDINATOR_FILE_ENV)
     if not path:
         return
@@ -80,8 +73,7 @@ class Place(NamedTuple):
 
 
 class Groups:
-    """The groups file as the launcher reads it while it grows: each process's group, the group
-    each was formed from, the stats each group's rank 0 left, the stalls named."""
+    """The groups file as the launcher reads it: each process's group, lineage, rank 0's stats, stalls."""
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY)

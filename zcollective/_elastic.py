@@ -1,7 +1,6 @@
-"""Elastic groups: the survivors of a loss go on in the same processes
-(:func:`shrink`), a running group admits newcomers (:func:`regroup`), each
-step asking :class:`~zcollective._lifecycle.Lifecycle` for the next group.
-See docs/protocol.md, *Elastic groups*."""
+"""Elastic groups: the survivors of a loss go on in the same processes (:func:`shrink`), a running group
+admits newcomers (:func:`regroup`), each step asking :class:`~zcollective._lifecycle.Lifecycle` for the next
+group. See docs/protocol.md, *Elastic groups*."""
 
 from __future__ import annotations
 
@@ -30,10 +29,8 @@ from .errors import (
 
 
 def form_port(master_port: int, old_rank: int) -> int:
-    """Where old rank ``old_rank`` hosts a group formed from one at
-    ``master_port``: old rank 0 at that port, the others ``old_rank`` above it,
-    so a would-be host never needs a port a living old rank 0 (stopped, busy
-    in its own code) still holds on the same host."""
+    """Where old rank ``old_rank`` hosts a group formed from one at ``master_port``: that port
+    + ``old_rank``, so no host needs a port a living old rank 0 may still hold."""
     port = master_port + old_rank
     span = MAX_PORT + 1 - MIN_FORM_PORT
     return port if port <= MAX_PORT else MIN_FORM_PORT + (port - MIN_FORM_PORT) % span
@@ -56,22 +53,18 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
     addresses = member.addresses or [config.master_addr] * old_size
     lineage = f"{member.session:x}"
     failed_at = member.failed_at if failure is not None else time.monotonic()
-    if inferred:  # its link went: if this process was stopped long enough for its peers to drop
-        # it, shortly before, that is why, and the others have been shrinking since
+    if inferred:  # stopped long enough, shortly before, for its peers to drop it: they shrank since
         began = _stops.stopped(config.liveness_timeout * 2 / 3, failed_at - 2 * config.liveness_timeout)
         if began is not None:
             failed_at = min(failed_at, began)
     coordinator = life.coordinator()
-    if coordinator is not None and coordinator.failed_at is not None:  # rank 0: when its coordinator
-        failed_at = min(failed_at, coordinator.failed_at)  # failed, not when its program heard
+    if coordinator is not None and coordinator.failed_at is not None:  # rank 0: when it failed
+        failed_at = min(failed_at, coordinator.failed_at)
     life.close_to_form(quick=True)
     deadline = None if timeout is None else time.monotonic() + timeout
     allowed = 0.0  # the time its tries of the candidates so far were allowed to take
 
-    def is_late() -> bool:
-        # late: more time went since the failure than its own tries explain (it shrank late,
-        # or was stopped or starved meanwhile, even while probing): the others may have
-        # counted it lost by now, and must not find two groups
+    def is_late() -> bool:  # more time went than its tries explain: the others may have counted it lost
         return time.monotonic() - failed_at - allowed > HOST_WINDOW_S
 
     if life.reforming == "grow()":  # its grow() did not finish: the grown group formed without it
@@ -80,12 +73,9 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
     late = is_late()
     candidates = [r for r in range(old_size) if r not in lost]
     tried: list[str] = []
-    reach_more = 0.0  # it could not host (its port another program's): a later candidate may be
-    # trying it meanwhile, and hosts only after that
+    reach_more = 0.0  # it could not host: a later candidate tries it meanwhile, and hosts only after
 
-    def at(candidate: int) -> Config:
-        """Where ``candidate`` hosts: old rank 0 where the group was, another at
-        the address rank 0 saw it at (binding that)."""
+    def at(candidate: int) -> Config:  # old rank 0 where the group was, another where rank 0 saw it
         if candidate == 0:
             return config
         return dataclasses.replace(config, master_addr=addresses[candidate], bind_addr=None,
@@ -100,9 +90,7 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
                 continue  # too late to host: join a later one (which may say this one was left out)
             if majority:  # a rank the coordinator lost whose host refuses a connection: it died
                 dead |= died(lost - dead, addresses, config)
-            # a lower candidate not seen to die may come: it could not host (too late, or its
-            # port another program's), and is not to be left out for that
-            expected = frozenset(r for r in candidates if r not in dead)
+            expected = frozenset(r for r in candidates if r not in dead)  # a lower one may yet come
             from ._protocol._coordinator import Forming  # (loaded by a host only, as in _lifecycle)
 
             forming = Forming(lineage, expected, old_size, frozenset(dead), majority, host=old_rank)
@@ -123,11 +111,9 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
         except LeftOutError:
             raise
         except (Unreachable, LateJoinError, AuthenticationError, ProtocolError, AddressError) as exc:
-            # lost too, or another program's port (another group's, a stranger's), or no route
-            # from here to it (this host cut off: its ports cannot be opened towards it)
+            # lost too, another program's port, or no route to it
             if candidate == 0 and getattr(exc, "refused", False):
-                dead.add(candidate)  # nobody listens where its coordinator did: its process is gone
-                # (another would-be host listens only once it hosts: its refusal says nothing)
+                dead.add(candidate)  # nobody listens where its coordinator did
             tried.append(f"old rank {candidate}: {exc}")
     if late:
         raise LeftOutError(f"old rank {old_rank} came to shrink {time.monotonic() - failed_at:.1f} s "
@@ -139,10 +125,8 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
 
 
 def died(ranks: set[int], addresses: list[str], config: Config) -> set[int]:
-    """Of ``ranks`` (lost by the coordinator's word), those whose host refuses a
-    TCP connection at the rank's form port at once: the host is up and the
-    rank's process is not hosting there. A rank cut off (or a host down) does
-    not answer within :data:`FORM_PROBE_S`, and is not counted dead."""
+    """Of ``ranks``, those whose host refuses a TCP connection at the rank's form port at once
+    (one cut off does not answer within :data:`FORM_PROBE_S`, and is not counted dead)."""
     out = set()
     for rank in sorted(ranks)[:MAX_DEATH_PROBES]:
         host = config.master_addr if rank == 0 else addresses[rank]
@@ -156,8 +140,7 @@ def died(ranks: set[int], addresses: list[str], config: Config) -> set[int]:
     return out
 
 
-MAX_DEATH_PROBES = 64  # a shrink probes at most this many lost ranks' hosts (each refuses at once,
-# or costs FORM_PROBE_S)
+MAX_DEATH_PROBES = 64  # lost ranks' hosts a shrink probes at most (each may cost FORM_PROBE_S)
 
 
 class Agreement(NamedTuple):
@@ -179,9 +162,8 @@ G = TypeVar("G", bound=_Group)
 
 
 class Elastic(Generic[G]):
-    """A group's elastic steps: the part behind :meth:`~zcollective.Group.shrink`,
-    ``grow``, ``agree``, ``coordinator_address``, ``old_ranks`` and ``lost_ranks``;
-    ``form`` makes a group of a life, ``part`` is a group's part."""
+    """The part behind Group's shrink, grow, agree, coordinator_address, old_ranks and
+    lost_ranks; ``form`` makes a group of a life, ``part`` is a group's part."""
 
     def __init__(self, group: G, calls: Calls, form: Callable[[Lifecycle], G],
                  part: Callable[[G], Elastic[G]]) -> None:
@@ -189,31 +171,26 @@ class Elastic(Generic[G]):
 
 
     def shrink(self, timeout: Optional[float] = None, *, majority: bool = True) -> G:
-        """After a loss, the survivors' new group, in the same processes: call
-        it on every survivor (the rules: README, "Elastic groups"). This group
-        is closed; the new one ranks the survivors densely in old-rank order
-        (:attr:`old_ranks`, :attr:`lost_ranks` say how). If rank 0 was lost,
-        the lowest surviving rank ``r`` hosts the coordinator, on its own host
-        at the master port + ``r``. The survivors form a group only if they are
-        more than half of the ranks not seen to die (a partition never leaves
-        two groups going on); ``majority=False`` (on every survivor) forms one
-        with whoever came. In a group that lost nobody it is a collective call:
-        it returns this group once every rank has called it. (The module's
-        :func:`~zcollective.shrink` returns None: the new group becomes the default.)
+        """After a loss, the survivors' new group in the same processes: call it on every survivor (README,
+        "Elastic groups"). This group closes; the new one ranks the survivors densely in old-rank order
+        (:attr:`old_ranks`). If rank 0 was lost, the lowest survivor ``r`` hosts the coordinator at the
+        master port + ``r``. They form a group only if more than half of the ranks not seen to die
+        (``majority=False``: whoever came). With nobody lost it is a collective call returning this group.
+        (:func:`~zcollective.shrink` returns None: the new group becomes the default.)
 
         Raises
         ------
         LeftOutError
-            The others formed their group without this replica (it came too
-            late, or they had counted it lost).
+            The others formed their group without this replica (it came too late, or they had counted it
+            lost).
         CollectiveTimeoutError
             No group could be formed within ``timeout``.
         CallMismatchError
-            Called in a group that had lost nobody, while another rank made
-            another call: a healthy group shrinks only when every rank calls it.
+            Called in a group that had lost nobody, while another rank made another call: a healthy group
+            shrinks only when every rank calls it.
         CollectiveError
-            The group had failed for another reason than a loss (a mismatch,
-            ...): that error, as every later call of it raises.
+            The group had failed for another reason than a loss (a mismatch, ...): that error, as every
+            later call of it raises.
         """
         life = self.life
         _interrupts.hold_new_handlers()  # (a handler the program installed since: wrapped first)
@@ -229,16 +206,11 @@ class Elastic(Generic[G]):
         return self.form(shrink(life, timeout, majority))
 
     def grow(self, timeout: Timeout = DEFAULT) -> G:
-        """Admit every newcomer waiting (started with ``join=True`` at this
-        group's coordinator address): a collective call of every member. With
-        nobody waiting, returns this group at once, unchanged; otherwise this
-        group closes, and its members and the newcomers form the next one at
-        the same address, the members keeping their ranks, the newcomers
-        numbered after them (:attr:`admitted` says how many joined). No call
-        ever mixes the two memberships. A member lost while the group forms
-        again: the others shrink instead (the newcomers are told to start
-        again), and ``admitted`` is 0. (The module's :func:`~zcollective.grow`
-        returns the count, and makes the new group the default.)
+        """Admit every newcomer waiting (started with ``join=True`` at this group's coordinator address): a
+        collective call. With nobody waiting, returns this group unchanged; otherwise it closes and the next
+        one forms at the same address, members keeping their ranks, newcomers numbered after them
+        (:attr:`admitted` counts them). A member lost meanwhile: the others shrink instead and ``admitted``
+        is 0. (:func:`~zcollective.grow` returns the count, and makes the new group the default.)
 
         Raises
         ------
@@ -254,18 +226,14 @@ class Elastic(Generic[G]):
         return grown
 
     def coordinator_address(self) -> str:
-        """``host:port`` of this group's coordinator: where newcomers go (it
-        moves when rank 0 is lost and the survivors shrink)."""
+        """``host:port`` of this group's coordinator, where newcomers go (it moves if rank 0 is lost)."""
         return self.life.coordinator_address()
 
     def agree(self, flag: bool, timeout: Optional[float] = None) -> tuple[G, Agreement]:
-        """ULFM's agree: every living member gets the same AND of the
-        members' ``flag`` and the same set of ranks found lost (of this
-        group). In a failed group (or one failing meanwhile) the survivors
-        shrink first: returns the group they agreed in (this one if nothing
-        was lost) and the :class:`~zcollective.Agreement`. (The module's
-        :func:`~zcollective.agree` returns the agreement only, and makes that
-        group the default.)
+        """ULFM's agree: every living member gets the same AND of the members' ``flag`` and the
+        same set of ranks found lost. In a failed group the survivors shrink first: returns the
+        group they agreed in and the :class:`~zcollective.Agreement`. (:func:`~zcollective.agree`
+        returns the agreement only, and makes that group the default.)
 
         Raises
         ------
@@ -292,15 +260,12 @@ class Elastic(Generic[G]):
             at_call = [at_call[old] for old in current.old_ranks() or range(current.life.config.num_replicas)]
 
     def old_ranks(self) -> Optional[list[int]]:
-        """A group formed from an earlier one, by :meth:`shrink` or a
-        :meth:`grow` that admitted newcomers: every rank's rank in the group
-        before (by new rank; a newcomer's is the number :meth:`grow` gave it,
-        from the size before on); None for any other group."""
+        """In a group formed by :meth:`shrink` or :meth:`grow`: each rank's rank in the group
+        before (a newcomer's: from the old size on); None for any other group."""
         return self.life.member.old_ranks
 
     def lost_ranks(self) -> list[int]:
-        """A group formed from an earlier one (:attr:`old_ranks`): the ranks
-        of the group before that are not in this one; ``[]`` otherwise."""
+        """The ranks of the group before (:attr:`old_ranks`) not in this one; ``[]`` otherwise."""
         old = self.life.member.old_ranks
         return [] if old is None else sorted(set(range(self.life.member.old_size)) - set(old))
 
@@ -322,8 +287,7 @@ def regroup(life: Lifecycle, newcomers: int) -> Lifecycle:
             raise LeftOutError(f"rank 0: {exc}; the others may have gone on without it") from None
     try:
         return Lifecycle(where, Form(lineage))
-    except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 was lost as the group formed
-        # again: its members go on as after any loss (the newcomers are told to start again)
+    except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 lost as it formed: as any loss
         member.fail(lost_rank_0(ReplicaLostError(
             f"rank {config.rank}: the coordinator (rank 0) was lost while the group formed again "
             f"after a grow(): {exc}")))

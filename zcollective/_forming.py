@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Form:
-    """This replica's part: ``lineage`` is the earlier group's session (hex);
-    ``forming`` is set on the host (what its coordinator expects)."""
+    """This replica's part: ``lineage``, the earlier session (hex); ``forming``: the host's expectation."""
 
     lineage: str
     forming: Optional[Forming] = None
@@ -25,8 +24,7 @@ class Form:
 
 
 class Unreachable(CollectiveError):
-    """A would-be host of a formed group could not be reached (it is lost too);
-    ``refused``: nobody listened at its port (its process is gone)."""
+    """A would-be host could not be reached (lost too); ``refused``: nobody listened (its process is gone)."""
 
     def __init__(self, message: str, refused: bool = False) -> None:
         super().__init__(message)
@@ -34,6 +32,4 @@ class Unreachable(CollectiveError):
 
 
 class Overslept(CollectiveError):
-    """A would-be host came back from its wait for the survivors much later than
-    the bound (stopped, or starved): the others may have gone on without it, so
-    it must not form a group with fewer than it expected."""
+    """A would-be host came back from its wait much later than the bound: the others may have gone on."""

@@ -1,9 +1,6 @@
-"""Slurm's compressed host lists (``gpu[01-04,07],cpu3``) to host names, for the first host
-of ``SLURM_STEP_NODELIST``. The grammar, as Slurm's ``hostlist.c`` reads it: hosts separated by
-commas, spaces or tabs outside brackets; a host is text with bracket groups (``node[1-3]-ib``,
-``rack[0-1]_blade[0-2]``: the first varies slowest); a group holds numbers and ranges ``lo-hi``,
-zero-padded to the width of ``lo`` (``[08-10]``: 08, 09, 10). Anything else (unclosed or nested
-brackets, empty items, reversed ranges, ``bgl[000x333]``) is a ``ValueError`` saying where.
+"""Slurm's compressed host lists (``gpu[01-04,07],cpu3``) to host names, as Slurm's ``hostlist.c`` reads
+them: bracket groups of numbers and ranges ``lo-hi``, zero-padded to ``lo``'s width, the first group
+varying slowest. Anything else (unclosed or nested brackets, reversed ranges) is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -122,6 +119,5 @@ def expand(hostlist: str) -> list[str]:
 
 
 def first_host(hostlist: str) -> str:
-    """The first host name of a Slurm host list (Slurm's task 0 runs there), once the whole
-    list is checked; the others are never made."""
+    """The first host name of a Slurm host list (task 0's), once the whole list is checked."""
     return next(_names(_parse(hostlist)[0]))

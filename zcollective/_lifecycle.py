@@ -1,8 +1,5 @@
-"""One open group's lifecycle: the I/O it is composed of (a ZeroMQ context,
-rank 0's server, the member's driver, the data plane) and its life: open
-(join, wait to be admitted, or form from an earlier group), close, end at
-exit, close to form the next. :mod:`zcollective._elastic` asks a lifecycle for
-the next one; :class:`zcollective.Group` is the public face of one."""
+"""One open group's lifecycle: its I/O (transport, rank 0's server, the driver, the data plane) and its
+life: open (join, be admitted, or form from an earlier group), close, end at exit, close to form the next."""
 
 from __future__ import annotations
 
@@ -60,8 +57,7 @@ class Lifecycle:
 
     @classmethod
     def admission(cls, config: Config) -> tuple[Config, Form]:
-        """A newcomer (``config.join``) waits at the group's address until a
-        grow() admits it (rule 10); returns how it joins the group formed next."""
+        """A newcomer waits until a grow() admits it (rule 10); returns how it joins the next group."""
         admitted = cls(config).member.admitted  # (returns once admitted, closed)
         assert admitted is not None
         return (dataclasses.replace(config, rank=admitted["rank"], num_replicas=admitted["size"],
@@ -70,12 +66,9 @@ class Lifecycle:
     def __init__(self, config: Config, form: Optional[Form] = None, *, nested: bool = False,
                  opened: Optional[Callable[[str], None]] = None,
                  world: Optional[list[int]] = None, check: Optional[Callable[[], None]] = None) -> None:
-        """Join the group ``config`` describes (or form one from an earlier group: ``form``, where ``config``
-        names this replica by its old rank and size, and the host; see :mod:`zcollective._elastic`).
-        ``nested``: a sub-group (:mod:`zcollective._subgroups`), which tells the launcher nothing; its rank 0
-        binds a port of the system's choosing; once this replica's sockets are open, ``opened`` is told where
-        (before anyone waits for it); its errors name ``world``, each rank's in the world; ``check()``, asked
-        while it joins, raises to end the join (a sub-group's parent failed: its error)."""
+        """Join the group ``config`` describes (or ``form`` one from an earlier group, ``config`` naming the
+        old rank and size). ``nested``: a sub-group (tells the launcher nothing; ``opened`` is told where it
+        listens; its errors name ``world`` ranks; ``check()`` raises to end the join)."""
         self.config = config
         self.nested = nested
         self.world = world  # a sub-group's ranks' world ranks (its errors name them); None: the world
@@ -143,9 +136,8 @@ class Lifecycle:
             raise
 
     def _connect(self, signer: Optional[Signer], form: Optional[Form] = None) -> Driver:
-        """The member's link: one replica calls the coordinator directly; rank 0 of more serves it (in its own
-        thread while in the library); the others reach it through a DEALER. Forming a group, its host serves
-        it."""
+        """The member's link: a lone replica calls the coordinator directly; rank 0 (or a forming group's
+        host) serves it; the others reach it through a DEALER."""
         config, member = self.config, self.member
         alone = config.num_replicas == 1 and form is None and not config.join
         if alone and not config.port_given:  # a script run as it is: no port of its own
@@ -163,7 +155,7 @@ class Lifecycle:
             except AddressError as exc:
                 if not alone:
                     raise
-                # a group of one given a port serves it, for newcomers; taken, it runs alone all the same
+                # a group of one given a port serves it for newcomers (taken: alone all the same)
                 log.warning("zcollective: a group of one could not listen for newcomers (%s); "
                             "it runs alone, and grow() admits nobody", exc)
                 self.server = None
@@ -186,9 +178,7 @@ class Lifecycle:
 
     def _join_forming(self, form: Form) -> None:
         """Join a group formed from an earlier one (rule 9 of the coordinator): the host waits
-        :attr:`Form.wait_s` for the members it expects, then starts with those who came; a member gives up on
-        a host it cannot reach within :attr:`Form.reach_s` (:class:`Unreachable`). Then this replica has the
-        rank and size the WELCOME gave."""
+        :attr:`Form.wait_s` for its members; a member gives up after :attr:`Form.reach_s`."""
         link, member, server = self.driver, self.member, self.server
         assert link is not None
         link.send([member.join()])
@@ -209,10 +199,8 @@ class Lifecycle:
             self.data.rank, self.data.size = member.rank, member.size
 
     def _reach_host(self, form: Form, who: str) -> None:
-        """A member forming a group: reach its would-be host within :attr:`Form.reach_s` (a port nobody
-        listens on is :class:`Unreachable` with ``refused``: that process died), then wait for its WELCOME. A
-        host whose earlier group is still open there (its program is elsewhere) has until ``reach_s`` to start
-        forming; one that forms has the forming bound."""
+        """A member forming a group: reach its would-be host within :attr:`Form.reach_s` (a refused port:
+        :class:`Unreachable` with ``refused``), then wait for its WELCOME."""
         link, member, endpoint = self.driver, self.member, self.config.endpoint
         assert link is not None
         reached = time.monotonic() + form.reach_s
@@ -230,8 +218,7 @@ class Lifecycle:
                           f"{form.wait_s + form.reach_s:g} s")
 
     def _start_data(self, deadline: Optional[float]) -> None:
-        """Joined: open the mailbox to the group's ranks; share memory with those on this
-        host if the WELCOME says so; use the data plane if every rank has one, else let it go."""
+        """Joined: open the mailbox; share memory if told; keep the data plane if all have it."""
         data, member, link = self.data, self.member, self.driver
         leaders = None
         if member.shared is not None and link is not None:
@@ -294,12 +281,9 @@ class Lifecycle:
                 f"zcollective.initialize() (or create a Group) in the child for a group of its own")
 
     def finish(self, deadline: Optional[float], timeout: Optional[float]) -> None:
-        """``teardown()``, holding the turn, before its call: finish what this rank called. It receives
-        nothing new (what no receive posted matches is dropped), its sends waiting for credit go, its FINAL
-        says how many it sent each rank; then every call it made is done (its futures hold their values) and
-        every message the others sent it was taken in, so that its teardown's part says so: once the call
-        completes, closing loses nothing. Until ``deadline`` (``timeout`` is how long that was): else
-        :class:`CollectiveTimeoutError`."""
+        """``teardown()``, holding the turn: finish what this rank called (sends go, its FINAL counts them,
+        every message sent to it is taken in), so closing loses nothing; else at ``deadline``
+        :class:`CollectiveTimeoutError` (``timeout`` is how long that was)."""
         driver, member = self.driver, self.member
         assert driver is not None
         mail = member.mail
@@ -321,8 +305,7 @@ class Lifecycle:
         settle(member.outcomes)
 
     def close_to_form(self, quick: bool) -> None:
-        """Close, holding the turn, for the next group to form: ``quick``, the group failed, so nothing queued
-        is worth waiting for; else (a grow) rank 0's last results and admissions leave first."""
+        """Close, holding the turn, for the next group to form (``quick``: it failed, wait for nothing)."""
         with self.turns:
             self.reforming = self.reforming or ("shrink()" if quick else "grow()")
             if not self.closed:
@@ -331,17 +314,14 @@ class Lifecycle:
                 self.close(quick=quick)
 
     def close(self, ending: bool = False, hurry: bool = False, quick: bool = False) -> None:
-        """Close the sockets. ``ending``: the program is ending without teardown: rank 0 first serves until
-        its calls are delivered, and what is queued gets :data:`~zcollective._limits.EXIT_LINGER_MS` to leave.
-        ``hurry``: it was interrupted while ending: rank 0 tells the others the group is over and waits for
-        nothing. ``quick``: nothing queued is worth waiting for (a failed group shrinks)."""
+        """Close the sockets. ``ending`` (no teardown): rank 0 serves until its calls are delivered, what is
+        queued gets :data:`EXIT_LINGER_MS`; ``hurry`` (interrupted) and ``quick`` wait for nothing."""
         self.closed = True
         _open_lives.pop(id(self), None)
         if self.parent is not None and self.parent_ranks is not None:
             self.parent.suspects.update(self.parent_ranks[r] for r in lost_for_sure(self.member.failure)
                                         if 0 <= r < len(self.parent_ranks))
-        if self.config.rank == 0 and not self.config.join and not self.nested:  # (a newcomer waiting
-            # has no stats to say; a sub-group's are not the job's)
+        if self.config.rank == 0 and not self.config.join and not self.nested:  # (stats of the job's group)
             write_for_launcher(stats(self), self.member.session)
         self.member.forget_calls(lambda call, seq: RuntimeError(
             f"seq {seq} {call.op}: the group was torn down before the call finished"))
@@ -361,8 +341,7 @@ class Lifecycle:
                         Edges(self.driver).hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
                 if self.mail is not None:  # (an interior rank's results passed down leave first)
                     self.mail.close(EXIT_LINGER_MS if ending or self.relayer is not None else 0)
-                if self.data is not None:  # (ending: the next rank said it has its chunks, see
-                    # rule 7 of the coordinator; or the wait for it ran out)
+                if self.data is not None:  # (ending: the next rank has its chunks, rule 7 of the coordinator)
                     self.data.close(EXIT_LINGER_MS if ending else 0)
                 if self.shared is not None:  # (unlinking a name not ours is refused, and let be)
                     self.shared.close()
@@ -370,8 +349,7 @@ class Lifecycle:
                     self.driver.close(EXIT_LINGER_MS if ending else 0)
                 if self.ctx is not None and not stuck:
                     _zmq.end(self.ctx, self.config.rank)  # (then the interpreter may free our buffers)
-            finally:  # only now: while rank 0 serves its ending (or stops), a signal surfaces at
-                # a wait, never halfway through a message or before the sockets are closed
+            finally:  # only now: a signal surfaces at a wait, never halfway through a message
                 self.turns.close()
                 if self._watching:
                     self._watching = False
@@ -380,16 +358,14 @@ class Lifecycle:
                     _interrupts.release_signals()
 
     def _await_verdict(self, driver: Driver) -> None:
-        """Ending while a sub-group of this group lost ranks of this one, this group has not
-        failed yet: wait for that (up to one liveness bound), so the others hear of the rank lost,
-        not that this one ended (raises the failure when it comes)."""
+        """Ending while a sub-group lost ranks of this one: wait up to a liveness bound for this group to
+        fail too, so the others hear of the rank lost, not that this one ended."""
         wait = self.config.liveness_timeout
         if self.suspects and self.member.failure is None and wait:
             driver.wait_for(lambda: self.member.failure is not None, time.monotonic() + wait)
 
     def end(self) -> None:
-        """The program is ending without teardown (at exit): deliver what this
-        process produced, bounded, then close. Rule 7 of the coordinator."""
+        """The program ends without teardown: deliver what it produced, bounded, then close (rule 7)."""
         if self.closed or os.getpid() != self.pid:
             return
         _interrupts.hold_new_handlers()  # (one the program installed since its last call)
@@ -406,14 +382,10 @@ class Lifecycle:
                     self._await_verdict(driver)
                     Edges(driver).relay_out(time.monotonic() + EXIT_WAIT_S)  # an interior rank of the tree
                     driver.finish_data(EXIT_LINGER_MS / 1000)  # the others need our chunks
-                    # (receivers that run may still take them; say_bye's FINAL waits for links, bounded)
                     Edges(driver).send_waiting(time.monotonic() + EXIT_LINGER_MS / 1000, links=False)
                     Edges(driver).say_bye(EXIT_LINGER_MS / 1000, LEAVING_SHARE * self.config.liveness_timeout)
                 except BaseException as exc:
-                    if is_interrupt(exc):  # an interrupt (a handler's
-                        # exception too; any other: the group failed, nothing to announce, only to
-                        # flush): the BYE still goes (flagged if data is left), unwaited, so the
-                        # others are told now; rank 0 then waits for nothing
+                    if is_interrupt(exc):  # the BYE still goes, unwaited; rank 0 then waits for nothing
                         interrupted = exc
                         bye = self.member.bye()
                         with contextlib.suppress(BaseException):
@@ -443,8 +415,7 @@ def _new_member(config: Config, signer: Optional[Signer], form: Optional[Form],
 
 def _open_ports(ctx: Any, config: Config, member: Member,
                 gate: Any) -> tuple[MailSockets, Optional[DataPlane]]:
-    """Bind the mailbox's port and the data plane's, on the interface that reaches the master, before
-    the JOIN, which names them (``gate``: rank 0's ZAP handler, which they share)."""
+    """Bind the mailbox's and data plane's ports before the JOIN names them (``gate``: rank 0's ZAP)."""
     mail = MailSockets(ctx, config, gate)
     member.mail_endpoint, member.mail_window = mail.endpoint, config.mail_window_bytes
     if config.shared_memory_min_bytes is not None and _shared.available():
@@ -462,8 +433,7 @@ def _open_ports(ctx: Any, config: Config, member: Member,
 
 
 def _here(config: Config, member: Member, plane: Optional[SharedPlane], data: bool) -> Here:
-    """What the operations know of this rank, once it joined (with ranks on several hosts, shared
-    memory is for allreduce alone, from the data plane's threshold)."""
+    """What the operations know of this rank once joined (across hosts, shared memory is allreduce's only)."""
     least = member.shared["min"] if member.shared is not None else 0
     across = plane is not None and plane.leaders is not None
     return Here(config.rank, config.num_replicas, data, member.data_min_bytes, config.max_frame_bytes,
@@ -472,8 +442,7 @@ def _here(config: Config, member: Member, plane: Optional[SharedPlane], data: bo
 
 
 def lost_for_sure(failure: Optional[BaseException]) -> set[int]:
-    """The ranks a group's ``failure`` says were lost, not ended: their processes died or
-    stopped (or their link to this one broke), so the other groups they are in lose them too."""
+    """The ranks ``failure`` says were lost, not ended: the other groups they are in lose them too."""
     if not isinstance(failure, ReplicaLostError):
         return set()
     ended = set(getattr(failure, "ended_ranks", ()))
@@ -490,8 +459,7 @@ def _on_loopback(config: Config) -> bool:
 
 
 def _show_calls_log() -> None:
-    """``ZCOLLECTIVE_LOG=calls`` asks to see the lines: print them to stderr,
-    unless the program has configured logging itself."""
+    """``ZCOLLECTIVE_LOG=calls``: print the lines to stderr, unless the program configured logging."""
     if not calls_log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -513,14 +481,12 @@ def _end_all() -> None:
 
 _atexit_registered = False
 _finalizer_pid: Optional[int] = None  # the process whose multiprocessing finalizers hold _end_all
-MP_EXIT_PRIORITY = 100  # above multiprocessing's own finalizers (a queue's flush is 10): the
-# group's last results leave before multiprocessing joins or terminates anything
+MP_EXIT_PRIORITY = 100  # above multiprocessing's finalizers (a queue's flush is 10): results leave first
 
 
 def _register_atexit() -> None:
-    """Have every open group end when the process does: through ``atexit`` and, in a multiprocessing child,
-    through multiprocessing's finalizers (a ``fork`` or ``forkserver`` child ends with ``os._exit`` after
-    them, skipping ``atexit``; a ``spawn`` child runs both: ending twice is a no-op)."""
+    """Have every open group end with the process: by ``atexit`` and multiprocessing's finalizers (a forked
+    child skips ``atexit``; ending twice is a no-op)."""
     global _atexit_registered, _finalizer_pid
     if not _atexit_registered:
         _zmq.before_exit()  # (our hook runs before pyzmq's)
@@ -539,13 +505,11 @@ def _register_atexit() -> None:
 def stats(life: Lifecycle) -> dict[str, Any]:
     """Who is slow, measured on every call (always on; see README).
 
-    ``ops``: per operation, ``calls``, ``bytes_sent`` and
-    ``bytes_received`` (this rank's contributions and results), and the
-    time from each call to its result being taken in (``wait_median_s``,
-    ``wait_p90_s``, over the last 1024 calls). On rank 0 also ``ranks``:
-    per rank, how long after the first contribution of a call its own
-    arrived (``late_median_s``, ``late_p90_s``) and the share of calls it
-    was last to arrive at (``last_share``). Works after teardown too.
+    ``ops``: per operation, ``calls``, ``bytes_sent`` and ``bytes_received`` (this rank's contributions and
+    results), and the time from each call to its result being taken in (``wait_median_s``, ``wait_p90_s``,
+    over the last 1024 calls). On rank 0 also ``ranks``: per rank, how long after the first contribution of
+    a call its own arrived (``late_median_s``, ``late_p90_s``) and the share of calls it was last to arrive
+    at (``last_share``). Works after teardown too.
     """
     config = life.config
     out: dict[str, Any] = {"rank": config.rank, "size": config.num_replicas,
@@ -556,15 +520,13 @@ def stats(life: Lifecycle) -> dict[str, Any]:
     return out
 
 def status(life: Lifecycle) -> dict[str, Any]:
-    """What this group is doing now, from any thread, without waiting for
-    it (say, from a watchdog thread while another is blocked in a call).
+    """What this group is doing now, from any thread, without waiting for it (say, from a watchdog thread
+    while another is blocked in a call).
 
-    ``calls``: this rank's calls in flight (``seq``, ``op``, ``callsite``,
-    ``waiting_s``). On rank 0 also ``ranks``: per rank, its ``last_call``
-    (``seq``, ``op``, ``callsite``, ``ago_s``) and the calls that wait for
-    it (``waited_for``: ``seq``, ``op``, ``waiting_s``). ``state``:
-    ``"running"``, ``"failed"`` (``error`` says why), ``"forming"``
-    (closed by shrink() or grow() for the next group, which has not
+    ``calls``: this rank's calls in flight (``seq``, ``op``, ``callsite``, ``waiting_s``). On rank 0 also
+    ``ranks``: per rank, its ``last_call`` (``seq``, ``op``, ``callsite``, ``ago_s``) and the calls that
+    wait for it (``waited_for``: ``seq``, ``op``, ``waiting_s``). ``state``: ``"running"``, ``"failed"``
+    (``error`` says why), ``"forming"`` (closed by shrink() or grow() for the next group, which has not
     formed here yet) or ``"closed"``.
     """
     now = time.perf_counter()

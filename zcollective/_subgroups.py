@@ -22,20 +22,15 @@ from ._protocol._outcomes import fresh
 from .config import Config
 from .errors import AddressError, CallMismatchError, CollectiveError, CollectiveTimeoutError, ReplicaLostError
 
-JOIN_LIVENESS = 3  # a sub-group's members join within this many liveness bounds (every one of them
-# had its sockets open at the third round: one that does not join has died or stopped), unless
-# split's timeout says otherwise
+JOIN_LIVENESS = 3  # members join within this many liveness bounds (all had sockets open at round 3)
 FORMED = "nothing was formed; the group goes on"
 
 
 def split(calls: Calls, color: Any, key: Any, timeout: Timeout,
           ranks: Optional[Sequence[Any]] = None, what: str = "split") -> Optional[Lifecycle]:
-    """This rank's sub-group (None for ``color`` None), formed by three calls of
-    the group ``calls`` makes; ``ranks``: ``subgroup``'s list, which every
-    rank must pass alike; ``what``: which call this is (split, subgroup, dup).
-    A mistake in any rank's arguments fails the call alike on every rank,
-    after the first round (so nobody waits for it); a rank that cannot open
-    its part of a new group, after the second or third."""
+    """This rank's sub-group (None for ``color`` None), formed by three calls of the parent;
+    ``ranks``: ``subgroup``'s list; ``what``: split, subgroup or dup. Any rank's mistake fails
+    the call alike on every rank, at the round it shows in."""
     config = calls.config
     if ranks is not None and not isinstance(ranks, Sequence):
         ranks = list(ranks)  # (a generator: read once, here)
@@ -62,56 +57,45 @@ def split(calls: Calls, color: Any, key: Any, timeout: Timeout,
         raise
 
 
-
 G = TypeVar("G")
 
 
 class SubGroups(Generic[G]):
-    """A group's sub-groups: the part behind :meth:`~zcollective.Group.split`,
-    ``subgroup``, ``dup`` and ``parent_ranks``; ``form`` makes a group of a life."""
+    """The part behind Group's split, subgroup, dup and parent_ranks; ``form`` makes a group of a life."""
 
     def __init__(self, calls: Calls, form: Callable[[Lifecycle], G]) -> None:
         self.calls, self.form = calls, form
 
 
     def split(self, color: Any, key: int = 0, *, timeout: Timeout = DEFAULT) -> Optional[G]:
-        """A collective call: every rank with the same ``color`` (any hashable
-        value: an int, a host name) ends in one new group, ranked by ``key``
-        then by rank here; ``color=None`` takes part and gets ``None``.
-        Colors are the same when equal, as a dict's keys are: ``1``, ``1.0``
-        and ``True`` are one color, ``"1"`` another.
+        """A collective call: every rank with the same ``color`` (any hashable value, equal as
+        dict keys are) ends in one new group, ranked by ``key`` then by rank here;
+        ``color=None`` takes part and gets ``None``.
 
-        A sub-group is a whole group in the same processes: every operation,
-        its own sequence (its calls and this group's interleave freely, from
-        any thread), its own coordinator (its rank 0) on a port the system
-        chooses, the data plane, the secret (one of its own, made from this
-        group's), timeouts. A lost process fails the groups it is in, and only
-        those. :attr:`parent_ranks` says who is who. Close it with
-        :meth:`teardown` (or let the program end).
+        A sub-group is a whole group in the same processes, with its own sequence (its calls
+        and this group's interleave freely), coordinator (its rank 0, on a port the system
+        chooses) and secret. A lost process fails only the groups it is in.
+        :attr:`parent_ranks` says who is who. Close it with :meth:`teardown`.
 
         Raises
         ------
         ValueError
-            A rank passed a key that is not an int or a color that is not
-            hashable: raised on every rank alike; the group goes on.
+            A rank passed a key that is not an int or an unhashable color (on every rank; the
+            group goes on).
         AddressError
-            A new group's rank 0 could not listen: raised on every rank
-            alike, naming it; the group goes on.
+            A new group's rank 0 could not listen (on every rank; the group goes on).
         CollectiveError
-            A rank could not open its part of its new group (no file
-            descriptors left, say): raised on every rank alike, naming it
-            and why; the group goes on. Otherwise as for any collective call.
+            A rank could not open its part of its new group (on every rank, naming it; the
+            group goes on); otherwise as for any collective call.
         CallMismatchError
-            Another rank called something else, ``subgroup`` or ``dup`` too:
-            this group fails, as for any mismatch.
+            Another rank called something else: this group fails.
         """
         life = split(self.calls, color, key, timeout)
         return None if life is None else self.form(life)
 
     def subgroup(self, ranks: Sequence[int], *, timeout: Timeout = DEFAULT) -> Optional[G]:
-        """A collective call: the ranks listed form a new group, ranked in the
-        list's order; every rank calls it with the same list, and those not in
-        it get ``None``. Otherwise as :meth:`split`.
+        """A collective call: the ranks listed form a new group in the list's order; every rank
+        passes the same list, and those not in it get ``None``. Otherwise as :meth:`split`.
 
         Raises
         ------
@@ -124,24 +108,20 @@ class SubGroups(Generic[G]):
         return None if life is None else self.form(life)
 
     def dup(self, *, timeout: Timeout = DEFAULT) -> G:
-        """A collective call: a new group of the same ranks, in the same
-        order, whose calls never mix with this one's (a library's own
-        group, say). As :meth:`split`."""
+        """A collective call: a new group of the same ranks in the same order, whose calls
+        never mix with this one's. As :meth:`split`."""
         life = split(self.calls, None, 0, timeout, range(self.calls.config.num_replicas), "dup")
         assert life is not None
         return self.form(life)
 
     def parent_ranks(self) -> Optional[list[int]]:
-        """A sub-group's: the rank, in the group it came from, of each of its
-        ranks (``parent_ranks[i]`` was rank i's); None for any other group."""
+        """A sub-group's: ``parent_ranks[i]`` is rank i's rank in the parent; None otherwise."""
         return self.calls.life.parent_ranks
 
 
 def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout) -> Lifecycle:
-    """Rank 0 of a new group: listen, say where (the second round) and hear
-    that every rank opened its part (the third), then wait for its members.
-    If it cannot listen, the second round says why, so every rank raises
-    too instead of waiting."""
+    """Rank 0 of a new group: listen, say where (round 2; or why it cannot), hear every part
+    opened (round 3), then wait for its members."""
     nonce = os.urandom(NONCE_BYTES)  # names the sub-group (its job); under a secret, makes its secret
 
     def opened(address: str) -> None:
@@ -156,9 +136,8 @@ def _host(rounds: _Rounds, config: Config, members: list[int], timeout: Timeout)
 
 
 class _Rounds:
-    """The parent's three rounds of one split (op 13, the call's kind as its root).
-    A rank that failed says why in the round it had not made yet, so every rank
-    raises the same error at the same round, and the parent goes on."""
+    """The parent's three rounds of one split (op 13). A rank that failed says why in its next
+    round, so every rank raises alike there, and the parent goes on."""
 
     def __init__(self, calls: Calls, timeout: Timeout, what: str) -> None:
         self.calls, self.timeout, self.what = calls, timeout, what
@@ -173,8 +152,7 @@ class _Rounds:
         return self.calls.run("split", self.timeout, value, self.kind)
 
     def tell(self, where: Optional[tuple[Any, Any]]) -> list[Any]:
-        """The second round: ``(address, nonce)`` from a new group's rank 0,
-        ``(None, (error, why))`` from one that could not listen, else None."""
+        """Round 2: ``(address, nonce)`` from a new rank 0, ``(None, (error, why))``, or None."""
         self.told = told = self.run(where)
         failed = [(r, t[1]) for r, t in enumerate(told) if t is not None and t[0] is None]
         if failed:
@@ -185,8 +163,7 @@ class _Rounds:
         return told
 
     def opened(self, why: Optional[tuple[str, str]]) -> None:
-        """The third round: None (this rank's part of its new group is open,
-        or it has none), or ``(error, why)`` it could not be opened."""
+        """Round 3: None (its part is open, or it has none), or ``(error, why)``."""
         failed = [(r, w) for r, w in enumerate(self.run(why)) if w is not None]
         if failed:
             self.over = True
@@ -199,16 +176,13 @@ class _Rounds:
         return f"rank {rank}{in_world([rank], self.calls.life.world)}"
 
     def _group(self, rank: int) -> str:
-        """The ranks of ``rank``'s new group (as its errors name them)."""
         return rank_list(_members(self.everyone, rank) or [rank], self.calls.life.world)
 
     def failed(self, exc: BaseException) -> None:
-        """This rank could not open its new group (``exc``): the round it had
-        not made says so (raising the error every rank raises). An interrupt
-        makes its round without waiting for it (the others raise alike)."""
+        """This rank could not open its new group: its next round says so (an interrupt makes
+        it without waiting)."""
         if self.over or self.made == 3 or (self.made == 2 and self.told is None):
-            return  # (said; or a round failed, alike everywhere; or it failed after its part was
-            # open, joining: the sub-group's own rules)
+            return  # said, or failed after its part was open (the sub-group's own rules)
         said = str(exc) if isinstance(exc, CollectiveError) else f"{type(exc).__name__}: {exc}"
         why = (type(exc).__name__, said)
         value = (None, why) if self.made == 1 else why
@@ -222,14 +196,12 @@ class _Rounds:
 
 
 def _alike(error: str, message: str) -> CollectiveError:
-    """The error every rank raises for one rank's failure to open a new group."""
     return AddressError(message) if error == "AddressError" else CollectiveError(message)
 
 
 def _opened(rounds: _Rounds, config: Config, members: list[int],
             opened: Optional[Callable[[str], None]] = None) -> Lifecycle:
-    """Join the sub-group. One that does not form: if the parent fails (the rank that was lost
-    is one of its ranks too), the parent's error, which the others get, else this one."""
+    """Join the sub-group; if it does not form and the parent fails, the parent's error."""
     calls = rounds.calls
     parent = calls.life
     world = [parent.world[m] for m in members] if parent.world is not None else members
@@ -242,7 +214,6 @@ def _opened(rounds: _Rounds, config: Config, members: list[int],
         life = Lifecycle(config, nested=True, opened=opened, world=world, check=parent_failed)
     except (CollectiveTimeoutError, ReplicaLostError) as exc:
         if not rounds.over:
-            # (a FAIL of the parent's, on its way: a loss, up to one liveness bound)
             wait = 0.0 if isinstance(exc, CollectiveTimeoutError) else calls.config.liveness_timeout or 0.0
             failure = calls.failure_within(wait)
             if failure is not None:
@@ -255,9 +226,7 @@ def _opened(rounds: _Rounds, config: Config, members: list[int],
 
 def _config(parent: Config, members: list[int], rank: int, host: str, port: int, nonce: bytes,
             timeout: Timeout) -> Config:
-    """The sub-group's configuration: the parent's, at its own address, with a
-    job name of its own, under a secret a secret of its own, and a bound on its
-    join (``timeout``, else :data:`JOIN_LIVENESS` liveness bounds)."""
+    """The parent's configuration at the sub-group's address, with its own job name and secret."""
     secret = None if parent.secret is None else hmac.new(
         parent.secret, b"zcollective sub-group " + nonce, hashlib.sha256).digest()
     bound = timeout if isinstance(timeout, (int, float)) else JOIN_LIVENESS * parent.liveness_timeout
@@ -296,8 +265,7 @@ def _problem(color: Any, key: Any, ranks: Optional[Sequence[Any]], size: int) ->
 
 
 def _check(everyone: list[tuple[Any, Any, Any, Optional[str]]], what: str, listed: bool) -> None:
-    """Every rank's arguments as every rank sees them: a mistake fails the
-    call alike everywhere."""
+    """Every rank's arguments as every rank sees them: a mistake fails the call alike everywhere."""
     problems = [f"rank {r}: {p}" for r, (_, _, _, p) in enumerate(everyone) if p is not None]
     if problems:
         raise ValueError(f"{what}: " + "; ".join(problems) + " (nothing was formed; the group goes on)")
@@ -313,8 +281,7 @@ def _check(everyone: list[tuple[Any, Any, Any, Optional[str]]], what: str, liste
 
 
 def _members(everyone: list[tuple[Any, Any, Any, Optional[str]]], rank: int) -> Optional[list[int]]:
-    """The ranks (of the parent) of this rank's new group, in their new order:
-    by key, then by parent rank; a listed subgroup's in its list's order."""
+    """The parent ranks of this rank's new group in order: by key then rank, or as listed."""
     color, _, ranks, _ = everyone[rank]
     if ranks is not None:
         listed = [operator.index(r) for r in ranks]

@@ -22,11 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Callable, NoReturn, Optional
 
 from . import __version__
-from ._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, STACKS_DIR_ENV
-from ._announce import MAX_STACKS as MAX_STACKS
-from ._announce import READ_BYTES as READ_BYTES
-from ._announce import Groups as Groups
-from ._announce import Place as Place
+from ._announce import COORDINATOR_FILE_ENV, GROUPS_FILE_ENV, STACKS_DIR_ENV, Groups
 from ._io._stacks import STACKS_SIGNAL
 from ._protocol._stats import slowest
 from .config import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, JOB_ENV, SECRET_ENV, SECRET_FILE_ENV
@@ -36,8 +32,7 @@ KILL_AFTER_S = 5.0  # after SIGTERM/SIGINT, the time before SIGKILL
 COORDINATOR_MOVE_S = 10.0  # --replace-lost: rank 0 died; the survivors' new one says where it is
 POLL_S = 0.05  # how often the launcher looks at its replicas: a stop is late by at most this
 STOP_NEWCOMER_S = 5.0  # a newcomer killed to start it again at a moved coordinator ends within this
-SPAWN_THREADS = 16  # replicas started at once: starting one waits until it runs (its exec), which on
-# busy cores waits its turn behind those started already (64 in turn on 2 cores: 2-3 s; benchmarks/join.py)
+SPAWN_THREADS = 16  # replicas started at once (each start waits for its exec; benchmarks/join.py)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -130,8 +125,8 @@ class Loss:
 
 
 def _pump(replica: Replica, out: IO[bytes], lock: threading.Lock, label: Callable[[], str]) -> None:
-    """Copy a replica's output, each line prefixed with ``label()`` when read; keep what explains
-    a failure: the exception of its last traceback (not what atexit printed after), else its last line."""
+    """Copy a replica's output, each line prefixed with ``label()``; keep what explains a failure: its
+    last traceback's exception, else its last line."""
     stream = replica.proc.stdout
     assert stream is not None
     in_traceback, raised = False, b""
@@ -175,8 +170,7 @@ def _joining(where: str) -> dict[str, str]:
 
 
 class Losses:
-    """The replicas that failed, whether the others went on without each (in a group formed
-    from its group), and the job's exit status."""
+    """The replicas that failed, whether the others went on without each, and the job's exit status."""
 
     def __init__(self, groups: Groups, grace: Optional[float]) -> None:
         self.groups = groups
@@ -223,8 +217,7 @@ class Losses:
                    for loss in self.all)
 
     def status(self) -> int:
-        """0 when every loss was tolerated (saying which there were); else the status of the
-        first that was not (a shell's: 128 + N for signal N)."""
+        """0 when every loss was tolerated; else the first other's status (128 + N for signal N)."""
         for loss in self.all:
             if not loss.tolerated:
                 return loss.code if loss.code > 0 else 128 - loss.code
@@ -256,15 +249,12 @@ class Launcher:
             if self.elastic:
                 self.secret_file = _temp_file("zcollective-secret-", self.secret)
         self.groups_file = _temp_file("zcollective-groups-")
-        self.stacks_dir = tempfile.mkdtemp(prefix="zcollective-stacks-")  # asking a replica for its
-        # stacks makes a file there (a signal would run a handler the program may install any time)
+        self.stacks_dir = tempfile.mkdtemp(prefix="zcollective-stacks-")  # a file here asks for stacks
         self.groups = Groups(self.groups_file)
         self.losses = Losses(self.groups, None if ns.tolerate_lost else ns.grace)
-        # where each group's rank 0 says its coordinator is (newcomers go there)
         self.coordinator_file = _temp_file("zcollective-coordinator-") if self.elastic else None
         self.told: Optional[str] = None  # the coordinator's address last told for newcomers
-        self.job = os.environ.get(JOB_ENV) or (  # one host: this launch names its job, unless the
-            f"zcollective-run {os.getpid()}" if ns.nnodes == 1 else None)  # user did
+        self.job = os.environ.get(JOB_ENV) or (f"zcollective-run {os.getpid()}" if ns.nnodes == 1 else None)
         self.where: Optional[str] = None  # the coordinator's address last seen (see redirect_newcomers)
 
     def env_for(self, rank: int, local_rank: int, port: int, size: int) -> dict[str, str]:
@@ -346,7 +336,6 @@ class Launcher:
             self.tell_newcomers(f"{ns.master_addr or DEFAULT_MASTER_ADDR}:{port}")
 
     def spawn(self, slot: int, local_rank: int, env: dict[str, str], newcomer: int = 0) -> None:
-        """Start a process in ``slot``, its output pumped."""
         try:
             proc = self.popen(env)
         except OSError as exc:
@@ -354,8 +343,7 @@ class Launcher:
         self.adopt(slot, local_rank, env, proc, newcomer)
 
     def spawn_all(self, slots: list[tuple[int, int, dict[str, str]]]) -> None:
-        """Start a process in each ``(slot, local_rank, env)``, :data:`SPAWN_THREADS` at a time;
-        interrupted, no more start and those started are the launcher's to stop."""
+        """Start a process in each ``(slot, local_rank, env)``, :data:`SPAWN_THREADS` at a time."""
         def start(slot: int, local_rank: int, env: dict[str, str]) -> None:
             self.adopt(slot, local_rank, env, self.popen(env))  # (adopted in the thread: never lost)
 
@@ -393,8 +381,7 @@ class Launcher:
         self.replicas.append(replica)
 
     def coordinator(self, dead: Optional[int] = None) -> str:
-        """The coordinator's ``host:port`` its rank 0 wrote ("": not yet); if ``dead`` was that rank 0,
-        the survivors' new one's (waited for up to :data:`COORDINATOR_MOVE_S`)."""
+        """The coordinator's ``host:port`` ("": not yet); if ``dead`` was its rank 0, the new one's."""
         assert self.coordinator_file is not None
         deadline = time.monotonic() + COORDINATOR_MOVE_S
         while True:

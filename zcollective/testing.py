@@ -11,14 +11,12 @@
     def test_step():
         assert run_replicas(step, 3, 2) == [12, 12, 12]
 
-Each replica joins a fresh default group on a free loopback port (so ``fn``
-calls the module functions directly), runs ``fn(*args, **kwargs)`` and tears
-the group down. Every wait is bounded; on any failure the error shows each
-rank's exception, traceback and output.
+Each replica joins a fresh default group on a free loopback port (so ``fn`` calls the module functions
+directly), runs ``fn(*args, **kwargs)`` and tears the group down. Every wait is bounded; on any failure the
+error shows each rank's exception, traceback and output.
 
-Each replica is a fresh interpreter, unless a test suite sets :data:`spawner`
-to a faster way of starting them (zcollective's own suite forks them from
-warm processes: its tests/_zygote.py).
+Each replica is a fresh interpreter, unless a test suite sets :data:`spawner` to a faster way of starting
+them (zcollective's own suite forks them from warm processes: its tests/_zygote.py).
 """
 
 from __future__ import annotations
@@ -48,10 +46,7 @@ KILL_WAIT_S = 30.0  # a killed process is gone within this
 
 
 class ReplicasFailed(AssertionError):
-    """At least one replica raised, exited non-zero, or ran out of time.
-
-    ``outcomes`` holds one :class:`Outcome` per rank.
-    """
+    """At least one replica raised, exited non-zero, or ran out of time (``outcomes``: one per rank)."""
 
     def __init__(self, message: str, outcomes: list[Outcome]) -> None:
         super().__init__(message)
@@ -106,32 +101,22 @@ class SpawnRequest:
 
 
 spawner: Optional[Callable[[list[SpawnRequest]], Optional[list[Any]]]] = None
-"""A faster way to start a group's replica processes: given one request per
-rank, it returns process objects with ``poll``, ``wait``, ``send_signal``,
-``kill``, ``pid`` and ``returncode`` as :class:`subprocess.Popen` has, or None
-(fresh interpreters are started). None: always fresh interpreters."""
+"""A faster way to start replica processes: given one request per rank, Popen-like process objects, or
+None (fresh interpreters). None: always fresh interpreters."""
 
 
 PORTS_BELOW_EPHEMERAL = 8192  # how many ports under the ephemeral range free_port hands out
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"  # read on Linux only
 DEFAULT_EPHEMERAL_LOW = 32768  # Linux's default start; BSDs, macOS and Windows start higher (49152)
 LAUNCHER_PORTS = frozenset({DEFAULT_MASTER_PORT, DEFAULT_MASTER_PORT + 1, 29400, 29500, 29501})
-# never handed out: ports a job started with no port set uses (zcollective's default, and the port
-# torchrun's agent (29400) and torch.distributed (29500) default to, plus the one after each that
-# zcollective takes under torchrun): a test's group there and a launcher's job would join each other
+# never handed out: launchers' default ports (a test's group there and a job would join each other)
 _next_port: list[int] = []  # this process's next candidate in its slice
 os.register_at_fork(after_in_child=_next_port.clear)  # a forked child starts at a random place
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago.
-
-    Taken just under the kernel's ephemeral range, so no port bound to 0
-    meanwhile (a data port, another test's socket) can take it before it is
-    used; ports follow one another, so a test asking for several gets
-    different ones; each pytest-xdist worker has a slice of its own. Ports
-    that launchers use when none is set (:data:`LAUNCHER_PORTS`) are skipped:
-    a job started meanwhile with no port set would join the test's group."""
+    """A TCP port that was free a moment ago: taken in turn just under the kernel's ephemeral range (no
+    port bound to 0 takes it meanwhile), a slice per pytest-xdist worker, :data:`LAUNCHER_PORTS` skipped."""
     ephemeral = _ephemeral_low()
     low = max(1024, ephemeral - PORTS_BELOW_EPHEMERAL)
     workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
@@ -171,21 +156,20 @@ def _ephemeral_low() -> int:
 class Replicas:
     """``n`` replica processes running ``fn``; start them, then :meth:`wait`.
 
-    Lower level than :func:`run_replicas`: the processes are reachable in
-    :attr:`procs`, so a test can kill or signal one of them.
+    Lower level than :func:`run_replicas`: the processes are reachable in :attr:`procs`, so a test can kill
+    or signal one of them.
 
     Parameters
     ----------
     initialize
-        Join the default group before calling ``fn`` (and tear it down
-        after). ``False`` leaves that to ``fn``; the environment still names
-        the master and this replica's rank.
+        Join the default group before calling ``fn`` (and tear it down after). ``False`` leaves that to
+        ``fn``; the environment still names the master and this replica's rank.
     env
-        Extra environment variables for every replica; ``rank_env`` maps a
-        rank to extra variables for that rank only.
+        Extra environment variables for every replica; ``rank_env`` maps a rank to extra variables for that
+        rank only.
     rank_prefix
-        Maps a rank to a command its process is started under, for instance
-        ``["ip", "netns", "exec", "host1"]`` to run it in a network namespace.
+        Maps a rank to a command its process is started under, for instance ``["ip", "netns", "exec",
+        "host1"]`` to run it in a network namespace.
     """
 
     def __init__(self, fn: Callable[..., Any], n: int, *args: Any, initialize: bool = True,
@@ -230,8 +214,7 @@ class Replicas:
         ) for prefix, r, out in zip(prefixes, requests, self._outs, strict=True)))
 
     def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> list[Outcome]:
-        """Wait for every replica (killing those still running at ``timeout``)
-        and collect what each returned, raised and printed."""
+        """Wait for every replica (killing those left at ``timeout``); collect what each did."""
         deadline = time.monotonic() + timeout
         for rank in range(self.n):
             self.outcomes[rank].timed_out = not self.join([rank], deadline - time.monotonic())
@@ -296,18 +279,17 @@ def report(outcomes: list[Outcome], headline: str) -> str:
 def run_replicas(fn: Callable[..., Any], n: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
                  initialize: bool = True, env: Optional[dict[str, str]] = None,
                  **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``n`` local replicas in separate
-    processes, each in a fresh group; return the return values in rank order.
+    """Run ``fn(*args, **kwargs)`` on ``n`` local replicas in separate processes, each in a fresh group;
+    return the return values in rank order.
 
-    ``fn`` and its arguments travel with cloudpickle, so lambdas and local
-    functions work. The whole run is bounded by ``timeout`` seconds.
+    ``fn`` and its arguments travel with cloudpickle, so lambdas and local functions work. The whole run is
+    bounded by ``timeout`` seconds.
 
     Raises
     ------
     ReplicasFailed
-        A replica raised, exited non-zero or did not finish in time; the
-        message holds every rank's exception, traceback and output, and
-        ``.outcomes`` the details.
+        A replica raised, exited non-zero or did not finish in time; the message holds every rank's
+        exception, traceback and output, and ``.outcomes`` the details.
     """
     with Replicas(fn, n, *args, initialize=initialize, env=env,
                   init_timeout=timeout, **kwargs) as replicas:

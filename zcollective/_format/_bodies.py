@@ -18,8 +18,7 @@ from ._mac import KEY_LABELS, available_backends
 from ._wire import Kind, Message, WireError, control
 
 PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
-NOT_FORMING = "NotFormingHere"  # a REJECT's error: a member came to form the next group at the
-# earlier one's coordinator, still open (its host is alive, elsewhere in its program): rule 9
+NOT_FORMING = "NotFormingHere"  # a REJECT's error: came to form at a coordinator still open (rule 9)
 MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's two texts, type
 MAX_TRACEBACK_BYTES = 32000  # and traceback stay under the 64 KiB a replica parses (MAX_JSON_BYTES)
 MAX_ENDPOINT_CHARS = 300  # a data port's "tcp://host:port", as a JOIN states it
@@ -31,11 +30,8 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
          newcomer: bool = False, job: Optional[str] = None, ops: str = "", mail: Optional[str] = None,
          shm: Optional[tuple[int, int]] = None, mail_window: int = 0) -> Message:
-    """JOIN: who this replica is and what it runs (``ops``: the operations it knows); answers
-    are bound to ``nonce``. ``shm``: its shared-memory threshold and its host's free bytes;
-    ``lineage``: the earlier group's session it forms the next of (``rank``, ``num_replicas``:
-    its old ones); ``newcomer``: it waits to be admitted; ``mail_window``: its mailbox's bound
-    per sender."""
+    """JOIN: who this replica is and what it runs, answers bound to ``nonce``; ``shm``: (threshold, free
+    bytes); ``lineage``: the session it forms the next of (old rank, size); ``newcomer``: to be admitted."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
                             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -60,8 +56,7 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
 
 
 def parse_join(msg: Message) -> dict[str, Any]:
-    """A JOIN's fields: WireError without integer rank, num_replicas and pid and a python string,
-    or with a job that is not a string of at most MAX_JOB_CHARS (compared whole, never cut)."""
+    """A JOIN's fields; WireError without integer rank, num_replicas, pid, a python string, a valid job."""
     body = msg.body()
     rank, n, python, pid = body.get("rank"), body.get("num_replicas"), body.get("python"), body.get("pid", 0)
     if not (all(type(x) is int for x in (rank, n, pid)) and isinstance(python, str)):
@@ -123,10 +118,8 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
             admitted: Optional[dict[str, Any]] = None, mail: Optional[list[str]] = None,
             shm: Optional[dict[str, Any]] = None, tree: Optional[int] = None,
             mail_windows: Optional[list[int]] = None, **header: Any) -> Message:
-    """WELCOME: the JOIN it answers, how the group frames and signs, its data ports, every rank's
-    address; ``renumber``: in a group formed from an earlier one, this member's ``rank`` and every
-    rank's ``old`` one; ``shm``: :func:`shared_plan`; ``tree``: the fan-out small calls climb;
-    ``mail_windows``: each rank's mailbox window (0: not said)."""
+    """WELCOME: the JOIN it answers, how the group frames and signs, its ports and addresses; ``renumber``:
+    this member's ``rank`` and every ``old`` one; ``shm``: :func:`shared_plan`; ``tree``: the fan-out."""
     body: dict[str, Any] = {"num_replicas": num_replicas, "nonce": nonce, "parts": parts, "mac": mac}
     if data is not None:
         body.update(data=data, data_min=data_min, data_key=data_key)
@@ -146,9 +139,8 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
 
 
 def shared_plan(least: int, hosts: list[Optional[int]], room: list[int]) -> dict[str, Any]:
-    """A WELCOME's shared memory: arrays of at least ``least`` bytes go through it; ``hosts``:
-    each rank's host (a number), None for a rank that does not use it; ``room``: by host, the
-    most bytes its segment may take."""
+    """A WELCOME's shared memory: from ``least`` bytes; ``hosts``: each rank's host number (None: none);
+    ``room``: by host, the most bytes its segment may take."""
     return {"min": least, "hosts": hosts, "room": room}
 
 
@@ -165,8 +157,7 @@ def parse_shared(body: Any, num_replicas: int) -> Optional[dict[str, Any]]:
 
 
 def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
-    """A WELCOME's fields, a malformed one (or a MAC not here) as None; the data plane only
-    whole. With a well-formed ``renumber``, ``num_replicas`` is the WELCOME's."""
+    """A WELCOME's fields, a malformed one (or a MAC not here) as None; the data plane only whole."""
     body = msg.body()
     renumber = body.get("renumber")
     if isinstance(renumber, dict):
@@ -273,9 +264,8 @@ MAX_ENDED_CHARS = 1000  # how a rank ended, as FINAL forwards it ("rank 2 (pid 7
 
 def final(sent: list[int], teardown: bool, received: Optional[list[int]] = None,
           lost: Optional[list[int]] = None, calls: Optional[int] = None, **header: Any) -> Message:
-    """FINAL to the coordinator: this rank sends no more point-to-point messages, having sent
-    ``sent[r]`` to rank r (``lost[r]`` more never left), received ``received[r]`` of rank r's,
-    made ``calls`` collective calls; by ``teardown``, or its program ends."""
+    """FINAL to the coordinator: this rank sends no more, having sent ``sent[r]`` to rank r (``lost[r]``
+    never left), received ``received[r]``, made ``calls`` collective calls; by ``teardown`` or not."""
     body: dict[str, Any] = {"sent": sent, "how": "teardown" if teardown else "exit"}
     for key, value in (("received", received), ("lost", lost), ("calls", calls)):
         if value is not None:
@@ -289,8 +279,7 @@ def _counts(value: Any, num_replicas: int) -> bool:
 
 
 def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
-    """A member's FINAL: ``sent``, ``lost`` and ``received`` by rank, ``calls`` (None: not said),
-    and whether it called ``teardown``."""
+    """A member's FINAL: ``sent``, ``lost``, ``received`` by rank, ``calls`` (None: unsaid), ``teardown``."""
     body = msg.body(max(_wire.MAX_JSON_BYTES, 72 * num_replicas))  # (a count is at most 19 digits)
     sent = body.get("sent")
     if not _counts(sent, num_replicas):
@@ -304,8 +293,7 @@ def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
 
 def ended(who: str, received: Optional[int] = None, lost: int = 0, *, teardown: bool = False,
           **header: Any) -> Message:
-    """FINAL to member ``rank``: rank ``root`` sent its last (``seq`` of them; ``lost`` more never
-    left), received ``received`` of its; ``who``: how it ended; ``teardown``: by teardown."""
+    """FINAL to member ``rank``: ``root`` sent ``seq`` (``lost`` never left), received ``received``."""
     body: dict[str, Any] = {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit",
                             "lost": lost}
     if received is not None:
@@ -323,8 +311,7 @@ def ended_by_teardown(msg: Message) -> bool:
 
 
 def ended_counts(msg: Message) -> tuple[Optional[int], int]:
-    """A FINAL's counts for its recipient: how many of its messages the rank that ended
-    received (None: not said), and how many of that rank's messages to it were lost."""
+    """A FINAL's counts for its recipient: of its messages received (None: not said), of those to it lost."""
     body = msg.body()
     received, lost = body.get("received"), body.get("lost", 0)
     return (received if type(received) is int and 0 <= received < 1 << 63 else None,
@@ -341,15 +328,13 @@ def abort(error: BaseException, data_plane: bool = False, lost: Optional[int] = 
 
 
 def abandon(why: str, timed_out: bool, **header: Any) -> Message:
-    """ABORT of call ``seq`` alone: this rank gave it up (``why``: its timeout, an interrupt), so
-    it fails on every rank alike."""
+    """ABORT of call ``seq`` alone: this rank gave it up (``why``), so it fails on every rank alike."""
     error = "CollectiveTimeoutError" if timed_out else "PeerError"
     return control(Kind.ABORT, {"error": error, "message": why, "abandoned": True}, **header)
 
 
 def parse_abort(msg: Message, num_replicas: int) -> tuple[str, str, list[int], bool, bool]:
-    """An ABORT's error name, its text (printable, cut), the rank it lost, if from its data
-    plane, and if it gives up one call (see :func:`abandon`)."""
+    """An ABORT's error name, text, the rank its data plane lost, and if it gives up one call."""
     body = msg.body()
     error, lost = body.get("error"), body.get("lost")
     return (error if isinstance(error, str) else "", printable(str(body.get("message", "?"))[:2000]),
@@ -401,8 +386,7 @@ def parse_gather_plan(msg: Message, num_replicas: int) -> list[Optional[list[int
 
 
 def shared_status(staged: bool, free: bool) -> bytes:
-    """A rank's word on a shared-memory call: it wrote its input at the call (``staged``), and it
-    knows the call's set of slots is ``free``."""
+    """A rank's word on a shared-memory call: input written at the call (``staged``), the set ``free``."""
     return _STATUSES[staged, free]
 
 
@@ -419,8 +403,7 @@ def parse_shared_status(frame: Any) -> tuple[bool, bool]:
 
 
 def shared_call(staged: list[bool], free: list[bool]) -> bytes:
-    """A shared-memory call's plan (beside the description), by host: every rank wrote its
-    input when it made the call; some rank knows the set of slots is free."""
+    """A shared-memory call's plan by host: every rank staged its input; some rank knows the set free."""
     return plan(staged=staged, free=free)
 
 
@@ -436,8 +419,7 @@ def parse_shared_call(msg: Message, host: int) -> tuple[bool, bool]:
 
 
 def parts_plan(parts: list[list[int]]) -> bytes:
-    """A rank's description of the values it writes into its host's shared memory: each part's
-    (value's) frame sizes."""
+    """A rank's parts written into its host's shared memory: each value's frame sizes."""
     return plan(shm=True, parts=parts)
 
 
@@ -451,8 +433,7 @@ def parse_parts(frame: Any) -> list[list[int]]:
 
 
 def exchange_plan(parts: list[Optional[list[list[int]]]]) -> bytes:
-    """A shared-memory exchange's plan: by rank, the parts it wrote (None: none, or its value
-    came inline, after the plan)."""
+    """A shared-memory exchange's plan: by rank, the parts it wrote (None: none, or inline)."""
     return plan(shm=True, parts=parts)
 
 

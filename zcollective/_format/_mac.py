@@ -1,21 +1,14 @@
-"""Authentication tags for chunks of data, at wire speed: one chunk under a *context* the caller
-supplies (the data plane: session, sender, seq, step, chunk index), with the fastest secure MAC
-this process has. Pure functions of bytes. ``benchmarks/mac_cost.py`` measures the candidates.
+"""Authentication tags for chunks of data at wire speed: one chunk under a *context* the caller supplies
+(session, sender, seq, step, index), with the fastest secure MAC here (``benchmarks/mac_cost.py``).
 
-``poly1305`` (the ``cryptography`` package: ``pip install zcollective[fast-auth]``): the one-time
-key ``k = HMAC-SHA256(K, context)``, the tag ``Poly1305(k, data)``. Secure because Poly1305 under
-a key used once is a Wegman-Carter one-time MAC (a forgery of an L-byte message succeeds with
-probability at most 8 * ceil(L / 16) / 2^106 per try: Bernstein, 2005) and HMAC-SHA256 is a PRF,
-so distinct contexts get independent keys and ``K`` is never exposed: ChaCha20-Poly1305's
-construction (RFC 8439) with HMAC as the PRF. It runs at memory speed, 4-5x HMAC-SHA256.
-
+``poly1305`` (``pip install zcollective[fast-auth]``): ``Poly1305(HMAC-SHA256(K, context), data)``,
+ChaCha20-Poly1305's construction (RFC 8439) with HMAC as the PRF: a one-time Wegman-Carter MAC under
+independent keys (forgery at most 8 * ceil(L / 16) / 2^106 per try), 4-5x HMAC-SHA256's speed.
 ``hmac-sha256`` (always): ``HMAC-SHA256(K', len(context) || context || data)`` cut to 16 bytes.
 
-The caller's contract: **a context never tags two different chunks under one secret** (two
-Poly1305 tags under one key reveal it); tagging the same chunk again is harmless. A verifier
-computes the context from its own state, never from the wire, so a replayed or moved chunk is
-refused (``Signer``'s fast tag reads its nonce from the wire, authenticated by the HMAC). Every
-``ChunkMac`` of a group uses the backend the group agreed on (:func:`available_backends`).
+The caller's contract: **a context never tags two different chunks under one secret** (two Poly1305
+tags under one key reveal it). A verifier computes the context from its own state, never the wire, so a
+replayed or moved chunk is refused (``Signer``'s fast tag reads its nonce from the wire, under its HMAC).
 """
 
 from __future__ import annotations
@@ -46,9 +39,8 @@ def available_backends() -> tuple[str, ...]:
 
 
 class ChunkMac:
-    """Tags chunks of bytes, each bound to a unique context, under the group's
-    ``secret`` with ``backend`` (by default the fastest available): ValueError
-    for an unknown one, or ``"poly1305"`` without the ``cryptography`` package."""
+    """Tags chunks, each bound to a unique context, under ``secret`` with ``backend`` (default: the
+    fastest); ValueError for an unknown one, or ``"poly1305"`` without ``cryptography``."""
 
     TAG_BYTES = 16  # Poly1305's tag; HMAC-SHA256 is cut to the same length
 
@@ -65,8 +57,7 @@ class ChunkMac:
         self._keyed = hmac.new(key, digestmod=hashlib.sha256)  # copied for each tag
 
     def tag(self, context: bytes, data: Any) -> bytes:
-        """The tag of ``data`` (any contiguous buffer) under ``context``,
-        which must never have tagged other data (see the module's contract)."""
+        """The tag of ``data`` under ``context``, which must never have tagged other data."""
         h = self._keyed.copy()
         if self._poly is not None:
             h.update(context)
@@ -77,15 +68,12 @@ class ChunkMac:
         return h.digest()[:self.TAG_BYTES]
 
     def verify(self, context: bytes, data: Any, tag: Any) -> bool:
-        """Whether ``tag`` is ``data``'s tag under ``context`` (constant-time
-        comparison)."""
+        """Whether ``tag`` is ``data``'s tag under ``context`` (constant-time comparison)."""
         return hmac.compare_digest(self.tag(context, data), bytes(tag))
 
 
 def byte_view(data: Any) -> memoryview:
-    """A one-dimensional byte view of any contiguous buffer (a numpy array, a
-    ZeroMQ frame), uncopied: what hashlib and cryptography take, and what can
-    be sliced by byte offsets."""
+    """A one-dimensional byte view of any contiguous buffer, uncopied (for hashlib, cryptography, slicing)."""
     view = memoryview(data)
     if view.ndim == 1 and view.format == "B":
         return view

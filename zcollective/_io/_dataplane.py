@@ -1,9 +1,6 @@
-"""The data plane's sockets: each replica binds one PULL socket (its data
-port) and connects one PUSH to the next rank's, to move the chunks of a
-:class:`~zcollective._protocol._ring.Transfer` (of a call the coordinator
-matched). With ranks on several hosts that share memory, each host's leader
-connects one more PUSH, to the next host's leader: the ring between hosts
-(``via`` :data:`HOSTS`). See docs/protocol.md, *The data plane*.
+"""The data plane's sockets: each replica binds one PULL (its data port) and connects one PUSH to the next
+rank's, to move a :class:`~zcollective._protocol._ring.Transfer`'s chunks; a host's leader connects one
+more to the next host's leader (``via`` :data:`HOSTS`). See docs/protocol.md, *The data plane*.
 """
 
 from __future__ import annotations
@@ -38,15 +35,13 @@ PULL_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED  # the fewest: none for a stranger's
 CLOSED = "connection closed or heartbeats unanswered"  # why a data link is lost
 BROKEN = "its connection broke after an earlier call (a data link is made once)"
 REFUSED = "its connection broke and was refused when re-made (a data link is made once)"
-RETRY_S = 0.05  # a data link refused before it was made is tried again this soon (the next
-# rank is inside initialize, about to take its key from the WELCOME)
+RETRY_S = 0.05  # a data link refused before it was made is tried again this soon (the next rank is joining)
 TRACKER_POLL_S = 0.001  # how often a finished job looks whether its last sends have left
 OURS = ("chunks", "pull events", "push events", "hosts push events")  # its sockets' names in a waiter
 
 
 class _Out:
-    """A link this rank sends chunks on: a PUSH to rank ``target``'s data port,
-    its monitor, whether its handshake was made, and why it is lost."""
+    """A PUSH to rank ``target``'s data port, its monitor, whether its handshake was made, why it is lost."""
 
     def __init__(self, target: int, endpoint: str, key: bytes, push: zmq.Socket, monitor: zmq.Socket) -> None:
         self.target = target
@@ -61,8 +56,7 @@ class _Out:
 
 
 def local_address(config: Config) -> str:
-    """The address of the interface this host uses to reach the master (no
-    packet is sent: a UDP socket is only connected, which picks a route)."""
+    """The address of the interface this host reaches the master by (a connected UDP socket's: no packet)."""
     try:
         infos = socket.getaddrinfo(config.master_addr, config.master_port or 1, type=socket.SOCK_DGRAM)
         family, _, _, _, address = infos[0]
@@ -78,8 +72,7 @@ def local_address(config: Config) -> str:
 def set_peer_options(sock: zmq.Socket, config: Config, max_message_bytes: int) -> None:
     """The options of a socket between two replicas (a data port's or a mailbox's, either end)."""
     sock.setsockopt(zmq.LINGER, 0)
-    # a handshake takes a few round trips: one unfinished within the liveness bound is
-    # dropped, so a stranger cannot hold a connection (an fd, a half-read HELLO) for long
+    # a handshake unfinished within the liveness bound is dropped: a stranger cannot hold a connection
     sock.setsockopt(zmq.HANDSHAKE_IVL, max(HANDSHAKE_MIN_MS, int(config.liveness_timeout * 1000)))
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # no frame of ours is larger: a stranger's
     _sockets.set_never_drop(sock)  # cannot make this process allocate more
@@ -88,9 +81,8 @@ def set_peer_options(sock: zmq.Socket, config: Config, max_message_bytes: int) -
 
 def bind_peer_port(ctx: zmq.Context, config: Config, gatekeeper: _zap.Gatekeeper, domain: str,
                    max_message_bytes: int) -> tuple[zmq.Socket, str]:
-    """A PULL bound on the interface this host reaches the master by, on a port the system
-    chooses, that admits only peers whose token ``gatekeeper`` takes for ``domain`` (strangers
-    are refused at the handshake, before libzmq takes in a byte of theirs); and its endpoint."""
+    """A PULL bound where this host reaches the master, on a port the system chooses, admitting only peers
+    whose token ``gatekeeper`` takes for ``domain``; and its endpoint."""
     pull = ctx.socket(zmq.PULL)
     with _sockets.closed_on_error(pull):
         set_peer_options(pull, config, max_message_bytes)
@@ -107,8 +99,7 @@ class DataPlane:
 
     def __init__(self, ctx: zmq.Context, config: Config,
                  gatekeeper: Optional[_zap.Gatekeeper] = None) -> None:
-        """Bind the data port, whose handshakes ``gatekeeper`` answers (rank 0's, with a
-        secret), else a :class:`~._zap.GateThread` of its own; none passes before :meth:`start`."""
+        """Bind the data port; ``gatekeeper`` (else a :class:`~._zap.GateThread`) answers its handshakes."""
         self.rank = config.rank
         self.size = config.num_replicas
         self._config = config
@@ -140,11 +131,9 @@ class DataPlane:
     def start(self, session: int, endpoints: list[str], mac: str, data_key: Optional[str],
               deadline: Optional[float], pump: Callable[[], None],
               leaders: Optional[list[int]] = None) -> None:
-        """The group is welcomed: connect to the next rank's data port (and, at a host's leader, to the next
-        host's: ``leaders``, one rank per host in ring order) and wait until every data link has made its
-        handshake (every rank is inside ``initialize`` now, to answer), or raise
-        :class:`CollectiveTimeoutError` naming them at ``deadline``. Tokens are made under the secret, or
-        without one under ``data_key`` (hex, from the WELCOME)."""
+        """Welcomed: connect to the next rank's data port (a leader also to the next host's: ``leaders``)
+        and wait for every handshake, else :class:`CollectiveTimeoutError` at ``deadline``. Tokens are
+        made under the secret, else under ``data_key`` (hex, from the WELCOME)."""
         self.endpoints = endpoints
         base = self._config.secret  # with one, chunks carry the MAC every rank of the group has
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
@@ -184,8 +173,7 @@ class DataPlane:
         return list({id(out): out for out in self._via.values()}.values())
 
     def _handshakes(self, deadline: Optional[float], pump: Callable[[], None]) -> None:
-        """Wait until every link made its handshake; until then nothing was sent on them,
-        so a refused or broken attempt is made again (see docs/protocol.md, *The data plane*)."""
+        """Wait for every link's handshake; nothing was sent yet, so a refused attempt is made again."""
         inbound = 0
         waiter = self._watched(Waiter())
         outs = self._outs()
@@ -241,8 +229,7 @@ class DataPlane:
         return [s.FD for s in (self._pull, self._pull_monitor, *(out.monitor for out in self._outs()))]
 
     def close(self, linger_ms: int = 0) -> None:
-        """Close the data sockets; what is queued to the next rank gets
-        ``linger_ms`` to leave (a program ending: chunks it forwards)."""
+        """Close the data sockets; what is queued to the next rank gets ``linger_ms`` to leave."""
         for out in self._outs():
             _sockets.close_monitored(out.push, out.monitor, 0 if out.broken is not None else linger_ms)
         self._via.clear()
@@ -257,12 +244,9 @@ class DataPlane:
             control: tuple[str, ...], pump: Callable[[], None],
             fail: Callable[[Exception], None], until: Optional[Callable[[], bool]] = None,
             owner: Any = None) -> bool:
-        """Move ``job``'s chunks until it is done and its last sends have left, or the group fails (True: the
-        caller finds ``member.failure``), or until ``deadline``, or ``until()`` after news on ``control`` (of
-        ``waiter``'s names: False). ``pump`` moves the rest of the group, without blocking (the driver's one
-        wait: see docs/protocol.md, *Progress*); ``fail`` fails the group for every rank. ``owner``: the
-        member's job ``job`` is a step of (a shared-memory job's ring between hosts), if not ``job``
-        itself."""
+        """Move ``job``'s chunks until done and sent, or the group fails (True), or ``deadline``, or
+        ``until()`` after news on ``control`` (False). ``pump`` moves the rest of the group (docs/protocol.md,
+        *Progress*); ``fail`` fails the group; ``owner``: the member's job, if ``job`` is a step of it."""
         for stale in [s for s in self._early if s < seq]:  # calls that failed before their move
             del self._early[stale]
         owner = job if owner is None else owner
@@ -275,8 +259,7 @@ class DataPlane:
             raise RuntimeError(f"rank {self.rank} has no data link for {job.via} ({job.progress()})")
         while member.transfers and member.transfers[0][1] is owner:  # (a failure empties it, or keeps it)
             if job.outbox and (out.broken is not None or not self._send(seq, job, out.push)):
-                # the link went down since it was made: a connection libzmq re-made may have
-                # lost chunks, or was refused (a spent token) and left no pipe; it is lost
+                # the link went down since it was made: a re-made connection may have lost chunks
                 fail(self._lost(seq, job, out, out.broken or REFUSED))
                 continue
             if job.done and self._sent():
@@ -300,8 +283,7 @@ class DataPlane:
         return not trackers
 
     def _send(self, seq: int, job: Transfer, push: zmq.Socket) -> bool:
-        """Send the job's outbox on ``push`` without blocking; False if libzmq has no
-        pipe to its rank (see :data:`zcollective._io._sockets._NOBLOCK`)."""
+        """Send the job's outbox on ``push`` without blocking; False if libzmq has no pipe to its rank."""
         rules = self._rules
         outbox = job.outbox
         try:
@@ -331,8 +313,7 @@ class DataPlane:
 
     def _take(self, frames: list[Any], seq: int, job: Transfer, member: Member,
               fail: Callable[[Exception], None]) -> None:
-        """Give one chunk to ``job``, keep it for a later job, or drop it, as
-        the rules say (:mod:`zcollective._protocol._chunks`)."""
+        """Give one chunk to ``job``, keep it for later, or drop it (:mod:`zcollective._protocol._chunks`)."""
         verdict = self._rules.check(frames, seq, member.next_seq, job.via)
         reason = verdict.reason
         if reason == _chunks.NOW:
@@ -357,9 +338,7 @@ class DataPlane:
             self._warn(reason, verdict.why)
 
     def _events(self, seq: int, job: Transfer, fail: Callable[[Exception], None]) -> None:
-        """The monitors: the link ``job`` sends on closed or silent fails the group (the
-        previous rank's loss is told by the coordinator, or by it); another link, once
-        broken, is lost for any later call that needs it."""
+        """The monitors: the link ``job`` sends on closed fails the group; another, once broken, is lost."""
         mine = self._via.get(getattr(job, "via", RING))
         for out in self._outs():
             for event, _ in _sockets.monitor_events(out.monitor):
@@ -367,8 +346,7 @@ class DataPlane:
                     why = CLOSED if event == zmq.EVENT_DISCONNECTED else REFUSED
                     if out is mine and (job.sent < job.to_send or not self._sent()):
                         return fail(self._lost(seq, job, out, why))
-                    # it had all this rank sends it (and may have ended its program): not a loss
-                    # now; a later call that needs the link finds it lost (a link is made once)
+                    # it had all it needed (and may have ended): a later call finds the link lost
                     out.broken = out.broken or (BROKEN if why is CLOSED else why)
         for _ in _sockets.monitor_events(self._pull_monitor):  # (handshakes only: no peer named)
             pass

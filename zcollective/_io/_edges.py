@@ -24,10 +24,8 @@ class Edges:
         self.driver, self.member = driver, driver.member
 
     def send_waiting(self, deadline: Optional[float], links: bool = True) -> bool:
-        """Ending (teardown, or the program ends): move everything until no send of this rank waits for its
-        receiver's credit or (``links``), to a rank still taking in, for its link's handshake (each went, or
-        failed), or ``deadline`` (False). At an exit, :meth:`final` waits for the links (and what libzmq still
-        sends) with a bound of its own."""
+        """Ending: move everything until no send waits for credit or (``links``) a handshake, or
+        ``deadline`` (False)."""
         mail, sockets = self.member.mail, self.driver.mail
         if mail is None:
             return True
@@ -38,9 +36,8 @@ class Edges:
         return sent() or self.driver.wait_for(sent, deadline)
 
     def finish_calls(self, deadline: Optional[float]) -> bool:
-        """Teardown, this rank's FINAL sent: move everything until every call this rank made is done
-        (collective calls with their data; sends whose buffers libzmq still reads) and every other rank's last
-        message to it was taken in (a receive posted is then matched, or failed), or ``deadline`` (False)."""
+        """Teardown, FINAL sent: move everything until every call this rank made is done and every other
+        rank's last message was taken in, or ``deadline`` (False)."""
         member, mail, driver = self.member, self.member.mail, self.driver
 
         def done() -> bool:
@@ -48,24 +45,21 @@ class Edges:
         return driver.wait_for(done, deadline)
 
     def leaving(self) -> dict[int, int]:
-        """By rank, the first seq of the sends libzmq still sends (their
-        trackers not done) to a rank still running."""
+        """By rank still running, the first seq of the sends libzmq still sends."""
         rules = self.member.mail
         if rules is None or not self.driver.tracked:
             return {}
         return rules.leaving({id(h) for t, h in self.driver.tracked if not t.done})
 
     def say_bye(self, timeout: float, deliver: float = 0.0) -> None:
-        """Tell the coordinator this program is ending (if there is a group to tell); over a connection, wait
-        at most ``timeout`` s for its answer (see docs/protocol.md, *Ending without teardown*); point-to-point
-        messages libzmq still sends get ``deliver`` s to leave first."""
+        """Tell the coordinator this program is ending and wait at most ``timeout`` s for its answer
+        (docs/protocol.md, *Ending without teardown*); messages still leaving get ``deliver`` s first."""
         member = self.member
         bye = member.bye()
         if bye is None:
             return
         now = time.monotonic()
-        final = self.final(teardown=False, deadline=now + timeout, deliver=now + deliver)  # (before the
-        # BYE: the others hear of it first)
+        final = self.final(teardown=False, deadline=now + timeout, deliver=now + deliver)  # (before the BYE)
         self.driver.send([bye] if final is None else [final, bye])
         if self.driver.remote:  # (no data moves: finish_data had its time)
             until, driver = time.monotonic() + timeout, self.driver
@@ -73,9 +67,7 @@ class Edges:
                 pass
 
     def link_tree(self, deadline: Optional[float]) -> None:
-        """Joined into a tree: make the links to this rank's parent and children and wait for
-        their handshakes (every rank is inside ``initialize`` now, to answer), until ``deadline``
-        (then what is left is made as a message needs it)."""
+        """Joined into a tree: link parent and children, waiting for handshakes until ``deadline``."""
         member, sockets = self.member, self.driver.mail
         if sockets is None or member.mail is None or (member.parent <= 0 and member.relay is None):
             return
@@ -87,9 +79,8 @@ class Edges:
                          until if deadline is None else min(deadline, until))
 
     def relay_out(self, deadline: float) -> None:
-        """An interior rank's program ends: its subtree's parts of the calls it made climb
-        on through it (their ranks are still running; only calls after its own last fail, as on
-        the star), until none is held here, the group fails, or ``deadline``."""
+        """An interior rank's program ends: its subtree's parts of its calls climb on through it until none
+        is held here, the group fails, or ``deadline``."""
         member, relay = self.member, self.member.relay
         if relay is None or member.mail is None:
             return
@@ -103,28 +94,23 @@ class Edges:
             self.driver.mail_ready = 0
 
     def hand_down(self, deadline: float) -> None:
-        """Closing: results this interior rank of the tree owes its children, still
-        waiting for a link's handshake, get until ``deadline`` to go (even after a failure:
-        the calls they complete were complete before it)."""
+        """Closing: results owed to children, waiting for a handshake, get until ``deadline`` to go."""
         sockets = self.driver.mail
         if self.member.relay is None or sockets is None or self.member.mail is None:
             return
         self._wait_links(lambda: not sockets.holding(), deadline)
 
     def _wait_links(self, done: Callable[[], bool], deadline: float) -> None:
-        """Send what the mailbox owes, then take in its links' news (handshakes made, messages
-        that waited for them sent) until ``done()`` or ``deadline``, failed or not."""
+        """Send what the mailbox owes and take in its links' news until ``done()`` or ``deadline``."""
         self.driver.mail_io(take=False, ready=LINK)
         while not done() and time.monotonic() < deadline:
             self.driver.waiter.wait(self.driver.mail_names, deadline, POLL_SLICE_S)
             self.driver.mail_io(take=False, ready=LINK)
 
     def final(self, teardown: bool, deadline: float, deliver: Optional[float] = None) -> Optional[Message]:
-        """This rank's FINAL (see :meth:`Member.final`), once messages waiting for a link's handshake had
-        until ``deadline`` to go: those still waiting then never go, fail, and are not counted (counted, the
-        other rank's receive would wait for them until its timeout). ``deliver`` (the program ends: later than
-        ``deadline``): they, and messages libzmq still sends, get until then to go; those still leaving are
-        cut off and counted lost, so their receiver is told at once."""
+        """This rank's FINAL (:meth:`Member.final`) once messages waiting for a handshake had until
+        ``deadline`` (then they fail, uncounted); ``deliver``: until then messages still leaving may go, the
+        rest counted lost so their receiver is told at once."""
         member, sockets = self.member, self.driver.mail
         unsent, leaving = None, None
         self.hand_down(deadline)  # (results owed down the tree go first, failed or not)
@@ -143,8 +129,7 @@ class Edges:
         return member.final(teardown, unsent, leaving)  # (the unsent sends' outcomes: the caller's to settle)
 
     def await_admission(self, config: Config, deadline: Optional[float]) -> None:
-        """A newcomer: wait until a grow() of the group admits it (rule 10 of the coordinator);
-        :attr:`Member.admitted` then says where it goes."""
+        """A newcomer: wait until a grow() admits it (rule 10); :attr:`Member.admitted` says where."""
         member = self.member
         if not self.driver.send_join(lambda: member.admitted is not None, deadline):  # (parked anew)
             raise CollectiveTimeoutError(

@@ -1,8 +1,5 @@
-"""An interior rank of the tree of small calls, while its program is elsewhere: a stand-in
-thread (:class:`~._turns.StandIn`) moves what climbs through this rank and what comes down.
-Without it, a rank computing after an ``_async`` call would hold up its whole subtree until
-its next wait. See docs/protocol.md, *Concurrency*.
-"""
+"""An interior rank of the tree while its program is elsewhere: a stand-in thread moves what climbs
+through it and comes down, so its subtree is not held up (docs/protocol.md, *Concurrency*)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
-"""The shared-memory segment of the ranks one host holds in a group, and the
-moving of a :class:`~zcollective._protocol._shm.SharedJob` through it: the
-segment's steps, the memory's (the job's own) and the syncs (a SYNC to the
-coordinator and its answer, through the member's driver). See docs/protocol.md,
-*Shared memory*.
+"""The shared-memory segment of one host's ranks, and the moving of a
+:class:`~zcollective._protocol._shm.SharedJob` through it (segment steps, memory steps, SYNCs through the
+driver). See docs/protocol.md, *Shared memory*: a POSIX object made by the host's leader, mode 0600, named
+by a hash of session, host and generation, unlinked once every rank attached.
 
-A segment is a POSIX shared-memory object (``/dev/shm`` on Linux) made by the
-host's leader (its lowest rank), mode 0600, named by a hash of the group's
-session (which only its members know), its host and a generation; it is made anew,
-larger, when a larger array comes. The leader unlinks the name as soon as
-every rank of the host has attached, so the memory goes when the last rank
-lets go of it, whatever ends the processes. If the group ends before that
-step, every rank that knows the name unlinks it as it closes.
-
-``_posixshmem`` (what ``multiprocessing.shared_memory`` calls) is used
-directly: ``SharedMemory`` registers every segment it opens with
-multiprocessing's resource tracker, which starts a process of its own, warns
-of a "leak" at exit and unlinks a segment other ranks still use when one that
-merely attached ends (CPython gh-82300, fixed only by ``track=False`` in 3.13).
+``_posixshmem`` is used directly: ``SharedMemory``'s resource tracker would unlink a segment others still
+use when one that merely attached ends (CPython gh-82300, fixed only by ``track=False`` in 3.13).
 """
 
 from __future__ import annotations
@@ -46,8 +34,7 @@ except ImportError:  # (Windows: no shared memory path)
 log = logging.getLogger("zcollective")
 
 MODE = 0o600  # the job's user alone may map it
-GROWTH = 5 / 4  # a segment made anew holds at least this much more than the one before (a
-# job whose arrays grow slowly makes few)
+GROWTH = 5 / 4  # a segment made anew is at least this much larger (arrays growing slowly make few)
 
 
 def available() -> bool:
@@ -56,8 +43,7 @@ def available() -> bool:
 
 
 def room() -> int:
-    """Bytes free where segments live (``/dev/shm``), 0 if unknown: a host's
-    segment is kept well within what its ranks report."""
+    """Bytes free where segments live (``/dev/shm``), 0 if unknown."""
     try:
         st = os.statvfs("/dev/shm")
     except (OSError, AttributeError):
@@ -66,9 +52,7 @@ def room() -> int:
 
 
 def segment_name(session: int, host: int, gen: int) -> str:
-    """The name of a group's segment on host ``host``, generation ``gen``: a hash of the three, so that a
-    process that sees one name in ``/dev/shm`` (anyone may list it) can tell neither the session nor the next
-    name (and make it first, which would fail that call on every rank)."""
+    """The segment's name: a hash, so one seen in ``/dev/shm`` tells neither the session nor the next name."""
     digest = hashlib.sha256(b"zcollective-shm|%d|%d|%d" % (session, host, gen)).hexdigest()
     return f"/zcollective-{digest[:32]}"
 
@@ -115,8 +99,7 @@ class Segment:
 
 
 def unlink(name: str) -> None:
-    """Unlink a segment's name, if it is still there and this user may (a
-    name another user made first is theirs: closing goes on regardless)."""
+    """Unlink a segment's name, if it is still there and this user may (closing goes on regardless)."""
     if _posixshmem is not None:
         with contextlib.suppress(OSError):
             _posixshmem.shm_unlink(name)
@@ -131,8 +114,7 @@ class _Unmade(Exception):
 
 
 class SharedPlane:
-    """This rank's part in its host's segment (see the module docstring).
-    Used by the thread that holds the group's turn."""
+    """This rank's part in its host's segment; used by the thread that holds the group's turn."""
 
     @classmethod
     def welcomed(cls, member: Any) -> SharedPlane:
@@ -164,22 +146,19 @@ class SharedPlane:
         self.count = 0  # plans placed: the next call uses set count % 2
         self.completed = 0  # ... of which the last completed here is the one before this
         self.linked: set[str] = set()  # names made (or to be made) and not yet unlinked
-        self.growing: Optional[int] = None  # the index of the last plan that makes a new segment,
-        # until its call completes here
+        self.growing: Optional[int] = None  # the last plan making a new segment, until its call completes
 
     def fits(self, nbytes: int) -> bool:
         """May an array of ``nbytes`` go through this host's segment?"""
         return 2 * self.size * _shm.aligned(nbytes) <= self.room
 
     def knows_free(self) -> bool:
-        """Is the next call's set of slots free of readers? So it is when no call of this
-        rank's is in flight and the last call placed completed here: see _shm."""
+        """Is the next call's set free of readers (no call in flight, the last placed completed)?"""
         member = self.member
         return self.completed == self.count and not member.calls and not member.transfers
 
     def free_slot(self, nbytes: int) -> Optional[Any]:
-        """This rank's slot of the next call's set, if it may write its input there now (:meth:`knows_free`,
-        and the segment is large enough); else None: the call's plan brings a sync."""
+        """This rank's slot of the next call's set, if it may write its input there now; else None."""
         segment = self.segment
         if not self.knows_free() or segment is None or nbytes > segment.capacity or segment.gen != self.gen:
             return None
@@ -202,9 +181,7 @@ class SharedPlane:
         return place
 
     def check(self) -> None:
-        """If the call that was to make the segment is gone without completing here (it failed or was given
-        up: on every rank of the host alike, as a call's outcome is the same everywhere), forget the segment
-        now, so that no name of it stays linked and the next call makes one anew."""
+        """The call that was to make the segment failed (alike on the host): forget it, the next makes one."""
         if self.growing is not None and not any(
                 getattr(job, "place", None) is not None and job.place.index == self.growing
                 for _, job in self.member.transfers):
@@ -224,11 +201,8 @@ class SharedPlane:
     def run(self, seq: int, job: _shm.SharedJob, deadline: Optional[float], pump: Callable[[], bool],
             send: Callable[[list[Message]], None], fail: Callable[[Exception], None],
             ring: Callable[[Transfer], bool]) -> bool:
-        """Do ``job``'s steps until it is done (True), the call failed (True: the member has its error), or
-        ``pump`` (the driver's one wait, which moves the rest of the group: see docs/protocol.md, *Progress*;
-        False at ``deadline`` or when the caller must go) says stop (False: it goes on at the next wait).
-        ``ring`` moves a ring between hosts on the data plane (as ``pump``, False: it goes on at the next
-        wait)."""
+        """Do ``job``'s steps until done or failed (True), or ``pump`` or ``ring`` (the leaders' ring on the
+        data plane) says stop (False: it goes on at the next wait; docs/protocol.md, *Progress*)."""
         member = self.member
         while member.transfers and member.transfers[0][1] is job:
             step = job.step

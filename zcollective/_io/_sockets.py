@@ -1,8 +1,5 @@
-"""Socket options shared by the coordinator's ROUTER and each replica's DEALER,
-and the one place where ``zmq.ZMQError`` becomes a library error: the
-drivers call libzmq through the functions here (or inside :func:`mapped`).
-A handshake refused over the secret, which libzmq reports only on a socket
-monitor, becomes one here too (:func:`handshake_refusal`)."""
+"""Socket options of the coordinator's ROUTER and each replica's DEALER, and the one place where
+``zmq.ZMQError`` (or a monitor's handshake refusal) becomes a library error (:func:`mapped`)."""
 
 from __future__ import annotations
 
@@ -23,19 +20,16 @@ from ..config import Config
 from ..errors import AddressError, AuthenticationError, CollectiveError
 from . import _interrupts
 
-ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than
-# a zero-copy frame (whose release needs pyzmq's gc thread)
+ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's copy_threshold: below it a copy is cheaper than zero-copy
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)  # every send: EAGAIN says that link is gone (docs/protocol.md, *Drivers*)
 _POLLIN = int(zmq.POLLIN)
-_MONITOR_EVENT = struct.Struct("=HI")  # a monitor message's first frame: event id, value
-# (libzmq's layout; zmq.utils.monitor parses the same, but importing it imports asyncio: 60 ms)
+_MONITOR_EVENT = struct.Struct("=HI")  # a monitor event: id, value (zmq.utils.monitor imports asyncio)
 _send = zmq.backend.Socket.send  # the Cython methods: pyzmq's multipart sugar costs 3x more
 _recv = zmq.backend.Socket.recv
 
 RECONNECT_IVL_MS = 100  # first retry soon: replicas usually start within a second of rank 0
-RECONNECT_IVL_MAX_MS = 200  # back off to this: a missing master is not hammered (5 tries a second
-# per replica), and replicas waiting for a late rank 0 (busy cores) join within this once it binds
+RECONNECT_IVL_MAX_MS = 200  # back off to this: a missing master is not hammered, a late one soon reached
 FORM_RECONNECT_IVL_MS = 10  # a survivor reaching the host of a formed group: it binds within
 FORM_RECONNECT_IVL_MAX_MS = 100  # milliseconds of the loss, and every one counts (issue 23)
 BIND_RETRY_STEP_S = 0.005  # a port held by a process that is being killed: tried again this often
@@ -52,8 +46,7 @@ def set_heartbeats(sock: zmq.Socket, config: Config) -> None:
 
 
 def set_never_drop(sock: zmq.Socket) -> None:
-    """No high-water mark: ZeroMQ must never drop a message silently. Memory is
-    bounded by the calls in flight, which the application bounds."""
+    """No high-water mark: ZeroMQ must never drop a message silently (the calls in flight bound memory)."""
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
 
@@ -78,21 +71,18 @@ def closed_on_error(sock: zmq.Socket) -> Iterator[None]:
 
 
 def library_error(exc: zmq.ZMQError, what: str, address: bool = False) -> CollectiveError:
-    """The library error for ``exc``, naming ``what``: an unusable address (with ``address``,
-    a connect's or bind's: a malformed one too) is an :class:`AddressError`, anything
-    else (no file descriptors left, a context being torn down) a :class:`CollectiveError`."""
+    """The library error for ``exc``, naming ``what``: :class:`AddressError` for an unusable ``address``,
+    else :class:`CollectiveError`."""
     unusable = exc.errno in _ADDRESS_ERRNOS or address and exc.errno == zmq.EINVAL
     return (AddressError if unusable else CollectiveError)(f"{what}: {exc.strerror} (errno {exc.errno})")
 
 
-CONTEXT_DESCRIPTORS = 8  # a context's first socket starts its I/O and reaper threads, each with a
-# poller and a wake-up descriptor (and the socket one): libzmq aborts the process if it cannot make
-# them, so a context is started only with these many left (each socket after fails with an error)
+CONTEXT_DESCRIPTORS = 8  # a context's first socket needs these (threads' pollers, wake-ups): libzmq
+# aborts the process if it cannot make them, so a context starts only with these many left
 
 
 def check_descriptors(what: str, count: int = CONTEXT_DESCRIPTORS) -> None:
-    """Raise :class:`CollectiveError` naming ``what`` if this process cannot open ``count``
-    more files now (ulimit -n), before a ZeroMQ context would abort it for that."""
+    """Raise :class:`CollectiveError` naming ``what`` if this process cannot open ``count`` more files."""
     held: list[int] = []
     try:
         for _ in range(count):
@@ -107,16 +97,13 @@ def check_descriptors(what: str, count: int = CONTEXT_DESCRIPTORS) -> None:
 
 
 LISTEN_BACKLOG = 100  # libzmq's own default (ZMQ_BACKLOG): a whole job may connect at once
-_listening: dict[int, tuple[int, int, int]] = {}  # descriptor -> (family, port, context): the ports
-# this process listens on (ours, see bind), kept past their close until their context ends (libzmq
-# closes them in its own thread, later): a forked child checks each still listens there first
-_forking = threading.RLock()  # a fork waits while a descriptor is made and recorded (an RLock: a
-# signal handler in that thread may fork, as a pre-forking server's SIGCHLD handler does)
+_listening: dict[int, tuple[int, int, int]] = {}  # fd -> (family, port, context): our ports, kept until
+# their context ends (libzmq closes them later); a forked child closes those still listening
+_forking = threading.RLock()  # a fork waits while a descriptor is made (RLock: a handler may fork)
 
 
 def _close_in_child() -> None:
-    """A forked child (a data-loader worker) must not hold its parent's ports:
-    a group forming again after a loss binds the same port (issue 31)."""
+    """A forked child must not hold its parent's ports: a group forming again binds them (issue 31)."""
     _forking.release()
     for fd, (family, port, _) in list(_listening.items()):
         if _listens_at(fd, family, port):
@@ -126,8 +113,7 @@ def _close_in_child() -> None:
 
 
 def _listens_at(fd: int, family: int, port: int) -> bool:
-    """Is ``fd`` (still) a listening TCP socket on ``port``? (Its number may
-    have been reused since libzmq closed it.)"""
+    """Is ``fd`` (still) a listening TCP socket on ``port``? (Its number may have been reused.)"""
     try:
         with socket.socket(family, socket.SOCK_STREAM, fileno=os.dup(fd)) as sock:  # (a duplicate)
             return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)) and (
@@ -142,10 +128,9 @@ if hasattr(os, "register_at_fork"):  # (no fork without it)
 
 
 def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: float = 0.0) -> None:
-    """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the port is taken (for ``retry_s``: a
-    process that was killed holding it may still be closing its files), else ``cannot`` with libzmq's reason.
-    A TCP port is listened on through a descriptor made here (``ZMQ_USE_FD``), so that a forked child closes
-    its copy at once (:func:`_close_in_child`)."""
+    """Bind ``sock``; raise :class:`AddressError` saying ``in_use`` when the port is taken (after
+    ``retry_s``), else ``cannot``. TCP listens through a descriptor made here (``ZMQ_USE_FD``) that a
+    forked child closes (:func:`_close_in_child`)."""
     deadline = time.monotonic() + retry_s
     while True:
         try:
@@ -170,17 +155,15 @@ def bind(sock: zmq.Socket, endpoint: str, in_use: str, cannot: str, retry_s: flo
 
 
 def forget(context: zmq.Context) -> None:
-    """``context`` was terminated: libzmq has closed every socket it had, so
-    their descriptors are no longer ours to close in a child."""
+    """``context`` was terminated: its descriptors are no longer ours to close in a child."""
     with _forking:
         for fd in [fd for fd, (_, _, owner) in _listening.items() if owner == id(context)]:
             del _listening[fd]
 
 
 def _listen(endpoint: str, owner: int) -> Optional[int]:
-    """A listening TCP socket for ``tcp://host:port`` (host an IP literal, in
-    brackets for IPv6, or ``*``), detached and recorded: its descriptor. None
-    for what only libzmq can bind (an interface name, port ``*``)."""
+    """A listening TCP socket's descriptor for ``tcp://host:port``, recorded; None for what only libzmq
+    can bind (an interface name, port ``*``)."""
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
     if not port.isdigit():
         return None
@@ -190,8 +173,7 @@ def _listen(endpoint: str, owner: int) -> Optional[int]:
         socket.inet_pton(family, "0.0.0.0" if host == "*" else host)
     except OSError:
         return None  # not an IP literal: libzmq resolves it (and reports what it cannot)
-    with _forking:  # listening and recorded before a fork can copy it (a copy of a socket that
-        # listens only later would hold the port in the child unseen): a few system calls
+    with _forking:  # listening and recorded before a fork can copy it unseen
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq: TIME_WAIT is no bar
@@ -204,8 +186,7 @@ def _listen(endpoint: str, owner: int) -> Optional[int]:
     return sock.detach()
 
 
-MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)  # one side speaks PLAIN
-# (has a secret), the other NULL: reported by libzmq on both ends of the handshake
+MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)  # one side has a secret, one not
 
 
 def handshake_refusal(event: int, value: int, rank: int, endpoint: str,
@@ -254,11 +235,8 @@ def close_monitored(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> No
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], track: bool = False) -> Any:
-    """Send a multipart message; large frames go without a copy. Never blocks: ``zmq.Again`` (nothing sent)
-    means libzmq has no pipe to the peer any more (see :data:`_NOBLOCK`); callers call that link lost. (No
-    signal handler's exception splits it: :mod:`zcollective._io._interrupts`.) ``track``: a tracker of the
-    last frame sent without a copy (None if none was): libzmq writes a message's frames in order, so once it
-    lets go of that one it let go of all of them."""
+    """Send a multipart message without blocking (``zmq.Again``: no pipe to the peer, the link is lost);
+    large frames go without a copy. ``track``: the last such frame's tracker (frames are let go in order)."""
     last, tracker = len(frames) - 1, None
     for i, frame in enumerate(frames):
         size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
@@ -271,8 +249,7 @@ def send_frames(sock: zmq.Socket, frames: list[Any], track: bool = False) -> Any
 
 
 def recv_message(sock: zmq.Socket) -> list[Any]:
-    """Receive one multipart message that is known to be waiting (never
-    blocks: libzmq hands over a message's frames together or none)."""
+    """Receive one multipart message known to be waiting (never blocks: frames come together)."""
     frames = [_recv(sock, _NOBLOCK, False)]
     while frames[-1].more:
         frames.append(_recv(sock, _NOBLOCK, False))
@@ -287,16 +264,13 @@ def kernel_port(host: str) -> int:
 
 
 def readable(sock: zmq.Socket) -> bool:
-    """A message is waiting. A zero-timeout poll: reading ZMQ_EVENTS costs
-    more, as pyzmq wraps the answer in an enum."""
+    """A message is waiting (a zero-timeout poll: cheaper than ZMQ_EVENTS's enum)."""
     return bool(zmq_poll([(sock, _POLLIN)], 0))
 
 
 def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
-    """A PAIR receiving ``sock``'s monitor events through a pipe with no bound (its RCVHWM 0): libzmq's I/O
-    threads *block* when a monitor pipe is full (2,000 events by default), so a stranger opening and closing
-    connections while the reader is busy (a long reduce function) would stop heartbeats, accepts and sends
-    alike."""
+    """A PAIR receiving ``sock``'s monitor events with no bound (RCVHWM 0): libzmq's I/O threads *block* on
+    a full monitor pipe, so a stranger's connections would stop heartbeats while the reader is busy."""
     endpoint = f"inproc://zcollective-monitor-{id(sock):x}-{os.urandom(4).hex()}"
     sock.monitor(endpoint, events)
     pair = sock.context.socket(zmq.PAIR)
@@ -316,8 +290,7 @@ def monitor_events(monitor: zmq.Socket) -> Iterator[tuple[int, int]]:
 
 
 class Wakeup:
-    """A pipe one thread writes to wake another watching its read end (an
-    awaiting coroutine's event loop); it stays readable until :meth:`clear`."""
+    """A pipe one thread writes to wake another watching its read end, readable until :meth:`clear`."""
 
     def __init__(self) -> None:
         self.fd, self._write = os.pipe()
@@ -331,8 +304,7 @@ class Wakeup:
             return  # (its numbers may be another file's now)
         with contextlib.suppress(OSError):  # full (it is readable anyway) or closed (nobody waits)
             os.write(self._write, b"\0")
-        # after the write: a clear() in between skips the read and leaves one spurious wake;
-        # before it, a clear() could reset the flag with the byte still to come, for good
+        # after the write: a clear() between costs one spurious wake; before, it could lose the wake
         self.written = True
 
     def clear(self) -> None:

@@ -1,11 +1,6 @@
-"""Where this process's threads are, written to its stderr: on
-:data:`STACKS_SIGNAL` (a user's ``kill -USR1``), and when zcollective-run
-asks (a stall names this rank) through a file the stops watch looks for
-(:mod:`._stops`): a request that is no signal, so a handler the program
-installs at any time never runs for it. Frames are read holding the GIL
-(``sys._current_frames``): faulthandler's dump from a signal handler reads
-other threads' frames without it, and crashed processes whose threads ran.
-"""
+"""Where this process's threads are, written to its stderr: on :data:`STACKS_SIGNAL`, and when
+zcollective-run asks by a file the stops watch looks for (no signal: the program's handlers never run
+for it). Frames are read holding the GIL (faulthandler's dump without it crashed processes)."""
 
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ _last = [-STACKS_GAP_S]  # when the last dump was written (time.monotonic())
 
 
 def answer(on: bool) -> None:
-    """A group opened with ``stacks`` ``on``: answer zcollective-run's
-    requests, and :data:`STACKS_SIGNAL` unless the program handles it."""
+    """``stacks`` on: answer zcollective-run, and :data:`STACKS_SIGNAL` unless the program handles it."""
     if not on:
         return
     _answering[0] = True
@@ -61,8 +55,7 @@ def _on_signal(signum: int, frame: Optional[FrameType]) -> None:
 
 
 def write_stacks(top: Optional[FrameType], why: str) -> None:
-    """Write every thread's stack to stderr (the calling thread's from ``top``;
-    None: not its own), unless one was written less than :data:`STACKS_GAP_S` ago."""
+    """Write every thread's stack to stderr (``top``: the caller's), once per :data:`STACKS_GAP_S`."""
     now = time.monotonic()
     if now - _last[0] < STACKS_GAP_S:
         return

@@ -1,9 +1,5 @@
-"""Whether this process was stopped (SIGSTOP, a paused VM or container, a
-debugger) while its program was anywhere, in the library or not: a daemon
-thread wakes every :data:`WATCH_S` and notes a wake-up that came much later.
-Why it matters: see docs/protocol.md, *Stops*. At each wake it also answers
-zcollective-run's request for this process's stacks (:mod:`._stacks`).
-"""
+"""Whether this process was stopped (SIGSTOP, a paused VM, a debugger): a daemon thread wakes every
+:data:`WATCH_S` and notes a late wake-up (docs/protocol.md, *Stops*); it also answers stacks requests."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from typing import Any, Optional
 
 from . import _interrupts, _stacks
 
-WATCH_S = 0.25  # how often the watch wakes: a stop shorter than the smallest bound's 2/3 (0.67 s)
-# is no loss, so a quarter second sees every stop that matters, for a few wake-ups a second
+WATCH_S = 0.25  # sees every stop that matters (shorter than 0.67 s, the smallest bound's 2/3, is no loss)
 NOTED_S = 0.5  # a wake-up this much later than due is noted as a stop
 _lock = threading.Lock()
 _watchers: dict[str, Any] = {"pid": 0, "groups": 0, "wake": None, "thread": None}
@@ -69,8 +64,8 @@ def _run(wake: Any) -> None:
 
 
 def stopped(longer_than: float, ended_after: float) -> Optional[float]:
-    """When the last stop longer than ``longer_than`` seconds that ended after ``ended_after`` began (one the
-    watch has not woken from yet too: the process has just been resumed); None if there was none."""
+    """When the last stop longer than ``longer_than`` s that ended after ``ended_after`` began (one not yet
+    woken from too), or None."""
     now, awake = time.monotonic(), _awake[0]
     if _watchers["thread"] is not None and now - awake > WATCH_S + NOTED_S and now - awake > longer_than:
         return awake

@@ -1,8 +1,5 @@
-"""Authentication at the ZeroMQ handshake: with a secret, a peer that cannot
-prove it knows the secret is refused before libzmq takes in a single message
-from it. Knows nothing of the protocol above ZeroMQ, of ranks, or of threads;
-a client's token is checked by :mod:`zcollective._protocol._tokens`. How
-handshakes go: see docs/protocol.md, *Drivers*.
+"""Authentication at the ZeroMQ handshake: a peer that cannot prove it knows the secret is refused before
+libzmq takes in a message from it (tokens: :mod:`zcollective._protocol._tokens`; docs/protocol.md, *Drivers*).
 
 Use (the drivers')::
 
@@ -42,10 +39,8 @@ MAX_LOGGED_ADDRESSES = 1024  # refused addresses remembered for logging once; pa
 
 
 class Gatekeeper:
-    """The ZAP handler of one context: a socket bound at the ZAP endpoint, answered by :meth:`serve` from the
-    thread that made it. Tokens are checked under ``secret`` (None: every one is refused), or a domain's own
-    key (:meth:`rekey`). Raises ``zmq.ZMQError`` (callers translate it) if the context already has a ZAP
-    handler (``EADDRINUSE``), or is closed."""
+    """The ZAP handler of one context, answered by :meth:`serve` from the thread that made it; tokens are
+    checked under ``secret`` (None: all refused) or a domain's key (rekey). Raises ``zmq.ZMQError``."""
 
     def __init__(self, ctx: zmq.Context, secret: Optional[bytes]) -> None:
         self.first_refusals: list[str] = []  # "a peer at <address>: <why>", at most FIRST_REFUSALS
@@ -92,9 +87,7 @@ class Gatekeeper:
                 self.log_refusal(address, domain.decode("ascii", "replace")[:40], why)
 
     def rekey(self, secret: Optional[bytes], domain: str) -> None:
-        """Check ``domain``'s tokens under ``secret`` from now on (None:
-        refuse them all). The tokens it refused while it had no key count as
-        spent. Any thread may call it (under a lock the serving thread takes)."""
+        """Check ``domain``'s tokens under ``secret`` from now on (None: refuse all); from any thread."""
         name = domain.encode()
         with self._lock:
             checker = TokenChecker(secret) if secret is not None else None
@@ -108,9 +101,7 @@ class Gatekeeper:
         return self._sock
 
     def log_refusal(self, address: Optional[str], domain: str, why: str) -> None:
-        """Log a peer refused at the handshake, once per address; a peer libzmq refused before any ZAP request
-        (its driver saw the monitor event, which does not say from where) has ``address`` None: such refusals
-        are logged once in all."""
+        """Log a peer refused at the handshake, once per address (None: refused by libzmq, unknown)."""
         key = address or ""
         if key in self._logged or len(self._logged) >= MAX_LOGGED_ADDRESSES:
             return
@@ -131,10 +122,8 @@ class Gatekeeper:
 
 
 class GateThread:
-    """A :class:`Gatekeeper` (with no key until its :meth:`~Gatekeeper.rekey`) answered at once by a daemon
-    thread of its own, which owns its socket until :meth:`close`: a replica idle in user code must not let
-    strangers' handshakes queue up unanswered (each holds memory in libzmq until then). Raises as
-    :class:`Gatekeeper`."""
+    """A :class:`Gatekeeper` answered at once by a daemon thread owning its socket until :meth:`close`: a
+    replica idle in user code must not let strangers' handshakes queue up. Raises as :class:`Gatekeeper`."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.gatekeeper = Gatekeeper(ctx, None)
@@ -171,9 +160,8 @@ class GateThread:
 
 
 def secure_server(sock: zmq.Socket, gatekeeper: Gatekeeper, domain: str) -> None:
-    """Make ``sock`` (before it binds) accept only peers holding a token for
-    ``domain``, checked by ``gatekeeper``: ValueError unless it serves
-    ``sock``'s context (its requests would never reach it otherwise)."""
+    """Make ``sock`` (before it binds) accept only peers with a token for ``domain``, checked by
+    ``gatekeeper``: ValueError unless it serves ``sock``'s context."""
     if sock.context.underlying != gatekeeper.ctx.underlying:
         raise ValueError("the gatekeeper serves another ZeroMQ context than this socket's")
     sock.setsockopt(zmq.PLAIN_SERVER, 1)
@@ -181,16 +169,14 @@ def secure_server(sock: zmq.Socket, gatekeeper: Gatekeeper, domain: str) -> None
 
 
 def secure_client(sock: zmq.Socket, secret: bytes, domain: str) -> None:
-    """Give ``sock`` a fresh token for a server in ``domain``. Call it before
-    each ``connect``: a token is good for one handshake."""
+    """Give ``sock`` a fresh token for ``domain``: before each ``connect`` (one handshake each)."""
     username, password = client_credentials(secret, domain)
     sock.setsockopt(zmq.PLAIN_USERNAME, username)
     sock.setsockopt(zmq.PLAIN_PASSWORD, password)
 
 
 def connect_with_token(sock: zmq.Socket[Any], endpoint: str, secret: bytes, domain: str) -> None:
-    """Connect ``sock`` to ``endpoint`` with a fresh token, dropping its connection
-    there if any (libzmq would make it again with the spent token)."""
+    """Connect ``sock`` to ``endpoint`` with a fresh token, dropping any connection there first."""
     with contextlib.suppress(zmq.ZMQError):  # none, or libzmq let go of it (a refused handshake)
         sock.disconnect(endpoint)
     secure_client(sock, secret, domain)

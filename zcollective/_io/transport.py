@@ -1,16 +1,15 @@
-"""The I/O seam: what the drivers (:class:`~._driver.Driver`, :class:`~._server.Server`, the
-relay's stand-in) ask of a transport. Nothing above the drivers knows which one carries the
-frames; ZeroMQ's is :mod:`._zmq` (a one-host shared-memory transport can sit beside it).
+"""The I/O seam: what the drivers (:class:`~._driver.Driver`, :class:`~._server.Server`, the relay's
+stand-in) ask of a transport. Nothing above the drivers knows which one carries the frames; ZeroMQ's is
+:mod:`._zmq` (a one-host shared-memory transport can sit beside it).
 
 Rules every transport keeps, whatever it is:
 
 - A transport moves whole messages (lists of frames, bytes or buffers) and never blocks:
-  ``send`` returns at once (False: the peer's link is gone), ``recv`` returns None when
-  nothing waits.
+  ``send`` returns at once (False: the peer's link is gone), ``recv`` returns None when nothing waits.
 - The one blocking wait is a :class:`~._interrupts.Waiter`'s (an interrupt's surface): a
-  transport registers its readable sources there under names (:meth:`Link.connect`,
-  :meth:`Hub.watch`), as ``SOURCES``; a source is a pollable socket or a file descriptor
-  (an ``eventfd`` or a pipe for shared memory).
+  transport registers its readable sources there under names (:meth:`Link.connect`, :meth:`Hub.watch`), as
+  ``SOURCES``; a source is a pollable socket or a file descriptor (an ``eventfd`` or a pipe for shared
+  memory).
 - Links up and down reach the drivers as events: :class:`ConnectionEvent` for a replica's
   link, a count of connections closed for the coordinator's end (the probes find whose).
 - Errors leave as :class:`~zcollective.errors.CollectiveError`; no transport's own exception

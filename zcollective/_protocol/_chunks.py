@@ -1,33 +1,15 @@
-"""Which chunk a data port takes, without sockets: the data plane
-(:mod:`zcollective._io._dataplane`) hands :meth:`ChunkRules.check` each
-message that reaches its port and does what the :class:`Verdict` says.
+"""Which chunk a data port takes, without sockets: the data plane (:mod:`zcollective._io._dataplane`) hands
+:meth:`ChunkRules.check` each message that reaches its port and does what the :class:`Verdict` says.
 
-A chunk is three frames: a header (:data:`HEADER`: magic, version, kind,
-session, seq, origin rank, step, index), a tag, the payload. In order, a
-message is
-
+A chunk is three frames: a header (:data:`HEADER`), a tag, the payload. In order, a message is
 1. dropped (``SHAPE``) unless it has three frames and a header's length;
-2. dropped (``SESSION``) unless its magic, version and session are this
-   group's and its kind is a chunk's;
-3. with a secret, fatal (``ALTERED``) unless its tag is the MAC of header
-   and payload under the group's key: only members pass a data port's
-   handshake, so the link was altered (or the previous rank's program
-   changed an array it had passed to an ``_async`` call);
-4. dropped (``ORIGIN``) if a reduce-scatter chunk claims an origin other
-   than the previous rank, or at a host's leader the previous host's leader
-   (they are never forwarded); and, of the job's seq, one other than the
-   rank that sends on the link the job goes by (``via``: the previous rank's
-   for the ring of all ranks, the previous leader's for the leaders' ring):
-   else a path attacker could move a chunk the previous leader sent its own
-   next rank into the link to this leader, where the ring of all ranks
-   would take it (a chunk's MAC does not name its recipient);
-5. by its seq: the job's now (``NOW``: the job says whether it expects
-   it); a later call the previous rank is already in (``EARLY``: kept for
-   it), at most this rank's next seq; an ended call (``ENDED``: the rest
-   of one that failed); else dropped (``SEQ``).
-
-Drops are logged once per reason (:data:`LOGGED`); an ended call's rest only
-at debug level.
+2. dropped (``SESSION``) unless its magic, version, session and kind are this group's chunk's;
+3. with a secret, fatal (``ALTERED``) unless its tag is the MAC of header and payload (only members pass
+   the handshake: the link was altered, or the program changed an array passed to an ``_async`` call);
+4. dropped (``ORIGIN``) if a reduce-scatter chunk's origin is not the sender on the job's link (``via``):
+   a chunk's MAC does not name its recipient, so a path attacker could move one between the two rings;
+5. by its seq: ``NOW`` (the job decides), ``EARLY`` (a later call, at most the next: kept), ``ENDED`` (the
+   rest of a failed call), else dropped (``SEQ``). Drops are logged once per reason (:data:`LOGGED`).
 """
 
 from __future__ import annotations
@@ -51,8 +33,7 @@ LOGGED = (SHAPE, SESSION, ORIGIN, SEQ)  # a warning, once per reason (ALTERED fa
 
 @dataclass(slots=True)
 class Verdict:
-    """What to do with one message on a data port, and the header's fields
-    (zero when it had none to read)."""
+    """What to do with one message on a data port, and the header's fields (zero if none)."""
 
     reason: str  # NOW, EARLY or ENDED; else why it is refused
     why: str = ""  # a refusal's words, for the log
@@ -70,17 +51,14 @@ class ChunkRules:
         self.rank = rank
         self.size = size
         self.prev = (rank - 1) % size
-        self.senders: dict[str, int] = {RING: self.prev}  # whose reduce-scatter chunks a job by each
-        # link takes (Transfer.via)
+        self.senders: dict[str, int] = {RING: self.prev}  # whose reduce-scatter chunks each link takes
         self.session = 0  # the group's, once welcomed (see :meth:`start`)
         self.mac: Optional[ChunkMac] = None  # with a secret, the group's
 
     def start(self, session: int, mac: Optional[ChunkMac], rank: int, size: int,
               senders: Optional[dict[str, int]] = None) -> None:
-        """Welcomed: the group's session and MAC, and this rank's place in it
-        (a group formed from an earlier one renumbers its ranks); ``senders``: the
-        rank whose link reaches its port, by the ``via`` of the jobs it serves (the
-        previous rank's alone, for the ring of all ranks, if None)."""
+        """Welcomed: the group's session, MAC and this rank's place; ``senders``: by ``via``, the rank
+        whose link reaches its port (None: the previous rank's alone)."""
         self.session, self.mac = session, mac
         self.rank, self.size, self.prev = rank, size, (rank - 1) % size
         self.senders = {RING: self.prev, **(senders or {})}
@@ -95,9 +73,8 @@ class ChunkRules:
         return HEADER.pack(MAGIC, VERSION, kind, self.session, seq, self.rank, step, index)
 
     def check(self, frames: list[Any], seq: int, next_seq: int, via: str = RING) -> Verdict:
-        """The verdict on ``frames`` (bytes or buffers) reaching this port
-        while this rank moves call ``seq``'s data by the link ``via``, its next
-        call being ``next_seq``."""
+        """The verdict on ``frames`` (bytes or buffers) reaching this port while this rank moves call
+        ``seq``'s data by the link ``via``, its next call being ``next_seq``."""
         if len(frames) != 3 or len(frames[0]) != HEADER.size:
             return Verdict(SHAPE, f"dropped a message of {len(frames)} frames on the data port: "
                                   f"not a chunk")

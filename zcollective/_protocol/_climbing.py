@@ -1,6 +1,5 @@
-"""The tree at the coordinator (rule 14): parts of calls that climbed it to rank 0's
-children, checked and combined over their parts; results sent down it, kept to send
-again if an interior rank is lost; give-ups that came before their rank's part."""
+"""The tree at the coordinator (rule 14): parts that climbed it, checked and combined; results sent down
+it, kept to resend if an interior rank is lost; give-ups that came before their rank's part."""
 
 from __future__ import annotations
 
@@ -24,14 +23,12 @@ class Climb:
     def __init__(self, co: Owner) -> None:
         self.co = co
         self.down: list[int] = []  # the ranks a result that comes down the tree is sent to
-        self.sent_down: OrderedDict[int, tuple[Op, int, int, list[list[Any]], int]] = OrderedDict()  # seq ->
-        # op, root, flags, segments, bytes of the latest results sent down the tree ...
+        self.sent_down: OrderedDict[int, tuple[Op, int, int, list[list[Any]], int]] = OrderedDict()  # latest
         self.sent_down_bytes = 0  # ... and those bytes together
         self.early: OrderedDict[tuple[int, int], tuple[str, str]] = OrderedDict()  # (seq, rank) -> give-up
 
     def on_up(self, member: Joined, msg: Message, address: str) -> _ops.Step:
-        """A part of a call that climbed the tree to ``member``, rank 0's child: one
-        rank's contribution, or a summary of ranks of its subtree."""
+        """A part that climbed to ``member``, rank 0's child: one rank's contribution, or a summary."""
         co = self.co
         if co.phase is Phase.FAILED:
             return []
@@ -79,8 +76,7 @@ class Climb:
         return out
 
     def climbed(self, seq: int, call: PendingCall) -> _ops.Step:
-        """A complete call with summaries among its parts: checked as the star's (each rank of a
-        summary as having sent a well-formed part), then reduced over its parts, or routed."""
+        """A complete call with summaries among its parts: checked as the star's, then reduced or routed."""
         co = self.co
         op, root, came, spans = call.op, call.root, self.parts(call), call.spans or {}
         stand_ins: list[Message] = []
@@ -116,8 +112,7 @@ class Climb:
             self.sent_down_bytes -= kept.popitem(last=False)[1][4]
 
     def resend_down(self, rank: int) -> list[Outgoing]:
-        """Interior rank ``rank`` is lost: the latest results sent down the tree go again to its
-        subtree, straight (a rank that had one drops the second), before the FAIL."""
+        """Interior rank ``rank`` is lost: the latest results go straight to its subtree, before the FAIL."""
         co, tree = self.co, self.co.tree
         if tree is None or not tree.children[rank]:
             return []

@@ -1,5 +1,4 @@
-"""The coordinator's endings (rule 7): programs that end without teardown (BYE), what
-each sent point to point (FINAL, rule 12), rank 0's own end and its last BYEs."""
+"""The coordinator's endings (rule 7): BYEs, FINALs (rule 12), rank 0's own end and its last BYEs."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ class Endings:
         self.co = co
         self.ending_since: Optional[float] = None  # rank 0's program said it was ending
         self.unanswered: set[bytes] = set()  # peers sent the last BYE that have not answered it
-        self.held: dict[int, list[tuple[int, Outgoing]]] = {}  # rank -> (seq, BYE answer) held until
-        # that rank says it has taken the data of every call through seq
+        self.held: dict[int, list[tuple[int, Outgoing]]] = {}  # rank -> (seq, BYE answer) till it took seq
 
     def on_bye(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
         co = self.co
@@ -53,8 +51,7 @@ class Endings:
         return self.check() + farewell
 
     def on_final(self, member: Joined, msg: Message, address: str) -> list[Outgoing]:
-        """Rule 12: ``member`` sends no more point-to-point messages; every other
-        member still running is told how many it sent that member."""
+        """Rule 12: ``member`` sends no more; every other member running is told how many it sent it."""
         co = self.co
         final = _bodies.parse_final(msg, co.num_replicas)
         member.sent = sum(final["sent"])  # (its BYE comes next: said when it ended)
@@ -75,8 +72,7 @@ class Endings:
         return self.release(member.rank, msg.seq)
 
     def _hold(self, member: Joined, answer: Outgoing) -> list[Outgoing]:
-        """The answer to ``member``'s BYE, or, when data went peer to peer and
-        the next rank still runs, the TAKEN asking it (the answer is held)."""
+        """The answer to ``member``'s BYE, or the TAKEN asking the next rank (the answer then held)."""
         co = self.co
         nxt, moving = co.by_rank.get((member.rank + 1) % co.num_replicas), co.calls.moving
         if moving is None or nxt is None or nxt is member or nxt.ended is not None:
@@ -94,8 +90,7 @@ class Endings:
         return [out for s, out in held if seq is None or s <= seq]
 
     def check(self) -> list[Outgoing]:
-        """Fail the group if a pending call needs a rank that ended (rule 7),
-        or if rank 0 ended and every call it made is complete."""
+        """Fail the group if a pending call needs a rank that ended, or rank 0 ended done (rule 7)."""
         co = self.co
         ended = co.ended
         if not ended or co.phase is not Phase.RUNNING:
@@ -126,15 +121,13 @@ class Endings:
             self.ending_since = self.co.clock()
 
     def ending_due(self) -> Optional[float]:
-        """When rank 0 stops waiting for its last calls (then :meth:`give_up_ending`);
-        None once the group is over, or not ending."""
+        """When rank 0 stops waiting for its last calls (:meth:`give_up_ending`); None if not ending."""
         if self.ending_since is None or self.co.phase in (Phase.CLOSED, Phase.FAILED):
             return None
         return self.ending_since + EXIT_WAIT_S
 
     def give_up_ending(self) -> list[Outgoing]:
-        """Rank 0's program ended and waited for the others to reach its last calls
-        (or was interrupted): tell them the group is over."""
+        """Rank 0's program ended and waited (or was interrupted): tell the others the group is over."""
         co = self.co
         host = co.by_rank.get(0)
         if co.phase is not Phase.RUNNING or host is None or self.ending_since is None:
@@ -149,8 +142,7 @@ class Endings:
                                       f"{'; '.join(waiting) or 'they did not complete'}")
 
     def last_byes(self) -> list[Outgoing]:
-        """Rank 0's program ends and the group is over: a last BYE to every
-        member still running, each to be answered (rule 7)."""
+        """Rank 0's program ends: a last BYE to every member still running, each answered (rule 7)."""
         co = self.co
         if not co.welcomed:
             return []  # nobody was sent a result

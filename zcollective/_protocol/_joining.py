@@ -1,6 +1,5 @@
-"""The coordinator's admission: JOINs from strangers and members, challenges with a
-secret, refusals (one REJECT a peer, bounded), newcomers parked for a GROW (rule 10),
-and messages that fail authentication or speak another protocol version (rule 6)."""
+"""The coordinator's admission: JOINs, challenges, refusals (one REJECT a peer), newcomers parked for a
+GROW (rule 10), and messages that fail authentication or speak another version (rule 6)."""
 
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ class Joining:
 
     def _park(self, peer: bytes, msg: Message, join: Joined, python: str, ops: str,
               address: str) -> list[Outgoing]:
-        """Rule 10: a newcomer waits for a GROW (refused alone if it could not
-        join the group formed next: it runs another Python, or release)."""
+        """Rule 10: a newcomer waits for a GROW (refused alone if it runs another Python or release)."""
         challenge = self._challenge(peer, msg)
         if challenge is not None:
             return challenge
@@ -121,9 +119,8 @@ class Joining:
         return []
 
     def refuse(self, peer: bytes, join: Any, error: str, message: str) -> list[Outgoing]:
-        """One REJECT for a peer that is not a member: never a second, and none past
-        :data:`MAX_ANSWERED_PEERS` peers. ``join`` (a JOIN's frames or Message) names
-        the rank and nonce the REJECT is bound to, as far as they can be read."""
+        """One REJECT for a peer that is not a member (none past :data:`MAX_ANSWERED_PEERS`), bound to the
+        rank and nonce ``join`` names, as far as they can be read."""
         if peer in self.answered or len(self.answered) >= MAX_ANSWERED_PEERS:
             return []
         self.answered.add(peer)
@@ -223,10 +220,8 @@ class Joining:
         return None
 
     def _challenge(self, peer: bytes, join: Message) -> Optional[list[Outgoing]]:
-        """With a secret, a JOIN is fresh only if it echoes this coordinator's challenge to
-        its peer (an HMAC of the routing id under a key of ours): None for such a JOIN, else
-        the CHALLENGE to answer (none past :data:`MAX_CHALLENGES_PER_PEER`). So a JOIN
-        captured from an earlier group with the same secret claims nothing here."""
+        """With a secret, a JOIN is fresh only if it echoes our challenge to its peer: None for such a JOIN,
+        else the CHALLENGE (none past :data:`MAX_CHALLENGES_PER_PEER`): a replayed JOIN claims nothing."""
         if self.co.signer is None:
             return None
         expected = hmac.new(self.challenge_key, peer, "sha256").hexdigest()[:32]

@@ -1,7 +1,5 @@
-"""One replica's calls whose data moves off the control plane (peer to peer, or
-through its host's shared memory): their jobs' queue, a lost data link (rule 9)
-and the TAKEN a BYE waits for (rule 7). A part of :class:`~._member.Member`.
-"""
+"""A member's calls whose data moves off the control plane: their jobs' queue, a lost data link (rule 9)
+and the TAKEN a BYE waits for (rule 7). A part of :class:`~._member.Member`."""
 
 from __future__ import annotations
 
@@ -17,13 +15,11 @@ from ._outcomes import CallOutcome
 
 
 class DataMoves:
-    """The member's data jobs (its :attr:`~._member.Member.transfers`), a data link
-    lost, and a TAKEN to answer."""
+    """The member's data jobs (:attr:`~._member.Member.transfers`), a data link lost, a TAKEN to answer."""
 
     def __init__(self, member: Any) -> None:
         self.member = member  # its Member (a part reads and sets the member's state; typed Any: no circle)
-        self.loss: Optional[tuple[Exception, float]] = None  # a data link lost, and until when the
-        # control plane may say why (rule 9)
+        self.loss: Optional[tuple[Exception, float]] = None  # a link lost; rank 0 may say why till (rule 9)
         self.asked: Optional[int] = None  # the seq of a TAKEN to answer once its data is in (rule 7)
 
     def due(self) -> Optional[float]:
@@ -40,8 +36,7 @@ class DataMoves:
         return []
 
     def lost(self, error: Exception) -> list[Message]:
-        """The data plane failed here (rule 9); what to send now (more may
-        come from :meth:`on_timer`, while :attr:`loss`)."""
+        """The data plane failed here (rule 9); what to send now (more from :meth:`on_timer`)."""
         m = self.member
         if getattr(error, "lost_rank", None) is not None and m.failure is None and self.loss is None:
             self.loss = (error, m.clock() + DATA_LOSS_GRACE_S)
@@ -65,8 +60,7 @@ class DataMoves:
                               seq=seq or 0, op=Op.ALLREDUCE)]  # (only an allreduce has a seq here)
 
     def failed(self, seq: int, error: Exception) -> None:
-        """Call ``seq``'s data move failed here (not the group): its job
-        stops, its future gets ``error``; the others hear it from rank 0."""
+        """Call ``seq``'s data move failed here (not the group): its job stops, its future gets ``error``."""
         m = self.member
         m.transfers = deque((s, j) for s, j in m.transfers if s != seq)
         m.owed.extend(self.taken())
@@ -75,8 +69,7 @@ class DataMoves:
             m.outcomes.append(CallOutcome(call.future, error))
 
     def done(self) -> None:
-        """The first queued job moved all its data: its call's value is ready
-        (the job's ``finish``, made by the runner)."""
+        """The first queued job moved all its data: its call's value is ready (the job's ``finish``)."""
         m = self.member
         seq, job = m.transfers.popleft()
         call = m.calls.pop(seq, None)
@@ -86,9 +79,7 @@ class DataMoves:
         m.owed.extend(self.taken())
 
     def start(self, msg: Message, call: Any) -> None:
-        """The coordinator matched a call whose data travels off the star: its
-        job joins the queue the driver moves (the call stays in the table
-        until the job is done). Handled twice, it is queued once."""
+        """A call whose data travels off the star was matched: its job joins the queue, once."""
         m = self.member
         if call.transfer is None or any(seq == msg.seq for seq, _ in m.transfers):
             return
@@ -107,8 +98,7 @@ class DataMoves:
             m.transfers = deque((s, j) for s, j in m.transfers if s != seq)
 
     def taken(self) -> list[Message]:
-        """The answer to a TAKEN once no data job through its seq is left
-        here (rule 7); none until then."""
+        """The answer to a TAKEN once no data job through its seq is left here (rule 7); none until then."""
         asked, m = self.asked, self.member
         if asked is None or any(seq <= asked for seq, _ in m.transfers):
             return []
@@ -116,9 +106,7 @@ class DataMoves:
         return [Message(Kind.TAKEN, rank=m.rank, seq=asked, session=m.session)]
 
     def moving(self, seq: int) -> bool:
-        """Does call ``seq``'s data move here (its plan came, the move is not
-        done)? A call failed while it moves keeps its result on the ranks
-        that had finished: an interrupt lets it finish first."""
+        """Does call ``seq``'s data move here now (an interrupt lets it finish first)?"""
         return any(s == seq for s, _ in self.member.transfers)
 
     def job(self, seq: int) -> Any:

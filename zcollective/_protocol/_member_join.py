@@ -1,6 +1,5 @@
-"""One replica's joining: its JOINs and their timer (rules 1 and 8), what it saw of
-its connection to the coordinator, the WELCOME, and which replies are bound to it
-(rule 2). A part of :class:`~._member.Member`.
+"""One replica's joining: its JOINs and their timer (rules 1 and 8), what it saw of its connection to the
+coordinator, the WELCOME, and which replies are bound to it (rule 2). A part of :class:`~._member.Member`.
 """
 
 from __future__ import annotations
@@ -60,8 +59,7 @@ class Joining:
         self.timer: Optional[JoinTimer] = None  # while joining (rule 8)
 
     def join(self, challenge: Optional[str] = None) -> Message:
-        """A JOIN with a fresh nonce (rule 1), echoing the coordinator's last
-        challenge (with a secret) unless given another."""
+        """A JOIN with a fresh nonce (rule 1), echoing the coordinator's last challenge unless given one."""
         m = self.member
         challenge = challenge if challenge is not None else m.challenge
         nonce = self.entropy(16).hex()
@@ -72,9 +70,7 @@ class Joining:
                             SPOKEN, m.mail_endpoint, m.shm_offer, m.mail_window)
 
     def start(self, warn_after: Optional[float] = None) -> list[Message]:
-        """Begin joining (rule 8): a JOIN now, and again at each of its
-        timer's deadlines. ``warn_after``: over a connection, say so when the
-        join waits this long (None: never)."""
+        """Begin joining (rule 8): a JOIN now and at each timer deadline; warn at ``warn_after``."""
         now = self.member.clock()
         self.timer = JoinTimer(now, now + JOIN_RESEND_S, warn_after)
         return [self.join()]
@@ -97,8 +93,7 @@ class Joining:
         return [self.join()]
 
     def _stalled(self, timer: JoinTimer, now: float) -> None:
-        """Rule 11 of the coordinator, on a replica waiting to join: say so at
-        ``warn_after`` (and 2, 4, 8 times it)."""
+        """Rule 11 of the coordinator, while joining: say so at ``warn_after`` (and 2, 4, 8 times it)."""
         m = self.member
         after, warned = timer.warn_after, timer.warned
         waited = now - timer.started
@@ -157,8 +152,7 @@ class Joining:
         if protocol_violation or (len(failures) >= FOREIGN_PEER_TRIES
                                   and failures[-1] - failures[0] >= FOREIGN_PEER_S):
             if m.signer is not None and not protocol_violation:
-                # a coordinator without a secret closes a PLAIN handshake; this end sees the
-                # mismatch only when it reads the greeting before the close (a race)
+                # a coordinator without a secret closes a PLAIN handshake (seen here only by a race)
                 return m.fail(AuthenticationError(
                     f"{m.who}: the coordinator at {m.endpoint} closed {len(failures)} "
                     f"ZeroMQ handshakes with this replica, which offers credentials: rank 0 has no "
@@ -177,8 +171,7 @@ class Joining:
         return []
 
     def welcome(self, msg: Message) -> None:
-        """A WELCOME: if it answers a JOIN of ours (again, after a reconnect: the first one
-        counts), this member's place in the group."""
+        """A WELCOME answering a JOIN of ours (the first one counts): this member's place in the group."""
         m = self.member
         welcome = _bodies.parse_welcome(msg, m.old_size or m.size)
         if welcome["nonce"] not in self.nonces or m.joined:
@@ -214,8 +207,7 @@ class Joining:
             m.data_key = welcome["data_key"]
 
     def bound(self, msg: Message) -> bool:
-        """Rule 2: is ``msg`` bound to this rank and session (or, before the
-        WELCOME, to one of its JOINs)?"""
+        """Rule 2: is ``msg`` bound to this rank and session (or, before the WELCOME, to a JOIN)?"""
         m = self.member
         if msg.kind is Kind.WELCOME:  # bound by the nonce in its body, checked by welcome; once
             # renumbered, a WELCOME repeated for a JOIN repeated under the old rank is bound to that
@@ -271,8 +263,7 @@ def checked_in_world(ranks: Any, world: Optional[list[int]]) -> str:
 
 
 def lost_rank_0(error: Exception) -> Exception:
-    """``error`` says the connection to rank 0 (the coordinator) was lost: a lead
-    for a shrink, not proof (rank 0 also closes it to shrink; a FAIL's
-    ``lost_ranks`` are the coordinator's word)."""
+    """``error`` says the connection to rank 0 was lost: a lead for a shrink, not proof (rank 0 closes it to
+    shrink too)."""
     error.lost_inferred = (0,)  # type: ignore[attr-defined]
     return error

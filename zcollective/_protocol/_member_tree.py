@@ -1,7 +1,5 @@
-"""One replica's place in the tree of small calls (rule 11 of the member): its
-parent, its relay if it has children, and a FAIL held until the results it says
-completed came down. A part of :class:`~._member.Member`.
-"""
+"""A member's place in the tree (rule 11 of the member): its parent, its relay, a FAIL held until the
+results it says completed came down. A part of :class:`~._member.Member`."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ class TreeRole:
         self.member = member  # its Member (a part reads and sets the member's state; typed Any: no circle)
 
     def plant(self, fanout: int) -> None:
-        """The WELCOME says small calls climb a tree: this rank's place in it (rank 0's
-        is the coordinator's: its own part goes to it as ever)."""
+        """The WELCOME says small calls climb a tree: this rank's place in it."""
         m = self.member
         tree = _tree.shape(m.size, fanout)
         if m.rank == 0:
@@ -34,8 +31,7 @@ class TreeRole:
         m.mail.tree = self.climbed
 
     def climb(self, msg: Message) -> list[tuple[int, Message]]:
-        """This rank's own contribution ``msg``, on its way up: (rank, message) to send;
-        rank 0: the coordinator, on the link to it."""
+        """This rank's contribution on its way up: (rank, message) to send (rank 0: the coordinator)."""
         m = self.member
         relay = m.relay
         if relay is None:
@@ -46,9 +42,7 @@ class TreeRole:
         return [(m.parent, a) for a in out if isinstance(a, Message)]
 
     def climbed(self, msg: Message) -> None:
-        """A message of the tree that came to the mailbox: a child's UP, or a RESULT
-        from the parent; what it makes this rank send joins the mailbox's (or
-        :attr:`~._member.Member.owed`, to rank 0)."""
+        """A child's UP or the parent's RESULT; what it makes this rank send joins the mailbox's (or owed)."""
         m = self.member
         if m.failure is not None:
             return
@@ -58,8 +52,7 @@ class TreeRole:
             m.deliver(msg)
 
     def timer(self, now: float) -> None:
-        """Parts held past :data:`~._tree.RELAY_FLUSH_S` go up as they came; a held FAIL
-        whose results did not come in time fails the group here."""
+        """Parts held past :data:`~._tree.RELAY_FLUSH_S` go up; a held FAIL past its time fails the group."""
         m = self.member
         if m.relay is not None and m.failure is None:
             self.send_up(m.relay.on_timer(now))
@@ -74,8 +67,7 @@ class TreeRole:
         return due if held is None else held if due is None else min(due, held)
 
     def defer(self, msg: Message) -> bool:
-        """A FAIL behind which the results of calls it says completed may still come
-        down the tree: held until they came (True), so the group fails after them here too."""
+        """A FAIL whose completed calls' results may still come down: held until they came (True)."""
         complete = _bodies.complete_of(msg)
         if not self.awaits(complete):
             return False
@@ -85,16 +77,14 @@ class TreeRole:
         return True
 
     def awaits(self, below: Optional[int] = None) -> bool:
-        """Does a call of this rank's (before seq ``below``) wait for a result that comes down the
-        tree (not a data plan's: that one came straight, and its data moves)?"""
+        """Does a call before seq ``below`` wait for a result down the tree (not a data plan's)?"""
         m = self.member
         moving = {seq for seq, _ in m.transfers}
         return any((below is None or seq < below) and call.op in _tree.DOWN_LABELS and not call.described
                    and seq not in moving for seq, call in m.calls.items())
 
     def settled(self, call_op: str, error: Any) -> None:
-        """A call left the table: a held FAIL takes effect once nothing it waited for is left
-        (a teardown every rank agreed to makes it moot)."""
+        """A call left the table: a held FAIL takes effect once nothing it waited for is left."""
         m = self.member
         if m.deferred is None:
             return

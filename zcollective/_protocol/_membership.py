@@ -1,7 +1,6 @@
-"""The coordinator's membership: the group starts once every rank joined (WELCOME,
-with what the group settles on: parts, MACs, data plane, shared memory, tree), forms
-from an earlier group's members by majority (rule 9), and admits newcomers at a GROW
-(rule 10)."""
+"""The coordinator's membership: the group starts once every rank joined (WELCOME, with what the group
+settles on: parts, MACs, data plane, shared memory, tree), forms from an earlier group's members by majority
+(rule 9), and admits newcomers at a GROW (rule 10)."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class Membership:
         return [(m.peer, self.welcome(m)) for m in co.members.values()]
 
     def form_now(self) -> list[Outgoing]:
-        """The forming bound passed (the driver's clock): start with the members
-        that came, if the host's own member is among them."""
+        """The forming bound passed: start with the members that came, if the host's own is among them."""
         co, forming = self.co, self.co.forming
         if forming is None or co.phase is not Phase.JOINING or forming.host_rank not in co.by_rank:
             return []
@@ -56,8 +54,7 @@ class Membership:
         return [r for r in sorted(expected) if r not in co.by_rank]
 
     def _renumber(self) -> None:
-        """Rule 9: the members that came, ranked densely in old-rank order, the
-        host first (a lower rank is there only when it could not host)."""
+        """Rule 9: the members that came, ranked densely in old-rank order, the host first."""
         co = self.co
         host = co.forming.host_rank if co.forming is not None else 0
         old = sorted(co.by_rank, key=lambda r: (r != host, r))
@@ -113,17 +110,14 @@ class Membership:
             rank=n.rank, session=join_token(n.nonce))) for i, n in enumerate(newcomers)]
 
     def dismiss_newcomers(self) -> list[Outgoing]:
-        """The group ends for good (not to form again): every newcomer still
-        parked is told so, rather than left waiting (rule 10)."""
+        """The group ends for good: every newcomer still parked is told so (rule 10)."""
         newcomers, self.co.newcomers = list(self.co.newcomers.values()), {}
         return [(n.peer, control(Kind.REJECT, error_body(
             "LateJoinError", f"{n.describe()}: the group ended before a grow() admitted it"),
             rank=n.rank, session=join_token(n.nonce))) for n in newcomers]
 
     def _settle(self) -> None:
-        """Every rank joined: what the group uses, from what they all can. One host sends
-        frames whole up to a large size; across hosts in parts, so heartbeats keep flowing.
-        With a secret, the fast MACs when every rank has them."""
+        """Every rank joined: what the group uses, from what they all can (parts across hosts, fast MACs)."""
         co = self.co
         members = [co.by_rank[r] for r in range(co.num_replicas)]
         ports = [m.data for m in members]
@@ -144,10 +138,8 @@ class Membership:
             co.climb.down = [0, *co.tree.children[0]]
 
     def _settle_shared(self, members: list[Joined]) -> None:
-        """Rule 12: which ranks share a host's segment. A host is told by the address rank 0
-        sees a rank at and the host name its JOIN gave; its ranks share memory if two or more
-        offered it; its segment may take half the least room they reported. Across hosts, only
-        if every host shares memory (see docs/protocol.md, *Shared memory*)."""
+        """Rule 12: which ranks share a host's segment (two or more offered it; half the least room they
+        reported; across hosts only if every host shares: docs/protocol.md, *Shared memory*)."""
         co = self.co
         keys: dict[tuple[str, str], int] = {}
         found: list[int] = []

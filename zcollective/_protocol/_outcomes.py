@@ -1,5 +1,4 @@
-"""What the rules say a call came to, for the call runner to apply (rule 3
-of the member): the member's collective calls and its point-to-point ones."""
+"""What the rules say a call came to, for the call runner to apply (rule 3 of the member)."""
 
 from __future__ import annotations
 
@@ -9,11 +8,8 @@ from typing import Any, Callable, Optional
 
 @dataclass(slots=True)
 class CallOutcome:
-    """What a call came to, for the call runner to apply to ``future``:
-    ``error``, or the value ``make()`` returns (it unpickles, or finishes a
-    transfer: the program's code may run there, never in the rules); a
-    received message's ``status`` (where it came from) goes on the future,
-    and ``undo`` puts it back if its receive is given up before it applies."""
+    """What a call came to: ``error``, or ``make()``'s value (program code may run there, never in the
+    rules); a message's ``status`` goes on ``future``; ``undo`` puts it back if given up first."""
 
     future: Any
     error: Optional[BaseException] = None

@@ -1,7 +1,5 @@
-"""What the coordinator's parts share: its phases and its records of members and calls.
-Each part (joining, forming, calls, tree, endings, stalls) is a small object that holds
-the coordinator (``co``) and reads its state through public names; the coordinator
-routes each message kind to one part's handler (see :mod:`._coordinator`)."""
+"""What the coordinator's parts share: its phases and records of members and calls. Each part holds the
+coordinator (``co``), reads it through public names, and handles the kinds routed to it."""
 
 from __future__ import annotations
 
@@ -89,19 +87,15 @@ class PendingCall:
 
 @dataclass(frozen=True)
 class Forming:
-    """Members of an earlier group, whose session was ``lineage`` (hex), form a
-    new group here (rule 9): ``expected`` are their old ranks, the host's (rank
-    0's here) the lowest, of a group of ``old_size``. With ``majority``, the
-    group forms only with more than half of the old ranks not in ``dead``
-    (those seen to die), so a partition never leaves two groups going on."""
+    """Members of group ``lineage`` (hex) form a new group here (rule 9): ``expected`` old ranks, the host's
+    lowest; with ``majority``, only with more than half of the old ranks not ``dead`` (no split groups)."""
 
     lineage: str
     expected: frozenset[int]
     old_size: int
     dead: frozenset[int] = frozenset()
     majority: bool = True
-    voters: Optional[int] = None  # only ranks below this count for the majority (a grow: the
-    # members; newcomers that vanish never outvote them); None: every old rank
+    voters: Optional[int] = None  # only ranks below this count for the majority (a grow's members)
     host: Optional[int] = None  # the host's old rank (its new rank is 0); None: the lowest expected
 
     @property
@@ -117,8 +111,7 @@ class Forming:
 
 
 class Owner(Combining, Protocol):
-    """What the parts read and call of the coordinator that composes them: the group's state,
-    its services (fail, warn, binding), and its parts (each reached through it)."""
+    """What the parts read and call of the coordinator: its state, services and parts."""
 
     clock: Callable[[], float]
     world: Optional[list[int]]

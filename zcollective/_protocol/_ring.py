@@ -1,8 +1,5 @@
-"""The data plane's schedules: what a rank sends, and what it does with each
-chunk it receives, for a ring allreduce, a chain broadcast and a ring
-allgather. Pure: no sockets, no MACs, no threads
-(:mod:`zcollective._io._dataplane` moves the chunks). The schedules: see
-docs/protocol.md, *The data plane* (Schedules).
+"""The data plane's schedules (ring allreduce, chain broadcast, ring allgather): what a rank sends and does
+with each chunk. Pure (:mod:`zcollective._io._dataplane` moves the chunks); see protocol.md, *The data plane*.
 """
 
 from __future__ import annotations
@@ -22,26 +19,26 @@ def chunk_size(nbytes: int, parts: int) -> int:
 
 RS, AG, BC, GA = 1, 2, 3, 4  # chunk kinds: reduce-scatter, allgather, broadcast, gathered value
 KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast", GA: "allgather value"}
-RING, HOSTS = "ring", "hosts"  # the links a transfer's chunks go by (Transfer.via): to the next rank;
-# from a host's leader to the next host's (the ring between hosts of a shared-memory allreduce)
+RING, HOSTS = "ring", "hosts"  # Transfer.via: to the next rank; from a host's leader to the next host's
 
 
 def elementwise(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """Mark ``fn(a, b)`` as elementwise: ``result[i]`` depends only on
-    ``a[i]`` and ``b[i]``. Large numeric arrays reduced with it then travel
-    between replicas directly (see the README's "The data plane"), each
-    replica applying its own ``fn``, so it must be the same function
-    everywhere. ``fn`` may update ``a`` in place and return it."""
+    """Mark ``fn(a, b)`` as elementwise: ``result[i]`` depends only on ``a[i]`` and ``b[i]``. Large numeric
+    arrays reduced with it then travel between replicas directly (see the README's "The data plane"), each
+    replica applying its own ``fn``, so it must be the same function everywhere. ``fn`` may update ``a`` in
+    place and return it."""
     fn.__zcollective_elementwise__ = True  # type: ignore[attr-defined]
     return fn
 
 
 def reduction_name(fn: Any) -> Optional[str]:
-    """The name the data plane knows ``fn`` by, or None if it must keep the
-    star: ``add`` for the default ``a += b``, ``operator.add``/``iadd`` and
-    ``numpy.add``; ``maximum``, ``minimum``, ``multiply`` for numpy's; a
-    function marked :func:`elementwise` by its module and qualified name."""
-    name = _KNOWN.get(_key(fn))
+    """The name the data plane knows ``fn`` by, or None if it must keep the star: ``add`` for the default
+    ``a += b``, ``operator.add``/``iadd`` and ``numpy.add``; ``maximum``, ``minimum``, ``multiply`` for
+    numpy's; a function marked :func:`elementwise` by its module and qualified name."""
+    try:
+        name = _KNOWN.get(fn)
+    except TypeError:  # unhashable: none of ours
+        name = None
     if name is not None:
         return name
     if getattr(fn, "__zcollective_elementwise__", False):
@@ -55,14 +52,6 @@ def reduction_name(fn: Any) -> Optional[str]:
     return None
 
 
-def _key(fn: Any) -> Any:
-    try:
-        hash(fn)
-    except TypeError:
-        return None
-    return fn
-
-
 _KNOWN: dict[Any, str] = {operator.add: "add", operator.iadd: "add", operator.mul: "multiply",
                           operator.imul: "multiply"}
 
@@ -73,8 +62,7 @@ def register_default(fn: Callable[[Any, Any], Any]) -> None:
 
 
 def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], None]:
-    """``reduce(dst, acc, mine)``: ``dst[:] = fn(acc, mine)`` for arrays;
-    ``acc`` is what came round the ring (read-only), ``mine`` this rank's."""
+    """``reduce(dst, acc, mine)``: ``dst[:] = fn(acc, mine)``; ``acc`` came round the ring (read-only)."""
     import numpy
     ufunc = {"add": numpy.add, "maximum": numpy.maximum, "minimum": numpy.minimum,
              "multiply": numpy.multiply}.get(name)
@@ -93,9 +81,7 @@ def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any
 
 @dataclass
 class Chunk:
-    """A chunk to send to the next rank. ``origin``: for a forwarded chunk,
-    the rank whose header and tag travel with it (``frames``, as received);
-    None: made here, to be given a header and a tag by the sender."""
+    """A chunk to send to the next rank (``frames``: forwarded as received; None: made here)."""
 
     kind: int
     step: int  # reduce-scatter: the step; allgather and broadcast: the segment or frame
@@ -120,8 +106,7 @@ def _chunks(start: int, end: int, per: int) -> list[tuple[int, int]]:
 
 
 class Transfer:
-    """One call's transfer at one rank: chunks to send (:attr:`outbox`) and
-    the chunks it expects; fed what arrives with :meth:`receive`."""
+    """One call's transfer at one rank: chunks to send (:attr:`outbox`), fed chunks by :meth:`receive`."""
 
     kind_name = "?"
     op = "?"  # the operation's label, for messages
@@ -149,9 +134,8 @@ class Transfer:
 
     def receive(self, kind: int, step: int, index: int, payload: Any, frames: list[Any],
                 origin: int = -1) -> bool:
-        """Take one chunk from the previous rank (``origin``: the rank whose
-        header it carries); False if it is not one this job expects (a
-        duplicate, or out of range): the caller drops it."""
+        """Take one chunk from the previous rank (``origin``: the rank whose header it carries); False if it
+        is not one this job expects (a duplicate, or out of range): the caller drops it."""
         raise NotImplementedError
 
     def result(self) -> Any:
@@ -164,8 +148,7 @@ class Transfer:
 
     def _copy_in(self, key: tuple[int, ...], per_frame: list[list[tuple[int, int]]], into: list[Any],
                  step: int, index: int, payload: Any) -> bool:
-        """Take chunk ``per_frame[step][index]`` of a frame into ``into[step]``; False if it is
-        out of range, of the wrong size, or taken before (``key``)."""
+        """Take chunk ``per_frame[step][index]`` into ``into[step]``; False if out of range, or not new."""
         if not 0 <= step < len(per_frame) or not 0 <= index < len(per_frame[step]) or key in self._seen:
             return False
         s, e = per_frame[step][index]
@@ -187,8 +170,7 @@ class RingAllreduce(Transfer):
 
     def __init__(self, rank: int, size: int, array: Any, reduce: Callable[[Any, Any, Any], None],
                  chunk_bytes: Optional[int] = None, gather: bool = True) -> None:
-        """``gather=False``: only the reduce-scatter; :meth:`result` is the
-        segment this rank holds reduced, ``(rank + 1) % size``."""
+        """``gather=False``: only the reduce-scatter; :meth:`result` is segment ``(rank + 1) % size``."""
         import numpy
         super().__init__(rank, size)
         self._gather = gather
@@ -300,8 +282,7 @@ class ChainBroadcast(Transfer):
 
 
 class RingAllgather(Transfer):
-    """Each rank's serialized value once round the ring. ``sizes[r]``: the
-    lengths of rank r's frames, or None if its value came with the plan."""
+    """Each rank's value once round the ring; ``sizes[r]``: rank r's frame lengths (None: in the plan)."""
 
     kind_name = "ring allgather"
     op = "allgather"

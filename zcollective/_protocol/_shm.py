@@ -1,17 +1,6 @@
-"""Same-host schedules: what each rank of a host does with its host's
-shared-memory segment for one call, step by step, between syncs. Pure: the
-segment comes as a numpy array of bytes (:mod:`zcollective._io._shared` maps
-it, makes and unlinks it, and sends the syncs); no OS call, socket or thread.
-See docs/protocol.md, *Shared memory*.
-
-The segment holds two *sets* of one slot per rank of the host, each slot
-``capacity`` bytes; consecutive calls use alternate sets, so a rank may write
-its next call's input while another still reads this call's. A rank writes
-its input into its slot when it makes the call if it knows its set is free
-(*staged*); the coordinator's plan, which every rank waits for anyway, is then
-the barrier before anyone reads. Otherwise a sync (every rank of the host
-says it reached a step; the coordinator answers once all did) takes its
-place.
+"""Same-host schedules: what each rank of a host does with its host's shared-memory segment for one call,
+between syncs. Pure: the segment comes as a numpy array of bytes (:mod:`zcollective._io._shared` maps it and
+sends the syncs). See docs/protocol.md, *Shared memory* (two sets of slots, staged inputs, syncs).
 """
 
 from __future__ import annotations
@@ -21,17 +10,14 @@ from typing import Any, Callable, Optional
 
 from ._ring import HOSTS, RingAllreduce, Transfer, _bounds
 
-CREATE, ATTACH, UNLINK = "create", "attach", "unlink"  # the segment's steps (the host's leader
-# makes it once every rank reached the call; its name is unlinked once every rank has attached)
+CREATE, ATTACH, UNLINK = "create", "attach", "unlink"  # the segment's steps
 SYNC = "sync"  # every rank of the host reached this point
 STAGE, REDUCE, COLLECT = "stage", "reduce", "collect"  # the memory's steps
 RING = "ring"  # a host's leader: the ring between hosts (the data plane moves it)
 PUBLISH, READ = "publish", "read"  # ... which its leader writes into its slot, the others read
 BLOCK_BYTES = 1 << 18  # a reduction goes block by block, its accumulator kept in the L2 cache
-SYMMETRIC_MAX_BYTES = 2 << 20  # while each rank reads at most this much of the others' inputs, every
-# rank reduces the whole array (no sync after it); beyond, each reduces its own slice, a sync, and
-# each copies the others' slices: on 2 cores the sync is cheaper than the reductions done N times
-# at 1 MiB for N = 4, 8, dearer at N = 2 up to 4 MiB (benchmarks/README.md, *Shared memory*)
+SYMMETRIC_MAX_BYTES = 2 << 20  # up to this much read of the others' inputs, every rank reduces the whole
+# array (no sync); beyond, its own slice then a sync (benchmarks/README.md, *Shared memory*)
 MAX_SYNCS = 8  # syncs per call, at most (the coordinator takes no later one)
 
 
@@ -42,8 +28,7 @@ def aligned(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class Place:
-    """Where a call's data goes, the same on every rank of a host: decided in
-    plan order (:meth:`zcollective._io._shared.SharedPlane.place`)."""
+    """Where a call's data goes, alike on every rank of a host (:meth:`SharedPlane.place`)."""
 
     set: int  # which set of slots
     capacity: int  # bytes per slot of the segment the call uses
@@ -61,12 +46,8 @@ class HostPlan:
 
 
 def schedule(place: Place, plan: HostPlan, staged: bool, leader: bool, tail: list[str]) -> list[str]:
-    """The steps before ``tail`` (the operation's own): make or reach the
-    segment, write the input, and the syncs that make it safe."""
-    if place.grow:  # a new segment: once every rank of the host is at the call (a sync: none is
-        # away in its own code), the leader makes it, the others attach, all write, and once all did
-        # (a sync), every rank unlinks its name (the first one does it): it is linked only while every
-        # rank moves this call's steps (a kill of the job then is all that leaves it)
+    """The steps before ``tail``: make or reach the segment, write the input, and the syncs."""
+    if place.grow:  # a new segment: made at a sync, its name unlinked at the next (linked only meanwhile)
         made = [SYNC, CREATE, SYNC] if leader else [SYNC, SYNC, ATTACH]
         return made + [STAGE, SYNC, UNLINK] + tail
     if plan.staged:  # every input is in: the plan was the barrier
@@ -75,9 +56,8 @@ def schedule(place: Place, plan: HostPlan, staged: bool, leader: bool, tail: lis
 
 
 def symmetric(nbytes: int, size: int, safe: bool) -> bool:
-    """Does every rank of ``size`` reduce the whole array (else its own slice, then a sync)?
-    Only with a reduction no rank's code can fail (``safe``): a function of the program's own
-    that raises on one rank must fail the call on all, so the others wait at a sync after it."""
+    """Does every rank reduce the whole array (else its own slice, then a sync)? Only if ``safe``: a
+    program's function that raises on one rank must fail the call on all, at a sync after it."""
     return safe and nbytes * (size - 1) <= SYMMETRIC_MAX_BYTES
 
 
@@ -87,9 +67,8 @@ def slice_of(elements: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def stage(slot: Any, array: Any, rank: int, size: int, whole: bool) -> None:
-    """Write ``array`` into ``slot`` (bytes): all of it (``whole``: every rank
-    reduces the whole array), or all but this rank's own slice (it reads that
-    from ``array`` itself)."""
+    """Write ``array`` into ``slot`` (bytes): all of it (``whole``: every rank reduces the whole array), or
+    all but this rank's own slice (it reads that from ``array`` itself)."""
     flat = array.reshape(-1)
     into = slot[:flat.nbytes].view(flat.dtype)
     if whole:
@@ -101,8 +80,7 @@ def stage(slot: Any, array: Any, rank: int, size: int, whole: bool) -> None:
 
 
 def reduce_blocks(out: Any, sources: list[Any], reduce: Callable[[Any, Any, Any], None]) -> None:
-    """``out = reduce(...reduce(reduce(s0, s1), s2)..., s_last)``, in the
-    order given, block by block (each block's accumulator stays in cache)."""
+    """``out = reduce(...reduce(s0, s1)..., s_last)`` in order, block by block (stays in cache)."""
     if len(sources) == 1:
         out[...] = sources[0]
         return
@@ -115,8 +93,7 @@ def reduce_blocks(out: Any, sources: list[Any], reduce: Callable[[Any, Any, Any]
 
 
 class SharedJob:
-    """One call's steps at one rank (a subclass per operation): the plane
-    runs :attr:`steps` in order, calling :meth:`memory` for the memory's."""
+    """One call's steps at one rank: the plane runs :attr:`steps`, calling :meth:`memory` for each."""
 
     shared = True  # (a data-plane Transfer has none: the driver moves each its own way)
     kind_name = "shared memory"
@@ -132,9 +109,8 @@ class SharedJob:
         self.syncs = 0  # syncs passed
         self.asked = False  # this rank said it reached the next sync
         self.received_bytes = 0
-        self.convert: Optional[Callable[[Any], Any]] = None  # the result's last touch (an array to a
-        # tensor); no method of the job's own is kept on it: a job in a reference cycle would hold
-        # its arrays until the garbage collector runs (and fresh arrays then came 10x slower)
+        self.convert: Optional[Callable[[Any], Any]] = None  # the result's last touch (array to tensor);
+        # never a method of the job's own: a reference cycle would hold its arrays until gc runs
 
     def finish(self) -> Any:
         """The call's value, once done."""
@@ -152,16 +128,14 @@ class SharedJob:
         self.at += 1
 
     def synced(self, phase: int) -> bool:
-        """The coordinator says every rank of the host reached sync ``phase``;
-        True if that is the one this job waits for (it moves on)."""
+        """Every rank of the host reached sync ``phase``: True if this job waited for it."""
         if self.step != SYNC or phase != self.syncs or not self.asked:
             return False
         self.advance()
         return True
 
     def memory(self, step: str, slots: Any) -> None:
-        """Do ``step`` (:data:`STAGE`, :data:`REDUCE`, :data:`COLLECT`) on
-        ``slots``: this call's set, one row of bytes per rank."""
+        """Do ``step`` on ``slots``: this call's set, one row of bytes per rank."""
         raise NotImplementedError
 
     def ring(self) -> Transfer:
@@ -180,10 +154,8 @@ class SharedJob:
 
 
 class SharedAllreduce(SharedJob):
-    """An allreduce of a contiguous numeric array through the segment: every
-    rank reduces the whole array (``whole``, small arrays: no sync after it),
-    or its own slice, which the others then copy (see :func:`symmetric`). The reduction
-    is in rank order, so every rank gets the same bits as from the star."""
+    """An allreduce through the segment: every rank reduces the whole array, or its own slice which
+    the others copy (:func:`symmetric`); in rank order, so the same bits as the star."""
 
     kind_name = "shared-memory allreduce"
     op = "allreduce"
@@ -235,20 +207,14 @@ class SharedAllreduce(SharedJob):
 
 
 class HostsAllreduce(SharedAllreduce):
-    """An allreduce of ranks on several hosts (see docs/protocol.md, *Shared memory*):
-    the host's ranks reduce their slices of the host's inputs in the segment, as
-    :class:`SharedAllreduce` does; its leader collects the host's sum, takes it round the
-    ring between the hosts' leaders (the data plane's :class:`RingAllreduce`, ``via``
-    :data:`HOSTS`) and writes the result into its slot, from which, after a sync, the
-    others read it. Every byte crosses the network once per host, not once per rank, and
-    every rank gets the leader's bits."""
+    """An allreduce of ranks on several hosts: the host reduces in the segment, its leader takes the
+    sum round the leaders' ring (``via`` :data:`HOSTS`) and writes the result for the others."""
 
     kind_name = "shared-memory allreduce across hosts"
 
     def __init__(self, seq: int, rank: int, size: int, array: Any, reduce: Callable[[Any, Any, Any], None],
                  place: Place, plan: HostPlan, staged: bool, leaders: list[int], host: int) -> None:
-        """``leaders``: the group rank of each host's leader, in ring order; ``host``: this
-        rank's host's place among them."""
+        """``leaders``: each host's leader, in ring order; ``host``: this host's place among them."""
         self._leaders, self._host = leaders, host
         self._ring: Optional[RingAllreduce] = None
         super().__init__(seq, rank, size, array, reduce, place, plan, staged, rank == 0, False)
@@ -285,8 +251,7 @@ LINE = 64  # each frame starts on a cache line of its slot
 
 
 def offsets(parts: list[list[int]]) -> tuple[list[list[int]], int]:
-    """Where each frame of ``parts`` (each a value's frame sizes) starts in its writer's slot,
-    one after another, and the bytes they take in all."""
+    """Where each frame of ``parts`` starts in its writer's slot, and the bytes they take in all."""
     at, out = 0, []
     for sizes in parts:
         starts = []
@@ -308,19 +273,15 @@ def write_parts(slot: Any, parts: list[list[Any]]) -> None:
 
 
 class SharedExchange(SharedJob):
-    """Serialized values through the segment (broadcast, allgather): each writer puts its
-    parts (a part: one value's frames) into its slot; after the barrier each rank copies the
-    parts it receives into buffers of its own. No sync after the reading: the next call uses
-    the other set, and a later one this set only once every rank is done here (see the module
-    docstring)."""
+    """Serialized values through the segment (broadcast, allgather): writers fill their slots, then each
+    rank copies the parts it receives (no sync after: the next call uses the other set)."""
 
     kind_name = "shared-memory exchange"
 
     def __init__(self, op: str, seq: int, rank: int, size: int, place: Place, plan: HostPlan, staged: bool,
                  leader: bool, parts: list[Optional[list[list[int]]]], own: Optional[list[list[Any]]],
                  reads: list[tuple[int, int]]) -> None:
-        """``parts``: by rank, the frame sizes of each part it writes (None: nothing); ``own``:
-        this rank's parts; ``reads``: the (writer, part) it receives."""
+        """``parts``: by rank, its parts' frame sizes (None: nothing); ``reads``: (writer, part) pairs."""
         self.op = op
         self._parts, self._own, self._reads = parts, own, reads
         self._got: dict[tuple[int, int], list[Any]] = {}

@@ -1,5 +1,4 @@
-"""The coordinator's watch on calls: stall warnings (rule 11), a member's STATUS
-question, ``Group.status``'s snapshot, and what was in flight (for error messages)."""
+"""The coordinator's watch on calls: stall warnings (rule 11), STATUS, ``Group.status``, calls in flight."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class Stalls:
         return min(call.arrived.values()) + warn_after * (1 << call.warned)
 
     def stalls(self, now: float) -> list[tuple[str, list[int]]]:
-        """The stall warnings due at ``now``: each line, with the ranks it names
-        (the driver logs them, and may ask the launcher for their stacks)."""
+        """The stall warnings due at ``now``: each line, with the ranks it names (for their stacks)."""
         co = self.co
         due = self.next_stall()
         if due is None or now < due:
@@ -101,8 +99,7 @@ class Stalls:
                 + "; ".join(self._last_call(r, now) for r in missing))
 
     def snapshot(self, now: float) -> dict[int, dict[str, Any]]:
-        """Per rank: its last call (seq, op, call site, how long ago) and the calls pending
-        for it. Read by any thread (``Group.status``): only copies are iterated."""
+        """Per rank: its last call and the calls pending for it; any thread reads it (copies iterated)."""
         ranks: dict[int, dict[str, Any]] = {}
         for rank, member in list(self.co.by_rank.items()):
             last = member.last

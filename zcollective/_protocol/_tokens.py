@@ -1,10 +1,5 @@
-"""Handshake tokens, without sockets: who may connect to a port.
-
-A client's credentials are a single-use *token*: a fresh random nonce, and its
-HMAC under a key derived from the secret. A handler accepts a token whose MAC
-is right for its socket's ZAP domain and whose nonce it never accepted before.
-Why, and what it stops: docs/security.md, "With a secret" (At the ZeroMQ handshake).
-"""
+"""Handshake tokens, without sockets: a single-use nonce and its HMAC under a key derived from the secret,
+accepted once per ZAP domain. Why: docs/security.md, "With a secret" (At the ZeroMQ handshake)."""
 
 from __future__ import annotations
 
@@ -26,9 +21,7 @@ _HEX = frozenset(b"0123456789abcdef")
 
 
 def port_key(base: bytes, session: int, rank: int, label: bytes = PORT_LABEL) -> bytes:
-    """The key of the tokens for rank ``rank``'s data port in group
-    ``session``: a token copied off one data link opens no other port, and
-    none of a later group under the same secret (or data key)."""
+    """The token key of ``rank``'s data port in ``session``: a copied token opens no other port or group."""
     return hmac.new(base, label + session.to_bytes(8, "little") + rank.to_bytes(4, "little"),
                     hashlib.sha256).digest()
 
@@ -51,8 +44,7 @@ def client_credentials(secret: bytes, domain: str,
 
 
 class TokenChecker:
-    """The token rule, without sockets: :meth:`check` says why a token is
-    refused, or None (and remembers its nonce) when it is accepted."""
+    """The token rule: :meth:`check` says why a token is refused, or None (remembering its nonce)."""
 
     def __init__(self, secret: bytes) -> None:
         self._key = derive_key(secret)
@@ -77,9 +69,8 @@ class TokenChecker:
 
 def zap_reply(request: list[bytes],
               checker: Optional[TokenChecker]) -> tuple[list[bytes], Optional[str], str]:
-    """Answer one ZAP request (its frames after the envelope): the reply's
-    frames, why the peer was refused (None: accepted) and its address.
-    With no ``checker`` (no key yet) every token is refused."""
+    """Answer one ZAP request: the reply's frames, why the peer was refused (None: accepted), its address;
+    with no ``checker`` every token is refused."""
     if len(request) < 6 or request[0] != b"1.0":
         request_id = request[1] if len(request) > 1 else b""
         bad = "a malformed ZAP request"

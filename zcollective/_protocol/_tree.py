@@ -1,17 +1,10 @@
-"""The tree small calls climb in a large group: its shape, and one interior
-rank's rules (:class:`Relay`). Pure: fed messages and the clock, it returns
-what to send; sockets and threads are the drivers'.
+"""The tree small calls climb in a large group: its shape, and one interior rank's rules (:class:`Relay`).
+Pure: fed messages and the clock, it returns what to send; sockets and threads are the drivers'.
 
-Every rank heads a contiguous range of ranks, its subtree, so a partial
-reduction keeps rank order. A rank's contribution goes to its parent (rank 0's
-children: to the coordinator), never straight to rank 0. An interior rank
-waits for its own and every child's part of a call, then sends up one
-*summary* when all of them called the same operation at the same call site
-with parts it can combine (the value reduced over its range); otherwise, or
-once :data:`RELAY_FLUSH_S` passed, each part as it came, so the coordinator
-still names every rank exactly. The result of a summarized kind of call comes
-down the same tree. Failures, give-ups, timeouts and liveness stay on the
-star. See docs/protocol.md, *The tree*.
+Every rank heads a contiguous range (its subtree), so partial reductions keep rank order. An interior rank
+sends up one *summary* when its range called alike with parts it can combine; otherwise, or after
+:data:`RELAY_FLUSH_S`, each part as it came. Failures and liveness stay on the star. See docs/protocol.md,
+*The tree*.
 """
 
 from __future__ import annotations
@@ -26,20 +19,14 @@ from typing import Any, Callable, Optional, Union
 from .._format._wire import FLAG_DATA, FLAG_FN, FLAG_LOCAL_ERROR, Kind, Message
 from ._ops import Combine, Op, reduce_name
 
-TREE_FANOUT = 4  # children per interior rank: minimises (2 x hop + K x per-child cost) / ln K with
-# the costs measured here (benchmarks/scale_model.py: K = 4-5)
-TREE_MIN_RANKS = 16  # "auto" uses the tree from this size: below, the star is as fast here and keeps
-# the exact left fold of every reduction
-RELAY_FLUSH_S = 0.2  # a part waited for this long: what came goes up as it is, so a stall report or
-# a timed-out rank's question names the ranks missing, not a whole subtree
+TREE_FANOUT = 4  # children per interior rank: the best K measured (benchmarks/scale_model.py: K = 4-5)
+TREE_MIN_RANKS = 16  # "auto" uses the tree from this size: below, the star is as fast and folds exactly
+RELAY_FLUSH_S = 0.2  # then what came goes up as it is, so a stall names the ranks missing, not a subtree
 SUMMARIZED = frozenset({Op.ALLREDUCE, Op.BROADCAST, Op.BARRIER})  # kinds combined on the way up
-DOWN = SUMMARIZED | {Op.TEARDOWN}  # kinds whose one result comes down the tree (a teardown's too: it must
-# not overtake the results before it); the others' results, and every error, come from rank 0
+DOWN = SUMMARIZED | {Op.TEARDOWN}  # results that come down the tree (a teardown's must not overtake them)
 DOWN_LABELS = frozenset(o.name.lower() for o in DOWN)
-MAX_DONE_CALLS = 1024  # calls an interior rank remembers having sent up or passed down (a replay of
-# one of their messages is dropped)
-TREE_GRACE_S = 5.0  # a FAIL that says a rank ended waits at most this long here for the results of the
-# calls it completed to come down the tree (a parent stopped past this: the group fails here as the FAIL says)
+MAX_DONE_CALLS = 1024  # calls an interior rank remembers sending up or down (their replays are dropped)
+TREE_GRACE_S = 5.0  # a FAIL saying a rank ended waits this long for its calls' results to come down
 FLAG_RANGE = 0x80  # an UP speaks for ranks rank .. end (its first segment): a summary
 _END = struct.Struct("<i")
 _OWN_FLAGS = FLAG_DATA | FLAG_FN | FLAG_LOCAL_ERROR  # a part's own (not its framing's): none in a summary
@@ -58,9 +45,8 @@ class Shape:
 
 @functools.lru_cache(maxsize=16)
 def shape(size: int, fanout: int = TREE_FANOUT) -> Shape:
-    """The tree over ``size`` ranks: a range's first rank heads it, the rest
-    is cut into at most ``fanout`` contiguous ranges of sizes that differ by
-    at most one, each headed by a child."""
+    """The tree over ``size`` ranks: a range's first rank heads it, the rest is cut into at most ``fanout``
+    contiguous ranges of sizes that differ by at most one, each headed by a child."""
     parent, end = [-1] * size, [0] * size
     children: list[tuple[int, ...]] = [()] * size
 
@@ -103,8 +89,7 @@ def up(msg: Message) -> Message:
 
 
 def summary(first: Message, end: int, value: list[list[Any]], reduced_with: str = "") -> Message:
-    """An UP for ranks ``first.rank`` .. ``end`` - 1 that all called as ``first`` did (an
-    allreduce's: its value ``reduced_with`` the function of this name)."""
+    """An UP for ranks ``first.rank`` .. ``end`` - 1 that all called as ``first`` did."""
     head = [_END.pack(end), *([reduced_with.encode()] if reduced_with else [])]
     return Message(Kind.UP, first.op, first.rank, first.root, first.seq, first.session, first.callsite,
                    FLAG_RANGE, None, [head, *value])
@@ -148,9 +133,8 @@ class _Call:
 
 
 class Relay:
-    """An interior rank's rules (see the module docstring): :meth:`own` and
-    :meth:`take` return the UPs to send its parent, in order, or the reduction of a
-    subtree's values to ask its driver for (:class:`~._ops.Combine`: one UP once run)."""
+    """An interior rank's rules: :meth:`own` and :meth:`take` return the UPs to send its parent, or a
+    :class:`~._ops.Combine` for its driver to run (one UP once run)."""
 
     def __init__(self, rank: int, size: int, fanout: int = TREE_FANOUT,
                  user_code: UserCode = lambda fn: fn, clock: Callable[[], float] = time.monotonic) -> None:
@@ -170,8 +154,7 @@ class Relay:
         return self._add(msg.seq, call, up(msg), 1)
 
     def take(self, msg: Message) -> list[Union[Message, Combine]]:
-        """A child's UP (checked: it speaks for ranks of this subtree, not this rank, of a call
-        not already sent up)."""
+        """A child's UP (checked: for ranks of this subtree, not this rank, of a call not yet sent up)."""
         try:
             lo, end = span(msg)
         except ValueError:
@@ -219,8 +202,7 @@ class Relay:
         return [] if items is None else [summary(items[0], self.end, [results[0]], name)]
 
     def combine_failed(self, asked: Combine, exc: BaseException) -> list[Message]:
-        """The values could not be reduced here (rank 0 then meets the same): they go up as
-        they came; a signal handler's interrupt is raised once they went."""
+        """Not reducible here: the values go up as they came (an interrupt is raised once they went)."""
         if not isinstance(exc, Exception):
             self.interrupted = exc
         return self.asked.pop(asked.seq, [])
@@ -250,8 +232,7 @@ class Relay:
         return [made] if made is not None else list(items)
 
     def _summarize(self, items: list[Message], reduce: Any) -> Optional[Union[Message, Combine]]:
-        """One UP for the whole range, or None (they differ, or cannot be combined here); an
-        allreduce's: the reduction asked for, whose answer (:meth:`combined`) is that UP."""
+        """One UP for the whole range, or None; an allreduce's: the reduction to ask for."""
         head = items[0]
         op, root, site = head.op, head.root, head.callsite
         if op not in SUMMARIZED:
@@ -260,8 +241,7 @@ class Relay:
             if item.op != op or item.root != root or item.callsite != site or item.flags & _OWN_FLAGS:
                 return None
         if op == Op.ALLREDUCE:
-            name = reduce_name(reduce)  # (None: not known to be associative; rank 0 then folds every
-            # value strictly left to right, as the star does)
+            name = reduce_name(reduce)  # (None: not known associative: rank 0 folds left to right)
             if name is None or any(item.flags & FLAG_RANGE and reduced_with(item) != name for item in items):
                 return None  # (a child reduced with another function: rank 0 names the mismatch)
             if any(len(parts(item)) != 1 for item in items):

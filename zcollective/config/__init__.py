@@ -44,20 +44,16 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"  # one machine needs no configuration at all
 DEFAULT_MASTER_PORT = 29457  # near torchrun's 29500 range but not on it, so both fit in one job
 DEFAULT_RANK = 0  # the only rank of the default single replica
 DEFAULT_NUM_REPLICAS = 1  # a script written for many replicas runs unchanged on one
-DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: libzmq allocates what a frame announces, so a stranger's
-# claim is bounded by this; raise it (on every replica) for single arrays above 2 GiB
+DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: bounds what a stranger's frame makes libzmq allocate
 MIN_MAX_FRAME_BYTES = 1024  # a message header with the longest call site (546 bytes) always fits
 SECRET_ENV = "ZCOLLECTIVE_SECRET"
 SECRET_FILE_ENV = "ZCOLLECTIVE_SECRET_FILE"
-DEFAULT_DATA_PLANE = "auto"  # large arrays peer to peer when the group spans hosts (on one host of
-# 2 cores the star was faster at N = 4 and 8: benchmarks/README.md); "on": also on one host; "off": never
+DEFAULT_DATA_PLANE = "auto"  # peer to peer across hosts only: on one host the star was faster (benchmarks)
 DATA_PLANE_CHOICES = ("auto", "on", "off")
-DEFAULT_TREE = "auto"  # small calls climb a tree from 16 replicas: rank 0's cost per call stops growing
-# with the group (benchmarks/README.md); below, the star is as fast here and folds exactly in rank order
+DEFAULT_TREE = "auto"  # a tree from 16 replicas: rank 0's cost per call stops growing (benchmarks/README.md)
 TREE_CHOICES = ("auto", "on", "off")
 DEFAULT_DATA_PLANE_MIN_BYTES = 1 << 20  # below this an array keeps the star (benchmarks/README.md)
-DEFAULT_SHARED_MEMORY_MIN_BYTES = 1 << 14  # from here values on one host go through shared memory
-# (at 4-8 KiB the star's one message was as fast, at 16 KiB 10-30% slower: benchmarks/README.md)
+DEFAULT_SHARED_MEMORY_MIN_BYTES = 1 << 14  # from 16 KiB the star is 10-30% slower (benchmarks/README.md)
 DEFAULT_MAIL_WINDOW_BYTES = 64 << 20  # what one sender may leave unreceived at one receiver
 ALL_INTERFACES = ("*", "0.0.0.0", "::")
 JOB_ENV = "ZCOLLECTIVE_JOB"
@@ -88,8 +84,7 @@ class Config:
     data_plane_min_bytes: int = DEFAULT_DATA_PLANE_MIN_BYTES  # smaller arrays keep the star
     shared_memory_min_bytes: Optional[int] = DEFAULT_SHARED_MEMORY_MIN_BYTES  # None: off
     mail_window_bytes: int = DEFAULT_MAIL_WINDOW_BYTES  # point to point: see the Setting
-    port_given: bool = False  # master_port came from an argument, the environment or a launcher:
-    # a group of one then serves its coordinator there, so newcomers can come (grow)
+    port_given: bool = False  # master_port was given: a group of one then serves there, for newcomers
     job: Optional[str] = None  # the job's name, which its JOIN carries; None: nothing names it
 
     @property
@@ -119,11 +114,9 @@ class Setting:
     file_env: Optional[str] = None  # after env: a variable naming a file that holds the value
     config_field: str = ""  # the Config field it fills, when not called `name`
     secret: bool = False  # quoted in no message; taken from the environment byte for byte
-    none_is_value: bool = False  # an argument of None is a value (no bound), not "look further";
-    # the signatures' default is then `default` itself
+    none_is_value: bool = False  # an argument of None is a value (no bound), not "look further"
     argument: bool = True  # False: read from the environment only; no signature takes it
-    adjust: Optional[Callable[[Origin, Mapping[str, str]], Optional[Origin]]] = None  # a value its
-    # variables gave -> the value it stands for there (None: nothing; the launcher's, or the default)
+    adjust: Optional[Callable[[Origin, Mapping[str, str]], Optional[Origin]]] = None  # env value -> meant
 
     @property
     def field_name(self) -> str:
@@ -295,8 +288,7 @@ def _port_zero_only_alone(c: Config, origins: Mapping[str, Origin]) -> None:
 
 
 def _alone_by_omission(c: Config, origins: Mapping[str, Origin]) -> None:
-    # a group of one by default, though where the group is was set: the others wait for a rank 0
-    # that runs alone and listens on nothing (issue 26: rank 1 waited out its join timeout)
+    # a group of one by default though where the group is was set: the others would wait (issue 26)
     if c.num_replicas == 1 and origins["num_replicas"].source == "the default" and not c.join:
         given = [origins[name].source for name in ("replica_rank", "master_port")
                  if origins[name].source != "the default"]
@@ -357,10 +349,8 @@ def _check_signature(func: Callable[..., Any], named: list[tuple[str, Setting]])
 
 
 def takes_settings(**renamed: str) -> Callable[[F], F]:
-    """Decorate a function that takes every setting of :data:`ARGUMENTS`, in order, with their
-    annotations and defaults (besides ``self`` and ``env``), under the names ``renamed`` gives
-    (setting name -> argument name) or its own: checked at import; their "Parameters" section
-    goes into its docstring, before "Raises".
+    """Check at import that a function takes every setting of :data:`ARGUMENTS` in order, with their
+    annotations and defaults (names: ``renamed``, else their own); add their "Parameters" to its docstring.
 
     Raises
     ------
@@ -387,8 +377,7 @@ POSITIONAL_ARGUMENTS = 4  # master_addr, master_port, rank, size: adaptdl's orde
 
 
 def _signed(func: F) -> F:
-    """Give ``resolve`` its signature from :data:`ARGUMENTS` (the public functions spell theirs
-    out, for readers and type checkers, and :func:`takes_settings` holds them to the table)."""
+    """Give ``resolve`` its signature from :data:`ARGUMENTS` (public functions spell theirs out)."""
     by_position, by_name = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter(s.name, by_position if i < POSITIONAL_ARGUMENTS else by_name,
                                 default=s.signature_default, annotation=s.annotation)

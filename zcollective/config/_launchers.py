@@ -21,8 +21,7 @@ class Reader:
     """How one launcher gives one setting."""
 
     variables: tuple[str, ...]  # what it reads, in the order the README names them
-    read: Callable[[Mapping[str, str]], Optional[Origin]]  # env -> the value's origin; None: the
-    # launcher does not say (the default holds)
+    read: Callable[[Mapping[str, str]], Optional[Origin]]  # env -> the value's origin; None: not said
 
 
 def _plain(name: str) -> Reader:
@@ -129,16 +128,14 @@ def _kubernetes_size(env: Mapping[str, str]) -> Origin:
 
 @dataclass(frozen=True)
 class LaunchedBy:
-    """A program that starts the replicas of a job and tells each, in its
-    environment, who it is. Its readers are asked only for the settings
-    that no argument and no variable of :data:`zcollective.config.SETTINGS` gave."""
+    """A program that starts a job's replicas and tells each who it is in its environment; asked only
+    for settings no argument or variable gave."""
 
     name: str  # as the README's table and error messages call it
     rank: str  # set in every process it starts: that it is set recognizes the launcher
     readers: Mapping[str, Reader]  # setting name -> how this launcher gives it
-    defers_to: tuple[tuple[str, str], ...] = ()  # (ours, theirs) pairs of variables another
-    # launcher may set to the same values (srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE): when all
-    # agree, the process is that launcher's, which knows more (the master address)
+    defers_to: tuple[tuple[str, str], ...] = ()  # (ours, theirs) variables another launcher sets alike
+    # (srun --mpi=pmi2 sets PMI_RANK): when all agree, the process is that one's, which knows more
 
     def recognizes(self, env: Mapping[str, str]) -> bool:
         if variable(env, self.rank) is None:

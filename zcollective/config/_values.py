@@ -12,8 +12,7 @@ from .._limits import MAX_JOB_CHARS, MAX_LIVENESS_S, MIN_LIVENESS_S
 SHARED_MEMORY_OFF = "off"
 MIN_SECRET_BYTES = 16  # shorter secrets can be guessed; `zcollective-run` makes 32 random bytes
 TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": torchrun's agent holds MASTER_PORT
-JOB_NAMERS = {"ADAPTDL_JOB_ID": "adaptdl job", "TORCHELASTIC_RUN_ID": "torchrun run"}  # variables
-# that name the job -> what their value is called, so an error says whose name it is
+JOB_NAMERS = {"ADAPTDL_JOB_ID": "adaptdl job", "TORCHELASTIC_RUN_ID": "torchrun run"}  # as errors call them
 TORCHRUN_UNNAMED_RUN = "none"  # torchrun's default --rdzv-id: every run not --standalone has it
 T = TypeVar("T")
 
@@ -182,8 +181,7 @@ def job_problem(name: str) -> Optional[str]:
 
 
 def beside_torchrun_agent(found: Origin, env: Mapping[str, str]) -> Origin:
-    """torchrun's agent itself listens on MASTER_PORT when it says TORCHELASTIC_USE_AGENT_STORE=True
-    (its workers' torch.distributed stores connect there): the coordinator takes the next port."""
+    """torchrun's agent listens on MASTER_PORT under TORCHELASTIC_USE_AGENT_STORE=True: take the next."""
     if found.source != "environment variable MASTER_PORT" or env.get(TORCHRUN_AGENT_STORE) != "True":
         return found
     port = converted(found, to_int) + 1
@@ -193,8 +191,7 @@ def beside_torchrun_agent(found: Origin, env: Mapping[str, str]) -> Origin:
 
 
 def named_job(found: Origin, env: Mapping[str, str]) -> Optional[Origin]:
-    """adaptdl's job id or torchrun's run id, called so ("torchrun run 8f3c..."); torchrun's
-    default run id names no run. ZCOLLECTIVE_JOB is the user's name, as it is."""
+    """adaptdl's job id or torchrun's run id, called so ("torchrun run 8f3c..."; its default names none)."""
     kind = JOB_NAMERS.get(found.source.removeprefix("environment variable "))
     if kind is None:
         return found
