@@ -7,7 +7,6 @@ a reduce function; they ask, and take back the results or what was raised.
 from __future__ import annotations
 
 import functools
-import itertools
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
@@ -44,9 +43,13 @@ def run(asked: Combine, user_code: UserCode) -> list[list[Any]]:
                 raise Unreadable(str(exc)) from exc
         if asked.grouped and not summable(values, fn):
             raise Disagree()
-        if asked.prefix:  # a scan: each rank's fold of the values up to its own
-            folded = list(itertools.accumulate(values, call))
-            return [_serialize.dumps(v, "reduction result") for v in folded]
+        if asked.prefix:  # a scan: each rank's fold of the values up to its own, kept as soon as made
+            folded = values[0]  # (the next fold may change it in place, the default a += b: so each
+            for value in values[1:]:  # result but the last is a copy, large buffers included)
+                out.append([bytes(frame) for frame in _serialize.dumps(folded, "reduction result")])
+                folded = call(folded, value)
+            out.append(_serialize.dumps(folded, "reduction result"))
+            return out
         name = None if type(values[0]) in ALIKE_TYPES else reduction_name(fn)  # (no array: the common call)
         described = described_arrays(values, name) if name is not None else None
         if described is not None and len(set(described)) > 1:  # elementwise: arrays must agree,

@@ -284,6 +284,8 @@ class Scan(Reducing):
         return Contribution(0, reducing(here, value, reduce_fn, 0), mine)
 
     def combine(self, seq: int, contributions: list[Message], root: int) -> Combine:
+        if self.exclusive and len(contributions) > 1:  # (the last rank's value is in no result)
+            contributions = contributions[:-1]
         return replace(super().combine(seq, contributions, root), prefix=True)
 
     def route_combined(self, size: int, root: int, results: list[list[Any]]) -> Routes:
