@@ -75,10 +75,15 @@ def applied(step: Iterable[Any], at: Any) -> Iterator[Any]:
 
 
 def answer(member: Any) -> None:
-    """Run the reductions the member's relay asked for (its subtree's); what they make goes up."""
+    """Run the reductions the member's relay asked for (its subtree's), in line with what waits
+    behind them: each goes up in turn, a reduction's summary (or its parts) in its place."""
     asks = member.asks
     while asks:
-        member.send_up(list(applied([asks.popleft()], member.relay)))
+        item = asks.popleft()
+        if type(item) is Combine:
+            asks.extendleft(reversed(list(applied([item], member.relay))))
+        else:
+            member.send_now([item])
 
 
 def _unpickled(segment: list[Any], what: str) -> Any:

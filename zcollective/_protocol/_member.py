@@ -52,7 +52,7 @@ from ._member_join import (  # noqa: F401 (importable here, as ever)
     lost_rank_0,
 )
 from ._member_tree import TreeRole
-from ._ops import LABELS, Combine, Op, group_name, in_world
+from ._ops import LABELS, Op, group_name, in_world
 from ._outcomes import CallOutcome, fresh
 from ._p2p import Mail
 from ._stats import CallStats, calls_log
@@ -124,7 +124,8 @@ class Member:
         self.mail: Optional[Mail] = None  # its point-to-point rules, once welcomed
         self.parent = -1  # its parent in the tree of small calls (rule 11); -1: none (rank 0, no tree)
         self.relay: Optional[_tree.Relay] = None  # its rules there, if it has children
-        self.asks: deque[Combine] = deque()  # reductions its relay asked for: the driver runs them
+        self.asks: deque[Any] = deque()  # reductions its relay asked for (the driver runs them), and
+        # what goes up after them, in line
         self.user_code: Callable[[Any], Any] = lambda fn: fn  # how its driver runs a reduce function
         self.deferred: Optional[tuple[Exception, bool, Optional[int], float]] = None  # a failure (its error,
         # keep_data, the calls it says completed; None: all made) held until their results came, and
@@ -155,6 +156,7 @@ class Member:
         self.climb, self.climbed, self.tree_timer = tree.climb, tree.climbed, tree.timer
         self.tree_due = NO_DUE  # (the tree's, once this rank has a parent: see TreeRole.plant)
         self.awaits_tree, self.undefer, self.send_up = tree.awaits, tree.undefer, tree.send_up
+        self.send_now = tree.send_now
 
     @property
     def joined(self) -> bool:

@@ -38,8 +38,7 @@ class TreeRole:
             return [(m.parent, msg if m.parent == 0 else _tree.up(msg))]
         call = m.calls.get(msg.seq)
         out = relay.own(msg, call.reduce if call is not None else None)
-        m.asks.extend(a for a in out if type(a) is Combine)
-        return [(m.parent, a) for a in out if isinstance(a, Message)]
+        return [(m.parent, a) for a in self.in_order(out)]
 
     def climbed(self, msg: Message) -> None:
         """A child's UP or the parent's RESULT; what it makes this rank send joins the mailbox's (or owed)."""
@@ -100,12 +99,27 @@ class TreeRole:
             (error, ended, _, _), m.deferred = m.deferred, None
             m.owed.extend([*m.fail(error, keep_data=ended), *m.moves.taken()])
 
+    def in_order(self, out: list[Any]) -> list[Message]:
+        """What may go up now of ``out``: what comes before the first reduction asked for, if none
+        waits. A reduction waits for the driver, and everything after it waits in line behind it
+        (:attr:`Member.asks`), so that the parent takes each child's parts in seq order."""
+        asks = self.member.asks
+        if not asks:
+            for i, a in enumerate(out):
+                if type(a) is Combine:
+                    asks.extend(out[i:])
+                    return out[:i]
+            return out
+        asks.extend(out)
+        return []
+
     def send_up(self, msgs: list[Any]) -> None:
-        """What this interior rank sends its parent; a reduction asked for waits for the driver."""
+        """What this interior rank sends its parent, in order (see :meth:`in_order`)."""
+        self.send_now(self.in_order(msgs))
+
+    def send_now(self, msgs: list[Message]) -> None:
+        """Send ``msgs`` to the parent now (they are next in line)."""
         m = self.member
-        if any(type(a) is Combine for a in msgs):
-            m.asks.extend(a for a in msgs if type(a) is Combine)
-            msgs = [a for a in msgs if type(a) is not Combine]
         if m.parent == 0:
             m.owed.extend(msgs)
         elif m.mail is not None:
