@@ -32,8 +32,7 @@ def simulate(ranks: list[int], n: int, port: int, iters: int) -> None:
     from zcollective._format._wire import Kind, Message, decode, encode
     from zcollective._io._dealer import routing_id
     from zcollective._protocol._coordinator import PYTHON_VERSION
-    from zcollective._protocol._ops import SPOKEN
-    from zcollective._protocol._ops import Op
+    from zcollective._protocol._ops import SPOKEN, Op
 
     ctx = zmq.Context()
     dealers = []

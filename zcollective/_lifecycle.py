@@ -340,7 +340,8 @@ class Lifecycle:
                     with contextlib.suppress(CollectiveError):  # (a failure: the sockets still close)
                         Edges(self.driver).hand_down(time.monotonic() + EXIT_LINGER_MS / 1000)
                 if self.mail is not None:  # (an interior rank's results passed down leave first)
-                    self.mail.close(EXIT_LINGER_MS if (ending or self.relayer is not None) and not quick else 0)
+                    lingers = (ending or self.relayer is not None) and not quick
+                    self.mail.close(EXIT_LINGER_MS if lingers else 0)
                 if self.data is not None:  # (ending: the next rank has its chunks, rule 7 of the coordinator)
                     self.data.close(EXIT_LINGER_MS if ending else 0)
                 if self.shared is not None:  # (unlinking a name not ours is refused, and let be)
