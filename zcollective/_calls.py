@@ -163,18 +163,21 @@ class Calls:
             outcomes = member.outcomes
             if outcomes:
                 settle(outcomes)
-            if lead is not False and turns.alone():
-                led = settled_when(future, outcomes, wanted=turns.wanted)
-                if not led():
-                    link.nudged = True  # (drive's, inline: checked above)
-                    try:
-                        link.wait_for(led, lead)  # type: ignore[arg-type]
-                    except BaseException as exc:  # given up here, as blocking() does
-                        link.nudged = False
-                        if not self._gave_up(future, exc, deadline):
-                            raise
-                    finally:
-                        link.nudged = False
+            if lead is not False and seq in member.calls and turns.alone():
+                try:
+                    if link.lead(seq, lead):  # type: ignore[arg-type]  # (the common wait, first)
+                        settle(outcomes)
+                    else:
+                        led = settled_when(future, outcomes, wanted=turns.wanted)
+                        if not led():
+                            link.nudged = True  # (drive's, inline: checked above)
+                            link.wait_for(led, lead)  # type: ignore[arg-type]
+                except BaseException as exc:  # given up here, as blocking() does
+                    link.nudged = False
+                    if not self._gave_up(future, exc, deadline):
+                        raise
+                finally:
+                    link.nudged = False
             return future
         finally:
             turns.give()

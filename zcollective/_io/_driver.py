@@ -206,6 +206,12 @@ class Driver:
         holds, as much as a driver chooses). False on timeout."""
         raise NotImplementedError
 
+    def lead(self, seq: int, deadline: Optional[float]) -> bool:
+        """A blocking call's wait at its cheapest, by the turn's holder alone in the group (nudged: a thread
+        wanting the turn ends it): True once call ``seq`` is answered (its outcome queued); False, having
+        left every other source unread, when anything else is pending or came (then :meth:`wait_for`)."""
+        return False
+
     def slice_s(self) -> Optional[float]:
         """How long :meth:`wait_mail`'s poll may sleep (0: a duty of the
         driver's own is due: none of it here); None: it has no such poll."""
