@@ -50,22 +50,6 @@ _ours: dict[str, bool] = {}  # file name -> is it this package's
 _basenames: dict[str, str] = {}
 
 
-def _callsite() -> str:
-    """``file.py:line`` of the user's code that called into the library.
-    On every call (mismatch reports need it), so it caches per file."""
-    frame: Any = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        ours = _ours.get(filename)
-        if ours is None:
-            ours = _ours[filename] = filename.startswith(_PACKAGE_DIR)
-            _basenames[filename] = os.path.basename(filename)
-        if not ours:
-            return f"{_basenames[filename]}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
-
-
 class Calls:
     """The calls of one open :class:`~zcollective._lifecycle.Lifecycle`: its
     interface is :meth:`run`, :meth:`call`, :meth:`submit`, :meth:`blocking`,
@@ -106,7 +90,19 @@ class Calls:
         ``lead``: see :meth:`submit`."""
         if tuple(map(getsignal, DEFERRED_SIGNALS)) != _interrupts.held:  # the program installed a
             _interrupts.hold_new_handlers()  # handler since: wrapped before anything is done
-        site = _callsite()
+        frame: Any = sys._getframe(1)  # the user's code that called into the library (mismatch
+        while frame is not None:  # reports need it on every call: cached per file, inline)
+            filename = frame.f_code.co_filename
+            ours = _ours.get(filename)
+            if ours is None:
+                ours = _ours[filename] = filename.startswith(_PACKAGE_DIR)
+                _basenames[filename] = os.path.basename(filename)
+            if not ours:
+                site = f"{_basenames[filename]}:{frame.f_lineno}"
+                break
+            frame = frame.f_back
+        else:
+            site = "?"
         if self.life.closed or this_pid != self.pid:
             self.life.check_usable()  # raises, saying which
         operation = BY_NAME[name]
@@ -144,8 +140,11 @@ class Calls:
                                    f"collectives (it runs inside the coordinator, on rank 0)")
             member, link = self.member, self.driver
             assert link is not None
+            seq = member.next_seq
             try:
-                seq = member.reserve(op, part.root, site)
+                if member.failure is not None or member.deferred is not None:
+                    member.reserve(op, part.root, site)  # (raises the failure; a deferred one resolved)
+                seq = member.next_seq
                 segments, fn = part.build()
                 future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
                 member.submit(op, part.root, segments, fn, site, part.flags, future, part.finish,
@@ -154,8 +153,10 @@ class Calls:
                 member.unreserve()
                 raise
             except BaseException as exc:
-                member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its "
-                               f"part was sent")
+                if member.failure is None and member.next_seq == seq:  # (not submitted)
+                    member.reserve(op, part.root, site)
+                    member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its "
+                                   f"part was sent")
                 with contextlib.suppress(CollectiveError):
                     link.flush()  # the others hear of it now, not at this replica's next call
                 raise

@@ -41,10 +41,26 @@ class DealerDriver(Driver):
     def _send(self, msg: Message) -> None:
         member = self.member
         if not self.link.send(encode(msg, member.signer, part_bytes=member.part_bytes), msg):
-            # no pipe to the coordinator (a re-made connection was refused): a lost connection
-            # once joined; before, the member joins again on the next handshake
-            self._answer(member.connection(ConnectionEvent.DISCONNECTED))
-            member.check()
+            self._no_pipe()
+
+    def _no_pipe(self) -> None:
+        """No pipe to the coordinator (a re-made connection was refused): a lost connection
+        once joined; before, the member joins again on the next handshake."""
+        member = self.member
+        self._answer(member.connection(ConnectionEvent.DISCONNECTED))
+        member.check()
+
+    def flush(self) -> None:
+        member = self.member
+        owed, send = member.owed, self.link.send
+        if member.parent > 0 or member.relay is not None or member.asks:
+            return super().flush()  # (up the tree)
+        while owed:  # (Driver.flush's, inline: one call per message saved)
+            msg = owed[0]
+            if not send(encode(msg, member.signer, part_bytes=member.part_bytes), msg):
+                self._no_pipe()
+            if owed:  # a failure while sending empties it
+                owed.popleft()
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """One wait covers the link and its events, so a disconnect ends a wait at once."""

@@ -41,7 +41,7 @@ class Driver:
         self.member = member
         self.data: Optional[DataPlane] = None  # the data plane, once the group has one
         self.shared: Optional[SharedPlane] = None  # this rank's host's shared memory, if it has some
-        self.sleepers: Callable[[], bool] = bool  # does a coroutine sleep on the fds (the group
+        self.sleepers: Callable[[], object] = bool  # does a coroutine sleep on the fds (the group
         # sets _future.sleeping): then every progress drains the sockets (rule 3 of _future)
         self.waiter = Waiter()  # what its waits watch: the link's sources, the nudge, the data plane's
         self._watches()
