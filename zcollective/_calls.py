@@ -133,7 +133,7 @@ class Calls:
             if self.life.closed:  # torn down by another thread meanwhile
                 self.life.check_usable()
             server = self.server
-            if server is not None and server.reducing_here():
+            if server is not None and server.coordinator.reducing is not None and server.reducing_here():
                 # a call here would take the next seq while every rank waits for this reduction,
                 # so the group would fail for good
                 raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import DEFAULT_MAX_FRAMES, Kind, Message, WireError, decode, encode, owned
 from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S
-from .._protocol._member import Member
+from .._protocol._member import NO_DUE, Member
 from .._protocol._outcomes import CallOutcome, fresh
 from ..errors import CollectiveError, CollectiveTimeoutError
 from . import transport
@@ -460,6 +460,19 @@ class HostDriver(Driver):
             msg = owned(msg)
         self.server.from_host(msg)
 
+    def flush(self) -> None:
+        member = self.member
+        if member.parent > 0 or member.relay is not None or member.asks:
+            return super().flush()  # (up the tree)
+        owed, take = member.owed, self.server.from_host
+        while owed:  # (Driver.flush's and _send's, inline: the common call)
+            msg = owed[0]
+            segments = msg.segments  # (one immutable frame, a small call's, needs no copy: owned's test)
+            take(msg if msg.kind is not Kind.CONTRIB or (len(segments) == 1 and len(segments[0]) == 1
+                                                          and type(segments[0][0]) is bytes) else owned(msg))
+            if owed:  # a failure while sending empties it
+                owed.popleft()
+
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member, turns = self.server, self.member, self.turns
         held = turns.owner == get_ident()  # (as wait_for)
@@ -488,6 +501,27 @@ class HostDriver(Driver):
         finally:
             if not held:
                 turns.give()
+
+    def lead(self, seq: int, deadline: Optional[float]) -> bool:
+        """As :meth:`Driver.lead`: rank 0's thread serves the coordinator (:meth:`Server.quick`) and hands
+        its member what comes for it, while nothing else is pending here."""
+        server, member = self.server, self.member
+        calls, rules, sockets, to_host, names = member.calls, member.mail, self.mail, server.to_host, \
+            self._nudged_names
+        while True:
+            while to_host:
+                replies = member.receive_message(to_host.popleft())
+                if replies:
+                    self.send(replies)
+            if seq not in calls:
+                return True
+            if (member.transfers or member.owed or member.failure is not None or member.relay is not None
+                    or member.tree_due is not NO_DUE or self.mail_ready or self.tracked
+                    or (rules is not None and (rules.out or rules.cut))
+                    or (sockets is not None and sockets.retry)
+                    or (self.shared is not None and self.shared.growing is not None)
+                    or not server.quick(names, deadline)):
+                return False
 
     def slice_s(self) -> Optional[float]:
         server = self.server

@@ -123,11 +123,23 @@ class Server:
         """Rank 0's member sends ``msg``: taken by the coordinator now, in this thread (a reduce function may
         run here), or, when the background thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
         function), by whichever owner comes next: sending never blocks."""
-        self.from_member.append(msg)
-        if self.turns.owner == get_ident():  # (the common call: its thread holds the turn)
-            self._take_from_host()
-        else:
+        if self.turns.owner != get_ident():
+            self.from_member.append(msg)
             self._briefly(self._take_from_host)
+            return
+        if self.from_member:  # (in order)
+            self.from_member.append(msg)
+            self._take_from_host()
+            return
+        coordinator = self.coordinator  # the common call, holding the turn: _take_from_host's, inline
+        if self.hub.router is None or coordinator.phase is Phase.CLOSED or self.crashed:
+            return
+        try:
+            outs = coordinator.receive_message(RANK0_PEER, msg)
+            if outs or coordinator.interrupted is not None:
+                self._send_all(outs)  # (a reduction asked for runs there)
+        except Exception as exc:
+            raise self._failed(exc) from exc
 
     def form_now(self) -> None:
         """Rank 0's thread: the forming bound passed; start with those who came."""
@@ -141,7 +153,9 @@ class Server:
             if self.hub.router is None or self.coordinator.phase is Phase.CLOSED or self.crashed:
                 continue  # (as _take: nothing is taken any more)
             try:
-                self._send_all(receive(RANK0_PEER, msg))  # (a reduction asked for runs there)
+                outs = receive(RANK0_PEER, msg)
+                if outs or self.coordinator.interrupted is not None:
+                    self._send_all(outs)  # (a reduction asked for runs there)
             except Exception as exc:
                 raise self._failed(exc) from exc
 
@@ -160,6 +174,22 @@ class Server:
             while self.to_host:
                 deliver(self.to_host.popleft())
         return got
+
+    def quick(self, names: tuple[str, ...], deadline: Optional[float]) -> bool:
+        """One step of the holder's common wait (:meth:`HostDriver.lead`): a poll of ``names``; True
+        when the ROUTER alone woke it, and what waited there was served. False, having read nothing
+        (the general wait, :meth:`serve`, finds it at once), when anything else woke it or is due."""
+        if self.from_member or self.crashed is not None or self.stopped or self.hub.gatekeeper is not None:
+            return False
+        woke = self.waiter.wait(names, deadline, self.sleep_s(POLL_SLICE_S))
+        if (len(woke) != 1 or woke[0] != ROUTER or self._probes.due is not None
+                or (self._stall_due is not None and time.monotonic() >= self._stall_due)):
+            return False
+        try:
+            self._drain(waiting=True)
+        except Exception as exc:
+            raise self._failed(exc) from exc
+        return True
 
     def _news(self) -> bool:
         return bool(self.to_host) or self.crashed is not None or self.stopped  # (gone(), inline)
@@ -369,8 +399,9 @@ class Server:
     def sleep_s(self, limit_s: Optional[float]) -> Optional[float]:
         """How long a wait may sleep: ``limit_s`` (None: for ever), but not
         past the next probe round, nor the next stall warning due."""
-        now = time.monotonic()
-        limit_s = self._probes.limit(limit_s, now)
+        now, due = time.monotonic(), self._probes.due
+        if due is not None:  # (ProbeSchedule.limit, inline: at every wait)
+            limit_s = due - now if limit_s is None else min(limit_s, due - now)
         stall = self._stall_due = self.coordinator.next_stall()
         if stall is not None:
             limit_s = max(0.0, stall - now) if limit_s is None else max(0.0, min(limit_s, stall - now))
@@ -409,7 +440,9 @@ class Server:
         hub = self.hub
         for peer, msg in applied(outs, coordinator):
             if peer == RANK0_PEER:
-                self.to_host.append(owned(msg))
+                segments = msg.segments  # (one immutable frame, a small call's, needs no copy: owned's test)
+                self.to_host.append(msg if len(segments) == 1 and len(segments[0]) == 1 and type(
+                    segments[0][0]) is bytes else owned(msg))
                 if self._away:  # rank 0's thread is elsewhere: an awaiting coroutine watches this
                     self.wakeup.set()
             elif hub.router is not None and not hub.send(
