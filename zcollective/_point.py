@@ -202,15 +202,14 @@ class PointToPoint:
             outcomes = calls.member.outcomes
             if outcomes:
                 settle(outcomes)
-            if lead and turns.alone():
+            if lead and not finished(future) and turns.alone():  # (a send with credit is done by now)
                 settled = settled_when(future, outcomes)
-                if not settled():
-                    try:
-                        if driver is None or calls.life.closed or not driver.wait_mail(settled, deadline):
-                            calls.drive(settled_when(future, outcomes, wanted=turns.wanted), deadline, True)
-                    except BaseException as exc:
-                        if not self._withdraw(future, exc, deadline):
-                            raise
+                try:
+                    if driver is None or calls.life.closed or not driver.wait_mail(settled, deadline):
+                        calls.drive(settled_when(future, outcomes, wanted=turns.wanted), deadline, True)
+                except BaseException as exc:
+                    if not self._withdraw(future, exc, deadline):
+                        raise
             return future
         finally:
             turns.give()

@@ -26,6 +26,7 @@ class DealerDriver(Driver):
     """A member's link to the coordinator at ``config.endpoint`` (see docs/protocol.md, *Drivers*)."""
 
     remote = True
+    fixed_slice_s = POLL_SLICE_S
 
     def __init__(self, ctx: Any, config: Config, member: Member) -> None:
         super().__init__(member)

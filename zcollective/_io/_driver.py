@@ -35,6 +35,7 @@ class Driver:
     """What every member's driver does; subclasses send and wait."""
 
     remote = False  # True when the coordinator is at the other end of a connection
+    fixed_slice_s: Optional[float] = None  # :meth:`slice_s`, when it never changes (read without a call)
     warn_after: Optional[float] = None  # a join waiting this long says so (rank 0's coordinator does)
 
     def __init__(self, member: Member) -> None:
@@ -339,7 +340,7 @@ class Driver:
         if (sockets is None or member.transfers or member.owed or member.failure is not None
                 or self.tracked or sockets.retry):
             return False
-        slice_s = self.slice_s()
+        slice_s = self.fixed_slice_s if self.fixed_slice_s is not None else self.slice_s()
         if slice_s is None or slice_s <= 0:
             return False
         woke = self.waiter.wait(self._nudged_names, deadline, slice_s)
@@ -520,7 +521,7 @@ class HostDriver(Driver):
                     or (rules is not None and (rules.out or rules.cut))
                     or (sockets is not None and sockets.retry)
                     or (self.shared is not None and self.shared.growing is not None)
-                    or not server.quick(names, deadline)):
+                    or not server.quick(names, deadline, bool(self.sleepers()))):
                 return False
 
     def slice_s(self) -> Optional[float]:

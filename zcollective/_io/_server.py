@@ -175,10 +175,11 @@ class Server:
                 deliver(self.to_host.popleft())
         return got
 
-    def quick(self, names: tuple[str, ...], deadline: Optional[float]) -> bool:
+    def quick(self, names: tuple[str, ...], deadline: Optional[float], drain: bool = False) -> bool:
         """One step of the holder's common wait (:meth:`HostDriver.lead`): a poll of ``names``; True
         when the ROUTER alone woke it, and what waited there was served. False, having read nothing
-        (the general wait, :meth:`serve`, finds it at once), when anything else woke it or is due."""
+        (the general wait, :meth:`serve`, finds it at once), when anything else woke it or is due. It
+        stops reading once its member has news, unless ``drain`` (a coroutine sleeps on the fds)."""
         if self.from_member or self.crashed is not None or self.stopped or self.hub.gatekeeper is not None:
             return False
         woke = self.waiter.wait(names, deadline, self.sleep_s(POLL_SLICE_S))
@@ -186,7 +187,7 @@ class Server:
                 or (self._stall_due is not None and time.monotonic() >= self._stall_due)):
             return False
         try:
-            self._drain(waiting=True)
+            self._drain(waiting=True, batch=DRAIN_BATCH if drain else 1)
         except Exception as exc:
             raise self._failed(exc) from exc
         return True
