@@ -79,15 +79,15 @@ class Driver:
         due = self.member.tree_due()  # parts held go up as they came; a held FAIL takes effect
         return due if retry is None else retry if due is None else min(due, retry)
 
-    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> None:
+    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> bool:
         """Point to point: take in what came to the mailbox (if ``take``; ``ready``: what a wait woke for, see
         :attr:`mail_ready`), send what the rules owe (a send is done once libzmq no longer reads its buffers).
         Once ``enough()`` holds (a waited-for call is done) the rest stays for the next wait, unless a
-        coroutine sleeps on the descriptors (rule 3 of :mod:`zcollective._future`)."""
+        coroutine sleeps on the descriptors (rule 3 of _future); True: it stopped there."""
         member, sockets = self.member, self.mail
-        rules = member.mail
+        rules, done = member.mail, False
         if rules is None:
-            return
+            return done
         timed = member.relay is not None or member.deferred is not None
         if timed:
             member.tree_timer(time.monotonic())
@@ -102,6 +102,7 @@ class Driver:
                     continue
                 rules.take(msg)
                 if enough is not None and member.outcomes and enough() and not self.sleepers():
+                    done = True
                     break
         if member.asks:  # a subtree's reduction its relay asked for
             answer(member)
@@ -124,7 +125,7 @@ class Driver:
             frames = encode(msg, None if signer is None else signer.to(dest), part_bytes=member.part_bytes)
             went += sockets.send(dest, frames, borrowed, handle)
         broken = None
-        if sockets is not None:
+        if sockets is not None and (ready & LINK or time.monotonic() >= sockets.quiet_until):
             made, broken = sockets.progress(time.monotonic(), bool(ready & LINK))
             went += made
         for tracker, handle in went:
@@ -151,6 +152,7 @@ class Driver:
             if interrupted is not None and threading.current_thread() is threading.main_thread():
                 member.relay.interrupted = None  # here: only the main thread gets signals)
                 raise interrupted
+        return done
 
     def take_back(self, handle: Any) -> bool:
         """Take back the send ``handle`` whose message still waits for its link (timed out, interrupted): only
@@ -346,8 +348,7 @@ class Driver:
         woke = self.waiter.wait(self._nudged_names, deadline, slice_s)
         if len(woke) != 1 or woke[0] != MAIL:
             return False
-        self.mail_io(ready=MESSAGE, enough=done)
-        return done()
+        return self.mail_io(ready=MESSAGE, enough=done) or done()
 
     def progress(self, data: bool = True) -> None:
         """Send what is owed; take in whatever has arrived, without blocking; move

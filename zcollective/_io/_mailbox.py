@@ -54,6 +54,8 @@ class MailSockets:
         self._broken: Optional[int] = None  # a link found broken while sending
         self._cut_off: set[int] = set()  # links whose messages still leaving are dropped at close
         self._next_look = 0.0  # when the links' monitors are next read, once every link is made
+        self.quiet_until = 0.0  # till then progress() has nothing to do without ``look`` (nothing held, no
+        # retry, no link broken: the driver asks without a call)
         self._endpoints: list[str] = []
         self._session, self._base = 0, b""  # the group's, from start()
         with _sockets.mapped(f"rank {self.rank} cannot open its mailbox port", address=True):
@@ -94,8 +96,13 @@ class MailSockets:
             self._connect(dest)
         if dest not in self._made:  # nothing goes before the handshake: a refused one is made
             self._held.setdefault(dest, []).append((frames, track, handle))  # again, with nothing
-            return []  # queued on it to lose
-        return [(self._send(dest, frames, track), handle)]
+            self.quiet_until = 0.0  # queued on it to lose
+            return []
+        try:  # (_send's, inline: once per message)
+            return [(_sockets.send_frames(self._pushes[dest], frames, track), handle)]
+        except zmq.Again:
+            self._broken, self.quiet_until = dest, 0.0
+            return [(None, handle)]
 
     def _send(self, dest: int, frames: list[Any], track: bool) -> Any:
         """Send without ever blocking: libzmq with no pipe to ``dest`` any more
@@ -103,7 +110,7 @@ class MailSockets:
         try:
             return _sockets.send_frames(self._pushes[dest], frames, track)
         except zmq.Again:
-            self._broken = dest
+            self._broken, self.quiet_until = dest, 0.0
             return None
 
     def progress(self, now: float, look: bool = False) -> tuple[list[tuple[Any, Any]], Optional[int]]:
@@ -116,6 +123,7 @@ class MailSockets:
         if not look and not self._held and not self.retry and broken is None and now < self._next_look:
             return went, None  # every link made: a refusal can wait a moment (a wait wakes for it)
         self._next_look = now + LOOK_S
+        self.quiet_until = 0.0  # (until known again, below)
         for dest, monitor in self.monitors.items():
             if not _sockets.readable(monitor):  # (each look reads a monitor to the end: a wait
                 continue  # watches its file descriptor, which only news sets again)
@@ -136,6 +144,8 @@ class MailSockets:
                 with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
                                      address=True):
                     _zap.connect_with_token(self._pushes[dest], target, key, _zap.MAIL_DOMAIN)
+        if not self._held and not self.retry and self._broken is None:
+            self.quiet_until = self._next_look
         return went, broken
 
     def holding(self, but: Container[int] = ()) -> bool:
