@@ -199,10 +199,11 @@ class PointToPoint:
             act(mail, *args, future)
             if driver is not None and (mail.out or driver.tracked) and not calls.life.closed:
                 driver.mail_io(take=False)  # sent now, not at the next wait
-            outcomes = calls.member.outcomes
-            if outcomes:
+            outcomes, done = calls.member.outcomes, False
+            if outcomes:  # (only an outcome resolves it: a send with credit is done by now)
                 settle(outcomes)
-            if lead and not finished(future) and turns.alone():  # (a send with credit is done by now)
+                done = finished(future)
+            if lead and not done and turns.alone():
                 settled = settled_when(future, outcomes)
                 try:
                     if driver is None or calls.life.closed or not driver.wait_mail(settled, deadline):

@@ -17,6 +17,7 @@ from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
 from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, bind_peer_port, set_peer_options
+from ._zmq import NOBLOCK, recv_frame
 
 __all__ = ["MAIL", "MESSAGE", "LINK", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
@@ -237,8 +238,10 @@ class MailSockets:
             if not (waiting or _sockets.readable(pull)):
                 return
             waiting = False
-            try:
-                frames = _sockets.recv_message(pull)
+            try:  # (_sockets.recv_message's, inline: once per message)
+                frames = [recv_frame(pull, NOBLOCK, False)]
+                while frames[-1].more:
+                    frames.append(recv_frame(pull, NOBLOCK, False))
             except zmq.Again:  # (taken meanwhile, by a look that did not know of that poll)
                 return
             yield frames
