@@ -133,7 +133,7 @@ class Calls:
             if self.life.closed:  # torn down by another thread meanwhile
                 self.life.check_usable()
             server = self.server
-            if server is not None and server.coordinator.reducing is not None and server.reducing_here():
+            if server is not None and server.coordinator.reducing is not None and turns.held():
                 # a call here would take the next seq while every rank waits for this reduction,
                 # so the group would fail for good
                 raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
@@ -364,7 +364,8 @@ class Calls:
         if not turns.take(time.monotonic() + STATUS_WAIT_S):  # the holder is in a long step
             raise CollectiveTimeoutError(self.member.timeout_message(future.seq, timeout, None, link.busy()))
         try:
-            message = link.timeout_message(future.seq, timeout)
+            seq = future.seq
+            message = self.member.timeout_message(seq, timeout, link.ask_status(seq), link.busy())
             if settled_when(future, self.member.outcomes)():
                 return  # it arrived while the coordinator was asked
             self.member.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer

@@ -210,9 +210,8 @@ class Driver:
         raise NotImplementedError
 
     def lead(self, seq: int, deadline: Optional[float]) -> bool:
-        """A blocking call's wait at its cheapest, by the turn's holder alone in the group (nudged: a thread
-        wanting the turn ends it): True once call ``seq`` is answered (its outcome queued); False, having
-        left every other source unread, when anything else is pending or came (then :meth:`wait_for`)."""
+        """A blocking call's wait at its cheapest, by the turn's holder alone (nudged): True once call
+        ``seq`` is answered; False, all else unread, when anything else is pending or came (then wait_for)."""
         return False
 
     def slice_s(self) -> Optional[float]:
@@ -333,11 +332,9 @@ class Driver:
         return (self._pump(wake, until) or wake != deadline) and not (until is not None and until())
 
     def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """A point-to-point call's wait, by the turn's holder, at its cheapest: one poll of what
-        :meth:`wait_for` watches (the nudge too), and, if the mailbox alone woke it, what came taken in; True
-        once ``done()``. False, having taken nothing else, when something else woke it (every source stays
-        readable: :meth:`wait_for`'s poll finds it at once), nothing came within :meth:`slice_s`, or anything
-        else is due."""
+        """A point-to-point call's wait at its cheapest: one poll of what :meth:`wait_for` watches (the nudge
+        too), taking in what came if the mailbox alone woke it; True once ``done()``. False, nothing else read
+        (wait_for's poll finds it), when anything else woke it or is due, or nothing came within the slice."""
         member, sockets = self.member, self.mail
         if (sockets is None or member.transfers or member.owed or member.failure is not None
                 or self.tracked or sockets.retry):
@@ -429,9 +426,6 @@ class Driver:
             pass
         return member.status.pop(seq, None)
 
-    def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
-        return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
-
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""
         replies = self.member.receive_message(msg)
@@ -505,8 +499,7 @@ class HostDriver(Driver):
                 turns.give()
 
     def lead(self, seq: int, deadline: Optional[float]) -> bool:
-        """As :meth:`Driver.lead`: rank 0's thread serves the coordinator (:meth:`Server.quick`) and hands
-        its member what comes for it, while nothing else is pending here."""
+        """As :meth:`Driver.lead`, serving the coordinator (:meth:`Server.quick`)."""
         server, member = self.server, self.member
         calls, rules, sockets, to_host, names = member.calls, member.mail, self.mail, server.to_host, \
             self._nudged_names

@@ -120,9 +120,8 @@ class Server:
                 self.turns.give()
 
     def from_host(self, msg: Message) -> None:
-        """Rank 0's member sends ``msg``: taken by the coordinator now, in this thread (a reduce function may
-        run here), or, when the background thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
-        function), by whichever owner comes next: sending never blocks."""
+        """Rank 0's member sends ``msg``: taken by the coordinator now, in this thread (a reduce function
+        may run here), or by the next owner if the stand-in keeps the turn past HOLD_TRY_S."""
         if self.turns.owner != get_ident():
             self.from_member.append(msg)
             self._briefly(self._take_from_host)
@@ -161,9 +160,8 @@ class Server:
 
     def serve(self, deadline: Optional[float], deliver: Callable[[Message], None],
               nudged: bool = False, also: tuple[str, ...] = ()) -> bool:
-        """Rank 0's thread, holding the turn: serve until something came for its member
-        (handed to ``deliver``; True), the nudge is readable if ``nudged``, or a source of
-        ``also`` (its member's mailbox; True), or ``deadline`` (False)."""
+        """Rank 0's thread, holding the turn: serve until something came for its member (to ``deliver``;
+        True), the nudge if ``nudged``, or a source of ``also`` (True), or ``deadline`` (False)."""
         if self.from_member:
             self._take_from_host()
         got = self._serve_until(self._news, deadline, (*(self.NUDGED if nudged else self.SERVED), *also),
@@ -176,10 +174,8 @@ class Server:
         return got
 
     def quick(self, names: tuple[str, ...], deadline: Optional[float], drain: bool = False) -> bool:
-        """One step of the holder's common wait (:meth:`HostDriver.lead`): a poll of ``names``; True
-        when the ROUTER alone woke it, and what waited there was served. False, having read nothing
-        (the general wait, :meth:`serve`, finds it at once), when anything else woke it or is due. It
-        stops reading once its member has news, unless ``drain`` (a coroutine sleeps on the fds)."""
+        """HostDriver.lead's step: True when the ROUTER alone woke a poll of ``names`` and was read (till
+        its member has news, unless ``drain``); False, nothing read, when anything else woke it or is due."""
         if self.from_member or self.crashed is not None or self.stopped or self.hub.gatekeeper is not None:
             return False
         woke = self.waiter.wait(names, deadline, self.sleep_s(POLL_SLICE_S))
@@ -198,8 +194,8 @@ class Server:
     def _serve_until(self, done: Callable[[], bool], deadline: Optional[float], names: tuple[str, ...],
                      slice_s: Optional[float] = None) -> bool:
         """The turn's holder: serve what the waiter finds, in slices of at most ``slice_s`` (never past a
-        probe round or a stall warning due), until ``done()`` or a source not served (the nudge, the stop) is
-        readable (True, at once: what else came is the next holder's), or ``deadline`` (False)."""
+        probe round or a stall warning due), until ``done()`` or a source not served (the nudge, the stop)
+        is readable (True, at once), or ``deadline`` (False)."""
         while not done():
             woke = self.waiter.wait(names, deadline, self.sleep_s(slice_s))
             if NUDGE in woke or STOP in woke:
@@ -235,10 +231,8 @@ class Server:
             raise self._failed(exc) from exc
 
     def _step(self, woke: list[str]) -> None:
-        """The owner: answer handshakes, then whatever waits on the monitor and the ROUTER. ``woke`` is what
-        the owner's wait just found readable: a source it did not name is not asked again (the next wait finds
-        what came since), one it named is read without asking again; none (a probe round is due, or nothing is
-        known): each is asked."""
+        """The owner: answer handshakes, then what waits on the monitor and the ROUTER. ``woke``: what a wait
+        found readable (read without asking again; the others wait for the next wait); none: each is asked."""
         known = bool(woke) and woke[0] is not DEADLINE
         if known and self.hub.gatekeeper is not None:
             self.hub.handshakes()  # a handshake waits for it: first
@@ -258,11 +252,6 @@ class Server:
         if self.crashed is None:
             self._crash(exc)
         return InternalError(self.crashed or "the coordinator crashed")
-
-    def reducing_here(self) -> bool:
-        """Is the calling thread inside a reduce function it runs (rank 0's
-        thread, or the background thread)?"""
-        return self.coordinator.reducing is not None and self.turns.held()
 
     def busy(self) -> Optional[str]:
         """What the coordinator has been stuck in for a while, if anything."""
@@ -409,10 +398,8 @@ class Server:
         return limit_s
 
     def _drain(self, waiting: bool = False, batch: Optional[int] = DRAIN_BATCH) -> None:
-        """Handle every message waiting on the ROUTER (``waiting``: a poll just found one, so the first needs
-        no second poll); after ``batch`` of them (None: no bound), return once rank 0's member has news, so
-        that it gets it (the owner's next poll finds the rest at once): a stranger flooding the port would
-        otherwise keep rank 0's thread here, and every call of the group waiting for rank 0."""
+        """Handle every message waiting on the ROUTER (``waiting``: a poll just found one); after ``batch``
+        (None: no bound), return once rank 0's member has news (a flood of the port must not hold it)."""
         hub, coordinator = self.hub, self.coordinator
         taken = 0
         while coordinator.phase is not Phase.CLOSED:
