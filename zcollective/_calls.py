@@ -164,7 +164,8 @@ class Calls:
             outcomes = member.outcomes
             if outcomes:
                 settle(outcomes)
-            if lead is not False and seq in member.calls and turns.alone():
+            if (lead is not False and seq in member.calls  # this thread alone in the group: held once,
+                    and turns.depth == 1 and turns.leader is None and not turns.wanting):  # nobody else waits
                 try:
                     if link.lead(seq, lead):  # type: ignore[arg-type]  # (the common wait, first)
                         settle(outcomes)

@@ -203,7 +203,7 @@ class PointToPoint:
             if outcomes:  # (only an outcome resolves it: a send with credit is done by now)
                 settle(outcomes)
                 done = finished(future)
-            if lead and not done and turns.alone():
+            if lead and not done and turns.depth == 1 and turns.leader is None and not turns.wanting:
                 settled = settled_when(future, outcomes)
                 try:
                     if driver is None or calls.life.closed or not driver.wait_mail(settled, deadline):
