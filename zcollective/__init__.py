@@ -17,10 +17,10 @@ import inspect
 import os
 from typing import Any, Callable, Concatenate, Optional, ParamSpec, TypeVar, Union
 
-from ._calls import DEFAULT, Timeout
+from ._calls import DEFAULT, Calls, Timeout
 from ._elastic import Agreement
 from ._future import CollectiveFuture
-from ._group import Group, default_reduce_fn, life_of, point_of
+from ._group import Group, calls_of, default_reduce_fn, life_of, point_of
 from ._lifecycle import Lifecycle
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._point import PointToPoint
@@ -69,13 +69,15 @@ __all__ = [
 _group: Optional[Group] = None
 _life: Optional[Lifecycle] = None  # the default group's (its calls check it) ...
 _point: Optional[PointToPoint] = None  # ... and its point-to-point part
+_calls: Optional[Calls] = None  # ... and its call runner
 _ended: Optional[Group] = None  # the last default group torn down: its stats stay readable
 
 
 def _use(group: Optional[Group]) -> None:
     """Make ``group`` the default group (None: there is none)."""
-    global _group, _life, _point
-    _group, _life, _point = (None, None, None) if group is None else (group, life_of(group), point_of(group))
+    global _group, _life, _point, _calls
+    _group, _life, _point, _calls = (None, None, None, None) if group is None else (
+        group, life_of(group), point_of(group), calls_of(group))
 
 
 P = ParamSpec("P")
@@ -83,20 +85,32 @@ R = TypeVar("R")
 
 
 def _on_default(method: Callable[Concatenate[Group, P], R],
-                point: Optional[Callable[Concatenate[PointToPoint, P], R]] = None) -> Callable[P, R]:
+                point: Optional[Callable[Concatenate[PointToPoint, P], R]] = None,
+                run: Optional[str] = None) -> Callable[P, R]:
     """The module function of a :class:`Group` method: the method, called on the default group
     (same signature without ``self``, same docstring); ``point``: the point-to-point part's
-    method behind it, called on the default's part (no front in between)."""
+    method behind it, called on the default's part; ``run``: the blocking operation it runs
+    (``self._calls.run(run, timeout, *positional)``), run by the default's call runner (no front
+    in between)."""
+    signature = inspect.signature(method)
+    parameters = list(signature.parameters.values())[1:]
+    positional = [p for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+    defaults = tuple(p.default for p in positional)
+    least = sum(p.default is p.empty for p in positional)
+
     def on_default(*args: P.args, **kwargs: P.kwargs) -> R:
         life = _life
         if life is None or life.closed:  # (checked inline: no call on the common path)
             return method(_current(), *args, **kwargs)
         if point is not None:
             return point(_point, *args, **kwargs)  # type: ignore[arg-type]
+        if run is not None and least <= len(args) <= len(defaults) and (
+                not kwargs or (len(kwargs) == 1 and "timeout" in kwargs)):
+            return _calls.run(run, kwargs.get("timeout", DEFAULT), *args,  # type: ignore[union-attr, arg-type]
+                              *defaults[len(args):])
         return method(_group, *args, **kwargs)  # type: ignore[arg-type]
-    signature = inspect.signature(method)
     on_default.__signature__ = signature.replace(  # type: ignore[attr-defined]
-        parameters=list(signature.parameters.values())[1:])
+        parameters=parameters)
     on_default.__name__ = on_default.__qualname__ = method.__name__
     on_default.__module__, on_default.__doc__ = __name__, method.__doc__
     return on_default
@@ -297,27 +311,27 @@ def stats() -> dict[str, Any]:
     return group.stats()
 
 
-allreduce = _on_default(Group.allreduce)
+allreduce = _on_default(Group.allreduce, run="allreduce")
 allreduce_async = _on_default(Group.allreduce_async)
-scan = _on_default(Group.scan)
+scan = _on_default(Group.scan, run="scan")
 scan_async = _on_default(Group.scan_async)
-exscan = _on_default(Group.exscan)
+exscan = _on_default(Group.exscan, run="exscan")
 exscan_async = _on_default(Group.exscan_async)
-reduce = _on_default(Group.reduce)
+reduce = _on_default(Group.reduce, run="reduce")
 reduce_async = _on_default(Group.reduce_async)
-reduce_scatter = _on_default(Group.reduce_scatter)
+reduce_scatter = _on_default(Group.reduce_scatter, run="reduce_scatter")
 reduce_scatter_async = _on_default(Group.reduce_scatter_async)
-broadcast = _on_default(Group.broadcast)
+broadcast = _on_default(Group.broadcast, run="broadcast")
 broadcast_async = _on_default(Group.broadcast_async)
-allgather = _on_default(Group.allgather)
+allgather = _on_default(Group.allgather, run="allgather")
 allgather_async = _on_default(Group.allgather_async)
-gather = _on_default(Group.gather)
+gather = _on_default(Group.gather, run="gather")
 gather_async = _on_default(Group.gather_async)
-scatter = _on_default(Group.scatter)
+scatter = _on_default(Group.scatter, run="scatter")
 scatter_async = _on_default(Group.scatter_async)
-alltoall = _on_default(Group.alltoall)
+alltoall = _on_default(Group.alltoall, run="alltoall")
 alltoall_async = _on_default(Group.alltoall_async)
-barrier = _on_default(Group.barrier)
+barrier = _on_default(Group.barrier, run="barrier")
 barrier_async = _on_default(Group.barrier_async)
 split = _on_default(Group.split)
 subgroup = _on_default(Group.subgroup)

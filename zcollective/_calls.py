@@ -50,22 +50,6 @@ _ours: dict[str, bool] = {}  # file name -> is it this package's
 _basenames: dict[str, str] = {}
 
 
-def _callsite() -> str:
-    """``file.py:line`` of the user's code that called into the library.
-    On every call (mismatch reports need it), so it caches per file."""
-    frame: Any = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        ours = _ours.get(filename)
-        if ours is None:
-            ours = _ours[filename] = filename.startswith(_PACKAGE_DIR)
-            _basenames[filename] = os.path.basename(filename)
-        if not ours:
-            return f"{_basenames[filename]}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
-
-
 class Calls:
     """The calls of one open :class:`~zcollective._lifecycle.Lifecycle`: its
     interface is :meth:`run`, :meth:`call`, :meth:`submit`, :meth:`blocking`,
@@ -106,7 +90,19 @@ class Calls:
         ``lead``: see :meth:`submit`."""
         if tuple(map(getsignal, DEFERRED_SIGNALS)) != _interrupts.held:  # the program installed a
             _interrupts.hold_new_handlers()  # handler since: wrapped before anything is done
-        site = _callsite()
+        frame: Any = sys._getframe(1)  # the user's code that called into the library (mismatch
+        while frame is not None:  # reports need it on every call: cached per file, inline)
+            filename = frame.f_code.co_filename
+            ours = _ours.get(filename)
+            if ours is None:
+                ours = _ours[filename] = filename.startswith(_PACKAGE_DIR)
+                _basenames[filename] = os.path.basename(filename)
+            if not ours:
+                site = f"{_basenames[filename]}:{frame.f_lineno}"
+                break
+            frame = frame.f_back
+        else:
+            site = "?"
         if self.life.closed or this_pid != self.pid:
             self.life.check_usable()  # raises, saying which
         operation = BY_NAME[name]
@@ -137,15 +133,18 @@ class Calls:
             if self.life.closed:  # torn down by another thread meanwhile
                 self.life.check_usable()
             server = self.server
-            if server is not None and server.reducing_here():
+            if server is not None and server.coordinator.reducing is not None and turns.held():
                 # a call here would take the next seq while every rank waits for this reduction,
                 # so the group would fail for good
                 raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
                                    f"collectives (it runs inside the coordinator, on rank 0)")
             member, link = self.member, self.driver
             assert link is not None
+            seq = member.next_seq
             try:
-                seq = member.reserve(op, part.root, site)
+                if member.failure is not None or member.deferred is not None:
+                    member.reserve(op, part.root, site)  # (raises the failure; a deferred one resolved)
+                seq = member.next_seq
                 segments, fn = part.build()
                 future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
                 member.submit(op, part.root, segments, fn, site, part.flags, future, part.finish,
@@ -154,8 +153,10 @@ class Calls:
                 member.unreserve()
                 raise
             except BaseException as exc:
-                member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its "
-                               f"part was sent")
+                if member.failure is None and member.next_seq == seq:  # (not submitted)
+                    member.reserve(op, part.root, site)
+                    member.abandon(f"rank {self.rank} was interrupted ({type(exc).__name__}) before its "
+                                   f"part was sent")
                 with contextlib.suppress(CollectiveError):
                     link.flush()  # the others hear of it now, not at this replica's next call
                 raise
@@ -163,18 +164,22 @@ class Calls:
             outcomes = member.outcomes
             if outcomes:
                 settle(outcomes)
-            if lead is not False and turns.alone():
-                led = settled_when(future, outcomes, wanted=turns.wanted)
-                if not led():
-                    link.nudged = True  # (drive's, inline: checked above)
-                    try:
-                        link.wait_for(led, lead)  # type: ignore[arg-type]
-                    except BaseException as exc:  # given up here, as blocking() does
-                        link.nudged = False
-                        if not self._gave_up(future, exc, deadline):
-                            raise
-                    finally:
-                        link.nudged = False
+            if (lead is not False and seq in member.calls  # this thread alone in the group: held once,
+                    and turns.depth == 1 and turns.leader is None and not turns.wanting):  # nobody else waits
+                try:
+                    if link.lead(seq, lead):  # type: ignore[arg-type]  # (the common wait, first)
+                        settle(outcomes)
+                    else:
+                        led = settled_when(future, outcomes, wanted=turns.wanted)
+                        if not led():
+                            link.nudged = True  # (drive's, inline: checked above)
+                            link.wait_for(led, lead)  # type: ignore[arg-type]
+                except BaseException as exc:  # given up here, as blocking() does
+                    link.nudged = False
+                    if not self._gave_up(future, exc, deadline):
+                        raise
+                finally:
+                    link.nudged = False
             return future
         finally:
             turns.give()
@@ -360,7 +365,8 @@ class Calls:
         if not turns.take(time.monotonic() + STATUS_WAIT_S):  # the holder is in a long step
             raise CollectiveTimeoutError(self.member.timeout_message(future.seq, timeout, None, link.busy()))
         try:
-            message = link.timeout_message(future.seq, timeout)
+            seq = future.seq
+            message = self.member.timeout_message(seq, timeout, link.ask_status(seq), link.busy())
             if settled_when(future, self.member.outcomes)():
                 return  # it arrived while the coordinator was asked
             self.member.check()  # the group failed meanwhile (say, rank 0 ended): that is the answer

@@ -42,6 +42,11 @@ def life_of(group: Group) -> Lifecycle:
     return group._life
 
 
+def calls_of(group: Group) -> Calls:
+    """``group``'s call runner (the module API runs its default's blocking calls)."""
+    return group._calls
+
+
 def point_of(group: Group) -> PointToPoint:
     """``group``'s point-to-point part (the module API calls its default's)."""
     return group._point

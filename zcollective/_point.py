@@ -199,18 +199,18 @@ class PointToPoint:
             act(mail, *args, future)
             if driver is not None and (mail.out or driver.tracked) and not calls.life.closed:
                 driver.mail_io(take=False)  # sent now, not at the next wait
-            outcomes = calls.member.outcomes
-            if outcomes:
+            outcomes, done = calls.member.outcomes, False
+            if outcomes:  # (only an outcome resolves it: a send with credit is done by now)
                 settle(outcomes)
-            if lead and turns.alone():
+                done = finished(future)
+            if lead and not done and turns.depth == 1 and turns.leader is None and not turns.wanting:
                 settled = settled_when(future, outcomes)
-                if not settled():
-                    try:
-                        if driver is None or calls.life.closed or not driver.wait_mail(settled, deadline):
-                            calls.drive(settled_when(future, outcomes, wanted=turns.wanted), deadline, True)
-                    except BaseException as exc:
-                        if not self._withdraw(future, exc, deadline):
-                            raise
+                try:
+                    if driver is None or calls.life.closed or not driver.wait_mail(settled, deadline):
+                        calls.drive(settled_when(future, outcomes, wanted=turns.wanted), deadline, True)
+                except BaseException as exc:
+                    if not self._withdraw(future, exc, deadline):
+                        raise
             return future
         finally:
             turns.give()

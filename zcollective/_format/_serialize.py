@@ -29,7 +29,10 @@ _by_reference: dict[Any, bytes] = {}
 def dumps(value: Any, what: str = "value") -> list[Any]:
     """Serialize ``value`` to a segment ``[pickle, buffer...]``; raise
     SerializationError naming its type if it (or something in it) cannot be pickled."""
-    if type(value) in PLAIN_TYPES or (type(value) in CONTAINER_TYPES and _plain(value, [PLAIN_MAX_ITEMS])):
+    kind = type(value)
+    if kind in PLAIN_TYPES or (kind is dict and len(value) <= PLAIN_MAX_ITEMS // 2 and PLAIN_TYPES.issuperset(
+            map(type, value.keys())) and PLAIN_TYPES.issuperset(map(type, value.values()))) or (
+            kind in CONTAINER_TYPES and _plain(value, [PLAIN_MAX_ITEMS])):  # (a flat dict: _plain's, inline)
         return [pickle.dumps(value, PROTOCOL)]
     buffers: list[Any] = []
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Optional
 
 from .._format import _serialize
@@ -58,20 +58,23 @@ def run(asked: Combine, user_code: UserCode) -> list[list[Any]]:
     return out
 
 
-def applied(step: Iterable[Any], at: Any) -> Iterator[Any]:
+def applied(step: Iterable[Any], at: Any) -> list[Any]:
     """What a driver sends of ``step``, in order: a :class:`Combine` runs where it stands,
     in the driver's thread, before anything else is taken in, and what ``at`` (the
-    coordinator, or the tree's relay) then answers takes its place."""
+    coordinator, or the tree's relay) then answers takes its place. (A list, not a
+    generator: one Python call, where a generator costs one per message.)"""
+    sent: list[Any] = []
     for out in step:
         if not isinstance(out, Combine):
-            yield out
+            sent.append(out)
             continue
         try:
             results = run(out, at.user_code)
         except BaseException as exc:  # SystemExit from a reduce function too: it is the user's error
-            yield from at.combine_failed(out, exc)
+            sent.extend(at.combine_failed(out, exc))
         else:
-            yield from at.combined(out, results)
+            sent.extend(at.combined(out, results))
+    return sent
 
 
 def answer(member: Any) -> None:

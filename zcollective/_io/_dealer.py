@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from .._format._wire import Message, encode
 from .._limits import POLL_SLICE_S
-from .._protocol._member import ConnectionEvent, Member
+from .._protocol._member import NO_DUE, ConnectionEvent, Member
 from ..config import Config
 from ..errors import CollectiveError
 from . import transport
@@ -26,6 +26,7 @@ class DealerDriver(Driver):
     """A member's link to the coordinator at ``config.endpoint`` (see docs/protocol.md, *Drivers*)."""
 
     remote = True
+    fixed_slice_s = POLL_SLICE_S
 
     def __init__(self, ctx: Any, config: Config, member: Member) -> None:
         super().__init__(member)
@@ -41,10 +42,26 @@ class DealerDriver(Driver):
     def _send(self, msg: Message) -> None:
         member = self.member
         if not self.link.send(encode(msg, member.signer, part_bytes=member.part_bytes), msg):
-            # no pipe to the coordinator (a re-made connection was refused): a lost connection
-            # once joined; before, the member joins again on the next handshake
-            self._answer(member.connection(ConnectionEvent.DISCONNECTED))
-            member.check()
+            self._no_pipe()
+
+    def _no_pipe(self) -> None:
+        """No pipe to the coordinator (a re-made connection was refused): a lost connection
+        once joined; before, the member joins again on the next handshake."""
+        member = self.member
+        self._answer(member.connection(ConnectionEvent.DISCONNECTED))
+        member.check()
+
+    def flush(self) -> None:
+        member = self.member
+        owed, send = member.owed, self.link.send
+        if member.parent > 0 or member.relay is not None or member.asks:
+            return super().flush()  # (up the tree)
+        while owed:  # (Driver.flush's, inline: one call per message saved)
+            msg = owed[0]
+            if not send(encode(msg, member.signer, part_bytes=member.part_bytes), msg):
+                self._no_pipe()
+            if owed:  # a failure while sending empties it
+                owed.popleft()
 
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         """One wait covers the link and its events, so a disconnect ends a wait at once."""
@@ -66,6 +83,33 @@ class DealerDriver(Driver):
                 return True
             if DEADLINE in woke:
                 return False
+
+    def lead(self, seq: int, deadline: Optional[float]) -> bool:
+        """The common wait, first (see :meth:`Driver.lead`): while nothing but the link to the
+        coordinator has anything to do here, poll it (the nudge and the mailbox too) and hand what
+        came to the member, until call ``seq`` is answered (True). False, having taken in nothing
+        else, once anything else woke it or is pending: the general wait goes on from there."""
+        member, link, waiter, sockets = self.member, self.link, self.waiter, self.mail
+        calls, rules, names = member.calls, member.mail, self._nudged_names
+        while seq in calls:
+            if (member.transfers or member.owed or member.failure is not None or member.relay is not None
+                    or member.tree_due is not NO_DUE or self.mail_ready or self.tracked
+                    or (rules is not None and (rules.out or rules.cut))
+                    or (sockets is not None and sockets.retry)
+                    or (self.shared is not None and self.shared.growing is not None)):
+                return False
+            woke = waiter.wait(names, deadline, POLL_SLICE_S)
+            if len(woke) != 1 or woke[0] != DEALER:
+                return False  # (each source stays readable: the general wait finds it at once)
+            frames, receive = link.recv(True), member.receive
+            while frames is not None:
+                replies = receive(frames)
+                if replies:
+                    self._answer(replies)
+                if not calls and not self.sleepers():  # (as _drain_dealer: the rest stays queued)
+                    return True
+                frames = link.recv(False)
+        return True
 
     def slice_s(self) -> Optional[float]:
         return POLL_SLICE_S

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import DEFAULT_MAX_FRAMES, Kind, Message, WireError, decode, encode, owned
 from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S
-from .._protocol._member import Member
+from .._protocol._member import NO_DUE, Member
 from .._protocol._outcomes import CallOutcome, fresh
 from ..errors import CollectiveError, CollectiveTimeoutError
 from . import transport
@@ -35,13 +35,14 @@ class Driver:
     """What every member's driver does; subclasses send and wait."""
 
     remote = False  # True when the coordinator is at the other end of a connection
+    fixed_slice_s: Optional[float] = None  # :meth:`slice_s`, when it never changes (read without a call)
     warn_after: Optional[float] = None  # a join waiting this long says so (rank 0's coordinator does)
 
     def __init__(self, member: Member) -> None:
         self.member = member
         self.data: Optional[DataPlane] = None  # the data plane, once the group has one
         self.shared: Optional[SharedPlane] = None  # this rank's host's shared memory, if it has some
-        self.sleepers: Callable[[], bool] = bool  # does a coroutine sleep on the fds (the group
+        self.sleepers: Callable[[], object] = bool  # does a coroutine sleep on the fds (the group
         # sets _future.sleeping): then every progress drains the sockets (rule 3 of _future)
         self.waiter = Waiter()  # what its waits watch: the link's sources, the nudge, the data plane's
         self._watches()
@@ -78,15 +79,15 @@ class Driver:
         due = self.member.tree_due()  # parts held go up as they came; a held FAIL takes effect
         return due if retry is None else retry if due is None else min(due, retry)
 
-    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> None:
+    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> bool:
         """Point to point: take in what came to the mailbox (if ``take``; ``ready``: what a wait woke for, see
         :attr:`mail_ready`), send what the rules owe (a send is done once libzmq no longer reads its buffers).
         Once ``enough()`` holds (a waited-for call is done) the rest stays for the next wait, unless a
-        coroutine sleeps on the descriptors (rule 3 of :mod:`zcollective._future`)."""
+        coroutine sleeps on the descriptors (rule 3 of _future); True: it stopped there."""
         member, sockets = self.member, self.mail
-        rules = member.mail
+        rules, done = member.mail, False
         if rules is None:
-            return
+            return done
         timed = member.relay is not None or member.deferred is not None
         if timed:
             member.tree_timer(time.monotonic())
@@ -101,6 +102,7 @@ class Driver:
                     continue
                 rules.take(msg)
                 if enough is not None and member.outcomes and enough() and not self.sleepers():
+                    done = True
                     break
         if member.asks:  # a subtree's reduction its relay asked for
             answer(member)
@@ -123,7 +125,7 @@ class Driver:
             frames = encode(msg, None if signer is None else signer.to(dest), part_bytes=member.part_bytes)
             went += sockets.send(dest, frames, borrowed, handle)
         broken = None
-        if sockets is not None:
+        if sockets is not None and (ready & LINK or time.monotonic() >= sockets.quiet_until):
             made, broken = sockets.progress(time.monotonic(), bool(ready & LINK))
             went += made
         for tracker, handle in went:
@@ -150,6 +152,7 @@ class Driver:
             if interrupted is not None and threading.current_thread() is threading.main_thread():
                 member.relay.interrupted = None  # here: only the main thread gets signals)
                 raise interrupted
+        return done
 
     def take_back(self, handle: Any) -> bool:
         """Take back the send ``handle`` whose message still waits for its link (timed out, interrupted): only
@@ -205,6 +208,11 @@ class Driver:
         """Wait until something arrives or ``deadline``; hand it all to the member (or, once ``until()``
         holds, as much as a driver chooses). False on timeout."""
         raise NotImplementedError
+
+    def lead(self, seq: int, deadline: Optional[float]) -> bool:
+        """A blocking call's wait at its cheapest, by the turn's holder alone (nudged): True once call
+        ``seq`` is answered; False, all else unread, when anything else is pending or came (then wait_for)."""
+        return False
 
     def slice_s(self) -> Optional[float]:
         """How long :meth:`wait_mail`'s poll may sleep (0: a duty of the
@@ -324,23 +332,20 @@ class Driver:
         return (self._pump(wake, until) or wake != deadline) and not (until is not None and until())
 
     def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """A point-to-point call's wait, by the turn's holder, at its cheapest: one poll of what
-        :meth:`wait_for` watches (the nudge too), and, if the mailbox alone woke it, what came taken in; True
-        once ``done()``. False, having taken nothing else, when something else woke it (every source stays
-        readable: :meth:`wait_for`'s poll finds it at once), nothing came within :meth:`slice_s`, or anything
-        else is due."""
+        """A point-to-point call's wait at its cheapest: one poll of what :meth:`wait_for` watches (the nudge
+        too), taking in what came if the mailbox alone woke it; True once ``done()``. False, nothing else read
+        (wait_for's poll finds it), when anything else woke it or is due, or nothing came within the slice."""
         member, sockets = self.member, self.mail
         if (sockets is None or member.transfers or member.owed or member.failure is not None
                 or self.tracked or sockets.retry):
             return False
-        slice_s = self.slice_s()
+        slice_s = self.fixed_slice_s if self.fixed_slice_s is not None else self.slice_s()
         if slice_s is None or slice_s <= 0:
             return False
         woke = self.waiter.wait(self._nudged_names, deadline, slice_s)
         if len(woke) != 1 or woke[0] != MAIL:
             return False
-        self.mail_io(ready=MESSAGE, enough=done)
-        return done()
+        return self.mail_io(ready=MESSAGE, enough=done) or done()
 
     def progress(self, data: bool = True) -> None:
         """Send what is owed; take in whatever has arrived, without blocking; move
@@ -421,9 +426,6 @@ class Driver:
             pass
         return member.status.pop(seq, None)
 
-    def timeout_message(self, seq: int, timeout: Optional[float]) -> str:
-        return self.member.timeout_message(seq, timeout, self.ask_status(seq), self.busy())
-
     def _handle(self, msg: Message) -> None:
         """Give the member one decoded message; send what it answers."""
         replies = self.member.receive_message(msg)
@@ -454,6 +456,19 @@ class HostDriver(Driver):
             msg = owned(msg)
         self.server.from_host(msg)
 
+    def flush(self) -> None:
+        member = self.member
+        if member.parent > 0 or member.relay is not None or member.asks:
+            return super().flush()  # (up the tree)
+        owed, take = member.owed, self.server.from_host
+        while owed:  # (Driver.flush's and _send's, inline: the common call)
+            msg = owed[0]
+            segments = msg.segments  # (one immutable frame, a small call's, needs no copy: owned's test)
+            take(msg if msg.kind is not Kind.CONTRIB or (len(segments) == 1 and len(segments[0]) == 1
+                                                          and type(segments[0][0]) is bytes) else owned(msg))
+            if owed:  # a failure while sending empties it
+                owed.popleft()
+
     def _pump(self, deadline: Optional[float], until: Optional[Callable[[], bool]] = None) -> bool:
         server, member, turns = self.server, self.member, self.turns
         held = turns.owner == get_ident()  # (as wait_for)
@@ -482,6 +497,26 @@ class HostDriver(Driver):
         finally:
             if not held:
                 turns.give()
+
+    def lead(self, seq: int, deadline: Optional[float]) -> bool:
+        """As :meth:`Driver.lead`, serving the coordinator (:meth:`Server.quick`)."""
+        server, member = self.server, self.member
+        calls, rules, sockets, to_host, names = member.calls, member.mail, self.mail, server.to_host, \
+            self._nudged_names
+        while True:
+            while to_host:
+                replies = member.receive_message(to_host.popleft())
+                if replies:
+                    self.send(replies)
+            if seq not in calls:
+                return True
+            if (member.transfers or member.owed or member.failure is not None or member.relay is not None
+                    or member.tree_due is not NO_DUE or self.mail_ready or self.tracked
+                    or (rules is not None and (rules.out or rules.cut))
+                    or (sockets is not None and sockets.retry)
+                    or (self.shared is not None and self.shared.growing is not None)
+                    or not server.quick(names, deadline, bool(self.sleepers()))):
+                return False
 
     def slice_s(self) -> Optional[float]:
         server = self.server

@@ -17,6 +17,7 @@ from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
 from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, bind_peer_port, set_peer_options
+from ._zmq import NOBLOCK, recv_frame
 
 __all__ = ["MAIL", "MESSAGE", "LINK", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
@@ -54,6 +55,8 @@ class MailSockets:
         self._broken: Optional[int] = None  # a link found broken while sending
         self._cut_off: set[int] = set()  # links whose messages still leaving are dropped at close
         self._next_look = 0.0  # when the links' monitors are next read, once every link is made
+        self.quiet_until = 0.0  # till then progress() has nothing to do without ``look`` (nothing held, no
+        # retry, no link broken: the driver asks without a call)
         self._endpoints: list[str] = []
         self._session, self._base = 0, b""  # the group's, from start()
         with _sockets.mapped(f"rank {self.rank} cannot open its mailbox port", address=True):
@@ -94,8 +97,13 @@ class MailSockets:
             self._connect(dest)
         if dest not in self._made:  # nothing goes before the handshake: a refused one is made
             self._held.setdefault(dest, []).append((frames, track, handle))  # again, with nothing
-            return []  # queued on it to lose
-        return [(self._send(dest, frames, track), handle)]
+            self.quiet_until = 0.0  # queued on it to lose
+            return []
+        try:  # (_send's, inline: once per message)
+            return [(_sockets.send_frames(self._pushes[dest], frames, track), handle)]
+        except zmq.Again:
+            self._broken, self.quiet_until = dest, 0.0
+            return [(None, handle)]
 
     def _send(self, dest: int, frames: list[Any], track: bool) -> Any:
         """Send without ever blocking: libzmq with no pipe to ``dest`` any more
@@ -103,7 +111,7 @@ class MailSockets:
         try:
             return _sockets.send_frames(self._pushes[dest], frames, track)
         except zmq.Again:
-            self._broken = dest
+            self._broken, self.quiet_until = dest, 0.0
             return None
 
     def progress(self, now: float, look: bool = False) -> tuple[list[tuple[Any, Any]], Optional[int]]:
@@ -116,6 +124,7 @@ class MailSockets:
         if not look and not self._held and not self.retry and broken is None and now < self._next_look:
             return went, None  # every link made: a refusal can wait a moment (a wait wakes for it)
         self._next_look = now + LOOK_S
+        self.quiet_until = 0.0  # (until known again, below)
         for dest, monitor in self.monitors.items():
             if not _sockets.readable(monitor):  # (each look reads a monitor to the end: a wait
                 continue  # watches its file descriptor, which only news sets again)
@@ -136,6 +145,8 @@ class MailSockets:
                 with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
                                      address=True):
                     _zap.connect_with_token(self._pushes[dest], target, key, _zap.MAIL_DOMAIN)
+        if not self._held and not self.retry and self._broken is None:
+            self.quiet_until = self._next_look
         return went, broken
 
     def holding(self, but: Container[int] = ()) -> bool:
@@ -227,8 +238,10 @@ class MailSockets:
             if not (waiting or _sockets.readable(pull)):
                 return
             waiting = False
-            try:
-                frames = _sockets.recv_message(pull)
+            try:  # (_sockets.recv_message's, inline: once per message)
+                frames = [recv_frame(pull, NOBLOCK, False)]
+                while frames[-1].more:
+                    frames.append(recv_frame(pull, NOBLOCK, False))
             except zmq.Again:  # (taken meanwhile, by a look that did not know of that poll)
                 return
             yield frames

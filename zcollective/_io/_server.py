@@ -120,14 +120,25 @@ class Server:
                 self.turns.give()
 
     def from_host(self, msg: Message) -> None:
-        """Rank 0's member sends ``msg``: taken by the coordinator now, in this thread (a reduce function may
-        run here), or, when the background thread does not let go within :data:`HOLD_TRY_S` (it runs a reduce
-        function), by whichever owner comes next: sending never blocks."""
-        self.from_member.append(msg)
-        if self.turns.owner == get_ident():  # (the common call: its thread holds the turn)
-            self._take_from_host()
-        else:
+        """Rank 0's member sends ``msg``: taken by the coordinator now, in this thread (a reduce function
+        may run here), or by the next owner if the stand-in keeps the turn past HOLD_TRY_S."""
+        if self.turns.owner != get_ident():
+            self.from_member.append(msg)
             self._briefly(self._take_from_host)
+            return
+        if self.from_member:  # (in order)
+            self.from_member.append(msg)
+            self._take_from_host()
+            return
+        coordinator = self.coordinator  # the common call, holding the turn: _take_from_host's, inline
+        if self.hub.router is None or coordinator.phase is Phase.CLOSED or self.crashed:
+            return
+        try:
+            outs = coordinator.receive_message(RANK0_PEER, msg)
+            if outs or coordinator.interrupted is not None:
+                self._send_all(outs)  # (a reduction asked for runs there)
+        except Exception as exc:
+            raise self._failed(exc) from exc
 
     def form_now(self) -> None:
         """Rank 0's thread: the forming bound passed; start with those who came."""
@@ -141,15 +152,16 @@ class Server:
             if self.hub.router is None or self.coordinator.phase is Phase.CLOSED or self.crashed:
                 continue  # (as _take: nothing is taken any more)
             try:
-                self._send_all(receive(RANK0_PEER, msg))  # (a reduction asked for runs there)
+                outs = receive(RANK0_PEER, msg)
+                if outs or self.coordinator.interrupted is not None:
+                    self._send_all(outs)  # (a reduction asked for runs there)
             except Exception as exc:
                 raise self._failed(exc) from exc
 
     def serve(self, deadline: Optional[float], deliver: Callable[[Message], None],
               nudged: bool = False, also: tuple[str, ...] = ()) -> bool:
-        """Rank 0's thread, holding the turn: serve until something came for its member
-        (handed to ``deliver``; True), the nudge is readable if ``nudged``, or a source of
-        ``also`` (its member's mailbox; True), or ``deadline`` (False)."""
+        """Rank 0's thread, holding the turn: serve until something came for its member (to ``deliver``;
+        True), the nudge if ``nudged``, or a source of ``also`` (True), or ``deadline`` (False)."""
         if self.from_member:
             self._take_from_host()
         got = self._serve_until(self._news, deadline, (*(self.NUDGED if nudged else self.SERVED), *also),
@@ -161,14 +173,29 @@ class Server:
                 deliver(self.to_host.popleft())
         return got
 
+    def quick(self, names: tuple[str, ...], deadline: Optional[float], drain: bool = False) -> bool:
+        """HostDriver.lead's step: True when the ROUTER alone woke a poll of ``names`` and was read (till
+        its member has news, unless ``drain``); False, nothing read, when anything else woke it or is due."""
+        if self.from_member or self.crashed is not None or self.stopped or self.hub.gatekeeper is not None:
+            return False
+        woke = self.waiter.wait(names, deadline, self.sleep_s(POLL_SLICE_S))
+        if (len(woke) != 1 or woke[0] != ROUTER or self._probes.due is not None
+                or (self._stall_due is not None and time.monotonic() >= self._stall_due)):
+            return False
+        try:
+            self._drain(waiting=True, batch=DRAIN_BATCH if drain else 1)
+        except Exception as exc:
+            raise self._failed(exc) from exc
+        return True
+
     def _news(self) -> bool:
         return bool(self.to_host) or self.crashed is not None or self.stopped  # (gone(), inline)
 
     def _serve_until(self, done: Callable[[], bool], deadline: Optional[float], names: tuple[str, ...],
                      slice_s: Optional[float] = None) -> bool:
         """The turn's holder: serve what the waiter finds, in slices of at most ``slice_s`` (never past a
-        probe round or a stall warning due), until ``done()`` or a source not served (the nudge, the stop) is
-        readable (True, at once: what else came is the next holder's), or ``deadline`` (False)."""
+        probe round or a stall warning due), until ``done()`` or a source not served (the nudge, the stop)
+        is readable (True, at once), or ``deadline`` (False)."""
         while not done():
             woke = self.waiter.wait(names, deadline, self.sleep_s(slice_s))
             if NUDGE in woke or STOP in woke:
@@ -204,10 +231,8 @@ class Server:
             raise self._failed(exc) from exc
 
     def _step(self, woke: list[str]) -> None:
-        """The owner: answer handshakes, then whatever waits on the monitor and the ROUTER. ``woke`` is what
-        the owner's wait just found readable: a source it did not name is not asked again (the next wait finds
-        what came since), one it named is read without asking again; none (a probe round is due, or nothing is
-        known): each is asked."""
+        """The owner: answer handshakes, then what waits on the monitor and the ROUTER. ``woke``: what a wait
+        found readable (read without asking again; the others wait for the next wait); none: each is asked."""
         known = bool(woke) and woke[0] is not DEADLINE
         if known and self.hub.gatekeeper is not None:
             self.hub.handshakes()  # a handshake waits for it: first
@@ -227,11 +252,6 @@ class Server:
         if self.crashed is None:
             self._crash(exc)
         return InternalError(self.crashed or "the coordinator crashed")
-
-    def reducing_here(self) -> bool:
-        """Is the calling thread inside a reduce function it runs (rank 0's
-        thread, or the background thread)?"""
-        return self.coordinator.reducing is not None and self.turns.held()
 
     def busy(self) -> Optional[str]:
         """What the coordinator has been stuck in for a while, if anything."""
@@ -369,18 +389,17 @@ class Server:
     def sleep_s(self, limit_s: Optional[float]) -> Optional[float]:
         """How long a wait may sleep: ``limit_s`` (None: for ever), but not
         past the next probe round, nor the next stall warning due."""
-        now = time.monotonic()
-        limit_s = self._probes.limit(limit_s, now)
+        now, due = time.monotonic(), self._probes.due
+        if due is not None:  # (ProbeSchedule.limit, inline: at every wait)
+            limit_s = due - now if limit_s is None else min(limit_s, due - now)
         stall = self._stall_due = self.coordinator.next_stall()
         if stall is not None:
             limit_s = max(0.0, stall - now) if limit_s is None else max(0.0, min(limit_s, stall - now))
         return limit_s
 
     def _drain(self, waiting: bool = False, batch: Optional[int] = DRAIN_BATCH) -> None:
-        """Handle every message waiting on the ROUTER (``waiting``: a poll just found one, so the first needs
-        no second poll); after ``batch`` of them (None: no bound), return once rank 0's member has news, so
-        that it gets it (the owner's next poll finds the rest at once): a stranger flooding the port would
-        otherwise keep rank 0's thread here, and every call of the group waiting for rank 0."""
+        """Handle every message waiting on the ROUTER (``waiting``: a poll just found one); after ``batch``
+        (None: no bound), return once rank 0's member has news (a flood of the port must not hold it)."""
         hub, coordinator = self.hub, self.coordinator
         taken = 0
         while coordinator.phase is not Phase.CLOSED:
@@ -409,7 +428,9 @@ class Server:
         hub = self.hub
         for peer, msg in applied(outs, coordinator):
             if peer == RANK0_PEER:
-                self.to_host.append(owned(msg))
+                segments = msg.segments  # (one immutable frame, a small call's, needs no copy: owned's test)
+                self.to_host.append(msg if len(segments) == 1 and len(segments[0]) == 1 and type(
+                    segments[0][0]) is bytes else owned(msg))
                 if self._away:  # rank 0's thread is elsewhere: an awaiting coroutine watches this
                     self.wakeup.set()
             elif hub.router is not None and not hub.send(

@@ -27,14 +27,14 @@ class Turns:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # the turn (re-entered by done-callbacks and nested steps)
-        self._depth = 0  # the holder's nested takes
+        self.depth = 0  # the holder's nested takes
         self.owner: Optional[int] = None  # the holder's thread (read by drivers: held, without a call)
         self.left = 0.0  # when a holder last let go of the turn
         self.standby = False  # the holder is rank 0's server thread: it gives way to any program thread
         self._mutex = threading.Lock()  # guards what follows (with it, for speed: no Python frame)
         self._state = _interrupts.Condition(self._mutex)  # ... on which followers sleep
         self.wanting = 0  # threads waiting for the turn (read by a leader's driver: it lets go)
-        self._leader: Optional[int] = None  # the thread leading the wait for results
+        self.leader: Optional[int] = None  # the thread leading the wait for results
         self.nudge = Wakeup()  # readable while some thread waits for the turn
 
     def wanted(self) -> bool:
@@ -45,10 +45,9 @@ class Turns:
     def _wanting(self) -> int:  # (the name tests read)
         return self.wanting
 
-    def alone(self) -> bool:
-        """Held by this thread, once, and no other thread leads a wait or wants the turn: this thread may lead
-        a wait without letting go first (read without the mutex: a thread that comes meanwhile nudges it)."""
-        return self._depth == 1 and self._leader is None and not self.wanting
+    @property
+    def _leader(self) -> Optional[int]:  # (the name tests read)
+        return self.leader
 
     def take(self, deadline: Optional[float] = None) -> bool:
         """Take the turn (nested takes count), nudging its holder; False if the holder, busy in a step that is
@@ -67,7 +66,7 @@ class Turns:
                     if not self.wanting:
                         self.nudge.clear()
                     self._state.notify_all()  # a leader that let go waits for this
-        self._depth += 1
+        self.depth += 1
         self.owner = threading.get_ident()
         return True
 
@@ -76,14 +75,14 @@ class Turns:
         count; rank 0's server thread is nudged, and waited for a moment)."""
         if not self._lock.acquire(blocking=False):
             return self.standby and self.take(time.monotonic() + GIVE_WAY_S)
-        self._depth += 1
+        self.depth += 1
         self.owner = threading.get_ident()
         return True
 
     def give(self) -> None:
         """Let go of one take."""
-        self._depth -= 1
-        if not self._depth:
+        self.depth -= 1
+        if not self.depth:
             self.owner = None
             self.left = time.monotonic()
         self._lock.release()
@@ -116,14 +115,14 @@ class Turns:
         me, state, following = threading.get_ident(), self._state, False
         while not done():
             with self._mutex:
-                leads = self._leader is None
+                leads = self.leader is None
                 if leads:
-                    self._leader = me
+                    self.leader = me
                 elif following:  # another thread leads: follow
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return done()
-                    if not done() and self._leader is not None:
+                    if not done() and self.leader is not None:
                         # sliced: a wake-up lost to a call resolved just as its callback was
                         # added (futures take no lock) costs a slice, never the whole wait
                         _interrupts.wait_condition(state, FOLLOW_SLICE_S if remaining is None
@@ -137,7 +136,7 @@ class Turns:
                 return self._lead(done, deadline, drive, nested=False)
             finally:
                 with self._mutex:
-                    self._leader = None
+                    self.leader = None
                     if state.sleepers:
                         state.notify_all()  # a follower leads next
         return True
@@ -152,7 +151,7 @@ class Turns:
             try:
                 if done():
                     return True
-                top = self._depth == 1 and not nested
+                top = self.depth == 1 and not nested
                 until: Callable[[], bool] = (lambda: done() or self.wanting > 0) if top else done
                 if not drive(until, deadline, top):
                     return done()

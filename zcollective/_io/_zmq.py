@@ -23,8 +23,8 @@ from ._interrupts import Waiter
 
 log = logging.getLogger("zcollective")
 
-_recv = zmq.backend.Socket.recv  # (the Cython method: pyzmq's sugar costs more)
-_NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
+recv_frame = zmq.backend.Socket.recv  # (the Cython method: pyzmq's sugar costs more; the mailbox's too)
+NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 ROUTER, MONITOR, ZAP = "router", "monitor", "zap"  # the hub's sources, as a waiter names them
 
@@ -84,9 +84,9 @@ class Hub:
         router = self.router
         if router is None or not (waiting or zmq_poll([(router, _POLLIN)], 0)):
             return None
-        frames = [_recv(router, _NOBLOCK, False)]
+        frames = [recv_frame(router, NOBLOCK, False)]
         while frames[-1].more:
-            frames.append(_recv(router, _NOBLOCK, False))
+            frames.append(recv_frame(router, NOBLOCK, False))
         return frames
 
     @staticmethod
@@ -273,9 +273,9 @@ class Link:
         dealer = self.dealer
         if not (waiting or zmq_poll([(dealer, _POLLIN)], 0)):
             return None
-        frames = [_recv(dealer, _NOBLOCK, False)]
+        frames = [recv_frame(dealer, NOBLOCK, False)]
         while frames[-1].more:
-            frames.append(_recv(dealer, _NOBLOCK, False))
+            frames.append(recv_frame(dealer, NOBLOCK, False))
         return frames
 
     def events(self, rank: int, joining: bool) -> list[Union[ConnectionEvent, Exception]]:

@@ -97,6 +97,7 @@ class Mailbox(Protocol):
 
     retry: dict[int, float]  # links refused before they were made: when each is tried again
     monitors: dict[int, Any]  # one watched source per link (its news: made, refused, broken)
+    quiet_until: float  # till then progress() has nothing to do unless a wait woke for a link
 
     def start(self, session: int, endpoints: list[str], base: bytes, rank: int) -> None:
         """Welcomed: the ranks' addresses, and the key their links prove."""

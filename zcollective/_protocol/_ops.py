@@ -302,15 +302,16 @@ class Broadcast(Operation):
     rooted = True
 
     def contribute(self, here: Here, value: Any, root: Any) -> Contribution:
-        root = check_root(root, here.size)
+        if type(root) is not int or not 0 <= root < here.size:  # (an int in range: no call)
+            root = check_root(root, here.size)
         if here.rank != root:
             chain = self._chain(here, root, None) if here.data else None
             if here.shared is None:
                 return Contribution(root, _nothing, _first, transfer=chain)
-            staged = [False]  # (the root's value decides the way)
-            return Contribution(root, _status(here, staged), _first, transfer=_either(_exchange(
-                here, self.label, None, staged, lambda parts: [(root, 0)],
-                lambda msg, parts, got: _serialize.loads(got[(root, 0)])), chain))
+            staged = [False]  # (the root's value decides the way; its job is made once a plan comes)
+            return Contribution(root, _status(here, staged), _first, transfer=lambda msg: _either(_exchange(
+                here, LABELS[Op.BROADCAST], None, staged, lambda parts: [(root, 0)],
+                lambda msg, parts, got: _serialize.loads(got[(root, 0)])), chain)(msg))
         if not here.data and here.shared is None:
             return Contribution(root, _sent(value), _value(value))
         segment = _serialize.dumps(value)

@@ -98,7 +98,8 @@ class Mail:
 
     def _flush(self, dest: int) -> None:
         queue, box = self.waiting[dest], self.box
-        while queue and box.may_send(dest, queue[0].size):
+        peer = box.peers[dest]  # (may_send's test, inline: once per message)
+        while queue and (peer.held == 0 or peer.held + queue[0].size <= peer.window):
             s = queue.popleft()
             seq = box.send(dest, s.size, s.handle, s.tag)
             msg = Message(Kind.SEND, 0, self.rank, s.tag, seq, self.session, segments=[s.segment])
@@ -187,7 +188,9 @@ class Mail:
         elif msg.kind is Kind.SEND and len(msg.segments) == 1:
             try:
                 segment = msg.segments[0]
-                size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)
+                first = segment[0] if len(segment) == 1 else None  # (a small value's size, inline)
+                size = (first.nbytes if type(first) is memoryview else len(first) if type(first) is bytes
+                        else nbytes(segment))
                 done, credits = self.box.arrive(source, msg.root, msg.seq, size, msg)
             except OutOfOrder as exc:
                 if msg.seq > self.box.peers[source].next_in and self.gap is None:  # (below: a replay)

@@ -166,7 +166,7 @@ class Mailbox:
             raise OutOfOrder(f"message {seq} from rank {source}, which ended having sent {peer.last}")
         came = Arrived(source, tag, seq, nbytes, message)
         for i, receive in enumerate(self.posted):
-            if receive.matches(source, tag):
+            if receive.source in (ANY_SOURCE, source) and receive.tag in (ANY_TAG, tag):  # (matches, inline)
                 del self.posted[i]
                 return (receive, came), self._taken(came)
         if self.draining:  # nothing can receive it any more: dropped, and credited as taken
@@ -177,7 +177,7 @@ class Mailbox:
     def post(self, receive: Receive) -> tuple[Optional[Arrived], list[Credit]]:
         """The earliest arrived message that matches (and the credit due), or None: posted."""
         for i, came in enumerate(self.arrived):
-            if receive.matches(came.source, came.tag):
+            if receive.source in (ANY_SOURCE, came.source) and receive.tag in (ANY_TAG, came.tag):  # (inline)
                 del self.arrived[i]
                 return came, self._taken(came)
         self.posted.append(receive)
