@@ -84,7 +84,7 @@ def answer(member: Any) -> None:
     while asks:
         item = asks.popleft()
         if type(item) is Combine:
-            asks.extendleft(reversed(list(applied([item], member.relay))))
+            asks.extendleft(reversed(applied([item], member.relay)))
         else:
             member.send_now([item])
 

@@ -1,12 +1,11 @@
-"""Every operation as one object: its code on the wire, what each rank sends
-and how its result is made (:meth:`Operation.contribute`), the coordinator's check,
-route (a reduction's: :class:`Reducing`, :class:`Combine`) and data plan (:meth:`Operation.malformed`,
-:meth:`Operation.route`, :meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an
-operation by name (:data:`OPERATIONS`) and builds no message; the coordinator
-looks the operation of a call up by its code. A new operation is a class
-here (its code in :class:`~._ops_types.Op`), a ``Group`` method and a module function
-(docs/protocol.md, *Operations*). What the rows speak in is :mod:`._ops_types`; their
-plans and jobs off the star, and their pieces, :mod:`._ops_data`.
+"""Every operation as one object: its code on the wire, what each rank sends and how its result is made
+(:meth:`Operation.contribute`), the coordinator's check, route (a reduction's: :class:`Reducing`,
+:class:`Combine`) and data plan (:meth:`Operation.malformed`, :meth:`Operation.route`,
+:meth:`Operation.plan`), and its data-plane job. ``Group`` asks for an operation by name
+(:data:`OPERATIONS`) and builds no message; the coordinator looks the operation of a call up by its code.
+A new operation is a class here (its code in :class:`~._ops_types.Op`), a ``Group`` method and a module
+function (docs/protocol.md, *Operations*). What the rows speak in is :mod:`._ops_types`; their plans
+and jobs off the star, and their pieces, :mod:`._ops_data`.
 """
 
 from __future__ import annotations
