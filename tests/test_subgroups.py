@@ -30,11 +30,11 @@ SETTINGS = {
 def on(group, fn):
     """``fn()`` with ``group`` as the default group (every_operation calls the module's functions)."""
     default = zc._group
-    zc._group = group
+    zc._use(group)  # (the module's functions use the default group's parts: all of them change)
     try:
         return fn()
     finally:
-        zc._group = default
+        zc._use(default)
 
 
 def nested_and_interleaved():
