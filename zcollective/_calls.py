@@ -61,7 +61,7 @@ class Calls:
         self.member, self.driver, self.turns = life.member, life.driver, life.turns
         self.server, self.here, self.config = life.server, life.here, life.config
         self.pid, self.rank = life.pid, life.config.rank
-        self._unsent: list[tuple[Op, int, str, str]] = []  # calls that timed out before they were made
+        self._unsent: list[tuple[Op, int, str, str]] = []  # calls timed out or interrupted before made
         self.wait_point: Callable[[CollectiveFuture[Any], Optional[float]], None]  # a point-to-point
         # call's future's wait (set by :class:`~zcollective._point.PointToPoint`)
 
@@ -120,7 +120,14 @@ class Calls:
         False): a blocking call's wait starts here, until the call is done, ``lead`` (a time),
         or another thread wants the turn, without letting go of it if no other thread waits."""
         turns = self.turns
-        if not turns.take(deadline):
+        try:
+            taken = turns.take(deadline)
+        except BaseException as exc:  # interrupted waiting for the turn: not made, a note in its place
+            seq = self.member.next_seq + len(self._unsent)
+            self._unsent.append((op, part.root, site, f"rank {self.rank}: seq {seq} {LABELS[op]} was "
+                                 f"interrupted ({type(exc).__name__}) before it could be made"))
+            raise
+        if not taken:
             busy = (self.driver.busy() if self.driver is not None else None) or "another thread holds it"
             why = (f"rank {self.rank}: seq {self.member.next_seq + len(self._unsent)} {LABELS[op]} timed "
                    f"out before it could be made ({busy}); an error note goes in its place, so the "
