@@ -84,7 +84,10 @@ class Hub:
         router = self.router
         if router is None or not (waiting or zmq_poll([(router, _POLLIN)], 0)):
             return None
-        frames = [recv_frame(router, NOBLOCK, False)]
+        try:
+            frames = [recv_frame(router, NOBLOCK, False)]
+        except zmq.Again:  # a poll's verdict gone stale: a signal handler's call read it meanwhile
+            return None
         while frames[-1].more:
             frames.append(recv_frame(router, NOBLOCK, False))
         return frames
@@ -273,7 +276,10 @@ class Link:
         dealer = self.dealer
         if not (waiting or zmq_poll([(dealer, _POLLIN)], 0)):
             return None
-        frames = [recv_frame(dealer, NOBLOCK, False)]
+        try:
+            frames = [recv_frame(dealer, NOBLOCK, False)]
+        except zmq.Again:  # a poll's verdict gone stale: a signal handler's call read it meanwhile
+            return None
         while frames[-1].more:
             frames.append(recv_frame(dealer, NOBLOCK, False))
         return frames
