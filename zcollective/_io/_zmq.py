@@ -9,7 +9,7 @@ import ipaddress
 import logging
 import os
 import socket
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import zmq
 from zmq.backend import zmq_poll
@@ -27,6 +27,25 @@ recv_frame = zmq.backend.Socket.recv  # (the Cython method: pyzmq's sugar costs 
 NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 ROUTER, MONITOR, ZAP = "router", "monitor", "zap"  # the hub's sources, as a waiter names them
+
+
+def _reader(name: str) -> Callable[[Any, bool], Optional[list[Any]]]:
+    """A transport end's ``recv``, reading its socket named ``name`` (one body for both ends; a
+    method of each, so no call in between: the read is on every message's path)."""
+
+    def recv(self: Any, waiting: bool) -> Optional[list[Any]]:
+        """The next message's frames, without blocking (``waiting``: a poll found one); None if none."""
+        sock = getattr(self, name)
+        if sock is None or not (waiting or zmq_poll([(sock, _POLLIN)], 0)):
+            return None
+        try:
+            frames = [recv_frame(sock, NOBLOCK, False)]
+        except zmq.Again:  # a poll's verdict gone stale: a signal handler's call read it meanwhile
+            return None
+        while frames[-1].more:
+            frames.append(recv_frame(sock, NOBLOCK, False))
+        return frames
+    return recv
 
 
 class Hub:
@@ -78,19 +97,7 @@ class Hub:
         if self.gatekeeper is not None:
             self.gatekeeper.serve()
 
-    def recv(self, waiting: bool) -> Optional[list[Any]]:
-        """The next message's frames (its peer first), without blocking (``waiting``: a poll found
-        one); None if none waits. (Inline: a call per message saved.)"""
-        router = self.router
-        if router is None or not (waiting or zmq_poll([(router, _POLLIN)], 0)):
-            return None
-        try:
-            frames = [recv_frame(router, NOBLOCK, False)]
-        except zmq.Again:  # a poll's verdict gone stale: a signal handler's call read it meanwhile
-            return None
-        while frames[-1].more:
-            frames.append(recv_frame(router, NOBLOCK, False))
-        return frames
+    recv = _reader("router")  # (its peer first)
 
     @staticmethod
     def address(frame: Any) -> str:
@@ -271,18 +278,7 @@ class Link:
                                               f"{what.seq} to the coordinator at {config.endpoint}") from exc
         return True
 
-    def recv(self, waiting: bool) -> Optional[list[Any]]:
-        """The next message's frames, without blocking (``waiting``: a poll found one); None if none."""
-        dealer = self.dealer
-        if not (waiting or zmq_poll([(dealer, _POLLIN)], 0)):
-            return None
-        try:
-            frames = [recv_frame(dealer, NOBLOCK, False)]
-        except zmq.Again:  # a poll's verdict gone stale: a signal handler's call read it meanwhile
-            return None
-        while frames[-1].more:
-            frames.append(recv_frame(dealer, NOBLOCK, False))
-        return frames
+    recv = _reader("dealer")
 
     def events(self, rank: int, joining: bool) -> list[Union[ConnectionEvent, Exception]]:
         """Read the monitor to the end: what happened to the connection, or the error of a refusal
