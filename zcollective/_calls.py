@@ -50,6 +50,12 @@ _ours: dict[str, bool] = {}  # file name -> is it this package's
 _basenames: dict[str, str] = {}
 
 
+
+def bad_timeout(timeout: Any, rank: int, what: str) -> ValueError:
+    """The error of a ``timeout`` that is no number of seconds a call could wait."""
+    return ValueError(f"rank {rank}: {what}'s timeout must be a number of seconds >= 0, or None for no "
+                      f"bound; got {timeout!r}")
+
 class Calls:
     """The calls of one open :class:`~zcollective._lifecycle.Lifecycle`: its
     interface is :meth:`run`, :meth:`call`, :meth:`submit`, :meth:`blocking`,
@@ -69,6 +75,8 @@ class Calls:
         """A blocking call of operation ``name``: made, then waited for, within ``timeout``."""
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
+        elif timeout is not None and not timeout >= 0:  # (negative, or NaN)
+            raise bad_timeout(timeout, self.rank, name)
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         warn = self.config.warn_after  # (rank 0 warns in its coordinator)

@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable, Optional
 
 from . import _calls
-from ._calls import DEFAULT, Calls, Timeout, _Default
+from ._calls import DEFAULT, Calls, Timeout, _Default, bad_timeout
 from ._format import _serialize
 from ._future import PENDING, CollectiveFuture, fail, finished, outcome, settle, settled_when
 from ._io import _interrupts
@@ -57,6 +57,8 @@ class PointToPoint:
         """
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
+        elif timeout is not None and not timeout >= 0:  # (negative, or NaN)
+            raise bad_timeout(timeout, self.rank, "send")
         deadline = None if timeout is None else time.monotonic() + timeout
         future = self._send(value, dest, tag, deadline, True)
         if outcome(future) is PENDING:  # (raises its error)
@@ -86,6 +88,8 @@ class PointToPoint:
         """
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
+        elif timeout is not None and not timeout >= 0:  # (negative, or NaN)
+            raise bad_timeout(timeout, self.rank, "recv")
         deadline = None if timeout is None else time.monotonic() + timeout
         future = self._receive(source, tag, deadline, True)
         value = outcome(future)  # (raises its error)
@@ -138,6 +142,8 @@ class PointToPoint:
     def _deadline(self, timeout: Timeout) -> Optional[float]:
         if isinstance(timeout, _Default):
             timeout = self.config.op_timeout
+        elif timeout is not None and not timeout >= 0:  # (negative, or NaN)
+            raise bad_timeout(timeout, self.rank, "a point-to-point call")
         return None if timeout is None else time.monotonic() + timeout
 
     def _send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
