@@ -10,11 +10,11 @@ from typing import Any, Callable, Optional
 
 from .._format._wire import Message, encode
 from .._limits import POLL_SLICE_S
-from .._protocol._member import NO_DUE, ConnectionEvent, Member
+from .._protocol._member import ConnectionEvent, Member
 from ..config import Config
 from ..errors import CollectiveError
 from . import transport
-from ._driver import Driver
+from ._driver import Driver, pending_else
 from ._interrupts import DEADLINE, NUDGE
 from ._mailbox import mail_woke
 from ._zmq import DEALER, MONITOR, Link, routing_id
@@ -89,14 +89,10 @@ class DealerDriver(Driver):
         coordinator has anything to do here, poll it (the nudge and the mailbox too) and hand what
         came to the member, until call ``seq`` is answered (True). False, having taken in nothing
         else, once anything else woke it or is pending: the general wait goes on from there."""
-        member, link, waiter, sockets = self.member, self.link, self.waiter, self.mail
-        calls, rules, names = member.calls, member.mail, self._nudged_names
+        member, link, waiter = self.member, self.link, self.waiter
+        calls, names = member.calls, self._nudged_names
         while seq in calls:
-            if (member.transfers or member.owed or member.failure is not None or member.relay is not None
-                    or member.tree_due is not NO_DUE or self.mail_ready or self.tracked
-                    or (rules is not None and (rules.out or rules.cut))
-                    or (sockets is not None and sockets.retry)
-                    or (self.shared is not None and self.shared.growing is not None)):
+            if pending_else(self):
                 return False
             woke = waiter.wait(names, deadline, POLL_SLICE_S)
             if len(woke) != 1 or woke[0] != DEALER:

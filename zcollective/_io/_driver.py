@@ -433,6 +433,18 @@ class Driver:
             self.send(replies)
 
 
+def pending_else(driver: Driver) -> bool:
+    """Has anything but the link to the coordinator something to do at ``driver`` (data moving, owed
+    parts, a failure, the tree, mail, trackers, shared memory)? Then a lead gives way to the general
+    wait: one list for every driver's :meth:`Driver.lead`."""
+    member, rules, sockets = driver.member, driver.member.mail, driver.mail
+    return bool(member.transfers or member.owed or member.failure is not None or member.relay is not None
+                or member.tree_due is not NO_DUE or driver.mail_ready or driver.tracked
+                or (rules is not None and (rules.out or rules.cut))
+                or (sockets is not None and sockets.retry)
+                or (driver.shared is not None and driver.shared.growing is not None))
+
+
 class HostDriver(Driver):
     """Rank 0's member, beside the coordinator (:class:`Server`): rank 0's thread owns the coordinator's
     sockets while it waits here, and serves them itself."""
@@ -501,8 +513,7 @@ class HostDriver(Driver):
     def lead(self, seq: int, deadline: Optional[float]) -> bool:
         """As :meth:`Driver.lead`, serving the coordinator (:meth:`Server.quick`)."""
         server, member = self.server, self.member
-        calls, rules, sockets, to_host, names = member.calls, member.mail, self.mail, server.to_host, \
-            self._nudged_names
+        calls, to_host, names = member.calls, server.to_host, self._nudged_names
         while True:
             while to_host:
                 replies = member.receive_message(to_host.popleft())
@@ -510,12 +521,7 @@ class HostDriver(Driver):
                     self.send(replies)
             if seq not in calls:
                 return True
-            if (member.transfers or member.owed or member.failure is not None or member.relay is not None
-                    or member.tree_due is not NO_DUE or self.mail_ready or self.tracked
-                    or (rules is not None and (rules.out or rules.cut))
-                    or (sockets is not None and sockets.retry)
-                    or (self.shared is not None and self.shared.growing is not None)
-                    or not server.quick(names, deadline, bool(self.sleepers()))):
+            if pending_else(self) or not server.quick(names, deadline, bool(self.sleepers())):
                 return False
 
     def slice_s(self) -> Optional[float]:
