@@ -18,7 +18,6 @@ from ._ops_types import (
     NUMERIC_KINDS,
     Build,
     Disagree,
-    Finish,
     Here,
     Malformed,
     Op,
@@ -123,11 +122,10 @@ def _status(here: Here, staged: list[bool]) -> Build:
     return build
 
 
-def _gathered(rank: int, size: int, own: Any, index: Optional[int] = None
-              ) -> Callable[[Message, Parts, Got], list[Any]]:
-    """Every rank's value (``index``: its part for this rank) from a plan and what was read
-    (those of ranks that wrote none came inline, after the plan: all their parts); this
-    rank's slot holds ``own``."""
+def _gathered(size: int, index: Optional[int] = None) -> Callable[[Message, Parts, Got], list[Any]]:
+    """Every rank's value's frames (``index``: its part for this rank), by rank, from a plan and
+    what was read (those of ranks that wrote none came inline, after the plan: all their parts);
+    the call runner unpickles them, this rank's own value in its slot."""
     def convert(msg: Message, told: Parts, got: Got) -> list[Any]:
         per, part = (1, 0) if index is None else (size, index)
         inline, at, out = msg.segments[1:], 0, []
@@ -136,7 +134,7 @@ def _gathered(rank: int, size: int, own: Any, index: Optional[int] = None
                 frames, at = inline[at + part], at + per
             else:
                 frames = got.get((r, part), [])
-            out.append(own if r == rank else _serialize.loads(frames))
+            out.append(frames)
         return out
     return convert
 
@@ -247,31 +245,11 @@ def _is_tensor(value: Any) -> bool:
     return not isinstance(value, sys.modules["numpy"].ndarray)
 
 
-# -- pieces of the rows: builds, finishers, checks ------------------------------------------
+# -- pieces of the rows: builds, checks ------------------------------------------
 
 
 def _nothing() -> tuple[list[list[Any]], Any]:
     return [], None
-
-
-def _none(msg: Message) -> None:
-    return None
-
-
-def _first(msg: Message) -> Any:
-    return _serialize.loads(msg.segments[0])
-
-
-def _value(value: Any) -> Finish:
-    return lambda msg: value
-
-
-def _all(own: Any, rank: int) -> Finish:
-    """A list result: every rank's value in rank order, this rank's own
-    object in its slot (it is never copied back)."""
-    def finish(msg: Message) -> list[Any]:
-        return [own if i == rank else _serialize.loads(s) for i, s in enumerate(msg.segments)]
-    return finish
 
 
 def _sent(value: Any) -> Build:

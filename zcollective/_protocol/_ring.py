@@ -111,6 +111,7 @@ class Transfer:
     kind_name = "?"
     op = "?"  # the operation's label, for messages
     via = RING
+    pickled = False  # its value is parts to unpickle (the call runner's :meth:`then`), not arrays
 
     def __init__(self, rank: int, size: int) -> None:
         self.finish: Callable[[], Any] = self.result  # the call's value, once done (set by the caller)
@@ -127,6 +128,11 @@ class Transfer:
         self.sent = 0  # ... of which handed to the socket (counted by the data plane)
         self._seen: set[tuple[int, ...]] = set()  # the chunks taken
         self.ranks: Optional[list[int]] = None  # the group's rank of each of its ring's (None: the same)
+
+    def then(self, decode: Callable[[Any], Any]) -> None:
+        """The call's value is ``decode`` of what :attr:`finish` made (the call runner's decoder)."""
+        made = self.finish
+        self.finish = lambda: decode(made())
 
     @property
     def done(self) -> bool:
@@ -244,6 +250,7 @@ class ChainBroadcast(Transfer):
 
     kind_name = "chain broadcast"
     op = "broadcast"
+    pickled = True
 
     def __init__(self, rank: int, size: int, root: int, sizes: list[int],
                  frames: Optional[list[Any]] = None, chunk_bytes: Optional[int] = None) -> None:
@@ -286,6 +293,7 @@ class RingAllgather(Transfer):
 
     kind_name = "ring allgather"
     op = "allgather"
+    pickled = True
 
     def __init__(self, rank: int, size: int, sizes: list[Optional[list[int]]],
                  own: Optional[list[Any]], chunk_bytes: Optional[int] = None) -> None:
