@@ -157,7 +157,7 @@ class Allreduce(Reducing):
         if name is not None and plane is not None:
             array = _array(value, here.shared_min_bytes)
             if array is not None and plane.fits(array.nbytes):
-                return self._shared(plane, value, array, name, reduce_fn, finish)
+                return self._shared(plane, value, array, name, here.reducer(name, reduce_fn), finish)
         array = _array(value, here.data_min_bytes) if name is not None and here.data else None
         if array is None or name is None:
             return Contribution(0, build, finish, reduce=reduce_fn, own=value)
@@ -165,14 +165,13 @@ class Allreduce(Reducing):
         tensor = _is_tensor(value)
 
         def job(msg: Message) -> _ring.Transfer:
-            ring = _ring.RingAllreduce(here.rank, here.size, array, _ring.reducer(name, reduce_fn))
+            ring = _ring.RingAllreduce(here.rank, here.size, array, here.reducer(name, reduce_fn))
             ring.finish = _tensor_out(tensor, ring.result)
             return ring
         return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job, own=value)
 
     @staticmethod
-    def _shared(plane: Any, value: Any, array: Any, name: str, reduce_fn: Any,
-                finish: int) -> Contribution:
+    def _shared(plane: Any, value: Any, array: Any, name: str, reduce: Any, finish: int) -> Contribution:
         """Through the host's shared memory (``plane``; with ranks on several hosts, and the
         ring between hosts): the input written into this rank's slot at once if its set is
         known to be free, else once the plan says how."""
@@ -190,7 +189,7 @@ class Allreduce(Reducing):
 
         def job(msg: Message) -> _shm.SharedJob:
             host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
-            reduce, place = _ring.reducer(name, reduce_fn), plane.place(array.nbytes)
+            place = plane.place(array.nbytes)
             shared: _shm.SharedAllreduce = _shm.SharedAllreduce(
                 msg.seq, plane.rank, plane.size, array, reduce, place, host_plan, staged[0], plane.leader,
                 whole) if leaders is None else _shm.HostsAllreduce(
@@ -252,7 +251,7 @@ class ReduceScatter(Reducing):
         def job(msg: Message) -> _ring.Transfer:
             numpy = sys.modules["numpy"]
             laid = numpy.concatenate([arrays[(s - 1) % n].reshape(-1) for s in range(n)])
-            ring = _ring.RingAllreduce(here.rank, n, laid, _ring.reducer(name, reduce_fn), gather=False)
+            ring = _ring.RingAllreduce(here.rank, n, laid, here.reducer(name, reduce_fn), gather=False)
             ring.op = self.label  # its messages name reduce_scatter, not allreduce
             ring.finish = _tensor_out(tensor, lambda: ring.result().reshape(shape).copy())  # (its own
             # memory: a view would keep every rank's share alive)

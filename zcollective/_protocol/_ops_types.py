@@ -76,6 +76,8 @@ class Here:
     shared_min_bytes: int = 0  # ... which moves arrays this large
     across: Any = None  # ... with ranks on several hosts: its plane, for allreduce alone (the others
     # keep the data plane); arrays of shared_min_bytes go through it
+    reducer: Any = None  # (name, fn) -> reduce(dst, acc, mine): the drivers' (_io._reducing.reducer), which
+    # runs the program's function for the data plane's and shared memory's jobs, never the rules
 
 
 class Combining(Protocol):

@@ -22,19 +22,10 @@ KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast", GA: "allga
 RING, HOSTS = "ring", "hosts"  # Transfer.via: to the next rank; from a host's leader to the next host's
 
 
-def elementwise(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """Mark ``fn(a, b)`` as elementwise: ``result[i]`` depends only on ``a[i]`` and ``b[i]``. Large numeric
-    arrays reduced with it then travel between replicas directly (see the README's "The data plane"), each
-    replica applying its own ``fn``, so it must be the same function everywhere. ``fn`` may update ``a`` in
-    place and return it."""
-    fn.__zcollective_elementwise__ = True  # type: ignore[attr-defined]
-    return fn
-
-
 def reduction_name(fn: Any) -> Optional[str]:
     """The name the data plane knows ``fn`` by, or None if it must keep the star: ``add`` for the default
     ``a += b``, ``operator.add``/``iadd`` and ``numpy.add``; ``maximum``, ``minimum``, ``multiply`` for
-    numpy's; a function marked :func:`elementwise` by its module and qualified name."""
+    numpy's; a function marked :func:`~zcollective.elementwise` by its module and qualified name."""
     try:
         name = _KNOWN.get(fn)
     except TypeError:  # unhashable: none of ours
@@ -59,24 +50,6 @@ _KNOWN: dict[Any, str] = {operator.add: "add", operator.iadd: "add", operator.mu
 def register_default(fn: Callable[[Any, Any], Any]) -> None:
     """The group's default reduce function (``a += b``) is ``add`` here."""
     _KNOWN[fn] = "add"
-
-
-def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], None]:
-    """``reduce(dst, acc, mine)``: ``dst[:] = fn(acc, mine)``; ``acc`` came round the ring (read-only)."""
-    import numpy
-    ufunc = {"add": numpy.add, "maximum": numpy.maximum, "minimum": numpy.minimum,
-             "multiply": numpy.multiply}.get(name)
-    if ufunc is not None:
-        def by_ufunc(dst: Any, acc: Any, mine: Any) -> None:
-            ufunc(acc, mine, out=dst)
-        return by_ufunc
-
-    def by_fn(dst: Any, acc: Any, mine: Any) -> None:
-        numpy.copyto(dst, acc)
-        out = fn(dst, mine)
-        if out is not dst:
-            dst[...] = out
-    return by_fn
 
 
 @dataclass
