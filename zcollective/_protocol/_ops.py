@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from functools import partial
 from operator import attrgetter
 from typing import Any, Callable, Optional
 
@@ -37,6 +38,7 @@ from ._ops_data import (  # noqa: F401 (importable here, as ever)
     _staged_build,
     _status,
     _tensor_out,
+    _with,
     check_root,
     reducing,
     shared_plan,
@@ -148,7 +150,8 @@ class Allreduce(Reducing):
     code = Op.ALLREDUCE
 
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
-        build = reducing(here, value, reduce_fn, 0)
+        build = partial(_with, value, None, False) if here.rank and callable(reduce_fn) else reducing(
+            here, value, reduce_fn, 0)  # (a replica's function is never sent: made with no call)
         finish = OWN if here.size == 1 else ONE  # (one rank: nothing was combined with its value)
         plane = here.shared if here.shared is not None else here.across
         if isinstance(value, PLAIN) or not (here.data or plane is not None):  # (the common call)
@@ -306,7 +309,8 @@ class Broadcast(Operation):
             if here.shared is None:
                 return Contribution(root, _nothing, ONE, transfer=chain)
             staged = [False]  # (the root's value decides the way; its job is made once a plan comes)
-            return Contribution(root, _status(here, staged), ONE, transfer=lambda msg: _either(_exchange(
+            status = partial(_status, here.shared, staged)
+            return Contribution(root, status, ONE, transfer=lambda msg: _either(_exchange(
                 here, LABELS[Op.BROADCAST], None, staged, lambda parts: [(root, 0)],
                 lambda msg, parts, got: [got[(root, 0)]]), chain)(msg))
         if not here.data and here.shared is None:
@@ -471,7 +475,7 @@ class Scatter(Operation):
             if here.shared is None:
                 return Contribution(root, _nothing, ONE)
             staged = [False]  # (the root's values decide the way)
-            return Contribution(root, _status(here, staged), ONE, transfer=_exchange(
+            return Contribution(root, partial(_status, here.shared, staged), ONE, transfer=_exchange(
                 here, self.label, None, staged, lambda told: [(root, rank)],
                 lambda msg, told, got: [got[(root, rank)]]))
         values = _per_rank(self.code, values, here.size, root)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import sys
 from functools import partial
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Callable, Optional, cast
 
@@ -80,7 +81,11 @@ def _shared_parts(here: Here, own: list[list[Any]]) -> Optional[list[list[int]]]
     """The frame sizes of ``own`` (values' frames: the parts this rank writes) if they go
     through the host's shared memory: at least the threshold in all, and room for them."""
     plane = here.shared
-    if plane is None or sum(len(frames) for frames in own) > _bodies.MAX_PLAN_FRAMES:
+    if plane is None:
+        return None
+    frames = list(chain.from_iterable(own))  # (no Python call: a small value, the common call, is
+    count = len(frames)  # below the threshold even with each frame's padding to its cache line)
+    if count > _bodies.MAX_PLAN_FRAMES or sum(map(len, frames)) + count * _shm.LINE < here.shared_min_bytes:
         return None
     parts = [[memoryview(f).nbytes for f in frames] for frames in own]
     total = _shm.offsets(parts)[1]
@@ -111,15 +116,12 @@ def _exchange(here: Here, op: str, own: Optional[list[list[Any]]], staged: list[
     return job
 
 
-def _status(here: Here, staged: list[bool]) -> Build:
+def _status(plane: Any, staged: list[bool]) -> tuple[list[list[Any]], Any]:
     """The contribution of a rank that writes nothing to a call that may go through shared
-    memory: its status, so that the plan needs no sync when every rank knew its set free."""
-    plane = here.shared
-
-    def build() -> tuple[list[list[Any]], Any]:
-        staged[0] = plane.knows_free()
-        return [[_bodies.shared_status(staged[0], staged[0])]], None
-    return build
+    memory (``plane``, this rank's part in its host's): its status, so that the plan needs no
+    sync when every rank knew its set free (a build: ``partial(_status, plane, staged)``)."""
+    staged[0] = plane.knows_free()
+    return [[_bodies.shared_status(staged[0], staged[0])]], None
 
 
 def _gathered(size: int, index: Optional[int] = None) -> Callable[[Message, Parts, Got], list[Any]]:
