@@ -455,3 +455,37 @@ def test_no_module_reads_another_modules_private_names():
         group = source.read()
     for broken in ("calls._progress", "self._calls._drive()", "future._value", "driver._tracked[seq]"):
         assert _private_reaches(group + "\n" + broken + "\n"), f"{broken} was not found"
+
+
+USER_FUNCTIONS = ("fn", "reduce_fn", "reduce_function", "func", "user_fn")  # what the rules call the
+# program's reduce function (or an elementwise one) where they hold it
+
+
+def _user_code_in_rules(source):
+    """Calls in ``source`` that unpickle (``loads(...)``, ``_serialize.loads(...)``) or call the
+    program's function by one of the names it goes by (:data:`USER_FUNCTIONS`): (line, call)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name == "loads" or name in USER_FUNCTIONS:
+                found.append((node.lineno, ast.unparse(node.func)))
+    return found
+
+
+def test_no_rule_unpickles_or_runs_the_programs_functions():
+    """Issue 45: no ``loads(`` nor user reduce function call under _protocol/. The rows say what a
+    call's value is made of and the call runner (_calls.py) unpickles it; the star's reductions
+    run in _io/_combine.py, the data plane's and shared memory's in _io/_reducing.py."""
+    assert _user_code_in_rules("a = _serialize.loads(seg)\nb = loads(seg)\nc = fn(a, b)\n"
+                               "reduce_fn(a, b)\nd = self.reducer(a, b)\ne = dumps(a)\n") == [
+        (1, "_serialize.loads"), (2, "loads"), (3, "fn"), (4, "reduce_fn")]
+    folder = os.path.join(ROOT, "zcollective", "_protocol")
+    found = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                found += [(name, *hit) for hit in _user_code_in_rules(f.read())]
+    assert not found, f"rules that unpickle or run the program's code: {found}"

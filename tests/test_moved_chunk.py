@@ -11,8 +11,9 @@ ranks 0, 1 on one and 2, 3 on the other; leaders 0 and 2."""
 import numpy as np
 
 from zcollective._format._mac import ChunkMac
+from zcollective._io._reducing import reducer
 from zcollective._protocol import _chunks
-from zcollective._protocol._ring import HOSTS, RING, RingAllreduce, reducer
+from zcollective._protocol._ring import HOSTS, RING, RingAllreduce
 
 SECRET = b"a-secret-of-attack8-only-yyyyyyyyyy"
 SESSION, SEQ, N = 0x1234, 7, 4

@@ -6,14 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from zcollective._protocol._ring import (
-    RS,
-    ChainBroadcast,
-    RingAllreduce,
-    elementwise,
-    reducer,
-    reduction_name,
-)
+from zcollective._io._reducing import elementwise, reducer
+from zcollective._protocol._ring import RS, ChainBroadcast, RingAllreduce, reduction_name
 
 
 def _run(jobs, shuffle=None):

@@ -8,6 +8,7 @@ import pytest
 from pair import Pair, outcome
 
 import zcollective as zc
+from zcollective._calls import finisher
 from zcollective._format import _serialize
 from zcollective._future import CollectiveFuture
 from zcollective._protocol._ops import OPERATIONS, Here, Op
@@ -24,7 +25,7 @@ def called(pair, op, values, fns):
         if callable(fn):  # (rank 0's own function, as it is: the pair's links pickle everything)
             fn = _serialize.dumps_function(fn)
         future = CollectiveFuture(None, seq, op.name.lower())
-        member.submit(op, part.root, segments, fn, "t.py:1", part.flags, future, part.finish)
+        member.submit(op, part.root, segments, fn, "t.py:1", part.flags, future, finisher(part, rank))
         futures.append(future)
     for rank in range(pair.n):
         pair.flush(rank)

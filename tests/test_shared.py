@@ -25,7 +25,8 @@ import zcollective as zc
 from zcollective._format import _bodies
 from zcollective._format._wire import FLAG_DATA, Kind, Message, control, encode
 from zcollective._io import _shared
-from zcollective._protocol import _ring, _shm
+from zcollective._io._reducing import reducer
+from zcollective._protocol import _shm
 from zcollective._protocol._coordinator import Coordinator, Phase
 from zcollective._protocol._ops import Op
 from zcollective.testing import Replicas, report, run_replicas
@@ -86,7 +87,7 @@ def test_every_rank_of_a_host_gets_the_stars_bits_whatever_the_order_of_its_step
     place = _shm.Place(1, capacity, 1, False)
     for staged, free, seed in ((True, True, 1), (False, True, 2), (False, False, 3)):
         whole = _shm.symmetric(inputs[0].nbytes, size, True)
-        jobs = [_shm.SharedAllreduce(5, r, size, inputs[r], _ring.reducer(fn, None), place,
+        jobs = [_shm.SharedAllreduce(5, r, size, inputs[r], reducer(fn, None), place,
                                      _shm.HostPlan(staged, free), staged, r == 0, whole) for r in range(size)]
         if staged:  # written when the call was made
             for r in range(size):

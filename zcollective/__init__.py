@@ -21,11 +21,11 @@ from ._calls import DEFAULT, Calls, Timeout
 from ._elastic import Agreement
 from ._future import CollectiveFuture
 from ._group import Group, calls_of, default_reduce_fn, life_of, point_of
+from ._io._reducing import elementwise
 from ._lifecycle import Lifecycle
 from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._point import PointToPoint
 from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
-from ._protocol._ring import elementwise
 from .config import takes_settings
 from .errors import (
     AddressError,

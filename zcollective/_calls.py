@@ -8,14 +8,27 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
-from ._format._wire import error_note
+from ._format import _serialize
+from ._format._wire import Message, error_note
 from ._future import PENDING, CollectiveFuture, finished, outcome, settle, settled_when
 from ._io import _interrupts
 from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import INTERRUPTED_MOVE_S, STATUS_WAIT_S
-from ._protocol._ops import BY_NAME, LABELS, Contribution, Op, Refused, error_contribution
+from ._protocol._ops import (
+    BY_NAME,
+    EVERY,
+    LABELS,
+    NOTHING,
+    ONE,
+    OWN,
+    Contribution,
+    Op,
+    Refused,
+    error_contribution,
+)
 from .errors import CollectiveError, CollectiveTimeoutError, from_signal, is_interrupt
 
 if TYPE_CHECKING:
@@ -55,6 +68,57 @@ def bad_timeout(timeout: Any, rank: int, what: str) -> ValueError:
     """The error of a ``timeout`` that is no number of seconds a call could wait."""
     return ValueError(f"rank {rank}: {what}'s timeout must be a number of seconds >= 0, or None for no "
                       f"bound; got {timeout!r}")
+
+# -- a call's value, as its row said it is made (the rules carry bytes, and never unpickle) --------
+
+
+def _one(msg: Message) -> Any:
+    return _serialize.loads(msg.segments[0])
+
+
+def _own(own: Any, msg: Message) -> Any:
+    return own
+
+
+def _nothing(msg: Message) -> None:
+    return None
+
+
+def decoded(result: int, own: Any, rank: int, parts: list[list[Any]]) -> Any:
+    """The value a call's ``parts`` (each a value's frames) make, as its row says (``result``:
+    :data:`~._protocol._ops_types.ONE`, ...): ``own``, this rank's value, kept as it is, never
+    copied back."""
+    if result == ONE:
+        return _serialize.loads(parts[0])
+    if result == EVERY:
+        return [own if i == rank else _serialize.loads(p) for i, p in enumerate(parts)]
+    return own if result == OWN else None
+
+
+def finisher(part: Contribution, rank: int) -> Callable[[Message], Any]:
+    """What makes ``part``'s call's value from its RESULT, at ``rank``."""
+    result = part.result
+    if result == ONE:
+        return _one
+    if result == OWN:
+        return partial(_own, part.own)
+    return _nothing if result == NOTHING else partial(_every, part.own, rank)
+
+
+def _every(own: Any, rank: int, msg: Message) -> list[Any]:
+    return [own if i == rank else _serialize.loads(s) for i, s in enumerate(msg.segments)]
+
+
+def _decoding(part: Contribution, rank: int, msg: Message) -> Any:
+    """The data-plane job of ``part``'s call, from its plan ``msg``; a value it moves as frames
+    is unpickled as its row says."""
+    transfer = part.transfer
+    assert transfer is not None  # (wrapped only if it has one)
+    job = transfer(msg)
+    if job.pickled:
+        job.then(partial(decoded, part.result, part.own, rank))
+    return job
+
 
 class Calls:
     """The calls of one open :class:`~zcollective._lifecycle.Lifecycle`: its
@@ -149,8 +213,7 @@ class Calls:
                 self.life.check_usable()
             server = self.server
             if server is not None and server.coordinator.reducing is not None and turns.held():
-                # a call here would take the next seq while every rank waits for this reduction,
-                # so the group would fail for good
+                # a call here takes the next seq while every rank waits for this reduction: fails the group
                 raise RuntimeError(f"rank {self.rank}: a reduce function may not call zcollective "
                                    f"collectives (it runs inside the coordinator, on rank 0)")
             member, link = self.member, self.driver
@@ -162,8 +225,9 @@ class Calls:
                 seq = member.next_seq
                 segments, fn = part.build()
                 future: CollectiveFuture[Any] = CollectiveFuture(self, seq, LABELS[op])
-                member.submit(op, part.root, segments, fn, site, part.flags, future, part.finish,
-                              part.transfer, part.reduce)
+                finish = _one if part.result == ONE else finisher(part, self.rank)  # (ONE: no call)
+                member.submit(op, part.root, segments, fn, site, part.flags, future, finish,
+                              part.transfer and partial(_decoding, part, self.rank), part.reduce)
             except Exception:
                 member.unreserve()
                 raise

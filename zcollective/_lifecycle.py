@@ -25,6 +25,7 @@ from ._io._driver import DirectDriver, Driver, HostDriver
 from ._io._edges import Edges
 from ._io._interrupts import NUDGE
 from ._io._mailbox import MailSockets
+from ._io._reducing import reducer
 from ._io._shared import SharedPlane
 from ._io._turns import Turns
 from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, HOST_WINDOW_S, LEAVING_SHARE, STATUS_WAIT_S
@@ -439,7 +440,7 @@ def _here(config: Config, member: Member, plane: Optional[SharedPlane], data: bo
     across = plane is not None and plane.leaders is not None
     return Here(config.rank, config.num_replicas, data, member.data_min_bytes, config.max_frame_bytes,
                 None if across else plane, max(least, member.data_min_bytes) if across else least,
-                plane if across else None)
+                plane if across else None, reducer)
 
 
 def lost_for_sure(failure: Optional[BaseException]) -> set[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from functools import partial
 from operator import attrgetter
 from typing import Any, Callable, Optional
 
@@ -21,16 +22,13 @@ from . import _ring, _shm
 from ._ops_data import (  # noqa: F401 (importable here, as ever)
     PLAIN,
     _agreed,
-    _all,
     _array,
     _either,
     _exchange,
     _exchange_plan,
-    _first,
     _gathered,
     _is_tensor,
     _n_each,
-    _none,
     _nothing,
     _one_each,
     _per_rank,
@@ -40,20 +38,23 @@ from ._ops_data import (  # noqa: F401 (importable here, as ever)
     _staged_build,
     _status,
     _tensor_out,
-    _value,
+    _with,
     check_root,
     reducing,
     shared_plan,
 )
 from ._ops_types import (  # noqa: F401 (importable here, as ever)
+    EVERY,
     LABELS,
+    NOTHING,
+    ONE,
     OPS,
+    OWN,
     RING_SAFE,
     Combine,
     Combining,
     Contribution,
     Disagree,
-    Finish,
     Here,
     Malformed,
     Op,
@@ -86,7 +87,7 @@ class Operation:
 
     def contribute(self, here: Here, *args: Any) -> Contribution:
         """This rank's contribution; raises ValueError or TypeError for bad arguments."""
-        return Contribution(0, _nothing, _none)
+        return Contribution(0, _nothing, NOTHING)
 
     def malformed(self, contributions: list[Message], root: int) -> str:
         """Why the parts cannot be combined as they came ("" if they can)."""
@@ -149,31 +150,31 @@ class Allreduce(Reducing):
     code = Op.ALLREDUCE
 
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
-        build = reducing(here, value, reduce_fn, 0)
-        finish = _value(value) if here.size == 1 else _first  # nothing was combined with it
+        build = partial(_with, value, None, False) if here.rank and callable(reduce_fn) else reducing(
+            here, value, reduce_fn, 0)  # (a replica's function is never sent: made with no call)
+        finish = OWN if here.size == 1 else ONE  # (one rank: nothing was combined with its value)
         plane = here.shared if here.shared is not None else here.across
         if isinstance(value, PLAIN) or not (here.data or plane is not None):  # (the common call)
-            return Contribution(0, build, finish, reduce=reduce_fn)
+            return Contribution(0, build, finish, reduce=reduce_fn, own=value)
         name = _ring.reduction_name(reduce_fn)
         if name is not None and plane is not None:
             array = _array(value, here.shared_min_bytes)
             if array is not None and plane.fits(array.nbytes):
-                return self._shared(plane, value, array, name, reduce_fn, finish)
+                return self._shared(plane, value, array, name, here.reducer(name, reduce_fn), finish)
         array = _array(value, here.data_min_bytes) if name is not None and here.data else None
         if array is None or name is None:
-            return Contribution(0, build, finish, reduce=reduce_fn)
+            return Contribution(0, build, finish, reduce=reduce_fn, own=value)
         description = _bodies.plan(dtype=array.dtype.str, shape=list(array.shape), fn=name)
         tensor = _is_tensor(value)
 
         def job(msg: Message) -> _ring.Transfer:
-            ring = _ring.RingAllreduce(here.rank, here.size, array, _ring.reducer(name, reduce_fn))
+            ring = _ring.RingAllreduce(here.rank, here.size, array, here.reducer(name, reduce_fn))
             ring.finish = _tensor_out(tensor, ring.result)
             return ring
-        return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
+        return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job, own=value)
 
     @staticmethod
-    def _shared(plane: Any, value: Any, array: Any, name: str, reduce_fn: Any,
-                finish: Finish) -> Contribution:
+    def _shared(plane: Any, value: Any, array: Any, name: str, reduce: Any, finish: int) -> Contribution:
         """Through the host's shared memory (``plane``; with ranks on several hosts, and the
         ring between hosts): the input written into this rank's slot at once if its set is
         known to be free, else once the plan says how."""
@@ -191,7 +192,7 @@ class Allreduce(Reducing):
 
         def job(msg: Message) -> _shm.SharedJob:
             host_plan = _shm.HostPlan(*_bodies.parse_shared_call(msg, plane.host))
-            reduce, place = _ring.reducer(name, reduce_fn), plane.place(array.nbytes)
+            place = plane.place(array.nbytes)
             shared: _shm.SharedAllreduce = _shm.SharedAllreduce(
                 msg.seq, plane.rank, plane.size, array, reduce, place, host_plan, staged[0], plane.leader,
                 whole) if leaders is None else _shm.HostsAllreduce(
@@ -200,7 +201,7 @@ class Allreduce(Reducing):
             if tensor:
                 shared.convert = sys.modules["torch"].from_numpy
             return shared
-        return Contribution(0, build, finish, FLAG_DATA, job)
+        return Contribution(0, build, finish, FLAG_DATA, job, own=value)
 
     malformed = staticmethod(_one_each)
 
@@ -218,8 +219,8 @@ class Reduce(Reducing):
 
     def contribute(self, here: Here, value: Any, reduce_fn: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
-        finish = _none if here.rank != root else _value(value) if here.size == 1 else _first
-        return Contribution(root, reducing(here, value, reduce_fn, root), finish)
+        finish = NOTHING if here.rank != root else OWN if here.size == 1 else ONE
+        return Contribution(root, reducing(here, value, reduce_fn, root), finish, own=value)
 
 
 class ReduceScatter(Reducing):
@@ -238,14 +239,14 @@ class ReduceScatter(Reducing):
         values = _per_rank(self.code, values, here.size)
         build = reducing(here, values, reduce_fn, 0, each=True)
         own = values[here.rank]
-        finish = _value(own) if here.size == 1 else _first
+        finish = OWN if here.size == 1 else ONE
         name = _ring.reduction_name(reduce_fn)
         arrays = [_array(v, 0) for v in values] if here.data and name in RING_SAFE else []
         first = arrays[0] if arrays else None
         if (name is None or first is None
                 or any(a is None or a.dtype != first.dtype or a.shape != first.shape for a in arrays)
                 or first.nbytes * len(arrays) < here.data_min_bytes):
-            return Contribution(0, build, finish)
+            return Contribution(0, build, finish, own=own)
         n, shape = here.size, first.shape
         description = _bodies.plan(dtype=first.dtype.str, shape=[n, *shape], fn=name)
         tensor = _is_tensor(own)
@@ -253,12 +254,12 @@ class ReduceScatter(Reducing):
         def job(msg: Message) -> _ring.Transfer:
             numpy = sys.modules["numpy"]
             laid = numpy.concatenate([arrays[(s - 1) % n].reshape(-1) for s in range(n)])
-            ring = _ring.RingAllreduce(here.rank, n, laid, _ring.reducer(name, reduce_fn), gather=False)
+            ring = _ring.RingAllreduce(here.rank, n, laid, here.reducer(name, reduce_fn), gather=False)
             ring.op = self.label  # its messages name reduce_scatter, not allreduce
             ring.finish = _tensor_out(tensor, lambda: ring.result().reshape(shape).copy())  # (its own
             # memory: a view would keep every rank's share alive)
             return ring
-        return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job)
+        return Contribution(0, lambda: ([[description]], None), finish, FLAG_DATA, job, own=own)
 
     malformed = staticmethod(_n_each)
 
@@ -279,8 +280,8 @@ class Scan(Reducing):
     malformed = staticmethod(_one_each)
 
     def contribute(self, here: Here, value: Any, reduce_fn: Any) -> Contribution:
-        mine = (_none if self.exclusive else _value(value)) if here.rank == 0 else _first
-        return Contribution(0, reducing(here, value, reduce_fn, 0), mine)
+        mine = (NOTHING if self.exclusive else OWN) if here.rank == 0 else ONE
+        return Contribution(0, reducing(here, value, reduce_fn, 0), mine, own=value)
 
     def combine(self, seq: int, contributions: list[Message], root: int) -> Combine:
         if self.exclusive and len(contributions) > 1:  # (the last rank's value is in no result)
@@ -306,37 +307,36 @@ class Broadcast(Operation):
         if here.rank != root:
             chain = self._chain(here, root, None) if here.data else None
             if here.shared is None:
-                return Contribution(root, _nothing, _first, transfer=chain)
+                return Contribution(root, _nothing, ONE, transfer=chain)
             staged = [False]  # (the root's value decides the way; its job is made once a plan comes)
-            return Contribution(root, _status(here, staged), _first, transfer=lambda msg: _either(_exchange(
+            status = partial(_status, here.shared, staged)
+            return Contribution(root, status, ONE, transfer=lambda msg: _either(_exchange(
                 here, LABELS[Op.BROADCAST], None, staged, lambda parts: [(root, 0)],
-                lambda msg, parts, got: _serialize.loads(got[(root, 0)])), chain)(msg))
+                lambda msg, parts, got: [got[(root, 0)]]), chain)(msg))
         if not here.data and here.shared is None:
-            return Contribution(root, _sent(value), _value(value))
+            return Contribution(root, _sent(value), OWN, own=value)
         segment = _serialize.dumps(value)
         parts, staged = _shared_parts(here, [segment]), [False]
         if parts is not None:
-            return Contribution(root, _staged_build(here, parts, [segment], staged), _value(value), FLAG_DATA,
+            return Contribution(root, _staged_build(here, parts, [segment], staged), OWN, FLAG_DATA,
                                 _exchange(here, self.label, [segment], staged, lambda p: [],
-                                          lambda msg, p, got: value))
+                                          lambda msg, p, got: None), own=value)
         if not here.data:
-            return Contribution(root, lambda: ([segment], None), _value(value))
+            return Contribution(root, lambda: ([segment], None), OWN, own=value)
         plan = _bodies.sizes_plan(segment, here.data_min_bytes)
         if plan is None:
-            return Contribution(root, lambda: ([segment], None), _value(value))
-        return Contribution(root, lambda: ([[plan]], None), _value(value), FLAG_DATA,
-                    self._chain(here, root, segment, value))
+            return Contribution(root, lambda: ([segment], None), OWN, own=value)
+        return Contribution(root, lambda: ([[plan]], None), OWN, FLAG_DATA, self._chain(here, root, segment),
+                            own=value)
 
     @staticmethod
-    def _chain(here: Here, root: int, segment: Optional[list[Any]], value: Any = None
-               ) -> Callable[[Message], _ring.Transfer]:
+    def _chain(here: Here, root: int, segment: Optional[list[Any]]) -> Callable[[Message], _ring.Transfer]:
         """The job of a broadcast whose value goes down the chain (the root's
-        plan says the sizes of its frames)."""
+        plan says the sizes of its frames): the value's frames, as one part."""
         def job(msg: Message) -> _ring.Transfer:
             sizes = _bodies.parse_sizes(msg, here.max_frame_bytes)
             chain = _ring.ChainBroadcast(here.rank, here.size, root, sizes, segment)
-            chain.finish = (lambda: value) if segment is not None else (
-                lambda: _serialize.loads(chain.result()))
+            chain.finish = lambda: [chain.result()]
             return chain
         return job
 
@@ -364,7 +364,7 @@ class Allgather(Operation):
 
     def contribute(self, here: Here, value: Any) -> Contribution:
         if not here.data and here.shared is None:
-            return Contribution(0, _sent(value), _all(value, here.rank))
+            return Contribution(0, _sent(value), EVERY, own=value)
         segment = _serialize.dumps(value)  # before the seq: a value that cannot travel uses none
         rank, size = here.rank, here.size
         if here.shared is not None:
@@ -379,13 +379,12 @@ class Allgather(Operation):
 
             def finish() -> list[Any]:
                 frames = ring.result()
-                return [value if r == rank else _serialize.loads(slots[r] or frames[r])  # type: ignore[arg-type]
-                        for r in range(size)]
+                return [slots[r] or frames[r] for r in range(size)]
             ring.finish = finish
             return ring
         if plan is None:
-            return Contribution(0, lambda: ([segment], None), _all(value, rank), transfer=job)
-        return Contribution(0, lambda: ([[plan]], None), _all(value, rank), FLAG_DATA, job)
+            return Contribution(0, lambda: ([segment], None), EVERY, transfer=job, own=value)
+        return Contribution(0, lambda: ([[plan]], None), EVERY, FLAG_DATA, job, own=value)
 
     @staticmethod
     def _shared(here: Here, value: Any, segment: list[Any]) -> Contribution:
@@ -397,11 +396,11 @@ class Allgather(Operation):
         def reads(told: Parts) -> list[tuple[int, int]]:
             return [(r, 0) for r in range(size) if told[r] is not None and r != rank]
         job = _exchange(here, "allgather", [segment] if parts is not None else None, staged, reads,
-                        _gathered(rank, size, value))
+                        _gathered(size))
         if parts is None:
-            return Contribution(0, lambda: ([segment], None), _all(value, rank), transfer=job)
+            return Contribution(0, lambda: ([segment], None), EVERY, transfer=job, own=value)
         build = _staged_build(here, parts, [segment], staged)
-        return Contribution(0, build, _all(value, rank), FLAG_DATA, job)
+        return Contribution(0, build, EVERY, FLAG_DATA, job, own=value)
 
     malformed = staticmethod(_one_each)
 
@@ -439,20 +438,20 @@ class Gather(Operation):
     def contribute(self, here: Here, value: Any, root: Any) -> Contribution:
         root = check_root(root, here.size)
         rank, size = here.rank, here.size
-        finish = _all(value, rank) if rank == root else _none
+        finish = EVERY if rank == root else NOTHING
         if here.shared is None:
-            return Contribution(root, _sent(value), finish)
+            return Contribution(root, _sent(value), finish, own=value)
         segment = _serialize.dumps(value)  # through shared memory if large enough: only the root reads
         parts, staged = _shared_parts(here, [segment]), [False]
 
         def reads(told: Parts) -> list[tuple[int, int]]:
             return [(r, 0) for r in range(size) if told[r] is not None and r != rank] if rank == root else []
-        gathered = _gathered(rank, size, value)
         job = _exchange(here, self.label, [segment] if parts is not None else None, staged, reads,
-                        lambda msg, told, got: gathered(msg, told, got) if rank == root else None)
+                        _gathered(size) if rank == root else lambda msg, told, got: None)
         if parts is None:
-            return Contribution(root, lambda: ([segment], None), finish, transfer=job)
-        return Contribution(root, _staged_build(here, parts, [segment], staged), finish, FLAG_DATA, job)
+            return Contribution(root, lambda: ([segment], None), finish, transfer=job, own=value)
+        return Contribution(root, _staged_build(here, parts, [segment], staged), finish, FLAG_DATA, job,
+                            own=value)
 
     malformed = staticmethod(_one_each)
 
@@ -474,22 +473,23 @@ class Scatter(Operation):
         rank = here.rank
         if rank != root:
             if here.shared is None:
-                return Contribution(root, _nothing, _first)
+                return Contribution(root, _nothing, ONE)
             staged = [False]  # (the root's values decide the way)
-            return Contribution(root, _status(here, staged), _first, transfer=_exchange(
+            return Contribution(root, partial(_status, here.shared, staged), ONE, transfer=_exchange(
                 here, self.label, None, staged, lambda told: [(root, rank)],
-                lambda msg, told, got: _serialize.loads(got[(root, rank)])))
+                lambda msg, told, got: [got[(root, rank)]]))
         values = _per_rank(self.code, values, here.size, root)
         own = values[root]
         if here.shared is None:
-            return Contribution(root, lambda: ([_serialize.dumps(v) for v in values], None), _value(own))
+            return Contribution(root, lambda: ([_serialize.dumps(v) for v in values], None), OWN, own=own)
         segments = [_serialize.dumps(v) for v in values]
         mine = [s if r != root else [] for r, s in enumerate(segments)]  # (its own stays here)
         parts, staged = _shared_parts(here, mine), [False]
         if parts is None:
-            return Contribution(root, lambda: (segments, None), _value(own))
-        return Contribution(root, _staged_build(here, parts, mine, staged), _value(own), FLAG_DATA,
-                            _exchange(here, self.label, mine, staged, lambda told: [], lambda m, t, g: own))
+            return Contribution(root, lambda: (segments, None), OWN, own=own)
+        return Contribution(root, _staged_build(here, parts, mine, staged), OWN, FLAG_DATA,
+                            _exchange(here, self.label, mine, staged, lambda told: [], lambda m, t, g: None),
+                            own=own)
 
     def plan(self, contributions: list[Message], root: int,
              hosts: Optional[list[Optional[int]]] = None) -> list[list[Any]]:
@@ -510,9 +510,9 @@ class Alltoall(Operation):
     def contribute(self, here: Here, values: Any) -> Contribution:
         values = _per_rank(self.code, values, here.size)
         rank, size = here.rank, here.size
-        finish = _all(values[rank], rank)
+        finish, own = EVERY, values[rank]
         if here.shared is None:
-            return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], None), finish)
+            return Contribution(0, lambda: ([_serialize.dumps(v) for v in values], None), finish, own=own)
         segments = [_serialize.dumps(v) for v in values]  # through shared memory if large enough
         mine = [s if r != rank else [] for r, s in enumerate(segments)]  # (its own stays here)
         parts, staged = _shared_parts(here, mine), [False]
@@ -520,10 +520,10 @@ class Alltoall(Operation):
         def reads(told: Parts) -> list[tuple[int, int]]:
             return [(r, rank) for r in range(size) if told[r] is not None and r != rank]
         job = _exchange(here, self.label, mine if parts is not None else None, staged, reads,
-                        _gathered(rank, size, values[rank], rank))
+                        _gathered(size, rank))
         if parts is None:
-            return Contribution(0, lambda: (segments, None), finish, transfer=job)
-        return Contribution(0, _staged_build(here, parts, mine, staged), finish, FLAG_DATA, job)
+            return Contribution(0, lambda: (segments, None), finish, transfer=job, own=own)
+        return Contribution(0, _staged_build(here, parts, mine, staged), finish, FLAG_DATA, job, own=own)
 
     malformed = staticmethod(_n_each)
 
@@ -552,7 +552,7 @@ class Grow(Operation):
     code = Op.GROW  # (rule 10)
 
     def contribute(self, here: Here, *args: Any) -> Contribution:
-        return Contribution(0, _nothing, _first)
+        return Contribution(0, _nothing, ONE)
 
     def route(self, at: Combining, contributions: list[Message], root: int) -> Routes:
         told = [_serialize.dumps(len(at.newcomers), "the number of newcomers")]
@@ -573,7 +573,7 @@ class Split(Allgather):
     KINDS = ("split", "subgroup", "dup")  # by root
 
     def contribute(self, here: Here, value: Any, kind: int = 0) -> Contribution:
-        return Contribution(kind, _sent(value), _all(value, here.rank))
+        return Contribution(kind, _sent(value), EVERY, own=value)
 
     def bad_root(self, root: int, size: int) -> str:
         return "" if 0 <= root < len(self.KINDS) else f"root {root} names none of split, subgroup and dup"
@@ -592,7 +592,7 @@ SPOKEN = ",".join(o.label for _, o in sorted(OPERATIONS.items()))  # a JOIN's: a
 
 def error_contribution(root: int, note: list[list[Any]]) -> Contribution:
     """A contribution that tells the others this rank's call failed here (``note``)."""
-    return Contribution(root, lambda: (note, None), _none, FLAG_LOCAL_ERROR)
+    return Contribution(root, lambda: (note, None), NOTHING, FLAG_LOCAL_ERROR)
 
 
 def describe_call(op: int, root: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import sys
 from functools import partial
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Callable, Optional, cast
 
@@ -18,7 +19,6 @@ from ._ops_types import (
     NUMERIC_KINDS,
     Build,
     Disagree,
-    Finish,
     Here,
     Malformed,
     Op,
@@ -81,7 +81,11 @@ def _shared_parts(here: Here, own: list[list[Any]]) -> Optional[list[list[int]]]
     """The frame sizes of ``own`` (values' frames: the parts this rank writes) if they go
     through the host's shared memory: at least the threshold in all, and room for them."""
     plane = here.shared
-    if plane is None or sum(len(frames) for frames in own) > _bodies.MAX_PLAN_FRAMES:
+    if plane is None:
+        return None
+    frames = list(chain.from_iterable(own))  # (no Python call: a small value, the common call, is
+    count = len(frames)  # below the threshold even with each frame's padding to its cache line)
+    if count > _bodies.MAX_PLAN_FRAMES or sum(map(len, frames)) + count * _shm.LINE < here.shared_min_bytes:
         return None
     parts = [[memoryview(f).nbytes for f in frames] for frames in own]
     total = _shm.offsets(parts)[1]
@@ -112,22 +116,18 @@ def _exchange(here: Here, op: str, own: Optional[list[list[Any]]], staged: list[
     return job
 
 
-def _status(here: Here, staged: list[bool]) -> Build:
+def _status(plane: Any, staged: list[bool]) -> tuple[list[list[Any]], Any]:
     """The contribution of a rank that writes nothing to a call that may go through shared
-    memory: its status, so that the plan needs no sync when every rank knew its set free."""
-    plane = here.shared
-
-    def build() -> tuple[list[list[Any]], Any]:
-        staged[0] = plane.knows_free()
-        return [[_bodies.shared_status(staged[0], staged[0])]], None
-    return build
+    memory (``plane``, this rank's part in its host's): its status, so that the plan needs no
+    sync when every rank knew its set free (a build: ``partial(_status, plane, staged)``)."""
+    staged[0] = plane.knows_free()
+    return [[_bodies.shared_status(staged[0], staged[0])]], None
 
 
-def _gathered(rank: int, size: int, own: Any, index: Optional[int] = None
-              ) -> Callable[[Message, Parts, Got], list[Any]]:
-    """Every rank's value (``index``: its part for this rank) from a plan and what was read
-    (those of ranks that wrote none came inline, after the plan: all their parts); this
-    rank's slot holds ``own``."""
+def _gathered(size: int, index: Optional[int] = None) -> Callable[[Message, Parts, Got], list[Any]]:
+    """Every rank's value's frames (``index``: its part for this rank), by rank, from a plan and
+    what was read (those of ranks that wrote none came inline, after the plan: all their parts);
+    the call runner unpickles them, this rank's own value in its slot."""
     def convert(msg: Message, told: Parts, got: Got) -> list[Any]:
         per, part = (1, 0) if index is None else (size, index)
         inline, at, out = msg.segments[1:], 0, []
@@ -136,7 +136,7 @@ def _gathered(rank: int, size: int, own: Any, index: Optional[int] = None
                 frames, at = inline[at + part], at + per
             else:
                 frames = got.get((r, part), [])
-            out.append(own if r == rank else _serialize.loads(frames))
+            out.append(frames)
         return out
     return convert
 
@@ -247,31 +247,11 @@ def _is_tensor(value: Any) -> bool:
     return not isinstance(value, sys.modules["numpy"].ndarray)
 
 
-# -- pieces of the rows: builds, finishers, checks ------------------------------------------
+# -- pieces of the rows: builds, checks ------------------------------------------
 
 
 def _nothing() -> tuple[list[list[Any]], Any]:
     return [], None
-
-
-def _none(msg: Message) -> None:
-    return None
-
-
-def _first(msg: Message) -> Any:
-    return _serialize.loads(msg.segments[0])
-
-
-def _value(value: Any) -> Finish:
-    return lambda msg: value
-
-
-def _all(own: Any, rank: int) -> Finish:
-    """A list result: every rank's value in rank order, this rank's own
-    object in its slot (it is never copied back)."""
-    def finish(msg: Message) -> list[Any]:
-        return [own if i == rank else _serialize.loads(s) for i, s in enumerate(msg.segments)]
-    return finish
 
 
 def _sent(value: Any) -> Build:

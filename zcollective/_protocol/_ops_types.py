@@ -44,7 +44,10 @@ NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds the data plane reduces
 RING_SAFE = frozenset({"add", "maximum", "minimum", "multiply"})  # reductions no rank's code can fail
 Routes = list[list[list[Any]]]  # the segments each rank receives, by rank
 Build = Callable[[], tuple[list[list[Any]], Any]]  # -> (segments, reduce function or None)
-Finish = Callable[[Message], Any]  # the call's RESULT -> its value here
+NOTHING, OWN, ONE, EVERY = range(4)  # what a call's value is made of (Contribution.result): None; the
+# value this rank passed, as it is; the first part sent back, unpickled; a list by rank, each part
+# unpickled but this rank's own value in its slot. The call runner decodes it (zcollective._calls):
+# the rules carry bytes and never unpickle
 Outgoing = tuple[bytes, Message]  # a message the coordinator sends, and to whom
 Parts = list[Optional[list[list[int]]]]  # by rank, the frame sizes of each value it writes into
 # its host's shared memory (None: none)
@@ -73,6 +76,8 @@ class Here:
     shared_min_bytes: int = 0  # ... which moves arrays this large
     across: Any = None  # ... with ranks on several hosts: its plane, for allreduce alone (the others
     # keep the data plane); arrays of shared_min_bytes go through it
+    reducer: Any = None  # (name, fn) -> reduce(dst, acc, mine): the drivers' (_io._reducing.reducer), which
+    # runs the program's function for the data plane's and shared memory's jobs, never the rules
 
 
 class Combining(Protocol):
@@ -95,16 +100,19 @@ class Combining(Protocol):
 @dataclass
 class Contribution:
     """This rank's contribution to one call: ``build()`` serializes what it sends
-    (after the call's seq is reserved), ``finish`` makes its value from the
-    RESULT, ``transfer`` the data-plane job from a plan (``FLAG_DATA``)."""
+    (after the call's seq is reserved), ``result`` says what its value is made of
+    (:data:`ONE`, ...; ``own``: the value this rank passed), from the RESULT's parts or
+    from a data-plane job's (``pickled``; its arrays are its value), ``transfer`` the
+    data-plane job from a plan (``FLAG_DATA``)."""
 
     root: int
     build: Build
-    finish: Finish
+    result: int
     flags: int = 0
     transfer: Optional[Callable[[Message], Union[_ring.Transfer, _shm.SharedJob]]] = None
     reduce: Any = None  # an allreduce's function, as this rank passed it (an interior rank of the
     # tree reduces its subtree's values with it)
+    own: Any = None
 
 
 class Refused(ValueError):

@@ -22,19 +22,10 @@ KIND_NAMES = {RS: "reduce-scatter", AG: "allgather", BC: "broadcast", GA: "allga
 RING, HOSTS = "ring", "hosts"  # Transfer.via: to the next rank; from a host's leader to the next host's
 
 
-def elementwise(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """Mark ``fn(a, b)`` as elementwise: ``result[i]`` depends only on ``a[i]`` and ``b[i]``. Large numeric
-    arrays reduced with it then travel between replicas directly (see the README's "The data plane"), each
-    replica applying its own ``fn``, so it must be the same function everywhere. ``fn`` may update ``a`` in
-    place and return it."""
-    fn.__zcollective_elementwise__ = True  # type: ignore[attr-defined]
-    return fn
-
-
 def reduction_name(fn: Any) -> Optional[str]:
     """The name the data plane knows ``fn`` by, or None if it must keep the star: ``add`` for the default
     ``a += b``, ``operator.add``/``iadd`` and ``numpy.add``; ``maximum``, ``minimum``, ``multiply`` for
-    numpy's; a function marked :func:`elementwise` by its module and qualified name."""
+    numpy's; a function marked :func:`~zcollective.elementwise` by its module and qualified name."""
     try:
         name = _KNOWN.get(fn)
     except TypeError:  # unhashable: none of ours
@@ -59,24 +50,6 @@ _KNOWN: dict[Any, str] = {operator.add: "add", operator.iadd: "add", operator.mu
 def register_default(fn: Callable[[Any, Any], Any]) -> None:
     """The group's default reduce function (``a += b``) is ``add`` here."""
     _KNOWN[fn] = "add"
-
-
-def reducer(name: str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], None]:
-    """``reduce(dst, acc, mine)``: ``dst[:] = fn(acc, mine)``; ``acc`` came round the ring (read-only)."""
-    import numpy
-    ufunc = {"add": numpy.add, "maximum": numpy.maximum, "minimum": numpy.minimum,
-             "multiply": numpy.multiply}.get(name)
-    if ufunc is not None:
-        def by_ufunc(dst: Any, acc: Any, mine: Any) -> None:
-            ufunc(acc, mine, out=dst)
-        return by_ufunc
-
-    def by_fn(dst: Any, acc: Any, mine: Any) -> None:
-        numpy.copyto(dst, acc)
-        out = fn(dst, mine)
-        if out is not dst:
-            dst[...] = out
-    return by_fn
 
 
 @dataclass
@@ -111,6 +84,7 @@ class Transfer:
     kind_name = "?"
     op = "?"  # the operation's label, for messages
     via = RING
+    pickled = False  # its value is parts to unpickle (the call runner's :meth:`then`), not arrays
 
     def __init__(self, rank: int, size: int) -> None:
         self.finish: Callable[[], Any] = self.result  # the call's value, once done (set by the caller)
@@ -127,6 +101,11 @@ class Transfer:
         self.sent = 0  # ... of which handed to the socket (counted by the data plane)
         self._seen: set[tuple[int, ...]] = set()  # the chunks taken
         self.ranks: Optional[list[int]] = None  # the group's rank of each of its ring's (None: the same)
+
+    def then(self, decode: Callable[[Any], Any]) -> None:
+        """The call's value is ``decode`` of what :attr:`finish` made (the call runner's decoder)."""
+        made = self.finish
+        self.finish = lambda: decode(made())
 
     @property
     def done(self) -> bool:
@@ -244,6 +223,7 @@ class ChainBroadcast(Transfer):
 
     kind_name = "chain broadcast"
     op = "broadcast"
+    pickled = True
 
     def __init__(self, rank: int, size: int, root: int, sizes: list[int],
                  frames: Optional[list[Any]] = None, chunk_bytes: Optional[int] = None) -> None:
@@ -286,6 +266,7 @@ class RingAllgather(Transfer):
 
     kind_name = "ring allgather"
     op = "allgather"
+    pickled = True
 
     def __init__(self, rank: int, size: int, sizes: list[Optional[list[int]]],
                  own: Optional[list[Any]], chunk_bytes: Optional[int] = None) -> None:

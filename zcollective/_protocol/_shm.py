@@ -96,6 +96,7 @@ class SharedJob:
     """One call's steps at one rank: the plane runs :attr:`steps`, calling :meth:`memory` for each."""
 
     shared = True  # (a data-plane Transfer has none: the driver moves each its own way)
+    pickled = False  # its value is parts to unpickle (the call runner's :meth:`then`), not arrays
     kind_name = "shared memory"
     op = "?"
 
@@ -116,6 +117,11 @@ class SharedJob:
         """The call's value, once done."""
         out = self.result()
         return out if self.convert is None else self.convert(out)
+
+    def then(self, decode: Callable[[Any], Any]) -> None:
+        """The call's value is ``decode`` of what it made (the call runner's decoder)."""
+        made = self.convert
+        self.convert = decode if made is None else lambda out: decode(made(out))
 
     @property
     def step(self) -> Optional[str]:
@@ -277,6 +283,7 @@ class SharedExchange(SharedJob):
     rank copies the parts it receives (no sync after: the next call uses the other set)."""
 
     kind_name = "shared-memory exchange"
+    pickled = True
 
     def __init__(self, op: str, seq: int, rank: int, size: int, place: Place, plan: HostPlan, staged: bool,
                  leader: bool, parts: list[Optional[list[list[int]]]], own: Optional[list[list[Any]]],
