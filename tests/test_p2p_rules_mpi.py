@@ -85,7 +85,7 @@ def test_a_synchronous_send_to_a_rank_that_ended_is_done_if_received_else_peer_e
     sender.ended(1, 0, ENDED, received=1)
     assert [(o.future, type(o.error).__name__) for o in sender.outcomes] == [
         ("received", "NoneType"), ("never", "PeerEndedError")]
-    assert "send(dest=1, tag=0) cannot complete" in str(sender.outcomes[1].error)
+    assert "ssend(dest=1, tag=0) cannot complete" in str(sender.outcomes[1].error)
     assert list(sender.syncing) == [(2, ack_of(0))]  # rank 2's still waits
 
 

@@ -343,21 +343,20 @@ class Mail:
             gone = self._gone(f"send(dest={source}, tag={s.tag})", source)
             self.outcomes.append(CallOutcome(s.handle, gone))
         peer, decided = self.box.peers[source], []
+        for key in [key for key in self.syncing if key[0] == source]:  # synchronous: received, or never
+            seq, handle, tag = self.syncing.pop(key)
+            decided.append(handle)
+            taken = received is not None and seq < received
+            self.outcomes.append(CallOutcome(handle) if taken else CallOutcome(
+                handle, self._gone(f"ssend(dest={source}, tag={tag})", source, (seq, received or 0))))
         if received is not None:  # (said by every release that says it)
             for seq, _, handle, tag in peer.unreceived:  # on their way: received, or never to be
-                if handle is not None:
+                if handle is not None and not any(h is handle for h in decided):
                     decided.append(handle)
                     self.outcomes.append(CallOutcome(handle) if seq < received else CallOutcome(
                         handle, self._gone(f"send(dest={source}, tag={tag})", source, (seq, received))))
             peer.unreceived.clear()
             peer.held = 0
-        for key in [key for key in self.syncing if key[0] == source]:  # synchronous, credited already:
-            seq, handle, tag = self.syncing.pop(key)  # received, or never
-            if any(h is handle for h in decided):
-                continue
-            self.outcomes.append(CallOutcome(handle) if received is not None and seq < received else
-                                 CallOutcome(handle, self._gone(f"ssend(dest={source}, tag={tag})", source,
-                                                                (seq, received or 0))))
         self.cut.append((source, decided))
         self._hopeless()
 
