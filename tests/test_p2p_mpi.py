@@ -74,8 +74,9 @@ def ssend(g):
 
 
 def matched(g):
-    """Rank 1 sends rank 0 2 * MESSAGES messages of two tags; two threads of rank 0 each take
-    MESSAGES with mprobe(1, ANY_TAG) and receive them later: each gets the message it probed."""
+    """Rank 1 sends rank 0 2 * MESSAGES messages of two tags, then ssends a last one; once that
+    one is here, two threads of rank 0 each take MESSAGES with mprobe(1, ANY_TAG) and receive them
+    later: each gets the message it probed, and no message twice."""
     r = g.rank if isinstance(g, zc.Group) else g.get_rank()
     if r == 1:
         for i in range(2 * MESSAGES):
@@ -85,6 +86,9 @@ def matched(g):
     if r != 0:
         return None
     got, mismatched = [], []
+    deadline = time.monotonic() + 20
+    while g.iprobe(1, 9) is None and time.monotonic() < deadline:  # all here: each probe finds its
+        time.sleep(0.01)  # message among those arrived (none arrives to a probe posted before)
 
     def take():
         for _ in range(MESSAGES):
