@@ -238,3 +238,60 @@ def test_an_ssend_whose_receiver_ends_without_taking_it_raises_peer_ended(tmp_pa
     assert said.startswith("PeerEndedError: rank 0: ssend(dest=1, tag=1) cannot complete: rank 1 ended its "
                            "program"), report(outs, said)
     assert took < 20, report(outs, f"took {took:.1f} s")
+
+
+def on_oneself(g):
+    """mpi4py's sequences on one rank (its COMM_SELF tests): ssends to oneself done as received,
+    a probe's status, improbe with nothing here, a matched probe received as a future."""
+    me, out = g.rank if isinstance(g, zc.Group) else g.get_rank(), {}
+    receives = [g.recv_async(me, tag) for tag in (1, 2, 3)]
+    for tag in (3, 2, 1):
+        g.ssend(f"tag {tag}", me, tag, timeout=10)
+    out["received"] = [r.result(5) for r in receives]
+    sends = [g.ssend_async(i, me, 0) for i in range(6)]
+    out["none done"] = not any(s.done() for s in sends)
+    out["first three"] = [g.recv(me, 0, timeout=5) for _ in range(3)], [s.done() for s in sends]
+    out["last three"] = [g.recv(me, 0, timeout=5) for _ in range(3)], all(s.done() for s in sends)
+    status = zc.Status()
+    out["iprobe empty"] = g.iprobe(zc.ANY_SOURCE, zc.ANY_TAG, status), (status.source, status.tag)
+    out["improbe empty"] = g.improbe(zc.ANY_SOURCE, zc.ANY_TAG, status), (status.source, status.tag)
+    request = g.ssend_async("probed", me, 123)
+    out["probe"] = g.probe(zc.ANY_SOURCE, zc.ANY_TAG, status).tag, (status.source, status.tag)
+    out["iprobe"] = g.iprobe(zc.ANY_SOURCE, zc.ANY_TAG, status).tag, request.done()
+    m = g.mprobe(me, 123)
+    out["mprobe"] = bool(m), request.done()  # matched: counts as received
+    future = m.recv_async()
+    out["matched received"] = bool(m), future.result(5), (future.status.source, future.status.tag)
+    pending = g.recv_async(me, 4)
+    out["cancelled"] = pending.cancel()
+    g.send("for the next", me, 4)
+    out["next"] = g.recv(me, 4, timeout=5)
+    return out
+
+
+def _oneself(how):
+    if how == "group":
+        with zc.Group(rank=0, size=1) as g:
+            return on_oneself(g)
+    sub = zc.split(zc.get_rank())
+    try:
+        return on_oneself(sub)
+    finally:
+        sub.teardown()
+
+
+@pytest.mark.parametrize("how", ["group", "subgroup"])
+def test_mpi4py_sequences_on_a_group_of_one(how):
+    outs = (run_replicas(_oneself, 1, how, initialize=False, timeout=60) if how == "group"
+            else run_replicas(_oneself, 2, how, timeout=60))
+    for out in outs:
+        assert out["received"] == ["tag 1", "tag 2", "tag 3"], out
+        assert out["none done"], out
+        assert out["first three"] == ([0, 1, 2], [True] * 3 + [False] * 3), out
+        assert out["last three"] == ([3, 4, 5], True), out
+        assert out["iprobe empty"] == (None, (zc.ANY_SOURCE, zc.ANY_TAG)), out
+        assert out["improbe empty"] == (None, (zc.ANY_SOURCE, zc.ANY_TAG)), out
+        assert out["probe"] == (123, (0, 123)) and out["iprobe"] == (123, False), out
+        assert out["mprobe"] == (True, True), out
+        assert out["matched received"] == (False, "probed", (0, 123)), out
+        assert out["cancelled"] and out["next"] == "for the next", out

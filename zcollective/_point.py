@@ -160,20 +160,24 @@ class PointToPoint:
         _tell(status, received)
         return value
 
-    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
+    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Optional[Status] = None, *,
+              timeout: Timeout = DEFAULT) -> Status:
         """Wait for a message :meth:`recv` with these arguments would take,
-        and say where it came from, without receiving it; raises as
-        :meth:`recv` does."""
+        and say where it came from (also in ``status``, if given), without
+        receiving it; raises as :meth:`recv` does."""
         deadline = self._deadline(timeout)
         result: Status = self._finish(self._receive(source, tag, deadline, True, "probe"), timeout, deadline)
+        _fill(status, result)
         return result
 
-    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
-        """:meth:`probe` without waiting: None if no such message is here yet."""
-        return self._peek(source, tag, False)
+    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+               status: Optional[Status] = None) -> Optional[Status]:
+        """:meth:`probe` without waiting: None if no such message is here yet
+        (``status`` then untouched)."""
+        return self._peek(source, tag, False, status)  # type: ignore[no-any-return]
 
-    def mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
-               status: Optional[Status] = None) -> Message:
+    def mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Optional[Status] = None, *,
+               timeout: Timeout = DEFAULT) -> Message:
         """A matched probe: wait for a message :meth:`recv` with these
         arguments would take and take it out of matching (no other receive or
         probe gets it), as a :class:`Message` to receive later; ``status`` is
@@ -181,37 +185,35 @@ class PointToPoint:
         deadline = self._deadline(timeout)
         future = self._receive(source, tag, deadline, True, "mprobe")
         message = Message(self.rank, self._finish(future, timeout, deadline))
-        _tell(status, future)
+        _fill(status, message)
         return message
 
     def improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                 status: Optional[Status] = None) -> Optional[Message]:
         """:meth:`mprobe` without waiting: None if no such message is here yet
         (``status`` then untouched)."""
-        message = self._peek(source, tag, True)
-        if message is not None and status is not None:
-            status.source, status.tag, status.nbytes = message.source, message.tag, message.nbytes
-        return message
+        return self._peek(source, tag, True, status)  # type: ignore[no-any-return]
 
-    def _peek(self, source: Any, tag: Any, matched: bool) -> Any:
+    def _peek(self, source: Any, tag: Any, matched: bool, status: Optional[Status]) -> Any:
         """:meth:`iprobe`'s Status, or (``matched``) :meth:`improbe`'s Message, or None."""
         source = check_rank(source, self.size, "source", any_source=True, proc_null=True)
         tag = check_tag(tag, True)
         if source == PROC_NULL:
             self._mail()  # (raises if no call may be made)
-            return Message(self.rank, None) if matched else Status(PROC_NULL, ANY_TAG, 0)
-        calls = self.calls
-        calls.progress()
-        mail = self._mail()
-        if not calls.turns.take(None):
-            return None
-        try:
-            if not matched:
-                return mail.box.probe(source, tag)
-            came = mail.improbe(source, tag)
-            return None if came is None else Message(self.rank, came)
-        finally:
-            calls.turns.give()
+            found: Any = Message(self.rank, None) if matched else Status(PROC_NULL, ANY_TAG, 0)
+        else:
+            calls = self.calls
+            calls.progress()
+            mail = self._mail()
+            if not calls.turns.take(None):
+                return None
+            try:
+                came = mail.improbe(source, tag) if matched else None
+                found = mail.box.probe(source, tag) if not matched else came and Message(self.rank, came)
+            finally:
+                calls.turns.give()
+        _fill(status, found)
+        return found
 
     def _deadline(self, timeout: Timeout) -> Optional[float]:
         if isinstance(timeout, _Default):
@@ -430,6 +432,12 @@ def _synchronous(mail: Mail, dest: int, tag: int, segment: list[Any], handle: An
 def _matched_probe(mail: Mail, source: int, tag: int, handle: Any) -> None:
     """A matched probe's act (see :meth:`Mail.receive`)."""
     mail.receive(source, tag, handle, True)
+
+
+def _fill(status: Optional[Status], found: Any) -> None:
+    """Fill a caller's ``status`` from what a probe found (a Status or a Message; None: nothing)."""
+    if status is not None and found is not None:
+        status.source, status.tag, status.nbytes = found.source, found.tag, found.nbytes
 
 
 def _tell(status: Optional[Status], received: CollectiveFuture[Any]) -> None:
