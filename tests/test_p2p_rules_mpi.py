@@ -160,3 +160,12 @@ def test_proc_null_is_a_rank_only_where_allowed():
         check_rank(-3, 4, "dest", proc_null=True)
     with pytest.raises(ValueError):
         check_rank(PROC_NULL, 4, "dest")
+
+
+def test_a_matched_probe_no_message_can_answer_fails_naming_itself():
+    mail = _mail(1)
+    mail.receive(0, 5, "matched", True)
+    mail.ended(0, 0, "rank 0 ended its program (without teardown)", received=0)
+    [outcome] = mail.outcomes
+    assert type(outcome.error).__name__ == "PeerEndedError"
+    assert str(outcome.error).startswith("rank 1: mprobe(source=0, tag=5) cannot complete: rank 0 ended")

@@ -41,6 +41,11 @@ def describe(call: str, source: int, tag: int) -> str:
             f"tag={'ANY_TAG' if tag == ANY_TAG else tag})")
 
 
+def _described(call: str, receive: Receive) -> str:
+    """A posted receive's name in messages (a matched probe's: mprobe)."""
+    return describe("mprobe" if receive.matched else call, receive.source, receive.tag)
+
+
 def _value(value: Any) -> Callable[[], Any]:
     return lambda: value
 
@@ -395,7 +400,7 @@ class Mail:
         for call, waiting in (("recv", self.box.posted), ("probe", self.probes)):
             for receive in waiting:
                 self.outcomes.append(CallOutcome(receive.handle, CollectiveError(
-                    f"rank {self.rank}: {describe(call, receive.source, receive.tag)} cannot complete: "
+                    f"rank {self.rank}: {_described(call, receive)} cannot complete: "
                     f"this rank called teardown, so it sends itself nothing more, and no message "
                     f"here matches")))
             waiting.clear()
@@ -406,7 +411,7 @@ class Mail:
             for receive in [r for r in waiting if self.box.drained(r.source)]:
                 waiting.remove(receive)
                 self.outcomes.append(CallOutcome(receive.handle, self._gone(
-                    describe(call, receive.source, receive.tag), receive.source)))
+                    _described(call, receive), receive.source)))
 
     def _gone(self, what: str, rank: int, leaving: Optional[tuple[int, int]] = None
               ) -> PeerEndedError:
