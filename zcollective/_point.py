@@ -393,7 +393,8 @@ class PointToPoint:
         acked = next((dest for (dest, _), (_, h, _) in list(mail.syncing.items()) if h is future), None)
         if acked is not None:  # (a snapshot: another thread may hold the turn)
             return (f"{said}: rank {acked}'s program has not received its message yet (no matching "
-                    f"receive there): it was sent, not taken back, and may still be received")
+                    f"receive there yet, or the message still waits for its link to rank {acked}'s mailbox): "
+                    f"not taken back, it may still be received")
         dest = mail.waiting_for(future)
         if dest is not None:  # a send short of credit
             peer = mail.box.peers[dest]
