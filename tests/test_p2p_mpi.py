@@ -4,7 +4,10 @@ took the message; a timeout says so; PeerEndedError when the receiver ends witho
 mprobe/improbe (two threads probing one source never get each other's message), and cancel() of
 an unmatched receive (nothing lost)."""
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -269,6 +272,31 @@ def on_oneself(g):
     return out
 
 
+SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import zcollective as zc
+import test_p2p_mpi as t
+zc.initialize()
+print("RESULT" + json.dumps(t.on_oneself(zc)))
+zc.teardown()
+"""
+
+
+def _alone():
+    """on_oneself in a script run on its own (no group in its environment): the module API."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ZCOLLECTIVE_", "ADAPTDL_", "MASTER_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    return [json.loads(lines[0][len("RESULT"):])]
+
+
 def _oneself(how):
     if how == "group":
         with zc.Group(rank=0, size=1) as g:
@@ -280,18 +308,18 @@ def _oneself(how):
         sub.teardown()
 
 
-@pytest.mark.parametrize("how", ["group", "subgroup"])
+@pytest.mark.parametrize("how", ["script", "group", "subgroup"])
 def test_mpi4py_sequences_on_a_group_of_one(how):
-    outs = (run_replicas(_oneself, 1, how, initialize=False, timeout=60) if how == "group"
-            else run_replicas(_oneself, 2, how, timeout=60))
-    for out in outs:
+    outs = (_alone() if how == "script" else run_replicas(_oneself, 1, how, initialize=False, timeout=60)
+            if how == "group" else run_replicas(_oneself, 2, how, timeout=60))
+    for out in json.loads(json.dumps(outs)):  # (as the script's, through JSON: tuples as lists)
         assert out["received"] == ["tag 1", "tag 2", "tag 3"], out
         assert out["none done"], out
-        assert out["first three"] == ([0, 1, 2], [True] * 3 + [False] * 3), out
-        assert out["last three"] == ([3, 4, 5], True), out
-        assert out["iprobe empty"] == (None, (zc.ANY_SOURCE, zc.ANY_TAG)), out
-        assert out["improbe empty"] == (None, (zc.ANY_SOURCE, zc.ANY_TAG)), out
-        assert out["probe"] == (123, (0, 123)) and out["iprobe"] == (123, False), out
-        assert out["mprobe"] == (True, True), out
-        assert out["matched received"] == (False, "probed", (0, 123)), out
+        assert out["first three"] == [[0, 1, 2], [True] * 3 + [False] * 3], out
+        assert out["last three"] == [[3, 4, 5], True], out
+        assert out["iprobe empty"] == [None, [zc.ANY_SOURCE, zc.ANY_TAG]], out
+        assert out["improbe empty"] == [None, [zc.ANY_SOURCE, zc.ANY_TAG]], out
+        assert out["probe"] == [123, [0, 123]] and out["iprobe"] == [123, False], out
+        assert out["mprobe"] == [True, True], out
+        assert out["matched received"] == [False, "probed", [0, 123]], out
         assert out["cancelled"] and out["next"] == "for the next", out
