@@ -323,3 +323,29 @@ def test_mpi4py_sequences_on_a_group_of_one(how):
         assert out["mprobe"] == [True, True], out
         assert out["matched received"] == [False, "probed", [0, 123]], out
         assert out["cancelled"] and out["next"] == "for the next", out
+
+
+def tears_down_with_an_ssend_unreceived():
+    r = zc.get_rank()
+    if r == 0:
+        future = zc.ssend_async("never received", 1, tag=1)
+        zc.barrier()
+        try:
+            future.result(20)
+            return "done"
+        except zc.CollectiveError as exc:
+            return f"{type(exc).__name__}: {exc}"
+    zc.barrier()
+    deadline = time.monotonic() + 20
+    while zc.iprobe(0, 1) is None and time.monotonic() < deadline:  # (here, never received)
+        time.sleep(0.01)
+    zc.teardown()
+    return "torn down"
+
+
+@pytest.mark.parametrize("secret", sorted(SECRETS))
+def test_an_ssend_whose_receiver_tears_down_without_taking_it_raises_peer_ended(secret):
+    """Teardown drops what no receive takes: a plain send is done once sent, an ssend is told."""
+    outs = run_replicas(tears_down_with_an_ssend_unreceived, 2, env=SECRETS[secret], timeout=60)
+    assert outs[0].startswith("PeerEndedError: rank 0: ssend(dest=1, tag=1) cannot complete: rank 1 called "
+                              "teardown without receiving its message"), outs

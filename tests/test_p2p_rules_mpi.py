@@ -169,3 +169,24 @@ def test_a_matched_probe_no_message_can_answer_fails_naming_itself():
     [outcome] = mail.outcomes
     assert type(outcome.error).__name__ == "PeerEndedError"
     assert str(outcome.error).startswith("rank 1: mprobe(source=0, tag=5) cannot complete: rank 0 ended")
+
+
+def test_a_synchronous_message_a_teardown_drops_unreceived_fails_its_send():
+    """Teardown drops what no receive takes (a plain send is done once sent); an ssend is told
+    its message was never received: PeerEndedError, not done."""
+    receiver = _mail(1)
+    receiver.take(_send_msg(0, 4, 0, sync=True))
+    receiver.closing()
+    [(_, credit, _)] = receiver.out
+    assert (credit.kind, credit.root) == (Kind.CREDIT, -ack_of(0))
+    sender = _mail(0)
+    sender.send(1, 4, [b"x"], "ssend", "m0")
+    sender.take(credit.__class__(Kind.CREDIT, 0, 1, credit.root, credit.seq, 7))
+    [outcome] = sender.outcomes
+    assert type(outcome.error).__name__ == "PeerEndedError" and outcome.error.ended_ranks == (1,)
+    assert str(outcome.error).startswith("rank 0: ssend(dest=1, tag=4) cannot complete: rank 1 called "
+                                         "teardown")
+    mail = _mail(0, size=1)  # to itself, unreceived at its own teardown
+    mail.send(0, 2, [b"x"], "to itself", "m")
+    mail.closing()
+    assert [type(o.error).__name__ for o in mail.outcomes] == ["PeerEndedError"]

@@ -214,7 +214,7 @@ class Mail:
         source = msg.rank
         if msg.kind is Kind.CREDIT:
             self.box.credited(source, msg.seq)
-            if msg.root > 0:  # it received a synchronous message of this rank's
+            if msg.root:  # it received (or its teardown dropped) a synchronous message of this rank's
                 self._acked(source, msg.root)
             self._flush(source)
         elif msg.kind is Kind.ASK:
@@ -260,10 +260,12 @@ class Mail:
                 self.out.append((c.to, Message(Kind.CREDIT, 0, self.rank, c.ack, c.seq, self.session), None))
 
     def _acked(self, dest: int, ack: int) -> None:
-        """``dest`` received the synchronous message whose :func:`ack_of` is ``ack``: its send is done."""
-        sending = self.syncing.pop((dest, ack), None)
+        """``dest`` received the synchronous message whose :func:`ack_of` is ``ack``: its send is done
+        (``-ack``: its teardown dropped it, never received: PeerEndedError)."""
+        sending = self.syncing.pop((dest, abs(ack)), None)
         if sending is not None:
-            self.outcomes.append(CallOutcome(sending[1]))
+            error = None if ack > 0 else _dropped(self.rank, dest, sending[2])
+            self.outcomes.append(CallOutcome(sending[1], error))
 
     def final(self, unsent: Optional[dict[int, list[Any]]] = None, leaving: Optional[dict[int, int]] = None
               ) -> tuple[list[int], list[int], list[int]]:
@@ -392,11 +394,6 @@ class Mail:
 
     def torn_down(self) -> None:
         """Teardown, all the others' messages taken in: a receive or probe still posted fails."""
-        for seq, handle, tag in self.syncing.values():
-            self.outcomes.append(CallOutcome(handle, CollectiveError(
-                f"rank {self.rank}: ssend(tag={tag}) (its message number {seq}) was not acknowledged when "
-                f"this rank's teardown ended: it may not have been received")))
-        self.syncing.clear()
         for call, waiting in (("recv", self.box.posted), ("probe", self.probes)):
             for receive in waiting:
                 self.outcomes.append(CallOutcome(receive.handle, CollectiveError(
@@ -479,3 +476,11 @@ def _lost(mail: Mail, rank: int) -> str:
     last = mail.box.peers[rank].last or 0
     return (f"; {lost} more it meant for this rank never left it (from number {last} on: it ended "
             f"with them waiting for credit, its link, or this rank to take them in): lost")
+
+
+def _dropped(rank: int, dest: int, tag: int) -> PeerEndedError:
+    """The error of a synchronous send whose receiver's teardown dropped its message, unreceived."""
+    error = PeerEndedError(f"rank {rank}: ssend(dest={dest}, tag={tag}) cannot complete: rank {dest} called "
+                           f"teardown without receiving its message (teardown drops what no receive takes)")
+    error.ended_ranks = (dest,)
+    return error

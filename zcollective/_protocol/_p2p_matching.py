@@ -61,7 +61,8 @@ class Credit:
 
     to: int
     seq: int
-    ack: int = 0  # :func:`ack_of` a synchronous message just received (0: none), in the CREDIT's root
+    ack: int = 0  # :func:`ack_of` a synchronous message just received (0: none; negated: dropped by
+    # teardown, never received), in the CREDIT's root
 
 
 @dataclass
@@ -183,7 +184,7 @@ class Mailbox:
                 del self.posted[i]
                 return (receive, came), self._taken(came)
         if self.draining:  # nothing can receive it any more: dropped, and credited as taken
-            return None, self._taken(came)
+            return None, self._taken(came, True)
         self.arrived.append(came)
         return None, []
 
@@ -215,7 +216,7 @@ class Mailbox:
         self.draining = True
         credits: list[Credit] = []
         while self.arrived:
-            credits += self._taken(self.arrived.popleft())
+            credits += self._taken(self.arrived.popleft(), True)
         return credits
 
     def withdraw(self, receive: Receive) -> bool:
@@ -242,13 +243,13 @@ class Mailbox:
         peer.owed = True
         return []
 
-    def _taken(self, came: Arrived) -> list[Credit]:
-        """``came`` is received (or matched, or dropped): the credit due (at once for a synchronous one,
-        which it acknowledges: to this rank itself too, which sends nothing)."""
+    def _taken(self, came: Arrived, dropped: bool = False) -> list[Credit]:
+        """``came`` is received (or matched, or ``dropped``): the credit due (at once for a synchronous
+        one, which it acknowledges, negated if dropped: to this rank itself too, which sends nothing)."""
         peer = self.peers[came.source]
         peer.taken = came.seq
         peer.taken_bytes += came.nbytes
-        ack = came.seq % MAX_TAG + 1 if came.sync else 0  # (ack_of, inline)
+        ack = (came.seq % MAX_TAG + 1) * (-1 if dropped else 1) if came.sync else 0  # (ack_of, inline)
         if came.source == self.rank:  # its own: credited at once, nothing travels
             self.credited(self.rank, came.seq)
             peer.credited, peer.taken_bytes = came.seq, 0
