@@ -50,7 +50,7 @@ class PointToPoint:
         of this rank's messages not yet received, when it waits for them to
         be (see the README, *Point to point*). Sending to oneself works. The
         value goes straight to ``dest``, not through rank 0; arrays and
-        tensors without a copy.
+        tensors without a copy. To ``PROC_NULL``: at once, doing nothing.
 
         Raises
         ------
@@ -112,6 +112,7 @@ class PointToPoint:
         ``ANY_SOURCE``/``ANY_TAG``): messages from one rank with one tag come
         in the order sent; with ``ANY_SOURCE``, the earliest arrived. A
         :class:`Status` passed as ``status`` is filled with where it came from.
+        From ``PROC_NULL``: None at once (status: ``PROC_NULL``, ``ANY_TAG``, 0).
 
         Raises
         ------
