@@ -24,8 +24,9 @@ from ._group import Group, calls_of, default_reduce_fn, life_of, point_of
 from ._io._reducing import elementwise
 from ._lifecycle import Lifecycle
 from ._limits import DEFAULT_INIT_TIMEOUT_S
+from ._matched import Message
 from ._point import PointToPoint
-from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
+from ._protocol._p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, Status
 from .config import takes_settings
 from .errors import (
     AddressError,
@@ -58,6 +59,7 @@ __all__ = [
     "coordinator_address", "lost_ranks", "old_ranks", "status", "split", "subgroup", "dup",
     "send", "send_async", "recv", "recv_async", "sendrecv", "probe", "iprobe",
     "ANY_SOURCE", "ANY_TAG", "Status",
+    "ssend", "ssend_async", "mprobe", "improbe", "PROC_NULL", "Message",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
@@ -343,3 +345,7 @@ recv_async = _on_default(Group.recv_async, PointToPoint.recv_async)
 sendrecv = _on_default(Group.sendrecv, PointToPoint.sendrecv)
 probe = _on_default(Group.probe, PointToPoint.probe)
 iprobe = _on_default(Group.iprobe, PointToPoint.iprobe)
+ssend = _on_default(Group.ssend, PointToPoint.ssend)
+ssend_async = _on_default(Group.ssend_async, PointToPoint.ssend_async)
+mprobe = _on_default(Group.mprobe, PointToPoint.mprobe)
+improbe = _on_default(Group.improbe, PointToPoint.improbe)

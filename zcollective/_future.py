@@ -19,6 +19,7 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Generator
+from concurrent.futures import CancelledError
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, TypeVar
 
@@ -55,12 +56,13 @@ class CollectiveFuture(Generic[T]):
     ranks. Any thread may wait for it.
     """
 
-    __slots__ = ("seq", "op", "status", "_runner", "_done", "_value", "_error", "_callbacks")
+    __slots__ = ("seq", "op", "status", "canceller", "_runner", "_done", "_value", "_error", "_callbacks")
 
     def __init__(self, runner: Optional[_Runner], seq: int, op: str) -> None:
         self.seq = seq
         self.op = op
         self.status: Any = None  # a receive's: where its message came from (a Status)
+        self.canceller: Optional[Callable[[CollectiveFuture[Any]], bool]] = None  # a receive's: its cancel()
         self._runner = runner
         self._done = False
         self._value: Any = None
@@ -120,11 +122,20 @@ class CollectiveFuture(Generic[T]):
         return not self.done()
 
     def cancelled(self) -> bool:
-        return False
+        """Was it cancelled (:meth:`cancel` returned True)?"""
+        return self._done and type(self._error) is CancelledError
 
     def cancel(self) -> bool:
-        """A collective call cannot be withdrawn once other replicas may use it."""
-        return False
+        """Cancel a receive (``recv_async``) not yet matched: True, and the
+        future ends cancelled (``result()`` raises
+        ``concurrent.futures.CancelledError``); a message that comes later
+        goes to a later receive. False for a receive matched or done, for a
+        send (not cancellable, as MPI-4 deprecates it), and for a collective
+        call (it cannot be withdrawn once other replicas may use it)."""
+        if self._done:
+            return self.cancelled()
+        canceller = self.canceller
+        return canceller is not None and canceller(self)
 
     def result(self, timeout: Optional[float] = None) -> T:
         """Wait for the result.

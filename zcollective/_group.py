@@ -369,6 +369,10 @@ class Group:
     sendrecv = _front("_point", PointToPoint.sendrecv)
     probe = _front("_point", PointToPoint.probe)
     iprobe = _front("_point", PointToPoint.iprobe)
+    ssend = _front("_point", PointToPoint.ssend)
+    ssend_async = _front("_point", PointToPoint.ssend_async)
+    mprobe = _front("_point", PointToPoint.mprobe)
+    improbe = _front("_point", PointToPoint.improbe)
 
     # -- sub-groups: their part's (zcollective._subgroups) --------------------------
 

@@ -6,6 +6,9 @@ The rules are :mod:`zcollective._protocol._p2p`'s."""
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import CancelledError
+from functools import partial
 from typing import Any, Callable, Optional
 
 from . import _calls
@@ -15,7 +18,19 @@ from ._future import PENDING, CollectiveFuture, fail, finished, outcome, settle,
 from ._io import _interrupts
 from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import STATUS_WAIT_S
-from ._protocol._p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, Mail, Status, check_rank, check_tag, describe
+from ._matched import Message
+from ._protocol._outcomes import CallOutcome
+from ._protocol._p2p import (
+    ANY_SOURCE,
+    ANY_TAG,
+    MAX_TAG,
+    PROC_NULL,
+    Mail,
+    Status,
+    check_rank,
+    check_tag,
+    describe,
+)
 from .errors import CollectiveError, CollectiveTimeoutError, from_signal
 
 
@@ -35,7 +50,7 @@ class PointToPoint:
         of this rank's messages not yet received, when it waits for them to
         be (see the README, *Point to point*). Sending to oneself works. The
         value goes straight to ``dest``, not through rank 0; arrays and
-        tensors without a copy.
+        tensors without a copy. To ``PROC_NULL``: at once, doing nothing.
 
         Raises
         ------
@@ -66,8 +81,30 @@ class PointToPoint:
 
     def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
         """:meth:`send`, returning at once a future done when :meth:`send` would
-        return; do not change ``value`` until it is."""
+        return; do not change ``value`` until it is. A send cannot be
+        cancelled (its future's ``cancel()`` returns False, as MPI-4 deprecates it)."""
         return self._send(value, dest, tag)
+
+    def ssend(self, value: Any, dest: int, tag: int = 0, *, timeout: Timeout = DEFAULT) -> None:
+        """A synchronous :meth:`send`: returns once a matching receive (or
+        matched probe) on ``dest`` has taken the message, ``dest`` telling
+        this rank so. To ``PROC_NULL``: at once, doing nothing.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            Not taken within ``timeout`` (says what it waited for; a message
+            already sent may still be received).
+        ValueError, SerializationError, PeerEndedError, ReplicaLostError, CollectiveError
+            As :meth:`send` (PeerEndedError: ``dest`` ended before receiving it).
+        """
+        deadline = self._deadline(timeout)
+        self._finish(self._send(value, dest, tag, deadline, True, True), timeout, deadline)
+
+    def ssend_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
+        """:meth:`ssend`, returning at once a future done when :meth:`ssend`
+        would return (not cancellable, as :meth:`send_async`)."""
+        return self._send(value, dest, tag, None, False, True)
 
     def recv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
              status: Optional[Status] = None) -> Any:
@@ -75,6 +112,7 @@ class PointToPoint:
         ``ANY_SOURCE``/``ANY_TAG``): messages from one rank with one tag come
         in the order sent; with ``ANY_SOURCE``, the earliest arrived. A
         :class:`Status` passed as ``status`` is filled with where it came from.
+        From ``PROC_NULL``: None at once (status: ``PROC_NULL``, ``ANY_TAG``, 0).
 
         Raises
         ------
@@ -101,8 +139,13 @@ class PointToPoint:
 
     def recv_async(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> CollectiveFuture[Any]:
         """:meth:`recv`, returning at once a future of the value; its ``status``
-        says where the message came from, once done."""
-        return self._receive(source, tag)
+        says where the message came from, once done. Its ``cancel()`` takes
+        back a receive not yet matched (True: the future is cancelled, and
+        the message it would have taken goes to a later receive); False once
+        matched or done."""
+        future = self._receive(source, tag)
+        future.canceller = self._cancel
+        return future
 
     def sendrecv(self, value: Any, dest: int, source: int = ANY_SOURCE, sendtag: int = 0,
                  recvtag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
@@ -118,26 +161,60 @@ class PointToPoint:
         _tell(status, received)
         return value
 
-    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT) -> Status:
+    def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Optional[Status] = None, *,
+              timeout: Timeout = DEFAULT) -> Status:
         """Wait for a message :meth:`recv` with these arguments would take,
-        and say where it came from, without receiving it; raises as
-        :meth:`recv` does."""
+        and say where it came from (also in ``status``, if given), without
+        receiving it; raises as :meth:`recv` does."""
         deadline = self._deadline(timeout)
         result: Status = self._finish(self._receive(source, tag, deadline, True, "probe"), timeout, deadline)
+        _fill(status, result)
         return result
 
-    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[Status]:
-        """:meth:`probe` without waiting: None if no such message is here yet."""
-        source, tag = check_rank(source, self.size, "source", any_source=True), check_tag(tag, True)
-        calls = self.calls
-        calls.progress()
-        mail = self._mail()
-        if not calls.turns.take(None):
-            return None
-        try:
-            return mail.box.probe(source, tag)
-        finally:
-            calls.turns.give()
+    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+               status: Optional[Status] = None) -> Optional[Status]:
+        """:meth:`probe` without waiting: None if no such message is here yet
+        (``status`` then untouched)."""
+        return self._peek(source, tag, False, status)  # type: ignore[no-any-return]
+
+    def mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Optional[Status] = None, *,
+               timeout: Timeout = DEFAULT) -> Message:
+        """A matched probe: wait for a message :meth:`recv` with these
+        arguments would take and take it out of matching (no other receive or
+        probe gets it), as a :class:`Message` to receive later; ``status`` is
+        filled as :meth:`recv` fills it. Raises as :meth:`recv` does."""
+        deadline = self._deadline(timeout)
+        future = self._receive(source, tag, deadline, True, "mprobe")
+        message = Message(self.rank, self._finish(future, timeout, deadline))
+        _fill(status, message)
+        return message
+
+    def improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+                status: Optional[Status] = None) -> Optional[Message]:
+        """:meth:`mprobe` without waiting: None if no such message is here yet
+        (``status`` then untouched)."""
+        return self._peek(source, tag, True, status)  # type: ignore[no-any-return]
+
+    def _peek(self, source: Any, tag: Any, matched: bool, status: Optional[Status]) -> Any:
+        """:meth:`iprobe`'s Status, or (``matched``) :meth:`improbe`'s Message, or None."""
+        source = check_rank(source, self.size, "source", any_source=True, proc_null=True)
+        tag = check_tag(tag, True)
+        if source == PROC_NULL:
+            self._mail()  # (raises if no call may be made)
+            found: Any = Message(self.rank, None) if matched else Status(PROC_NULL, ANY_TAG, 0)
+        else:
+            calls = self.calls
+            calls.progress()
+            mail = self._mail()
+            if not calls.turns.take(None):
+                return None
+            try:
+                came = mail.improbe(source, tag) if matched else None
+                found = mail.box.probe(source, tag) if not matched else came and Message(self.rank, came)
+            finally:
+                calls.turns.give()
+        _fill(status, found)
+        return found
 
     def _deadline(self, timeout: Timeout) -> Optional[float]:
         if isinstance(timeout, _Default):
@@ -147,23 +224,56 @@ class PointToPoint:
         return None if timeout is None else time.monotonic() + timeout
 
     def _send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
-              lead: bool = False) -> CollectiveFuture[None]:
+              lead: bool = False, sync: bool = False) -> CollectiveFuture[None]:
         if type(dest) is not int or not 0 <= dest < self.size:  # (checked inline: the usual case)
-            dest = check_rank(dest, self.size, "dest")
+            dest = check_rank(dest, self.size, "dest", proc_null=True)
+            if dest == PROC_NULL:
+                call = "ssend" if sync else "send"
+                return self._null(f"{call}(dest=PROC_NULL, tag={check_tag(tag, False)})")
         if type(tag) is not int or not 0 <= tag <= MAX_TAG:
             tag = check_tag(tag, False)
         segment = _serialize.dumps(value)  # (a value that cannot travel: nothing is sent)
+        if sync:  # (its message's own handle, done once sent: nobody waits for it)
+            sent: CollectiveFuture[None] = CollectiveFuture(None, -1, f"ssend(dest={dest}, tag={tag}) sent")
+            return self._make(f"ssend(dest={dest}, tag={tag})", partial(_synchronous, sent=sent),
+                              (dest, tag, segment), deadline, lead)
         return self._make(f"send(dest={dest}, tag={tag})", Mail.send, (dest, tag, segment), deadline, lead)
 
     def _receive(self, source: Any, tag: Any, deadline: Optional[float] = None,
                  lead: bool = False, call: str = "recv") -> CollectiveFuture[Any]:
         if type(source) is not int or not ANY_SOURCE <= source < self.size:
-            source = check_rank(source, self.size, "source", any_source=True)
+            source = check_rank(source, self.size, "source", any_source=True, proc_null=True)
+            if source == PROC_NULL:
+                what = describe(call, source, check_tag(tag, True))
+                return self._null(what, Status(PROC_NULL, ANY_TAG, 0) if call == "probe" else None)
         if type(tag) is not int or not ANY_TAG <= tag <= MAX_TAG:
             tag = check_tag(tag, True)
         what = (f"{call}(source={source}, tag={tag})" if source >= 0 and tag >= 0  # (describe's, inline)
                 else describe(call, source, tag))
-        return self._make(what, Mail.receive if call == "recv" else Mail.probe, (source, tag), deadline, lead)
+        act = Mail.receive if call == "recv" else Mail.probe if call == "probe" else _matched_probe
+        return self._make(what, act, (source, tag), deadline, lead)
+
+    def _null(self, what: str, value: Any = None) -> CollectiveFuture[Any]:
+        """A call with ``PROC_NULL``: done at once, doing nothing (a receive's status says
+        source=PROC_NULL, tag=ANY_TAG, nbytes=0), as MPI's."""
+        self._mail()  # (raises if no call may be made)
+        future: CollectiveFuture[Any] = CollectiveFuture(None, -1, what)
+        settle(deque([CallOutcome(future, None, lambda: value, Status(PROC_NULL, ANY_TAG, 0))]))
+        return future
+
+    def _cancel(self, future: CollectiveFuture[Any]) -> bool:
+        """A receive future's ``cancel()``: take its receive back if not yet matched (True: the
+        future ends cancelled)."""
+        calls, mail = self.calls, self.calls.member.mail
+        if mail is None or finished(future) or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
+            return False
+        try:
+            if not mail.box.cancel(future):
+                return False
+            fail(future, CancelledError(f"rank {self.rank}: {future.op} was cancelled"))
+            return True
+        finally:
+            calls.turns.give()
 
     def _mail(self) -> Mail:
         """This group's mail rules, for a call; raises if it may make none."""
@@ -281,6 +391,11 @@ class PointToPoint:
         said = f"rank {self.rank}: {future.op} timed out after {timeout:g} s"
         if mail is None:
             return said
+        acked = next((dest for (dest, _), (_, h, _) in list(mail.syncing.items()) if h is future), None)
+        if acked is not None:  # (a snapshot: another thread may hold the turn)
+            return (f"{said}: rank {acked}'s program has not received its message yet (no matching "
+                    f"receive there yet, or the message still waits for its link to rank {acked}'s mailbox): "
+                    f"not taken back, it may still be received")
         dest = mail.waiting_for(future)
         if dest is not None:  # a send short of credit
             peer = mail.box.peers[dest]
@@ -309,6 +424,22 @@ class PointToPoint:
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
         unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
         return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
+
+
+def _synchronous(mail: Mail, dest: int, tag: int, segment: list[Any], handle: Any, sent: Any) -> None:
+    """A synchronous send's act (see :meth:`Mail.send`)."""
+    mail.send(dest, tag, segment, handle, sent)
+
+
+def _matched_probe(mail: Mail, source: int, tag: int, handle: Any) -> None:
+    """A matched probe's act (see :meth:`Mail.receive`)."""
+    mail.receive(source, tag, handle, True)
+
+
+def _fill(status: Optional[Status], found: Any) -> None:
+    """Fill a caller's ``status`` from what a probe found (a Status or a Message; None: nothing)."""
+    if status is not None and found is not None:
+        status.source, status.tag, status.nbytes = found.source, found.tag, found.nbytes
 
 
 def _tell(status: Optional[Status], received: CollectiveFuture[Any]) -> None:

@@ -21,6 +21,8 @@ from ._p2p_matching import (  # (importable from here too)
     ANY_SOURCE,
     ANY_TAG,
     MAX_TAG,  # noqa: F401
+    PROC_NULL,
+    SYNC,
     Arrived,
     Credit,
     Mailbox,
@@ -34,8 +36,14 @@ from ._p2p_matching import (  # (importable from here too)
 
 def describe(call: str, source: int, tag: int) -> str:
     """A receive's or probe's name in messages: ``recv(source=ANY_SOURCE, tag=3)``."""
-    return (f"{call}(source={'ANY_SOURCE' if source == ANY_SOURCE else source}, "
+    name = {ANY_SOURCE: "ANY_SOURCE", PROC_NULL: "PROC_NULL"}.get(source, source)
+    return (f"{call}(source={name}, "
             f"tag={'ANY_TAG' if tag == ANY_TAG else tag})")
+
+
+def _described(call: str, receive: Receive) -> str:
+    """A posted receive's name in messages (a matched probe's: mprobe)."""
+    return describe("mprobe" if receive.matched else call, receive.source, receive.tag)
 
 
 def _value(value: Any) -> Callable[[], Any]:
@@ -60,6 +68,7 @@ class _Sending:
     segment: list[Any]
     size: int
     handle: Any
+    sent: Any = None  # a synchronous send's: the handle the driver resolves once its message is sent
 
 
 class Mail:
@@ -74,6 +83,8 @@ class Mail:
         self.out: list[tuple[int, Message, Any]] = []  # (to, message, the send's handle or None)
         self.waiting: list[deque[_Sending]] = [deque() for _ in range(size)]  # sends short of credit
         self.probes: list[Receive] = []
+        self.syncing: dict[tuple[int, int], tuple[int, Any, int]] = {}  # synchronous sends on their
+        # way, by (dest, ack_of(seq)): (seq, handle, tag); done when dest's CREDIT acknowledges it
         self.failure: Optional[BaseException] = None
         self.dropped = 0  # messages out of their pair's order (a replay, or malformed): dropped, counted
         self.gap: Optional[str] = None  # a message of a pair never came: later ones did
@@ -84,16 +95,18 @@ class Mail:
         # their link never go, with the handles of sends on their way there, decided here
         self.tree: Optional[Callable[[Message], None]] = None  # where the tree's messages go (the member's)
 
-    def send(self, dest: int, tag: int, segment: list[Any], handle: Any) -> None:
-        """Send when the window allows (the handle is then done), in order."""
+    def send(self, dest: int, tag: int, segment: list[Any], handle: Any, sent: Any = None) -> None:
+        """Send when the window allows (the handle is then done), in order. Given ``sent`` (done once
+        the message left), synchronous: ``handle`` is done once ``dest``'s program received it (a
+        CREDIT whose root is its :func:`ack_of`)."""
         if self.failure is not None:
             self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
             return
         if dest in self.ended_how:
             self.outcomes.append(CallOutcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
             return
-        size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)
-        self.waiting[dest].append(_Sending(dest, tag, segment, size, handle))  # (a small value's, inline)
+        size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)  # (a
+        self.waiting[dest].append(_Sending(dest, tag, segment, size, handle, sent))  # small value's, inline)
         self._flush(dest)
 
     def _flush(self, dest: int) -> None:
@@ -102,32 +115,47 @@ class Mail:
         while queue and (peer.held == 0 or peer.held + queue[0].size <= peer.window):
             s = queue.popleft()
             seq = box.send(dest, s.size, s.handle, s.tag)
-            msg = Message(Kind.SEND, 0, self.rank, s.tag, seq, self.session, segments=[s.segment])
+            if s.sent is not None:  # done once acknowledged (see ssend)
+                self.syncing[(dest, seq % MAX_TAG + 1)] = (seq, s.handle, s.tag)  # (ack_of, inline)
+            msg = Message(Kind.SEND, 0 if s.sent is None else SYNC, self.rank, s.tag, seq, self.session,
+                          segments=[s.segment])
             if dest == self.rank:
-                self.outcomes.append(CallOutcome(s.handle))
+                if s.sent is None:
+                    self.outcomes.append(CallOutcome(s.handle))
                 self.take(owned(msg))  # its own buffers, as a socket would give them
             else:  # done once sent (the driver says when its buffers are free again)
-                self.out.append((dest, msg, s.handle))
+                self.out.append((dest, msg, s.handle if s.sent is None else s.sent))
         if queue and dest != self.rank and box.ask(dest):
             self.out.append((dest, Message(Kind.ASK, 0, self.rank, 0, 0, self.session), None))
 
-    def receive(self, source: int, tag: int, handle: Any) -> None:
-        """A receive: done with a message here that matches (after a failure too), else posted."""
+    def receive(self, source: int, tag: int, handle: Any, matched: bool = False) -> None:
+        """A receive: done with a message here that matches (after a failure too), else posted;
+        ``matched`` (a matched probe, mprobe): done with the :class:`Arrived` it takes out of matching,
+        not its value (it counts as received: credited, and acknowledged if synchronous)."""
         if self.failure is not None:
             for i, here in enumerate(self.box.arrived):
                 if Receive(source, tag, None).matches(here.source, here.tag):
                     del self.box.arrived[i]
-                    self._received(handle, here)
+                    self._received(handle, here, matched)
                     return
             self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
             return
-        came, credits = self.box.post(Receive(source, tag, handle))
+        came, credits = self.box.post(Receive(source, tag, handle, matched))
         if came is not None:
-            self._received(handle, came)
+            self._received(handle, came, matched)
         elif self.ended_how:
             self._hopeless()
         if credits:
             self._credit(credits)
+
+    def improbe(self, source: int, tag: int) -> Optional[Arrived]:
+        """A matched probe that does not wait: the message taken out of matching, or None."""
+        came, credits = self.box.match(source, tag)
+        if credits:
+            self._credit(credits)
+        if came is not None and came.source == self.rank and self.waiting[self.rank]:
+            self._flush(self.rank)  # (its own credit: a send to itself that waited for it goes now)
+        return came
 
     def probe(self, source: int, tag: int, handle: Any) -> None:
         """A blocking probe: done with the first matching message's :class:`Status`."""
@@ -167,6 +195,10 @@ class Mail:
                 if s.handle is handle:
                     queue.remove(s)
                     return True
+        for key, (_, waiting, _) in self.syncing.items():  # sent: it may still be received
+            if waiting is handle:
+                del self.syncing[key]
+                return True
         return False
 
     def take(self, msg: Message) -> None:
@@ -182,6 +214,8 @@ class Mail:
         source = msg.rank
         if msg.kind is Kind.CREDIT:
             self.box.credited(source, msg.seq)
+            if msg.root:  # it received (or its teardown dropped) a synchronous message of this rank's
+                self._acked(source, msg.root)
             self._flush(source)
         elif msg.kind is Kind.ASK:
             self._credit(self.box.asked(source))
@@ -191,7 +225,7 @@ class Mail:
                 first = segment[0] if len(segment) == 1 else None  # (a small value's size, inline)
                 size = (first.nbytes if type(first) is memoryview else len(first) if type(first) is bytes
                         else nbytes(segment))
-                done, credits = self.box.arrive(source, msg.root, msg.seq, size, msg)
+                done, credits = self.box.arrive(source, msg.root, msg.seq, size, msg, msg.op == SYNC)
             except OutOfOrder as exc:
                 if msg.seq > self.box.peers[source].next_in and self.gap is None:  # (below: a replay)
                     self.gap = f"messages from rank {source} went missing: {exc}"
@@ -203,14 +237,15 @@ class Mail:
                     status = Status(source, msg.root, size)
                     self.outcomes.append(CallOutcome(probe.handle, None, _value(status)))
             if done is not None:
-                self._received(done[0].handle, done[1])
+                self._received(done[0].handle, done[1], done[0].matched)
             if source in self.ended_how:  # perhaps its last: the receives left for it fail
                 self._hopeless()
             if credits:
                 self._credit(credits)
 
-    def _received(self, handle: Any, came: Arrived) -> None:
-        make = partial(_serialize.loads, came.message.segments[0], f"message from rank {came.source}")
+    def _received(self, handle: Any, came: Arrived, matched: bool = False) -> None:
+        make = (partial(_serialize.loads, came.message.segments[0], f"message from rank {came.source}")
+                if not matched else _value(came))
         status = Status(came.source, came.tag, came.nbytes)
         undo = partial(self.box.arrived.appendleft, came)
         self.outcomes.append(CallOutcome(handle, None, make, status, undo))
@@ -218,9 +253,19 @@ class Mail:
             self._flush(self.rank)  # that waited for the window goes now
 
     def _credit(self, credits: list[Credit]) -> None:
-        if credits:
-            self.out.extend((c.to, Message(Kind.CREDIT, 0, self.rank, 0, c.seq, self.session), None)
-                            for c in credits)
+        for c in credits:
+            if c.to == self.rank:  # (only an acknowledgement of a synchronous send to itself)
+                self._acked(self.rank, c.ack)
+            else:
+                self.out.append((c.to, Message(Kind.CREDIT, 0, self.rank, c.ack, c.seq, self.session), None))
+
+    def _acked(self, dest: int, ack: int) -> None:
+        """``dest`` received the synchronous message whose :func:`ack_of` is ``ack``: its send is done
+        (``-ack``: its teardown dropped it, never received: PeerEndedError)."""
+        sending = self.syncing.pop((dest, abs(ack)), None)
+        if sending is not None:
+            error = None if ack > 0 else _dropped(self.rank, dest, sending[2])
+            self.outcomes.append(CallOutcome(sending[1], error))
 
     def final(self, unsent: Optional[dict[int, list[Any]]] = None, leaving: Optional[dict[int, int]] = None
               ) -> tuple[list[int], list[int], list[int]]:
@@ -305,9 +350,15 @@ class Mail:
             gone = self._gone(f"send(dest={source}, tag={s.tag})", source)
             self.outcomes.append(CallOutcome(s.handle, gone))
         peer, decided = self.box.peers[source], []
+        for key in [key for key in self.syncing if key[0] == source]:  # synchronous: received, or never
+            seq, handle, tag = self.syncing.pop(key)
+            decided.append(handle)
+            taken = received is not None and seq < received
+            self.outcomes.append(CallOutcome(handle) if taken else CallOutcome(
+                handle, self._gone(f"ssend(dest={source}, tag={tag})", source, (seq, received or 0))))
         if received is not None:  # (said by every release that says it)
             for seq, _, handle, tag in peer.unreceived:  # on their way: received, or never to be
-                if handle is not None:
+                if handle is not None and not any(h is handle for h in decided):
                     decided.append(handle)
                     self.outcomes.append(CallOutcome(handle) if seq < received else CallOutcome(
                         handle, self._gone(f"send(dest={source}, tag={tag})", source, (seq, received))))
@@ -346,7 +397,7 @@ class Mail:
         for call, waiting in (("recv", self.box.posted), ("probe", self.probes)):
             for receive in waiting:
                 self.outcomes.append(CallOutcome(receive.handle, CollectiveError(
-                    f"rank {self.rank}: {describe(call, receive.source, receive.tag)} cannot complete: "
+                    f"rank {self.rank}: {_described(call, receive)} cannot complete: "
                     f"this rank called teardown, so it sends itself nothing more, and no message "
                     f"here matches")))
             waiting.clear()
@@ -357,14 +408,14 @@ class Mail:
             for receive in [r for r in waiting if self.box.drained(r.source)]:
                 waiting.remove(receive)
                 self.outcomes.append(CallOutcome(receive.handle, self._gone(
-                    describe(call, receive.source, receive.tag), receive.source)))
+                    _described(call, receive), receive.source)))
 
     def _gone(self, what: str, rank: int, leaving: Optional[tuple[int, int]] = None
               ) -> PeerEndedError:
         """The error of a call that needs ``rank`` (``ANY_SOURCE``: any other), which
         ended; ``leaving``: a send on its way (its seq, how many that rank received)."""
         if rank == ANY_SOURCE:
-            whys = "; ".join(self.ended_how[r] + self._lost(r) for r in sorted(self.ended_how))
+            whys = "; ".join(self.ended_how[r] + _lost(self, r) for r in sorted(self.ended_how))
             error = PeerEndedError(f"rank {self.rank}: {what} cannot complete: no other rank can send "
                                    f"any more ({whys}), and no message here matches")
             error.ended_ranks = tuple(sorted(self.ended_how))
@@ -381,19 +432,10 @@ class Mail:
         else:
             count = self.box.peers[rank].last
             error = PeerEndedError(f"rank {self.rank}: {what} cannot complete: {how}, after sending "
-                                   f"this rank {count} message(s), all taken in{self._lost(rank)}; none here "
-                                   f"matches")
+                                   f"this rank {count} message(s), all taken in{_lost(self, rank)}; none "
+                                   f"here matches")
         error.ended_ranks = (rank,)
         return error
-
-    def _lost(self, rank: int) -> str:
-        """What an ended rank's FINAL said it lost of its messages to this rank."""
-        lost = self.lost.get(rank)
-        if not lost:
-            return ""
-        last = self.box.peers[rank].last or 0
-        return (f"; {lost} more it meant for this rank never left it (from number {last} on: it ended "
-                f"with them waiting for credit, its link, or this rank to take them in): lost")
 
     def link_broke(self, dest: Optional[int]) -> ReplicaLostError:
         """The group's failure when a mailbox link broke: to ``dest``, or one whose
@@ -417,8 +459,28 @@ class Mail:
         self.cut = [(r, []) for r in range(self.size)]  # (sends waiting for their link never go)
         handles = [r.handle for r in (*self.box.posted, *self.probes)]
         handles += [s.handle for queue in self.waiting for s in queue]
+        handles += [handle for _, handle, _ in self.syncing.values()]
+        self.syncing.clear()
         self.box.posted.clear()
         self.probes.clear()
         for queue in self.waiting:
             queue.clear()
         self.outcomes.extend(CallOutcome(h, fresh(error)) for h in handles)
+
+
+def _lost(mail: Mail, rank: int) -> str:
+    """What an ended rank's FINAL said it lost of its messages to this rank."""
+    lost = mail.lost.get(rank)
+    if not lost:
+        return ""
+    last = mail.box.peers[rank].last or 0
+    return (f"; {lost} more it meant for this rank never left it (from number {last} on: it ended "
+            f"with them waiting for credit, its link, or this rank to take them in): lost")
+
+
+def _dropped(rank: int, dest: int, tag: int) -> PeerEndedError:
+    """The error of a synchronous send whose receiver's teardown dropped its message, unreceived."""
+    error = PeerEndedError(f"rank {rank}: ssend(dest={dest}, tag={tag}) cannot complete: rank {dest} called "
+                           f"teardown without receiving its message (teardown drops what no receive takes)")
+    error.ended_ranks = (dest,)
+    return error

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 ANY_SOURCE = -1
 ANY_TAG = -1
+PROC_NULL = -2  # MPI's null rank: a send to it or a receive from it completes at once, doing nothing
+SYNC = 1  # a SEND's op: synchronous (ssend), its receiver's CREDIT acknowledges it (see ack_of)
 MAX_TAG = (1 << 31) - 1  # a tag travels in the header's int32
 CREDIT_SHARE = 4  # the receiver credits once this fraction of the window (1/4) was taken
 
@@ -37,6 +39,7 @@ class Arrived:
     seq: int
     nbytes: int
     message: Any  # what the driver decoded (its segments make the value)
+    sync: bool = False  # its sender waits until a receive here takes it (ssend)
 
 
 @dataclass(eq=False)
@@ -46,6 +49,7 @@ class Receive:
     source: int
     tag: int
     handle: Any
+    matched: bool = False  # a matched probe's (mprobe): it takes the message, unpickled later
 
     def matches(self, source: int, tag: int) -> bool:
         return self.source in (ANY_SOURCE, source) and self.tag in (ANY_TAG, tag)
@@ -57,6 +61,8 @@ class Credit:
 
     to: int
     seq: int
+    ack: int = 0  # :func:`ack_of` a synchronous message just received (0: none; negated: dropped by
+    # teardown, never received), in the CREDIT's root
 
 
 @dataclass
@@ -75,6 +81,12 @@ class _Peer:
     taken_bytes: int = 0  # bytes received since then
     owed: bool = False  # it asked for credit: send it as soon as there is any
     last: Optional[int] = None  # it sends no more: how many it sent (FINAL); a later one is dropped
+
+
+def ack_of(seq: int) -> int:
+    """The acknowledgement of a synchronous message number ``seq``, as a CREDIT's root carries it (an
+    int32 above 0: numbers :data:`MAX_TAG` apart share one, never both awaited at once)."""
+    return seq % MAX_TAG + 1
 
 
 class OutOfOrder(ValueError):
@@ -100,13 +112,15 @@ def check_tag(tag: Any, receiving: bool) -> int:
     raise ValueError(f"tag={tag!r} is not an int from 0 to {MAX_TAG}{anything}")
 
 
-def check_rank(rank: Any, size: int, what: str, any_source: bool = False) -> int:
+def check_rank(rank: Any, size: int, what: str, any_source: bool = False, proc_null: bool = False) -> int:
+    """A rank as an int: 0 to ``size - 1``, or :data:`ANY_SOURCE` / :data:`PROC_NULL` where allowed."""
     if type(rank) is int and 0 <= rank < size:  # (the usual case, without a call)
         return rank
     index = _index(rank)
-    if index is not None and (0 <= index < size or (any_source and index == ANY_SOURCE)):
+    if index is not None and (0 <= index < size or (any_source and index == ANY_SOURCE)
+                              or (proc_null and index == PROC_NULL)):
         return index
-    anything = " or ANY_SOURCE" if any_source else ""
+    anything = " or ANY_SOURCE" * any_source + " or PROC_NULL" * proc_null
     raise ValueError(f"{what}={rank!r} is not a rank of this group of {size} replicas{anything}")
 
 
@@ -155,7 +169,7 @@ class Mailbox:
 
     # -- receiving ------------------------------------------------------------
 
-    def arrive(self, source: int, tag: int, seq: int, nbytes: int, message: Any
+    def arrive(self, source: int, tag: int, seq: int, nbytes: int, message: Any, sync: bool = False
                ) -> tuple[Optional[tuple[Receive, Arrived]], list[Credit]]:
         """A message came: the posted receive it completes (and the credit due), else it waits."""
         peer = self.peers[source]
@@ -164,13 +178,13 @@ class Mailbox:
         peer.next_in += 1
         if peer.last is not None and seq >= peer.last:  # it ended counting this one lost: it stays lost
             raise OutOfOrder(f"message {seq} from rank {source}, which ended having sent {peer.last}")
-        came = Arrived(source, tag, seq, nbytes, message)
+        came = Arrived(source, tag, seq, nbytes, message, sync)
         for i, receive in enumerate(self.posted):
             if receive.source in (ANY_SOURCE, source) and receive.tag in (ANY_TAG, tag):  # (matches, inline)
                 del self.posted[i]
                 return (receive, came), self._taken(came)
         if self.draining:  # nothing can receive it any more: dropped, and credited as taken
-            return None, self._taken(came)
+            return None, self._taken(came, True)
         self.arrived.append(came)
         return None, []
 
@@ -183,12 +197,26 @@ class Mailbox:
         self.posted.append(receive)
         return None, []
 
+    def match(self, source: int, tag: int) -> tuple[Optional[Arrived], list[Credit]]:
+        """A matched probe that does not wait (improbe): the earliest arrived message that matches,
+        taken out of matching (and the credit due), or None."""
+        for i, came in enumerate(self.arrived):
+            if source in (ANY_SOURCE, came.source) and tag in (ANY_TAG, came.tag):
+                del self.arrived[i]
+                return came, self._taken(came)
+        return None, []
+
+    def cancel(self, handle: Any) -> bool:
+        """Take back the posted receive of ``handle``, not yet matched: was it posted?"""
+        receive = next((r for r in self.posted if r.handle is handle), None)
+        return receive is not None and self.withdraw(receive)
+
     def drain(self) -> list[Credit]:
         """Teardown: no more receives, so what no posted receive matches is dropped, as taken."""
         self.draining = True
         credits: list[Credit] = []
         while self.arrived:
-            credits += self._taken(self.arrived.popleft())
+            credits += self._taken(self.arrived.popleft(), True)
         return credits
 
     def withdraw(self, receive: Receive) -> bool:
@@ -215,21 +243,24 @@ class Mailbox:
         peer.owed = True
         return []
 
-    def _taken(self, came: Arrived) -> list[Credit]:
+    def _taken(self, came: Arrived, dropped: bool = False) -> list[Credit]:
+        """``came`` is received (or matched, or ``dropped``): the credit due (at once for a synchronous
+        one, which it acknowledges, negated if dropped: to this rank itself too, which sends nothing)."""
         peer = self.peers[came.source]
         peer.taken = came.seq
         peer.taken_bytes += came.nbytes
+        ack = (came.seq % MAX_TAG + 1) * (-1 if dropped else 1) if came.sync else 0  # (ack_of, inline)
         if came.source == self.rank:  # its own: credited at once, nothing travels
             self.credited(self.rank, came.seq)
             peer.credited, peer.taken_bytes = came.seq, 0
-            return []
-        if peer.owed or peer.taken_bytes * CREDIT_SHARE >= self.window:
-            return [self._credit(came.source, peer)]
+            return [Credit(self.rank, came.seq, ack)] if ack else []
+        if ack or peer.owed or peer.taken_bytes * CREDIT_SHARE >= self.window:
+            return [self._credit(came.source, peer, ack)]
         return []
 
-    def _credit(self, source: int, peer: _Peer) -> Credit:
+    def _credit(self, source: int, peer: _Peer, ack: int = 0) -> Credit:
         peer.credited, peer.taken_bytes, peer.owed = peer.taken, 0, False
-        return Credit(source, peer.taken)
+        return Credit(source, peer.taken, ack)
 
     def ended(self, source: int, count: int) -> None:
         """``source`` sends no more, having sent this rank ``count`` messages."""
