@@ -26,6 +26,7 @@ from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._point import PointToPoint
 from ._protocol._p2p import ANY_SOURCE, ANY_TAG, Status
 from ._protocol._ring import elementwise
+from ._waiting import ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION, as_completed, wait
 from .config import takes_settings
 from .errors import (
     AddressError,
@@ -58,6 +59,7 @@ __all__ = [
     "coordinator_address", "lost_ranks", "old_ranks", "status", "split", "subgroup", "dup",
     "send", "send_async", "recv", "recv_async", "sendrecv", "probe", "iprobe",
     "ANY_SOURCE", "ANY_TAG", "Status",
+    "wait", "as_completed", "FIRST_COMPLETED", "FIRST_EXCEPTION", "ALL_COMPLETED",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",
