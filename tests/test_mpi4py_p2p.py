@@ -11,6 +11,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 import unittest
 
 import pytest
@@ -48,6 +49,7 @@ def run_modules():
         suite = unittest.defaultTestLoader.loadTestsFromModule(importlib.import_module(name))
         for test in _flat(suite):
             result = unittest.TestResult()
+            started = time.monotonic()
             signal.alarm(PER_TEST_S)
             try:
                 test.run(result)
@@ -56,17 +58,17 @@ def run_modules():
             problems = result.errors + result.failures
             if problems:
                 last = problems[0][1].strip().splitlines()[-1]
-                results[test.id()] = ("failed", last[:300])
+                results[test.id()] = ("failed", last[:300], time.monotonic() - started)
             elif result.skipped:
-                results[test.id()] = ("skipped", result.skipped[0][1])
+                results[test.id()] = ("skipped", result.skipped[0][1], 0.0)
             else:
-                results[test.id()] = ("passed", "")
+                results[test.id()] = ("passed", "", time.monotonic() - started)
             try:
                 MPI.SYNC.group.barrier(timeout=SYNC_TIMEOUT_S)
                 _drain(MPI.COMM_WORLD.group, MPI.COMM_SELF.group)
                 MPI.SYNC.group.barrier(timeout=SYNC_TIMEOUT_S)
             except zc.CollectiveError as exc:
-                results[test.id() + " (between tests)"] = ("failed", str(exc)[:300])
+                results[test.id() + " (between tests)"] = ("failed", str(exc)[:300], 0.0)
                 break
     MPI.finalize()
     return results
@@ -101,7 +103,7 @@ def test_mpi4py_object_point_to_point_tests_pass(n):
     failed = {}
     for rank, results in enumerate(per_rank):
         assert len(results) > 90, f"rank {rank} ran only {len(results)} tests"
-        for test_id, (state, why) in results.items():
+        for test_id, (state, why, _) in results.items():
             if state != "passed" and not (state == "skipped" and test_id.endswith("NoProc")) \
                     and not _excluded(test_id):
                 failed.setdefault(test_id, []).append(f"rank {rank}: {state}: {why}")

@@ -262,3 +262,24 @@ def needs_my_part():
 def test_a_rank_waiting_only_in_wait_moves_what_the_others_need():
     pytest.importorskip("numpy")
     assert run_replicas(needs_my_part, 2, timeout=90) == [3.0, (3.0, "hello", "go")]
+
+
+def ping_pong_in_wait():
+    """20 round trips, each receive waited for in wait() (rank 0 hosts the coordinator: its
+    mailbox's descriptor must be among those wait() sleeps on)."""
+    r = zc.get_rank()
+    zc.barrier()
+    started = time.monotonic()
+    for i in range(20):
+        if r == 0:
+            zc.send(i, 1, 0)
+        got = zc.recv_async(1 - r, 0)
+        zc.wait([got], timeout=30)
+        if r == 1:
+            zc.send(got.result(0), 0, 0)
+    return time.monotonic() - started
+
+
+def test_a_message_wakes_a_wait_at_once_on_every_rank():
+    took = run_replicas(ping_pong_in_wait, 2, timeout=90)
+    assert max(took) < 4, took  # a missed wake-up costs WAIT_RECHECK_S (0.5 s) a trip: 10 s

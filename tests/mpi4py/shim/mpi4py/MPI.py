@@ -26,6 +26,7 @@ left out on purpose (tests/test_mpi4py_p2p.py lists why).
 """
 
 import pickle  # noqa: F401 (mpi4py's MPI.pickle: the tests call MPI.pickle.dumps)
+import warnings
 
 import zcollective as zc
 
@@ -328,6 +329,8 @@ class Comm:
         self.group.ssend(obj, dest, tag)
 
     def recv(self, buf=None, source=ANY_SOURCE, tag=ANY_TAG, status=None):
+        if buf is not None:  # (mpi4py's own argument check: zcollective has no buffer to pass)
+            warnings.warn("the 'buf' argument is deprecated", UserWarning, stacklevel=2)
         return self.group.recv(source, tag, status=status)
 
     def sendrecv(self, sendobj, dest, sendtag=0, recvbuf=None, source=ANY_SOURCE, recvtag=ANY_TAG,
