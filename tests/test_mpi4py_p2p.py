@@ -31,9 +31,10 @@ EXCLUDED = {  # test name (in every class) -> why zcollective has no counterpart
 NEEDED = ("ssend", "ssend_async", "mprobe", "improbe", "PROC_NULL")  # what issue 46 adds (h-p2p)
 MISSING = [name for name in NEEDED if not hasattr(zc, name)]
 OP_TIMEOUT_S = "10"  # a test that waits for a message that never comes fails in this, not hangs
-PER_TEST_S = 20  # a test's own loops (while not flag: ...) are unbounded: each gets this long
+PER_TEST_S = 10  # a test's own loops (while not flag: ...) are unbounded: each gets this long
 SYNC_TIMEOUT_S = 30.0  # the ranks meet between tests within this
-RUN_TIMEOUT_S = 240.0  # one launch, both modules (well under a minute when all pass)
+RUN_TIMEOUT_S = 150.0  # one launch, both modules (1-8 s when all pass; each failing test may take
+# PER_TEST_S, and the OP_TIMEOUT of each rank's wait for a partner that failed first)
 
 
 def run_modules():
@@ -57,8 +58,11 @@ def run_modules():
                 signal.alarm(0)
             problems = result.errors + result.failures
             if problems:
-                last = problems[0][1].strip().splitlines()[-1]
-                results[test.id()] = ("failed", last[:300], time.monotonic() - started)
+                lines = problems[0][1].strip().splitlines()
+                where = [line.strip() for line in lines if "test_p2p_obj" in line and ", line " in line]
+                at = where[-1].split(", in ")[0].rsplit("/", 1)[-1].replace('"', "") if where else ""
+                said = f"{at}: {lines[-1]}" if at else lines[-1]
+                results[test.id()] = ("failed", said[:300], time.monotonic() - started)
             elif result.skipped:
                 results[test.id()] = ("skipped", result.skipped[0][1], 0.0)
             else:
@@ -94,10 +98,13 @@ def _excluded(test_id):
     return test_id.rsplit(".", 1)[-1] in EXCLUDED
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.xfail(bool(MISSING), reason=f"zcollective lacks {MISSING} (issue 46's point to point)",
                    strict=False)
 def test_mpi4py_object_point_to_point_tests_pass(n):
+    if MISSING and n != 2:
+        pytest.skip(f"zcollective lacks {MISSING}: run at N=2 only until it has them")
     env = {"ZCOLLECTIVE_OP_TIMEOUT": OP_TIMEOUT_S}
     per_rank = run_replicas(run_modules, n, timeout=RUN_TIMEOUT_S, env=env, initialize=False)
     failed = {}
