@@ -283,3 +283,26 @@ def ping_pong_in_wait():
 def test_a_message_wakes_a_wait_at_once_on_every_rank():
     took = run_replicas(ping_pong_in_wait, 2, timeout=90)
     assert max(took) < 4, took  # a missed wake-up costs WAIT_RECHECK_S (0.5 s) a trip: 10 s
+
+
+def waits_for_a_lost_rank():
+    r = zc.get_rank()
+    zc.barrier()
+    if r == 1:
+        os._exit(0)  # lost: without teardown, mid-job
+    pending = [zc.allreduce_async(1), zc.recv_async(1, 5)]
+    started = time.monotonic()
+    done, not_done = zc.wait(pending, timeout=30)
+    return time.monotonic() - started, [type(f.exception(0)).__name__ for f in pending if f in done], \
+        len(not_done)
+
+
+def test_a_lost_rank_ends_the_wait_with_each_future_failed():
+    from zcollective.testing import Replicas
+
+    with Replicas(waits_for_a_lost_rank, 2, env={"ZCOLLECTIVE_LIVENESS_TIMEOUT": "2"}) as replicas:
+        outcomes = replicas.wait(90)
+    took, errors, left = outcomes[0].value or (None, None, None)
+    assert outcomes[0].ok and errors == ["ReplicaLostError", "ReplicaLostError"] and left == 0, \
+        "\n".join(o.describe() for o in outcomes)
+    assert took < 20
