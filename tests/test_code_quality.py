@@ -98,7 +98,7 @@ LAYERS = [  # lowest first: a module imports only from its own layer or lower on
     {"_protocol"},
     {"_io", "_forming"},
     {"_lifecycle"},
-    {"_calls", "_elastic", "_subgroups", "_point", "_matched"},
+    {"_calls", "_elastic", "_subgroups", "_point", "_matched", "_waiting"},
     {"_group"},
     {"__init__", "testing", "run", "_child"},
 ]

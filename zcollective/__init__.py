@@ -27,6 +27,7 @@ from ._limits import DEFAULT_INIT_TIMEOUT_S
 from ._matched import Message
 from ._point import PointToPoint
 from ._protocol._p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, Status
+from ._waiting import ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION, as_completed, wait
 from .config import takes_settings
 from .errors import (
     AddressError,
@@ -60,6 +61,7 @@ __all__ = [
     "send", "send_async", "recv", "recv_async", "sendrecv", "probe", "iprobe",
     "ANY_SOURCE", "ANY_TAG", "Status",
     "ssend", "ssend_async", "mprobe", "improbe", "PROC_NULL", "Message",
+    "wait", "as_completed", "FIRST_COMPLETED", "FIRST_EXCEPTION", "ALL_COMPLETED",
     "default_reduce_fn", "elementwise", "Group", "CollectiveFuture",
     "CollectiveError", "RemoteError", "ReplicaLostError", "CollectiveTimeoutError",
     "CallMismatchError", "AuthenticationError", "SerializationError", "ProtocolError",

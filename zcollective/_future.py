@@ -344,6 +344,29 @@ def fail(future: CollectiveFuture[Any], error: BaseException) -> None:
     future._set_exception(error)
 
 
+def runner_of(future: CollectiveFuture[Any]) -> Optional[_Runner]:
+    """The call runner that makes ``future`` progress (None once it is done)."""
+    return future._runner
+
+
+def drop_callback(future: CollectiveFuture[Any], fn: Callable[[CollectiveFuture[Any]], None]) -> None:
+    """Take back a done-callback ``fn`` of ``future`` that has not run (a wait that ended)."""
+    try:
+        future._callbacks.remove(fn)
+    except ValueError:
+        pass
+
+
+def thread_sleeps(key: object, sleeps: bool) -> None:
+    """A thread (``key``, any unique object) starts (``sleeps``) or ends a sleep on groups'
+    descriptors (:func:`zcollective.wait`): while it sleeps, every progress drains the sockets,
+    as for a sleeping coroutine (rule 3)."""
+    if sleeps:
+        _waiters[(key, None)] = key  # type: ignore[index, assignment]  # (counted by sleeping() only)
+    else:
+        _waiters.pop((key, None), None)  # type: ignore[arg-type]
+
+
 def settled_when(future: CollectiveFuture[Any], outcomes: deque[Any],
                  held: Optional[Callable[[], bool]] = None,
                  wanted: Optional[Callable[[], bool]] = None) -> Callable[[], bool]:

@@ -531,7 +531,7 @@ class HostDriver(Driver):
         return server.sleep_s(POLL_SLICE_S)
 
     def fds(self) -> list[int]:
-        return self.server.fds()
+        return self.server.fds() + self.waiter.fds(self.mail_names)  # (the mailbox: the program's own)
 
     def busy(self) -> Optional[str]:
         return self.server.busy()
