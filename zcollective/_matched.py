@@ -37,6 +37,12 @@ class Message:
     def __bool__(self) -> bool:
         return not self._received
 
+    @classmethod
+    def no_proc(cls) -> Message:
+        """The message every matched probe of ``PROC_NULL`` returns: one, received as None any number
+        of times and true for ever (MPI's ``MESSAGE_NO_PROC``)."""
+        return NO_PROC
+
     def __repr__(self) -> str:
         state = "received" if self._received else "not received"
         return f"<Message source={self.source} tag={self.tag} nbytes={self.nbytes} {state}>"
@@ -51,6 +57,10 @@ class Message:
         SerializationError
             Its value cannot be unpickled here.
         """
+        if self is NO_PROC:
+            if status is not None:
+                status.source, status.tag, status.nbytes = PROC_NULL, ANY_TAG, 0
+            return None
         if self._received:
             raise CollectiveError(f"rank {self._rank}: this Message (source={self.source}, tag={self.tag}) "
                                   f"was received already: a matched message is received once")
@@ -72,3 +82,6 @@ class Message:
         status = Status(self.source, self.tag, self.nbytes)
         settle(deque([CallOutcome(future, None, self.recv, status)]))
         return future
+
+
+NO_PROC = Message(-1, None)

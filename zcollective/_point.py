@@ -185,7 +185,8 @@ class PointToPoint:
         filled as :meth:`recv` fills it. Raises as :meth:`recv` does."""
         deadline = self._deadline(timeout)
         future = self._receive(source, tag, deadline, True, "mprobe")
-        message = Message(self.rank, self._finish(future, timeout, deadline))
+        came = self._finish(future, timeout, deadline)
+        message = Message.no_proc() if came is None else Message(self.rank, came)  # (None: PROC_NULL's)
         _fill(status, message)
         return message
 
@@ -201,7 +202,7 @@ class PointToPoint:
         tag = check_tag(tag, True)
         if source == PROC_NULL:
             self._mail()  # (raises if no call may be made)
-            found: Any = Message(self.rank, None) if matched else Status(PROC_NULL, ANY_TAG, 0)
+            found: Any = Message.no_proc() if matched else Status(PROC_NULL, ANY_TAG, 0)
         else:
             calls = self.calls
             calls.progress()

@@ -271,7 +271,7 @@ class Message:
     __hash__ = object.__hash__
 
     def _received(self):
-        if not self.constant and self.handle is not None and not self.handle:
+        if not self.constant:  # (a handle received through is null after, as MPI's)
             self.handle = None
 
     def recv(self, status=None):
