@@ -465,9 +465,8 @@ def test_newcomers_stopped_as_they_are_admitted_never_cost_the_members_their_gro
 def grows_and_one_is_interrupted(markers):
     """Rank 2's grow() is interrupted (a signal handler's exception) as it starts joining the grown
     group, before its JOIN went: its group says so, shrink() tells it it was left out, and the
-    others go on with the newcomer. (Interrupted at its wait for the host, after its JOIN was
-    queued, the JOIN may still reach the host, which then forms with it and finds it lost at the
-    first call: a race left open, see the issue's note.)"""
+    others go on with the newcomer. (Interrupted later, its JOIN gone: see
+    test_a_grow_interrupted_after_its_join_went_costs_no_rank_its_group.)"""
     from zcollective._lifecycle import Lifecycle
 
     me = zc.get_rank()
@@ -544,3 +543,110 @@ def test_a_rank_paused_past_the_bound_outside_the_library_never_goes_on_alone_la
         outs = reps.wait(RUN_S)
     assert ended and outs[0].ok and outs[0].value == {"size": 1}, report(outs, "rank 0")
     assert outs[1].ok and str(outs[1].value).startswith("left out: "), report(outs, "a second group")
+
+
+# -- a grow interrupted after its JOIN went ---------------------------------------------
+
+
+def _at_the_wait_for_the_host(then, settle_s=0.0):
+    """Have this process's next wait for the host of a group it forms (its JOIN queued) first wait
+    until its connection is up (the JOIN on the wire) and ``settle_s`` more (the host takes the JOIN
+    in), and then call ``then()``."""
+    from zcollective._lifecycle import Lifecycle
+
+    reach = Lifecycle._reach_host
+
+    def hooked(self, form, who):
+        Lifecycle._reach_host = reach
+        member = self.member
+        deadline = time.monotonic() + 30
+        while not (member.greeted or member.joined) and time.monotonic() < deadline:
+            self.driver.wait_for(lambda: member.greeted or member.joined, time.monotonic() + 0.005)
+        time.sleep(settle_s)  # (not a wait of the library: a WELCOME that came stays unread)
+        then()
+        return reach(self, form, who)
+    Lifecycle._reach_host = hooked
+
+
+def _interrupt():
+    """What a signal handler's exception at a wait of the library is: a KeyboardInterrupt marked
+    with the signal (so the library may let it come again), raised at that wait."""
+    from zcollective.errors import SIGNAL_ATTR
+
+    exc = KeyboardInterrupt()
+    setattr(exc, SIGNAL_ATTR, signal.SIGINT)
+    raise exc
+
+
+def _before_the_join(then):
+    """Have this process's next join of a group it forms call ``then()`` before its JOIN goes."""
+    from zcollective._lifecycle import Lifecycle
+
+    join = Lifecycle._join_forming
+
+    def hooked(self, form):
+        Lifecycle._join_forming = join
+        then()
+        return join(self, form)
+    Lifecycle._join_forming = hooked
+
+
+def grows_and_one_is_interrupted_after_its_join(markers, last):
+    """Rank 2's grow() is interrupted at its wait for the host, its JOIN on the wire: ``last``,
+    its JOIN completes the grown group (the host forms with it at once: it is a member, and its
+    interrupt comes again once grow() returned); else the newcomer joins only after rank 2 gave up
+    (the host forms without it). Either way no rank of the grown group finds a rank lost."""
+    me = zc.get_rank()
+    if me == 2:
+        if last:  # the others' JOINs are in first
+            _before_the_join(lambda: wait_for(*(os.path.join(markers, f"in{r}") for r in (1, 3)),
+                                               timeout=60))
+        _at_the_wait_for_the_host(_interrupt, 0.2)
+    elif me == 1:
+        _at_the_wait_for_the_host(lambda: touch(os.path.join(markers, "in1")))
+    zc.allreduce(1)
+    wait_for(os.path.join(markers, "parked"), timeout=60)
+    deadline = time.monotonic() + 30
+    try:
+        while not zc.grow():  # (until the newcomer has parked: it said so as it started)
+            assert time.monotonic() < deadline, "the newcomer never came"
+            zc.allreduce(1)
+            time.sleep(0.05)
+        if me == 2:
+            time.sleep(5)  # its interrupt comes again, now that grow() returned
+        interrupted = "not interrupted"
+    except KeyboardInterrupt:
+        touch(os.path.join(markers, "out2"))
+        try:
+            zc.get_world_size()
+        except RuntimeError as exc:  # its grow() did not finish: left out
+            return str(exc), _outcome(zc.shrink)
+        interrupted = "interrupted after its grow()"
+    return interrupted, zc.get_world_size(), _outcome(lambda: zc.allreduce(1, timeout=30))
+
+
+def parks_and_goes_on_after(markers, last):
+    touch(os.path.join(markers, "parked"))
+    if last:
+        _at_the_wait_for_the_host(lambda: touch(os.path.join(markers, "in3")))
+    else:  # it joins the grown group only once rank 2 gave up
+        _before_the_join(lambda: wait_for(os.path.join(markers, "out2"), timeout=60))
+    zc.initialize(join=True, timeout=60)
+    return zc.get_world_size(), _outcome(lambda: zc.allreduce(1, timeout=30))
+
+
+@pytest.mark.parametrize("last", [True, False], ids=["completing", "early"])
+def test_a_grow_interrupted_after_its_join_went_costs_no_rank_its_group(tmp_path, last):
+    with Replicas(grows_and_one_is_interrupted_after_its_join, 3, str(tmp_path), last) as members, \
+            Replicas(parks_and_goes_on_after, 1, str(tmp_path), last, initialize=False,
+                     port=members.port, env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as newcomer:
+        outs = members.wait(RUN_S) + newcomer.wait(RUN_S)
+    assert all(o.ok for o in outs), report(outs, f"a rank failed: {[o.value for o in outs]}")
+    others = [outs[0].value[1:], outs[1].value[1:], outs[3].value]
+    if last:  # the host formed with it before its withdrawal came: a member, interrupted after
+        assert others == [(4, 4)] * 3, report(outs, "a rank of the grown group failed")
+        assert outs[2].value == ("interrupted after its grow()", 4, 4), report(outs, "rank 2")
+    else:  # it withdrew before the group formed: the others formed without it
+        assert others == [(3, 3)] * 3, report(outs, "a rank of the grown group failed")
+        said, shrunk = outs[2].value
+        assert "closed for grow()" in said and shrunk.startswith("left out: "), report(outs, "rank 2")
