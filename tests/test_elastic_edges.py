@@ -591,62 +591,82 @@ def _before_the_join(then):
     Lifecycle._join_forming = hooked
 
 
-def grows_and_one_is_interrupted_after_its_join(markers, last):
-    """Rank 2's grow() is interrupted at its wait for the host, its JOIN on the wire: ``last``,
-    its JOIN completes the grown group (the host forms with it at once: it is a member, and its
-    interrupt comes again once grow() returned); else the newcomer joins only after rank 2 gave up
-    (the host forms without it). Either way no rank of the grown group finds a rank lost."""
-    me = zc.get_rank()
-    if me == 2:
-        if last:  # the others' JOINs are in first
-            _before_the_join(lambda: wait_for(*(os.path.join(markers, f"in{r}") for r in (1, 3)),
+def _forming_steps(me, victim, markers, last):
+    """Old rank (or newcomer) ``me``'s part in forming the grown group (old ranks 0-2, newcomer 3):
+    ``victim`` is interrupted at its wait for the host, its JOIN on the wire. ``last``: its JOIN
+    completes the group (the others' are in first, so the host forms with it at once); else one
+    other joins only after the victim gave up (the host forms without the victim)."""
+    joiners = {1, 2, 3} - {victim}  # (0 hosts)
+    if me == victim:
+        if last:
+            _before_the_join(lambda: wait_for(*(os.path.join(markers, f"in{r}") for r in joiners),
                                                timeout=60))
         _at_the_wait_for_the_host(_interrupt, 0.2)
-    elif me == 1:
-        _at_the_wait_for_the_host(lambda: touch(os.path.join(markers, "in1")))
+    elif me in joiners and last:
+        _at_the_wait_for_the_host(lambda: touch(os.path.join(markers, f"in{me}")))
+    elif me == max(joiners):
+        _before_the_join(lambda: wait_for(os.path.join(markers, "out"), timeout=60))
+
+
+def grows_and_one_is_interrupted_after_its_join(markers, victim, last):
+    """Old ranks 0-2 grow; see :func:`_forming_steps`. Either way no rank of the grown group finds a
+    rank lost; an interrupted one that is in it is interrupted again once grow() returned."""
+    me = zc.get_rank()
+    _forming_steps(me, victim, markers, last)
     zc.allreduce(1)
     wait_for(os.path.join(markers, "parked"), timeout=60)
     deadline = time.monotonic() + 30
-    try:
-        while not zc.grow():  # (until the newcomer has parked: it said so as it started)
+    try:  # (until the newcomer has parked, or the grown group formed without it)
+        while not zc.grow() and not os.path.exists(os.path.join(markers, "out")):
             assert time.monotonic() < deadline, "the newcomer never came"
             zc.allreduce(1)
             time.sleep(0.05)
-        if me == 2:
+        if me == victim:
             time.sleep(5)  # its interrupt comes again, now that grow() returned
         interrupted = "not interrupted"
     except KeyboardInterrupt:
-        touch(os.path.join(markers, "out2"))
+        touch(os.path.join(markers, "out"))
         try:
             zc.get_world_size()
         except RuntimeError as exc:  # its grow() did not finish: left out
             return str(exc), _outcome(zc.shrink)
-        interrupted = "interrupted after its grow()"
+        interrupted = "interrupted after it joined"
     return interrupted, zc.get_world_size(), _outcome(lambda: zc.allreduce(1, timeout=30))
 
 
-def parks_and_goes_on_after(markers, last):
+def parks_and_goes_on_after(markers, victim, last):
     touch(os.path.join(markers, "parked"))
-    if last:
-        _at_the_wait_for_the_host(lambda: touch(os.path.join(markers, "in3")))
-    else:  # it joins the grown group only once rank 2 gave up
-        _before_the_join(lambda: wait_for(os.path.join(markers, "out2"), timeout=60))
-    zc.initialize(join=True, timeout=60)
-    return zc.get_world_size(), _outcome(lambda: zc.allreduce(1, timeout=30))
+    _forming_steps(3, victim, markers, last)
+    try:
+        zc.initialize(join=True, timeout=60)
+        if victim == 3:
+            time.sleep(5)  # its interrupt comes again, now that initialize() returned
+        interrupted = "not interrupted"
+    except KeyboardInterrupt:
+        touch(os.path.join(markers, "out"))
+        if not zc.is_initialized():
+            return "interrupted joining"
+        interrupted = "interrupted after it joined"
+    return interrupted, zc.get_world_size(), _outcome(lambda: zc.allreduce(1, timeout=30))
 
 
+@pytest.mark.parametrize("victim", [2, 3], ids=["member", "newcomer"])
 @pytest.mark.parametrize("last", [True, False], ids=["completing", "early"])
-def test_a_grow_interrupted_after_its_join_went_costs_no_rank_its_group(tmp_path, last):
-    with Replicas(grows_and_one_is_interrupted_after_its_join, 3, str(tmp_path), last) as members, \
-            Replicas(parks_and_goes_on_after, 1, str(tmp_path), last, initialize=False,
+def test_a_grow_interrupted_after_its_join_went_costs_no_rank_its_group(tmp_path, last, victim):
+    with Replicas(grows_and_one_is_interrupted_after_its_join, 3, str(tmp_path), victim, last) as members, \
+            Replicas(parks_and_goes_on_after, 1, str(tmp_path), victim, last, initialize=False,
                      port=members.port, env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as newcomer:
         outs = members.wait(RUN_S) + newcomer.wait(RUN_S)
     assert all(o.ok for o in outs), report(outs, f"a rank failed: {[o.value for o in outs]}")
-    others = [outs[0].value[1:], outs[1].value[1:], outs[3].value]
+    values = [o.value for o in outs]
+    others = [v for i, v in enumerate(values) if i != victim]
     if last:  # the host formed with it before its withdrawal came: a member, interrupted after
-        assert others == [(4, 4)] * 3, report(outs, "a rank of the grown group failed")
-        assert outs[2].value == ("interrupted after its grow()", 4, 4), report(outs, "rank 2")
+        assert others == [("not interrupted", 4, 4)] * 3, report(outs, f"a rank failed: {values}")
+        assert values[victim] == ("interrupted after it joined", 4, 4), report(outs, "the victim")
     else:  # it withdrew before the group formed: the others formed without it
-        assert others == [(3, 3)] * 3, report(outs, "a rank of the grown group failed")
-        said, shrunk = outs[2].value
-        assert "closed for grow()" in said and shrunk.startswith("left out: "), report(outs, "rank 2")
+        assert others == [("not interrupted", 3, 3)] * 3, report(outs, f"a rank failed: {values}")
+        if victim == 3:
+            assert values[victim] == "interrupted joining", report(outs, "the newcomer")
+        else:
+            said, shrunk = values[victim]
+            assert "closed for grow()" in said and shrunk.startswith("left out: "), report(outs, "rank 2")
