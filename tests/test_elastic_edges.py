@@ -465,9 +465,8 @@ def test_newcomers_stopped_as_they_are_admitted_never_cost_the_members_their_gro
 def grows_and_one_is_interrupted(markers):
     """Rank 2's grow() is interrupted (a signal handler's exception) as it starts joining the grown
     group, before its JOIN went: its group says so, shrink() tells it it was left out, and the
-    others go on with the newcomer. (Interrupted at its wait for the host, after its JOIN was
-    queued, the JOIN may still reach the host, which then forms with it and finds it lost at the
-    first call: a race left open, see the issue's note.)"""
+    others go on with the newcomer. (Interrupted later, its JOIN gone: see
+    test_a_grow_interrupted_after_its_join_went_costs_no_rank_its_group.)"""
     from zcollective._lifecycle import Lifecycle
 
     me = zc.get_rank()
@@ -544,3 +543,130 @@ def test_a_rank_paused_past_the_bound_outside_the_library_never_goes_on_alone_la
         outs = reps.wait(RUN_S)
     assert ended and outs[0].ok and outs[0].value == {"size": 1}, report(outs, "rank 0")
     assert outs[1].ok and str(outs[1].value).startswith("left out: "), report(outs, "a second group")
+
+
+# -- a grow interrupted after its JOIN went ---------------------------------------------
+
+
+def _at_the_wait_for_the_host(then, settle_s=0.0):
+    """Have this process's next wait for the host of a group it forms (its JOIN queued) first wait
+    until its connection is up (the JOIN on the wire) and ``settle_s`` more (the host takes the JOIN
+    in), and then call ``then()``."""
+    from zcollective._lifecycle import Lifecycle
+
+    reach = Lifecycle._reach_host
+
+    def hooked(self, form, who):
+        Lifecycle._reach_host = reach
+        member = self.member
+        deadline = time.monotonic() + 30
+        while not (member.greeted or member.joined) and time.monotonic() < deadline:
+            self.driver.wait_for(lambda: member.greeted or member.joined, time.monotonic() + 0.005)
+        time.sleep(settle_s)  # (not a wait of the library: a WELCOME that came stays unread)
+        then()
+        return reach(self, form, who)
+    Lifecycle._reach_host = hooked
+
+
+def _interrupt():
+    """What a signal handler's exception at a wait of the library is: a KeyboardInterrupt marked
+    with the signal (so the library may let it come again), raised at that wait."""
+    from zcollective.errors import SIGNAL_ATTR
+
+    exc = KeyboardInterrupt()
+    setattr(exc, SIGNAL_ATTR, signal.SIGINT)
+    raise exc
+
+
+def _before_the_join(then):
+    """Have this process's next join of a group it forms call ``then()`` before its JOIN goes."""
+    from zcollective._lifecycle import Lifecycle
+
+    join = Lifecycle._join_forming
+
+    def hooked(self, form):
+        Lifecycle._join_forming = join
+        then()
+        return join(self, form)
+    Lifecycle._join_forming = hooked
+
+
+def _forming_steps(me, victim, markers, last):
+    """Old rank (or newcomer) ``me``'s part in forming the grown group (old ranks 0-2, newcomer 3):
+    ``victim`` is interrupted at its wait for the host, its JOIN on the wire. ``last``: its JOIN
+    completes the group (the others' are in first, so the host forms with it at once); else one
+    other joins only after the victim gave up (the host forms without the victim)."""
+    joiners = {1, 2, 3} - {victim}  # (0 hosts)
+    if me == victim:
+        if last:
+            _before_the_join(lambda: wait_for(*(os.path.join(markers, f"in{r}") for r in joiners),
+                                               timeout=60))
+        _at_the_wait_for_the_host(_interrupt, 0.2)
+    elif me in joiners and last:
+        _at_the_wait_for_the_host(lambda: touch(os.path.join(markers, f"in{me}")))
+    elif me == max(joiners):
+        _before_the_join(lambda: wait_for(os.path.join(markers, "out"), timeout=60))
+
+
+def grows_and_one_is_interrupted_after_its_join(markers, victim, last):
+    """Old ranks 0-2 grow; see :func:`_forming_steps`. Either way no rank of the grown group finds a
+    rank lost; an interrupted one that is in it is interrupted again once grow() returned."""
+    me = zc.get_rank()
+    _forming_steps(me, victim, markers, last)
+    zc.allreduce(1)
+    wait_for(os.path.join(markers, "parked"), timeout=60)
+    deadline = time.monotonic() + 30
+    try:  # (until the newcomer has parked, or the grown group formed without it)
+        while not zc.grow() and not os.path.exists(os.path.join(markers, "out")):
+            assert time.monotonic() < deadline, "the newcomer never came"
+            zc.allreduce(1)
+            time.sleep(0.05)
+        if me == victim:
+            time.sleep(5)  # its interrupt comes again, now that grow() returned
+        interrupted = "not interrupted"
+    except KeyboardInterrupt:
+        touch(os.path.join(markers, "out"))
+        try:
+            zc.get_world_size()
+        except RuntimeError as exc:  # its grow() did not finish: left out
+            return str(exc), _outcome(zc.shrink)
+        interrupted = "interrupted after it joined"
+    return interrupted, zc.get_world_size(), _outcome(lambda: zc.allreduce(1, timeout=30))
+
+
+def parks_and_goes_on_after(markers, victim, last):
+    touch(os.path.join(markers, "parked"))
+    _forming_steps(3, victim, markers, last)
+    try:
+        zc.initialize(join=True, timeout=60)
+        if victim == 3:
+            time.sleep(5)  # its interrupt comes again, now that initialize() returned
+        interrupted = "not interrupted"
+    except KeyboardInterrupt:
+        touch(os.path.join(markers, "out"))
+        if not zc.is_initialized():
+            return "interrupted joining"
+        interrupted = "interrupted after it joined"
+    return interrupted, zc.get_world_size(), _outcome(lambda: zc.allreduce(1, timeout=30))
+
+
+@pytest.mark.parametrize("victim", [2, 3], ids=["member", "newcomer"])
+@pytest.mark.parametrize("last", [True, False], ids=["completing", "early"])
+def test_a_grow_interrupted_after_its_join_went_costs_no_rank_its_group(tmp_path, last, victim):
+    with Replicas(grows_and_one_is_interrupted_after_its_join, 3, str(tmp_path), victim, last) as members, \
+            Replicas(parks_and_goes_on_after, 1, str(tmp_path), victim, last, initialize=False,
+                     port=members.port, env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as newcomer:
+        outs = members.wait(RUN_S) + newcomer.wait(RUN_S)
+    assert all(o.ok for o in outs), report(outs, f"a rank failed: {[o.value for o in outs]}")
+    values = [o.value for o in outs]
+    others = [v for i, v in enumerate(values) if i != victim]
+    if last:  # the host formed with it before its withdrawal came: a member, interrupted after
+        assert others == [("not interrupted", 4, 4)] * 3, report(outs, f"a rank failed: {values}")
+        assert values[victim] == ("interrupted after it joined", 4, 4), report(outs, "the victim")
+    else:  # it withdrew before the group formed: the others formed without it
+        assert others == [("not interrupted", 3, 3)] * 3, report(outs, f"a rank failed: {values}")
+        if victim == 3:
+            assert values[victim] == "interrupted joining", report(outs, "the newcomer")
+        else:
+            said, shrunk = values[victim]
+            assert "closed for grow()" in said and shrunk.startswith("left out: "), report(outs, "rank 2")

@@ -28,6 +28,7 @@ from ._io._mailbox import MailSockets
 from ._io._reducing import reducer
 from ._io._shared import SharedPlane
 from ._io._turns import Turns
+from ._io._withdraw import withdraw
 from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, HOST_WINDOW_S, LEAVING_SHARE, STATUS_WAIT_S
 from ._protocol._member import Member
 from ._protocol._ops import Here
@@ -194,7 +195,10 @@ class Lifecycle:
             if not link.wait_for(lambda: member.joined, time.monotonic() + STATUS_WAIT_S):
                 raise CollectiveTimeoutError(f"{who} could not form a group at {self.config.endpoint}")
         else:
-            self._reach_host(form, who)
+            try:
+                self._reach_host(form, who)
+            except BaseException as exc:  # its JOIN may be there: taken back, or it is a member
+                withdraw(link, member, exc)
         self.config = dataclasses.replace(self.config, rank=member.rank, num_replicas=member.size)
         if self.data is not None:
             self.data.rank, self.data.size = member.rank, member.size

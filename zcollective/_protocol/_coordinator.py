@@ -173,6 +173,8 @@ class Coordinator:
     def _handle(self, peer: bytes, member: Optional[Joined], msg: Message, address: str) -> _ops.Step:
         """The rest: JOINs, strangers, a member's message not bound to it, a failed group's."""
         kind = msg.kind
+        if kind is Kind.BYE and msg.session != self.session:  # a JOIN taken back before its WELCOME
+            return self.joining.on_withdraw(peer, member, msg)
         if kind is Kind.UP and member is not None and msg.session == self.session:
             return self.climb.on_up(member, msg, address)
         if kind is Kind.JOIN and (member is None or msg.rank in (member.rank, member.old_rank)):

@@ -31,10 +31,13 @@ class Joining:
         self.challenge_key = challenge_key  # challenges are HMAC(this, peer): nothing to store
         self.challenged: OrderedDict[bytes, int] = OrderedDict()  # peer -> CHALLENGEs sent (LRU)
         self.answered: set[bytes] = set()  # refused peers that got their one REJECT
+        self.withdrawn: set[bytes] = set()  # peers that took their JOIN back: never counted here
 
     def on_join(self, peer: bytes, msg: Message, member: Optional[Joined], address: str) -> list[Outgoing]:
         """A JOIN from a stranger, or again from a member (it reconnected)."""
         co = self.co
+        if peer in self.withdrawn:  # (one sent before its withdrawal: a resend, a challenge's echo)
+            return []
         if member is not None:
             if co.phase is Phase.RUNNING:  # a reconnect lost our WELCOME: say it again
                 challenge = self._challenge(peer, msg)
@@ -62,7 +65,7 @@ class Joining:
             return self._park(peer, msg, join, python, ops, address)
         if lineage == f"{co.session:x}":  # this group's members forming the next one (rule 9), early
             return self.refuse(peer, msg, NOT_FORMING, f"{join.describe()} came to form the next "
-                               f"group, but its would-be host has not closed this one yet")
+                               f"group, but its would-be host has not closed this one yet", once=False)
         if co.phase is not Phase.JOINING:  # nothing from a non-member changes a running group
             return self._refuse_late(peer, msg, join, address, lineage)
         forming = co.forming
@@ -96,6 +99,23 @@ class Joining:
             return []
         return co.membership.start()
 
+    def on_withdraw(self, peer: bytes, member: Optional[Joined], msg: Message) -> list[Outgoing]:
+        """Rule 9: a replica not welcomed takes its JOIN back (a BYE bound to it: interrupted, or out of
+        time). Before the group starts it is forgotten (nothing from that peer counts again here) and told
+        so by a BYE; once started, its WELCOME went before, so it is a member and nothing changes."""
+        co = self.co
+        if member is not None and co.phase is not Phase.JOINING:
+            return []  # welcomed (or told of a failure) before: it knows its place
+        if peer not in self.withdrawn and len(self.withdrawn) >= MAX_ANSWERED_PEERS:
+            return []  # (a flood of strangers: bounded memory)
+        self.withdrawn.add(peer)
+        co.newcomers.pop(peer, None)
+        if member is not None:
+            del co.members[peer], co.by_rank[member.rank]
+            log.info("zcollective coordinator: %s withdrew its join; waiting for rank %d again",
+                     member.describe(), member.rank)
+        return [(peer, Message(Kind.BYE, rank=msg.rank, session=msg.session))]
+
     def _park(self, peer: bytes, msg: Message, join: Joined, python: str, ops: str,
               address: str) -> list[Outgoing]:
         """Rule 10: a newcomer waits for a GROW (refused alone if it runs another Python or release)."""
@@ -118,12 +138,14 @@ class Joining:
         log.info("zcollective coordinator: %s waits to be admitted (grow)", join.describe())
         return []
 
-    def refuse(self, peer: bytes, join: Any, error: str, message: str) -> list[Outgoing]:
+    def refuse(self, peer: bytes, join: Any, error: str, message: str, once: bool = True) -> list[Outgoing]:
         """One REJECT for a peer that is not a member (none past :data:`MAX_ANSWERED_PEERS`), bound to the
-        rank and nonce ``join`` names, as far as they can be read."""
-        if peer in self.answered or len(self.answered) >= MAX_ANSWERED_PEERS:
-            return []
-        self.answered.add(peer)
+        rank and nonce ``join`` names, as far as they can be read (``once=False``: a "not yet", said to
+        each JOIN, and the peer's later messages, its withdrawal say, are still read)."""
+        if once:
+            if peer in self.answered or len(self.answered) >= MAX_ANSWERED_PEERS:
+                return []
+            self.answered.add(peer)
         rank, token = _claimed(join)
         return [(peer, control(Kind.REJECT, error_body(error, message, MAX_REFUSAL_BYTES),
                                rank=rank, session=token))]

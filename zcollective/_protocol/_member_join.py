@@ -55,6 +55,8 @@ class Joining:
         self.nonces: set[str] = set()  # every JOIN sent (a reconnect sends another)
         self.tokens: set[int] = set()  # their tokens: what binds replies before the WELCOME
         self.rejoin = False
+        self.token = 0  # the last JOIN's
+        self.withdrawn = False  # it took its JOIN back (rule 9 of the coordinator): no JOIN goes again
         self.failed_handshakes: list[float] = []  # since the last good one
         self.timer: Optional[JoinTimer] = None  # while joining (rule 8)
 
@@ -64,7 +66,8 @@ class Joining:
         challenge = challenge if challenge is not None else m.challenge
         nonce = self.entropy(16).hex()
         self.nonces.add(nonce)
-        self.tokens.add(join_token(nonce))
+        self.token = join_token(nonce)
+        self.tokens.add(self.token)
         return _bodies.join(m.rank, m.size, PYTHON_VERSION, nonce, challenge, m.data_endpoint,
                             m.data_min_bytes, m.data_mode, m.lineage, m.newcomer, m.job,
                             SPOKEN, m.mail_endpoint, m.shm_offer, m.mail_window)
@@ -78,6 +81,13 @@ class Joining:
     def stop(self) -> None:
         """The driver stopped waiting to join (done, or out of time)."""
         self.timer = None
+
+    def withdraw(self) -> Message:
+        """A BYE taking back this member's JOIN before its WELCOME (interrupted, or out of time: rule 9 of
+        the coordinator): the host answers it with a BYE, unless it formed the group with this member first
+        (its WELCOME then comes before). No JOIN goes after it."""
+        self.timer, self.rejoin, self.withdrawn = None, False, True
+        return Message(Kind.BYE, rank=self.member.rank, session=self.token)
 
     def running(self) -> Optional[JoinTimer]:
         """The join's timer, while it runs (until welcomed or admitted)."""
@@ -135,7 +145,7 @@ class Joining:
             m.greeted = m.shook = True
             m.refused = False
             self.failed_handshakes.clear()
-            if self.rejoin and not m.joined:
+            if self.rejoin and not m.joined and not self.withdrawn:
                 self.rejoin = False
                 return [self.join()]
         else:
