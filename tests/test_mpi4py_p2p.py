@@ -28,8 +28,6 @@ EXCLUDED = {  # test name (in every class) -> why zcollective has no counterpart
     "testMixed": "typed-buffer Isend of MPI datatypes ([buf, 'B']): zcollective sends objects only",
     "testCommLock": "mpi4py's internal lock table (MPI._comm_lock_table), not an MPI call",
 }
-NEEDED = ("ssend", "ssend_async", "mprobe", "improbe", "PROC_NULL")  # what issue 46 adds (h-p2p)
-MISSING = [name for name in NEEDED if not hasattr(zc, name)]
 OP_TIMEOUT_S = "10"  # a test that waits for a message that never comes fails in this, not hangs
 PER_TEST_S = 10  # a test's own loops (while not flag: ...) are unbounded: each gets this long
 SYNC_TIMEOUT_S = 30.0  # the ranks meet between tests within this
@@ -100,18 +98,13 @@ def _excluded(test_id):
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-@pytest.mark.xfail(bool(MISSING), reason=f"zcollective lacks {MISSING} (issue 46's point to point)",
-                   strict=False)
 def test_mpi4py_object_point_to_point_tests_pass(n):
-    if MISSING and n != 2:
-        pytest.skip(f"zcollective lacks {MISSING}: run at N=2 only until it has them")
     env = {"ZCOLLECTIVE_OP_TIMEOUT": OP_TIMEOUT_S}
     per_rank = run_replicas(run_modules, n, timeout=RUN_TIMEOUT_S, env=env, initialize=False)
     failed = {}
     for rank, results in enumerate(per_rank):
         assert len(results) > 90, f"rank {rank} ran only {len(results)} tests"
         for test_id, (state, why, _) in results.items():
-            if state != "passed" and not (state == "skipped" and test_id.endswith("NoProc")) \
-                    and not _excluded(test_id):
+            if state != "passed" and not _excluded(test_id):
                 failed.setdefault(test_id, []).append(f"rank {rank}: {state}: {why}")
     assert not failed, "\n".join(f"{t}\n    " + "\n    ".join(w) for t, w in sorted(failed.items()))
