@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from .._limits import WIRE_PART_BYTES
 from ._mac import POLY1305, ChunkMac, available_backends, byte_view
 
-PROTOCOL_VERSION = 15  # bump on any change to the layout below; what each version added: CHANGELOG.md
+PROTOCOL_VERSION = 16  # bump on any change to the layout below; what each version added: CHANGELOG.md
 MAGIC = b"ZC"
 HEADER = struct.Struct("<2sBBBBiiQQI")  # magic version kind op flags rank root seq session nseg
 MAX_CALLSITE_BYTES = 512  # "file.py:123" with room for long paths; bounds the header
