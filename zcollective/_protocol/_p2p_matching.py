@@ -81,12 +81,36 @@ class _Peer:
     taken_bytes: int = 0  # bytes received since then
     owed: bool = False  # it asked for credit: send it as soon as there is any
     last: Optional[int] = None  # it sends no more: how many it sent (FINAL); a later one is dropped
+    below: int = 0  # its program received every one of its messages numbered below this ...
+    above: set[int] = field(default_factory=set)  # ... and these above it (received out of order)
 
 
 def ack_of(seq: int) -> int:
     """The acknowledgement of a synchronous message number ``seq``, as a CREDIT's root carries it (an
     int32 above 0: numbers :data:`MAX_TAG` apart share one, never both awaited at once)."""
     return seq % MAX_TAG + 1
+
+
+def was_received(received: list[int], seq: int) -> bool:
+    """Is ``seq`` among ``received`` (as :meth:`Mailbox.received` says it)?"""
+    if seq < received[0]:
+        return True
+    return any(received[i] <= seq < received[i + 1] for i in range(1, len(received) - 1, 2))
+
+
+def count_received(received: list[int]) -> int:
+    """How many messages ``received`` (as :meth:`Mailbox.received` says it) counts."""
+    return received[0] + sum(received[i + 1] - received[i] for i in range(1, len(received) - 1, 2))
+
+
+def _mark(peer: _Peer, seq: int) -> None:
+    """``peer``'s message ``seq`` was received, perhaps out of order (another tag's first)."""
+    if seq < peer.below:
+        return
+    peer.above.add(seq)
+    while peer.below in peer.above:
+        peer.above.discard(peer.below)
+        peer.below += 1
 
 
 class OutOfOrder(ValueError):
@@ -249,6 +273,10 @@ class Mailbox:
         peer = self.peers[came.source]
         peer.taken = came.seq
         peer.taken_bytes += came.nbytes
+        if came.seq == peer.below and not peer.above and not dropped:  # (in order: the usual case, without
+            peer.below += 1  # a call; one dropped is not received, and its FINAL does not count it)
+        elif not dropped:
+            _mark(peer, came.seq)
         ack = (came.seq % MAX_TAG + 1) * (-1 if dropped else 1) if came.sync else 0  # (ack_of, inline)
         if came.source == self.rank:  # its own: credited at once, nothing travels
             self.credited(self.rank, came.seq)
@@ -272,6 +300,29 @@ class Mailbox:
             peer = self.peers[source]
             return source != self.rank and peer.last is not None and peer.next_in >= peer.last
         return all(self.drained(r) for r in range(len(self.peers)) if r != self.rank)
+
+    def untake(self, came: Arrived) -> None:
+        """A message received but not yet applied goes back, first to be received (its call was given
+        up): no longer counted as received (a credit or acknowledgement sent for it stays said)."""
+        self.arrived.appendleft(came)
+        peer = self.peers[came.source]
+        if came.seq < peer.below:
+            peer.above.update(range(came.seq + 1, peer.below))
+            peer.below = came.seq
+        else:
+            peer.above.discard(came.seq)
+
+    def received(self, source: int) -> list[int]:
+        """Which of ``source``'s messages this rank's program received, as FINAL says it: ``[n, a1, b1,
+        a2, b2, ...]``, every number below ``n`` and from each ``a`` up to (not with) its ``b``."""
+        peer = self.peers[source]
+        out = [peer.below]
+        for seq in sorted(peer.above):
+            if len(out) > 1 and out[-1] == seq:
+                out[-1] = seq + 1
+            else:
+                out += [seq, seq + 1]
+        return out
 
     def held_from(self, source: int) -> int:
         """Bytes of ``source``'s messages taken in and not yet received."""
