@@ -72,8 +72,9 @@ class Mail(Endings):
         self.out: list[tuple[int, Message, Any]] = []  # (to, message, the send's handle or None)
         self.waiting: list[deque[_Sending]] = [deque() for _ in range(size)]  # sends short of credit
         self.probes: list[Receive] = []
-        self.syncing: dict[tuple[int, int], tuple[int, Any, int]] = {}  # synchronous sends on their
-        # way, by (dest, ack_of(seq)): (seq, handle, tag); done when dest's CREDIT acknowledges it
+        self.syncing: dict[tuple[int, int], tuple[int, Any, int, Any]] = {}  # synchronous sends on their
+        # way, by (dest, ack_of(seq)): (seq, handle, tag, its message's handle, done once sent); done when
+        # dest's CREDIT acknowledges it
         self.failure: Optional[BaseException] = None
         self.dropped = 0  # messages out of their pair's order (a replay, or malformed): dropped, counted
         self.gap: Optional[str] = None  # a message of a pair never came: later ones did
@@ -105,7 +106,7 @@ class Mail(Endings):
             s = queue.popleft()
             seq = box.send(dest, s.size, s.handle, s.tag)
             if s.sent is not None:  # done once acknowledged (see ssend)
-                self.syncing[(dest, seq % MAX_TAG + 1)] = (seq, s.handle, s.tag)  # (ack_of, inline)
+                self.syncing[(dest, seq % MAX_TAG + 1)] = (seq, s.handle, s.tag, s.sent)  # (ack_of, inline)
             msg = Message(Kind.SEND, 0 if s.sent is None else SYNC, self.rank, s.tag, seq, self.session,
                           segments=[s.segment])
             if dest == self.rank:
@@ -184,7 +185,7 @@ class Mail(Endings):
                 if s.handle is handle:
                     queue.remove(s)
                     return True
-        for key, (_, waiting, _) in self.syncing.items():  # sent: it may still be received
+        for key, (_, waiting, _, _) in self.syncing.items():  # sent: it may still be received
             if waiting is handle:
                 del self.syncing[key]
                 return True
@@ -286,7 +287,7 @@ class Mail(Endings):
         self.cut = [(r, []) for r in range(self.size)]  # (sends waiting for their link never go)
         handles = [r.handle for r in (*self.box.posted, *self.probes)]
         handles += [s.handle for queue in self.waiting for s in queue]
-        handles += [handle for _, handle, _ in self.syncing.values()]
+        handles += [handle for _, handle, _, _ in self.syncing.values()]
         self.syncing.clear()
         self.box.posted.clear()
         self.probes.clear()

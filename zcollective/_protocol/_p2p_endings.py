@@ -11,7 +11,16 @@ from typing import Any, Optional, Union
 
 from ..errors import CollectiveError, PeerEndedError
 from ._outcomes import CallOutcome
-from ._p2p_matching import ANY_SOURCE, ANY_TAG, PROC_NULL, Mailbox, Receive, count_received, was_received
+from ._p2p_matching import (
+    ANY_SOURCE,
+    ANY_TAG,
+    PROC_NULL,
+    Mailbox,
+    Receive,
+    ack_of,
+    count_received,
+    was_received,
+)
 
 
 def describe(call: str, source: int, tag: int) -> str:
@@ -35,7 +44,7 @@ class Endings:
     outcomes: deque[Any]
     waiting: list[deque[Any]]  # (of _p2p's sends waiting for credit)
     probes: list[Receive]
-    syncing: dict[tuple[int, int], tuple[int, Any, int]]
+    syncing: dict[tuple[int, int], tuple[int, Any, int, Any]]
     ended_how: dict[int, str]
     tearing: set[int]
     lost: dict[int, int]
@@ -90,14 +99,21 @@ class Endings:
         return first
 
     def unsend(self, dest: int, handle: Any) -> bool:
-        """Take back a send to ``dest`` that never left (it waits for its link): only
-        the last numbered for ``dest``, so the pair's numbers stay whole."""
+        """Take back a send (or ssend) to ``dest`` that never left (it waits for its link):
+        only the last numbered for ``dest``, so the pair's numbers stay whole."""
         peer = self.box.peers[dest]
         if not peer.unreceived or peer.unreceived[-1][2] is not handle:
             return False
-        peer.held -= peer.unreceived.pop()[1]
+        seq, size, _, _ = peer.unreceived.pop()
+        peer.held -= size
         peer.next_out -= 1
+        self.syncing.pop((dest, ack_of(seq)), None)
         return True
+
+    def sent_as(self, handle: Any) -> Any:
+        """The handle the driver holds the send ``handle``'s message under (an ssend's is done once sent,
+        the ssend itself once received)."""
+        return next((sent for _, h, _, sent in self.syncing.values() if h is handle), handle)
 
     def ended(self, source: int, count: int, how: str, teardown: bool = False,
               received: Union[None, int, list[int]] = None, lost: int = 0) -> None:
@@ -130,7 +146,7 @@ class Endings:
             self.outcomes.append(CallOutcome(s.handle, gone))
         peer, decided = self.box.peers[source], []
         for key in [key for key in self.syncing if key[0] == source]:  # synchronous: received, or never
-            seq, handle, tag = self.syncing.pop(key)
+            seq, handle, tag, _ = self.syncing.pop(key)
             decided.append(handle)
             taken = received is not None and was_received(received, seq)
             self.outcomes.append(CallOutcome(handle) if taken else CallOutcome(
