@@ -250,7 +250,7 @@ class PointToPoint:
             tag = check_tag(tag, True)
         what = (f"{call}(source={source}, tag={tag})" if source >= 0 and tag >= 0  # (describe's, inline)
                 else describe(call, source, tag))
-        act = Mail.receive if call == "recv" else Mail.probe if call == "probe" else _matched_probe
+        act = _RECEIVE if call == "recv" else Mail.probe if call == "probe" else _matched_probe
         return self._make(what, act, (source, tag), deadline, lead)
 
     def _null(self, what: str, value: Any = None) -> CollectiveFuture[Any]:
@@ -425,6 +425,9 @@ class PointToPoint:
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
         unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
         return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
+
+
+_RECEIVE = partial(Mail.receive, decode=_serialize.loads)  # a receive's act: its value unpickled here
 
 
 def _synchronous(mail: Mail, dest: int, tag: int, segment: list[Any], handle: Any, sent: Any) -> None:

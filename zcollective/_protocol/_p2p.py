@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
 
-from .._format import _serialize
 from .._format._wire import Kind, Message, owned
 from ..errors import ReplicaLostError
 from ._outcomes import CallOutcome, fresh
@@ -118,21 +117,23 @@ class Mail(Endings):
         if queue and dest != self.rank and box.ask(dest):
             self.out.append((dest, Message(Kind.ASK, 0, self.rank, 0, 0, self.session), None))
 
-    def receive(self, source: int, tag: int, handle: Any, matched: bool = False) -> None:
-        """A receive: done with a message here that matches (after a failure too), else posted;
-        ``matched`` (a matched probe, mprobe): done with the :class:`Arrived` it takes out of matching,
-        not its value (it counts as received: credited, and acknowledged if synchronous)."""
+    def receive(self, source: int, tag: int, handle: Any, matched: bool = False,
+                decode: Optional[Callable[[list[Any], str], Any]] = None) -> None:
+        """A receive: done with a message here that matches (after a failure too), else posted; its
+        value is ``decode(frames, whose)``, the caller's (without: the :class:`Arrived` itself, as a
+        matched probe's, mprobe's: it takes the message out of matching, and counts as received:
+        credited, and acknowledged if synchronous)."""
         if self.failure is not None:
             for i, here in enumerate(self.box.arrived):
                 if Receive(source, tag, None).matches(here.source, here.tag):
                     del self.box.arrived[i]
-                    self._received(handle, here, matched)
+                    self._received(handle, here, decode)
                     return
             self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
             return
-        came, credits = self.box.post(Receive(source, tag, handle, matched))
+        came, credits = self.box.post(Receive(source, tag, handle, matched, decode))
         if came is not None:
-            self._received(handle, came, matched)
+            self._received(handle, came, decode)
         elif self.ended_how:
             self._hopeless()
         if credits:
@@ -227,15 +228,16 @@ class Mail(Endings):
                     status = Status(source, msg.root, size)
                     self.outcomes.append(CallOutcome(probe.handle, None, _value(status)))
             if done is not None:
-                self._received(done[0].handle, done[1], done[0].matched)
+                self._received(done[0].handle, done[1], done[0].decode)
             if source in self.ended_how:  # perhaps its last: the receives left for it fail
                 self._hopeless()
             if credits:
                 self._credit(credits)
 
-    def _received(self, handle: Any, came: Arrived, matched: bool = False) -> None:
-        make = (partial(_serialize.loads, came.message.segments[0], f"message from rank {came.source}")
-                if not matched else _value(came))
+    def _received(self, handle: Any, came: Arrived, decode: Optional[Callable[[list[Any], str], Any]]
+                  ) -> None:
+        make = (partial(decode, came.message.segments[0], f"message from rank {came.source}")  # (the
+                if decode is not None else _value(came))  # frames handed over: the caller unpickles)
         status = Status(came.source, came.tag, came.nbytes)
         undo = partial(self.box.untake, came)
         self.outcomes.append(CallOutcome(handle, None, make, status, undo))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -50,6 +50,7 @@ class Receive:
     tag: int
     handle: Any
     matched: bool = False  # a matched probe's (mprobe): it takes the message, unpickled later
+    decode: Optional[Callable[[list[Any], str], Any]] = None  # what makes its value (the caller's)
 
     def matches(self, source: int, tag: int) -> bool:
         return self.source in (ANY_SOURCE, source) and self.tag in (ANY_TAG, tag)
