@@ -160,8 +160,7 @@ class Driver:
         sockets, rules = self.mail, self.member.mail
         if sockets is None or rules is None:
             return False
-        held = rules.sent_as(handle)  # (an ssend's message: under the handle done once sent)
-        dest = sockets.held_last(held)
+        dest = sockets.held_last(held := rules.sent_as(handle))  # (an ssend's: held as its message's)
         if dest is None or not rules.unsend(dest, handle):
             return False
         sockets.drop_send(dest, held)
@@ -174,8 +173,7 @@ class Driver:
         sockets, rules = self.mail, self.member.mail
         if sockets is None or rules is None:
             return None
-        held = rules.sent_as(handle)  # (an ssend's message: under the handle done once sent)
-        dest = sockets.holds(held)
+        dest = sockets.holds(held := rules.sent_as(handle))  # (an ssend's: held as its message's)
         if dest is not None:
             last = rules.box.peers[dest].unreceived
             return "link", dest, sockets.held_last(held) == dest and bool(last) and last[-1][2] is handle
