@@ -70,3 +70,32 @@ def test_unsend_takes_an_ssend_back_whole():
     assert mail.unsend(1, "ssend")
     assert not mail.syncing and mail.box.peers[1].next_out == 0 and mail.box.peers[1].held == 0
     assert mail.sent_as("ssend") == "ssend"
+
+
+def ends_having_received_the_later_tag(markers):
+    """Rank 1 ssends rank 2 tag 1, then tag 2; rank 2 receives tag 2 only, and its program ends
+    (without teardown: its FINAL says what it received)."""
+    zc.initialize()
+    r = zc.get_rank()
+    if r == 2:
+        return zc.recv(1, tag=2, timeout=30)
+    if r == 1:
+        first = zc.ssend_async("A, never received", 2, tag=1)
+        zc.ssend("B", 2, tag=2, timeout=30)
+        out = _outcome(lambda: first.result(timeout=30))
+        touch(os.path.join(markers, "done"))
+        return out
+    wait_for(os.path.join(markers, "done"), timeout=60)  # (rank 0 ending would end the group)
+    return None
+
+
+def test_an_ssend_whose_receiver_took_a_later_tag_and_ended_raises_peer_ended(tmp_path):
+    with Replicas(ends_having_received_the_later_tag, 3, str(tmp_path), initialize=False) as reps:
+        outs = reps.wait(60)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    assert outs[2].value == "B", report(outs, str(outs[2].value))
+    assert outs[1].value is not None, report(outs, "the ssend of tag 1 returned, as if received")
+    kind, message = outs[1].value
+    assert kind == "PeerEndedError" and message.startswith(
+        "rank 1: ssend(dest=2, tag=1) cannot complete: rank 2 ended its program"), report(outs, message)
+    assert "having received 1 of this rank's messages, not this one (number 0 to it)" in message, message
