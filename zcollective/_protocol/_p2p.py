@@ -2,8 +2,9 @@
 pair's messages, numbered, in the order sent; ``ANY_SOURCE``/``ANY_TAG`` take
 the earliest arrived; an arriving message goes to the earliest posted receive),
 the ends of ranks that send no more (:class:`~zcollective.errors.PeerEndedError`,
-not a loss), and each sender's window at a receiver, credited back as its
-program receives. See docs/protocol.md, *Point to point*.
+not a loss: :mod:`._p2p_endings`), and each sender's window at a receiver,
+credited back as its program receives. The rules never unpickle: a receive's
+value is made by the decode its caller gives. See docs/protocol.md, *Point to point*.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Callable, Optional
 from .._format._wire import Kind, Message, owned
 from ..errors import ReplicaLostError
 from ._outcomes import CallOutcome, fresh
-from ._p2p_endings import Endings, describe, dropped  # noqa: F401 (describe: importable from here too)
+from ._p2p_endings import MailEndings, describe, dropped  # noqa: F401 (describe: importable from here too)
 from ._p2p_matching import (  # (importable from here too)
     ANY_SOURCE,  # noqa: F401
     ANY_TAG,  # noqa: F401
@@ -59,7 +60,7 @@ class _Sending:
     sent: Any = None  # a synchronous send's: the handle the driver resolves once its message is sent
 
 
-class Mail(Endings):
+class Mail(MailEndings):
     """One rank's point-to-point exchanges: :class:`Mailbox`'s rules, the messages
     to send (:attr:`out`, for the driver) and what calls came to (``outcomes``)."""
 

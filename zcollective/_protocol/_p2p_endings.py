@@ -1,7 +1,7 @@
 """Point-to-point endings, the rules without sockets: what this rank's FINAL says (how many it sent each
 rank, how many never left it, and exactly which of each rank's messages its program received), and what
 another rank's FINAL decides here (sends on their way to it: received, or never to be; receives only it
-could answer). :class:`Endings` is :class:`~._p2p.Mail`'s part for them. See docs/protocol.md, rule 12.
+could answer). :class:`MailEndings` is :class:`~._p2p.Mail`'s part for them. See docs/protocol.md, rule 12.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def described(call: str, receive: Receive) -> str:
     return describe("mprobe" if receive.matched else call, receive.source, receive.tag)
 
 
-class Endings:
+class MailEndings:
     """The endings of one rank's :class:`~._p2p.Mail` (its attributes, declared here)."""
 
     rank: int
@@ -225,7 +225,7 @@ class Endings:
         return error
 
 
-def lost_words(mail: Endings, rank: int) -> str:
+def lost_words(mail: MailEndings, rank: int) -> str:
     """What an ended rank's FINAL said it lost of its messages to this rank."""
     lost = mail.lost.get(rank)
     if not lost:
