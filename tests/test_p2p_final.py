@@ -144,3 +144,32 @@ def test_an_acknowledgement_and_the_final_agree():
     assert [m.root for _, m, _ in receiver.out] == [ack_of(1)]
     received = receiver.final()[2][1]
     assert not was_received(received, 0) and was_received(received, 1)
+
+
+def test_what_a_mailbox_says_it_received_is_exactly_what_its_program_received():
+    """Many messages of a few tags, received in random tag order, some given back: the ranges match a
+    set of what was received, and hold as many numbers as there are holes."""
+    import random
+
+    from zcollective._protocol._p2p_matching import Mailbox, Receive
+
+    rng = random.Random(46)
+    for _ in range(200):
+        box, n = Mailbox(0, 2, WINDOW), rng.randrange(1, 40)
+        for seq in range(n):
+            box.arrive(1, rng.randrange(3), seq, 1, None)
+        model = set()
+        for _ in range(rng.randrange(1, 2 * n)):
+            came, _ = box.post(Receive(1, rng.randrange(3), "r"))
+            if came is None:
+                box.posted.clear()
+                continue
+            model.add(came.seq)
+            if rng.random() < 0.2:
+                box.untake(came)
+                model.discard(came.seq)
+        said = box.received(1)
+        assert [seq for seq in range(n) if was_received(said, seq)] == sorted(model), said
+        assert count_received(said) == len(model)
+        assert all(a < b for a, b in zip(said, said[1:], strict=False)) or len(said) == 1, said
+        assert len(said) - 1 <= 2 * (n - len(model)), said  # a range per hole at most

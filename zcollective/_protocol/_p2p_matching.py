@@ -7,6 +7,7 @@ and fails calls over it. See docs/protocol.md, *Point to point*.
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections import deque
 from dataclasses import dataclass, field
@@ -83,7 +84,8 @@ class _Peer:
     owed: bool = False  # it asked for credit: send it as soon as there is any
     last: Optional[int] = None  # it sends no more: how many it sent (FINAL); a later one is dropped
     below: int = 0  # its program received every one of its messages numbered below this ...
-    above: set[int] = field(default_factory=set)  # ... and these above it (received out of order)
+    above: list[int] = field(default_factory=list)  # ... and these above it (received out of order), as
+    # ranges [a1, b1, a2, b2, ...]: from each a up to (not with) its b; as many as the holes, not the messages
 
 
 def ack_of(seq: int) -> int:
@@ -106,12 +108,21 @@ def count_received(received: list[int]) -> int:
 
 def _mark(peer: _Peer, seq: int) -> None:
     """``peer``'s message ``seq`` was received, perhaps out of order (another tag's first)."""
-    if seq < peer.below:
+    above = peer.above
+    i = bisect.bisect_right(above, seq)
+    if seq < peer.below or i % 2:  # (counted already)
         return
-    peer.above.add(seq)
-    while peer.below in peer.above:
-        peer.above.discard(peer.below)
-        peer.below += 1
+    if i and above[i - 1] == seq:  # it ends the range before it ...
+        above[i - 1] = seq + 1
+        if i < len(above) and above[i] == seq + 1:  # ... and joins the next
+            del above[i - 1:i + 1]
+    elif i < len(above) and above[i] == seq + 1:  # it starts the next
+        above[i] = seq
+    else:
+        above[i:i] = [seq, seq + 1]
+    if above[0] == peer.below:
+        peer.below = above[1]
+        del above[:2]
 
 
 class OutOfOrder(ValueError):
@@ -306,24 +317,23 @@ class Mailbox:
         """A message received but not yet applied goes back, first to be received (its call was given
         up): no longer counted as received (a credit or acknowledgement sent for it stays said)."""
         self.arrived.appendleft(came)
-        peer = self.peers[came.source]
-        if came.seq < peer.below:
-            peer.above.update(range(came.seq + 1, peer.below))
-            peer.below = came.seq
-        else:
-            peer.above.discard(came.seq)
+        peer, seq = self.peers[came.source], came.seq
+        above = peer.above
+        if seq < peer.below:
+            if seq + 1 < peer.below:
+                above[:0] = [seq + 1, peer.below]
+            peer.below = seq
+            return
+        i = bisect.bisect_right(above, seq)
+        if i % 2:  # within the range [above[i - 1], above[i]): split around it
+            start, stop = above[i - 1], above[i]
+            above[i - 1:i + 1] = [start, seq] * (start < seq) + [seq + 1, stop] * (seq + 1 < stop)
 
     def received(self, source: int) -> list[int]:
         """Which of ``source``'s messages this rank's program received, as FINAL says it: ``[n, a1, b1,
         a2, b2, ...]``, every number below ``n`` and from each ``a`` up to (not with) its ``b``."""
         peer = self.peers[source]
-        out = [peer.below]
-        for seq in sorted(peer.above):
-            if len(out) > 1 and out[-1] == seq:
-                out[-1] = seq + 1
-            else:
-                out += [seq, seq + 1]
-        return out
+        return [peer.below, *peer.above]
 
     def held_from(self, source: int) -> int:
         """Bytes of ``source``'s messages taken in and not yet received."""
