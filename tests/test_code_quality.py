@@ -462,17 +462,23 @@ USER_FUNCTIONS = ("fn", "reduce_fn", "reduce_function", "func", "user_fn")  # wh
 
 
 def _user_code_in_rules(source):
-    """Calls in ``source`` that unpickle (``loads(...)``, ``_serialize.loads(...)``) or call the
-    program's function by one of the names it goes by (:data:`USER_FUNCTIONS`): (line, call)."""
+    """What in ``source`` unpickles: ``loads`` named at all (called, or passed on as a function:
+    ``partial(_serialize.loads, ...)``, or imported), or calls the program's function by one of the
+    names it goes by (:data:`USER_FUNCTIONS`): (line, what), in line order."""
     import ast
 
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call):
             name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if name == "loads" or name in USER_FUNCTIONS:
+            if name in USER_FUNCTIONS:
                 found.append((node.lineno, ast.unparse(node.func)))
-    return found
+        elif (isinstance(node, ast.Attribute) and node.attr == "loads") or (
+                isinstance(node, ast.Name) and node.id == "loads"):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.ImportFrom) and any(a.name == "loads" for a in node.names):
+            found.append((node.lineno, "import loads"))
+    return sorted(found)
 
 
 def test_no_rule_unpickles_or_runs_the_programs_functions():
@@ -480,8 +486,11 @@ def test_no_rule_unpickles_or_runs_the_programs_functions():
     call's value is made of and the call runner (_calls.py) unpickles it; the star's reductions
     run in _io/_combine.py, the data plane's and shared memory's in _io/_reducing.py."""
     assert _user_code_in_rules("a = _serialize.loads(seg)\nb = loads(seg)\nc = fn(a, b)\n"
-                               "reduce_fn(a, b)\nd = self.reducer(a, b)\ne = dumps(a)\n") == [
-        (1, "_serialize.loads"), (2, "loads"), (3, "fn"), (4, "reduce_fn")]
+                               "reduce_fn(a, b)\nd = self.reducer(a, b)\ne = dumps(a)\n"
+                               "f = partial(_serialize.loads, seg)\ng = [pickle.loads]\n"
+                               "from ._serialize import loads as unpickle\nh = self.decode(seg)\n") == [
+        (1, "_serialize.loads"), (2, "loads"), (3, "fn"), (4, "reduce_fn"), (7, "_serialize.loads"),
+        (8, "pickle.loads"), (9, "import loads")]
     folder = os.path.join(ROOT, "zcollective", "_protocol")
     found = []
     for name in sorted(os.listdir(folder)):

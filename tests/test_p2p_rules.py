@@ -149,7 +149,7 @@ def test_a_receiver_asked_for_credit_sends_it_once_its_program_receives():
     assert mail.out == []  # nothing received yet
     mail.receive(0, 0, "r")
     assert [(to, m.kind, m.seq) for to, m, _ in mail.out] == [(0, Kind.CREDIT, 0)]
-    assert mail.outcomes[0].future == "r" and mail.outcomes[0].make() == 1
+    assert mail.outcomes[0].future == "r" and mail.outcomes[0].make().seq == 0  # (its frames, undecoded)
 
 
 def test_messages_of_another_group_or_out_of_order_are_dropped():

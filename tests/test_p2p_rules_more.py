@@ -28,8 +28,8 @@ def _send_msg(source, tag, seq, value):
 
 def _values(mail):
     """What each outcome came to (its value, or its error's type), in order; cleared."""
-    out = [(o.future, type(o.error).__name__ if o.error is not None else (o.make() if o.make else None))
-           for o in mail.outcomes]
+    out = [(o.future, type(o.error).__name__ if o.error is not None else  # (a receive's frames, unpickled)
+            (pickle.loads(o.make().message.segments[0][0]) if o.make else None)) for o in mail.outcomes]
     mail.outcomes.clear()
     return out
 

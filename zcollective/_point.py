@@ -251,7 +251,7 @@ class PointToPoint:
             tag = check_tag(tag, True)
         what = (f"{call}(source={source}, tag={tag})" if source >= 0 and tag >= 0  # (describe's, inline)
                 else describe(call, source, tag))
-        act = Mail.receive if call == "recv" else Mail.probe if call == "probe" else _matched_probe
+        act = _RECEIVE if call == "recv" else Mail.probe if call == "probe" else _matched_probe
         return self._make(what, act, (source, tag), deadline, lead)
 
     def _null(self, what: str, value: Any = None) -> CollectiveFuture[Any]:
@@ -369,7 +369,8 @@ class PointToPoint:
             return False
         try:
             driver = calls.driver
-            if mail.withdraw(future) or (driver is not None and driver.take_back(future)):
+            if (driver is not None and driver.take_back(future)) or mail.withdraw(future):  # (an ssend
+                # waiting for its link: taken back, not only its acknowledgement no longer awaited)
                 if ends:
                     fail(future, exc)
                 return False
@@ -392,11 +393,8 @@ class PointToPoint:
         said = f"rank {self.rank}: {future.op} timed out after {timeout:g} s"
         if mail is None:
             return said
-        acked = next((dest for (dest, _), (_, h, _) in list(mail.syncing.items()) if h is future), None)
-        if acked is not None:  # (a snapshot: another thread may hold the turn)
-            return (f"{said}: rank {acked}'s program has not received its message yet (no matching "
-                    f"receive there yet, or the message still waits for its link to rank {acked}'s mailbox): "
-                    f"not taken back, it may still be received")
+        acked = next((dest for (dest, _), (_, h, _, _) in list(mail.syncing.items()) if h is future),
+                     None)  # (a snapshot: another thread may hold the turn)
         dest = mail.waiting_for(future)
         if dest is not None:  # a send short of credit
             peer = mail.box.peers[dest]
@@ -404,12 +402,15 @@ class PointToPoint:
                     f"before, which fill its window ({peer.window} bytes: its "
                     f"ZCOLLECTIVE_MAIL_WINDOW_BYTES); nothing was sent")
         where, calls = None, self.calls
-        if calls.driver is not None and future.op.startswith("send(") and calls.turns.take(
+        if calls.driver is not None and future.op.startswith(("send(", "ssend(")) and calls.turns.take(
                 time.monotonic() + STATUS_WAIT_S):
             try:  # (holding the turn: the mailbox's sockets are read by their owner only)
                 where = calls.driver.where(future)
             finally:
                 calls.turns.give()
+        if acked is not None and (where is None or where[0] != "link"):  # (sent, or leaving)
+            return (f"{said}: rank {acked}'s program has not received its message yet (no matching "
+                    f"receive there yet): not taken back, it may still be received")
         if where is not None:
             how, dest, back = where
             if how == "link":
@@ -425,6 +426,9 @@ class PointToPoint:
             waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
         unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
         return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
+
+
+_RECEIVE = partial(Mail.receive, decode=_serialize.loads)  # a receive's act: its value unpickled here
 
 
 def _synchronous(mail: Mail, dest: int, tag: int, segment: list[Any], handle: Any, sent: Any) -> None:

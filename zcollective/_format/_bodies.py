@@ -9,7 +9,7 @@ import socket
 import string
 import sys
 import traceback
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .._limits import MAX_JOB_CHARS, WIRE_PART_BYTES
 from ..errors import WIRE_ERRORS, CollectiveError, RemoteError
@@ -262,12 +262,31 @@ def complete_of(msg: Message) -> int:
 MAX_ENDED_CHARS = 1000  # how a rank ended, as FINAL forwards it ("rank 2 (pid 7 on host) called teardown")
 
 
-def final(sent: list[int], teardown: bool, received: Optional[list[int]] = None,
+MAX_RECEIVED_RANGES = 512  # a FINAL's ranges of messages received out of order, all ranks together: a
+# program that left more holes is said to have received fewer (a send then fails: never a loss unsaid)
+
+
+Received = Union[int, list[int]]  # which of a rank's messages were received: n (every number below n), or
+# [n, a1, b1, a2, b2, ...]: also from each a up to (not with) its b
+
+
+def final(sent: list[int], teardown: bool, received: Optional[list[Received]] = None,
           lost: Optional[list[int]] = None, calls: Optional[int] = None, **header: Any) -> Message:
     """FINAL to the coordinator: this rank sends no more, having sent ``sent[r]`` to rank r (``lost[r]``
-    never left), received ``received[r]``, made ``calls`` collective calls; by ``teardown`` or not."""
+    never left), received ``received[r]`` (a :data:`Received`), made ``calls`` collective calls; by
+    ``teardown`` or not."""
     body: dict[str, Any] = {"sent": sent, "how": "teardown" if teardown else "exit"}
-    for key, value in (("received", received), ("lost", lost), ("calls", calls)):
+    if received is not None:
+        room, said = MAX_RECEIVED_RANGES, list[Received]()
+        for ranges in received:
+            if isinstance(ranges, int):
+                said.append(ranges)
+                continue
+            kept = min(room, (len(ranges) - 1) // 2)
+            room -= kept
+            said.append(ranges[0] if kept == 0 else ranges[:1 + 2 * kept])
+        body["received"] = said
+    for key, value in (("lost", lost), ("calls", calls)):
         if value is not None:
             body[key] = value
     return control(Kind.FINAL, body, **header)
@@ -278,22 +297,40 @@ def _counts(value: Any, num_replicas: int) -> bool:
             and all(type(n) is int and 0 <= n < 1 << 63 for n in value))
 
 
+def _received(value: Any) -> Optional[Received]:
+    """A FINAL's :data:`Received` from one rank; None: malformed (numbers out of order, or too many)."""
+    if type(value) is int:
+        return value if 0 <= value < 1 << 63 else None
+    if (not isinstance(value, list) or len(value) % 2 != 1 or len(value) > 1 + 2 * MAX_RECEIVED_RANGES
+            or not all(type(n) is int for n in value)):
+        return None
+    ordered = value[0] >= 0 and all(a < b for a, b in zip(value[1:], value[2:], strict=False)) and (
+        len(value) == 1 or value[0] < value[1]) and (value[-1] < 1 << 63)
+    return value if ordered else None
+
+
 def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
     """A member's FINAL: ``sent``, ``lost``, ``received`` by rank, ``calls`` (None: unsaid), ``teardown``."""
-    body = msg.body(max(_wire.MAX_JSON_BYTES, 72 * num_replicas))  # (a count is at most 19 digits)
-    sent = body.get("sent")
+    body = msg.body(max(_wire.MAX_JSON_BYTES, 72 * num_replicas) + 42 * MAX_RECEIVED_RANGES)  # (a count
+    sent = body.get("sent")  # is at most 19 digits)
     if not _counts(sent, num_replicas):
         raise WireError("FINAL must count the messages sent to each rank")
     received, lost, calls = body.get("received"), body.get("lost"), body.get("calls")
-    return {"sent": sent, "teardown": body.get("how") == "teardown",
-            "received": received if _counts(received, num_replicas) else None,
+    if isinstance(received, list) and len(received) == num_replicas:
+        received = [_received(r) for r in received]
+        ranges = sum(len(r) // 2 for r in received if isinstance(r, list))
+        received = None if None in received or ranges > MAX_RECEIVED_RANGES else received
+    else:
+        received = None
+    return {"sent": sent, "teardown": body.get("how") == "teardown", "received": received,
             "lost": lost if _counts(lost, num_replicas) else [0] * num_replicas,
             "calls": calls if type(calls) is int and 0 <= calls < 1 << 63 else None}
 
 
-def ended(who: str, received: Optional[int] = None, lost: int = 0, *, teardown: bool = False,
+def ended(who: str, received: Optional[Received] = None, lost: int = 0, *, teardown: bool = False,
           **header: Any) -> Message:
-    """FINAL to member ``rank``: ``root`` sent ``seq`` (``lost`` never left), received ``received``."""
+    """FINAL to member ``rank``: ``root`` sent ``seq`` (``lost`` never left), received ``received`` (as
+    :func:`final` says it)."""
     body: dict[str, Any] = {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit",
                             "lost": lost}
     if received is not None:
@@ -310,11 +347,12 @@ def ended_by_teardown(msg: Message) -> bool:
     return msg.body().get("how") == "teardown"
 
 
-def ended_counts(msg: Message) -> tuple[Optional[int], int]:
-    """A FINAL's counts for its recipient: of its messages received (None: not said), of those to it lost."""
+def ended_counts(msg: Message) -> tuple[Optional[Received], int]:
+    """A FINAL's counts for its recipient: which of its messages were received (as :func:`final` says it;
+    None: not said), how many of those to it were lost."""
     body = msg.body()
     received, lost = body.get("received"), body.get("lost", 0)
-    return (received if type(received) is int and 0 <= received < 1 << 63 else None,
+    return (None if received is None else _received(received),
             lost if type(lost) is int and 0 <= lost < 1 << 63 else 0)
 
 

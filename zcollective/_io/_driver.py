@@ -160,10 +160,10 @@ class Driver:
         sockets, rules = self.mail, self.member.mail
         if sockets is None or rules is None:
             return False
-        dest = sockets.held_last(handle)
+        dest = sockets.held_last(held := rules.sent_as(handle))  # (an ssend's: held as its message's)
         if dest is None or not rules.unsend(dest, handle):
             return False
-        sockets.drop_send(dest, handle)
+        sockets.drop_send(dest, held)
         return True
 
     def where(self, handle: Any) -> Optional[tuple[str, int, bool]]:
@@ -173,11 +173,11 @@ class Driver:
         sockets, rules = self.mail, self.member.mail
         if sockets is None or rules is None:
             return None
-        dest = sockets.holds(handle)
+        dest = sockets.holds(held := rules.sent_as(handle))  # (an ssend's: held as its message's)
         if dest is not None:
             last = rules.box.peers[dest].unreceived
-            return "link", dest, sockets.held_last(handle) == dest and bool(last) and last[-1][2] is handle
-        if any(h is handle for t, h in self.tracked if not t.done):
+            return "link", dest, sockets.held_last(held) == dest and bool(last) and last[-1][2] is handle
+        if any(h is held for t, h in self.tracked if not t.done):
             found = rules.leaving({id(handle)})
             if found:
                 return "leaving", next(iter(found)), False

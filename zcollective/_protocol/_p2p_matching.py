@@ -7,10 +7,11 @@ and fails calls over it. See docs/protocol.md, *Point to point*.
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -50,6 +51,7 @@ class Receive:
     tag: int
     handle: Any
     matched: bool = False  # a matched probe's (mprobe): it takes the message, unpickled later
+    decode: Optional[Callable[[list[Any], str], Any]] = None  # what makes its value (the caller's)
 
     def matches(self, source: int, tag: int) -> bool:
         return self.source in (ANY_SOURCE, source) and self.tag in (ANY_TAG, tag)
@@ -81,12 +83,46 @@ class _Peer:
     taken_bytes: int = 0  # bytes received since then
     owed: bool = False  # it asked for credit: send it as soon as there is any
     last: Optional[int] = None  # it sends no more: how many it sent (FINAL); a later one is dropped
+    below: int = 0  # its program received every one of its messages numbered below this ...
+    above: list[int] = field(default_factory=list)  # ... and these above it (received out of order), as
+    # ranges [a1, b1, a2, b2, ...]: from each a up to (not with) its b; as many as the holes, not the messages
 
 
 def ack_of(seq: int) -> int:
     """The acknowledgement of a synchronous message number ``seq``, as a CREDIT's root carries it (an
     int32 above 0: numbers :data:`MAX_TAG` apart share one, never both awaited at once)."""
     return seq % MAX_TAG + 1
+
+
+def was_received(received: list[int], seq: int) -> bool:
+    """Is ``seq`` among ``received`` (as :meth:`Mailbox.received` says it)?"""
+    if seq < received[0]:
+        return True
+    return any(received[i] <= seq < received[i + 1] for i in range(1, len(received) - 1, 2))
+
+
+def count_received(received: list[int]) -> int:
+    """How many messages ``received`` (as :meth:`Mailbox.received` says it) counts."""
+    return received[0] + sum(received[i + 1] - received[i] for i in range(1, len(received) - 1, 2))
+
+
+def _mark(peer: _Peer, seq: int) -> None:
+    """``peer``'s message ``seq`` was received, perhaps out of order (another tag's first)."""
+    above = peer.above
+    i = bisect.bisect_right(above, seq)
+    if seq < peer.below or i % 2:  # (counted already)
+        return
+    if i and above[i - 1] == seq:  # it ends the range before it ...
+        above[i - 1] = seq + 1
+        if i < len(above) and above[i] == seq + 1:  # ... and joins the next
+            del above[i - 1:i + 1]
+    elif i < len(above) and above[i] == seq + 1:  # it starts the next
+        above[i] = seq
+    else:
+        above[i:i] = [seq, seq + 1]
+    if above[0] == peer.below:
+        peer.below = above[1]
+        del above[:2]
 
 
 class OutOfOrder(ValueError):
@@ -249,6 +285,10 @@ class Mailbox:
         peer = self.peers[came.source]
         peer.taken = came.seq
         peer.taken_bytes += came.nbytes
+        if came.seq == peer.below and not peer.above and not dropped:  # (in order: the usual case, without
+            peer.below += 1  # a call; one dropped is not received, and its FINAL does not count it)
+        elif not dropped:
+            _mark(peer, came.seq)
         ack = (came.seq % MAX_TAG + 1) * (-1 if dropped else 1) if came.sync else 0  # (ack_of, inline)
         if came.source == self.rank:  # its own: credited at once, nothing travels
             self.credited(self.rank, came.seq)
@@ -272,6 +312,28 @@ class Mailbox:
             peer = self.peers[source]
             return source != self.rank and peer.last is not None and peer.next_in >= peer.last
         return all(self.drained(r) for r in range(len(self.peers)) if r != self.rank)
+
+    def untake(self, came: Arrived) -> None:
+        """A message received but not yet applied goes back, first to be received (its call was given
+        up): no longer counted as received (a credit or acknowledgement sent for it stays said)."""
+        self.arrived.appendleft(came)
+        peer, seq = self.peers[came.source], came.seq
+        above = peer.above
+        if seq < peer.below:
+            if seq + 1 < peer.below:
+                above[:0] = [seq + 1, peer.below]
+            peer.below = seq
+            return
+        i = bisect.bisect_right(above, seq)
+        if i % 2:  # within the range [above[i - 1], above[i]): split around it
+            start, stop = above[i - 1], above[i]
+            above[i - 1:i + 1] = [start, seq] * (start < seq) + [seq + 1, stop] * (seq + 1 < stop)
+
+    def received(self, source: int) -> list[int]:
+        """Which of ``source``'s messages this rank's program received, as FINAL says it: ``[n, a1, b1,
+        a2, b2, ...]``, every number below ``n`` and from each ``a`` up to (not with) its ``b``."""
+        peer = self.peers[source]
+        return [peer.below, *peer.above]
 
     def held_from(self, source: int) -> int:
         """Bytes of ``source``'s messages taken in and not yet received."""
