@@ -26,6 +26,7 @@ import zcollective
 import zcollective.testing
 from zcollective.testing import report
 
+collect_ignore = ["mpi4py"]  # mpi4py's vendored tests: run by test_mpi4py_p2p.py in replicas, not collected
 MARKER_WAIT_S = 30.0  # a rank reaches its point within this, even on a loaded 2-core machine
 MARKER_POLL_S = 0.01
 MARKER_WAIT_AFTER_S = 5.0  # a marker's wait failed: the other replicas have this long to end

@@ -21,6 +21,7 @@ from ._p2p_endings import MailEndings, describe, dropped  # noqa: F401 (describe
 from ._p2p_matching import (  # (importable from here too)
     ANY_SOURCE,  # noqa: F401
     ANY_TAG,  # noqa: F401
+    EXACT,
     MAX_TAG,  # noqa: F401
     PROC_NULL,  # noqa: F401
     SYNC,
@@ -205,7 +206,7 @@ class Mail(MailEndings):
             return
         source = msg.rank
         if msg.kind is Kind.CREDIT:
-            self.box.credited(source, msg.seq)
+            self.box.credited(source, msg.seq, msg.op == EXACT)
             if msg.root:  # it received (or its teardown dropped) a synchronous message of this rank's
                 self._acked(source, msg.root)
             self._flush(source)
@@ -250,7 +251,8 @@ class Mail(MailEndings):
             if c.to == self.rank:  # (only an acknowledgement of a synchronous send to itself)
                 self._acked(self.rank, c.ack)
             else:
-                self.out.append((c.to, Message(Kind.CREDIT, 0, self.rank, c.ack, c.seq, self.session), None))
+                op = EXACT if c.exact else 0
+                self.out.append((c.to, Message(Kind.CREDIT, op, self.rank, c.ack, c.seq, self.session), None))
 
     def _acked(self, dest: int, ack: int) -> None:
         """``dest`` received the synchronous message whose :func:`ack_of` is ``ack``: its send is done

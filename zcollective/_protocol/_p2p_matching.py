@@ -17,6 +17,7 @@ ANY_SOURCE = -1
 ANY_TAG = -1
 PROC_NULL = -2  # MPI's null rank: a send to it or a receive from it completes at once, doing nothing
 SYNC = 1  # a SEND's op: synchronous (ssend), its receiver's CREDIT acknowledges it (see ack_of)
+EXACT = 1  # a CREDIT's op: message ``seq`` alone was received (out of order), not every one up to it
 MAX_TAG = (1 << 31) - 1  # a tag travels in the header's int32
 CREDIT_SHARE = 4  # the receiver credits once this fraction of the window (1/4) was taken
 
@@ -65,6 +66,7 @@ class Credit:
     seq: int
     ack: int = 0  # :func:`ack_of` a synchronous message just received (0: none; negated: dropped by
     # teardown, never received), in the CREDIT's root
+    exact: bool = False  # it says only that message ``seq`` was received (out of order), not those before
 
 
 @dataclass
@@ -78,8 +80,10 @@ class _Peer:
     held: int = 0  # their bytes
     asked: bool = False  # this rank waits for credit from it and asked for it
     next_in: int = 0  # the seq of the next message expected from it
-    taken: int = -1  # the last of its messages this rank's program received ...
-    credited: int = -1  # ... and the last it was told of
+    taken: int = -1  # its program received (or teardown dropped) every one of its messages up to this ...
+    loose: list[int] = field(default_factory=list)  # ... and these after it (out of order; ranges, as
+    # above's), each credited alone at once
+    credited: int = -1  # the last it was told of (cumulative)
     taken_bytes: int = 0  # bytes received since then
     owed: bool = False  # it asked for credit: send it as soon as there is any
     last: Optional[int] = None  # it sends no more: how many it sent (FINAL); a later one is dropped
@@ -108,10 +112,15 @@ def count_received(received: list[int]) -> int:
 
 def _mark(peer: _Peer, seq: int) -> None:
     """``peer``'s message ``seq`` was received, perhaps out of order (another tag's first)."""
-    above = peer.above
+    peer.below = _marked(peer.below, peer.above, seq)
+
+
+def _marked(below: int, above: list[int], seq: int) -> int:
+    """``seq`` joins the numbers counted (every one below ``below``, and ``above``'s ranges: ``[a1, b1,
+    ...]``, from each ``a`` up to, not with, its ``b``): the new ``below``."""
     i = bisect.bisect_right(above, seq)
-    if seq < peer.below or i % 2:  # (counted already)
-        return
+    if seq < below or i % 2:  # (counted already)
+        return below
     if i and above[i - 1] == seq:  # it ends the range before it ...
         above[i - 1] = seq + 1
         if i < len(above) and above[i] == seq + 1:  # ... and joins the next
@@ -120,9 +129,10 @@ def _mark(peer: _Peer, seq: int) -> None:
         above[i] = seq
     else:
         above[i:i] = [seq, seq + 1]
-    if above[0] == peer.below:
-        peer.below = above[1]
+    if above[0] == below:
+        below = above[1]
         del above[:2]
+    return below
 
 
 class OutOfOrder(ValueError):
@@ -196,11 +206,19 @@ class Mailbox:
         peer.asked = True
         return True
 
-    def credited(self, source: int, seq: int) -> None:
-        """``source`` received this rank's messages up to ``seq``."""
+    def credited(self, source: int, seq: int, exact: bool = False) -> None:
+        """``source`` received this rank's messages up to ``seq`` (``exact``: message ``seq`` alone)."""
         peer = self.peers[source]
-        while peer.unreceived and peer.unreceived[0][0] <= seq:
-            peer.held -= peer.unreceived.popleft()[1]
+        unreceived = peer.unreceived
+        if exact:  # (received out of order: rare, so searched)
+            for i, entry in enumerate(unreceived):
+                if entry[0] == seq:
+                    del unreceived[i]
+                    peer.held -= entry[1]
+                    break
+        else:
+            while unreceived and unreceived[0][0] <= seq:
+                peer.held -= unreceived.popleft()[1]
         peer.asked = False
 
     # -- receiving ------------------------------------------------------------
@@ -282,18 +300,25 @@ class Mailbox:
     def _taken(self, came: Arrived, dropped: bool = False) -> list[Credit]:
         """``came`` is received (or matched, or ``dropped``): the credit due (at once for a synchronous
         one, which it acknowledges, negated if dropped: to this rank itself too, which sends nothing)."""
-        peer = self.peers[came.source]
-        peer.taken = came.seq
-        peer.taken_bytes += came.nbytes
+        peer, seq = self.peers[came.source], came.seq
+        if seq == peer.taken + 1 and not peer.loose:  # (in order: the usual case, without a call)
+            peer.taken = seq
+        else:  # a later one first (another tag's), or the one that fills a hole
+            peer.taken = _marked(peer.taken + 1, peer.loose, seq) - 1
+        exact = peer.taken < seq  # beyond what the others' credit covers: credited alone, at once
+        peer.taken_bytes += 0 if exact else came.nbytes
         if came.seq == peer.below and not peer.above and not dropped:  # (in order: the usual case, without
             peer.below += 1  # a call; one dropped is not received, and its FINAL does not count it)
         elif not dropped:
             _mark(peer, came.seq)
         ack = (came.seq % MAX_TAG + 1) * (-1 if dropped else 1) if came.sync else 0  # (ack_of, inline)
         if came.source == self.rank:  # its own: credited at once, nothing travels
-            self.credited(self.rank, came.seq)
-            peer.credited, peer.taken_bytes = came.seq, 0
-            return [Credit(self.rank, came.seq, ack)] if ack else []
+            self.credited(self.rank, seq if exact else peer.taken, exact)
+            if not exact:
+                peer.credited, peer.taken_bytes = peer.taken, 0
+            return [Credit(self.rank, seq, ack)] if ack else []
+        if exact:
+            return [Credit(came.source, seq, ack, True)]
         if ack or peer.owed or peer.taken_bytes * CREDIT_SHARE >= self.window:
             return [self._credit(came.source, peer, ack)]
         return []
