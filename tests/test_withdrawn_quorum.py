@@ -79,6 +79,21 @@ def test_too_few_is_still_refused_and_the_refusal_names_the_withdrawn():
     assert "rank 1 withdrew" in message and "5 ranks" in message, message
 
 
+def test_a_shrinks_host_counts_a_withdrawn_old_rank_above_the_new_size():
+    """Old rank 0 lost, ranks 1-3 form at old rank 1 (3 expected, so old rank 3 is above the count of
+    those expected): its withdrawal counts all the same, and 1 and 2 form without waiting for it."""
+    host = Coordinator(4, SESSION, 1000, forming=Forming("ab12", frozenset({1, 2, 3}), 4, frozenset({0})))
+    members = [Member(r, 4, ENDPOINT) for r in range(4)]
+    for m in members:
+        m.lineage = "ab12"
+    host.receive(peer(1), encode(members[1].start_join()[0]))
+    members[3].start_join()
+    host.receive(peer(3), encode(members[3].joining.withdraw()))
+    assert host.joining.withdrawn_ranks == {3} and host.missing_joins() == [2]
+    downs = _downs(host.receive(peer(2), encode(members[2].start_join()[0])))
+    assert _welcomed(downs) == {1, 2} and host.old_ranks == [1, 2]
+
+
 def test_a_withdrawal_that_comes_back_as_a_join_is_counted_again():
     f = Forming4()
     f.join(0)

@@ -124,9 +124,11 @@ class Joining:
         if member is not None:
             del co.members[peer], co.by_rank[member.rank]
         rank = member.rank if member is not None else msg.rank
-        if newcomer is None and 0 <= rank < co.num_replicas and co.phase is not Phase.RUNNING and (
-                co.phase is not Phase.JOINING or rank not in co.by_rank):  # (the earlier group's: for
-            # the host forming next) said so itself: not partitioned away, not forming elsewhere
+        ranks = co.forming.expected if co.forming is not None and co.phase is Phase.JOINING else range(
+            co.num_replicas)  # (forming: old ranks; else the earlier group's, for the host forming next)
+        if newcomer is None and rank in ranks and co.phase is not Phase.RUNNING and (
+                co.phase is not Phase.JOINING or rank not in co.by_rank):
+            # said so itself: not partitioned away, not forming elsewhere
             self.withdrawn_ranks.add(rank)
             log.info("zcollective coordinator: rank %d withdrew its join: the group forms without it", rank)
         bye = [(peer, Message(Kind.BYE, rank=msg.rank, session=msg.session))]
