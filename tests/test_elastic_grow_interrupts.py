@@ -109,3 +109,34 @@ def test_two_members_withdrawing_at_once_leave_the_host_and_the_newcomer_a_group
         what, said, shrunk = values[r]
         assert what == "interrupted" and "closed for grow()" in said, report(outs, f"rank {r}: {values}")
         assert shrunk.startswith("left out: ") and "withdrew" in shrunk, report(outs, f"rank {r}: {values}")
+
+
+def two_members_signalled_as_they_start(markers):
+    """Ranks 1 and 2 get a real SIGINT as they start joining the grown group, before their JOIN went:
+    it surfaces at their first wait for the host, their connection up or not yet."""
+    me = zc.get_rank()
+    if me in (1, 2):
+        _before_the_join(lambda: os.kill(os.getpid(), signal.SIGINT))
+    zc.allreduce(1)
+    try:
+        count = _grow_until_admitted(markers)
+        time.sleep(0.5)  # (a withdrawal the host formed before: its interrupt comes again here)
+    except KeyboardInterrupt:
+        try:
+            return count, zc.get_world_size(), zc.old_ranks(), _outcome(lambda: zc.allreduce(1, timeout=30))
+        except (RuntimeError, UnboundLocalError):  # its grow() did not finish: it withdrew
+            return "out", _outcome(zc.shrink)
+    return count, zc.get_world_size(), zc.old_ranks(), _outcome(lambda: zc.allreduce(1, timeout=30))
+
+
+def test_members_signalled_before_their_join_went_end_in_one_group_or_are_told(tmp_path):
+    """Whether the host formed with them or they withdrew first, every rank that is in agrees on the
+    group (each in-rank's grow() counts the newcomer in), and the others are told they withdrew."""
+    outs, values = _run(two_members_signalled_as_they_start, (), tmp_path)
+    ins = [v for v in values[:3] if v[0] != "out"] + [(1, *values[3])]
+    size = 4 - sum(v[0] == "out" for v in values[:3])
+    assert all(v[0] == 1 and v[1] == size and v[3] == size for v in ins), report(outs, f"{values}")
+    assert values[0][0] == 1 and values[3][0] == size, report(outs, f"{values}")
+    for v in values[1:3]:
+        told = v[0] != "out" or ("withdrew" in v[1] and v[1].startswith("left out: "))
+        assert told, report(outs, f"{values}")
