@@ -94,6 +94,17 @@ def test_a_shrinks_host_counts_a_withdrawn_old_rank_above_the_new_size():
     assert _welcomed(downs) == {1, 2} and host.old_ranks == [1, 2]
 
 
+def test_a_grows_host_names_ranks_withdrawn_at_the_earlier_coordinator_as_withdrawn():
+    host = Coordinator(5, SESSION, 1000, forming=Forming("ab12", frozenset(range(5)), 5, frozenset({1}),
+                                                         voters=4))
+    member = Member(0, 5, ENDPOINT)
+    member.lineage = "ab12"
+    host.receive(peer(0), encode(member.start_join()[0]))
+    [(_, refused)] = host.form_now()
+    message = refused.body()["message"]
+    assert "rank 1 withdrew" in message and "seen to die" not in message, message
+
+
 def test_a_withdrawal_that_comes_back_as_a_join_is_counted_again():
     f = Forming4()
     f.join(0)

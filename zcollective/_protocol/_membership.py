@@ -83,7 +83,8 @@ class Membership:
         co, forming = self.co, self.co.forming
         assert forming is not None
         voters = forming.old_size if forming.voters is None else forming.voters
-        withdrew = sorted(r for r in co.joining.withdrawn_ranks if r < voters)
+        grown = forming.dead if forming.voters is not None else frozenset()  # (a grow's: withdrawn there)
+        withdrew = sorted(r for r in co.joining.withdrawn_ranks | grown if r < voters)
         dead = sorted(r for r in forming.dead if r < voters and r not in withdrew)
         gone = "; ".join(([f"{rank_list(dead)} seen to die"] if dead else [])
                          + ([f"{rank_list(withdrew)} withdrew"] if withdrew else []))
