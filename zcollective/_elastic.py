@@ -68,8 +68,9 @@ def shrink(life: Lifecycle, timeout: Optional[float], majority: bool = True) -> 
         return time.monotonic() - failed_at - allowed > HOST_WINDOW_S
 
     if life.reforming == "grow()":  # its grow() did not finish: the grown group formed without it
-        raise LeftOutError(f"old rank {old_rank}: its grow() did not finish here, so the others "
-                           f"formed the grown group without it")
+        raise LeftOutError(f"old rank {old_rank}: its grow() did not finish here (interrupted, or out "
+                           f"of time: it withdrew from the grown group), so the others formed the grown "
+                           f"group without it")
     late = is_late()
     candidates = [r for r in range(old_size) if r not in lost]
     tried: list[str] = []
@@ -271,25 +272,38 @@ class Elastic(Generic[G]):
 
 
 def regroup(life: Lifecycle, newcomers: int) -> Lifecycle:
-    """A grow() admitted ``newcomers``: this group closes, and its members
-    and the newcomers form the next one where it was (rule 9), rank 0 hosting."""
+    """A grow() admitted ``newcomers``: this group closes, and its members and the newcomers form the next
+    one where it was (rule 9), rank 0 hosting. Rank 0 holds interrupts back until the group formed (at
+    most the forming bound: the others wait for it alone), a member until its JOIN went (then, at its wait
+    for the host, it takes the JOIN back): either comes again once grow() returned or raises."""
     config, member = life.config, life.member
     lineage, size = f"{member.session:x}", config.num_replicas + newcomers
-    life.close_to_form(quick=False)
-    where = dataclasses.replace(config, num_replicas=size)
     if config.rank == 0:
-        from ._protocol._coordinator import Forming  # (loaded by a host only, as in _lifecycle)
-
-        forming = Forming(lineage, frozenset(range(size)), size, voters=config.num_replicas)
-        try:
-            return Lifecycle(where, Form(lineage, forming))
-        except Overslept as exc:  # stopped while the others waited: they may have gone on
-            raise LeftOutError(f"rank 0: {exc}; the others may have gone on without it") from None
+        with _interrupts.deferring():
+            return _host(life, lineage, size)
+    with _interrupts.deferring():
+        life.close_to_form(quick=False)
     try:
-        return Lifecycle(where, Form(lineage))
+        return Lifecycle(dataclasses.replace(config, num_replicas=size), Form(lineage))
     except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 lost as it formed: as any loss
         member.fail(lost_rank_0(ReplicaLostError(
             f"rank {config.rank}: the coordinator (rank 0) was lost while the group formed again "
             f"after a grow(): {exc}")))
         life.reforming = "shrink()"  # (not a grow's that went on without it: a loss)
         return shrink(life, None)
+
+
+def _host(life: Lifecycle, lineage: str, size: int) -> Lifecycle:
+    """Rank 0 forms the grown group; a member that withdrew its JOIN at this group's coordinator (the
+    earlier one, still closing) is counted gone, as one that withdrew at the new one."""
+    from ._protocol._coordinator import Forming  # (loaded by a host only, as in _lifecycle)
+
+    config = life.config
+    life.close_to_form(quick=False)
+    coordinator = life.coordinator()
+    withdrew = frozenset(coordinator.joining.withdrawn_ranks) if coordinator is not None else frozenset()
+    forming = Forming(lineage, frozenset(range(size)), size, withdrew, voters=config.num_replicas)
+    try:
+        return Lifecycle(dataclasses.replace(config, num_replicas=size), Form(lineage, forming))
+    except Overslept as exc:  # stopped while the others waited: they may have gone on
+        raise LeftOutError(f"rank 0: {exc}; the others may have gone on without it") from None

@@ -316,11 +316,13 @@ class Lifecycle:
             if not self.closed:
                 self.member.forget_calls(lambda call, seq: self.member.failure or RuntimeError(
                     f"seq {seq} {call.op}: the group was formed again before the call finished"))
-                self.close(quick=quick)
+                self.close(quick=quick, forming=True)
 
-    def close(self, ending: bool = False, hurry: bool = False, quick: bool = False) -> None:
+    def close(self, ending: bool = False, hurry: bool = False, quick: bool = False,
+              forming: bool = False) -> None:
         """Close the sockets. ``ending`` (no teardown): rank 0 serves until its calls are delivered, what is
-        queued gets :data:`EXIT_LINGER_MS`; ``hurry`` (interrupted) and ``quick`` wait for nothing."""
+        queued gets :data:`EXIT_LINGER_MS`; ``hurry`` (interrupted) and ``quick`` wait for nothing;
+        ``forming``: the next group opens now, so signals stay held (no interrupt between the two)."""
         self.closed = True
         _open_lives.pop(id(self), None)
         if self.parent is not None and self.parent_ranks is not None:
@@ -360,7 +362,7 @@ class Lifecycle:
                 if self._watching:
                     self._watching = False
                     _stops.unwatch()
-                if not _open_lives:
+                if not _open_lives and not forming:
                     _interrupts.release_signals()
 
     def _await_verdict(self, driver: Driver) -> None:

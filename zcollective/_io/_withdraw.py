@@ -20,16 +20,13 @@ WITHDRAW_WAIT_S = STATUS_WAIT_S  # a member taking its JOIN back waits this long
 def withdraw(link: Driver, member: Member, exc: BaseException) -> None:
     """``member``'s wait for the host of the group it forms ended by ``exc``, its JOIN maybe there: take
     the JOIN back and wait, interrupts held, at most :data:`WITHDRAW_WAIT_S` for the host's word, so the
-    group forms with it on every rank or on none. Returns if the host formed the group with it first (a
-    signal's interrupt then comes again once the library returned); else raises ``exc``."""
+    group forms with it on every rank or on none (the host counting it gone by its own word). Returns if
+    the host formed the group with it first (a signal's interrupt then comes again once the library
+    returned); else raises ``exc``."""
     if not member.joined and member.failure is None:
         with _interrupts.deferring():
             try:
-                link.wait_for(lambda: member.joined, time.monotonic())  # its connection's news first
-                if member.greeted and not member.joined:  # (no handshake yet: its JOIN never went)
-                    link.send([member.joining.withdraw()])
-                    link.wait_for(lambda: member.joined or member.farewell or not member.greeted,
-                                  time.monotonic() + WITHDRAW_WAIT_S)
+                _take_back(link, member, not isinstance(exc, CollectiveError))
             except CollectiveError:
                 pass  # refused, or the link broke: not counted there
     if not member.joined:
@@ -38,3 +35,22 @@ def withdraw(link: Driver, member: Member, exc: BaseException) -> None:
         _interrupts.signal_again(exc)
     elif not isinstance(exc, CollectiveError):
         raise exc  # the program's own error, or an interrupt no signal brought: as any call's
+
+
+def _take_back(link: Driver, member: Member, reaching: bool) -> None:
+    """Send the withdrawal on each connection made to the host (its JOIN gone or queued: a connection
+    not yet made, or one the host's earlier group closed, takes it to the host forming) until the host
+    answers or formed with it, for :data:`WITHDRAW_WAIT_S` at most, so the host hears it said so.
+    ``reaching``: interrupted, its connection maybe not up yet (else given up: a host not reached
+    never had its JOIN)."""
+    deadline = time.monotonic() + WITHDRAW_WAIT_S
+    link.wait_for(lambda: member.joined, time.monotonic())  # its connection's news first
+    if not (member.greeted or member.joined or reaching):
+        return
+    bye = member.joining.withdraw()
+    sent = [False]  # on this connection
+    while not (member.joined or member.farewell) and time.monotonic() < deadline:
+        if member.greeted and not sent[0]:
+            link.send([bye])
+        sent[0] = member.greeted
+        link.wait_for(lambda: member.joined or member.farewell or member.greeted != sent[0], deadline)

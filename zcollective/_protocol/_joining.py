@@ -32,6 +32,8 @@ class Joining:
         self.challenged: OrderedDict[bytes, int] = OrderedDict()  # peer -> CHALLENGEs sent (LRU)
         self.answered: set[bytes] = set()  # refused peers that got their one REJECT
         self.withdrawn: set[bytes] = set()  # peers that took their JOIN back: never counted here
+        self.withdrawn_ranks: set[int] = set()  # the ranks they claimed: gone by their own word, counted
+        # as dead for the majority (rule 9), never waited for
 
     def on_join(self, peer: bytes, msg: Message, member: Optional[Joined], address: str) -> list[Outgoing]:
         """A JOIN from a stranger, or again from a member (it reconnected)."""
@@ -95,7 +97,16 @@ class Joining:
             join.world = co.world[join.rank]
         co.members[peer] = join
         co.by_rank[join.rank] = join
-        if len(co.by_rank) < co.num_replicas:
+        self.withdrawn_ranks.discard(join.rank)
+        return self._complete()
+
+    def _complete(self) -> list[Outgoing]:
+        """The group starts once every rank joined (forming: or withdrew, the host among those that came)."""
+        co, forming = self.co, self.co.forming
+        if forming is None:
+            return co.membership.start() if len(co.by_rank) >= co.num_replicas else []
+        if forming.host_rank not in co.by_rank or not forming.expected <= (
+                co.by_rank.keys() | self.withdrawn_ranks | forming.dead):
             return []
         return co.membership.start()
 
@@ -109,12 +120,19 @@ class Joining:
         if peer not in self.withdrawn and len(self.withdrawn) >= MAX_ANSWERED_PEERS:
             return []  # (a flood of strangers: bounded memory)
         self.withdrawn.add(peer)
-        co.newcomers.pop(peer, None)
+        newcomer = co.newcomers.pop(peer, None)
         if member is not None:
             del co.members[peer], co.by_rank[member.rank]
-            log.info("zcollective coordinator: %s withdrew its join; waiting for rank %d again",
-                     member.describe(), member.rank)
-        return [(peer, Message(Kind.BYE, rank=msg.rank, session=msg.session))]
+        rank = member.rank if member is not None else msg.rank
+        ranks = co.forming.expected if co.forming is not None and co.phase is Phase.JOINING else range(
+            co.num_replicas)  # (forming: old ranks; else the earlier group's, for the host forming next)
+        if newcomer is None and rank in ranks and co.phase is not Phase.RUNNING and (
+                co.phase is not Phase.JOINING or rank not in co.by_rank):
+            # said so itself: not partitioned away, not forming elsewhere
+            self.withdrawn_ranks.add(rank)
+            log.info("zcollective coordinator: rank %d withdrew its join: the group forms without it", rank)
+        bye = [(peer, Message(Kind.BYE, rank=msg.rank, session=msg.session))]
+        return bye + self._complete() if co.phase is Phase.JOINING else bye
 
     def _park(self, peer: bytes, msg: Message, join: Joined, python: str, ops: str,
               address: str) -> list[Outgoing]:

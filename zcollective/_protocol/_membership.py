@@ -4,6 +4,7 @@ settles on: parts, MACs, data plane, shared memory, tree), forms from an earlier
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional, cast
 
@@ -14,7 +15,7 @@ from .._format._wire import Kind, Message, control, join_token
 from .._limits import LOCAL_PART_BYTES, WIRE_PART_BYTES
 from . import _tree
 from ._ops import Outgoing, rank_list
-from ._parts import MAX_REFUSAL_BYTES, Joined, Owner, Phase, is_loopback
+from ._parts import MAX_REFUSAL_BYTES, Forming, Joined, Owner, Phase, is_loopback
 from ._stats import Lateness
 
 log = logging.getLogger("zcollective")
@@ -33,7 +34,7 @@ class Membership:
         """Every member joined (or, forming, the bound passed): WELCOME them."""
         co = self.co
         if co.forming is not None:
-            if not co.forming.quorate(co.by_rank):
+            if not self._counted().quorate(co.by_rank):
                 return self._no_quorum()
             self._renumber()
         co.phase = Phase.RUNNING
@@ -50,8 +51,10 @@ class Membership:
 
     def missing_joins(self) -> list[int]:
         co = self.co
-        expected = co.forming.expected if co.forming is not None else range(co.num_replicas)
-        return [r for r in sorted(expected) if r not in co.by_rank]
+        if co.forming is None:
+            return [r for r in range(co.num_replicas) if r not in co.by_rank]
+        gone = co.forming.dead | co.joining.withdrawn_ranks  # (not waited for)
+        return [r for r in sorted(co.forming.expected) if r not in co.by_rank and r not in gone]
 
     def _renumber(self) -> None:
         """Rule 9: the members that came, ranked densely in old-rank order, the host first."""
@@ -68,15 +71,26 @@ class Membership:
         co.next_seq = [0] * co.num_replicas
         co.lateness = Lateness(co.num_replicas)
 
+    def _counted(self) -> Forming:
+        """The forming, a rank that withdrew its join counted as one seen to die (rule 9): it said it is
+        gone, so it is neither partitioned away nor forming elsewhere."""
+        forming, withdrawn = self.co.forming, self.co.joining.withdrawn_ranks
+        assert forming is not None
+        return dataclasses.replace(forming, dead=forming.dead | withdrawn) if withdrawn else forming
+
     def _no_quorum(self) -> list[Outgoing]:
         """Rule 9: too few came to form the group: each is told it is left out."""
         co, forming = self.co, self.co.forming
         assert forming is not None
-        dead = f" ({rank_list(forming.dead)} seen to die)" if forming.dead else ""
         voters = forming.old_size if forming.voters is None else forming.voters
+        grown = forming.dead if forming.voters is not None else frozenset()  # (a grow's: withdrawn there)
+        withdrew = sorted(r for r in co.joining.withdrawn_ranks | grown if r < voters)
+        dead = sorted(r for r in forming.dead if r < voters and r not in withdrew)
+        gone = "; ".join(([f"{rank_list(dead)} seen to die"] if dead else [])
+                         + ([f"{rank_list(withdrew)} withdrew"] if withdrew else []))
         message = (f"old {rank_list(sorted(co.by_rank))} could not form a group: fewer than half of the "
-                   f"{voters} ranks of the group before{dead} came, so the others may "
-                   f"be alive and going on (a partition?); shrink(majority=False) goes on anyway")
+                   f"{voters} ranks of the group before{f' ({gone})' if gone else ''} came, so the "
+                   f"others may be alive and going on (a partition?); shrink(majority=False) goes on anyway")
         members, co.members, co.by_rank = list(co.members.values()), {}, {}
         body = error_body("LeftOutError", message, MAX_REFUSAL_BYTES)
         outs = [(m.peer, control(Kind.REJECT, body, rank=m.rank, session=join_token(m.nonce)))
