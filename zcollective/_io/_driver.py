@@ -66,6 +66,7 @@ class Driver:
     def attach_mail(self, mail: transport.Mailbox) -> None:
         """The group is formed: its waits watch the mailbox too."""
         self.mail = mail
+        mail.keyed = lambda k: self.member.mail is not None and self.member.mail.box.peers[k].next_in > 0
         self.waiter.watch(MAIL, mail.source)
         self.mail_names = (MAIL,)  # the mailbox, then each link's monitor
         self._watches(*self._names, MAIL)
