@@ -48,8 +48,8 @@ def test_cancel_says_why_once_op_timeout_passes():
     with zc.Group(rank=0, size=1, op_timeout=0.5) as group:
         never = group.recv_async(0, 3)
         thread, _ = _busy_while(group, CALLBACK_S)
-        with pytest.raises(zc.CollectiveTimeoutError, match=r"cancel\(\) of recv\(source=0, tag=3\) timed "
-                                                            r"out after 0.5 s .*another thread held the group"):
+        said = r"cancel\(\) of recv\(source=0, tag=3\) timed out after 0.5 s .*another thread held the group"
+        with pytest.raises(zc.CollectiveTimeoutError, match=said):
             never.cancel()
         thread.join(10)
         assert not never.done()
