@@ -142,8 +142,7 @@ class PointToPoint:
         says where the message came from, once done. Its ``cancel()`` takes
         back a receive not yet matched (True: the future is cancelled, and
         the message it would have taken goes to a later receive); False once
-        matched or done. It waits while another thread holds the group (as a
-        call does: CollectiveTimeoutError after ``op_timeout``, not cancelled)."""
+        matched or done."""
         future = self._receive(source, tag)
         future.canceller = self._cancel
         return future
@@ -213,9 +212,8 @@ class PointToPoint:
             try:
                 came = mail.improbe(source, tag) if matched else None
                 found = mail.box.probe(source, tag) if not matched else came and Message(self.rank, came)
-                driver = calls.driver
-                if mail.out and driver is not None and not calls.life.closed:
-                    driver.mail_io(take=False)  # its credit (a synchronous sender's acknowledgement) goes now
+                if mail.out and calls.driver is not None and not calls.life.closed:
+                    calls.driver.mail_io(take=False)  # its credit (an ssend's acknowledgement) goes now
             finally:
                 calls.turns.give()
         _fill(status, found)
@@ -268,16 +266,15 @@ class PointToPoint:
 
     def _cancel(self, future: CollectiveFuture[Any]) -> bool:
         """A receive future's ``cancel()``: take its receive back if not yet matched (True: the
-        future ends cancelled)."""
+        future ends cancelled). It waits while another thread holds the group, as a call does
+        (CollectiveTimeoutError after ``op_timeout``, not cancelled)."""
         calls, mail = self.calls, self.calls.member.mail
         if mail is None or finished(future):
             return False
         bound = self.config.op_timeout  # (False must mean matched or done: wait for the turn, as a call)
         if not calls.turns.take(None if bound is None else time.monotonic() + bound):
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: cancel() of {future.op} timed out after {bound:g} s (op_timeout): "
-                f"another thread held the group all that time (a long done-callback?); not cancelled, "
-                f"the receive is still posted")
+            why = f"{bound:g} s (op_timeout): another thread held the group; not cancelled"
+            raise CollectiveTimeoutError(f"rank {self.rank}: cancel() of {future.op} timed out after {why}")
         try:
             if finished(future) or not mail.box.cancel(future):
                 return False
