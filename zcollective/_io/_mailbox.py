@@ -133,7 +133,10 @@ class MailSockets:
             return []
         if not self.keyed(dest):
             return None
-        went, broken = self._look(dest, self.monitors[dest], time.monotonic())
+        went: list[tuple[Any, Any]] = []
+        broken = None
+        if _sockets.readable(self.monitors[dest]):
+            went, broken = self._look(dest, self.monitors[dest], time.monotonic())
         if broken is not None:
             self._broken, self.quiet_until = broken, 0.0
         if dest in self._made:
@@ -169,6 +172,8 @@ class MailSockets:
         self._next_look = now + LOOK_S
         self.quiet_until = 0.0  # (until known again, below)
         for dest, monitor in self.monitors.items():
+            if not _sockets.readable(monitor):  # (each look reads a monitor to the end: a wait
+                continue  # watches its file descriptor, which only news sets again)
             made, refused = self._look(dest, monitor, now)
             went += made
             broken = broken if refused is None else refused
@@ -182,13 +187,11 @@ class MailSockets:
 
     def _look(self, dest: int, monitor: zmq.Socket, now: float) -> tuple[list[tuple[Any, Any]],
                                                                          Optional[int]]:
-        """Read the monitor of the link to ``dest`` to the end (a wait watches
-        its descriptor, which only news sets again): what went once it was made,
-        and ``dest`` if it broke (refused once made, or once :attr:`_fresh`)."""
+        """Read the monitor of the link to ``dest``, readable, to the end: what
+        went once it was made, and ``dest`` if it broke (refused once made, or
+        once :attr:`_fresh`)."""
         went: list[tuple[Any, Any]] = []
         broken = None
-        if not _sockets.readable(monitor):
-            return went, broken
         for event, _ in _sockets.monitor_events(monitor):
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and dest not in self._made:
                 self._made.add(dest)
