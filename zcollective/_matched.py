@@ -10,6 +10,7 @@ dropped with its holder, at teardown and exit alike.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any, Optional
 
@@ -28,14 +29,15 @@ class Message:
     __slots__ = ("source", "tag", "nbytes", "_came", "_rank", "_received")
 
     def __init__(self, rank: int, came: Optional[Arrived]) -> None:
-        self._rank, self._came, self._received = rank, came, False
+        self._rank, self._came = rank, came
+        self._received = threading.Lock()  # held once received: taken in one step, by one thread only
         if came is None:  # (from PROC_NULL)
             self.source, self.tag, self.nbytes = PROC_NULL, ANY_TAG, 0
         else:
             self.source, self.tag, self.nbytes = came.source, came.tag, came.nbytes
 
     def __bool__(self) -> bool:
-        return not self._received
+        return not self._received.locked()
 
     @classmethod
     def no_proc(cls) -> Message:
@@ -44,7 +46,7 @@ class Message:
         return NO_PROC
 
     def __repr__(self) -> str:
-        state = "received" if self._received else "not received"
+        state = "received" if self._received.locked() else "not received"
         return f"<Message source={self.source} tag={self.tag} nbytes={self.nbytes} {state}>"
 
     def recv(self, status: Optional[Status] = None) -> Any:
@@ -61,10 +63,9 @@ class Message:
             if status is not None:
                 status.source, status.tag, status.nbytes = PROC_NULL, ANY_TAG, 0
             return None
-        if self._received:
+        if not self._received.acquire(False):
             raise CollectiveError(f"rank {self._rank}: this Message (source={self.source}, tag={self.tag}) "
                                   f"was received already: a matched message is received once")
-        self._received = True
         if status is not None:
             status.source, status.tag, status.nbytes = self.source, self.tag, self.nbytes
         came, self._came = self._came, None
@@ -75,7 +76,7 @@ class Message:
     def recv_async(self) -> CollectiveFuture[Any]:
         """:meth:`recv`, as a future (done at once: the message is here); raises as :meth:`recv` does
         if it was received already, an unpickling error from ``result()``."""
-        if self._received:
+        if self._received.locked():
             self.recv()  # (raises, saying so)
         future: CollectiveFuture[Any] = CollectiveFuture(None, -1, f"Message(source={self.source}, "
                                                                   f"tag={self.tag}).recv_async()")

@@ -212,6 +212,8 @@ class PointToPoint:
             try:
                 came = mail.improbe(source, tag) if matched else None
                 found = mail.box.probe(source, tag) if not matched else came and Message(self.rank, came)
+                if mail.out and calls.driver is not None and not calls.life.closed:
+                    calls.driver.mail_io(take=False)  # its credit (an ssend's acknowledgement) goes now
             finally:
                 calls.turns.give()
         _fill(status, found)
@@ -264,12 +266,17 @@ class PointToPoint:
 
     def _cancel(self, future: CollectiveFuture[Any]) -> bool:
         """A receive future's ``cancel()``: take its receive back if not yet matched (True: the
-        future ends cancelled)."""
+        future ends cancelled). It waits while another thread holds the group, as a call does
+        (CollectiveTimeoutError after ``op_timeout``, not cancelled)."""
         calls, mail = self.calls, self.calls.member.mail
-        if mail is None or finished(future) or not calls.turns.take(time.monotonic() + STATUS_WAIT_S):
+        if mail is None or finished(future):
             return False
+        bound = self.config.op_timeout  # (False must mean matched or done: wait for the turn, as a call)
+        if not calls.turns.take(None if bound is None else time.monotonic() + bound):
+            why = f"{bound:g} s (op_timeout): another thread held the group; not cancelled"
+            raise CollectiveTimeoutError(f"rank {self.rank}: cancel() of {future.op} timed out after {why}")
         try:
-            if not mail.box.cancel(future):
+            if finished(future) or not mail.box.cancel(future):
                 return False
             fail(future, CancelledError(f"rank {self.rank}: {future.op} was cancelled"))
             return True

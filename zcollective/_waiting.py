@@ -10,8 +10,8 @@ on all those groups' descriptors, as an awaiting coroutine does (see
 :mod:`zcollective._future`): the descriptors are edge-triggered, so progress
 comes before each sleep, the sleep is bounded by :data:`WAIT_RECHECK_S`, and
 while it sleeps every progress drains the sockets. A future resolved by another
-thread meanwhile wakes it through a done-callback. Knows nothing of sockets but
-their descriptors.
+thread meanwhile (the stdlib's :class:`concurrent.futures.Future` too) wakes it
+through a done-callback. Knows nothing of sockets but their descriptors.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION, Future
 from typing import Any, NamedTuple, Optional
 
 from ._future import CollectiveFuture, drop_callback, finished, runner_of, thread_sleeps
@@ -158,10 +158,14 @@ class _Sleeper:
             thread_sleeps(self, True)  # from now on progress drains the sockets (edge-triggered fds)
         fds = {self.pipe[0]}
         for future in pending:
-            if isinstance(future, CollectiveFuture) and id(future) not in self.watched:
-                self.watched.add(id(future))
-                self.callbacks.append((future, self.wake))
-                future.add_done_callback(self.wake)
+            if id(future) not in self.watched:
+                if isinstance(future, CollectiveFuture):
+                    self.watched.add(id(future))
+                    self.callbacks.append((future, self.wake))
+                    future.add_done_callback(self.wake)
+                elif isinstance(future, Future):  # (the stdlib's: its callback stays, a no-op once the
+                    self.watched.add(id(future))  # pipe is closed; it cannot be taken back)
+                    future.add_done_callback(self.wake)
             runner = _runner(future)
             if runner is not None:
                 fds.update(runner.fds())

@@ -65,7 +65,7 @@ class Driver:
 
     def attach_mail(self, mail: transport.Mailbox) -> None:
         """The group is formed: its waits watch the mailbox too."""
-        self.mail = mail
+        self.mail, mail.keyed = mail, lambda rank: _heard_from(self.member, rank)
         self.waiter.watch(MAIL, mail.source)
         self.mail_names = (MAIL,)  # the mailbox, then each link's monitor
         self._watches(*self._names, MAIL)
@@ -431,6 +431,11 @@ class Driver:
         replies = self.member.receive_message(msg)
         if replies:
             self.send(replies)
+
+
+def _heard_from(member: Member, rank: int) -> bool:
+    """Has a message come from ``rank`` (its mailbox takes the group's tokens: see MailSockets.keyed)?"""
+    return member.mail is not None and member.mail.box.peers[rank].next_in > 0
 
 
 def pending_else(driver: Driver) -> bool:

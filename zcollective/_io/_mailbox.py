@@ -8,7 +8,8 @@ which receive takes it is decided by :mod:`zcollective._protocol._p2p`.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator
+import time
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any, Optional
 
 import zmq
@@ -25,6 +26,11 @@ MAIL = "mail"  # its socket's name in a waiter; a link's monitor is "mail <rank>
 MESSAGE, LINK = 1, 2  # what a wait woke for (mail_woke): a message waits; a link's monitor has news
 TAKE_BATCH = 256  # messages taken in one go (then the owner looks at its other sockets)
 LOOK_S = 0.01  # once every link is made, their monitors are read at most this often (unless one woke a wait)
+
+
+def _unknown(dest: int) -> bool:
+    """Not known to take the group's tokens (until the driver says)."""
+    return False
 
 
 def mail_woke(woke: list[str]) -> int:
@@ -50,6 +56,11 @@ class MailSockets:
         self.monitors: dict[int, zmq.Socket] = {}  # each PUSH's handshakes
         self._made: set[int] = set()  # links whose handshake succeeded
         self._held: dict[int, list[tuple[list[Any], bool, Any]]] = {}  # what waits for its link
+        self._fresh: set[int] = set()  # links connected since their rank was known keyed
+        self.keyed: Callable[[int], bool] = _unknown  # does rank k's mailbox take this group's tokens? (the
+        # driver's: a message came from k, which k sent after its WELCOME keyed it): then its handshake
+        # cannot be refused for want of a key, and what goes there needs no wait for it (an ssend's
+        # acknowledgement, made while the receiver's program is in the library, leaves before it is not)
         self.retry: dict[int, float] = {}  # links refused before they were made: when to try again (read
         # by the driver's wait, inline)
         self._broken: Optional[int] = None  # a link found broken while sending
@@ -92,18 +103,53 @@ class MailSockets:
     def send(self, dest: int, frames: list[Any], track: bool, handle: Any) -> list[tuple[Any, Any]]:
         """Send ``frames`` to ``dest`` (never blocks: its window bounds what is
         queued), or keep them until its link is made; what went: (a tracker of
-        its buffers if ``track``, else None; ``handle``), in order."""
+        its buffers if ``track``, else None; ``handle``), in order. To a rank
+        :attr:`keyed` says takes the group's tokens, they go at once, libzmq
+        queueing them until the handshake is done."""
         if dest not in self._pushes:
             self._connect(dest)
-        if dest not in self._made:  # nothing goes before the handshake: a refused one is made
-            self._held.setdefault(dest, []).append((frames, track, handle))  # again, with nothing
-            self.quiet_until = 0.0  # queued on it to lose
-            return []
+        if dest not in self._made:  # nothing goes before the handshake (a refused one is made again,
+            went = self._opened(dest)  # with nothing queued on it to lose) unless it cannot be refused
+            if went is None:
+                self._held.setdefault(dest, []).append((frames, track, handle))
+                self.quiet_until = 0.0
+                return []
+            return went + self._unhold(dest, [(frames, track, handle)])  # (no monitor event needed:
+            # libzmq's I/O thread finishes the handshake without this program, which may be elsewhere)
         try:  # (_send's, inline: once per message)
             return [(_sockets.send_frames(self._pushes[dest], frames, track), handle)]
         except zmq.Again:
             self._broken, self.quiet_until = dest, 0.0
             return [(None, handle)]
+
+    def _opened(self, dest: int) -> Optional[list[tuple[Any, Any]]]:
+        """May the link to ``dest``, not yet made, take messages now? Yes (what
+        went meanwhile, as :meth:`send` returns it) if ``dest`` is :attr:`keyed`
+        and its connection was made since (:attr:`_fresh`: its handshake cannot
+        be refused for want of a key), or now is: its monitor says it was made,
+        or refused (then connected again, nothing queued on it). None: held (a
+        handshake offered before ``dest`` was known keyed, its outcome unknown)."""
+        if dest in self._fresh:
+            return []
+        if not self.keyed(dest):
+            return None
+        went: list[tuple[Any, Any]] = []
+        broken = None
+        if _sockets.readable(self.monitors[dest]):
+            went, broken = self._look(dest, self.monitors[dest], time.monotonic())
+        if broken is not None:
+            self._broken, self.quiet_until = broken, 0.0
+        if dest in self._made:
+            return went
+        if self.retry.pop(dest, None) is None:
+            return None
+        self._reconnect(dest)
+        return went
+
+    def _unhold(self, dest: int, more: list[tuple[list[Any], bool, Any]]) -> list[tuple[Any, Any]]:
+        """Send what waited for the link to ``dest``, then ``more``, in order (as :meth:`send` returns)."""
+        return [(self._send(dest, frames, track), handle)
+                for frames, track, handle in [*self._held.pop(dest, []), *more]]
 
     def _send(self, dest: int, frames: list[Any], track: bool) -> Any:
         """Send without ever blocking: libzmq with no pipe to ``dest`` any more
@@ -128,26 +174,43 @@ class MailSockets:
         for dest, monitor in self.monitors.items():
             if not _sockets.readable(monitor):  # (each look reads a monitor to the end: a wait
                 continue  # watches its file descriptor, which only news sets again)
-            for event, _ in _sockets.monitor_events(monitor):
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and dest not in self._made:
-                    self._made.add(dest)
-                    went += [(self._send(dest, frames, track), handle)
-                             for frames, track, handle in self._held.pop(dest, [])]
-                elif event in HANDSHAKE_FAILED:
-                    if dest in self._made:
-                        broken = dest
-                    else:
-                        self.retry.setdefault(dest, now + RETRY_S)
+            made, refused = self._look(dest, monitor, now)
+            went += made
+            broken = broken if refused is None else refused
         for dest, due in list(self.retry.items()):
             if now >= due:
                 del self.retry[dest]
-                key, target = self._key(dest), self._endpoints[dest]
-                with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
-                                     address=True):
-                    _zap.connect_with_token(self._pushes[dest], target, key, _zap.MAIL_DOMAIN)
+                self._reconnect(dest)
         if not self._held and not self.retry and self._broken is None:
             self.quiet_until = self._next_look
         return went, broken
+
+    def _look(self, dest: int, monitor: zmq.Socket, now: float) -> tuple[list[tuple[Any, Any]],
+                                                                         Optional[int]]:
+        """Read the monitor of the link to ``dest``, readable, to the end: what
+        went once it was made, and ``dest`` if it broke (refused once made, or
+        once :attr:`_fresh`)."""
+        went: list[tuple[Any, Any]] = []
+        broken = None
+        for event, _ in _sockets.monitor_events(monitor):
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and dest not in self._made:
+                self._made.add(dest)
+                went += self._unhold(dest, [])
+            elif event in HANDSHAKE_FAILED:
+                if dest in self._made or dest in self._fresh:  # (messages may have gone on it)
+                    broken = dest
+                else:
+                    self.retry.setdefault(dest, now + RETRY_S)
+        return went, broken
+
+    def _reconnect(self, dest: int) -> None:
+        """Connect to ``dest`` again with a fresh token (its handshake was refused)."""
+        key, target = self._key(dest), self._endpoints[dest]
+        with _sockets.mapped(f"rank {self.rank} cannot connect to rank {dest}'s mailbox {target}",
+                             address=True):
+            _zap.connect_with_token(self._pushes[dest], target, key, _zap.MAIL_DOMAIN)
+        if self.keyed(dest):
+            self._fresh.add(dest)
 
     def holding(self, but: Container[int] = ()) -> bool:
         """Messages wait for a link's handshake (to a rank not in ``but``)."""
@@ -213,6 +276,8 @@ class MailSockets:
                 _sockets.readable(monitor)  # asked once before the connect: its descriptor is then
                 push.connect(target)  # set by news only (a wait watches it: no poll of its own)
         self._pushes[dest] = push
+        if self.keyed(dest):
+            self._fresh.add(dest)
         return push
 
     def connect(self, dests: list[int]) -> None:

@@ -18,6 +18,7 @@ Rules every transport keeps, whatever it is:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Optional, Protocol, Union
 
 from .._protocol._member import ConnectionEvent
@@ -98,6 +99,7 @@ class Mailbox(Protocol):
     retry: dict[int, float]  # links refused before they were made: when each is tried again
     monitors: dict[int, Any]  # one watched source per link (its news: made, refused, broken)
     quiet_until: float  # till then progress() has nothing to do unless a wait woke for a link
+    keyed: Callable[[int], bool]  # a message came from rank k: its link needs no wait for the handshake
 
     def start(self, session: int, endpoints: list[str], base: bytes, rank: int) -> None:
         """Welcomed: the ranks' addresses, and the key their links prove."""
