@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import socket
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable
+
+from backends import PairFloor  # this folder is on sys.path: pingpong.py runs as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = "pingpong-benchmark-secret"
@@ -57,34 +58,6 @@ def values() -> dict[str, Check]:
             "float32 16 MiB": (lambda i: base, array_back)}
 
 
-class BarePair:
-    """Two PAIR sockets over TCP (rank 0 binds), pickle protocol 5 with out-of-band buffers sent without
-    a copy, no checks: the floor."""
-
-    def __init__(self, rank: int, port: int) -> None:
-        import zmq
-
-        self.ctx = zmq.Context()
-        self.pair = self.ctx.socket(zmq.PAIR)
-        if rank == 0:
-            self.pair.bind(f"tcp://127.0.0.1:{port}")
-        else:
-            self.pair.connect(f"tcp://127.0.0.1:{port}")
-
-    def send(self, value: Any, dest: int) -> None:
-        buffers: list[Any] = []
-        head = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-        self.pair.send_multipart([head, *(b.raw() for b in buffers)], copy=False)
-
-    def recv(self, source: int) -> Any:
-        frames = self.pair.recv_multipart(copy=False)
-        return pickle.loads(frames[0], buffers=frames[1:])
-
-    def close(self) -> None:
-        self.pair.close(linger=1000)
-        self.ctx.term()
-
-
 def trip(impl: Any, rank: int, i: int, check: Check) -> float:
     """One round trip, timed on rank 0 (0.0 on rank 1, which echoes)."""
     if rank == 1:
@@ -104,7 +77,7 @@ def worker(rank: int, ports: list[int], rounds: int, iters: int, out: str) -> No
     import zcollective
 
     pairs: dict[str, Any] = {
-        "bare PAIR": BarePair(rank, ports[0]),
+        "bare PAIR": PairFloor(rank, 2, ports[0]),
         "zcollective": zcollective.Group("127.0.0.1", ports[1], rank, 2, timeout=120),
         "zcollective, secret": zcollective.Group("127.0.0.1", ports[2], rank, 2, timeout=120, secret=SECRET),
     }
@@ -118,7 +91,7 @@ def worker(rank: int, ports: list[int], rounds: int, iters: int, out: str) -> No
                 name = PAIRS[(r + k) % len(PAIRS)]
                 times[value_name][name] += [trip(pairs[name], rank, i, check) for i in range(iters)]
     for impl in pairs.values():
-        impl.close() if isinstance(impl, BarePair) else impl.teardown()
+        impl.close() if isinstance(impl, PairFloor) else impl.teardown()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)
