@@ -190,6 +190,42 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
+# The longest tests (`python -m pytest --durations=30`), started first: pytest-xdist hands tests
+# out in collection order, so one of them started last would run on alone at the end of the run
+# while the other workers idle. "file::function" (every parametrization); one renamed or gone
+# just loses its place.
+LONGEST_FIRST = (
+    "test_ending.py::test_programs_that_end_without_teardown_lose_nothing",
+    "test_launcher.py::test_examples_run_under_the_launcher",
+    "test_tree.py::test_a_tree_of_32_gives_up_a_call_a_deep_rank_is_late_for_alike_and_goes_on",
+    "test_tree.py::test_a_tree_of_16_gets_every_call_right_and_names_a_deep_mismatch_exactly",
+    "test_torch.py::test_operations_on_tensors_between_processes",
+    "test_slow_links.py::test_a_program_ending_over_a_slow_link_loses_nothing_it_sent",
+    "test_faults.py::test_soak_mixed_operations_lose_nothing",
+    "test_tree.py::test_an_interior_rank_killed_mid_call_is_named_everywhere_and_the_rest_shrink_and_go_on",
+    "test_elastic_edges.py::test_a_busy_rank_0_never_strands_the_prompt_survivors",
+    "test_slow_links.py::test_large_values_over_a_slow_link_lose_nobody",
+    "test_threads.py::test_a_rank_0_call_waits_for_the_server_threads_reduction_no_longer_than_its_timeout",
+    "test_launcher.py::test_a_newcomer_waiting_where_rank_0_was_is_started_again_where_the_coordinator_moved",
+    "test_launcher.py::test_replace_lost_starts_newcomers_in_the_place_of_killed_ranks_and_training_sees_every_sample",
+    "test_multihost.py::test_every_operation_across_namespaced_hosts_then_a_link_goes_down",
+    "test_shared_hosts.py::test_an_allreduce_across_hosts_crosses_each_hosts_link_once_per_host",
+    "test_launcher.py::test_the_summary_quotes_the_users_exception_not_what_the_library_said_after_it",
+    "test_threads.py::test_an_interrupt_of_one_thread_fails_its_call_alike_and_spares_the_others",
+    "test_stalls.py::test_zcollective_run_shows_the_late_ranks_stack_with_its_sleeping_line",
+    "test_compose_mail.py::test_a_send_that_raises_after_a_failure_is_never_delivered",
+    "test_dataplane.py::test_cpu_tensors_go_peer_to_peer_and_come_back_as_tensors",
+    "test_tree_order.py::test_a_call_right_after_one_reduced_on_the_way_goes_up_behind_it",
+    "test_fuzz.py::test_sweep_coordinator_in_every_phase_takes_every_edit",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """:data:`LONGEST_FIRST` first, in its order; the rest keep theirs."""
+    place = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.nodeid.rpartition("/")[2].partition("[")[0], len(place)))
+
+
 INTERRUPT_SURFACE_S = 2.0  # a deferred interrupt comes out within this of its signal
 
 
