@@ -197,10 +197,13 @@ class MailSockets:
                 self._made.add(dest)
                 went += self._unhold(dest, [])
             elif event in HANDSHAKE_FAILED:
-                if dest in self._made or dest in self._fresh:  # (messages may have gone on it)
-                    broken = dest
-                else:
+                if dest in self._made or (dest in self._fresh and event == zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                    broken = dest  # (messages may have gone on it, and it cannot be made again)
+                elif dest not in self._fresh:
                     self.retry.setdefault(dest, now + RETRY_S)
+                # else: not made yet, its messages queued in libzmq, which tries again; a rank keyed
+                # refuses nothing but a spent token: this one closed its mailbox as its program ended
+                # (its FINAL settles what it received), or the connection was cut mid-handshake
         return went, broken
 
     def _reconnect(self, dest: int) -> None:
