@@ -146,11 +146,8 @@ class Request:
     @staticmethod
     def _first(requests, timeout):
         """The lowest index of a completed request (None: none yet; UNDEFINED: all null)."""
-        active = [(i, r.future) for i, r in enumerate(requests) if r]
-        if not active:
-            return UNDEFINED
-        done, _ = zc.wait([f for _, f in active], timeout=timeout, return_when=zc.FIRST_COMPLETED)
-        return next((i for i, f in active if f in done), None)
+        done = Request._done(requests, timeout)
+        return UNDEFINED if done is None else (done[0] if done else None)
 
     @staticmethod
     def _done(requests, timeout):
