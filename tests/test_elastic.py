@@ -374,3 +374,4 @@ def test_rank_0_lost_while_a_grow_forms_the_group_again():
     assert old[1].ok and old[2].ok and new[0].ok, report(outs, "a rank failed")
     assert (old[1].value, old[2].value) == ((0, [1, 2]), (1, [1, 2]))
     assert "the group's coordinator was lost while it formed again" in new[0].value, new[0].value
+    assert "could not reach the next group's host" in new[0].value, new[0].value

@@ -183,9 +183,11 @@ class Group:
             try:
                 life = Lifecycle(*Lifecycle.admission(config))
             except Unreachable as exc:
-                raise LateJoinError(f"newcomer: admitted, but the group's coordinator was lost "
-                                    f"while it formed again ({exc}); start it again at "
-                                    f"coordinator_address() of a member") from None
+                raise LateJoinError(f"newcomer: admitted, but it could not reach the next group's host "
+                                    f"({exc}): the group's coordinator was lost while it formed again, "
+                                    f"or the others formed it without this newcomer, which came too late "
+                                    f"(stopped, or busy?); start it again at coordinator_address() of a "
+                                    f"member") from None
         else:
             life = Lifecycle(config)
         _compose(self, life)
