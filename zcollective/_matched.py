@@ -59,17 +59,13 @@ class Message:
         SerializationError
             Its value cannot be unpickled here.
         """
-        if self is NO_PROC:
-            if status is not None:
-                status.source, status.tag, status.nbytes = PROC_NULL, ANY_TAG, 0
-            return None
-        if not self._received.acquire(False):
+        if self is not NO_PROC and not self._received.acquire(False):  # (NO_PROC: received as often as asked)
             raise CollectiveError(f"rank {self._rank}: this Message (source={self.source}, tag={self.tag}) "
                                   f"was received already: a matched message is received once")
         if status is not None:
             status.source, status.tag, status.nbytes = self.source, self.tag, self.nbytes
         came, self._came = self._came, None
-        if came is None:
+        if came is None:  # (NO_PROC's)
             return None
         return _serialize.loads(came.message.segments[0], f"message from rank {came.source}")
 

@@ -134,7 +134,7 @@ class PointToPoint:
         if value is PENDING:
             value = self._finish(future, timeout, deadline)
         if status is not None:
-            _tell(status, future)
+            _fill(status, future.status)
         return value
 
     def recv_async(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> CollectiveFuture[Any]:
@@ -158,7 +158,7 @@ class PointToPoint:
         sent = self._send(value, dest, sendtag, deadline)
         value = self._finish(received, timeout, deadline)
         self._finish(sent, timeout, deadline)
-        _tell(status, received)
+        _fill(status, received.status)
         return value
 
     def probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Optional[Status] = None, *,
@@ -449,13 +449,8 @@ def _matched_probe(mail: Mail, source: int, tag: int, handle: Any) -> None:
 
 
 def _fill(status: Optional[Status], found: Any) -> None:
-    """Fill a caller's ``status`` from what a probe found (a Status or a Message; None: nothing)."""
+    """Fill a caller's ``status`` from what a call found (a receive's or probe's Status, or a Message;
+    None: nothing)."""
     if status is not None and found is not None:
         status.source, status.tag, status.nbytes = found.source, found.tag, found.nbytes
 
-
-def _tell(status: Optional[Status], received: CollectiveFuture[Any]) -> None:
-    """Fill a caller's ``status`` with where a received message came from."""
-    if status is not None:
-        came = received.status
-        status.source, status.tag, status.nbytes = came.source, came.tag, came.nbytes
