@@ -110,11 +110,6 @@ def count_received(received: list[int]) -> int:
     return received[0] + sum(received[i + 1] - received[i] for i in range(1, len(received) - 1, 2))
 
 
-def _mark(peer: _Peer, seq: int) -> None:
-    """``peer``'s message ``seq`` was received, perhaps out of order (another tag's first)."""
-    peer.below = _marked(peer.below, peer.above, seq)
-
-
 def _marked(below: int, above: list[int], seq: int) -> int:
     """``seq`` joins the numbers counted (every one below ``below``, and ``above``'s ranges: ``[a1, b1,
     ...]``, from each ``a`` up to, not with, its ``b``): the new ``below``."""
@@ -307,11 +302,11 @@ class Mailbox:
             peer.taken = _marked(peer.taken + 1, peer.loose, seq) - 1
         exact = peer.taken < seq  # beyond what the others' credit covers: credited alone, at once
         peer.taken_bytes += 0 if exact else came.nbytes
-        if came.seq == peer.below and not peer.above and not dropped:  # (in order: the usual case, without
+        if seq == peer.below and not peer.above and not dropped:  # (in order: the usual case, without
             peer.below += 1  # a call; one dropped is not received, and its FINAL does not count it)
-        elif not dropped:
-            _mark(peer, came.seq)
-        ack = (came.seq % MAX_TAG + 1) * (-1 if dropped else 1) if came.sync else 0  # (ack_of, inline)
+        elif not dropped:  # received out of order (another tag's first)
+            peer.below = _marked(peer.below, peer.above, seq)
+        ack = (seq % MAX_TAG + 1) * (-1 if dropped else 1) if came.sync else 0  # (ack_of, inline)
         if came.source == self.rank:  # its own: credited at once, nothing travels
             self.credited(self.rank, seq if exact else peer.taken, exact)
             if not exact:
