@@ -17,7 +17,6 @@ through a done-callback. Knows nothing of sockets but their descriptors.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -26,6 +25,7 @@ from typing import Any, NamedTuple, Optional
 
 from ._future import CollectiveFuture, drop_callback, finished, runner_of, thread_sleeps
 from ._io import _interrupts
+from ._io._sockets import Wakeup
 from .errors import CollectiveTimeoutError
 
 __all__ = ["wait", "as_completed", "FIRST_COMPLETED", "FIRST_EXCEPTION", "ALL_COMPLETED"]
@@ -119,7 +119,7 @@ class _Sleeper:
     a poll on their descriptors and a wake-up pipe the futures' callbacks write."""
 
     def __init__(self) -> None:
-        self.pipe: Optional[tuple[int, int]] = None
+        self.pipe: Optional[Wakeup] = None
         self.lock = threading.Lock()  # a callback writes only while the pipe is open
         self.watched: set[int] = set()  # ids of the futures whose callback is set
         self.callbacks: list[tuple[CollectiveFuture[Any], Any]] = []
@@ -134,8 +134,7 @@ class _Sleeper:
         for future, callback in self.callbacks:
             drop_callback(future, callback)
         if pipe is not None:
-            os.close(pipe[0])
-            os.close(pipe[1])
+            pipe.close()
 
     def round(self, pending: set[Any]) -> set[Any]:
         """Make every group of ``pending`` progress once; the futures of ``pending`` now done."""
@@ -152,11 +151,9 @@ class _Sleeper:
         if left <= 0:
             return False
         if self.pipe is None:
-            self.pipe = os.pipe()
-            os.set_blocking(self.pipe[0], False)
-            os.set_blocking(self.pipe[1], False)
+            self.pipe = Wakeup()
             thread_sleeps(self, True)  # from now on progress drains the sockets (edge-triggered fds)
-        fds = {self.pipe[0]}
+        fds = {self.pipe.fd}
         for future in pending:
             if id(future) not in self.watched:
                 if isinstance(future, CollectiveFuture):
@@ -172,20 +169,14 @@ class _Sleeper:
         if any(map(_done, pending)):
             return True  # (a callback ran at once: resolved since the round)
         woke = _interrupts.wait([(fd, POLLIN) for fd in fds], max(1, math.ceil(left * 1000)))
-        if any(fd == self.pipe[0] for fd, _ in woke):
-            try:
-                os.read(self.pipe[0], 4096)
-            except BlockingIOError:
-                pass
+        if any(fd == self.pipe.fd for fd, _ in woke):
+            self.pipe.clear()
         return True
 
     def wake(self, future: Any) -> None:
-        with self.lock:
+        with self.lock:  # (never after __exit__ closed the pipe: a stdlib future's callback stays)
             if self.pipe is not None:
-                try:
-                    os.write(self.pipe[1], b"!")
-                except BlockingIOError:
-                    pass  # (full: it is awake already)
+                self.pipe.set()
 
 
 def _runner(future: Any) -> Any:
