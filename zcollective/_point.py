@@ -238,7 +238,7 @@ class PointToPoint:
         segment = _serialize.dumps(value)  # (a value that cannot travel: nothing is sent)
         if sync:  # (its message's own handle, done once sent: nobody waits for it)
             sent: CollectiveFuture[None] = CollectiveFuture(None, -1, f"ssend(dest={dest}, tag={tag}) sent")
-            return self._make(f"ssend(dest={dest}, tag={tag})", partial(_synchronous, sent=sent),
+            return self._make(f"ssend(dest={dest}, tag={tag})", partial(Mail.send, sent=sent),
                               (dest, tag, segment), deadline, lead)
         return self._make(f"send(dest={dest}, tag={tag})", Mail.send, (dest, tag, segment), deadline, lead)
 
@@ -253,7 +253,7 @@ class PointToPoint:
             tag = check_tag(tag, True)
         what = (f"{call}(source={source}, tag={tag})" if source >= 0 and tag >= 0  # (describe's, inline)
                 else describe(call, source, tag))
-        act = _RECEIVE if call == "recv" else Mail.probe if call == "probe" else _matched_probe
+        act = _RECEIVE if call == "recv" else Mail.probe if call == "probe" else _MATCHED_PROBE
         return self._make(what, act, (source, tag), deadline, lead)
 
     def _null(self, what: str, value: Any = None) -> CollectiveFuture[Any]:
@@ -436,16 +436,7 @@ class PointToPoint:
 
 
 _RECEIVE = partial(Mail.receive, decode=_serialize.loads)  # a receive's act: its value unpickled here
-
-
-def _synchronous(mail: Mail, dest: int, tag: int, segment: list[Any], handle: Any, sent: Any) -> None:
-    """A synchronous send's act (see :meth:`Mail.send`)."""
-    mail.send(dest, tag, segment, handle, sent)
-
-
-def _matched_probe(mail: Mail, source: int, tag: int, handle: Any) -> None:
-    """A matched probe's act (see :meth:`Mail.receive`)."""
-    mail.receive(source, tag, handle, True)
+_MATCHED_PROBE = partial(Mail.receive, matched=True)  # a matched probe's: the message, unpickled later
 
 
 def _fill(status: Optional[Status], found: Any) -> None:
