@@ -68,7 +68,7 @@ def test_a_send_waiting_for_the_credit_of_a_rank_in_teardown_keeps_waiting_for_i
         mail = _mail(0)
         mail.send(1, 0, [bytes(WINDOW)], "fills the window")
         mail.send(1, 0, [b"x"], "waits")
-        mail.ended(1, 0, "rank 1 called teardown (pid 8 on h)", teardown)
+        mail.ended(1, 0, "rank 1 called teardown (pid 8 on h)", teardown, posted=[])  # (no receive posted)
         assert [f for f, _ in _errors(mail)] == failed
         assert mail.sending() is teardown
         assert mail.gone() == (set() if teardown else {1})
@@ -76,7 +76,8 @@ def test_a_send_waiting_for_the_credit_of_a_rank_in_teardown_keeps_waiting_for_i
             mail.take(Message(Kind.CREDIT, 0, 1, 0, 0, SESSION))
             assert not mail.sending() and [h for _, m, h in mail.out if m.kind is Kind.SEND] == [
                 "fills the window", "waits"]
-        mail.send(1, 2, [b"y"], "after")  # a send made once told fails at once, either way
+        mail.send(1, 2, [b"y"], "after")  # a send made once told fails at once, either way (no receive
+        # there waits for it: test_p2p_teardown_posted)
         assert [f for f, _ in _errors(mail)] == ["after"]
 
 
@@ -182,6 +183,12 @@ def test_teardown_finishes_shared_memory_allreduces_left_uncollected():
     assert outs == [(6.0, 9.0, True, True)] * 3, outs
 
 
+def _sent(send):
+    """A send's outcome: None, or the words of a PeerEndedError (the receiver's teardown known first)."""
+    error = send.exception()
+    return None if error is None else (type(error).__name__, str(error))
+
+
 def point_to_point_left_uncollected():
     """Four 256 KiB sends to the next rank through a 1 MiB window (the last waits for its
     credit), receives for three of them posted, one for a message never sent, one for a
@@ -193,7 +200,7 @@ def point_to_point_left_uncollected():
     never = zc.recv_async((r - 1) % n, tag=7)
     mine = zc.recv_async(r, tag=8)
     zc.teardown()
-    out = [[s.result() for s in sends], [float(g.result()[0]) for g in gets]]
+    out = [[_sent(s) for s in sends], [float(g.result()[0]) for g in gets]]
     for future in (never, mine):
         error = future.exception()
         out.append((isinstance(error, zc.CollectiveError), str(error)))
@@ -219,7 +226,13 @@ def test_teardown_finishes_point_to_point_calls_left_uncollected(plane):
     for r, out in enumerate(outs):
         sent, got, (never_is, never), (mine_is, mine), *summed = out
         before = (r - 1) % n
-        assert sent == [None] * 4 and got == [10.0 * before, 10.0 * before + 2, 10.0 * before + 3], outs
+        after = (r + 1) % n
+        # tag 1's send, which no receive waits for, fails if the receiver's teardown was known first
+        # (else it goes, and its teardown drops it); the others go either way (test_p2p_teardown_posted)
+        assert sent[1] is None or (sent[1][0] == "PeerEndedError" and sent[1][1].startswith(
+            f"rank {r}: send(dest={after}, tag=1) cannot go: rank {after} called teardown")), outs
+        assert [sent[0], sent[2], sent[3]] == [None] * 3, outs
+        assert got == [10.0 * before, 10.0 * before + 2, 10.0 * before + 3], outs
         assert never_is and never.startswith(
             f"rank {r}: recv(source={before}, tag=7) cannot complete: rank {before} called teardown"), never
         assert mine_is and mine.startswith(f"rank {r}: recv(source={r}, tag=8) cannot complete: this rank "

@@ -225,10 +225,10 @@ def test_a_receiver_told_messages_were_lost_fails_at_once_naming_them_and_drops_
 def test_a_final_carries_what_was_received_and_lost_and_its_calls():
     msg = decode(encode(_bodies.final([1, 0, 3], False, [0, 2, 5], [0, 0, 2], 5, rank=1, session=3)))
     assert _bodies.parse_final(msg, 3) == {"sent": [1, 0, 3], "teardown": False, "received": [0, 2, 5],
-                                          "lost": [0, 0, 2], "calls": 5}
+                                          "lost": [0, 0, 2], "calls": 5, "posted": [None] * 3}
     old = decode(encode(_bodies.final([1, 0, 3], True, rank=1, session=3)))  # an older release's
     assert _bodies.parse_final(old, 3) == {"sent": [1, 0, 3], "teardown": True, "received": None,
-                                          "lost": [0, 0, 0], "calls": None}
+                                          "lost": [0, 0, 0], "calls": None, "posted": [None] * 3}
     told = decode(encode(_bodies.ended("rank 1 ...", 5, 2, rank=2, root=1, seq=3, session=3)))
     assert _bodies.ended_counts(told) == (5, 2)
     older = decode(encode(_bodies.ended("rank 1 ...", rank=2, root=1, seq=3)))
@@ -244,10 +244,11 @@ def test_the_coordinator_forwards_to_each_rank_its_counts_and_the_last_seq():
     told = {p: (m.seq, _bodies.parse_ended(m), _bodies.ended_counts(m)) for p, m in out}
     who = "rank 1 ended its program (without teardown) after seq 4 (pid 101 on h)"
     assert told == {peer(0): (4, who, (1, 0)), peer(2): (2, who, (6, 3))}
-    out = feed(coord, peer(2), _bodies.final([0, 0, 0], True, [0, 0, 0], [0, 0, 0], 0, rank=2,
-                                              session=SESSION))
+    out = feed(coord, peer(2), _bodies.final([0, 0, 0], True, [0, 0, 0], [0, 0, 0], 0,
+                                              [[3, -1], None, []], rank=2, session=SESSION))
     assert _bodies.parse_ended(out[0][1]).startswith(
         "rank 2 called teardown with no collective call before")
+    assert [_bodies.ended_posted(m) for _, m in out] == [[3, -1], None]
 
 
 @pytest.mark.parametrize("received", [None, 0])

@@ -68,3 +68,7 @@ FORM_PROBE_S = 0.25  # ... a rank 0 it saw close its connection: shrinking, it b
 FORM_WAIT_S = 2.0  # shrink: the host waits this long for the survivors it expects, then forms
 FORM_BIND_RETRY_S = 0.3  # the host binds its port again this long (a killed holder may still be closing)
 HOST_WINDOW_S = FORM_REACH_S / 2  # a survivor hosts only if it shrinks this soon (later: counted lost)
+
+# -- point to point ---------------------------------------------------------------------------------
+
+MAX_TAG = (1 << 31) - 1  # a tag travels in the header's int32

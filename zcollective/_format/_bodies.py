@@ -11,7 +11,7 @@ import sys
 import traceback
 from typing import Any, Optional, Union
 
-from .._limits import MAX_JOB_CHARS, WIRE_PART_BYTES
+from .._limits import MAX_JOB_CHARS, MAX_TAG, WIRE_PART_BYTES
 from ..errors import WIRE_ERRORS, CollectiveError, RemoteError
 from . import _wire
 from ._mac import KEY_LABELS, available_backends
@@ -269,13 +269,25 @@ MAX_RECEIVED_RANGES = 512  # a FINAL's ranges of messages received out of order,
 Received = Union[int, list[int]]  # which of a rank's messages were received: n (every number below n), or
 # [n, a1, b1, a2, b2, ...]: also from each a up to (not with) its b
 
+MAX_POSTED_TAGS = 512  # a teardown FINAL's tags of the receives still posted, all ranks together: past
+# this a rank's are unsaid (None), and every send to the rank in teardown goes (it is dropped if unmatched)
+
 
 def final(sent: list[int], teardown: bool, received: Optional[list[Received]] = None,
-          lost: Optional[list[int]] = None, calls: Optional[int] = None, **header: Any) -> Message:
+          lost: Optional[list[int]] = None, calls: Optional[int] = None,
+          posted: Optional[list[Optional[list[int]]]] = None, **header: Any) -> Message:
     """FINAL to the coordinator: this rank sends no more, having sent ``sent[r]`` to rank r (``lost[r]``
     never left), received ``received[r]`` (a :data:`Received`), made ``calls`` collective calls; by
-    ``teardown`` or not."""
+    ``teardown`` or not; ``posted[r]``: the tags (-1: any) of its receives still posted that rank r's
+    messages could match, in posting order (None: unsaid)."""
     body: dict[str, Any] = {"sent": sent, "how": "teardown" if teardown else "exit"}
+    if posted is not None:
+        room, said_posted = MAX_POSTED_TAGS, list[Optional[list[int]]]()
+        for tags in posted:
+            fits = tags is not None and len(tags) <= room
+            said_posted.append(tags if fits else None)
+            room -= len(tags) if fits and tags is not None else 0
+        body["posted"] = said_posted
     if received is not None:
         room, said = MAX_RECEIVED_RANGES, list[Received]()
         for ranges in received:
@@ -322,19 +334,33 @@ def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
         received = None if None in received or ranges > MAX_RECEIVED_RANGES else received
     else:
         received = None
+    posted = body.get("posted")
+    posted = ([_posted(tags) for tags in posted] if isinstance(posted, list) and len(posted) == num_replicas
+              else [None] * num_replicas)
     return {"sent": sent, "teardown": body.get("how") == "teardown", "received": received,
             "lost": lost if _counts(lost, num_replicas) else [0] * num_replicas,
-            "calls": calls if type(calls) is int and 0 <= calls < 1 << 63 else None}
+            "calls": calls if type(calls) is int and 0 <= calls < 1 << 63 else None, "posted": posted}
+
+
+def _posted(value: Any) -> Optional[list[int]]:
+    """A FINAL's tags of receives posted for one rank; None: unsaid or malformed."""
+    if (isinstance(value, list) and len(value) <= MAX_POSTED_TAGS
+            and all(type(t) is int and -1 <= t <= MAX_TAG for t in value)):
+        return value
+    return None
 
 
 def ended(who: str, received: Optional[Received] = None, lost: int = 0, *, teardown: bool = False,
-          **header: Any) -> Message:
+          posted: Optional[list[int]] = None, **header: Any) -> Message:
     """FINAL to member ``rank``: ``root`` sent ``seq`` (``lost`` never left), received ``received`` (as
-    :func:`final` says it)."""
+    :func:`final` says it); ``posted``: the tags of its receives still posted that this rank's messages
+    could match (None: unsaid)."""
     body: dict[str, Any] = {"ended": cap(who, MAX_ENDED_CHARS), "how": "teardown" if teardown else "exit",
                             "lost": lost}
     if received is not None:
         body["received"] = received
+    if posted is not None:
+        body["posted"] = posted
     return control(Kind.FINAL, body, **header)
 
 
@@ -354,6 +380,12 @@ def ended_counts(msg: Message) -> tuple[Optional[Received], int]:
     received, lost = body.get("received"), body.get("lost", 0)
     return (None if received is None else _received(received),
             lost if type(lost) is int and 0 <= lost < 1 << 63 else 0)
+
+
+def ended_posted(msg: Message) -> Optional[list[int]]:
+    """A FINAL's tags of the receives still posted that its recipient's messages could match (None:
+    not said)."""
+    return _posted(msg.body().get("posted"))
 
 
 def abort(error: BaseException, data_plane: bool = False, lost: Optional[int] = None,

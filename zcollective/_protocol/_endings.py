@@ -64,7 +64,8 @@ class Endings:
         who = f"rank {member.rank} {how} ({member.in_world(', ')}pid {member.pid} on {member.host})"
         sent, lost, received = final["sent"], final["lost"], final["received"]
         return [(m.peer, _bodies.ended(who, None if received is None else received[m.rank], lost[m.rank],
-                                       teardown=final["teardown"], rank=m.rank, root=member.rank,
+                                       teardown=final["teardown"], posted=final["posted"][m.rank],
+                                       rank=m.rank, root=member.rank,
                                        seq=sent[m.rank], session=co.binding(m)))
                 for m in co.members.values() if m is not member and m.ended is None and not m.newcomer]
 

@@ -267,8 +267,8 @@ class Member:
         if self.failure is not None or not self.joined or self.mail is None or self.size == 1:
             return None
         sent, lost, received = self.mail.final(unsent, leaving)
-        return _bodies.final(sent, teardown, received, lost, self.next_seq, rank=self.rank,
-                             session=self.session)
+        return _bodies.final(sent, teardown, received, lost, self.next_seq,
+                             self.mail.open_to() if teardown else None, rank=self.rank, session=self.session)
 
     def give_up(self, seq: int, error: BaseException, timed_out: bool) -> list[Message]:
         """This rank gives up call ``seq`` (``error`` is why): tell the coordinator, so that the
@@ -365,7 +365,8 @@ class Member:
             self.moves.asked = max(msg.seq, self.moves.asked or 0)
         elif kind is Kind.FINAL and self.mail is not None and 0 <= msg.root < self.size:
             self.mail.ended(msg.root, msg.seq, _bodies.parse_ended(msg),  # (its own: ignored)
-                            _bodies.ended_by_teardown(msg), *_bodies.ended_counts(msg))
+                            _bodies.ended_by_teardown(msg), *_bodies.ended_counts(msg),
+                            _bodies.ended_posted(msg))
         elif kind is Kind.SYNC:  # every rank of this host reached a sync of a shared-memory call (rule 10)
             transfers = self.transfers
             if transfers and transfers[0][0] == msg.seq and getattr(transfers[0][1], "shared", False):

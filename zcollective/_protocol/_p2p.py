@@ -81,6 +81,7 @@ class Mail(MailEndings):
         self.gap: Optional[str] = None  # a message of a pair never came: later ones did
         self.ended_how: dict[int, str] = {}  # ranks that send no more: how each ended (FINAL)
         self.tearing: set[int] = set()  # ... of which those in teardown: they take in until it ends
+        self.open: dict[int, list[int]] = {}  # ... the tags its receives still posted wait for from here
         self.lost: dict[int, int] = {}  # how many of an ended rank's messages to this one never left it
         self.cut: list[tuple[int, list[Any]]] = []  # for the driver: ranks whose messages waiting for
         # their link never go, with the handles of sends on their way there, decided here
@@ -93,7 +94,7 @@ class Mail(MailEndings):
         if self.failure is not None:
             self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
             return
-        if dest in self.ended_how:
+        if dest in self.ended_how and not self.still_takes(dest, tag):
             self.outcomes.append(CallOutcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
             return
         size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)  # (a

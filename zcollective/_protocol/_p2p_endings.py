@@ -47,6 +47,7 @@ class MailEndings:
     syncing: dict[tuple[int, int], tuple[int, Any, int, Any]]
     ended_how: dict[int, str]
     tearing: set[int]
+    open: dict[int, list[int]]
     lost: dict[int, int]
     cut: list[tuple[int, list[Any]]]
 
@@ -115,14 +116,35 @@ class MailEndings:
         the ssend itself once received)."""
         return next((sent for _, h, _, sent in self.syncing.values() if h is handle), handle)
 
+    def open_to(self) -> list[Optional[list[int]]]:
+        """By rank, the tags (``ANY_TAG``: any) of the receives still posted here
+        that its messages could match, in posting order: what its sends to this
+        rank in teardown still go for (:meth:`still_takes`)."""
+        return [[r.tag for r in self.box.posted if r.source in (ANY_SOURCE, source)]
+                for source in range(self.size)]
+
+    def still_takes(self, dest: int, tag: int) -> bool:
+        """May a send tagged ``tag`` go to ``dest``, which ended? Only if it is in
+        teardown with a receive still posted that matches it, taken for it
+        here (its FINAL did not say them: any goes, and is dropped if none)."""
+        if dest not in self.tearing:
+            return False
+        tags = self.open.get(dest)
+        if tags is None:
+            return True
+        return _taken_by(tags, tag)
+
     def ended(self, source: int, count: int, how: str, teardown: bool = False,
-              received: Union[None, int, list[int]] = None, lost: int = 0) -> None:
+              received: Union[None, int, list[int]] = None, lost: int = 0,
+              posted: Optional[list[int]] = None) -> None:
         """Rank ``source`` sends no more (``how``: how it ended), having sent this
         rank ``count`` messages (``lost`` more never left it) and received
         ``received`` of its own (:meth:`Mailbox.received`; an int ``n``: those
         numbered below ``n``): sends to it fail (on their way: unless received),
         as do receives only it could answer, once all it sent was taken in. A
-        rank in ``teardown`` takes in until its group closes."""
+        rank in ``teardown`` takes in until its group closes, and receives
+        what its receives still ``posted`` (their tags) match: a send that one
+        of them waits for, and none past them, still goes."""
         if source == self.rank:
             return
         if isinstance(received, int):
@@ -137,6 +159,14 @@ class MailEndings:
             self.lost[source] = lost
         if teardown:
             self.tearing.add(source)
+            if posted is not None:  # the messages on their way, and waiting for credit, come first
+                tags = list(posted)
+                for seq, _, handle, tag in self.box.peers[source].unreceived:
+                    if handle is not None and (received is None or not was_received(received, seq)):
+                        _taken_by(tags, tag)
+                for s in self.waiting[source]:
+                    _taken_by(tags, s.tag)
+                self.open[source] = tags
             self._hopeless()
             return
         queue = self.waiting[source]
@@ -223,6 +253,15 @@ class MailEndings:
                                    f"none here matches")
         error.ended_ranks = (rank,)
         return error
+
+
+def _taken_by(tags: list[int], tag: int) -> bool:
+    """Take the first of a rank's posted receives' ``tags`` that a message tagged ``tag`` matches."""
+    for i, posted in enumerate(tags):
+        if posted in (tag, ANY_TAG):
+            del tags[i]
+            return True
+    return False
 
 
 def lost_words(mail: MailEndings, rank: int) -> str:

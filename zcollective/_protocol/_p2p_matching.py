@@ -13,12 +13,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from .._limits import MAX_TAG
+
 ANY_SOURCE = -1
 ANY_TAG = -1
 PROC_NULL = -2  # MPI's null rank: a send to it or a receive from it completes at once, doing nothing
 SYNC = 1  # a SEND's op: synchronous (ssend), its receiver's CREDIT acknowledges it (see ack_of)
 EXACT = 1  # a CREDIT's op: message ``seq`` alone was received (out of order), not every one up to it
-MAX_TAG = (1 << 31) - 1  # a tag travels in the header's int32
 CREDIT_SHARE = 4  # the receiver credits once this fraction of the window (1/4) was taken
 
 
