@@ -62,8 +62,8 @@ def newcomer(markers, after=()):
     return zc.get_world_size(), zc.old_ranks(), _outcome(lambda: zc.allreduce(1, timeout=30))
 
 
-def _run(members_fn, newcomer_args, tmp_path):
-    with Replicas(members_fn, 3, str(tmp_path)) as members, \
+def _run(members_fn, newcomer_args, tmp_path, *members_args):
+    with Replicas(members_fn, 3, str(tmp_path), *members_args) as members, \
             Replicas(newcomer, 1, str(tmp_path), *newcomer_args, initialize=False, port=members.port,
                      env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as new:
         outs = members.wait(RUN_S) + new.wait(RUN_S)
@@ -111,12 +111,13 @@ def test_two_members_withdrawing_at_once_leave_the_host_and_the_newcomer_a_group
         assert shrunk.startswith("left out: ") and "withdrew" in shrunk, report(outs, f"rank {r}: {values}")
 
 
-def two_members_signalled_as_they_start(markers):
+def two_members_signalled_as_they_start(markers, slow=0):
     """Ranks 1 and 2 get a real SIGINT as they start joining the grown group, before their JOIN went:
-    it surfaces at their first wait for the host, their connection up or not yet."""
+    it surfaces at their first wait for the host, their connection up or not yet (rank 2 busy
+    ``slow`` seconds first)."""
     me = zc.get_rank()
     if me in (1, 2):
-        _before_the_join(lambda: os.kill(os.getpid(), signal.SIGINT))
+        _before_the_join(lambda: (time.sleep(slow if me == 2 else 0), os.kill(os.getpid(), signal.SIGINT)))
     zc.allreduce(1)
     try:
         count = _grow_until_admitted(markers)
@@ -132,7 +133,10 @@ def two_members_signalled_as_they_start(markers):
 def test_members_signalled_before_their_join_went_end_in_one_group_or_are_told(tmp_path):
     """Whether the host formed with them or they withdrew first, every rank that is in agrees on the
     group (each in-rank's grow() counts the newcomer in), and the others are told they withdrew."""
-    outs, values = _run(two_members_signalled_as_they_start, (), tmp_path)
+    _check_one_group_or_told(*_run(two_members_signalled_as_they_start, (), tmp_path))
+
+
+def _check_one_group_or_told(outs, values):
     ins = [v for v in values[:3] if v[0] != "out"] + [(1, *values[3])]
     size = 4 - sum(v[0] == "out" for v in values[:3])
     assert all(v[0] == 1 and v[1] == size and v[3] == size for v in ins), report(outs, f"{values}")
@@ -140,3 +144,13 @@ def test_members_signalled_before_their_join_went_end_in_one_group_or_are_told(t
     for v in values[1:3]:
         told = v[0] != "out" or ("withdrew" in v[1] and v[1].startswith("left out: "))
         assert told, report(outs, f"{values}")
+
+
+def test_a_member_withdrawing_after_the_forming_bound_still_counts_as_gone(tmp_path):
+    """CI under load (1 run in 5 with 5 copies at once): a member interrupted as it started joining
+    withdrew after the host's 2 s bound, so the host, with one old rank in of two not withdrawn,
+    said 'LeftOutError: fewer than half ... (a partition?)'. A grow's members are alive (they
+    completed the GROW): short of a majority, the host waits on for each to come or withdraw.
+    Here rank 2 is busy 3 s first; and its withdrawal, or rank 1's, waited only 1 s for a host
+    not listening yet (the withdrawal lost: the same error)."""
+    _check_one_group_or_told(*_run(two_members_signalled_as_they_start, (), tmp_path, 3))

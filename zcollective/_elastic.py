@@ -14,7 +14,7 @@ from ._calls import DEFAULT, Calls, Timeout
 from ._forming import Form, Overslept, Unreachable
 from ._io import _interrupts, _stops
 from ._lifecycle import Lifecycle
-from ._limits import FORM_PROBE_S, FORM_REACH_S, HOST_WINDOW_S
+from ._limits import FORM_PROBE_S, FORM_REACH_S, GROW_FORM_WAIT_S, HOST_WINDOW_S
 from ._protocol._member import fresh, lost_rank_0
 from .config import Config
 from .errors import (
@@ -284,7 +284,8 @@ def regroup(life: Lifecycle, newcomers: int) -> Lifecycle:
     with _interrupts.deferring():
         life.close_to_form(quick=False)
     try:
-        return Lifecycle(dataclasses.replace(config, num_replicas=size), Form(lineage))
+        return Lifecycle(dataclasses.replace(config, num_replicas=size),
+                         Form(lineage, wait_s=GROW_FORM_WAIT_S))  # (its host may wait that long)
     except (Unreachable, CollectiveTimeoutError) as exc:  # rank 0 lost as it formed: as any loss
         member.fail(lost_rank_0(ReplicaLostError(
             f"rank {config.rank}: the coordinator (rank 0) was lost while the group formed again "
@@ -304,6 +305,7 @@ def _host(life: Lifecycle, lineage: str, size: int) -> Lifecycle:
     withdrew = frozenset(coordinator.joining.withdrawn_ranks) if coordinator is not None else frozenset()
     forming = Forming(lineage, frozenset(range(size)), size, withdrew, voters=config.num_replicas)
     try:
-        return Lifecycle(dataclasses.replace(config, num_replicas=size), Form(lineage, forming))
+        return Lifecycle(dataclasses.replace(config, num_replicas=size),
+                         Form(lineage, forming, quorum_s=GROW_FORM_WAIT_S))
     except Overslept as exc:  # stopped while the others waited: they may have gone on
         raise LeftOutError(f"rank 0: {exc}; the others may have gone on without it") from None

@@ -21,6 +21,7 @@ class Form:
     forming: Optional[Forming] = None
     reach_s: float = FORM_REACH_S  # a member gives up on a host it cannot reach within this
     wait_s: float = FORM_WAIT_S  # the host forms with those that came within this
+    quorum_s: float = 0.0  # ... or, too few for a majority, within this (a grow's members: alive)
 
 
 class Unreachable(CollectiveError):

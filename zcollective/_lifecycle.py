@@ -29,7 +29,15 @@ from ._io._reducing import reducer
 from ._io._shared import SharedPlane
 from ._io._turns import Turns
 from ._io._withdraw import withdraw
-from ._limits import CLOSE_LINGER_MS, EXIT_LINGER_MS, EXIT_WAIT_S, HOST_WINDOW_S, LEAVING_SHARE, STATUS_WAIT_S
+from ._limits import (
+    CLOSE_LINGER_MS,
+    EXIT_LINGER_MS,
+    EXIT_WAIT_S,
+    GROW_FORM_WAIT_S,
+    HOST_WINDOW_S,
+    LEAVING_SHARE,
+    STATUS_WAIT_S,
+)
 from ._protocol._member import Member
 from ._protocol._ops import Here
 from ._protocol._stats import calls_log
@@ -63,7 +71,7 @@ class Lifecycle:
         admitted = cls(config).member.admitted  # (returns once admitted, closed)
         assert admitted is not None
         return (dataclasses.replace(config, rank=admitted["rank"], num_replicas=admitted["size"],
-                                    join=False), Form(admitted["lineage"]))
+                                    join=False), Form(admitted["lineage"], wait_s=GROW_FORM_WAIT_S))
 
     def __init__(self, config: Config, form: Optional[Form] = None, *, nested: bool = False,
                  opened: Optional[Callable[[str], None]] = None,
@@ -191,14 +199,18 @@ class Lifecycle:
             if not member.joined:
                 if time.monotonic() - waited > form.wait_s + HOST_WINDOW_S:  # stopped meanwhile
                     raise Overslept(f"{who} overslept the forming of a group at {self.config.endpoint}")
-                server.form_now()
+                if form.quorum_s > form.wait_s:  # too few yet: wait on for each to come or withdraw
+                    server.form_now(quorate=True)
+                    link.wait_for(lambda: member.joined, waited + form.quorum_s)
+                if not member.joined:
+                    server.form_now()
             if not link.wait_for(lambda: member.joined, time.monotonic() + STATUS_WAIT_S):
                 raise CollectiveTimeoutError(f"{who} could not form a group at {self.config.endpoint}")
         else:
             try:
                 self._reach_host(form, who)
             except BaseException as exc:  # its JOIN may be there: taken back, or it is a member
-                withdraw(link, member, exc)
+                withdraw(link, member, exc, form.wait_s)
         self.config = dataclasses.replace(self.config, rank=member.rank, num_replicas=member.size)
         if self.data is not None:
             self.data.rank, self.data.size = member.rank, member.size

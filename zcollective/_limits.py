@@ -66,6 +66,9 @@ EXIT_WAIT_S = 30.0  # rank 0 ended with calls the others have not reached: they 
 FORM_REACH_S = 2.0  # shrink: a survivor tries this long to reach a would-be host (bounds a silent one)
 FORM_PROBE_S = 0.25  # ... a rank 0 it saw close its connection: shrinking, it binds again within ms
 FORM_WAIT_S = 2.0  # shrink: the host waits this long for the survivors it expects, then forms
+GROW_FORM_WAIT_S = 10.0  # grow: its members completed the GROW (alive), so when too few came within
+# FORM_WAIT_S the host waits up to this for each to come or withdraw (a loaded host's member interrupted
+# as it starts takes seconds to say it withdrew) before it leaves them out; the members wait as long
 FORM_BIND_RETRY_S = 0.3  # the host binds its port again this long (a killed holder may still be closing)
 HOST_WINDOW_S = FORM_REACH_S / 2  # a survivor hosts only if it shrinks this soon (later: counted lost)
 

@@ -140,9 +140,9 @@ class Server:
         except Exception as exc:
             raise self._failed(exc) from exc
 
-    def form_now(self) -> None:
-        """Rank 0's thread: the forming bound passed; start with those who came."""
-        self._briefly(partial(self._take, self.coordinator.form_now))
+    def form_now(self, quorate: bool = False) -> None:
+        """Rank 0's thread: the forming bound passed; start with those who came (``quorate``: if enough)."""
+        self._briefly(partial(self._take, partial(self.coordinator.form_now, quorate)))
 
     def _take_from_host(self) -> None:
         """The owner: what rank 0's member sent, in order."""

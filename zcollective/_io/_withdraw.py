@@ -13,20 +13,21 @@ from ..errors import CollectiveError, from_signal
 from . import _interrupts
 from ._driver import Driver
 
-WITHDRAW_WAIT_S = STATUS_WAIT_S  # a member taking its JOIN back waits this long for its host's word
-# (a host forming serves at once; past it, the host is gone or stopped)
+WITHDRAW_WAIT_S = STATUS_WAIT_S  # a member taking its JOIN back waits at least this long for its host's
+# word (a host forming serves at once; past it, the host is gone or stopped), and as long as its host
+# may wait for it (the forming's bound)
 
 
-def withdraw(link: Driver, member: Member, exc: BaseException) -> None:
+def withdraw(link: Driver, member: Member, exc: BaseException, wait_s: float = WITHDRAW_WAIT_S) -> None:
     """``member``'s wait for the host of the group it forms ended by ``exc``, its JOIN maybe there: take
-    the JOIN back and wait, interrupts held, at most :data:`WITHDRAW_WAIT_S` for the host's word, so the
-    group forms with it on every rank or on none (the host counting it gone by its own word). Returns if
-    the host formed the group with it first (a signal's interrupt then comes again once the library
-    returned); else raises ``exc``."""
+    the JOIN back and wait, interrupts held, at most ``wait_s`` (at least :data:`WITHDRAW_WAIT_S`) for the
+    host's word, so the group forms with it on every rank or on none (the host counting it gone by its
+    own word). Returns if the host formed the group with it first (a signal's interrupt then comes again
+    once the library returned); else raises ``exc``."""
     if not member.joined and member.failure is None:
         with _interrupts.deferring():
             try:
-                _take_back(link, member, not isinstance(exc, CollectiveError))
+                _take_back(link, member, not isinstance(exc, CollectiveError), max(wait_s, WITHDRAW_WAIT_S))
             except CollectiveError:
                 pass  # refused, or the link broke: not counted there
     if not member.joined:
@@ -37,13 +38,13 @@ def withdraw(link: Driver, member: Member, exc: BaseException) -> None:
         raise exc  # the program's own error, or an interrupt no signal brought: as any call's
 
 
-def _take_back(link: Driver, member: Member, reaching: bool) -> None:
+def _take_back(link: Driver, member: Member, reaching: bool, wait_s: float) -> None:
     """Send the withdrawal on each connection made to the host (its JOIN gone or queued: a connection
     not yet made, or one the host's earlier group closed, takes it to the host forming) until the host
-    answers or formed with it, for :data:`WITHDRAW_WAIT_S` at most, so the host hears it said so.
+    answers or formed with it, for ``wait_s`` at most, so the host hears it said so.
     ``reaching``: interrupted, its connection maybe not up yet (else given up: a host not reached
     never had its JOIN)."""
-    deadline = time.monotonic() + WITHDRAW_WAIT_S
+    deadline = time.monotonic() + wait_s
     link.wait_for(lambda: member.joined, time.monotonic())  # its connection's news first
     if not (member.greeted or member.joined or reaching):
         return

@@ -42,10 +42,13 @@ class Membership:
         co.welcomed = True
         return [(m.peer, self.welcome(m)) for m in co.members.values()]
 
-    def form_now(self) -> list[Outgoing]:
-        """The forming bound passed: start with the members that came, if the host's own is among them."""
+    def form_now(self, quorate: bool = False) -> list[Outgoing]:
+        """The forming bound passed: start with the members that came, if the host's own is among them
+        (``quorate``: only if they are enough, else wait on)."""
         co, forming = self.co, self.co.forming
         if forming is None or co.phase is not Phase.JOINING or forming.host_rank not in co.by_rank:
+            return []
+        if quorate and not self._counted().quorate(co.by_rank):
             return []
         return self.start()
 
