@@ -58,6 +58,28 @@ def test_withdrawn_ranks_count_as_dead_at_the_forming_bound():
     assert _welcomed(_downs(host.form_now())) == {0, 1} and host.old_ranks == [0, 1]
 
 
+def test_short_of_a_majority_the_host_asked_for_a_quorate_forming_waits_on():
+    """A grow's host at its 2 s bound forms only if enough came (``form_now(quorate=True)``), else waits
+    on for the others to come or withdraw; a withdrawal then completes the count."""
+    host, members = _five()
+    for r in (0, 1):
+        host.receive(peer(r), encode(members[r].start_join()[0]))
+    host.receive(peer(2), encode(members[2].start_join()[0]))  # (3 of 5: a majority, formed at once)
+    assert _welcomed(_downs(host.form_now(quorate=True))) == {0, 1, 2}
+    host, members = _five()
+    host.receive(peer(0), encode(members[0].start_join()[0]))
+    members[1].start_join()
+    host.receive(peer(1), encode(members[1].joining.withdraw()))
+    assert host.form_now(quorate=True) == [] and host.phase is Phase.JOINING  # 1 of 4: waits on
+    for r in (2, 3):
+        members[r].start_join()
+        host.receive(peer(r), encode(members[r].joining.withdraw()))
+    assert host.form_now(quorate=True) == []  # 1 in, 4 silent: 1 of 2 not gone is no majority: waits on
+    members[4].start_join()
+    downs = _downs(host.receive(peer(4), encode(members[4].joining.withdraw())))
+    assert _welcomed(downs) == {0} and host.old_ranks == [0]  # every one came or withdrew: formed
+
+
 def _five():
     host = Coordinator(5, SESSION, 1000, forming=Forming("ab12", frozenset(range(5)), 5))
     members = [Member(r, 5, ENDPOINT) for r in range(5)]
