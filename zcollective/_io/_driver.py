@@ -22,7 +22,7 @@ from ..errors import CollectiveError, CollectiveTimeoutError
 from . import transport
 from ._combine import answer, applied
 from ._interrupts import NUDGE, Waiter, user_code
-from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
+from ._mailbox import LINK, MAIL, MESSAGE, TAKE_BATCH, TRACKER_POLL_S
 
 if TYPE_CHECKING:
     from .._protocol._coordinator import Coordinator
@@ -94,7 +94,9 @@ class Driver:
         signer = member.signer
         if sockets is not None and take:
             mine = signer.to(member.rank) if signer is not None else None  # (this mailbox's key)
-            for frames in sockets.take(bool(ready & MESSAGE)):
+            for i in range(TAKE_BATCH):  # (then the other sockets get a look)
+                if (frames := sockets.recv(not i and bool(ready & MESSAGE))) is None:
+                    break
                 try:
                     msg = decode(frames, signer=mine, max_frame_bytes=member.max_frame_bytes)
                 except WireError:  # (admitted by the handshake: a bug, or a peer of another release)
