@@ -79,10 +79,10 @@ class Driver:
         due = self.member.tree_due()  # parts held go up as they came; a held FAIL takes effect
         return due if retry is None else retry if due is None else min(due, retry)
 
-    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> bool:
+    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], Any]] = None) -> bool:
         """Point to point: take in what came to the mailbox (if ``take``; ``ready``: what a wait woke for, see
         :attr:`mail_ready`), send what the rules owe (a send is done once libzmq no longer reads its buffers).
-        Once ``enough()`` holds (a waited-for call is done) the rest stays for the next wait, unless a
+        Once ``enough()`` holds (a call waited for is done) the rest stays for the next wait, unless a
         coroutine sleeps on the descriptors (rule 3 of _future); True: it stopped there."""
         member, sockets = self.member, self.mail
         rules, done = member.mail, False
@@ -333,7 +333,7 @@ class Driver:
                 wake = soon  # when libzmq lets go of a buffer, nor when a link is due again
         return (self._pump(wake, until) or wake != deadline) and not (until is not None and until())
 
-    def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+    def wait_mail(self, done: Callable[[], Any], deadline: Optional[float]) -> bool:
         """A point-to-point call's wait at its cheapest: one poll of what :meth:`wait_for` watches (the nudge
         too), taking in what came if the mailbox alone woke it; True once ``done()``. False, nothing else read
         (wait_for's poll finds it), when anything else woke it or is due, or nothing came within the slice."""
@@ -342,12 +342,9 @@ class Driver:
                 or self.tracked or sockets.retry):
             return False
         slice_s = self.fixed_slice_s if self.fixed_slice_s is not None else self.slice_s()
-        if slice_s is None or slice_s <= 0:
+        if not slice_s or slice_s < 0 or self.waiter.wait(self._nudged_names, deadline, slice_s) != [MAIL]:
             return False
-        woke = self.waiter.wait(self._nudged_names, deadline, slice_s)
-        if len(woke) != 1 or woke[0] != MAIL:
-            return False
-        return self.mail_io(ready=MESSAGE, enough=done) or done()
+        return self.mail_io(ready=MESSAGE, enough=done) or bool(done())
 
     def progress(self, data: bool = True) -> None:
         """Send what is owed; take in whatever has arrived, without blocking; move
