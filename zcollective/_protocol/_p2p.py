@@ -104,10 +104,11 @@ class Mail(MailEndings):
             one = segment[0] if len(segment) == 1 else None  # (a small value's size, inline)
             size = len(one) if type(one) is bytes else nbytes(segment)
             queue.append(_Sending(dest, tag, segment, size, handle, sent))
-        peer = box.peers[dest]  # (may_send's test, inline: once per message)
+        peer = box.peers[dest]  # (may_send's test and Mailbox.send's numbering, inline: once per message)
         while queue and (peer.held == 0 or peer.held + queue[0].size <= peer.window):
             s = queue.popleft()
-            seq = box.send(dest, s.size, s.handle, s.tag)
+            seq, peer.next_out, peer.held = peer.next_out, peer.next_out + 1, peer.held + s.size
+            peer.unreceived.append((seq, s.size, s.handle, s.tag))
             if s.sent is not None:  # done once acknowledged (see ssend)
                 self.syncing[(dest, seq % MAX_TAG + 1)] = (seq, s.handle, s.tag, s.sent)  # (ack_of, inline)
             msg = Message(Kind.SEND, 0 if s.sent is None else SYNC, self.rank, s.tag, seq, self.session,
