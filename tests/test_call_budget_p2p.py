@@ -1,15 +1,17 @@
 """Issue 45's budget for the common call, point to point: one blocking ``send`` + ``recv`` of a small
 value between two ranks (the link made, the window open) makes at most :data:`BUDGET` Python calls
-inside zcollective per rank, counted as ``benchmarks/count_calls.py`` counts them (its ``_count``),
-so that a layer added on that path shows here, with the functions it went through."""
+inside zcollective per rank on its path, counted as ``benchmarks/count_calls.py`` counts them (its
+``_count``), so that a layer added on that path shows here, with the functions it went through."""
 
 import os
 import sys
 
 from zcollective.testing import run_replicas
 
-BUDGET = {0: 33.5, 1: 31.5}  # per rank (rank 0 also sizes its poll by its coordinator's timers: 2 calls)
+BUDGET = {0: 33, 1: 31}  # per rank (rank 0 also sizes its poll by its coordinator's timers: 2 calls)
 WARMUP, ITERS = 50, 100
+EVERY_TIME = 0.9  # a function called at least this often per operation is on its path; the rest is periodic
+# work (a look at the links every 10 ms, a probe round), which a loaded machine meets more often
 
 
 def _ping_pong(iters):
@@ -39,5 +41,7 @@ def _ping_pong(iters):
 
 def test_one_send_and_recv_stays_within_its_budget_of_python_calls():
     for rank, (calls, functions) in enumerate(run_replicas(_ping_pong, 2, ITERS, timeout=120)):
-        assert calls <= BUDGET[rank], (
-            f"rank {rank}: send+recv made {calls:g} calls (budget {BUDGET[rank]:g}): {functions}")
+        path = sum(n for n in functions.values() if n >= EVERY_TIME)
+        assert path <= BUDGET[rank], (
+            f"rank {rank}: send+recv made {path:g} calls on its path, {calls:g} in all (budget "
+            f"{BUDGET[rank]}): {functions}")
