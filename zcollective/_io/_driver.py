@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections import deque
+from functools import partial
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -36,6 +37,7 @@ class Driver:
 
     remote = False  # True when the coordinator is at the other end of a connection
     fixed_slice_s: Optional[float] = None  # :meth:`slice_s`, when it never changes (read without a call)
+    queued: tuple[Any, ...] = ()  # queues whose messages a wait for mail must not sleep on (rank 0's)
     warn_after: Optional[float] = None  # a join waiting this long says so (rank 0's coordinator does)
 
     def __init__(self, member: Member) -> None:
@@ -339,7 +341,7 @@ class Driver:
         (wait_for's poll finds it), when anything else woke it or is due, or nothing came within the slice."""
         member, sockets = self.member, self.mail
         if (sockets is None or member.transfers or member.owed or member.failure is not None
-                or self.tracked or sockets.retry):
+                or self.tracked or sockets.retry or any(self.queued)):
             return False
         slice_s = self.fixed_slice_s if self.fixed_slice_s is not None else self.slice_s()
         if not slice_s or slice_s < 0 or self.waiter.wait(self._nudged_names, deadline, slice_s) != [MAIL]:
@@ -460,6 +462,8 @@ class HostDriver(Driver):
         self.waiter = server.waiter
         self._watches(*server.SERVED)
         member.connected = True  # nothing between them can break
+        self.queued = (server.to_host, server.from_member)  # (news for the member, or the coordinator)
+        self.slice_s = partial(server.sleep_s, POLL_SLICE_S)  # type: ignore[method-assign]  # (one call)
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         status = super().ask_status(seq)
@@ -527,12 +531,6 @@ class HostDriver(Driver):
                 return True
             if pending_else(self) or not server.quick(names, deadline, bool(self.sleepers())):
                 return False
-
-    def slice_s(self) -> Optional[float]:
-        server = self.server
-        if server.to_host or server.from_member:
-            return 0.0
-        return server.sleep_s(POLL_SLICE_S)
 
     def fds(self) -> list[int]:
         return self.server.fds() + self.waiter.fds(self.mail_names)  # (the mailbox: the program's own)
