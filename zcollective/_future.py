@@ -293,11 +293,13 @@ class _AsyncWaiter:
 _waiters: dict[tuple[_Runner, asyncio.AbstractEventLoop], _AsyncWaiter] = {}
 
 
-def settle(outcomes: deque[Any]) -> None:
+def settle(outcomes: deque[Any], waited: Optional[CollectiveFuture[Any]] = None) -> Any:
     """Apply what the rules said calls came to (``Member.outcomes``: each a
     ``future``, ``error``, ``make``), in order, holding the group's turn: a
     value is made (unpickled) and done-callbacks run here. One interrupted
-    stays queued, for the next wait to apply."""
+    stays queued, for the next wait to apply. Returns ``waited``'s value once
+    it has one, else :data:`PENDING` (not done, or failed: :func:`outcome`
+    raises its error), so that a blocking call asks once."""
     while outcomes:
         outcome = outcomes[0]
         future = outcome.future
@@ -320,9 +322,12 @@ def settle(outcomes: deque[Any]) -> None:
                         future._runner = None
         if outcomes and outcomes[0] is outcome:  # (a done-callback that waited applied it and more)
             outcomes.popleft()
+    if waited is None or not waited._done or waited._error is not None:
+        return PENDING
+    return waited._value
 
 
-PENDING: Any = object()  # what :func:`outcome` says of a call not yet done
+PENDING: Any = object()  # what :func:`outcome` and :func:`settle` say of a call not yet done
 
 
 def outcome(future: CollectiveFuture[T]) -> T:

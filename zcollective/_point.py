@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 from . import _calls
 from ._calls import DEFAULT, Calls, Timeout, _Default, bad_timeout
 from ._format import _serialize
-from ._future import PENDING, CollectiveFuture, fail, finished, outcome, settle, settled_when
+from ._future import PENDING, CollectiveFuture, fail, finished, settle, settled_when
 from ._io import _interrupts
 from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import STATUS_WAIT_S
@@ -75,15 +75,19 @@ class PointToPoint:
         elif timeout is not None and not timeout >= 0:  # (negative, or NaN)
             raise bad_timeout(timeout, self.rank, "send")
         deadline = None if timeout is None else time.monotonic() + timeout
-        future = self._send(value, dest, tag, deadline, True)
-        if outcome(future) is PENDING:  # (raises its error)
+        if type(dest) is int and 0 <= dest < self.size and type(tag) is int and 0 <= tag <= MAX_TAG:
+            future, done = self._make(f"send(dest={dest}, tag={tag})", Mail.send,  # (_send's, inline:
+                                      (dest, tag, _serialize.dumps(value)), deadline, True)  # the usual case)
+        else:
+            future, done = self._send(value, dest, tag, deadline, True)
+        if done is PENDING:  # (not done, or failed: raises its error)
             self._finish(future, timeout, deadline)
 
     def send_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
         """:meth:`send`, returning at once a future done when :meth:`send` would
         return; do not change ``value`` until it is. A send cannot be
         cancelled (its future's ``cancel()`` returns False, as MPI-4 deprecates it)."""
-        return self._send(value, dest, tag)
+        return self._send(value, dest, tag)[0]
 
     def ssend(self, value: Any, dest: int, tag: int = 0, *, timeout: Timeout = DEFAULT) -> None:
         """A synchronous :meth:`send`: returns once a matching receive (or
@@ -99,12 +103,12 @@ class PointToPoint:
             As :meth:`send` (PeerEndedError: ``dest`` ended before receiving it).
         """
         deadline = self._deadline(timeout)
-        self._finish(self._send(value, dest, tag, deadline, True, True), timeout, deadline)
+        self._finish(self._send(value, dest, tag, deadline, True, True)[0], timeout, deadline)
 
     def ssend_async(self, value: Any, dest: int, tag: int = 0) -> CollectiveFuture[None]:
         """:meth:`ssend`, returning at once a future done when :meth:`ssend`
         would return (not cancellable, as :meth:`send_async`)."""
-        return self._send(value, dest, tag, None, False, True)
+        return self._send(value, dest, tag, None, False, True)[0]
 
     def recv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: Timeout = DEFAULT,
              status: Optional[Status] = None) -> Any:
@@ -129,9 +133,12 @@ class PointToPoint:
         elif timeout is not None and not timeout >= 0:  # (negative, or NaN)
             raise bad_timeout(timeout, self.rank, "recv")
         deadline = None if timeout is None else time.monotonic() + timeout
-        future = self._receive(source, tag, deadline, True)
-        value = outcome(future)  # (raises its error)
-        if value is PENDING:
+        if type(source) is int and 0 <= source < self.size and type(tag) is int and 0 <= tag <= MAX_TAG:
+            future, value = self._make(f"recv(source={source}, tag={tag})", _RECEIVE, (source, tag),
+                                       deadline, True)  # (_receive's, inline: the usual case)
+        else:
+            future, value = self._receive(source, tag, deadline, True)
+        if value is PENDING:  # (not done, or failed: raises its error)
             value = self._finish(future, timeout, deadline)
         if status is not None:
             _fill(status, future.status)
@@ -143,7 +150,7 @@ class PointToPoint:
         back a receive not yet matched (True: the future is cancelled, and
         the message it would have taken goes to a later receive); False once
         matched or done."""
-        future = self._receive(source, tag)
+        future = self._receive(source, tag)[0]
         future.canceller = self._cancel
         return future
 
@@ -154,8 +161,8 @@ class PointToPoint:
         ring of ranks each sending to the next never deadlocks): what
         :meth:`recv` returns."""
         deadline = self._deadline(timeout)
-        received = self._receive(source, recvtag, deadline)
-        sent = self._send(value, dest, sendtag, deadline)
+        received = self._receive(source, recvtag, deadline)[0]
+        sent = self._send(value, dest, sendtag, deadline)[0]
         value = self._finish(received, timeout, deadline)
         self._finish(sent, timeout, deadline)
         _fill(status, received.status)
@@ -167,7 +174,8 @@ class PointToPoint:
         and say where it came from (also in ``status``, if given), without
         receiving it; raises as :meth:`recv` does."""
         deadline = self._deadline(timeout)
-        result: Status = self._finish(self._receive(source, tag, deadline, True, "probe"), timeout, deadline)
+        future = self._receive(source, tag, deadline, True, "probe")[0]
+        result: Status = self._finish(future, timeout, deadline)
         _fill(status, result)
         return result
 
@@ -184,7 +192,7 @@ class PointToPoint:
         probe gets it), as a :class:`Message` to receive later; ``status`` is
         filled as :meth:`recv` fills it. Raises as :meth:`recv` does."""
         deadline = self._deadline(timeout)
-        future = self._receive(source, tag, deadline, True, "mprobe")
+        future = self._receive(source, tag, deadline, True, "mprobe")[0]
         came = self._finish(future, timeout, deadline)
         message = Message.no_proc() if came is None else Message(self.rank, came)  # (None: PROC_NULL's)
         _fill(status, message)
@@ -227,7 +235,7 @@ class PointToPoint:
         return None if timeout is None else time.monotonic() + timeout
 
     def _send(self, value: Any, dest: Any, tag: Any, deadline: Optional[float] = None,
-              lead: bool = False, sync: bool = False) -> CollectiveFuture[None]:
+              lead: bool = False, sync: bool = False) -> tuple[CollectiveFuture[None], Any]:
         if type(dest) is not int or not 0 <= dest < self.size:  # (checked inline: the usual case)
             dest = check_rank(dest, self.size, "dest", proc_null=True)
             if dest == PROC_NULL:
@@ -243,7 +251,7 @@ class PointToPoint:
         return self._make(f"send(dest={dest}, tag={tag})", Mail.send, (dest, tag, segment), deadline, lead)
 
     def _receive(self, source: Any, tag: Any, deadline: Optional[float] = None,
-                 lead: bool = False, call: str = "recv") -> CollectiveFuture[Any]:
+                 lead: bool = False, call: str = "recv") -> tuple[CollectiveFuture[Any], Any]:
         if type(source) is not int or not ANY_SOURCE <= source < self.size:
             source = check_rank(source, self.size, "source", any_source=True, proc_null=True)
             if source == PROC_NULL:
@@ -256,13 +264,13 @@ class PointToPoint:
         act = _RECEIVE if call == "recv" else Mail.probe if call == "probe" else _MATCHED_PROBE
         return self._make(what, act, (source, tag), deadline, lead)
 
-    def _null(self, what: str, value: Any = None) -> CollectiveFuture[Any]:
+    def _null(self, what: str, value: Any = None) -> tuple[CollectiveFuture[Any], Any]:
         """A call with ``PROC_NULL``: done at once, doing nothing (a receive's status says
-        source=PROC_NULL, tag=ANY_TAG, nbytes=0), as MPI's."""
+        source=PROC_NULL, tag=ANY_TAG, nbytes=0), as MPI's; as :meth:`_make` returns it."""
         self._mail()  # (raises if no call may be made)
         future: CollectiveFuture[Any] = CollectiveFuture(None, -1, what)
-        settle(deque([CallOutcome(future, None, lambda: value, Status(PROC_NULL, ANY_TAG, 0))]))
-        return future
+        done = CallOutcome(future, None, lambda: value, Status(PROC_NULL, ANY_TAG, 0))
+        return future, settle(deque([done]), future)
 
     def _cancel(self, future: CollectiveFuture[Any]) -> bool:
         """A receive future's ``cancel()``: take its receive back if not yet matched (True: the
@@ -299,12 +307,13 @@ class PointToPoint:
         return mail
 
     def _make(self, what: str, act: Callable[..., None], args: tuple[Any, ...], deadline: Optional[float],
-              lead: bool = False) -> CollectiveFuture[Any]:
+              lead: bool = False) -> tuple[CollectiveFuture[Any], Any]:
         """``act(mail, *args, future)`` with a new future, holding the turn
         (taken by ``deadline``); ``lead``: the caller waits for it at once, so
         the wait starts here, without letting go of the turn, if no other
-        thread waits in the group: until it is done, ``deadline``, or another
-        thread wants the turn; a timeout or an interrupt takes it back."""
+        thread waits in the group: until a call is done, ``deadline``, or another
+        thread wants the turn; a timeout or an interrupt takes it back. The future,
+        and its value (PENDING, as ``settle`` says: then the caller's :meth:`_finish`)."""
         if tuple(map(getsignal, DEFERRED_SIGNALS)) != _interrupts.held:  # (as Calls.call)
             _interrupts.hold_new_handlers()
         calls = self.calls
@@ -323,19 +332,19 @@ class PointToPoint:
             act(mail, *args, future)
             if driver is not None and (mail.out or driver.tracked) and not calls.life.closed:
                 driver.mail_io(take=False)  # sent now, not at the next wait
-            outcomes, done = calls.member.outcomes, False
+            outcomes, value, done = calls.member.outcomes, PENDING, False
             if outcomes:  # (only an outcome resolves it: a send with credit is done by now)
-                settle(outcomes)
-                done = finished(future)
+                value = settle(outcomes, future)
+                done = value is not PENDING or finished(future)
             if lead and not done and turns.depth == 1 and turns.leader is None and not turns.wanting:
-                settled = settled_when(future, outcomes)
-                try:
-                    if driver is None or calls.life.closed or not driver.wait_mail(settled, deadline):
+                try:  # (the mail's wait ends once any call is done: this one, most likely)
+                    if calls.life.closed or not (driver and driver.wait_mail(outcomes.__len__, deadline)):
                         calls.drive(settled_when(future, outcomes, wanted=turns.wanted), deadline, True)
                 except BaseException as exc:
                     if not self._withdraw(future, exc, deadline):
                         raise
-            return future
+                value = settle(outcomes, future)
+            return future, value
         finally:
             turns.give()
 
@@ -347,7 +356,7 @@ class PointToPoint:
             if not self.calls.wait_until(future, deadline) and not finished(future):
                 if isinstance(timeout, _Default):
                     timeout = self.config.op_timeout
-                raise CollectiveTimeoutError(self._late(future, timeout))
+                raise CollectiveTimeoutError(_late(self.calls, future, timeout))
         except BaseException as exc:
             if not self._withdraw(future, exc, deadline):
                 raise
@@ -360,7 +369,7 @@ class PointToPoint:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.calls.wait_until(future, deadline) or finished(future):
             return
-        late = CollectiveTimeoutError(self._late(future, timeout))
+        late = CollectiveTimeoutError(_late(self.calls, future, timeout))
         if not self._withdraw(future, late, deadline, ends=True):
             raise late
 
@@ -394,49 +403,50 @@ class PointToPoint:
         finally:
             calls.turns.give()
 
-    def _late(self, future: CollectiveFuture[Any], timeout: Optional[float]) -> str:
-        """Why a call timed out: what this rank holds unreceived, or waits to send."""
-        mail = self.calls.member.mail
-        said = f"rank {self.rank}: {future.op} timed out after {timeout:g} s"
-        if mail is None:
-            return said
-        acked = next((dest for (dest, _), (_, h, _, _) in list(mail.syncing.items()) if h is future),
-                     None)  # (a snapshot: another thread may hold the turn)
-        dest = mail.waiting_for(future)
-        if dest is not None:  # a send short of credit
-            peer = mail.box.peers[dest]
-            return (f"{said}: rank {dest} has not yet received the {peer.held} bytes this rank sent it "
-                    f"before, which fill its window ({peer.window} bytes: its "
-                    f"ZCOLLECTIVE_MAIL_WINDOW_BYTES); nothing was sent")
-        where, calls = None, self.calls
-        if calls.driver is not None and future.op.startswith(("send(", "ssend(")) and calls.turns.take(
-                time.monotonic() + STATUS_WAIT_S):
-            try:  # (holding the turn: the mailbox's sockets are read by their owner only)
-                where = calls.driver.where(future)
-            finally:
-                calls.turns.give()
-        if acked is not None and (where is None or where[0] != "link"):  # (sent, or leaving)
-            return (f"{said}: rank {acked}'s program has not received its message yet (no matching "
-                    f"receive there yet): not taken back, it may still be received")
-        if where is not None:
-            how, dest, back = where
-            if how == "link":
-                then = ("taken back: nothing was sent" if back else
-                        f"not taken back (a later send to rank {dest} was numbered after it): it goes once "
-                        f"the link is made")
-                return (f"{said}: its message waits for its link to rank {dest}'s mailbox, whose handshake "
-                        f"rank {dest} has not answered (busy in its own code, stopped, or gone); {then}")
-            return (f"{said}: rank {dest} has not taken in its message: libzmq still sends its buffers "
-                    f"(rank {dest} stopped, or busy in C code?); not taken back: it may still arrive")
-        waiting: dict[tuple[int, int], int] = {}
-        for came in list(mail.box.arrived):  # (a snapshot: another thread may hold the turn)
-            waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
-        unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
-        return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
-
 
 _RECEIVE = partial(Mail.receive, decode=_serialize.loads)  # a receive's act: its value unpickled here
 _MATCHED_PROBE = partial(Mail.receive, matched=True)  # a matched probe's: the message, unpickled later
+
+
+def _late(calls: Calls, future: CollectiveFuture[Any], timeout: Optional[float]) -> str:
+    """Why a point-to-point call of ``calls`` timed out: what this rank holds unreceived, or waits to send."""
+    mail = calls.member.mail
+    said = f"rank {calls.rank}: {future.op} timed out after {timeout:g} s"
+    if mail is None:
+        return said
+    acked = next((dest for (dest, _), (_, h, _, _) in list(mail.syncing.items()) if h is future),
+                 None)  # (a snapshot: another thread may hold the turn)
+    dest = mail.waiting_for(future)
+    if dest is not None:  # a send short of credit
+        peer = mail.box.peers[dest]
+        return (f"{said}: rank {dest} has not yet received the {peer.held} bytes this rank sent it "
+                f"before, which fill its window ({peer.window} bytes: its "
+                f"ZCOLLECTIVE_MAIL_WINDOW_BYTES); nothing was sent")
+    where = None
+    if calls.driver is not None and future.op.startswith(("send(", "ssend(")) and calls.turns.take(
+            time.monotonic() + STATUS_WAIT_S):
+        try:  # (holding the turn: the mailbox's sockets are read by their owner only)
+            where = calls.driver.where(future)
+        finally:
+            calls.turns.give()
+    if acked is not None and (where is None or where[0] != "link"):  # (sent, or leaving)
+        return (f"{said}: rank {acked}'s program has not received its message yet (no matching "
+                f"receive there yet): not taken back, it may still be received")
+    if where is not None:
+        how, dest, back = where
+        if how == "link":
+            then = ("taken back: nothing was sent" if back else
+                    f"not taken back (a later send to rank {dest} was numbered after it): it goes once "
+                    f"the link is made")
+            return (f"{said}: its message waits for its link to rank {dest}'s mailbox, whose handshake "
+                    f"rank {dest} has not answered (busy in its own code, stopped, or gone); {then}")
+        return (f"{said}: rank {dest} has not taken in its message: libzmq still sends its buffers "
+                f"(rank {dest} stopped, or busy in C code?); not taken back: it may still arrive")
+    waiting: dict[tuple[int, int], int] = {}
+    for came in list(mail.box.arrived):  # (a snapshot: another thread may hold the turn)
+        waiting[(came.source, came.tag)] = waiting.get((came.source, came.tag), 0) + 1
+    unreceived = "; ".join(f"{n} from rank {s} with tag {t}" for (s, t), n in sorted(waiting.items())[:8])
+    return f"{said}: no matching message came" + (f" (here, unreceived: {unreceived})" * bool(unreceived))
 
 
 def _fill(status: Optional[Status], found: Any) -> None:

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections import deque
+from functools import partial
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -22,7 +23,7 @@ from ..errors import CollectiveError, CollectiveTimeoutError
 from . import transport
 from ._combine import answer, applied
 from ._interrupts import NUDGE, Waiter, user_code
-from ._mailbox import LINK, MAIL, MESSAGE, TRACKER_POLL_S
+from ._mailbox import LINK, MAIL, MESSAGE, TAKE_BATCH, TRACKER_POLL_S
 
 if TYPE_CHECKING:
     from .._protocol._coordinator import Coordinator
@@ -36,6 +37,7 @@ class Driver:
 
     remote = False  # True when the coordinator is at the other end of a connection
     fixed_slice_s: Optional[float] = None  # :meth:`slice_s`, when it never changes (read without a call)
+    queued: tuple[Any, ...] = ()  # queues whose messages a wait for mail must not sleep on (rank 0's)
     warn_after: Optional[float] = None  # a join waiting this long says so (rank 0's coordinator does)
 
     def __init__(self, member: Member) -> None:
@@ -79,10 +81,10 @@ class Driver:
         due = self.member.tree_due()  # parts held go up as they came; a held FAIL takes effect
         return due if retry is None else retry if due is None else min(due, retry)
 
-    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], bool]] = None) -> bool:
+    def mail_io(self, take: bool = True, ready: int = 0, enough: Optional[Callable[[], Any]] = None) -> bool:
         """Point to point: take in what came to the mailbox (if ``take``; ``ready``: what a wait woke for, see
         :attr:`mail_ready`), send what the rules owe (a send is done once libzmq no longer reads its buffers).
-        Once ``enough()`` holds (a waited-for call is done) the rest stays for the next wait, unless a
+        Once ``enough()`` holds (a call waited for is done) the rest stays for the next wait, unless a
         coroutine sleeps on the descriptors (rule 3 of _future); True: it stopped there."""
         member, sockets = self.member, self.mail
         rules, done = member.mail, False
@@ -94,7 +96,9 @@ class Driver:
         signer = member.signer
         if sockets is not None and take:
             mine = signer.to(member.rank) if signer is not None else None  # (this mailbox's key)
-            for frames in sockets.take(bool(ready & MESSAGE)):
+            for i in range(TAKE_BATCH):  # (then the other sockets get a look)
+                if (frames := sockets.recv(not i and bool(ready & MESSAGE))) is None:
+                    break
                 try:
                     msg = decode(frames, signer=mine, max_frame_bytes=member.max_frame_bytes)
                 except WireError:  # (admitted by the handshake: a bug, or a peer of another release)
@@ -331,21 +335,18 @@ class Driver:
                 wake = soon  # when libzmq lets go of a buffer, nor when a link is due again
         return (self._pump(wake, until) or wake != deadline) and not (until is not None and until())
 
-    def wait_mail(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+    def wait_mail(self, done: Callable[[], Any], deadline: Optional[float]) -> bool:
         """A point-to-point call's wait at its cheapest: one poll of what :meth:`wait_for` watches (the nudge
         too), taking in what came if the mailbox alone woke it; True once ``done()``. False, nothing else read
         (wait_for's poll finds it), when anything else woke it or is due, or nothing came within the slice."""
         member, sockets = self.member, self.mail
         if (sockets is None or member.transfers or member.owed or member.failure is not None
-                or self.tracked or sockets.retry):
+                or self.tracked or sockets.retry or any(self.queued)):
             return False
         slice_s = self.fixed_slice_s if self.fixed_slice_s is not None else self.slice_s()
-        if slice_s is None or slice_s <= 0:
+        if not slice_s or slice_s < 0 or self.waiter.wait(self._nudged_names, deadline, slice_s) != [MAIL]:
             return False
-        woke = self.waiter.wait(self._nudged_names, deadline, slice_s)
-        if len(woke) != 1 or woke[0] != MAIL:
-            return False
-        return self.mail_io(ready=MESSAGE, enough=done) or done()
+        return self.mail_io(ready=MESSAGE, enough=done) or bool(done())
 
     def progress(self, data: bool = True) -> None:
         """Send what is owed; take in whatever has arrived, without blocking; move
@@ -461,6 +462,8 @@ class HostDriver(Driver):
         self.waiter = server.waiter
         self._watches(*server.SERVED)
         member.connected = True  # nothing between them can break
+        self.queued = (server.to_host, server.from_member)  # (news for the member, or the coordinator)
+        self.slice_s = partial(server.sleep_s, POLL_SLICE_S)  # type: ignore[method-assign]  # (one call)
 
     def ask_status(self, seq: int) -> Optional[dict[str, Any]]:
         status = super().ask_status(seq)
@@ -528,12 +531,6 @@ class HostDriver(Driver):
                 return True
             if pending_else(self) or not server.quick(names, deadline, bool(self.sleepers())):
                 return False
-
-    def slice_s(self) -> Optional[float]:
-        server = self.server
-        if server.to_host or server.from_member:
-            return 0.0
-        return server.sleep_s(POLL_SLICE_S)
 
     def fds(self) -> list[int]:
         return self.server.fds() + self.waiter.fds(self.mail_names)  # (the mailbox: the program's own)

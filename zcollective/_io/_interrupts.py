@@ -84,6 +84,7 @@ class Waiter:
         """The file descriptors of ``names`` (an awaiting event loop watches them)."""
         return [self._fds[name] for name in names if name in self._fds]
 
+    @surface
     def wait(self, names: tuple[str, ...], deadline: Optional[float],
              slice_s: Optional[float] = None) -> list[str]:
         """Wait until one of ``names`` is readable, ``deadline`` passes or
@@ -97,7 +98,7 @@ class Waiter:
             slice_s = left if slice_s is None or left < slice_s else slice_s
         timeout_ms = -1 if slice_s is None else max(0, math.ceil(slice_s * 1000))  # (up: a wait of
         woke, named = [], poll[1]  # under a millisecond never spins; a loop: no call, as a listcomp's)
-        for s, _ in wait(poll[0], timeout_ms):
+        for s, _ in zmq_poll(poll[0], timeout_ms):
             woke.append(named[s])
         if deadline is not None and time.monotonic() >= deadline:
             woke.append(DEADLINE)

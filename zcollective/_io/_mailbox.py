@@ -18,13 +18,14 @@ from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
 from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, bind_peer_port, set_peer_options
-from ._zmq import NOBLOCK, recv_frame
+from ._zmq import NOBLOCK, reader
 
-__all__ = ["MAIL", "MESSAGE", "LINK", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
+__all__ = ["MAIL", "MESSAGE", "LINK", "TAKE_BATCH", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
 MAIL = "mail"  # its socket's name in a waiter; a link's monitor is "mail <rank>"
 MESSAGE, LINK = 1, 2  # what a wait woke for (mail_woke): a message waits; a link's monitor has news
-TAKE_BATCH = 256  # messages taken in one go (then the owner looks at its other sockets)
+TAKE_BATCH = 256  # messages the driver takes in one go (then the owner looks at its other sockets)
+send_frame = zmq.backend.Socket.send  # (the Cython method: a small value's one frame; as _zmq's recv_frame)
 LOOK_S = 0.01  # once every link is made, their monitors are read at most this often (unless one woke a wait)
 
 
@@ -116,7 +117,10 @@ class MailSockets:
                 return []
             return went + self._unhold(dest, [(frames, track, handle)])  # (no monitor event needed:
             # libzmq's I/O thread finishes the handshake without this program, which may be elsewhere)
-        try:  # (_send's, inline: once per message)
+        try:  # (_send's, inline: once per message; send_frames's too for a small value's one frame)
+            if len(frames) == 1 and not track and len(frames[0]) < _sockets.ZERO_COPY_MIN_BYTES:
+                send_frame(self._pushes[dest], frames[0], NOBLOCK)
+                return [(None, handle)]
             return [(_sockets.send_frames(self._pushes[dest], frames, track), handle)]
         except zmq.Again:
             self._broken, self.quiet_until = dest, 0.0
@@ -298,20 +302,14 @@ class MailSockets:
         """The file descriptors of the links' monitors, by their names in a waiter."""
         return {f"{MAIL} {dest}": monitor.FD for dest, monitor in self.monitors.items()}
 
+    recv = reader("_pull")  # the next message waiting, without blocking (``waiting``: a poll found one)
+
     def take(self, waiting: bool = False) -> Iterator[list[Any]]:
-        """The messages waiting (at most :data:`TAKE_BATCH`), without blocking
-        (``waiting``: a poll found one, so the first needs no second poll)."""
-        pull = self._pull
+        """The messages waiting (at most :data:`TAKE_BATCH`), as :meth:`recv` gives them one by one."""
         for _ in range(TAKE_BATCH):
-            if not (waiting or _sockets.readable(pull)):
+            if (frames := self.recv(waiting)) is None:
                 return
             waiting = False
-            try:  # (_sockets.recv_message's, inline: once per message)
-                frames = [recv_frame(pull, NOBLOCK, False)]
-                while frames[-1].more:
-                    frames.append(recv_frame(pull, NOBLOCK, False))
-            except zmq.Again:  # (taken meanwhile, by a look that did not know of that poll)
-                return
             yield frames
 
     def cut_off(self, dests: Iterable[int]) -> None:

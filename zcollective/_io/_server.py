@@ -388,11 +388,11 @@ class Server:
 
     def sleep_s(self, limit_s: Optional[float]) -> Optional[float]:
         """How long a wait may sleep: ``limit_s`` (None: for ever), but not
-        past the next probe round, nor the next stall warning due."""
-        now, due = time.monotonic(), self._probes.due
+        past the next probe round, nor the next stall warning due (none while no call is pending)."""
+        now, due, co = time.monotonic(), self._probes.due, self.coordinator
         if due is not None:  # (ProbeSchedule.limit, inline: at every wait)
             limit_s = due - now if limit_s is None else min(limit_s, due - now)
-        stall = self._stall_due = self.coordinator.next_stall()
+        stall = self._stall_due = co.next_stall() if co.pending or co.phase is not Phase.RUNNING else None
         if stall is not None:
             limit_s = max(0.0, stall - now) if limit_s is None else max(0.0, min(limit_s, stall - now))
         return limit_s

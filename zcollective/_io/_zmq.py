@@ -29,7 +29,7 @@ _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAIL
 ROUTER, MONITOR, ZAP = "router", "monitor", "zap"  # the hub's sources, as a waiter names them
 
 
-def _reader(name: str) -> Callable[[Any, bool], Optional[list[Any]]]:
+def reader(name: str) -> Callable[[Any, bool], Optional[list[Any]]]:
     """A transport end's ``recv``, reading its socket named ``name`` (one body for both ends; a
     method of each, so no call in between: the read is on every message's path)."""
 
@@ -97,7 +97,7 @@ class Hub:
         if self.gatekeeper is not None:
             self.gatekeeper.serve()
 
-    recv = _reader("router")  # (its peer first)
+    recv = reader("router")  # (its peer first)
 
     @staticmethod
     def address(frame: Any) -> str:
@@ -278,7 +278,7 @@ class Link:
                                               f"{what.seq} to the coordinator at {config.endpoint}") from exc
         return True
 
-    recv = _reader("dealer")
+    recv = reader("dealer")
 
     def events(self, rank: int, joining: bool) -> list[Union[ConnectionEvent, Exception]]:
         """Read the monitor to the end: what happened to the connection, or the error of a refusal

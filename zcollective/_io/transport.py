@@ -107,8 +107,8 @@ class Mailbox(Protocol):
     def send(self, dest: int, frames: list[Any], track: bool, handle: Any) -> list[tuple[Any, Any]]:
         """Send (never blocking) or hold until the link is made; what went: (tracker, handle)."""
 
-    def take(self, waiting: bool = False) -> Any:
-        """The messages waiting (an iterator of frame lists)."""
+    def recv(self, waiting: bool) -> Optional[list[Any]]:
+        """The next message waiting, or None (``waiting``: a wait just found one)."""
 
     def progress(self, now: float, look: bool = False) -> tuple[list[tuple[Any, Any]], Optional[int]]:
         """The links' news: what went once made, and a rank whose link broke."""

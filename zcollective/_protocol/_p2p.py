@@ -87,26 +87,28 @@ class Mail(MailEndings):
         # their link never go, with the handles of sends on their way there, decided here
         self.tree: Optional[Callable[[Message], None]] = None  # where the tree's messages go (the member's)
 
-    def send(self, dest: int, tag: int, segment: list[Any], handle: Any, sent: Any = None) -> None:
-        """Send when the window allows (the handle is then done), in order. Given ``sent`` (done once
-        the message left), synchronous: ``handle`` is done once ``dest``'s program received it (a
-        CREDIT whose root is its :func:`ack_of`)."""
-        if self.failure is not None:
-            self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
-            return
-        if dest in self.ended_how and not self.still_takes(dest, tag):
-            self.outcomes.append(CallOutcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
-            return
-        size = len(segment[0]) if len(segment) == 1 and type(segment[0]) is bytes else nbytes(segment)  # (a
-        self.waiting[dest].append(_Sending(dest, tag, segment, size, handle, sent))  # small value's, inline)
-        self._flush(dest)
-
-    def _flush(self, dest: int) -> None:
+    def send(self, dest: int, tag: int = 0, segment: Optional[list[Any]] = None, handle: Any = None,
+             sent: Any = None) -> None:
+        """Send ``segment`` when the window allows (the handle is then done), after what waits for it, in
+        order; without one, what waits goes if the window now allows. Given ``sent`` (done once the message
+        left), synchronous: ``handle`` is done once ``dest``'s program received it (a CREDIT whose root is
+        its :func:`ack_of`)."""
         queue, box = self.waiting[dest], self.box
-        peer = box.peers[dest]  # (may_send's test, inline: once per message)
+        if segment is not None:
+            if self.failure is not None:
+                self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
+                return
+            if dest in self.ended_how and not self.still_takes(dest, tag):
+                self.outcomes.append(CallOutcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
+                return
+            one = segment[0] if len(segment) == 1 else None  # (a small value's size, inline)
+            size = len(one) if type(one) is bytes else nbytes(segment)
+            queue.append(_Sending(dest, tag, segment, size, handle, sent))
+        peer = box.peers[dest]  # (may_send's test and Mailbox.send's numbering, inline: once per message)
         while queue and (peer.held == 0 or peer.held + queue[0].size <= peer.window):
             s = queue.popleft()
-            seq = box.send(dest, s.size, s.handle, s.tag)
+            seq, peer.next_out, peer.held = peer.next_out, peer.next_out + 1, peer.held + s.size
+            peer.unreceived.append((seq, s.size, s.handle, s.tag))
             if s.sent is not None:  # done once acknowledged (see ssend)
                 self.syncing[(dest, seq % MAX_TAG + 1)] = (seq, s.handle, s.tag, s.sent)  # (ack_of, inline)
             msg = Message(Kind.SEND, 0 if s.sent is None else SYNC, self.rank, s.tag, seq, self.session,
@@ -148,7 +150,7 @@ class Mail(MailEndings):
         if credits:
             self._credit(credits)
         if came is not None and came.source == self.rank and self.waiting[self.rank]:
-            self._flush(self.rank)  # (its own credit: a send to itself that waited for it goes now)
+            self.send(self.rank)  # (its own credit: a send to itself that waited for it goes now)
         return came
 
     def probe(self, source: int, tag: int, handle: Any) -> None:
@@ -210,7 +212,7 @@ class Mail(MailEndings):
             self.box.credited(source, msg.seq, msg.op == EXACT)
             if msg.root:  # it received (or its teardown dropped) a synchronous message of this rank's
                 self._acked(source, msg.root)
-            self._flush(source)
+            self.send(source)
         elif msg.kind is Kind.ASK:
             self._credit(self.box.asked(source))
         elif msg.kind is Kind.SEND and len(msg.segments) == 1:
@@ -245,7 +247,7 @@ class Mail(MailEndings):
         undo = partial(self.box.untake, came)
         self.outcomes.append(CallOutcome(handle, None, make, status, undo))
         if came.source == self.rank and self.waiting[self.rank]:  # its own credit: a send to itself
-            self._flush(self.rank)  # that waited for the window goes now
+            self.send(self.rank)  # that waited for the window goes now
 
     def _credit(self, credits: list[Credit]) -> None:
         for c in credits:

@@ -186,7 +186,8 @@ class Mailbox:
         return peer.held == 0 or peer.held + nbytes <= peer.window
 
     def send(self, dest: int, nbytes: int, handle: Any = None, tag: int = 0) -> int:
-        """A message of ``nbytes`` goes to ``dest`` (:meth:`may_send` said so): its seq."""
+        """A message of ``nbytes`` goes to ``dest`` (:meth:`may_send` said so): its seq (Mail.send does
+        this inline, as may_send's test)."""
         peer = self.peers[dest]
         seq = peer.next_out
         peer.next_out += 1
