@@ -41,7 +41,8 @@ def _ping_pong(iters):
 
 def test_one_send_and_recv_stays_within_its_budget_of_python_calls():
     for rank, (calls, functions) in enumerate(run_replicas(_ping_pong, 2, ITERS, timeout=120)):
-        path = sum(n for n in functions.values() if n >= EVERY_TIME)
+        path = sum(round(n) for n in functions.values() if n >= EVERY_TIME)  # (a loaded machine's
+        # periodic work adds hundredths to the functions on the path: 1.02 calls is one)
         assert path <= BUDGET[rank], (
             f"rank {rank}: send+recv made {path:g} calls on its path, {calls:g} in all (budget "
             f"{BUDGET[rank]}): {functions}")

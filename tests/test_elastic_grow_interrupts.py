@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import pytest
 from conftest import touch, wait_for
 from test_elastic_edges import _at_the_wait_for_the_host, _before_the_join, _interrupt, _outcome
 
@@ -154,3 +155,61 @@ def test_a_member_withdrawing_after_the_forming_bound_still_counts_as_gone(tmp_p
     Here rank 2 is busy 3 s first; and its withdrawal, or rank 1's, waited only 1 s for a host
     not listening yet (the withdrawal lost: the same error)."""
     _check_one_group_or_told(*_run(two_members_signalled_as_they_start, (), tmp_path, 3))
+
+
+CTRL_C_HELD_S = 5.0  # a Ctrl-C as a grow's group forms comes out within this (the 2 s bound to reach
+# the host, or the host's 2 s forming bound, and a loaded machine's margin)
+
+
+def ctrl_c_beside_the_dead(markers, who):
+    """``who`` = "member": ranks 0 (the host) and 2 are killed as they start forming the grown group
+    and rank 1 gets a Ctrl-C 1 s into its wait for the host; "host": ranks 1 and 2 are killed and
+    rank 0 gets it 1 s into its wait for them. Returns how long after the signal its
+    KeyboardInterrupt came out."""
+    import threading
+
+    me = zc.get_rank()
+    zc.allreduce(1)
+    victims, hit = ((0, 2), 1) if who == "member" else ((1, 2), 0)  # (rank 2 too: no wait of its own)
+    if me in victims:
+        _before_the_join(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    sent = []
+
+    def ctrl_c():
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+    if me == hit:
+        _before_the_join(lambda: threading.Timer(1.0, ctrl_c).start())
+    try:
+        try:
+            _grow_until_admitted(markers)
+        except zc.CollectiveError:
+            pass  # (the host left out alone: its interrupt comes again after)
+        time.sleep(2 * CTRL_C_HELD_S)
+    except KeyboardInterrupt:
+        return round(time.monotonic() - sent[0], 1)
+    return "no KeyboardInterrupt"
+
+
+def _newcomer_told(markers):
+    touch(os.path.join(markers, "parked"))
+    try:
+        zc.initialize(join=True, timeout=60)
+    except zc.CollectiveError as exc:
+        return type(exc).__name__
+    return "in"
+
+
+@pytest.mark.parametrize("who", ["member", "host"])
+def test_a_ctrl_c_as_the_grown_group_forms_beside_the_dead_is_not_held_for_the_grows_longer_bound(
+        tmp_path, who):
+    """The reviewer's M2 (r-end): with the grow's 10 s bound, a member's Ctrl-C was held 10 s when the
+    host had died (its withdrawal waited for a host never reached), and the host's ~10 s when short of
+    a majority (it waited on for members that had died)."""
+    hit = 1 if who == "member" else 0
+    with Replicas(ctrl_c_beside_the_dead, 3, str(tmp_path), who) as members, \
+            Replicas(_newcomer_told, 1, str(tmp_path), initialize=False, port=members.port,
+                     env={"ZCOLLECTIVE_NUM_REPLICAS": ""}) as new:
+        outs = members.wait(RUN_S) + new.wait(RUN_S)
+    held = outs[hit].value
+    assert outs[hit].ok and isinstance(held, float) and held < CTRL_C_HELD_S, report(outs, f"held {held}")

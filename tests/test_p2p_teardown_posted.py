@@ -106,6 +106,7 @@ def _late_sender():
         return got.result(timeout=1)
     deadline = time.monotonic() + 30
     while True:
+        zc.iprobe(1, tag=98)  # (takes in the news: a program that only sends, never waiting, reads none)
         try:
             zc.send("probe", 1, tag=99, timeout=5)  # goes (dropped by rank 1's teardown) until its FINAL came
         except zc.PeerEndedError as exc:
@@ -123,3 +124,54 @@ def test_a_receive_posted_before_teardown_gets_a_message_sent_after_the_teardown
     told, got = run_replicas(_late_sender, 2, timeout=60)
     assert told.startswith("rank 0: send(dest=1, tag=99) cannot go: rank 1 called teardown"), told
     assert got == "late"
+
+
+# -- the reviewer's findings (r-end) --------------------------------------------------------------------
+
+
+def test_a_send_taken_back_gives_its_posted_receive_back_to_the_next():
+    """m1: a send that took a posted receive, then waited for credit and was taken back (timeout,
+    Ctrl-C), kept it: a retry failed `cannot go` while the receive still waited."""
+    mail = _mail()
+    mail.send(2, 7, [bytes(WINDOW)], "fills the window")
+    mail.ended(2, 0, ENDED, True, 0, 0, [5])
+    mail.send(2, 5, [b"y"], "first try")  # takes the receive, waits for credit
+    assert mail.waiting_for("first try") == 2 and mail.withdraw("first try")
+    mail.send(2, 5, [b"y"], "retry")
+    assert _failed(mail) == [] and mail.waiting_for("retry") == 2
+    mail.send(2, 5, [b"z"], "one too many")
+    assert [f for f, _ in _failed(mail)] == ["one too many"]
+
+
+def test_a_waiting_send_taken_back_after_the_final_gives_its_receive_back_too():
+    mail = _mail()
+    mail.send(2, 7, [bytes(WINDOW)], "fills the window")
+    mail.send(2, 5, [b"y"], "waiting")
+    mail.ended(2, 0, ENDED, True, 0, 0, [5])  # the waiting send takes the receive
+    assert mail.withdraw("waiting")
+    mail.send(2, 5, [b"y"], "again")
+    assert _failed(mail) == []
+
+
+def test_a_rank_lists_no_receives_for_itself_and_the_bound_is_for_all_ranks():
+    """m2: its own list (nobody else sends as it) spent the bound, so a rank's that mattered went
+    unsaid; and the parser bounded each rank's list, not all together as documented."""
+    mail = Mail(0, 2, WINDOW, session=7, outcomes=deque())
+    for i in range(300):
+        mail.receive(-1, 5, f"r{i}")  # ANY_SOURCE
+    posted = mail.open_to()
+    assert posted[0] == [] and len(posted[1]) == 300
+    parsed = _bodies.parse_final(_bodies.final([0, 0], True, [0, 0], [0, 0], 0, posted, rank=0, session=7), 2)
+    assert parsed["posted"] == [[], [5] * 300]
+    hostile = _bodies.control(Kind.FINAL, {"sent": [0, 0, 0], "how": "teardown",
+                                           "posted": [[1] * 400, [2] * 400, [3]]}, rank=0, session=7)
+    assert _bodies.parse_final(hostile, 3)["posted"] == [[1] * 400, None, [3]]
+
+
+def test_a_synchronous_send_that_cannot_go_is_named_ssend():
+    """m4: it was named `send(...)`."""
+    mail = _mail()
+    mail.ended(2, 0, ENDED, True, 0, 0, [])
+    mail.send(2, 6, [b"x"], "ssend", sent="its message")
+    assert _failed(mail) == [("ssend", "rank 1: ssend(dest=2, tag=6) cannot go: rank 2 called teardown "
+                                       "(pid 8 on h): its program receives nothing more (nothing was sent)")]

@@ -200,8 +200,8 @@ class Lifecycle:
                 if time.monotonic() - waited > form.wait_s + HOST_WINDOW_S:  # stopped meanwhile
                     raise Overslept(f"{who} overslept the forming of a group at {self.config.endpoint}")
                 if form.quorum_s > form.wait_s:  # too few yet: wait on for each to come or withdraw
-                    server.form_now(quorate=True)
-                    link.wait_for(lambda: member.joined, waited + form.quorum_s)
+                    server.form_now(quorate=True)  # (not past an interrupt held back: formed, or not, now)
+                    link.wait_for(lambda: member.joined or _interrupts.pending(), waited + form.quorum_s)
                 if not member.joined:
                     server.form_now()
             if not link.wait_for(lambda: member.joined, time.monotonic() + STATUS_WAIT_S):
@@ -210,7 +210,7 @@ class Lifecycle:
             try:
                 self._reach_host(form, who)
             except BaseException as exc:  # its JOIN may be there: taken back, or it is a member
-                withdraw(link, member, exc, form.wait_s)
+                withdraw(link, member, exc, form.wait_s, form.reach_s)
         self.config = dataclasses.replace(self.config, rank=member.rank, num_replicas=member.size)
         if self.data is not None:
             self.data.rank, self.data.size = member.rank, member.size

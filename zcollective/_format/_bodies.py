@@ -334,9 +334,13 @@ def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
         received = None if None in received or ranges > MAX_RECEIVED_RANGES else received
     else:
         received = None
-    posted = body.get("posted")
+    posted, room = body.get("posted"), MAX_POSTED_TAGS
     posted = ([_posted(tags) for tags in posted] if isinstance(posted, list) and len(posted) == num_replicas
               else [None] * num_replicas)
+    for r, tags in enumerate(posted):  # (at most MAX_POSTED_TAGS in all: past them, unsaid)
+        if tags is not None:
+            posted[r] = tags if len(tags) <= room else None
+            room -= len(tags) if len(tags) <= room else 0
     return {"sent": sent, "teardown": body.get("how") == "teardown", "received": received,
             "lost": lost if _counts(lost, num_replicas) else [0] * num_replicas,
             "calls": calls if type(calls) is int and 0 <= calls < 1 << 63 else None, "posted": posted}

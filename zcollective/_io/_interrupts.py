@@ -277,6 +277,11 @@ class _Wrapped:
             signal.raise_signal(signum)
 
 
+def pending() -> bool:
+    """Is a signal held back, to come again (an interrupt the program is waiting for)?"""
+    return any(isinstance(h, _Wrapped) and h.resending for h in map(getsignal, DEFERRED_SIGNALS))
+
+
 def signal_again(exc: BaseException) -> None:
     """The signal whose handler raised ``exc`` in a call that then completed on every rank comes again once
     the library has returned (the call returns its result; the interrupt is never swallowed)."""

@@ -59,6 +59,8 @@ class _Sending:
     size: int
     handle: Any
     sent: Any = None  # a synchronous send's: the handle the driver resolves once its message is sent
+    promised: Optional[int] = None  # the posted receive's tag it took of a rank in teardown (given back
+    # if the send is taken back)
 
 
 class Mail(MailEndings):
@@ -98,12 +100,16 @@ class Mail(MailEndings):
             if self.failure is not None:
                 self.outcomes.append(CallOutcome(handle, fresh(self.failure)))
                 return
-            if dest in self.ended_how and not self.still_takes(dest, tag):
-                self.outcomes.append(CallOutcome(handle, self._gone(f"send(dest={dest}, tag={tag})", dest)))
-                return
+            promised = None
+            if dest in self.ended_how:
+                promised = self.still_takes(dest, tag)
+                if promised is None:
+                    call = f"{'send' if sent is None else 'ssend'}(dest={dest}, tag={tag})"
+                    self.outcomes.append(CallOutcome(handle, self._gone(call, dest)))
+                    return
             one = segment[0] if len(segment) == 1 else None  # (a small value's size, inline)
             size = len(one) if type(one) is bytes else nbytes(segment)
-            queue.append(_Sending(dest, tag, segment, size, handle, sent))
+            queue.append(_Sending(dest, tag, segment, size, handle, sent, promised))
         peer = box.peers[dest]  # (may_send's test and Mailbox.send's numbering, inline: once per message)
         while queue and (peer.held == 0 or peer.held + queue[0].size <= peer.window):
             s = queue.popleft()
@@ -190,6 +196,8 @@ class Mail(MailEndings):
             for s in queue:
                 if s.handle is handle:
                     queue.remove(s)
+                    if s.promised is not None and self.open.get(s.dest) is not None:
+                        self.open[s.dest].insert(0, s.promised)  # (its receive waits for the next)
                     return True
         for key, (_, waiting, _, _) in self.syncing.items():  # sent: it may still be received
             if waiting is handle:

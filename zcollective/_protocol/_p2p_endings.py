@@ -121,18 +121,17 @@ class MailEndings:
         that its messages could match, in posting order: what its sends to this
         rank in teardown still go for (:meth:`still_takes`)."""
         return [[r.tag for r in self.box.posted if r.source in (ANY_SOURCE, source)]
-                for source in range(self.size)]
+                if source != self.rank else [] for source in range(self.size)]
 
-    def still_takes(self, dest: int, tag: int) -> bool:
+    def still_takes(self, dest: int, tag: int) -> Optional[int]:
         """May a send tagged ``tag`` go to ``dest``, which ended? Only if it is in
         teardown with a receive still posted that matches it, taken for it
-        here (its FINAL did not say them: any goes, and is dropped if none)."""
+        here (its FINAL did not say them: any goes, and is dropped if none):
+        the tag of the receive it took (None: it may not go)."""
         if dest not in self.tearing:
-            return False
+            return None
         tags = self.open.get(dest)
-        if tags is None:
-            return True
-        return _taken_by(tags, tag)
+        return tag if tags is None else _taken_by(tags, tag)
 
     def ended(self, source: int, count: int, how: str, teardown: bool = False,
               received: Union[None, int, list[int]] = None, lost: int = 0,
@@ -165,14 +164,14 @@ class MailEndings:
                     if handle is not None and (received is None or not was_received(received, seq)):
                         _taken_by(tags, tag)
                 for s in self.waiting[source]:
-                    _taken_by(tags, s.tag)
+                    s.promised = _taken_by(tags, s.tag)
                 self.open[source] = tags
             self._hopeless()
             return
         queue = self.waiting[source]
         while queue:
             s = queue.popleft()
-            gone = self._gone(f"send(dest={source}, tag={s.tag})", source)
+            gone = self._gone(f"{'send' if s.sent is None else 'ssend'}(dest={source}, tag={s.tag})", source)
             self.outcomes.append(CallOutcome(s.handle, gone))
         peer, decided = self.box.peers[source], []
         for key in [key for key in self.syncing if key[0] == source]:  # synchronous: received, or never
@@ -243,7 +242,7 @@ class MailEndings:
             error = PeerEndedError(f"rank {self.rank}: {what} cannot complete: {how}, having received "
                                    f"{count_received(received)} of this rank's messages, not this one "
                                    f"(number {seq} to it): its program receives nothing more")
-        elif what.startswith("send"):
+        elif what.startswith(("send", "ssend")):
             error = PeerEndedError(f"rank {self.rank}: {what} cannot go: {how}: its program receives "
                                    f"nothing more (nothing was sent)")
         else:
@@ -255,13 +254,14 @@ class MailEndings:
         return error
 
 
-def _taken_by(tags: list[int], tag: int) -> bool:
-    """Take the first of a rank's posted receives' ``tags`` that a message tagged ``tag`` matches."""
+def _taken_by(tags: list[int], tag: int) -> Optional[int]:
+    """Take the first of a rank's posted receives' ``tags`` that a message tagged ``tag`` matches (returned;
+    None: none)."""
     for i, posted in enumerate(tags):
         if posted in (tag, ANY_TAG):
             del tags[i]
-            return True
-    return False
+            return posted
+    return None
 
 
 def lost_words(mail: MailEndings, rank: int) -> str:
