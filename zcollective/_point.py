@@ -9,6 +9,7 @@ import time
 from collections import deque
 from concurrent.futures import CancelledError
 from functools import partial
+from threading import get_ident
 from typing import Any, Callable, Optional
 
 from . import _calls
@@ -321,7 +322,11 @@ class PointToPoint:
         if calls.life.closed or _calls.this_pid != calls.pid or mail is None or mail.box.draining:
             mail = self._mail()  # (raises, saying why)
         turns = calls.turns
-        if not turns.take(deadline):
+        lock = turns.lock
+        if lock.acquire(False):  # (Turns.take's uncontended case, inline: once per call)
+            turns.depth += 1
+            turns.owner = get_ident()
+        elif not turns.take(deadline):
             raise CollectiveTimeoutError(f"rank {self.rank}: {what} timed out before it could be made "
                                          f"(another thread held the group)")
         try:
@@ -345,8 +350,12 @@ class PointToPoint:
                         raise
                 value = settle(outcomes, future)
             return future, value
-        finally:
-            turns.give()
+        finally:  # (Turns.give, inline)
+            turns.depth -= 1
+            if not turns.depth:
+                turns.owner = None
+                turns.left = time.monotonic()
+            lock.release()
 
     def _finish(self, future: CollectiveFuture[Any], timeout: Timeout, deadline: Optional[float]) -> Any:
         """``future.result()`` by ``deadline`` (``timeout``: for the message),

@@ -26,7 +26,7 @@ class Turns:
     """The turn of one group (see the module's rules)."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()  # the turn (re-entered by done-callbacks and nested steps)
+        self.lock = threading.RLock()  # the turn (re-entered by done-callbacks and nested steps)
         self.depth = 0  # the holder's nested takes
         self.owner: Optional[int] = None  # the holder's thread (read by drivers: held, without a call)
         self.left = 0.0  # when a holder last let go of the turn
@@ -51,8 +51,9 @@ class Turns:
 
     def take(self, deadline: Optional[float] = None) -> bool:
         """Take the turn (nested takes count), nudging its holder; False if the holder, busy in a step that is
-        not a wait (pickling, a reduce function), kept it past ``deadline``."""
-        lock = self._lock
+        not a wait (pickling, a reduce function), kept it past ``deadline``. (``_point``'s ``_make`` takes
+        it uncontended inline, and gives it back so: change them together.)"""
+        lock = self.lock
         if not lock.acquire(blocking=False):
             with self._mutex:
                 self.wanting += 1
@@ -73,7 +74,7 @@ class Turns:
     def try_take(self) -> bool:
         """Take the turn unless another program thread holds it (nested takes
         count; rank 0's server thread is nudged, and waited for a moment)."""
-        if not self._lock.acquire(blocking=False):
+        if not self.lock.acquire(blocking=False):
             return self.standby and self.take(time.monotonic() + GIVE_WAY_S)
         self.depth += 1
         self.owner = threading.get_ident()
@@ -85,7 +86,7 @@ class Turns:
         if not self.depth:
             self.owner = None
             self.left = time.monotonic()
-        self._lock.release()
+        self.lock.release()
 
     def __enter__(self) -> Turns:
         """``with turns:`` takes the turn, with no bound, for the block."""
