@@ -452,20 +452,23 @@ def soak(count):
     return "ok"
 
 
-def reduced_while_rank_0_was_away():
-    """Rank 0 starts an async call whose reduce function takes 6 s, then
+def reduced_while_rank_0_was_away(measured):
+    """Rank 0 starts an async call whose reduce function runs until rank 0
+    has measured its waits (the file ``measured``; 30 s at most), then
     computes for 0.5 s: the background thread serves and runs it. Rank 0's
     ``done()`` must not wait for it, nor ``result(timeout=0.5)`` outlast its
     bound (plus the 1 s status query) by much."""
     r = zc.get_rank()
 
     def slow(a, b):
-        time.sleep(6)
+        deadline = time.monotonic() + 30  # (a result() that waited for it would take as long)
+        while not os.path.exists(measured) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return a + b
 
     if r != 0:
         time.sleep(0.2)  # rank 0 is away by then: its background thread completes the call
-        return zc.allreduce_async(1, slow).result(timeout=30)
+        return zc.allreduce_async(1, slow).result(timeout=60)
     future = zc.allreduce_async(1, slow)
     time.sleep(0.5)
     start = time.monotonic()
@@ -477,11 +480,13 @@ def reduced_while_rank_0_was_away():
     except zc.CollectiveTimeoutError as exc:
         got = str(exc)
     took_result = time.monotonic() - start
-    return done, took_done, got, took_result, future.result(timeout=30)
+    touch(measured)
+    return done, took_done, got, took_result, future.result(timeout=60)
 
 
-def test_rank_0_waits_only_as_long_as_it_asked_while_its_background_thread_reduces():
-    outs = run_replicas(reduced_while_rank_0_was_away, 2, initialize=True, timeout=60)
+def test_rank_0_waits_only_as_long_as_it_asked_while_its_background_thread_reduces(tmp_path):
+    outs = run_replicas(reduced_while_rank_0_was_away, 2, str(tmp_path / "measured"), initialize=True,
+                        timeout=90)
     done, took_done, got, took_result, final = outs[0]
     assert done is False and took_done < 0.5, outs[0]
     assert took_result < 2.5, outs[0]
