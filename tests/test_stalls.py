@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 
+from conftest import touch, wait_for
 from test_coordinator import SESSION, contrib, feed, join_msg, peer
 
 import zcollective as zc
@@ -153,18 +154,21 @@ def test_a_join_missing_a_rank_is_warned_about():
     assert said1, report(outs, "rank 1 said nothing")
 
 
-def blocked_and_watched():
+def blocked_and_watched(seen_marker):
     me = zc.get_rank()
     zc.allreduce(1)
-    if me == 1:
-        time.sleep(3)
+    if me == 1:  # late: it comes once rank 0's second thread has seen the status
+        wait_for(seen_marker, timeout=30)
         zc.allreduce(1)
         return None
     seen = {}
 
     def watch():
         time.sleep(1.0)
-        seen.update(zc.status())  # while the main thread is blocked in the call
+        try:
+            seen.update(zc.status())  # while the main thread is blocked in the call
+        finally:
+            touch(seen_marker)
     watcher = threading.Thread(target=watch)
     watcher.start()
     zc.allreduce(1)
@@ -172,8 +176,8 @@ def blocked_and_watched():
     return seen
 
 
-def test_status_answers_from_a_second_thread_while_the_first_is_blocked():
-    with Replicas(blocked_and_watched, 2) as reps:
+def test_status_answers_from_a_second_thread_while_the_first_is_blocked(tmp_path):
+    with Replicas(blocked_and_watched, 2, str(tmp_path / "seen")) as reps:
         outs = reps.wait(RUN_S)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     seen = outs[0].value
