@@ -531,14 +531,15 @@ def test_a_signal_handlers_exception_in_a_reduction_ends_rank_0_and_fails_the_ca
 
 
 def one_rank_late(markers):
-    """Issue 26's scenario: rank 2 sleeps past the others' timeout, then all call allreduce."""
+    """Issue 26's scenario: rank 2 comes past the others' timeout, then all call allreduce."""
     r = zc.get_rank()
-    if r == 2:
-        time.sleep(4)
+    if r == 2:  # it comes once the others' calls have timed out
+        wait_for(*(os.path.join(markers, f"gave up{other}") for other in (0, 1)), timeout=30)
     try:
         got = ("value", zc.allreduce(r, timeout=2))
     except zc.CollectiveTimeoutError as exc:
         got = ("timeout", str(exc))
+    touch(os.path.join(markers, f"gave up{r}"))
     zc.barrier(timeout=30)  # the group goes on, with every rank at the same call again
     return got, zc.allreduce(r + 1, timeout=30)
 
