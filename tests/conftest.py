@@ -116,6 +116,44 @@ def wait_for(*paths, timeout=MARKER_WAIT_S, watch=None):
             time.sleep(MARKER_POLL_S)  # polling a file, with a bound
 
 
+LAUNCHED_READER_JOIN_S = 5.0  # the launcher ended: the rest of its output is read within this
+
+
+def launched_until_seen(args, seen, marker, timeout, **kwargs):
+    """Run the launcher's command ``args`` (as ``subprocess.run``) and touch
+    ``marker`` once a line of its output (stdout and stderr together)
+    satisfies ``seen``: a job waits for it where it would sleep for long
+    enough. Returns (exit code, the whole output).
+
+    Raises
+    ------
+    subprocess.TimeoutExpired
+        It did not end within ``timeout`` seconds (it is killed).
+    """
+    import subprocess
+
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)
+    lines = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if seen(line) and not os.path.exists(marker):
+                touch(marker)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(LAUNCHED_READER_JOIN_S)
+        proc.stdout.close()
+    return proc.returncode, "".join(lines)
+
+
 class InterruptAtLine:
     """A trace hook (``sys.settrace``) sending SIGINT to the main thread at the
     k-th line run in a file whose name ``where`` accepts: a Ctrl-C at any

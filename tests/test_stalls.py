@@ -12,7 +12,7 @@ import textwrap
 import threading
 import time
 
-from conftest import touch, wait_for
+from conftest import launched_until_seen, touch, wait_for
 from test_coordinator import SESSION, contrib, feed, join_msg, peer
 
 import zcollective as zc
@@ -190,26 +190,27 @@ def test_status_answers_from_a_second_thread_while_the_first_is_blocked(tmp_path
 
 
 def test_zcollective_run_shows_the_late_ranks_stack_with_its_sleeping_line(tmp_path):
-    job = tmp_path / "late.py"
-    job.write_text(textwrap.dedent("""\
-        import time
+    job, shown = tmp_path / "late.py", tmp_path / "shown"
+    job.write_text(textwrap.dedent(f"""\
+        import os, time
         import zcollective as zc
         zc.initialize()
         zc.allreduce(1)
-        if zc.get_rank() == 1:
-            time.sleep(5)  # line 6: where rank 1 is
+        end = time.monotonic() + 30  # (its stack shown: the test says so with {shown})
+        while zc.get_rank() == 1 and not os.path.exists({str(shown)!r}) and time.monotonic() < end:
+            time.sleep(0.01)  # line 7: where rank 1 is
         zc.allreduce(1)
         zc.teardown()
     """))
     env = {**os.environ, "ZCOLLECTIVE_WARN_AFTER": str(WARN_S)}
-    proc = subprocess.run([sys.executable, "-m", "zcollective.run", "-n", "2", "--master-port",
-                           str(free_port()), str(job)], capture_output=True, text=True, timeout=RUN_S,
-                          env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    returncode, out = launched_until_seen(
+        [sys.executable, "-m", "zcollective.run", "-n", "2", "--master-port", str(free_port()), str(job)],
+        lambda line: line.startswith("[1]") and "late.py" in line and "line 7" in line, str(shown),
+        RUN_S, env=env)
+    assert returncode == 0, out
     assert "rank 1 is late in a call the others wait for" in out, out
     stack = [line for line in out.splitlines() if line.startswith("[1]") and "late.py" in line]
-    assert any("line 6" in line for line in stack), out
+    assert any("line 7" in line for line in stack), out
 
 
 def test_a_healthy_run_prints_no_warning():
