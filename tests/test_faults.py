@@ -295,18 +295,24 @@ def test_port_answered_by_a_non_zeromq_program_fails_fast(monkeypatch):
         server.close()
 
 
-def stuck_reduce():
+def stuck_reduce(markers):
     """A reduce function that never returns: rank 0 runs it in its own thread
     (its timeout cannot stop it; a Ctrl-C does, once the others' timeouts and
-    status queries, 1 s each, have long passed)."""
+    status queries, 1 s each, have passed: they say so with markers)."""
     r = zc.get_rank()
 
     def forever(a, b):
         while True:
             pass
 
+    def interrupt_once_they_timed_out():
+        try:
+            wait_for(*(os.path.join(markers, f"timed out{other}") for other in (1, 2)), timeout=30)
+        finally:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
     if r == 0:
-        threading.Timer(5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        threading.Thread(target=interrupt_once_they_timed_out, daemon=True).start()
     message = "no error"
     try:
         zc.allreduce(r, forever, timeout=1)
@@ -314,12 +320,14 @@ def stuck_reduce():
         message = str(exc)
     except KeyboardInterrupt:
         message = "interrupted"
+    if r != 0:
+        touch(os.path.join(markers, f"timed out{r}"))
     zc.teardown(timeout=10)  # the group goes on
     return message
 
 
-def test_reduce_function_that_never_returns_ends_in_timeouts_and_ctrl_c_stops_it():
-    outs = run_replicas(stuck_reduce, 3, initialize=True, timeout=60)
+def test_reduce_function_that_never_returns_ends_in_timeouts_and_ctrl_c_stops_it(tmp_path):
+    outs = run_replicas(stuck_reduce, 3, str(tmp_path), initialize=True, timeout=60)
     assert outs[0] == "interrupted", outs
     for rank in (1, 2):
         assert outs[rank] == (f"seq 0 allreduce timed out after 1 s on rank {rank}; the coordinator (rank 0) "
