@@ -133,19 +133,27 @@ def test_a_rank_asleep_is_named_on_rank_0_and_the_waiting_ranks_then_the_end():
     assert not [m for _, m in outs[2].value if "waited" in m]  # the late one has nothing to say
 
 
-def joins_late(sleep_s):
+def joins_late(markers):
+    """Rank 2 joins once ranks 0 and 1 have said they wait for it (markers)."""
     records = _capture()
     started = time.monotonic()
-    if int(os.environ["ZCOLLECTIVE_REPLICA_RANK"]) == 2:
-        time.sleep(sleep_s)
+    rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    if rank == 2:
+        wait_for(*(os.path.join(markers, f"said{other}") for other in (0, 1)), timeout=30)
+    else:
+        class SaidIt(logging.Handler):
+            def emit(self, record):
+                if "to join" in record.getMessage():
+                    touch(os.path.join(markers, f"said{rank}"))
+        logging.getLogger("zcollective").addHandler(SaidIt())
     zc.initialize()
     zc.allreduce(1)
     return [(round(t - started, 2), m) for t, m in records]
 
 
-def test_a_join_missing_a_rank_is_warned_about():
+def test_a_join_missing_a_rank_is_warned_about(tmp_path):
     env = {"ZCOLLECTIVE_WARN_AFTER": str(WARN_S)}
-    with Replicas(joins_late, 3, 3.5, initialize=False, env=env) as reps:
+    with Replicas(joins_late, 3, str(tmp_path), initialize=False, env=env) as reps:
         outs = reps.wait(RUN_S)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     said0 = [m for _, m in outs[0].value if "to join" in m]
