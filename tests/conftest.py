@@ -116,6 +116,44 @@ def wait_for(*paths, timeout=MARKER_WAIT_S, watch=None):
             time.sleep(MARKER_POLL_S)  # polling a file, with a bound
 
 
+LAUNCHED_READER_JOIN_S = 5.0  # the launcher ended: the rest of its output is read within this
+
+
+def launched_until_seen(args, seen, marker, timeout, **kwargs):
+    """Run the launcher's command ``args`` (as ``subprocess.run``) and touch
+    ``marker`` once a line of its output (stdout and stderr together)
+    satisfies ``seen``: a job waits for it where it would sleep for long
+    enough. Returns (exit code, the whole output).
+
+    Raises
+    ------
+    subprocess.TimeoutExpired
+        It did not end within ``timeout`` seconds (it is killed).
+    """
+    import subprocess
+
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)
+    lines = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if seen(line) and not os.path.exists(marker):
+                touch(marker)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(LAUNCHED_READER_JOIN_S)
+        proc.stdout.close()
+    return proc.returncode, "".join(lines)
+
+
 class InterruptAtLine:
     """A trace hook (``sys.settrace``) sending SIGINT to the main thread at the
     k-th line run in a file whose name ``where`` accepts: a Ctrl-C at any
@@ -190,33 +228,43 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
-# The longest tests (`python -m pytest --durations=30`), started first: pytest-xdist hands tests
+# The longest tests (`python -m pytest --durations=150`), longest first: pytest-xdist hands tests
 # out in collection order, so one of them started last would run on alone at the end of the run
 # while the other workers idle. "file::function" (every parametrization); one renamed or gone
 # just loses its place.
 LONGEST_FIRST = (
     "test_ending.py::test_programs_that_end_without_teardown_lose_nothing",
-    "test_launcher.py::test_examples_run_under_the_launcher",
     "test_tree.py::test_a_tree_of_32_gives_up_a_call_a_deep_rank_is_late_for_alike_and_goes_on",
-    "test_tree.py::test_a_tree_of_16_gets_every_call_right_and_names_a_deep_mismatch_exactly",
-    "test_torch.py::test_operations_on_tensors_between_processes",
-    "test_slow_links.py::test_a_program_ending_over_a_slow_link_loses_nothing_it_sent",
-    "test_faults.py::test_soak_mixed_operations_lose_nothing",
-    "test_tree.py::test_an_interior_rank_killed_mid_call_is_named_everywhere_and_the_rest_shrink_and_go_on",
     "test_elastic_edges.py::test_a_busy_rank_0_never_strands_the_prompt_survivors",
+    "test_elastic_grow_interrupts.py::test_a_member_withdrawing_after_the_forming_bound_still_counts_as_gone",
+    "test_launcher.py::test_examples_run_under_the_launcher",
+    "test_torch.py::test_operations_on_tensors_between_processes",
+    "test_multihost.py::test_every_operation_across_namespaced_hosts_then_a_link_goes_down",
+    "test_faults.py::test_soak_mixed_operations_lose_nothing",
+    "test_compose_mail.py::test_a_send_to_a_rank_that_ended_fails_at_once_naming_it",
+    "test_zap.py::test_a_flood_of_large_joins_neither_stalls_a_running_group_nor_grows_rank_0",
     "test_slow_links.py::test_large_values_over_a_slow_link_lose_nobody",
-    "test_threads.py::test_a_rank_0_call_waits_for_the_server_threads_reduction_no_longer_than_its_timeout",
+    "test_dataplane.py::test_a_rank_interrupted_again_and_again_mid_ring_loses_no_chunk",
+    "test_compose_misc.py::test_a_waiting_ranks_completed_after_counts_from_its_call_not_its_warning",
+    "test_compose_attack.py::test_a_signal_handlers_exception_at_exit_still_says_goodbye",
+    "test_compose_mail.py::test_a_rank_that_ends_while_its_receiver_is_stopped_delivers_its_messages",
+    "test_mp_children.py::test_children_ending_after_their_last_call_lose_nothing",
+    "test_compose_signals.py::test_ctrl_c_during_a_slow_reduction_ends_the_call_alike_on_every_rank",
+    "test_slow_links.py::test_a_program_ending_over_a_slow_link_loses_nothing_it_sent",
+    "test_compose_mail.py::test_a_rank_whose_messages_cannot_leave_before_it_ends_says_so_to_their_receiver",
+    "test_elastic_edges.py::test_a_late_shrink_is_told_it_was_left_out_even_after_the_others_ended",
     "test_launcher.py::test_a_newcomer_waiting_where_rank_0_was_is_started_again_where_the_coordinator_moved",
     "test_launcher.py::test_replace_lost_starts_newcomers_in_the_place_of_killed_ranks_and_training_sees_every_sample",
-    "test_multihost.py::test_every_operation_across_namespaced_hosts_then_a_link_goes_down",
-    "test_shared_hosts.py::test_an_allreduce_across_hosts_crosses_each_hosts_link_once_per_host",
+    "test_security.py::test_a_flood_of_connections_cannot_silence_heartbeats",
+    "test_elastic_edges.py::test_busy_low_ranks_and_a_prompt_high_one_end_in_one_group",
+    "test_faults.py::test_strangers_reusing_a_routing_id_cannot_crash_rank_0",
+    "test_ending.py::test_a_rank_busy_past_rank_0s_ending_is_told_rank_0_ended_not_lost",
     "test_launcher.py::test_the_summary_quotes_the_users_exception_not_what_the_library_said_after_it",
+    "test_ending.py::test_a_rank_ending_with_a_small_broadcast_uncollected_does_not_fail_it_with_a_data_plane",
+    "test_tree.py::test_an_interior_rank_killed_mid_call_is_named_everywhere_and_the_rest_shrink_and_go_on",
+    "test_tree.py::test_a_tree_of_16_gets_every_call_right_and_names_a_deep_mismatch_exactly",
     "test_threads.py::test_an_interrupt_of_one_thread_fails_its_call_alike_and_spares_the_others",
-    "test_stalls.py::test_zcollective_run_shows_the_late_ranks_stack_with_its_sleeping_line",
-    "test_compose_mail.py::test_a_send_that_raises_after_a_failure_is_never_delivered",
-    "test_dataplane.py::test_cpu_tensors_go_peer_to_peer_and_come_back_as_tensors",
-    "test_tree_order.py::test_a_call_right_after_one_reduced_on_the_way_goes_up_behind_it",
-    "test_fuzz.py::test_sweep_coordinator_in_every_phase_takes_every_edit",
+    "test_shared_hosts.py::test_an_allreduce_across_hosts_crosses_each_hosts_link_once_per_host",
 )
 
 

@@ -4,9 +4,11 @@ done-callback beside a data move held by a rank away from the library, and a sin
 after a small message already received. Real processes on loopback; every wait is bounded by a
 short timeout, so a starved wait shows as a timeout or a slow measured wait, not a hang."""
 
+import os
 import time
 
 import pytest
+from conftest import touch, wait_for
 
 import zcollective as zc
 from zcollective._io import _shared
@@ -16,7 +18,7 @@ np = pytest.importorskip("numpy")
 
 WAIT_S = 8.0  # every call's timeout: long on a loaded machine for calls that take milliseconds
 RUN_S = 40  # a whole test
-AWAY_S = 3.0  # a rank computes this long, away from the library
+AWAY_MAX_S = 20.0  # a rank computes, away from the library, until rank 0's callback is done: at most this
 QUICK_S = 1.5  # a wait that needs nothing of the away rank returns well within this
 ELEMENTS = 1 << 20  # float32: 4 MiB, through shared memory or round the ring
 WINDOW = {"ZCOLLECTIVE_MAIL_WINDOW_BYTES": str(1 << 20)}  # 1 MiB
@@ -54,9 +56,10 @@ def test_teardown_finishes_a_pending_large_allreduce_after_a_barrier(env, late):
 # -- 2. a wait nested in a done-callback is not held by a data move ------------------------
 
 
-def _callback_waits(how):
+def _callback_waits(how, markers):
     """Every rank: a small allreduce_async, then a 4 MiB one (held: the last rank computes
-    AWAY_S s before it enters the library). Rank 0's done-callback of the small one calls
+    until rank 0's callback is done, at most AWAY_MAX_S s, before it enters the library: a wait
+    held by the data move lasts its timeout). Rank 0's done-callback of the small one calls
     ``how``: recv (rank 1 sent before), a recv_async's result (the same), or three 1.2 MB sends
     into rank 1's 1 MiB window (rank 1 receives them: the later ones wait for its credit). None
     needs anything of the away rank: each returns at once."""
@@ -83,6 +86,7 @@ def _callback_waits(how):
                     zc.send(np.full(150_000, float(i)), 1, tag=6, timeout=WAIT_S)
                 seen.append(zc.recv(1, tag=5, timeout=WAIT_S))
             seen.append(time.monotonic() - t0)
+            touch(os.path.join(markers, "called back"))
 
         small.add_done_callback(callback)
         small.result(WAIT_S)
@@ -91,16 +95,17 @@ def _callback_waits(how):
         for i in range(SENDS):
             assert float(zc.recv(0, tag=6, timeout=WAIT_S)[0]) == i
     if me == n - 1:
-        time.sleep(AWAY_S)  # computing, away from the library
-    return took, float(big.result(WAIT_S + AWAY_S)[0])
+        wait_for(os.path.join(markers, "called back"), timeout=AWAY_MAX_S)  # computing, away from the library
+    return took, float(big.result(WAIT_S + AWAY_MAX_S)[0])
 
 
 @pytest.mark.parametrize("env", PLANES)
 @pytest.mark.parametrize("how", ["recv", "result", "send"])
-def test_a_wait_in_a_done_callback_is_not_held_by_a_pending_data_move(env, how):
-    """attack1 2: the callback's wait took AWAY_S (3 s): held until the data move completed."""
+def test_a_wait_in_a_done_callback_is_not_held_by_a_pending_data_move(tmp_path, env, how):
+    """attack1 2: the callback's wait took as long as the last rank was away (3 s): held until
+    the data move completed."""
     n = 3
-    outs = run_replicas(_callback_waits, n, how, env={**env, **WINDOW}, timeout=RUN_S)
+    outs = run_replicas(_callback_waits, n, how, str(tmp_path), env={**env, **WINDOW}, timeout=RUN_S)
     got, took = outs[0][0]
     assert got == "hello", outs
     assert took < QUICK_S, f"rank 0's {how} in the callback took {took:.2f} s (expected at once)"

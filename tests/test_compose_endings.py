@@ -240,21 +240,23 @@ def test_teardown_finishes_point_to_point_calls_left_uncollected(plane):
         assert summed == ([] if plane == "mailbox" else [6.0]), outs
 
 
-def teardown_timing_out_waiting_for_a_rank():
+def teardown_timing_out_waiting_for_a_rank(markers):
     r = zc.get_rank()
-    if r == 1:
-        time.sleep(4)  # in its own code, past rank 0's teardown timeout
+    if r == 1:  # in its own code, past rank 0's teardown timeout
+        wait_for(os.path.join(markers, "timed out"), timeout=30)
         return "late"
     start = time.monotonic()
     try:
         zc.teardown(timeout=1.5)
     except zc.CollectiveTimeoutError as exc:
         return str(exc), time.monotonic() - start
+    finally:
+        touch(os.path.join(markers, "timed out"))
     return "returned"
 
 
-def test_a_teardown_that_cannot_finish_says_for_whom_it_waited_within_its_timeout():
-    with Replicas(teardown_timing_out_waiting_for_a_rank, 2) as reps:
+def test_a_teardown_that_cannot_finish_says_for_whom_it_waited_within_its_timeout(tmp_path):
+    with Replicas(teardown_timing_out_waiting_for_a_rank, 2, str(tmp_path)) as reps:
         outs = reps.wait(60)
     said, took = outs[0].value
     assert said.startswith("rank 0: teardown timed out after 1.5 s finishing the calls made before it: "

@@ -223,6 +223,13 @@ def stopped_past_the_bound(markers):
             got = value if isinstance(value, str) else None
             time.sleep(0.1)
         return got
+    deadline = time.monotonic() + 60  # rank 0: the group fails without rank 1, stopped by the test
+    while time.monotonic() < deadline:
+        _outcome(lambda: zc.iprobe(2))  # (moves the group: status only reads it)
+        if zc.status()["state"] == "failed":
+            break
+        time.sleep(0.05)
+    touch(_marker(markers, "failed"))
     wait_for(_marker(markers, "sent"), timeout=60)
     return None
 
@@ -235,7 +242,7 @@ def test_a_send_that_raises_after_a_failure_is_never_delivered(tmp_path):
     with Replicas(stopped_past_the_bound, 3, markers, env=env) as reps:
         wait_for(_marker(markers, "ready"), watch=reps)
         reps.kill(1, signal.SIGSTOP)
-        time.sleep(5.0)  # past the bound (2 s): the group fails without it
+        wait_for(_marker(markers, "failed"), watch=reps)  # past the bound (2 s): the group failed without it
         reps.kill(1, signal.SIGCONT)
         outs = reps.wait(60)
     sent, received = outs[1].value, outs[2].value

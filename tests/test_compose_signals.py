@@ -7,7 +7,6 @@ reduction. Real processes, real signals (``os.kill``); every wait bounded."""
 import operator
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -15,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import launched_until_seen, wait_for
 
 import zcollective as zc
 from zcollective._io._stacks import STACKS_GAP_S
@@ -218,9 +217,9 @@ def test_a_stall_under_the_launcher_never_runs_the_programs_own_sigusr1_handler(
     """The program installs a "checkpoint and exit" SIGUSR1 handler after
     initialize; rank 1 is late, so the launcher shows its stacks: the
     handler never runs, and the stacks still come."""
-    job = tmp_path / "late.py"
-    job.write_text(textwrap.dedent("""\
-        import signal, sys, time
+    job, shown = tmp_path / "late.py", tmp_path / "shown"
+    job.write_text(textwrap.dedent(f"""\
+        import os, signal, sys, time
         import zcollective as zc
         zc.initialize()
         def checkpoint_and_exit(signum, frame):
@@ -228,19 +227,21 @@ def test_a_stall_under_the_launcher_never_runs_the_programs_own_sigusr1_handler(
             sys.exit(3)
         signal.signal(signal.SIGUSR1, checkpoint_and_exit)
         zc.allreduce(1)
-        if zc.get_rank() == 1:
-            time.sleep(4)  # line 10: where rank 1 is
+        end = time.monotonic() + 30  # (its stack shown, after the signal: the test says so with {shown})
+        while zc.get_rank() == 1 and not os.path.exists({str(shown)!r}) and time.monotonic() < end:
+            time.sleep(0.01)  # line 11: where rank 1 is
         zc.allreduce(1)
         zc.teardown()
     """))
     env = {**os.environ, "ZCOLLECTIVE_WARN_AFTER": str(WARN_S)}
-    proc = subprocess.run([sys.executable, "-m", "zcollective.run", "-n", "2", "--master-port",
-                           str(free_port()), str(job)], capture_output=True, text=True, timeout=60, env=env)
-    out = proc.stdout + proc.stderr
-    assert "SIGUSR1 handler ran" not in out and proc.returncode == 0, out
+    returncode, out = launched_until_seen(
+        [sys.executable, "-m", "zcollective.run", "-n", "2", "--master-port", str(free_port()), str(job)],
+        lambda line: line.startswith("[1]") and "late.py" in line and "line 11" in line, str(shown), 60,
+        env=env)
+    assert "SIGUSR1 handler ran" not in out and returncode == 0, out
     assert "rank 1 is late in a call the others wait for" in out, out
     stack = [line for line in out.splitlines() if line.startswith("[1]") and "late.py" in line]
-    assert any("line 10" in line for line in stack), out
+    assert any("line 11" in line for line in stack), out
 
 
 # -- item 16a: Ctrl-C during a slow reduction ------------------------------------------------------

@@ -115,6 +115,7 @@ def stopped_survivor(markers):
         if me == 2:
             touch(os.path.join(markers, "tried"))
     got = {"members": zc.allgather(me), "rank": zc.get_rank()}
+    touch(os.path.join(markers, f"formed{me}"))
     wait_for(os.path.join(markers, "tried"), timeout=60)  # alive while rank 2 tries to join
     return got
 
@@ -126,7 +127,8 @@ def test_a_survivor_stopped_past_the_bound_is_left_out_by_all(tmp_path, secret):
         time.sleep(0.3)  # all four wait in the allreduce
         reps.kill(2, signal.SIGSTOP)
         reps.kill(3, signal.SIGKILL)
-        time.sleep(5)  # past the forming bound (FORM_WAIT_S)
+        # past the forming bound (FORM_WAIT_S): ranks 0 and 1 formed their group and made a call in it
+        wait_for(*(tmp_path / f"formed{r}" for r in (0, 1)))  # (no watch: rank 3 has ended)
         reps.kill(2, signal.SIGCONT)
         outs = reps.wait(RUN_S)
     assert outs[0].ok and outs[1].ok and outs[2].ok, report(outs, "a survivor failed")

@@ -203,7 +203,9 @@ def stopped_rank_0(markers):
                 zc.allgather(me, timeout=60)
             except zc.ReplicaLostError:
                 zc.shrink()
-                return {"members": tuple(zc.allgather(me, timeout=30)), "size": zc.get_world_size()}
+                members = tuple(zc.allgather(me, timeout=30))
+                touch(os.path.join(markers, f"shrunk{me}"))
+                return {"members": members, "size": zc.get_world_size()}
             time.sleep(0.01)
     return _outcome(go_on)
 
@@ -214,8 +216,8 @@ def test_a_stopped_rank_0_on_the_same_host_neither_blocks_the_others_nor_goes_on
         wait_for(*(tmp_path / f"ready{r}" for r in range(4)), watch=reps)
         time.sleep(0.3)
         reps.kill(0, signal.SIGSTOP)
-        time.sleep(6)  # past the liveness bound and the others' shrink
-        reps.kill(0, signal.SIGCONT)
+        wait_for(*(tmp_path / f"shrunk{r}" for r in range(1, 4)), watch=reps)  # past the liveness
+        reps.kill(0, signal.SIGCONT)  # bound and the others' shrink
         outs = reps.wait(RUN_S)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     assert [o.value for o in outs[1:]] == [{"members": (1, 2, 3), "size": 3}] * 3, report(outs, "split")

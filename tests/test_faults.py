@@ -295,18 +295,24 @@ def test_port_answered_by_a_non_zeromq_program_fails_fast(monkeypatch):
         server.close()
 
 
-def stuck_reduce():
+def stuck_reduce(markers):
     """A reduce function that never returns: rank 0 runs it in its own thread
     (its timeout cannot stop it; a Ctrl-C does, once the others' timeouts and
-    status queries, 1 s each, have long passed)."""
+    status queries, 1 s each, have passed: they say so with markers)."""
     r = zc.get_rank()
 
     def forever(a, b):
         while True:
             pass
 
+    def interrupt_once_they_timed_out():
+        try:
+            wait_for(*(os.path.join(markers, f"timed out{other}") for other in (1, 2)), timeout=30)
+        finally:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
     if r == 0:
-        threading.Timer(5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        threading.Thread(target=interrupt_once_they_timed_out, daemon=True).start()
     message = "no error"
     try:
         zc.allreduce(r, forever, timeout=1)
@@ -314,12 +320,14 @@ def stuck_reduce():
         message = str(exc)
     except KeyboardInterrupt:
         message = "interrupted"
+    if r != 0:
+        touch(os.path.join(markers, f"timed out{r}"))
     zc.teardown(timeout=10)  # the group goes on
     return message
 
 
-def test_reduce_function_that_never_returns_ends_in_timeouts_and_ctrl_c_stops_it():
-    outs = run_replicas(stuck_reduce, 3, initialize=True, timeout=60)
+def test_reduce_function_that_never_returns_ends_in_timeouts_and_ctrl_c_stops_it(tmp_path):
+    outs = run_replicas(stuck_reduce, 3, str(tmp_path), initialize=True, timeout=60)
     assert outs[0] == "interrupted", outs
     for rank in (1, 2):
         assert outs[rank] == (f"seq 0 allreduce timed out after 1 s on rank {rank}; the coordinator (rank 0) "
@@ -452,20 +460,23 @@ def soak(count):
     return "ok"
 
 
-def reduced_while_rank_0_was_away():
-    """Rank 0 starts an async call whose reduce function takes 6 s, then
+def reduced_while_rank_0_was_away(measured):
+    """Rank 0 starts an async call whose reduce function runs until rank 0
+    has measured its waits (the file ``measured``; 30 s at most), then
     computes for 0.5 s: the background thread serves and runs it. Rank 0's
     ``done()`` must not wait for it, nor ``result(timeout=0.5)`` outlast its
     bound (plus the 1 s status query) by much."""
     r = zc.get_rank()
 
     def slow(a, b):
-        time.sleep(6)
+        deadline = time.monotonic() + 30  # (a result() that waited for it would take as long)
+        while not os.path.exists(measured) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return a + b
 
     if r != 0:
         time.sleep(0.2)  # rank 0 is away by then: its background thread completes the call
-        return zc.allreduce_async(1, slow).result(timeout=30)
+        return zc.allreduce_async(1, slow).result(timeout=60)
     future = zc.allreduce_async(1, slow)
     time.sleep(0.5)
     start = time.monotonic()
@@ -477,11 +488,13 @@ def reduced_while_rank_0_was_away():
     except zc.CollectiveTimeoutError as exc:
         got = str(exc)
     took_result = time.monotonic() - start
-    return done, took_done, got, took_result, future.result(timeout=30)
+    touch(measured)
+    return done, took_done, got, took_result, future.result(timeout=60)
 
 
-def test_rank_0_waits_only_as_long_as_it_asked_while_its_background_thread_reduces():
-    outs = run_replicas(reduced_while_rank_0_was_away, 2, initialize=True, timeout=60)
+def test_rank_0_waits_only_as_long_as_it_asked_while_its_background_thread_reduces(tmp_path):
+    outs = run_replicas(reduced_while_rank_0_was_away, 2, str(tmp_path / "measured"), initialize=True,
+                        timeout=90)
     done, took_done, got, took_result, final = outs[0]
     assert done is False and took_done < 0.5, outs[0]
     assert took_result < 2.5, outs[0]
@@ -526,14 +539,15 @@ def test_a_signal_handlers_exception_in_a_reduction_ends_rank_0_and_fails_the_ca
 
 
 def one_rank_late(markers):
-    """Issue 26's scenario: rank 2 sleeps past the others' timeout, then all call allreduce."""
+    """Issue 26's scenario: rank 2 comes past the others' timeout, then all call allreduce."""
     r = zc.get_rank()
-    if r == 2:
-        time.sleep(4)
+    if r == 2:  # it comes once the others' calls have timed out
+        wait_for(*(os.path.join(markers, f"gave up{other}") for other in (0, 1)), timeout=30)
     try:
         got = ("value", zc.allreduce(r, timeout=2))
     except zc.CollectiveTimeoutError as exc:
         got = ("timeout", str(exc))
+    touch(os.path.join(markers, f"gave up{r}"))
     zc.barrier(timeout=30)  # the group goes on, with every rank at the same call again
     return got, zc.allreduce(r + 1, timeout=30)
 

@@ -354,7 +354,10 @@ def _check_elastic(size, ranks=None):
     return check
 
 
-def test_examples_run_under_the_launcher():
+BESIDE_EXAMPLES = ("elastic_training.py",)  # asleep most of the time (200 steps of 20 ms): run beside
+
+
+def test_examples_run_under_the_launcher(tmp_path):
     """Each example, under the launcher with 3 replicas, prints exactly what
     it must: each line of each rank computed here (or, where it shows process
     ids and times, checked for what they must be)."""
@@ -364,8 +367,28 @@ def test_examples_run_under_the_launcher():
     assert examples == sorted(expected), "an example this test does not know, or one gone"
     checks = {"allgather.py": _check_allgather, "barrier.py": _check_barrier,
               "elastic_training.py": _check_elastic(EXAMPLE_RANKS)}
-    for name in examples:
-        proc = launch(["-n", str(EXAMPLE_RANKS), os.path.join("examples", name)], cwd=root, timeout=120)
+    beside = {}  # (its output to files: a pipe read only at its end could fill and stop it)
+    for name in BESIDE_EXAMPLES:
+        out, err = open(tmp_path / f"{name}.out", "w+"), open(tmp_path / f"{name}.err", "w+")  # noqa: SIM115
+        args = [*RUN, "-n", str(EXAMPLE_RANKS), os.path.join("examples", name)]
+        beside[name] = (subprocess.Popen(args, cwd=root, stdin=subprocess.DEVNULL, stdout=out, stderr=err),
+                        out, err)
+    try:
+        ran = [(name, launch(["-n", str(EXAMPLE_RANKS), os.path.join("examples", name)], cwd=root,
+                             timeout=120)) for name in examples if name not in beside]
+        for name, (proc, out, err) in beside.items():
+            proc.wait(120)
+            out.seek(0)
+            err.seek(0)
+            ran.append((name, subprocess.CompletedProcess([], proc.returncode, out.read(), err.read())))
+    finally:
+        for proc, out, err in beside.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
+    for name, proc in ran:
         assert proc.returncode == 0, (name, proc.stdout, proc.stderr)
         assert "Traceback" not in proc.stderr, (name, proc.stderr)
         lines = _lines_by_rank(proc.stdout)

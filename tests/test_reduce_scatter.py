@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from conftest import raising_on
+from conftest import raising_on, touch, wait_for
 
 import zcollective as zc
 from zcollective._format import _serialize
@@ -108,9 +108,9 @@ def test_wrong_counts_and_arrays_fail_the_call_on_every_rank_and_name_them(plane
         assert after == sum(range(n))
 
 
-def one_rank_never_calls():
-    if zc.get_rank() == 2:
-        time.sleep(3)
+def one_rank_never_calls(markers):
+    if zc.get_rank() == 2:  # it comes once the others have given the call up
+        wait_for(*(os.path.join(markers, f"gave up{r}") for r in (0, 1)), timeout=30)
         try:
             zc.barrier(timeout=20)
         except zc.CollectiveError as exc:
@@ -120,11 +120,13 @@ def one_rank_never_calls():
         zc.reduce_scatter([1, 2, 3], timeout=1)
     except zc.CollectiveTimeoutError as exc:
         return type(exc).__name__, str(exc)
+    finally:
+        touch(os.path.join(markers, f"gave up{zc.get_rank()}"))
     return None
 
 
-def test_a_timeout_gives_the_call_up_alike_on_every_rank():
-    outs = run_replicas(one_rank_never_calls, 3, timeout=60)
+def test_a_timeout_gives_the_call_up_alike_on_every_rank(tmp_path):
+    outs = run_replicas(one_rank_never_calls, 3, str(tmp_path), timeout=60)
     for r in (0, 1):
         kind, message = outs[r]
         assert kind == "CollectiveTimeoutError" and "seq 0 reduce_scatter" in message, outs

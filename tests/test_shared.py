@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import raising_on, touch
+from conftest import raising_on, touch, wait_for
 from test_coordinator import SESSION, feed, join_msg, peer
 
 import zcollective as zc
@@ -569,18 +569,22 @@ def test_a_name_this_user_may_not_unlink_does_not_stop_closing(monkeypatch):
 
 
 def given_up_while_the_segment_is_made(markers):
-    """Rank 2 makes the first large call async and stays in its own code for 2 s: the leader
-    has made the segment and the others wait at its sync, where they time out. The calls after
-    it must work (the segment made anew), and no name stays in /dev/shm meanwhile."""
+    """Rank 2 makes the first large call async and stays in its own code until the others have
+    timed out: the leader has made the segment and the others wait at its sync, where they time
+    out. The calls after it must work (the segment made anew), and no name stays in /dev/shm
+    meanwhile."""
     r = zc.get_rank()
     x = np.full(300_000, 1.0, dtype=np.float32)  # 1.2 MB: through the segment
     try:
         if r == 2:
             f = zc.allreduce_async(x)
-            time.sleep(2.0)
+            wait_for(*(os.path.join(markers, f"gave up{other}") for other in (0, 1)), timeout=30)
             f.result(timeout=10)
         else:
-            zc.allreduce(x, timeout=0.7)
+            try:
+                zc.allreduce(x, timeout=0.7)
+            finally:
+                touch(os.path.join(markers, f"gave up{r}"))
         first = "no error"
     except zc.CollectiveError as exc:
         first = type(exc).__name__
@@ -590,9 +594,9 @@ def given_up_while_the_segment_is_made(markers):
     return first, left_then, later, segments(_session())
 
 
-def test_a_call_given_up_while_its_segment_is_made_leaves_no_name_and_the_next_makes_it_anew():
+def test_a_call_given_up_while_its_segment_is_made_leaves_no_name_and_the_next_makes_it_anew(tmp_path):
     env = {"ZCOLLECTIVE_LIVENESS_TIMEOUT": "5"}
-    with Replicas(given_up_while_the_segment_is_made, 3, "", env=env) as reps:
+    with Replicas(given_up_while_the_segment_is_made, 3, str(tmp_path), env=env) as reps:
         outs = reps.wait(60)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     for o in outs:

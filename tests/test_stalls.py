@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 
+from conftest import launched_until_seen, touch, wait_for
 from test_coordinator import SESSION, contrib, feed, join_msg, peer
 
 import zcollective as zc
@@ -132,19 +133,27 @@ def test_a_rank_asleep_is_named_on_rank_0_and_the_waiting_ranks_then_the_end():
     assert not [m for _, m in outs[2].value if "waited" in m]  # the late one has nothing to say
 
 
-def joins_late(sleep_s):
+def joins_late(markers):
+    """Rank 2 joins once ranks 0 and 1 have said they wait for it (markers)."""
     records = _capture()
     started = time.monotonic()
-    if int(os.environ["ZCOLLECTIVE_REPLICA_RANK"]) == 2:
-        time.sleep(sleep_s)
+    rank = int(os.environ["ZCOLLECTIVE_REPLICA_RANK"])
+    if rank == 2:
+        wait_for(*(os.path.join(markers, f"said{other}") for other in (0, 1)), timeout=30)
+    else:
+        class SaidIt(logging.Handler):
+            def emit(self, record):
+                if "to join" in record.getMessage():
+                    touch(os.path.join(markers, f"said{rank}"))
+        logging.getLogger("zcollective").addHandler(SaidIt())
     zc.initialize()
     zc.allreduce(1)
     return [(round(t - started, 2), m) for t, m in records]
 
 
-def test_a_join_missing_a_rank_is_warned_about():
+def test_a_join_missing_a_rank_is_warned_about(tmp_path):
     env = {"ZCOLLECTIVE_WARN_AFTER": str(WARN_S)}
-    with Replicas(joins_late, 3, 3.5, initialize=False, env=env) as reps:
+    with Replicas(joins_late, 3, str(tmp_path), initialize=False, env=env) as reps:
         outs = reps.wait(RUN_S)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     said0 = [m for _, m in outs[0].value if "to join" in m]
@@ -153,18 +162,21 @@ def test_a_join_missing_a_rank_is_warned_about():
     assert said1, report(outs, "rank 1 said nothing")
 
 
-def blocked_and_watched():
+def blocked_and_watched(seen_marker):
     me = zc.get_rank()
     zc.allreduce(1)
-    if me == 1:
-        time.sleep(3)
+    if me == 1:  # late: it comes once rank 0's second thread has seen the status
+        wait_for(seen_marker, timeout=30)
         zc.allreduce(1)
         return None
     seen = {}
 
     def watch():
         time.sleep(1.0)
-        seen.update(zc.status())  # while the main thread is blocked in the call
+        try:
+            seen.update(zc.status())  # while the main thread is blocked in the call
+        finally:
+            touch(seen_marker)
     watcher = threading.Thread(target=watch)
     watcher.start()
     zc.allreduce(1)
@@ -172,8 +184,8 @@ def blocked_and_watched():
     return seen
 
 
-def test_status_answers_from_a_second_thread_while_the_first_is_blocked():
-    with Replicas(blocked_and_watched, 2) as reps:
+def test_status_answers_from_a_second_thread_while_the_first_is_blocked(tmp_path):
+    with Replicas(blocked_and_watched, 2, str(tmp_path / "seen")) as reps:
         outs = reps.wait(RUN_S)
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     seen = outs[0].value
@@ -186,26 +198,27 @@ def test_status_answers_from_a_second_thread_while_the_first_is_blocked():
 
 
 def test_zcollective_run_shows_the_late_ranks_stack_with_its_sleeping_line(tmp_path):
-    job = tmp_path / "late.py"
-    job.write_text(textwrap.dedent("""\
-        import time
+    job, shown = tmp_path / "late.py", tmp_path / "shown"
+    job.write_text(textwrap.dedent(f"""\
+        import os, time
         import zcollective as zc
         zc.initialize()
         zc.allreduce(1)
-        if zc.get_rank() == 1:
-            time.sleep(5)  # line 6: where rank 1 is
+        end = time.monotonic() + 30  # (its stack shown: the test says so with {shown})
+        while zc.get_rank() == 1 and not os.path.exists({str(shown)!r}) and time.monotonic() < end:
+            time.sleep(0.01)  # line 7: where rank 1 is
         zc.allreduce(1)
         zc.teardown()
     """))
     env = {**os.environ, "ZCOLLECTIVE_WARN_AFTER": str(WARN_S)}
-    proc = subprocess.run([sys.executable, "-m", "zcollective.run", "-n", "2", "--master-port",
-                           str(free_port()), str(job)], capture_output=True, text=True, timeout=RUN_S,
-                          env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    returncode, out = launched_until_seen(
+        [sys.executable, "-m", "zcollective.run", "-n", "2", "--master-port", str(free_port()), str(job)],
+        lambda line: line.startswith("[1]") and "late.py" in line and "line 7" in line, str(shown),
+        RUN_S, env=env)
+    assert returncode == 0, out
     assert "rank 1 is late in a call the others wait for" in out, out
     stack = [line for line in out.splitlines() if line.startswith("[1]") and "late.py" in line]
-    assert any("line 6" in line for line in stack), out
+    assert any("line 7" in line for line in stack), out
 
 
 def test_a_healthy_run_prints_no_warning():

@@ -560,15 +560,18 @@ def test_a_coroutine_whose_call_another_thread_resolves_as_it_goes_to_sleep_wake
     assert asyncio.run(main()) == 42
 
 
-def slow_reduction_then_a_call_with_a_timeout():
-    """Rank 0's program calls (timeout 0.5 s) while its server thread runs a 3 s reduce
-    function (its program was away): found by an attack, the call waited the whole reduce
-    function. Now it times out, naming the reduce function, and an error note takes its place
-    once the turn is free, so the other rank's call at that seq fails too and the next pair."""
+def slow_reduction_then_a_call_with_a_timeout(measured):
+    """Rank 0's program calls (timeout 0.5 s) while its server thread runs a reduce function
+    that lasts until that call has ended (the file ``measured``; 30 s at most; its program was
+    away): found by an attack, the call waited the whole reduce function. Now it times out,
+    naming the reduce function, and an error note takes its place once the turn is free, so
+    the other rank's call at that seq fails too and the next pair."""
     import time
 
     def slow(a, b):
-        time.sleep(3)
+        deadline = time.monotonic() + 30  # (a call that waited for it would take as long)
+        while not os.path.exists(measured) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return a + b
 
     r = zc.get_rank()
@@ -581,12 +584,14 @@ def slow_reduction_then_a_call_with_a_timeout():
     except zc.CollectiveError as exc:
         said = (type(exc).__name__, str(exc))
     took = time.monotonic() - started
-    return said, took, first.result(timeout=30), zc.allreduce(10 + r, timeout=30)
+    if r == 0:
+        touch(measured)
+    return said, took, first.result(timeout=60), zc.allreduce(10 + r, timeout=30)
 
 
-def test_a_rank_0_call_waits_for_the_server_threads_reduction_no_longer_than_its_timeout():
+def test_a_rank_0_call_waits_for_the_server_threads_reduction_no_longer_than_its_timeout(tmp_path):
     (said0, took0, first0, next0), (said1, _, first1, next1) = run_replicas(
-        slow_reduction_then_a_call_with_a_timeout, 2, timeout=60)
+        slow_reduction_then_a_call_with_a_timeout, 2, str(tmp_path / "measured"), timeout=90)
     assert said0[0] == "CollectiveTimeoutError" and took0 < 2.0, (said0, took0)
     assert "seq 1 allreduce timed out before it could be made" in said0[1]
     assert "reduce function of seq 0 allreduce has been running" in said0[1]
