@@ -338,17 +338,20 @@ class PointToPoint:
             if driver is not None and (mail.out or driver.tracked) and not calls.life.closed:
                 driver.mail_io(take=False)  # sent now, not at the next wait
             outcomes, value, done = calls.member.outcomes, PENDING, False
-            if outcomes:  # (only an outcome resolves it: a send with credit is done by now)
-                value = settle(outcomes, future)
-                done = value is not PENDING or finished(future)
-            if lead and not done and turns.depth == 1 and turns.leader is None and not turns.wanting:
-                try:  # (the mail's wait ends once any call is done: this one, most likely)
+            try:  # (settling runs other calls' done-callbacks: one that raises, an interrupt say, ends
+                # this call as its wait would, so it is taken back or, finished, its signal comes again)
+                if outcomes:  # (only an outcome resolves it: a send with credit is done by now)
+                    value = settle(outcomes, future)
+                    done = value is not PENDING or finished(future)
+                if lead and not done and turns.depth == 1 and turns.leader is None and not turns.wanting:
+                    # (the mail's wait ends once any call is done: this one, most likely)
                     if calls.life.closed or not (driver and driver.wait_mail(outcomes.__len__, deadline)):
                         calls.drive(settled_when(future, outcomes, wanted=turns.wanted), deadline, True)
-                except BaseException as exc:
-                    if not self._withdraw(future, exc, deadline):
-                        raise
-                value = settle(outcomes, future)
+                    value = settle(outcomes, future)
+            except BaseException as exc:
+                if not self._withdraw(future, exc, deadline):
+                    raise
+                value = PENDING  # (finished: the caller's _finish takes its value)
             return future, value
         finally:  # (Turns.give, inline)
             turns.depth -= 1
