@@ -36,9 +36,9 @@ def stopped_before_the_link(markers, sync_async):
         return out
     if r == 2:
         touch(os.path.join(markers, "ready"))  # stopped, then continued, by the test
-        first = zc.recv(1, timeout=30)  # the first to come: the one taken back never does
+        made = zc.recv(1, tag=2, timeout=30)
         zc.barrier(timeout=60)
-        return first, zc.iprobe(1) is None
+        return made, zc.iprobe(1)  # (the one taken back never comes)
     zc.barrier(timeout=60)
     return None
 
@@ -56,11 +56,17 @@ def test_an_ssend_waiting_for_its_link_is_taken_back_at_its_timeout(tmp_path):
             outs = reps.wait(60)
         assert all(o.ok for o in outs), report(outs, "a rank failed")
         kind, message = outs[1].value
+        made, left = outs[2].value
+        assert made == "made", report(outs, str(outs[2].value))
+        if message.endswith("not taken back, it may still be received"):  # (a loaded machine: the
+            # link was made before rank 2 stopped, and the message left: it says so, and it came)
+            assert left is not None and left.tag == 1, report(outs, f"{message}: {left}")
+            continue
         assert kind == "CollectiveTimeoutError" and message.startswith(
             "rank 1: ssend(dest=2, tag=1) timed out after 1.5 s: its message waits for its link to rank 2's "
             "mailbox"), report(outs, message)
         assert message.endswith("taken back: nothing was sent"), message
-        assert outs[2].value == ("made", True), report(outs, str(outs[2].value))
+        assert left is None, report(outs, f"the message taken back came: {left}")
 
 
 def test_unsend_takes_an_ssend_back_whole():
