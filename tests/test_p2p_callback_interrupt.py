@@ -28,26 +28,36 @@ def _ctrl_c_soon():
     threading.Timer(SIGINT_AT_S, os.kill, (os.getpid(), signal.SIGINT)).start()
 
 
-def a_receive_interrupted_in_a_callback():
+def _sends_to_rank_1(*steps):
+    """Rank 0: each (seconds to wait first, value, tag) in turn, then a wait for rank 1's goodbye."""
     import zcollective as zc
 
-    zc.barrier()
-    if zc.get_rank() == 0:
-        time.sleep(0.1)
-        zc.send("one", 1, tag=1)
-        time.sleep(1.9)
-        zc.send("A", 1, tag=4)  # after rank 1's interrupted recv(tag=4): for its next one
-        time.sleep(0.3)
-        zc.send("two", 1, tag=2)
-        zc.recv(1, tag=9, timeout=30)
-        return None
-    log = []
+    for wait_s, value, tag in steps:
+        time.sleep(wait_s)
+        zc.send(value, 1, tag=tag)
+    zc.recv(1, tag=9, timeout=30)
+
+
+def _a_recv_the_callback_interrupts(log):
+    """Rank 1: a blocking recv(0, tag=4) settling a receive whose done-callback waits, Ctrl-C there."""
+    import zcollective as zc
+
     zc.recv_async(0, tag=1).add_done_callback(_callback_waiting(log))
     _ctrl_c_soon()
     try:
         log.append(("recv", zc.recv(0, tag=4, timeout=20)))
     except KeyboardInterrupt:
         log.append(("recv interrupted",))
+
+
+def a_receive_interrupted_in_a_callback():
+    import zcollective as zc
+
+    zc.barrier()
+    if zc.get_rank() == 0:  # ("A" after rank 1's interrupted recv(tag=4): for its next one)
+        return _sends_to_rank_1((0.1, "one", 1), (1.9, "A", 4), (0.3, "two", 2))
+    log = []
+    _a_recv_the_callback_interrupts(log)
     log.append(("next recv", zc.recv(0, tag=4, timeout=10)))
     zc.send("bye", 0, tag=9)
     return log
@@ -98,21 +108,10 @@ def a_received_value_then_interrupted_in_a_callback():
     import zcollective as zc
 
     zc.barrier()
-    if zc.get_rank() == 0:
-        time.sleep(0.1)
-        zc.send("one", 1, tag=1)
-        zc.send("four", 1, tag=4)  # taken in by the callback's own wait, for the blocking recv
-        time.sleep(1.5)
-        zc.send("two", 1, tag=2)
-        zc.recv(1, tag=9, timeout=30)
-        return None
+    if zc.get_rank() == 0:  # ("four" taken in by the callback's own wait, for the blocking recv)
+        return _sends_to_rank_1((0.1, "one", 1), (0, "four", 4), (1.5, "two", 2))
     log = []
-    zc.recv_async(0, tag=1).add_done_callback(_callback_waiting(log))
-    _ctrl_c_soon()
-    try:
-        log.append(("recv", zc.recv(0, tag=4, timeout=20)))
-    except KeyboardInterrupt:
-        log.append(("recv interrupted",))
+    _a_recv_the_callback_interrupts(log)
     try:
         time.sleep(2)
     except KeyboardInterrupt:
