@@ -23,7 +23,8 @@ def _readable(sock, until):
 def _take(box, count, until):
     got = []
     while len(got) < count and _readable(box.source, until):
-        got += [[bytes(f.buffer) for f in frames] for frames in box.take()]
+        while (frames := box.recv(False)) is not None:
+            got.append([bytes(f.buffer) for f in frames])
     return got
 
 

@@ -9,7 +9,7 @@ which receive takes it is decided by :mod:`zcollective._protocol._p2p`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable
 from typing import Any, Optional
 
 import zmq
@@ -303,14 +303,6 @@ class MailSockets:
         return {f"{MAIL} {dest}": monitor.FD for dest, monitor in self.monitors.items()}
 
     recv = reader("_pull")  # the next message waiting, without blocking (``waiting``: a poll found one)
-
-    def take(self, waiting: bool = False) -> Iterator[list[Any]]:
-        """The messages waiting (at most :data:`TAKE_BATCH`), as :meth:`recv` gives them one by one."""
-        for _ in range(TAKE_BATCH):
-            if (frames := self.recv(waiting)) is None:
-                return
-            waiting = False
-            yield frames
 
     def cut_off(self, dests: Iterable[int]) -> None:
         """What the links to ``dests`` still send is dropped at :meth:`close`
