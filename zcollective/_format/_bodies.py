@@ -282,12 +282,7 @@ def final(sent: list[int], teardown: bool, received: Optional[list[Received]] = 
     messages could match, in posting order (None: unsaid)."""
     body: dict[str, Any] = {"sent": sent, "how": "teardown" if teardown else "exit"}
     if posted is not None:
-        room, said_posted = MAX_POSTED_TAGS, list[Optional[list[int]]]()
-        for tags in posted:
-            fits = tags is not None and len(tags) <= room
-            said_posted.append(tags if fits else None)
-            room -= len(tags) if fits and tags is not None else 0
-        body["posted"] = said_posted
+        body["posted"] = _within_posted_budget(posted)
     if received is not None:
         room, said = MAX_RECEIVED_RANGES, list[Received]()
         for ranges in received:
@@ -334,16 +329,23 @@ def parse_final(msg: Message, num_replicas: int) -> dict[str, Any]:
         received = None if None in received or ranges > MAX_RECEIVED_RANGES else received
     else:
         received = None
-    posted, room = body.get("posted"), MAX_POSTED_TAGS
-    posted = ([_posted(tags) for tags in posted] if isinstance(posted, list) and len(posted) == num_replicas
-              else [None] * num_replicas)
-    for r, tags in enumerate(posted):  # (at most MAX_POSTED_TAGS in all: past them, unsaid)
-        if tags is not None:
-            posted[r] = tags if len(tags) <= room else None
-            room -= len(tags) if len(tags) <= room else 0
+    posted = body.get("posted")
+    posted = (_within_posted_budget([_posted(tags) for tags in posted])
+              if isinstance(posted, list) and len(posted) == num_replicas else [None] * num_replicas)
     return {"sent": sent, "teardown": body.get("how") == "teardown", "received": received,
             "lost": lost if _counts(lost, num_replicas) else [0] * num_replicas,
             "calls": calls if type(calls) is int and 0 <= calls < 1 << 63 else None, "posted": posted}
+
+
+def _within_posted_budget(posted: list[Optional[list[int]]]) -> list[Optional[list[int]]]:
+    """Each rank's posted tags while :data:`MAX_POSTED_TAGS` in all allow, in rank order; past them, None
+    (unsaid)."""
+    room, said = MAX_POSTED_TAGS, list[Optional[list[int]]]()
+    for tags in posted:
+        fits = tags is not None and len(tags) <= room
+        said.append(tags if fits else None)
+        room -= len(tags) if fits and tags is not None else 0
+    return said
 
 
 def _posted(value: Any) -> Optional[list[int]]:
