@@ -72,7 +72,9 @@ class DealerDriver(Driver):
             self.mail_ready |= mail
             if not woke or woke[0] is DEADLINE:  # nothing came: the events are asked anyway
                 self._drain_events()
-            else:  # first: a FAIL that came before a disconnect explains it
+            else:  # first: a FAIL that came before a disconnect explains it; but while joining, a
+                if not self.member.joined:  # connection closed before the one a WELCOME comes over
+                    self._drain_events()  # is no loss: what happened to the connections goes first
                 got = DEALER in woke and self._drain_dealer(True, until)  # (not asked again if the
                 if MONITOR in woke:  # poll did not find it: the next wait does)
                     self._drain_dealer()  # all of it, past ``until``: a FAIL explains a close
