@@ -17,6 +17,7 @@ from zcollective.config import resolve
 from zcollective.errors import ReplicaLostError
 
 BIND_TRIES_S = 10.0  # the port is free once the closed ROUTER's listener is gone
+RECONNECT_S = 30.0  # a DEALER refused meanwhile tries again later and later (RECONNECT_IVL_MAX)
 
 
 def _router(ctx, port=None):
@@ -33,6 +34,17 @@ def _router(ctx, port=None):
         except zmq.ZMQError:
             assert time.monotonic() < deadline, f"port {port} stayed taken"
             time.sleep(0.01)
+
+
+def _reconnected(router):
+    """Wait, reading nothing of the member's, until its DEALER made its connection to ``router`` again."""
+    monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        assert monitor.poll(RECONNECT_S * 1000), f"the member did not connect again within {RECONNECT_S} s"
+        monitor.recv_multipart()
+    finally:
+        router.disable_monitor()
+        monitor.close(linger=0)
 
 
 def _join(router):
@@ -54,6 +66,7 @@ def test_a_welcome_over_a_new_connection_outweighs_the_old_connections_close():
             _join(old)  # taken by the closing ROUTER: lost with it
             old.close()
             new, _ = _router(ctx, port)
+            _reconnected(new)  # (the driver is not asked: that connection's events wait unread)
             driver.send([member.join()])  # (its resend timer's), over the new connection
             peer, join = _join(new)
             new.send_multipart([peer, *encode(Message(
