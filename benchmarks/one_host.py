@@ -15,7 +15,8 @@ so that a noisy machine slows them alike:
    TCP loopback (``backends.PairFloor``), a bare Unix ``SOCK_SEQPACKET``
    socketpair, THE FLOOR (``shm_ring.py``: a ring a direction in an anonymous
    shared mapping, an eventfd a direction, written only for a sleeping reader)
-   with no spin and with ``shm_ring.SPIN_S`` of spin, and mpi4py's lowercase
+   with no spin, with ``shm_ring.SPIN_S`` of spin (``floor+spin``) and with
+   that spin yielding the CPU after each empty look (``floor+yield``), and mpi4py's lowercase
    ``comm.send``/``comm.recv`` under mpirun.
 2. **idle**: right after the ping-pongs, rank 1 blocks in ``recv`` for
    ``--idle-s`` while rank 0 sleeps; rank 0 reads rank 1's CPU time (every
@@ -57,9 +58,10 @@ from bench import MPIRUN, SECRET, available, fmt_time, free_port, write_json  # 
 from shm_ring import SPIN_S, Ring, Waiter, make_eventfd, ring_bytes  # noqa: E402
 
 PINGPONG_BACKENDS = ["zcollective", "zcollective+secret", "PAIR", "seqpacket", "floor", "floor+spin",
-                     "mpi4py"]
-QUEUE_BACKENDS = ["zcollective", "floor", "floor+spin", "mpi4py"]
-FLOOR, FLOOR_SPIN, PAIR, MPI = "floor", "floor+spin", "PAIR", "mpi4py"
+                     "floor+yield", "mpi4py"]
+QUEUE_BACKENDS = ["zcollective", "floor", "floor+spin", "floor+yield", "mpi4py"]
+FLOOR, FLOOR_SPIN, FLOOR_YIELD, PAIR, MPI = "floor", "floor+spin", "floor+yield", "PAIR", "mpi4py"
+FLOORS = (FLOOR, FLOOR_SPIN, FLOOR_YIELD)
 QUEUE_SIZE = 4  # one master, three workers
 PINGPONG_WARMUP = 50  # round trips before the timed ones: links made, caches warm
 QUEUE_WARMUP = 200  # tasks before the clock starts
@@ -160,7 +162,7 @@ class FloorEndpoint:
     """A rank's rings of the star: the master's to and from every worker, a
     worker's to and from the master. Pickled values."""
 
-    def __init__(self, star: FloorStar, rank: int, size: int, spin_s: float) -> None:
+    def __init__(self, star: FloorStar, rank: int, size: int, spin_s: float, yields: bool) -> None:
         workers = range(1, size)
         if rank == 0:
             self.out = {w: star.to_worker(w) for w in workers}
@@ -168,8 +170,8 @@ class FloorEndpoint:
         else:
             self.out = {0: star.to_master(rank)}
             inbound = {0: star.to_worker(rank)}
-        self.waiters = {src: Waiter([ring], spin_s) for src, ring in inbound.items()}
-        self.any = Waiter(list(inbound.values()), spin_s)
+        self.waiters = {src: Waiter([ring], spin_s, yields) for src, ring in inbound.items()}
+        self.any = Waiter(list(inbound.values()), spin_s, yields)
         self.star = star
 
     def send(self, value: Any, dest: int) -> None:
@@ -211,7 +213,7 @@ def endpoint(backend: str, rank: int, size: int, port: int, shared: Any) -> Any:
         other.close()
         return SeqpacketEndpoint(mine)
     if backend.startswith(FLOOR):
-        return FloorEndpoint(shared, rank, size, SPIN_S if backend == FLOOR_SPIN else 0.0)
+        return FloorEndpoint(shared, rank, size, 0.0 if backend == FLOOR else SPIN_S, backend == FLOOR_YIELD)
     if backend == MPI:
         return MpiEndpoint()
     raise SystemExit(f"unknown backend {backend}")
@@ -415,13 +417,16 @@ def ratio(results: dict[str, Any], backend: str, ref: str, key: str) -> str:
 
 
 def pingpong_table(results: dict[str, Any]) -> str:
-    lines = ["| backend | round trip, median | p10 / p90 | × floor | × floor+spin | × PAIR "
-             "| CPU µs a round trip, rank 0 / rank 1 |", "|---|---|---|---|---|---|---|"]
+    refs = (*FLOORS, PAIR)
+    lines = ["| backend | round trip, median | p10 / p90 | rounds' medians | "
+             + " | ".join(f"× {ref}" for ref in refs) + " | CPU µs a round trip, rank 0 / rank 1 |",
+             "|---|---|---|---|" + "---|" * len(refs) + "---|"]
     for b, e in results.items():
+        rounds = ", ".join(f"{t * 1e6:,.0f}" for t in e["rounds_median_s"])
+        ratios = " | ".join(ratio(results, b, ref, "median_s") for ref in refs)
         cpu = " / ".join(f"{c * 1e6:,.0f}" for c in e["cpu_s_per_round_trip"])
-        ratios = " | ".join(ratio(results, b, ref, "median_s") for ref in (FLOOR, FLOOR_SPIN, PAIR))
         lines.append(f"| {b} | {fmt_time(e['median_s'])} | {fmt_time(e['p10_s'])} / {fmt_time(e['p90_s'])} "
-                     f"| {ratios} | {cpu} |")
+                     f"| {rounds} | {ratios} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -436,11 +441,13 @@ def idle_table(results: dict[str, Any], idle_s: float) -> str:
 
 
 def queue_table(results: dict[str, Any]) -> str:
-    lines = ["| backend (1 master, 3 workers) | tasks/s, median | rounds | × mpi4py | × floor "
-             "| master's CPU µs a task |", "|---|---|---|---|---|---|"]
+    refs = (MPI, *FLOORS)
+    lines = ["| backend (1 master, 3 workers) | tasks/s, median | rounds | "
+             + " | ".join(f"× {ref}" for ref in refs) + " | master's CPU µs a task |",
+             "|---|---|---|" + "---|" * len(refs) + "---|"]
     for b, e in results.items():
         rounds = ", ".join(f"{r:,.0f}" for r in e["rounds_tasks_per_s"])
-        ratios = " | ".join(ratio(results, b, ref, "tasks_per_s") for ref in (MPI, FLOOR))
+        ratios = " | ".join(ratio(results, b, ref, "tasks_per_s") for ref in refs)
         lines.append(f"| {b} | {e['tasks_per_s']:,.0f} | {rounds} | {ratios} "
                      f"| {e['master_cpu_s_per_task'] * 1e6:,.0f} |")
     return "\n".join(lines)
@@ -450,9 +457,11 @@ def targets(pp: dict[str, Any], q: dict[str, Any]) -> list[str]:
     """Issue 47's 'done when', today's figures against them."""
     lines = []
     z = pp.get("zcollective")
-    if z and FLOOR in pp and PAIR in pp:
-        lines.append(f"- round trip: zcollective {z['median_s'] / pp[FLOOR]['median_s']:.2f}× the floor "
-                     f"(target ≤ 1.5×), {z['median_s'] / pp[PAIR]['median_s']:.2f}× PAIR (target ≤ 0.6×)")
+    floors = [f for f in FLOORS if f in pp]
+    if z and floors and PAIR in pp:
+        against = ", ".join(f"{z['median_s'] / pp[f]['median_s']:.2f}× {f}" for f in floors)
+        lines.append(f"- round trip: zcollective {against} (target ≤ 1.5× the floor), "
+                     f"{z['median_s'] / pp[PAIR]['median_s']:.2f}× PAIR (target ≤ 0.6×)")
     if "zcollective" in q and MPI in q:
         share = q["zcollective"]["tasks_per_s"] / q[MPI]["tasks_per_s"]
         lines.append(f"- work queue: zcollective {share:.2f}× mpi4py's tasks/s (target ≥ 0.5×)")
