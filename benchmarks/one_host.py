@@ -1,7 +1,7 @@
 """Small messages between processes of one host, side by side (issue 47, step 3): what
 zcollective costs today against the floors a one-host transport would be built on.
 
-    python benchmarks/one_host.py                     # ~2.5 min: writes results/issue47-baseline.json
+    python benchmarks/one_host.py                     # ~2 min: writes results/issue47-baseline.json
     python benchmarks/one_host.py --quick --rounds 1  # a smoke run
 
 Three measures, in one run, in rounds; each round runs every backend once, in
@@ -16,8 +16,8 @@ so that a noisy machine slows them alike:
    socketpair, THE FLOOR (``shm_ring.py``: a ring a direction in an anonymous
    shared mapping, an eventfd a direction, written only for a sleeping reader)
    with no spin, with ``shm_ring.SPIN_S`` of spin (``floor+spin``) and with
-   that spin yielding the CPU after each empty look (``floor+yield``), and mpi4py's lowercase
-   ``comm.send``/``comm.recv`` under mpirun.
+   that spin yielding the CPU after each empty look (``floor+yield``), and
+   mpi4py's lowercase ``comm.send``/``comm.recv`` under mpirun.
 2. **idle**: right after the ping-pongs, rank 1 blocks in ``recv`` for
    ``--idle-s`` while rank 0 sleeps; rank 0 reads rank 1's CPU time (every
    thread's ``/proc/<pid>/task/*/schedstat``, in ns) before and after.

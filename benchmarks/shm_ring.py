@@ -57,12 +57,13 @@ HEADER_BYTES = 3 * CACHE_LINE
 LENGTH_BYTES = 8
 ALIGN = 8
 DEFAULT_CAPACITY = 1 << 16  # 64 KiB a direction: many small records
-SPIN_S = 50e-6  # the bounded spin before sleeping (the floor "+spin"): longer than the
-# other side's turn in a small-dict ping-pong here (~10-20 µs), far shorter than a sleep's
-# wake-up (~15-75 µs on this VM, loaded or idle), and bounded, so a blocked receive costs nothing
-# A spin may yield (sched_yield after each empty look, as Open MPI's mpi_yield_when_idle): where
-# both sides share a CPU a plain spin holds the CPU the other side needs to answer (measured here,
-# both pinned to one CPU: 120 µs a round trip spinning, 18 µs not, 10 µs spinning and yielding)
+SPIN_S = 50e-6  # the bounded spin before sleeping (the floors "+spin" and "+yield"): longer
+# than the other side's turn in a small-dict ping-pong here (~10 µs), shorter than a wake-up
+# across CPUs (~50-90 µs on this VM), and bounded, so a blocked receive costs next to nothing.
+# A spin may yield (Waiter's ``yields``: sched_yield after each empty look, as Open MPI's
+# mpi_yield_when_idle): where both sides share a CPU a plain spin holds the CPU the other side
+# needs to answer (both pinned to one CPU: 125 µs a round trip spinning, 14 µs not, 13 µs
+# spinning and yielding; benchmarks/README.md, issue 47)
 SAFETY_POLL_MS = 1000  # a sleeping consumer looks again after this: a lost wake-up is a delay
 
 
