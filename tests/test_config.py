@@ -167,7 +167,7 @@ def test_every_signature_and_docstring_lists_the_settings():
     assert _arguments(zc.initialize) == _arguments(resolve) == [s.name for s in ARGUMENTS]
     assert [s.name for s in SETTINGS if not s.argument] == ["local_rank", "log", "data_plane", "tree",
                                                          "data_plane_min_bytes", "mail_window_bytes",
-                                                         "stacks"]  # never passed
+                                                         "local_mail", "stacks"]  # never passed
 
 
 def test_a_signature_that_leaves_the_settings_table_is_refused_at_import():

@@ -247,7 +247,7 @@ class Lifecycle:
                 self.mail = None
             else:
                 base = self.config.secret or bytes.fromhex(member.mail_key or "")
-                self.mail.start(member.session, member.mail_endpoints, base, member.rank)
+                self.mail.start(member.session, member.mail_endpoints, base, member.rank, member.local_names)
                 link.attach_mail(self.mail)
                 Edges(link).link_tree(deadline)
                 if member.relay is not None:  # an interior rank of the tree: its subtree's calls move
@@ -438,6 +438,7 @@ def _open_ports(ctx: Any, config: Config, member: Member,
     """Bind the mailbox's and data plane's ports before the JOIN names them (``gate``: rank 0's ZAP)."""
     mail = MailSockets(ctx, config, gate)
     member.mail_endpoint, member.mail_window = mail.endpoint, config.mail_window_bytes
+    member.local_name = mail.local_name
     if config.shared_memory_min_bytes is not None and _shared.available():
         member.shm_offer = (config.shared_memory_min_bytes, _shared.room())
     if not (config.data_plane == "on" or (config.data_plane == "auto" and not _on_loopback(config))):

@@ -452,7 +452,7 @@ def _late(calls: Calls, future: CollectiveFuture[Any], timeout: Optional[float])
                     f"the link is made")
             return (f"{said}: its message waits for its link to rank {dest}'s mailbox, whose handshake "
                     f"rank {dest} has not answered (busy in its own code, stopped, or gone); {then}")
-        return (f"{said}: rank {dest} has not taken in its message: libzmq still sends its buffers "
+        return (f"{said}: rank {dest} has not taken in its message: its buffers are still being sent "
                 f"(rank {dest} stopped, or busy in C code?); not taken back: it may still arrive")
     waiting: dict[tuple[int, int], int] = {}
     for came in list(mail.box.arrived):  # (a snapshot: another thread may hold the turn)

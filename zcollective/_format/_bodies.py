@@ -23,15 +23,19 @@ MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's
 MAX_TRACEBACK_BYTES = 32000  # and traceback stay under the 64 KiB a replica parses (MAX_JSON_BYTES)
 MAX_ENDPOINT_CHARS = 300  # a data port's "tcp://host:port", as a JOIN states it
 MAX_PLAN_FRAMES = 256  # a value of more buffers keeps the star: its plan stays small
+LOCAL_PREFIX = "zcollective-"  # a one-host mailbox's name: this, then lowercase hex (_io/_local)
+LOCAL_CHARS = frozenset("0123456789abcdef")
+MAX_LOCAL_CHARS = 64
 DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is no secret
 
 
 def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optional[str],
          data: Optional[str], data_min: int, data_mode: str, lineage: Optional[str] = None,
          newcomer: bool = False, job: Optional[str] = None, ops: str = "", mail: Optional[str] = None,
-         shm: Optional[tuple[int, int]] = None, mail_window: int = 0) -> Message:
+         shm: Optional[tuple[int, int]] = None, mail_window: int = 0, local: Optional[str] = None) -> Message:
     """JOIN: who this replica is and what it runs, answers bound to ``nonce``; ``shm``: (threshold, free
-    bytes); ``lineage``: the session it forms the next of (old rank, size); ``newcomer``: to be admitted."""
+    bytes); ``lineage``: the session it forms the next of (old rank, size); ``newcomer``: to be admitted;
+    ``local``: the name of its one-host mailbox (ranks on its host reach it there, see _io/_local)."""
     body: dict[str, Any] = {"rank": rank, "num_replicas": num_replicas, "protocol": _wire.PROTOCOL_VERSION,
                             "python": python, "pid": os.getpid(), "host": socket.gethostname(),
                             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -50,6 +54,8 @@ def join(rank: int, num_replicas: int, python: str, nonce: str, challenge: Optio
         body.update(data=data, data_min=data_min, data_mode=data_mode)
     if mail is not None:  # its mailbox port (point to point), and its window
         body.update(mail=mail, mail_window=mail_window)
+        if local is not None:
+            body["local"] = local
     if shm is not None:
         body["shm"] = {"min": shm[0], "room": shm[1]}
     return control(Kind.JOIN, body, rank=rank)
@@ -82,10 +88,17 @@ def parse_join(msg: Message) -> dict[str, Any]:
             "newcomer": body.get("newcomer") is True, "job": None if job is None else printable(job),
             "host": printable(str(body.get("host", "?"))[:256]), "data": data, "data_min": data_min,
             "data_mode": "on" if body.get("data_mode") == "on" else "auto",
-            "mail": mail, "mail_window": window,
+            "mail": mail, "mail_window": window, "local": local_name(body.get("local")) if mail else None,
             "macs": tuple(m for m in macs[:8] if m in KEY_LABELS) if isinstance(macs, list) else (),
             "shm": _shm_offer(shm),
             "cores": body["cores"] if type(body.get("cores")) is int and body["cores"] > 0 else 1}
+
+
+def local_name(name: Any) -> Optional[str]:
+    """A one-host mailbox's name as a JOIN or WELCOME gives it, or None (not one: no such mailbox)."""
+    ok = (isinstance(name, str) and len(name) <= MAX_LOCAL_CHARS and name.startswith(LOCAL_PREFIX)
+          and all(c in LOCAL_CHARS for c in name[len(LOCAL_PREFIX):]))
+    return name if ok else None
 
 
 def _shm_offer(body: Any) -> Optional[tuple[int, int]]:
@@ -117,7 +130,8 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
             addresses: Optional[list[str]] = None, renumber: Optional[dict[str, Any]] = None,
             admitted: Optional[dict[str, Any]] = None, mail: Optional[list[str]] = None,
             shm: Optional[dict[str, Any]] = None, tree: Optional[int] = None,
-            mail_windows: Optional[list[int]] = None, **header: Any) -> Message:
+            mail_windows: Optional[list[int]] = None, local: Optional[list[Optional[str]]] = None,
+            **header: Any) -> Message:
     """WELCOME: the JOIN it answers, how the group frames and signs, its ports and addresses; ``renumber``:
     this member's ``rank`` and every ``old`` one; ``shm``: :func:`shared_plan`; ``tree``: the fan-out."""
     body: dict[str, Any] = {"num_replicas": num_replicas, "nonce": nonce, "parts": parts, "mac": mac}
@@ -127,6 +141,8 @@ def welcome(num_replicas: int, nonce: str, parts: Optional[int], mac: Optional[s
         body["addresses"] = addresses
     if mail is not None:  # every rank's mailbox, whose tokens are made under the data key too
         body.update(mail=mail, data_key=data_key, mail_windows=mail_windows)
+        if local is not None and any(local):  # the one-host mailboxes' names (None: that rank has none)
+            body["local"] = local
     if renumber is not None:
         body["renumber"] = renumber
     if admitted is not None:  # a newcomer: its rank and size in the group formed next, the lineage
@@ -187,6 +203,9 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
              and type(least) is int and is_data_key(key))
     mail_whole = (isinstance(mail, list) and len(mail) == num_replicas and is_data_key(key)
                   and all(isinstance(e, str) and len(e) <= MAX_ENDPOINT_CHARS for e in mail))
+    local = body.get("local")
+    local = ([local_name(n) for n in local] if mail_whole and isinstance(local, list)
+             and len(local) == num_replicas else None)
     windows = body.get("mail_windows")
     if not (isinstance(windows, list) and len(windows) == num_replicas
             and all(type(w) is int and 0 <= w < 1 << 63 for w in windows)):
@@ -197,7 +216,7 @@ def parse_welcome(msg: Message, num_replicas: int) -> dict[str, Any]:
             "data_min": least if whole else 0, "data_key": key if whole else None,
             "renumber": renumber, "addresses": addresses, "admitted": admitted,
             "mail": mail if mail_whole else None, "mail_key": key if mail_whole else None,
-            "mail_windows": windows if mail_whole else None,
+            "mail_windows": windows if mail_whole else None, "local": local,
             "shm": parse_shared(body.get("shm"), num_replicas), "tree": _fanout(body.get("tree"))}
 
 

@@ -23,7 +23,7 @@ from ..errors import CollectiveError, CollectiveTimeoutError
 from . import transport
 from ._combine import answer, applied
 from ._interrupts import NUDGE, Waiter, user_code
-from ._mailbox import LINK, MAIL, MESSAGE, TAKE_BATCH, TRACKER_POLL_S
+from ._mailbox import LINK, LOCAL, MAIL, MESSAGE, TAKE_BATCH, TRACKER_POLL_S
 
 if TYPE_CHECKING:
     from .._protocol._coordinator import Coordinator
@@ -53,6 +53,7 @@ class Driver:
         self.pump = self._pump  # (its public name, for Edges: the driver's wait for anything)
         self.mail: Optional[transport.Mailbox] = None  # the mailbox (point to point), once joined
         self.mail_names: tuple[str, ...] = ()
+        self._mail_fixed = 1  # names of mail_names not a link's monitor (the mailbox, its one-host links)
         self.mail_ready = 0  # what a wait woke for of the mailbox's (MESSAGE, LINK: see _mailbox.mail_woke):
         # take in, look at the links (else a wait only looks at it)
         self.tracked: list[tuple[Any, Any]] = []  # (tracker, send's future): buffers libzmq still reads
@@ -69,8 +70,12 @@ class Driver:
         """The group is formed: its waits watch the mailbox too."""
         self.mail, mail.keyed = mail, lambda rank: _heard_from(self.member, rank)
         self.waiter.watch(MAIL, mail.source)
-        self.mail_names = (MAIL,)  # the mailbox, then each link's monitor
-        self._watches(*self._names, MAIL)
+        links = mail.links()  # (the one-host links', if any: no monitor yet)
+        for name, fd in links.items():
+            self.waiter.watch(name, fd)
+        self.mail_names = (MAIL, *links)  # the mailbox (its one-host links), then each link's monitor
+        self._mail_fixed = len(self.mail_names)
+        self._watches(*self._names, *self.mail_names)
 
     def _soon(self) -> Optional[float]:
         """When the mailbox has something to do without news: a tracked buffer to
@@ -141,8 +146,8 @@ class Driver:
             left = [(t, h) for t, h in self.tracked if not t.done]
             member.outcomes.extend(CallOutcome(h) for t, h in self.tracked if t.done)
             self.tracked = left
-        if sockets is not None and len(self.mail_names) != 1 + len(sockets.monitors):  # a new link: its
-            links = sockets.links()  # refusal ends a wait too
+        if sockets is not None and len(self.mail_names) != self._mail_fixed + len(sockets.monitors):  # a new
+            links = sockets.links()  # link: its refusal ends a wait too
             for name, monitor in links.items():
                 self.waiter.watch(name, monitor)
             self._watches(*(n for n in self._names if n not in self.mail_names), MAIL, *links)
@@ -344,8 +349,11 @@ class Driver:
                 or self.tracked or sockets.retry or any(self.queued)):
             return False
         slice_s = self.fixed_slice_s if self.fixed_slice_s is not None else self.slice_s()
-        if not slice_s or slice_s < 0 or self.waiter.wait(self._nudged_names, deadline, slice_s) != [MAIL]:
+        if not slice_s or slice_s < 0:
             return False
+        woke = self.waiter.wait(self._nudged_names, deadline, slice_s)
+        if woke != [MAIL] and woke != [LOCAL]:  # (the one-host links': their messages, or news taken in
+            return False  # with them)
         return self.mail_io(ready=MESSAGE, enough=done) or bool(done())
 
     def progress(self, data: bool = True) -> None:

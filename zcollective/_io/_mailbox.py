@@ -18,9 +18,10 @@ from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
 from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, bind_peer_port, set_peer_options
+from ._local import LOCAL, LocalLinks
 from ._zmq import NOBLOCK, reader
 
-__all__ = ["MAIL", "MESSAGE", "LINK", "TAKE_BATCH", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
+__all__ = ["LOCAL", "MAIL", "MESSAGE", "LINK", "TAKE_BATCH", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
 
 MAIL = "mail"  # its socket's name in a waiter; a link's monitor is "mail <rank>"
 MESSAGE, LINK = 1, 2  # what a wait woke for (mail_woke): a message waits; a link's monitor has news
@@ -40,8 +41,8 @@ def mail_woke(woke: list[str]) -> int:
     found = 0
     for name in woke:
         if name.startswith(MAIL):
-            found |= MESSAGE if name == MAIL else LINK
-    return found
+            found |= MESSAGE if name in (MAIL, LOCAL) else LINK  # (the one-host links' news is
+    return found  # taken in with their messages)
 
 
 class MailSockets:
@@ -71,6 +72,13 @@ class MailSockets:
         # retry, no link broken: the driver asks without a call)
         self._endpoints: list[str] = []
         self._session, self._base = 0, b""  # the group's, from start()
+        self.local: Optional[LocalLinks] = None  # the links to the ranks on this host, if offered
+        self._via_local: set[int] = set()  # ranks sent to over them (tried and refused: ZeroMQ's)
+        if config.local_mail:
+            try:
+                self.local = LocalLinks(config.max_frame_bytes)
+            except OSError:  # (not Linux: ZeroMQ's links alone)
+                self.local = None
         with _sockets.mapped(f"rank {self.rank} cannot open its mailbox port", address=True):
             if gatekeeper is None:
                 self._gate = _zap.GateThread(ctx)
@@ -83,6 +91,8 @@ class MailSockets:
             except BaseException:
                 if self._gate is not None:
                     self._gate.close()
+                if self.local is not None:
+                    self.local.close()
                 raise
 
     @property
@@ -90,12 +100,27 @@ class MailSockets:
         """What a waiter watches for a message waiting."""
         return self._pull
 
-    def start(self, session: int, endpoints: list[str], base: bytes, rank: int) -> None:
+    @property
+    def local_name(self) -> Optional[str]:
+        """The name ranks on this host reach this rank's one-host links at (None: none offered)."""
+        return None if self.local is None else self.local.name
+
+    def start(self, session: int, endpoints: list[str], base: bytes, rank: int,
+              local: Optional[list[Optional[str]]] = None) -> None:
         """The group is welcomed: this port accepts the tokens of its group's key (``base``: the secret, or
         the WELCOME's key) for ``rank``, this replica's rank there (a group formed again numbers its ranks
-        anew); ``endpoints``: every rank's mailbox."""
+        anew); ``endpoints``: every rank's mailbox; ``local``: every rank's one-host links' name (None: no
+        rank offers them, or the group's host does not pass them on)."""
         self._endpoints, self._session, self._base, self.rank = endpoints, session, base, rank
         self.gatekeeper.rekey(self._key(self.rank), _zap.MAIL_DOMAIN)
+        if self.local is not None and (local is None or sum(n is not None for n in local) < 2):
+            self.local.close()  # nobody to reach that way
+            self.local = None
+        if self.local is not None and local is not None:
+            key = _tokens.port_key(base, session, 0, _tokens.LOCAL_LABEL)
+            self.local.start(key, session, rank, local)
+            self._via_local = {r for r, name in enumerate(local) if name is not None and r != rank}
+            self.recv = self._recv_both  # type: ignore[method-assign]  # (an attribute: no call between)
 
     def _key(self, rank: int) -> bytes:
         """The key of rank ``rank``'s mailbox tokens in this group."""
@@ -106,7 +131,16 @@ class MailSockets:
         queued), or keep them until its link is made; what went: (a tracker of
         its buffers if ``track``, else None; ``handle``), in order. To a rank
         :attr:`keyed` says takes the group's tokens, they go at once, libzmq
-        queueing them until the handshake is done."""
+        queueing them until the handshake is done. To a rank on this host, over
+        its one-host link (a tracker while part of it waits for the socket)."""
+        if dest in self._via_local:
+            sent = self.local.send(dest, frames)  # type: ignore[union-attr]  # (a local link's)
+            if sent is not None:
+                if sent.done:
+                    return [(None, handle)]
+                self.quiet_until = 0.0  # (progress() sends the rest)
+                return [(sent if handle is not None else None, handle)]
+            self._via_local.discard(dest)  # not reached that way: ZeroMQ's link, for ever (one path a pair)
         if dest not in self._pushes:
             self._connect(dest)
         if dest not in self._made:  # nothing goes before the handshake (a refused one is made again,
@@ -171,6 +205,9 @@ class MailSockets:
         made it again after a reset, with its spent token) is broken: that rank is returned."""
         went: list[tuple[Any, Any]] = []
         broken, self._broken = self._broken, None
+        local = self.local
+        if local is not None:  # what waited for its socket goes; a one-host link that closed is no loss of
+            local.progress()  # its own (as a PULL closing is not): the coordinator says if its rank ended
         if not look and not self._held and not self.retry and broken is None and now < self._next_look:
             return went, None  # every link made: a refusal can wait a moment (a wait wakes for it)
         self._next_look = now + LOOK_S
@@ -185,7 +222,7 @@ class MailSockets:
             if now >= due:
                 del self.retry[dest]
                 self._reconnect(dest)
-        if not self._held and not self.retry and self._broken is None:
+        if not self._held and not self.retry and self._broken is None and not (local and local.holding()):
             self.quiet_until = self._next_look
         return went, broken
 
@@ -289,20 +326,29 @@ class MailSockets:
 
     def connect(self, dests: list[int]) -> None:
         """Make the links to ``dests`` now (the tree's: a part must never wait for a handshake
-        that only a wait on this group would finish)."""
+        that only a wait on this group would finish; a one-host link is made by its first message)."""
         for dest in dests:
-            if dest not in self._pushes and dest != self.rank:
+            if dest not in self._pushes and dest != self.rank and dest not in self._via_local:
                 self._connect(dest)
 
     def made(self, dests: list[int]) -> bool:
-        """Are the links to ``dests`` made?"""
-        return all(dest in self._made for dest in dests)
+        """Are the links to ``dests`` made (a one-host link's need no handshake)?"""
+        return all(dest in self._made or dest in self._via_local for dest in dests)
 
     def links(self) -> dict[str, int]:
-        """The file descriptors of the links' monitors, by their names in a waiter."""
-        return {f"{MAIL} {dest}": monitor.FD for dest, monitor in self.monitors.items()}
+        """The file descriptors of the links' monitors, by their names in a waiter (the one-host
+        links' one first, if any)."""
+        found = {} if self.local is None else {LOCAL: self.local.fd}
+        found.update((f"{MAIL} {dest}", monitor.FD) for dest, monitor in self.monitors.items())
+        return found
 
     recv = reader("_pull")  # the next message waiting, without blocking (``waiting``: a poll found one)
+    _recv_pull = recv
+
+    def _recv_both(self, waiting: bool) -> Optional[list[Any]]:
+        """With one-host links (:meth:`start`): theirs first, then the PULL's."""
+        frames = self.local.recv()  # type: ignore[union-attr]  # (set with them)
+        return self._recv_pull(waiting) if frames is None else frames
 
     def cut_off(self, dests: Iterable[int]) -> None:
         """What the links to ``dests`` still send is dropped at :meth:`close`
@@ -310,6 +356,8 @@ class MailSockets:
         self._cut_off.update(dests)
 
     def close(self, linger_ms: int = 0) -> None:
+        if self.local is not None:
+            self.local.close(linger_ms, self._cut_off)
         for dest, push in self._pushes.items():
             push.close(linger=0 if dest in self._cut_off else linger_ms)
         for monitor in self.monitors.values():

@@ -101,8 +101,13 @@ class Mailbox(Protocol):
     quiet_until: float  # till then progress() has nothing to do unless a wait woke for a link
     keyed: Callable[[int], bool]  # a message came from rank k: its link needs no wait for the handshake
 
-    def start(self, session: int, endpoints: list[str], base: bytes, rank: int) -> None:
-        """Welcomed: the ranks' addresses, and the key their links prove."""
+    @property
+    def local_name(self) -> Optional[str]:
+        """Where ranks on this host reach its one-host links (its JOIN says), or None."""
+
+    def start(self, session: int, endpoints: list[str], base: bytes, rank: int,
+              local: Optional[list[Optional[str]]] = None) -> None:
+        """Welcomed: the ranks' addresses (``local``: their one-host links'), the key their links prove."""
 
     def send(self, dest: int, frames: list[Any], track: bool, handle: Any) -> list[tuple[Any, Any]]:
         """Send (never blocking) or hold until the link is made; what went: (tracker, handle)."""
@@ -114,7 +119,7 @@ class Mailbox(Protocol):
         """The links' news: what went once made, and a rank whose link broke."""
 
     def links(self) -> dict[str, Any]:
-        """Each link's watched source, by its name in a Waiter."""
+        """Each link's watched source, by its name in a Waiter (the one-host links' first: they have one)."""
 
     def connect(self, dests: list[int]) -> None:
         """Make the links to ``dests`` now (not at their first message)."""

@@ -119,6 +119,8 @@ class Member:
         self.data_key: Optional[str] = None  # the data ports' token key (hex), from the WELCOME
         self.mail_endpoint: Optional[str] = None  # this replica's mailbox (point to point), if any
         self.mail_window = 0  # what a sender may leave unreceived here (its Config's)
+        self.local_name: Optional[str] = None  # its one-host mailbox's name (_io/_local), if any
+        self.local_names: Optional[list[Optional[str]]] = None  # every rank's, from the WELCOME
         self.mail_endpoints: Optional[list[str]] = None  # every rank's, from the WELCOME ...
         self.mail_key: Optional[str] = None  # ... and their tokens' key (hex)
         self.mail: Optional[Mail] = None  # its point-to-point rules, once welcomed

@@ -70,7 +70,7 @@ class Joining:
         self.tokens.add(self.token)
         return _bodies.join(m.rank, m.size, PYTHON_VERSION, nonce, challenge, m.data_endpoint,
                             m.data_min_bytes, m.data_mode, m.lineage, m.newcomer, m.job,
-                            SPOKEN, m.mail_endpoint, m.shm_offer, m.mail_window)
+                            SPOKEN, m.mail_endpoint, m.shm_offer, m.mail_window, m.local_name)
 
     def start(self, warn_after: Optional[float] = None) -> list[Message]:
         """Begin joining (rule 8): a JOIN now and at each timer deadline; warn at ``warn_after``."""
@@ -201,6 +201,7 @@ class Joining:
         m.session = msg.session
         if (m.mail_endpoint is not None and welcome["mail"] is not None) or m.size == 1:
             m.mail_endpoints, m.mail_key = welcome["mail"], welcome["mail_key"]
+            m.local_names = welcome["local"]
             m.mail = Mail(m.rank, m.size, m.mail_window, m.session, m.outcomes, welcome["mail_windows"])
             fanout = welcome["tree"]
             if fanout is not None and m.mail_endpoints is not None:

@@ -194,7 +194,8 @@ class Membership:
                                by_rank[0].data_min, self.data_key, addresses, renumber, rank=rank,
                                session=co.session, mail=cast("list[str]", mail) if all(mail) else None,
                                shm=self.shared, tree=_tree.TREE_FANOUT if co.tree is not None else None,
-                               mail_windows=[by_rank[r].mail_window for r in range(n)])
+                               mail_windows=[by_rank[r].mail_window for r in range(n)],
+                               local=[by_rank[r].local for r in range(n)])
 
 
 def _oversubscribed(members: list[Joined]) -> bool:

@@ -41,6 +41,7 @@ class Joined:
     data_mode: str = "auto"  # "on": even if every rank is on one host (rank 0's is used)
     mail: Optional[str] = None  # its mailbox's endpoint (point to point), if it has one
     mail_window: int = 0  # what its mailbox holds at most from each sender (0: not said)
+    local: Optional[str] = None  # its one-host mailbox's name (ranks on its host send there), if any
     shm: Optional[tuple[int, int]] = None  # it can use shared memory: (threshold, room on its host)
     macs: tuple[str, ...] = ()  # the chunk MAC backends it can use (see _mac)
     cores: int = 1  # the CPU cores its process may run on (the tree needs one a rank: rule 14)

@@ -13,6 +13,7 @@ from .._format._wire import NONCE_BYTES
 KEY_LABEL = b"zcollective-v1-zap-plain"  # its own key: a handshake MAC is never a message tag
 PORT_LABEL = b"zcollective-v1-data-link"  # a data port's key: bound to its group and rank
 MAIL_LABEL = b"zcollective-v1-mailbox"  # a mailbox port's: apart from its data port's
+LOCAL_LABEL = b"zcollective-v1-local-link"  # a group's one-host links' (_io/_local): apart from both
 USERNAME_PREFIX = b"zc1."  # the token format's version
 NOT_YET = "no key yet (the group is not formed)"  # a member early for its link: not logged
 _USERNAME_LEN = len(USERNAME_PREFIX) + 2 * NONCE_BYTES

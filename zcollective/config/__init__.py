@@ -84,6 +84,7 @@ class Config:
     data_plane_min_bytes: int = DEFAULT_DATA_PLANE_MIN_BYTES  # smaller arrays keep the star
     shared_memory_min_bytes: Optional[int] = DEFAULT_SHARED_MEMORY_MIN_BYTES  # None: off
     mail_window_bytes: int = DEFAULT_MAIL_WINDOW_BYTES  # point to point: see the Setting
+    local_mail: bool = True  # point to point between ranks on one host: Unix sockets, not ZeroMQ
     port_given: bool = False  # master_port was given: a group of one then serves there, for newcomers
     job: Optional[str] = None  # the job's name, which its JOIN carries; None: nothing names it
 
@@ -220,6 +221,11 @@ SETTINGS: tuple[Setting, ...] = (
                 "before that rank's program receives them (or one message, if larger); a "
                 "sender beyond it waits. A receiver holds at most this much from each sender: "
                 "the receiver's setting decides (its senders keep to it)."),
+    Setting("local_mail", "Optional[bool]", True, _values.to_bool, argument=False,
+            env=("ZCOLLECTIVE_LOCAL_MAIL",),
+            doc="``1``: point-to-point messages (and the tree's) between replicas on one host go "
+                "over Unix sockets with no name on any filesystem (docs/protocol.md, *Point to point*), "
+                "not ZeroMQ's TCP; ``0``: always ZeroMQ. A pair of replicas uses it if both offer it."),
     Setting("stacks", "Optional[bool]", True, _values.to_bool, argument=False, env=("ZCOLLECTIVE_STACKS",),
             doc="``1``: write every thread's stack to stderr when zcollective-run asks (for the "
                 "ranks a stall names, and every rank when it gets SIGUSR1 itself; through a file, "
