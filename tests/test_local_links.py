@@ -249,7 +249,7 @@ def test_a_stranger_is_closed_and_logged_while_the_good_link_goes_on(pair, caplo
             sock = raw_link(b.name, claimed, key=b"other" if case == "key" else KEY,
                             session=SESSION + 1 if case == "session" else SESSION)
             if case == "too large":
-                sock.send(_local.FIRST_PACKET.pack(_local.FIRST, 1, MAX_FRAME + 9))
+                sock.send(_local.HEAD.pack(_local.FIRST, 1, MAX_FRAME + 9))
             elif case == "unexpected":
                 sock.send(b"M" + b"x" * 10)
         with sock:
