@@ -152,6 +152,35 @@ def test_frames_of_every_size_and_kind(pair):
     assert got == [as_bytes(m) for m in messages]
 
 
+def test_a_message_no_peer_would_take_raises_before_anything_goes(pair):
+    a, b = pair
+    for frames in ([], [b"x" * (MAX_FRAME + 1)], [memoryview(bytearray(100))[::2]]):  # (none, too large,
+        with pytest.raises(ValueError):  # not contiguous)
+            a.send(1, frames)
+    a.send(1, [b"fine"])
+    assert pump(pair, lambda got: got[1])[1] == [[b"fine"]]
+
+
+def test_links_take_turns(pair):
+    a, b = pair
+    c = LocalLinks(MAX_FRAME)
+    try:
+        c.start(KEY, SESSION, 2, [a.name, b.name, c.name])
+        b._names.append(c.name)  # (a group of 3)
+        for i in range(50):
+            a.send(1, [b"a%d" % i])
+            c.send(1, [b"c%d" % i])
+        sources = []
+        deadline = time.monotonic() + WAIT_S
+        while len(sources) < 100:
+            assert time.monotonic() < deadline
+            if b.recv() is not None:
+                sources.append(b.source)
+        assert sources[:2] in ([0, 2], [2, 0]) and sources[2:] == sources[:2] * 49
+    finally:
+        c.close()
+
+
 def converse(links, peer, count, size):
     """Send ``count`` messages of ``size`` bytes to ``peer`` while receiving as many from it; between two
     sends only recv and progress (a send never blocks, so neither side waits on the other)."""
