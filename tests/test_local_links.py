@@ -262,7 +262,7 @@ def _refused(caplog, pair_, why):
 @pytest.mark.parametrize("case, why", [
     ("key", "wrong HMAC for rank 2"), ("session", "wrong HMAC for rank 2"), ("own rank", "claims rank 1"),
     ("no such rank", "claims rank 9"), ("garbage", "not an authentication"),
-    ("too large", "above the bound"), ("unexpected", "out of place"),
+    ("too large", "above the bound"), ("huge", "too large to hold"), ("unexpected", "out of place"),
 ])
 def test_a_stranger_is_closed_and_logged_while_the_good_link_goes_on(pair, caplog, case, why):
     a, b = pair
@@ -279,6 +279,9 @@ def test_a_stranger_is_closed_and_logged_while_the_good_link_goes_on(pair, caplo
                             session=SESSION + 1 if case == "session" else SESSION)
             if case == "too large":
                 sock.send(_local.HEAD.pack(_local.FIRST, 1, MAX_FRAME + 9))
+            elif case == "huge":
+                most = _local.MAX_FRAMES
+                sock.send(_local.HEAD.pack(_local.FIRST, most, most * (MAX_FRAME + 8)))  # (64 TiB: in bounds)
             elif case == "unexpected":
                 sock.send(b"M" + b"x" * 10)
         with sock:

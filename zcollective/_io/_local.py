@@ -175,6 +175,7 @@ class LocalLinks:
         self._max_frame, self.rank, self.source = max_frame_bytes, -1, -1  # source: the last message's
         self._copy_max = min(COPY_MAX, max_frame_bytes)
         self._one_max = 1 + min(FRAGMENT_BYTES, max_frame_bytes)  # a ONE packet's bytes at most
+        self._most = LENGTH + max_frame_bytes  # a message's bytes a frame at most (its allocation's bound)
         self._key, self._session, self._names = b"", 0, list[Optional[str]]()
         self._out: dict[int, _Out] = {}
         self._by_fd: dict[int, Any] = {}  # each fd in the epoll but the listener's: its _In or _Out
@@ -198,8 +199,6 @@ class LocalLinks:
 
     def _mac(self, src: int, dest: int) -> bytes:
         return hmac.new(self._key, LABEL % (self._session, src, dest), hashlib.sha256).digest()
-
-    # -- sending ---------------------------------------------------------------------------------------
 
     def send(self, dest: int, frames: list[Any]) -> Optional[Sent]:
         """Send ``frames`` (bytes-like) to ``dest`` whole, in order, never blocking: what the socket cannot
@@ -301,8 +300,6 @@ class LocalLinks:
         """Is anything held for any link?"""
         return bool(self._waiting)
 
-    # -- receiving -------------------------------------------------------------------------------------
-
     def recv(self) -> Optional[list[Any]]:
         """The next whole message from any link (frames: bytes or memoryview; :attr:`source`: its rank),
         or None. Never blocks, never raises for a peer's doing; links take turns, one message each."""
@@ -368,6 +365,8 @@ class LocalLinks:
             return None
         except _Refused as refused:
             self._drop(link, str(refused))
+        except MemoryError:  # (within the bound, more than this host can give)
+            self._drop(link, "a message too large to hold")
         except OSError as e:
             self._drop(link, f"reading: {e}")
         return None
@@ -385,15 +384,11 @@ class LocalLinks:
             raise _Refused(f"a packet out of place (kind {self._view[0]}, {n} bytes)")
         _, count, size = HEAD.unpack_from(self._view)
         data = n - HEAD.size
-        if not 0 < count <= MAX_FRAMES or not max(data, LENGTH * count) <= size <= self._bound(count):
+        if not 0 < count <= MAX_FRAMES or not max(data, LENGTH * count) <= size <= count * self._most:
             raise _Refused(f"a message of {size} bytes in {count} frames: above the bound")
         link.buf, link.off, link.count = memoryview(bytearray(size)), data, count
         link.buf[:data] = self._view[HEAD.size:n]
         return self._whole(link) if data == size else None
-
-    def _bound(self, count: int) -> int:
-        """The most bytes a message of ``count`` frames may have: what a peer can make this rank allocate."""
-        return count * (LENGTH + self._max_frame)
 
     def _authenticate(self, link: _In, n: int) -> None:
         kind, magic, rank, mac = AUTH_PACKET.unpack_from(self._view) if n == AUTH_PACKET.size else (0,) * 4
@@ -438,8 +433,6 @@ class LocalLinks:
                         link.uid, link.rank if link.rank >= 0 else "unproven", why)
         self._forget(link)
         link.buf = None
-
-    # -- the end ---------------------------------------------------------------------------------------
 
     def close(self, linger_ms: int = 0, cut_off: Iterable[int] = ()) -> None:
         """Held packets get ``linger_ms`` to go (those to ``cut_off``: dropped); close all. Idempotent."""
