@@ -123,20 +123,27 @@ def _lengths(frames: list[Any], max_frame: int) -> list[int]:
     """Each frame's bytes; ValueError before anything goes if the message is one no peer would take."""
     lengths = []
     for frame in frames:
-        view = memoryview(frame)
-        if not view.c_contiguous:
+        view = memoryview(frame) if type(frame) is not bytes else None
+        if view is not None and not view.c_contiguous:
             raise ValueError("a frame not contiguous")
-        lengths.append(view.nbytes)
+        lengths.append(len(frame) if view is None else view.nbytes)
     if not 0 < len(frames) <= MAX_FRAMES or max(lengths) > max_frame:
         raise ValueError(f"a message of {len(frames)} frames (1..{MAX_FRAMES}), each {max_frame} B at most")
     return lengths
 
 
-def _packets(frames: list[Any], lengths: list[int]) -> Iterator[list[Any]]:
-    """A message's packets, made as they go: each a list of views of the caller's buffers, no copy."""
+def _whole(frames: list[Any], lengths: list[int]) -> Optional[list[Any]]:
+    """The one packet of a message that fits in one (the caller's buffers, no copy), else None."""
     if len(frames) == 1 and lengths[0] <= FRAGMENT_BYTES:
-        yield [ONE_HEAD, frames[0]]
-        return
+        return [ONE_HEAD, frames[0]]
+    size = LENGTH * len(lengths) + sum(lengths)
+    if size > PACKET_MAX - HEAD.size or len(frames) >= MAX_IOV:
+        return None
+    return [HEAD.pack(FIRST, len(lengths), size), struct.pack(f"<{len(lengths)}Q", *lengths), *frames]
+
+
+def _packets(frames: list[Any], lengths: list[int]) -> Iterator[list[Any]]:
+    """A larger message's packets, made as they go: views of the caller's buffers, no copy."""
     table = struct.pack(f"<{len(lengths)}Q", *lengths)
     packet: list[Any] = [HEAD.pack(FIRST, len(lengths), len(table) + sum(lengths))]
     room = PACKET_MAX - HEAD.size
@@ -208,17 +215,33 @@ class LocalLinks:
         out = self._out.get(dest) or self._connect(dest)
         if out is None:
             return None
+        if out.sock is None:
+            return Sent(False)
         frame = frames[0] if len(frames) == 1 else None
-        if type(frame) is bytes and len(frame) <= self._copy_max and not out.held and out.sock is not None:
-            try:  # (a small value's shape: fewest steps)
-                out.sock.send(ONE_HEAD + frame)
-                return DONE
-            except BlockingIOError:
-                pass
-            except OSError:
-                self._break(out)
-        lengths = _lengths(frames, self._max_frame)
-        return self._hold(out, _packets(frames, lengths)) if out.sock is not None else Sent(False)
+        if type(frame) is bytes and len(frame) <= self._copy_max:
+            packet: Any = ONE_HEAD + frame  # (a small value's shape: copied, cheaper than an iovec)
+        else:
+            lengths = _lengths(frames, self._max_frame)
+            packet = _whole(frames, lengths)
+            if packet is None:
+                return self._hold(out, _packets(frames, lengths))
+        sent = None if out.held else self._now(out, packet)
+        return sent or self._hold(out, iter((packet if type(packet) is list else [packet],)))
+
+    def _now(self, out: _Out, packet: Any) -> Optional[Sent]:
+        """``packet`` (bytes, or a list of buffers) sent at once: DONE; dropped, its link broken: not
+        done; or None: the socket cannot take it now."""
+        try:
+            if type(packet) is bytes:
+                out.sock.send(packet)  # type: ignore[union-attr]
+            else:
+                out.sock.sendmsg(packet)  # type: ignore[union-attr]
+            return DONE
+        except BlockingIOError:
+            return None
+        except OSError:
+            self._break(out)
+            return Sent(False)
 
     def _connect(self, dest: int) -> Optional[_Out]:
         """A link to ``dest``, its first packet (AUTH) on its way; None (refused) if none can be made."""
@@ -386,9 +409,11 @@ class LocalLinks:
         data = n - HEAD.size
         if not 0 < count <= MAX_FRAMES or not max(data, LENGTH * count) <= size <= count * self._most:
             raise _Refused(f"a message of {size} bytes in {count} frames: above the bound")
+        if data == size:  # (whole in this packet: one copy out of the scratch buffer)
+            return self._frames(memoryview(self._view[HEAD.size:n].tobytes()), count)
         link.buf, link.off, link.count = memoryview(bytearray(size)), data, count
         link.buf[:data] = self._view[HEAD.size:n]
-        return self._whole(link) if data == size else None
+        return None
 
     def _authenticate(self, link: _In, n: int) -> None:
         kind, magic, rank, mac = AUTH_PACKET.unpack_from(self._view) if n == AUTH_PACKET.size else (0,) * 4
@@ -410,14 +435,15 @@ class LocalLinks:
         if flags & socket.MSG_TRUNC or self._kind[0] != MORE:
             raise _Refused(f"a packet out of place in a message ({n} bytes)")
         link.off += n - 1
-        return self._whole(link) if link.off == len(view) else None
-
-    def _whole(self, link: _In) -> list[Any]:
-        """The message ``link`` has all of: its frames, views of its one buffer."""
-        view, at = link.buf, LENGTH * link.count
-        assert view is not None
+        if link.off < len(view):
+            return None
         link.buf = None
-        lengths = struct.unpack_from(f"<{link.count}Q", view)
+        return self._frames(view, link.count)
+
+    def _frames(self, view: memoryview, count: int) -> list[Any]:
+        """A whole message's frames: views of its one buffer (``count`` lengths, then the frames)."""
+        at = LENGTH * count
+        lengths = struct.unpack_from(f"<{count}Q", view)
         if sum(lengths) != len(view) - at or max(lengths) > self._max_frame:
             raise _Refused(f"frames' lengths that do not add up to {len(view) - at} bytes or are too large")
         frames = []
