@@ -484,3 +484,20 @@ def test_an_idle_loop_spends_no_cpu_even_with_a_peer_gone(pair):
             wakes += 1
         assert a.recv() is None and a.progress() is None
     assert wakes <= 2 and time.process_time() - cpu < 0.1
+
+
+def test_a_sender_held_up_by_a_peer_that_does_not_read_spends_no_cpu_then_learns_of_its_end(pair):
+    a, b = pair
+    while a.send(1, [b"x" * 60000]).done:  # (b reads nothing)
+        pass
+    poller = select.poll()
+    poller.register(a.fd, select.POLLIN)
+    wakes, cpu, end = 0, time.process_time(), time.monotonic() + 0.5
+    while time.monotonic() < end:
+        wakes += bool(poller.poll(100))
+        assert a.recv() is None and a.progress() is None
+    assert wakes == 0 and time.process_time() - cpu < 0.05 and a.holding()
+    b.close()
+    assert poller.poll(WAIT_S * 1000)
+    a.recv()  # (the hang-up seen; what was held meets the break)
+    assert a.progress() == 1 and a.progress() is None and not a.holding()
