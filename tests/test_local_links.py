@@ -27,15 +27,15 @@ KEY, SESSION = b"k" * 32, 7
 MAX_FRAME = 1 << 26
 WAIT_S = 20.0  # any wait here ends within this, even on a loaded 2-core machine
 NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="becoming another uid needs root")
 BIG = 3 * (1 << 20) + 12345  # a message of many fragments (and more than a send buffer)
 
 
-def group(n, key=KEY, session=SESSION, count=None):
-    """``n`` started LocalLinks in this process, ranks 0..n-1 of a group of ``count`` (default n)."""
+def group(n):
+    """``n`` started LocalLinks in this process, ranks 0..n-1 of a group."""
     links = [LocalLinks(MAX_FRAME) for _ in range(n)]
-    names = [x.name for x in links] + [None] * ((count or n) - n)
     for rank, x in enumerate(links):
-        x.start(key, session, rank, names)
+        x.start(KEY, SESSION, rank, [y.name for y in links])
     return links
 
 
@@ -298,6 +298,7 @@ def _connect_as_nobody(name, wfd):
     time.sleep(WAIT_S)  # (killed before)
 
 
+@as_root
 def test_a_connection_from_another_uid_is_refused(pair, caplog):
     a, b = pair
     rfd, wfd = os.pipe()
@@ -318,6 +319,7 @@ def _listen_as_nobody(rfd, wfd):
     read_line(rfd)
 
 
+@as_root
 def test_a_listener_of_another_uid_is_refused_by_send(caplog):
     to_child, from_parent = os.pipe()
     from_child, to_parent = os.pipe()
