@@ -360,10 +360,10 @@ class LocalLinks:
         while True:
             try:
                 sock, _ = self._listener.accept()
+                sock.setblocking(False)
+                link = _In(sock, *_peer(sock))
             except OSError:  # (EAGAIN: no more; EMFILE...: left in the backlog)
                 return
-            sock.setblocking(False)
-            link = _In(sock, *_peer(sock))
             if link.uid != os.getuid():
                 self._drop(link, "another uid")
                 continue
