@@ -161,8 +161,9 @@ def _packets(frames: list[Any], lengths: list[int]) -> Iterator[list[Any]]:
 
 
 class LocalLinks:
-    """One rank's links to the ranks on its host (module docstring), used by one thread. Its :attr:`fd`
-    is readable when :meth:`recv` or :meth:`progress` has something to do: call both then."""
+    """One rank's links to the ranks on its host (module docstring), used by one thread with signals
+    deferred (an exception between a packet's send and its bookkeeping would send it twice). Its
+    :attr:`fd` is readable when :meth:`recv` or :meth:`progress` has something to do: call both then."""
 
     def __init__(self, max_frame_bytes: int) -> None:
         """Listen at a fresh abstract name; OSError where that cannot be (not Linux): no local path then.
