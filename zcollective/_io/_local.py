@@ -1,0 +1,497 @@
+"""One host's point-to-point links: Unix ``SOCK_SEQPACKET`` sockets between the ranks of one host.
+
+Why (issue 47): a ZeroMQ message crosses libzmq's I/O thread on both sides; a Unix socket round trip
+between two processes costs a fifth of it (benchmarks/README.md, *One host: small messages*). Each rank
+listens at an abstract name of 128 random bits (Linux: nothing on any filesystem, nothing left by a kill)
+and connects to a rank the first time it sends there. A link carries one direction only, so a pair's two
+directions never wait on each other; SEQPACKET keeps packets whole and in order.
+
+Who may connect: the abstract namespace has no permissions, so the peer's uid (``SO_PEERCRED``) must be
+this process's, and a link's first packet must prove, under the group's key, the rank it claims in this
+session (HMAC-SHA256). A sender checks its listener's uid likewise. Packets (little-endian)::
+
+    AUTH  'A' MAGIC rank:u32 hmac:32B   a link's first packet
+    ONE   'O' frame                     a message of one frame of at most FRAGMENT_BYTES
+    FIRST 'F' count:u32 size:u64 data   any other message: its ``size`` bytes of data (each frame's length
+    MORE  'M' data                      as u64, then the frames) begin here and go on in MORE packets
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import os
+import secrets
+import select
+import socket
+import struct
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+__all__ = ["LOCAL", "FRAGMENT_BYTES", "MAX_FRAMES", "LocalLinks", "Sent"]
+
+LOCAL = "mail local"  # LocalLinks.fd's name in a waiter
+NAME_PREFIX, NAME_BYTES = "zcollective-", 16  # 128 random bits: no other job guesses a name to squat or reach
+FRAGMENT_BYTES = 1 << 16  # a packet's data at most: far below any send buffer (wmem_default: 208 KiB)
+PACKET_MAX = 1 + FRAGMENT_BYTES  # (a ONE or MORE packet's kind, then its data)
+SNDBUF_BYTES = 1 << 20  # asked for (the kernel caps it at net.core.wmem_max): fewer waits for EPOLLOUT
+MIN_SNDBUF_BYTES = 2 * PACKET_MAX  # below, a packet could never go (EMSGSIZE): no link then
+MAX_IOV = 1000  # pieces of one packet (IOV_MAX is 1024)
+MAX_FRAMES = 1 << 20  # frames of one message at most (as _format._wire.DEFAULT_MAX_FRAMES). The bound on
+# what a peer can make this rank allocate for one message: MAX_FRAMES * (LENGTH + max_frame_bytes)
+MAX_EVENTS = 64  # epoll events read at a time
+COPY_MAX = 1 << 12  # a bytes frame up to this goes copied behind its kind (cheaper than an iovec)
+MAGIC = b"ZCL1"  # "zcollective local", version 1
+AUTH, ONE, FIRST, MORE = b"AOFM"
+ONE_HEAD, MORE_HEAD = bytes((ONE,)), bytes((MORE,))
+AUTH_PACKET, HEAD, PEERCRED = struct.Struct("<B4sI32s"), struct.Struct("<BIQ"), struct.Struct("3i")
+LENGTH = 8  # bytes of a frame's length
+LABEL = b"zcollective-local|%d|%d|%d"  # what a link's HMAC signs: session, source, destination
+IN_EVENTS = getattr(select, "EPOLLIN", 1)  # (the module imports everywhere; LocalLinks needs Linux)
+log = logging.getLogger("zcollective")
+_LIVE: weakref.WeakSet[LocalLinks] = weakref.WeakSet()  # every LocalLinks open: a forked child's to close
+
+
+class Sent:
+    """A message handed to :meth:`LocalLinks.send`: ``done`` once every byte went to the kernel. Until
+    then the links hold references to the caller's buffers (no copy), which must not change."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+
+DONE = Sent(True)  # what send() returns for a message that went at once (shared: never changed)
+
+
+class _Held:
+    """A message's packets not yet sent: ``packet`` the next one, then those of ``packets``."""
+
+    __slots__ = ("sent", "packets", "packet")
+
+    def __init__(self, packets: Iterator[list[Any]]) -> None:
+        self.sent, self.packets, self.packet = Sent(False), packets, next(packets, None)
+
+
+class _Out:
+    """A link this rank made, to ``rank``; ``sock`` None once broken."""
+
+    __slots__ = ("sock", "rank", "held")
+
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        self.sock: Optional[socket.socket] = sock
+        self.rank, self.held = rank, deque[_Held]()
+
+
+class _In:
+    """A link another process made: ``rank`` once its first packet proved it; ``buf``: a message under
+    way, ``off`` bytes of it in."""
+
+    __slots__ = ("sock", "pid", "uid", "rank", "buf", "off", "count")
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+        self.sock: Optional[socket.socket] = sock
+        self.pid, self.uid, self.rank, self.off, self.count = pid, uid, -1, 0, 0
+        self.buf: Optional[memoryview] = None
+
+
+class _Refused(Exception):
+    """A link to close: its peer broke the protocol (the reason, logged) or ended (no reason)."""
+
+
+def _address(name: str) -> bytes:
+    return b"\0" + name.encode("ascii")
+
+
+def _socket() -> socket.socket:
+    return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+
+
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end (when it connected or listened)."""
+    pid, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+    return pid, uid
+
+
+def _lengths(frames: list[Any], max_frame: int) -> list[int]:
+    """Each frame's bytes; ValueError before anything goes if the message is one no peer would take."""
+    lengths = []
+    for frame in frames:
+        view = memoryview(frame) if type(frame) is not bytes else None
+        if view is not None and not view.c_contiguous:
+            raise ValueError("a frame not contiguous")
+        lengths.append(len(frame) if view is None else view.nbytes)
+    if not 0 < len(frames) <= MAX_FRAMES or max(lengths) > max_frame:
+        raise ValueError(f"a message of {len(frames)} frames (1..{MAX_FRAMES}), each {max_frame} B at most")
+    return lengths
+
+
+def _whole(frames: list[Any], lengths: list[int]) -> Optional[list[Any]]:
+    """The one packet of a message that fits in one (the caller's buffers, no copy), else None."""
+    if len(frames) == 1 and lengths[0] <= FRAGMENT_BYTES:
+        return [ONE_HEAD, frames[0]]
+    size = LENGTH * len(lengths) + sum(lengths)
+    if size > PACKET_MAX - HEAD.size or len(frames) >= MAX_IOV:
+        return None
+    return [HEAD.pack(FIRST, len(lengths), size), struct.pack(f"<{len(lengths)}Q", *lengths), *frames]
+
+
+def _packets(frames: list[Any], lengths: list[int]) -> Iterator[list[Any]]:
+    """A larger message's packets, made as they go: views of the caller's buffers, no copy."""
+    table = struct.pack(f"<{len(lengths)}Q", *lengths)
+    packet: list[Any] = [HEAD.pack(FIRST, len(lengths), len(table) + sum(lengths))]
+    room = PACKET_MAX - HEAD.size
+    for frame in [table, *frames]:
+        piece = memoryview(frame).cast("B")
+        while piece.nbytes:
+            packet.append(piece[:room])
+            room -= packet[-1].nbytes
+            piece = piece[packet[-1].nbytes:]
+            if room == 0 or len(packet) == MAX_IOV:
+                yield packet
+                packet, room = [MORE_HEAD], FRAGMENT_BYTES
+    if len(packet) > 1:
+        yield packet
+
+
+class LocalLinks:
+    """One rank's links to the ranks on its host (module docstring), used by one thread with signals
+    deferred (an exception between a packet's send and its bookkeeping would send it twice). Its
+    :attr:`fd` is readable when :meth:`recv` or :meth:`progress` has something to do: call both then."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        """Listen at a fresh abstract name; OSError where that cannot be (not Linux): no local path then.
+        Nothing is accepted before :meth:`start` (connections wait in the backlog)."""
+        if not hasattr(select, "epoll") or not hasattr(socket, "SO_PEERCRED"):
+            raise OSError("local links need Linux (abstract Unix sockets, SO_PEERCRED, epoll)")
+        self.name = NAME_PREFIX + secrets.token_hex(NAME_BYTES)
+        self._listener = _socket()
+        try:
+            self._listener.bind(_address(self.name))
+            self._listener.listen(socket.SOMAXCONN)
+            self._epoll = select.epoll()
+        except BaseException:
+            self._listener.close()
+            raise
+        self.fd, self._listen_fd = self._epoll.fileno(), self._listener.fileno()
+        self._max_frame, self.rank, self.source = max_frame_bytes, -1, -1  # source: the last message's
+        self._copy_max = min(COPY_MAX, max_frame_bytes)
+        self._one_max = 1 + min(FRAGMENT_BYTES, max_frame_bytes)  # a ONE packet's bytes at most
+        self._most = LENGTH + max_frame_bytes  # a message's bytes a frame at most (its allocation's bound)
+        self._key, self._session, self._names = b"", 0, list[Optional[str]]()
+        self._out: dict[int, _Out] = {}
+        self._by_fd: dict[int, Any] = {}  # each fd in the epoll but the listener's: its _In or _Out
+        self._ready = deque[_In]()  # links the last look found readable, not yet read: one message each
+        self._waiting: set[_Out] = set()  # links holding packets (their EPOLLOUT watched)
+        self._broken = deque[int]()  # ranks whose link broke while sending, not yet said
+        self._refused: set[int] = set()
+        self._scratch = bytearray(PACKET_MAX + 1)  # (a longer packet fills it: refused)
+        self._view, self._kind, self._closed = memoryview(self._scratch), bytearray(1), False
+        _LIVE.add(self)
+
+    def start(self, key: bytes, session: int, rank: int, names: list[Optional[str]]) -> None:
+        """The group's key and session, this rank's rank, every rank's listener name (None: none). Once."""
+        self._key, self._session, self.rank, self._names = bytes(key), session, rank, list(names)
+        self._epoll.register(self._listener, IN_EVENTS)
+
+    def offers(self, dest: int) -> bool:
+        """May messages to ``dest`` go over a local link? Never again once one could not be made."""
+        return (0 <= dest < len(self._names) and dest != self.rank and self._names[dest] is not None
+                and dest not in self._refused)
+
+    def _mac(self, src: int, dest: int) -> bytes:
+        return hmac.new(self._key, LABEL % (self._session, src, dest), hashlib.sha256).digest()
+
+    def send(self, dest: int, frames: list[Any]) -> Optional[Sent]:
+        """Send ``frames`` (bytes-like) to ``dest`` whole, in order, never blocking: what the socket cannot
+        take now is held and goes before anything later (:meth:`progress`). None: no link could be made
+        (``dest`` is never offered again). To a broken link: dropped, never done (:meth:`progress` says
+        the break). ValueError: a frame above max_frame_bytes, not contiguous, or too many (or none)."""
+        out = self._out.get(dest) or self._connect(dest)
+        if out is None:
+            return None
+        if out.sock is None:
+            return Sent(False)
+        frame = frames[0] if len(frames) == 1 else None
+        if type(frame) is bytes and len(frame) <= self._copy_max:
+            packet: Any = ONE_HEAD + frame  # (a small value's shape: copied, cheaper than an iovec)
+        else:
+            lengths = _lengths(frames, self._max_frame)
+            packet = _whole(frames, lengths)
+            if packet is None:
+                return self._hold(out, _packets(frames, lengths))
+        sent = None if out.held else self._now(out, packet)
+        return sent or self._hold(out, iter((packet if type(packet) is list else [packet],)))
+
+    def _now(self, out: _Out, packet: Any) -> Optional[Sent]:
+        """``packet`` (bytes, or a list of buffers) sent at once: DONE; dropped, its link broken: not
+        done; or None: the socket cannot take it now."""
+        try:
+            if type(packet) is bytes:
+                out.sock.send(packet)  # type: ignore[union-attr]
+            else:
+                out.sock.sendmsg(packet)  # type: ignore[union-attr]
+            return DONE
+        except BlockingIOError:
+            return None
+        except OSError:
+            self._break(out)
+            return Sent(False)
+
+    def _connect(self, dest: int) -> Optional[_Out]:
+        """A link to ``dest``, its first packet (AUTH) on its way; None (refused) if none can be made."""
+        if not self.offers(dest):
+            return None
+        sock = _socket()
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < SNDBUF_BYTES:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF_BYTES)
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < MIN_SNDBUF_BYTES:
+                raise OSError("a send buffer too small for a packet")
+            sock.connect(_address(str(self._names[dest])))  # (EAGAIN: its backlog is full)
+            pid, uid = _peer(sock)
+            if uid != os.getuid():
+                log.warning("zcollective: rank %d's local name is held by pid %d of uid %d: not used",
+                            dest, pid, uid)
+                raise PermissionError("a listener of another uid")
+            self._epoll.register(sock, IN_EVENTS)  # (readable: its peer closed it)
+        except OSError:
+            sock.close()
+            self._refused.add(dest)
+            return None
+        out = self._out[dest] = self._by_fd[sock.fileno()] = _Out(sock, dest)
+        self._hold(out, iter(([AUTH_PACKET.pack(AUTH, MAGIC, self.rank, self._mac(self.rank, dest))],)))
+        return out
+
+    def _hold(self, out: _Out, packets: Iterator[list[Any]]) -> Sent:
+        held = _Held(packets)
+        out.held.append(held)
+        if len(out.held) == 1:
+            self._push(out)
+        return DONE if held.sent.done else held.sent
+
+    def _push(self, out: _Out) -> None:
+        """Send what ``out`` holds while its socket takes it; watch its EPOLLOUT while anything is left."""
+        try:
+            while out.held:
+                held = out.held[0]
+                while held.packet is not None:
+                    out.sock.sendmsg(held.packet)  # type: ignore[union-attr]
+                    held.packet = next(held.packets, None)
+                held.sent.done = True
+                out.held.popleft()
+        except BlockingIOError:
+            return self._watch(out, True)
+        except OSError:
+            return self._break(out)
+        self._watch(out, False)
+
+    def _watch(self, out: _Out, writing: bool) -> None:
+        if writing != (out in self._waiting):
+            (self._waiting.add if writing else self._waiting.discard)(out)
+            if out.sock is not None and self._by_fd.get(out.sock.fileno()) is out:
+                self._epoll.modify(out.sock, IN_EVENTS | (select.EPOLLOUT if writing else 0))
+
+    def _break(self, out: _Out) -> None:
+        """``out`` broke while sending (EPIPE, ECONNRESET...): what it held dropped, its rank to say."""
+        self._waiting.discard(out)
+        out.held.clear()
+        self._forget(out)
+        self._broken.append(out.rank)
+
+    def _forget(self, link: Any) -> None:
+        """Out of the epoll, then closed (unregistered first: a forked copy would keep it there)."""
+        if link.sock is not None:
+            if self._by_fd.pop(link.sock.fileno(), None) is not None:
+                self._epoll.unregister(link.sock)
+            link.sock.close()
+            link.sock = None
+
+    def progress(self) -> Optional[int]:
+        """Send what was held where the sockets now take it; a rank whose link broke (one a call), else
+        None."""
+        for out in list(self._waiting):
+            self._push(out)
+        return self._broken.popleft() if self._broken else None
+
+    def holding(self) -> bool:
+        """Is anything held for any link?"""
+        return bool(self._waiting)
+
+    def recv(self) -> Optional[list[Any]]:
+        """The next whole message from any link (frames: bytes or memoryview; :attr:`source`: its rank),
+        or None. Never blocks, never raises for a peer's doing; links take turns, one message each."""
+        ready = self._ready
+        looked = not ready
+        if looked:
+            self._look()
+        while True:
+            while ready:
+                link = ready.popleft()
+                msg = self._read(link) if link.sock is not None else None
+                if msg is not None:
+                    self.source = link.rank
+                    return msg
+            if looked:
+                return None
+            self._look()  # (the links the last look found had nothing: others may have)
+            looked = True
+
+    def _look(self) -> None:
+        """Read the epoll: links that may have a message, connections to accept, links closed."""
+        for fd, events in self._epoll.poll(0, MAX_EVENTS):
+            link = self._by_fd.get(fd)
+            if type(link) is _In:
+                self._ready.append(link)
+            elif fd == self._listen_fd:
+                self._accept()
+            elif link is not None and events & ~select.EPOLLOUT:  # (an _Out: its peer closed it)
+                self._epoll.unregister(fd)  # (a send to it finds the break)
+                del self._by_fd[fd]
+                if link.held:
+                    self._push(link)  # (EPIPE: broken)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+                sock.setblocking(False)
+                link = _In(sock, *_peer(sock))
+            except OSError:  # (EAGAIN: no more; EMFILE...: left in the backlog)
+                return
+            if link.uid != os.getuid():
+                self._drop(link, "another uid")
+                continue
+            self._by_fd[sock.fileno()] = link
+            self._epoll.register(sock, IN_EVENTS)
+            self._ready.append(link)  # (its first packet may be there already)
+
+    def _read(self, link: _In) -> Optional[list[Any]]:
+        """The next message of ``link``, or None: none whole yet, or the link closed."""
+        try:
+            while True:
+                if link.buf is None:
+                    n = link.sock.recv_into(self._scratch)  # type: ignore[union-attr]
+                    if self._scratch[0] == ONE and 0 < n <= self._one_max and link.rank >= 0:
+                        return [self._view[1:n].tobytes()]  # (a small value's shape: fewest steps)
+                    msg = self._packet(link, n)
+                else:
+                    msg = self._more(link)
+                if msg is not None:
+                    return msg
+        except BlockingIOError:
+            return None
+        except _Refused as refused:
+            self._drop(link, str(refused))
+        except MemoryError:  # (within the bound, more than this host can give)
+            self._drop(link, "a message too large to hold")
+        except OSError as e:
+            self._drop(link, f"reading: {e}")
+        return None
+
+    def _packet(self, link: _In, n: int) -> Optional[list[Any]]:
+        """A packet of ``n`` bytes that begins something: the link, or a message (None: not whole yet)."""
+        if n == 0:
+            raise _Refused("")  # (EOF: its peer closed it)
+        if n > PACKET_MAX:
+            raise _Refused(f"a packet above {PACKET_MAX} bytes")
+        if link.rank < 0:
+            self._authenticate(link, n)
+            return None
+        if self._view[0] != FIRST or n < HEAD.size:
+            raise _Refused(f"a packet out of place (kind {self._view[0]}, {n} bytes)")
+        _, count, size = HEAD.unpack_from(self._view)
+        data = n - HEAD.size
+        if not 0 < count <= MAX_FRAMES or not max(data, LENGTH * count) <= size <= count * self._most:
+            raise _Refused(f"a message of {size} bytes in {count} frames: above the bound")
+        if data == size:  # (whole in this packet: one copy out of the scratch buffer)
+            return self._frames(memoryview(self._view[HEAD.size:n].tobytes()), count)
+        link.buf, link.off, link.count = memoryview(bytearray(size)), data, count
+        link.buf[:data] = self._view[HEAD.size:n]
+        return None
+
+    def _authenticate(self, link: _In, n: int) -> None:
+        kind, magic, rank, mac = AUTH_PACKET.unpack_from(self._view) if n == AUTH_PACKET.size else (0,) * 4
+        if kind != AUTH or magic != MAGIC:
+            raise _Refused(f"a first packet of {n} bytes, not an authentication")
+        if not 0 <= rank < len(self._names) or rank == self.rank:
+            raise _Refused(f"it claims rank {rank}, not another rank of {len(self._names)}")
+        if not hmac.compare_digest(mac, self._mac(rank, self.rank)):
+            raise _Refused(f"a wrong HMAC for rank {rank} (another key or session)")
+        link.rank = rank
+
+    def _more(self, link: _In) -> Optional[list[Any]]:
+        """Take one MORE packet, into its place: the message once whole, else None."""
+        view = link.buf
+        assert view is not None and link.sock is not None
+        n, _, flags, _ = link.sock.recvmsg_into([self._kind, view[link.off:link.off + FRAGMENT_BYTES]])
+        if n == 0:
+            raise _Refused("")
+        if flags & socket.MSG_TRUNC or self._kind[0] != MORE:
+            raise _Refused(f"a packet out of place in a message ({n} bytes)")
+        link.off += n - 1
+        if link.off < len(view):
+            return None
+        link.buf = None
+        return self._frames(view, link.count)
+
+    def _frames(self, view: memoryview, count: int) -> list[Any]:
+        """A whole message's frames: views of its one buffer (``count`` lengths, then the frames)."""
+        at = LENGTH * count
+        lengths = struct.unpack_from(f"<{count}Q", view)
+        if sum(lengths) != len(view) - at or max(lengths) > self._max_frame:
+            raise _Refused(f"frames' lengths that do not add up to {len(view) - at} bytes or are too large")
+        frames = []
+        for length in lengths:
+            frames.append(view[at:at + length])
+            at += length
+        return frames
+
+    def _drop(self, link: _In, why: str) -> None:
+        """Close ``link`` (a message under way is lost with it), saying why if its peer was at fault."""
+        if why:
+            log.warning("zcollective: local link from pid %d uid %d (rank %s) closed: %s", link.pid,
+                        link.uid, link.rank if link.rank >= 0 else "unproven", why)
+        self._forget(link)
+        link.buf = None
+
+    def close(self, linger_ms: int = 0, cut_off: Iterable[int] = ()) -> None:
+        """Held packets get ``linger_ms`` to go (those to ``cut_off``: dropped); close all. Idempotent."""
+        deadline, cut = time.monotonic() + linger_ms / 1000, set(cut_off)
+        for out in [out for out in self._waiting if out.rank not in cut]:
+            poller = select.poll()
+            poller.register(out.sock, select.POLLOUT)  # type: ignore[arg-type]
+            while out in self._waiting and (left := deadline - time.monotonic()) > 0:
+                poller.poll(math.ceil(left * 1000))
+                self._push(out)
+        self._shut()
+
+    def _shut(self) -> None:
+        """Close every socket and the epoll, nothing else: all a forked child does with its copies (the
+        epoll's registrations and the sockets' ends are its parent's too)."""
+        if not self._closed:
+            for link in [*self._out.values(), *self._by_fd.values()]:
+                if link.sock is not None:
+                    link.sock.close()
+                    link.sock = None
+            self._listener.close()
+            self._epoll.close()
+            self._out, self._by_fd, self._ready, self._waiting = {}, {}, deque(), set()
+            self._closed = True
+            _LIVE.discard(self)
+
+
+def _forget_in_child() -> None:
+    """A forked child never touches its parent's links: its copies closed, the parent's intact."""
+    for links in list(_LIVE):
+        links._shut()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
