@@ -302,6 +302,8 @@ def _blocking_waits(source):
         keywords = {k.arg: k.value for k in node.keywords}
         first = node.args[0] if node.args else None
         timeout = node.args[1] if len(node.args) > 1 else keywords.get("timeout")
+        if receiver == "select" and not node.args and not node.keywords:
+            continue  # (a poll object made: no wait)
         if (
             name == "sleep"
             or name in ("zmq_poll", "poll", "select", "epoll", "kqueue") and not (

@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
+from . import _interrupts
+
 __all__ = ["LOCAL", "FRAGMENT_BYTES", "MAX_FRAMES", "LocalLinks", "Sent"]
 
 LOCAL = "mail local"  # LocalLinks.fd's name in a waiter
@@ -45,6 +47,7 @@ MAX_IOV = 1000  # pieces of one packet (IOV_MAX is 1024)
 MAX_FRAMES = 1 << 20  # frames of one message at most (as _format._wire.DEFAULT_MAX_FRAMES). The bound on
 # what a peer can make this rank allocate for one message: MAX_FRAMES * (LENGTH + max_frame_bytes)
 MAX_EVENTS = 64  # epoll events read at a time
+WRITABLE = 2  # POLLOUT, as zmq_poll takes it for a file descriptor
 COPY_MAX = 1 << 12  # a bytes frame up to this goes copied behind its kind (cheaper than an iovec)
 MAGIC = b"ZCL1"  # "zcollective local", version 1
 AUTH, ONE, FIRST, MORE = b"AOFM"
@@ -345,7 +348,7 @@ class LocalLinks:
 
     def _look(self) -> None:
         """Read the epoll: links that may have a message, connections to accept, links closed."""
-        for fd, events in self._epoll.poll(0, MAX_EVENTS):
+        for fd, events in self._epoll.poll(timeout=0, maxevents=MAX_EVENTS):
             link = self._by_fd.get(fd)
             if type(link) is _In:
                 self._ready.append(link)
@@ -464,13 +467,13 @@ class LocalLinks:
     def close(self, linger_ms: int = 0, cut_off: Iterable[int] = ()) -> None:
         """Held packets get ``linger_ms`` to go (those to ``cut_off``: dropped); close all. Idempotent."""
         deadline, cut = time.monotonic() + linger_ms / 1000, set(cut_off)
-        for out in [out for out in self._waiting if out.rank not in cut]:
-            poller = select.poll()
-            poller.register(out.sock, select.POLLOUT)  # type: ignore[arg-type]
-            while out in self._waiting and (left := deadline - time.monotonic()) > 0:
-                poller.poll(math.ceil(left * 1000))
-                self._push(out)
-        self._shut()
+        try:
+            for out in [out for out in self._waiting if out.rank not in cut]:
+                while out in self._waiting and out.sock and (left := deadline - time.monotonic()) > 0:
+                    _interrupts.wait([(out.sock.fileno(), WRITABLE)], math.ceil(left * 1000))
+                    self._push(out)
+        finally:  # (an interrupt in the wait: closed all the same)
+            self._shut()
 
     def _shut(self) -> None:
         """Close every socket and the epoll, nothing else: all a forked child does with its copies (the
