@@ -30,12 +30,12 @@ import struct
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 from . import _interrupts
 
-__all__ = ["LOCAL", "FRAGMENT_BYTES", "MAX_FRAMES", "LocalLinks", "Sent"]
+__all__ = ["COPY_MAX", "LOCAL", "FRAGMENT_BYTES", "MAX_FRAMES", "ONE_HEAD", "LocalLinks", "Sent"]
 
 LOCAL = "mail local"  # LocalLinks.fd's name in a waiter
 NAME_PREFIX, NAME_BYTES = "zcollective-", 16  # 128 random bits: no other job guesses a name to squat or reach
@@ -194,6 +194,9 @@ class LocalLinks:
         self._waiting: set[_Out] = set()  # links holding packets (their EPOLLOUT watched)
         self._broken = deque[int]()  # ranks whose link broke while sending, not yet said
         self._refused: set[int] = set()
+        self.free: dict[int, Callable[[bytes], int]] = {}  # by rank, the send of a link holding nothing (a
+        # one-packet message of at most COPY_MAX bytes, ONE_HEAD first, may go there directly)
+        self.then: Optional[Callable[[bool], Optional[list[Any]]]] = None  # recv()'s next source, if any
         self._scratch = bytearray(PACKET_MAX + 1)  # (a longer packet fills it: refused)
         self._view, self._kind, self._closed = memoryview(self._scratch), bytearray(1), False
         _LIVE.add(self)
@@ -275,6 +278,7 @@ class LocalLinks:
     def _hold(self, out: _Out, packets: Iterator[list[Any]]) -> Sent:
         held = _Held(packets)
         out.held.append(held)
+        self.free.pop(out.rank, None)  # (what comes next goes behind it)
         if len(out.held) == 1:
             self._push(out)
         return DONE if held.sent.done else held.sent
@@ -294,6 +298,8 @@ class LocalLinks:
         except OSError:
             return self._break(out)
         self._watch(out, False)
+        if out.sock is not None:
+            self.free[out.rank] = out.sock.send
 
     def _watch(self, out: _Out, writing: bool) -> None:
         if writing != (out in self._waiting):
@@ -310,6 +316,8 @@ class LocalLinks:
 
     def _forget(self, link: Any) -> None:
         """Out of the epoll, then closed (unregistered first: a forked copy would keep it there)."""
+        if type(link) is _Out and self._out.get(link.rank) is link:
+            self.free.pop(link.rank, None)
         if link.sock is not None:
             if self._by_fd.pop(link.sock.fileno(), None) is not None:
                 self._epoll.unregister(link.sock)
@@ -327,38 +335,54 @@ class LocalLinks:
         """Is anything held for any link?"""
         return bool(self._waiting)
 
-    def recv(self) -> Optional[list[Any]]:
+    def recv(self, waiting: bool = False) -> Optional[list[Any]]:
         """The next whole message from any link (frames: bytes or memoryview; :attr:`source`: its rank),
-        or None. Never blocks, never raises for a peer's doing; links take turns, one message each."""
-        ready = self._ready
-        looked = not ready
-        if looked:
-            self._look()
+        else what :attr:`then` gives (``waiting`` passed on), or None. Never blocks, never raises for a
+        peer's doing; links take turns, one message each. The common case (a proven link's small
+        message, the epoll's read) is written inline: this is on every message's path."""
+        ready, scratch = self._ready, self._scratch
+        looked = False
         while True:
             while ready:
                 link = ready.popleft()
-                msg = self._read(link) if link.sock is not None else None
+                if link.sock is None:
+                    continue
+                if link.buf is None and link.rank >= 0:  # (_read's first step, inline)
+                    try:
+                        n = link.sock.recv_into(scratch)
+                    except BlockingIOError:
+                        continue
+                    except OSError as e:
+                        self._drop(link, f"reading: {e}")
+                        continue
+                    if scratch[0] == ONE and 0 < n <= self._one_max:
+                        self.source = link.rank
+                        return [self._view[1:n].tobytes()]
+                    msg = self._read(link, n)
+                else:
+                    msg = self._read(link)
                 if msg is not None:
                     self.source = link.rank
                     return msg
             if looked:
-                return None
-            self._look()  # (the links the last look found had nothing: others may have)
+                return None if self.then is None else self.then(waiting)
             looked = True
+            for fd, events in self._epoll.poll(timeout=0, maxevents=MAX_EVENTS):  # (links that may have a
+                found = self._by_fd.get(fd)  # message; connections to accept; links closed)
+                if type(found) is _In:
+                    ready.append(found)
+                else:
+                    self._event(fd, found, events)
 
-    def _look(self) -> None:
-        """Read the epoll: links that may have a message, connections to accept, links closed."""
-        for fd, events in self._epoll.poll(timeout=0, maxevents=MAX_EVENTS):
-            link = self._by_fd.get(fd)
-            if type(link) is _In:
-                self._ready.append(link)
-            elif fd == self._listen_fd:
-                self._accept()
-            elif link is not None and events & ~select.EPOLLOUT:  # (an _Out: its peer closed it)
-                self._epoll.unregister(fd)  # (a send to it finds the break)
-                del self._by_fd[fd]
-                if link.held:
-                    self._push(link)  # (EPIPE: broken)
+    def _event(self, fd: int, link: Any, events: int) -> None:
+        """The epoll's news of the listener (connections to accept) or of a link this rank made."""
+        if fd == self._listen_fd:
+            self._accept()
+        elif link is not None and events & ~select.EPOLLOUT:  # (an _Out: its peer closed it)
+            self._epoll.unregister(fd)  # (a send to it finds the break)
+            del self._by_fd[fd]
+            if link.held:
+                self._push(link)  # (EPIPE: broken)
 
     def _accept(self) -> None:
         while True:
@@ -375,15 +399,17 @@ class LocalLinks:
             self._epoll.register(sock, IN_EVENTS)
             self._ready.append(link)  # (its first packet may be there already)
 
-    def _read(self, link: _In) -> Optional[list[Any]]:
-        """The next message of ``link``, or None: none whole yet, or the link closed."""
+    def _read(self, link: _In, n: Optional[int] = None) -> Optional[list[Any]]:
+        """The next message of ``link`` (``n``: the bytes of its first packet, read already), or None:
+        none whole yet, or the link closed."""
         try:
             while True:
                 if link.buf is None:
-                    n = link.sock.recv_into(self._scratch)  # type: ignore[union-attr]
-                    if self._scratch[0] == ONE and 0 < n <= self._one_max and link.rank >= 0:
-                        return [self._view[1:n].tobytes()]  # (a small value's shape: fewest steps)
-                    msg = self._packet(link, n)
+                    if n is None:
+                        n = link.sock.recv_into(self._scratch)  # type: ignore[union-attr]
+                        if self._scratch[0] == ONE and 0 < n <= self._one_max and link.rank >= 0:
+                            return [self._view[1:n].tobytes()]  # (a small value's shape: fewest steps)
+                    msg, n = self._packet(link, n), None
                 else:
                     msg = self._more(link)
                 if msg is not None:
@@ -486,6 +512,7 @@ class LocalLinks:
             self._listener.close()
             self._epoll.close()
             self._out, self._by_fd, self._ready, self._waiting = {}, {}, deque(), set()
+            self.free, self.then = {}, None
             self._closed = True
             _LIVE.discard(self)
 

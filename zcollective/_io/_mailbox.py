@@ -18,7 +18,7 @@ from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
 from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, bind_peer_port, set_peer_options
-from ._local import LOCAL, LocalLinks
+from ._local import COPY_MAX, LOCAL, ONE_HEAD, LocalLinks
 from ._zmq import NOBLOCK, reader
 
 __all__ = ["LOCAL", "MAIL", "MESSAGE", "LINK", "TAKE_BATCH", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
@@ -74,6 +74,8 @@ class MailSockets:
         self._session, self._base = 0, b""  # the group's, from start()
         self.local: Optional[LocalLinks] = None  # the links to the ranks on this host, if offered
         self._via_local: set[int] = set()  # ranks sent to over them (tried and refused: ZeroMQ's)
+        self._free: dict[int, Any] = {}  # their links holding nothing (LocalLinks.free)
+        self._copy_max = min(COPY_MAX, config.max_frame_bytes)  # a small value's one packet at most
         if config.local_mail:
             try:
                 self.local = LocalLinks(config.max_frame_bytes)
@@ -120,7 +122,8 @@ class MailSockets:
             key = _tokens.port_key(base, session, 0, _tokens.LOCAL_LABEL)
             self.local.start(key, session, rank, local)
             self._via_local = {r for r, name in enumerate(local) if name is not None and r != rank}
-            self.recv = self._recv_both  # type: ignore[method-assign]  # (an attribute: no call between)
+            self._free, self.local.then = self.local.free, self._recv_pull  # its recv, then the PULL's:
+            self.recv = self.local.recv  # type: ignore[method-assign]  # (an attribute: no call between)
 
     def _key(self, rank: int) -> bytes:
         """The key of rank ``rank``'s mailbox tokens in this group."""
@@ -134,6 +137,13 @@ class MailSockets:
         queueing them until the handshake is done. To a rank on this host, over
         its one-host link (a tracker while part of it waits for the socket)."""
         if dest in self._via_local:
+            go, frame = self._free.get(dest), frames[0]
+            if go is not None and len(frames) == 1 and type(frame) is bytes and len(frame) <= self._copy_max:
+                try:  # (a small value's one packet, on a link holding nothing: LocalLinks.send's, inline)
+                    go(ONE_HEAD + frame)
+                    return [(None, handle)]
+                except OSError:  # (full: it waits behind; broken: as any message, below)
+                    pass
             sent = self.local.send(dest, frames)  # type: ignore[union-attr]  # (a local link's)
             if sent is not None:
                 if sent.done:
@@ -343,12 +353,7 @@ class MailSockets:
         return found
 
     recv = reader("_pull")  # the next message waiting, without blocking (``waiting``: a poll found one)
-    _recv_pull = recv
-
-    def _recv_both(self, waiting: bool) -> Optional[list[Any]]:
-        """With one-host links (:meth:`start`): theirs first, then the PULL's."""
-        frames = self.local.recv()  # type: ignore[union-attr]  # (set with them)
-        return self._recv_pull(waiting) if frames is None else frames
+    _recv_pull = recv  # (with one-host links, recv is theirs, which reads this next: see start)
 
     def cut_off(self, dests: Iterable[int]) -> None:
         """What the links to ``dests`` still send is dropped at :meth:`close`
