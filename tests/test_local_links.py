@@ -18,6 +18,7 @@ import traceback
 import pytest
 import zmq
 
+from zcollective._format import _packets
 from zcollective._io import _local
 from zcollective._io._local import FRAGMENT_BYTES, LOCAL, LocalLinks
 
@@ -116,7 +117,7 @@ def raw_link(name, claimed, key=KEY, session=SESSION, dest=1):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(b"\0" + name.encode())
     mac = hmac.new(key, b"zcollective-local|%d|%d|%d" % (session, claimed, dest), hashlib.sha256).digest()
-    sock.send(_local.AUTH_PACKET.pack(_local.AUTH, _local.MAGIC, claimed, mac))
+    sock.send(_packets.AUTH_PACKET.pack(_packets.AUTH, _packets.MAGIC, claimed, mac))
     return sock
 
 
@@ -278,10 +279,10 @@ def test_a_stranger_is_closed_and_logged_while_the_good_link_goes_on(pair, caplo
             sock = raw_link(b.name, claimed, key=b"other" if case == "key" else KEY,
                             session=SESSION + 1 if case == "session" else SESSION)
             if case == "too large":
-                sock.send(_local.HEAD.pack(_local.FIRST, 1, MAX_FRAME + 9))
+                sock.send(_packets.HEAD.pack(_packets.FIRST, 1, MAX_FRAME + 9))
             elif case == "huge":
-                most = _local.MAX_FRAMES
-                sock.send(_local.HEAD.pack(_local.FIRST, most, most * (MAX_FRAME + 8)))  # (64 TiB: in bounds)
+                most = _packets.MAX_FRAMES
+                sock.send(_packets.HEAD.pack(_packets.FIRST, most, most * (MAX_FRAME + 8)))  # 64 TiB, bounded
             elif case == "unexpected":
                 sock.send(b"M" + b"x" * 10)
         with sock:

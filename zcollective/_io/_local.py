@@ -8,18 +8,11 @@ directions never wait on each other; SEQPACKET keeps packets whole and in order.
 
 Who may connect: the abstract namespace has no permissions, so the peer's uid (``SO_PEERCRED``) must be
 this process's, and a link's first packet must prove, under the group's key, the rank it claims in this
-session (HMAC-SHA256). A sender checks its listener's uid likewise. Packets (little-endian)::
-
-    AUTH  'A' MAGIC rank:u32 hmac:32B   a link's first packet
-    ONE   'O' frame                     a message of one frame of at most FRAGMENT_BYTES
-    FIRST 'F' count:u32 size:u64 data   any other message: its ``size`` bytes of data (each frame's length
-    MORE  'M' data                      as u64, then the frames) begin here and go on in MORE packets
+session (HMAC-SHA256). A sender checks its listener's uid likewise. The packets: :mod:`.._format._packets`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import math
 import os
@@ -33,28 +26,35 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
+from .._format._packets import (
+    COPY_MAX,
+    FRAGMENT_BYTES,
+    HEAD,
+    MAX_FRAMES,
+    MORE,
+    ONE,
+    ONE_HEAD,
+    PACKET_MAX,
+    PacketError,
+    auth,
+    first,
+    frames_of,
+    lengths_of,
+    packets,
+    proven,
+    whole,
+)
 from . import _interrupts
 
 __all__ = ["COPY_MAX", "LOCAL", "FRAGMENT_BYTES", "MAX_FRAMES", "ONE_HEAD", "LocalLinks", "Sent"]
 
 LOCAL = "mail local"  # LocalLinks.fd's name in a waiter
 NAME_PREFIX, NAME_BYTES = "zcollective-", 16  # 128 random bits: no other job guesses a name to squat or reach
-FRAGMENT_BYTES = 1 << 16  # a packet's data at most: far below any send buffer (wmem_default: 208 KiB)
-PACKET_MAX = 1 + FRAGMENT_BYTES  # (a ONE or MORE packet's kind, then its data)
 SNDBUF_BYTES = 1 << 20  # asked for (the kernel caps it at net.core.wmem_max): fewer waits for EPOLLOUT
 MIN_SNDBUF_BYTES = 2 * PACKET_MAX  # below, a packet could never go (EMSGSIZE): no link then
-MAX_IOV = 1000  # pieces of one packet (IOV_MAX is 1024)
-MAX_FRAMES = 1 << 20  # frames of one message at most (as _format._wire.DEFAULT_MAX_FRAMES). The bound on
-# what a peer can make this rank allocate for one message: MAX_FRAMES * (LENGTH + max_frame_bytes)
 MAX_EVENTS = 64  # epoll events read at a time
 WRITABLE = 2  # POLLOUT, as zmq_poll takes it for a file descriptor
-COPY_MAX = 1 << 12  # a bytes frame up to this goes copied behind its kind (cheaper than an iovec)
-MAGIC = b"ZCL1"  # "zcollective local", version 1
-AUTH, ONE, FIRST, MORE = b"AOFM"
-ONE_HEAD, MORE_HEAD = bytes((ONE,)), bytes((MORE,))
-AUTH_PACKET, HEAD, PEERCRED = struct.Struct("<B4sI32s"), struct.Struct("<BIQ"), struct.Struct("3i")
-LENGTH = 8  # bytes of a frame's length
-LABEL = b"zcollective-local|%d|%d|%d"  # what a link's HMAC signs: session, source, destination
+PEERCRED = struct.Struct("3i")
 IN_EVENTS = getattr(select, "EPOLLIN", 1)  # (the module imports everywhere; LocalLinks needs Linux)
 log = logging.getLogger("zcollective")
 _LIVE: weakref.WeakSet[LocalLinks] = weakref.WeakSet()  # every LocalLinks open: a forked child's to close
@@ -104,8 +104,7 @@ class _In:
         self.buf: Optional[memoryview] = None
 
 
-class _Refused(Exception):
-    """A link to close: its peer broke the protocol (the reason, logged) or ended (no reason)."""
+_Refused = PacketError  # a link to close: its peer broke the protocol (the reason, logged) or ended (none)
 
 
 def _address(name: str) -> bytes:
@@ -120,47 +119,6 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
     """The pid and uid of the process at the other end (when it connected or listened)."""
     pid, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
     return pid, uid
-
-
-def _lengths(frames: list[Any], max_frame: int) -> list[int]:
-    """Each frame's bytes; ValueError before anything goes if the message is one no peer would take."""
-    lengths = []
-    for frame in frames:
-        view = memoryview(frame) if type(frame) is not bytes else None
-        if view is not None and not view.c_contiguous:
-            raise ValueError("a frame not contiguous")
-        lengths.append(len(frame) if view is None else view.nbytes)
-    if not 0 < len(frames) <= MAX_FRAMES or max(lengths) > max_frame:
-        raise ValueError(f"a message of {len(frames)} frames (1..{MAX_FRAMES}), each {max_frame} B at most")
-    return lengths
-
-
-def _whole(frames: list[Any], lengths: list[int]) -> Optional[list[Any]]:
-    """The one packet of a message that fits in one (the caller's buffers, no copy), else None."""
-    if len(frames) == 1 and lengths[0] <= FRAGMENT_BYTES:
-        return [ONE_HEAD, frames[0]]
-    size = LENGTH * len(lengths) + sum(lengths)
-    if size > PACKET_MAX - HEAD.size or len(frames) >= MAX_IOV:
-        return None
-    return [HEAD.pack(FIRST, len(lengths), size), struct.pack(f"<{len(lengths)}Q", *lengths), *frames]
-
-
-def _packets(frames: list[Any], lengths: list[int]) -> Iterator[list[Any]]:
-    """A larger message's packets, made as they go: views of the caller's buffers, no copy."""
-    table = struct.pack(f"<{len(lengths)}Q", *lengths)
-    packet: list[Any] = [HEAD.pack(FIRST, len(lengths), len(table) + sum(lengths))]
-    room = PACKET_MAX - HEAD.size
-    for frame in [table, *frames]:
-        piece = memoryview(frame).cast("B")
-        while piece.nbytes:
-            packet.append(piece[:room])
-            room -= packet[-1].nbytes
-            piece = piece[packet[-1].nbytes:]
-            if room == 0 or len(packet) == MAX_IOV:
-                yield packet
-                packet, room = [MORE_HEAD], FRAGMENT_BYTES
-    if len(packet) > 1:
-        yield packet
 
 
 class LocalLinks:
@@ -186,7 +144,6 @@ class LocalLinks:
         self._max_frame, self.rank, self.source = max_frame_bytes, -1, -1  # source: the last message's
         self._copy_max = min(COPY_MAX, max_frame_bytes)
         self._one_max = 1 + min(FRAGMENT_BYTES, max_frame_bytes)  # a ONE packet's bytes at most
-        self._most = LENGTH + max_frame_bytes  # a message's bytes a frame at most (its allocation's bound)
         self._key, self._session, self._names = b"", 0, list[Optional[str]]()
         self._out: dict[int, _Out] = {}
         self._by_fd: dict[int, Any] = {}  # each fd in the epoll but the listener's: its _In or _Out
@@ -211,9 +168,6 @@ class LocalLinks:
         return (0 <= dest < len(self._names) and dest != self.rank and self._names[dest] is not None
                 and dest not in self._refused)
 
-    def _mac(self, src: int, dest: int) -> bytes:
-        return hmac.new(self._key, LABEL % (self._session, src, dest), hashlib.sha256).digest()
-
     def send(self, dest: int, frames: list[Any]) -> Optional[Sent]:
         """Send ``frames`` (bytes-like) to ``dest`` whole, in order, never blocking: what the socket cannot
         take now is held and goes before anything later (:meth:`progress`). None: no link could be made
@@ -228,10 +182,10 @@ class LocalLinks:
         if type(frame) is bytes and len(frame) <= self._copy_max:
             packet: Any = ONE_HEAD + frame  # (a small value's shape: copied, cheaper than an iovec)
         else:
-            lengths = _lengths(frames, self._max_frame)
-            packet = _whole(frames, lengths)
+            lengths = lengths_of(frames, self._max_frame)
+            packet = whole(frames, lengths)
             if packet is None:
-                return self._hold(out, _packets(frames, lengths))
+                return self._hold(out, packets(frames, lengths))
         sent = None if out.held else self._now(out, packet)
         return sent or self._hold(out, iter((packet if type(packet) is list else [packet],)))
 
@@ -272,7 +226,7 @@ class LocalLinks:
             self._refused.add(dest)
             return None
         out = self._out[dest] = self._by_fd[sock.fileno()] = _Out(sock, dest)
-        self._hold(out, iter(([AUTH_PACKET.pack(AUTH, MAGIC, self.rank, self._mac(self.rank, dest))],)))
+        self._hold(out, iter(([auth(self._key, self._session, self.rank, dest)],)))
         return out
 
     def _hold(self, out: _Out, packets: Iterator[list[Any]]) -> Sent:
@@ -433,27 +387,16 @@ class LocalLinks:
         if link.rank < 0:
             self._authenticate(link, n)
             return None
-        if self._view[0] != FIRST or n < HEAD.size:
-            raise _Refused(f"a packet out of place (kind {self._view[0]}, {n} bytes)")
-        _, count, size = HEAD.unpack_from(self._view)
+        count, size = first(self._view, n, self._max_frame)
         data = n - HEAD.size
-        if not 0 < count <= MAX_FRAMES or not max(data, LENGTH * count) <= size <= count * self._most:
-            raise _Refused(f"a message of {size} bytes in {count} frames: above the bound")
         if data == size:  # (whole in this packet: one copy out of the scratch buffer)
-            return self._frames(memoryview(self._view[HEAD.size:n].tobytes()), count)
+            return frames_of(memoryview(self._view[HEAD.size:n].tobytes()), count, self._max_frame)
         link.buf, link.off, link.count = memoryview(bytearray(size)), data, count
         link.buf[:data] = self._view[HEAD.size:n]
         return None
 
     def _authenticate(self, link: _In, n: int) -> None:
-        kind, magic, rank, mac = AUTH_PACKET.unpack_from(self._view) if n == AUTH_PACKET.size else (0,) * 4
-        if kind != AUTH or magic != MAGIC:
-            raise _Refused(f"a first packet of {n} bytes, not an authentication")
-        if not 0 <= rank < len(self._names) or rank == self.rank:
-            raise _Refused(f"it claims rank {rank}, not another rank of {len(self._names)}")
-        if not hmac.compare_digest(mac, self._mac(rank, self.rank)):
-            raise _Refused(f"a wrong HMAC for rank {rank} (another key or session)")
-        link.rank = rank
+        link.rank = proven(self._view[:n], self._key, self._session, self.rank, len(self._names))
 
     def _more(self, link: _In) -> Optional[list[Any]]:
         """Take one MORE packet, into its place: the message once whole, else None."""
@@ -468,19 +411,7 @@ class LocalLinks:
         if link.off < len(view):
             return None
         link.buf = None
-        return self._frames(view, link.count)
-
-    def _frames(self, view: memoryview, count: int) -> list[Any]:
-        """A whole message's frames: views of its one buffer (``count`` lengths, then the frames)."""
-        at = LENGTH * count
-        lengths = struct.unpack_from(f"<{count}Q", view)
-        if sum(lengths) != len(view) - at or max(lengths) > self._max_frame:
-            raise _Refused(f"frames' lengths that do not add up to {len(view) - at} bytes or are too large")
-        frames = []
-        for length in lengths:
-            frames.append(view[at:at + length])
-            at += length
-        return frames
+        return frames_of(view, link.count, self._max_frame)
 
     def _drop(self, link: _In, why: str) -> None:
         """Close ``link`` (a message under way is lost with it), saying why if its peer was at fault."""
