@@ -57,9 +57,9 @@ sys.path.insert(0, HERE)
 from bench import MPIRUN, SECRET, available, fmt_time, free_port, write_json  # noqa: E402
 from shm_ring import SPIN_S, Ring, Waiter, make_eventfd, ring_bytes  # noqa: E402
 
-PINGPONG_BACKENDS = ["zcollective", "zcollective+secret", "PAIR", "seqpacket", "floor", "floor+spin",
-                     "floor+yield", "mpi4py"]
-QUEUE_BACKENDS = ["zcollective", "floor", "floor+spin", "floor+yield", "mpi4py"]
+PINGPONG_BACKENDS = ["zcollective", "zcollective+secret", "zcollective-zmq", "PAIR", "seqpacket", "floor",
+                     "floor+spin", "floor+yield", "mpi4py"]
+QUEUE_BACKENDS = ["zcollective", "zcollective-zmq", "floor", "floor+spin", "floor+yield", "mpi4py"]
 FLOOR, FLOOR_SPIN, FLOOR_YIELD, PAIR, MPI = "floor", "floor+spin", "floor+yield", "PAIR", "mpi4py"
 FLOORS = (FLOOR, FLOOR_SPIN, FLOOR_YIELD)
 QUEUE_SIZE = 4  # one master, three workers
@@ -82,7 +82,9 @@ class ZEndpoint:
     """zcollective's module API: ``send(value, dest, tag=0)``, ``recv(source)``,
     ``recv(ANY_SOURCE)``; the secret as ``initialize``'s argument."""
 
-    def __init__(self, rank: int, size: int, port: int, secret: str | None) -> None:
+    def __init__(self, rank: int, size: int, port: int, secret: str | None, local: bool = True) -> None:
+        if not local:  # (this process's alone: each backend runs in processes of its own)
+            os.environ["ZCOLLECTIVE_LOCAL_MAIL"] = "0"
         import zcollective
 
         self.zc = zcollective
@@ -203,7 +205,8 @@ def prepare(backend: str, size: int) -> Any:
 
 def endpoint(backend: str, rank: int, size: int, port: int, shared: Any) -> Any:
     if backend.startswith("zcollective"):
-        return ZEndpoint(rank, size, port, SECRET if backend.endswith("secret") else None)
+        return ZEndpoint(rank, size, port, SECRET if backend.endswith("secret") else None,
+                         local=not backend.endswith("-zmq"))
     if backend == PAIR:
         from backends import PairFloor
 

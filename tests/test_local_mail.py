@@ -30,7 +30,7 @@ def _mail():
 def _paths():
     """(ranks sent to over one-host links, ranks sent to over ZeroMQ) so far."""
     mail = _mail()
-    return sorted(mail._via_local), sorted(mail._pushes)
+    return sorted(mail.via_local), sorted(mail._pushes)
 
 
 def ring_both_ways():

@@ -101,11 +101,13 @@ class Driver:
         signer = member.signer
         if sockets is not None and take:
             mine = signer.to(member.rank) if signer is not None else None  # (this mailbox's key)
+            local = sockets.local  # (a one-host link's message is not signed: its link proved its sender)
             for i in range(TAKE_BATCH):  # (then the other sockets get a look)
                 if (frames := sockets.recv(not i and bool(ready & MESSAGE))) is None:
                     break
                 try:
-                    msg = decode(frames, signer=mine, max_frame_bytes=member.max_frame_bytes)
+                    msg = decode(frames, signer=None if local is not None and local.source >= 0 else mine,
+                                 max_frame_bytes=member.max_frame_bytes)
                 except WireError:  # (admitted by the handshake: a bug, or a peer of another release)
                     rules.dropped += 1
                     continue
@@ -128,10 +130,13 @@ class Driver:
         out, went = rules.out, []
         while out and sockets is not None:
             dest, msg, handle = out.pop(0)
+            if dest in sockets.offered:  # (its first message: its one-host link made now, or never)
+                sockets.link(dest)
             segment = msg.segments[0] if msg.segments else []
             borrowed = handle is not None and not (len(segment) == 1 and type(segment[0]) is bytes) and any(
                 type(f) is not bytes for f in segment)
-            frames = encode(msg, None if signer is None else signer.to(dest), part_bytes=member.part_bytes)
+            frames = encode(msg, None if signer is None or dest in sockets.via_local else signer.to(dest),
+                            part_bytes=member.part_bytes)
             went += sockets.send(dest, frames, borrowed, handle)
         broken = None
         if sockets is not None and (ready & LINK or time.monotonic() >= sockets.quiet_until):

@@ -163,6 +163,10 @@ class LocalLinks:
         self._key, self._session, self.rank, self._names = bytes(key), session, rank, list(names)
         self._epoll.register(self._listener, IN_EVENTS)
 
+    def connect(self, dest: int) -> bool:
+        """Make the link to ``dest`` now (its first packet on its way): False if none can be made."""
+        return dest in self._out or self._connect(dest) is not None
+
     def offers(self, dest: int) -> bool:
         """May messages to ``dest`` go over a local link? Never again once one could not be made."""
         return (0 <= dest < len(self._names) and dest != self.rank and self._names[dest] is not None
@@ -319,7 +323,10 @@ class LocalLinks:
                     self.source = link.rank
                     return msg
             if looked:
-                return None if self.then is None else self.then(waiting)
+                if self.then is None:
+                    return None
+                self.source = -1  # (what comes is not a link's: the next source's)
+                return self.then(waiting)
             looked = True
             for fd, events in self._epoll.poll(timeout=0, maxevents=MAX_EVENTS):  # (links that may have a
                 found = self._by_fd.get(fd)  # message; connections to accept; links closed)

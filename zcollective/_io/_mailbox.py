@@ -73,7 +73,8 @@ class MailSockets:
         self._endpoints: list[str] = []
         self._session, self._base = 0, b""  # the group's, from start()
         self.local: Optional[LocalLinks] = None  # the links to the ranks on this host, if offered
-        self._via_local: set[int] = set()  # ranks sent to over them (tried and refused: ZeroMQ's)
+        self.via_local: set[int] = set()  # ranks whose one-host link is made: messages go there, unsigned
+        self.offered: set[int] = set()  # ranks offering one not yet made (link() makes it, or gives up)
         self._free: dict[int, Any] = {}  # their links holding nothing (LocalLinks.free)
         self._copy_max = min(COPY_MAX, config.max_frame_bytes)  # a small value's one packet at most
         if config.local_mail:
@@ -121,7 +122,7 @@ class MailSockets:
         if self.local is not None and local is not None:
             key = _tokens.port_key(base, session, 0, _tokens.LOCAL_LABEL)
             self.local.start(key, session, rank, local)
-            self._via_local = {r for r, name in enumerate(local) if name is not None and r != rank}
+            self.offered = {r for r, name in enumerate(local) if name is not None and r != rank}
             self._free, self.local.then = self.local.free, self._recv_pull  # its recv, then the PULL's:
             self.recv = self.local.recv  # type: ignore[method-assign]  # (an attribute: no call between)
 
@@ -136,7 +137,7 @@ class MailSockets:
         :attr:`keyed` says takes the group's tokens, they go at once, libzmq
         queueing them until the handshake is done. To a rank on this host, over
         its one-host link (a tracker while part of it waits for the socket)."""
-        if dest in self._via_local:
+        if dest in self.via_local:
             go, frame = self._free.get(dest), frames[0]
             if go is not None and len(frames) == 1 and type(frame) is bytes and len(frame) <= self._copy_max:
                 try:  # (a small value's one packet, on a link holding nothing: LocalLinks.send's, inline)
@@ -150,7 +151,7 @@ class MailSockets:
                     return [(None, handle)]
                 self.quiet_until = 0.0  # (progress() sends the rest)
                 return [(sent if handle is not None else None, handle)]
-            self._via_local.discard(dest)  # not reached that way: ZeroMQ's link, for ever (one path a pair)
+            self.via_local.discard(dest)  # (made once: never so)
         if dest not in self._pushes:
             self._connect(dest)
         if dest not in self._made:  # nothing goes before the handshake (a refused one is made again,
@@ -334,16 +335,27 @@ class MailSockets:
             self._fresh.add(dest)
         return push
 
+    def link(self, dest: int) -> None:
+        """Make the one-host link to ``dest``, which offers one, before its first message is encoded: a
+        message that goes there is not signed (the link proved who made it), one to ZeroMQ is; if it cannot
+        be made (another host or network namespace, another user's listener), ZeroMQ's, for good: one path a
+        pair, so its order holds."""
+        self.offered.discard(dest)
+        if self.local is not None and self.local.connect(dest):
+            self.via_local.add(dest)
+
     def connect(self, dests: list[int]) -> None:
         """Make the links to ``dests`` now (the tree's: a part must never wait for a handshake
         that only a wait on this group would finish; a one-host link is made by its first message)."""
         for dest in dests:
-            if dest not in self._pushes and dest != self.rank and dest not in self._via_local:
+            if dest in self.offered:
+                self.link(dest)
+            if dest not in self._pushes and dest != self.rank and dest not in self.via_local:
                 self._connect(dest)
 
     def made(self, dests: list[int]) -> bool:
         """Are the links to ``dests`` made (a one-host link's need no handshake)?"""
-        return all(dest in self._made or dest in self._via_local for dest in dests)
+        return all(dest in self._made or dest in self.via_local for dest in dests)
 
     def links(self) -> dict[str, int]:
         """The file descriptors of the links' monitors, by their names in a waiter (the one-host

@@ -97,6 +97,9 @@ class Mailbox(Protocol):
         """Readable while a message waits (watched in a Waiter)."""
 
     retry: dict[int, float]  # links refused before they were made: when each is tried again
+    offered: set[int]  # ranks whose one-host link is offered, not yet made (link() makes it)
+    via_local: set[int]  # ranks whose one-host link is made: messages there go unsigned
+    local: Any  # the one-host links (their ``source``: the last message's rank, -1 if not theirs), or None
     monitors: dict[int, Any]  # one watched source per link (its news: made, refused, broken)
     quiet_until: float  # till then progress() has nothing to do unless a wait woke for a link
     keyed: Callable[[int], bool]  # a message came from rank k: its link needs no wait for the handshake
@@ -120,6 +123,9 @@ class Mailbox(Protocol):
 
     def links(self) -> dict[str, Any]:
         """Each link's watched source, by its name in a Waiter (the one-host links' first: they have one)."""
+
+    def link(self, dest: int) -> None:
+        """Make the one-host link to ``dest`` (in :attr:`offered`) now, or give it up for ZeroMQ's."""
 
     def connect(self, dests: list[int]) -> None:
         """Make the links to ``dests`` now (not at their first message)."""
