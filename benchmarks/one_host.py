@@ -428,11 +428,16 @@ def ratio(results: dict[str, Any], backend: str, ref: str, key: str) -> str:
     return f"{results[backend][key] / results[ref][key]:.2f}×"
 
 
+def head(first: list[str], refs: tuple[str, ...], last: str) -> list[str]:
+    """A table's header and rule: ``first`` columns, a ratio to each of ``refs``, then ``last``."""
+    columns = [*first, *(f"× {ref}" for ref in refs), last]
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def pingpong_table(results: dict[str, Any]) -> str:
     refs = (*FLOORS, PAIR)
-    lines = ["| backend | round trip, median | p10 / p90 | rounds' medians | "
-             + " | ".join(f"× {ref}" for ref in refs) + " | CPU µs a round trip, rank 0 / rank 1 |",
-             "|---|---|---|---|" + "---|" * len(refs) + "---|"]
+    lines = head(["backend", "round trip, median", "p10 / p90", "rounds' medians"], refs,
+                 "CPU µs a round trip, rank 0 / rank 1")
     for b, e in results.items():
         rounds = ", ".join(f"{t * 1e6:,.0f}" for t in e["rounds_median_s"])
         ratios = " | ".join(ratio(results, b, ref, "median_s") for ref in refs)
@@ -454,9 +459,8 @@ def idle_table(results: dict[str, Any], idle_s: float) -> str:
 
 def queue_table(results: dict[str, Any]) -> str:
     refs = (MPI, *FLOORS)
-    lines = ["| backend (1 master, 3 workers) | tasks/s, median | rounds | "
-             + " | ".join(f"× {ref}" for ref in refs) + " | master's CPU µs a task |",
-             "|---|---|---|" + "---|" * len(refs) + "---|"]
+    lines = head(["backend (1 master, 3 workers)", "tasks/s, median", "rounds"], refs,
+                 "master's CPU µs a task")
     for b, e in results.items():
         rounds = ", ".join(f"{r:,.0f}" for r in e["rounds_tasks_per_s"])
         ratios = " | ".join(ratio(results, b, ref, "tasks_per_s") for ref in refs)
