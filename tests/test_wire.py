@@ -461,11 +461,17 @@ def test_a_join_reads_back_as_it_was_built_and_its_bytes_keep_their_order():
                     "host": info["host"], "data": "tcp://10.0.0.3:4000", "data_min": 1 << 20,
                     "data_mode": "on", "macs": _mac.available_backends(), "lineage": None,
                     "newcomer": False, "job": None, "mail": None, "mail_window": 0, "shm": None,
-                    "cores": info["cores"]}
+                    "cores": info["cores"], "local": None}
     assert info["cores"] >= 1
     assert _bodies.challenge_of(msg) == "c" * 32
-    mailing = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto", mail="tcp://10.0.0.3:4001")
+    name = "zcollective-" + "0f" * 16
+    mailing = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto", mail="tcp://10.0.0.3:4001",
+                           local=name)
     assert _bodies.parse_join(_through_the_wire(mailing))["mail"] == "tcp://10.0.0.3:4001"
+    assert _bodies.parse_join(_through_the_wire(mailing))["local"] == name
+    for wrong in ("zcollective-0G", "other-00", 7, "zcollective-" + "0" * 60):  # a link's name, or none
+        body = {"rank": 1, "num_replicas": 2, "python": "3.11", "mail": "tcp://10.0.0.3:4001", "local": wrong}
+        assert _bodies.parse_join(control(Kind.JOIN, body))["local"] is None
     not_tcp = control(Kind.JOIN, {"rank": 1, "num_replicas": 2, "python": "3.11", "mail": "ipc:///x"})
     assert _bodies.parse_join(not_tcp)["mail"] is None
     bare = _bodies.join(1, 2, "3.11", "00" * 16, None, None, 0, "auto")
@@ -517,7 +523,7 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     assert _bodies.parse_welcome(_through_the_wire(msg), 3) == {
         "nonce": "ab" * 16, "parts": 1 << 20, "mac": "hmac-sha256", "data": ports, "data_min": 1 << 16,
         "data_key": key, "renumber": None, "addresses": None, "admitted": None, "mail": None,
-        "mail_key": None, "mail_windows": None, "shm": None, "tree": None}
+        "mail_key": None, "mail_windows": None, "shm": None, "tree": None, "local": None}
     assert _bodies.parse_welcome(msg, 2)["data"] is None  # not one port per rank
     treed = _bodies.welcome(3, "ab" * 16, None, None, None, 0, key, tree=4, rank=1, session=5)
     assert _bodies.parse_welcome(_through_the_wire(treed), 3)["tree"] == 4
@@ -527,8 +533,16 @@ def test_a_welcome_reads_back_and_hands_out_the_data_plane_only_whole():
     boxes = ["tcp://a:7", "tcp://b:8", "tcp://c:9"]
     mailing = _bodies.welcome(3, "ab" * 16, None, None, None, 0, key, mail=boxes, rank=1, session=5)
     read = _bodies.parse_welcome(_through_the_wire(mailing), 3)
-    assert (read["mail"], read["mail_key"], read["data"]) == (boxes, key, None)
+    assert (read["mail"], read["mail_key"], read["data"], read["local"]) == (boxes, key, None, None)
     assert _bodies.parse_welcome(mailing, 2)["mail"] is None  # not one mailbox per rank
+    names = ["zcollective-" + "0a" * 16, None, "zcollective-" + "0b" * 16]
+    linked = _bodies.welcome(3, "ab" * 16, None, None, None, 0, key, mail=boxes, local=names, rank=1,
+                             session=5)
+    assert _bodies.parse_welcome(_through_the_wire(linked), 3)["local"] == names
+    odd_names = control(Kind.WELCOME, {**linked.body(), "local": [names[0], "x", 3]}, rank=1, session=5)
+    assert _bodies.parse_welcome(odd_names, 3)["local"] == [names[0], None, None]  # (each read alone)
+    assert _bodies.parse_welcome(control(Kind.WELCOME, {**linked.body(), "local": names[:2]}, rank=1,
+                                         session=5), 3)["local"] is None  # (not one a rank)
     for broken in ({"data_key": "xy"}, {"data_min": "1"}, {"data": "tcp://a:1"}, {"data_key": " " * 64}):
         body = {"num_replicas": 1, "nonce": "n", "parts": 10, "mac": 1, "data": ["tcp://a:1"],
                 "data_min": 1, "data_key": key, **broken}
