@@ -17,6 +17,7 @@ from ._calls import DEFAULT, Calls, Timeout, _Default, bad_timeout
 from ._format import _serialize
 from ._future import PENDING, CollectiveFuture, fail, finished, settle, settled_when
 from ._io import _interrupts
+from ._io._edges import Edges
 from ._io._interrupts import DEFERRED_SIGNALS, getsignal
 from ._limits import STATUS_WAIT_S
 from ._matched import Message
@@ -397,14 +398,14 @@ class PointToPoint:
             return False
         try:
             driver = calls.driver
-            if (driver is not None and driver.take_back(future)) or mail.withdraw(future):  # (an ssend
+            if (driver is not None and Edges(driver).take_back(future)) or mail.withdraw(future):  # (an ssend
                 # waiting for its link: taken back, not only its acknowledgement no longer awaited)
                 if ends:
                     fail(future, exc)
                 return False
             if driver is not None and mail.failure is not None and not calls.life.closed:
                 driver.mail_io(take=False)  # (a send waiting for its link fails, never sent)
-                driver.finish_leaving(future, deadline)
+                Edges(driver).finish_leaving(future, deadline)
             settled, interrupted = settled_when(future, calls.member.outcomes), from_signal(exc)
             if interrupted and not settled():
                 with _interrupts.deferring():  # (holding the turn: this wait never follows)
@@ -438,7 +439,7 @@ def _late(calls: Calls, future: CollectiveFuture[Any], timeout: Optional[float])
     if calls.driver is not None and future.op.startswith(("send(", "ssend(")) and calls.turns.take(
             time.monotonic() + STATUS_WAIT_S):
         try:  # (holding the turn: the mailbox's sockets are read by their owner only)
-            where = calls.driver.where(future)
+            where = Edges(calls.driver).where(future)
         finally:
             calls.turns.give()
     if acked is not None and (where is None or where[0] != "link"):  # (sent, or leaving)

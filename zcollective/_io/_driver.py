@@ -16,7 +16,7 @@ from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._format._wire import DEFAULT_MAX_FRAMES, Kind, Message, WireError, decode, encode, owned
-from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, STATUS_WAIT_S
+from .._limits import POLL_SLICE_S, STATUS_WAIT_S
 from .._protocol._member import NO_DUE, Member
 from .._protocol._outcomes import CallOutcome, fresh
 from ..errors import CollectiveError, CollectiveTimeoutError
@@ -167,50 +167,6 @@ class Driver:
                 member.relay.interrupted = None  # here: only the main thread gets signals)
                 raise interrupted
         return done
-
-    def take_back(self, handle: Any) -> bool:
-        """Take back the send ``handle`` whose message still waits for its link (timed out, interrupted): only
-        the last numbered for its rank, so that pair's numbers stay whole. Was it taken back?"""
-        sockets, rules = self.mail, self.member.mail
-        if sockets is None or rules is None:
-            return False
-        dest = sockets.held_last(held := rules.sent_as(handle))  # (an ssend's: held as its message's)
-        if dest is None or not rules.unsend(dest, handle):
-            return False
-        sockets.drop_send(dest, held)
-        return True
-
-    def where(self, handle: Any) -> Optional[tuple[str, int, bool]]:
-        """Where the send ``handle`` waits, once it left the rules: ``"link"``
-        (its link's handshake) or ``"leaving"`` (libzmq still sends its
-        buffers); the rank; and whether :meth:`take_back` would take it back."""
-        sockets, rules = self.mail, self.member.mail
-        if sockets is None or rules is None:
-            return None
-        dest = sockets.holds(held := rules.sent_as(handle))  # (an ssend's: held as its message's)
-        if dest is not None:
-            last = rules.box.peers[dest].unreceived
-            return "link", dest, sockets.held_last(held) == dest and bool(last) and last[-1][2] is handle
-        if any(h is held for t, h in self.tracked if not t.done):
-            found = rules.leaving({id(handle)})
-            if found:
-                return "leaving", next(iter(found)), False
-        return None
-
-    def finish_leaving(self, handle: Any, deadline: Optional[float]) -> None:
-        """The group failed while libzmq sends the send ``handle``'s message (its receiver, not the rank lost,
-        takes it in even so): it gets until ``deadline``, at most
-        :data:`~zcollective._limits.SENT_AT_FAILURE_S`, to leave and be done, so that a send that raises was
-        never delivered (but for one cut off at that bound, its receiver stopped)."""
-        where, lost = self.where(handle), getattr(self.member.failure, "lost_ranks", ())
-        if where is None or where[0] != "leaving" or where[1] in lost:
-            return
-        until = time.monotonic() + SENT_AT_FAILURE_S
-        until = until if deadline is None else min(deadline, until)
-        with contextlib.suppress(CollectiveError):
-            while any(h is handle for _, h in self.tracked) and time.monotonic() < until:
-                self.waiter.wait(self.mail_names, until, TRACKER_POLL_S)
-                self.mail_io(take=False)
 
     # -- to implement -----------------------------------------------------
 

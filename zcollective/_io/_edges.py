@@ -1,20 +1,21 @@
-"""A member's driver at the group's edges: joining, the tree's links, and ending (teardown, or
-the program ends). It moves everything through the driver's one wait (:meth:`Driver.wait_for`).
+"""A member's driver at the group's edges: joining, the tree's links, ending (teardown, or the
+program ends), and a send that cannot finish (taken back, or let leave). It moves everything
+through the driver's one wait (:meth:`Driver.wait_for`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .._format._wire import Message
-from .._limits import POLL_SLICE_S, TREE_LINK_WAIT_S
+from .._limits import POLL_SLICE_S, SENT_AT_FAILURE_S, TREE_LINK_WAIT_S
 from .._protocol._p2p import ANY_SOURCE
 from ..config import Config
 from ..errors import CollectiveError, CollectiveTimeoutError
 from ._driver import Driver
-from ._mailbox import LINK
+from ._mailbox import LINK, TRACKER_POLL_S
 
 
 class Edges:
@@ -138,3 +139,48 @@ class Edges:
                 + ("" if member.greeted or member.connected else "; the coordinator could not be "
                    "reached there (is the address right? after rank 0's loss, "
                    "coordinator_address() on a member says where the group is)"))
+
+    def take_back(self, handle: Any) -> bool:
+        """Take back the send ``handle`` whose message still waits for its link (timed out, interrupted): only
+        the last numbered for its rank, so that pair's numbers stay whole. Was it taken back?"""
+        sockets, rules = self.driver.mail, self.member.mail
+        if sockets is None or rules is None:
+            return False
+        dest = sockets.held_last(held := rules.sent_as(handle))  # (an ssend's: held as its message's)
+        if dest is None or not rules.unsend(dest, handle):
+            return False
+        sockets.drop_send(dest, held)
+        return True
+
+    def where(self, handle: Any) -> Optional[tuple[str, int, bool]]:
+        """Where the send ``handle`` waits, once it left the rules: ``"link"``
+        (its link's handshake) or ``"leaving"`` (libzmq still sends its
+        buffers); the rank; and whether :meth:`take_back` would take it back."""
+        sockets, rules = self.driver.mail, self.member.mail
+        if sockets is None or rules is None:
+            return None
+        dest = sockets.holds(held := rules.sent_as(handle))  # (an ssend's: held as its message's)
+        if dest is not None:
+            last = rules.box.peers[dest].unreceived
+            return "link", dest, sockets.held_last(held) == dest and bool(last) and last[-1][2] is handle
+        if any(h is held for t, h in self.driver.tracked if not t.done):
+            found = rules.leaving({id(handle)})
+            if found:
+                return "leaving", next(iter(found)), False
+        return None
+
+    def finish_leaving(self, handle: Any, deadline: Optional[float]) -> None:
+        """The group failed while libzmq sends the send ``handle``'s message (its receiver, not the rank lost,
+        takes it in even so): it gets until ``deadline``, at most
+        :data:`~zcollective._limits.SENT_AT_FAILURE_S`, to leave and be done, so that a send that raises was
+        never delivered (but for one cut off at that bound, its receiver stopped)."""
+        where, lost = self.where(handle), getattr(self.member.failure, "lost_ranks", ())
+        if where is None or where[0] != "leaving" or where[1] in lost:
+            return
+        until = time.monotonic() + SENT_AT_FAILURE_S
+        until = until if deadline is None else min(deadline, until)
+        driver = self.driver
+        with contextlib.suppress(CollectiveError):
+            while any(h is handle for _, h in driver.tracked) and time.monotonic() < until:
+                driver.waiter.wait(driver.mail_names, until, TRACKER_POLL_S)
+                driver.mail_io(take=False)
