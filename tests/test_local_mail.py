@@ -271,3 +271,31 @@ def test_a_rank_blocked_in_recv_spends_almost_no_cpu():
     assert all(o.ok for o in outs), report(outs, "a rank failed")
     cpu, waited = outs[1].value
     assert waited > 0.5 and cpu < 0.05 * waited, report(outs, f"{cpu:.3f} s CPU in {waited:.2f} s")
+
+
+def above_the_receivers_bound():
+    """Rank 1 takes frames of at most 1 MiB (its setting); rank 0 sends it 4 MiB, then a small value."""
+    r = zc.get_rank()
+    try:
+        if r == 0:
+            zc.send(np.ones(1 << 19), 1, tag=1, timeout=30)  # 4 MiB
+            zc.send("small", 1, tag=2, timeout=30)
+            zc.barrier(timeout=30)
+        else:
+            zc.recv(0, tag=2, timeout=30)
+        return "no error"
+    except zc.CollectiveError as exc:
+        return type(exc).__name__, str(exc)
+
+
+def test_a_link_its_receiver_closes_for_cause_fails_the_group_naming_it_and_nothing_hangs():
+    """The reviewer's r-local 1: rank 1 closed rank 0's link (a frame above its bound) without a word;
+    rank 0's sends timed out blaming a stopped rank, rank 1's receive timed out, and both then hung in
+    teardown. Over ZeroMQ the link breaks loudly; now over a one-host link too."""
+    small = {1: {"ZCOLLECTIVE_MAX_FRAME_BYTES": str(1 << 20)}}
+    with Replicas(above_the_receivers_bound, 2, rank_env=small) as reps:
+        outs = reps.wait(RUN_S)
+    assert all(o.returncode == 0 for o in outs), report(outs, "a rank did not end")
+    for o in outs:
+        kind, message = o.value
+        assert kind == "ReplicaLostError" and "link" in message and "broke" in message, report(outs, message)

@@ -13,6 +13,7 @@ session (HMAC-SHA256). A sender checks its listener's uid likewise. The packets:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -26,33 +27,21 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
-from .._format._packets import (
-    COPY_MAX,
-    FRAGMENT_BYTES,
-    HEAD,
-    MAX_FRAMES,
-    MORE,
-    ONE,
-    ONE_HEAD,
-    PACKET_MAX,
-    PacketError,
-    auth,
-    first,
-    frames_of,
-    lengths_of,
-    packets,
-    proven,
-    whole,
-)
+from .._format import _packets
+from .._format._packets import ONE, ONE_HEAD, PACKET_MAX, PacketError
 from . import _interrupts
 
-__all__ = ["COPY_MAX", "LOCAL", "FRAGMENT_BYTES", "MAX_FRAMES", "ONE_HEAD", "LocalLinks", "Sent"]
+__all__ = ["LOCAL", "LocalLinks", "Sent"]
 
 LOCAL = "mail local"  # LocalLinks.fd's name in a waiter
 NAME_PREFIX, NAME_BYTES = "zcollective-", 16  # 128 random bits: no other job guesses a name to squat or reach
 SNDBUF_BYTES = 1 << 20  # asked for (the kernel caps it at net.core.wmem_max): fewer waits for EPOLLOUT
 MIN_SNDBUF_BYTES = 2 * PACKET_MAX  # below, a packet could never go (EMSGSIZE): no link then
 MAX_EVENTS = 64  # epoll events read at a time
+ACCEPT_BATCH = 16  # connections accepted a look at most (a flood of strangers never holds a rank's wait)
+MAX_UNPROVEN = 32  # links not yet proven held at most: a newer one closes the oldest (no AUTH comes late)
+FIRST_REFUSALS = 8  # refusals logged one by one; later ones only counted, in one line at each power of 2
+DROPPED = b"X"  # what a receiver writes back on a proven link it closes for cause (a loss, not an end)
 WRITABLE = 2  # POLLOUT, as zmq_poll takes it for a file descriptor
 PEERCRED = struct.Struct("3i")
 IN_EVENTS = getattr(select, "EPOLLIN", 1)  # (the module imports everywhere; LocalLinks needs Linux)
@@ -115,6 +104,19 @@ def _socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
 
 
+def _said_dropped(sock: socket.socket) -> bool:
+    """Did the receiver of a link this rank made close it for cause (:data:`DROPPED` waits to be read)?
+    A receiver closing with packets unread resets the link first (ECONNRESET, said once): read again."""
+    for _ in range(2):
+        try:
+            return sock.recv(len(DROPPED)) == DROPPED
+        except BlockingIOError:
+            return False
+        except OSError:
+            continue
+    return False
+
+
 def _peer(sock: socket.socket) -> tuple[int, int]:
     """The pid and uid of the process at the other end (when it connected or listened)."""
     pid, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
@@ -142,8 +144,8 @@ class LocalLinks:
             raise
         self.fd, self._listen_fd = self._epoll.fileno(), self._listener.fileno()
         self._max_frame, self.rank, self.source = max_frame_bytes, -1, -1  # source: the last message's
-        self._copy_max = min(COPY_MAX, max_frame_bytes)
-        self._one_max = 1 + min(FRAGMENT_BYTES, max_frame_bytes)  # a ONE packet's bytes at most
+        self._copy_max = min(_packets.COPY_MAX, max_frame_bytes)
+        self._one_max = 1 + min(_packets.FRAGMENT_BYTES, max_frame_bytes)  # a ONE packet's bytes at most
         self._key, self._session, self._names = b"", 0, list[Optional[str]]()
         self._out: dict[int, _Out] = {}
         self._by_fd: dict[int, Any] = {}  # each fd in the epoll but the listener's: its _In or _Out
@@ -151,9 +153,13 @@ class LocalLinks:
         self._waiting: set[_Out] = set()  # links holding packets (their EPOLLOUT watched)
         self._broken = deque[int]()  # ranks whose link broke while sending, not yet said
         self._refused: set[int] = set()
+        self._unproven = deque[_In]()  # links accepted, not yet proven, oldest first (MAX_UNPROVEN)
+        self._refusals = 0  # connections refused or closed (their log: _refusal)
+        self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # let go to refuse one when out of fds
         self.free: dict[int, Callable[[bytes], int]] = {}  # by rank, the send of a link holding nothing (a
         # one-packet message of at most COPY_MAX bytes, ONE_HEAD first, may go there directly)
         self.then: Optional[Callable[[bool], Optional[list[Any]]]] = None  # recv()'s next source, if any
+        self.on_break: Optional[Callable[[], None]] = None  # told when a link breaks (progress() says which)
         self._scratch = bytearray(PACKET_MAX + 1)  # (a longer packet fills it: refused)
         self._view, self._kind, self._closed = memoryview(self._scratch), bytearray(1), False
         _LIVE.add(self)
@@ -186,10 +192,10 @@ class LocalLinks:
         if type(frame) is bytes and len(frame) <= self._copy_max:
             packet: Any = ONE_HEAD + frame  # (a small value's shape: copied, cheaper than an iovec)
         else:
-            lengths = lengths_of(frames, self._max_frame)
-            packet = whole(frames, lengths)
+            lengths = _packets.lengths_of(frames, self._max_frame)
+            packet = _packets.whole(frames, lengths)
             if packet is None:
-                return self._hold(out, packets(frames, lengths))
+                return self._hold(out, _packets.packets(frames, lengths))
         sent = None if out.held else self._now(out, packet)
         return sent or self._hold(out, iter((packet if type(packet) is list else [packet],)))
 
@@ -230,7 +236,7 @@ class LocalLinks:
             self._refused.add(dest)
             return None
         out = self._out[dest] = self._by_fd[sock.fileno()] = _Out(sock, dest)
-        self._hold(out, iter(([auth(self._key, self._session, self.rank, dest)],)))
+        self._hold(out, iter(([_packets.auth(self._key, self._session, self.rank, dest)],)))
         return out
 
     def _hold(self, out: _Out, packets: Iterator[list[Any]]) -> Sent:
@@ -265,12 +271,19 @@ class LocalLinks:
             if out.sock is not None and self._by_fd.get(out.sock.fileno()) is out:
                 self._epoll.modify(out.sock, IN_EVENTS | (select.EPOLLOUT if writing else 0))
 
-    def _break(self, out: _Out) -> None:
-        """``out`` broke while sending (EPIPE, ECONNRESET...): what it held dropped, its rank to say."""
+    def _break(self, out: _Out, dropped: bool = False) -> None:
+        """``out`` broke (EPIPE, ECONNRESET...): what it held dropped, never done; its rank said by
+        :meth:`progress` if its receiver closed it for cause (``dropped``: a loss), not if it ended (its
+        FINAL, or its loss, comes from the coordinator and decides what was sent)."""
+        if not dropped and out.sock is not None:  # (a send found the break first: was it closed for cause?)
+            dropped = _said_dropped(out.sock)
         self._waiting.discard(out)
         out.held.clear()
         self._forget(out)
-        self._broken.append(out.rank)
+        if dropped:
+            self._broken.append(out.rank)
+            if self.on_break is not None:
+                self.on_break()
 
     def _forget(self, link: Any) -> None:
         """Out of the epoll, then closed (unregistered first: a forked copy would keep it there)."""
@@ -340,25 +353,60 @@ class LocalLinks:
         if fd == self._listen_fd:
             self._accept()
         elif link is not None and events & ~select.EPOLLOUT:  # (an _Out: its peer closed it)
+            if _said_dropped(link.sock):  # (closed for cause, or ended: EOF)
+                return self._break(link, dropped=True)
             self._epoll.unregister(fd)  # (a send to it finds the break)
             del self._by_fd[fd]
             if link.held:
                 self._push(link)  # (EPIPE: broken)
 
     def _accept(self) -> None:
-        while True:
+        """Take in at most :data:`ACCEPT_BATCH` connections (the rest wait for the next look). Out of
+        descriptors, one is refused with the one kept spare, so the listener never stays readable."""
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = self._listener.accept()
                 sock.setblocking(False)
                 link = _In(sock, *_peer(sock))
-            except OSError:  # (EAGAIN: no more; EMFILE...: left in the backlog)
+            except BlockingIOError:
                 return
+            except OSError as exc:  # (EMFILE, ENFILE: out of descriptors)
+                return self._refuse_one(exc)
             if link.uid != os.getuid():
                 self._drop(link, "another uid")
                 continue
             self._by_fd[sock.fileno()] = link
             self._epoll.register(sock, IN_EVENTS)
+            self._unproven.append(link)
+            if len(self._unproven) > MAX_UNPROVEN:
+                self._drop(self._unproven.popleft(), f"no proof among the {MAX_UNPROVEN} latest connections")
             self._ready.append(link)  # (its first packet may be there already)
+
+    def _refuse_one(self, exc: OSError) -> None:
+        """Out of descriptors: the spare one let go, the connection waiting taken and closed (told it
+        was dropped: its rank fails loudly), the spare taken again."""
+        if self._spare < 0:
+            return
+        os.close(self._spare)
+        try:
+            sock, _ = self._listener.accept()
+            with contextlib.suppress(OSError):
+                sock.send(DROPPED)
+            sock.close()
+            self._refusal(f"a connection refused: this rank is out of file descriptors ({exc.strerror})")
+        except OSError:
+            pass
+        finally:
+            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _refusal(self, why: str) -> None:
+        """Log a refused or closed connection: the first few alone, then a count now and then."""
+        self._refusals += 1
+        n = self._refusals
+        if n <= FIRST_REFUSALS:
+            log.warning("zcollective: %s%s", why, "; later ones only counted" if n == FIRST_REFUSALS else "")
+        elif n & (n - 1) == 0:
+            log.warning("zcollective: %d connections to this rank's one-host links refused or closed", n)
 
     def _read(self, link: _In, n: Optional[int] = None) -> Optional[list[Any]]:
         """The next message of ``link`` (``n``: the bytes of its first packet, read already), or None:
@@ -394,37 +442,46 @@ class LocalLinks:
         if link.rank < 0:
             self._authenticate(link, n)
             return None
-        count, size = first(self._view, n, self._max_frame)
-        data = n - HEAD.size
+        count, size = _packets.first(self._view, n, self._max_frame)
+        data = n - _packets.HEAD.size
         if data == size:  # (whole in this packet: one copy out of the scratch buffer)
-            return frames_of(memoryview(self._view[HEAD.size:n].tobytes()), count, self._max_frame)
+            whole = memoryview(self._view[_packets.HEAD.size:n].tobytes())
+            return _packets.frames_of(whole, count, self._max_frame)
         link.buf, link.off, link.count = memoryview(bytearray(size)), data, count
-        link.buf[:data] = self._view[HEAD.size:n]
+        link.buf[:data] = self._view[_packets.HEAD.size:n]
         return None
 
     def _authenticate(self, link: _In, n: int) -> None:
-        link.rank = proven(self._view[:n], self._key, self._session, self.rank, len(self._names))
+        link.rank = _packets.proven(self._view[:n], self._key, self._session, self.rank, len(self._names))
+        self._unproven.remove(link)
 
     def _more(self, link: _In) -> Optional[list[Any]]:
         """Take one MORE packet, into its place: the message once whole, else None."""
         view = link.buf
         assert view is not None and link.sock is not None
-        n, _, flags, _ = link.sock.recvmsg_into([self._kind, view[link.off:link.off + FRAGMENT_BYTES]])
+        piece = view[link.off:link.off + _packets.FRAGMENT_BYTES]
+        n, _, flags, _ = link.sock.recvmsg_into([self._kind, piece])
         if n == 0:
             raise _Refused("")
-        if flags & socket.MSG_TRUNC or self._kind[0] != MORE:
+        if flags & socket.MSG_TRUNC or self._kind[0] != _packets.MORE:
             raise _Refused(f"a packet out of place in a message ({n} bytes)")
         link.off += n - 1
         if link.off < len(view):
             return None
         link.buf = None
-        return frames_of(view, link.count, self._max_frame)
+        return _packets.frames_of(view, link.count, self._max_frame)
 
     def _drop(self, link: _In, why: str) -> None:
-        """Close ``link`` (a message under way is lost with it), saying why if its peer was at fault."""
+        """Close ``link`` (a message under way is lost with it), saying why if its peer was at fault; a
+        proven peer closed for cause is told (:data:`DROPPED`): its rank fails the group, loudly."""
         if why:
-            log.warning("zcollective: local link from pid %d uid %d (rank %s) closed: %s", link.pid,
-                        link.uid, link.rank if link.rank >= 0 else "unproven", why)
+            self._refusal(f"local link from pid {link.pid} uid {link.uid} (rank "
+                          f"{link.rank if link.rank >= 0 else 'unproven'}) closed: {why}")
+            if link.rank >= 0 and link.sock is not None:
+                with contextlib.suppress(OSError):
+                    link.sock.send(DROPPED)
+        if link in self._unproven:
+            self._unproven.remove(link)
         self._forget(link)
         link.buf = None
 
@@ -449,8 +506,11 @@ class LocalLinks:
                     link.sock = None
             self._listener.close()
             self._epoll.close()
+            if self._spare >= 0:
+                os.close(self._spare)
+                self._spare = -1
             self._out, self._by_fd, self._ready, self._waiting = {}, {}, deque(), set()
-            self.free, self.then = {}, None
+            self.free, self.then, self.on_break = {}, None, None
             self._closed = True
             _LIVE.discard(self)
 

@@ -14,11 +14,12 @@ from typing import Any, Optional
 
 import zmq
 
+from .._format._packets import COPY_MAX, ONE_HEAD
 from .._protocol import _tokens
 from ..config import Config
 from . import _sockets, _zap
 from ._dataplane import HANDSHAKE_FAILED, RETRY_S, TRACKER_POLL_S, bind_peer_port, set_peer_options
-from ._local import COPY_MAX, LOCAL, ONE_HEAD, LocalLinks
+from ._local import LOCAL, LocalLinks
 from ._zmq import NOBLOCK, reader
 
 __all__ = ["LOCAL", "MAIL", "MESSAGE", "LINK", "TAKE_BATCH", "TRACKER_POLL_S", "MailSockets", "mail_woke"]
@@ -123,6 +124,7 @@ class MailSockets:
             key = _tokens.port_key(base, session, 0, _tokens.LOCAL_LABEL)
             self.local.start(key, session, rank, local)
             self.offered = {r for r, name in enumerate(local) if name is not None and r != rank}
+            self.local.on_break = self._look_soon  # (a link closed for cause: progress() says it)
             self._free, self.local.then = self.local.free, self._recv_pull  # its recv, then the PULL's:
             self.recv = self.local.recv  # type: ignore[method-assign]  # (an attribute: no call between)
 
@@ -171,6 +173,9 @@ class MailSockets:
             self._broken, self.quiet_until = dest, 0.0
             return [(None, handle)]
 
+    def _look_soon(self) -> None:
+        self.quiet_until = 0.0
+
     def _opened(self, dest: int) -> Optional[list[tuple[Any, Any]]]:
         """May the link to ``dest``, not yet made, take messages now? Yes (what
         went meanwhile, as :meth:`send` returns it) if ``dest`` is :attr:`keyed`
@@ -217,8 +222,9 @@ class MailSockets:
         went: list[tuple[Any, Any]] = []
         broken, self._broken = self._broken, None
         local = self.local
-        if local is not None:  # what waited for its socket goes; a one-host link that closed is no loss of
-            local.progress()  # its own (as a PULL closing is not): the coordinator says if its rank ended
+        if local is not None:  # what waited for its socket goes; a one-host link its receiver closed for
+            broke = local.progress()  # cause is broken (a link that closed as its rank ended is not:
+            broken = broken if broke is None else broke  # the coordinator says that rank ended, or was lost)
         if not look and not self._held and not self.retry and broken is None and now < self._next_look:
             return went, None  # every link made: a refusal can wait a moment (a wait wakes for it)
         self._next_look = now + LOOK_S
