@@ -299,3 +299,89 @@ def test_a_link_its_receiver_closes_for_cause_fails_the_group_naming_it_and_noth
     for o in outs:
         kind, message = o.value
         assert kind == "ReplicaLostError" and "link" in message and "broke" in message, report(outs, message)
+
+
+# -- beside sub-groups and shrink (the reviewer's r-local, kept as tests) --------------------------
+
+
+def _unix_sockets():
+    """This process's Unix sockets (its one-host links and listeners among them)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            inodes.add(target[8:-1])
+    with open("/proc/net/unix") as f:
+        return sum(1 for line in f if line.split()[6] in inodes)
+
+
+def sub_groups_beside_the_world():
+    """A split by parity and a dup of the world send alike at once (same tags); each group's own links
+    carry its messages, and a sub-group's teardown closes them."""
+    r, n = zc.get_rank(), zc.get_world_size()
+    before = _unix_sockets()
+    split, dup = zc.split(r % 2), zc.dup()
+    groups = ((split, "split"), (dup, "dup"))
+    sends = [g.send_async((name, r), (g.rank + 1) % g.size, tag=1) for g, name in groups]
+    sends.append(zc.send_async(("world", r), (r + 1) % n, tag=1))
+    got = {name: g.recv((g.rank - 1) % g.size, tag=1, timeout=30) for g, name in groups}
+    got["world"] = zc.recv((r - 1) % n, tag=1, timeout=30)
+    for f in sends:
+        f.result(30)
+    paths = {name: sorted(g._life.mail.via_local) for g, name in groups}
+    during = _unix_sockets()
+    split.teardown()
+    dup.teardown()
+    return got, paths, (before, during, _unix_sockets())
+
+
+def test_sub_groups_have_links_of_their_own_and_close_them_at_teardown():
+    with Replicas(sub_groups_beside_the_world, 4) as reps:
+        outs = reps.wait(RUN_S)
+    assert all(o.ok for o in outs), report(outs, "a rank failed")
+    for o in outs:
+        got, paths, (before, during, after) = o.value
+        r = o.rank
+        assert got["world"] == ("world", (r - 1) % 4), report(outs, str(got))
+        assert got["split"] == ("split", (r - 2) % 4), report(outs, str(got))
+        assert got["dup"] == ("dup", (r - 1) % 4), report(outs, str(got))
+        assert paths == {"split": [1 - r // 2], "dup": [(r + 1) % 4]}, report(outs, str(paths))  # (sent to)
+        assert during > after and after <= before + 2, report(  # (the world's two links made meanwhile)
+            outs, f"rank {r}: Unix sockets {before} before the sub-groups, {during} with, {after} after")
+
+
+def shrink_after_a_kill_mid_message():
+    """Rank 3 dies half way through a large message to rank 0; the others shrink and their new group's
+    messages go over new one-host links."""
+    r = zc.get_rank()
+    zc.send(r, (r + 1) % 4, tag=1)
+    zc.recv((r - 1) % 4, tag=1, timeout=30)
+    if r == 3:
+        zc.send_async(np.ones(8 << 20), 0, tag=2)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        if r == 0:
+            zc.recv(3, tag=2, timeout=30)
+        zc.barrier(timeout=30)
+    except zc.CollectiveError:
+        pass
+    zc.shrink(timeout=30)
+    me, n = zc.get_rank(), zc.get_world_size()
+    f = zc.send_async(np.full(300_000, me), (me + 1) % n, tag=5)
+    value = zc.recv((me - 1) % n, tag=5, timeout=30)
+    f.result(30)
+    return n, int(value[0]) == (me - 1) % n, sorted(_mail().via_local)
+
+
+def test_after_a_kill_mid_message_the_shrunk_group_talks_over_new_links():
+    with Replicas(shrink_after_a_kill_mid_message, 4) as reps:
+        outs = reps.wait(RUN_S)
+    assert outs[3].returncode == -signal.SIGKILL, report(outs, "rank 3 was to die")
+    for o in outs[:3]:
+        assert o.ok, report(outs, f"rank {o.rank} failed")
+        n, right, local = o.value
+        assert n == 3 and right and local == [(o.rank + 1) % 3], report(outs, f"rank {o.rank}: {o.value}")
