@@ -298,7 +298,8 @@ def test_a_link_its_receiver_closes_for_cause_fails_the_group_naming_it_and_noth
     assert all(o.returncode == 0 for o in outs), report(outs, "a rank did not end")
     for o in outs:
         kind, message = o.value
-        assert kind == "ReplicaLostError" and "link" in message and "broke" in message, report(outs, message)
+        assert kind == "ReplicaLostError" and "one-host link to rank 1 broke: rank 1 closed it for cause" in (
+            message), report(outs, message)
 
 
 # -- beside sub-groups and shrink (the reviewer's r-local, kept as tests) --------------------------

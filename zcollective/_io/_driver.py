@@ -158,7 +158,7 @@ class Driver:
             self._watches(*(n for n in self._names if n not in self.mail_names), MAIL, *links)
             self.mail_names = (MAIL, *links)
         if broken is not None or rules.gap is not None:
-            self._fail_data(rules.link_broke(broken))
+            self._fail_data(rules.link_broke(broken, sockets is not None and broken in sockets.via_local))
         if timed and member.owed:  # what climbed to here (or a held FAIL's answer) goes on to rank 0
             self.flush()
         if member.relay is not None:

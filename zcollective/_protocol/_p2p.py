@@ -281,10 +281,14 @@ class Mail(MailEndings):
         """Does a send of this rank's wait for its receiver's credit?"""
         return any(self.waiting)
 
-    def link_broke(self, dest: Optional[int]) -> ReplicaLostError:
-        """The group's failure when a mailbox link broke: to ``dest``, or one whose
-        messages to this rank went missing (:attr:`gap`)."""
-        if dest is not None:
+    def link_broke(self, dest: Optional[int], local: bool = False) -> ReplicaLostError:
+        """The group's failure when a mailbox link broke: to ``dest`` (``local``: a one-host link, which
+        ``dest`` closed for cause), or one whose messages to this rank went missing (:attr:`gap`)."""
+        if dest is not None and local:
+            why = (f"rank {self.rank}: its one-host link to rank {dest} broke: rank {dest} closed it for "
+                   f"cause (its log says why: a frame above its max_frame_bytes?): messages on it are lost, "
+                   f"so the group fails")
+        elif dest is not None:
             why = (f"rank {self.rank}: its mailbox link to rank {dest} broke and could not be made again "
                    f"(a reset connection?): messages on it may be lost, so the group fails")
         else:
