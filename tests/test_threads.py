@@ -593,7 +593,8 @@ def test_a_rank_0_call_waits_for_the_server_threads_reduction_no_longer_than_its
     (said0, took0, first0, next0), (said1, _, first1, next1) = run_replicas(
         slow_reduction_then_a_call_with_a_timeout, 2, str(tmp_path / "measured"), timeout=90)
     assert said0[0] == "CollectiveTimeoutError" and took0 < 2.0, (said0, took0)
-    assert "seq 1 allreduce timed out before it could be made" in said0[1]
-    assert "reduce function of seq 0 allreduce has been running" in said0[1]
+    if "rank 1 (pid" not in said0[1] or "gave it up (its call timed out" not in said0[1]:  # (loaded: rank
+        assert "seq 1 allreduce timed out before it could be made" in said0[1], said0  # 1's own timeout
+        assert "reduce function of seq 0 allreduce has been running" in said0[1], said0  # may end it first)
     assert said1 is not None and said1[0] in ("CollectiveTimeoutError", "PeerError"), said1
     assert first0 == first1 == 1 and next0 == next1 == 21  # the calls pair up again
