@@ -15,6 +15,7 @@ from .._limits import MAX_JOB_CHARS, MAX_TAG, WIRE_PART_BYTES
 from ..errors import WIRE_ERRORS, CollectiveError, RemoteError
 from . import _wire
 from ._mac import KEY_LABELS, available_backends
+from ._packets import NAME_PREFIX
 from ._wire import Kind, Message, WireError, control
 
 PYTHON_VERSION = "{}.{}".format(*sys.version_info[:2])
@@ -23,7 +24,6 @@ MAX_MESSAGE_BYTES = 12000  # an error text sent to replicas, as JSON; an ERROR's
 MAX_TRACEBACK_BYTES = 32000  # and traceback stay under the 64 KiB a replica parses (MAX_JSON_BYTES)
 MAX_ENDPOINT_CHARS = 300  # a data port's "tcp://host:port", as a JOIN states it
 MAX_PLAN_FRAMES = 256  # a value of more buffers keeps the star: its plan stays small
-LOCAL_PREFIX = "zcollective-"  # a one-host mailbox's name: this, then lowercase hex (_io/_local)
 LOCAL_CHARS = frozenset("0123456789abcdef")
 MAX_LOCAL_CHARS = 64
 DATA_KEY_BYTES = 32  # the key of the data ports' handshake tokens when there is no secret
@@ -96,8 +96,8 @@ def parse_join(msg: Message) -> dict[str, Any]:
 
 def local_name(name: Any) -> Optional[str]:
     """A one-host mailbox's name as a JOIN or WELCOME gives it, or None (not one: no such mailbox)."""
-    ok = (isinstance(name, str) and len(name) <= MAX_LOCAL_CHARS and name.startswith(LOCAL_PREFIX)
-          and all(c in LOCAL_CHARS for c in name[len(LOCAL_PREFIX):]))
+    ok = (isinstance(name, str) and len(name) <= MAX_LOCAL_CHARS and name.startswith(NAME_PREFIX)
+          and all(c in LOCAL_CHARS for c in name[len(NAME_PREFIX):]))
     return name if ok else None
 
 

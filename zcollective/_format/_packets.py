@@ -16,8 +16,9 @@ import struct
 from collections.abc import Iterator
 from typing import Any, Optional
 
-__all__ = ["COPY_MAX", "FRAGMENT_BYTES", "HEAD", "MAX_FRAMES", "MORE", "ONE", "ONE_HEAD", "PACKET_MAX",
-           "PacketError", "auth", "first", "frames_of", "lengths_of", "packets", "proven", "whole"]
+__all__ = ["COPY_MAX", "FRAGMENT_BYTES", "HEAD", "MAX_FRAMES", "MORE", "NAME_PREFIX", "ONE", "ONE_HEAD",
+           "PACKET_MAX", "PacketError", "auth", "first", "frames_of", "lengths_of", "packets", "proven",
+           "whole"]
 
 FRAGMENT_BYTES = 1 << 16  # a packet's data at most: far below any send buffer (wmem_default: 208 KiB)
 PACKET_MAX = 1 + FRAGMENT_BYTES  # (a ONE or MORE packet's kind, then its data)
@@ -31,6 +32,7 @@ ONE_HEAD, MORE_HEAD = bytes((ONE,)), bytes((MORE,))
 AUTH_PACKET, HEAD = struct.Struct("<B4sI32s"), struct.Struct("<BIQ")
 LENGTH = 8  # bytes of a frame's length
 LABEL = b"zcollective-local|%d|%d|%d"  # what a link's HMAC signs: session, source, destination
+NAME_PREFIX = "zcollective-"  # a rank's listener name: this, then lowercase hex (its JOIN names it)
 
 
 class PacketError(Exception):

@@ -34,7 +34,7 @@ from . import _interrupts
 __all__ = ["LOCAL", "LocalLinks", "Sent"]
 
 LOCAL = "mail local"  # LocalLinks.fd's name in a waiter
-NAME_PREFIX, NAME_BYTES = "zcollective-", 16  # 128 random bits: no other job guesses a name to squat or reach
+NAME_BYTES = 16  # 128 random bits after _packets.NAME_PREFIX: no other job guesses a name to squat or reach
 SNDBUF_BYTES = 1 << 20  # asked for (the kernel caps it at net.core.wmem_max): fewer waits for EPOLLOUT
 MIN_SNDBUF_BYTES = 2 * PACKET_MAX  # below, a packet could never go (EMSGSIZE): no link then
 MAX_EVENTS = 64  # epoll events read at a time
@@ -133,7 +133,7 @@ class LocalLinks:
         Nothing is accepted before :meth:`start` (connections wait in the backlog)."""
         if not hasattr(select, "epoll") or not hasattr(socket, "SO_PEERCRED"):
             raise OSError("local links need Linux (abstract Unix sockets, SO_PEERCRED, epoll)")
-        self.name = NAME_PREFIX + secrets.token_hex(NAME_BYTES)
+        self.name = _packets.NAME_PREFIX + secrets.token_hex(NAME_BYTES)
         self._listener = _socket()
         try:
             self._listener.bind(_address(self.name))

@@ -148,12 +148,11 @@ class MailSockets:
                 except OSError:  # (full: it waits behind; broken: as any message, below)
                     pass
             sent = self.local.send(dest, frames)  # type: ignore[union-attr]  # (a local link's)
-            if sent is not None:
-                if sent.done:
-                    return [(None, handle)]
-                self.quiet_until = 0.0  # (progress() sends the rest)
-                return [(sent if handle is not None else None, handle)]
-            self.via_local.discard(dest)  # (made once: never so)
+            assert sent is not None  # (its link was made by link(): in via_local only then)
+            if sent.done:
+                return [(None, handle)]
+            self.quiet_until = 0.0  # (progress() sends the rest)
+            return [(sent if handle is not None else None, handle)]
         if dest not in self._pushes:
             self._connect(dest)
         if dest not in self._made:  # nothing goes before the handshake (a refused one is made again,
@@ -352,7 +351,7 @@ class MailSockets:
 
     def connect(self, dests: list[int]) -> None:
         """Make the links to ``dests`` now (the tree's: a part must never wait for a handshake
-        that only a wait on this group would finish; a one-host link is made by its first message)."""
+        that only a wait on this group would finish; a one-host link, offered, is made here too)."""
         for dest in dests:
             if dest in self.offered:
                 self.link(dest)
